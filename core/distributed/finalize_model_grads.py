@@ -1,0 +1,94 @@
+"""The end-of-step gradient reductions every parallel layout needs (Megatron's ``finalize_model_grads``).
+
+1. Data parallel: chunks wrapped in a data-parallel module finish their (possibly overlapped)
+   bucket reductions; plain chunks get their gradients all-reduced over the DP group here.
+   Every step below works on ``param.main_grad`` (the wrapper's buffer) when a parameter has one,
+   else on ``param.grad``.
+2. Sequence parallel: norm weights see only this rank's sequence shard, so their gradients are
+   summed over the tensor-parallel group (parameters marked ``sequence_parallel``).
+3. Tied embeddings: the first stage's word embedding and the last stage's output weight are one
+   weight held twice; their gradients are summed over the embedding group so both copies take the
+   same step (parameters marked ``shared_embedding``).
+4. Per-token loss: the step's token count lives on the last stage; it is broadcast over the
+   pipeline, summed over data parallel ranks, and every gradient is divided by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """Where ``param``'s gradient lives: the data-parallel buffer view ``main_grad`` if it has one."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _grads(chunks: Iterable[torch.nn.Module], attribute: str | None = None) -> list[torch.Tensor]:
+    grads = []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            g = _grad_of(p)
+            if g is not None and (attribute is None or getattr(p, attribute, False)):
+                grads.append(g)
+    return grads
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    """Sum ``grads`` over ``group`` with one flat all-reduce."""
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None = None) -> None:
+    """Reduce gradients across DP, TP (sequence-parallel norms) and the embedding group; scale by tokens."""
+    from core import parallel_state as ps
+
+    chunks = list(model_chunks)
+    per_token = num_tokens is not None
+    if not ps.model_parallel_is_initialized():  # one process, nothing to reduce
+        if per_token:
+            scale_by_num_tokens(chunks, num_tokens)
+        return
+    wrapped = [c for c in chunks if hasattr(c, "finish_grad_sync")]
+    for chunk in wrapped:
+        chunk.finish_grad_sync()
+    plain = [c for c in chunks if not hasattr(c, "finish_grad_sync")]
+    if plain and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        grads = _grads(plain)
+        if not per_token:  # average over replicas, as data-parallel training does
+            for g in grads:
+                g.div_(ps.get_data_parallel_world_size(with_context_parallel=True))
+        _all_reduce_coalesced(grads, ps.get_data_parallel_group(with_context_parallel=True))
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        _all_reduce_coalesced(_grads(chunks, "sequence_parallel"), ps.get_tensor_model_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group(ignore_virtual=True):
+        _all_reduce_coalesced(_grads(chunks, "shared_embedding"), ps.get_embedding_group())
+    if per_token:
+        scale_by_num_tokens(chunks, num_tokens)
+
+
+def scale_by_num_tokens(chunks: list[torch.nn.Module], num_tokens: torch.Tensor) -> None:
+    """Divide every gradient by the step's token count (all stages, all data-parallel ranks)."""
+    from core import parallel_state as ps
+
+    tokens = num_tokens.detach().clone().to(torch.float64).reshape(())
+    initialized = ps.model_parallel_is_initialized()
+    if initialized and ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(tokens, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    if initialized and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        dist.all_reduce(tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
+    if tokens.item() <= 0:
+        raise ValueError(f"the step's loss covers {tokens.item():.0f} tokens; cannot normalise per token")
+    for g in _grads(chunks):
+        g.div_(tokens.to(g.dtype))

@@ -1,0 +1,90 @@
+"""What the parallel engine needs to know about a model: sizes, dtypes, schedule and hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional
+
+import torch
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
+
+
+@dataclass(kw_only=True)
+class ModelParallelConfig:
+    """Parallel sizes, pipeline options and the training loop's hooks (Megatron's field names).
+
+    Every model chunk carries one as ``.config``; schedules read what they need from it.
+    """
+
+    tensor_model_parallel_size: int = 1
+    """Ranks a layer's weights are split over (TP)."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages per model replica (PP)."""
+
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank; > 1 selects the interleaved 1F1B schedule."""
+
+    context_parallel_size: int = 1
+    """Ranks the sequence is split over for attention (CP); groups only, no CP attention yet."""
+
+    sequence_parallel: bool = False
+    """Shard activations outside attention/MLP along the sequence over the TP group."""
+
+    hidden_size: int = 0
+    """Hidden size of the activations passed between stages."""
+
+    params_dtype: torch.dtype = torch.float32
+    """Dtype parameters are created in."""
+
+    pipeline_dtype: torch.dtype = torch.float32
+    """Dtype of activations and gradients sent between pipeline stages."""
+
+    variable_seq_lengths: bool = False
+    """Microbatches may differ in shape: each message is preceded by its shape."""
+
+    deallocate_pipeline_outputs: bool = True
+    """Free an output's storage once it has been sent; backward only needs its graph."""
+
+    pipeline_schedule: str = "1f1b"
+    """"1f1b" (default), "gpipe" (all forward, then all backward) or "zero_bubble".
+    Interleaved 1F1B is implied by ``virtual_pipeline_model_parallel_size > 1``."""
+
+    pipeline_model_parallel_layout: Optional[str] = None
+    """Megatron layout string, e.g. ``"Et*3|(tt|)*29,m|L"``; None means an even split."""
+
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Microbatches run on one virtual chunk before moving to the next (None = pipeline size)."""
+
+    calculate_per_token_loss: bool = False
+    """Normalise the loss by the step's total token count instead of per microbatch."""
+
+    no_sync_func: Optional[Callable[[], ContextManager]] = None
+    """Context manager that suspends data-parallel gradient reduction (all but the last microbatch)."""
+
+    grad_sync_func: Optional[Callable] = None
+    """Starts data-parallel gradient reduction; called with a chunk's parameters after its last backward."""
+
+    finalize_model_grads_func: Optional[Callable] = None
+    """``finalize_model_grads_func(model_chunks, num_tokens)`` at the end of a step (DP and tied-weight
+    reductions; with ``calculate_per_token_loss`` it also scales gradients by 1/num_tokens)."""
+
+    timers: Optional[Callable] = None
+    """Optional Megatron-style timers; unused by the engine."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp < 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 or None, got {vpp}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}")
+        if self.pipeline_schedule == "gpipe" and vpp is not None and vpp > 1:
+            raise ValueError("pipeline_schedule='gpipe' cannot run virtual stages "
+                             f"(virtual_pipeline_model_parallel_size={vpp}); use '1f1b' for interleaving")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Megatron silently turns it off; so do we, it is a no-op at TP=1.
+            self.sequence_parallel = False

@@ -1,0 +1,462 @@
+"""Tensor, pipeline, data and context parallel process groups, laid out exactly as Megatron-LM does.
+
+Every global rank is a point on a grid whose axes are named by ``order`` (Megatron's default
+``"tp-cp-ep-dp-pp"``), the first axis varying fastest::
+
+    rank = tp_rank + tp * (cp_rank + cp * (ep_rank + ep * (dp_rank + dp * pp_rank)))
+
+A group of kind ``"tp-pp"`` (say) holds the ranks that differ only along the tp and pp axes. Keeping
+tensor parallelism innermost puts each TP group on neighbouring ranks (one node, the fast links);
+pipeline parallelism outermost sends only activations between nodes. Megatron's documented example,
+16 ranks with TP=2 and PP=4, gives TP groups [0,1] [2,3] ... [14,15], PP groups [0,4,8,12]
+[1,5,9,13] [2,6,10,14] [3,7,11,15] and DP groups [0,2] [1,3] [4,6] ... [13,15].
+
+The group maths is the pure function :func:`generate_parallel_groups` (tested without processes).
+:func:`initialize_model_parallel` creates those groups and keeps this rank's in one
+:class:`ParallelGroups` object, which the engine may be handed directly; the Megatron-named getters
+below read that object, so code written against ``megatron.core.parallel_state`` reads naturally here.
+Module state is that object plus the virtual-pipeline rank and size, nothing else.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from core.device import bind_local_device, default_backend
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+_AXES = ("tp", "cp", "ep", "dp", "pp")
+
+# Group name -> the grid axes its members differ along. The dict order is the order in which every
+# rank creates the groups (torch requires all ranks to create all groups in one order); it follows
+# Megatron's initialize_model_parallel. The embedding groups are derived from the pp groups.
+_GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "dp_cp": ("dp", "cp"),
+    "dp": ("dp",),
+    "cp": ("cp",),
+    "mp": ("tp", "pp"),
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "tp_dp_cp": ("tp", "dp", "cp"),
+    "tp_dp": ("tp", "dp"),
+}
+GROUP_NAMES: tuple[str, ...] = (*_GROUP_AXES, "embd", "pos_embd")
+
+_NOT_INITIALIZED = "model parallel groups are not initialized; call initialize_model_parallel(...)"
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure group maths
+# --------------------------------------------------------------------------------------------------
+
+def _parse_order(order: str) -> tuple[str, ...]:
+    """Split and check ``order``: all five axes, once each, so every rank maps to one grid point."""
+    names = tuple(order.lower().split("-"))
+    if sorted(names) != sorted(_AXES):
+        raise ValueError(f"order {order!r} must name each of tp, cp, ep, dp, pp exactly once, "
+                         f"joined by '-' (Megatron's default is {DEFAULT_ORDER!r})")
+    return names
+
+
+def _offsets(axes: Sequence[tuple[int, int]]) -> list[int]:
+    """Every rank offset reachable along ``axes`` ((size, stride) pairs), the first axis fastest."""
+    offsets = [0]
+    for size, stride in axes:
+        offsets = [offset + index * stride for index in range(size) for offset in offsets]
+    return offsets
+
+
+def _orthogonal_groups(sizes: Mapping[str, int], order: Sequence[str], members: Sequence[str]) -> list[list[int]]:
+    """Partition the grid into groups whose ranks differ only along the ``members`` axes.
+
+    Same enumeration as Megatron's generate_masked_orthogonal_rank_groups: groups are numbered by
+    the other axes and ranks within a group by the member axes, in ``order`` with the first fastest.
+    """
+    inside, outside, stride = [], [], 1
+    for axis in order:
+        (inside if axis in members else outside).append((sizes[axis], stride))
+        stride *= sizes[axis]
+    within = _offsets(inside)
+    return [[base + offset for offset in within] for base in _offsets(outside)]
+
+
+def embedding_ranks(pipeline_ranks: Sequence[int]) -> list[int]:
+    """Ranks holding a copy of the word embedding: the first and the last pipeline stage."""
+    return [pipeline_ranks[0]] if len(pipeline_ranks) == 1 else [pipeline_ranks[0], pipeline_ranks[-1]]
+
+
+def position_embedding_ranks(pipeline_ranks: Sequence[int]) -> list[int]:
+    """Ranks holding the learned position embedding: the first pipeline stage only."""
+    return [pipeline_ranks[0]]
+
+
+def _check_size(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def generate_parallel_groups(world_size: int, tensor_model_parallel_size: int = 1,
+                             pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
+                             order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+    """All groups of every kind for these sizes, as lists of global ranks (Megatron's layout).
+
+    Keys: ``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp`` (data parallel with context parallel folded
+    in: what gradients are reduced over), ``mp`` (tp x pp: one model replica), ``tp_dp``,
+    ``tp_dp_cp`` (tensor-and-data), ``embd`` (first and last rank of each pipeline group) and
+    ``pos_embd`` (first rank of each pipeline group). The data-parallel size is what the other
+    sizes leave of ``world_size``; expert parallelism is a size-1 axis of ``order``.
+
+    Raises ValueError, before anything is created, for sizes < 1, a malformed ``order`` or a world
+    size the sizes do not divide: the same inputs fail the same way on every rank.
+    """
+    for name, value in (("world_size", world_size), ("tensor_model_parallel_size", tensor_model_parallel_size),
+                        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
+                        ("context_parallel_size", context_parallel_size)):
+        _check_size(name, value)
+    axes = _parse_order(order)
+    model_size = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world_size % model_size:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size "
+            f"({tensor_model_parallel_size}) x pipeline_model_parallel_size ({pipeline_model_parallel_size}) "
+            f"x context_parallel_size ({context_parallel_size}) = {model_size}")
+    sizes = {"tp": tensor_model_parallel_size, "cp": context_parallel_size, "ep": 1,
+             "dp": world_size // model_size, "pp": pipeline_model_parallel_size}
+    groups = {name: _orthogonal_groups(sizes, axes, members) for name, members in _GROUP_AXES.items()}
+    groups["embd"] = [embedding_ranks(ranks) for ranks in groups["pp"]]
+    groups["pos_embd"] = [position_embedding_ranks(ranks) for ranks in groups["pp"]]
+    return groups
+
+
+# --------------------------------------------------------------------------------------------------
+# This rank's groups
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class ParallelGroups:
+    """This rank's process groups and their members: everything the engine needs to communicate.
+
+    One immutable object instead of Megatron's dozens of globals, so that a model, schedule or
+    optimizer can be handed its groups explicitly (and tests can build several). ``embd`` and
+    ``pos_embd`` are None on ranks that hold no embedding (their ``ranks`` entry is empty).
+    """
+
+    rank: int
+    """This process's global rank."""
+    tp: ProcessGroup = field(repr=False)
+    pp: ProcessGroup = field(repr=False)
+    dp: ProcessGroup = field(repr=False)
+    cp: ProcessGroup = field(repr=False)
+    dp_cp: ProcessGroup = field(repr=False)
+    mp: ProcessGroup = field(repr=False)
+    tp_dp: ProcessGroup = field(repr=False)
+    tp_dp_cp: ProcessGroup = field(repr=False)
+    embd: ProcessGroup | None = field(repr=False)
+    pos_embd: ProcessGroup | None = field(repr=False)
+    ranks: Mapping[str, tuple[int, ...]]
+    """Group name -> global ranks of this rank's group of that kind, in group-rank order."""
+
+    def size(self, name: str) -> int:
+        """Number of ranks in this rank's group ``name`` (e.g. ``"tp"``)."""
+        return len(self.ranks[name])
+
+    def rank_in(self, name: str) -> int:
+        """This rank's position in its group ``name``."""
+        return self.ranks[name].index(self.rank)
+
+
+_GROUPS: ParallelGroups | None = None
+_CREATED: list[ProcessGroup] = []  # every group this rank created, for destroy_model_parallel
+_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: int | None = None
+_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: int | None = None
+
+
+def initialize_distributed() -> None:
+    """Start torch.distributed for this process if nobody has yet (training loop and demos call it).
+
+    Under torchrun the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) says where to meet;
+    a plain ``python script.py`` becomes a world of one through a private file rendezvous, so the
+    same code path runs on a laptop without a launcher. The backend follows the hardware
+    (core.device): NCCL on GPUs, gloo on CPU.
+    """
+    if dist.is_initialized():
+        return
+    bind_local_device()
+    if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        dist.init_process_group(backend=default_backend(), init_method="env://")
+        return
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != 1:
+        raise RuntimeError(f"WORLD_SIZE is {world_size} but RANK/MASTER_ADDR are not set; "
+                           "launch multi-process runs with torchrun")
+    rendezvous_dir = tempfile.mkdtemp(prefix="trident-rendezvous-")
+    atexit.register(shutil.rmtree, rendezvous_dir, ignore_errors=True)
+    dist.init_process_group(backend=default_backend(), init_method=f"file://{rendezvous_dir}/store",
+                            rank=0, world_size=1)
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              context_parallel_size: int = 1, order: str = DEFAULT_ORDER, *,
+                              expert_model_parallel_size: int = 1) -> ParallelGroups:
+    """Create Megatron's process groups on every rank and keep this rank's; return them.
+
+    Must be called by every rank with the same arguments (each rank creates every group, in one
+    order, as torch requires). Starts torch.distributed first if needed (:func:`initialize_distributed`).
+    Sizes must divide the world size; bad sizes or ``order`` raise ValueError on every rank before
+    any group exists. Expert parallelism is not implemented: ``expert_model_parallel_size`` must be
+    1, and ``ep`` in ``order`` names a size-1 axis (so Megatron's pp-last rule for MoE never binds).
+    Unlike Megatron, a virtual pipeline size is accepted with a pipeline size of 1 (several chunks
+    on one rank), which keeps single-rank runs on the same code path.
+    """
+    global _GROUPS, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    if _GROUPS is not None:
+        raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
+    if expert_model_parallel_size != 1:
+        raise ValueError(f"expert_model_parallel_size must be 1 (Trident has no expert parallelism), "
+                         f"got {expert_model_parallel_size!r}")
+    if virtual_pipeline_model_parallel_size is not None:
+        _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
+    initialize_distributed()
+    layout = generate_parallel_groups(dist.get_world_size(), tensor_model_parallel_size,
+                                      pipeline_model_parallel_size, context_parallel_size, order)
+    rank = dist.get_rank()
+    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES)
+    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES, ())
+    for name in GROUP_NAMES:
+        for members in layout[name]:
+            group = dist.new_group(ranks=members)
+            if rank in members:
+                _CREATED.append(group)
+                mine[name], ranks[name] = group, tuple(members)
+    _GROUPS = ParallelGroups(rank=rank, ranks=MappingProxyType(ranks), **mine)
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = virtual_pipeline_model_parallel_size
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None if virtual_pipeline_model_parallel_size is None else 0
+    return _GROUPS
+
+
+def model_parallel_is_initialized() -> bool:
+    """Whether :func:`initialize_model_parallel` has run (and not been undone)."""
+    return _GROUPS is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget and destroy this rank's groups so that another layout can be initialised in-process."""
+    global _GROUPS, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    _GROUPS = None
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+    if dist.is_initialized():
+        for group in _CREATED:
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+    _CREATED.clear()
+
+
+def get_parallel_groups() -> ParallelGroups:
+    """This rank's :class:`ParallelGroups`, to hand to code that takes its groups explicitly."""
+    if _GROUPS is None:
+        raise RuntimeError(_NOT_INITIALIZED)
+    return _GROUPS
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-named getters
+# --------------------------------------------------------------------------------------------------
+
+def get_tensor_model_parallel_group() -> ProcessGroup:
+    """Group sharing one layer's weight shards."""
+    return get_parallel_groups().tp
+
+
+def get_pipeline_model_parallel_group() -> ProcessGroup:
+    """Group forming one pipeline (one rank per stage)."""
+    return get_parallel_groups().pp
+
+
+def get_data_parallel_group(with_context_parallel: bool = False) -> ProcessGroup:
+    """Replicas of the same shard; with context parallel, the group gradients are reduced over."""
+    groups = get_parallel_groups()
+    return groups.dp_cp if with_context_parallel else groups.dp
+
+
+def get_context_parallel_group() -> ProcessGroup:
+    """Group splitting one sequence for attention."""
+    return get_parallel_groups().cp
+
+
+def get_model_parallel_group() -> ProcessGroup:
+    """All ranks holding one model replica (tp x pp)."""
+    return get_parallel_groups().mp
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel: bool = False) -> ProcessGroup:
+    """tp x dp (x cp): the ranks of one pipeline stage across all replicas."""
+    groups = get_parallel_groups()
+    return groups.tp_dp_cp if with_context_parallel else groups.tp_dp
+
+
+def get_embedding_group() -> ProcessGroup:
+    """First and last pipeline stage, which keep tied word embeddings in sync."""
+    groups = get_parallel_groups()
+    if groups.embd is None:
+        raise RuntimeError(f"rank {groups.rank} is not in an embedding group; "
+                           "only the first and last pipeline stages are")
+    return groups.embd
+
+
+def get_position_embedding_group() -> ProcessGroup:
+    """The first pipeline stage of each pipeline (holder of the position embedding)."""
+    groups = get_parallel_groups()
+    if groups.pos_embd is None:
+        raise RuntimeError(f"rank {groups.rank} is not in a position-embedding group; "
+                           "only the first pipeline stage is")
+    return groups.pos_embd
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """TP size."""
+    return get_parallel_groups().size("tp")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This rank's position in its TP group."""
+    return get_parallel_groups().rank_in("tp")
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """PP size (number of pipeline stages, not counting virtual chunks)."""
+    return get_parallel_groups().size("pp")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This rank's pipeline stage."""
+    return get_parallel_groups().rank_in("pp")
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """DP size (x CP size if asked); 1 in a process without torch.distributed, as Megatron allows."""
+    if not dist.is_initialized():
+        return 1
+    return get_parallel_groups().size("dp_cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """This rank's position in its DP (or DP x CP) group; 0 without torch.distributed."""
+    if not dist.is_initialized():
+        return 0
+    return get_parallel_groups().rank_in("dp_cp" if with_context_parallel else "dp")
+
+
+def get_context_parallel_world_size() -> int:
+    """CP size; 1 in a process without torch.distributed."""
+    return get_parallel_groups().size("cp") if dist.is_initialized() else 1
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's position in its CP group; 0 without torch.distributed."""
+    return get_parallel_groups().rank_in("cp") if dist.is_initialized() else 0
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of the first member of my TP group (the one that broadcasts to the others)."""
+    return get_parallel_groups().ranks["tp"][0]
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of the first member of my DP (or DP x CP) group."""
+    return get_parallel_groups().ranks["dp_cp" if with_context_parallel else "dp"][0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    """Global rank of the first stage of my pipeline."""
+    return get_parallel_groups().ranks["pp"][0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    """Global rank of the last stage of my pipeline."""
+    return get_parallel_groups().ranks["pp"][-1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage; the last stage's next is the first (the ring wraps)."""
+    groups = get_parallel_groups()
+    pipeline = groups.ranks["pp"]
+    return pipeline[(groups.rank_in("pp") + 1) % len(pipeline)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage; the first stage's previous is the last."""
+    groups = get_parallel_groups()
+    pipeline = groups.ranks["pp"]
+    return pipeline[(groups.rank_in("pp") - 1) % len(pipeline)]
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    """Model chunk currently running on this rank (set by the schedules); None without interleaving."""
+    return _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    """Record which model chunk runs next; the schedules call this before each chunk's forward."""
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = rank
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    """Model chunks per pipeline rank; None without interleaving."""
+    return _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    """Override the number of model chunks per pipeline rank."""
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = world_size
+
+
+def _virtual_stage(vp_stage: int | None) -> int:
+    return vp_stage if vp_stage is not None else (_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK or 0)
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Whether this rank runs the first pipeline stage (the embedding, the data's token ids).
+
+    With ``ignore_virtual=False`` and interleaving, only the first model chunk of the first rank
+    counts: ``vp_stage`` names the chunk, else the rank last set by the schedule.
+    """
+    vpp = _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    if not ignore_virtual and vpp is not None and _virtual_stage(vp_stage) != 0:
+        return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Whether this rank runs the last pipeline stage (output head and loss); see the first-stage twin."""
+    vpp = _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    if not ignore_virtual and vpp is not None and _virtual_stage(vp_stage) != vpp - 1:
+        return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Whether this rank (or, with ``ignore_virtual=False``, this chunk) holds a word embedding copy.
+
+    False before initialisation, as in Megatron.
+    """
+    if _GROUPS is None or _GROUPS.embd is None:
+        return False
+    if ignore_virtual:
+        return True
+    members = _GROUPS.ranks["embd"]
+    if _GROUPS.rank == members[0] and is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage):
+        return True
+    return _GROUPS.rank == members[-1] and is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)

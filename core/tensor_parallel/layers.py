@@ -1,0 +1,236 @@
+"""Megatron's tensor-parallel layers: column- and row-parallel linear, vocabulary-parallel embedding.
+
+A column-parallel linear splits the output features over the TP ranks and a row-parallel linear
+the input features, so the pair ``Column -> elementwise -> Row`` (an MLP, or attention's QKV and
+output projections) needs one all-reduce forward and one backward. With sequence parallelism the
+activations around the pair are split along the sequence instead of replicated: the Column layer
+all-gathers its input and the Row layer reduce-scatters its output, the same traffic as the
+all-reduce but with 1/TP of the activation memory outside the pair.
+
+Weights are created empty on ``current_device()`` in ``config.params_dtype`` and initialised from
+a full fp32 master weight built on the CPU and sliced (Megatron's CPU initialisation): the result
+does not depend on the TP size as long as every TP rank's default generator is seeded alike
+(``model_parallel_seed`` does that), so runs with different splits start from the same model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from core.device import current_device
+from core.model_parallel_config import ModelParallelConfig
+from core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from core.tensor_parallel.utils import (
+    divide,
+    resolve_tp_group,
+    set_tensor_model_parallel_attributes,
+    shard_of,
+    tp_rank,
+    tp_world_size,
+    vocab_range,
+)
+
+InitMethod = Callable[[torch.Tensor], object]
+"""Fills a full (unsharded) fp32 weight in place, e.g. ``functools.partial(nn.init.normal_, std=0.02)``."""
+
+
+def _new_param(shape: tuple[int, ...], config: ModelParallelConfig) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=current_device(), dtype=config.params_dtype))
+
+
+def _init_from_full(weight: torch.Tensor, full_shape: tuple[int, ...], init_method: InitMethod,
+                    rank: int, world_size: int) -> None:
+    """Fill ``weight`` with its shard of a full fp32 CPU master weight initialised by ``init_method``."""
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    with torch.no_grad():
+        weight.copy_(shard_of(master, weight, rank, world_size).to(weight.dtype))
+
+
+def _should_init(perform_initialization: bool | None, config: ModelParallelConfig) -> bool:
+    """An explicit flag wins; otherwise ``config.perform_initialization`` if the config has one."""
+    if perform_initialization is not None:
+        return perform_initialization
+    return bool(getattr(config, "perform_initialization", True))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A``'s output rows (and ``b``) split over the TP ranks.
+
+    Each rank computes its slice of the output features: ``[*, input_size] -> [*, output_size / tp]``,
+    or the full ``output_size`` with ``gather_output=True``. With ``config.sequence_parallel`` the
+    input arrives split along dim 0 (``[s / tp, b, h]``) and is all-gathered first.
+    ``forward`` returns ``(output, bias)`` like Megatron: ``bias`` is returned (and not added) only
+    with ``skip_bias_add``, so a caller can fuse it into the next elementwise op.
+    ``skip_weight_param_allocation`` creates no weight; ``forward`` then takes one (tied output
+    layers pass the word embedding).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: InitMethod,
+                 bias: bool = True, gather_output: bool = False, stride: int = 1, skip_bias_add: bool = False,
+                 skip_weight_param_allocation: bool = False, perform_initialization: bool | None = None,
+                 tp_group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_group = resolve_tp_group(tp_group)
+        world_size = tp_world_size(self.tp_group)
+        rank = tp_rank(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, world_size, "ColumnParallelLinear output_size")
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = config.sequence_parallel and world_size > 1
+        init = _should_init(perform_initialization, config)
+
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = _new_param((self.output_size_per_partition, input_size), config)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            if init:
+                _init_from_full(self.weight, (output_size, input_size), init_method, rank, world_size)
+        if bias:
+            self.bias = _new_param((self.output_size_per_partition,), config)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            if init:
+                with torch.no_grad():
+                    self.bias.zero_()
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``input_`` ``[s, b, input_size]`` (``[s / tp, ...]`` with sequence parallelism) -> ``(output, bias)``."""
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True; "
+                                 "pass the weight to forward()")
+            weight = self.weight
+        expected = (self.output_size_per_partition, self.input_size)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"ColumnParallelLinear got a weight of shape {tuple(weight.shape)}, expected {expected}")
+
+        if self.sequence_parallel:
+            total_input = gather_from_sequence_parallel_region(input_, tp_group=self.tp_group)
+        else:
+            total_input = copy_to_tensor_model_parallel_region(input_, tp_group=self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        output = F.linear(total_input, weight, bias)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            output = gather_from_tensor_model_parallel_region(output, tp_group=self.tp_group)
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A``'s input columns split over the TP ranks; ``b`` is replicated.
+
+    Each rank multiplies its slice of the input features (``input_is_parallel=True``: the input is
+    already split, typically a ColumnParallelLinear's output; otherwise it is split here) and the
+    partial products are summed by an all-reduce, or by a reduce-scatter along dim 0 with
+    ``config.sequence_parallel``. The bias is added once, after the sum. Under sequence
+    parallelism each rank's bias gradient covers only its sequence slice, so the bias is marked
+    ``sequence_parallel = True`` for the gradient finaliser to all-reduce over TP (as in Megatron).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: InitMethod,
+                 bias: bool = True, input_is_parallel: bool = False, skip_bias_add: bool = False, stride: int = 1,
+                 perform_initialization: bool | None = None, tp_group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_group = resolve_tp_group(tp_group)
+        world_size = tp_world_size(self.tp_group)
+        rank = tp_rank(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, world_size, "RowParallelLinear input_size")
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = config.sequence_parallel and world_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence_parallel=True needs input_is_parallel=True")
+        init = _should_init(perform_initialization, config)
+
+        self.weight = _new_param((output_size, self.input_size_per_partition), config)
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        if init:
+            _init_from_full(self.weight, (output_size, input_size), init_method, rank, world_size)
+        if bias:
+            self.bias = _new_param((output_size,), config)
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            self.bias.sequence_parallel = self.sequence_parallel
+            if init:
+                with torch.no_grad():
+                    self.bias.zero_()
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``input_`` ``[s, b, input_size / tp]`` (or full, see ``input_is_parallel``) -> ``(output, bias)``."""
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, tp_group=self.tp_group)
+        partial = F.linear(input_parallel, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial, tp_group=self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial, tp_group=self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        if self.bias is not None:
+            output = output + self.bias
+        return output, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embedding with the vocabulary (rows) split evenly over the TP ranks.
+
+    Each rank looks up the tokens it owns, writes zeros for the others, and the partial results are
+    summed: an all-reduce giving ``[b, s, h]`` on every rank, or, with
+    ``reduce_scatter_embeddings=True``, a transpose to ``[s, b, h]`` and a reduce-scatter along the
+    sequence, which hands the first transformer layer its sequence-parallel input directly
+    (Megatron's behaviour, transpose included).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod,
+                 config: ModelParallelConfig, reduce_scatter_embeddings: bool = False,
+                 perform_initialization: bool | None = None, tp_group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_group = resolve_tp_group(tp_group)
+        world_size = tp_world_size(self.tp_group)
+        rank = tp_rank(self.tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_per_partition = divide(num_embeddings, world_size, "VocabParallelEmbedding num_embeddings")
+        self.vocab_start_index, self.vocab_end_index = vocab_range(num_embeddings, rank, world_size)
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+
+        self.weight = _new_param((self.num_embeddings_per_partition, embedding_dim), config)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        if _should_init(perform_initialization, config):
+            _init_from_full(self.weight, (num_embeddings, embedding_dim), init_method, rank, world_size)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[b, s]`` -> ``[b, s, h]``, or ``[s / tp, b, h]`` with ``reduce_scatter_embeddings``."""
+        if self.num_embeddings_per_partition == self.num_embeddings:
+            output = F.embedding(input_, self.weight)
+        else:
+            foreign = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            local_ids = torch.where(foreign, 0, input_ - self.vocab_start_index)
+            output = F.embedding(local_ids, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            output = output.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(output, tp_group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output, tp_group=self.tp_group)

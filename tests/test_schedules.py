@@ -1,0 +1,403 @@
+"""Schedules: tables and simulator without processes; the executor on real ranks against references."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from core.model_parallel_config import ModelParallelConfig
+from core.pipeline_parallel.layout import even_layout, parse_layout
+from core.pipeline_parallel.schedule_tables import (
+    Action,
+    build_table,
+    build_tables,
+    check_interleaving,
+    interleaved_order,
+    one_f_one_b_table,
+)
+from core.pipeline_parallel.simulator import ScheduleDeadlock, ideal_bubble_fraction, simulate
+from tests.pipeline_toy import ToyStage, make_forward_step, make_microbatches, reference_loss_and_grads
+
+
+def _strs(table):
+    return [str(a) for a in table]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables and simulator (no processes)
+# --------------------------------------------------------------------------------------------------
+
+def test_1f1b_table_has_warmup_steady_cooldown():
+    assert _strs(one_f_one_b_table(4, 6, 0)) == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0B3 0B4 0B5".split()
+    assert _strs(one_f_one_b_table(4, 6, 3)) == "0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3 0F4 0B4 0F5 0B5".split()
+    assert _strs(one_f_one_b_table(4, 2, 1)) == "0F0 0F1 0B0 0B1".split()  # fewer microbatches than warm-up
+
+
+def test_gpipe_table_is_all_forward_then_all_backward():
+    assert _strs(build_table("gpipe", 2, 1, 3, 1)) == "0F0 0F1 0F2 0B0 0B1 0B2".split()
+
+
+def test_interleaved_order_matches_megatrons_documented_table():
+    # Megatron's get_schedule_table docstring: PP2, N3, M5, VP2.
+    order = interleaved_order(5, 2, 3)
+    assert [mb for mb, _ in order] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for _, c in order] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+
+
+def test_interleaved_table_warmup_counts():
+    pp, v, m = 4, 2, 8
+    for rank in range(pp):
+        table = build_table("1f1b", pp, v, m, rank)
+        warmup = next(i for i, a in enumerate(table) if a.kind == "B") - 1
+        assert warmup == 2 * (pp - rank - 1) + (v - 1) * pp
+        assert sorted(table) == sorted([Action(k, mb, c) for k in "FB" for mb in range(m) for c in range(v)])
+
+
+@pytest.mark.parametrize("pp,m,group,message", [
+    (4, 2, None, "interleaved pipeline schedule needs at least pipeline_model_parallel_size (4) microbatches, "
+                 "got 2; raise the global batch size or lower --pipeline-model-parallel-size"),
+    (2, 5, None, "number of microbatches (5) leaves a last group of 1 when grouped by "
+                 "microbatch_group_size_per_vp_stage (2); with interleaving the remainder must be 0 or at least "
+                 "pipeline_model_parallel_size (2) — with the default group size the microbatch count must be a "
+                 "multiple of the pipeline size"),
+    (4, 8, 3, "microbatch_group_size_per_vp_stage (3) must lie between pipeline_model_parallel_size (4) "
+              "and the number of microbatches (8)"),
+    (4, 9, 5, "number of microbatches (9) leaves a last group of 4 when grouped by"),
+])
+def test_interleaving_rules_raise_clear_errors(pp, m, group, message):
+    if message.endswith("grouped by"):
+        assert check_interleaving(pp, 2, m, group) == group  # a tail of 4 >= pp is legal
+        return
+    with pytest.raises(ValueError) as err:
+        check_interleaving(pp, 2, m, group)
+    assert str(err.value) == message
+
+
+def test_gpipe_with_virtual_stages_is_rejected():
+    with pytest.raises(ValueError, match="GPipe schedule cannot run virtual stages"):
+        build_table("gpipe", 2, 2, 4, 0)
+    with pytest.raises(ValueError, match="pipeline_schedule='gpipe' cannot run virtual stages"):
+        ModelParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                            pipeline_schedule="gpipe")
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 32)])
+def test_simulated_bubble_matches_the_textbook_formula(schedule, v, pp, m):
+    tables = build_tables(schedule, pp, v, m)
+    unit = 1.0 / v  # a chunk costs its share of the rank's work
+    result = simulate(tables, v, forward_cost=unit, backward_cost=unit)
+    assert result.bubble_fraction == pytest.approx(ideal_bubble_fraction(schedule, pp, m, v), abs=1e-12)
+
+
+def test_simulated_peak_in_flight():
+    pp, m = 4, 8
+    assert simulate(build_tables("1f1b", pp, 1, m)).peak_in_flight == [4, 3, 2, 1]
+    assert simulate(build_tables("gpipe", pp, 1, m)).peak_in_flight == [8, 8, 8, 8]
+    assert simulate(build_tables("1f1b", pp, 2, m), 2).peak_in_flight == [
+        2 * (pp - r - 1) + pp + 1 for r in range(pp)]
+
+
+def _legal_configs(max_pp=8, max_vpp=4, max_m=32):
+    for pp, v, m in itertools.product(range(1, max_pp + 1), range(1, max_vpp + 1), range(1, max_m + 1)):
+        schedules = ["gpipe", "1f1b"] if v == 1 else ["interleaved"]
+        for schedule in schedules:
+            try:
+                yield schedule, pp, v, m, build_tables(schedule, pp, v, m)
+            except ValueError:
+                continue
+
+
+def test_no_legal_table_deadlocks():
+    checked = 0
+    for schedule, pp, v, m, tables in _legal_configs():
+        simulate(tables, v)  # raises ScheduleDeadlock
+        simulate(build_tables(schedule, pp, v, m, forward_only=True), v, backward_cost=0.0)
+        checked += 1
+    # gpipe and 1f1b: 8 x 32 each; interleaved: m a multiple of pp, for v = 2, 3, 4
+    assert checked == 2 * 8 * 32 + 3 * sum(32 // pp for pp in range(1, 9)) == 767
+
+
+def test_simulator_detects_a_deadlock():
+    tables = build_tables("1f1b", 2, 1, 2)
+    tables[0] = [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]
+    tables[1] = [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]
+    with pytest.raises(ScheduleDeadlock, match=r"every rank waits"):
+        simulate(tables)
+
+
+# --------------------------------------------------------------------------------------------------
+# The executor on real ranks
+# --------------------------------------------------------------------------------------------------
+
+class CheckedStage(ToyStage):
+    """A toy stage that checks Megatron's calling conventions as the schedule runs it."""
+
+    def set_input_tensor(self, tensors):
+        from core import parallel_state as ps
+
+        assert isinstance(tensors, list) and len(tensors) == 1, tensors
+        first = ps.is_pipeline_first_stage(ignore_virtual=False) if ps.model_parallel_is_initialized() else True
+        assert (tensors[0] is None) == first, "set_input_tensor must get [None] exactly on the first stage"
+        super().set_input_tensor(tensors)
+
+    def forward(self, tokens=None, labels=None):
+        from core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_virtual_pipeline_model_parallel_world_size():
+            assert ps.get_virtual_pipeline_model_parallel_rank() == self.vp_stage
+            assert ps.is_pipeline_first_stage(ignore_virtual=False) == (
+                ps.is_pipeline_first_stage() and self.vp_stage == 0)
+        return super().forward(tokens, labels)
+
+
+def _chunks(layout, pp_rank, config, seed=0):
+    return [CheckedStage(config, layout.stage_layers(pp_rank, c), layout.decoder_layers(pp_rank, c), seed,
+                         vp_stage=c) for c in range(layout.vpp_size)]
+
+
+def _run_case(schedule: str, pp: int, layout_str: str | None, num_layers: int, vpp: int, m: int,
+              variable: bool, per_token: bool):
+    """One configuration on this rank; returns a list of problems (empty when all is well)."""
+    from core import parallel_state as ps
+    from core.distributed import finalize_model_grads
+    from core.pipeline_parallel.executor import ScheduleRecord
+    from core.pipeline_parallel.schedules import (
+        forward_backward_no_pipelining,
+        get_forward_backward_func,
+    )
+
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    ps.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    layout = parse_layout(layout_str, pp, vpp) if layout_str else even_layout(num_layers, pp, vpp)
+    config = ModelParallelConfig(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        hidden_size=8, pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b",
+        variable_seq_lengths=variable, calculate_per_token_loss=per_token,
+        finalize_model_grads_func=finalize_model_grads)
+    chunks = _chunks(layout, pp_rank, config)
+    batches = make_microbatches(m, 2, 6, variable)
+    iterators = [iter(batches) for _ in chunks]
+    func = get_forward_backward_func()
+    record = ScheduleRecord()
+    logs = func(forward_step_func=make_forward_step(per_token), data_iterator=iterators if vpp > 1 else iterators[0],
+                model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=6, micro_batch_size=2,
+                record=record)
+
+    # Single-device references built from the same seed: no-pipelining through the same entry point,
+    # and the plain model computing the whole loss in one backward.
+    whole = ToyStage(ModelParallelConfig(hidden_size=8, calculate_per_token_loss=per_token,
+                                         finalize_model_grads_func=finalize_model_grads),
+                     ["E"] + ["t"] * layout.num_decoder_layers + ["L"], list(range(layout.num_decoder_layers)))
+    ref_logs = forward_backward_no_pipelining(
+        forward_step_func=make_forward_step(per_token), data_iterator=iter(batches), model=whole,
+        num_microbatches=m, seq_length=6, micro_batch_size=2)
+    no_pipe = {n: p.grad.clone() for n, p in whole.named_parameters()}
+    plain_loss, plain = reference_loss_and_grads(whole, batches, per_token)
+
+    name = f"{schedule} pp={pp} vpp={vpp} m={m} layout={layout_str or 'even'} var={variable} tok={per_token}"
+    problems = []
+    for chunk in chunks:
+        for n, p in chunk.named_parameters():
+            if p.grad is None or not p.grad.abs().sum() > 0:
+                problems.append(f"{name}: {n} got no gradient")
+                continue
+            if not torch.equal(p.grad, no_pipe[n]):
+                problems.append(f"{name}: {n} differs from no-pipelining by {(p.grad - no_pipe[n]).abs().max():.3e}")
+            rel = ((p.grad - plain[n]).norm() / plain[n].norm()).item()
+            if rel > 1e-5:
+                problems.append(f"{name}: {n} relative difference {rel:.2e} from the plain model")
+    last = layout.has_loss(pp_rank, vpp - 1)
+    if last:
+        same = len(logs) == len(ref_logs) and all(torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(logs, ref_logs))
+        if not same:
+            problems.append(f"{name}: losses differ from no-pipelining")
+        if per_token:
+            total = torch.stack([d["lm loss"] for d in logs]).sum(0)
+            loss = total[0] / total[1]
+        else:
+            loss = torch.stack([d["lm loss"] for d in logs]).mean()
+        if abs(loss - plain_loss) > 1e-5 * abs(plain_loss):
+            problems.append(f"{name}: loss {loss.item()} vs plain {plain_loss.item()}")
+    elif logs:
+        problems.append(f"{name}: non-last stage returned logs")
+    ran = "interleaved" if vpp > 1 else "1f1b" if pp == 1 else schedule  # PP=1: no pipelining
+    tables = build_tables(ran, pp, vpp, m)
+    expected_peak = simulate(tables, vpp).peak_in_flight[pp_rank]
+    if record.peak_in_flight != expected_peak:
+        problems.append(f"{name}: peak in-flight {record.peak_in_flight}, simulator says {expected_peak}")
+    return problems
+
+
+def _grid(pp: int, microbatches, layouts_for):
+    cases = []
+    for vpp in (1, 2):
+        for schedule in (["gpipe", "1f1b"] if vpp == 1 else ["interleaved"]):
+            for m in microbatches:
+                try:
+                    build_tables(schedule, pp, vpp, m)
+                except ValueError:
+                    continue
+                for layout_str, num_layers in layouts_for(pp, vpp):
+                    for variable in (False, True):
+                        cases.append((schedule, pp, layout_str, num_layers, vpp, m, variable, m % 2 == 0))
+    return cases
+
+
+def _layouts(pp: int, vpp: int):
+    """An even split with a remainder, and an uneven one with an empty stage."""
+    stages = pp * vpp
+    uneven = {1: "Ettt,L", 2: "Et|ttL", 4: "E|tt|t|L", 8: "Et|t|tt||t|t|tt|L"}[stages]
+    return [(None, 2 * stages - 1), (uneven, None)]
+
+
+def _pipeline_grid(rank, world_size, pp, microbatches):
+    from core import parallel_state as ps
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    problems, count = [], 0
+    for case in _grid(pp, microbatches, _layouts):
+        problems += _run_case(*case)
+        count += 1
+    return problems, count
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_every_schedule_matches_single_device_training(ranks, pp):
+    """PP x VPP x microbatches x fixed/variable lengths x even/uneven/empty stages, 2- and 3-tuple losses."""
+    results = ranks(4).run(_pipeline_grid, pp, range(1, 10), timeout=240)
+    problems = [p for probs, _ in results for p in probs]
+    assert not problems, "\n".join(problems[:20])
+    assert results[0][1] >= 20
+
+
+def _interleaved_pp2_swaps(rank, world_size):
+    """PP=2: prev and next are the same rank; activation and gradient must not be confused."""
+    from core import parallel_state as ps
+    from core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, hidden_size=3)
+    comm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), config)
+    act = torch.full((2, 1, 3), 10.0 * rank + 1)
+    grad = torch.full((2, 1, 3), 10.0 * rank + 2)
+    got_act, got_grad = comm.send_forward_backward_recv_forward_backward(act, grad, True, True, (2, 1, 3))
+
+    # Megatron's batched order posts "send prev, recv prev, send next, recv next" with one tag:
+    # between two ranks that are both prev and next, gloo then delivers the gradient as activation.
+    peer = ps.get_pipeline_model_parallel_next_rank()
+    a_buf, g_buf = torch.empty(2, 1, 3), torch.empty(2, 1, 3)
+    ops = [dist.P2POp(dist.isend, grad, peer), dist.P2POp(dist.irecv, a_buf, peer),
+           dist.P2POp(dist.isend, act, peer), dist.P2POp(dist.irecv, g_buf, peer)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return got_act[0, 0, 0].item(), got_grad[0, 0, 0].item(), a_buf[0, 0, 0].item(), g_buf[0, 0, 0].item()
+
+
+def test_pp2_activations_and_gradients_never_swap(ranks):
+    results = ranks(2).run(_interleaved_pp2_swaps, timeout=60)
+    assert results[0][:2] == (11.0, 12.0)  # rank 0 got rank 1's activation and gradient
+    assert results[1][:2] == (1.0, 2.0)
+    # The naive order really does swap them on gloo (this is why the canonical order exists).
+    assert results[0][2:] == (12.0, 11.0)
+
+
+def _variable_shapes(rank, world_size):
+    from core import parallel_state as ps
+    from core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, hidden_size=3, variable_seq_lengths=True)
+    comm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), config)
+    if rank == 0:
+        comm.send_forward(torch.arange(15.0).view(5, 1, 3), is_last_stage=False)
+        return comm.recv_backward(None, is_last_stage=False).shape
+    got = comm.recv_forward(None, is_first_stage=False)
+    comm.send_backward(torch.ones(4, 2, 3), is_first_stage=False)
+    return got.shape, got.sum().item()
+
+
+def test_variable_shapes_travel_with_the_message(ranks):
+    results = ranks(2).run(_variable_shapes, timeout=60)
+    assert results[0] == torch.Size([4, 2, 3])
+    assert results[1] == (torch.Size([5, 1, 3]), 105.0)
+
+
+def _bad_microbatch_count(rank, world_size):
+    from core import parallel_state as ps
+    from core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                 hidden_size=8)
+    layout = even_layout(4, 2, 2)
+    chunks = _chunks(layout, ps.get_pipeline_model_parallel_rank(), config)
+    try:
+        forward_backward_pipelining_with_interleaving(
+            forward_step_func=make_forward_step(False), data_iterator=[iter([])] * 2, model=chunks,
+            num_microbatches=3, seq_length=6, micro_batch_size=2)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_illegal_interleaving_fails_on_every_rank_before_communicating(ranks):
+    messages = ranks(2).run(_bad_microbatch_count, timeout=60)
+    assert messages[0] is not None and messages == [messages[0]] * 2
+    assert messages[0].startswith("number of microbatches (3) leaves a last group of 1")
+
+
+def test_world_size_one_runs_without_communication():
+    """No process group at all: the same entry point, no communication."""
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+
+    assert not dist.is_initialized()
+    config = ModelParallelConfig(hidden_size=8)
+    model = ToyStage(config, ["E", "t", "t", "L"], [0, 1])
+    batches = make_microbatches(3, 2, 6, variable=True)
+    logs = get_forward_backward_func()(forward_step_func=make_forward_step(False), data_iterator=iter(batches),
+                                       model=model, num_microbatches=3, seq_length=6, micro_batch_size=2)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss, ref = reference_loss_and_grads(model, batches, per_token=False)
+    assert torch.stack([d["lm loss"] for d in logs]).mean().item() == pytest.approx(loss.item(), rel=1e-6)
+    for n, g in grads.items():
+        assert ((g - ref[n]).norm() / ref[n].norm()).item() < 1e-6, n
+    assert not dist.is_initialized()
+
+
+def _forward_only(rank, world_size):
+    """Evaluation: no activations kept, no backward, the same losses as training's forward."""
+    from core import parallel_state as ps
+    from core.pipeline_parallel.schedules import forward_backward_no_pipelining, get_forward_backward_func
+
+    results = []
+    for vpp in (1, 2):
+        ps.initialize_model_parallel(pipeline_model_parallel_size=4,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+        config = ModelParallelConfig(pipeline_model_parallel_size=4, hidden_size=8,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+        layout = even_layout(8, 4, vpp)
+        chunks = _chunks(layout, ps.get_pipeline_model_parallel_rank(), config)
+        batches = make_microbatches(8, 2, 6, variable=False)
+        with torch.no_grad():
+            logs = get_forward_backward_func()(
+                forward_step_func=make_forward_step(False), data_iterator=[iter(batches) for _ in chunks],
+                model=chunks, num_microbatches=8, seq_length=6, micro_batch_size=2, forward_only=True)
+        whole = ToyStage(ModelParallelConfig(hidden_size=8), ["E"] + ["t"] * 8 + ["L"], list(range(8)))
+        ref = forward_backward_no_pipelining(forward_step_func=make_forward_step(False), data_iterator=iter(batches),
+                                             model=whole, num_microbatches=8, seq_length=6, micro_batch_size=2,
+                                             forward_only=True)
+        no_grads = all(p.grad is None for c in chunks for p in c.parameters())
+        same = [torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(logs, ref)]
+        results.append((len(logs), all(same), no_grads))
+        ps.destroy_model_parallel()
+    return results
+
+
+def test_forward_only_keeps_nothing_and_matches(ranks):
+    results = ranks(4).run(_forward_only, timeout=120)
+    assert results[3] == [(8, True, True), (8, True, True)]  # last stage: 8 losses equal to no-pipelining
+    assert results[0] == [(0, True, True), (0, True, True)]

@@ -1,0 +1,413 @@
+"""Tensor-parallel layers, mappings, loss and RNG on two real gloo ranks, against single-device torch.
+
+Every rank builds the same full tensors from the same seed, so each can compute the single-device
+reference itself and compare its own shard; a rank's failed assertion is re-raised by the pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from core import parallel_state
+from core.model_parallel_config import ModelParallelConfig
+from core.tensor_parallel import (
+    ColumnParallelLinear,
+    RNGStatesTracker,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    gather_full,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_seed,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+    set_tensor_model_parallel_attributes,
+    shard_of,
+    vocab_parallel_cross_entropy,
+)
+
+TP = 2
+TOL = 1e-6
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float = TOL) -> None:
+    err = ((actual.detach() - expected.detach()).norm() / expected.detach().norm()).item()
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def _config(sequence_parallel: bool = False) -> ModelParallelConfig:
+    return ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=sequence_parallel)
+
+
+def _copy_init(full: torch.Tensor):
+    return lambda weight: weight.copy_(full)
+
+
+def _set_bias(param: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+    with torch.no_grad():
+        param.copy_(shard_of(full, param, rank, TP))
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank functions
+# --------------------------------------------------------------------------------------------------
+
+def _check_column(rank, world_size, gather_output):
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(3, 2, 4), torch.randn(6, 4), torch.randn(6)
+    ref = nn.Linear(4, 6)
+    with torch.no_grad():
+        ref.weight.copy_(weight), ref.bias.copy_(bias)
+    x_ref = x.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+
+    layer = ColumnParallelLinear(4, 6, config=_config(), init_method=_copy_init(weight),
+                                 gather_output=gather_output, tp_group=group)
+    assert layer.weight.shape == (3, 4) and layer.weight.partition_dim == 0
+    _set_bias(layer.bias, bias, rank)
+    x_tp = x.clone().requires_grad_()
+    y, bias_out = layer(x_tp)
+    assert bias_out is None
+    if not gather_output:
+        y_ref, dy = y_ref.chunk(TP, dim=-1)[rank], dy.chunk(TP, dim=-1)[rank]
+    _close(y, y_ref, "output")
+    y.backward(dy)
+    _close(x_tp.grad, x_ref.grad, "input grad")
+    _close(gather_full(layer.weight, group, tensor=layer.weight.grad), ref.weight.grad, "weight grad")
+    _close(gather_full(layer.bias, group, tensor=layer.bias.grad), ref.bias.grad, "bias grad")
+
+    layer.skip_bias_add = True
+    y_skip, bias_skip = layer(x.clone())
+    assert bias_skip is layer.bias
+    _close(y_skip + (bias if gather_output else bias_skip), y, "skip_bias_add output + bias")
+
+
+def _check_row(rank, world_size, input_is_parallel):
+    group = dist.group.WORLD
+    torch.manual_seed(1)
+    x, weight, bias = torch.randn(3, 2, 6), torch.randn(4, 6), torch.randn(4)
+    ref = nn.Linear(6, 4)
+    with torch.no_grad():
+        ref.weight.copy_(weight), ref.bias.copy_(bias)
+    x_ref = x.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+
+    layer = RowParallelLinear(6, 4, config=_config(), init_method=_copy_init(weight),
+                              input_is_parallel=input_is_parallel, tp_group=group)
+    assert layer.weight.shape == (4, 3) and layer.weight.partition_dim == 1
+    assert not layer.bias.tensor_model_parallel
+    _set_bias(layer.bias, bias, rank)
+    x_in = x.chunk(TP, dim=-1)[rank] if input_is_parallel else x
+    x_tp = x_in.clone().requires_grad_()
+    y, bias_out = layer(x_tp)
+    assert bias_out is None
+    _close(y, y_ref, "output")
+    y.backward(dy)
+    x_grad_ref = x_ref.grad.chunk(TP, dim=-1)[rank] if input_is_parallel else x_ref.grad
+    _close(x_tp.grad, x_grad_ref, "input grad")
+    _close(gather_full(layer.weight, group, tensor=layer.weight.grad), ref.weight.grad, "weight grad")
+    _close(layer.bias.grad, ref.bias.grad, "bias grad")
+
+    layer.skip_bias_add = True
+    y_skip, bias_skip = layer(x_in.clone())
+    assert bias_skip is layer.bias
+    _close(y_skip + bias_skip, y, "skip_bias_add output + bias")
+
+
+def _check_mlp(rank, world_size, sequence_parallel):
+    """Column -> GELU -> Row equals the plain MLP; groups come from parallel_state (tp_group=None)."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+    torch.manual_seed(2)
+    s, b, h, f = 4, 2, 4, 8
+    x, w1, b1, w2, b2 = torch.randn(s, b, h), torch.randn(f, h), torch.randn(f), torch.randn(h, f), torch.randn(h)
+    params_ref = [t.clone().requires_grad_() for t in (w1, b1, w2, b2)]
+    x_ref = x.clone().requires_grad_()
+    y_ref = F.linear(F.gelu(F.linear(x_ref, params_ref[0], params_ref[1])), params_ref[2], params_ref[3])
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+
+    config = _config(sequence_parallel)
+    fc1 = ColumnParallelLinear(h, f, config=config, init_method=_copy_init(w1))
+    fc2 = RowParallelLinear(f, h, config=config, init_method=_copy_init(w2), input_is_parallel=True)
+    _set_bias(fc1.bias, b1, rank)
+    _set_bias(fc2.bias, b2, rank)
+
+    def local(t):  # what this rank holds of a [s, b, h] activation
+        return t.chunk(TP, dim=0)[rank] if sequence_parallel else t
+
+    x_tp = local(x).clone().requires_grad_()
+    hidden, _ = fc1(x_tp)
+    y, _ = fc2(F.gelu(hidden))
+    _close(y, local(y_ref), "output")
+    y.backward(local(dy))
+    _close(x_tp.grad, local(x_ref.grad), "input grad")
+    assert fc2.bias.sequence_parallel == sequence_parallel
+    if sequence_parallel:  # each rank saw only its sequence slice: the finaliser's all-reduce
+        dist.all_reduce(fc2.bias.grad, group=parallel_state.get_tensor_model_parallel_group())
+    grads = [gather_full(p, tensor=p.grad) for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
+    for name, grad, p_ref in zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), grads, params_ref):
+        _close(grad, p_ref.grad, f"{name} grad")
+
+
+def _check_embedding(rank, world_size, reduce_scatter):
+    group = dist.group.WORLD
+    torch.manual_seed(3)
+    vocab, dim = 8, 4
+    weight = torch.randn(vocab, dim)
+    tokens = torch.tensor([[0, 5, 3, 7], [4, 1, 1, 6]])  # [b, s], ids on both halves of the vocab
+    w_ref = weight.clone().requires_grad_()
+    y_ref = F.embedding(tokens, w_ref)
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+
+    emb = VocabParallelEmbedding(vocab, dim, init_method=_copy_init(weight), config=_config(),
+                                 reduce_scatter_embeddings=reduce_scatter, tp_group=group)
+    assert (emb.vocab_start_index, emb.vocab_end_index) == (4 * rank, 4 * rank + 4)
+    y = emb(tokens)
+    if reduce_scatter:  # [b, s, h] -> [s, b, h], this rank's sequence slice
+        y_ref, dy = (t.transpose(0, 1).chunk(TP, dim=0)[rank] for t in (y_ref, dy))
+    _close(y, y_ref, "output")
+    y.backward(dy)
+    _close(gather_full(emb.weight, group, tensor=emb.weight.grad), w_ref.grad, "weight grad")
+
+
+def _check_cross_entropy(rank, world_size, label_smoothing):
+    group = dist.group.WORLD
+    torch.manual_seed(4)
+    logits, target = torch.randn(3, 2, 8) * 3, torch.randint(0, 8, (3, 2))
+    logits_ref = logits.clone().requires_grad_()
+    loss_ref = F.cross_entropy(logits_ref.reshape(-1, 8), target.reshape(-1), reduction="none",
+                               label_smoothing=label_smoothing).view(3, 2)
+    dloss = torch.rand(3, 2)
+    loss_ref.backward(dloss)
+
+    local = logits.chunk(TP, dim=-1)[rank].clone().requires_grad_()
+    untouched = local.detach().clone()
+    loss = vocab_parallel_cross_entropy(local, target, label_smoothing=label_smoothing, tp_group=group)
+    assert loss.shape == target.shape
+    _close(loss, loss_ref, "loss")
+    loss.backward(dloss, retain_graph=True)
+    _close(local.grad, logits_ref.grad.chunk(TP, dim=-1)[rank], "logits grad")
+    assert torch.equal(local.detach(), untouched), "the caller's logits were modified"
+    with pytest.raises(RuntimeError, match="cannot be back-propagated twice"):
+        loss.backward(dloss)
+
+
+def _run(fn, x, grad):
+    x = x.clone().requires_grad_()
+    y = fn(x)
+    y.backward(grad)
+    return y.detach(), x.grad
+
+
+def _check_mappings(rank, world_size):
+    """Forward and backward of every mapping on integer-valued tensors, compared exactly."""
+    g = dist.group.WORLD
+    r = rank
+    ar = torch.arange(8.0)
+    ones = torch.ones(2, 1, 2)
+    mine = ones * (r + 1)  # rank-dependent: 1s on rank 0, 2s on rank 1
+    both_last = torch.cat([ones, 2 * ones], dim=-1)  # what gathering ``mine`` along the last dim gives
+    both_first = torch.cat([ones, 2 * ones], dim=0)  # ... and along the first dim
+
+    def check(name, fn, x, grad, y_expected, grad_expected):
+        y, x_grad = _run(lambda t: fn(t, tp_group=g), x, grad)
+        assert torch.equal(y, y_expected), f"{name} forward: {y} != {y_expected}"
+        assert torch.equal(x_grad, grad_expected), f"{name} backward: {x_grad} != {grad_expected}"
+
+    x = ar.view(2, 1, 4) + 10 * r
+    check("copy", copy_to_tensor_model_parallel_region, x, mine.repeat(1, 1, 2),
+          x, 3 * torch.ones(2, 1, 4))
+    check("reduce", reduce_from_tensor_model_parallel_region, x, mine.repeat(1, 1, 2),
+          2 * ar.view(2, 1, 4) + 10, mine.repeat(1, 1, 2))
+    full = ar.view(2, 1, 4)
+    check("scatter", scatter_to_tensor_model_parallel_region, full, mine,
+          full[..., 2 * r:2 * r + 2], both_last)
+    check("gather", gather_from_tensor_model_parallel_region, mine, full,
+          both_last, full[..., 2 * r:2 * r + 2])
+
+    seq = ar.view(4, 1, 2)
+    check("scatter_to_sequence", scatter_to_sequence_parallel_region, seq, mine,
+          seq[2 * r:2 * r + 2], both_first)
+    check("gather_from_sequence", gather_from_sequence_parallel_region, mine, seq + 100 * r,
+          both_first, (2 * seq + 100)[2 * r:2 * r + 2])
+    check("gather_from_sequence(tensor_parallel_output_grad=False)",
+          lambda t, tp_group: gather_from_sequence_parallel_region(t, False, tp_group=tp_group),
+          mine, seq + 100 * r, both_first, (seq + 100 * r)[2 * r:2 * r + 2])
+    check("reduce_scatter_to_sequence", reduce_scatter_to_sequence_parallel_region, seq + 100 * r, mine,
+          (2 * seq + 100)[2 * r:2 * r + 2], both_first)
+
+
+def _dropout_mask(n: int = 256) -> torch.Tensor:
+    return F.dropout(torch.ones(n), p=0.5) != 0
+
+
+def _check_rng(rank, world_size):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+    model_parallel_seed(1234)
+    tracker = get_rng_tracker()
+    assert get_cuda_rng_tracker() is tracker
+
+    outer_before = torch.get_rng_state()
+    with tracker.fork():
+        inside = _dropout_mask()
+    assert torch.equal(torch.get_rng_state(), outer_before), "fork() did not restore the outer state"
+    outside = _dropout_mask()
+
+    saved = tracker.get_states()
+    with tracker.fork():
+        first = _dropout_mask()
+    with tracker.fork():
+        assert not torch.equal(_dropout_mask(), first), "the forked stream did not advance"
+    tracker.set_states(saved)
+    with tracker.fork():
+        replay = _dropout_mask()
+    assert torch.equal(first, replay), "set_states did not replay the same mask"
+    return inside, outside
+
+
+def _check_errors(rank, world_size):
+    group = dist.group.WORLD
+    config, init = _config(), nn.init.zeros_
+
+    def raises(message, fn, *args, **kwargs):
+        with pytest.raises(ValueError) as info:
+            fn(*args, **kwargs)
+        assert str(info.value) == message, f"{str(info.value)!r} != {message!r}"
+
+    raises("ColumnParallelLinear output_size (5) is not divisible by tensor_model_parallel_size (2)",
+           ColumnParallelLinear, 4, 5, config=config, init_method=init, tp_group=group)
+    raises("RowParallelLinear input_size (7) is not divisible by tensor_model_parallel_size (2)",
+           RowParallelLinear, 7, 4, config=config, init_method=init, tp_group=group)
+    raises("VocabParallelEmbedding num_embeddings (9) is not divisible by tensor_model_parallel_size (2)",
+           VocabParallelEmbedding, 9, 4, init_method=init, config=config, tp_group=group)
+    raises("RowParallelLinear with sequence_parallel=True needs input_is_parallel=True",
+           RowParallelLinear, 4, 4, config=_config(True), init_method=init, tp_group=group)
+    raises("cannot split the sequence (first) dimension (dim 0, size 3) of a tensor of shape (3, 2, 4) "
+           "evenly over tensor_model_parallel_size (2)",
+           scatter_to_sequence_parallel_region, torch.zeros(3, 2, 4), tp_group=group)
+    raises("cannot split the sequence (first) dimension (dim 0, size 5) of a tensor of shape (5, 4) "
+           "evenly over tensor_model_parallel_size (2)",
+           reduce_scatter_to_sequence_parallel_region, torch.zeros(5, 4), tp_group=group)
+    raises("cannot split the hidden (last) dimension (dim 1, size 3) of a tensor of shape (2, 3) "
+           "evenly over tensor_model_parallel_size (2)",
+           scatter_to_tensor_model_parallel_region, torch.zeros(2, 3), tp_group=group)
+    dist.barrier(group)  # still in step: nothing above reached a collective
+
+
+def _check_round_trip(rank, world_size):
+    group = dist.group.WORLD
+    for shape, dim, stride in [((4, 6), 0, 1), ((4, 6), 1, 1), ((8, 3), 0, 2), ((2, 3, 8), -1, 2)]:
+        full = torch.arange(float(torch.Size(shape).numel())).view(shape)
+        local_shape = list(shape)
+        local_shape[dim] //= TP
+        param = nn.Parameter(torch.empty(local_shape))
+        set_tensor_model_parallel_attributes(param, True, dim, stride)
+        with torch.no_grad():
+            param.copy_(shard_of(full, param, rank, TP))
+        assert torch.equal(gather_full(param, group), full), (shape, dim, stride)
+    # Initialisation slices one full master weight, so it does not depend on the TP size.
+    model_parallel_seed(7, tp_group=group)
+    layer = ColumnParallelLinear(4, 6, config=_config(), init_method=nn.init.normal_, tp_group=group)
+    torch.manual_seed(7)
+    assert torch.equal(gather_full(layer.weight, group), nn.init.normal_(torch.empty(6, 4)))
+    replicated = nn.Parameter(torch.randn(3))
+    set_tensor_model_parallel_attributes(replicated, False, -1, 1)
+    assert torch.equal(shard_of(replicated.detach(), replicated, rank, TP), replicated.detach())
+    assert torch.equal(gather_full(replicated, group), replicated.detach())
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gather_output", [True, False])
+def test_column_parallel_linear_matches_linear(ranks, gather_output):
+    ranks(TP).run(_check_column, gather_output)
+
+
+@pytest.mark.parametrize("input_is_parallel", [True, False])
+def test_row_parallel_linear_matches_linear(ranks, input_is_parallel):
+    ranks(TP).run(_check_row, input_is_parallel)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_column_row_mlp_matches_single_device(ranks, sequence_parallel):
+    ranks(TP).run(_check_mlp, sequence_parallel)
+
+
+@pytest.mark.parametrize("reduce_scatter", [False, True])
+def test_vocab_parallel_embedding_matches_embedding(ranks, reduce_scatter):
+    ranks(TP).run(_check_embedding, reduce_scatter)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_vocab_parallel_cross_entropy_matches_torch(ranks, label_smoothing):
+    ranks(TP).run(_check_cross_entropy, label_smoothing)
+
+
+def test_mappings_forward_and_backward_do_what_their_names_say(ranks):
+    ranks(TP).run(_check_mappings)
+
+
+def test_rng_tracker_forks_per_rank_and_replays(ranks):
+    (inside0, outside0), (inside1, outside1) = ranks(TP).run(_check_rng)
+    assert torch.equal(outside0, outside1), "dropout outside fork() must match across TP ranks"
+    assert not torch.equal(inside0, inside1), "dropout inside fork() must differ across TP ranks"
+
+
+def test_non_divisible_sizes_raise_clear_errors(ranks):
+    ranks(TP).run(_check_errors)
+
+
+def test_shard_of_and_gather_full_round_trip(ranks):
+    ranks(TP).run(_check_round_trip)
+
+
+def test_shard_of_follows_megatron_striding():
+    param = nn.Parameter(torch.empty(4))
+    set_tensor_model_parallel_attributes(param, True, 0, 2)
+    full = torch.arange(8.0)
+    assert shard_of(full, param, 0, 2).tolist() == [0, 1, 4, 5]
+    assert shard_of(full, param, 1, 2).tolist() == [2, 3, 6, 7]
+
+
+def test_rng_tracker_rejects_reused_names_and_seeds():
+    tracker = RNGStatesTracker()
+    tracker.add("a", 1)
+    with pytest.raises(ValueError, match="seed 1 already used"):
+        tracker.add("b", 1)
+    with pytest.raises(ValueError, match="'a' already exists"):
+        tracker.add("a", 2)
+    with pytest.raises(KeyError, match="model_parallel_seed"), tracker.fork("missing"):
+        pass
+
+
+def test_single_process_without_distributed_runs_unsharded():
+    """No torch.distributed at all: a TP world of one, same layers, no communication."""
+    if dist.is_initialized():
+        pytest.skip("torch.distributed was initialised in this process by another test")
+    torch.manual_seed(5)
+    config = ModelParallelConfig()
+    x = torch.randn(3, 2, 4)
+    fc1 = ColumnParallelLinear(4, 8, config=config, init_method=nn.init.normal_)
+    fc2 = RowParallelLinear(8, 4, config=config, init_method=nn.init.normal_, input_is_parallel=True)
+    y, _ = fc2(F.gelu(fc1(x)[0]))
+    ref = F.linear(F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)
+    _close(y, ref, "MLP output")
+    logits, target = torch.randn(5, 8), torch.randint(0, 8, (5,))
+    _close(vocab_parallel_cross_entropy(logits, target), F.cross_entropy(logits, target, reduction="none"), "loss")

@@ -1,0 +1,145 @@
+"""Train/valid/test GPT datasets from ``--data-path`` and ``--split``, with Megatron's semantics.
+
+* ``--data-path A`` or ``--data-path 0.3 A 0.7 B`` (weights optional, normalised; without
+  weights several prefixes are blended in proportion to their sizes).
+* ``--split 969,30,1``: the weights are normalised and each split gets the contiguous range
+  ``[round(lo * N), round(hi * N))`` of every dataset's N documents (sequences); a zero-width
+  split gets no dataset (None).
+* Blending: dataset ``d`` is asked for ``ceil(ceil(n * w_d) * 1.005)`` samples of a split that
+  needs ``n`` (the small surplus keeps the blend from running past its end), and the blend is
+  ``sum_d ceil(n * w_d)`` samples long.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from training.data.blended_dataset import BlendedDataset, normalize
+from training.data.gpt_dataset import GPTDataset
+from training.data.indexed_dataset import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+MID_LEVEL_DATASET_SURPLUS = 0.005
+
+
+def parse_data_path(data_path: str | Sequence[str | float]) -> tuple[list[str], list[float] | None]:
+    """``["0.3", "A", "0.7", "B"]`` -> ``(["A", "B"], [0.3, 0.7])``; ``["A", "B"]`` -> ``(["A", "B"], None)``."""
+    items = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)
+    if not items:
+        raise ValueError("--data-path is empty")
+    if len(items) % 2 == 0:
+        try:
+            weights = [float(w) for w in items[0::2]]
+        except (TypeError, ValueError):
+            weights = None
+        if weights is not None:
+            return [os.fspath(p).strip() for p in items[1::2]], weights
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            raise TypeError(f"--data-path: expected 'weight prefix' pairs or prefixes, got {items}")
+    return [os.fspath(p).strip() for p in items], None
+
+
+def parse_split(split: str) -> list[float]:
+    """``"969,30,1"`` -> ``[0.969, 0.03, 0.001]`` (missing trailing splits are 0)."""
+    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not values or len(values) > 3:
+        raise ValueError(f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1")
+    return normalize(values + [0.0] * (3 - len(values)))
+
+
+def split_bounds(split: str) -> list[tuple[float, float] | None]:
+    """Each split's ``(lo, hi)`` fraction of the documents, or None for an empty split."""
+    bounds, lo = [], 0.0
+    for fraction in parse_split(split):
+        hi = lo + fraction
+        bounds.append((lo, hi) if hi > lo else None)
+        lo = hi
+    return bounds
+
+
+def split_document_indices(num_documents: int, split: str) -> list[np.ndarray | None]:
+    """The document indices of each split (Megatron rounds each boundary to the nearest integer)."""
+    out = []
+    for bound in split_bounds(split):
+        if bound is None:
+            out.append(None)
+        else:
+            beg, end = (round(b * float(num_documents)) for b in bound)
+            out.append(np.arange(beg, end, dtype=np.int32))
+    return out
+
+
+def build_train_valid_test_datasets(
+    data_prefixes_with_weights: str | Sequence[str | float],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int | None] = (None, None, None),
+    eod_token: int | None = None,
+    eod_mask_loss: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+) -> list[GPTDataset | BlendedDataset | None]:
+    """The train, valid and test datasets (None for a split of zero width).
+
+    ``num_samples[i]`` is how many samples split ``i`` must provide (``None``: one epoch). With
+    a single prefix the split is a :class:`GPTDataset`; with several, a :class:`BlendedDataset`
+    over one ``GPTDataset`` per prefix. ``cache_dir`` holds the index caches (default: a
+    ``cache`` directory next to each dataset).
+    """
+    prefixes, weights = parse_data_path(data_prefixes_with_weights)
+    sizes = list(num_samples)
+    if len(sizes) != 3:
+        raise ValueError(f"num_samples needs one entry per split (train, valid, test), got {sizes}")
+    common = {"seq_length": seq_length, "seed": seed, "eod_token": eod_token, "eod_mask_loss": eod_mask_loss}
+
+    def per_prefix(prefix: str, counts: Sequence[int | None]) -> list[GPTDataset | None]:
+        indexed = IndexedDataset(prefix)
+        datasets = []
+        for name, docs, count in zip(SPLIT_NAMES, split_document_indices(len(indexed), split), counts):
+            datasets.append(
+                None
+                if docs is None
+                else GPTDataset(indexed, docs, count, split_name=name, cache_dir=cache_dir, **common)
+            )
+        return datasets
+
+    if len(prefixes) == 1:
+        return per_prefix(prefixes[0], sizes)
+
+    if weights is not None:
+        weights = normalize(weights)
+        for name, size in zip(SPLIT_NAMES, sizes):
+            if size is None and split_bounds(split)[SPLIT_NAMES.index(name)] is not None:
+                raise ValueError(f"blending with weights needs a sample count for the {name} split")
+        targets = [[math.ceil((s or 0) * w) for s in sizes] for w in weights]
+        buffers = [[math.ceil(t * (1 + MID_LEVEL_DATASET_SURPLUS)) for t in row] for row in targets]
+    else:
+        buffers = [[None, None, None] for _ in prefixes]
+    parts = [per_prefix(prefix, counts) for prefix, counts in zip(prefixes, buffers)]
+
+    blends: list[BlendedDataset | None] = []
+    for i, name in enumerate(SPLIT_NAMES):
+        members = [p[i] for p in parts]
+        if any(m is None for m in members):
+            blends.append(None)
+            continue
+        if weights is not None:
+            split_weights, size = weights, sum(row[i] for row in targets)
+        else:
+            split_weights = [len(m) for m in members]
+            size = None if sizes[i] is None else min(sizes[i], sum(split_weights))
+        description = {
+            "datasets": [m.cache_files[0].name for m in members],
+            "split_name": name,
+        }
+        blend_cache = cache_dir if cache_dir is not None else members[0].cache_files[0].parent
+        blends.append(
+            BlendedDataset(members, split_weights, size, cache_dir=blend_cache, description=description)
+        )
+    return blends

@@ -1,0 +1,236 @@
+"""Tokenizers with Megatron-LM's names and token-id semantics.
+
+``build_tokenizer("GPTSentencePieceTokenizer", "m.model")`` behaves like Megatron's
+``--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model m.model``, so token ids, ``eod``
+and ``vocab_size`` agree and preprocessed data are interchangeable:
+
+* ``GPTSentencePieceTokenizer`` — the plain SentencePiece model. ``tokenize`` adds no BOS/EOS;
+  ``eod == eos`` is the model's ``</s>``; ``vocab_size`` is the model's piece count; ``pad`` is
+  the model's pad id (-1 if it has none).
+* ``SentencePieceTokenizer`` — the BERT/T5-style wrapper. It appends ``<CLS> <SEP> <EOD> <MASK>``
+  (and ``<PAD>``/``<BOS>``/``<EOS>`` when the model lacks those) after the model's pieces unless
+  they already are pieces, so ``eod`` is the new ``<EOD>`` id, not ``eos``; ``vocab_size``
+  counts the additions; ``tokenize`` cuts the text at the literal special-token strings and
+  encodes them as single ids, and ``detokenize`` writes them back surrounded by spaces.
+* ``NullTokenizer`` — text is space-separated ids; ``eod`` is ``vocab_size - 1``.
+
+Models trained by ``tools/train_tokenizer.py`` use unk=0 ``<unk>``, bos=1 ``<s>``, eos=2
+``</s>``, pad=3 ``<pad>``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+
+class GPTSentencePieceTokenizer:
+    """SentencePiece as Megatron's ``_GPTSentencePieceTokenizer``: raw ids, ``eod`` is ``eos``."""
+
+    def __init__(self, model_file: str | os.PathLike) -> None:
+        import sentencepiece
+
+        if not os.path.isfile(model_file):
+            raise FileNotFoundError(f"SentencePiece model {model_file} not found (--tokenizer-model)")
+        self.model_file = os.fspath(model_file)
+        self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=self.model_file)
+        self._vocab = {self.tokenizer.id_to_piece(i): i for i in range(len(self.tokenizer))}
+        self._inv_vocab = {i: p for p, i in self._vocab.items()}
+        self._pad_id = self.tokenizer.pad_id()
+        self._bos_id = self.tokenizer.bos_id()
+        self._eos_id = self.tokenizer.eos_id()
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (the model's pieces, plus any special tokens a subclass adds)."""
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text``, without BOS or EOS."""
+        return self.tokenizer.encode_as_ids(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode_ids(list(map(int, ids)))
+
+    @property
+    def pad(self) -> int:
+        return self._pad_id
+
+    @property
+    def bos(self) -> int:
+        return self._bos_id
+
+    @property
+    def eos(self) -> int:
+        return self._eos_id
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id appended by ``--append-eod``: the model's ``</s>``."""
+        return self._eos_id
+
+    @property
+    def cls(self) -> int:
+        return -1
+
+    @property
+    def sep(self) -> int:
+        return -1
+
+    @property
+    def mask(self) -> int:
+        return -1
+
+
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """SentencePiece as Megatron's ``_SentencePieceTokenizer``, with its extra special tokens."""
+
+    def __init__(self, model_file: str | os.PathLike, vocab_extra_ids: int = 0) -> None:
+        super().__init__(model_file)
+        self._special_tokens: dict[str, int] = {}  # insertion order matters for tie-breaking
+        self._inv_special_tokens: dict[int, str] = {}
+        self._cls_id = self._add_special_token("<CLS>")
+        self._sep_id = self._add_special_token("<SEP>")
+        self._eod_id = self._add_special_token("<EOD>")
+        self._mask_id = self._add_special_token("<MASK>")
+        self._pad_id = self._add_special_token(self._piece_or(self.tokenizer.pad_id(), "<PAD>"))
+        self._bos_id = self._add_special_token(self._piece_or(self.tokenizer.bos_id(), "<BOS>"))
+        self._eos_id = self._add_special_token(self._piece_or(self.tokenizer.eos_id(), "<EOS>"))
+        self._extra_tokens = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        for token in self._extra_tokens:
+            self._add_special_token(token)
+
+    def _piece_or(self, piece_id: int, fallback: str) -> str:
+        try:
+            return self.tokenizer.id_to_piece(piece_id)
+        except IndexError:  # the model has no such piece (id -1)
+            return fallback
+
+    def _add_special_token(self, token: str) -> int:
+        if token not in self._vocab:
+            new_id = len(self._vocab)
+            self._vocab[token] = new_id
+            self._inv_vocab[new_id] = token
+        self._special_tokens[token] = self._vocab[token]
+        self._inv_special_tokens[self._vocab[token]] = token
+        return self._vocab[token]
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode ``text``; every occurrence of a special-token string becomes its single id."""
+        ids: list[int] = []
+        pos = 0
+        while True:
+            best_token, best_at = None, -1
+            for token in self._special_tokens:  # earliest occurrence; ties go to the first added
+                at = text.find(token, pos)
+                if at >= 0 and (best_token is None or at < best_at):
+                    best_token, best_at = token, at
+            if best_token is None:
+                break
+            ids.extend(self.tokenizer.encode_as_ids(text[pos:best_at]))
+            ids.append(self._special_tokens[best_token])
+            pos = best_at + len(best_token)
+        ids.extend(self.tokenizer.encode_as_ids(text[pos:]))
+        return ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Decode ``ids``; special tokens come back as `` <TOKEN> `` with surrounding spaces."""
+        ids = list(map(int, ids))
+        text, last = "", 0
+        for i, token_id in enumerate(ids):
+            if token_id in self._inv_special_tokens:
+                text += self.tokenizer.decode_ids(ids[last:i]) + " "
+                text += self._inv_special_tokens[token_id] + " "
+                last = i + 1
+        return text + self.tokenizer.decode_ids(ids[last:])
+
+    @property
+    def eod(self) -> int:
+        """The appended ``<EOD>`` token (distinct from ``eos``, unlike the GPT variant)."""
+        return self._eod_id
+
+    @property
+    def cls(self) -> int:
+        return self._cls_id
+
+    @property
+    def sep(self) -> int:
+        return self._sep_id
+
+    @property
+    def mask(self) -> int:
+        return self._mask_id
+
+    @property
+    def additional_special_tokens_ids(self) -> list[int]:
+        return [self._vocab[t] for t in self._extra_tokens]
+
+
+class NullTokenizer:
+    """Megatron's ``NullTokenizer``: text is space-separated integer ids; ``eod`` is one past them."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self._eod_id = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._eod_id + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split(" ")]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return " ".join(str(int(x)) for x in ids)
+
+    @property
+    def eod(self) -> int:
+        return self._eod_id
+
+    @property
+    def eos(self) -> int:
+        return self._eod_id
+
+    bos = pad = cls = sep = mask = property(lambda self: -1)
+
+
+Tokenizer = GPTSentencePieceTokenizer | SentencePieceTokenizer | NullTokenizer
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    tokenizer_model: str | os.PathLike | None = None,
+    *,
+    vocab_size: int | None = None,
+    vocab_extra_ids: int = 0,
+) -> Tokenizer:
+    """Build a tokenizer by its Megatron ``--tokenizer-type`` name."""
+    if tokenizer_type in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
+        if tokenizer_model is None:
+            raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
+        if tokenizer_type == "GPTSentencePieceTokenizer":
+            return GPTSentencePieceTokenizer(tokenizer_model)
+        return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    raise ValueError(
+        f"unsupported --tokenizer-type {tokenizer_type!r}; "
+        "use GPTSentencePieceTokenizer, SentencePieceTokenizer or NullTokenizer"
+    )
+
+
+def vocab_size_with_padding(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tp_size: int = 1
+) -> int:
+    """Megatron's padded vocabulary: rounded up to a multiple of ``divisible_by * tp_size``."""
+    multiple = make_vocab_size_divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
