@@ -7,7 +7,7 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(kw_only=True)
@@ -48,7 +48,7 @@ class ModelParallelConfig:
     """Free an output's storage once it has been sent; backward only needs its graph."""
 
     pipeline_schedule: str = "1f1b"
-    """"1f1b" (default), "gpipe" (all forward, then all backward) or "zero_bubble".
+    """"1f1b" (default) or "gpipe" (all forward, then all backward).
     Interleaved 1F1B is implied by ``virtual_pipeline_model_parallel_size > 1``."""
 
     pipeline_model_parallel_layout: Optional[str] = None

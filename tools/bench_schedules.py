@@ -36,18 +36,37 @@ SEQ, BATCH, HIDDEN = 16, 1, 16
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)]
 
 
+PRECISE = True
+
+
+def busy(seconds: float) -> None:
+    """Take ``seconds``: a sleep, finished by a short spin when ``PRECISE``.
+
+    ``time.sleep`` overshoots by about 0.5 ms on these virtual machines, which would be charged to
+    the schedule as overhead (5 % of a 10 ms chunk); the spin makes the cost what the ideal assumes.
+    """
+    if not PRECISE:
+        time.sleep(seconds)
+        return
+    deadline = time.perf_counter() + seconds
+    if seconds > 0.002:
+        time.sleep(seconds - 0.0015)
+    while time.perf_counter() < deadline:
+        pass
+
+
 class _Sleep(torch.autograd.Function):
     """Identity whose forward and backward take a fixed time."""
 
     @staticmethod
     def forward(ctx, x, forward_s, backward_s):
         ctx.backward_s = backward_s
-        time.sleep(forward_s)
+        busy(forward_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.backward_s)
+        busy(ctx.backward_s)
         return grad, None, None
 
 
@@ -73,6 +92,8 @@ def _forward_step(data_iterator, model):
 
 
 def _worker(rank, world, init_file, cases, args, out_queue):
+    global PRECISE
+    PRECISE = args.sleep == "precise"
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -121,6 +142,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--forward-ms", type=float, default=20.0)
     parser.add_argument("--backward-ms", type=float, default=40.0)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case (after one warm-up step)")
+    parser.add_argument("--sleep", choices=["precise", "plain"], default="precise",
+                        help="precise: sleep then spin to the deadline; plain: time.sleep alone")
     args = parser.parse_args(argv)
     pp = args.pipeline_model_parallel_size
     cases = [(s, v, m) for m in args.microbatches for s, v in SCHEDULES
@@ -137,7 +160,7 @@ def main(argv=None) -> dict:
             p.join()
     rows = []
     print(f"PP={pp}, forward {args.forward_ms} ms + backward {args.backward_ms} ms per microbatch and rank, "
-          f"median of {args.steps} steps")
+          f"median of {args.steps} steps, {args.sleep} sleep")
     print(f"{'schedule':<16}{'m':>4}{'ideal ms':>11}{'median ms':>11}{'min ms':>9}{'ratio':>8}")
     for (schedule, vpp, m), times in zip(cases, results):
         ideal = ideal_makespan(schedule, pp, vpp, m, args.forward_ms, args.backward_ms)
@@ -148,7 +171,7 @@ def main(argv=None) -> dict:
                      "ratio": round(median / ideal, 4)})
         print(f"{name:<16}{m:>4}{ideal * 1000:>11.1f}{median * 1000:>11.1f}{min(times) * 1000:>9.1f}"
               f"{median / ideal:>8.3f}")
-    summary = {"benchmark": "bench_schedules", "pp": pp, "forward_ms": args.forward_ms,
+    summary = {"benchmark": "bench_schedules", "pp": pp, "sleep": args.sleep, "forward_ms": args.forward_ms,
                "backward_ms": args.backward_ms, "steps": args.steps, "results": rows}
     print(json.dumps(summary))
     return summary

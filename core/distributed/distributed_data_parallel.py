@@ -1,0 +1,197 @@
+"""Data-parallel wrapper: gradients in contiguous buckets, reduced over the DP group (Megatron's DDP).
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=True), model)
+    config.no_sync_func = ddp.no_sync             # the schedule suspends reduction until the last microbatch
+    config.grad_sync_func = ddp.start_grad_sync   # optional: launch right after a chunk's last backward
+    # several chunks (virtual pipeline): one context for all, one grad_sync_func per chunk
+    config.no_sync_func = multi_no_sync(chunks); config.grad_sync_func = [c.start_grad_sync for c in chunks]
+    config.finalize_model_grads_func = finalize_model_grads   # waits via ddp.finish_grad_sync()
+
+Unlike ``torch.nn.parallel.DistributedDataParallel`` it has no all-reduce in forward or at
+backward's end: the pipeline schedule decides when gradients are final (the last microbatch of a
+chunk), and the wrapper exposes exactly the hooks the schedule calls. Gradients end up in
+``param.main_grad`` (``param.grad`` stays None), in fp32 for a bf16 model by default, which is
+what the mixed-precision optimizer steps from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.distributed.grad_buffer import Bucket, GradBuffer
+
+
+def _default_group() -> ProcessGroup | None:
+    """The group gradients are reduced over: data parallel with context parallel folded in."""
+    from core import parallel_state as ps
+
+    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def _pipeline_rank() -> int:
+    from core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps one model chunk; its gradients live in flat buffers and are all-reduced in buckets.
+
+    Attributes it does not have itself (``set_input_tensor``, ``pre_process``, ``vp_stage``...)
+    are looked up on the wrapped ``module``, so schedules and user code treat it as the model.
+    ``state_dict`` is the module's, without a ``module.`` prefix, so checkpoints do not depend on
+    the wrapper. ``disable_bucketing`` (and, as in Megatron, any pipeline rank but the first,
+    where reduction is off the critical path) puts each buffer in a single bucket.
+    """
+
+    def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig, module: nn.Module,
+                 disable_bucketing: bool = False, *, data_parallel_group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        self.data_parallel_group = data_parallel_group if data_parallel_group is not None else _default_group()
+        dp_size = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
+        per_token = bool(getattr(config, "calculate_per_token_loss", False))
+        if per_token and ddp_config.average_in_collective:
+            raise ValueError("average_in_collective=True cannot be combined with calculate_per_token_loss: a "
+                             "per-token loss needs gradients summed over data-parallel ranks, not averaged")
+
+        self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
+        if not ddp_config.overlap_grad_reduce or disable_bucketing or _pipeline_rank() > 0:
+            self.bucket_size = None
+        # Averaging over replicas: scale by 1/dp before the sum, or (average_in_collective) after it.
+        # A per-token loss is normalised later by the global token count, so the sum is kept.
+        pre_scale = post_scale = 1.0
+        if not per_token:
+            if ddp_config.average_in_collective:
+                post_scale = 1.0 / dp_size
+            else:
+                pre_scale = 1.0 / dp_size
+
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[tuple[nn.Parameter, str]]] = {}
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+                by_dtype.setdefault((param.dtype, grad_dtype), []).append((param, name))
+        self.buffers: list[GradBuffer] = []
+        for (_, grad_dtype), members in by_dtype.items():
+            self.buffers.append(GradBuffer(
+                [p for p, _ in members], [n for _, n in members], grad_dtype, self.bucket_size,
+                self.data_parallel_group, first_bucket_index=len(self.buckets), pre_scale=pre_scale,
+                post_scale=post_scale, async_op=ddp_config.overlap_grad_reduce,
+                check_for_nan=ddp_config.check_for_nan_in_grad))
+        self.param_to_bucket: dict[nn.Parameter, Bucket] = {
+            p: bucket for bucket in self.buckets for p in bucket.params}
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_grad_hook(bucket))
+                              for p, bucket in self.param_to_bucket.items()]
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":  # not yet assigned: do not recurse
+                raise
+            return getattr(self.module, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load into the wrapped module (keys without a ``module.`` prefix)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """All buckets, in the order their reductions are launched when backward runs in order."""
+        return [bucket for buffer in getattr(self, "buffers", []) for bucket in buffer.buckets]
+
+    def _make_grad_hook(self, bucket: Bucket):
+        overlap = self.ddp_config.overlap_grad_reduce
+
+        def hook(param: nn.Parameter) -> None:
+            # Runs right after autograd accumulated into param.grad: move it into main_grad.
+            bucket.check_accumulation_allowed(param)
+            grad = param.grad
+            if grad is not None:
+                # If an optimizer left param.grad aliasing main_grad (fp32 models step on it), autograd
+                # has just accumulated in place and there is nothing to add.
+                if grad.data_ptr() != param.main_grad.data_ptr():
+                    param.main_grad.add_(grad)
+                param.grad = None
+            if overlap:
+                bucket.register_grad_ready(param)
+
+        return hook
+
+    # -- the schedule's hooks ------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate locally inside this context (every microbatch but the last)."""
+        for bucket in self.buckets:
+            bucket.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for bucket in self.buckets:
+                bucket.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Launch every bucket's reduction not launched yet (``config.grad_sync_func``)."""
+        for bucket in self.buckets:
+            bucket.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Complete every bucket's reduction: wait for launched ones, run the others now."""
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply all gradients in the buffers by ``scaling_factor``."""
+        for buffer in self.buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all gradients and re-arm the buckets; call once at the start of every step."""
+        for buffer in self.buffers:
+            buffer.reset()
+
+    def broadcast_params(self) -> None:
+        """Copy the first data-parallel rank's parameters to the others (identical replicas)."""
+        group = self.data_parallel_group
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        src = dist.get_global_rank(group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=group)
+
+
+def multi_no_sync(chunks: list[nn.Module]):
+    """One ``no_sync_func`` suspending reduction on every chunk at once (virtual pipelining).
+
+    Megatron's interleaved schedule builds this itself from a list of functions; here it is built
+    once, so a schedule only ever calls one context manager.
+    """
+    @contextmanager
+    def no_sync() -> Iterator[None]:
+        with ExitStack() as stack:
+            for chunk in chunks:
+                stack.enter_context(chunk.no_sync())
+            yield
+
+    return no_sync

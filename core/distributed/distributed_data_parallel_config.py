@@ -1,0 +1,43 @@
+"""Knobs of the data-parallel wrapper (Megatron's ``DistributedDataParallelConfig`` field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class DistributedDataParallelConfig:
+    """How gradients are stored and reduced over the data-parallel group.
+
+    Differences from Megatron: ``grad_reduce_in_fp32`` defaults to True (Megatron's training
+    script forces it on for bf16 anyway, and a bf16 model is what needs it), and the distributed
+    optimizer (reduce-scatter) is not implemented.
+    """
+
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and all-reduce gradients in fp32 even when parameters are bf16/fp16."""
+
+    overlap_grad_reduce: bool = False
+    """Launch each bucket's all-reduce asynchronously as soon as its gradients are final, while
+    backward still runs; without it every bucket is reduced, synchronously, in ``finish_grad_sync``."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (reduce-scatter). Not implemented: must be False."""
+
+    check_for_nan_in_grad: bool = False
+    """Raise, naming the parameters, if a bucket holds NaN or Inf before it is reduced."""
+
+    bucket_size: int | None = None
+    """Elements per bucket with ``overlap_grad_reduce``; None means Megatron's default,
+    ``max(40_000_000, 1_000_000 * dp_size)``. Ignored without overlap (one bucket per buffer)."""
+
+    average_in_collective: bool = False
+    """Average in the collective instead of pre-scaling by 1/dp. Gloo has no AVG reduction, so here
+    it means "sum, then divide after the collective"; the result is the same average."""
+
+    def __post_init__(self) -> None:
+        if self.use_distributed_optimizer:
+            raise ValueError("use_distributed_optimizer=True is not implemented in Trident; set it to False "
+                             "(gradients are all-reduced and every rank keeps the full optimizer state)")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive number of elements or None, got {self.bucket_size}")

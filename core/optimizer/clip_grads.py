@@ -1,0 +1,108 @@
+"""The global gradient norm of a model split over TP x PP ranks, and clipping by it.
+
+The norm must be the single-device model's norm, so every weight is counted exactly once:
+
+* a TP-sharded parameter (``tensor_model_parallel``) holds a distinct piece on each TP rank, all
+  counted; a replicated one (biases of row-parallel layers, norms) is counted on TP rank 0 only;
+* a tied word embedding held by the first and the last pipeline stage is counted on the first;
+  the last stage's copy is marked ``shared`` (Megatron) or ``shared_embedding`` with PP > 1;
+* gradients are already reduced over data parallelism, so the squared sums are added up over
+  the model-parallel group (TP x PP) alone, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from core.device import current_device
+from core.tensor_parallel.utils import param_is_tensor_parallel
+
+
+def _parallel_state():
+    from core import parallel_state as ps
+
+    return ps if ps.model_parallel_is_initialized() else None
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    """False for the second copy of a tied weight (the last stage's output layer with PP > 1)."""
+    if getattr(param, "shared", False):
+        return False
+    ps = _parallel_state()
+    if getattr(param, "shared_embedding", False) and ps is not None:
+        pp_size = ps.get_pipeline_model_parallel_world_size()
+        return not (pp_size > 1 and ps.get_pipeline_model_parallel_rank() == pp_size - 1)
+    return True
+
+
+def param_counts_for_norm(param: torch.Tensor) -> bool:
+    """Whether this rank counts ``param`` in global norms: not a tied copy, not a TP duplicate."""
+    if not param_is_not_shared(param):
+        return False
+    ps = _parallel_state()
+    tp_rank = ps.get_tensor_model_parallel_rank() if ps is not None else 0
+    return param_is_tensor_parallel(param) or tp_rank == 0
+
+
+def grad_stats_group() -> ProcessGroup | None:
+    """The group norm statistics are summed over: the model-parallel group, or None alone."""
+    ps = _parallel_state()
+    return ps.get_model_parallel_group() if ps is not None else None
+
+
+def get_grad_norm_fp32(grads_for_norm: Iterable[torch.Tensor], norm_type: float = 2.0,
+                       grad_stats_parallel_group: ProcessGroup | None = None) -> float:
+    """The ``norm_type`` norm of all these gradients together, over every rank of the group.
+
+    Each rank passes only the gradients it counts (see :func:`param_counts_for_norm`). Partial sums
+    are kept in float64 so that the answer does not depend on how the model is split. Every rank of
+    the group must call this (it is a collective), even one with no gradients.
+    """
+    grads = [g for g in grads_for_norm if g is not None]
+    group = grad_stats_parallel_group
+    communicate = group is not None and dist.get_world_size(group) > 1
+    device = grads[0].device if grads else current_device()
+    if math.isinf(norm_type):
+        local = max((g.detach().abs().max().double() for g in grads if g.numel()), default=None)
+        total = torch.zeros((), dtype=torch.float64, device=device) if local is None else local.reshape(())
+        if communicate:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return float(total.item())
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        total += torch.linalg.vector_norm(g.detach().float(), norm_type).double() ** norm_type
+    if communicate:
+        dist.all_reduce(total, group=group)
+    return float(total.item() ** (1.0 / norm_type))
+
+
+def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale ``grads`` in place so that their global norm is at most ``max_norm``; return the factor.
+
+    Megatron's rule: ``coeff = max_norm / (total_norm + 1e-6)``, applied only when below 1.
+    Every rank clips all its gradients, duplicates included, with the same global norm.
+    """
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for g in grads:
+            if g is not None:
+                g.mul_(coeff)
+    return min(coeff, 1.0)
+
+
+def count_zeros_fp32(grads_for_norm: Iterable[torch.Tensor],
+                     grad_stats_parallel_group: ProcessGroup | None = None) -> int:
+    """How many gradient elements are exactly zero across the model (each weight counted once)."""
+    grads = [g for g in grads_for_norm if g is not None]
+    zeros = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else current_device())
+    for g in grads:
+        zeros += (g.numel() - torch.count_nonzero(g)).double()
+    group = grad_stats_parallel_group
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(zeros, group=group)
+    return int(zeros.item())

@@ -1,0 +1,107 @@
+"""Causal self-attention with query heads and key/value groups split over the TP ranks.
+
+The fused QKV projection is one ColumnParallelLinear whose full weight is laid out per query group,
+as in Megatron::
+
+    rows = [group 0: q_0 .. q_{n-1}, k, v | group 1: q_n .. q_{2n-1}, k, v | ...]   (n = heads / groups)
+
+each block ``kv_channels`` rows tall. A TP shard is then a contiguous slice holding whole groups
+with their own keys and values, so sharding never separates a query head from its key/value head
+and initialising the full weight then slicing (``shard_of``) gives every rank exactly its heads.
+The output projection is row-parallel: its all-reduce (or reduce-scatter under sequence
+parallelism) sums the heads' contributions.
+"""
+
+from __future__ import annotations
+
+import einops
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_world_size
+from core.transformer.dropout import sharded_rng
+from core.transformer.initialization import deferred_init, mark_init
+from core.transformer.recompute import checkpoint
+from core.transformer.rope import apply_rotary
+from core.transformer.transformer_config import TransformerConfig
+
+Rotary = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d)) v`` over ``[b, heads, s, d]``, causal, with dropout on the probabilities.
+
+    ``attention_mask`` is Megatron's: boolean, True where attention is NOT allowed, broadcastable to
+    ``[b, heads, s, s]``; it is combined with the causal mask. The probabilities are sharded by head,
+    so their dropout draws from this TP rank's own stream.
+    """
+    if attention_mask is None:
+        mask, causal = None, True
+    else:
+        seq = query.shape[-2]
+        allowed = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
+        mask, causal = allowed & ~attention_mask.bool(), False
+    if dropout_p == 0.0:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal)
+    with sharded_rng():
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                                              is_causal=causal)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head / grouped-query / multi-query attention (``num_query_groups`` = heads / < heads / 1).
+
+    ``[s, b, h]`` in (``[s / tp, b, h]`` under sequence parallelism), same layout out.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        tp = tp_world_size()
+        if tp != config.tensor_model_parallel_size:
+            raise ValueError(f"the tensor-parallel group has {tp} ranks but config.tensor_model_parallel_size "
+                             f"is {config.tensor_model_parallel_size}")
+        self.kv_channels = config.kv_channels
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.groups_per_rank = config.num_query_groups // tp
+        projection_size = config.num_attention_heads * config.kv_channels
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, config=config, init_method=deferred_init,
+            bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False, perform_initialization=False)
+        self.linear_proj = RowParallelLinear(
+            projection_size, config.hidden_size, config=config, init_method=deferred_init,
+            bias=config.add_bias_linear, input_is_parallel=True, perform_initialization=False)
+        mark_init(self.linear_qkv.weight, "normal")
+        mark_init(self.linear_qkv.bias, "zeros")
+        mark_init(self.linear_proj.weight, "scaled_normal")
+        mark_init(self.linear_proj.bias, "zeros")
+        self.recompute_core = config.recompute_granularity == "selective"
+
+    def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[s, b, local qkv]`` -> q ``[b, local heads, s, d]``, k and v ``[b, local groups, s, d]``."""
+        per_group = einops.rearrange(mixed, "s b (g m d) -> b g m s d", g=self.groups_per_rank,
+                                     d=self.kv_channels)
+        n = self.heads_per_group
+        query = einops.rearrange(per_group[:, :, :n], "b g n s d -> b (g n) s d")
+        return query, per_group[:, :, n], per_group[:, :, n + 1]
+
+    def forward(self, hidden: torch.Tensor, rotary: Rotary = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mixed, _ = self.linear_qkv(hidden)
+        query, key, value = self.split_qkv(mixed)
+        if rotary is not None:
+            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        if self.heads_per_group > 1:  # each key/value head serves its group's query heads
+            key = einops.repeat(key, "b g s d -> b (g n) s d", n=self.heads_per_group)
+            value = einops.repeat(value, "b g s d -> b (g n) s d", n=self.heads_per_group)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        if self.recompute_core:
+            context = checkpoint(core_attention, query, key, value, attention_mask, dropout_p)
+        else:
+            context = core_attention(query, key, value, attention_mask, dropout_p)
+        output, _ = self.linear_proj(einops.rearrange(context, "b h s d -> s b (h d)"))
+        return output

@@ -1,0 +1,92 @@
+"""Parameter initialisation that depends only on (seed, parameter name), never on the split.
+
+Each parameter carries an ``init_rule`` attribute set by the layer that creates it ("normal",
+"scaled_normal", "zeros" or "ones"). :func:`initialize_by_name` builds the FULL tensor on the CPU
+in fp32 from a generator seeded with ``(config.seed, crc32(name))`` and copies this rank's
+``shard_of`` it. The same seed therefore gives the same full weights under any TP/PP/VPP split
+(a weight's name, with its global layer number, is the same in every split), and a TP shard is
+exactly the slice of that full weight, which is what makes split-vs-single-device tests and
+resharding checkpoints exact. Two optional attributes refine the rule:
+
+* ``init_name``: draw from another name's generator, so a tied output layer on the last pipeline
+  stage starts identical to the first stage's word embedding;
+* ``init_valid_rows``: only the first rows are real (a padded vocabulary); they are drawn with the
+  unpadded shape and the padding rows are zero, so the real rows do not depend on how much padding
+  the TP size requires.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from core.tensor_parallel import param_is_tensor_parallel, shard_of, tp_rank, tp_world_size
+from core.transformer.transformer_config import TransformerConfig
+
+INIT_RULES = ("normal", "scaled_normal", "zeros", "ones")
+
+
+def deferred_init(weight: torch.Tensor) -> None:
+    """Placeholder ``init_method`` for tensor-parallel layers: the model initialises by name afterwards."""
+
+
+def mark_init(param: nn.Parameter | None, rule: str, *, name: str | None = None,
+              valid_rows: int | None = None) -> None:
+    """Record how ``param`` is initialised (a no-op for a missing optional parameter such as a bias)."""
+    if param is None:
+        return
+    if rule not in INIT_RULES:
+        raise ValueError(f"init rule must be one of {INIT_RULES}, got {rule!r}")
+    param.init_rule = rule
+    if name is not None:
+        param.init_name = name
+    if valid_rows is not None:
+        param.init_valid_rows = valid_rows
+
+
+def name_generator(seed: int, name: str) -> torch.Generator:
+    """The CPU generator that owns parameter ``name`` for ``seed``."""
+    return torch.Generator().manual_seed((seed * 2**32 + zlib.crc32(name.encode())) % 2**63)
+
+
+def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """Shape of the whole tensor a (possibly TP-sharded) parameter is a piece of."""
+    shape = list(param.shape)
+    if param_is_tensor_parallel(param):
+        shape[param.partition_dim % param.dim()] *= tp_size
+    return tuple(shape)
+
+
+def full_init_tensor(name: str, param: torch.Tensor, config: TransformerConfig, tp_size: int) -> torch.Tensor:
+    """The full fp32 CPU tensor parameter ``name`` starts from (identical in every split)."""
+    rule = getattr(param, "init_rule", None)
+    if rule is None:
+        raise ValueError(f"parameter {name!r} has no init_rule; its layer must call mark_init")
+    shape = full_shape(param, tp_size)
+    if rule == "zeros":
+        return torch.zeros(shape)
+    if rule == "ones":
+        return torch.ones(shape)
+    std = config.init_method_std
+    if rule == "scaled_normal":
+        std /= math.sqrt(2.0 * config.num_layers)
+    rows = getattr(param, "init_valid_rows", shape[0])
+    full = torch.zeros(shape)
+    generator = name_generator(config.seed, getattr(param, "init_name", name))
+    full[:rows].normal_(0.0, std, generator=generator)
+    return full
+
+
+@torch.no_grad()
+def initialize_by_name(module: nn.Module, config: TransformerConfig) -> None:
+    """Fill every parameter of ``module`` with its shard of the full tensor its name determines.
+
+    Call it on the root of the naming scheme (the GPTModel), so that names are the global ones.
+    """
+    rank, size = tp_rank(), tp_world_size()
+    for name, param in module.named_parameters():
+        full = full_init_tensor(name, param, config, size)
+        param.copy_(shard_of(full, param, rank, size).to(device=param.device, dtype=param.dtype))

@@ -1,0 +1,47 @@
+"""The feed-forward block: ``fc2(act(fc1(x)))``, or the gated ``fc2(act(x W_gate) * (x W_up))``.
+
+fc1 is column-parallel and fc2 row-parallel, so the block needs one all-reduce each way. For a
+gated unit the gate and up projections are one ColumnParallelLinear of ``2 * ffn_hidden_size``
+rows whose full weight is ``[W_gate; W_up]`` and whose ``partition_stride`` is 2: rank ``r`` holds
+``[W_gate shard r; W_up shard r]`` (``shard_of`` cuts exactly that), so the gate and up rows that
+multiply each other are always on the same rank. Megatron lays out its SwiGLU fc1 the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from core.transformer.initialization import deferred_init, mark_init
+from core.transformer.transformer_config import TransformerConfig
+
+
+class MLP(nn.Module):
+    """``[s, b, h]`` -> ``[s, b, h]`` (sequence-sharded in and out under sequence parallelism)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.activation_func = config.activation_func
+        self.gated = config.gated_linear_unit
+        branches = 2 if self.gated else 1
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, branches * config.ffn_hidden_size, config=config, init_method=deferred_init,
+            bias=config.add_bias_linear, gather_output=False, stride=branches, perform_initialization=False)
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, config=config, init_method=deferred_init,
+            bias=config.add_bias_linear, input_is_parallel=True, perform_initialization=False)
+        mark_init(self.linear_fc1.weight, "normal")
+        mark_init(self.linear_fc1.bias, "zeros")
+        mark_init(self.linear_fc2.weight, "scaled_normal")
+        mark_init(self.linear_fc2.bias, "zeros")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        intermediate, _ = self.linear_fc1(hidden)
+        if self.gated:
+            gate, up = torch.chunk(intermediate, 2, dim=-1)
+            intermediate = self.activation_func(gate) * up
+        else:
+            intermediate = self.activation_func(intermediate)
+        output, _ = self.linear_fc2(intermediate)
+        return output

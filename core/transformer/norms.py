@@ -1,0 +1,57 @@
+"""LayerNorm and RMSNorm with Megatron's parameter bookkeeping.
+
+The norms are replicated on every TP rank. Under sequence parallelism each rank normalises only
+its slice of the sequence, so its weight gradient is a partial sum: the parameters are marked
+``sequence_parallel`` for ``finalize_model_grads`` to all-reduce them over the TP group. Both
+norms compute in fp32 and cast back (as Hugging Face's LLaMA does), so bf16 runs stay stable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.device import current_device
+from core.transformer.initialization import mark_init
+from core.transformer.transformer_config import TransformerConfig
+
+
+def _norm_param(size: int, config: TransformerConfig, fill: float) -> nn.Parameter:
+    param = nn.Parameter(torch.full((size,), fill, device=current_device(), dtype=config.params_dtype))
+    param.sequence_parallel = config.sequence_parallel
+    mark_init(param, "ones" if fill == 1.0 else "zeros")
+    return param
+
+
+class LayerNorm(nn.Module):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the hidden dimension."""
+
+    def __init__(self, hidden_size: int, config: TransformerConfig) -> None:
+        super().__init__()
+        self.eps = config.layernorm_epsilon
+        self.weight = _norm_param(hidden_size, config, 1.0)
+        self.bias = _norm_param(hidden_size, config, 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``: LayerNorm without centring or bias (LLaMA)."""
+
+    def __init__(self, hidden_size: int, config: TransformerConfig) -> None:
+        super().__init__()
+        self.eps = config.layernorm_epsilon
+        self.weight = _norm_param(hidden_size, config, 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def build_norm(hidden_size: int, config: TransformerConfig) -> nn.Module:
+    """The norm ``config.normalization`` names."""
+    return RMSNorm(hidden_size, config) if config.normalization == "RMSNorm" else LayerNorm(hidden_size, config)

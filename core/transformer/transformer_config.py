@@ -1,0 +1,210 @@
+"""TransformerConfig: the shape and behaviour of a GPT/LLaMA decoder, on top of the parallel config.
+
+Field names follow Megatron-LM's ``TransformerConfig`` (plus the few GPT-model options Megatron keeps
+in its argument parser: position embeddings, vocabulary padding, tied output weights, seed), so a
+Megatron user can read a config at a glance. Every derived default (``ffn_hidden_size``,
+``kv_channels``, ``num_query_groups``) is filled in ``__post_init__``, and every invalid combination
+is reported at construction, all problems in one ``ValueError`` that names the fields and numbers,
+before any rank builds a layer or joins a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from core.model_parallel_config import ModelParallelConfig
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation GPT-2 was trained with (Megatron's ``openai_gelu``, HF's ``gelu_new``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+@dataclass(kw_only=True)
+class TransformerConfig(ModelParallelConfig):
+    """Sizes, layer choices, regularisation, initialisation and recomputation of a decoder-only model.
+
+    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``).
+    """
+
+    num_layers: int = 0
+    """Decoder layers in the whole model (all pipeline stages together)."""
+
+    num_attention_heads: int = 0
+    """Query heads per layer."""
+
+    num_query_groups: int | None = None
+    """Key/value heads (GQA); None means one per query head (MHA), 1 is multi-query attention."""
+
+    ffn_hidden_size: int | None = None
+    """MLP inner size (per branch for a gated unit); None means 4 * hidden_size, as in Megatron."""
+
+    kv_channels: int | None = None
+    """Size of one attention head; None means hidden_size / num_attention_heads."""
+
+    normalization: str = "LayerNorm"
+    """"LayerNorm" (GPT-2) or "RMSNorm" (LLaMA)."""
+
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every norm."""
+
+    activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
+    """MLP activation; with ``gated_linear_unit`` it is applied to the gate branch (F.silu: SwiGLU)."""
+
+    gated_linear_unit: bool = False
+    """Use a gated MLP: ``act(x W_gate) * (x W_up)`` (LLaMA's SwiGLU with ``activation_func=F.silu``)."""
+
+    add_bias_linear: bool = True
+    """Biases on every linear layer of attention and MLP (GPT-2 yes, LLaMA no)."""
+
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection only, even without ``add_bias_linear`` (Qwen-style)."""
+
+    position_embedding_type: str = "learned_absolute"
+    """"learned_absolute" (GPT-2), "rope" (LLaMA) or "none"."""
+
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates (the rest pass through)."""
+
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of reusing the word embedding (LLaMA unties)."""
+
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times the TP size, so every shard is equal."""
+
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+
+    hidden_dropout: float = 0.1
+    """Dropout on the embedding output and on each residual branch."""
+
+    init_method_std: float = 0.02
+    """Std of the normal initialisation; output projections get std / sqrt(2 * num_layers)."""
+
+    perform_initialization: bool = True
+    """Initialise parameters at construction (off when weights are about to be loaded anyway)."""
+
+    bf16: bool = False
+    """Run in bfloat16: sets ``params_dtype`` and ``pipeline_dtype`` to bfloat16 (losses stay fp32)."""
+
+    recompute_granularity: str | None = None
+    """Activation recomputation: "full" (whole layers), "selective" (core attention) or None."""
+
+    recompute_method: str | None = None
+    """With "full": "uniform" checkpoints groups of ``recompute_num_layers`` layers, "block" only the
+    first ``recompute_num_layers`` layers of each stage."""
+
+    recompute_num_layers: int | None = None
+    """Layers per checkpointed group ("uniform") or checkpointed layers per stage ("block")."""
+
+    seed: int = 1234
+    """Parameter initialisation seed: with (seed, parameter name) it fixes every full weight."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bf16:
+            self.params_dtype = torch.bfloat16
+            self.pipeline_dtype = torch.bfloat16
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        problems = self._problems()
+        if problems:
+            raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+
+    def _problems(self) -> list[str]:
+        """Every invalid setting, each naming the fields and values involved."""
+        out: list[str] = []
+        tp = self.tensor_model_parallel_size
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if out:
+            return out
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if heads % tp:
+            out.append(f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})")
+        if heads % groups:
+            out.append(f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
+        if groups % tp:
+            out.append(f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp})")
+        if self.kv_channels is None and self.hidden_size % heads:
+            out.append(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({heads}) "
+                       "when kv_channels is not set")
+        if self.kv_channels is not None and self.kv_channels < 1:
+            out.append(f"kv_channels must be >= 1, got {self.kv_channels}")
+        if self.ffn_hidden_size % tp:
+            out.append(f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
+                       f"tensor_model_parallel_size ({tp})")
+        if self.normalization not in NORMALIZATIONS:
+            out.append(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            out.append(f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
+                       f"got {self.position_embedding_type!r}")
+        elif self.position_embedding_type == "rope":
+            out += self._rope_problems()
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                out.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.make_vocab_size_divisible_by < 1:
+            out.append(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
+        if self.layernorm_epsilon <= 0:
+            out.append(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
+        return out + self._recompute_problems()
+
+    def _rope_problems(self) -> list[str]:
+        head = self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        if not 0.0 < self.rotary_percent <= 1.0:
+            return [f"rotary_percent must be in (0, 1], got {self.rotary_percent}"]
+        rotary_dim = int(head * self.rotary_percent)
+        if rotary_dim < 2 or rotary_dim % 2:
+            return [(f"rotary_percent ({self.rotary_percent}) x kv_channels ({head}) gives {rotary_dim} rotary "
+                     "channels; RoPE needs an even number >= 2")]
+        return []
+
+    def _recompute_problems(self) -> list[str]:
+        granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if granularity is None:
+            if method is not None or count is not None:
+                return [(f"recompute_method ({method!r}) and recompute_num_layers ({count}) need "
+                         "recompute_granularity='full'")]
+            return []
+        if granularity not in RECOMPUTE_GRANULARITIES:
+            return [f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} or None, got {granularity!r}"]
+        if granularity == "selective":
+            if method is not None or count is not None:
+                return [(f"recompute_granularity='selective' takes no recompute_method ({method!r}) or "
+                         f"recompute_num_layers ({count})")]
+            return []
+        if method not in RECOMPUTE_METHODS:
+            return [f"recompute_granularity='full' needs recompute_method 'uniform' or 'block', got {method!r}"]
+        if count is None or count < 1:
+            return [f"recompute_granularity='full' needs recompute_num_layers >= 1, got {count}"]
+        return []
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """``vocab_size`` rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's rule)."""
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return -(-vocab_size // multiple) * multiple

@@ -1,0 +1,39 @@
+"""One pre-norm decoder layer: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.transformer.attention import Rotary, SelfAttention
+from core.transformer.dropout import dropout
+from core.transformer.mlp import MLP
+from core.transformer.norms import build_norm
+from core.transformer.transformer_config import TransformerConfig
+
+
+class TransformerLayer(nn.Module):
+    """Megatron's submodule names (``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm``, ``mlp``).
+
+    ``layer_number`` is the layer's global 0-based index in the whole model, whatever stage builds it.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.input_layernorm = build_norm(config.hidden_size, config)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.pre_mlp_layernorm = build_norm(config.hidden_size, config)
+        self.mlp = MLP(config)
+
+    def _residual_dropout(self, branch: torch.Tensor) -> torch.Tensor:
+        # Under sequence parallelism each rank holds other tokens: independent masks (private stream).
+        return dropout(branch, self.config.hidden_dropout, self.training, sharded=self.config.sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor, rotary: Rotary = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]`` (``[s / tp, b, h]`` both ways under sequence parallelism)."""
+        attended = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
+        hidden = hidden + self._residual_dropout(attended)
+        return hidden + self._residual_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))

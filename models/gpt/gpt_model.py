@@ -1,0 +1,217 @@
+"""GPTModel: one pipeline stage (or the whole model) of a GPT-2 or LLaMA style decoder.
+
+A chunk builds only what its stage of the pipeline layout holds: the embedding (``pre_process``),
+its decoder layers under their global numbers, and the final norm, output layer and loss
+(``post_process``). Names are global (``decoder.layers.{i}...``, ``embedding.word_embeddings.weight``,
+``output_layer.weight``), and initialisation depends only on (seed, name), so the same seed gives
+the same full model in every TP/PP/VPP split.
+
+Tied embeddings. With the embedding and the output layer in one chunk the output layer uses the
+embedding's Parameter. In different chunks of one rank (virtual pipelining) the last chunk borrows
+the first chunk's Parameter without registering it, so it is optimised and reduced once. On
+different ranks the last stage holds a copy, initialised from the embedding's name; both copies are
+marked ``shared_embedding`` and ``finalize_model_grads`` sums their gradients over the embedding
+group, so they take identical steps and stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import einops
+import torch
+from torch import nn
+
+from core import parallel_state
+from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
+from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
+from core.transformer.initialization import deferred_init, initialize_by_name, mark_init
+from core.transformer.rope import RotaryEmbedding
+from core.transformer.transformer_block import TransformerBlock
+from core.transformer.transformer_config import TransformerConfig
+from models.gpt.embedding import LanguageModelEmbedding
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
+    """The layout the model is split by: ``config.pipeline_model_parallel_layout`` or an even split."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    if config.pipeline_model_parallel_layout is None:
+        return even_layout(config.num_layers, pp, vpp)
+    layout = parse_layout(config.pipeline_model_parallel_layout, pp, num_layers=config.num_layers,
+                          mtp_num_layers=0)
+    if layout.vpp_size != (vpp or 1):
+        raise ValueError(f"pipeline layout '{config.pipeline_model_parallel_layout}' has {layout.vpp_size} virtual "
+                         f"stages per rank but virtual_pipeline_model_parallel_size is {vpp}")
+    return layout
+
+
+def pipeline_rank(config: TransformerConfig) -> int:
+    """This process's pipeline rank (0 without initialised parallel state), checked against the config."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    size = parallel_state.get_pipeline_model_parallel_world_size()
+    if size != config.pipeline_model_parallel_size:
+        raise ValueError(f"the pipeline group has {size} ranks but config.pipeline_model_parallel_size is "
+                         f"{config.pipeline_model_parallel_size}")
+    return parallel_state.get_pipeline_model_parallel_rank()
+
+
+def _rank_of(layout: PipelineLayout, symbol: str) -> int:
+    stage = next(s for s, layers in enumerate(layout.stages) if symbol in layers)
+    return stage % layout.pp_size
+
+
+class GPTModel(nn.Module):
+    """Megatron's GPTModel contract: ``forward(input_ids, position_ids, attention_mask, labels)``.
+
+    ``shared_embedding_weight`` is only for a tied output layer whose embedding lives in an earlier
+    chunk of the same rank; :func:`build_model_chunks` passes it.
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                 pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None, *,
+                 shared_embedding_weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.vp_stage = vp_stage
+        self.pre_process, self.post_process = pre_process, post_process
+        self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
+        self.padded_vocab_size = config.padded_vocab_size(vocab_size)
+        self.layout = pipeline_layout(config)
+        self.pp_rank = pipeline_rank(config)
+        self._check_stage(pre_process, post_process, vp_stage)
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.input_tensor: torch.Tensor | None = None
+        placement = (_rank_of(self.layout, EMBEDDING), _rank_of(self.layout, LOSS))
+        if self.share_embeddings_and_output_weights and self._tied_across_ranks() and placement != (
+                0, self.layout.pp_size - 1):
+            raise ValueError(f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
+                             f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
+                             f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True")
+
+        self.embedding = (LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size, max_sequence_length)
+                          if pre_process else None)
+        self.rotary_pos_emb = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
+                               if config.position_embedding_type == "rope" else None)
+        self.decoder = TransformerBlock(config, self.layout.decoder_layers(self.pp_rank, vp_stage), post_process)
+        self._borrowed_weight: list[nn.Parameter] = []  # a list, so that nn.Module does not register it
+        self.output_layer = self._build_output_layer(shared_embedding_weight) if post_process else None
+        if pre_process and self.share_embeddings_and_output_weights and self._tied_across_ranks():
+            self.embedding.word_embeddings.weight.shared_embedding = True  # the first stage's copy
+        if config.perform_initialization:
+            initialize_by_name(self, config)
+
+    def _check_stage(self, pre_process: bool, post_process: bool, vp_stage: int | None) -> None:
+        try:
+            self.layout.stage_index(self.pp_rank, vp_stage)
+        except ValueError as err:
+            raise ValueError(f"GPTModel(vp_stage={vp_stage}) on pipeline rank {self.pp_rank}: {err}") from None
+        for flag, value, expected, what in (
+                ("pre_process", pre_process, self.layout.has_embedding(self.pp_rank, vp_stage), "embedding"),
+                ("post_process", post_process, self.layout.has_loss(self.pp_rank, vp_stage), "loss")):
+            if value != expected:
+                raise ValueError(
+                    f"GPTModel({flag}={value}) disagrees with the pipeline layout: stage (pp_rank {self.pp_rank}, "
+                    f"vp_stage {vp_stage}) {'holds' if expected else 'does not hold'} the {what}; pass "
+                    f"{flag}={expected} or use build_model_chunks")
+
+    def _tied_across_ranks(self) -> bool:
+        """Whether the embedding and the output layer live on different pipeline ranks."""
+        return _rank_of(self.layout, EMBEDDING) != _rank_of(self.layout, LOSS)
+
+    def _build_output_layer(self, shared_weight: nn.Parameter | None) -> ColumnParallelLinear:
+        config, tied = self.config, self.share_embeddings_and_output_weights
+        same_rank = not self._tied_across_ranks()
+        borrow = tied and same_rank and not self.pre_process
+        if borrow and shared_weight is None:
+            raise ValueError("tied embeddings: the embedding is in an earlier chunk of this rank; pass "
+                             f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use build_model_chunks")
+        layer = ColumnParallelLinear(
+            config.hidden_size, self.padded_vocab_size, config=config, init_method=deferred_init, bias=False,
+            gather_output=False, skip_weight_param_allocation=tied and same_rank, perform_initialization=False)
+        if borrow:
+            self._borrowed_weight.append(shared_weight)
+        if layer.weight is not None:
+            mark_init(layer.weight, "normal", valid_rows=self.vocab_size, name=WORD_EMBEDDINGS if tied else None)
+            if tied:  # the last stage's copy of the first stage's embedding
+                layer.weight.shared_embedding = True
+        return layer
+
+    def set_input_tensor(self, input_tensor: list[torch.Tensor | None] | torch.Tensor | None) -> None:
+        """The schedule hands a non-first stage its input (``[s, b, h]``) here before each forward."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"set_input_tensor takes a list of one tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """The word embedding on the first stage, else the output weight (Megatron's accessor)."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self._output_weight() if self.post_process else None
+
+    def _output_weight(self) -> torch.Tensor:
+        if self.output_layer.weight is not None:
+            return self.output_layer.weight
+        if self._borrowed_weight:
+            return self._borrowed_weight[0]
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden ``[s, b, h]`` from a non-last stage; on the last, per-token loss ``[b, s]`` (fp32) given
+        ``labels``, else logits ``[b, s, padded_vocab / tp]`` (padding entries are -inf).
+
+        ``attention_mask`` is Megatron's boolean "True = masked" mask; causality is always applied.
+        """
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
+        elif self.input_tensor is None:
+            raise RuntimeError("GPTModel without pre_process got no input: call set_input_tensor([hidden]) first")
+        else:
+            hidden = self.input_tensor
+        hidden = self.decoder(hidden, self._rotary(hidden, position_ids), attention_mask)
+        if not self.post_process:
+            return hidden
+        logits, _ = self.output_layer(hidden, weight=self._output_weight())
+        logits = self._mask_padding(logits)
+        if labels is None:
+            return einops.rearrange(logits, "s b v -> b s v").contiguous()
+        loss = vocab_parallel_cross_entropy(logits.float(), einops.rearrange(labels, "b s -> s b"))
+        return einops.rearrange(loss, "s b -> b s").contiguous()
+
+    def _rotary(self, hidden: torch.Tensor,
+                position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.rotary_pos_emb is None:
+            return None
+        if position_ids is None:
+            seq = hidden.shape[0] * (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1)
+            position_ids = torch.arange(seq, device=hidden.device)
+        return self.rotary_pos_emb(position_ids)
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padded vocabulary entries get -inf, so they take no probability mass and no gradient."""
+        local = logits.shape[-1]
+        start = tp_rank() * local
+        if start + local <= self.vocab_size:
+            return logits
+        padding = torch.arange(start, start + local, device=logits.device) >= self.vocab_size
+        return logits.masked_fill(padding, float("-inf"))
+
+
+def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> list[GPTModel]:
+    """This rank's model chunk(s), one per virtual stage, with pre/post flags taken from the layout."""
+    layout = pipeline_layout(config)
+    rank = pipeline_rank(config)
+    chunks: list[GPTModel] = []
+    for v in range(layout.vpp_size):
+        vp_stage = v if layout.vpp_size > 1 else None
+        embedding_holder = next((c for c in chunks if c.pre_process), None)
+        shared = embedding_holder.embedding.word_embeddings.weight if embedding_holder is not None else None
+        chunks.append(GPTModel(config, vocab_size, max_sequence_length,
+                               pre_process=layout.has_embedding(rank, vp_stage),
+                               post_process=layout.has_loss(rank, vp_stage), vp_stage=vp_stage,
+                               shared_embedding_weight=shared))
+    return chunks

@@ -1,0 +1,185 @@
+"""State-dict conversion between a TP=PP=1 GPTModel and Hugging Face LLaMA / GPT-2 checkpoints.
+
+Pure tensor mapping (no ``transformers`` import), shared by the parity tests and the checkpoint
+tools. Three layouts differ from Hugging Face's:
+
+* QKV: one fused weight laid out per query group ``[q_0..q_{n-1}, k, v]`` (see
+  ``core.transformer.attention``) vs LLaMA's separate ``q_proj``/``k_proj``/``v_proj`` and GPT-2's
+  ``c_attn`` columns ``[all q | all k | all v]``;
+* the gated MLP's fc1 is ``[gate; up]`` vs LLaMA's ``gate_proj``/``up_proj``;
+* GPT-2's ``Conv1D`` stores weights as ``[in, out]``, the transpose of ``nn.Linear``.
+
+The vocabulary is padded here (``config.padded_vocab_size``, zero rows) and unpadded on export.
+RoPE needs no permutation: both sides use the rotate-half convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import einops
+import torch
+import torch.nn.functional as F
+
+from core.transformer.transformer_config import TransformerConfig, openai_gelu
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+def hf_architecture(config: TransformerConfig) -> str:
+    """"llama" or "gpt2": which Hugging Face model class ``config`` is exactly equivalent to."""
+    llama = (config.normalization == "RMSNorm" and config.gated_linear_unit and config.activation_func is F.silu
+             and config.position_embedding_type == "rope" and config.rotary_percent == 1.0
+             and (config.add_bias_linear or not config.add_qkv_bias))
+    if llama:
+        return "llama"
+    gpt2 = (config.normalization == "LayerNorm" and not config.gated_linear_unit
+            and config.activation_func in (openai_gelu, F.gelu) and config.position_embedding_type == "learned_absolute"
+            and config.add_bias_linear and not config.untie_embeddings_and_output_weights
+            and config.num_query_groups == config.num_attention_heads
+            and config.kv_channels * config.num_attention_heads == config.hidden_size)
+    if gpt2:
+        return "gpt2"
+    raise ValueError("this TransformerConfig matches neither Hugging Face LLaMA (RMSNorm, SwiGLU, full RoPE) nor "
+                     "GPT-2 (LayerNorm, GELU, learned positions, biases, tied embeddings, MHA)")
+
+
+def hf_config_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> dict:
+    """Keyword arguments for ``LlamaConfig`` / ``GPT2Config`` describing the same model."""
+    if hf_architecture(config) == "llama":
+        return {"vocab_size": vocab_size, "hidden_size": config.hidden_size,
+                "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
+                "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
+                "head_dim": config.kv_channels, "max_position_embeddings": max_sequence_length,
+                "rms_norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base, "hidden_act": "silu",
+                "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+                "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
+                "attention_dropout": config.attention_dropout}
+    return {"vocab_size": vocab_size, "n_positions": max_sequence_length, "n_embd": config.hidden_size,
+            "n_layer": config.num_layers, "n_head": config.num_attention_heads, "n_inner": config.ffn_hidden_size,
+            "activation_function": "gelu_new" if config.activation_func is openai_gelu else "gelu",
+            "layer_norm_epsilon": config.layernorm_epsilon, "resid_pdrop": config.hidden_dropout,
+            "embd_pdrop": config.hidden_dropout, "attn_pdrop": config.attention_dropout, "tie_word_embeddings": True}
+
+
+def _split_qkv(fused: torch.Tensor, config: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused per-group rows -> q rows ``(heads d)``, k and v rows ``(groups d)`` (weights or biases)."""
+    n = config.num_attention_heads // config.num_query_groups
+    grouped = einops.rearrange(fused, "(g m d) ... -> g m d ...", g=config.num_query_groups, d=config.kv_channels)
+    q = einops.rearrange(grouped[:, :n], "g n d ... -> (g n d) ...")
+    k, v = (einops.rearrange(grouped[:, i], "g d ... -> (g d) ...") for i in (n, n + 1))
+    return q, k, v
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """Inverse of :func:`_split_qkv`."""
+    g, d = config.num_query_groups, config.kv_channels
+    q = einops.rearrange(q, "(g n d) ... -> g n d ...", g=g, d=d)
+    k, v = (einops.rearrange(t, "(g one d) ... -> g one d ...", g=g, one=1, d=d) for t in (k, v))
+    return einops.rearrange(torch.cat([q, k, v], dim=1), "g m d ... -> (g m d) ...")
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
+
+
+def to_hf(state_dict: StateDict, config: TransformerConfig, vocab_size: int) -> dict[str, torch.Tensor]:
+    """A full (TP=PP=1) GPTModel state dict -> the Hugging Face model's state dict."""
+    sd = {k: v.detach() for k, v in state_dict.items()}
+    embedding = sd["embedding.word_embeddings.weight"][:vocab_size]
+    head = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])[:vocab_size]
+    llama = hf_architecture(config) == "llama"
+    out: dict[str, torch.Tensor] = {}
+    for i in range(config.num_layers):
+        src = f"decoder.layers.{i}."
+        dst = f"model.layers.{i}." if llama else f"transformer.h.{i}."
+        for ours, theirs in _per_layer_names(llama):
+            for suffix in ("weight", "bias"):
+                if src + ours + "." + suffix in sd:
+                    out[dst + theirs + "." + suffix] = sd[src + ours + "." + suffix]
+        q, k, v = _split_qkv(sd[src + "self_attention.linear_qkv.weight"], config)
+        fc1 = sd[src + "mlp.linear_fc1.weight"]
+        if llama:
+            out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                        dst + "self_attn.v_proj.weight": v})
+            if src + "self_attention.linear_qkv.bias" in sd:
+                biases = _split_qkv(sd[src + "self_attention.linear_qkv.bias"], config)
+                out.update({dst + f"self_attn.{p}_proj.bias": b for p, b in zip("qkv", biases)})
+            gate, up = torch.chunk(fc1, 2, dim=0)
+            out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+            if src + "mlp.linear_fc1.bias" in sd:
+                gate_b, up_b = torch.chunk(sd[src + "mlp.linear_fc1.bias"], 2)
+                out.update({dst + "mlp.gate_proj.bias": gate_b, dst + "mlp.up_proj.bias": up_b})
+        else:
+            out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
+            out[dst + "attn.c_attn.bias"] = torch.cat(_split_qkv(sd[src + "self_attention.linear_qkv.bias"], config))
+            out[dst + "mlp.c_fc.weight"] = fc1.t()
+            out[dst + "mlp.c_fc.bias"] = sd[src + "mlp.linear_fc1.bias"]
+            for conv in ("attn.c_proj.weight", "mlp.c_proj.weight"):
+                out[dst + conv] = out[dst + conv].t()
+    final = "decoder.final_layernorm."
+    if llama:
+        out.update({"model.embed_tokens.weight": embedding, "model.norm.weight": sd[final + "weight"],
+                    "lm_head.weight": head})
+    else:
+        out.update({"transformer.wte.weight": embedding, "lm_head.weight": head,
+                    "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
+                    "transformer.ln_f.weight": sd[final + "weight"], "transformer.ln_f.bias": sd[final + "bias"]})
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _per_layer_names(llama: bool) -> list[tuple[str, str]]:
+    """Modules whose weight and bias map one to one (GPT-2's Conv1D ones are transposed afterwards)."""
+    if llama:
+        return [("input_layernorm", "input_layernorm"), ("pre_mlp_layernorm", "post_attention_layernorm"),
+                ("self_attention.linear_proj", "self_attn.o_proj"), ("mlp.linear_fc2", "mlp.down_proj")]
+    return [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"), ("self_attention.linear_proj", "attn.c_proj"),
+            ("mlp.linear_fc2", "mlp.c_proj")]
+
+
+def from_hf(hf_state_dict: StateDict, config: TransformerConfig, vocab_size: int) -> dict[str, torch.Tensor]:
+    """A Hugging Face LLaMA / GPT-2 state dict -> a full (TP=PP=1) GPTModel state dict (vocabulary padded)."""
+    hf = {k: v.detach() for k, v in hf_state_dict.items()}
+    llama = hf_architecture(config) == "llama"
+    padded = config.padded_vocab_size(vocab_size)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(config.num_layers):
+        src = f"model.layers.{i}." if llama else f"transformer.h.{i}."
+        dst = f"decoder.layers.{i}."
+        for ours, theirs in _per_layer_names(llama):
+            for suffix in ("weight", "bias"):
+                if src + theirs + "." + suffix in hf:
+                    value = hf[src + theirs + "." + suffix]
+                    transpose = not llama and suffix == "weight" and theirs.endswith("c_proj")
+                    out[dst + ours + "." + suffix] = value.t() if transpose else value
+        if llama:
+            attn = src + "self_attn."
+            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+                *(hf[attn + f"{p}_proj.weight"] for p in "qkv"), config)
+            if attn + "q_proj.bias" in hf:
+                out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                    *(hf[attn + f"{p}_proj.bias"] for p in "qkv"), config)
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
+                                                            hf[src + "mlp.up_proj.weight"]])
+            if src + "mlp.gate_proj.bias" in hf:
+                out[dst + "mlp.linear_fc1.bias"] = torch.cat([hf[src + "mlp.gate_proj.bias"],
+                                                              hf[src + "mlp.up_proj.bias"]])
+        else:
+            q, k, v = torch.chunk(hf[src + "attn.c_attn.weight"].t(), 3, dim=0)
+            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(q, k, v, config)
+            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                *torch.chunk(hf[src + "attn.c_attn.bias"], 3), config)
+            out[dst + "mlp.linear_fc1.weight"] = hf[src + "mlp.c_fc.weight"].t()
+            out[dst + "mlp.linear_fc1.bias"] = hf[src + "mlp.c_fc.bias"]
+    prefix = "model." if llama else "transformer."
+    embedding = hf[prefix + ("embed_tokens.weight" if llama else "wte.weight")]
+    out["embedding.word_embeddings.weight"] = _pad_rows(embedding, padded)
+    if llama:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if config.untie_embeddings_and_output_weights:
+            out["output_layer.weight"] = _pad_rows(hf.get("lm_head.weight", embedding), padded)
+    else:
+        out["embedding.position_embeddings.weight"] = hf["transformer.wpe.weight"]
+        out["decoder.final_layernorm.weight"] = hf["transformer.ln_f.weight"]
+        out["decoder.final_layernorm.bias"] = hf["transformer.ln_f.bias"]
+    return {k: v.contiguous() for k, v in out.items()}

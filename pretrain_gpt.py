@@ -1,0 +1,81 @@
+"""Pretrain a GPT (or, with the LLaMA flags, a LLaMA) with Trident.
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --pipeline-model-parallel-size 4
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
+        --data-path my_text_document --tokenizer-model my.model --num-layers 8 --hidden-size 256 ...
+
+With no model or data flags it trains a tiny GPT on the default corpus (the standard library's
+docstrings) with Trident's own SentencePiece tokenizer, built and cached on first use. This file is
+Megatron's contract: a model provider, a forward step with its loss function, a datasets provider.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from core.transformer import TransformerConfig
+from models.gpt import GPTModel
+from training import get_args, get_tokenizer, pretrain
+from training.arguments import transformer_config_from_args
+from training.data import build_train_valid_test_datasets, default_tokenizer
+from training.data.defaults import default_data_prefix
+from training.tokenizer import build_tokenizer
+
+
+def _verbose() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def tokenizer_provider(args):
+    model = args.tokenizer_model
+    if model is None and args.tokenizer_type != "NullTokenizer":
+        model = str(default_tokenizer(verbose=_verbose()))
+        args.tokenizer_model = model
+    return build_tokenizer(args.tokenizer_type, model, vocab_size=args.vocab_size)
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> GPTModel:
+    args = get_args()
+    config = TransformerConfig(**transformer_config_from_args(args))
+    return GPTModel(config, get_tokenizer().vocab_size, args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked token loss: (sum, tokens, log) with --calculate-per-token-loss, else the microbatch mean."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum()
+    if get_args().calculate_per_token_loss:
+        return loss_sum, num_tokens.to(torch.int64), {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
+    loss = loss_sum / num_tokens
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward step: stages that hold neither embedding nor loss read no data."""
+    tokens = labels = loss_mask = position_ids = None
+    if model.pre_process or model.post_process:
+        batch = next(data_iterator)
+        tokens, labels = batch["tokens"], batch["labels"]
+        loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
+    output = model(tokens, position_ids, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(args):
+    tokenizer = get_tokenizer()
+    prefixes = args.data_path or [default_data_prefix(tokenizer, args.tokenizer_model, verbose=_verbose())]
+    gbs = args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
+    num_samples = (args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs)
+    return build_train_valid_test_datasets(prefixes, args.split or "969,30,1", args.seq_length, args.seed,
+                                           num_samples, eod_token=tokenizer.eod, eod_mask_loss=args.eod_mask_loss)
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, tokenizer_provider=tokenizer_provider)

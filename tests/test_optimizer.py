@@ -1,0 +1,316 @@
+"""Optimizer: AdamW parity, bf16 with fp32 main params, weight-decay groups, LR schedule, state
+round trip; global-norm clipping over TP x PP with a tied embedding; NaN steps skipped."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from core.optimizer import (
+    OptimizerConfig,
+    OptimizerParamScheduler,
+    get_grad_norm_fp32,
+    get_megatron_optimizer,
+    get_param_groups,
+)
+from core.tensor_parallel.utils import set_tensor_model_parallel_attributes, shard_of
+
+
+class _Net(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding = nn.Embedding(7, 4)
+        self.fc = nn.Linear(4, 6)
+        self.norm = nn.LayerNorm(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        return self.out(self.norm(torch.tanh(self.fc(self.embedding(tokens))))).square().mean()
+
+
+def _reference_adamw(model, lr=1e-2, weight_decay=0.1, **kw):
+    decay = [model.embedding.weight, model.fc.weight, model.out.weight]
+    no_decay = [model.fc.bias, model.norm.weight, model.norm.bias, model.out.bias]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, **kw)
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, 7, (5,), generator=torch.Generator().manual_seed(step))
+
+
+# --------------------------------------------------------------------------------------------------
+# Groups, fp32 and bf16 steps, state round trip (one process)
+# --------------------------------------------------------------------------------------------------
+
+def test_weight_decay_groups_exclude_biases_and_norms():
+    model = _Net()
+    groups = get_param_groups([model], 0.1, scale_lr_cond=lambda name, p: name.startswith("out."), lr_mult=2.0)
+    summary = [({n for n, p in model.named_parameters() if any(p is q for q in g["params"])},
+                g["weight_decay"], g["wd_mult"], g["lr_mult"]) for g in groups]
+    assert summary == [
+        ({"embedding.weight", "fc.weight"}, 0.1, 1.0, 1.0),
+        ({"out.weight"}, 0.1, 1.0, 2.0),
+        ({"fc.bias", "norm.weight", "norm.bias"}, 0.0, 0.0, 1.0),
+        ({"out.bias"}, 0.0, 0.0, 2.0),
+    ]
+
+
+def test_fp32_step_from_ddp_buffers_is_bit_identical_to_torch_adamw():
+    model, ref = _Net(), _Net()
+    ddp = DistributedDataParallel(None, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0), [ddp])
+    reference = _reference_adamw(ref)
+    for step in range(4):
+        optimizer.zero_grad()
+        ddp(_tokens(step)).backward()
+        ddp.finish_grad_sync()
+        assert all(p.grad is None for p in model.parameters())  # everything is in main_grad
+        ok, grad_norm, zeros = optimizer.step()
+        reference.zero_grad()
+        ref(_tokens(step)).backward()
+        reference.step()
+        assert ok and zeros is None
+        assert grad_norm == pytest.approx(math.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters())),
+                                          rel=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), (step, name)
+
+
+def _bf16_pair():
+    model = _Net().to(torch.bfloat16)
+    ref = _Net()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    return model, ref
+
+
+@pytest.mark.parametrize("grad_source", ["main_grad", "grad"])
+def test_bf16_model_steps_fp32_main_params_like_an_fp32_adamw(grad_source):
+    model, ref = _bf16_pair()
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=0.0, bf16=True), [model])
+    reference = _reference_adamw(ref, lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            g = torch.randn(p.shape, generator=gen)
+            if grad_source == "main_grad":  # what DDP leaves: an fp32 buffer view
+                p.main_grad = g
+                q.grad = g.clone()
+            else:  # a bf16 gradient, upcast by the optimizer
+                p.grad = g.bfloat16()
+                q.grad = g.bfloat16().float()
+        assert optimizer.step()[0]
+        reference.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            main = optimizer.get_main_param(p)
+            assert main.dtype == torch.float32 and torch.equal(main, q), name
+            assert torch.equal(p, main.bfloat16()), name
+    # The point of main params: updates below bf16's resolution accumulate instead of vanishing.
+    assert any(not torch.equal(main.bfloat16().float(), main) for main in optimizer.get_parameters())
+
+
+def _roundtrip(optimizer, model, tmp_path, tag):
+    state = optimizer.state_dict()
+    save_file(state["state"], str(tmp_path / f"{tag}.safetensors"))
+    (tmp_path / f"{tag}.json").write_text(json.dumps(state["param_groups"]))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / f"{tag}-model.safetensors"))
+    return (load_file(str(tmp_path / f"{tag}.safetensors")), json.loads((tmp_path / f"{tag}.json").read_text()),
+            load_file(str(tmp_path / f"{tag}-model.safetensors")))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_state_dict_round_trip_through_safetensors_and_json_continues_bit_identically(bf16, tmp_path):
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, bf16=bf16)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = _Net().to(dtype)
+    optimizer = get_megatron_optimizer(config, [model])
+    scheduler = OptimizerParamScheduler(optimizer, 0.0, 1e-2, 1e-3, 2, 10, "cosine")
+
+    def train(model, optimizer, scheduler, steps):
+        for step in steps:
+            optimizer.zero_grad()
+            model(_tokens(step)).float().backward()
+            assert optimizer.step()[0]
+            scheduler.step(1)
+
+    train(model, optimizer, scheduler, range(3))
+    tensors, groups, weights = _roundtrip(optimizer, model, tmp_path, "ckpt")
+    sched_state = json.loads(json.dumps(scheduler.state_dict()))
+    assert all(isinstance(v, torch.Tensor) for v in tensors.values())
+    if bf16:
+        assert "0.main_param" in tensors
+
+    resumed = _Net(seed=1).to(dtype)
+    resumed.load_state_dict(weights)
+    resumed_opt = get_megatron_optimizer(config, [resumed])
+    resumed_opt.load_state_dict({"param_groups": groups, "state": tensors})
+    resumed_sched = OptimizerParamScheduler(resumed_opt, 0.0, 1e-2, 1e-3, 2, 10, "cosine")
+    resumed_sched.load_state_dict(sched_state)
+
+    train(model, optimizer, scheduler, range(3, 6))
+    train(resumed, resumed_opt, resumed_sched, range(3, 6))
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(optimizer.get_main_param(p), resumed_opt.get_main_param(q))
+
+
+def test_zero_grad_clears_grads_and_main_grad_buffers():
+    model = _Net()
+    ddp = DistributedDataParallel(None, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [ddp])
+    ddp(_tokens(0)).backward()
+    ddp.finish_grad_sync()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert ddp.buffers[0].grad_data.abs().sum() == 0
+    ddp(_tokens(1)).backward()  # buckets were re-armed: no "arrived after reduction" error
+
+
+# --------------------------------------------------------------------------------------------------
+# LR schedule: Megatron's formulas, values written out
+# --------------------------------------------------------------------------------------------------
+
+def _lrs(style, steps, **kw):
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = OptimizerParamScheduler(opt, 0.0, 1.0, 0.1, 10, 110, style, **kw)
+    values, done = [], 0
+    for step in steps:
+        scheduler.step(step - done)
+        done = step
+        values.append(opt.param_groups[0]["lr"])
+    return values
+
+
+def test_lr_warmup_then_decay_matches_megatron_formulas():
+    steps = [0, 5, 10, 35, 60, 110, 111, 500]
+    approx = lambda xs: pytest.approx(xs, rel=1e-12, abs=1e-15)
+    assert _lrs("cosine", steps) == approx([0.0, 0.5, 1.0, 0.8681980515339464, 0.55, 0.1, 0.1, 0.1])
+    assert _lrs("linear", steps) == approx([0.0, 0.5, 1.0, 0.775, 0.55, 0.1, 0.1, 0.1])
+    assert _lrs("constant", steps) == approx([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert _lrs("inverse-square-root", [40, 1000]) == approx([0.5, 0.1])
+    assert _lrs("WSD", [80, 90, 100, 110], wsd_decay_steps=20, lr_wsd_decay_style="linear") == approx(
+        [1.0, 1.0, 0.55, 0.1])
+
+
+def test_weight_decay_ramp_and_group_multipliers():
+    groups = [{"params": [nn.Parameter(torch.zeros(1))], "wd_mult": 1.0, "lr_mult": 2.0},
+              {"params": [nn.Parameter(torch.zeros(1))], "wd_mult": 0.0, "lr_mult": 1.0}]
+    opt = torch.optim.AdamW(groups, lr=0.0)
+    scheduler = OptimizerParamScheduler(opt, 0.0, 1.0, 0.1, 10, 110, "linear", start_wd=0.0, end_wd=0.1,
+                                        wd_incr_steps=100, wd_incr_style="linear")
+    scheduler.step(50)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([2 * 0.64, 0.64])  # ratio .4: .1 + .9 * .6
+    assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx([0.05, 0.0])
+
+
+def test_scheduler_rejects_bad_settings_with_the_knob_named():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+    with pytest.raises(ValueError, match="lr_warmup_steps < lr_decay_steps"):
+        OptimizerParamScheduler(opt, 0.0, 1.0, 0.1, 10, 10, "cosine")
+    with pytest.raises(ValueError, match="lr_decay_style"):
+        OptimizerParamScheduler(opt, 0.0, 1.0, 0.1, 1, 10, "cosin")
+
+
+# --------------------------------------------------------------------------------------------------
+# Global norm and clipping on real ranks: TP=2 x PP=2, tied embedding
+# --------------------------------------------------------------------------------------------------
+
+# name: (full shape, stage, tensor-parallel partition dim or None for replicated)
+_WEIGHTS = {
+    "embedding": ((8, 4), 0, 0),
+    "fc1.weight": ((6, 4), 0, 0),
+    "fc1.bias": ((6,), 0, 0),
+    "norm0": ((4,), 0, None),
+    "fc2.weight": ((4, 6), 1, 1),
+    "fc2.bias": ((4,), 1, None),
+    "norm1": ((4,), 1, None),
+}
+
+
+def _full_grads() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    grads = {name: torch.randn(shape, generator=gen) for name, (shape, _, _) in _WEIGHTS.items()}
+    grads["embedding"][0] = 0.0  # a few exact zeros to count
+    return grads
+
+
+class _HandStage(nn.Module):
+    """This rank's shards of the single-device weights; the last stage holds the tied output copy."""
+
+    def __init__(self, pp_rank: int, tp_rank: int, grads: dict[str, torch.Tensor]):
+        super().__init__()
+        self.params = nn.ParameterDict()
+        placed = {n: spec for n, spec in _WEIGHTS.items() if spec[1] == pp_rank}
+        if pp_rank == 1:
+            placed["output"] = _WEIGHTS["embedding"][:1] + (1, 0)
+        for name, (shape, _, dim) in placed.items():
+            full_grad = grads["embedding" if name == "output" else name]
+            param = nn.Parameter(torch.ones(shape))
+            set_tensor_model_parallel_attributes(param, dim is not None, -1 if dim is None else dim)
+            param.data = shard_of(param.data, param, tp_rank, 2)
+            param.grad = shard_of(full_grad, param, tp_rank, 2).clone()
+            if name in ("embedding", "output"):
+                param.shared_embedding = True  # after finalize both copies hold the summed gradient
+            self.params[name.replace(".", "_")] = param
+
+
+def _clip_case(rank, world_size, nan_rank):
+    from core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    grads = _full_grads()
+    stage = _HandStage(ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), grads)
+    if rank == nan_rank:
+        next(iter(stage.parameters())).grad.view(-1)[1] = float("nan")
+    expected = math.sqrt(sum(g.double().square().sum().item() for g in grads.values()))
+    clip = expected / 4
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.0, clip_grad=clip,
+                                                       log_num_zeros_in_grad=True), [stage])
+    before = [p.detach().clone() for p in stage.parameters()]
+    unclipped = [p.grad.clone() for p in stage.parameters()]
+    ok, grad_norm, zeros = optimizer.step()
+    local_max = max(g.abs().max().item() for g in unclipped)
+    inf_norm = get_grad_norm_fp32(unclipped, math.inf, ps.get_model_parallel_group())
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, stage.parameters()))
+    clipped_right = all(torch.allclose(p.grad, g * clip / (expected + 1e-6), rtol=1e-6, atol=0)
+                        for p, g in zip(stage.parameters(), unclipped))
+    return (ok, grad_norm, expected, zeros, unchanged, clipped_right, inf_norm, local_max,
+            max(g.abs().max().item() for g in grads.values()), len(optimizer.state))
+
+
+def test_global_norm_over_tp_and_pp_counts_each_weight_once_and_clips(ranks):
+    results = ranks(4).run(_clip_case, -1, timeout=60)
+    for ok, grad_norm, expected, zeros, unchanged, clipped_right, inf_norm, _, full_max, _ in results:
+        assert ok and not unchanged
+        assert grad_norm == pytest.approx(expected, rel=1e-6)
+        assert zeros == 4  # the embedding's zeroed row, counted once although held twice
+        assert clipped_right
+        assert inf_norm == pytest.approx(full_max, rel=1e-7)
+
+
+def test_nan_on_one_rank_skips_the_step_everywhere(ranks):
+    results = ranks(4).run(_clip_case, 3, timeout=60)
+    for ok, grad_norm, _, zeros, unchanged, _, _, _, _, num_states in results:
+        assert not ok and math.isnan(grad_norm) and zeros is None
+        assert unchanged and num_states == 0  # parameters and optimizer state untouched
+
+
+def test_plain_process_norm_needs_no_groups():
+    grads = [torch.tensor([3.0]), torch.tensor([4.0])]
+    assert get_grad_norm_fp32(grads) == 5.0
+    model = copy.deepcopy(_Net())
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=1e-3), [model])
+    model(_tokens(0)).backward()
+    ok, norm, _ = optimizer.step()
+    assert ok and norm > 1e-3
+    assert optimizer.get_grad_norm() == pytest.approx(1e-3, rel=1e-3)  # clipped to the limit

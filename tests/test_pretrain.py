@@ -1,0 +1,143 @@
+"""pretrain_gpt.py end to end, through the real torchrun entry point, with W&B offline runs read back."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from training.wandb_logging import read_offline_history
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small GPT that trains in well under a second per iteration on two cores.
+SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--eval-interval", "1000",
+         "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    """One default corpus and tokenizer for the module, built by the first run."""
+    return str(tmp_path_factory.mktemp("trident-cache"))
+
+
+def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
+    env = {**os.environ, "TRIDENT_CACHE": cache, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(ROOT / "pretrain_gpt.py"), *args]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return done
+
+
+def wandb_losses(save_dir: Path) -> dict[int, float]:
+    """Iteration -> loss from every offline W&B run under ``save_dir``."""
+    losses = {}
+    for run_dir in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*"))):
+        for row in read_offline_history(run_dir)["history"]:
+            if "lm loss" in row:
+                losses[row["_step"]] = row["lm loss"]
+    return losses
+
+
+def run_ids(save_dir: Path) -> list[str]:
+    return [read_offline_history(d)["id"] for d in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*")))]
+
+
+SPLITS = {
+    "TP1PP1DP1": (1, []),
+    "PP4": (4, ["--pipeline-model-parallel-size", "4"]),
+    "TP2PP2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "PP2DP2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "PP2VPP2": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]),
+}
+
+
+def test_every_split_trains_the_same_loss_curve(cache, tmp_path):
+    """Same seed and global batch, fp32, dropout off: the same losses whatever the TP x PP x DP split."""
+    curves = {}
+    for name, (nproc, flags) in SPLITS.items():
+        out = tmp_path / name
+        torchrun(nproc, SMALL + flags + ["--train-iters", "10", "--hidden-dropout", "0", "--attention-dropout", "0",
+                                         "--wandb-project", "split", "--wandb-save-dir", str(out)], cache)
+        curves[name] = wandb_losses(out)
+    reference = curves.pop("TP1PP1DP1")
+    assert sorted(reference) == list(range(1, 11))
+    assert reference[10] < reference[1]  # it learns
+    for name, curve in curves.items():
+        assert sorted(curve) == sorted(reference), name
+        first = abs(curve[1] - reference[1]) / abs(reference[1])
+        worst = max(abs(curve[i] - reference[i]) / abs(reference[i]) for i in reference)
+        assert first <= 1e-6, f"{name}: first-iteration loss differs by {first:.2e}"
+        assert worst <= 1e-4, f"{name}: losses differ by up to {worst:.2e}"
+
+
+def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
+    """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit)."""
+    flags = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "20", "--wandb-project", "resume"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    torchrun(4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache)
+    first = torchrun(4, flags + ["--save", str(split / "ckpt"), "--exit-interval", "10",
+                                 "--wandb-save-dir", str(split)], cache)
+    assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    second = torchrun(4, flags + ["--load", str(split / "ckpt"), "--save", str(split / "ckpt"),
+                                  "--wandb-save-dir", str(split)], cache)
+    assert "loaded checkpoint" in second.stdout and "at iteration 10" in second.stdout, second.stdout[-2000:]
+    expected, resumed = wandb_losses(straight), wandb_losses(split)
+    assert sorted(expected) == list(range(1, 21))
+    assert resumed == expected  # exact float equality, iteration by iteration
+    ids = run_ids(split)
+    assert len(ids) == 2 and ids[0] == ids[1], ids  # the resumed run logs under the same W&B id
+    manifest = json.loads((split / "ckpt" / "iter_0000020" / "manifest.json").read_text())
+    assert manifest["consumed_samples"] == 20 * 8
+    assert first.returncode == 0
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(cache, tmp_path):
+    env = {**os.environ, "TRIDENT_CACHE": cache, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "pretrain_gpt.py"), *SMALL, "--pipeline-model-parallel-size", "2", "--train-iters", "100000",
+           "--exit-signal-handler", "--save", str(tmp_path / "ckpt"), "--save-interval", "100000"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # wait until training runs
+        lines.append(line)
+        if " iteration        3/" in line or time.monotonic() > deadline:
+            break
+    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(workers) == 2, workers
+    for pid in workers:  # as a scheduler preempting the job does to every training process
+        os.kill(int(pid), signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-3000:]
+    assert "SIGTERM received: saving a checkpoint" in output, output[-3000:]
+    saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 3
+    assert (tmp_path / "ckpt" / f"iter_{saved:07d}" / "manifest.json").is_file()
+    assert "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_bf16_tracks_fp32(cache, tmp_path):
+    """bf16 with fp32 main parameters stays within a few percent of fp32 over 50 iterations."""
+    curves = {}
+    for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
+        out = tmp_path / name
+        torchrun(2, SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "50", "--wandb-project", "bf16",
+                             "--wandb-save-dir", str(out), *extra], cache, timeout=900)
+        curves[name] = wandb_losses(out)
+    for i in (10, 25, 50):
+        assert abs(curves["bf16"][i] - curves["fp32"][i]) / curves["fp32"][i] < 0.03, (i, curves)
+    assert curves["bf16"][50] < curves["bf16"][1]
