@@ -37,11 +37,19 @@ def tokenizer_provider(args):
     return build_tokenizer(args.tokenizer_type, model, vocab_size=args.vocab_size)
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> GPTModel:
+def model_provider(
+    pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None
+) -> GPTModel:
     args = get_args()
     config = TransformerConfig(**transformer_config_from_args(args))
-    return GPTModel(config, get_tokenizer().vocab_size, args.max_position_embeddings,
-                    pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    return GPTModel(
+        config,
+        get_tokenizer().vocab_size,
+        args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+    )
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -73,9 +81,21 @@ def train_valid_test_datasets_provider(args):
     gbs = args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
     num_samples = (args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs)
-    return build_train_valid_test_datasets(prefixes, args.split or "969,30,1", args.seq_length, args.seed,
-                                           num_samples, eod_token=tokenizer.eod, eod_mask_loss=args.eod_mask_loss)
+    return build_train_valid_test_datasets(
+        prefixes,
+        args.split or "969,30,1",
+        args.seq_length,
+        args.seed,
+        num_samples,
+        eod_token=tokenizer.eod,
+        eod_mask_loss=args.eod_mask_loss,
+    )
 
 
 if __name__ == "__main__":
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, tokenizer_provider=tokenizer_provider)
+    pretrain(
+        train_valid_test_datasets_provider,
+        model_provider,
+        forward_step,
+        tokenizer_provider=tokenizer_provider,
+    )

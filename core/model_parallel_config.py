@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -23,7 +24,7 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages per model replica (PP)."""
 
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank; > 1 selects the interleaved 1F1B schedule."""
 
     context_parallel_size: int = 1
@@ -51,26 +52,26 @@ class ModelParallelConfig:
     """"1f1b" (default) or "gpipe" (all forward, then all backward).
     Interleaved 1F1B is implied by ``virtual_pipeline_model_parallel_size > 1``."""
 
-    pipeline_model_parallel_layout: Optional[str] = None
+    pipeline_model_parallel_layout: str | None = None
     """Megatron layout string, e.g. ``"Et*3|(tt|)*29,m|L"``; None means an even split."""
 
-    microbatch_group_size_per_vp_stage: Optional[int] = None
+    microbatch_group_size_per_vp_stage: int | None = None
     """Microbatches run on one virtual chunk before moving to the next (None = pipeline size)."""
 
     calculate_per_token_loss: bool = False
     """Normalise the loss by the step's total token count instead of per microbatch."""
 
-    no_sync_func: Optional[Callable[[], ContextManager]] = None
+    no_sync_func: Callable[[], AbstractContextManager] | None = None
     """Context manager that suspends data-parallel gradient reduction (all but the last microbatch)."""
 
-    grad_sync_func: Optional[Callable] = None
+    grad_sync_func: Callable | None = None
     """Starts data-parallel gradient reduction; called with a chunk's parameters after its last backward."""
 
-    finalize_model_grads_func: Optional[Callable] = None
+    finalize_model_grads_func: Callable | None = None
     """``finalize_model_grads_func(model_chunks, num_tokens)`` at the end of a step (DP and tied-weight
     reductions; with ``calculate_per_token_loss`` it also scales gradients by 1/num_tokens)."""
 
-    timers: Optional[Callable] = None
+    timers: Callable | None = None
     """Optional Megatron-style timers; unused by the engine."""
 
     def __post_init__(self) -> None:
@@ -81,10 +82,14 @@ class ModelParallelConfig:
         if vpp is not None and vpp < 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 or None, got {vpp}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}")
+            raise ValueError(
+                f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}"
+            )
         if self.pipeline_schedule == "gpipe" and vpp is not None and vpp > 1:
-            raise ValueError("pipeline_schedule='gpipe' cannot run virtual stages "
-                             f"(virtual_pipeline_model_parallel_size={vpp}); use '1f1b' for interleaving")
+            raise ValueError(
+                "pipeline_schedule='gpipe' cannot run virtual stages "
+                f"(virtual_pipeline_model_parallel_size={vpp}); use '1f1b' for interleaving"
+            )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron silently turns it off; so do we, it is a no-op at TP=1.
             self.sequence_parallel = False

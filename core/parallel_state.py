@@ -58,12 +58,15 @@ _NOT_INITIALIZED = "model parallel groups are not initialized; call initialize_m
 # Pure group maths
 # --------------------------------------------------------------------------------------------------
 
+
 def _parse_order(order: str) -> tuple[str, ...]:
     """Split and check ``order``: all five axes, once each, so every rank maps to one grid point."""
     names = tuple(order.lower().split("-"))
     if sorted(names) != sorted(_AXES):
-        raise ValueError(f"order {order!r} must name each of tp, cp, ep, dp, pp exactly once, "
-                         f"joined by '-' (Megatron's default is {DEFAULT_ORDER!r})")
+        raise ValueError(
+            f"order {order!r} must name each of tp, cp, ep, dp, pp exactly once, "
+            f"joined by '-' (Megatron's default is {DEFAULT_ORDER!r})"
+        )
     return names
 
 
@@ -75,7 +78,9 @@ def _offsets(axes: Sequence[tuple[int, int]]) -> list[int]:
     return offsets
 
 
-def _orthogonal_groups(sizes: Mapping[str, int], order: Sequence[str], members: Sequence[str]) -> list[list[int]]:
+def _orthogonal_groups(
+    sizes: Mapping[str, int], order: Sequence[str], members: Sequence[str]
+) -> list[list[int]]:
     """Partition the grid into groups whose ranks differ only along the ``members`` axes.
 
     Same enumeration as Megatron's generate_masked_orthogonal_rank_groups: groups are numbered by
@@ -104,9 +109,13 @@ def _check_size(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def generate_parallel_groups(world_size: int, tensor_model_parallel_size: int = 1,
-                             pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1,
-                             order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+def generate_parallel_groups(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    order: str = DEFAULT_ORDER,
+) -> dict[str, list[list[int]]]:
     """All groups of every kind for these sizes, as lists of global ranks (Megatron's layout).
 
     Keys: ``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp`` (data parallel with context parallel folded
@@ -118,9 +127,12 @@ def generate_parallel_groups(world_size: int, tensor_model_parallel_size: int = 
     Raises ValueError, before anything is created, for sizes < 1, a malformed ``order`` or a world
     size the sizes do not divide: the same inputs fail the same way on every rank.
     """
-    for name, value in (("world_size", world_size), ("tensor_model_parallel_size", tensor_model_parallel_size),
-                        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
-                        ("context_parallel_size", context_parallel_size)):
+    for name, value in (
+        ("world_size", world_size),
+        ("tensor_model_parallel_size", tensor_model_parallel_size),
+        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
+        ("context_parallel_size", context_parallel_size),
+    ):
         _check_size(name, value)
     axes = _parse_order(order)
     model_size = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
@@ -128,9 +140,15 @@ def generate_parallel_groups(world_size: int, tensor_model_parallel_size: int = 
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size "
             f"({tensor_model_parallel_size}) x pipeline_model_parallel_size ({pipeline_model_parallel_size}) "
-            f"x context_parallel_size ({context_parallel_size}) = {model_size}")
-    sizes = {"tp": tensor_model_parallel_size, "cp": context_parallel_size, "ep": 1,
-             "dp": world_size // model_size, "pp": pipeline_model_parallel_size}
+            f"x context_parallel_size ({context_parallel_size}) = {model_size}"
+        )
+    sizes = {
+        "tp": tensor_model_parallel_size,
+        "cp": context_parallel_size,
+        "ep": 1,
+        "dp": world_size // model_size,
+        "pp": pipeline_model_parallel_size,
+    }
     groups = {name: _orthogonal_groups(sizes, axes, members) for name, members in _GROUP_AXES.items()}
     groups["embd"] = [embedding_ranks(ranks) for ranks in groups["pp"]]
     groups["pos_embd"] = [position_embedding_ranks(ranks) for ranks in groups["pp"]]
@@ -140,6 +158,7 @@ def generate_parallel_groups(world_size: int, tensor_model_parallel_size: int = 
 # --------------------------------------------------------------------------------------------------
 # This rank's groups
 # --------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, eq=False)
 class ParallelGroups:
@@ -196,18 +215,26 @@ def initialize_distributed() -> None:
         return
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != 1:
-        raise RuntimeError(f"WORLD_SIZE is {world_size} but RANK/MASTER_ADDR are not set; "
-                           "launch multi-process runs with torchrun")
+        raise RuntimeError(
+            f"WORLD_SIZE is {world_size} but RANK/MASTER_ADDR are not set; "
+            "launch multi-process runs with torchrun"
+        )
     rendezvous_dir = tempfile.mkdtemp(prefix="trident-rendezvous-")
     atexit.register(shutil.rmtree, rendezvous_dir, ignore_errors=True)
-    dist.init_process_group(backend=default_backend(), init_method=f"file://{rendezvous_dir}/store",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        backend=default_backend(), init_method=f"file://{rendezvous_dir}/store", rank=0, world_size=1
+    )
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: int | None = None,
-                              context_parallel_size: int = 1, order: str = DEFAULT_ORDER, *,
-                              expert_model_parallel_size: int = 1) -> ParallelGroups:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
+    order: str = DEFAULT_ORDER,
+    *,
+    expert_model_parallel_size: int = 1,
+) -> ParallelGroups:
     """Create Megatron's process groups on every rank and keep this rank's; return them.
 
     Must be called by every rank with the same arguments (each rank creates every group, in one
@@ -220,15 +247,24 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     """
     global _GROUPS, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     if _GROUPS is not None:
-        raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
+        raise RuntimeError(
+            "model parallel groups are already initialized; call destroy_model_parallel() first"
+        )
     if expert_model_parallel_size != 1:
-        raise ValueError(f"expert_model_parallel_size must be 1 (Trident has no expert parallelism), "
-                         f"got {expert_model_parallel_size!r}")
+        raise ValueError(
+            f"expert_model_parallel_size must be 1 (Trident has no expert parallelism), "
+            f"got {expert_model_parallel_size!r}"
+        )
     if virtual_pipeline_model_parallel_size is not None:
         _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
     initialize_distributed()
-    layout = generate_parallel_groups(dist.get_world_size(), tensor_model_parallel_size,
-                                      pipeline_model_parallel_size, context_parallel_size, order)
+    layout = generate_parallel_groups(
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        order,
+    )
     rank = dist.get_rank()
     mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES)
     ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES, ())
@@ -273,6 +309,7 @@ def get_parallel_groups() -> ParallelGroups:
 # Megatron-named getters
 # --------------------------------------------------------------------------------------------------
 
+
 def get_tensor_model_parallel_group() -> ProcessGroup:
     """Group sharing one layer's weight shards."""
     return get_parallel_groups().tp
@@ -309,8 +346,9 @@ def get_embedding_group() -> ProcessGroup:
     """First and last pipeline stage, which keep tied word embeddings in sync."""
     groups = get_parallel_groups()
     if groups.embd is None:
-        raise RuntimeError(f"rank {groups.rank} is not in an embedding group; "
-                           "only the first and last pipeline stages are")
+        raise RuntimeError(
+            f"rank {groups.rank} is not in an embedding group; only the first and last pipeline stages are"
+        )
     return groups.embd
 
 
@@ -318,8 +356,9 @@ def get_position_embedding_group() -> ProcessGroup:
     """The first pipeline stage of each pipeline (holder of the position embedding)."""
     groups = get_parallel_groups()
     if groups.pos_embd is None:
-        raise RuntimeError(f"rank {groups.rank} is not in a position-embedding group; "
-                           "only the first pipeline stage is")
+        raise RuntimeError(
+            f"rank {groups.rank} is not in a position-embedding group; only the first pipeline stage is"
+        )
     return groups.pos_embd
 
 

@@ -21,7 +21,8 @@ import queue
 import shutil
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -41,7 +42,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: mp.Queue, results
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - report anything, including SystemExit, to the parent
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, "ready"))
@@ -53,7 +54,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: mp.Queue, results
         try:
             value = fn(rank, world_size, *args, **kwargs)
             results.put((rank, True, value))
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - a rank reports every failure to the parent
             results.put((rank, False, traceback.format_exc()))
         finally:
             _reset_parallel_state()
@@ -82,8 +83,11 @@ class RankPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, init_file, self._tasks[r], self._results),
-                        daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, init_file, self._tasks[r], self._results),
+                daemon=True,
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -109,10 +113,14 @@ class RankPool:
                     if failures:
                         break
                     if dead:
-                        raise RankFailure(f"{what}: rank(s) {dead} died without reporting (exit codes "
-                                          f"{[self._procs[r].exitcode for r in dead] if self._procs else '?'})")
-                    raise TimeoutError(f"{what}: rank(s) {pending} did not finish within {timeout:.0f}s "
-                                       "(deadlock or hang); the rank pool was torn down")
+                        raise RankFailure(
+                            f"{what}: rank(s) {dead} died without reporting (exit codes "
+                            f"{[self._procs[r].exitcode for r in dead] if self._procs else '?'})"
+                        )
+                    raise TimeoutError(
+                        f"{what}: rank(s) {pending} did not finish within {timeout:.0f}s "
+                        "(deadlock or hang); the rank pool was torn down"
+                    )
                 continue
             if ok:
                 values[rank] = value
@@ -125,11 +133,16 @@ class RankPool:
             self.close(force=True)
             first = min(failures)
             others = sorted(set(failures) - {first})
-            raise RankFailure(f"{what}: rank {first} raised" + (f" (also ranks {others})" if others else "")
-                              + f":\n{failures[first]}")
+            raise RankFailure(
+                f"{what}: rank {first} raised"
+                + (f" (also ranks {others})" if others else "")
+                + f":\n{failures[first]}"
+            )
         return [values[r] for r in range(self.world_size)]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+    ) -> list[Any]:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank."""
         if not self._procs:
             self._start(timeout=max(timeout, 60.0))
@@ -153,8 +166,9 @@ class RankPool:
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
-                 **kwargs: Any) -> list[Any]:
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+) -> list[Any]:
     """One-shot form of ``RankPool``: spawn, run ``fn`` on every rank, tear down."""
     pool = RankPool(world_size)
     try:

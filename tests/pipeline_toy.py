@@ -26,8 +26,14 @@ def _seeded(name: str, seed: int, shape: tuple[int, ...]) -> torch.Tensor:
 class ToyStage(nn.Module):
     """One pipeline stage (or, with every symbol, the whole model)."""
 
-    def __init__(self, config: ModelParallelConfig, symbols: list[str], decoder_ids: list[int], seed: int = 0,
-                 vp_stage: int | None = None):
+    def __init__(
+        self,
+        config: ModelParallelConfig,
+        symbols: list[str],
+        decoder_ids: list[int],
+        seed: int = 0,
+        vp_stage: int | None = None,
+    ):
         super().__init__()
         self.config = config
         self.vp_stage = vp_stage
@@ -51,12 +57,14 @@ class ToyStage(nn.Module):
         if not self.post_process:
             return x
         logits = self.head(x).transpose(0, 1)  # [b, s, vocab]
-        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1),
-                                           reduction="none").view_as(labels)
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none"
+        ).view_as(labels)
 
 
-def make_microbatches(num_microbatches: int, micro_batch_size: int, seq_length: int, variable: bool,
-                      seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def make_microbatches(
+    num_microbatches: int, micro_batch_size: int, seq_length: int, variable: bool, seed: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(tokens, labels, loss_mask) per microbatch; with ``variable`` the sequence length varies."""
     gen = torch.Generator().manual_seed(seed)
     batches = []

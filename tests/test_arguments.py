@@ -17,7 +17,9 @@ from training.arguments import (
     validate_args,
 )
 
-BRIEF_FLAGS = re.findall(r"--[a-z0-9-]+", """
+BRIEF_FLAGS = re.findall(
+    r"--[a-z0-9-]+",
+    """
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
 --num-virtual-stages-per-pipeline-rank --pipeline-model-parallel-layout
 --microbatch-group-size-per-virtual-pipeline-stage --num-layers --hidden-size --ffn-hidden-size
@@ -33,7 +35,8 @@ BRIEF_FLAGS = re.findall(r"--[a-z0-9-]+", """
 --untie-embeddings-and-output-weights --disable-bias-linear --exit-interval --exit-signal-handler
 --check-for-nan-in-loss-and-grad --max-consecutive-skipped-iterations --pipeline-schedule
 --calculate-per-token-loss --config
-""")
+""",
+)
 
 
 def _args(argv: str = "", world_size: int = 1):
@@ -49,29 +52,33 @@ def _fails(argv: str, world_size: int, message: str) -> None:
 # Flags, dests, defaults
 # --------------------------------------------------------------------------------------------------
 
+
 def test_every_flag_of_the_brief_is_accepted():
     options = {opt for action in build_parser()._actions for opt in action.option_strings}
     assert set(BRIEF_FLAGS) <= options
 
 
-@pytest.mark.parametrize("argv, dest, value", [
-    ("--tensor-model-parallel-size 2", "tensor_model_parallel_size", 2),
-    ("--microbatch-group-size-per-virtual-pipeline-stage 4", "microbatch_group_size_per_vp_stage", 4),
-    ("--disable-bias-linear", "add_bias_linear", False),
-    ("--no-check-for-nan-in-loss-and-grad", "check_for_nan_in_loss_and_grad", False),
-    ("--persistent-save-interval 7", "save_interval", 7),
-    ("--data-path 0.3 A 0.7 B", "data_path", ["0.3", "A", "0.7", "B"]),
-    ("--no-load-optim", "no_load_optim", True),
-    ("--no-load-rng", "no_load_rng", True),
-    ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", True),
-    ("--position-embedding-type rope", "position_embedding_type", "rope"),
-    ("--normalization RMSNorm", "normalization", "RMSNorm"),
-    ("--lr-decay-style linear", "lr_decay_style", "linear"),
-    ("--adam-eps 1e-5", "adam_eps", 1e-5),
-    ("--tokenizer-type NullTokenizer", "tokenizer_type", "NullTokenizer"),
-    ("--wandb-exp-name run1", "wandb_exp_name", "run1"),
-    ("--pipeline-schedule gpipe", "pipeline_schedule", "gpipe"),
-])
+@pytest.mark.parametrize(
+    "argv, dest, value",
+    [
+        ("--tensor-model-parallel-size 2", "tensor_model_parallel_size", 2),
+        ("--microbatch-group-size-per-virtual-pipeline-stage 4", "microbatch_group_size_per_vp_stage", 4),
+        ("--disable-bias-linear", "add_bias_linear", False),
+        ("--no-check-for-nan-in-loss-and-grad", "check_for_nan_in_loss_and_grad", False),
+        ("--persistent-save-interval 7", "save_interval", 7),
+        ("--data-path 0.3 A 0.7 B", "data_path", ["0.3", "A", "0.7", "B"]),
+        ("--no-load-optim", "no_load_optim", True),
+        ("--no-load-rng", "no_load_rng", True),
+        ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", True),
+        ("--position-embedding-type rope", "position_embedding_type", "rope"),
+        ("--normalization RMSNorm", "normalization", "RMSNorm"),
+        ("--lr-decay-style linear", "lr_decay_style", "linear"),
+        ("--adam-eps 1e-5", "adam_eps", 1e-5),
+        ("--tokenizer-type NullTokenizer", "tokenizer_type", "NullTokenizer"),
+        ("--wandb-exp-name run1", "wandb_exp_name", "run1"),
+        ("--pipeline-schedule gpipe", "pipeline_schedule", "gpipe"),
+    ],
+)
 def test_megatron_flag_names_parse_to_megatron_dests(argv, dest, value):
     assert getattr(parse_args(argv.split()), dest) == value
 
@@ -79,17 +86,44 @@ def test_megatron_flag_names_parse_to_megatron_dests(argv, dest, value):
 def test_flags_not_in_the_tiny_table_keep_megatron_defaults():
     args = parse_args([])
     megatron = {
-        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "min_lr": 0.0,
-        "weight_decay": 0.01, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "min_lr": 0.0,
+        "weight_decay": 0.01,
+        "clip_grad": 1.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_eps": 1e-8,
         "init_method_std": 0.02,
-        "hidden_dropout": 0.1, "attention_dropout": 0.1, "make_vocab_size_divisible_by": 128,
-        "num_query_groups": 1, "group_query_attention": False, "position_embedding_type": "learned_absolute",
-        "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True, "no_load_optim": None,
-        "no_load_rng": None, "finetune": False, "check_for_nan_in_loss_and_grad": False, "wandb_project": "",
-        "data_path": None, "split": None, "ffn_hidden_size": None, "kv_channels": None,
-        "lr_warmup_fraction": None, "lr_decay_iters": None, "recompute_granularity": None,
-        "sequence_parallel": False, "bf16": False, "max_consecutive_skipped_iterations": 10,
-        "pipeline_schedule": "1f1b", "exit_interval": None, "save": None, "load": None}
+        "hidden_dropout": 0.1,
+        "attention_dropout": 0.1,
+        "make_vocab_size_divisible_by": 128,
+        "num_query_groups": 1,
+        "group_query_attention": False,
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "swiglu": False,
+        "add_bias_linear": True,
+        "no_load_optim": None,
+        "no_load_rng": None,
+        "finetune": False,
+        "check_for_nan_in_loss_and_grad": False,
+        "wandb_project": "",
+        "data_path": None,
+        "split": None,
+        "ffn_hidden_size": None,
+        "kv_channels": None,
+        "lr_warmup_fraction": None,
+        "lr_decay_iters": None,
+        "recompute_granularity": None,
+        "sequence_parallel": False,
+        "bf16": False,
+        "max_consecutive_skipped_iterations": 10,
+        "pipeline_schedule": "1f1b",
+        "exit_interval": None,
+        "save": None,
+        "load": None,
+    }
     assert {k: getattr(args, k) for k in megatron} == megatron
     assert len({f.key for f in FLAGS}) == len(FLAGS) - 1  # only --[no-]check-for-nan share a dest
 
@@ -104,8 +138,9 @@ def test_defaults_table_is_the_tiny_gpt():
     assert (args.ffn_hidden_size, args.kv_channels, args.params_dtype) == (512, 32, torch.float32)
 
 
-@pytest.mark.parametrize("world, pp, gbs, microbatches", [(4, 4, 16, 4), (4, 1, 16, 1), (8, 1, 32, 1),
-                                                          (3, 1, 24, 2)])
+@pytest.mark.parametrize(
+    "world, pp, gbs, microbatches", [(4, 4, 16, 4), (4, 1, 16, 1), (8, 1, 32, 1), (3, 1, 24, 2)]
+)
 def test_default_global_batch_is_the_smallest_multiple_of_mbs_x_dp_from_16(world, pp, gbs, microbatches):
     args = _args(f"--pipeline-model-parallel-size {pp}", world)
     assert (args.global_batch_size, args.num_microbatches) == (gbs, microbatches)
@@ -129,10 +164,13 @@ def test_warmup_fraction_replaces_the_tiny_warmup_iters():
 # --config
 # --------------------------------------------------------------------------------------------------
 
+
 def test_yaml_config_with_dashes_and_underscores_and_cli_override(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("num-layers: 6\nhidden_size: 256\nlr: 1e-4\ndisable-bias-linear: true\n"
-                    "data_path: 0.5 A 0.5 B\nswiglu: true\nnum-query-groups: null\n")
+    path.write_text(
+        "num-layers: 6\nhidden_size: 256\nlr: 1e-4\ndisable-bias-linear: true\n"
+        "data_path: 0.5 A 0.5 B\nswiglu: true\nnum-query-groups: null\n"
+    )
     args = parse_args(["--config", str(path), "--hidden-size", "64"])
     assert (args.num_layers, args.hidden_size, args.lr, args.add_bias_linear) == (6, 64, 1e-4, False)
     assert (args.data_path, args.swiglu, args.num_query_groups) == (["0.5", "A", "0.5", "B"], True, 1)
@@ -141,8 +179,10 @@ def test_yaml_config_with_dashes_and_underscores_and_cli_override(tmp_path):
 
 def test_toml_config_with_sections(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('pipeline-model-parallel-size = 2\n[model]\nnum_attention_heads = 8\n'
-                    'add_bias_linear = false\n[data]\ndata-path = ["A"]\ntokenizer-type = "NullTokenizer"\n')
+    path.write_text(
+        "pipeline-model-parallel-size = 2\n[model]\nnum_attention_heads = 8\n"
+        'add_bias_linear = false\n[data]\ndata-path = ["A"]\ntokenizer-type = "NullTokenizer"\n'
+    )
     args = parse_args(["--config", str(path)])
     assert (args.pipeline_model_parallel_size, args.num_attention_heads) == (2, 8)
     assert (args.add_bias_linear, args.data_path, args.tokenizer_type) == (False, ["A"], "NullTokenizer")
@@ -151,16 +191,21 @@ def test_toml_config_with_sections(tmp_path):
 KEYS_HINT = "keys are flag names such as 'tensor-model-parallel-size' or 'tensor_model_parallel_size'"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("num-layer: 4\n", f"unknown key 'num-layer' (did you mean 'num-layers'?); {KEYS_HINT}"),
-    ("model:\n  frobnicate: 1\n", f"unknown key 'model.frobnicate'; {KEYS_HINT}"),
-    ("num-layers: 4.5\n", "key 'num-layers' (--num-layers) expects int, got 4.5"),
-    ("bf16: yes please\n", "key 'bf16' (--bf16) expects a bool, got 'yes please'"),
-    ("normalization: BatchNorm\n",
-     "key 'normalization' must be one of ['LayerNorm', 'RMSNorm'], got 'BatchNorm'"),
-    ("- 1\n- 2\n", "expected a mapping of flag names to values, got list"),
-    ("a: [\n", "cannot parse it as YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("num-layer: 4\n", f"unknown key 'num-layer' (did you mean 'num-layers'?); {KEYS_HINT}"),
+        ("model:\n  frobnicate: 1\n", f"unknown key 'model.frobnicate'; {KEYS_HINT}"),
+        ("num-layers: 4.5\n", "key 'num-layers' (--num-layers) expects int, got 4.5"),
+        ("bf16: yes please\n", "key 'bf16' (--bf16) expects a bool, got 'yes please'"),
+        (
+            "normalization: BatchNorm\n",
+            "key 'normalization' must be one of ['LayerNorm', 'RMSNorm'], got 'BatchNorm'",
+        ),
+        ("- 1\n- 2\n", "expected a mapping of flag names to values, got list"),
+        ("a: [\n", "cannot parse it as YAML"),
+    ],
+)
 def test_config_errors_name_the_key(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -173,45 +218,99 @@ def test_config_errors_name_the_key(tmp_path, text, message):
 # --------------------------------------------------------------------------------------------------
 
 VALIDATION_ERRORS = [
-    ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2", 12,
-     ("world size (12) must be divisible by --tensor-model-parallel-size (4) x "
-     "--pipeline-model-parallel-size (2) = 8")),
-    ("--global-batch-size 10 --micro-batch-size 2", 4,
-     "--global-batch-size (10) must be divisible by --micro-batch-size (2) x data-parallel size (4) = 8"),
-    ("--tensor-model-parallel-size 3", 3,
-     "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (3)"),
-    ("--group-query-attention --num-query-groups 3", 1,
-     "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2", 2,
-     "--num-query-groups (1) must be divisible by --tensor-model-parallel-size (2)"),
-    ("--hidden-size 130", 1,
-     "--hidden-size (130) must be divisible by --num-attention-heads (4) unless --kv-channels is given"),
-    ("--ffn-hidden-size 101 --tensor-model-parallel-size 2", 2,
-     "--ffn-hidden-size (101) must be divisible by --tensor-model-parallel-size (2)"),
-    ("--swiglu --hidden-size 16", 1,
-     "--swiglu with --hidden-size 16 gives an FFN size of 0 (int(8*hidden/3/64)*64); give --ffn-hidden-size"),
-    ("--seq-length 256 --max-position-embeddings 128", 1,
-     ("--seq-length (256) must be <= --max-position-embeddings (128) with --position-embedding-type "
-     "learned_absolute")),
-    ("--sequence-parallel --tensor-model-parallel-size 4 --seq-length 130 --max-position-embeddings 256", 4,
-     "--seq-length (130) must be divisible by --tensor-model-parallel-size (4) with --sequence-parallel"),
+    (
+        "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2",
+        12,
+        (
+            "world size (12) must be divisible by --tensor-model-parallel-size (4) x "
+            "--pipeline-model-parallel-size (2) = 8"
+        ),
+    ),
+    (
+        "--global-batch-size 10 --micro-batch-size 2",
+        4,
+        "--global-batch-size (10) must be divisible by --micro-batch-size (2) x data-parallel size (4) = 8",
+    ),
+    (
+        "--tensor-model-parallel-size 3",
+        3,
+        "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (3)",
+    ),
+    (
+        "--group-query-attention --num-query-groups 3",
+        1,
+        "--num-attention-heads (4) must be divisible by --num-query-groups (3)",
+    ),
+    (
+        "--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2",
+        2,
+        "--num-query-groups (1) must be divisible by --tensor-model-parallel-size (2)",
+    ),
+    (
+        "--hidden-size 130",
+        1,
+        "--hidden-size (130) must be divisible by --num-attention-heads (4) unless --kv-channels is given",
+    ),
+    (
+        "--ffn-hidden-size 101 --tensor-model-parallel-size 2",
+        2,
+        "--ffn-hidden-size (101) must be divisible by --tensor-model-parallel-size (2)",
+    ),
+    (
+        "--swiglu --hidden-size 16",
+        1,
+        "--swiglu with --hidden-size 16 gives an FFN size of 0 (int(8*hidden/3/64)*64); give --ffn-hidden-size",
+    ),
+    (
+        "--seq-length 256 --max-position-embeddings 128",
+        1,
+        (
+            "--seq-length (256) must be <= --max-position-embeddings (128) with --position-embedding-type "
+            "learned_absolute"
+        ),
+    ),
+    (
+        "--sequence-parallel --tensor-model-parallel-size 4 --seq-length 130 --max-position-embeddings 256",
+        4,
+        "--seq-length (130) must be divisible by --tensor-model-parallel-size (4) with --sequence-parallel",
+    ),
     ("--num-layers 0", 1, "--num-layers must be >= 1, got 0"),
     ("--hidden-dropout 1.0", 1, "--hidden-dropout must be in [0, 1), got 1.0"),
     ("--lr 1e-4 --min-lr 1e-3", 1, "--min-lr (0.001) must be <= --lr (0.0001)"),
-    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 5", 1,
-     "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one"),
-    ("--train-iters 10", 1,
-     ("--lr-warmup-iters (10) must be < the decay iterations (10, from --lr-decay-iters or else "
-      "--train-iters)")),
+    (
+        "--lr-warmup-fraction 0.1 --lr-warmup-iters 5",
+        1,
+        "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one",
+    ),
+    (
+        "--train-iters 10",
+        1,
+        (
+            "--lr-warmup-iters (10) must be < the decay iterations (10, from --lr-decay-iters or else "
+            "--train-iters)"
+        ),
+    ),
     ("--tokenizer-type NullTokenizer", 1, "--tokenizer-type NullTokenizer needs --vocab-size"),
-    ("--data-path A --split 1,2,3,4", 1,
-     "--split '1,2,3,4': expected up to three comma-separated weights, e.g. 969,30,1"),
-    ("--recompute-granularity full", 1,
-     "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers"),
-    ("--recompute-granularity selective --recompute-num-layers 1", 1,
-     "--recompute-granularity selective takes neither --recompute-method nor --recompute-num-layers"),
-    ("--recompute-method block", 1,
-     "--recompute-method and --recompute-num-layers need --recompute-granularity full"),
+    (
+        "--data-path A --split 1,2,3,4",
+        1,
+        "--split '1,2,3,4': expected up to three comma-separated weights, e.g. 969,30,1",
+    ),
+    (
+        "--recompute-granularity full",
+        1,
+        "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers",
+    ),
+    (
+        "--recompute-granularity selective --recompute-num-layers 1",
+        1,
+        "--recompute-granularity selective takes neither --recompute-method nor --recompute-num-layers",
+    ),
+    (
+        "--recompute-method block",
+        1,
+        "--recompute-method and --recompute-num-layers need --recompute-granularity full",
+    ),
 ]
 
 
@@ -230,14 +329,18 @@ def test_sequence_parallel_is_disabled_at_tp1_with_a_note(capsys):
 # Virtual pipeline stages and layouts
 # --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, vpp", [
-    ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 2", 2),
-    ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 4", None),
-    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 2),
-    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 1", None),
-    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|t|t|tL", 2),
-    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E,t*2|t*2,L", None),
-])
+
+@pytest.mark.parametrize(
+    "argv, vpp",
+    [
+        ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 2", 2),
+        ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 4", None),
+        ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 2),
+        ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 1", None),
+        ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|t|t|tL", 2),
+        ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E,t*2|t*2,L", None),
+    ],
+)
 def test_virtual_pipeline_size_comes_from_one_of_three_flags(argv, vpp):
     assert _args(argv, 2).virtual_pipeline_model_parallel_size == vpp
 
@@ -246,69 +349,111 @@ EXCLUSIVE = "are mutually exclusive: give at most one"
 LAYOUT = "--pipeline-model-parallel-layout: pipeline layout"
 
 
-@pytest.mark.parametrize("argv, message", [
-    ("--num-layers-per-virtual-pipeline-stage 1 --num-virtual-stages-per-pipeline-rank 2",
-     f"--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank {EXCLUSIVE}"),
-    ("--num-virtual-stages-per-pipeline-rank 2 --pipeline-model-parallel-layout Et|t|t|tL",
-     f"--num-virtual-stages-per-pipeline-rank and --pipeline-model-parallel-layout {EXCLUSIVE}"),
-    ("--num-layers 5 --num-layers-per-virtual-pipeline-stage 1",
-     ("--num-layers (5) must be divisible by --pipeline-model-parallel-size (2) to use "
-     "--num-layers-per-virtual-pipeline-stage")),
-    ("--num-layers 6 --num-layers-per-virtual-pipeline-stage 2",
-     "layers per pipeline rank (6 / 2 = 3) must be divisible by --num-layers-per-virtual-pipeline-stage (2)"),
-    ("--pipeline-model-parallel-layout Et|tL",
-     f"{LAYOUT} 'Et|tL': the layout has 2 decoder layers ('t') but num_layers is 4"),
-    ("--pipeline-model-parallel-layout Et*4|L|E",
-     (f"{LAYOUT} 'Et*4|L|E': 3 stages are not a multiple of pipeline-model-parallel size 2 "
-     "(stage s runs on pp_rank s % 2)")),
-    ("--num-virtual-stages-per-pipeline-rank 2 --pipeline-schedule gpipe",
-     ("--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); use "
-      "--pipeline-schedule 1f1b")),
-    ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 12",
-     ("number of microbatches (3) leaves a last group of 1 when grouped by "
-      "microbatch_group_size_per_vp_stage (2); with interleaving the remainder must be 0 or at least "
-      "pipeline_model_parallel_size (2) — with the default group size the microbatch count must be a "
-      "multiple of the pipeline size (interleaved schedule, 2 virtual stages per rank; microbatches = "
-      "--global-batch-size (12) / (--micro-batch-size (4) x data-parallel size (1)) = 3)")),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            "--num-layers-per-virtual-pipeline-stage 1 --num-virtual-stages-per-pipeline-rank 2",
+            f"--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank {EXCLUSIVE}",
+        ),
+        (
+            "--num-virtual-stages-per-pipeline-rank 2 --pipeline-model-parallel-layout Et|t|t|tL",
+            f"--num-virtual-stages-per-pipeline-rank and --pipeline-model-parallel-layout {EXCLUSIVE}",
+        ),
+        (
+            "--num-layers 5 --num-layers-per-virtual-pipeline-stage 1",
+            (
+                "--num-layers (5) must be divisible by --pipeline-model-parallel-size (2) to use "
+                "--num-layers-per-virtual-pipeline-stage"
+            ),
+        ),
+        (
+            "--num-layers 6 --num-layers-per-virtual-pipeline-stage 2",
+            "layers per pipeline rank (6 / 2 = 3) must be divisible by --num-layers-per-virtual-pipeline-stage (2)",
+        ),
+        (
+            "--pipeline-model-parallel-layout Et|tL",
+            f"{LAYOUT} 'Et|tL': the layout has 2 decoder layers ('t') but num_layers is 4",
+        ),
+        (
+            "--pipeline-model-parallel-layout Et*4|L|E",
+            (
+                f"{LAYOUT} 'Et*4|L|E': 3 stages are not a multiple of pipeline-model-parallel size 2 "
+                "(stage s runs on pp_rank s % 2)"
+            ),
+        ),
+        (
+            "--num-virtual-stages-per-pipeline-rank 2 --pipeline-schedule gpipe",
+            (
+                "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); use "
+                "--pipeline-schedule 1f1b"
+            ),
+        ),
+        (
+            "--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 12",
+            (
+                "number of microbatches (3) leaves a last group of 1 when grouped by "
+                "microbatch_group_size_per_vp_stage (2); with interleaving the remainder must be 0 or at least "
+                "pipeline_model_parallel_size (2) — with the default group size the microbatch count must be a "
+                "multiple of the pipeline size (interleaved schedule, 2 virtual stages per rank; microbatches = "
+                "--global-batch-size (12) / (--micro-batch-size (4) x data-parallel size (1)) = 3)"
+            ),
+        ),
+    ],
+)
 def test_virtual_pipeline_errors(argv, message):
     _fails(f"--pipeline-model-parallel-size 2 {argv}", 2, message)
 
 
 def test_virtual_stages_need_more_than_one_pipeline_rank():
-    _fails("--num-virtual-stages-per-pipeline-rank 2", 1,
-           "--num-virtual-stages-per-pipeline-rank gives 2 virtual stages per rank, which needs "
-           "--pipeline-model-parallel-size > 1")
-    _fails("--num-layers 2 --pipeline-model-parallel-layout Et|tL", 1,
-           "--pipeline-model-parallel-layout gives 2 virtual stages per rank, which needs "
-           "--pipeline-model-parallel-size > 1")
+    _fails(
+        "--num-virtual-stages-per-pipeline-rank 2",
+        1,
+        "--num-virtual-stages-per-pipeline-rank gives 2 virtual stages per rank, which needs "
+        "--pipeline-model-parallel-size > 1",
+    )
+    _fails(
+        "--num-layers 2 --pipeline-model-parallel-layout Et|tL",
+        1,
+        "--pipeline-model-parallel-layout gives 2 virtual stages per rank, which needs "
+        "--pipeline-model-parallel-size > 1",
+    )
 
 
 def test_interleaving_needs_at_least_pp_microbatches():
-    _fails("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
-           "--global-batch-size 8", 4,
-           "interleaved pipeline schedule needs at least pipeline_model_parallel_size (4) microbatches, "
-           "got 2; raise the global batch size or lower --pipeline-model-parallel-size (interleaved "
-           "schedule, 2 virtual stages per rank; microbatches = --global-batch-size (8) / "
-           "(--micro-batch-size (4) x data-parallel size (1)) = 2)")
+    _fails(
+        "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8",
+        4,
+        "interleaved pipeline schedule needs at least pipeline_model_parallel_size (4) microbatches, "
+        "got 2; raise the global batch size or lower --pipeline-model-parallel-size (interleaved "
+        "schedule, 2 virtual stages per rank; microbatches = --global-batch-size (8) / "
+        "(--micro-batch-size (4) x data-parallel size (1)) = 2)",
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # TransformerConfig keyword arguments
 # --------------------------------------------------------------------------------------------------
 
+
 def test_transformer_config_maps_swiglu_gqa_bf16_and_sizes():
-    args = _args("--swiglu --group-query-attention --num-query-groups 2 --tensor-model-parallel-size 2 "
-                 "--bf16 --normalization RMSNorm --position-embedding-type rope --sequence-parallel "
-                 "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 4)
+    args = _args(
+        "--swiglu --group-query-attention --num-query-groups 2 --tensor-model-parallel-size 2 "
+        "--bf16 --normalization RMSNorm --position-embedding-type rope --sequence-parallel "
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+        4,
+    )
     config = transformer_config_from_args(args)
     assert config["ffn_hidden_size"] == 320  # int(4 * 128 * 2 / 3 / 64) * 64, Megatron's SwiGLU default
     assert (config["gated_linear_unit"], config["activation_func"]) == (True, F.silu)
     assert (config["num_query_groups"], config["kv_channels"], config["sequence_parallel"]) == (2, 32, True)
     assert config["params_dtype"] == config["pipeline_dtype"] == torch.bfloat16 and config["bf16"]
     assert config["tensor_model_parallel_size"] == config["virtual_pipeline_model_parallel_size"] == 2
-    assert (config["normalization"], config["position_embedding_type"], config["seed"]) == ("RMSNorm", "rope",
-                                                                                            1234)
+    assert (config["normalization"], config["position_embedding_type"], config["seed"]) == (
+        "RMSNorm",
+        "rope",
+        1234,
+    )
     plain = transformer_config_from_args(_args())
     assert (plain["num_query_groups"], plain["gated_linear_unit"]) == (None, False)
     assert plain["activation_func"] is F.gelu
@@ -321,10 +466,14 @@ def test_transformer_config_needs_validated_args():
 
 CONFIG_CASES = [
     "",
-    ("--swiglu --group-query-attention --num-query-groups 2 --tensor-model-parallel-size 2 --bf16 "
-     "--normalization RMSNorm --position-embedding-type rope --sequence-parallel"),
-    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|t|t|tL "
-     "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
+    (
+        "--swiglu --group-query-attention --num-query-groups 2 --tensor-model-parallel-size 2 --bf16 "
+        "--normalization RMSNorm --position-embedding-type rope --sequence-parallel"
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|t|t|tL "
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    ),
 ]
 
 

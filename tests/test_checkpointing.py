@@ -40,8 +40,15 @@ TP, PP, DP = 1, 2, 2
 
 
 def _parallel(tp_rank=0, pp_rank=0, dp_rank=0, tp=TP, pp=PP, dp=DP, vpp=1):
-    return {"tp": tp, "pp": pp, "dp": dp, "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank,
-            "vpp": vpp}
+    return {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "tp_rank": tp_rank,
+        "pp_rank": pp_rank,
+        "dp_rank": dp_rank,
+        "vpp": vpp,
+    }
 
 
 def _rank_parallel(rank: int) -> dict:
@@ -52,8 +59,10 @@ def _rank_parallel(rank: int) -> dict:
 def _model(pp_rank: int, iteration: int = 1) -> dict[str, torch.Tensor]:
     """A stage's tensors with global names; stage 0 has the embedding, stage 1 the head."""
     g = torch.Generator().manual_seed(10 * iteration + pp_rank)
-    state = {f"decoder.layers.{2 * pp_rank + i}.mlp.linear_fc1.weight": torch.randn(8, 4, generator=g)
-             for i in range(2)}
+    state = {
+        f"decoder.layers.{2 * pp_rank + i}.mlp.linear_fc1.weight": torch.randn(8, 4, generator=g)
+        for i in range(2)
+    }
     state[f"decoder.layers.{2 * pp_rank}.norm.weight"] = torch.randn(4, generator=g).to(torch.bfloat16)
     if pp_rank == 0:
         state["embedding.word_embeddings.weight"] = torch.randn(16, 4, generator=g)
@@ -69,11 +78,17 @@ def _shapes(pp_rank: int) -> dict[str, tuple]:
 
 def _optimizer(rank: int) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
-    first = {"exp_avg": torch.randn(8, 4, generator=g), "exp_avg_sq": torch.rand(8, 4, generator=g),
-             "step": torch.tensor(3.0)}
-    return {"state": {0: first, 1: {"step": torch.tensor(3.0)}},
-            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0, 1], "decoupled": None}],
-            "grad_scaler": {"scale": 65536.0, "growth_tracker": 2}, "rank": rank}
+    first = {
+        "exp_avg": torch.randn(8, 4, generator=g),
+        "exp_avg_sq": torch.rand(8, 4, generator=g),
+        "step": torch.tensor(3.0),
+    }
+    return {
+        "state": {0: first, 1: {"step": torch.tensor(3.0)}},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0, 1], "decoupled": None}],
+        "grad_scaler": {"scale": 65536.0, "growth_tracker": 2},
+        "rank": rank,
+    }
 
 
 def _equal(a, b) -> bool:
@@ -103,10 +118,17 @@ def _draws() -> list:
 
 def _save(root, iteration, parallel, rank, rng_state=None, optimizer_state=None):
     return save_checkpoint(
-        str(root), iteration, model_state=_model(parallel["pp_rank"], iteration),
-        optimizer_state=optimizer_state or _optimizer(rank), scheduler_state={"num_steps": iteration * 16},
-        rng_state=rng_state, args=Namespace(lr=1e-3, params_dtype=torch.float32, fn=print),
-        consumed_samples=iteration * 16, parallel=parallel, extra={"wandb_id": "abc123"})
+        str(root),
+        iteration,
+        model_state=_model(parallel["pp_rank"], iteration),
+        optimizer_state=optimizer_state or _optimizer(rank),
+        scheduler_state={"num_steps": iteration * 16},
+        rng_state=rng_state,
+        args=Namespace(lr=1e-3, params_dtype=torch.float32, fn=print),
+        consumed_samples=iteration * 16,
+        parallel=parallel,
+        extra={"wandb_id": "abc123"},
+    )
 
 
 def _save_all_in_process(root, iteration=1) -> None:
@@ -116,8 +138,12 @@ def _save_all_in_process(root, iteration=1) -> None:
 
 
 def _load(root, pp_rank=1, dp_rank=1, shapes=None, parallel=None, **kw):
-    return load_checkpoint(str(root), parallel=parallel or _parallel(0, pp_rank, dp_rank),
-                           expected_model_shapes=_shapes(pp_rank) if shapes is None else shapes, **kw)
+    return load_checkpoint(
+        str(root),
+        parallel=parallel or _parallel(0, pp_rank, dp_rank),
+        expected_model_shapes=_shapes(pp_rank) if shapes is None else shapes,
+        **kw,
+    )
 
 
 def _error_of(fn, *args, **kw) -> str | None:
@@ -131,6 +157,7 @@ def _error_of(fn, *args, **kw) -> str | None:
 # --------------------------------------------------------------------------------------------------
 # Four real ranks: TP=1 PP=2 DP=2
 # --------------------------------------------------------------------------------------------------
+
 
 def _round_trip(rank, world_size, root):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
@@ -154,10 +181,12 @@ def _round_trip(rank, world_size, root):
 
 def test_round_trip_is_bit_identical_on_four_ranks(ranks, tmp_path):
     files = ranks(4).run(_round_trip, str(tmp_path), timeout=120)
-    per_rank = [f"{kind}_tp0_pp{q}_dp{d}.safetensors"
-                for kind in ("optim", "rng") for q in (0, 1) for d in (0, 1)]
-    assert files[0] == sorted(["manifest.json", "model_tp0_pp0.safetensors", "model_tp0_pp1.safetensors",
-                               *per_rank])
+    per_rank = [
+        f"{kind}_tp0_pp{q}_dp{d}.safetensors" for kind in ("optim", "rng") for q in (0, 1) for d in (0, 1)
+    ]
+    assert files[0] == sorted(
+        ["manifest.json", "model_tp0_pp0.safetensors", "model_tp0_pp1.safetensors", *per_rank]
+    )
     assert read_tracker(str(tmp_path)) == 3
 
 
@@ -194,8 +223,10 @@ def _failed_save(rank, world_size, root):
 
 def test_a_save_failing_on_one_rank_fails_on_all_and_keeps_the_previous_checkpoint(ranks, tmp_path):
     results = ranks(4).run(_failed_save, str(tmp_path), timeout=120)
-    own = (f"saving checkpoint {tmp_path}/iter_0000002 failed: TypeError: cannot store object at 'bad' "
-           "without pickle; use tensors, numbers, strings, lists and dicts")
+    own = (
+        f"saving checkpoint {tmp_path}/iter_0000002 failed: TypeError: cannot store object at 'bad' "
+        "without pickle; use tensors, numbers, strings, lists and dicts"
+    )
     assert results == [(f"rank 2: {own}", 1)] * 2 + [(own, 1)] + [(f"rank 2: {own}", 1)]
 
 
@@ -213,8 +244,16 @@ def test_truncated_file_fails_on_every_rank_with_the_same_message(ranks, tmp_pat
     messages = ranks(4).run(_truncate_then_load, str(tmp_path), timeout=120)
     path = tmp_path / "iter_0000001" / "optim_tp0_pp1_dp1.safetensors"
     size = os.path.getsize(path)
-    assert messages == [(f"checkpoint file {path} is truncated or corrupt: its header describes "
-                        f"{size + 10} bytes but the file has {size}")] * 4
+    assert (
+        messages
+        == [
+            (
+                f"checkpoint file {path} is truncated or corrupt: its header describes "
+                f"{size + 10} bytes but the file has {size}"
+            )
+        ]
+        * 4
+    )
 
 
 def _shape_mismatch_on_rank_3(rank, world_size, root):
@@ -228,8 +267,10 @@ def _shape_mismatch_on_rank_3(rank, world_size, root):
 
 def test_a_shape_mismatch_on_one_rank_is_raised_on_all_ranks(ranks, tmp_path):
     messages = ranks(4).run(_shape_mismatch_on_rank_3, str(tmp_path), timeout=120)
-    own = (f"checkpoint file {tmp_path}/iter_0000001/model_tp0_pp1.safetensors does not match the model: "
-           "tensor 'output_layer.weight' has shape (16, 4) in the checkpoint but (32, 4) in the model")
+    own = (
+        f"checkpoint file {tmp_path}/iter_0000001/model_tp0_pp1.safetensors does not match the model: "
+        "tensor 'output_layer.weight' has shape (16, 4) in the checkpoint but (32, 4) in the model"
+    )
     assert messages == [f"rank 3: {own}"] * 3 + [own]
 
 
@@ -247,6 +288,7 @@ def test_signal_handler_tells_every_rank(ranks):
 # --------------------------------------------------------------------------------------------------
 # In-process: exact messages, no pickle, finetune
 # --------------------------------------------------------------------------------------------------
+
 
 def test_no_pickle_anywhere(tmp_path):
     _save_all_in_process(tmp_path)
@@ -284,8 +326,9 @@ def test_missing_checkpoint(tmp_path):
     assert _load(tmp_path, missing_ok=True) is None
     assert _error_of(_load, tmp_path) == f"no checkpoint in {tmp_path}: {tmp_path}/{TRACKER} is missing"
     (tmp_path / TRACKER).write_text("12abc")
-    assert _error_of(_load, tmp_path) == (f"checkpoint tracker {tmp_path}/{TRACKER} is corrupt: expected an "
-                                          "iteration number, got '12abc'")
+    assert _error_of(_load, tmp_path) == (
+        f"checkpoint tracker {tmp_path}/{TRACKER} is corrupt: expected an iteration number, got '12abc'"
+    )
 
 
 def _overwrite(data: bytes, mode: str = "r+b"):
@@ -296,15 +339,27 @@ def _overwrite(data: bytes, mode: str = "r+b"):
     return damage
 
 
-@pytest.mark.parametrize("victim, damage, message", [
-    ("model_tp0_pp0.safetensors", _overwrite(b"\x05", "wb"),
-     "is truncated or corrupt: 1 bytes, too short for a safetensors header"),
-    ("rng_tp0_pp1_dp0.safetensors", _overwrite(b"\xff" * 8),
-     "is truncated or corrupt: its header claims 18446744073709551615 bytes but the file has"),
-    ("optim_tp0_pp0_dp1.safetensors", _overwrite(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json"),
-     "is truncated or corrupt: its safetensors header cannot be parsed"),
-    ("model_tp0_pp1.safetensors", os.remove, "is missing"),
-])
+@pytest.mark.parametrize(
+    "victim, damage, message",
+    [
+        (
+            "model_tp0_pp0.safetensors",
+            _overwrite(b"\x05", "wb"),
+            "is truncated or corrupt: 1 bytes, too short for a safetensors header",
+        ),
+        (
+            "rng_tp0_pp1_dp0.safetensors",
+            _overwrite(b"\xff" * 8),
+            "is truncated or corrupt: its header claims 18446744073709551615 bytes but the file has",
+        ),
+        (
+            "optim_tp0_pp0_dp1.safetensors",
+            _overwrite(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json"),
+            "is truncated or corrupt: its safetensors header cannot be parsed",
+        ),
+        ("model_tp0_pp1.safetensors", os.remove, "is missing"),
+    ],
+)
 def test_corrupt_files_are_named_on_every_rank(tmp_path, victim, damage, message):
     _save_all_in_process(tmp_path)
     path = tmp_path / "iter_0000001" / victim
@@ -331,23 +386,33 @@ def test_shape_missing_and_extra_tensors_are_named(tmp_path):
         f"checkpoint file {path} does not match the model: "
         "tensor 'decoder.layers.2.mlp.linear_fc1.weight' has shape (8, 4) in the checkpoint but (4, 8) "
         "in the model; tensor 'decoder.layers.9.mlp.linear_fc1.weight' (8, 4) is missing from the "
-        "checkpoint; the checkpoint has tensor 'output_layer.weight' (16, 4) that the model does not")
+        "checkpoint; the checkpoint has tensor 'output_layer.weight' (16, 4) that the model does not"
+    )
 
 
 CONVERT = "convert it with tools/convert_checkpoint.py (coming)"
 
 
-@pytest.mark.parametrize("ours, kw, hint", [
-    (_parallel(tp=1, pp=2, dp=1, vpp=2), {}, f"TP=1 PP=2 VPP=2 DP=1; {CONVERT}"),
-    (_parallel(tp=2, pp=1, dp=2), {"finetune": True}, f"TP=2 PP=1 DP=2; {CONVERT}"),
-    (_parallel(tp=1, pp=2, dp=1), {"load_optim": False},
-     ("TP=1 PP=2 DP=1; optimizer and RNG states are per data-parallel rank: pass --no-load-optim "
-     "--no-load-rng (or --finetune) to load only the weights")),
-])
+@pytest.mark.parametrize(
+    "ours, kw, hint",
+    [
+        (_parallel(tp=1, pp=2, dp=1, vpp=2), {}, f"TP=1 PP=2 VPP=2 DP=1; {CONVERT}"),
+        (_parallel(tp=2, pp=1, dp=2), {"finetune": True}, f"TP=2 PP=1 DP=2; {CONVERT}"),
+        (
+            _parallel(tp=1, pp=2, dp=1),
+            {"load_optim": False},
+            (
+                "TP=1 PP=2 DP=1; optimizer and RNG states are per data-parallel rank: pass --no-load-optim "
+                "--no-load-rng (or --finetune) to load only the weights"
+            ),
+        ),
+    ],
+)
 def test_parallel_size_mismatch(tmp_path, ours, kw, hint):
     _save_all_in_process(tmp_path)
     assert _error_of(_load, tmp_path, 0, 0, parallel=ours, **kw) == (
-        f"checkpoint {tmp_path}/iter_0000001 was saved with TP=1 PP=2 DP=2, this run has {hint}")
+        f"checkpoint {tmp_path}/iter_0000001 was saved with TP=1 PP=2 DP=2, this run has {hint}"
+    )
 
 
 def test_stray_temporary_files_and_uncommitted_iterations_are_ignored(tmp_path):
@@ -359,8 +424,11 @@ def test_stray_temporary_files_and_uncommitted_iterations_are_ignored(tmp_path):
 
 
 def test_flatten_state_round_trips_nested_python_values():
-    state = {"a": [1, 2.5, None, "x", (True, torch.ones(2))], 3: {"__odd": torch.zeros(1, dtype=torch.int64)},
-             None: np.float32(1.5)}
+    state = {
+        "a": [1, 2.5, None, "x", (True, torch.ones(2))],
+        3: {"__odd": torch.zeros(1, dtype=torch.int64)},
+        None: np.float32(1.5),
+    }
     tensors, skeleton = flatten_state(state)
     assert sorted(tensors) == ["3/__odd", "a/4/1"]
     assert _equal(unflatten_state(tensors, skeleton), {**state, None: 1.5})

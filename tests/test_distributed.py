@@ -28,12 +28,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _toy(per_token: bool = False) -> ToyStage:
-    return ToyStage(ModelParallelConfig(hidden_size=8, calculate_per_token_loss=per_token), SYMBOLS, DECODER_IDS)
+    return ToyStage(
+        ModelParallelConfig(hidden_size=8, calculate_per_token_loss=per_token), SYMBOLS, DECODER_IDS
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # One process (no communication): buffers, hooks, forwarding
 # --------------------------------------------------------------------------------------------------
+
 
 def test_main_grads_live_in_one_flat_buffer_and_match_plain_autograd():
     batches = make_microbatches(3, 2, 6, False)
@@ -65,8 +68,9 @@ def test_wrapper_forwards_attributes_and_state_dict_has_no_prefix():
 
 def test_buckets_follow_reverse_parameter_order_and_bucket_size():
     model = _toy()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(overlap_grad_reduce=True,
-                                                                              bucket_size=100), model)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=100), model
+    )
     names = [n for bucket in ddp.buckets for n in bucket.names]
     assert names == [n for n, _ in model.named_parameters()][::-1]
     # A bucket closes once it holds >= 100 elements: head (11 + 88) + layers.1.bias (8), and so on.
@@ -118,7 +122,9 @@ def test_multi_no_sync_suspends_every_chunk():
 
 def test_nan_check_names_the_parameter():
     model = _toy()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(check_for_nan_in_grad=True), model)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(check_for_nan_in_grad=True), model
+    )
     model.head.bias.main_grad[0] = float("nan")
     with pytest.raises(RuntimeError, match=r"NaN or Inf in the gradients of \['head.bias'\]"):
         ddp.finish_grad_sync()
@@ -127,6 +133,7 @@ def test_nan_check_names_the_parameter():
 # --------------------------------------------------------------------------------------------------
 # Real ranks: TP=2 x DP=2 on 4 ranks (DP groups [0, 2] and [1, 3])
 # --------------------------------------------------------------------------------------------------
+
 
 def _all_batches():
     """This rank's microbatches and those of its whole DP group (in group order).
@@ -150,6 +157,7 @@ def _record_launches(ddp, model, events):
             if bucket.state not in (LAUNCHED, DONE):
                 events.append(f"launch {bucket.index}")
             start()
+
         bucket.start_grad_sync = recorded
     model.embedding.weight.register_hook(lambda grad: events.append("embedding grad"))
 
@@ -162,8 +170,9 @@ def _ddp_run(overlap: bool, per_token: bool, driver: str, iterations: int = 1):
     batches, everyone = _all_batches()
     model = _toy(per_token)
     config = ModelParallelConfig(hidden_size=8, calculate_per_token_loss=per_token)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=overlap,
-                                                                        bucket_size=100), model)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=100), model
+    )
     config.no_sync_func = ddp.no_sync
     if driver == "schedule+grad_sync_func":
         config.grad_sync_func = ddp.start_grad_sync
@@ -177,9 +186,15 @@ def _ddp_run(overlap: bool, per_token: bool, driver: str, iterations: int = 1):
         events.clear()
         if driver.startswith("schedule"):
             record = ScheduleRecord()
-            forward_backward_no_pipelining(forward_step_func=make_forward_step(per_token), data_iterator=iter(batches),
-                                           model=ddp, num_microbatches=MICROBATCHES, seq_length=6,
-                                           micro_batch_size=2, record=record)
+            forward_backward_no_pipelining(
+                forward_step_func=make_forward_step(per_token),
+                data_iterator=iter(batches),
+                model=ddp,
+                num_microbatches=MICROBATCHES,
+                seq_length=6,
+                micro_batch_size=2,
+                record=record,
+            )
             num_tokens = record.num_tokens
         else:  # by hand: no_sync for all but the last microbatch
             num_tokens = torch.zeros((), dtype=torch.int64)
@@ -217,20 +232,34 @@ def _interleaved_run(overlap: bool, grad_sync: bool) -> list[str]:
     ps.set_virtual_pipeline_model_parallel_world_size(2)
     layout = even_layout(2, 1, 2)
     config = ModelParallelConfig(hidden_size=8, virtual_pipeline_model_parallel_size=2)
-    chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=50),
-                                      ToyStage(config, layout.stage_layers(0, c), layout.decoder_layers(0, c),
-                                               vp_stage=c)) for c in range(2)]
+    chunks = [
+        DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=50),
+            ToyStage(config, layout.stage_layers(0, c), layout.decoder_layers(0, c), vp_stage=c),
+        )
+        for c in range(2)
+    ]
     config.no_sync_func = multi_no_sync(chunks)
     config.grad_sync_func = [c.start_grad_sync for c in chunks] if grad_sync else None
     config.finalize_model_grads_func = finalize_model_grads
     batches, everyone = _all_batches()
     forward_backward_pipelining_with_interleaving(
-        forward_step_func=make_forward_step(False), data_iterator=[iter(batches), iter(batches)], model=chunks,
-        num_microbatches=MICROBATCHES, seq_length=6, micro_batch_size=2)
+        forward_step_func=make_forward_step(False),
+        data_iterator=[iter(batches), iter(batches)],
+        model=chunks,
+        num_microbatches=MICROBATCHES,
+        seq_length=6,
+        micro_batch_size=2,
+    )
     ps.set_virtual_pipeline_model_parallel_world_size(None)
     _, expected = reference_loss_and_grads(_toy(), everyone, False)
-    return [f"interleaved overlap={overlap} grad_sync={grad_sync}: {n} off by {_rel(p.main_grad, expected[n]):.2e}"
-            for chunk in chunks for n, p in chunk.module.named_parameters() if _rel(p.main_grad, expected[n]) > 1e-6]
+    return [
+        f"interleaved overlap={overlap} grad_sync={grad_sync}: {n} off by {_rel(p.main_grad, expected[n]):.2e}"
+        for chunk in chunks
+        for n, p in chunk.module.named_parameters()
+        if _rel(p.main_grad, expected[n]) > 1e-6
+    ]
 
 
 def _ddp_cases(rank, world_size):
@@ -241,8 +270,9 @@ def _ddp_cases(rank, world_size):
     for driver in ("manual", "schedule", "schedule+grad_sync_func"):
         for overlap in (False, True):
             for per_token in (False, True):
-                results[(driver, overlap, per_token)] = _ddp_run(overlap, per_token, driver,
-                                                                 iterations=2 if driver == "manual" else 1)
+                results[(driver, overlap, per_token)] = _ddp_run(
+                    overlap, per_token, driver, iterations=2 if driver == "manual" else 1
+                )
     for overlap in (False, True):
         for grad_sync in (False, True):
             results[("interleaved", overlap, grad_sync)] = (_interleaved_run(overlap, grad_sync), None, None)
@@ -288,17 +318,26 @@ def test_overlapped_buckets_launch_during_backward(ddp_results):
         # No launch during the no_sync microbatches; in the last one, buckets launch in reverse layer
         # order as they complete, before the embedding's gradient (the last of backward) is computed.
         for driver in ("manual", "schedule"):
-            assert per_rank[(driver, True, False)][2] == [grad] * 3 + ["launch 0", "launch 1", grad, "launch 2"]
+            assert per_rank[(driver, True, False)][2] == [grad] * 3 + [
+                "launch 0",
+                "launch 1",
+                grad,
+                "launch 2",
+            ]
         # Without overlap: one bucket, reduced in finish_grad_sync.
         assert per_rank[("manual", False, False)][2] == [grad] * 4 + ["launch 0"]
         # With grad_sync_func the schedule launches everything right after the last backward.
         assert per_rank[("schedule+grad_sync_func", True, False)][2] == [grad] * 4 + [
-            "launch 0", "launch 1", "launch 2"]
+            "launch 0",
+            "launch 1",
+            "launch 2",
+        ]
 
 
 # --------------------------------------------------------------------------------------------------
 # finalize_model_grads on main_grad: TP=2 x PP=2 on 4 ranks
 # --------------------------------------------------------------------------------------------------
+
 
 class _Stage(nn.Module):
     def __init__(self, config):

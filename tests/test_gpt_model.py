@@ -24,8 +24,17 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 def make_config(kind: str, **overrides) -> TransformerConfig:
     """The tiny GPT-2 or LLaMA (GQA: 4 heads, 2 groups) every test here uses; dropout off."""
-    common = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "make_vocab_size_divisible_by": 16,
-              "init_method_std": 0.1, "hidden_dropout": 0.0, "attention_dropout": 0.0, "seed": 7, **overrides}
+    common = {
+        "num_layers": 4,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "make_vocab_size_divisible_by": 16,
+        "init_method_std": 0.1,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "seed": 7,
+        **overrides,
+    }
     if kind == "gpt":
         return gpt2_config(**common)
     return llama_config(num_query_groups=2, ffn_hidden_size=48, **common)
@@ -52,15 +61,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # Rank functions
 # --------------------------------------------------------------------------------------------------
 
+
 def _setup(kind: str, tp: int, pp: int, vpp: int | None, **overrides):
     from core import parallel_state as ps
     from core.tensor_parallel import model_parallel_seed
 
     ps.initialize_model_parallel(tp, pp, vpp)
     model_parallel_seed(1234)
-    config = make_config(kind, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         virtual_pipeline_model_parallel_size=vpp, finalize_model_grads_func=finalize_model_grads,
-                         **overrides)
+    config = make_config(
+        kind,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        finalize_model_grads_func=finalize_model_grads,
+        **overrides,
+    )
     return ps, config, build_model_chunks(config, VOCAB, SEQ)
 
 
@@ -72,8 +87,12 @@ def _train_step(ps, chunks, batches, seq_length=SEQ):
     iterators = [iter(batches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=make_forward_step(config.calculate_per_token_loss),
-        data_iterator=iterators if vpp > 1 else iterators[0], model=chunks if vpp > 1 else chunks[0],
-        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=MBS)
+        data_iterator=iterators if vpp > 1 else iterators[0],
+        model=chunks if vpp > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=MBS,
+    )
 
 
 def _full(chunks, what: str) -> dict[str, torch.Tensor]:
@@ -93,12 +112,15 @@ def _full(chunks, what: str) -> dict[str, torch.Tensor]:
 def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token):
     ps, _, chunks = _setup(kind, tp, pp, vpp, sequence_parallel=sp, calculate_per_token_loss=per_token)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES:(dp_rank + 1) * MICROBATCHES]
+    batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]
     logs = _train_step(ps, chunks, batches)
     grads, params = _full(chunks, "grad"), _full(chunks, "param")
     first = ps.get_tensor_model_parallel_rank() == 0
-    return {"grads": grads if first and dp_rank == 0 else None, "params": params if first and dp_rank == 0 else None,
-            "logs": [{k: v.clone() for k, v in d.items()} for d in logs] if first else []}
+    return {
+        "grads": grads if first and dp_rank == 0 else None,
+        "params": params if first and dp_rank == 0 else None,
+        "logs": [{k: v.clone() for k, v in d.items()} for d in logs] if first else [],
+    }
 
 
 def _tied_rank(rank, world_size, steps):
@@ -109,20 +131,27 @@ def _tied_rank(rank, world_size, steps):
     copies = []
     for step in range(steps):
         optimizer.zero_grad()
-        _train_step(ps, chunks, batches[4 * step:4 * step + 4])
+        _train_step(ps, chunks, batches[4 * step : 4 * step + 4])
         optimizer.step()
         tied = model.shared_embedding_or_output_weight()
         copies.append(None if tied is None else _full_one(tied))
     first = ps.get_tensor_model_parallel_rank() == 0
     params = _full(chunks, "param")  # a TP collective: every rank gathers
-    return {"pp_rank": ps.get_pipeline_model_parallel_rank(), "copies": copies if first else None,
-            "params": params if first else None,
-            "shared": sorted(n for n, p in model.named_parameters() if getattr(p, "shared_embedding", False))}
+    return {
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "copies": copies if first else None,
+        "params": params if first else None,
+        "shared": sorted(n for n, p in model.named_parameters() if getattr(p, "shared_embedding", False)),
+    }
 
 
 RECOMPUTE = {
     "none": {},
-    "full-uniform": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+    "full-uniform": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 2,
+    },
     "full-block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
     "selective": {"recompute_granularity": "selective"},
     "dropout-off": {"hidden_dropout": 0.0, "attention_dropout": 0.0},
@@ -136,15 +165,19 @@ def _recompute_rank(rank, world_size, kind):
     outcome = {}
     for name, variant in RECOMPUTE.items():
         options = {"hidden_dropout": 0.1, "attention_dropout": 0.1, **variant}
-        ps, _, chunks = _setup(kind, 2, 2, None, sequence_parallel=True, calculate_per_token_loss=True, **options)
+        ps, _, chunks = _setup(
+            kind, 2, 2, None, sequence_parallel=True, calculate_per_token_loss=True, **options
+        )
         model_parallel_seed(4321 + ps.get_data_parallel_rank())  # same streams in every variant
-        batches = make_batches(MICROBATCHES * 2)[ps.get_data_parallel_rank()::2]
+        batches = make_batches(MICROBATCHES * 2)[ps.get_data_parallel_rank() :: 2]
         logs = _train_step(ps, chunks, batches)
         outcome[name] = ([d["lm loss"] for d in logs], {n: p.grad for n, p in chunks[0].named_parameters()})
         ps.destroy_model_parallel()
     base_logs, base_grads = outcome.pop("none")
     off_logs, _ = outcome.pop("dropout-off")
-    diffs = {name: max(rel(grads[n], g) for n, g in base_grads.items()) for name, (_, grads) in outcome.items()}
+    diffs = {
+        name: max(rel(grads[n], g) for n, g in base_grads.items()) for name, (_, grads) in outcome.items()
+    }
     same_loss = all(all(torch.equal(a, b) for a, b in zip(logs, base_logs)) for logs, _ in outcome.values())
     dropout_mattered = any(not torch.equal(a, b) for a, b in zip(off_logs, base_logs)) or not base_logs
     return diffs, same_loss, dropout_mattered
@@ -196,15 +229,19 @@ def test_split_matches_single_device_model(ranks, kind, split):
         assert grad is not None and grad.abs().sum() > 0, f"{name} received no gradient"
         assert torch.equal(params[name], ref_params[twin].detach()), f"{name} initialised differently"
         worst = max(worst, rel(grad, ref_grads[twin]))
-        assert rel(grad, ref_grads[twin]) <= TOL, f"{name}: relative gradient difference {rel(grad, ref_grads[twin])}"
+        assert rel(grad, ref_grads[twin]) <= TOL, (
+            f"{name}: relative gradient difference {rel(grad, ref_grads[twin])}"
+        )
 
     logs = [d["lm loss"] for r in results for d in r["logs"]]
     assert len(logs) == dp * MICROBATCHES
     loss = torch.stack(logs).sum(0) if per_token else torch.stack(logs).mean()
     loss = loss[0] / loss[1] if per_token else loss
     assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
-    print(f"{kind} {split}: max relative grad difference {worst:.2e}, loss difference "
-          f"{abs(loss - ref_loss).item() / ref_loss.item():.2e}")
+    print(
+        f"{kind} {split}: max relative grad difference {worst:.2e}, loss difference "
+        f"{abs(loss - ref_loss).item() / ref_loss.item():.2e}"
+    )
 
 
 def test_tied_embeddings_stay_identical_across_four_stages(ranks):
@@ -220,7 +257,7 @@ def test_tied_embeddings_stay_identical_across_four_stages(ranks):
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     batches = make_batches(4 * steps, seed=11)
     for step in range(steps):
-        reference_loss_and_grads(reference, batches[4 * step:4 * step + 4], per_token=True)
+        reference_loss_and_grads(reference, batches[4 * step : 4 * step + 4], per_token=True)
         optimizer.step()
     ref = dict(reference.named_parameters())
     assert rel(last["copies"][-1], ref[WORD_EMBEDDINGS].detach()) <= TOL
@@ -251,8 +288,8 @@ def test_vocab_padding_does_not_change_the_loss():
     assert abs(loss_a - loss_b) <= 1e-6 * loss_a
     print(f"vocab padding: relative loss difference {abs(loss_a - loss_b).item() / loss_a.item():.2e}")
     for name, grad in grads_a.items():
-        assert rel(grads_b[name][:grad.shape[0]], grad) <= 1e-6, name
-        assert not grads_b[name][grad.shape[0]:].any(), f"{name}: padding rows got a gradient"
+        assert rel(grads_b[name][: grad.shape[0]], grad) <= 1e-6, name
+        assert not grads_b[name][grad.shape[0] :].any(), f"{name}: padding rows got a gradient"
     logits = padded(batches[0][0])
     assert logits.shape == (MBS, SEQ, 128) and torch.isneginf(logits[..., VOCAB:]).all()
 
@@ -261,29 +298,48 @@ def test_stage_flags_must_agree_with_the_layout():
     config = make_config("gpt", pipeline_model_parallel_size=2)
     with pytest.raises(ValueError) as err:
         GPTModel(config, VOCAB, SEQ, pre_process=True, post_process=True)
-    assert str(err.value) == ("GPTModel(post_process=True) disagrees with the pipeline layout: stage (pp_rank 0, "
-                              "vp_stage None) does not hold the loss; pass post_process=False or use "
-                              "build_model_chunks")
+    assert str(err.value) == (
+        "GPTModel(post_process=True) disagrees with the pipeline layout: stage (pp_rank 0, "
+        "vp_stage None) does not hold the loss; pass post_process=False or use "
+        "build_model_chunks"
+    )
     config = make_config("gpt", pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)
     with pytest.raises(ValueError) as err:
         GPTModel(config, VOCAB, SEQ)
-    assert str(err.value) == ("GPTModel(vp_stage=None) on pipeline rank 0: vpp_rank is required: the layout has 2 "
-                              "virtual stages per rank")
-    config = make_config("gpt", pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                         pipeline_model_parallel_layout="|Et|tttL|")
+    assert str(err.value) == (
+        "GPTModel(vp_stage=None) on pipeline rank 0: vpp_rank is required: the layout has 2 "
+        "virtual stages per rank"
+    )
+    config = make_config(
+        "gpt",
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_model_parallel_layout="|Et|tttL|",
+    )
     with pytest.raises(ValueError) as err:
         GPTModel(config, VOCAB, SEQ, pre_process=False, post_process=False, vp_stage=0)
-    assert str(err.value) == ("tied embeddings need the embedding on the first pipeline rank and the loss on the last "
-                              "(the embedding group keeps them in sync), but the layout puts them on ranks (1, 0); "
-                              "fix the pipeline layout or set untie_embeddings_and_output_weights=True")
+    assert str(err.value) == (
+        "tied embeddings need the embedding on the first pipeline rank and the loss on the last "
+        "(the embedding group keeps them in sync), but the layout puts them on ranks (1, 0); "
+        "fix the pipeline layout or set untie_embeddings_and_output_weights=True"
+    )
 
 
 def test_layout_string_places_global_layer_numbers():
-    config = make_config("llama", pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2,
-                         pipeline_model_parallel_layout="Ettt|tL")
+    config = make_config(
+        "llama",
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_model_parallel_layout="Ettt|tL",
+    )
     first, last = build_model_chunks(config, VOCAB, SEQ)
     assert list(first.decoder.layers) == ["0", "1", "2"] and list(last.decoder.layers) == ["3"]
-    assert (first.pre_process, first.post_process, last.pre_process, last.post_process) == (True, False, False, True)
+    assert (first.pre_process, first.post_process, last.pre_process, last.post_process) == (
+        True,
+        False,
+        False,
+        True,
+    )
     whole = GPTModel(make_config("llama"), VOCAB, SEQ)
     for name, p in [*first.named_parameters(), *last.named_parameters()]:
         assert torch.equal(p, dict(whole.named_parameters())[name]), name
@@ -294,5 +350,7 @@ def test_tied_chunks_on_one_rank_share_one_parameter():
     first, last = build_model_chunks(config, VOCAB, SEQ)
     assert last.output_layer.weight is None and "output_layer.weight" not in dict(last.named_parameters())
     assert last.shared_embedding_or_output_weight() is first.embedding.word_embeddings.weight
-    with pytest.raises(ValueError, match="tied embeddings: the embedding is in an earlier chunk of this rank"):
+    with pytest.raises(
+        ValueError, match="tied embeddings: the embedding is in an earlier chunk of this rank"
+    ):
         GPTModel(config, VOCAB, SEQ, pre_process=False, post_process=True, vp_stage=1)

@@ -28,16 +28,45 @@ def _perturb_norms_and_biases(model: GPTModel) -> None:
 
 
 CASES = {
-    "llama-gqa": (lambda: llama_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                                       ffn_hidden_size=48, init_method_std=0.2, rotary_base=500000.0),
-                  "LlamaForCausalLM", "LlamaConfig"),
-    "llama-mqa-tied": (lambda: llama_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=1,
-                                            ffn_hidden_size=48, init_method_std=0.2, kv_channels=16,
-                                            untie_embeddings_and_output_weights=False),
-                       "LlamaForCausalLM", "LlamaConfig"),
-    "gpt2": (lambda: gpt2_config(num_layers=2, hidden_size=32, num_attention_heads=4, init_method_std=0.2,
-                                 hidden_dropout=0.0, attention_dropout=0.0),
-             "GPT2LMHeadModel", "GPT2Config"),
+    "llama-gqa": (
+        lambda: llama_config(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=48,
+            init_method_std=0.2,
+            rotary_base=500000.0,
+        ),
+        "LlamaForCausalLM",
+        "LlamaConfig",
+    ),
+    "llama-mqa-tied": (
+        lambda: llama_config(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=1,
+            ffn_hidden_size=48,
+            init_method_std=0.2,
+            kv_channels=16,
+            untie_embeddings_and_output_weights=False,
+        ),
+        "LlamaForCausalLM",
+        "LlamaConfig",
+    ),
+    "gpt2": (
+        lambda: gpt2_config(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            init_method_std=0.2,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+        "GPT2LMHeadModel",
+        "GPT2Config",
+    ),
 }
 
 
@@ -47,8 +76,12 @@ def test_logits_match_hugging_face(case):
     config = make()
     ours = GPTModel(config, VOCAB, SEQ).eval()
     _perturb_norms_and_biases(ours)
-    hf_config = getattr(transformers, config_class)(**hf_config_kwargs(config, VOCAB, SEQ), bos_token_id=None,
-                                                    eos_token_id=None, attn_implementation="eager")
+    hf_config = getattr(transformers, config_class)(
+        **hf_config_kwargs(config, VOCAB, SEQ),
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="eager",
+    )
     theirs = getattr(transformers, model_class)(hf_config).eval()
     missing, unexpected = theirs.load_state_dict(to_hf(ours.state_dict(), config, VOCAB), strict=False)
     assert not missing and not unexpected, (missing, unexpected)

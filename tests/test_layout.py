@@ -98,15 +98,9 @@ def test_megatron_example_numbers_decoder_layers_contiguously_in_stage_order():
 
 
 def test_table_folds_equal_ranks():
-    assert str(parse_layout(MEGATRON_EXAMPLE, 16)) == "\n".join(
-        [
-            "PipelineLayout: pp_size=16, vpp_size=2, 32 stages, 61 decoder layers",
-            "               vpp_rank 0   vpp_rank 1",
-            "pp_rank 0      E,t*3        t*2",
-            "pp_rank 1-13   t*2          t*2",
-            "pp_rank 14     t*2          m",
-            "pp_rank 15     t*2          L",
-        ]
+    assert (
+        str(parse_layout(MEGATRON_EXAMPLE, 16))
+        == "PipelineLayout: pp_size=16, vpp_size=2, 32 stages, 61 decoder layers\n               vpp_rank 0   vpp_rank 1\npp_rank 0      E,t*3        t*2\npp_rank 1-13   t*2          t*2\npp_rank 14     t*2          m\npp_rank 15     t*2          L"
     )
     assert parse_layout("E||t|L", 2).table().splitlines()[2:] == [
         "pp_rank 0   E            t",
@@ -291,22 +285,28 @@ RULE_ERRORS = [
         "Et|m|t|L",
         4,
         {},
-        "decoder layer 't' at position 5 comes after the MTP layer at position 3; "
-        "all decoder layers must precede the MTP layers",
+        (
+            "decoder layer 't' at position 5 comes after the MTP layer at position 3; "
+            "all decoder layers must precede the MTP layers"
+        ),
     ),
     (
         "Etmt|L",
         2,
         {"mtp_num_layers": 1},
-        "decoder layer 't' at position 3 comes after the MTP layer at position 2; "
-        "all decoder layers must precede the MTP layers",
+        (
+            "decoder layer 't' at position 3 comes after the MTP layer at position 2; "
+            "all decoder layers must precede the MTP layers"
+        ),
     ),
     (
         "Et|m||L",
         2,
         {},
-        "MTP layer 'm' at position 3 is in stage 1 (pp_rank 1, vpp_rank 0); "
-        "MTP layers must be in the last virtual stage of their rank (vpp_rank 1)",
+        (
+            "MTP layer 'm' at position 3 is in stage 1 (pp_rank 1, vpp_rank 0); "
+            "MTP layers must be in the last virtual stage of their rank (vpp_rank 1)"
+        ),
     ),
     (
         "Et|t|m|mL",
@@ -450,7 +450,7 @@ def test_even_layout_with_fewer_layers_than_stages_leaves_the_last_ones_empty():
 
 
 def test_even_layout_sweep():
-    for num_layers in range(0, 14):
+    for num_layers in range(14):
         for pp in range(1, 5):
             for vpp in (None, 1, 2, 3):
                 layout = even_layout(num_layers, pp, vpp)

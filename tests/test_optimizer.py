@@ -39,8 +39,11 @@ class _Net(nn.Module):
 def _reference_adamw(model, lr=1e-2, weight_decay=0.1, **kw):
     decay = [model.embedding.weight, model.fc.weight, model.out.weight]
     no_decay = [model.fc.bias, model.norm.weight, model.norm.bias, model.out.bias]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, **kw)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        **kw,
+    )
 
 
 def _tokens(step: int) -> torch.Tensor:
@@ -51,11 +54,21 @@ def _tokens(step: int) -> torch.Tensor:
 # Groups, fp32 and bf16 steps, state round trip (one process)
 # --------------------------------------------------------------------------------------------------
 
+
 def test_weight_decay_groups_exclude_biases_and_norms():
     model = _Net()
-    groups = get_param_groups([model], 0.1, scale_lr_cond=lambda name, p: name.startswith("out."), lr_mult=2.0)
-    summary = [({n for n, p in model.named_parameters() if any(p is q for q in g["params"])},
-                g["weight_decay"], g["wd_mult"], g["lr_mult"]) for g in groups]
+    groups = get_param_groups(
+        [model], 0.1, scale_lr_cond=lambda name, p: name.startswith("out."), lr_mult=2.0
+    )
+    summary = [
+        (
+            {n for n, p in model.named_parameters() if any(p is q for q in g["params"])},
+            g["weight_decay"],
+            g["wd_mult"],
+            g["lr_mult"],
+        )
+        for g in groups
+    ]
     assert summary == [
         ({"embedding.weight", "fc.weight"}, 0.1, 1.0, 1.0),
         ({"out.weight"}, 0.1, 1.0, 2.0),
@@ -79,8 +92,9 @@ def test_fp32_step_from_ddp_buffers_is_bit_identical_to_torch_adamw():
         ref(_tokens(step)).backward()
         reference.step()
         assert ok and zeros is None
-        assert grad_norm == pytest.approx(math.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters())),
-                                          rel=1e-6)
+        assert grad_norm == pytest.approx(
+            math.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters())), rel=1e-6
+        )
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), (step, name)
 
@@ -95,7 +109,9 @@ def _bf16_pair():
 @pytest.mark.parametrize("grad_source", ["main_grad", "grad"])
 def test_bf16_model_steps_fp32_main_params_like_an_fp32_adamw(grad_source):
     model, ref = _bf16_pair()
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=0.0, bf16=True), [model])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=0.0, bf16=True), [model]
+    )
     reference = _reference_adamw(ref, lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
@@ -121,9 +137,14 @@ def _roundtrip(optimizer, model, tmp_path, tag):
     state = optimizer.state_dict()
     save_file(state["state"], str(tmp_path / f"{tag}.safetensors"))
     (tmp_path / f"{tag}.json").write_text(json.dumps(state["param_groups"]))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / f"{tag}-model.safetensors"))
-    return (load_file(str(tmp_path / f"{tag}.safetensors")), json.loads((tmp_path / f"{tag}.json").read_text()),
-            load_file(str(tmp_path / f"{tag}-model.safetensors")))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / f"{tag}-model.safetensors")
+    )
+    return (
+        load_file(str(tmp_path / f"{tag}.safetensors")),
+        json.loads((tmp_path / f"{tag}.json").read_text()),
+        load_file(str(tmp_path / f"{tag}-model.safetensors")),
+    )
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -180,6 +201,7 @@ def test_zero_grad_clears_grads_and_main_grad_buffers():
 # LR schedule: Megatron's formulas, values written out
 # --------------------------------------------------------------------------------------------------
 
+
 def _lrs(style, steps, **kw):
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
     scheduler = OptimizerParamScheduler(opt, 0.0, 1.0, 0.1, 10, 110, style, **kw)
@@ -199,15 +221,29 @@ def test_lr_warmup_then_decay_matches_megatron_formulas():
     assert _lrs("constant", steps) == approx([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     assert _lrs("inverse-square-root", [40, 1000]) == approx([0.5, 0.1])
     assert _lrs("WSD", [80, 90, 100, 110], wsd_decay_steps=20, lr_wsd_decay_style="linear") == approx(
-        [1.0, 1.0, 0.55, 0.1])
+        [1.0, 1.0, 0.55, 0.1]
+    )
 
 
 def test_weight_decay_ramp_and_group_multipliers():
-    groups = [{"params": [nn.Parameter(torch.zeros(1))], "wd_mult": 1.0, "lr_mult": 2.0},
-              {"params": [nn.Parameter(torch.zeros(1))], "wd_mult": 0.0, "lr_mult": 1.0}]
+    groups = [
+        {"params": [nn.Parameter(torch.zeros(1))], "wd_mult": 1.0, "lr_mult": 2.0},
+        {"params": [nn.Parameter(torch.zeros(1))], "wd_mult": 0.0, "lr_mult": 1.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=0.0)
-    scheduler = OptimizerParamScheduler(opt, 0.0, 1.0, 0.1, 10, 110, "linear", start_wd=0.0, end_wd=0.1,
-                                        wd_incr_steps=100, wd_incr_style="linear")
+    scheduler = OptimizerParamScheduler(
+        opt,
+        0.0,
+        1.0,
+        0.1,
+        10,
+        110,
+        "linear",
+        start_wd=0.0,
+        end_wd=0.1,
+        wd_incr_steps=100,
+        wd_incr_style="linear",
+    )
     scheduler.step(50)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([2 * 0.64, 0.64])  # ratio .4: .1 + .9 * .6
     assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx([0.05, 0.0])
@@ -274,18 +310,31 @@ def _clip_case(rank, world_size, nan_rank):
         next(iter(stage.parameters())).grad.view(-1)[1] = float("nan")
     expected = math.sqrt(sum(g.double().square().sum().item() for g in grads.values()))
     clip = expected / 4
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.0, clip_grad=clip,
-                                                       log_num_zeros_in_grad=True), [stage])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=0.1, weight_decay=0.0, clip_grad=clip, log_num_zeros_in_grad=True), [stage]
+    )
     before = [p.detach().clone() for p in stage.parameters()]
     unclipped = [p.grad.clone() for p in stage.parameters()]
     ok, grad_norm, zeros = optimizer.step()
     local_max = max(g.abs().max().item() for g in unclipped)
     inf_norm = get_grad_norm_fp32(unclipped, math.inf, ps.get_model_parallel_group())
     unchanged = all(torch.equal(a, p) for a, p in zip(before, stage.parameters()))
-    clipped_right = all(torch.allclose(p.grad, g * clip / (expected + 1e-6), rtol=1e-6, atol=0)
-                        for p, g in zip(stage.parameters(), unclipped))
-    return (ok, grad_norm, expected, zeros, unchanged, clipped_right, inf_norm, local_max,
-            max(g.abs().max().item() for g in grads.values()), len(optimizer.state))
+    clipped_right = all(
+        torch.allclose(p.grad, g * clip / (expected + 1e-6), rtol=1e-6, atol=0)
+        for p, g in zip(stage.parameters(), unclipped)
+    )
+    return (
+        ok,
+        grad_norm,
+        expected,
+        zeros,
+        unchanged,
+        clipped_right,
+        inf_norm,
+        local_max,
+        max(g.abs().max().item() for g in grads.values()),
+        len(optimizer.state),
+    )
 
 
 def test_global_norm_over_tp_and_pp_counts_each_weight_once_and_clips(ranks):

@@ -96,9 +96,12 @@ def _group_of(rank, groups):
 # Pure group maths
 # ----------------------------------------------------------------------------------------------
 
+
 def test_megatron_documented_16_rank_example():
-    assert ps.generate_parallel_groups(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=4) \
+    assert (
+        ps.generate_parallel_groups(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
         == MEGATRON_16
+    )
 
 
 @pytest.mark.parametrize("sizes", list(EIGHT_RANK), ids=lambda s: "tp{}-pp{}-cp{}".format(*s))
@@ -142,16 +145,20 @@ def test_world_of_one_has_only_singleton_groups():
 def test_non_dividing_world_size_is_one_clear_error():
     with pytest.raises(ValueError) as err:
         ps.generate_parallel_groups(6, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
-    assert str(err.value) == ("world size 6 is not divisible by tensor_model_parallel_size (2) x "
-                              "pipeline_model_parallel_size (4) x context_parallel_size (1) = 8")
+    assert str(err.value) == (
+        "world size 6 is not divisible by tensor_model_parallel_size (2) x "
+        "pipeline_model_parallel_size (4) x context_parallel_size (1) = 8"
+    )
 
 
 @pytest.mark.parametrize("order", ["tp-dp-pp", "tp-cp-ep-dp-pp-tp", "tp-cp-xp-dp-pp", "tp,cp,ep,dp,pp"])
 def test_bad_order_is_rejected(order):
     with pytest.raises(ValueError) as err:
         ps.generate_parallel_groups(8, order=order)
-    assert str(err.value) == (f"order {order!r} must name each of tp, cp, ep, dp, pp exactly once, "
-                              "joined by '-' (Megatron's default is 'tp-cp-ep-dp-pp')")
+    assert str(err.value) == (
+        f"order {order!r} must name each of tp, cp, ep, dp, pp exactly once, "
+        "joined by '-' (Megatron's default is 'tp-cp-ep-dp-pp')"
+    )
 
 
 def test_sizes_below_one_are_rejected():
@@ -161,8 +168,11 @@ def test_sizes_below_one_are_rejected():
 
 def test_uninitialized_getters(monkeypatch):
     assert not ps.model_parallel_is_initialized()
-    with pytest.raises(RuntimeError, match=r"^model parallel groups are not initialized; "
-                                           r"call initialize_model_parallel\(\.\.\.\)$"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^model parallel groups are not initialized; "
+        r"call initialize_model_parallel\(\.\.\.\)$",
+    ):
         ps.get_tensor_model_parallel_group()
     with pytest.raises(RuntimeError, match="not initialized"):
         ps.get_pipeline_model_parallel_rank()
@@ -187,9 +197,18 @@ def test_single_process_initializes_itself_without_a_launcher():
         "ps.destroy_model_parallel(); ps.initialize_distributed()\n"
         "print('ok', dist.get_world_size(), ps.get_tensor_model_parallel_world_size.__name__)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=TIMEOUT, check=False)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:2] == ["ok", "1"]
 
@@ -198,14 +217,22 @@ def test_single_process_initializes_itself_without_a_launcher():
 # Real groups on 8 gloo ranks
 # ----------------------------------------------------------------------------------------------
 
+
 def _report_groups(rank, world_size, tp, pp, cp):
     """Initialise, then report what this rank sees: members, getter values and real all-reduces."""
     groups = ps.initialize_model_parallel(tp, pp, context_parallel_size=cp)
-    members = {name: dist.get_process_group_ranks(getattr(groups, name))
-               for name in ps.GROUP_NAMES if getattr(groups, name) is not None}
+    members = {
+        name: dist.get_process_group_ranks(getattr(groups, name))
+        for name in ps.GROUP_NAMES
+        if getattr(groups, name) is not None
+    }
     sums = {}
-    for name, group in (("tp", ps.get_tensor_model_parallel_group()), ("pp", ps.get_pipeline_model_parallel_group()),
-                        ("dp", ps.get_data_parallel_group()), ("dp_cp", ps.get_data_parallel_group(True))):
+    for name, group in (
+        ("tp", ps.get_tensor_model_parallel_group()),
+        ("pp", ps.get_pipeline_model_parallel_group()),
+        ("dp", ps.get_data_parallel_group()),
+        ("dp_cp", ps.get_data_parallel_group(True)),
+    ):
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=group)
         sums[name] = t.item()
@@ -217,13 +244,18 @@ def _report_groups(rank, world_size, tp, pp, cp):
         "dp_cp": (ps.get_data_parallel_rank(True), ps.get_data_parallel_world_size(True)),
     }
     return {
-        "members": members, "sums": sums, "getters": getters,
-        "next": ps.get_pipeline_model_parallel_next_rank(), "prev": ps.get_pipeline_model_parallel_prev_rank(),
+        "members": members,
+        "sums": sums,
+        "getters": getters,
+        "next": ps.get_pipeline_model_parallel_next_rank(),
+        "prev": ps.get_pipeline_model_parallel_prev_rank(),
         "first_rank": ps.get_pipeline_model_parallel_first_rank(),
         "last_rank": ps.get_pipeline_model_parallel_last_rank(),
-        "first": ps.is_pipeline_first_stage(), "last": ps.is_pipeline_last_stage(),
+        "first": ps.is_pipeline_first_stage(),
+        "last": ps.is_pipeline_last_stage(),
         "in_embd": ps.is_rank_in_embedding_group(),
-        "tp_src": ps.get_tensor_model_parallel_src_rank(), "dp_src": ps.get_data_parallel_src_rank(),
+        "tp_src": ps.get_tensor_model_parallel_src_rank(),
+        "dp_src": ps.get_data_parallel_src_rank(),
         "same_object": ps.get_parallel_groups() is groups,
     }
 
@@ -258,8 +290,10 @@ def _try_tp3(rank, world_size):
 
 
 def test_non_dividing_size_fails_on_every_rank_before_any_group(ranks):
-    message = ("world size 8 is not divisible by tensor_model_parallel_size (3) x "
-               "pipeline_model_parallel_size (1) x context_parallel_size (1) = 3")
+    message = (
+        "world size 8 is not divisible by tensor_model_parallel_size (3) x "
+        "pipeline_model_parallel_size (1) x context_parallel_size (1) = 3"
+    )
     assert ranks(8).run(_try_tp3, timeout=TIMEOUT) == [(message, False)] * 8
 
 
@@ -269,13 +303,21 @@ def _virtual_stages(rank, world_size):
     assert ps.get_virtual_pipeline_model_parallel_rank() == 0
     by_argument, by_state = [], []
     for chunk in range(2):
-        by_argument.append((ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk),
-                            ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk),
-                            ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=chunk)))
+        by_argument.append(
+            (
+                ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk),
+                ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk),
+                ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=chunk),
+            )
+        )
         ps.set_virtual_pipeline_model_parallel_rank(chunk)
-        by_state.append((ps.is_pipeline_first_stage(ignore_virtual=False),
-                         ps.is_pipeline_last_stage(ignore_virtual=False),
-                         ps.is_rank_in_embedding_group(ignore_virtual=False)))
+        by_state.append(
+            (
+                ps.is_pipeline_first_stage(ignore_virtual=False),
+                ps.is_pipeline_last_stage(ignore_virtual=False),
+                ps.is_rank_in_embedding_group(ignore_virtual=False),
+            )
+        )
     ignoring = (ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(), ps.is_rank_in_embedding_group())
     return by_argument, by_state, ignoring, ps.get_virtual_pipeline_model_parallel_world_size()
 

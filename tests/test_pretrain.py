@@ -17,9 +17,30 @@ from training.wandb_logging import read_offline_history
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small GPT that trains in well under a second per iteration on two cores.
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--eval-interval", "1000",
-         "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +50,30 @@ def cache(tmp_path_factory) -> str:
 
 
 def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
-    env = {**os.environ, "TRIDENT_CACHE": cache, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ROOT / "pretrain_gpt.py"), *args]
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "TRIDENT_CACHE": cache,
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(ROOT / "pretrain_gpt.py"),
+        *args,
+    ]
+    done = subprocess.run(
+        cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
     if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+        )
     return done
 
 
@@ -50,7 +88,9 @@ def wandb_losses(save_dir: Path) -> dict[int, float]:
 
 
 def run_ids(save_dir: Path) -> list[str]:
-    return [read_offline_history(d)["id"] for d in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*")))]
+    return [
+        read_offline_history(d)["id"] for d in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*")))
+    ]
 
 
 SPLITS = {
@@ -67,8 +107,24 @@ def test_every_split_trains_the_same_loss_curve(cache, tmp_path):
     curves = {}
     for name, (nproc, flags) in SPLITS.items():
         out = tmp_path / name
-        torchrun(nproc, SMALL + flags + ["--train-iters", "10", "--hidden-dropout", "0", "--attention-dropout", "0",
-                                         "--wandb-project", "split", "--wandb-save-dir", str(out)], cache)
+        torchrun(
+            nproc,
+            SMALL
+            + flags
+            + [
+                "--train-iters",
+                "10",
+                "--hidden-dropout",
+                "0",
+                "--attention-dropout",
+                "0",
+                "--wandb-project",
+                "split",
+                "--wandb-save-dir",
+                str(out),
+            ],
+            cache,
+        )
         curves[name] = wandb_losses(out)
     reference = curves.pop("TP1PP1DP1")
     assert sorted(reference) == list(range(1, 11))
@@ -83,14 +139,28 @@ def test_every_split_trains_the_same_loss_curve(cache, tmp_path):
 
 def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
     """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit)."""
-    flags = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "20", "--wandb-project", "resume"]
+    flags = SMALL + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--train-iters",
+        "20",
+        "--wandb-project",
+        "resume",
+    ]
     straight, split = tmp_path / "straight", tmp_path / "split"
     torchrun(4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache)
-    first = torchrun(4, flags + ["--save", str(split / "ckpt"), "--exit-interval", "10",
-                                 "--wandb-save-dir", str(split)], cache)
+    first = torchrun(
+        4,
+        flags + ["--save", str(split / "ckpt"), "--exit-interval", "10", "--wandb-save-dir", str(split)],
+        cache,
+    )
     assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-    second = torchrun(4, flags + ["--load", str(split / "ckpt"), "--save", str(split / "ckpt"),
-                                  "--wandb-save-dir", str(split)], cache)
+    second = torchrun(
+        4,
+        flags
+        + ["--load", str(split / "ckpt"), "--save", str(split / "ckpt"), "--wandb-save-dir", str(split)],
+        cache,
+    )
     assert "loaded checkpoint" in second.stdout and "at iteration 10" in second.stdout, second.stdout[-2000:]
     expected, resumed = wandb_losses(straight), wandb_losses(split)
     assert sorted(expected) == list(range(1, 21))
@@ -104,11 +174,34 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(cache, tmp_path):
     env = {**os.environ, "TRIDENT_CACHE": cache, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "pretrain_gpt.py"), *SMALL, "--pipeline-model-parallel-size", "2", "--train-iters", "100000",
-           "--exit-signal-handler", "--save", str(tmp_path / "ckpt"), "--save-interval", "100000"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "pretrain_gpt.py"),
+        *SMALL,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--train-iters",
+        "100000",
+        "--exit-signal-handler",
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "100000",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     deadline = time.monotonic() + 240
     for line in proc.stdout:  # wait until training runs
@@ -135,8 +228,23 @@ def test_bf16_tracks_fp32(cache, tmp_path):
     curves = {}
     for name, extra in (("fp32", []), ("bf16", ["--bf16"])):
         out = tmp_path / name
-        torchrun(2, SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "50", "--wandb-project", "bf16",
-                             "--wandb-save-dir", str(out), *extra], cache, timeout=900)
+        torchrun(
+            2,
+            SMALL
+            + [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--train-iters",
+                "50",
+                "--wandb-project",
+                "bf16",
+                "--wandb-save-dir",
+                str(out),
+                *extra,
+            ],
+            cache,
+            timeout=900,
+        )
         curves[name] = wandb_losses(out)
     for i in (10, 25, 50):
         assert abs(curves["bf16"][i] - curves["fp32"][i]) / curves["fp32"][i] < 0.03, (i, curves)

@@ -30,14 +30,46 @@ def _strs(table):
 # Tables and simulator (no processes)
 # --------------------------------------------------------------------------------------------------
 
+
 def test_1f1b_table_has_warmup_steady_cooldown():
-    assert _strs(one_f_one_b_table(4, 6, 0)) == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0B3 0B4 0B5".split()
-    assert _strs(one_f_one_b_table(4, 6, 3)) == "0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3 0F4 0B4 0F5 0B5".split()
-    assert _strs(one_f_one_b_table(4, 2, 1)) == "0F0 0F1 0B0 0B1".split()  # fewer microbatches than warm-up
+    assert _strs(one_f_one_b_table(4, 6, 0)) == [
+        "0F0",
+        "0F1",
+        "0F2",
+        "0F3",
+        "0B0",
+        "0F4",
+        "0B1",
+        "0F5",
+        "0B2",
+        "0B3",
+        "0B4",
+        "0B5",
+    ]
+    assert _strs(one_f_one_b_table(4, 6, 3)) == [
+        "0F0",
+        "0B0",
+        "0F1",
+        "0B1",
+        "0F2",
+        "0B2",
+        "0F3",
+        "0B3",
+        "0F4",
+        "0B4",
+        "0F5",
+        "0B5",
+    ]
+    assert _strs(one_f_one_b_table(4, 2, 1)) == [
+        "0F0",
+        "0F1",
+        "0B0",
+        "0B1",
+    ]  # fewer microbatches than warm-up
 
 
 def test_gpipe_table_is_all_forward_then_all_backward():
-    assert _strs(build_table("gpipe", 2, 1, 3, 1)) == "0F0 0F1 0F2 0B0 0B1 0B2".split()
+    assert _strs(build_table("gpipe", 2, 1, 3, 1)) == ["0F0", "0F1", "0F2", "0B0", "0B1", "0B2"]
 
 
 def test_interleaved_order_matches_megatrons_documented_table():
@@ -56,17 +88,41 @@ def test_interleaved_table_warmup_counts():
         assert sorted(table) == sorted([Action(k, mb, c) for k in "FB" for mb in range(m) for c in range(v)])
 
 
-@pytest.mark.parametrize("pp,m,group,message", [
-    (4, 2, None, "interleaved pipeline schedule needs at least pipeline_model_parallel_size (4) microbatches, "
-                 "got 2; raise the global batch size or lower --pipeline-model-parallel-size"),
-    (2, 5, None, "number of microbatches (5) leaves a last group of 1 when grouped by "
-                 "microbatch_group_size_per_vp_stage (2); with interleaving the remainder must be 0 or at least "
-                 "pipeline_model_parallel_size (2) — with the default group size the microbatch count must be a "
-                 "multiple of the pipeline size"),
-    (4, 8, 3, "microbatch_group_size_per_vp_stage (3) must lie between pipeline_model_parallel_size (4) "
-              "and the number of microbatches (8)"),
-    (4, 9, 5, "number of microbatches (9) leaves a last group of 4 when grouped by"),
-])
+@pytest.mark.parametrize(
+    "pp,m,group,message",
+    [
+        (
+            4,
+            2,
+            None,
+            (
+                "interleaved pipeline schedule needs at least pipeline_model_parallel_size (4) microbatches, "
+                "got 2; raise the global batch size or lower --pipeline-model-parallel-size"
+            ),
+        ),
+        (
+            2,
+            5,
+            None,
+            (
+                "number of microbatches (5) leaves a last group of 1 when grouped by "
+                "microbatch_group_size_per_vp_stage (2); with interleaving the remainder must be 0 or at least "
+                "pipeline_model_parallel_size (2) — with the default group size the microbatch count must be a "
+                "multiple of the pipeline size"
+            ),
+        ),
+        (
+            4,
+            8,
+            3,
+            (
+                "microbatch_group_size_per_vp_stage (3) must lie between pipeline_model_parallel_size (4) "
+                "and the number of microbatches (8)"
+            ),
+        ),
+        (4, 9, 5, "number of microbatches (9) leaves a last group of 4 when grouped by"),
+    ],
+)
 def test_interleaving_rules_raise_clear_errors(pp, m, group, message):
     if message.endswith("grouped by"):
         assert check_interleaving(pp, 2, m, group) == group  # a tail of 4 >= pp is legal
@@ -80,8 +136,9 @@ def test_gpipe_with_virtual_stages_is_rejected():
     with pytest.raises(ValueError, match="GPipe schedule cannot run virtual stages"):
         build_table("gpipe", 2, 2, 4, 0)
     with pytest.raises(ValueError, match="pipeline_schedule='gpipe' cannot run virtual stages"):
-        ModelParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                            pipeline_schedule="gpipe")
+        ModelParallelConfig(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="gpipe"
+        )
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
@@ -98,7 +155,8 @@ def test_simulated_peak_in_flight():
     assert simulate(build_tables("1f1b", pp, 1, m)).peak_in_flight == [4, 3, 2, 1]
     assert simulate(build_tables("gpipe", pp, 1, m)).peak_in_flight == [8, 8, 8, 8]
     assert simulate(build_tables("1f1b", pp, 2, m), 2).peak_in_flight == [
-        2 * (pp - r - 1) + pp + 1 for r in range(pp)]
+        2 * (pp - r - 1) + pp + 1 for r in range(pp)
+    ]
 
 
 def _legal_configs(max_pp=8, max_vpp=4, max_m=32):
@@ -133,6 +191,7 @@ def test_simulator_detects_a_deadlock():
 # The executor on real ranks
 # --------------------------------------------------------------------------------------------------
 
+
 class CheckedStage(ToyStage):
     """A toy stage that checks Megatron's calling conventions as the schedule runs it."""
 
@@ -140,7 +199,9 @@ class CheckedStage(ToyStage):
         from core import parallel_state as ps
 
         assert isinstance(tensors, list) and len(tensors) == 1, tensors
-        first = ps.is_pipeline_first_stage(ignore_virtual=False) if ps.model_parallel_is_initialized() else True
+        first = (
+            ps.is_pipeline_first_stage(ignore_virtual=False) if ps.model_parallel_is_initialized() else True
+        )
         assert (tensors[0] is None) == first, "set_input_tensor must get [None] exactly on the first stage"
         super().set_input_tensor(tensors)
 
@@ -150,17 +211,30 @@ class CheckedStage(ToyStage):
         if ps.model_parallel_is_initialized() and ps.get_virtual_pipeline_model_parallel_world_size():
             assert ps.get_virtual_pipeline_model_parallel_rank() == self.vp_stage
             assert ps.is_pipeline_first_stage(ignore_virtual=False) == (
-                ps.is_pipeline_first_stage() and self.vp_stage == 0)
+                ps.is_pipeline_first_stage() and self.vp_stage == 0
+            )
         return super().forward(tokens, labels)
 
 
 def _chunks(layout, pp_rank, config, seed=0):
-    return [CheckedStage(config, layout.stage_layers(pp_rank, c), layout.decoder_layers(pp_rank, c), seed,
-                         vp_stage=c) for c in range(layout.vpp_size)]
+    return [
+        CheckedStage(
+            config, layout.stage_layers(pp_rank, c), layout.decoder_layers(pp_rank, c), seed, vp_stage=c
+        )
+        for c in range(layout.vpp_size)
+    ]
 
 
-def _run_case(schedule: str, pp: int, layout_str: str | None, num_layers: int, vpp: int, m: int,
-              variable: bool, per_token: bool):
+def _run_case(
+    schedule: str,
+    pp: int,
+    layout_str: str | None,
+    num_layers: int,
+    vpp: int,
+    m: int,
+    variable: bool,
+    per_token: bool,
+):
     """One configuration on this rank; returns a list of problems (empty when all is well)."""
     from core import parallel_state as ps
     from core.distributed import finalize_model_grads
@@ -174,27 +248,46 @@ def _run_case(schedule: str, pp: int, layout_str: str | None, num_layers: int, v
     ps.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
     layout = parse_layout(layout_str, pp, vpp) if layout_str else even_layout(num_layers, pp, vpp)
     config = ModelParallelConfig(
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        hidden_size=8, pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b",
-        variable_seq_lengths=variable, calculate_per_token_loss=per_token,
-        finalize_model_grads_func=finalize_model_grads)
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        hidden_size=8,
+        pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b",
+        variable_seq_lengths=variable,
+        calculate_per_token_loss=per_token,
+        finalize_model_grads_func=finalize_model_grads,
+    )
     chunks = _chunks(layout, pp_rank, config)
     batches = make_microbatches(m, 2, 6, variable)
     iterators = [iter(batches) for _ in chunks]
     func = get_forward_backward_func()
     record = ScheduleRecord()
-    logs = func(forward_step_func=make_forward_step(per_token), data_iterator=iterators if vpp > 1 else iterators[0],
-                model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=6, micro_batch_size=2,
-                record=record)
+    logs = func(
+        forward_step_func=make_forward_step(per_token),
+        data_iterator=iterators if vpp > 1 else iterators[0],
+        model=chunks if vpp > 1 else chunks[0],
+        num_microbatches=m,
+        seq_length=6,
+        micro_batch_size=2,
+        record=record,
+    )
 
     # Single-device references built from the same seed: no-pipelining through the same entry point,
     # and the plain model computing the whole loss in one backward.
-    whole = ToyStage(ModelParallelConfig(hidden_size=8, calculate_per_token_loss=per_token,
-                                         finalize_model_grads_func=finalize_model_grads),
-                     ["E"] + ["t"] * layout.num_decoder_layers + ["L"], list(range(layout.num_decoder_layers)))
+    whole = ToyStage(
+        ModelParallelConfig(
+            hidden_size=8, calculate_per_token_loss=per_token, finalize_model_grads_func=finalize_model_grads
+        ),
+        ["E"] + ["t"] * layout.num_decoder_layers + ["L"],
+        list(range(layout.num_decoder_layers)),
+    )
     ref_logs = forward_backward_no_pipelining(
-        forward_step_func=make_forward_step(per_token), data_iterator=iter(batches), model=whole,
-        num_microbatches=m, seq_length=6, micro_batch_size=2)
+        forward_step_func=make_forward_step(per_token),
+        data_iterator=iter(batches),
+        model=whole,
+        num_microbatches=m,
+        seq_length=6,
+        micro_batch_size=2,
+    )
     no_pipe = {n: p.grad.clone() for n, p in whole.named_parameters()}
     plain_loss, plain = reference_loss_and_grads(whole, batches, per_token)
 
@@ -206,13 +299,17 @@ def _run_case(schedule: str, pp: int, layout_str: str | None, num_layers: int, v
                 problems.append(f"{name}: {n} got no gradient")
                 continue
             if not torch.equal(p.grad, no_pipe[n]):
-                problems.append(f"{name}: {n} differs from no-pipelining by {(p.grad - no_pipe[n]).abs().max():.3e}")
+                problems.append(
+                    f"{name}: {n} differs from no-pipelining by {(p.grad - no_pipe[n]).abs().max():.3e}"
+                )
             rel = ((p.grad - plain[n]).norm() / plain[n].norm()).item()
             if rel > 1e-5:
                 problems.append(f"{name}: {n} relative difference {rel:.2e} from the plain model")
     last = layout.has_loss(pp_rank, vpp - 1)
     if last:
-        same = len(logs) == len(ref_logs) and all(torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(logs, ref_logs))
+        same = len(logs) == len(ref_logs) and all(
+            torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(logs, ref_logs)
+        )
         if not same:
             problems.append(f"{name}: losses differ from no-pipelining")
         if per_token:
@@ -235,7 +332,7 @@ def _run_case(schedule: str, pp: int, layout_str: str | None, num_layers: int, v
 def _grid(pp: int, microbatches, layouts_for):
     cases = []
     for vpp in (1, 2):
-        for schedule in (["gpipe", "1f1b"] if vpp == 1 else ["interleaved"]):
+        for schedule in ["gpipe", "1f1b"] if vpp == 1 else ["interleaved"]:
             for m in microbatches:
                 try:
                     build_tables(schedule, pp, vpp, m)
@@ -290,8 +387,12 @@ def _interleaved_pp2_swaps(rank, world_size):
     # between two ranks that are both prev and next, gloo then delivers the gradient as activation.
     peer = ps.get_pipeline_model_parallel_next_rank()
     a_buf, g_buf = torch.empty(2, 1, 3), torch.empty(2, 1, 3)
-    ops = [dist.P2POp(dist.isend, grad, peer), dist.P2POp(dist.irecv, a_buf, peer),
-           dist.P2POp(dist.isend, act, peer), dist.P2POp(dist.irecv, g_buf, peer)]
+    ops = [
+        dist.P2POp(dist.isend, grad, peer),
+        dist.P2POp(dist.irecv, a_buf, peer),
+        dist.P2POp(dist.isend, act, peer),
+        dist.P2POp(dist.irecv, g_buf, peer),
+    ]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     return got_act[0, 0, 0].item(), got_grad[0, 0, 0].item(), a_buf[0, 0, 0].item(), g_buf[0, 0, 0].item()
@@ -331,14 +432,20 @@ def _bad_microbatch_count(rank, world_size):
     from core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    config = ModelParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                                 hidden_size=8)
+    config = ModelParallelConfig(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, hidden_size=8
+    )
     layout = even_layout(4, 2, 2)
     chunks = _chunks(layout, ps.get_pipeline_model_parallel_rank(), config)
     try:
         forward_backward_pipelining_with_interleaving(
-            forward_step_func=make_forward_step(False), data_iterator=[iter([])] * 2, model=chunks,
-            num_microbatches=3, seq_length=6, micro_batch_size=2)
+            forward_step_func=make_forward_step(False),
+            data_iterator=[iter([])] * 2,
+            model=chunks,
+            num_microbatches=3,
+            seq_length=6,
+            micro_batch_size=2,
+        )
     except ValueError as err:
         return str(err)
     return None
@@ -358,8 +465,14 @@ def test_world_size_one_runs_without_communication():
     config = ModelParallelConfig(hidden_size=8)
     model = ToyStage(config, ["E", "t", "t", "L"], [0, 1])
     batches = make_microbatches(3, 2, 6, variable=True)
-    logs = get_forward_backward_func()(forward_step_func=make_forward_step(False), data_iterator=iter(batches),
-                                       model=model, num_microbatches=3, seq_length=6, micro_batch_size=2)
+    logs = get_forward_backward_func()(
+        forward_step_func=make_forward_step(False),
+        data_iterator=iter(batches),
+        model=model,
+        num_microbatches=3,
+        seq_length=6,
+        micro_batch_size=2,
+    )
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     loss, ref = reference_loss_and_grads(model, batches, per_token=False)
     assert torch.stack([d["lm loss"] for d in logs]).mean().item() == pytest.approx(loss.item(), rel=1e-6)
@@ -375,21 +488,37 @@ def _forward_only(rank, world_size):
 
     results = []
     for vpp in (1, 2):
-        ps.initialize_model_parallel(pipeline_model_parallel_size=4,
-                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-        config = ModelParallelConfig(pipeline_model_parallel_size=4, hidden_size=8,
-                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+        ps.initialize_model_parallel(
+            pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None
+        )
+        config = ModelParallelConfig(
+            pipeline_model_parallel_size=4,
+            hidden_size=8,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        )
         layout = even_layout(8, 4, vpp)
         chunks = _chunks(layout, ps.get_pipeline_model_parallel_rank(), config)
         batches = make_microbatches(8, 2, 6, variable=False)
         with torch.no_grad():
             logs = get_forward_backward_func()(
-                forward_step_func=make_forward_step(False), data_iterator=[iter(batches) for _ in chunks],
-                model=chunks, num_microbatches=8, seq_length=6, micro_batch_size=2, forward_only=True)
+                forward_step_func=make_forward_step(False),
+                data_iterator=[iter(batches) for _ in chunks],
+                model=chunks,
+                num_microbatches=8,
+                seq_length=6,
+                micro_batch_size=2,
+                forward_only=True,
+            )
         whole = ToyStage(ModelParallelConfig(hidden_size=8), ["E"] + ["t"] * 8 + ["L"], list(range(8)))
-        ref = forward_backward_no_pipelining(forward_step_func=make_forward_step(False), data_iterator=iter(batches),
-                                             model=whole, num_microbatches=8, seq_length=6, micro_batch_size=2,
-                                             forward_only=True)
+        ref = forward_backward_no_pipelining(
+            forward_step_func=make_forward_step(False),
+            data_iterator=iter(batches),
+            model=whole,
+            num_microbatches=8,
+            seq_length=6,
+            micro_batch_size=2,
+            forward_only=True,
+        )
         no_grads = all(p.grad is None for c in chunks for p in c.parameters())
         same = [torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(logs, ref)]
         results.append((len(logs), all(same), no_grads))

@@ -61,6 +61,7 @@ def _set_bias(param: torch.Tensor, full: torch.Tensor, rank: int) -> None:
 # Rank functions
 # --------------------------------------------------------------------------------------------------
 
+
 def _check_column(rank, world_size, gather_output):
     group = dist.group.WORLD
     torch.manual_seed(0)
@@ -73,8 +74,9 @@ def _check_column(rank, world_size, gather_output):
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
 
-    layer = ColumnParallelLinear(4, 6, config=_config(), init_method=_copy_init(weight),
-                                 gather_output=gather_output, tp_group=group)
+    layer = ColumnParallelLinear(
+        4, 6, config=_config(), init_method=_copy_init(weight), gather_output=gather_output, tp_group=group
+    )
     assert layer.weight.shape == (3, 4) and layer.weight.partition_dim == 0
     _set_bias(layer.bias, bias, rank)
     x_tp = x.clone().requires_grad_()
@@ -106,8 +108,14 @@ def _check_row(rank, world_size, input_is_parallel):
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
 
-    layer = RowParallelLinear(6, 4, config=_config(), init_method=_copy_init(weight),
-                              input_is_parallel=input_is_parallel, tp_group=group)
+    layer = RowParallelLinear(
+        6,
+        4,
+        config=_config(),
+        init_method=_copy_init(weight),
+        input_is_parallel=input_is_parallel,
+        tp_group=group,
+    )
     assert layer.weight.shape == (4, 3) and layer.weight.partition_dim == 1
     assert not layer.bias.tensor_model_parallel
     _set_bias(layer.bias, bias, rank)
@@ -133,7 +141,13 @@ def _check_mlp(rank, world_size, sequence_parallel):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
     torch.manual_seed(2)
     s, b, h, f = 4, 2, 4, 8
-    x, w1, b1, w2, b2 = torch.randn(s, b, h), torch.randn(f, h), torch.randn(f), torch.randn(h, f), torch.randn(h)
+    x, w1, b1, w2, b2 = (
+        torch.randn(s, b, h),
+        torch.randn(f, h),
+        torch.randn(f),
+        torch.randn(h, f),
+        torch.randn(h),
+    )
     params_ref = [t.clone().requires_grad_() for t in (w1, b1, w2, b2)]
     x_ref = x.clone().requires_grad_()
     y_ref = F.linear(F.gelu(F.linear(x_ref, params_ref[0], params_ref[1])), params_ref[2], params_ref[3])
@@ -174,8 +188,14 @@ def _check_embedding(rank, world_size, reduce_scatter):
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
 
-    emb = VocabParallelEmbedding(vocab, dim, init_method=_copy_init(weight), config=_config(),
-                                 reduce_scatter_embeddings=reduce_scatter, tp_group=group)
+    emb = VocabParallelEmbedding(
+        vocab,
+        dim,
+        init_method=_copy_init(weight),
+        config=_config(),
+        reduce_scatter_embeddings=reduce_scatter,
+        tp_group=group,
+    )
     assert (emb.vocab_start_index, emb.vocab_end_index) == (4 * rank, 4 * rank + 4)
     y = emb(tokens)
     if reduce_scatter:  # [b, s, h] -> [s, b, h], this rank's sequence slice
@@ -190,8 +210,9 @@ def _check_cross_entropy(rank, world_size, label_smoothing):
     torch.manual_seed(4)
     logits, target = torch.randn(3, 2, 8) * 3, torch.randint(0, 8, (3, 2))
     logits_ref = logits.clone().requires_grad_()
-    loss_ref = F.cross_entropy(logits_ref.reshape(-1, 8), target.reshape(-1), reduction="none",
-                               label_smoothing=label_smoothing).view(3, 2)
+    loss_ref = F.cross_entropy(
+        logits_ref.reshape(-1, 8), target.reshape(-1), reduction="none", label_smoothing=label_smoothing
+    ).view(3, 2)
     dloss = torch.rand(3, 2)
     loss_ref.backward(dloss)
 
@@ -230,26 +251,66 @@ def _check_mappings(rank, world_size):
         assert torch.equal(x_grad, grad_expected), f"{name} backward: {x_grad} != {grad_expected}"
 
     x = ar.view(2, 1, 4) + 10 * r
-    check("copy", copy_to_tensor_model_parallel_region, x, mine.repeat(1, 1, 2),
-          x, 3 * torch.ones(2, 1, 4))
-    check("reduce", reduce_from_tensor_model_parallel_region, x, mine.repeat(1, 1, 2),
-          2 * ar.view(2, 1, 4) + 10, mine.repeat(1, 1, 2))
+    check("copy", copy_to_tensor_model_parallel_region, x, mine.repeat(1, 1, 2), x, 3 * torch.ones(2, 1, 4))
+    check(
+        "reduce",
+        reduce_from_tensor_model_parallel_region,
+        x,
+        mine.repeat(1, 1, 2),
+        2 * ar.view(2, 1, 4) + 10,
+        mine.repeat(1, 1, 2),
+    )
     full = ar.view(2, 1, 4)
-    check("scatter", scatter_to_tensor_model_parallel_region, full, mine,
-          full[..., 2 * r:2 * r + 2], both_last)
-    check("gather", gather_from_tensor_model_parallel_region, mine, full,
-          both_last, full[..., 2 * r:2 * r + 2])
+    check(
+        "scatter",
+        scatter_to_tensor_model_parallel_region,
+        full,
+        mine,
+        full[..., 2 * r : 2 * r + 2],
+        both_last,
+    )
+    check(
+        "gather",
+        gather_from_tensor_model_parallel_region,
+        mine,
+        full,
+        both_last,
+        full[..., 2 * r : 2 * r + 2],
+    )
 
     seq = ar.view(4, 1, 2)
-    check("scatter_to_sequence", scatter_to_sequence_parallel_region, seq, mine,
-          seq[2 * r:2 * r + 2], both_first)
-    check("gather_from_sequence", gather_from_sequence_parallel_region, mine, seq + 100 * r,
-          both_first, (2 * seq + 100)[2 * r:2 * r + 2])
-    check("gather_from_sequence(tensor_parallel_output_grad=False)",
-          lambda t, tp_group: gather_from_sequence_parallel_region(t, False, tp_group=tp_group),
-          mine, seq + 100 * r, both_first, (seq + 100 * r)[2 * r:2 * r + 2])
-    check("reduce_scatter_to_sequence", reduce_scatter_to_sequence_parallel_region, seq + 100 * r, mine,
-          (2 * seq + 100)[2 * r:2 * r + 2], both_first)
+    check(
+        "scatter_to_sequence",
+        scatter_to_sequence_parallel_region,
+        seq,
+        mine,
+        seq[2 * r : 2 * r + 2],
+        both_first,
+    )
+    check(
+        "gather_from_sequence",
+        gather_from_sequence_parallel_region,
+        mine,
+        seq + 100 * r,
+        both_first,
+        (2 * seq + 100)[2 * r : 2 * r + 2],
+    )
+    check(
+        "gather_from_sequence(tensor_parallel_output_grad=False)",
+        lambda t, tp_group: gather_from_sequence_parallel_region(t, False, tp_group=tp_group),
+        mine,
+        seq + 100 * r,
+        both_first,
+        (seq + 100 * r)[2 * r : 2 * r + 2],
+    )
+    check(
+        "reduce_scatter_to_sequence",
+        reduce_scatter_to_sequence_parallel_region,
+        seq + 100 * r,
+        mine,
+        (2 * seq + 100)[2 * r : 2 * r + 2],
+        both_first,
+    )
 
 
 def _dropout_mask(n: int = 256) -> torch.Tensor:
@@ -289,23 +350,63 @@ def _check_errors(rank, world_size):
             fn(*args, **kwargs)
         assert str(info.value) == message, f"{str(info.value)!r} != {message!r}"
 
-    raises("ColumnParallelLinear output_size (5) is not divisible by tensor_model_parallel_size (2)",
-           ColumnParallelLinear, 4, 5, config=config, init_method=init, tp_group=group)
-    raises("RowParallelLinear input_size (7) is not divisible by tensor_model_parallel_size (2)",
-           RowParallelLinear, 7, 4, config=config, init_method=init, tp_group=group)
-    raises("VocabParallelEmbedding num_embeddings (9) is not divisible by tensor_model_parallel_size (2)",
-           VocabParallelEmbedding, 9, 4, init_method=init, config=config, tp_group=group)
-    raises("RowParallelLinear with sequence_parallel=True needs input_is_parallel=True",
-           RowParallelLinear, 4, 4, config=_config(True), init_method=init, tp_group=group)
-    raises("cannot split the sequence (first) dimension (dim 0, size 3) of a tensor of shape (3, 2, 4) "
-           "evenly over tensor_model_parallel_size (2)",
-           scatter_to_sequence_parallel_region, torch.zeros(3, 2, 4), tp_group=group)
-    raises("cannot split the sequence (first) dimension (dim 0, size 5) of a tensor of shape (5, 4) "
-           "evenly over tensor_model_parallel_size (2)",
-           reduce_scatter_to_sequence_parallel_region, torch.zeros(5, 4), tp_group=group)
-    raises("cannot split the hidden (last) dimension (dim 1, size 3) of a tensor of shape (2, 3) "
-           "evenly over tensor_model_parallel_size (2)",
-           scatter_to_tensor_model_parallel_region, torch.zeros(2, 3), tp_group=group)
+    raises(
+        "ColumnParallelLinear output_size (5) is not divisible by tensor_model_parallel_size (2)",
+        ColumnParallelLinear,
+        4,
+        5,
+        config=config,
+        init_method=init,
+        tp_group=group,
+    )
+    raises(
+        "RowParallelLinear input_size (7) is not divisible by tensor_model_parallel_size (2)",
+        RowParallelLinear,
+        7,
+        4,
+        config=config,
+        init_method=init,
+        tp_group=group,
+    )
+    raises(
+        "VocabParallelEmbedding num_embeddings (9) is not divisible by tensor_model_parallel_size (2)",
+        VocabParallelEmbedding,
+        9,
+        4,
+        init_method=init,
+        config=config,
+        tp_group=group,
+    )
+    raises(
+        "RowParallelLinear with sequence_parallel=True needs input_is_parallel=True",
+        RowParallelLinear,
+        4,
+        4,
+        config=_config(True),
+        init_method=init,
+        tp_group=group,
+    )
+    raises(
+        "cannot split the sequence (first) dimension (dim 0, size 3) of a tensor of shape (3, 2, 4) "
+        "evenly over tensor_model_parallel_size (2)",
+        scatter_to_sequence_parallel_region,
+        torch.zeros(3, 2, 4),
+        tp_group=group,
+    )
+    raises(
+        "cannot split the sequence (first) dimension (dim 0, size 5) of a tensor of shape (5, 4) "
+        "evenly over tensor_model_parallel_size (2)",
+        reduce_scatter_to_sequence_parallel_region,
+        torch.zeros(5, 4),
+        tp_group=group,
+    )
+    raises(
+        "cannot split the hidden (last) dimension (dim 1, size 3) of a tensor of shape (2, 3) "
+        "evenly over tensor_model_parallel_size (2)",
+        scatter_to_tensor_model_parallel_region,
+        torch.zeros(2, 3),
+        tp_group=group,
+    )
     dist.barrier(group)  # still in step: nothing above reached a collective
 
 
@@ -334,6 +435,7 @@ def _check_round_trip(rank, world_size):
 # --------------------------------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("gather_output", [True, False])
 def test_column_parallel_linear_matches_linear(ranks, gather_output):
@@ -410,4 +512,8 @@ def test_single_process_without_distributed_runs_unsharded():
     ref = F.linear(F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)
     _close(y, ref, "MLP output")
     logits, target = torch.randn(5, 8), torch.randint(0, 8, (5,))
-    _close(vocab_parallel_cross_entropy(logits, target), F.cross_entropy(logits, target, reduction="none"), "loss")
+    _close(
+        vocab_parallel_cross_entropy(logits, target),
+        F.cross_entropy(logits, target, reduction="none"),
+        "loss",
+    )

@@ -25,32 +25,61 @@ VOCAB, SEQ = 64, 8
 BASE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"num_attention_heads": 6, "hidden_size": 36, "tensor_model_parallel_size": 4},
-     ("num_attention_heads (6) must be divisible by tensor_model_parallel_size (4); "
-      "num_query_groups (6) must be divisible by tensor_model_parallel_size (4)")),
-    ({"num_query_groups": 3}, "num_attention_heads (4) must be divisible by num_query_groups (3)"),
-    ({"num_query_groups": 2, "tensor_model_parallel_size": 4},
-     "num_query_groups (2) must be divisible by tensor_model_parallel_size (4)"),
-    ({"hidden_size": 30}, "hidden_size (30) must be divisible by num_attention_heads (4) when kv_channels is not set"),
-    ({"ffn_hidden_size": 66, "tensor_model_parallel_size": 4},
-     "ffn_hidden_size (66) must be divisible by tensor_model_parallel_size (4)"),
-    ({"normalization": "BatchNorm"}, "normalization must be one of ('LayerNorm', 'RMSNorm'), got 'BatchNorm'"),
-    ({"position_embedding_type": "alibi"},
-     "position_embedding_type must be one of ('learned_absolute', 'rope', 'none'), got 'alibi'"),
-    ({"position_embedding_type": "rope", "rotary_percent": 0.2},
-     "rotary_percent (0.2) x kv_channels (8) gives 1 rotary channels; RoPE needs an even number >= 2"),
-    ({"hidden_dropout": 1.0}, "hidden_dropout must be in [0, 1), got 1.0"),
-    ({"recompute_granularity": "full"},
-     "recompute_granularity='full' needs recompute_method 'uniform' or 'block', got None"),
-    ({"recompute_granularity": "full", "recompute_method": "uniform"},
-     "recompute_granularity='full' needs recompute_num_layers >= 1, got None"),
-    ({"recompute_granularity": "selective", "recompute_num_layers": 1},
-     "recompute_granularity='selective' takes no recompute_method (None) or recompute_num_layers (1)"),
-    ({"recompute_method": "block"},
-     "recompute_method ('block') and recompute_num_layers (None) need recompute_granularity='full'"),
-    ({"num_layers": 0}, "num_layers must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            {"num_attention_heads": 6, "hidden_size": 36, "tensor_model_parallel_size": 4},
+            (
+                "num_attention_heads (6) must be divisible by tensor_model_parallel_size (4); "
+                "num_query_groups (6) must be divisible by tensor_model_parallel_size (4)"
+            ),
+        ),
+        ({"num_query_groups": 3}, "num_attention_heads (4) must be divisible by num_query_groups (3)"),
+        (
+            {"num_query_groups": 2, "tensor_model_parallel_size": 4},
+            "num_query_groups (2) must be divisible by tensor_model_parallel_size (4)",
+        ),
+        (
+            {"hidden_size": 30},
+            "hidden_size (30) must be divisible by num_attention_heads (4) when kv_channels is not set",
+        ),
+        (
+            {"ffn_hidden_size": 66, "tensor_model_parallel_size": 4},
+            "ffn_hidden_size (66) must be divisible by tensor_model_parallel_size (4)",
+        ),
+        (
+            {"normalization": "BatchNorm"},
+            "normalization must be one of ('LayerNorm', 'RMSNorm'), got 'BatchNorm'",
+        ),
+        (
+            {"position_embedding_type": "alibi"},
+            "position_embedding_type must be one of ('learned_absolute', 'rope', 'none'), got 'alibi'",
+        ),
+        (
+            {"position_embedding_type": "rope", "rotary_percent": 0.2},
+            "rotary_percent (0.2) x kv_channels (8) gives 1 rotary channels; RoPE needs an even number >= 2",
+        ),
+        ({"hidden_dropout": 1.0}, "hidden_dropout must be in [0, 1), got 1.0"),
+        (
+            {"recompute_granularity": "full"},
+            "recompute_granularity='full' needs recompute_method 'uniform' or 'block', got None",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_method": "uniform"},
+            "recompute_granularity='full' needs recompute_num_layers >= 1, got None",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_num_layers": 1},
+            "recompute_granularity='selective' takes no recompute_method (None) or recompute_num_layers (1)",
+        ),
+        (
+            {"recompute_method": "block"},
+            "recompute_method ('block') and recompute_num_layers (None) need recompute_granularity='full'",
+        ),
+        ({"num_layers": 0}, "num_layers must be >= 1, got 0"),
+    ],
+)
 def test_invalid_config_raises_one_clear_error(overrides, message):
     with pytest.raises(ValueError) as err:
         TransformerConfig(**{**BASE, **overrides})
@@ -60,9 +89,11 @@ def test_invalid_config_raises_one_clear_error(overrides, message):
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ValueError) as err:
         TransformerConfig(**{**BASE, "num_query_groups": 3, "tensor_model_parallel_size": 2})
-    assert str(err.value) == ("invalid TransformerConfig: num_attention_heads (4) must be divisible by "
-                              "num_query_groups (3); num_query_groups (3) must be divisible by "
-                              "tensor_model_parallel_size (2)")
+    assert str(err.value) == (
+        "invalid TransformerConfig: num_attention_heads (4) must be divisible by "
+        "num_query_groups (3); num_query_groups (3) must be divisible by "
+        "tensor_model_parallel_size (2)"
+    )
 
 
 def test_derived_defaults_follow_megatron():
@@ -78,10 +109,17 @@ def test_derived_defaults_follow_megatron():
 # Attention pieces
 # --------------------------------------------------------------------------------------------------
 
+
 def test_grouped_query_attention_matches_an_explicit_softmax():
     torch.manual_seed(0)
-    config = llama_config(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=32, init_method_std=0.3)
+    config = llama_config(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=32,
+        init_method_std=0.3,
+    )
     layer = TransformerLayer(config, 0)
     from core.transformer.initialization import initialize_by_name
 
@@ -91,7 +129,7 @@ def test_grouped_query_attention_matches_an_explicit_softmax():
     q, k, v = attn.split_qkv(attn.linear_qkv(x)[0])
     assert q.shape == (2, 4, SEQ, 8) and k.shape == v.shape == (2, 2, SEQ, 8)
     k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # query heads 0,1 -> group 0; 2,3 -> group 1
-    scores = q @ k.transpose(-1, -2) / 8 ** 0.5
+    scores = q @ k.transpose(-1, -2) / 8**0.5
     scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
     expected = scores.softmax(-1) @ v
     assert torch.allclose(core_attention(q, k, v, None, 0.0), expected, atol=1e-6)
@@ -100,8 +138,11 @@ def test_grouped_query_attention_matches_an_explicit_softmax():
 
 
 def test_no_position_embedding_builds_neither_table_nor_rope():
-    model = GPTModel(gpt2_config(num_layers=1, hidden_size=32, num_attention_heads=4,
-                                 position_embedding_type="none"), VOCAB, SEQ)
+    model = GPTModel(
+        gpt2_config(num_layers=1, hidden_size=32, num_attention_heads=4, position_embedding_type="none"),
+        VOCAB,
+        SEQ,
+    )
     assert model.embedding.position_embeddings is None and model.rotary_pos_emb is None
     assert model(torch.zeros(1, SEQ, dtype=torch.long)).shape == (1, SEQ, 128)
 
@@ -111,7 +152,9 @@ def test_partial_rotary_leaves_the_other_channels_alone():
     cos, sin = rope(torch.arange(SEQ))
     x = torch.randn(1, 2, SEQ, 8)
     out = apply_rotary(x, cos, sin)
-    assert torch.equal(out[..., 4:], x[..., 4:]) and torch.equal(out[:, :, 0], x[:, :, 0])  # position 0 is identity
+    assert torch.equal(out[..., 4:], x[..., 4:]) and torch.equal(
+        out[:, :, 0], x[:, :, 0]
+    )  # position 0 is identity
     assert torch.allclose(out[..., :4].norm(dim=-1), x[..., :4].norm(dim=-1), atol=1e-6)  # a rotation
 
 
@@ -120,8 +163,16 @@ def test_partial_rotary_leaves_the_other_channels_alone():
 # --------------------------------------------------------------------------------------------------
 
 RECOMPUTE = {
-    "full-uniform-2": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
-    "full-uniform-1": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "full-uniform-2": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 2,
+    },
+    "full-uniform-1": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
     "full-block-2": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2},
     "selective": {"recompute_granularity": "selective"},
 }
@@ -130,8 +181,16 @@ RECOMPUTE = {
 def _loss_and_grads(kind: str, dropout: float, **recompute):
     """One forward and backward; also counts decoder-layer forwards and core-attention calls (recomputes show)."""
     build = gpt2_config if kind == "gpt" else llama_config
-    config = build(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, init_method_std=0.1,
-                   hidden_dropout=dropout, attention_dropout=dropout, **recompute)
+    config = build(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        init_method_std=0.1,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        **recompute,
+    )
     model = GPTModel(config, VOCAB, SEQ)
     calls = {"layers": 0, "core": 0}
     for layer in model.decoder.layers.values():
@@ -157,7 +216,9 @@ def _loss_and_grads(kind: str, dropout: float, **recompute):
 def test_recompute_gives_the_same_loss_and_gradients_with_dropout_on(kind):
     loss, grads, calls = _loss_and_grads(kind, 0.1)
     assert calls == {"layers": 3, "core": 3}
-    assert not torch.equal(loss, _loss_and_grads(kind, 0.0)[0]), "dropout had no effect; the test would be vacuous"
+    assert not torch.equal(loss, _loss_and_grads(kind, 0.0)[0]), (
+        "dropout had no effect; the test would be vacuous"
+    )
     for name, recompute in RECOMPUTE.items():
         loss_r, grads_r, calls_r = _loss_and_grads(kind, 0.1, **recompute)
         layers = {"full-uniform-2": 6, "full-uniform-1": 6, "full-block-2": 5, "selective": 3}[name]

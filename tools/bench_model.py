@@ -37,10 +37,19 @@ def _rank(rank: int, tp: int, args: argparse.Namespace, init_file: str, results)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_seed(1234)
-    config = preset(args.model, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                    tensor_model_parallel_size=tp, sequence_parallel=args.sequence_parallel and tp > 1,
-                    **({} if args.dropout is None else {"hidden_dropout": args.dropout,
-                                                        "attention_dropout": args.dropout}))
+    config = preset(
+        args.model,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=args.sequence_parallel and tp > 1,
+        **(
+            {}
+            if args.dropout is None
+            else {"hidden_dropout": args.dropout, "attention_dropout": args.dropout}
+        ),
+    )
     model = GPTModel(config, args.vocab, args.seq)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.mbs, args.seq), generator=gen)
@@ -55,8 +64,13 @@ def _rank(rank: int, tp: int, args: argparse.Namespace, init_file: str, results)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     if rank == 0:
-        results.put({"times": times, "threads": threads,
-                     "params_per_rank": sum(p.numel() for p in model.parameters())})
+        results.put(
+            {
+                "times": times,
+                "threads": threads,
+                "params_per_rank": sum(p.numel() for p in model.parameters()),
+            }
+        )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -65,13 +79,19 @@ def run(tp: int, args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="trident-bench-") as tmp:
-        mp.start_processes(_rank, args=(tp, args, os.path.join(tmp, "rendezvous"), results), nprocs=tp,
-                           start_method="spawn")
+        mp.start_processes(
+            _rank, args=(tp, args, os.path.join(tmp, "rendezvous"), results), nprocs=tp, start_method="spawn"
+        )
         out = results.get(timeout=5)
     median = statistics.median(out["times"])
-    return {"tp": tp, "threads_per_rank": out["threads"], "median_step_ms": median * 1000,
-            "min_step_ms": min(out["times"]) * 1000, "tokens_per_s": args.mbs * args.seq / median,
-            "params_per_rank": out["params_per_rank"]}
+    return {
+        "tp": tp,
+        "threads_per_rank": out["threads"],
+        "median_step_ms": median * 1000,
+        "min_step_ms": min(out["times"]) * 1000,
+        "tokens_per_s": args.mbs * args.seq / median,
+        "params_per_rank": out["params_per_rank"],
+    }
 
 
 def main() -> None:
@@ -87,22 +107,43 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--dropout", type=float, default=None,
-                        help="hidden and attention dropout (default: the preset's, 0.1 for gpt2, 0 for llama)")
+    parser.add_argument(
+        "--dropout",
+        type=float,
+        default=None,
+        help="hidden and attention dropout (default: the preset's, 0.1 for gpt2, 0 for llama)",
+    )
     args = parser.parse_args()
 
     rows = [run(tp, args) for tp in args.tp]
     dropout = "preset" if args.dropout is None else args.dropout
-    print(f"{args.model}: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
-          f"mbs {args.mbs}, vocab {args.vocab}, dropout {dropout}, sequence parallel {args.sequence_parallel}, "
-          f"{os.cpu_count()} cores, median of {args.steps} steps")
+    print(
+        f"{args.model}: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
+        f"mbs {args.mbs}, vocab {args.vocab}, dropout {dropout}, sequence parallel {args.sequence_parallel}, "
+        f"{os.cpu_count()} cores, median of {args.steps} steps"
+    )
     print(f"{'TP':>3}{'threads/rank':>14}{'params/rank':>13}{'median ms':>11}{'min ms':>9}{'tokens/s':>11}")
     for row in rows:
-        print(f"{row['tp']:>3}{row['threads_per_rank']:>14}{row['params_per_rank']:>13,}"
-              f"{row['median_step_ms']:>11.1f}{row['min_step_ms']:>9.1f}{row['tokens_per_s']:>11.0f}")
-    print(json.dumps({"benchmark": "bench_model", "model": args.model, "hidden": args.hidden, "layers": args.layers,
-                      "seq": args.seq, "mbs": args.mbs, "vocab": args.vocab, "dropout": dropout,
-                      "sequence_parallel": args.sequence_parallel, "results": rows}))
+        print(
+            f"{row['tp']:>3}{row['threads_per_rank']:>14}{row['params_per_rank']:>13,}"
+            f"{row['median_step_ms']:>11.1f}{row['min_step_ms']:>9.1f}{row['tokens_per_s']:>11.0f}"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "bench_model",
+                "model": args.model,
+                "hidden": args.hidden,
+                "layers": args.layers,
+                "seq": args.seq,
+                "mbs": args.mbs,
+                "vocab": args.vocab,
+                "dropout": dropout,
+                "sequence_parallel": args.sequence_parallel,
+                "results": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

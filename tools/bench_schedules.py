@@ -14,7 +14,6 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -28,9 +27,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core.model_parallel_config import ModelParallelConfig  # noqa: E402
-from core.pipeline_parallel.schedule_tables import build_tables  # noqa: E402
-from core.pipeline_parallel.simulator import simulate  # noqa: E402
+from core.model_parallel_config import ModelParallelConfig
+from core.pipeline_parallel.schedule_tables import build_tables
+from core.pipeline_parallel.simulator import simulate
 
 SEQ, BATCH, HIDDEN = 16, 1, 16
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)]
@@ -102,23 +101,34 @@ def _worker(rank, world, init_file, cases, args, out_queue):
 
     results = []
     for schedule, vpp, m in cases:
-        ps.initialize_model_parallel(pipeline_model_parallel_size=world,
-                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-        config = ModelParallelConfig(pipeline_model_parallel_size=world,
-                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                     hidden_size=HIDDEN, pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b")
+        ps.initialize_model_parallel(
+            pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None
+        )
+        config = ModelParallelConfig(
+            pipeline_model_parallel_size=world,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            hidden_size=HIDDEN,
+            pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b",
+        )
         f, b = args.forward_ms / 1000 / vpp, args.backward_ms / 1000 / vpp
         stages = world * vpp
-        chunks = [SleepStage(config, f, b, c * world + rank == 0, c * world + rank == stages - 1, c)
-                  for c in range(vpp)]
+        chunks = [
+            SleepStage(config, f, b, c * world + rank == 0, c * world + rank == stages - 1, c)
+            for c in range(vpp)
+        ]
         func = get_forward_backward_func()
         times = []
         for step in range(args.steps + 1):
             dist.barrier()
             start = time.perf_counter()
-            func(forward_step_func=_forward_step, data_iterator=[None] * vpp if vpp > 1 else None,
-                 model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=SEQ,
-                 micro_batch_size=BATCH)
+            func(
+                forward_step_func=_forward_step,
+                data_iterator=[None] * vpp if vpp > 1 else None,
+                model=chunks if vpp > 1 else chunks[0],
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=BATCH,
+            )
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step:  # the first step warms up the connections
@@ -132,47 +142,79 @@ def _worker(rank, world, init_file, cases, args, out_queue):
 
 def ideal_makespan(schedule: str, pp: int, vpp: int, m: int, forward_ms: float, backward_ms: float) -> float:
     tables = build_tables(schedule, pp, vpp, m)
-    return simulate(tables, vpp, forward_cost=forward_ms / 1000 / vpp, backward_cost=backward_ms / 1000 / vpp).makespan
+    return simulate(
+        tables, vpp, forward_cost=forward_ms / 1000 / vpp, backward_cost=backward_ms / 1000 / vpp
+    ).makespan
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--forward-ms", type=float, default=20.0)
     parser.add_argument("--backward-ms", type=float, default=40.0)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case (after one warm-up step)")
-    parser.add_argument("--sleep", choices=["precise", "plain"], default="precise",
-                        help="precise: sleep then spin to the deadline; plain: time.sleep alone")
+    parser.add_argument(
+        "--sleep",
+        choices=["precise", "plain"],
+        default="precise",
+        help="precise: sleep then spin to the deadline; plain: time.sleep alone",
+    )
     args = parser.parse_args(argv)
     pp = args.pipeline_model_parallel_size
-    cases = [(s, v, m) for m in args.microbatches for s, v in SCHEDULES
-             if not (s == "interleaved" and (m % pp or m < pp))]
+    cases = [
+        (s, v, m)
+        for m in args.microbatches
+        for s, v in SCHEDULES
+        if not (s == "interleaved" and (m % pp or m < pp))
+    ]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "rdzv"), cases, args, queue))
-                 for r in range(pp)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "rdzv"), cases, args, queue))
+            for r in range(pp)
+        ]
         for p in procs:
             p.start()
         results = queue.get(timeout=1800)
         for p in procs:
             p.join()
     rows = []
-    print(f"PP={pp}, forward {args.forward_ms} ms + backward {args.backward_ms} ms per microbatch and rank, "
-          f"median of {args.steps} steps, {args.sleep} sleep")
+    print(
+        f"PP={pp}, forward {args.forward_ms} ms + backward {args.backward_ms} ms per microbatch and rank, "
+        f"median of {args.steps} steps, {args.sleep} sleep"
+    )
     print(f"{'schedule':<16}{'m':>4}{'ideal ms':>11}{'median ms':>11}{'min ms':>9}{'ratio':>8}")
     for (schedule, vpp, m), times in zip(cases, results):
         ideal = ideal_makespan(schedule, pp, vpp, m, args.forward_ms, args.backward_ms)
         median = statistics.median(times)
         name = schedule if vpp == 1 else f"{schedule} v={vpp}"
-        rows.append({"schedule": name, "microbatches": m, "ideal_ms": round(ideal * 1000, 2),
-                     "median_ms": round(median * 1000, 2), "min_ms": round(min(times) * 1000, 2),
-                     "ratio": round(median / ideal, 4)})
-        print(f"{name:<16}{m:>4}{ideal * 1000:>11.1f}{median * 1000:>11.1f}{min(times) * 1000:>9.1f}"
-              f"{median / ideal:>8.3f}")
-    summary = {"benchmark": "bench_schedules", "pp": pp, "sleep": args.sleep, "forward_ms": args.forward_ms,
-               "backward_ms": args.backward_ms, "steps": args.steps, "results": rows}
+        rows.append(
+            {
+                "schedule": name,
+                "microbatches": m,
+                "ideal_ms": round(ideal * 1000, 2),
+                "median_ms": round(median * 1000, 2),
+                "min_ms": round(min(times) * 1000, 2),
+                "ratio": round(median / ideal, 4),
+            }
+        )
+        print(
+            f"{name:<16}{m:>4}{ideal * 1000:>11.1f}{median * 1000:>11.1f}{min(times) * 1000:>9.1f}"
+            f"{median / ideal:>8.3f}"
+        )
+    summary = {
+        "benchmark": "bench_schedules",
+        "pp": pp,
+        "sleep": args.sleep,
+        "forward_ms": args.forward_ms,
+        "backward_ms": args.backward_ms,
+        "steps": args.steps,
+        "results": rows,
+    }
     print(json.dumps(summary))
     return summary
 

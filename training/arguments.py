@@ -59,8 +59,13 @@ FLAGS: tuple[Flag, ...] = (
     F("--num-layers-per-virtual-pipeline-stage", int, None, "Decoder layers per virtual pipeline stage."),
     F("--num-virtual-stages-per-pipeline-rank", int, None, "Virtual stages (model chunks) per rank."),
     F("--pipeline-model-parallel-layout", str, None, "Layout string, e.g. 'Et*3|(tt|)*29,m|L'."),
-    F("--microbatch-group-size-per-virtual-pipeline-stage", int, None, "Contiguous microbatches per virtual "
-      "stage (default: PP size).", dest="microbatch_group_size_per_vp_stage"),
+    F(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        int,
+        None,
+        "Contiguous microbatches per virtual stage (default: PP size).",
+        dest="microbatch_group_size_per_vp_stage",
+    ),
     F("--pipeline-schedule", str, "1f1b", "Trident: non-interleaved schedule.", choices=PIPELINE_SCHEDULES),
     F("--sequence-parallel", "true", False, "Shard activations along the sequence over the TP group."),
     F("--overlap-grad-reduce", "true", False, "Overlap the data-parallel gradient all-reduce with backward."),
@@ -74,8 +79,13 @@ FLAGS: tuple[Flag, ...] = (
     F("--kv-channels", int, None, "Per-head dimension (default hidden/heads)."),
     F("--seq-length", int, None, "Sequence length."),
     F("--max-position-embeddings", int, None, "Positions of the learned position embedding (default seq)."),
-    F("--position-embedding-type", str, "learned_absolute", "Position embedding.",
-      choices=("learned_absolute", "rope", "none")),
+    F(
+        "--position-embedding-type",
+        str,
+        "learned_absolute",
+        "Position embedding.",
+        choices=("learned_absolute", "rope", "none"),
+    ),
     F("--normalization", str, "LayerNorm", "Normalization layer.", choices=("LayerNorm", "RMSNorm")),
     F("--swiglu", "true", False, "SwiGLU MLP (gated linear unit with SiLU)."),
     F("--untie-embeddings-and-output-weights", "true", False, "Separate input embedding and output head."),
@@ -105,10 +115,19 @@ FLAGS: tuple[Flag, ...] = (
     F("--adam-beta2", float, 0.999, "Adam beta2."),
     F("--adam-eps", float, 1e-08, "Adam epsilon."),
     F("--seed", int, 1234, "Random seed (python, numpy, torch)."),
-    F(("--check-for-nan-in-loss-and-grad",), "true", False,
-      "Raise on a NaN/inf loss or gradient (Megatron's behaviour); by default Trident counts and skips the step."),
-    F(("--no-check-for-nan-in-loss-and-grad",), "false", False, "Skip NaN/inf steps instead of raising (default).",
-      dest="check_for_nan_in_loss_and_grad"),
+    F(
+        ("--check-for-nan-in-loss-and-grad",),
+        "true",
+        False,
+        "Raise on a NaN/inf loss or gradient (Megatron's behaviour); by default Trident counts and skips the step.",
+    ),
+    F(
+        ("--no-check-for-nan-in-loss-and-grad",),
+        "false",
+        False,
+        "Skip NaN/inf steps instead of raising (default).",
+        dest="check_for_nan_in_loss_and_grad",
+    ),
     F("--max-consecutive-skipped-iterations", int, 10, "Trident: abort after this many skipped steps."),
     F("--exit-interval", int, None, "Exit after an iteration divisible by this."),
     F("--exit-signal-handler", "true", False, "On SIGTERM, save a checkpoint and exit."),
@@ -139,17 +158,34 @@ del F
 
 TINY_GPT: dict[str, Any] = {
     # The default run: what a flag not given on the command line or in --config is set to.
-    "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
-    "micro_batch_size": 4, "train_iters": 100, "lr": 1e-3, "lr_decay_style": "cosine",
-    "lr_warmup_iters": 10, "log_interval": 10, "eval_interval": 50, "eval_iters": 5,
-    "tokenizer_type": "GPTSentencePieceTokenizer", "seed": 1234,
+    "num_layers": 4,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "seq_length": 128,
+    "micro_batch_size": 4,
+    "train_iters": 100,
+    "lr": 1e-3,
+    "lr_decay_style": "cosine",
+    "lr_warmup_iters": 10,
+    "log_interval": 10,
+    "eval_interval": 50,
+    "eval_iters": 5,
+    "tokenizer_type": "GPTSentencePieceTokenizer",
+    "seed": 1234,
 }
 SAME_AS: dict[str, str] = {"max_position_embeddings": "seq_length", "save_interval": "train_iters"}
 """Flags that default to another flag's final value."""
 MIN_DEFAULT_GLOBAL_BATCH = 16
 """--global-batch-size not given: the smallest multiple of micro-batch x DP that is >= this."""
-MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "kv_channels", "seq_length")
+MODEL_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "seq_length",
+)
 
 _BY_DEST: dict[str, Flag] = {}
 _BY_NAME: dict[str, Flag] = {}
@@ -179,8 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _convert(f: Flag, name: str, value: Any, where: str) -> Any:
     """A config-file value as the flag's dest would hold it after the same flag on the command line."""
-    bad = ValueError(f"{where}: key '{name}' ({f.flags[0]}) expects {getattr(f.kind, '__name__', 'a bool')}"
-                     + (" list" if f.nargs else "") + f", got {value!r}")
+    bad = ValueError(
+        f"{where}: key '{name}' ({f.flags[0]}) expects {getattr(f.kind, '__name__', 'a bool')}"
+        + (" list" if f.nargs else "")
+        + f", got {value!r}"
+    )
     if f.kind in ("true", "false"):
         if not isinstance(value, bool):
             raise bad
@@ -225,7 +264,8 @@ def load_config(path: str) -> dict[str, Any]:
             raise ValueError(f"{where}: cannot parse it as YAML: {err}") from None
     if not isinstance(raw, dict):
         raise ValueError(  # noqa: TRY004 -- a bad file is a bad value, like every other config error
-            f"{where}: expected a mapping of flag names to values, got {type(raw).__name__}")
+            f"{where}: expected a mapping of flag names to values, got {type(raw).__name__}"
+        )
     items: list[tuple[str, Any]] = []
     for key, value in raw.items():
         if isinstance(value, dict):  # a [section] grouping flags
@@ -239,8 +279,10 @@ def load_config(path: str) -> dict[str, Any]:
         if f is None or f.key == "config":
             close = difflib.get_close_matches(name, _BY_NAME, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ValueError(f"{where}: unknown key '{shown}'{hint}; keys are flag names such as "
-                             f"'tensor-model-parallel-size' or 'tensor_model_parallel_size'")
+            raise ValueError(
+                f"{where}: unknown key '{shown}'{hint}; keys are flag names such as "
+                f"'tensor-model-parallel-size' or 'tensor_model_parallel_size'"
+            )
         if value is not None:
             values[f.key] = _convert(f, name, value, where)
     return values
@@ -276,15 +318,36 @@ def _rank0_note(message: str) -> None:
         print(f"NOTE: {message}", flush=True)
 
 
-_AT_LEAST = {1: ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
-                 "num_attention_heads", "seq_length", "max_position_embeddings", "micro_batch_size",
-                 "global_batch_size", "train_iters", "log_interval", "eval_interval", "save_interval",
-                 "exit_interval", "num_query_groups", "kv_channels", "ffn_hidden_size", "vocab_size",
-                 "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
-                 "microbatch_group_size_per_vp_stage", "recompute_num_layers", "lr_decay_iters",
-                 "make_vocab_size_divisible_by", "max_consecutive_skipped_iterations"),
-             0: ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad",
-                 "init_method_std")}
+_AT_LEAST = {
+    1: (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "max_position_embeddings",
+        "micro_batch_size",
+        "global_batch_size",
+        "train_iters",
+        "log_interval",
+        "eval_interval",
+        "save_interval",
+        "exit_interval",
+        "num_query_groups",
+        "kv_channels",
+        "ffn_hidden_size",
+        "vocab_size",
+        "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank",
+        "microbatch_group_size_per_vp_stage",
+        "recompute_num_layers",
+        "lr_decay_iters",
+        "make_vocab_size_divisible_by",
+        "max_consecutive_skipped_iterations",
+    ),
+    0: ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "init_method_std"),
+}
 _FRACTIONS = ("hidden_dropout", "attention_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")
 
 
@@ -301,78 +364,124 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 def _check_model(args: argparse.Namespace, tp: int) -> None:
     heads = args.num_attention_heads
-    _require(heads % tp == 0,
-             f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})")
+    _require(
+        heads % tp == 0,
+        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+    )
     if args.group_query_attention:
         groups = args.num_query_groups
-        _require(heads % groups == 0,
-                 f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})")
-        _require(groups % tp == 0,
-                 f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})")
+        _require(
+            heads % groups == 0,
+            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
+        )
+        _require(
+            groups % tp == 0,
+            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
+        )
     if args.kv_channels is None:
-        _require(args.hidden_size % heads == 0, f"--hidden-size ({args.hidden_size}) must be divisible by "
-                 f"--num-attention-heads ({heads}) unless --kv-channels is given")
+        _require(
+            args.hidden_size % heads == 0,
+            f"--hidden-size ({args.hidden_size}) must be divisible by "
+            f"--num-attention-heads ({heads}) unless --kv-channels is given",
+        )
         args.kv_channels = args.hidden_size // heads
     if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
         hidden = args.hidden_size
         args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
-        _require(args.ffn_hidden_size > 0, f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
-                 "(int(8*hidden/3/64)*64); give --ffn-hidden-size")
-    _require(args.ffn_hidden_size % tp == 0, f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
-             f"by --tensor-model-parallel-size ({tp})")
+        _require(
+            args.ffn_hidden_size > 0,
+            f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
+            "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
+        )
+    _require(
+        args.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
+        f"by --tensor-model-parallel-size ({tp})",
+    )
     if args.position_embedding_type == "learned_absolute":
-        _require(args.seq_length <= args.max_position_embeddings,
-                 f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
-                 f"({args.max_position_embeddings}) with --position-embedding-type learned_absolute")
+        _require(
+            args.seq_length <= args.max_position_embeddings,
+            f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
+            f"({args.max_position_embeddings}) with --position-embedding-type learned_absolute",
+        )
     if args.sequence_parallel and tp == 1:
-        _rank0_note("--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it "
-                    "(as Megatron does)")
+        _rank0_note(
+            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it "
+            "(as Megatron does)"
+        )
         args.sequence_parallel = False
     if args.sequence_parallel:
-        _require(args.seq_length % tp == 0, f"--seq-length ({args.seq_length}) must be divisible by "
-                 f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+        _require(
+            args.seq_length % tp == 0,
+            f"--seq-length ({args.seq_length}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp}) with --sequence-parallel",
+        )
     if args.recompute_granularity == "selective":
-        _require(args.recompute_method is None and args.recompute_num_layers is None,
-                 "--recompute-granularity selective takes neither --recompute-method nor "
-                 "--recompute-num-layers")
+        _require(
+            args.recompute_method is None and args.recompute_num_layers is None,
+            "--recompute-granularity selective takes neither --recompute-method nor --recompute-num-layers",
+        )
     elif args.recompute_granularity == "full":
-        _require(args.recompute_method is not None and args.recompute_num_layers is not None,
-                 "--recompute-granularity full needs --recompute-method (uniform or block) and "
-                 "--recompute-num-layers")
+        _require(
+            args.recompute_method is not None and args.recompute_num_layers is not None,
+            "--recompute-granularity full needs --recompute-method (uniform or block) and "
+            "--recompute-num-layers",
+        )
     else:
-        _require(args.recompute_method is None and args.recompute_num_layers is None,
-                 "--recompute-method and --recompute-num-layers need --recompute-granularity full")
+        _require(
+            args.recompute_method is None and args.recompute_num_layers is None,
+            "--recompute-method and --recompute-num-layers need --recompute-granularity full",
+        )
 
 
 def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
     """Virtual pipeline size from one of the three flags that may set it (Megatron allows at most one)."""
-    chosen = [_flag(d) for d in ("num_layers_per_virtual_pipeline_stage",
-                                 "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout")
-              if getattr(args, d) is not None]
+    chosen = [
+        _flag(d)
+        for d in (
+            "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank",
+            "pipeline_model_parallel_layout",
+        )
+        if getattr(args, d) is not None
+    ]
     _require(len(chosen) <= 1, f"{' and '.join(chosen)} are mutually exclusive: give at most one")
     vpp = args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout is not None:
         from core.pipeline_parallel.layout import parse_layout
 
         try:
-            vpp = parse_layout(args.pipeline_model_parallel_layout, pp, num_layers=args.num_layers,
-                               mtp_num_layers=0).vpp_size
+            vpp = parse_layout(
+                args.pipeline_model_parallel_layout, pp, num_layers=args.num_layers, mtp_num_layers=0
+            ).vpp_size
         except ValueError as err:
             raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
     elif args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers_per_virtual_pipeline_stage
-        _require(args.num_layers % pp == 0, f"--num-layers ({args.num_layers}) must be divisible by "
-                 f"--pipeline-model-parallel-size ({pp}) to use --num-layers-per-virtual-pipeline-stage")
+        _require(
+            args.num_layers % pp == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp}) to use --num-layers-per-virtual-pipeline-stage",
+        )
         per_rank = args.num_layers // pp
-        _require(per_rank % per_stage == 0, f"layers per pipeline rank ({args.num_layers} / {pp} = "
-                 f"{per_rank}) must be divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})")
+        _require(
+            per_rank % per_stage == 0,
+            f"layers per pipeline rank ({args.num_layers} / {pp} = "
+            f"{per_rank}) must be divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})",
+        )
         vpp = per_rank // per_stage
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
     if vpp and vpp > 1:
-        _require(pp > 1, f"{chosen[0]} gives {vpp} virtual stages per rank, which needs "
-                 "--pipeline-model-parallel-size > 1")
-        _require(args.pipeline_schedule != "gpipe", f"--pipeline-schedule gpipe cannot run virtual pipeline "
-                 f"stages ({vpp} per rank); use --pipeline-schedule 1f1b")
+        _require(
+            pp > 1,
+            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs "
+            "--pipeline-model-parallel-size > 1",
+        )
+        _require(
+            args.pipeline_schedule != "gpipe",
+            f"--pipeline-schedule gpipe cannot run virtual pipeline "
+            f"stages ({vpp} per rank); use --pipeline-schedule 1f1b",
+        )
 
 
 def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
@@ -380,8 +489,11 @@ def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
     if args.global_batch_size is None:
         args.global_batch_size = per_step * max(1, -(-MIN_DEFAULT_GLOBAL_BATCH // per_step))
     gbs = args.global_batch_size
-    _require(gbs % per_step == 0, f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
-             f"({mbs}) x data-parallel size ({dp}) = {per_step}")
+    _require(
+        gbs % per_step == 0,
+        f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
+        f"({mbs}) x data-parallel size ({dp}) = {per_step}",
+    )
     args.num_microbatches = gbs // per_step
     vpp = args.virtual_pipeline_model_parallel_size
     if vpp:
@@ -390,20 +502,26 @@ def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
         try:
             check_interleaving(pp, vpp, args.num_microbatches, args.microbatch_group_size_per_vp_stage)
         except ValueError as err:
-            raise ValueError(f"{err} (interleaved schedule, {vpp} virtual stages per rank; microbatches = "
-                             f"--global-batch-size ({gbs}) / (--micro-batch-size ({mbs}) x data-parallel "
-                             f"size ({dp})) = {args.num_microbatches})") from None
+            raise ValueError(
+                f"{err} (interleaved schedule, {vpp} virtual stages per rank; microbatches = "
+                f"--global-batch-size ({gbs}) / (--micro-batch-size ({mbs}) x data-parallel "
+                f"size ({dp})) = {args.num_microbatches})"
+            ) from None
 
 
 def _check_schedule_and_data(args: argparse.Namespace) -> None:
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
     given = set(getattr(args, "explicit_args", ()))
-    _require(args.lr_warmup_fraction is None or "lr_warmup_iters" not in given,
-             "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one")
+    _require(
+        args.lr_warmup_fraction is None or "lr_warmup_iters" not in given,
+        "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one",
+    )
     decay = args.lr_decay_iters or args.train_iters
-    _require(args.lr_warmup_fraction is not None or args.lr_warmup_iters < decay,
-             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < the decay iterations ({decay}, from "
-             "--lr-decay-iters or else --train-iters)")
+    _require(
+        args.lr_warmup_fraction is not None or args.lr_warmup_iters < decay,
+        f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < the decay iterations ({decay}, from "
+        "--lr-decay-iters or else --train-iters)",
+    )
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
     if args.data_path is not None:
@@ -434,8 +552,11 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     _check_ranges(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _require(world_size % (tp * pp) == 0, f"world size ({world_size}) must be divisible by "
-             f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
+    _require(
+        world_size % (tp * pp) == 0,
+        f"world size ({world_size}) must be divisible by "
+        f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp}",
+    )
     args.world_size, args.data_parallel_size = world_size, world_size // (tp * pp)
     _check_model(args, tp)
     _check_pipeline(args, pp)
@@ -455,14 +576,36 @@ def transformer_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     _require(hasattr(args, "data_parallel_size"), "call validate_args(args, world_size) first")
-    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-            "virtual_pipeline_model_parallel_size", "sequence_parallel", "num_layers", "hidden_size",
-            "ffn_hidden_size", "num_attention_heads", "kv_channels", "normalization", "add_bias_linear",
-            "hidden_dropout", "attention_dropout", "init_method_std", "bf16", "params_dtype",
-            "pipeline_dtype", "recompute_granularity", "recompute_method", "recompute_num_layers",
-            "pipeline_model_parallel_layout", "calculate_per_token_loss",
-            "microbatch_group_size_per_vp_stage", "pipeline_schedule", "position_embedding_type",
-            "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "seed")
+    keys = (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+        "sequence_parallel",
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "kv_channels",
+        "normalization",
+        "add_bias_linear",
+        "hidden_dropout",
+        "attention_dropout",
+        "init_method_std",
+        "bf16",
+        "params_dtype",
+        "pipeline_dtype",
+        "recompute_granularity",
+        "recompute_method",
+        "recompute_num_layers",
+        "pipeline_model_parallel_layout",
+        "calculate_per_token_loss",
+        "microbatch_group_size_per_vp_stage",
+        "pipeline_schedule",
+        "position_embedding_type",
+        "untie_embeddings_and_output_weights",
+        "make_vocab_size_divisible_by",
+        "seed",
+    )
     config = {key: getattr(args, key) for key in keys}
     config["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
     config["gated_linear_unit"] = args.swiglu

@@ -36,8 +36,17 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "SignalHandler", "current_parallel", "get_rng_state",
-           "load_checkpoint", "read_tracker", "save_checkpoint", "set_rng_state"]
+__all__ = [
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "SignalHandler",
+    "current_parallel",
+    "get_rng_state",
+    "load_checkpoint",
+    "read_tracker",
+    "save_checkpoint",
+    "set_rng_state",
+]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -65,6 +74,7 @@ class LoadedCheckpoint:
 # Files: names, atomic writes, nested states <-> tensors + JSON
 # ------------------------------------------------------------------------------------------------
 
+
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
@@ -72,9 +82,11 @@ def iteration_dir(root: str, iteration: int) -> str:
 def _names(p: Mapping[str, int]) -> dict[str, list[str]]:
     """Every file a checkpoint with these parallel sizes holds, by kind."""
     grid = [(t, q, d) for q in range(p["pp"]) for t in range(p["tp"]) for d in range(p["dp"])]
-    return {"model": [f"model_tp{t}_pp{q}.safetensors" for t, q, d in grid if d == 0],
-            "optimizer": [f"optim_tp{t}_pp{q}_dp{d}.safetensors" for t, q, d in grid],
-            "rng": [f"rng_tp{t}_pp{q}_dp{d}.safetensors" for t, q, d in grid]}
+    return {
+        "model": [f"model_tp{t}_pp{q}.safetensors" for t, q, d in grid if d == 0],
+        "optimizer": [f"optim_tp{t}_pp{q}_dp{d}.safetensors" for t, q, d in grid],
+        "rng": [f"rng_tp{t}_pp{q}_dp{d}.safetensors" for t, q, d in grid],
+    }
 
 
 def _fsync_dir(path: str) -> None:
@@ -151,8 +163,10 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], str]:
             return obj
         if hasattr(obj, "item") and hasattr(obj, "dtype"):  # numpy scalar
             return obj.item()
-        raise TypeError(f"cannot store {type(obj).__name__} at '{path}' without pickle; use tensors, "
-                        "numbers, strings, lists and dicts")
+        raise TypeError(
+            f"cannot store {type(obj).__name__} at '{path}' without pickle; use tensors, "
+            "numbers, strings, lists and dicts"
+        )
 
     skeleton = json.dumps(enc(state, ""))
     return tensors, skeleton
@@ -160,6 +174,7 @@ def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], str]:
 
 def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: str) -> Any:
     """Inverse of :func:`flatten_state`."""
+
     def dec(obj: Any) -> Any:
         if isinstance(obj, list):
             return [dec(v) for v in obj]
@@ -193,6 +208,7 @@ def _json_subset(args: Namespace | Mapping | None) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # RNG states
 # ------------------------------------------------------------------------------------------------
+
 
 def get_rng_state() -> dict[str, Any]:
     """Python ``random``, numpy, torch CPU (and CUDA when present) and the tensor-parallel tracker states."""
@@ -233,6 +249,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 # Save (and the agreement step that save and load share)
 # ------------------------------------------------------------------------------------------------
 
+
 def _agree(error: str | None) -> None:
     """Raise on every rank if any rank failed: the lowest failing rank's message is broadcast to all."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -260,8 +277,9 @@ def _sizes(parallel: Mapping[str, Any]) -> dict[str, int]:
     """The sizes of a ``parallel`` dict, after checking its ranks lie inside them."""
     for axis in ("tp", "pp", "dp"):
         if not 0 <= parallel[f"{axis}_rank"] < parallel[axis]:
-            raise ValueError(f"parallel {axis}_rank {parallel[f'{axis}_rank']} is outside {axis} size "
-                             f"{parallel[axis]}")
+            raise ValueError(
+                f"parallel {axis}_rank {parallel[f'{axis}_rank']} is outside {axis} size {parallel[axis]}"
+            )
     return {"tp": parallel["tp"], "pp": parallel["pp"], "dp": parallel["dp"], "vpp": parallel.get("vpp") or 1}
 
 
@@ -271,17 +289,30 @@ def current_parallel() -> dict[str, int]:
 
     if not ps.model_parallel_is_initialized():
         return {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "vpp": 1}
-    return {"tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size(),
-            "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "pp_rank": ps.get_pipeline_model_parallel_rank(), "dp_rank": ps.get_data_parallel_rank(),
-            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+    }
 
 
-def save_checkpoint(save_dir: str, iteration: int, *, model_state: Mapping[str, torch.Tensor],
-                    optimizer_state: Mapping | None, scheduler_state: Mapping | None,
-                    rng_state: Mapping | None, args: Namespace | Mapping | None, consumed_samples: int,
-                    parallel: Mapping[str, Any], extra: Mapping | None = None) -> str:
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    *,
+    model_state: Mapping[str, torch.Tensor],
+    optimizer_state: Mapping | None,
+    scheduler_state: Mapping | None,
+    rng_state: Mapping | None,
+    args: Namespace | Mapping | None,
+    consumed_samples: int,
+    parallel: Mapping[str, Any],
+    extra: Mapping | None = None,
+) -> str:
     """Write this rank's files of ``DIR/iter_XXXXXXX``; rank (0, 0, 0) then commits it. Call on every rank.
 
     ``rng_state=None`` saves :func:`get_rng_state`. A failure on any rank raises :class:`CheckpointError`
@@ -291,10 +322,16 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_state: Mapping[str, 
     t, q, d = parallel["tp_rank"], parallel["pp_rank"], parallel["dp_rank"]
     path = iteration_dir(save_dir, iteration)
     sizes = _sizes(parallel)
-    manifest = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
-                "parallel": sizes, "files": _names(sizes), "args": _json_subset(args),
-                "scheduler": None if scheduler_state is None else dict(scheduler_state),
-                "extra": dict(extra or {})}
+    manifest = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "parallel": sizes,
+        "files": _names(sizes),
+        "args": _json_subset(args),
+        "scheduler": None if scheduler_state is None else dict(scheduler_state),
+        "extra": dict(extra or {}),
+    }
     try:  # on every rank, before any file is touched: the same error everywhere
         manifest_text = json.dumps(manifest, indent=1)
     except (TypeError, ValueError) as err:
@@ -307,8 +344,11 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_state: Mapping[str, 
             _write_tensors(model_file, model_state, {"format": FORMAT})
         for kind, state in (("optim", optimizer_state or {}), ("rng", rng_state or get_rng_state())):
             tensors, skeleton = flatten_state(state)
-            _write_tensors(os.path.join(path, f"{kind}_tp{t}_pp{q}_dp{d}.safetensors"), tensors,
-                           {"format": FORMAT, "skeleton": skeleton})
+            _write_tensors(
+                os.path.join(path, f"{kind}_tp{t}_pp{q}_dp{d}.safetensors"),
+                tensors,
+                {"format": FORMAT, "skeleton": skeleton},
+            )
     except Exception as err:  # noqa: BLE001 -- reported on every rank by _agree, so no rank waits forever
         error = f"saving checkpoint {path} failed: {type(err).__name__}: {err}"
     _agree(error)  # doubles as the barrier: every rank's files are complete before the commit
@@ -326,6 +366,7 @@ def save_checkpoint(save_dir: str, iteration: int, *, model_state: Mapping[str, 
 # Load
 # ------------------------------------------------------------------------------------------------
 
+
 def read_tracker(root: str) -> int | str | None:
     """The iteration the tracker names (``"release"`` for a release checkpoint), None when there is none."""
     path = os.path.join(root, TRACKER)
@@ -336,8 +377,9 @@ def read_tracker(root: str) -> int | str | None:
     if text == "release":
         return text
     if not text.isdigit():
-        raise CheckpointError(f"checkpoint tracker {path} is corrupt: expected an iteration number, "
-                              f"got {text!r}")
+        raise CheckpointError(
+            f"checkpoint tracker {path} is corrupt: expected an iteration number, got {text!r}"
+        )
     return int(text)
 
 
@@ -370,21 +412,38 @@ def _describe(p: Mapping[str, int]) -> str:
 
 def _check_shapes(path: str, header: dict, expected: Mapping[str, tuple]) -> None:
     saved = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    problems = [f"tensor '{k}' has shape {saved[k]} in the checkpoint but {tuple(s)} in the model"
-                for k, s in expected.items() if k in saved and saved[k] != tuple(s)]
-    problems += [f"tensor '{k}' {tuple(s)} is missing from the checkpoint" for k, s in expected.items()
-                 if k not in saved]
-    problems += [f"the checkpoint has tensor '{k}' {s} that the model does not" for k, s in saved.items()
-                 if k not in expected]
+    problems = [
+        f"tensor '{k}' has shape {saved[k]} in the checkpoint but {tuple(s)} in the model"
+        for k, s in expected.items()
+        if k in saved and saved[k] != tuple(s)
+    ]
+    problems += [
+        f"tensor '{k}' {tuple(s)} is missing from the checkpoint"
+        for k, s in expected.items()
+        if k not in saved
+    ]
+    problems += [
+        f"the checkpoint has tensor '{k}' {s} that the model does not"
+        for k, s in saved.items()
+        if k not in expected
+    ]
     if problems:
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise CheckpointError(f"checkpoint file {path} does not match the model: " + "; ".join(problems[:3])
-                              + more)
+        raise CheckpointError(
+            f"checkpoint file {path} does not match the model: " + "; ".join(problems[:3]) + more
+        )
 
 
-def load_checkpoint(load_dir: str, *, parallel: Mapping[str, Any], expected_model_shapes: Mapping[str, tuple],
-                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
-                    missing_ok: bool = False) -> LoadedCheckpoint | None:
+def load_checkpoint(
+    load_dir: str,
+    *,
+    parallel: Mapping[str, Any],
+    expected_model_shapes: Mapping[str, tuple],
+    load_optim: bool = True,
+    load_rng: bool = True,
+    finetune: bool = False,
+    missing_ok: bool = False,
+) -> LoadedCheckpoint | None:
     """Read the latest checkpoint in ``load_dir`` for this rank; call on every rank.
 
     ``finetune`` (Megatron's ``--finetune``, also implied by a ``release`` checkpoint) loads the
@@ -410,24 +469,32 @@ def load_checkpoint(load_dir: str, *, parallel: Mapping[str, Any], expected_mode
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"checkpoint manifest {manifest_path} is corrupt") from None
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint manifest {manifest_path} has format {manifest.get('format')!r}, "
-                              f"expected {FORMAT!r}")
+        raise CheckpointError(
+            f"checkpoint manifest {manifest_path} has format {manifest.get('format')!r}, expected {FORMAT!r}"
+        )
     ours = _sizes(parallel)
     load_optim, load_rng = load_optim and not finetune, load_rng and not finetune
     shape_differs = any(saved[k] != ours[k] for k in ("tp", "pp", "vpp"))
     if shape_differs or (saved["dp"] != ours["dp"] and (load_optim or load_rng)):
-        hint = ("convert it with tools/convert_checkpoint.py (coming)" if shape_differs else
-                "optimizer and RNG states are per data-parallel rank: pass --no-load-optim --no-load-rng "
-                "(or --finetune) to load only the weights")
-        raise CheckpointError(f"checkpoint {path} was saved with {_describe(saved)}, this run has "
-                              f"{_describe(ours)}; {hint}")
+        hint = (
+            "convert it with tools/convert_checkpoint.py (coming)"
+            if shape_differs
+            else "optimizer and RNG states are per data-parallel rank: pass --no-load-optim --no-load-rng "
+            "(or --finetune) to load only the weights"
+        )
+        raise CheckpointError(
+            f"checkpoint {path} was saved with {_describe(saved)}, this run has {_describe(ours)}; {hint}"
+        )
     names = _names(saved)
     kinds = ["model"] + ["optimizer"] * load_optim + ["rng"] * load_rng
     headers = {name: _read_header(os.path.join(path, name)) for kind in kinds for name in names[kind]}
 
     t, q, d = parallel["tp_rank"], parallel["pp_rank"], parallel["dp_rank"]
-    mine = {"model": f"model_tp{t}_pp{q}.safetensors", "optimizer": f"optim_tp{t}_pp{q}_dp{d}.safetensors",
-            "rng": f"rng_tp{t}_pp{q}_dp{d}.safetensors"}
+    mine = {
+        "model": f"model_tp{t}_pp{q}.safetensors",
+        "optimizer": f"optim_tp{t}_pp{q}_dp{d}.safetensors",
+        "rng": f"rng_tp{t}_pp{q}_dp{d}.safetensors",
+    }
     states: dict[str, Any] = {"optimizer": None, "rng": None}
     error = None
     try:
@@ -448,14 +515,18 @@ def load_checkpoint(load_dir: str, *, parallel: Mapping[str, Any], expected_mode
     return LoadedCheckpoint(
         iteration=0 if finetune else manifest["iteration"],
         consumed_samples=0 if finetune else manifest["consumed_samples"],
-        model_state=states["model"], optimizer_state=states["optimizer"],
+        model_state=states["model"],
+        optimizer_state=states["optimizer"],
         scheduler_state=manifest.get("scheduler") if load_optim else None,
-        rng_state=states["rng"], manifest=manifest)
+        rng_state=states["rng"],
+        manifest=manifest,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # --exit-signal-handler
 # ------------------------------------------------------------------------------------------------
+
 
 class SignalHandler:
     """Records SIGTERM (or ``sig``) inside a ``with`` block instead of dying, so the loop can save and exit.

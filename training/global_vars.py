@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+from typing import Any
 
-_ARGS: Optional[argparse.Namespace] = None
+_ARGS: argparse.Namespace | None = None
 _TOKENIZER: Any = None
 
 
@@ -16,7 +16,9 @@ def set_global_variables(args: argparse.Namespace, tokenizer: Any) -> None:
 
 def get_args() -> argparse.Namespace:
     if _ARGS is None:
-        raise RuntimeError("arguments are not set yet: get_args() works once training.pretrain() has parsed them")
+        raise RuntimeError(
+            "arguments are not set yet: get_args() works once training.pretrain() has parsed them"
+        )
     return _ARGS
 
 

@@ -11,8 +11,11 @@ def is_logging_rank() -> bool:
     """First TP and DP rank of the last pipeline stage: the rank that has the loss."""
     if not ps.model_parallel_is_initialized():
         return True
-    return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_data_parallel_rank() == 0)
+    return (
+        ps.is_pipeline_last_stage()
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+    )
 
 
 def print_rank_0(message: str) -> None:

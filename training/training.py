@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,19 +42,29 @@ class TrainState:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     consecutive_skipped: int = 0
-    wandb_run_id: Optional[str] = None
+    wandb_run_id: str | None = None
     losses: list[float] = field(default_factory=list)  # per iteration, on the logging rank
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each train step
 
 
-def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable, forward_step_func: Callable,
-             *, argv: Optional[list[str]] = None, tokenizer_provider: Optional[Callable] = None) -> TrainState:
+def pretrain(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    forward_step_func: Callable,
+    *,
+    argv: list[str] | None = None,
+    tokenizer_provider: Callable | None = None,
+) -> TrainState:
     """Train as the flags say; returns the final state (losses on the rank that logs them)."""
     args = parse_args(argv)
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     ps.initialize_distributed()
     bind_local_device()
-    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                 args.virtual_pipeline_model_parallel_size)
+    ps.initialize_model_parallel(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+    )
     _seed_everything(args.seed)
     tokenizer = _once_per_machine(lambda: tokenizer_provider(args)) if tokenizer_provider else None
     set_global_variables(args, tokenizer)
@@ -63,36 +74,69 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     chunks = _build_chunks(model_provider, args)
     config = chunks[0].config
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, bf16=args.bf16,
-                        params_dtype=args.params_dtype, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                        adam_eps=args.adam_eps, clip_grad=args.clip_grad), chunks)
+        OptimizerConfig(
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            bf16=args.bf16,
+            params_dtype=args.params_dtype,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+        ),
+        chunks,
+    )
     scheduler = _build_scheduler(optimizer, args)
     state = TrainState()
     if args.load:
         _load(args, chunks, optimizer, scheduler, state)
     train_ds, valid_ds, _ = _once_per_machine(lambda: train_valid_test_datasets_provider(args))
-    run = start_run(project=args.wandb_project, name=args.wandb_exp_name or None, save_dir=args.wandb_save_dir,
-                    config=vars(args), run_id=state.wandb_run_id, is_logging_rank=is_logging_rank())
+    run = start_run(
+        project=args.wandb_project,
+        name=args.wandb_exp_name or None,
+        save_dir=args.wandb_save_dir,
+        config=vars(args),
+        run_id=state.wandb_run_id,
+        is_logging_rank=is_logging_rank(),
+    )
     state.wandb_run_id = _shared_run_id(getattr(run, "id", None) or state.wandb_run_id)
-    print_rank_0(f"training {args.train_iters} iterations from iteration {state.iteration}: "
-                 f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
-                 f"VPP={args.virtual_pipeline_model_parallel_size or 1} DP={args.data_parallel_size}, "
-                 f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} tokens")
+    print_rank_0(
+        f"training {args.train_iters} iterations from iteration {state.iteration}: "
+        f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+        f"VPP={args.virtual_pipeline_model_parallel_size or 1} DP={args.data_parallel_size}, "
+        f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} tokens"
+    )
     with checkpointing.SignalHandler() as signals:
-        _train(args, chunks, config, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run,
-               signals)
+        _train(
+            args,
+            chunks,
+            config,
+            optimizer,
+            scheduler,
+            forward_step_func,
+            train_ds,
+            valid_ds,
+            state,
+            run,
+            signals,
+        )
     run.finish()
     return state
 
 
-def _train(args, chunks, config, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run,
-           signals) -> None:
+def _train(
+    args, chunks, config, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals
+) -> None:
     forward_backward = get_forward_backward_func()
     window: dict[str, Any] = {"loss": [], "time": time.perf_counter(), "iters": 0}
     saved_at = None
     while state.iteration < args.train_iters:
-        loss, grad_norm, applied = _train_step(args, chunks, config, optimizer, forward_backward,
-                                               forward_step_func, train_ds, state)
+        start = time.perf_counter()
+        loss, grad_norm, applied = _train_step(
+            args, chunks, config, optimizer, forward_backward, forward_step_func, train_ds, state
+        )
+        state.step_seconds.append(time.perf_counter() - start)
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
         if applied:
@@ -103,8 +147,12 @@ def _train(args, chunks, config, optimizer, scheduler, forward_step_func, train_
         window["iters"] += 1
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             _log(args, state, optimizer, grad_norm, window, run)
-        if valid_ds is not None and args.eval_interval and state.iteration % args.eval_interval == 0 \
-                and args.eval_iters > 0:
+        if (
+            valid_ds is not None
+            and args.eval_interval
+            and state.iteration % args.eval_interval == 0
+            and args.eval_iters > 0
+        ):
             _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state, run)
         stop = args.exit_interval and state.iteration % args.exit_interval == 0
         if args.exit_signal_handler and any(signals.signals_received()):
@@ -125,20 +173,28 @@ def _train_step(args, chunks, config, optimizer, forward_backward, forward_step_
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     iterators = _iterators(chunks, train_ds, state.consumed_samples, args)
-    logs = forward_backward(forward_step_func=forward_step_func, data_iterator=_one_or_list(iterators),
-                            model=_one_or_list(chunks), num_microbatches=args.num_microbatches,
-                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+    logs = forward_backward(
+        forward_step_func=forward_step_func,
+        data_iterator=_one_or_list(iterators),
+        model=_one_or_list(chunks),
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+    )
     loss = _reduce_loss(logs)
     bad_loss = _any_rank(loss is not None and not math.isfinite(loss))
     if bad_loss and args.check_for_nan_in_loss_and_grad:
-        raise FloatingPointError(f"loss is {loss} at iteration {state.iteration + 1} "
-                                 "(--check-for-nan-in-loss-and-grad)")
+        raise FloatingPointError(
+            f"loss is {loss} at iteration {state.iteration + 1} (--check-for-nan-in-loss-and-grad)"
+        )
     applied, grad_norm = False, None
     if not bad_loss:
         applied, grad_norm, _ = optimizer.step()
         if not applied and args.check_for_nan_in_loss_and_grad:
-            raise FloatingPointError(f"gradient norm is {grad_norm} at iteration {state.iteration + 1} "
-                                     "(--check-for-nan-in-loss-and-grad)")
+            raise FloatingPointError(
+                f"gradient norm is {grad_norm} at iteration {state.iteration + 1} "
+                "(--check-for-nan-in-loss-and-grad)"
+            )
     if applied:
         state.consecutive_skipped = 0
     else:
@@ -146,13 +202,15 @@ def _train_step(args, chunks, config, optimizer, forward_backward, forward_step_
         state.nan_iterations += 1
         state.consecutive_skipped += 1
         if state.consecutive_skipped >= args.max_consecutive_skipped_iterations:
-            raise RuntimeError(f"{state.consecutive_skipped} consecutive iterations had a NaN/inf loss or gradient "
-                               f"and were skipped (iteration {state.iteration + 1}); stopping. Lower --lr or "
-                               "check the data; --max-consecutive-skipped-iterations sets the limit")
+            raise RuntimeError(
+                f"{state.consecutive_skipped} consecutive iterations had a NaN/inf loss or gradient "
+                f"and were skipped (iteration {state.iteration + 1}); stopping. Lower --lr or "
+                "check the data; --max-consecutive-skipped-iterations sets the limit"
+            )
     return loss, grad_norm, applied
 
 
-def _reduce_loss(logs: list[dict]) -> Optional[float]:
+def _reduce_loss(logs: list[dict]) -> float | None:
     """Mean "lm loss" over this step's microbatches and data-parallel ranks (last stage only)."""
     if not logs:
         return None
@@ -162,13 +220,15 @@ def _reduce_loss(logs: list[dict]) -> Optional[float]:
         if value.numel() == 2:  # (loss sum, tokens) from the per-token contract
             values.append(value)
         else:
-            values.append(torch.stack([value.reshape(()), torch.ones((), dtype=value.dtype, device=value.device)]))
+            values.append(
+                torch.stack([value.reshape(()), torch.ones((), dtype=value.dtype, device=value.device)])
+            )
     total = torch.stack(values).sum(0).double()  # (sum of losses, count): microbatches or tokens
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     return (total[0] / total[1]).item()
 
 
-def _shared_run_id(run_id: Optional[str]) -> Optional[str]:
+def _shared_run_id(run_id: str | None) -> str | None:
     """The logging rank's W&B run id on every rank (rank 0 writes it into the checkpoint manifest)."""
     ids: list = [None] * dist.get_world_size()
     dist.all_gather_object(ids, run_id)
@@ -186,17 +246,24 @@ def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state
     for k in range(args.eval_iters):
         iterators = _iterators(chunks, valid_ds, k * args.global_batch_size, args)
         with torch.no_grad():
-            logs = forward_backward(forward_step_func=forward_step_func, data_iterator=_one_or_list(iterators),
-                                    model=_one_or_list(chunks), num_microbatches=args.num_microbatches,
-                                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                                    forward_only=True)
+            logs = forward_backward(
+                forward_step_func=forward_step_func,
+                data_iterator=_one_or_list(iterators),
+                model=_one_or_list(chunks),
+                num_microbatches=args.num_microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=True,
+            )
         loss = _reduce_loss(logs)
         if loss is not None:
             losses.append(loss)
     if losses:
         value = sum(losses) / len(losses)
-        print_rank_last(f" validation loss at iteration {state.iteration} | lm loss value: {value:.6E} | "
-                        f"lm loss PPL: {math.exp(min(value, 20)):.6E} |")
+        print_rank_last(
+            f" validation loss at iteration {state.iteration} | lm loss value: {value:.6E} | "
+            f"lm loss PPL: {math.exp(min(value, 20)):.6E} |"
+        )
         run.log({"validation/lm loss": value}, step=state.iteration)
 
 
@@ -212,17 +279,28 @@ def _log(args, state, optimizer, grad_norm, window, run) -> None:
         f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
         f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {norm:.3f} | "
         f"tokens/s: {tokens_per_s:.0f} | number of skipped iterations: {state.skipped_iterations:3d} | "
-        f"number of nan iterations: {state.nan_iterations:3d} |")
-    run.log({"lm loss": loss, "learning rate": lr, "grad norm": norm, "tokens per second": tokens_per_s,
-             "elapsed time per iteration (ms)": elapsed_ms, "consumed samples": state.consumed_samples,
-             "skipped iterations": state.skipped_iterations, "nan iterations": state.nan_iterations},
-            step=state.iteration)
+        f"number of nan iterations: {state.nan_iterations:3d} |"
+    )
+    run.log(
+        {
+            "lm loss": loss,
+            "learning rate": lr,
+            "grad norm": norm,
+            "tokens per second": tokens_per_s,
+            "elapsed time per iteration (ms)": elapsed_ms,
+            "consumed samples": state.consumed_samples,
+            "skipped iterations": state.skipped_iterations,
+            "nan iterations": state.nan_iterations,
+        },
+        step=state.iteration,
+    )
     window.update(loss=[], time=now, iters=0)
 
 
 # --------------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------------
+
 
 def _seed_everything(seed: int) -> None:
     """Megatron's seeding: a different stream per pipeline stage, the TP tracker for dropout in TP regions."""
@@ -256,9 +334,11 @@ def _build_chunks(model_provider: Callable, args) -> list[DistributedDataParalle
         ps.set_virtual_pipeline_model_parallel_rank(vp_stage)
         layout = pipeline_layout(args)  # reads the same four fields a TransformerConfig has
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        chunk = model_provider(pre_process=layout.has_embedding(pp_rank, vp_stage),
-                               post_process=layout.has_loss(pp_rank, vp_stage),
-                               vp_stage=vp_stage if vpp > 1 else None)
+        chunk = model_provider(
+            pre_process=layout.has_embedding(pp_rank, vp_stage),
+            post_process=layout.has_loss(pp_rank, vp_stage),
+            vp_stage=vp_stage if vpp > 1 else None,
+        )
         chunks.append(chunk)
     ps.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce)
@@ -277,14 +357,25 @@ def _build_scheduler(optimizer, args) -> OptimizerParamScheduler:
     if args.lr_warmup_fraction is not None:
         warmup_iters = int(args.lr_warmup_fraction * decay_iters)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr or 0.0,
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr or 0.0,
         lr_warmup_steps=warmup_iters * args.global_batch_size,
-        lr_decay_steps=decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style)
+        lr_decay_steps=decay_iters * args.global_batch_size,
+        lr_decay_style=args.lr_decay_style,
+    )
 
 
 def _iterators(chunks, dataset, consumed_samples: int, args) -> list:
-    return [step_iterator(dataset, consumed_samples, args.num_microbatches, args.micro_batch_size, args.seq_length)
-            if (c.pre_process or c.post_process) else None for c in chunks]
+    return [
+        step_iterator(
+            dataset, consumed_samples, args.num_microbatches, args.micro_batch_size, args.seq_length
+        )
+        if (c.pre_process or c.post_process)
+        else None
+        for c in chunks
+    ]
 
 
 def _one_or_list(items: list):
@@ -303,21 +394,35 @@ def _model_state(chunks) -> dict[str, torch.Tensor]:
 
 def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
     path = checkpointing.save_checkpoint(
-        args.save, state.iteration, model_state=_model_state(chunks), optimizer_state=optimizer.state_dict(),
-        scheduler_state=scheduler.state_dict(), rng_state=checkpointing.get_rng_state(), args=args,
-        consumed_samples=state.consumed_samples, parallel=checkpointing.current_parallel(),
-        extra={"wandb_run_id": state.wandb_run_id, "skipped_iterations": state.skipped_iterations,
-               "nan_iterations": state.nan_iterations})
+        args.save,
+        state.iteration,
+        model_state=_model_state(chunks),
+        optimizer_state=optimizer.state_dict(),
+        scheduler_state=scheduler.state_dict(),
+        rng_state=checkpointing.get_rng_state(),
+        args=args,
+        consumed_samples=state.consumed_samples,
+        parallel=checkpointing.current_parallel(),
+        extra={
+            "wandb_run_id": state.wandb_run_id,
+            "skipped_iterations": state.skipped_iterations,
+            "nan_iterations": state.nan_iterations,
+        },
+    )
     print_rank_0(f"saved checkpoint {path}")
 
 
 def _load(args, chunks, optimizer, scheduler, state: TrainState) -> None:
     model_state = _model_state(chunks)
     loaded = checkpointing.load_checkpoint(
-        args.load, parallel=checkpointing.current_parallel(),
+        args.load,
+        parallel=checkpointing.current_parallel(),
         expected_model_shapes={k: tuple(v.shape) for k, v in model_state.items()},
-        load_optim=not args.no_load_optim and not args.finetune, load_rng=not args.no_load_rng and not args.finetune,
-        finetune=args.finetune, missing_ok=args.load == args.save)
+        load_optim=not args.no_load_optim and not args.finetune,
+        load_rng=not args.no_load_rng and not args.finetune,
+        finetune=args.finetune,
+        missing_ok=args.load == args.save,
+    )
     if loaded is None:
         print_rank_0(f"no checkpoint in {args.load} yet: starting from scratch")
         return
@@ -344,9 +449,13 @@ def _load(args, chunks, optimizer, scheduler, state: TrainState) -> None:
 def _describe_defaults(args) -> str:
     parts = []
     if args.using_default_model:
-        parts.append(f"the default tiny GPT ({args.num_layers} layers, hidden {args.hidden_size}, "
-                     f"{args.num_attention_heads} heads, sequence {args.seq_length})")
+        parts.append(
+            f"the default tiny GPT ({args.num_layers} layers, hidden {args.hidden_size}, "
+            f"{args.num_attention_heads} heads, sequence {args.seq_length})"
+        )
     if args.using_default_data:
-        parts.append("the default corpus (this Python's standard-library docstrings and pydoc topics) with "
-                     "Trident's own SentencePiece tokenizer")
+        parts.append(
+            "the default corpus (this Python's standard-library docstrings and pydoc topics) with "
+            "Trident's own SentencePiece tokenizer"
+        )
     return "no model/data flags given: training " + " on ".join(parts)

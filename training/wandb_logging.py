@@ -13,16 +13,16 @@ import netrc
 import os
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 
 class NullRun:
     """Stands in for a W&B run on ranks that do not log."""
 
-    id: Optional[str] = None
-    dir: Optional[str] = None
+    id: str | None = None
+    dir: str | None = None
 
-    def log(self, metrics: dict, step: Optional[int] = None) -> None:
+    def log(self, metrics: dict, step: int | None = None) -> None:
         pass
 
     def finish(self) -> None:
@@ -39,15 +39,22 @@ def _has_api_key() -> bool:
 
 
 def wandb_mode() -> str:
-    """"offline" unless a key is configured and ``WANDB_MODE`` does not say otherwise."""
+    """ "offline" unless a key is configured and ``WANDB_MODE`` does not say otherwise."""
     mode = os.environ.get("WANDB_MODE")
     if mode:
         return mode
     return "online" if _has_api_key() else "offline"
 
 
-def start_run(*, project: Optional[str], name: Optional[str], save_dir: Optional[str], config: dict[str, Any],
-              run_id: Optional[str], is_logging_rank: bool):
+def start_run(
+    *,
+    project: str | None,
+    name: str | None,
+    save_dir: str | None,
+    config: dict[str, Any],
+    run_id: str | None,
+    is_logging_rank: bool,
+):
     """The W&B run for this rank: a real one on the logging rank when ``project`` is set, else a NullRun.
 
     ``run_id`` (from a checkpoint) resumes the same run; offline this writes a new run directory
@@ -60,9 +67,16 @@ def start_run(*, project: Optional[str], name: Optional[str], save_dir: Optional
     directory = Path(save_dir or "wandb-runs")
     directory.mkdir(parents=True, exist_ok=True)
     mode = wandb_mode()
-    return wandb.init(project=project, name=name, dir=str(directory), config=_jsonable(config), id=run_id,
-                      resume="allow" if run_id else None, mode=mode,
-                      settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+    return wandb.init(
+        project=project,
+        name=name,
+        dir=str(directory),
+        config=_jsonable(config),
+        id=run_id,
+        resume="allow" if run_id else None,
+        mode=mode,
+        settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+    )
 
 
 def _jsonable(config: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +108,8 @@ def _records(path: Path) -> list[bytes]:
         if left_in_block < 7:  # block trailer padding
             pos += left_in_block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == _FULL:
             records.append(chunk)
         elif kind == _FIRST:

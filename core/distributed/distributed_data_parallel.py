@@ -54,18 +54,29 @@ class DistributedDataParallel(nn.Module):
     where reduction is off the critical path) puts each buffer in a single bucket.
     """
 
-    def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig, module: nn.Module,
-                 disable_bucketing: bool = False, *, data_parallel_group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        disable_bucketing: bool = False,
+        *,
+        data_parallel_group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
-        self.data_parallel_group = data_parallel_group if data_parallel_group is not None else _default_group()
+        self.data_parallel_group = (
+            data_parallel_group if data_parallel_group is not None else _default_group()
+        )
         dp_size = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
         per_token = bool(getattr(config, "calculate_per_token_loss", False))
         if per_token and ddp_config.average_in_collective:
-            raise ValueError("average_in_collective=True cannot be combined with calculate_per_token_loss: a "
-                             "per-token loss needs gradients summed over data-parallel ranks, not averaged")
+            raise ValueError(
+                "average_in_collective=True cannot be combined with calculate_per_token_loss: a "
+                "per-token loss needs gradients summed over data-parallel ranks, not averaged"
+            )
 
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing or _pipeline_rank() > 0:
@@ -86,15 +97,27 @@ class DistributedDataParallel(nn.Module):
                 by_dtype.setdefault((param.dtype, grad_dtype), []).append((param, name))
         self.buffers: list[GradBuffer] = []
         for (_, grad_dtype), members in by_dtype.items():
-            self.buffers.append(GradBuffer(
-                [p for p, _ in members], [n for _, n in members], grad_dtype, self.bucket_size,
-                self.data_parallel_group, first_bucket_index=len(self.buckets), pre_scale=pre_scale,
-                post_scale=post_scale, async_op=ddp_config.overlap_grad_reduce,
-                check_for_nan=ddp_config.check_for_nan_in_grad))
+            self.buffers.append(
+                GradBuffer(
+                    [p for p, _ in members],
+                    [n for _, n in members],
+                    grad_dtype,
+                    self.bucket_size,
+                    self.data_parallel_group,
+                    first_bucket_index=len(self.buckets),
+                    pre_scale=pre_scale,
+                    post_scale=post_scale,
+                    async_op=ddp_config.overlap_grad_reduce,
+                    check_for_nan=ddp_config.check_for_nan_in_grad,
+                )
+            )
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
-            p: bucket for bucket in self.buckets for p in bucket.params}
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_grad_hook(bucket))
-                              for p, bucket in self.param_to_bucket.items()]
+            p: bucket for bucket in self.buckets for p in bucket.params
+        }
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._make_grad_hook(bucket))
+            for p, bucket in self.param_to_bucket.items()
+        ]
 
     # -- plumbing ---------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -187,6 +210,7 @@ def multi_no_sync(chunks: list[nn.Module]):
     Megatron's interleaved schedule builds this itself from a list of functions; here it is built
     once, so a schedule only ever calls one context manager.
     """
+
     @contextmanager
     def no_sync() -> Iterator[None]:
         with ExitStack() as stack:

@@ -37,7 +37,11 @@ class DistributedDataParallelConfig:
 
     def __post_init__(self) -> None:
         if self.use_distributed_optimizer:
-            raise ValueError("use_distributed_optimizer=True is not implemented in Trident; set it to False "
-                             "(gradients are all-reduced and every rank keeps the full optimizer state)")
+            raise ValueError(
+                "use_distributed_optimizer=True is not implemented in Trident; set it to False "
+                "(gradients are all-reduced and every rank keeps the full optimizer state)"
+            )
         if self.bucket_size is not None and self.bucket_size < 1:
-            raise ValueError(f"bucket_size must be a positive number of elements or None, got {self.bucket_size}")
+            raise ValueError(
+                f"bucket_size must be a positive number of elements or None, got {self.bucket_size}"
+            )

@@ -45,7 +45,7 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -84,8 +84,11 @@ def scale_by_num_tokens(chunks: list[torch.nn.Module], num_tokens: torch.Tensor)
     tokens = num_tokens.detach().clone().to(torch.float64).reshape(())
     initialized = ps.model_parallel_is_initialized()
     if initialized and ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(tokens, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            tokens,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
     if initialized and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         dist.all_reduce(tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
     if tokens.item() <= 0:

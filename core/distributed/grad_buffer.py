@@ -27,9 +27,19 @@ class Bucket:
     an averaging collective, which gloo lacks).
     """
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], names: list[str], grad_data: torch.Tensor,
-                 group: ProcessGroup | None, *, pre_scale: float, post_scale: float, async_op: bool,
-                 check_for_nan: bool) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        grad_data: torch.Tensor,
+        group: ProcessGroup | None,
+        *,
+        pre_scale: float,
+        post_scale: float,
+        async_op: bool,
+        check_for_nan: bool,
+    ) -> None:
         self.index = index
         self.params = params
         self.names = names
@@ -52,9 +62,11 @@ class Bucket:
         if not self.is_last_microbatch:
             return
         if id(param) in self._ready:
-            raise RuntimeError(f"gradient of {self._name(param)} became ready twice in one step: a parameter "
-                               "may be backpropagated through only once in the last microbatch when "
-                               "overlap_grad_reduce is on")
+            raise RuntimeError(
+                f"gradient of {self._name(param)} became ready twice in one step: a parameter "
+                "may be backpropagated through only once in the last microbatch when "
+                "overlap_grad_reduce is on"
+            )
         self._ready.add(id(param))
         if len(self._ready) == len(self.params):
             self.start_grad_sync()
@@ -66,8 +78,10 @@ class Bucket:
         if self.check_for_nan and not bool(torch.isfinite(self.grad_data).all()):
             rank = dist.get_rank() if dist.is_initialized() else 0
             bad = [n for p, n in zip(self.params, self.names) if not bool(torch.isfinite(p.main_grad).all())]
-            raise RuntimeError(f"rank {rank}: NaN or Inf in the gradients of {bad} before the data-parallel "
-                               "reduction (check_for_nan_in_grad)")
+            raise RuntimeError(
+                f"rank {rank}: NaN or Inf in the gradients of {bad} before the data-parallel "
+                "reduction (check_for_nan_in_grad)"
+            )
         if self.pre_scale != 1.0:
             self.grad_data.mul_(self.pre_scale)
         if self.group is not None and dist.get_world_size(self.group) > 1:
@@ -91,8 +105,10 @@ class Bucket:
         """Refuse a gradient arriving after this bucket's reduction began: it would be silently lost
         (or half-reduced). The usual cause is a missing ``zero_grad_buffer()`` between steps."""
         if self.state != IDLE:
-            raise RuntimeError(f"gradient for {self._name(param)} arrived after its bucket was {self.state}; "
-                               "call zero_grad_buffer() (or optimizer.zero_grad()) before the next step")
+            raise RuntimeError(
+                f"gradient for {self._name(param)} arrived after its bucket was {self.state}; "
+                "call zero_grad_buffer() (or optimizer.zero_grad()) before the next step"
+            )
 
     def reset(self) -> None:
         """Back to idle for the next step (the buffer itself is zeroed by its owner)."""
@@ -117,9 +133,20 @@ class GradBuffer:
     everything in one bucket. Creating the buffer sets ``param.main_grad`` on each parameter.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], names: list[str], grad_dtype: torch.dtype,
-                 bucket_size: int | None, group: ProcessGroup | None, *, first_bucket_index: int,
-                 pre_scale: float, post_scale: float, async_op: bool, check_for_nan: bool) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        grad_dtype: torch.dtype,
+        bucket_size: int | None,
+        group: ProcessGroup | None,
+        *,
+        first_bucket_index: int,
+        pre_scale: float,
+        post_scale: float,
+        async_op: bool,
+        check_for_nan: bool,
+    ) -> None:
         order = list(zip(params, names))[::-1]
         total = sum(p.numel() for p, _ in order)
         self.grad_dtype = grad_dtype
@@ -131,14 +158,23 @@ class GradBuffer:
             nonlocal start, members
             if not members:
                 return
-            self.buckets.append(Bucket(
-                first_bucket_index + len(self.buckets), [p for p, _ in members], [n for _, n in members],
-                self.grad_data[start:offset], group, pre_scale=pre_scale, post_scale=post_scale,
-                async_op=async_op, check_for_nan=check_for_nan))
+            self.buckets.append(
+                Bucket(
+                    first_bucket_index + len(self.buckets),
+                    [p for p, _ in members],
+                    [n for _, n in members],
+                    self.grad_data[start:offset],
+                    group,
+                    pre_scale=pre_scale,
+                    post_scale=post_scale,
+                    async_op=async_op,
+                    check_for_nan=check_for_nan,
+                )
+            )
             start, members = offset, []
 
         for param, name in order:
-            param.main_grad = self.grad_data[offset:offset + param.numel()].view(param.shape)
+            param.main_grad = self.grad_data[offset : offset + param.numel()].view(param.shape)
             offset += param.numel()
             members.append((param, name))
             if bucket_size is not None and offset - start >= bucket_size:

@@ -1,11 +1,11 @@
 """Mixed-precision optimizers with global-norm clipping, parameter groups and the LR schedule.
 
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-4, bf16=True, clip_grad=1.0), model_chunks)
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-4, min_lr=3e-5,
-                                        lr_warmup_steps=100, lr_decay_steps=10_000, lr_decay_style="cosine")
-    update_successful, grad_norm, num_zeros = optimizer.step()
-    if update_successful:
-        scheduler.step(1)
+optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-4, bf16=True, clip_grad=1.0), model_chunks)
+scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-4, min_lr=3e-5,
+                                    lr_warmup_steps=100, lr_decay_steps=10_000, lr_decay_style="cosine")
+update_successful, grad_norm, num_zeros = optimizer.step()
+if update_successful:
+    scheduler.step(1)
 """
 
 from __future__ import annotations
@@ -30,9 +30,17 @@ from core.optimizer.optimizer import (
 )
 
 __all__ = [
-    "FP32Optimizer", "Float16OptimizerWithFloat16Params", "MegatronOptimizer", "OptimizerConfig",
-    "OptimizerParamScheduler", "clip_grad_by_total_norm_fp32", "count_zeros_fp32", "get_grad_norm_fp32",
-    "get_megatron_optimizer", "get_param_groups", "param_counts_for_norm",
+    "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params",
+    "MegatronOptimizer",
+    "OptimizerConfig",
+    "OptimizerParamScheduler",
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+    "get_grad_norm_fp32",
+    "get_megatron_optimizer",
+    "get_param_groups",
+    "param_counts_for_norm",
 ]
 
 Condition = Callable[[str, nn.Parameter], bool]
@@ -47,9 +55,14 @@ def default_no_weight_decay(name: str, param: nn.Parameter) -> bool:
     return name.endswith(".bias") or param.ndim == 1
 
 
-def get_param_groups(model_chunks: nn.Module | Iterable[nn.Module], weight_decay: float, *,
-                     no_weight_decay_cond: Condition | None = None, scale_lr_cond: Condition | None = None,
-                     lr_mult: float = 1.0) -> list[dict]:
+def get_param_groups(
+    model_chunks: nn.Module | Iterable[nn.Module],
+    weight_decay: float,
+    *,
+    no_weight_decay_cond: Condition | None = None,
+    scale_lr_cond: Condition | None = None,
+    lr_mult: float = 1.0,
+) -> list[dict]:
     """Trainable parameters of all chunks in groups of equal (``wd_mult``, ``lr_mult``).
 
     Each group is a torch parameter-group dict with ``params``, ``weight_decay`` (already
@@ -69,24 +82,42 @@ def get_param_groups(model_chunks: nn.Module | Iterable[nn.Module], weight_decay
             scaled = scale_lr_cond is not None and scale_lr_cond(name, param)
             groups.setdefault((wd_mult, lr_mult if scaled else 1.0), []).append(param)
     ordered = sorted(groups, key=lambda key: (-key[0], key[1]))
-    return [{"params": groups[key], "wd_mult": key[0], "lr_mult": key[1], "weight_decay": weight_decay * key[0]}
-            for key in ordered]
+    return [
+        {"params": groups[key], "wd_mult": key[0], "lr_mult": key[1], "weight_decay": weight_decay * key[0]}
+        for key in ordered
+    ]
 
 
-def get_megatron_optimizer(config: OptimizerConfig, model_chunks: nn.Module | Iterable[nn.Module], *,
-                           no_weight_decay_cond: Condition | None = None, scale_lr_cond: Condition | None = None,
-                           lr_mult: float = 1.0) -> MegatronOptimizer:
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks: nn.Module | Iterable[nn.Module],
+    *,
+    no_weight_decay_cond: Condition | None = None,
+    scale_lr_cond: Condition | None = None,
+    lr_mult: float = 1.0,
+) -> MegatronOptimizer:
     """The optimizer for these chunks: AdamW (or SGD) on fp32 parameters, fp32 main copies if bf16."""
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr must be set (the scheduler then drives it every step)")
-    groups = get_param_groups(chunks, config.weight_decay, no_weight_decay_cond=no_weight_decay_cond,
-                              scale_lr_cond=scale_lr_cond, lr_mult=lr_mult)
+    groups = get_param_groups(
+        chunks,
+        config.weight_decay,
+        no_weight_decay_cond=no_weight_decay_cond,
+        scale_lr_cond=scale_lr_cond,
+        lr_mult=lr_mult,
+    )
     if config.optimizer == "adam":
-        inner = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        inner = torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
     else:
-        inner = torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
-                                momentum=config.sgd_momentum)
+        inner = torch.optim.SGD(
+            groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
+        )
     cls = Float16OptimizerWithFloat16Params if config.bf16 else FP32Optimizer
     return cls(inner, config, chunks)

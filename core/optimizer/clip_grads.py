@@ -55,8 +55,11 @@ def grad_stats_group() -> ProcessGroup | None:
     return ps.get_model_parallel_group() if ps is not None else None
 
 
-def get_grad_norm_fp32(grads_for_norm: Iterable[torch.Tensor], norm_type: float = 2.0,
-                       grad_stats_parallel_group: ProcessGroup | None = None) -> float:
+def get_grad_norm_fp32(
+    grads_for_norm: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    grad_stats_parallel_group: ProcessGroup | None = None,
+) -> float:
     """The ``norm_type`` norm of all these gradients together, over every rank of the group.
 
     Each rank passes only the gradients it counts (see :func:`param_counts_for_norm`). Partial sums
@@ -95,8 +98,9 @@ def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float,
     return min(coeff, 1.0)
 
 
-def count_zeros_fp32(grads_for_norm: Iterable[torch.Tensor],
-                     grad_stats_parallel_group: ProcessGroup | None = None) -> int:
+def count_zeros_fp32(
+    grads_for_norm: Iterable[torch.Tensor], grad_stats_parallel_group: ProcessGroup | None = None
+) -> int:
     """How many gradient elements are exactly zero across the model (each weight counted once)."""
     grads = [g for g in grads_for_norm if g is not None]
     zeros = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else current_device())

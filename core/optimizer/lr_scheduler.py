@@ -30,14 +30,32 @@ class OptimizerParamScheduler:
     ``max_lr``/``min_lr``, as in Megatron.
     """
 
-    def __init__(self, optimizer: Any, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: int,
-                 lr_decay_steps: int, lr_decay_style: str, start_wd: float | None = None,
-                 end_wd: float | None = None, wd_incr_steps: int | None = None, wd_incr_style: str = "constant",
-                 *, use_checkpoint_opt_param_scheduler: bool = True, override_opt_param_scheduler: bool = False,
-                 wsd_decay_steps: int | None = None, lr_wsd_decay_style: str | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        init_lr: float,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: int,
+        lr_decay_steps: int,
+        lr_decay_style: str,
+        start_wd: float | None = None,
+        end_wd: float | None = None,
+        wd_incr_steps: int | None = None,
+        wd_incr_style: str = "constant",
+        *,
+        use_checkpoint_opt_param_scheduler: bool = True,
+        override_opt_param_scheduler: bool = False,
+        wsd_decay_steps: int | None = None,
+        lr_wsd_decay_style: str | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.init_lr, self.max_lr, self.min_lr = float(init_lr), float(max_lr), float(min_lr)
-        self.lr_warmup_steps, self.lr_decay_steps, self.lr_decay_style = lr_warmup_steps, lr_decay_steps, lr_decay_style
+        self.lr_warmup_steps, self.lr_decay_steps, self.lr_decay_style = (
+            lr_warmup_steps,
+            lr_decay_steps,
+            lr_decay_style,
+        )
         self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
         self.start_wd, self.end_wd = start_wd, (start_wd if end_wd is None else end_wd)
         self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
@@ -53,22 +71,31 @@ class OptimizerParamScheduler:
         if self.init_lr > self.max_lr:
             raise ValueError(f"init_lr ({self.init_lr}) must not exceed max_lr ({self.max_lr})")
         if self.lr_decay_steps <= 0 or self.lr_warmup_steps >= self.lr_decay_steps:
-            raise ValueError(f"need 0 <= lr_warmup_steps < lr_decay_steps, got lr_warmup_steps="
-                             f"{self.lr_warmup_steps}, lr_decay_steps={self.lr_decay_steps}")
+            raise ValueError(
+                f"need 0 <= lr_warmup_steps < lr_decay_steps, got lr_warmup_steps="
+                f"{self.lr_warmup_steps}, lr_decay_steps={self.lr_decay_steps}"
+            )
         if self.lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"lr_decay_style must be one of {DECAY_STYLES}, got {self.lr_decay_style!r}")
-        if self.lr_decay_style == "WSD" and (self.wsd_decay_steps is None
-                                             or self.lr_wsd_decay_style not in WSD_DECAY_STYLES):
-            raise ValueError("lr_decay_style='WSD' needs wsd_decay_steps and lr_wsd_decay_style in "
-                             f"{WSD_DECAY_STYLES}, got {self.wsd_decay_steps!r}, {self.lr_wsd_decay_style!r}")
+        if self.lr_decay_style == "WSD" and (
+            self.wsd_decay_steps is None or self.lr_wsd_decay_style not in WSD_DECAY_STYLES
+        ):
+            raise ValueError(
+                "lr_decay_style='WSD' needs wsd_decay_steps and lr_wsd_decay_style in "
+                f"{WSD_DECAY_STYLES}, got {self.wsd_decay_steps!r}, {self.lr_wsd_decay_style!r}"
+            )
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are exclusive")
+            raise ValueError(
+                "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are exclusive"
+            )
         if self.start_wd is None:
             return
         if self.wd_incr_style not in WD_INCR_STYLES:
             raise ValueError(f"wd_incr_style must be one of {WD_INCR_STYLES}, got {self.wd_incr_style!r}")
         if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
-            raise ValueError(f"wd_incr_style='constant' needs start_wd == end_wd, got {self.start_wd}, {self.end_wd}")
+            raise ValueError(
+                f"wd_incr_style='constant' needs start_wd == end_wd, got {self.start_wd}, {self.end_wd}"
+            )
         if self.wd_incr_style != "constant" and not self.wd_incr_steps:
             raise ValueError(f"wd_incr_style={self.wd_incr_style!r} needs wd_incr_steps > 0")
 
@@ -88,7 +115,9 @@ class OptimizerParamScheduler:
         group = param_group or {}
         max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
+            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(
+                self.lr_warmup_steps
+            )
         if self.lr_decay_style == "constant":
             return max_lr
         if self.num_steps > self.lr_decay_steps:
@@ -96,7 +125,9 @@ class OptimizerParamScheduler:
         if self.lr_decay_style == "inverse-square-root":
             lr = max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(self.num_steps, 1) ** 0.5
             return max(min_lr, lr)
-        ratio = float(self.num_steps - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
+        ratio = float(self.num_steps - self.lr_warmup_steps) / float(
+            self.lr_decay_steps - self.lr_warmup_steps
+        )
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         elif self.lr_decay_style == "cosine":
@@ -130,8 +161,17 @@ class OptimizerParamScheduler:
                 group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     # -- checkpoints --------------------------------------------------------------------------------
-    _SAVED = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
-              "wd_incr_steps", "wd_incr_style")
+    _SAVED = (
+        "max_lr",
+        "min_lr",
+        "lr_warmup_steps",
+        "lr_decay_steps",
+        "lr_decay_style",
+        "start_wd",
+        "end_wd",
+        "wd_incr_steps",
+        "wd_incr_style",
+    )
 
     def state_dict(self) -> dict:
         """Python scalars and strings only (JSON-ready)."""
@@ -151,6 +191,8 @@ class OptimizerParamScheduler:
         if self.override_opt_param_scheduler:
             return current
         if not self.use_checkpoint_opt_param_scheduler and current != saved:
-            raise ValueError(f"OptimizerParamScheduler: {name} is {current!r} here but {saved!r} in the "
-                             "checkpoint; pass use_checkpoint_opt_param_scheduler=True to take the checkpoint's")
+            raise ValueError(
+                f"OptimizerParamScheduler: {name} is {current!r} here but {saved!r} in the "
+                "checkpoint; pass use_checkpoint_opt_param_scheduler=True to take the checkpoint's"
+            )
         return saved

@@ -68,7 +68,9 @@ class OptimizerConfig:
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"OptimizerConfig.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         if self.fp16:
-            raise ValueError("fp16 training needs loss scaling, which Trident does not implement; use bf16=True")
+            raise ValueError(
+                "fp16 training needs loss scaling, which Trident does not implement; use bf16=True"
+            )
         if self.use_distributed_optimizer:
             raise ValueError("use_distributed_optimizer=True is not implemented in Trident; set it to False")
         if self.clip_grad < 0:
@@ -89,8 +91,12 @@ class MegatronOptimizer:
     ``model_chunks`` lets ``zero_grad`` also zero the chunks' data-parallel gradient buffers.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 model_chunks: Iterable[nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        model_chunks: Iterable[nn.Module] | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.config = config
         self.model_chunks = list(model_chunks or [])
@@ -137,8 +143,11 @@ class MegatronOptimizer:
                 model_param.grad = None  # the bf16 copy is no longer needed
 
     def _main_grads(self, for_norm: bool) -> list[torch.Tensor]:
-        return [main.grad for model, main in self._pairs
-                if main.grad is not None and (not for_norm or param_counts_for_norm(model))]
+        return [
+            main.grad
+            for model, main in self._pairs
+            if main.grad is not None and (not for_norm or param_counts_for_norm(model))
+        ]
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients, each weight counted once across TP, PP (and DP)."""
@@ -207,11 +216,16 @@ class MegatronOptimizer:
         tensors go to safetensors, the rest to JSON.
         """
         inner = self.optimizer.state_dict()
-        groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])}
-                  for g in inner["param_groups"]]
-        tensors = {f"{i}.{name}": torch.as_tensor(value).detach().clone()
-                   for i, per_param in inner["state"].items() for name, value in per_param.items()
-                   if value is not None}
+        groups = [
+            {k: _jsonable(v) for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])}
+            for g in inner["param_groups"]
+        ]
+        tensors = {
+            f"{i}.{name}": torch.as_tensor(value).detach().clone()
+            for i, per_param in inner["state"].items()
+            for name, value in per_param.items()
+            if value is not None
+        }
         for i, (model_param, main_param) in enumerate(self._ordered_pairs()):
             if main_param is not model_param:
                 tensors[f"{i}.main_param"] = main_param.detach().clone()
@@ -222,11 +236,17 @@ class MegatronOptimizer:
         current = self.optimizer.param_groups
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in current] != [g["num_params"] for g in saved]:
-            raise ValueError(f"optimizer state has groups of {[g['num_params'] for g in saved]} parameters, this "
-                             f"optimizer {[len(g['params']) for g in current]}: the model or its groups differ")
+            raise ValueError(
+                f"optimizer state has groups of {[g['num_params'] for g in saved]} parameters, this "
+                f"optimizer {[len(g['params']) for g in current]}: the model or its groups differ"
+            )
         groups, start = [], 0
         for now, old in zip(current, saved):
-            group = {k: (tuple(v) if isinstance(now.get(k), tuple) else v) for k, v in old.items() if k != "num_params"}
+            group = {
+                k: (tuple(v) if isinstance(now.get(k), tuple) else v)
+                for k, v in old.items()
+                if k != "num_params"
+            }
             groups.append(group | {"params": list(range(start, start + len(now["params"])))})
             start += len(now["params"])
         per_param: dict[int, dict[str, torch.Tensor]] = {}
@@ -234,7 +254,9 @@ class MegatronOptimizer:
             index, name = key.split(".", 1)
             per_param.setdefault(int(index), {})[name] = tensor
         mains = {i: per_param[i].pop("main_param") for i in list(per_param) if "main_param" in per_param[i]}
-        self.optimizer.load_state_dict({"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups})
+        self.optimizer.load_state_dict(
+            {"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups}
+        )
         with torch.no_grad():
             for i, (model_param, main_param) in enumerate(self._ordered_pairs()):
                 if i in mains and main_param is not model_param:
@@ -249,14 +271,20 @@ class MegatronOptimizer:
 class FP32Optimizer(MegatronOptimizer):
     """fp32 model: the inner optimizer steps on the model's parameters directly."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 model_chunks: Iterable[nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        model_chunks: Iterable[nn.Module] | None = None,
+    ) -> None:
         super().__init__(optimizer, config, model_chunks)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.dtype != torch.float32:
-                    raise TypeError(f"FP32Optimizer got a {param.dtype} parameter; use "
-                                    "Float16OptimizerWithFloat16Params (OptimizerConfig.bf16=True)")
+                    raise TypeError(
+                        f"FP32Optimizer got a {param.dtype} parameter; use "
+                        "Float16OptimizerWithFloat16Params (OptimizerConfig.bf16=True)"
+                    )
                 self._pairs.append((param, param))
 
 
@@ -267,8 +295,12 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     an fp32 clone that carries the same tensor-parallel and tied-weight attributes.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 model_chunks: Iterable[nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        model_chunks: Iterable[nn.Module] | None = None,
+    ) -> None:
         super().__init__(optimizer, config, model_chunks)
         for group in optimizer.param_groups:
             for index, param in enumerate(group["params"]):
@@ -285,4 +317,6 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 elif param.dtype == torch.float32:
                     self._pairs.append((param, param))
                 else:
-                    raise TypeError(f"cannot optimise a {param.dtype} parameter; expected bfloat16 or float32")
+                    raise TypeError(
+                        f"cannot optimise a {param.dtype} parameter; expected bfloat16 or float32"
+                    )

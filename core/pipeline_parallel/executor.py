@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ class ScheduleRecord:
 
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, compute start, end)
     peak_in_flight: int = 0
-    num_tokens: Optional[torch.Tensor] = None
+    num_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -46,10 +47,10 @@ class _Incoming:
     dst_stage: int
     src_rank: int
     position: int  # index in its channel: receives are posted in this order
-    shape_buffer: Optional[torch.Tensor] = None
-    shape_request: Optional[dist.Work] = None
-    buffer: Optional[torch.Tensor] = None
-    request: Optional[dist.Work] = None
+    shape_buffer: torch.Tensor | None = None
+    shape_request: dist.Work | None = None
+    buffer: torch.Tensor | None = None
+    request: dist.Work | None = None
 
 
 @dataclass
@@ -57,7 +58,7 @@ class StepContext:
     """Everything a run needs besides the table; built by the Megatron-named entry points."""
 
     forward_step_func: Callable
-    data_iterators: list[Optional[Iterator]]
+    data_iterators: list[Iterator | None]
     chunks: list[torch.nn.Module]
     num_microbatches: int
     config: Any
@@ -66,12 +67,12 @@ class StepContext:
     collect_non_loss_data: bool
     pp_rank: int
     pp_size: int
-    pp_group: Optional[dist.ProcessGroup]
+    pp_group: dist.ProcessGroup | None
     all_tables: list[list[Action]]  # index = pp_rank; the peers' tables fix the message order
-    record: Optional[ScheduleRecord] = None
+    record: ScheduleRecord | None = None
 
 
-def _produced(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> Optional[tuple[str, int]]:
+def _produced(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> tuple[str, int] | None:
     """(kind, destination stage) of the message an action sends, or None."""
     stage = stage_of(pp_rank, action.chunk, pp_size)
     if action.kind == "F" and stage < last_stage:
@@ -81,7 +82,7 @@ def _produced(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> Op
     return None
 
 
-def _needed(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> Optional[tuple[str, int]]:
+def _needed(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> tuple[str, int] | None:
     """(kind, source stage) of the message an action consumes, or None."""
     stage = stage_of(pp_rank, action.chunk, pp_size)
     if action.kind == "F" and stage > 0:
@@ -89,7 +90,6 @@ def _needed(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> Opti
     if action.kind == "B" and stage < last_stage:
         return GRADIENT, stage + 1
     return None
-
 
 
 class _Comm:
@@ -101,8 +101,11 @@ class _Comm:
 
     def __init__(self, ctx: StepContext):
         self.ctx = ctx
-        self.group_ranks = (dist.get_process_group_ranks(ctx.pp_group) if ctx.pp_size > 1
-                            else [dist.get_rank() if dist.is_initialized() else 0])
+        self.group_ranks = (
+            dist.get_process_group_ranks(ctx.pp_group)
+            if ctx.pp_size > 1
+            else [dist.get_rank() if dist.is_initialized() else 0]
+        )
         self.device = current_device()
         self.variable = bool(getattr(ctx.config, "variable_seq_lengths", False))
         pp, me = ctx.pp_size, ctx.pp_rank
@@ -121,7 +124,7 @@ class _Comm:
         self.cursor = {src: 0 for src in self.channels}
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}
         self.sent_shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (mb, stage) -> activation shape
-        self.pending: list[tuple[P2PMessage, Optional[_Incoming]]] = []
+        self.pending: list[tuple[P2PMessage, _Incoming | None]] = []
         self.sends: list[dist.Work] = []
 
     # -- sending ----------------------------------------------------------------------------
@@ -144,8 +147,10 @@ class _Comm:
         for action in actions:
             need = _needed(action, self.ctx.pp_rank, self.ctx.pp_size, self.last_stage)
             if need:
-                self._queue_through((need[0], action.microbatch, stage_of(self.ctx.pp_rank, action.chunk,
-                                                                          self.ctx.pp_size)), block=False)
+                self._queue_through(
+                    (need[0], action.microbatch, stage_of(self.ctx.pp_rank, action.chunk, self.ctx.pp_size)),
+                    block=False,
+                )
 
     def take(self, kind: str, microbatch: int, stage: int) -> torch.Tensor:
         """The tensor received for ``stage``, waiting for it if it has not arrived."""
@@ -159,7 +164,7 @@ class _Comm:
         msg.request.wait()
         return msg.buffer
 
-    def _queue_through(self, key, block: bool, msg: Optional[_Incoming] = None) -> None:
+    def _queue_through(self, key, block: bool, msg: _Incoming | None = None) -> None:
         msg = msg or self.incoming.get(key)
         if msg is None:
             return
@@ -177,13 +182,19 @@ class _Comm:
             shape = self.sent_shapes.get((msg.microbatch, msg.dst_stage))
             if shape is None:
                 if block:
-                    raise RuntimeError(f"schedule error: gradient for microbatch {msg.microbatch} at stage "
-                                       f"{msg.dst_stage} needed before its activation was sent")
+                    raise RuntimeError(
+                        f"schedule error: gradient for microbatch {msg.microbatch} at stage "
+                        f"{msg.dst_stage} needed before its activation was sent"
+                    )
                 return False
         else:  # a variable-length activation: its shape travels first
             if msg.shape_request is None and msg.shape_buffer is None:
-                msg.shape_buffer = torch.empty(len(self.ctx.tensor_shape), dtype=torch.int64, device=self.device)
-                self.pending.append((P2PMessage(False, msg.shape_buffer, peer, msg.kind, "shape", label), msg))
+                msg.shape_buffer = torch.empty(
+                    len(self.ctx.tensor_shape), dtype=torch.int64, device=self.device
+                )
+                self.pending.append(
+                    (P2PMessage(False, msg.shape_buffer, peer, msg.kind, "shape", label), msg)
+                )
             if msg.shape_request is None:
                 if not block:
                     return False
@@ -265,7 +276,11 @@ class _GradSync:
         self.enable()
 
     def _call_sync(self, chunk: int) -> None:
-        fn = self.grad_sync_func[chunk] if isinstance(self.grad_sync_func, (list, tuple)) else self.grad_sync_func
+        fn = (
+            self.grad_sync_func[chunk]
+            if isinstance(self.grad_sync_func, (list, tuple))
+            else self.grad_sync_func
+        )
         fn(self.chunks[chunk].parameters())
 
 
@@ -277,8 +292,14 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
     although the graph (all backward needs) is intact. The engine itself does not check.
     """
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False, inputs=(),
-        allow_unreachable=True, accumulate_grad=True)
+        tensors=(output,),
+        grad_tensors=(grad_output,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 def deallocate_output(output: torch.Tensor) -> None:
@@ -297,8 +318,10 @@ def _set_input_tensor(module: torch.nn.Module, tensors: list) -> None:
     while not hasattr(target, "set_input_tensor") and hasattr(target, "module"):
         target = target.module  # unwrap data-parallel or other wrappers
     if not hasattr(target, "set_input_tensor"):
-        raise TypeError(f"model chunk {type(module).__name__} has no set_input_tensor(tensors); pipeline stages "
-                        "need one to receive their input")
+        raise TypeError(
+            f"model chunk {type(module).__name__} has no set_input_tensor(tensors); pipeline stages "
+            "need one to receive their input"
+        )
     target.set_input_tensor(tensors)
 
 
@@ -322,13 +345,17 @@ def _apply_loss(ctx: StepContext, loss_func: Callable, output, store: list):
             loss = loss / num_tokens / ctx.num_microbatches
     elif isinstance(result, tuple) and len(result) == 2:
         if per_token:
-            raise ValueError("config.calculate_per_token_loss needs loss_func to return "
-                             "(loss_sum, num_tokens, log_dict), got a 2-tuple")
+            raise ValueError(
+                "config.calculate_per_token_loss needs loss_func to return "
+                "(loss_sum, num_tokens, log_dict), got a 2-tuple"
+            )
         loss, log = result
         loss, num_tokens = loss / ctx.num_microbatches, None
     else:
-        raise TypeError("loss_func must return (loss, log_dict) or (loss_sum, num_tokens, log_dict), got "
-                        f"{type(result).__name__}")
+        raise TypeError(
+            "loss_func must return (loss, log_dict) or (loss_sum, num_tokens, log_dict), got "
+            f"{type(result).__name__}"
+        )
     store.append(log)
     return loss, num_tokens
 
@@ -340,7 +367,7 @@ def run_table(table: list[Action], ctx: StepContext) -> list:
     comm = _Comm(ctx)
     sync = _GradSync(ctx, table)
     store: list = []
-    inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
+    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     total_tokens = torch.zeros((), dtype=torch.int64, device=comm.device)
     deallocate = bool(getattr(ctx.config, "deallocate_pipeline_outputs", False))
@@ -392,7 +419,7 @@ def run_table(table: list[Action], ctx: StepContext) -> list:
                 comm.send(GRADIENT, action.microbatch, stage, stage - 1, input_grad)
         if ctx.record is not None:
             ctx.record.events.append((str(action), start, time.perf_counter()))
-        comm.prefetch(table[index + 1:index + 1 + LOOKAHEAD])
+        comm.prefetch(table[index + 1 : index + 1 + LOOKAHEAD])
         comm.flush()
     comm.finish()
     if not ctx.forward_only:

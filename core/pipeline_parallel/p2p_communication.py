@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ ACTIVATION, GRADIENT = "activation", "gradient"
 _ORDER = {(ACTIVATION, "shape"): 1, (ACTIVATION, "data"): 2, (GRADIENT, "shape"): 3, (GRADIENT, "data"): 4}
 _VERBOSE = os.environ.get("TRIDENT_P2P_VERBOSE", "0") not in ("", "0")
 
-Shape = Union[Sequence[int], torch.Size]
+Shape = Sequence[int] | torch.Size
 
 
 @dataclass
@@ -53,18 +53,22 @@ class P2PMessage:
         return _ORDER[(self.kind, self.part)]
 
 
-def post_batch(messages: list[P2PMessage], group: Optional[dist.ProcessGroup]) -> list[dist.Work]:
+def post_batch(messages: list[P2PMessage], group: dist.ProcessGroup | None) -> list[dist.Work]:
     """Post ``messages`` as one batch, in the order given; returns the requests to wait on."""
     if not messages:
         return []
     if _VERBOSE:
         me = dist.get_rank()
         for m in messages:
-            print(f"[p2p rank {me}] {'send' if m.is_send else 'recv'} {m.kind}/{m.part} "
-                  f"{'->' if m.is_send else '<-'} {m.peer} {tuple(m.tensor.shape)} {m.label}",
-                  file=sys.stderr, flush=True)
-    ops = [dist.P2POp(dist.isend if m.is_send else dist.irecv, m.tensor, m.peer, group, m.tag)
-           for m in messages]
+            print(
+                f"[p2p rank {me}] {'send' if m.is_send else 'recv'} {m.kind}/{m.part} "
+                f"{'->' if m.is_send else '<-'} {m.peer} {tuple(m.tensor.shape)} {m.label}",
+                file=sys.stderr,
+                flush=True,
+            )
+    ops = [
+        dist.P2POp(dist.isend if m.is_send else dist.irecv, m.tensor, m.peer, group, m.tag) for m in messages
+    ]
     return dist.batch_isend_irecv(ops)
 
 
@@ -75,8 +79,11 @@ def canonical_order(messages: list[P2PMessage]) -> list[P2PMessage]:
 
 def is_single_shape(x) -> bool:
     """True for one shape (a sequence of ints, or None when shapes travel with the data), False for a list."""
-    return x is None or isinstance(x, torch.Size) or (
-        isinstance(x, (list, tuple)) and all(isinstance(d, int) for d in x))
+    return (
+        x is None
+        or isinstance(x, torch.Size)
+        or (isinstance(x, (list, tuple)) and all(isinstance(d, int) for d in x))
+    )
 
 
 class P2PCommunicator:
@@ -97,9 +104,16 @@ class P2PCommunicator:
         self.device = current_device()
 
     # -- the one primitive ------------------------------------------------------------------
-    def communicate(self, *, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: Optional[torch.Tensor],
-                    recv_prev: bool, recv_next: bool, tensor_shape: Optional[Shape],
-                    wait_on_reqs: bool = True):
+    def communicate(
+        self,
+        *,
+        tensor_send_next: torch.Tensor | None,
+        tensor_send_prev: torch.Tensor | None,
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape: Shape | None,
+        wait_on_reqs: bool = True,
+    ):
         """Send/receive with both neighbours in one batch; returns (from_prev, from_next, requests).
 
         Sends to next and receives from prev are activations; the other two are gradients.
@@ -108,7 +122,9 @@ class P2PCommunicator:
             raise RuntimeError("P2PCommunicator needs a pipeline of at least 2 ranks")
         prev_shape = next_shape = tensor_shape
         if self.config.variable_seq_lengths:
-            prev_shape, next_shape = self._exchange_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+            prev_shape, next_shape = self._exchange_shapes(
+                tensor_send_next, tensor_send_prev, recv_prev, recv_next
+            )
         elif (recv_prev or recv_next) and tensor_shape is None:
             raise ValueError("tensor_shape is required to receive when config.variable_seq_lengths is False")
         from_prev = self._empty(prev_shape) if recv_prev else None
@@ -130,11 +146,13 @@ class P2PCommunicator:
         return from_prev, from_next, reqs
 
     def _empty(self, shape: Shape) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=self.config.pipeline_dtype, device=self.device,
-                           requires_grad=True)
+        return torch.empty(
+            tuple(shape), dtype=self.config.pipeline_dtype, device=self.device, requires_grad=True
+        )
 
     def _exchange_shapes(self, send_next, send_prev, recv_prev, recv_next):
         """Variable sequence lengths: each message's shape travels first, as one int64 tensor."""
+
         def shape_of(t):
             return torch.tensor(t.shape, dtype=torch.int64, device=self.device)
 
@@ -151,72 +169,120 @@ class P2PCommunicator:
             messages.append(P2PMessage(False, next_buf, self.next_rank, GRADIENT, "shape"))
         for req in post_batch(canonical_order(messages), self.pp_group):
             req.wait()
-        return (None if prev_buf is None else prev_buf.tolist()), (None if next_buf is None else next_buf.tolist())
+        return (None if prev_buf is None else prev_buf.tolist()), (
+            None if next_buf is None else next_buf.tolist()
+        )
 
     # -- Megatron's names -------------------------------------------------------------------
     def recv_forward(self, tensor_shapes, is_first_stage: bool):
         """Receive the input activation from the previous stage (None on the first stage)."""
         if is_first_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._each(tensor_shapes, lambda s: self.communicate(
-            tensor_send_next=None, tensor_send_prev=None, recv_prev=True, recv_next=False, tensor_shape=s)[0])
+        return self._each(
+            tensor_shapes,
+            lambda s: self.communicate(
+                tensor_send_next=None, tensor_send_prev=None, recv_prev=True, recv_next=False, tensor_shape=s
+            )[0],
+        )
 
     def recv_backward(self, tensor_shapes, is_last_stage: bool):
         """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
         if is_last_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._each(tensor_shapes, lambda s: self.communicate(
-            tensor_send_next=None, tensor_send_prev=None, recv_prev=False, recv_next=True, tensor_shape=s)[1])
+        return self._each(
+            tensor_shapes,
+            lambda s: self.communicate(
+                tensor_send_next=None, tensor_send_prev=None, recv_prev=False, recv_next=True, tensor_shape=s
+            )[1],
+        )
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
         """Send this stage's output to the next stage (nothing on the last stage)."""
         if not is_last_stage:
             for t in _as_list(output_tensors):
-                self.communicate(tensor_send_next=t, tensor_send_prev=None, recv_prev=False, recv_next=False,
-                                 tensor_shape=None)
+                self.communicate(
+                    tensor_send_next=t,
+                    tensor_send_prev=None,
+                    recv_prev=False,
+                    recv_next=False,
+                    tensor_shape=None,
+                )
 
     def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
         """Send the gradient of this stage's input to the previous stage (nothing on the first stage)."""
         if not is_first_stage:
             for t in _as_list(input_tensor_grads):
-                self.communicate(tensor_send_next=None, tensor_send_prev=t, recv_prev=False, recv_next=False,
-                                 tensor_shape=None)
+                self.communicate(
+                    tensor_send_next=None,
+                    tensor_send_prev=t,
+                    recv_prev=False,
+                    recv_next=False,
+                    tensor_shape=None,
+                )
 
     def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
         """Send the output forward and receive its gradient back, in one batch."""
         if is_last_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._zip(output_tensors, tensor_shapes, lambda t, s: self.communicate(
-            tensor_send_next=t, tensor_send_prev=None, recv_prev=False, recv_next=True, tensor_shape=s)[1])
+        return self._zip(
+            output_tensors,
+            tensor_shapes,
+            lambda t, s: self.communicate(
+                tensor_send_next=t, tensor_send_prev=None, recv_prev=False, recv_next=True, tensor_shape=s
+            )[1],
+        )
 
     def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
         """Send the input gradient back and receive the next input, in one batch."""
         if is_first_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._zip(input_tensor_grads, tensor_shapes, lambda t, s: self.communicate(
-            tensor_send_next=None, tensor_send_prev=t, recv_prev=True, recv_next=False, tensor_shape=s)[0])
+        return self._zip(
+            input_tensor_grads,
+            tensor_shapes,
+            lambda t, s: self.communicate(
+                tensor_send_next=None, tensor_send_prev=t, recv_prev=True, recv_next=False, tensor_shape=s
+            )[0],
+        )
 
-    def send_forward_recv_forward(self, output_tensor, recv_prev: bool, tensor_shape, overlap_p2p_comm: bool = False):
+    def send_forward_recv_forward(
+        self, output_tensor, recv_prev: bool, tensor_shape, overlap_p2p_comm: bool = False
+    ):
         """Send to the next stage and receive from the previous one (interleaved schedules)."""
-        from_prev, _, reqs = self.communicate(tensor_send_next=output_tensor, tensor_send_prev=None,
-                                              recv_prev=recv_prev, recv_next=False, tensor_shape=tensor_shape,
-                                              wait_on_reqs=not overlap_p2p_comm)
+        from_prev, _, reqs = self.communicate(
+            tensor_send_next=output_tensor,
+            tensor_send_prev=None,
+            recv_prev=recv_prev,
+            recv_next=False,
+            tensor_shape=tensor_shape,
+            wait_on_reqs=not overlap_p2p_comm,
+        )
         return (from_prev, reqs) if overlap_p2p_comm else from_prev
 
-    def send_backward_recv_backward(self, input_tensor_grad, recv_next: bool, tensor_shape,
-                                    overlap_p2p_comm: bool = False):
+    def send_backward_recv_backward(
+        self, input_tensor_grad, recv_next: bool, tensor_shape, overlap_p2p_comm: bool = False
+    ):
         """Send a gradient to the previous stage and receive one from the next (interleaved schedules)."""
-        _, from_next, reqs = self.communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad,
-                                              recv_prev=False, recv_next=recv_next, tensor_shape=tensor_shape,
-                                              wait_on_reqs=not overlap_p2p_comm)
+        _, from_next, reqs = self.communicate(
+            tensor_send_next=None,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=False,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+            wait_on_reqs=not overlap_p2p_comm,
+        )
         return (from_next, reqs) if overlap_p2p_comm else from_next
 
-    def send_forward_backward_recv_forward_backward(self, output_tensor, input_tensor_grad, recv_prev: bool,
-                                                    recv_next: bool, tensor_shape):
+    def send_forward_backward_recv_forward_backward(
+        self, output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool, tensor_shape
+    ):
         """All four at once: returns (input from prev, output gradient from next)."""
-        from_prev, from_next, _ = self.communicate(tensor_send_next=output_tensor, tensor_send_prev=input_tensor_grad,
-                                                   recv_prev=recv_prev, recv_next=recv_next,
-                                                   tensor_shape=tensor_shape)
+        from_prev, from_next, _ = self.communicate(
+            tensor_send_next=output_tensor,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+        )
         return from_prev, from_next
 
     @staticmethod

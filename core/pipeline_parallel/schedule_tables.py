@@ -11,7 +11,7 @@ as model chunk ``s // pp_size``, so activations travel rank 0 -> 1 -> ... -> pp-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 Kind = Literal["F", "B"]
 
@@ -45,7 +45,9 @@ def _check_sizes(pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: in
         raise ValueError(f"pp_rank {pp_rank} is outside the pipeline of size {pp_size}")
 
 
-def gpipe_table(pp_size: int, num_microbatches: int, pp_rank: int, forward_only: bool = False) -> list[Action]:
+def gpipe_table(
+    pp_size: int, num_microbatches: int, pp_rank: int, forward_only: bool = False
+) -> list[Action]:
     """All forwards, then all backwards (GPipe): simple, holds every microbatch's activations."""
     _check_sizes(pp_size, 1, num_microbatches, pp_rank)
     forwards = [Action("F", mb) for mb in range(num_microbatches)]
@@ -54,8 +56,9 @@ def gpipe_table(pp_size: int, num_microbatches: int, pp_rank: int, forward_only:
     return forwards + [Action("B", mb) for mb in range(num_microbatches)]
 
 
-def one_f_one_b_table(pp_size: int, num_microbatches: int, pp_rank: int,
-                      forward_only: bool = False) -> list[Action]:
+def one_f_one_b_table(
+    pp_size: int, num_microbatches: int, pp_rank: int, forward_only: bool = False
+) -> list[Action]:
     """1F1B (PipeDream-Flush), Megatron's non-interleaved schedule.
 
     Warm-up: rank r runs ``pp - r - 1`` forwards to fill the pipeline. Steady state: one forward,
@@ -74,8 +77,9 @@ def one_f_one_b_table(pp_size: int, num_microbatches: int, pp_rank: int,
     return table
 
 
-def check_interleaving(pp_size: int, vpp_size: int, num_microbatches: int,
-                       microbatch_group_size: Optional[int] = None) -> int:
+def check_interleaving(
+    pp_size: int, vpp_size: int, num_microbatches: int, microbatch_group_size: int | None = None
+) -> int:
     """Megatron's rule for interleaved schedules; returns the microbatch group size N.
 
     Microbatches run on one chunk in groups of N (default ``pp_size``) before moving to the next
@@ -90,19 +94,25 @@ def check_interleaving(pp_size: int, vpp_size: int, num_microbatches: int,
         raise ValueError(
             f"interleaved pipeline schedule needs at least pipeline_model_parallel_size ({pp_size}) "
             f"microbatches, got {num_microbatches}; raise the global batch size or lower "
-            "--pipeline-model-parallel-size")
+            "--pipeline-model-parallel-size"
+        )
     if not pp_size <= n <= num_microbatches:
         raise ValueError(
             f"microbatch_group_size_per_vp_stage ({n}) must lie between pipeline_model_parallel_size "
-            f"({pp_size}) and the number of microbatches ({num_microbatches})")
+            f"({pp_size}) and the number of microbatches ({num_microbatches})"
+        )
     tail = num_microbatches % n
     if tail and tail < pp_size:
         raise ValueError(
             f"number of microbatches ({num_microbatches}) leaves a last group of {tail} when grouped by "
             f"microbatch_group_size_per_vp_stage ({n}); with interleaving the remainder must be 0 or at "
             f"least pipeline_model_parallel_size ({pp_size})"
-            + (" — with the default group size the microbatch count must be a multiple of the pipeline "
-               "size" if microbatch_group_size is None else ""))
+            + (
+                " — with the default group size the microbatch count must be a multiple of the pipeline size"
+                if microbatch_group_size is None
+                else ""
+            )
+        )
     return n
 
 
@@ -115,8 +125,14 @@ def interleaved_order(num_microbatches: int, vpp_size: int, group_size: int) -> 
     return order
 
 
-def interleaved_table(pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int,
-                      microbatch_group_size: Optional[int] = None, forward_only: bool = False) -> list[Action]:
+def interleaved_table(
+    pp_size: int,
+    vpp_size: int,
+    num_microbatches: int,
+    pp_rank: int,
+    microbatch_group_size: int | None = None,
+    forward_only: bool = False,
+) -> list[Action]:
     """Interleaved 1F1B (Megatron): each rank holds ``vpp_size`` chunks and alternates between them.
 
     Forwards visit chunks in the group order above; backwards the same order with chunks reversed.
@@ -138,19 +154,30 @@ def interleaved_table(pp_size: int, vpp_size: int, num_microbatches: int, pp_ran
     table = forwards[:warmup]
     for k in range(total - warmup):
         table += [forwards[warmup + k], backwards[k]]
-    table += backwards[total - warmup:]
+    table += backwards[total - warmup :]
     return table
 
 
-def build_table(schedule: str, pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int, *,
-                microbatch_group_size: Optional[int] = None, forward_only: bool = False) -> list[Action]:
+def build_table(
+    schedule: str,
+    pp_size: int,
+    vpp_size: int,
+    num_microbatches: int,
+    pp_rank: int,
+    *,
+    microbatch_group_size: int | None = None,
+    forward_only: bool = False,
+) -> list[Action]:
     """The table of ``schedule`` ("gpipe", "1f1b" or "interleaved") for one rank."""
     if schedule == "interleaved" or vpp_size > 1:
         if schedule == "gpipe":
-            raise ValueError(f"the GPipe schedule cannot run virtual stages (vpp_size={vpp_size}); "
-                             "use pipeline_schedule='1f1b', which interleaves them")
-        return interleaved_table(pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size,
-                                 forward_only)
+            raise ValueError(
+                f"the GPipe schedule cannot run virtual stages (vpp_size={vpp_size}); "
+                "use pipeline_schedule='1f1b', which interleaves them"
+            )
+        return interleaved_table(
+            pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only
+        )
     if schedule == "gpipe":
         return gpipe_table(pp_size, num_microbatches, pp_rank, forward_only)
     if schedule == "1f1b":
@@ -158,7 +185,9 @@ def build_table(schedule: str, pp_size: int, vpp_size: int, num_microbatches: in
     raise ValueError(f"unknown pipeline schedule {schedule!r}; expected 'gpipe', '1f1b' or 'interleaved'")
 
 
-def build_tables(schedule: str, pp_size: int, vpp_size: int, num_microbatches: int, **kwargs) -> list[list[Action]]:
+def build_tables(
+    schedule: str, pp_size: int, vpp_size: int, num_microbatches: int, **kwargs
+) -> list[list[Action]]:
     """Every rank's table, index = pp_rank."""
     return [build_table(schedule, pp_size, vpp_size, num_microbatches, r, **kwargs) for r in range(pp_size)]
 

@@ -10,7 +10,7 @@ message instead of hanging a peer.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Union
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,8 @@ from core.pipeline_parallel.executor import ScheduleRecord, StepContext, run_tab
 from core.pipeline_parallel.p2p_communication import P2PCommunicator
 from core.pipeline_parallel.schedule_tables import build_tables
 
-Model = Union[torch.nn.Module, list[torch.nn.Module]]
-DataIterator = Union[Optional[Iterator], list[Optional[Iterator]]]
+Model = torch.nn.Module | list[torch.nn.Module]
+DataIterator = Iterator | None | list[Iterator | None]
 
 
 def get_forward_backward_func() -> Callable:
@@ -42,60 +42,133 @@ def get_forward_backward_func() -> Callable:
     return forward_backward_pipelining_without_interleaving
 
 
-def forward_backward_no_pipelining(*, forward_step_func, data_iterator: DataIterator, model: Model,
-                                   num_microbatches: int, seq_length: int, micro_batch_size: int,
-                                   forward_only: bool = False, **kwargs) -> list:
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func,
+    data_iterator: DataIterator,
+    model: Model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    **kwargs,
+) -> list:
     """Forward and backward of each microbatch in turn on one stage; gradients accumulate."""
     chunks = _as_chunks(model)
     if len(chunks) != 1:
-        raise ValueError(f"forward_backward_no_pipelining runs one model chunk, got {len(chunks)}; use "
-                         "forward_backward_pipelining_with_interleaving for virtual stages")
-    return _run("1f1b", forward_step_func, data_iterator, chunks, num_microbatches, seq_length,
-                micro_batch_size, forward_only, pipelined=False, **kwargs)
+        raise ValueError(
+            f"forward_backward_no_pipelining runs one model chunk, got {len(chunks)}; use "
+            "forward_backward_pipelining_with_interleaving for virtual stages"
+        )
+    return _run(
+        "1f1b",
+        forward_step_func,
+        data_iterator,
+        chunks,
+        num_microbatches,
+        seq_length,
+        micro_batch_size,
+        forward_only,
+        pipelined=False,
+        **kwargs,
+    )
 
 
-def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_iterator: DataIterator,
-                                                     model: Model, num_microbatches: int, seq_length: int,
-                                                     micro_batch_size: int, forward_only: bool = False,
-                                                     **kwargs) -> list:
+def forward_backward_pipelining_without_interleaving(
+    *,
+    forward_step_func,
+    data_iterator: DataIterator,
+    model: Model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    **kwargs,
+) -> list:
     """1F1B over the pipeline group (GPipe when ``config.pipeline_schedule == "gpipe"``)."""
     chunks = _as_chunks(model)
     if len(chunks) != 1:
-        raise ValueError(f"forward_backward_pipelining_without_interleaving runs one model chunk per rank, got "
-                         f"{len(chunks)}; use forward_backward_pipelining_with_interleaving")
+        raise ValueError(
+            f"forward_backward_pipelining_without_interleaving runs one model chunk per rank, got "
+            f"{len(chunks)}; use forward_backward_pipelining_with_interleaving"
+        )
     schedule = chunks[0].config.pipeline_schedule
-    return _run(schedule, forward_step_func, data_iterator, chunks, num_microbatches, seq_length,
-                micro_batch_size, forward_only, **kwargs)
+    return _run(
+        schedule,
+        forward_step_func,
+        data_iterator,
+        chunks,
+        num_microbatches,
+        seq_length,
+        micro_batch_size,
+        forward_only,
+        **kwargs,
+    )
 
 
-def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_iterator: DataIterator,
-                                                  model: Model, num_microbatches: int, seq_length: int,
-                                                  micro_batch_size: int, forward_only: bool = False,
-                                                  **kwargs) -> list:
+def forward_backward_pipelining_with_interleaving(
+    *,
+    forward_step_func,
+    data_iterator: DataIterator,
+    model: Model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    **kwargs,
+) -> list:
     """Interleaved 1F1B: ``model`` is this rank's list of chunks, ``data_iterator`` one per chunk."""
     chunks = _as_chunks(model)
     if chunks[0].config.pipeline_schedule == "gpipe":
-        raise ValueError("pipeline_schedule='gpipe' cannot run virtual stages; use '1f1b', which interleaves them")
-    return _run("interleaved", forward_step_func, data_iterator, chunks, num_microbatches, seq_length,
-                micro_batch_size, forward_only, **kwargs)
+        raise ValueError(
+            "pipeline_schedule='gpipe' cannot run virtual stages; use '1f1b', which interleaves them"
+        )
+    return _run(
+        "interleaved",
+        forward_step_func,
+        data_iterator,
+        chunks,
+        num_microbatches,
+        seq_length,
+        micro_batch_size,
+        forward_only,
+        **kwargs,
+    )
 
 
 _ACCEPTED_DEFAULTS = {"adjust_tensor_shapes_fn": None, "pg_collection": None}
 
 
-def _run(schedule, forward_step_func, data_iterator, chunks, num_microbatches, seq_length, micro_batch_size,
-         forward_only, *, pipelined: bool = True, decoder_seq_length: Optional[int] = None,
-         collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
-         p2p_communicator: Optional[P2PCommunicator] = None, record: Optional[ScheduleRecord] = None,
-         **unsupported) -> list:
+def _run(
+    schedule,
+    forward_step_func,
+    data_iterator,
+    chunks,
+    num_microbatches,
+    seq_length,
+    micro_batch_size,
+    forward_only,
+    *,
+    pipelined: bool = True,
+    decoder_seq_length: int | None = None,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    record: ScheduleRecord | None = None,
+    **unsupported,
+) -> list:
     for name, value in unsupported.items():
         if name not in _ACCEPTED_DEFAULTS:
             raise TypeError(f"unexpected keyword argument {name!r} for a forward-backward function")
         if value is not _ACCEPTED_DEFAULTS[name]:
-            raise ValueError(f"{name} is not supported by Trident's schedules (got {value!r}); leave it unset")
+            raise ValueError(
+                f"{name} is not supported by Trident's schedules (got {value!r}); leave it unset"
+            )
     if decoder_seq_length is not None and decoder_seq_length != seq_length:
-        raise ValueError(f"decoder_seq_length ({decoder_seq_length}) only applies to encoder-decoder models, which "
-                         "Trident does not have; leave it unset")
+        raise ValueError(
+            f"decoder_seq_length ({decoder_seq_length}) only applies to encoder-decoder models, which "
+            "Trident does not have; leave it unset"
+        )
     del first_val_step  # only meaningful for FP8 weight caching, which Trident does not do
     config = chunks[0].config
     if num_microbatches < 1:
@@ -104,18 +177,29 @@ def _run(schedule, forward_step_func, data_iterator, chunks, num_microbatches, s
     vpp = len(chunks)
     configured_vpp = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
     if vpp > 1 and configured_vpp != vpp:
-        raise ValueError(f"model has {vpp} chunks but config.virtual_pipeline_model_parallel_size is "
-                         f"{configured_vpp}")
+        raise ValueError(
+            f"model has {vpp} chunks but config.virtual_pipeline_model_parallel_size is {configured_vpp}"
+        )
     pp_group, pp_rank, pp_size = _pipeline_group(p2p_communicator, pipelined)
     group_size = getattr(config, "microbatch_group_size_per_vp_stage", None)
-    tables = build_tables(schedule, pp_size, vpp, num_microbatches, microbatch_group_size=group_size,
-                          forward_only=forward_only)
+    tables = build_tables(
+        schedule, pp_size, vpp, num_microbatches, microbatch_group_size=group_size, forward_only=forward_only
+    )
     ctx = StepContext(
-        forward_step_func=forward_step_func, data_iterators=iterators, chunks=chunks,
-        num_microbatches=num_microbatches, config=config,
-        tensor_shape=_tensor_shape(config, seq_length, micro_batch_size), forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, pp_rank=pp_rank, pp_size=pp_size, pp_group=pp_group,
-        all_tables=tables, record=record)
+        forward_step_func=forward_step_func,
+        data_iterators=iterators,
+        chunks=chunks,
+        num_microbatches=num_microbatches,
+        config=config,
+        tensor_shape=_tensor_shape(config, seq_length, micro_batch_size),
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        pp_group=pp_group,
+        all_tables=tables,
+        record=record,
+    )
     return run_table(tables[pp_rank], ctx)
 
 
@@ -132,13 +216,15 @@ def _as_chunks(model: Model) -> list[torch.nn.Module]:
 def _as_iterators(data_iterator: DataIterator, num_chunks: int) -> list:
     if isinstance(data_iterator, (list, tuple)):
         if len(data_iterator) != num_chunks:
-            raise ValueError(f"data_iterator is a list of {len(data_iterator)} iterators for {num_chunks} model "
-                             "chunks; pass one per chunk")
+            raise ValueError(
+                f"data_iterator is a list of {len(data_iterator)} iterators for {num_chunks} model "
+                "chunks; pass one per chunk"
+            )
         return list(data_iterator)
     return [data_iterator] * num_chunks
 
 
-def _pipeline_group(p2p_communicator: Optional[P2PCommunicator], pipelined: bool):
+def _pipeline_group(p2p_communicator: P2PCommunicator | None, pipelined: bool):
     if p2p_communicator is not None:
         return p2p_communicator.pp_group, p2p_communicator.pp_rank, p2p_communicator.pp_size
     if not pipelined:

@@ -8,12 +8,12 @@ rank can start its next action, the tables deadlock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
 from core.pipeline_parallel.schedule_tables import Action, stage_of
 
-Cost = Union[float, Callable[[Action, int], float]]
+Cost = float | Callable[[Action, int], float]
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -37,8 +37,13 @@ def _cost(cost: Cost, action: Action, rank: int) -> float:
     return cost(action, rank) if callable(cost) else float(cost)
 
 
-def simulate(tables: list[list[Action]], vpp_size: int = 1, forward_cost: Cost = 1.0,
-             backward_cost: Cost = 2.0, comm_latency: float = 0.0) -> SimulationResult:
+def simulate(
+    tables: list[list[Action]],
+    vpp_size: int = 1,
+    forward_cost: Cost = 1.0,
+    backward_cost: Cost = 2.0,
+    comm_latency: float = 0.0,
+) -> SimulationResult:
     """Run the tables on an ideal machine; raises ``ScheduleDeadlock`` naming the stuck actions.
 
     ``forward_cost``/``backward_cost`` are numbers or ``f(action, rank)``; ``comm_latency`` is added to
@@ -79,8 +84,14 @@ def simulate(tables: list[list[Action]], vpp_size: int = 1, forward_cost: Cost =
     return SimulationResult(max(clock), busy, peak, starts)
 
 
-def _ready_time(action: Action, stage: int, last_stage: int, pp: int,
-                finished: dict[tuple[str, int, int], float], comm_latency: float) -> float | None:
+def _ready_time(
+    action: Action,
+    stage: int,
+    last_stage: int,
+    pp: int,
+    finished: dict[tuple[str, int, int], float],
+    comm_latency: float,
+) -> float | None:
     mb = action.microbatch
     if action.kind == "F":
         if stage == 0:

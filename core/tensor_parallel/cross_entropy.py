@@ -75,8 +75,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # The saved softmax becomes the gradient in place (saves a logits-sized buffer, as Megatron
         # does), so a second backward through the same graph would be wrong: refuse it instead.
         if ctx.backward_done:
-            raise RuntimeError("vocab_parallel_cross_entropy cannot be back-propagated twice "
-                               "(its saved softmax is reused as the gradient); recompute the loss")
+            raise RuntimeError(
+                "vocab_parallel_cross_entropy cannot be back-propagated twice "
+                "(its saved softmax is reused as the gradient); recompute the loss"
+            )
         ctx.backward_done = True
         softmax, foreign, local_target = ctx.saved_tensors
         grad = softmax
@@ -89,9 +91,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0,
-                                 tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group: ProcessGroup | None = None,
+) -> torch.Tensor:
     """Per-token cross-entropy (fp32, shaped like ``target``) from vocabulary-sharded logits.
 
     ``vocab_parallel_logits`` is ``[..., V / tp]``: rank ``r`` holds vocabulary ids
@@ -100,9 +105,12 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     There is no ``ignore_index``: mask unwanted tokens with a loss mask, as Megatron does.
     """
     if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
-        raise ValueError(f"target shape {tuple(target.shape)} must equal the logits' shape without the "
-                         f"vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}")
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal the logits' shape without the "
+            f"vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}"
+        )
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, float(label_smoothing),
-                                            resolve_tp_group(tp_group))
+    return _VocabParallelCrossEntropy.apply(
+        vocab_parallel_logits, target, float(label_smoothing), resolve_tp_group(tp_group)
+    )

@@ -50,8 +50,9 @@ def _new_param(shape: tuple[int, ...], config: ModelParallelConfig) -> nn.Parame
     return nn.Parameter(torch.empty(shape, device=current_device(), dtype=config.params_dtype))
 
 
-def _init_from_full(weight: torch.Tensor, full_shape: tuple[int, ...], init_method: InitMethod,
-                    rank: int, world_size: int) -> None:
+def _init_from_full(
+    weight: torch.Tensor, full_shape: tuple[int, ...], init_method: InitMethod, rank: int, world_size: int
+) -> None:
     """Fill ``weight`` with its shard of a full fp32 CPU master weight initialised by ``init_method``."""
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
@@ -78,10 +79,21 @@ class ColumnParallelLinear(nn.Module):
     layers pass the word embedding).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: InitMethod,
-                 bias: bool = True, gather_output: bool = False, stride: int = 1, skip_bias_add: bool = False,
-                 skip_weight_param_allocation: bool = False, perform_initialization: bool | None = None,
-                 tp_group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: InitMethod,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+        perform_initialization: bool | None = None,
+        tp_group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
@@ -110,17 +122,25 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_`` ``[s, b, input_size]`` (``[s / tp, ...]`` with sequence parallelism) -> ``(output, bias)``."""
         if weight is None:
             if self.weight is None:
-                raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True; "
-                                 "pass the weight to forward()")
+                raise ValueError(
+                    "ColumnParallelLinear was built with skip_weight_param_allocation=True; "
+                    "pass the weight to forward()"
+                )
             weight = self.weight
         expected = (self.output_size_per_partition, self.input_size)
         if tuple(weight.shape) != expected:
-            raise ValueError(f"ColumnParallelLinear got a weight of shape {tuple(weight.shape)}, expected {expected}")
+            raise ValueError(
+                f"ColumnParallelLinear got a weight of shape {tuple(weight.shape)}, expected {expected}"
+            )
 
         if self.sequence_parallel:
             total_input = gather_from_sequence_parallel_region(input_, tp_group=self.tp_group)
@@ -145,9 +165,20 @@ class RowParallelLinear(nn.Module):
     ``sequence_parallel = True`` for the gradient finaliser to all-reduce over TP (as in Megatron).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: InitMethod,
-                 bias: bool = True, input_is_parallel: bool = False, skip_bias_add: bool = False, stride: int = 1,
-                 perform_initialization: bool | None = None, tp_group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: InitMethod,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        stride: int = 1,
+        perform_initialization: bool | None = None,
+        tp_group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
@@ -204,16 +235,26 @@ class VocabParallelEmbedding(nn.Module):
     (Megatron's behaviour, transpose included).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod,
-                 config: ModelParallelConfig, reduce_scatter_embeddings: bool = False,
-                 perform_initialization: bool | None = None, tp_group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod,
+        config: ModelParallelConfig,
+        reduce_scatter_embeddings: bool = False,
+        perform_initialization: bool | None = None,
+        tp_group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
         world_size = tp_world_size(self.tp_group)
         rank = tp_rank(self.tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.num_embeddings_per_partition = divide(num_embeddings, world_size, "VocabParallelEmbedding num_embeddings")
+        self.num_embeddings_per_partition = divide(
+            num_embeddings, world_size, "VocabParallelEmbedding num_embeddings"
+        )
         self.vocab_start_index, self.vocab_end_index = vocab_range(num_embeddings, rank, world_size)
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
 

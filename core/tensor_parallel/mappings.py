@@ -29,14 +29,17 @@ def _check_divisible(tensor: torch.Tensor, dim: int, world_size: int, layout: st
     """Size of one rank's share of ``dim``, or a ValueError raised (on every rank alike) before any collective."""
     size = tensor.shape[dim]
     if size % world_size:
-        raise ValueError(f"cannot split the {layout} dimension (dim {dim}, size {size}) of a tensor of shape "
-                         f"{tuple(tensor.shape)} evenly over tensor_model_parallel_size ({world_size})")
+        raise ValueError(
+            f"cannot split the {layout} dimension (dim {dim}, size {size}) of a tensor of shape "
+            f"{tuple(tensor.shape)} evenly over tensor_model_parallel_size ({world_size})"
+        )
     return size // world_size
 
 
 # --------------------------------------------------------------------------------------------------
 # Raw collectives (no autograd)
 # --------------------------------------------------------------------------------------------------
+
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if _size(group) == 1:
@@ -95,6 +98,7 @@ def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.
 # --------------------------------------------------------------------------------------------------
 # Autograd functions
 # --------------------------------------------------------------------------------------------------
+
 
 class _CopyToRegion(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce (each rank holds part of the input's gradient)."""
@@ -198,37 +202,45 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 # Public, Megatron-named entry points
 # --------------------------------------------------------------------------------------------------
 
-def copy_to_tensor_model_parallel_region(input_: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
+
+def copy_to_tensor_model_parallel_region(
+    input_: torch.Tensor, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
     return _CopyToRegion.apply(input_, resolve_tp_group(tp_group))
 
 
-def reduce_from_tensor_model_parallel_region(input_: torch.Tensor,
-                                             tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def reduce_from_tensor_model_parallel_region(
+    input_: torch.Tensor, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
     return _ReduceFromRegion.apply(input_, resolve_tp_group(tp_group))
 
 
-def scatter_to_tensor_model_parallel_region(input_: torch.Tensor,
-                                            tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(
+    input_: torch.Tensor, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
     return _ScatterToRegion.apply(input_, resolve_tp_group(tp_group))
 
 
-def gather_from_tensor_model_parallel_region(input_: torch.Tensor,
-                                             tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(
+    input_: torch.Tensor, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
     return _GatherFromRegion.apply(input_, resolve_tp_group(tp_group))
 
 
-def scatter_to_sequence_parallel_region(input_: torch.Tensor,
-                                        tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(
+    input_: torch.Tensor, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Keep this rank's slice of the sequence (dim 0) forward; all-gather the gradient backward."""
     return _ScatterToSequenceRegion.apply(input_, resolve_tp_group(tp_group))
 
 
-def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_output_grad: bool = True,
-                                         tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """All-gather along the sequence (dim 0) forward; reduce-scatter (or split) the gradient backward.
 
     Pass ``tensor_parallel_output_grad=False`` when the gathered tensor feeds replicated
@@ -237,7 +249,8 @@ def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_o
     return _GatherFromSequenceRegion.apply(input_, resolve_tp_group(tp_group), tensor_parallel_output_grad)
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor,
-                                               tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(
+    input_: torch.Tensor, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence slice forward; all-gather the gradient backward."""
     return _ReduceScatterToSequenceRegion.apply(input_, resolve_tp_group(tp_group))

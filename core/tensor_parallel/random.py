@@ -79,7 +79,9 @@ class RNGStatesTracker:
 
     def get_states(self) -> dict[str, DeviceStates]:
         """A copy of every named state, to save in a checkpoint."""
-        return {name: {kind: s.clone() for kind, s in states.items()} for name, states in self._states.items()}
+        return {
+            name: {kind: s.clone() for kind, s in states.items()} for name, states in self._states.items()
+        }
 
     def set_states(self, states: dict[str, DeviceStates]) -> None:
         """Replace the named states with ``states`` (from :meth:`get_states`, e.g. a checkpoint)."""

@@ -25,6 +25,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 # Groups and sizes
 # --------------------------------------------------------------------------------------------------
 
+
 def resolve_tp_group(tp_group: ProcessGroup | None = None) -> ProcessGroup | None:
     """The group to communicate over: ``tp_group`` if given, else parallel_state's TP group.
 
@@ -55,7 +56,9 @@ def tp_rank(tp_group: ProcessGroup | None = None) -> int:
 def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator // denominator``, or a ValueError naming ``what`` and both sizes if it does not divide."""
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_model_parallel_size ({denominator})")
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by tensor_model_parallel_size ({denominator})"
+        )
     return numerator // denominator
 
 
@@ -65,8 +68,9 @@ def vocab_range(global_vocab_size: int, rank: int, world_size: int) -> tuple[int
     return rank * per_rank, (rank + 1) * per_rank
 
 
-def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
-                                contiguous_split_chunks: bool = False) -> tuple[torch.Tensor, ...]:
+def split_tensor_along_last_dim(
+    tensor: torch.Tensor, num_partitions: int, contiguous_split_chunks: bool = False
+) -> tuple[torch.Tensor, ...]:
     """Equal chunks of ``tensor`` along its last dimension (Megatron's helper, e.g. for fused QKV)."""
     divide(tensor.shape[-1], num_partitions, "last dimension")
     chunks = torch.chunk(tensor, num_partitions, dim=-1)
@@ -77,7 +81,10 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
 # Parameter attributes
 # --------------------------------------------------------------------------------------------------
 
-def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1) -> None:
+
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1
+) -> None:
     """Mark ``param`` as (not) split along ``dim`` so initialisers, optimizers and checkpoints know."""
     param.tensor_model_parallel = is_parallel
     param.partition_dim = dim
@@ -115,13 +122,16 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group: Proces
 # Full tensor <-> shard
 # --------------------------------------------------------------------------------------------------
 
+
 def _stride_pattern(param: torch.Tensor, full_dim_size: int, tp_size: int) -> tuple[int, int]:
     """(partition_dim, stride) of ``param``, after checking the full size splits into tp x stride pieces."""
     dim = param.partition_dim % param.dim()
     stride = getattr(param, "partition_stride", 1)
     if full_dim_size % (tp_size * stride):
-        raise ValueError(f"dimension {dim} of the full tensor ({full_dim_size}) is not divisible by "
-                         f"tensor_model_parallel_size ({tp_size}) x partition_stride ({stride})")
+        raise ValueError(
+            f"dimension {dim} of the full tensor ({full_dim_size}) is not divisible by "
+            f"tensor_model_parallel_size ({tp_size}) x partition_stride ({stride})"
+        )
     return dim, stride
 
 
@@ -140,8 +150,9 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int
     return blocks[tp_rank].movedim(0, dim).contiguous()
 
 
-def gather_full(param: torch.Tensor, tp_group: ProcessGroup | None = None, *,
-                tensor: torch.Tensor | None = None) -> torch.Tensor:
+def gather_full(
+    param: torch.Tensor, tp_group: ProcessGroup | None = None, *, tensor: torch.Tensor | None = None
+) -> torch.Tensor:
     """All-gather a sharded parameter into the full tensor on every TP rank (inverse of :func:`shard_of`).
 
     ``tensor`` gathers something shaped like the shard instead of the parameter itself (its
@@ -155,7 +166,9 @@ def gather_full(param: torch.Tensor, tp_group: ProcessGroup | None = None, *,
     dim = param.partition_dim % local.dim()
     stride = getattr(param, "partition_stride", 1)
     moved = local.movedim(dim, 0).contiguous()
-    gathered = torch.empty((tp_size * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    gathered = torch.empty(
+        (tp_size * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device
+    )
     all_gather_single(gathered, moved, group=group)
     full = einops.rearrange(gathered, "(r s c) ... -> (s r c) ...", r=tp_size, s=stride)
     return full.movedim(0, dim).contiguous()

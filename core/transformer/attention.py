@@ -29,8 +29,13 @@ from core.transformer.transformer_config import TransformerConfig
 Rotary = tuple[torch.Tensor, torch.Tensor] | None
 
 
-def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+def core_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout_p: float,
+) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d)) v`` over ``[b, heads, s, d]``, causal, with dropout on the probabilities.
 
     ``attention_mask`` is Megatron's: boolean, True where attention is NOT allowed, broadcastable to
@@ -46,8 +51,9 @@ def core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal)
     with sharded_rng():
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
-                                              is_causal=causal)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+        )
 
 
 class SelfAttention(nn.Module):
@@ -62,19 +68,33 @@ class SelfAttention(nn.Module):
         self.layer_number = layer_number
         tp = tp_world_size()
         if tp != config.tensor_model_parallel_size:
-            raise ValueError(f"the tensor-parallel group has {tp} ranks but config.tensor_model_parallel_size "
-                             f"is {config.tensor_model_parallel_size}")
+            raise ValueError(
+                f"the tensor-parallel group has {tp} ranks but config.tensor_model_parallel_size "
+                f"is {config.tensor_model_parallel_size}"
+            )
         self.kv_channels = config.kv_channels
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.groups_per_rank = config.num_query_groups // tp
         projection_size = config.num_attention_heads * config.kv_channels
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, config=config, init_method=deferred_init,
-            bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False, perform_initialization=False)
+            config.hidden_size,
+            qkv_size,
+            config=config,
+            init_method=deferred_init,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False,
+            perform_initialization=False,
+        )
         self.linear_proj = RowParallelLinear(
-            projection_size, config.hidden_size, config=config, init_method=deferred_init,
-            bias=config.add_bias_linear, input_is_parallel=True, perform_initialization=False)
+            projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=deferred_init,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            perform_initialization=False,
+        )
         mark_init(self.linear_qkv.weight, "normal")
         mark_init(self.linear_qkv.bias, "zeros")
         mark_init(self.linear_proj.weight, "scaled_normal")
@@ -83,14 +103,16 @@ class SelfAttention(nn.Module):
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, local qkv]`` -> q ``[b, local heads, s, d]``, k and v ``[b, local groups, s, d]``."""
-        per_group = einops.rearrange(mixed, "s b (g m d) -> b g m s d", g=self.groups_per_rank,
-                                     d=self.kv_channels)
+        per_group = einops.rearrange(
+            mixed, "s b (g m d) -> b g m s d", g=self.groups_per_rank, d=self.kv_channels
+        )
         n = self.heads_per_group
         query = einops.rearrange(per_group[:, :, :n], "b g n s d -> b (g n) s d")
         return query, per_group[:, :, n], per_group[:, :, n + 1]
 
-    def forward(self, hidden: torch.Tensor, rotary: Rotary = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rotary: Rotary = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         mixed, _ = self.linear_qkv(hidden)
         query, key, value = self.split_qkv(mixed)
         if rotary is not None:

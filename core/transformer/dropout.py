@@ -29,8 +29,10 @@ def sharded_rng() -> AbstractContextManager:
     if tracker.is_initialized():
         return tracker.fork()
     if tp_world_size() > 1:
-        raise RuntimeError("dropout on tensor-parallel activations needs the model-parallel RNG tracker; "
-                           "call core.tensor_parallel.model_parallel_seed(seed) on every rank first")
+        raise RuntimeError(
+            "dropout on tensor-parallel activations needs the model-parallel RNG tracker; "
+            "call core.tensor_parallel.model_parallel_seed(seed) on every rank first"
+        )
     return contextlib.nullcontext()
 
 

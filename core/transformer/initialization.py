@@ -33,8 +33,9 @@ def deferred_init(weight: torch.Tensor) -> None:
     """Placeholder ``init_method`` for tensor-parallel layers: the model initialises by name afterwards."""
 
 
-def mark_init(param: nn.Parameter | None, rule: str, *, name: str | None = None,
-              valid_rows: int | None = None) -> None:
+def mark_init(
+    param: nn.Parameter | None, rule: str, *, name: str | None = None, valid_rows: int | None = None
+) -> None:
     """Record how ``param`` is initialised (a no-op for a missing optional parameter such as a bias)."""
     if param is None:
         return

@@ -26,11 +26,24 @@ class MLP(nn.Module):
         self.gated = config.gated_linear_unit
         branches = 2 if self.gated else 1
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, branches * config.ffn_hidden_size, config=config, init_method=deferred_init,
-            bias=config.add_bias_linear, gather_output=False, stride=branches, perform_initialization=False)
+            config.hidden_size,
+            branches * config.ffn_hidden_size,
+            config=config,
+            init_method=deferred_init,
+            bias=config.add_bias_linear,
+            gather_output=False,
+            stride=branches,
+            perform_initialization=False,
+        )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, config=config, init_method=deferred_init,
-            bias=config.add_bias_linear, input_is_parallel=True, perform_initialization=False)
+            config.ffn_hidden_size,
+            config.hidden_size,
+            config=config,
+            init_method=deferred_init,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            perform_initialization=False,
+        )
         mark_init(self.linear_fc1.weight, "normal")
         mark_init(self.linear_fc1.bias, "zeros")
         mark_init(self.linear_fc2.weight, "scaled_normal")

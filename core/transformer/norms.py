@@ -54,4 +54,6 @@ class RMSNorm(nn.Module):
 
 def build_norm(hidden_size: int, config: TransformerConfig) -> nn.Module:
     """The norm ``config.normalization`` names."""
-    return RMSNorm(hidden_size, config) if config.normalization == "RMSNorm" else LayerNorm(hidden_size, config)
+    return (
+        RMSNorm(hidden_size, config) if config.normalization == "RMSNorm" else LayerNorm(hidden_size, config)
+    )

@@ -47,5 +47,9 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
         return function(*args)
     store: dict = {}
     return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=True,
-        context_fn=lambda: (_remember_tracker(store), _replay_tracker(store)))
+        function,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=lambda: (_remember_tracker(store), _replay_tracker(store)),
+    )

@@ -21,7 +21,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (base ** exponents), persistent=False)
+        self.register_buffer("inv_freq", 1.0 / (base**exponents), persistent=False)
 
     @torch.no_grad()
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,21 +39,26 @@ class TransformerBlock(nn.Module):
             return [(layers, False)] if layers else []
         count = config.recompute_num_layers
         if config.recompute_method == "uniform":
-            return [(layers[i:i + count], True) for i in range(0, len(layers), count)]
+            return [(layers[i : i + count], True) for i in range(0, len(layers), count)]
         checkpointed = [([layer], True) for layer in layers[:count]]
         rest = layers[count:]
         return checkpointed + ([(rest, False)] if rest else [])
 
-    def forward(self, hidden: torch.Tensor, rotary: Rotary = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rotary: Rotary = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         for layers, recompute in self._segments():
+
             def run(x: torch.Tensor, rot: Rotary, mask: torch.Tensor | None, layers=layers) -> torch.Tensor:
                 for layer in layers:
                     x = layer(x, rot, mask)
                 return x
 
-            hidden = checkpoint(run, hidden, rotary, attention_mask) if recompute else run(
-                hidden, rotary, attention_mask)
+            hidden = (
+                checkpoint(run, hidden, rotary, attention_mask)
+                if recompute
+                else run(hidden, rotary, attention_mask)
+            )
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

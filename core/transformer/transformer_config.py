@@ -131,31 +131,45 @@ class TransformerConfig(ModelParallelConfig):
         """Every invalid setting, each naming the fields and values involved."""
         out: list[str] = []
         tp = self.tensor_model_parallel_size
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+        ):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if out:
             return out
         heads, groups = self.num_attention_heads, self.num_query_groups
         if heads % tp:
-            out.append(f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})")
+            out.append(
+                f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})"
+            )
         if heads % groups:
             out.append(f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
         if groups % tp:
             out.append(f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp})")
         if self.kv_channels is None and self.hidden_size % heads:
-            out.append(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({heads}) "
-                       "when kv_channels is not set")
+            out.append(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({heads}) "
+                "when kv_channels is not set"
+            )
         if self.kv_channels is not None and self.kv_channels < 1:
             out.append(f"kv_channels must be >= 1, got {self.kv_channels}")
         if self.ffn_hidden_size % tp:
-            out.append(f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
-                       f"tensor_model_parallel_size ({tp})")
+            out.append(
+                f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
+                f"tensor_model_parallel_size ({tp})"
+            )
         if self.normalization not in NORMALIZATIONS:
             out.append(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            out.append(f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
-                       f"got {self.position_embedding_type!r}")
+            out.append(
+                f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
+                f"got {self.position_embedding_type!r}"
+            )
         elif self.position_embedding_type == "rope":
             out += self._rope_problems()
         for name in ("attention_dropout", "hidden_dropout"):
@@ -168,31 +182,53 @@ class TransformerConfig(ModelParallelConfig):
         return out + self._recompute_problems()
 
     def _rope_problems(self) -> list[str]:
-        head = self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        head = (
+            self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        )
         if not 0.0 < self.rotary_percent <= 1.0:
             return [f"rotary_percent must be in (0, 1], got {self.rotary_percent}"]
         rotary_dim = int(head * self.rotary_percent)
         if rotary_dim < 2 or rotary_dim % 2:
-            return [(f"rotary_percent ({self.rotary_percent}) x kv_channels ({head}) gives {rotary_dim} rotary "
-                     "channels; RoPE needs an even number >= 2")]
+            return [
+                (
+                    f"rotary_percent ({self.rotary_percent}) x kv_channels ({head}) gives {rotary_dim} rotary "
+                    "channels; RoPE needs an even number >= 2"
+                )
+            ]
         return []
 
     def _recompute_problems(self) -> list[str]:
-        granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        granularity, method, count = (
+            self.recompute_granularity,
+            self.recompute_method,
+            self.recompute_num_layers,
+        )
         if granularity is None:
             if method is not None or count is not None:
-                return [(f"recompute_method ({method!r}) and recompute_num_layers ({count}) need "
-                         "recompute_granularity='full'")]
+                return [
+                    (
+                        f"recompute_method ({method!r}) and recompute_num_layers ({count}) need "
+                        "recompute_granularity='full'"
+                    )
+                ]
             return []
         if granularity not in RECOMPUTE_GRANULARITIES:
-            return [f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} or None, got {granularity!r}"]
+            return [
+                f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} or None, got {granularity!r}"
+            ]
         if granularity == "selective":
             if method is not None or count is not None:
-                return [(f"recompute_granularity='selective' takes no recompute_method ({method!r}) or "
-                         f"recompute_num_layers ({count})")]
+                return [
+                    (
+                        f"recompute_granularity='selective' takes no recompute_method ({method!r}) or "
+                        f"recompute_num_layers ({count})"
+                    )
+                ]
             return []
         if method not in RECOMPUTE_METHODS:
-            return [f"recompute_granularity='full' needs recompute_method 'uniform' or 'block', got {method!r}"]
+            return [
+                f"recompute_granularity='full' needs recompute_method 'uniform' or 'block', got {method!r}"
+            ]
         if count is None or count < 1:
             return [f"recompute_granularity='full' needs recompute_num_layers >= 1, got {count}"]
         return []

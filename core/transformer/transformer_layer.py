@@ -29,10 +29,13 @@ class TransformerLayer(nn.Module):
 
     def _residual_dropout(self, branch: torch.Tensor) -> torch.Tensor:
         # Under sequence parallelism each rank holds other tokens: independent masks (private stream).
-        return dropout(branch, self.config.hidden_dropout, self.training, sharded=self.config.sequence_parallel)
+        return dropout(
+            branch, self.config.hidden_dropout, self.training, sharded=self.config.sequence_parallel
+        )
 
-    def forward(self, hidden: torch.Tensor, rotary: Rotary = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rotary: Rotary = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (``[s / tp, b, h]`` both ways under sequence parallelism)."""
         attended = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
         hidden = hidden + self._residual_dropout(attended)

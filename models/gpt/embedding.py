@@ -26,20 +26,26 @@ class LanguageModelEmbedding(nn.Module):
     the padding rows start at zero (see ``core.transformer.initialization``).
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, padded_vocab_size: int,
-                 max_sequence_length: int) -> None:
+    def __init__(
+        self, config: TransformerConfig, vocab_size: int, padded_vocab_size: int, max_sequence_length: int
+    ) -> None:
         super().__init__()
         self.config = config
         self.learned_positions = config.position_embedding_type == "learned_absolute"
         self.sequence_parallel = config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size, config.hidden_size, init_method=deferred_init, config=config,
+            padded_vocab_size,
+            config.hidden_size,
+            init_method=deferred_init,
+            config=config,
             reduce_scatter_embeddings=self.sequence_parallel and not self.learned_positions,
-            perform_initialization=False)
+            perform_initialization=False,
+        )
         mark_init(self.word_embeddings.weight, "normal", valid_rows=vocab_size)
         if self.learned_positions:
-            self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size,
-                                                    device=current_device(), dtype=config.params_dtype)
+            self.position_embeddings = nn.Embedding(
+                max_sequence_length, config.hidden_size, device=current_device(), dtype=config.params_dtype
+            )
             mark_init(self.position_embeddings.weight, "normal")
         else:
             self.position_embeddings = None

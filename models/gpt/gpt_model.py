@@ -37,11 +37,14 @@ def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     if config.pipeline_model_parallel_layout is None:
         return even_layout(config.num_layers, pp, vpp)
-    layout = parse_layout(config.pipeline_model_parallel_layout, pp, num_layers=config.num_layers,
-                          mtp_num_layers=0)
+    layout = parse_layout(
+        config.pipeline_model_parallel_layout, pp, num_layers=config.num_layers, mtp_num_layers=0
+    )
     if layout.vpp_size != (vpp or 1):
-        raise ValueError(f"pipeline layout '{config.pipeline_model_parallel_layout}' has {layout.vpp_size} virtual "
-                         f"stages per rank but virtual_pipeline_model_parallel_size is {vpp}")
+        raise ValueError(
+            f"pipeline layout '{config.pipeline_model_parallel_layout}' has {layout.vpp_size} virtual "
+            f"stages per rank but virtual_pipeline_model_parallel_size is {vpp}"
+        )
     return layout
 
 
@@ -51,8 +54,10 @@ def pipeline_rank(config: TransformerConfig) -> int:
         return 0
     size = parallel_state.get_pipeline_model_parallel_world_size()
     if size != config.pipeline_model_parallel_size:
-        raise ValueError(f"the pipeline group has {size} ranks but config.pipeline_model_parallel_size is "
-                         f"{config.pipeline_model_parallel_size}")
+        raise ValueError(
+            f"the pipeline group has {size} ranks but config.pipeline_model_parallel_size is "
+            f"{config.pipeline_model_parallel_size}"
+        )
     return parallel_state.get_pipeline_model_parallel_rank()
 
 
@@ -68,9 +73,17 @@ class GPTModel(nn.Module):
     chunk of the same rank; :func:`build_model_chunks` passes it.
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
-                 pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None, *,
-                 shared_embedding_weight: nn.Parameter | None = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+        *,
+        shared_embedding_weight: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.vp_stage = vp_stage
@@ -83,17 +96,30 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None
         placement = (_rank_of(self.layout, EMBEDDING), _rank_of(self.layout, LOSS))
-        if self.share_embeddings_and_output_weights and self._tied_across_ranks() and placement != (
-                0, self.layout.pp_size - 1):
-            raise ValueError(f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
-                             f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
-                             f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True")
+        if (
+            self.share_embeddings_and_output_weights
+            and self._tied_across_ranks()
+            and placement != (0, self.layout.pp_size - 1)
+        ):
+            raise ValueError(
+                f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
+                f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
+                f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True"
+            )
 
-        self.embedding = (LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size, max_sequence_length)
-                          if pre_process else None)
-        self.rotary_pos_emb = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
-                               if config.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(config, self.layout.decoder_layers(self.pp_rank, vp_stage), post_process)
+        self.embedding = (
+            LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size, max_sequence_length)
+            if pre_process
+            else None
+        )
+        self.rotary_pos_emb = (
+            RotaryEmbedding(config.rotary_dim, config.rotary_base)
+            if config.position_embedding_type == "rope"
+            else None
+        )
+        self.decoder = TransformerBlock(
+            config, self.layout.decoder_layers(self.pp_rank, vp_stage), post_process
+        )
         self._borrowed_weight: list[nn.Parameter] = []  # a list, so that nn.Module does not register it
         self.output_layer = self._build_output_layer(shared_embedding_weight) if post_process else None
         if pre_process and self.share_embeddings_and_output_weights and self._tied_across_ranks():
@@ -105,15 +131,19 @@ class GPTModel(nn.Module):
         try:
             self.layout.stage_index(self.pp_rank, vp_stage)
         except ValueError as err:
-            raise ValueError(f"GPTModel(vp_stage={vp_stage}) on pipeline rank {self.pp_rank}: {err}") from None
+            raise ValueError(
+                f"GPTModel(vp_stage={vp_stage}) on pipeline rank {self.pp_rank}: {err}"
+            ) from None
         for flag, value, expected, what in (
-                ("pre_process", pre_process, self.layout.has_embedding(self.pp_rank, vp_stage), "embedding"),
-                ("post_process", post_process, self.layout.has_loss(self.pp_rank, vp_stage), "loss")):
+            ("pre_process", pre_process, self.layout.has_embedding(self.pp_rank, vp_stage), "embedding"),
+            ("post_process", post_process, self.layout.has_loss(self.pp_rank, vp_stage), "loss"),
+        ):
             if value != expected:
                 raise ValueError(
                     f"GPTModel({flag}={value}) disagrees with the pipeline layout: stage (pp_rank {self.pp_rank}, "
                     f"vp_stage {vp_stage}) {'holds' if expected else 'does not hold'} the {what}; pass "
-                    f"{flag}={expected} or use build_model_chunks")
+                    f"{flag}={expected} or use build_model_chunks"
+                )
 
     def _tied_across_ranks(self) -> bool:
         """Whether the embedding and the output layer live on different pipeline ranks."""
@@ -124,15 +154,26 @@ class GPTModel(nn.Module):
         same_rank = not self._tied_across_ranks()
         borrow = tied and same_rank and not self.pre_process
         if borrow and shared_weight is None:
-            raise ValueError("tied embeddings: the embedding is in an earlier chunk of this rank; pass "
-                             f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use build_model_chunks")
+            raise ValueError(
+                "tied embeddings: the embedding is in an earlier chunk of this rank; pass "
+                f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use build_model_chunks"
+            )
         layer = ColumnParallelLinear(
-            config.hidden_size, self.padded_vocab_size, config=config, init_method=deferred_init, bias=False,
-            gather_output=False, skip_weight_param_allocation=tied and same_rank, perform_initialization=False)
+            config.hidden_size,
+            self.padded_vocab_size,
+            config=config,
+            init_method=deferred_init,
+            bias=False,
+            gather_output=False,
+            skip_weight_param_allocation=tied and same_rank,
+            perform_initialization=False,
+        )
         if borrow:
             self._borrowed_weight.append(shared_weight)
         if layer.weight is not None:
-            mark_init(layer.weight, "normal", valid_rows=self.vocab_size, name=WORD_EMBEDDINGS if tied else None)
+            mark_init(
+                layer.weight, "normal", valid_rows=self.vocab_size, name=WORD_EMBEDDINGS if tied else None
+            )
             if tied:  # the last stage's copy of the first stage's embedding
                 layer.weight.shared_embedding = True
         return layer
@@ -158,9 +199,13 @@ class GPTModel(nn.Module):
             return self._borrowed_weight[0]
         return self.embedding.word_embeddings.weight
 
-    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden ``[s, b, h]`` from a non-last stage; on the last, per-token loss ``[b, s]`` (fp32) given
         ``labels``, else logits ``[b, s, padded_vocab / tp]`` (padding entries are -inf).
 
@@ -169,7 +214,9 @@ class GPTModel(nn.Module):
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         elif self.input_tensor is None:
-            raise RuntimeError("GPTModel without pre_process got no input: call set_input_tensor([hidden]) first")
+            raise RuntimeError(
+                "GPTModel without pre_process got no input: call set_input_tensor([hidden]) first"
+            )
         else:
             hidden = self.input_tensor
         hidden = self.decoder(hidden, self._rotary(hidden, position_ids), attention_mask)
@@ -182,12 +229,15 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits.float(), einops.rearrange(labels, "b s -> s b"))
         return einops.rearrange(loss, "s b -> b s").contiguous()
 
-    def _rotary(self, hidden: torch.Tensor,
-                position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _rotary(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.rotary_pos_emb is None:
             return None
         if position_ids is None:
-            seq = hidden.shape[0] * (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1)
+            seq = hidden.shape[0] * (
+                self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+            )
             position_ids = torch.arange(seq, device=hidden.device)
         return self.rotary_pos_emb(position_ids)
 
@@ -201,7 +251,9 @@ class GPTModel(nn.Module):
         return logits.masked_fill(padding, float("-inf"))
 
 
-def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> list[GPTModel]:
+def build_model_chunks(
+    config: TransformerConfig, vocab_size: int, max_sequence_length: int
+) -> list[GPTModel]:
     """This rank's model chunk(s), one per virtual stage, with pre/post flags taken from the layout."""
     layout = pipeline_layout(config)
     rank = pipeline_rank(config)
@@ -210,8 +262,15 @@ def build_model_chunks(config: TransformerConfig, vocab_size: int, max_sequence_
         vp_stage = v if layout.vpp_size > 1 else None
         embedding_holder = next((c for c in chunks if c.pre_process), None)
         shared = embedding_holder.embedding.word_embeddings.weight if embedding_holder is not None else None
-        chunks.append(GPTModel(config, vocab_size, max_sequence_length,
-                               pre_process=layout.has_embedding(rank, vp_stage),
-                               post_process=layout.has_loss(rank, vp_stage), vp_stage=vp_stage,
-                               shared_embedding_weight=shared))
+        chunks.append(
+            GPTModel(
+                config,
+                vocab_size,
+                max_sequence_length,
+                pre_process=layout.has_embedding(rank, vp_stage),
+                post_process=layout.has_loss(rank, vp_stage),
+                vp_stage=vp_stage,
+                shared_embedding_weight=shared,
+            )
+        )
     return chunks

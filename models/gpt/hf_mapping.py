@@ -27,45 +27,79 @@ StateDict = Mapping[str, torch.Tensor]
 
 
 def hf_architecture(config: TransformerConfig) -> str:
-    """"llama" or "gpt2": which Hugging Face model class ``config`` is exactly equivalent to."""
-    llama = (config.normalization == "RMSNorm" and config.gated_linear_unit and config.activation_func is F.silu
-             and config.position_embedding_type == "rope" and config.rotary_percent == 1.0
-             and (config.add_bias_linear or not config.add_qkv_bias))
+    """ "llama" or "gpt2": which Hugging Face model class ``config`` is exactly equivalent to."""
+    llama = (
+        config.normalization == "RMSNorm"
+        and config.gated_linear_unit
+        and config.activation_func is F.silu
+        and config.position_embedding_type == "rope"
+        and config.rotary_percent == 1.0
+        and (config.add_bias_linear or not config.add_qkv_bias)
+    )
     if llama:
         return "llama"
-    gpt2 = (config.normalization == "LayerNorm" and not config.gated_linear_unit
-            and config.activation_func in (openai_gelu, F.gelu) and config.position_embedding_type == "learned_absolute"
-            and config.add_bias_linear and not config.untie_embeddings_and_output_weights
-            and config.num_query_groups == config.num_attention_heads
-            and config.kv_channels * config.num_attention_heads == config.hidden_size)
+    gpt2 = (
+        config.normalization == "LayerNorm"
+        and not config.gated_linear_unit
+        and config.activation_func in (openai_gelu, F.gelu)
+        and config.position_embedding_type == "learned_absolute"
+        and config.add_bias_linear
+        and not config.untie_embeddings_and_output_weights
+        and config.num_query_groups == config.num_attention_heads
+        and config.kv_channels * config.num_attention_heads == config.hidden_size
+    )
     if gpt2:
         return "gpt2"
-    raise ValueError("this TransformerConfig matches neither Hugging Face LLaMA (RMSNorm, SwiGLU, full RoPE) nor "
-                     "GPT-2 (LayerNorm, GELU, learned positions, biases, tied embeddings, MHA)")
+    raise ValueError(
+        "this TransformerConfig matches neither Hugging Face LLaMA (RMSNorm, SwiGLU, full RoPE) nor "
+        "GPT-2 (LayerNorm, GELU, learned positions, biases, tied embeddings, MHA)"
+    )
 
 
 def hf_config_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> dict:
     """Keyword arguments for ``LlamaConfig`` / ``GPT2Config`` describing the same model."""
     if hf_architecture(config) == "llama":
-        return {"vocab_size": vocab_size, "hidden_size": config.hidden_size,
-                "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
-                "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
-                "head_dim": config.kv_channels, "max_position_embeddings": max_sequence_length,
-                "rms_norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base, "hidden_act": "silu",
-                "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-                "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
-                "attention_dropout": config.attention_dropout}
-    return {"vocab_size": vocab_size, "n_positions": max_sequence_length, "n_embd": config.hidden_size,
-            "n_layer": config.num_layers, "n_head": config.num_attention_heads, "n_inner": config.ffn_hidden_size,
-            "activation_function": "gelu_new" if config.activation_func is openai_gelu else "gelu",
-            "layer_norm_epsilon": config.layernorm_epsilon, "resid_pdrop": config.hidden_dropout,
-            "embd_pdrop": config.hidden_dropout, "attn_pdrop": config.attention_dropout, "tie_word_embeddings": True}
+        return {
+            "vocab_size": vocab_size,
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.ffn_hidden_size,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_query_groups,
+            "head_dim": config.kv_channels,
+            "max_position_embeddings": max_sequence_length,
+            "rms_norm_eps": config.layernorm_epsilon,
+            "rope_theta": config.rotary_base,
+            "hidden_act": "silu",
+            "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+            "attention_bias": config.add_bias_linear,
+            "mlp_bias": config.add_bias_linear,
+            "attention_dropout": config.attention_dropout,
+        }
+    return {
+        "vocab_size": vocab_size,
+        "n_positions": max_sequence_length,
+        "n_embd": config.hidden_size,
+        "n_layer": config.num_layers,
+        "n_head": config.num_attention_heads,
+        "n_inner": config.ffn_hidden_size,
+        "activation_function": "gelu_new" if config.activation_func is openai_gelu else "gelu",
+        "layer_norm_epsilon": config.layernorm_epsilon,
+        "resid_pdrop": config.hidden_dropout,
+        "embd_pdrop": config.hidden_dropout,
+        "attn_pdrop": config.attention_dropout,
+        "tie_word_embeddings": True,
+    }
 
 
-def _split_qkv(fused: torch.Tensor, config: TransformerConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _split_qkv(
+    fused: torch.Tensor, config: TransformerConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused per-group rows -> q rows ``(heads d)``, k and v rows ``(groups d)`` (weights or biases)."""
     n = config.num_attention_heads // config.num_query_groups
-    grouped = einops.rearrange(fused, "(g m d) ... -> g m d ...", g=config.num_query_groups, d=config.kv_channels)
+    grouped = einops.rearrange(
+        fused, "(g m d) ... -> g m d ...", g=config.num_query_groups, d=config.kv_channels
+    )
     q = einops.rearrange(grouped[:, :n], "g n d ... -> (g n d) ...")
     k, v = (einops.rearrange(grouped[:, i], "g d ... -> (g d) ...") for i in (n, n + 1))
     return q, k, v
@@ -100,8 +134,13 @@ def to_hf(state_dict: StateDict, config: TransformerConfig, vocab_size: int) -> 
         q, k, v = _split_qkv(sd[src + "self_attention.linear_qkv.weight"], config)
         fc1 = sd[src + "mlp.linear_fc1.weight"]
         if llama:
-            out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                        dst + "self_attn.v_proj.weight": v})
+            out.update(
+                {
+                    dst + "self_attn.q_proj.weight": q,
+                    dst + "self_attn.k_proj.weight": k,
+                    dst + "self_attn.v_proj.weight": v,
+                }
+            )
             if src + "self_attention.linear_qkv.bias" in sd:
                 biases = _split_qkv(sd[src + "self_attention.linear_qkv.bias"], config)
                 out.update({dst + f"self_attn.{p}_proj.bias": b for p, b in zip("qkv", biases)})
@@ -112,29 +151,50 @@ def to_hf(state_dict: StateDict, config: TransformerConfig, vocab_size: int) -> 
                 out.update({dst + "mlp.gate_proj.bias": gate_b, dst + "mlp.up_proj.bias": up_b})
         else:
             out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-            out[dst + "attn.c_attn.bias"] = torch.cat(_split_qkv(sd[src + "self_attention.linear_qkv.bias"], config))
+            out[dst + "attn.c_attn.bias"] = torch.cat(
+                _split_qkv(sd[src + "self_attention.linear_qkv.bias"], config)
+            )
             out[dst + "mlp.c_fc.weight"] = fc1.t()
             out[dst + "mlp.c_fc.bias"] = sd[src + "mlp.linear_fc1.bias"]
             for conv in ("attn.c_proj.weight", "mlp.c_proj.weight"):
                 out[dst + conv] = out[dst + conv].t()
     final = "decoder.final_layernorm."
     if llama:
-        out.update({"model.embed_tokens.weight": embedding, "model.norm.weight": sd[final + "weight"],
-                    "lm_head.weight": head})
+        out.update(
+            {
+                "model.embed_tokens.weight": embedding,
+                "model.norm.weight": sd[final + "weight"],
+                "lm_head.weight": head,
+            }
+        )
     else:
-        out.update({"transformer.wte.weight": embedding, "lm_head.weight": head,
-                    "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
-                    "transformer.ln_f.weight": sd[final + "weight"], "transformer.ln_f.bias": sd[final + "bias"]})
+        out.update(
+            {
+                "transformer.wte.weight": embedding,
+                "lm_head.weight": head,
+                "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
+                "transformer.ln_f.weight": sd[final + "weight"],
+                "transformer.ln_f.bias": sd[final + "bias"],
+            }
+        )
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def _per_layer_names(llama: bool) -> list[tuple[str, str]]:
     """Modules whose weight and bias map one to one (GPT-2's Conv1D ones are transposed afterwards)."""
     if llama:
-        return [("input_layernorm", "input_layernorm"), ("pre_mlp_layernorm", "post_attention_layernorm"),
-                ("self_attention.linear_proj", "self_attn.o_proj"), ("mlp.linear_fc2", "mlp.down_proj")]
-    return [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"), ("self_attention.linear_proj", "attn.c_proj"),
-            ("mlp.linear_fc2", "mlp.c_proj")]
+        return [
+            ("input_layernorm", "input_layernorm"),
+            ("pre_mlp_layernorm", "post_attention_layernorm"),
+            ("self_attention.linear_proj", "self_attn.o_proj"),
+            ("mlp.linear_fc2", "mlp.down_proj"),
+        ]
+    return [
+        ("input_layernorm", "ln_1"),
+        ("pre_mlp_layernorm", "ln_2"),
+        ("self_attention.linear_proj", "attn.c_proj"),
+        ("mlp.linear_fc2", "mlp.c_proj"),
+    ]
 
 
 def from_hf(hf_state_dict: StateDict, config: TransformerConfig, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -155,20 +215,25 @@ def from_hf(hf_state_dict: StateDict, config: TransformerConfig, vocab_size: int
         if llama:
             attn = src + "self_attn."
             out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-                *(hf[attn + f"{p}_proj.weight"] for p in "qkv"), config)
+                *(hf[attn + f"{p}_proj.weight"] for p in "qkv"), config
+            )
             if attn + "q_proj.bias" in hf:
                 out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                    *(hf[attn + f"{p}_proj.bias"] for p in "qkv"), config)
-            out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"],
-                                                            hf[src + "mlp.up_proj.weight"]])
+                    *(hf[attn + f"{p}_proj.bias"] for p in "qkv"), config
+                )
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+            )
             if src + "mlp.gate_proj.bias" in hf:
-                out[dst + "mlp.linear_fc1.bias"] = torch.cat([hf[src + "mlp.gate_proj.bias"],
-                                                              hf[src + "mlp.up_proj.bias"]])
+                out[dst + "mlp.linear_fc1.bias"] = torch.cat(
+                    [hf[src + "mlp.gate_proj.bias"], hf[src + "mlp.up_proj.bias"]]
+                )
         else:
             q, k, v = torch.chunk(hf[src + "attn.c_attn.weight"].t(), 3, dim=0)
             out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(q, k, v, config)
             out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                *torch.chunk(hf[src + "attn.c_attn.bias"], 3), config)
+                *torch.chunk(hf[src + "attn.c_attn.bias"], 3), config
+            )
             out[dst + "mlp.linear_fc1.weight"] = hf[src + "mlp.c_fc.weight"].t()
             out[dst + "mlp.linear_fc1.bias"] = hf[src + "mlp.c_fc.bias"]
     prefix = "model." if llama else "transformer."

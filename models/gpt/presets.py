@@ -20,10 +20,17 @@ from core.transformer.transformer_config import TransformerConfig, openai_gelu
 def gpt2_config(**overrides: Any) -> TransformerConfig:
     """GPT-2: LayerNorm, tanh-approximate GELU, learned absolute positions, biases, tied embeddings."""
     fields: dict[str, Any] = {
-        "normalization": "LayerNorm", "layernorm_epsilon": 1e-5, "activation_func": openai_gelu,
-        "gated_linear_unit": False, "add_bias_linear": True, "position_embedding_type": "learned_absolute",
-        "untie_embeddings_and_output_weights": False, "attention_dropout": 0.1, "hidden_dropout": 0.1,
-        **overrides}
+        "normalization": "LayerNorm",
+        "layernorm_epsilon": 1e-5,
+        "activation_func": openai_gelu,
+        "gated_linear_unit": False,
+        "add_bias_linear": True,
+        "position_embedding_type": "learned_absolute",
+        "untie_embeddings_and_output_weights": False,
+        "attention_dropout": 0.1,
+        "hidden_dropout": 0.1,
+        **overrides,
+    }
     return TransformerConfig(**fields)
 
 
@@ -36,10 +43,18 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
 def llama_config(**overrides: Any) -> TransformerConfig:
     """LLaMA: RMSNorm, SwiGLU, RoPE (rotate-half), optional GQA, no biases, untied output, no dropout."""
     fields: dict[str, Any] = {
-        "normalization": "RMSNorm", "layernorm_epsilon": 1e-5, "activation_func": F.silu, "gated_linear_unit": True,
-        "add_bias_linear": False, "position_embedding_type": "rope", "rotary_base": 10000.0,
-        "untie_embeddings_and_output_weights": True, "attention_dropout": 0.0, "hidden_dropout": 0.0,
-        **overrides}
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": 1e-5,
+        "activation_func": F.silu,
+        "gated_linear_unit": True,
+        "add_bias_linear": False,
+        "position_embedding_type": "rope",
+        "rotary_base": 10000.0,
+        "untie_embeddings_and_output_weights": True,
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        **overrides,
+    }
     if fields.get("ffn_hidden_size") is None and fields.get("hidden_size"):
         fields["ffn_hidden_size"] = llama_ffn_hidden_size(fields["hidden_size"])
     return TransformerConfig(**fields)
@@ -51,10 +66,26 @@ NAMED_SIZES: dict[str, tuple[str, dict[str, int]]] = {
     "gpt2-tiny": ("gpt2", {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}),
     "gpt2-small": ("gpt2", {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12}),
     "gpt2-medium": ("gpt2", {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16}),
-    "llama-tiny": ("llama", {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
-                             "ffn_hidden_size": 64}),
-    "tinyllama-1.1b": ("llama", {"num_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
-                                 "num_query_groups": 4, "ffn_hidden_size": 5632}),
+    "llama-tiny": (
+        "llama",
+        {
+            "num_layers": 2,
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 64,
+        },
+    ),
+    "tinyllama-1.1b": (
+        "llama",
+        {
+            "num_layers": 22,
+            "hidden_size": 2048,
+            "num_attention_heads": 32,
+            "num_query_groups": 4,
+            "ffn_hidden_size": 5632,
+        },
+    ),
 }
 
 

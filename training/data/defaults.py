@@ -8,12 +8,22 @@ import time
 from pathlib import Path
 
 from training.data.corpus import build_default_corpus, default_cache_dir
-from training.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path, optimal_dtype
+from training.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+    optimal_dtype,
+)
 from training.data.tokenizer_training import iter_jsonl_texts
 
 
-def default_data_prefix(tokenizer, tokenizer_model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
-                        *, verbose: bool = True) -> str:
+def default_data_prefix(
+    tokenizer,
+    tokenizer_model: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    verbose: bool = True,
+) -> str:
     """Prefix of the default corpus as a Megatron indexed dataset (EOD after every document).
 
     The cache key includes the tokenizer model's bytes, so another tokenizer never reads stale ids.
@@ -41,6 +51,9 @@ def default_data_prefix(tokenizer, tokenizer_model: str | os.PathLike, cache_dir
     os.replace(data_file_path(tmp), data_file_path(prefix))
     os.replace(index_file_path(tmp), index_file_path(prefix))
     if verbose:
-        print(f"default data: tokenized {corpus.name} into {tokens:,} tokens in {time.perf_counter() - start:.1f} s "
-              f"-> {prefix}.bin/.idx", flush=True)
+        print(
+            f"default data: tokenized {corpus.name} into {tokens:,} tokens in {time.perf_counter() - start:.1f} s "
+            f"-> {prefix}.bin/.idx",
+            flush=True,
+        )
     return prefix
