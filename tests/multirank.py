@@ -52,12 +52,13 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: mp.Queue, results
             break
         fn, args, kwargs = task
         try:
-            value = fn(rank, world_size, *args, **kwargs)
-            results.put((rank, True, value))
+            outcome = (rank, True, fn(rank, world_size, *args, **kwargs))
         except BaseException:  # noqa: BLE001 - a rank reports every failure to the parent
-            results.put((rank, False, traceback.format_exc()))
-        finally:
-            _reset_parallel_state()
+            outcome = (rank, False, traceback.format_exc())
+        # Tear the task's groups down before reporting: the parent starts the next task only when
+        # every rank has reported, so no rank builds new groups while a peer still destroys old ones.
+        _reset_parallel_state()
+        results.put(outcome)
     dist.destroy_process_group()
 
 

@@ -107,8 +107,10 @@ def _torch_schedule(schedule, vpp, m, rank, world, f, b):
         ScheduleInterleaved1F1B,
     )
 
-    stages = [PipelineStage(_TorchSleepStage(f, b), c * world + rank, world * vpp, torch.device("cpu"))
-              for c in range(vpp)]
+    stages = [
+        PipelineStage(_TorchSleepStage(f, b), c * world + rank, world * vpp, torch.device("cpu"))
+        for c in range(vpp)
+    ]
     loss = lambda out, target: out.float().mean()
     if vpp > 1:
         sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss)
@@ -135,18 +137,30 @@ def _trident_schedule(schedule, vpp, m, rank, world, f, b):
     from core import parallel_state as ps
     from core.pipeline_parallel.schedules import get_forward_backward_func
 
-    ps.initialize_model_parallel(pipeline_model_parallel_size=world,
-                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-    config = ModelParallelConfig(pipeline_model_parallel_size=world,
-                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                 hidden_size=HIDDEN, pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b")
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None
+    )
+    config = ModelParallelConfig(
+        pipeline_model_parallel_size=world,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        hidden_size=HIDDEN,
+        pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b",
+    )
     stages = world * vpp
-    chunks = [SleepStage(config, f, b, c * world + rank == 0, c * world + rank == stages - 1, c) for c in range(vpp)]
+    chunks = [
+        SleepStage(config, f, b, c * world + rank == 0, c * world + rank == stages - 1, c) for c in range(vpp)
+    ]
     func = get_forward_backward_func()
 
     def step():
-        func(forward_step_func=_forward_step, data_iterator=[None] * vpp if vpp > 1 else None,
-             model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=SEQ, micro_batch_size=BATCH)
+        func(
+            forward_step_func=_forward_step,
+            data_iterator=[None] * vpp if vpp > 1 else None,
+            model=chunks if vpp > 1 else chunks[0],
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+        )
 
     return step
 
@@ -197,31 +211,50 @@ def _collect(queue, procs, timeout: float = 1800):
         except Exception:  # noqa: BLE001 - queue.Empty; check the ranks and keep waiting
             dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"a benchmark rank failed (exit codes {dead}); see its traceback above") from None
+                raise RuntimeError(
+                    f"a benchmark rank failed (exit codes {dead}); see its traceback above"
+                ) from None
     raise TimeoutError(f"benchmark ranks did not finish within {timeout:.0f} s")
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--forward-ms", type=float, default=20.0)
     parser.add_argument("--backward-ms", type=float, default=40.0)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case (after one warm-up step)")
-    parser.add_argument("--peer", choices=["torch", "none"], default="torch",
-                        help="also run torch.distributed.pipelining's schedules on the same stages, in the same run")
-    parser.add_argument("--sleep", choices=["precise", "plain"], default="precise",
-                        help="precise: sleep, then spin to the deadline; plain: time.sleep alone")
+    parser.add_argument(
+        "--peer",
+        choices=["torch", "none"],
+        default="torch",
+        help="also run torch.distributed.pipelining's schedules on the same stages, in the same run",
+    )
+    parser.add_argument(
+        "--sleep",
+        choices=["precise", "plain"],
+        default="precise",
+        help="precise: sleep, then spin to the deadline; plain: time.sleep alone",
+    )
     args = parser.parse_args(argv)
     pp = args.pipeline_model_parallel_size
     engines = ["trident"] + (["torch"] if args.peer == "torch" else [])
-    cases = [(e, s, v, m) for m in args.microbatches for s, v in SCHEDULES for e in engines
-             if not (s == "interleaved" and (m % pp or m < pp))]
+    cases = [
+        (e, s, v, m)
+        for m in args.microbatches
+        for s, v in SCHEDULES
+        for e in engines
+        if not (s == "interleaved" and (m % pp or m < pp))
+    ]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "rdzv"), cases, args, queue))
-                 for r in range(pp)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "rdzv"), cases, args, queue))
+            for r in range(pp)
+        ]
         for p in procs:
             p.start()
         try:
@@ -232,20 +265,39 @@ def main(argv=None) -> dict:
                 if p.is_alive():
                     p.kill()
     rows = []
-    print(f"PP={pp}, forward {args.forward_ms} ms + backward {args.backward_ms} ms per microbatch and rank, "
-          f"median of {args.steps} steps, {args.sleep} sleep")
+    print(
+        f"PP={pp}, forward {args.forward_ms} ms + backward {args.backward_ms} ms per microbatch and rank, "
+        f"median of {args.steps} steps, {args.sleep} sleep"
+    )
     print(f"{'engine':<9}{'schedule':<17}{'m':>4}{'ideal ms':>10}{'median ms':>11}{'min ms':>9}{'ratio':>8}")
     for (engine, schedule, vpp, m), times in zip(cases, results):
         ideal = ideal_makespan(schedule, pp, vpp, m, args.forward_ms, args.backward_ms)
         median = statistics.median(times)
         name = schedule if vpp == 1 else f"{schedule} v={vpp}"
-        rows.append({"engine": engine, "schedule": name, "microbatches": m, "ideal_ms": round(ideal * 1000, 2),
-                     "median_ms": round(median * 1000, 2), "min_ms": round(min(times) * 1000, 2),
-                     "ratio": round(median / ideal, 4)})
-        print(f"{engine:<9}{name:<17}{m:>4}{ideal * 1000:>10.1f}{median * 1000:>11.1f}{min(times) * 1000:>9.1f}"
-              f"{median / ideal:>8.3f}")
-    summary = {"benchmark": "bench_schedules", "pp": pp, "sleep": args.sleep, "forward_ms": args.forward_ms,
-               "backward_ms": args.backward_ms, "steps": args.steps, "results": rows}
+        rows.append(
+            {
+                "engine": engine,
+                "schedule": name,
+                "microbatches": m,
+                "ideal_ms": round(ideal * 1000, 2),
+                "median_ms": round(median * 1000, 2),
+                "min_ms": round(min(times) * 1000, 2),
+                "ratio": round(median / ideal, 4),
+            }
+        )
+        print(
+            f"{engine:<9}{name:<17}{m:>4}{ideal * 1000:>10.1f}{median * 1000:>11.1f}{min(times) * 1000:>9.1f}"
+            f"{median / ideal:>8.3f}"
+        )
+    summary = {
+        "benchmark": "bench_schedules",
+        "pp": pp,
+        "sleep": args.sleep,
+        "forward_ms": args.forward_ms,
+        "backward_ms": args.backward_ms,
+        "steps": args.steps,
+        "results": rows,
+    }
     print(json.dumps(summary))
     return summary
 

@@ -66,7 +66,7 @@ def pretrain(
         args.virtual_pipeline_model_parallel_size,
     )
     _seed_everything(args.seed)
-    tokenizer = _once_per_machine(lambda: tokenizer_provider(args)) if tokenizer_provider else None
+    tokenizer = _rank0_first(lambda: tokenizer_provider(args)) if tokenizer_provider else None
     set_global_variables(args, tokenizer)
     if args.using_default_model or args.using_default_data:
         print_rank_0(_describe_defaults(args))
@@ -91,7 +91,7 @@ def pretrain(
     state = TrainState()
     if args.load:
         _load(args, chunks, optimizer, scheduler, state)
-    train_ds, valid_ds, _ = _once_per_machine(lambda: train_valid_test_datasets_provider(args))
+    train_ds, valid_ds, _ = _rank0_first(lambda: train_valid_test_datasets_provider(args))
     run = start_run(
         project=args.wandb_project,
         name=args.wandb_exp_name or None,
@@ -314,8 +314,8 @@ def _seed_everything(seed: int) -> None:
     model_parallel_seed(stage_seed)
 
 
-def _once_per_machine(build: Callable):
-    """Global rank 0 builds (and caches) first; the others then find the caches."""
+def _rank0_first(build: Callable):
+    """Global rank 0 builds (and caches) first, the others after it; cache files are written atomically."""
     if dist.get_rank() == 0:
         result = build()
         dist.barrier()
