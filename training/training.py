@@ -172,16 +172,9 @@ def _train_step(args, chunks, config, optimizer, forward_backward, forward_step_
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    iterators = _iterators(chunks, train_ds, state.consumed_samples, args)
-    logs = forward_backward(
-        forward_step_func=forward_step_func,
-        data_iterator=_one_or_list(iterators),
-        model=_one_or_list(chunks),
-        num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
+    loss = _run_global_batch(
+        args, chunks, forward_backward, forward_step_func, train_ds, state.consumed_samples
     )
-    loss = _reduce_loss(logs)
     bad_loss = _any_rank(loss is not None and not math.isfinite(loss))
     if bad_loss and args.check_for_nan_in_loss_and_grad:
         raise FloatingPointError(
@@ -208,6 +201,29 @@ def _train_step(args, chunks, config, optimizer, forward_backward, forward_step_
                 "check the data; --max-consecutive-skipped-iterations sets the limit"
             )
     return loss, grad_norm, applied
+
+
+def _run_global_batch(
+    args,
+    chunks,
+    forward_backward,
+    forward_step_func,
+    dataset,
+    consumed_samples: int,
+    forward_only: bool = False,
+) -> float | None:
+    """One global batch through the pipeline schedule; returns its mean loss on the last stage."""
+    iterators = _iterators(chunks, dataset, consumed_samples, args)
+    logs = forward_backward(
+        forward_step_func=forward_step_func,
+        data_iterator=_one_or_list(iterators),
+        model=_one_or_list(chunks),
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=forward_only,
+    )
+    return _reduce_loss(logs)
 
 
 def _reduce_loss(logs: list[dict]) -> float | None:
@@ -244,18 +260,16 @@ def _any_rank(flag: bool) -> bool:
 def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state, run) -> None:
     losses = []
     for k in range(args.eval_iters):
-        iterators = _iterators(chunks, valid_ds, k * args.global_batch_size, args)
         with torch.no_grad():
-            logs = forward_backward(
-                forward_step_func=forward_step_func,
-                data_iterator=_one_or_list(iterators),
-                model=_one_or_list(chunks),
-                num_microbatches=args.num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
+            loss = _run_global_batch(
+                args,
+                chunks,
+                forward_backward,
+                forward_step_func,
+                valid_ds,
+                k * args.global_batch_size,
                 forward_only=True,
             )
-        loss = _reduce_loss(logs)
         if loss is not None:
             losses.append(loss)
     if losses:
