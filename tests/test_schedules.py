@@ -530,3 +530,13 @@ def test_forward_only_keeps_nothing_and_matches(ranks):
     results = ranks(4).run(_forward_only, timeout=120)
     assert results[3] == [(8, True, True), (8, True, True)]  # last stage: 8 losses equal to no-pipelining
     assert results[0] == [(0, True, True), (0, True, True)]
+
+
+def test_timeline_draws_the_simulated_schedule():
+    from tools.schedule_timeline import render, simulated
+
+    grid = render(simulated("1f1b", 2, 1, 2, forward=1.0, backward=2.0), slot=1.0).splitlines()
+    assert [row.rstrip() for row in grid] == [
+        "rank 0 |F0  F1  .   .   B0  B0  .   B1  B1",
+        "rank 1 |.   F0  B0  B0  F1  B1  B1  .   .",
+    ]

@@ -133,7 +133,7 @@ def _forward_step(data_iterator, model):
     return model(), lambda out: (out.float().mean(), {})
 
 
-def _trident_schedule(schedule, vpp, m, rank, world, f, b):
+def _trident_schedule(schedule, vpp, m, rank, world, f, b, record=None):
     from core import parallel_state as ps
     from core.pipeline_parallel.schedules import get_forward_backward_func
 
@@ -160,6 +160,7 @@ def _trident_schedule(schedule, vpp, m, rank, world, f, b):
             num_microbatches=m,
             seq_length=SEQ,
             micro_batch_size=BATCH,
+            record=record,
         )
 
     return step
