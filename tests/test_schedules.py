@@ -540,3 +540,43 @@ def test_timeline_draws_the_simulated_schedule():
         "rank 0 |F0  F1  .   .   B0  B0  .   B1  B1",
         "rank 1 |.   F0  B0  B0  F1  B1  B1  .   .",
     ]
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (
+            {"adjust_tensor_shapes_fn": lambda r, s: (r, s)},
+            ValueError,
+            "adjust_tensor_shapes_fn is not supported by Trident's schedules",
+        ),
+        (
+            {"decoder_seq_length": 3},
+            ValueError,
+            r"decoder_seq_length \(3\) only applies to encoder-decoder models",
+        ),
+        ({"bogus": 1}, TypeError, "unexpected keyword argument 'bogus' for a forward-backward function"),
+    ],
+)
+def test_megatron_keywords_are_accepted_or_rejected_clearly(kwargs, error, message):
+    from core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    model = ToyStage(ModelParallelConfig(hidden_size=8), ["E", "t", "L"], [0])
+    batches = make_microbatches(2, 2, 6, variable=False)
+    common = dict(
+        forward_step_func=make_forward_step(False),
+        model=model,
+        num_microbatches=2,
+        seq_length=6,
+        micro_batch_size=2,
+    )
+    logs = forward_backward_no_pipelining(
+        data_iterator=iter(batches),
+        decoder_seq_length=6,
+        first_val_step=True,
+        collect_non_loss_data=False,
+        **common,
+    )
+    assert len(logs) == 2  # Megatron's harmless keywords are accepted
+    with pytest.raises(error, match=message):
+        forward_backward_no_pipelining(data_iterator=iter(batches), **kwargs, **common)
