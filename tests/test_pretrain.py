@@ -253,3 +253,32 @@ def test_bf16_tracks_fp32(cache, tmp_path):
         print(f"iteration {i}: fp32 {curves['fp32'][i]:.4f} bf16 {curves['bf16'][i]:.4f}")
         assert abs(curves["bf16"][i] - curves["fp32"][i]) / curves["fp32"][i] < 0.03, (i, curves)
     assert curves["bf16"][50] < curves["bf16"][1]
+
+
+def test_nan_steps_are_counted_skipped_and_stop_the_run(cache, tmp_path):
+    """An absurd learning rate blows the weights up after one step: later steps are NaN, skipped, then fatal."""
+    done = torchrun(
+        1,
+        SMALL
+        + [
+            "--train-iters",
+            "30",
+            "--lr",
+            "1e30",
+            "--lr-warmup-iters",
+            "0",
+            "--max-consecutive-skipped-iterations",
+            "3",
+        ],
+        cache,
+        check=False,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "number of skipped iterations:   1 | number of nan iterations:   1 |" in out, out[-3000:]
+    assert "number of skipped iterations:   2 | number of nan iterations:   2 |" in out
+    assert (
+        "RuntimeError: 3 consecutive iterations had a NaN/inf loss or gradient and were skipped (iteration 4); "
+        "stopping. Lower --lr or check the data; --max-consecutive-skipped-iterations sets the limit"
+    ) in out
+    assert " iteration        4/" not in out  # no step after the third skip is logged

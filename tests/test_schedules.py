@@ -563,13 +563,13 @@ def test_megatron_keywords_are_accepted_or_rejected_clearly(kwargs, error, messa
 
     model = ToyStage(ModelParallelConfig(hidden_size=8), ["E", "t", "L"], [0])
     batches = make_microbatches(2, 2, 6, variable=False)
-    common = dict(
-        forward_step_func=make_forward_step(False),
-        model=model,
-        num_microbatches=2,
-        seq_length=6,
-        micro_batch_size=2,
-    )
+    common = {
+        "forward_step_func": make_forward_step(False),
+        "model": model,
+        "num_microbatches": 2,
+        "seq_length": 6,
+        "micro_batch_size": 2,
+    }
     logs = forward_backward_no_pipelining(
         data_iterator=iter(batches),
         decoder_seq_length=6,
