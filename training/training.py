@@ -9,6 +9,7 @@ parallelism), optimizer and LR schedule; resume from ``--load``; then train, eva
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -72,7 +73,6 @@ def pretrain(
         print_rank_0(_describe_defaults(args))
 
     chunks = _build_chunks(model_provider, args)
-    config = chunks[0].config
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             lr=args.lr,
@@ -107,11 +107,12 @@ def pretrain(
         f"VPP={args.virtual_pipeline_model_parallel_size or 1} DP={args.data_parallel_size}, "
         f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} tokens"
     )
-    with checkpointing.SignalHandler() as signals:
+    # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.
+    handler = checkpointing.SignalHandler() if args.exit_signal_handler else contextlib.nullcontext()
+    with handler as signals:
         _train(
             args,
             chunks,
-            config,
             optimizer,
             scheduler,
             forward_step_func,
@@ -126,7 +127,7 @@ def pretrain(
 
 
 def _train(
-    args, chunks, config, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals
+    args, chunks, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals
 ) -> None:
     forward_backward = get_forward_backward_func()
     window: dict[str, Any] = {"loss": [], "time": time.perf_counter(), "iters": 0}
@@ -134,7 +135,7 @@ def _train(
     while state.iteration < args.train_iters:
         start = time.perf_counter()
         loss, grad_norm, applied = _train_step(
-            args, chunks, config, optimizer, forward_backward, forward_step_func, train_ds, state
+            args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state
         )
         state.step_seconds.append(time.perf_counter() - start)
         state.iteration += 1
@@ -167,7 +168,7 @@ def _train(
         _save(args, chunks, optimizer, scheduler, state)
 
 
-def _train_step(args, chunks, config, optimizer, forward_backward, forward_step_func, train_ds, state):
+def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state):
     """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip)."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
