@@ -54,12 +54,7 @@ def forward_backward_no_pipelining(
     **kwargs,
 ) -> list:
     """Forward and backward of each microbatch in turn on one stage; gradients accumulate."""
-    chunks = _as_chunks(model)
-    if len(chunks) != 1:
-        raise ValueError(
-            f"forward_backward_no_pipelining runs one model chunk, got {len(chunks)}; use "
-            "forward_backward_pipelining_with_interleaving for virtual stages"
-        )
+    chunks = _single_chunk(model, "forward_backward_no_pipelining")
     return _run(
         "1f1b",
         forward_step_func,
@@ -86,12 +81,7 @@ def forward_backward_pipelining_without_interleaving(
     **kwargs,
 ) -> list:
     """1F1B over the pipeline group (GPipe when ``config.pipeline_schedule == "gpipe"``)."""
-    chunks = _as_chunks(model)
-    if len(chunks) != 1:
-        raise ValueError(
-            f"forward_backward_pipelining_without_interleaving runs one model chunk per rank, got "
-            f"{len(chunks)}; use forward_backward_pipelining_with_interleaving"
-        )
+    chunks = _single_chunk(model, "forward_backward_pipelining_without_interleaving")
     schedule = chunks[0].config.pipeline_schedule
     return _run(
         schedule,
@@ -210,6 +200,16 @@ def _as_chunks(model: Model) -> list[torch.nn.Module]:
     for chunk in chunks:
         if not hasattr(chunk, "config"):
             raise TypeError(f"model chunk {type(chunk).__name__} has no .config (a ModelParallelConfig)")
+    return chunks
+
+
+def _single_chunk(model: Model, entry: str) -> list[torch.nn.Module]:
+    chunks = _as_chunks(model)
+    if len(chunks) != 1:
+        raise ValueError(
+            f"{entry} runs one model chunk per rank, got {len(chunks)}; use "
+            "forward_backward_pipelining_with_interleaving for virtual stages"
+        )
     return chunks
 
 
