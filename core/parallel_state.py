@@ -199,20 +199,21 @@ _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: int | None = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: int | None = None
 
 
-def initialize_distributed() -> None:
-    """Start torch.distributed for this process if nobody has yet (training loop and demos call it).
+def initialize_distributed() -> bool:
+    """Start torch.distributed for this process if nobody has yet; True if this call started it.
 
     Under torchrun the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) says where to meet;
     a plain ``python script.py`` becomes a world of one through a private file rendezvous, so the
     same code path runs on a laptop without a launcher. The backend follows the hardware
-    (core.device): NCCL on GPUs, gloo on CPU.
+    (core.device): NCCL on GPUs, gloo on CPU. Whoever started it ends it with
+    :func:`destroy_distributed`.
     """
     if dist.is_initialized():
-        return
+        return False
     bind_local_device()
     if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
         dist.init_process_group(backend=default_backend(), init_method="env://")
-        return
+        return True
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != 1:
         raise RuntimeError(
@@ -224,6 +225,18 @@ def initialize_distributed() -> None:
     dist.init_process_group(
         backend=default_backend(), init_method=f"file://{rendezvous_dir}/store", rank=0, world_size=1
     )
+    return True
+
+
+def destroy_distributed() -> None:
+    """Destroy the model-parallel groups and the default group (the end of a run).
+
+    Without this, gloo's worker threads can outlive the interpreter and the process dies with
+    "terminate called without an active exception" (SIGABRT) after the work is done.
+    """
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def initialize_model_parallel(

@@ -282,3 +282,41 @@ def test_nan_steps_are_counted_skipped_and_stop_the_run(cache, tmp_path):
         "stopping. Lower --lr or check the data; --max-consecutive-skipped-iterations sets the limit"
     ) in out
     assert " iteration        4/" not in out  # no step after the third skip is logged
+
+
+# pretrain() in-process: it tears down the groups it set up (gloo aborts a process whose groups outlive
+# the interpreter: "terminate called without an active exception"), and keeps a world the caller started.
+IN_PROCESS = """
+import sys
+import torch.distributed as dist
+import pretrain_gpt
+from core import parallel_state as ps
+from training.training import pretrain
+
+flags = sys.argv[1:]
+providers = (pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+pretrain(*providers, argv=flags, tokenizer_provider=pretrain_gpt.tokenizer_provider)
+print("after own world:", dist.is_initialized(), ps.model_parallel_is_initialized())
+ps.initialize_distributed()
+pretrain(*providers, argv=flags, tokenizer_provider=pretrain_gpt.tokenizer_provider)
+print("after caller's world:", dist.is_initialized(), ps.model_parallel_is_initialized())
+ps.destroy_distributed()
+"""
+
+
+def test_pretrain_ends_the_process_groups_it_started(cache, tmp_path):
+    env = {**os.environ, "TRIDENT_CACHE": cache, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    done = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS, *SMALL, "--train-iters", "3"],
+        check=False,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "after own world: False False" in done.stdout
+    assert "after caller's world: True False" in done.stdout

@@ -40,7 +40,6 @@ def _trident(flags: list[str]) -> list[float]:
         argv=flags,
         tokenizer_provider=pretrain_gpt.tokenizer_provider,
     )
-    ps.destroy_model_parallel()
     return state.step_seconds[WARMUP:]
 
 
@@ -76,7 +75,7 @@ def _plain(steps: int) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         optimizer.step()
         times.append(time.perf_counter() - start)
-    ps.destroy_model_parallel()
+    ps.destroy_distributed()
     return times[WARMUP:]
 
 

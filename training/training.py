@@ -59,7 +59,26 @@ def pretrain(
     """Train as the flags say; returns the final state (losses on the rank that logs them)."""
     args = parse_args(argv)
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    ps.initialize_distributed()
+    started = ps.initialize_distributed()
+    try:
+        return _setup_and_train(
+            args, train_valid_test_datasets_provider, model_provider, forward_step_func, tokenizer_provider
+        )
+    finally:
+        # Tear down what this call set up: gloo aborts a process whose groups outlive the interpreter.
+        if started:
+            ps.destroy_distributed()
+        else:
+            ps.destroy_model_parallel()
+
+
+def _setup_and_train(
+    args,
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    forward_step_func: Callable,
+    tokenizer_provider: Callable | None,
+) -> TrainState:
     bind_local_device()
     ps.initialize_model_parallel(
         args.tensor_model_parallel_size,
