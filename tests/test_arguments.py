@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from training.argument_checks import validate_args
 from training.arguments import (
     FLAGS,
     TINY_GPT,
     build_parser,
     parse_args,
     transformer_config_from_args,
-    validate_args,
 )
 
 BRIEF_FLAGS = re.findall(

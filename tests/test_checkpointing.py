@@ -25,7 +25,6 @@ from training import checkpointing
 from training.checkpointing import (
     TRACKER,
     CheckpointError,
-    SignalHandler,
     current_parallel,
     flatten_state,
     get_rng_state,
@@ -35,6 +34,7 @@ from training.checkpointing import (
     set_rng_state,
     unflatten_state,
 )
+from training.signal_handler import SignalHandler
 
 TP, PP, DP = 1, 2, 2
 
@@ -193,17 +193,17 @@ def test_round_trip_is_bit_identical_on_four_ranks(ranks, tmp_path):
 def _crash_then_load(rank, world_size, root):
     p = _rank_parallel(rank)
     _save(root, 1, p, rank)
-    real_write_text = checkpointing._write_text
+    real_write_text = checkpointing.write_text
 
     def dies_before_commit(path: str, text: str) -> None:
         if not path.endswith(TRACKER):
             real_write_text(path, text)  # the manifest is written; the process "dies" before the tracker
 
-    checkpointing._write_text = dies_before_commit
+    checkpointing.write_text = dies_before_commit
     try:
         _save(root, 2, p, rank)
     finally:
-        checkpointing._write_text = real_write_text
+        checkpointing.write_text = real_write_text
     ckpt = load_checkpoint(root, parallel=p, expected_model_shapes=_shapes(p["pp_rank"]))
     assert _equal(ckpt.model_state, _model(p["pp_rank"], 1))
     return ckpt.iteration

@@ -23,23 +23,26 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import tempfile
 from argparse import Namespace
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from training.checkpoint_io import (
+    CheckpointError,
+    flatten_state,
+    read_header,
+    unflatten_state,
+    write_tensors,
+    write_text,
+)
 
 __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
-    "SignalHandler",
     "current_parallel",
     "get_rng_state",
     "load_checkpoint",
@@ -51,10 +54,6 @@ __all__ = [
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 FORMAT = "trident-checkpoint-v1"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt or does not fit this run; the message names the file."""
 
 
 @dataclass
@@ -71,7 +70,7 @@ class LoadedCheckpoint:
 
 
 # ------------------------------------------------------------------------------------------------
-# Files: names, atomic writes, nested states <-> tensors + JSON
+# File names and the manifest (writing and reading the files: training.checkpoint_io)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -87,108 +86,6 @@ def _names(p: Mapping[str, int]) -> dict[str, list[str]]:
         "optimizer": [f"optim_tp{t}_pp{q}_dp{d}.safetensors" for t, q, d in grid],
         "rng": [f"rng_tp{t}_pp{q}_dp{d}.safetensors" for t, q, d in grid],
     }
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` a temporary file in the same directory, fsync it, rename it over ``path``."""
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def _write_text(path: str, text: str) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-
-    _atomic_write(path, write)
-
-
-def _write_tensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """safetensors needs contiguous CPU tensors that share no storage: copy any that do not comply."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    ready = {}
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and (ptr in seen or t.untyped_storage().nbytes() != t.nbytes):
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        ready[name] = t
-    _atomic_write(path, lambda tmp: save_file(ready, tmp, metadata=metadata))
-
-
-def flatten_state(state: Any) -> tuple[dict[str, torch.Tensor], str]:
-    """A nested state as its tensors (keyed by path, e.g. ``state/0/exp_avg``) and a JSON skeleton."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def enc(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            key = path or "."
-            while key in tensors:
-                key += "#"
-            tensors[key] = obj
-            return {"__tensor__": key}
-        if isinstance(obj, dict):
-            if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-                return {k: enc(v, f"{path}/{k}".lstrip("/")) for k, v in obj.items()}
-            for k in obj:
-                if not (k is None or isinstance(k, (str, int, float, bool))):
-                    raise TypeError(f"cannot store dict key {k!r} at '{path}' without pickle")
-            return {"__dict__": [[k, enc(v, f"{path}/{k}".lstrip("/"))] for k, v in obj.items()]}
-        if isinstance(obj, (list, tuple)):
-            items = [enc(v, f"{path}/{i}".lstrip("/")) for i, v in enumerate(obj)]
-            return items if isinstance(obj, list) else {"__tuple__": items}
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        if hasattr(obj, "item") and hasattr(obj, "dtype"):  # numpy scalar
-            return obj.item()
-        raise TypeError(
-            f"cannot store {type(obj).__name__} at '{path}' without pickle; use tensors, "
-            "numbers, strings, lists and dicts"
-        )
-
-    skeleton = json.dumps(enc(state, ""))
-    return tensors, skeleton
-
-
-def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: str) -> Any:
-    """Inverse of :func:`flatten_state`."""
-
-    def dec(obj: Any) -> Any:
-        if isinstance(obj, list):
-            return [dec(v) for v in obj]
-        if not isinstance(obj, dict):
-            return obj
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__tuple__" in obj:
-            return tuple(dec(v) for v in obj["__tuple__"])
-        if "__dict__" in obj:
-            return {k: dec(v) for k, v in obj["__dict__"]}
-        return {k: dec(v) for k, v in obj.items()}
-
-    return dec(json.loads(skeleton))
 
 
 def _json_subset(args: Namespace | Mapping | None) -> dict[str, Any]:
@@ -341,10 +238,10 @@ def save_checkpoint(
         os.makedirs(path, exist_ok=True)
         if d == 0:
             model_file = os.path.join(path, f"model_tp{t}_pp{q}.safetensors")
-            _write_tensors(model_file, model_state, {"format": FORMAT})
+            write_tensors(model_file, model_state, {"format": FORMAT})
         for kind, state in (("optim", optimizer_state or {}), ("rng", rng_state or get_rng_state())):
             tensors, skeleton = flatten_state(state)
-            _write_tensors(
+            write_tensors(
                 os.path.join(path, f"{kind}_tp{t}_pp{q}_dp{d}.safetensors"),
                 tensors,
                 {"format": FORMAT, "skeleton": skeleton},
@@ -354,8 +251,8 @@ def save_checkpoint(
     _agree(error)  # doubles as the barrier: every rank's files are complete before the commit
     if t == q == d == 0:
         try:
-            _write_text(os.path.join(path, MANIFEST), manifest_text)
-            _write_text(os.path.join(save_dir, TRACKER), str(iteration))  # the commit point: last
+            write_text(os.path.join(path, MANIFEST), manifest_text)
+            write_text(os.path.join(save_dir, TRACKER), str(iteration))  # the commit point: last
         except OSError as err:
             error = f"committing checkpoint {path} failed: {err}"
     _agree(error)
@@ -381,29 +278,6 @@ def read_tracker(root: str) -> int | str | None:
             f"checkpoint tracker {path} is corrupt: expected an iteration number, got {text!r}"
         )
     return int(text)
-
-
-def _read_header(path: str) -> dict:
-    """The safetensors header, after checking the file is whole (its size matches what the header says)."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    size = os.path.getsize(path)
-    bad = f"checkpoint file {path} is truncated or corrupt"
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{bad}: {size} bytes, too short for a safetensors header")
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise CheckpointError(f"{bad}: its header claims {n} bytes but the file has {size}")
-        try:
-            header = json.loads(fh.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            raise CheckpointError(f"{bad}: its safetensors header cannot be parsed") from None
-    if 8 + n + end != size:
-        raise CheckpointError(f"{bad}: its header describes {8 + n + end} bytes but the file has {size}")
-    return header
 
 
 def _describe(p: Mapping[str, int]) -> str:
@@ -487,7 +361,7 @@ def load_checkpoint(
         )
     names = _names(saved)
     kinds = ["model"] + ["optimizer"] * load_optim + ["rng"] * load_rng
-    headers = {name: _read_header(os.path.join(path, name)) for kind in kinds for name in names[kind]}
+    headers = {name: read_header(os.path.join(path, name)) for kind in kinds for name in names[kind]}
 
     t, q, d = parallel["tp_rank"], parallel["pp_rank"], parallel["dp_rank"]
     mine = {
@@ -526,38 +400,3 @@ def load_checkpoint(
 # ------------------------------------------------------------------------------------------------
 # --exit-signal-handler
 # ------------------------------------------------------------------------------------------------
-
-
-class SignalHandler:
-    """Records SIGTERM (or ``sig``) inside a ``with`` block instead of dying, so the loop can save and exit.
-
-    ``signals_received()`` is a collective (an all-gather of one flag per rank, like Megatron's
-    ``DistributedSignalHandler``): call it on every rank at the same iteration and stop if ``any``.
-    """
-
-    def __init__(self, sig: int = signal.SIGTERM) -> None:
-        self.sig = sig
-        self.received = False
-        self._previous: Any = None
-
-    def __enter__(self) -> Self:
-        self.received = False
-        self._previous = signal.signal(self.sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(self.sig, self._previous)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.received = True
-
-    def signals_received(self) -> list[bool]:
-        """Whether each rank has received the signal (just this rank's flag without torch.distributed)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return [self.received]
-        from core.device import current_device
-
-        flag = torch.tensor([int(self.received)], device=current_device())
-        flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size())]
-        dist.all_gather(flags, flag)
-        return [bool(f.item()) for f in flags]

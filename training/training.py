@@ -29,10 +29,12 @@ from core.optimizer.lr_scheduler import OptimizerParamScheduler
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from training import checkpointing
-from training.arguments import parse_args, validate_args
+from training.argument_checks import validate_args
+from training.arguments import parse_args
 from training.batches import step_iterator
 from training.global_vars import set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
+from training.signal_handler import SignalHandler
 from training.wandb_logging import start_run
 
 
@@ -127,7 +129,7 @@ def _setup_and_train(
         f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} tokens"
     )
     # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.
-    handler = checkpointing.SignalHandler() if args.exit_signal_handler else contextlib.nullcontext()
+    handler = SignalHandler() if args.exit_signal_handler else contextlib.nullcontext()
     with handler as signals:
         _train(
             args,

@@ -1,0 +1,278 @@
+"""Joint validation of the parsed flags, before any process group: ``validate_args``.
+
+``validate_args(args, world_size)`` checks the flags together and fills the derived values
+(data-parallel size, microbatch count, virtual pipeline size, FFN size, ...). It runs before
+``torch.distributed`` exists and is a pure function of its inputs, so every rank raises the same
+single ``ValueError`` naming the flags and numbers to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from training.arguments import flag_name as _flag
+
+__all__ = ["validate_args"]
+
+MIN_DEFAULT_GLOBAL_BATCH = 16
+"""--global-batch-size not given: the smallest multiple of micro-batch x DP that is >= this."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _rank0_note(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"NOTE: {message}", flush=True)
+
+
+_AT_LEAST = {
+    1: (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "max_position_embeddings",
+        "micro_batch_size",
+        "global_batch_size",
+        "train_iters",
+        "log_interval",
+        "eval_interval",
+        "save_interval",
+        "exit_interval",
+        "num_query_groups",
+        "kv_channels",
+        "ffn_hidden_size",
+        "vocab_size",
+        "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank",
+        "microbatch_group_size_per_vp_stage",
+        "recompute_num_layers",
+        "lr_decay_iters",
+        "make_vocab_size_divisible_by",
+        "max_consecutive_skipped_iterations",
+    ),
+    0: ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "init_method_std"),
+}
+_FRACTIONS = ("hidden_dropout", "attention_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for low, dests in _AT_LEAST.items():
+        for dest in dests:
+            value = getattr(args, dest)
+            _require(value is None or value >= low, f"{_flag(dest)} must be >= {low}, got {value}")
+    for dest in _FRACTIONS:
+        value = getattr(args, dest)
+        _require(value is None or 0 <= value < 1, f"{_flag(dest)} must be in [0, 1), got {value}")
+    _require(args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps}")
+
+
+def _check_model(args: argparse.Namespace, tp: int) -> None:
+    heads = args.num_attention_heads
+    _require(
+        heads % tp == 0,
+        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+    )
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(
+            heads % groups == 0,
+            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
+        )
+        _require(
+            groups % tp == 0,
+            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
+        )
+    if args.kv_channels is None:
+        _require(
+            args.hidden_size % heads == 0,
+            f"--hidden-size ({args.hidden_size}) must be divisible by "
+            f"--num-attention-heads ({heads}) unless --kv-channels is given",
+        )
+        args.kv_channels = args.hidden_size // heads
+    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
+        hidden = args.hidden_size
+        args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
+        _require(
+            args.ffn_hidden_size > 0,
+            f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
+            "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
+        )
+    _require(
+        args.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
+        f"by --tensor-model-parallel-size ({tp})",
+    )
+    if args.position_embedding_type == "learned_absolute":
+        _require(
+            args.seq_length <= args.max_position_embeddings,
+            f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
+            f"({args.max_position_embeddings}) with --position-embedding-type learned_absolute",
+        )
+    if args.sequence_parallel and tp == 1:
+        _rank0_note(
+            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it "
+            "(as Megatron does)"
+        )
+        args.sequence_parallel = False
+    if args.sequence_parallel:
+        _require(
+            args.seq_length % tp == 0,
+            f"--seq-length ({args.seq_length}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp}) with --sequence-parallel",
+        )
+    if args.recompute_granularity == "selective":
+        _require(
+            args.recompute_method is None and args.recompute_num_layers is None,
+            "--recompute-granularity selective takes neither --recompute-method nor --recompute-num-layers",
+        )
+    elif args.recompute_granularity == "full":
+        _require(
+            args.recompute_method is not None and args.recompute_num_layers is not None,
+            "--recompute-granularity full needs --recompute-method (uniform or block) and "
+            "--recompute-num-layers",
+        )
+    else:
+        _require(
+            args.recompute_method is None and args.recompute_num_layers is None,
+            "--recompute-method and --recompute-num-layers need --recompute-granularity full",
+        )
+
+
+def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
+    """Virtual pipeline size from one of the three flags that may set it (Megatron allows at most one)."""
+    chosen = [
+        _flag(d)
+        for d in (
+            "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank",
+            "pipeline_model_parallel_layout",
+        )
+        if getattr(args, d) is not None
+    ]
+    _require(len(chosen) <= 1, f"{' and '.join(chosen)} are mutually exclusive: give at most one")
+    vpp = args.num_virtual_stages_per_pipeline_rank
+    if args.pipeline_model_parallel_layout is not None:
+        from core.pipeline_parallel.layout import parse_layout
+
+        try:
+            vpp = parse_layout(
+                args.pipeline_model_parallel_layout, pp, num_layers=args.num_layers, mtp_num_layers=0
+            ).vpp_size
+        except ValueError as err:
+            raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
+    elif args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers_per_virtual_pipeline_stage
+        _require(
+            args.num_layers % pp == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp}) to use --num-layers-per-virtual-pipeline-stage",
+        )
+        per_rank = args.num_layers // pp
+        _require(
+            per_rank % per_stage == 0,
+            f"layers per pipeline rank ({args.num_layers} / {pp} = "
+            f"{per_rank}) must be divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})",
+        )
+        vpp = per_rank // per_stage
+    args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    if vpp and vpp > 1:
+        _require(
+            pp > 1,
+            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs "
+            "--pipeline-model-parallel-size > 1",
+        )
+        _require(
+            args.pipeline_schedule != "gpipe",
+            f"--pipeline-schedule gpipe cannot run virtual pipeline "
+            f"stages ({vpp} per rank); use --pipeline-schedule 1f1b",
+        )
+
+
+def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
+    mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step * max(1, -(-MIN_DEFAULT_GLOBAL_BATCH // per_step))
+    gbs = args.global_batch_size
+    _require(
+        gbs % per_step == 0,
+        f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
+        f"({mbs}) x data-parallel size ({dp}) = {per_step}",
+    )
+    args.num_microbatches = gbs // per_step
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp:
+        from core.pipeline_parallel.schedule_tables import check_interleaving
+
+        try:
+            check_interleaving(pp, vpp, args.num_microbatches, args.microbatch_group_size_per_vp_stage)
+        except ValueError as err:
+            raise ValueError(
+                f"{err} (interleaved schedule, {vpp} virtual stages per rank; microbatches = "
+                f"--global-batch-size ({gbs}) / (--micro-batch-size ({mbs}) x data-parallel "
+                f"size ({dp})) = {args.num_microbatches})"
+            ) from None
+
+
+def _check_schedule_and_data(args: argparse.Namespace) -> None:
+    _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    given = set(getattr(args, "explicit_args", ()))
+    _require(
+        args.lr_warmup_fraction is None or "lr_warmup_iters" not in given,
+        "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one",
+    )
+    decay = args.lr_decay_iters or args.train_iters
+    _require(
+        args.lr_warmup_fraction is not None or args.lr_warmup_iters < decay,
+        f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < the decay iterations ({decay}, from "
+        "--lr-decay-iters or else --train-iters)",
+    )
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.data_path is not None:
+        from training.data.builder import parse_data_path
+
+        try:
+            parse_data_path(args.data_path)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"--data-path: {err}") from None
+        if args.split is None:
+            args.split = "969,30,1"  # Megatron's legacy default when --data-path has no --split
+    if args.split is not None:
+        from training.data.builder import parse_split
+
+        parse_split(args.split)  # its ValueError already names --split
+
+
+def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
+    """Check the flags together and fill derived values; one ``ValueError`` naming flags and numbers.
+
+    Call it before creating any process group with ``world_size`` (default ``$WORLD_SIZE`` or 1).
+    Sets ``world_size``, ``data_parallel_size``, ``num_microbatches``,
+    ``virtual_pipeline_model_parallel_size``, ``global_batch_size`` (if not given), ``kv_channels``,
+    ``ffn_hidden_size``, ``params_dtype`` and ``pipeline_dtype``.
+    """
+    import torch
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    _check_ranges(args)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(
+        world_size % (tp * pp) == 0,
+        f"world size ({world_size}) must be divisible by "
+        f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp}",
+    )
+    args.world_size, args.data_parallel_size = world_size, world_size // (tp * pp)
+    _check_model(args, tp)
+    _check_pipeline(args, pp)
+    _check_batch(args, pp, args.data_parallel_size)
+    _check_schedule_and_data(args)
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    args.pipeline_dtype = args.params_dtype
+    return args
