@@ -142,6 +142,26 @@ def test_world_of_one_has_only_singleton_groups():
     assert all(g == [[0]] for g in groups.values())
 
 
+def test_pipeline_links_each_direction_of_each_neighbour_pair():
+    assert ps.pipeline_channels(1) == []
+    assert ps.pipeline_channels(2) == [
+        ("activation", 0, 1),
+        ("gradient", 1, 0),
+        ("activation", 1, 0),
+        ("gradient", 0, 1),
+    ]
+    assert ps.pipeline_channels(4) == [
+        ("activation", 0, 1),
+        ("gradient", 1, 0),
+        ("activation", 1, 2),
+        ("gradient", 2, 1),
+        ("activation", 2, 3),
+        ("gradient", 3, 2),
+        ("activation", 3, 0),
+        ("gradient", 0, 3),
+    ]
+
+
 def test_non_dividing_world_size_is_one_clear_error():
     with pytest.raises(ValueError) as err:
         ps.generate_parallel_groups(6, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
@@ -257,6 +277,10 @@ def _report_groups(rank, world_size, tp, pp, cp):
         "tp_src": ps.get_tensor_model_parallel_src_rank(),
         "dp_src": ps.get_data_parallel_src_rank(),
         "same_object": ps.get_parallel_groups() is groups,
+        "channels": {
+            key: dist.get_process_group_ranks(group)
+            for key, group in ps.get_pipeline_model_parallel_channel_groups().items()
+        },
     }
 
 
@@ -279,6 +303,9 @@ def test_real_groups_on_eight_ranks(ranks, sizes):
         assert got["in_embd"] == (mine["embd"] is not None)
         assert (got["tp_src"], got["dp_src"]) == (mine["tp"][0], mine["dp"][0])
         assert got["same_object"]
+        # One two-rank group per directed link this rank is on, with exactly that link's two ranks.
+        links = [c for c in ps.pipeline_channels(len(pipeline)) if stage in c[1:]]
+        assert got["channels"] == {c: sorted([pipeline[c[1]], pipeline[c[2]]]) for c in links}
 
 
 def _try_tp3(rank, world_size):

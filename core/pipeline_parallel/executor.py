@@ -2,22 +2,31 @@
 
 For each compute action the executor knows where its input comes from and where its output goes
 (stage ``s`` talks to ``s - 1`` and ``s + 1``). Receives are posted ahead of need (``lookahead``
-actions), sends never block the sender, and what falls between two computations goes out as one
-``batch_isend_irecv``.
+actions) and sends never block the sender.
 
 Ordering. Between any two ranks the receiver posts its receives in exactly the order the sender
 posts the matching sends; the receiver can do this because it can build the sender's table too
-(tables are pure functions). This holds on gloo and on NCCL (which matches by order alone), and
-activations and gradients between the same two ranks (PP=2 with virtual stages) can never swap.
-Only gloo has been run so far: on NCCL, where a batch occupies the communication stream until its
-peers post their half, receives posted ahead of need have not yet been proven deadlock-free.
+(tables are pure functions). Activations and gradients between the same two ranks (PP=2 with
+virtual stages) can therefore never swap, whatever the backend's matching rule.
+
+Links. With the groups :func:`core.parallel_state.initialize_model_parallel` creates, every message
+is posted as its own ``batch_isend_irecv`` on the two-rank group of its link (activations r -> r+1,
+gradients r+1 -> r). NCCL runs one group's operations in order on one stream and a send completes
+only once its receive is posted, so on a single pipeline group a receive posted ahead of need
+blocks every later operation of that rank, its sends included, and two ranks can end up waiting for
+each other. On its own link a message waits only for the messages before it on that link, in the
+order both ends agree on, so the run is deadlock-free whenever the table itself is
+(:func:`core.pipeline_parallel.simulator.check_rendezvous` checks a recorded run under exactly these
+rules). With a caller's own pipeline group (``p2p_communicator=``) there are no link groups and
+what falls between two computations goes out as one batch on that group: right on gloo, not
+NCCL-safe.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +45,9 @@ class ScheduleRecord:
     """What a run did, for tests, timelines and benchmarks (pass one in to have it filled)."""
 
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, compute start, end)
+    # What the rank posted and waited for, in order, for check_rendezvous: ("post", group, ops) with
+    # ops (is_send, peer pp rank, (kind, microbatch, destination stage, part)), or ("wait", that key).
+    comm_log: list[tuple] = field(default_factory=list)
     peak_in_flight: int = 0
     num_tokens: torch.Tensor | None = None
 
@@ -72,6 +84,7 @@ class StepContext:
     pp_group: dist.ProcessGroup | None
     all_tables: list[list[Action]]  # index = pp_rank; the peers' tables fix the message order
     record: ScheduleRecord | None = None
+    pp_channels: Mapping[tuple[str, int, int], dist.ProcessGroup] | None = None  # per-link groups
 
 
 def _produced(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> tuple[str, int] | None:
@@ -108,6 +121,8 @@ class _Comm:
             if ctx.pp_size > 1
             else [dist.get_rank() if dist.is_initialized() else 0]
         )
+        self.pp_rank_of = {global_rank: i for i, global_rank in enumerate(self.group_ranks)}
+        self.links = ctx.pp_channels or {}
         self.device = current_device()
         self.variable = bool(getattr(ctx.config, "variable_seq_lengths", False))
         pp, me = ctx.pp_size, ctx.pp_rank
@@ -126,7 +141,7 @@ class _Comm:
         self.cursor = {src: 0 for src in self.channels}
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}
         self.sent_shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (mb, stage) -> activation shape
-        self.pending: list[tuple[P2PMessage, _Incoming | None]] = []
+        self.pending: list[tuple[P2PMessage, _Incoming | None, tuple]] = []  # (message, receive, key)
         self.sends: list[dist.Work] = []
 
     # -- sending ----------------------------------------------------------------------------
@@ -140,8 +155,10 @@ class _Comm:
         if kind == ACTIVATION and self.variable:
             self.sent_shapes[(microbatch, src_stage)] = tuple(tensor.shape)
             shape = torch.tensor(tensor.shape, dtype=torch.int64, device=self.device)
-            self.pending.append((P2PMessage(True, shape, peer, kind, "shape", label), None))
-        self.pending.append((P2PMessage(True, tensor, peer, kind, "data", label), None))
+            key = (kind, microbatch, dst_stage, "shape")
+            self.pending.append((P2PMessage(True, shape, peer, kind, "shape", label), None, key))
+        key = (kind, microbatch, dst_stage, "data")
+        self.pending.append((P2PMessage(True, tensor, peer, kind, "data", label), None, key))
 
     # -- receiving --------------------------------------------------------------------------
     def prefetch(self, actions: list[Action]) -> None:
@@ -163,6 +180,7 @@ class _Comm:
         if msg.request is None:
             self._queue_through(key, block=True, msg=msg)
             self.flush()
+        self._log("wait", (kind, microbatch, stage, "data"))
         msg.request.wait()
         return msg.buffer
 
@@ -194,8 +212,9 @@ class _Comm:
                 msg.shape_buffer = torch.empty(
                     len(self.ctx.tensor_shape), dtype=torch.int64, device=self.device
                 )
+                key = (msg.kind, msg.microbatch, msg.dst_stage, "shape")
                 self.pending.append(
-                    (P2PMessage(False, msg.shape_buffer, peer, msg.kind, "shape", label), msg)
+                    (P2PMessage(False, msg.shape_buffer, peer, msg.kind, "shape", label), msg, key)
                 )
             if msg.shape_request is None:
                 if not block:
@@ -203,19 +222,30 @@ class _Comm:
                 self.flush()
             if not block and not msg.shape_request.is_completed():
                 return False
+            self._log("wait", (msg.kind, msg.microbatch, msg.dst_stage, "shape"))
             msg.shape_request.wait()
             shape = tuple(msg.shape_buffer.tolist())
         msg.buffer = torch.empty(shape, dtype=self.ctx.config.pipeline_dtype, device=self.device)
-        self.pending.append((P2PMessage(False, msg.buffer, peer, msg.kind, "data", label), msg))
+        key = (msg.kind, msg.microbatch, msg.dst_stage, "data")
+        self.pending.append((P2PMessage(False, msg.buffer, peer, msg.kind, "data", label), msg, key))
         return True
 
     # -- posting ----------------------------------------------------------------------------
     def flush(self) -> None:
-        """Post everything queued since the last computation as one batch."""
+        """Post everything queued since the last computation: each message on its link, else one batch."""
         if not self.pending:
             return
-        requests = post_batch([m for m, _ in self.pending], self.ctx.pp_group)
-        for (message, incoming), request in zip(self.pending, requests):
+        if self.links:
+            requests = []
+            for message, _, key in self.pending:
+                link = self._link(message)
+                requests += post_batch([message], self.links[link])
+                self._log("post", link, [(message.is_send, self.pp_rank_of[message.peer], key)])
+        else:
+            requests = post_batch([m for m, _, _ in self.pending], self.ctx.pp_group)
+            ops = [(m.is_send, self.pp_rank_of[m.peer], key) for m, _, key in self.pending]
+            self._log("post", "pp", ops)
+        for (message, incoming, _), request in zip(self.pending, requests):
             if message.is_send:
                 self.sends.append(request)
             elif message.part == "shape":
@@ -224,6 +254,15 @@ class _Comm:
                 incoming.request = request
         self.pending.clear()
         self.sends = [r for r in self.sends if not r.is_completed()]
+
+    def _link(self, message: P2PMessage) -> tuple[str, int, int]:
+        """(kind, source pp rank, destination pp rank) of the link a message travels on."""
+        peer, me = self.pp_rank_of[message.peer], self.ctx.pp_rank
+        return (message.kind, me, peer) if message.is_send else (message.kind, peer, me)
+
+    def _log(self, *entry) -> None:
+        if self.ctx.record is not None:
+            self.ctx.record.comm_log.append(entry)
 
     def finish(self) -> None:
         self.flush()

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from core.device import current_device
 from core.model_parallel_config import ModelParallelConfig
+from core.parallel_state import ACTIVATION, GRADIENT
 
-ACTIVATION, GRADIENT = "activation", "gradient"
 # Canonical position of a message within a batch between two ranks; also its gloo tag.
 _ORDER = {(ACTIVATION, "shape"): 1, (ACTIVATION, "data"): 2, (GRADIENT, "shape"): 3, (GRADIENT, "data"): 4}
 _VERBOSE = os.environ.get("TRIDENT_P2P_VERBOSE", "0") not in ("", "0")

@@ -170,7 +170,7 @@ def _run(
         raise ValueError(
             f"model has {vpp} chunks but config.virtual_pipeline_model_parallel_size is {configured_vpp}"
         )
-    pp_group, pp_rank, pp_size = _pipeline_group(p2p_communicator, pipelined)
+    pp_group, pp_rank, pp_size, pp_channels = _pipeline_group(p2p_communicator, pipelined)
     group_size = getattr(config, "microbatch_group_size_per_vp_stage", None)
     tables = build_tables(
         schedule, pp_size, vpp, num_microbatches, microbatch_group_size=group_size, forward_only=forward_only
@@ -187,6 +187,7 @@ def _run(
         pp_rank=pp_rank,
         pp_size=pp_size,
         pp_group=pp_group,
+        pp_channels=pp_channels,
         all_tables=tables,
         record=record,
     )
@@ -225,17 +226,19 @@ def _as_iterators(data_iterator: DataIterator, num_chunks: int) -> list:
 
 
 def _pipeline_group(p2p_communicator: P2PCommunicator | None, pipelined: bool):
-    if p2p_communicator is not None:
-        return p2p_communicator.pp_group, p2p_communicator.pp_rank, p2p_communicator.pp_size
+    """(pp group, pp rank, pp size, per-link channel groups or None)."""
+    if p2p_communicator is not None:  # the caller's own group: no per-link groups (see executor)
+        return p2p_communicator.pp_group, p2p_communicator.pp_rank, p2p_communicator.pp_size, None
     if not pipelined:
-        return None, 0, 1
+        return None, 0, 1, None
     from core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return None, 0, 1
+        return None, 0, 1, None
     group = parallel_state.get_pipeline_model_parallel_group()
     size = dist.get_world_size(group)
-    return group, parallel_state.get_pipeline_model_parallel_rank(), size
+    channels = parallel_state.get_pipeline_model_parallel_channel_groups()
+    return group, parallel_state.get_pipeline_model_parallel_rank(), size, channels
 
 
 def _tensor_shape(config, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:

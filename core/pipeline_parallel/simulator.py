@@ -3,7 +3,8 @@
 Each rank runs its table in order; an action starts when its rank is free and its inputs exist:
 ``F(mb, s)`` needs ``F(mb, s-1)``; ``B(mb, s)`` needs ``B(mb, s+1)`` (the last stage needs its own
 forward). Sends are asynchronous, as in the executor, so a rank never waits for a receiver. If no
-rank can start its next action, the tables deadlock.
+rank can start its next action, the tables deadlock. :func:`check_rendezvous` checks a recorded
+run's actual posting order against NCCL's stricter rules.
 """
 
 from __future__ import annotations
@@ -113,3 +114,62 @@ def ideal_bubble_fraction(schedule: str, pp_size: int, num_microbatches: int, vp
     """The textbook bubble with equal forward and backward costs: (p-1)/(v m + p-1)."""
     v = vpp_size if schedule == "interleaved" else 1
     return (pp_size - 1) / (v * num_microbatches + pp_size - 1)
+
+
+def check_rendezvous(comm_logs: list[list[tuple]]) -> None:
+    """Would these posting orders finish under NCCL's rules? Raises ``ScheduleDeadlock`` if not.
+
+    ``comm_logs[r]`` is rank r's ``ScheduleRecord.comm_log``: ``("post", stream, ops)`` for one
+    ``batch_isend_irecv`` (``ops`` are ``(is_send, peer, message key)``) and ``("wait", key)`` where the
+    rank blocks until the batch receiving ``key`` is done. The rules are the strictest a backend
+    may apply: batches with the same ``stream`` run one after another; a batch starts only after the
+    rank's earlier waits are satisfied (the data it sends is computed after them); and a batch is
+    done only when every one of its operations has its counterpart in a started batch of the peer
+    (a send completes only against a posted receive, as large NCCL messages do).
+    """
+    where: dict[tuple[int, bool, tuple], int] = {}  # (rank, is_send, key) -> index of its post
+    for rank, log in enumerate(comm_logs):
+        for index, entry in enumerate(log):
+            if entry[0] == "post":
+                for is_send, _peer, key in entry[2]:
+                    where[(rank, is_send, key)] = index
+    for rank, log in enumerate(comm_logs):
+        for entry in log:
+            for is_send, peer, key in entry[2] if entry[0] == "post" else ():
+                if (peer, not is_send, key) not in where:
+                    raise ScheduleDeadlock(f"rank {rank} posts {key} but rank {peer} never posts its half")
+    started: set[tuple[int, int]] = set()
+    done: set[tuple[int, int]] = set()
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, log in enumerate(comm_logs):
+            waiting, previous = False, {}
+            for index, entry in enumerate(log):
+                if entry[0] == "wait":
+                    waiting = waiting or (rank, where[(rank, False, entry[1])]) not in done
+                    continue
+                stream, ops = entry[1], entry[2]
+                before = previous.get(stream)
+                if (
+                    (rank, index) not in started
+                    and not waiting
+                    and (before is None or (rank, before) in done)
+                ):
+                    started.add((rank, index))
+                    progressed = True
+                matched = all(
+                    (peer, where[(peer, not is_send, key)]) in started for is_send, peer, key in ops
+                )
+                if (rank, index) in started and (rank, index) not in done and matched:
+                    done.add((rank, index))
+                    progressed = True
+                previous[stream] = index
+    stuck = {}
+    for rank, log in enumerate(comm_logs):
+        for index, entry in enumerate(log):
+            if entry[0] == "post" and (rank, index) not in done:
+                stuck[rank] = entry[2]
+                break
+    if stuck:
+        raise ScheduleDeadlock(f"posted operations wait on each other (rank: first unfinished batch) {stuck}")
