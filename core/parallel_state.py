@@ -19,13 +19,13 @@ Module state is that object plus the virtual-pipeline rank and size, nothing els
 
 Pipeline channels. Besides Megatron's groups, every directed link of a pipeline gets a two-rank
 group of its own: activations from pipeline rank ``r`` to ``r + 1`` and gradients from ``r + 1``
-back to ``r``, with ``r + 1`` wrapping around to rank 0 for virtual stages. The
-pipeline executor posts each message on its link's group. NCCL runs the operations of one group in
-order on one stream, and a send completes only once its receive is posted; with a single pipeline
-group a receive posted ahead of need would block every later send of that rank behind it. One
-group per link turns each link into a first-in-first-out queue that nothing else waits behind
-(see ``core/pipeline_parallel/executor.py``). That is ``2 * pp`` more groups per pipeline (two-rank
-groups are cheap; PyTorch itself creates one per pair of ranks for unbatched NCCL send/recv).
+back to ``r``, with ``r + 1`` wrapping around to rank 0 for virtual stages. The pipeline executor
+posts each message on its link's group. NCCL runs the operations of one group in order on one
+stream, and a send completes only once its receive is posted; with a single pipeline group, a
+receive posted ahead of need would hold up every later send of that rank. One group per link makes
+each link a first-in-first-out queue that nothing else waits behind (see
+``core/pipeline_parallel/executor.py``). That is ``2 * pp`` more groups per pipeline; two-rank
+groups are cheap, and PyTorch itself creates one per pair of ranks for unbatched NCCL send/recv.
 """
 
 from __future__ import annotations
