@@ -174,23 +174,28 @@ def _worker(rank, world, init_file, cases, args, out_queue):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from core import parallel_state as ps
 
-    results = []
-    for engine, schedule, vpp, m in cases:
+    # The engines take turns step by step on the same case, so a noisy stretch of the machine hits
+    # both alike (the comparison is within the run, as the ratios are).
+    times: dict[tuple, list[float]] = {case: [] for case in cases}
+    for schedule, vpp, m in dict.fromkeys((s, v, m) for _, s, v, m in cases):
         f, b = args.forward_ms / 1000 / vpp, args.backward_ms / 1000 / vpp
-        build = _trident_schedule if engine == "trident" else _torch_schedule
-        step = build(schedule, vpp, m, rank, world, f, b)
-        times = []
+        engines = [e for e, s, v, mb in cases if (s, v, mb) == (schedule, vpp, m)]
+        steps = {
+            e: (_trident_schedule if e == "trident" else _torch_schedule)(schedule, vpp, m, rank, world, f, b)
+            for e in engines
+        }
         for i in range(args.steps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i:  # the first step warms up the connections
-                times.append(elapsed.item())
-        if engine == "trident":
+            for engine in engines:
+                dist.barrier()
+                start = time.perf_counter()
+                steps[engine]()
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if i:  # the first step warms up the connections
+                    times[(engine, schedule, vpp, m)].append(elapsed.item())
+        if "trident" in engines:
             ps.destroy_model_parallel()
-        results.append(times)
+    results = [times[case] for case in cases]
     if rank == 0:
         out_queue.put(results)
     dist.destroy_process_group()
@@ -226,12 +231,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--forward-ms", type=float, default=20.0)
     parser.add_argument("--backward-ms", type=float, default=40.0)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per case (after one warm-up step)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per case and engine (after one warm-up step)"
+    )
     parser.add_argument(
         "--peer",
         choices=["torch", "none"],
         default="torch",
-        help="also run torch.distributed.pipelining's schedules on the same stages, in the same run",
+        help="also run torch.distributed.pipelining's schedules on the same stages, taking turns with Trident step by step",
     )
     parser.add_argument(
         "--sleep",
