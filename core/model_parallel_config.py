@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+from core.pipeline_parallel.hooks import ScheduleHooks
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv")
 
 
 @dataclass(kw_only=True)
@@ -49,8 +51,11 @@ class ModelParallelConfig:
     """Free an output's storage once it has been sent; backward only needs its graph."""
 
     pipeline_schedule: str = "1f1b"
-    """"1f1b" (default) or "gpipe" (all forward, then all backward).
-    Interleaved 1F1B is implied by ``virtual_pipeline_model_parallel_size > 1``."""
+    """"1f1b" (default), "gpipe" (all forward, then all backward), "zb-h1" (zero bubble: 1F1B with
+    the backward split into input and weight gradients, the weight gradients filling the bubble) or
+    "zbv" (zero bubble in a V: needs ``virtual_pipeline_model_parallel_size=2`` and places stage
+    ``s >= pp`` on rank ``2 pp - 1 - s``). With ``virtual_pipeline_model_parallel_size > 1``, "1f1b"
+    is interleaved 1F1B and "zb-h1" the interleaved zero-bubble schedule."""
 
     pipeline_model_parallel_layout: str | None = None
     """Megatron layout string, e.g. ``"Et*3|(tt|)*29,m|L"``; None means an even split."""
@@ -61,18 +66,27 @@ class ModelParallelConfig:
     calculate_per_token_loss: bool = False
     """Normalise the loss by the step's total token count instead of per microbatch."""
 
-    no_sync_func: Callable[[], AbstractContextManager] | None = None
-    """Context manager that suspends data-parallel gradient reduction (all but the last microbatch)."""
+    schedule_hooks: ScheduleHooks | None = None
+    """The training loop's hooks for the schedule (gradient sync, end-of-step reductions, loss
+    scaling, timers), typed; set the same object on every chunk's config. The Megatron-named
+    fields below are the older way to give the same hooks, still accepted (not both)."""
 
-    grad_sync_func: Callable | None = None
-    """Starts data-parallel gradient reduction; called with a chunk's parameters after its last backward."""
+    no_sync_func: Callable[[], AbstractContextManager] | list | None = None
+    """Megatron's name for ``ScheduleHooks.no_sync``: suspends data-parallel gradient reduction."""
+
+    grad_sync_func: Callable | list | None = None
+    """Megatron's name for ``ScheduleHooks.grad_sync``: called with a chunk's parameters after its last backward."""
 
     finalize_model_grads_func: Callable | None = None
-    """``finalize_model_grads_func(model_chunks, num_tokens)`` at the end of a step (DP and tied-weight
-    reductions; with ``calculate_per_token_loss`` it also scales gradients by 1/num_tokens)."""
+    """Megatron's name for ``ScheduleHooks.finalize_model_grads``: ``f(model_chunks, num_tokens)`` at the
+    end of a step (DP and tied-weight reductions; with ``calculate_per_token_loss`` it also scales
+    gradients by 1/num_tokens)."""
+
+    grad_scale_func: Callable | None = None
+    """Megatron's name for ``ScheduleHooks.grad_scale_func``: backward starts from ``grad_scale_func(loss)``."""
 
     timers: Callable | None = None
-    """Optional Megatron-style timers; unused by the engine."""
+    """Megatron's name for ``ScheduleHooks.timers``: times forward and backward compute."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
@@ -89,6 +103,11 @@ class ModelParallelConfig:
             raise ValueError(
                 "pipeline_schedule='gpipe' cannot run virtual stages "
                 f"(virtual_pipeline_model_parallel_size={vpp}); use '1f1b' for interleaving"
+            )
+        if self.pipeline_schedule == "zbv" and vpp != 2:
+            raise ValueError(
+                "pipeline_schedule='zbv' runs exactly 2 virtual stages per pipeline rank (a V); set "
+                f"virtual_pipeline_model_parallel_size=2 (got {vpp})"
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron silently turns it off; so do we, it is a no-op at TP=1.

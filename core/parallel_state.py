@@ -17,15 +17,17 @@ The group maths is the pure function :func:`generate_parallel_groups` (tested wi
 below read that object, so code written against ``megatron.core.parallel_state`` reads naturally here.
 Module state is that object plus the virtual-pipeline rank and size, nothing else.
 
-Pipeline channels. Besides Megatron's groups, every directed link of a pipeline gets a two-rank
-group of its own: activations from pipeline rank ``r`` to ``r + 1`` and gradients from ``r + 1``
-back to ``r``, with ``r + 1`` wrapping around to rank 0 for virtual stages. The pipeline executor
-posts each message on its link's group. NCCL runs the operations of one group in order on one
+Pipeline channels. Besides Megatron's groups, every directed link between neighbouring pipeline
+ranks gets a two-rank group of its own: ``r -> r + 1`` and ``r + 1 -> r``, with ``r + 1`` wrapping
+around to rank 0 (virtual stages; ZBV's V runs its second chunk back up the ranks, so both
+directions carry activations and gradients). The pipeline executor posts each message on its
+link's group, in the order the sender sends. NCCL runs the operations of one group in order on one
 stream, and a send completes only once its receive is posted; with a single pipeline group, a
 receive posted ahead of need would hold up every later send of that rank. One group per link makes
 each link a first-in-first-out queue that nothing else waits behind (see
-``core/pipeline_parallel/executor.py``). That is ``2 * pp`` more groups per pipeline; two-rank
-groups are cheap, and PyTorch itself creates one per pair of ranks for unbatched NCCL send/recv.
+``core/pipeline_parallel/lowering.py``). That is ``2 * pp`` more groups per pipeline (2 at PP=2);
+two-rank groups are cheap, and PyTorch itself creates one per pair of ranks for unbatched NCCL
+send/recv.
 """
 
 from __future__ import annotations
@@ -114,20 +116,15 @@ def position_embedding_ranks(pipeline_ranks: Sequence[int]) -> list[int]:
     return [pipeline_ranks[0]]
 
 
-ACTIVATION, GRADIENT = "activation", "gradient"  # the two kinds of pipeline message
+def pipeline_channels(pipeline_size: int) -> list[tuple[int, int]]:
+    """The directed links of one pipeline group as (source pp rank, destination pp rank), in creation order.
 
-
-def pipeline_channels(pipeline_size: int) -> list[tuple[str, int, int]]:
-    """The directed links of one pipeline group as (kind, source pp rank, destination pp rank).
-
-    Activations go from each pipeline rank to the next, gradients come back, including the
-    wrap-around link from the last rank to the first that virtual stages use. In creation order.
+    Each rank and the next, both ways, including the wrap-around pair of the last rank and the
+    first that virtual stages use.
     """
-    if pipeline_size == 1:
-        return []
-    channels = []
-    for r in range(pipeline_size):
-        channels += [(ACTIVATION, r, (r + 1) % pipeline_size), (GRADIENT, (r + 1) % pipeline_size, r)]
+    channels: list[tuple[int, int]] = []
+    for r in range(pipeline_size if pipeline_size > 2 else pipeline_size - 1):
+        channels += [(r, (r + 1) % pipeline_size), ((r + 1) % pipeline_size, r)]
     return channels
 
 
@@ -210,10 +207,10 @@ class ParallelGroups:
     pos_embd: ProcessGroup | None = field(repr=False)
     ranks: Mapping[str, tuple[int, ...]]
     """Group name -> global ranks of this rank's group of that kind, in group-rank order."""
-    pp_channels: Mapping[tuple[str, int, int], ProcessGroup] = field(
+    pp_channels: Mapping[tuple[int, int], ProcessGroup] = field(
         default_factory=lambda: MappingProxyType({}), repr=False
     )
-    """(kind, source pp rank, destination pp rank) -> two-rank group, for this rank's pipeline links."""
+    """(source pp rank, destination pp rank) -> two-rank group, for this rank's pipeline links."""
 
     def size(self, name: str) -> int:
         """Number of ranks in this rank's group ``name`` (e.g. ``"tp"``)."""
@@ -318,13 +315,13 @@ def initialize_model_parallel(
             if rank in members:
                 _CREATED.append(group)
                 mine[name], ranks[name] = group, tuple(members)
-    channels: dict[tuple[str, int, int], ProcessGroup] = {}
+    channels: dict[tuple[int, int], ProcessGroup] = {}
     for members in layout["pp"]:
-        for kind, src, dst in pipeline_channels(len(members)):
+        for src, dst in pipeline_channels(len(members)):
             group = dist.new_group(ranks=[members[src], members[dst]])
             if rank in (members[src], members[dst]):
                 _CREATED.append(group)
-                channels[(kind, src, dst)] = group
+                channels[(src, dst)] = group
     _GROUPS = ParallelGroups(
         rank=rank, ranks=MappingProxyType(ranks), pp_channels=MappingProxyType(channels), **mine
     )
@@ -373,8 +370,8 @@ def get_pipeline_model_parallel_group() -> ProcessGroup:
     return get_parallel_groups().pp
 
 
-def get_pipeline_model_parallel_channel_groups() -> Mapping[tuple[str, int, int], ProcessGroup]:
-    """This rank's pipeline links: (kind, source pp rank, destination pp rank) -> two-rank group."""
+def get_pipeline_model_parallel_channel_groups() -> Mapping[tuple[int, int], ProcessGroup]:
+    """This rank's pipeline links: (source pp rank, destination pp rank) -> two-rank group."""
     return get_parallel_groups().pp_channels
 
 

@@ -10,8 +10,13 @@ import torch.distributed as dist
 
 from core.model_parallel_config import ModelParallelConfig
 from core.pipeline_parallel.layout import even_layout, parse_layout
+from core.pipeline_parallel.losses import reduce_loss_logs
+from core.pipeline_parallel.lowering import lower
+from core.pipeline_parallel.placement import placement_for
 from core.pipeline_parallel.schedule_tables import (
     Action,
+    B,
+    F,
     build_table,
     build_tables,
     check_interleaving,
@@ -21,6 +26,7 @@ from core.pipeline_parallel.schedule_tables import (
 from core.pipeline_parallel.simulator import (
     ScheduleDeadlock,
     check_rendezvous,
+    comm_logs,
     ideal_bubble_fraction,
     simulate,
 )
@@ -90,7 +96,7 @@ def test_interleaved_table_warmup_counts():
         table = build_table("1f1b", pp, v, m, rank)
         warmup = next(i for i, a in enumerate(table) if a.kind == "B") - 1
         assert warmup == 2 * (pp - rank - 1) + (v - 1) * pp
-        assert sorted(table) == sorted([Action(k, mb, c) for k in "FB" for mb in range(m) for c in range(v)])
+        assert sorted(table) == sorted([Action(k, mb, c) for k in (F, B) for mb in range(m) for c in range(v)])
 
 
 @pytest.mark.parametrize(
@@ -164,24 +170,63 @@ def test_simulated_peak_in_flight():
     ]
 
 
-def _legal_configs(max_pp=8, max_vpp=4, max_m=32):
-    for pp, v, m in itertools.product(range(1, max_pp + 1), range(1, max_vpp + 1), range(1, max_m + 1)):
-        schedules = ["gpipe", "1f1b"] if v == 1 else ["interleaved"]
-        for schedule in schedules:
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zbv", 2)] + [
+    (s, v) for s in ("interleaved", "zb-h1") for v in (2, 3, 4)
+]
+
+
+def _legal_configs(max_pp=8, microbatches=range(1, 33), schedules=SCHEDULES):
+    for pp, m in itertools.product(range(1, max_pp + 1), microbatches):
+        for schedule, v in schedules:
             try:
                 yield schedule, pp, v, m, build_tables(schedule, pp, v, m)
             except ValueError:
                 continue
 
 
+def _check_tables(schedule, pp, v, m, tables, variable):
+    placement = placement_for(schedule, pp, v)
+    complete = lower(tables, placement, variable_shapes=variable)
+    simulate(complete, placement, variable_shapes=variable)  # raises ScheduleDeadlock
+    check_rendezvous(comm_logs(complete, placement, variable_shapes=variable))
+
+
+# Every schedule and pipeline size up to 8; microbatch counts through every warm-up/cool-down boundary
+# (at most 2 pp v + pp - 1 <= 23 matters), and the largest. The slow test below sweeps m = 1..32.
+CI_MICROBATCHES = [*range(1, 17), 23, 24, 31, 32]
+
+
 def test_no_legal_table_deadlocks():
+    """Complete tables of every schedule (two virtual stages where it has them), PP <= 8: they neither
+    deadlock nor break NCCL's rendezvous rules; fixed lengths, variable ones up to PP 4 and m 8, and
+    forward-only tables. ``pytest -m slow -k every_legal_table`` runs m = 1..32, 3 and 4 virtual
+    stages, and variable lengths everywhere."""
+    checked = 0
+    two_chunks = [c for c in SCHEDULES if c[1] <= 2]
+    forward_orders = [("1f1b", 1), ("interleaved", 2), ("zbv", 2)]  # the distinct forward-only orders
+    for schedule, pp, v, m, tables in _legal_configs(microbatches=CI_MICROBATCHES, schedules=two_chunks):
+        _check_tables(schedule, pp, v, m, tables, variable=False)
+        if pp <= 4 and m <= 8:
+            _check_tables(schedule, pp, v, m, tables, variable=True)
+        if (schedule, v) in forward_orders:
+            forward = build_tables(schedule, pp, v, m, forward_only=True)
+            _check_tables(schedule, pp, v, m, forward, variable=False)
+        checked += 1
+    # gpipe, 1f1b, zb-h1 and zbv: 8 x 20 each; interleaved 1F1B and zero-bubble: m a multiple of pp
+    multiples = sum(1 for pp in range(1, 9) for m in CI_MICROBATCHES if m % pp == 0)
+    assert checked == 4 * 8 * 20 + 2 * multiples == 748
+
+
+@pytest.mark.slow
+def test_every_legal_table_with_every_virtual_size_and_length_is_deadlock_free():
     checked = 0
     for schedule, pp, v, m, tables in _legal_configs():
-        simulate(tables, v)  # raises ScheduleDeadlock
-        simulate(build_tables(schedule, pp, v, m, forward_only=True), v, backward_cost=0.0)
+        for variable in (False, True):
+            _check_tables(schedule, pp, v, m, tables, variable)
+        _check_tables(schedule, pp, v, m, build_tables(schedule, pp, v, m, forward_only=True), False)
         checked += 1
-    # gpipe and 1f1b: 8 x 32 each; interleaved: m a multiple of pp, for v = 2, 3, 4
-    assert checked == 2 * 8 * 32 + 3 * sum(32 // pp for pp in range(1, 9)) == 767
+    # 4 single-order schedules x 8 x 32; interleaved 1F1B and zero-bubble with v = 2, 3, 4
+    assert checked == 4 * 8 * 32 + 2 * 3 * sum(32 // pp for pp in range(1, 9))
 
 
 def test_rendezvous_check_follows_nccls_rules():
@@ -216,8 +261,8 @@ def test_rendezvous_check_follows_nccls_rules():
 
 def test_simulator_detects_a_deadlock():
     tables = build_tables("1f1b", 2, 1, 2)
-    tables[0] = [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]
-    tables[1] = [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]
+    tables[0] = [Action(F, 0), Action(B, 0), Action(F, 1), Action(B, 1)]
+    tables[1] = [Action(F, 1), Action(B, 1), Action(F, 0), Action(B, 0)]
     with pytest.raises(ScheduleDeadlock, match=r"every rank waits"):
         simulate(tables)
 
@@ -260,6 +305,9 @@ def _chunks(layout, pp_rank, config, seed=0):
     ]
 
 
+CONFIG_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "1f1b", "zb-h1": "zb-h1", "zbv": "zbv"}
+
+
 def _run_case(
     schedule: str,
     pp: int,
@@ -274,19 +322,20 @@ def _run_case(
     from core import parallel_state as ps
     from core.distributed import finalize_model_grads
     from core.pipeline_parallel.executor import ScheduleRecord
-    from core.pipeline_parallel.schedules import (
-        forward_backward_no_pipelining,
-        get_forward_backward_func,
-    )
+    from core.pipeline_parallel.schedules import complete_tables, get_forward_backward_func
 
     pp_rank = ps.get_pipeline_model_parallel_rank()
     ps.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
-    layout = parse_layout(layout_str, pp, vpp) if layout_str else even_layout(num_layers, pp, vpp)
+    style = "v" if schedule == "zbv" else "loop"
+    if layout_str:
+        layout = parse_layout(layout_str, pp, vpp, placement=style)
+    else:
+        layout = even_layout(num_layers, pp, vpp, placement=style)
     config = ModelParallelConfig(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         hidden_size=8,
-        pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b",
+        pipeline_schedule=CONFIG_SCHEDULE[schedule],
         variable_seq_lengths=variable,
         calculate_per_token_loss=per_token,
         finalize_model_grads_func=finalize_model_grads,
@@ -294,9 +343,8 @@ def _run_case(
     chunks = _chunks(layout, pp_rank, config)
     batches = make_microbatches(m, 2, 6, variable)
     iterators = [iter(batches) for _ in chunks]
-    func = get_forward_backward_func()
     record = ScheduleRecord()
-    logs = func(
+    logs = get_forward_backward_func()(
         forward_step_func=make_forward_step(per_token),
         data_iterator=iterators if vpp > 1 else iterators[0],
         model=chunks if vpp > 1 else chunks[0],
@@ -305,6 +353,25 @@ def _run_case(
         micro_batch_size=2,
         record=record,
     )
+    name = f"{schedule} pp={pp} vpp={vpp} m={m} layout={layout_str or 'even'} var={variable} tok={per_token}"
+    problems = _compare_with_single_device(name, chunks, layout, batches, logs, per_token, pp_rank, vpp)
+
+    # The run did exactly what its complete table says: the same posts and waits, the same peak.
+    ran = schedule if vpp > 1 or pp > 1 else "1f1b"  # PP=1 without virtual stages: no pipelining
+    placement = placement_for(ran, pp, vpp)
+    tables = complete_tables(ran, pp, vpp, m, variable_shapes=variable)
+    if record.comm_log != comm_logs(tables, placement, variable_shapes=variable)[pp_rank]:
+        problems.append(f"{name}: the recorded posting order differs from the complete table's")
+    expected_peak = simulate(tables, placement).peak_in_flight[pp_rank]
+    if record.peak_in_flight != expected_peak:
+        problems.append(f"{name}: peak in-flight {record.peak_in_flight}, simulator says {expected_peak}")
+    return problems, (name, record.comm_log)
+
+
+def _compare_with_single_device(name, chunks, layout, batches, logs, per_token, pp_rank, vpp):
+    """Gradients torch.equal to no-pipelining and within 1e-5 of the plain model; losses likewise."""
+    from core.distributed import finalize_model_grads
+    from core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     # Single-device references built from the same seed: no-pipelining through the same entry point,
     # and the plain model computing the whole loss in one backward.
@@ -319,14 +386,12 @@ def _run_case(
         forward_step_func=make_forward_step(per_token),
         data_iterator=iter(batches),
         model=whole,
-        num_microbatches=m,
+        num_microbatches=len(batches),
         seq_length=6,
         micro_batch_size=2,
     )
     no_pipe = {n: p.grad.clone() for n, p in whole.named_parameters()}
     plain_loss, plain = reference_loss_and_grads(whole, batches, per_token)
-
-    name = f"{schedule} pp={pp} vpp={vpp} m={m} layout={layout_str or 'even'} var={variable} tok={per_token}"
     problems = []
     for chunk in chunks:
         for n, p in chunk.named_parameters():
@@ -340,42 +405,31 @@ def _run_case(
             rel = ((p.grad - plain[n]).norm() / plain[n].norm()).item()
             if rel > 1e-5:
                 problems.append(f"{name}: {n} relative difference {rel:.2e} from the plain model")
-    last = layout.has_loss(pp_rank, vpp - 1)
-    if last:
+    if layout.has_loss(pp_rank, vpp - 1 if vpp > 1 else None):
         same = len(logs) == len(ref_logs) and all(
             torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(logs, ref_logs)
         )
         if not same:
             problems.append(f"{name}: losses differ from no-pipelining")
-        if per_token:
-            total = torch.stack([d["lm loss"] for d in logs]).sum(0)
-            loss = total[0] / total[1]
-        else:
-            loss = torch.stack([d["lm loss"] for d in logs]).mean()
-        if abs(loss - plain_loss) > 1e-5 * abs(plain_loss):
-            problems.append(f"{name}: loss {loss.item()} vs plain {plain_loss.item()}")
+        loss = reduce_loss_logs(logs)["lm loss"]
+        if abs(loss - plain_loss.item()) > 1e-5 * abs(plain_loss.item()):
+            problems.append(f"{name}: loss {loss} vs plain {plain_loss.item()}")
     elif logs:
         problems.append(f"{name}: non-last stage returned logs")
-    ran = "interleaved" if vpp > 1 else "1f1b" if pp == 1 else schedule  # PP=1: no pipelining
-    tables = build_tables(ran, pp, vpp, m)
-    expected_peak = simulate(tables, vpp).peak_in_flight[pp_rank]
-    if record.peak_in_flight != expected_peak:
-        problems.append(f"{name}: peak in-flight {record.peak_in_flight}, simulator says {expected_peak}")
-    return problems, (name, record.comm_log)
+    return problems
 
 
-def _grid(pp: int, microbatches, layouts_for):
+def _grid(pp: int, microbatches, schedules):
     cases = []
-    for vpp in (1, 2):
-        for schedule in ["gpipe", "1f1b"] if vpp == 1 else ["interleaved"]:
-            for m in microbatches:
-                try:
-                    build_tables(schedule, pp, vpp, m)
-                except ValueError:
-                    continue
-                for layout_str, num_layers in layouts_for(pp, vpp):
-                    for variable in (False, True):
-                        cases.append((schedule, pp, layout_str, num_layers, vpp, m, variable, m % 2 == 0))
+    for schedule, vpp in schedules:
+        for m in microbatches:
+            try:
+                build_tables(schedule, pp, vpp, m)
+            except ValueError:
+                continue
+            for layout_str, num_layers in _layouts(pp, vpp):
+                for variable in (False, True):
+                    cases.append((schedule, pp, layout_str, num_layers, vpp, m, variable, m % 2 == 0))
     return cases
 
 
@@ -386,12 +440,12 @@ def _layouts(pp: int, vpp: int):
     return [(None, 2 * stages - 1), (uneven, None)]
 
 
-def _pipeline_grid(rank, world_size, pp, microbatches):
+def _pipeline_grid(rank, world_size, pp, microbatches, schedules):
     from core import parallel_state as ps
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=pp)
     problems, logs = [], []
-    for case in _grid(pp, microbatches, _layouts):
+    for case in _grid(pp, microbatches, schedules):
         case_problems, log = _run_case(*case)
         problems += case_problems
         logs.append(log)
@@ -403,17 +457,10 @@ def _one_stream(log: list[tuple]) -> list[tuple]:
     return [("post", "pp", entry[2]) if entry[0] == "post" else entry for entry in log]
 
 
-@pytest.mark.parametrize("pp", [1, 2, 4])
-def test_every_schedule_matches_single_device_training(ranks, pp):
-    """PP x VPP x microbatches x fixed/variable lengths x even/uneven/empty stages, 2- and 3-tuple losses.
-
-    Every run's actual posting order also passes NCCL's rules (check_rendezvous); the same messages
-    on one group per rank instead of one per link would deadlock there.
-    """
-    results = ranks(4).run(_pipeline_grid, pp, range(1, 10), timeout=240)
+def _check_grid(ranks, pp, microbatches, schedules):
+    results = ranks(4).run(_pipeline_grid, pp, microbatches, schedules, timeout=300)
     problems = [p for probs, *_ in results for p in probs]
     assert not problems, "\n".join(problems[:20])
-    assert len(results[0][1]) >= 20
     for dp_rank in {r[2] for r in results}:
         pipeline = sorted((r for r in results if r[2] == dp_rank), key=lambda r: r[3])
         one_stream_ok = []
@@ -425,8 +472,40 @@ def test_every_schedule_matches_single_device_training(ranks, pp):
             except ScheduleDeadlock:
                 pass
         # On one stream, receives posted ahead of need block the sends behind them: every fixed-length
-        # case deadlocks (variable lengths wait for each shape first, which hides some of it).
+        # case deadlocks (variable lengths post each receive right before its consumer).
         assert pp == 1 or all("var=True" in name for name in one_stream_ok), one_stream_ok
+    return len(results[0][1])
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_every_schedule_matches_single_device_training(ranks, pp):
+    """PP x VPP x microbatches x fixed/variable lengths x even/uneven/empty stages, 2- and 3-tuple losses.
+
+    Every run's actual posting order equals its complete table's and passes NCCL's rules
+    (check_rendezvous); the same messages on one group per rank instead of one per link would
+    deadlock there.
+    """
+    cases = _check_grid(ranks, pp, range(1, 10), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+    assert cases >= 20
+
+
+ZERO_BUBBLE = [("zb-h1", 1), ("zb-h1", 2), ("zbv", 2)]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_zero_bubble_schedules_match_single_device_training(ranks, pp):
+    """ZB-H1, interleaved zero-bubble and ZBV: gradients torch.equal to no-pipelining.
+
+    CI runs the smallest legal microbatch counts, an odd one and 8;
+    ``pytest -m slow -k zero_bubble_grid`` runs every count from 1 to 9."""
+    cases = _check_grid(ranks, pp, [1, 2, 3, 4, 5, 8], ZERO_BUBBLE)
+    assert cases >= 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [2, 4])
+def test_zero_bubble_grid_every_microbatch_count(ranks, pp):
+    _check_grid(ranks, pp, range(1, 10), ZERO_BUBBLE)
 
 
 def _interleaved_pp2_swaps(rank, world_size):

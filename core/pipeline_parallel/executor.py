@@ -1,346 +1,458 @@
-"""The one executor: runs any schedule table on this rank, deriving every send and receive from it.
+"""The one executor: a plain interpreter of complete tables.
 
-For each compute action the executor knows where its input comes from and where its output goes
-(stage ``s`` talks to ``s - 1`` and ``s + 1``). Receives are posted ahead of need (``lookahead``
-actions) and sends never block the sender.
+A complete table (:mod:`~core.pipeline_parallel.lowering`) lists everything a rank does, in order:
+compute (``F`` forward, ``B`` backward, or its halves ``I`` input gradient and ``W`` weight
+gradient) and communication (post a send, post a receive). :func:`run_table` hands each action to
+the small handler of its kind; nothing is decided at run time that the table does not say. A
+handler gets only what it needs: a stage (one model chunk's forward and backward), the mailbox
+(messages in and out), the losses, the gradient-sync hooks.
 
-Ordering. Between any two ranks the receiver posts its receives in exactly the order the sender
-posts the matching sends; the receiver can do this because it can build the sender's table too
-(tables are pure functions). Activations and gradients between the same two ranks (PP=2 with
-virtual stages) can therefore never swap, whatever the backend's matching rule.
-
-Links. With the groups :func:`core.parallel_state.initialize_model_parallel` creates, every message
-is posted as its own ``batch_isend_irecv`` on the two-rank group of its link (activations r -> r+1,
-gradients r+1 -> r). NCCL runs one group's operations in order on one stream and a send completes
-only once its receive is posted, so on a single pipeline group a receive posted ahead of need
-blocks every later operation of that rank, its sends included, and two ranks can end up waiting for
-each other. On its own link a message waits only for the messages before it on that link, in the
-order both ends agree on, so the run is deadlock-free whenever the table itself is
-(:func:`core.pipeline_parallel.simulator.check_rendezvous` checks a recorded run under exactly these
-rules). With a caller's own pipeline group (``p2p_communicator=``) there are no link groups and
-what falls between two computations goes out as one batch on that group: right on gloo, not
-NCCL-safe.
+Sends never block: a compute action leaves its output in the mailbox and the ``SEND`` that follows
+posts it. Receives are posted where the table says and waited for by the action that needs them.
+Messages between two chunks of this rank go through the mailbox without communication.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from core.device import current_device
-from core.pipeline_parallel.p2p_communication import ACTIVATION, GRADIENT, P2PMessage, post_batch
-from core.pipeline_parallel.schedule_tables import Action, rank_and_chunk, stage_of
+from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
+from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
+from core.pipeline_parallel.losses import LossLogs, parse_loss
+from core.pipeline_parallel.lowering import (
+    ACTIVATION,
+    GRADIENT,
+    Message,
+    input_message,
+    is_remote,
+    output_message,
+)
+from core.pipeline_parallel.p2p_communication import PipelineLinks
+from core.pipeline_parallel.placement import Placement
+from core.pipeline_parallel.schedule_tables import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    ActionKind,
+    B,
+    F,
+    I,
+    W,
+)
 
-LOOKAHEAD = 2  # receives are posted this many actions before they are needed
+
+class Event(NamedTuple):
+    """One timed thing a rank did: a table action, or a wait for a message (``kind`` "wait")."""
+
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
 
 
 @dataclass
 class ScheduleRecord:
     """What a run did, for tests, timelines and benchmarks (pass one in to have it filled)."""
 
-    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, compute start, end)
-    # What the rank posted and waited for, in order, for check_rendezvous: ("post", group, ops) with
-    # ops (is_send, peer pp rank, (kind, microbatch, destination stage, part)), or ("wait", that key).
-    comm_log: list[tuple] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    comm_log: list[tuple] = field(default_factory=list)  # as simulator.comm_logs describes
     peak_in_flight: int = 0
     num_tokens: torch.Tensor | None = None
-
-
-@dataclass
-class _Incoming:
-    """A message this rank receives: where it comes from and, once posted, its buffer and request."""
-
-    kind: str
-    microbatch: int
-    dst_stage: int
-    src_rank: int
-    position: int  # index in its channel: receives are posted in this order
-    shape_buffer: torch.Tensor | None = None
-    shape_request: dist.Work | None = None
-    buffer: torch.Tensor | None = None
-    request: dist.Work | None = None
+    start: float = 0.0
+    end: float = 0.0
 
 
 @dataclass
 class StepContext:
-    """Everything a run needs besides the table; built by the Megatron-named entry points."""
+    """Everything a run needs besides its table; built by the Megatron-named entry points."""
 
     forward_step_func: Callable
     data_iterators: list[Iterator | None]
     chunks: list[torch.nn.Module]
     num_microbatches: int
-    config: Any
+    settings: ScheduleSettings
+    hooks: ScheduleHooks
     tensor_shape: tuple[int, ...]
     forward_only: bool
     collect_non_loss_data: bool
     pp_rank: int
-    pp_size: int
-    pp_group: dist.ProcessGroup | None
-    all_tables: list[list[Action]]  # index = pp_rank; the peers' tables fix the message order
+    placement: Placement
+    links: PipelineLinks | None = None
     record: ScheduleRecord | None = None
-    pp_channels: Mapping[tuple[str, int, int], dist.ProcessGroup] | None = None  # per-link groups
 
 
-def _produced(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> tuple[str, int] | None:
-    """(kind, destination stage) of the message an action sends, or None."""
-    stage = stage_of(pp_rank, action.chunk, pp_size)
-    if action.kind == "F" and stage < last_stage:
-        return ACTIVATION, stage + 1
-    if action.kind == "B" and stage > 0:
-        return GRADIENT, stage - 1
-    return None
+# --------------------------------------------------------------------------------------------------
+# Messages in and out
+# --------------------------------------------------------------------------------------------------
 
 
-def _needed(action: Action, pp_rank: int, pp_size: int, last_stage: int) -> tuple[str, int] | None:
-    """(kind, source stage) of the message an action consumes, or None."""
-    stage = stage_of(pp_rank, action.chunk, pp_size)
-    if action.kind == "F" and stage > 0:
-        return ACTIVATION, stage - 1
-    if action.kind == "B" and stage < last_stage:
-        return GRADIENT, stage + 1
-    return None
-
-
-class _Comm:
-    """This rank's messages for one run: receives posted in each sender's order, non-blocking sends.
-
-    Everything queued between two computations leaves as one batch (``flush``). When the previous
-    and next stage are this very rank (PP=1 with virtual chunks) tensors are handed over locally.
-    """
+class Mailbox:
+    """This rank's messages: outputs waiting for their SEND, posted receives, local hand-overs."""
 
     def __init__(self, ctx: StepContext):
-        self.ctx = ctx
-        self.group_ranks = (
-            dist.get_process_group_ranks(ctx.pp_group)
-            if ctx.pp_size > 1
-            else [dist.get_rank() if dist.is_initialized() else 0]
-        )
-        self.pp_rank_of = {global_rank: i for i, global_rank in enumerate(self.group_ranks)}
-        self.links = ctx.pp_channels or {}
+        self.links, self.record, self.placement = ctx.links, ctx.record, ctx.placement
+        self.variable = ctx.settings.variable_seq_lengths
+        self.shape, self.dtype = ctx.tensor_shape, ctx.settings.pipeline_dtype
         self.device = current_device()
-        self.variable = bool(getattr(ctx.config, "variable_seq_lengths", False))
-        pp, me = ctx.pp_size, ctx.pp_rank
-        self.last_stage = pp * len(ctx.chunks) - 1
-        self.channels: dict[int, list[_Incoming]] = defaultdict(list)  # per sender, in its order
-        self.incoming: dict[tuple[str, int, int], _Incoming] = {}
-        for src, table in enumerate(ctx.all_tables):
-            if src == me:
-                continue
-            for action in table:
-                out = _produced(action, src, pp, self.last_stage)
-                if out and rank_and_chunk(out[1], pp)[0] == me:
-                    msg = _Incoming(out[0], action.microbatch, out[1], src, len(self.channels[src]))
-                    self.channels[src].append(msg)
-                    self.incoming[(msg.kind, msg.microbatch, msg.dst_stage)] = msg
-        self.cursor = {src: 0 for src in self.channels}
-        self.local: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.sent_shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (mb, stage) -> activation shape
-        self.pending: list[tuple[P2PMessage, _Incoming | None, tuple]] = []  # (message, receive, key)
+        self.outbox: dict[Message, torch.Tensor] = {}
+        self.inbox: dict[Message, tuple[torch.Tensor, dist.Work | None]] = {}
+        self.sent_shapes: dict[
+            tuple[int, int], tuple[int, ...]
+        ] = {}  # (microbatch, stage) -> activation shape
         self.sends: list[dist.Work] = []
+        if self.links is not None:
+            self.links.record = self._log_post if self.record is not None else None
 
-    # -- sending ----------------------------------------------------------------------------
-    def send(self, kind: str, microbatch: int, src_stage: int, dst_stage: int, tensor: torch.Tensor) -> None:
-        dst_rank = rank_and_chunk(dst_stage, self.ctx.pp_size)[0]
-        if dst_rank == self.ctx.pp_rank:
-            self.local[(kind, microbatch, dst_stage)] = tensor.detach()
-            return
-        peer, label = self.group_ranks[dst_rank], f"mb {microbatch} stage {src_stage}->{dst_stage}"
-        tensor = tensor.detach().contiguous()
-        if kind == ACTIVATION and self.variable:
-            self.sent_shapes[(microbatch, src_stage)] = tuple(tensor.shape)
-            shape = torch.tensor(tensor.shape, dtype=torch.int64, device=self.device)
-            key = (kind, microbatch, dst_stage, "shape")
-            self.pending.append((P2PMessage(True, shape, peer, kind, "shape", label), None, key))
-        key = (kind, microbatch, dst_stage, "data")
-        self.pending.append((P2PMessage(True, tensor, peer, kind, "data", label), None, key))
-
-    # -- receiving --------------------------------------------------------------------------
-    def prefetch(self, actions: list[Action]) -> None:
-        """Queue the receives these upcoming actions need, as far as channel order allows."""
-        for action in actions:
-            need = _needed(action, self.ctx.pp_rank, self.ctx.pp_size, self.last_stage)
-            if need:
-                self._queue_through(
-                    (need[0], action.microbatch, stage_of(self.ctx.pp_rank, action.chunk, self.ctx.pp_size)),
-                    block=False,
-                )
-
-    def take(self, kind: str, microbatch: int, stage: int) -> torch.Tensor:
-        """The tensor received for ``stage``, waiting for it if it has not arrived."""
-        key = (kind, microbatch, stage)
-        if key in self.local:
-            return self.local.pop(key)
-        msg = self.incoming.pop(key)
-        if msg.request is None:
-            self._queue_through(key, block=True, msg=msg)
-            self.flush()
-        self._log("wait", (kind, microbatch, stage, "data"))
-        msg.request.wait()
-        return msg.buffer
-
-    def _queue_through(self, key, block: bool, msg: _Incoming | None = None) -> None:
-        msg = msg or self.incoming.get(key)
-        if msg is None:
-            return
-        channel = self.channels[msg.src_rank]
-        while self.cursor[msg.src_rank] <= msg.position:
-            if not self._queue_one(channel[self.cursor[msg.src_rank]], block):
-                return
-            self.cursor[msg.src_rank] += 1
-
-    def _queue_one(self, msg: _Incoming, block: bool) -> bool:
-        peer, label = self.group_ranks[msg.src_rank], f"mb {msg.microbatch} stage {msg.dst_stage}"
-        if not self.variable:
-            shape = self.ctx.tensor_shape
-        elif msg.kind == GRADIENT:  # a gradient has the shape of the activation this rank sent
-            shape = self.sent_shapes.get((msg.microbatch, msg.dst_stage))
-            if shape is None:
-                if block:
-                    raise RuntimeError(
-                        f"schedule error: gradient for microbatch {msg.microbatch} at stage "
-                        f"{msg.dst_stage} needed before its activation was sent"
-                    )
-                return False
-        else:  # a variable-length activation: its shape travels first
-            if msg.shape_request is None and msg.shape_buffer is None:
-                msg.shape_buffer = torch.empty(
-                    len(self.ctx.tensor_shape), dtype=torch.int64, device=self.device
-                )
-                key = (msg.kind, msg.microbatch, msg.dst_stage, "shape")
-                self.pending.append(
-                    (P2PMessage(False, msg.shape_buffer, peer, msg.kind, "shape", label), msg, key)
-                )
-            if msg.shape_request is None:
-                if not block:
-                    return False
-                self.flush()
-            if not block and not msg.shape_request.is_completed():
-                return False
-            self._log("wait", (msg.kind, msg.microbatch, msg.dst_stage, "shape"))
-            msg.shape_request.wait()
-            shape = tuple(msg.shape_buffer.tolist())
-        msg.buffer = torch.empty(shape, dtype=self.ctx.config.pipeline_dtype, device=self.device)
-        key = (msg.kind, msg.microbatch, msg.dst_stage, "data")
-        self.pending.append((P2PMessage(False, msg.buffer, peer, msg.kind, "data", label), msg, key))
-        return True
-
-    # -- posting ----------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Post everything queued since the last computation: each message on its link, else one batch."""
-        if not self.pending:
-            return
-        if self.links:
-            requests = []
-            for message, _, key in self.pending:
-                link = self._link(message)
-                requests += post_batch([message], self.links[link])
-                self._log("post", link, [(message.is_send, self.pp_rank_of[message.peer], key)])
+    def produce(self, message: Message, tensor: torch.Tensor, remote: bool) -> None:
+        """A computed output: kept for its SEND, or handed straight to this rank's consumer."""
+        tensor = tensor.detach()
+        if remote:
+            self.outbox[message] = tensor.contiguous()
         else:
-            requests = post_batch([m for m, _, _ in self.pending], self.ctx.pp_group)
-            ops = [(m.is_send, self.pp_rank_of[m.peer], key) for m, _, key in self.pending]
-            self._log("post", "pp", ops)
-        for (message, incoming, _), request in zip(self.pending, requests):
-            if message.is_send:
-                self.sends.append(request)
-            elif message.part == "shape":
-                incoming.shape_request = request
-            else:
-                incoming.request = request
-        self.pending.clear()
-        self.sends = [r for r in self.sends if not r.is_completed()]
+            self.inbox[message] = (tensor, None)
 
-    def _link(self, message: P2PMessage) -> tuple[str, int, int]:
-        """(kind, source pp rank, destination pp rank) of the link a message travels on."""
-        peer, me = self.pp_rank_of[message.peer], self.ctx.pp_rank
-        return (message.kind, me, peer) if message.is_send else (message.kind, peer, me)
+    def send(self, message: Message) -> None:
+        tensor = self.outbox.pop(message)
+        peer = self.placement.rank(message.dst_stage)
+        if message.kind == ACTIVATION and self.variable:  # its shape goes first
+            self.sent_shapes[(message.microbatch, message.src_stage)] = tuple(tensor.shape)
+            shape = torch.tensor(tensor.shape, dtype=torch.int64, device=self.device)
+            self.sends.append(self.links.post(True, peer, shape, message.kind, "shape", (message, "shape")))
+        self.sends.append(self.links.post(True, peer, tensor, message.kind, "data", (message, "data")))
 
-    def _log(self, *entry) -> None:
-        if self.ctx.record is not None:
-            self.ctx.record.comm_log.append(entry)
+    def receive(self, message: Message) -> None:
+        """Post the receive (with variable lengths: receive the shape first and wait for it)."""
+        peer = self.placement.rank(message.src_stage)
+        shape = self.shape
+        if message.kind == GRADIENT and self.variable:  # it has the shape of the activation sent
+            shape = self.sent_shapes.get((message.microbatch, message.dst_stage))
+            if shape is None:
+                raise RuntimeError(
+                    f"schedule error: receive of {message} posted before its activation was sent"
+                )
+        elif self.variable:
+            buffer = torch.empty(len(self.shape), dtype=torch.int64, device=self.device)
+            work = self.links.post(False, peer, buffer, message.kind, "shape", (message, "shape"))
+            self._wait(work, (message, "shape"))
+            shape = tuple(buffer.tolist())
+        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.inbox[message] = (
+            buffer,
+            self.links.post(False, peer, buffer, message.kind, "data", (message, "data")),
+        )
+
+    def take(self, message: Message) -> torch.Tensor:
+        """The input ``message`` carries, waiting for it if it has not arrived."""
+        tensor, work = self.inbox.pop(message)
+        if work is not None:
+            self._wait(work, (message, "data"))
+        return tensor
 
     def finish(self) -> None:
-        self.flush()
-        for request in self.sends:
-            request.wait()
+        """Wait until every send has completed (its buffer may then be freed)."""
+        for work in self.sends:
+            work.wait()
         self.sends.clear()
 
-
-class _GradSync:
-    """Megatron's gradient-sync hooks: reduction suspended until each chunk's last backward.
-
-    Without ``grad_sync_func`` the suspension (``no_sync_func``) is lifted for a chunk's last
-    backward, so the data-parallel hooks fire while it runs; with it, ``grad_sync_func`` is called
-    with the chunk's parameters right after that backward. Either way each chunk's reduction
-    overlaps the remaining backward work.
-    """
-
-    def __init__(self, ctx: StepContext, table: list[Action]):
-        cfg = ctx.config
-        self.no_sync_func = getattr(cfg, "no_sync_func", None)
-        self.grad_sync_func = getattr(cfg, "grad_sync_func", None)
-        self.chunks = ctx.chunks
-        self.last_backward = {a.chunk: i for i, a in enumerate(table) if a.kind == "B"}
-        self.context = None
-        self.synced: set[int] = set()
-
-    def disable(self) -> None:
-        if self.no_sync_func is not None and self.context is None:
-            self.context = self.no_sync_func()
-            self.context.__enter__()
-
-    def enable(self) -> None:
-        if self.context is not None:
-            self.context.__exit__(None, None, None)
-            self.context = None
-
-    def before_backward(self, index: int, chunk: int) -> None:
-        if self.grad_sync_func is None and self.last_backward.get(chunk) == index:
-            self.enable()
-
-    def after_backward(self, index: int, chunk: int) -> None:
-        if self.last_backward.get(chunk) != index:
+    def _wait(self, work: dist.Work, key: tuple) -> None:
+        if self.record is None:
+            work.wait()
             return
-        if self.grad_sync_func is not None:
-            self.enable()
-            self._call_sync(chunk)
-        self.synced.add(chunk)
-        if len(self.synced) < len(self.last_backward):
-            self.disable()
+        self.record.comm_log.append(("wait", key))
+        start = time.perf_counter()
+        work.wait()
+        message = key[0]
+        self.record.events.append(Event("wait", message.microbatch, -1, start, time.perf_counter()))
 
-    def finish(self) -> None:
-        self.enable()
-
-    def _call_sync(self, chunk: int) -> None:
-        fn = (
-            self.grad_sync_func[chunk]
-            if isinstance(self.grad_sync_func, (list, tuple))
-            else self.grad_sync_func
-        )
-        fn(self.chunks[chunk].parameters())
+    def _log_post(self, link, is_send, peer, key) -> None:
+        self.record.comm_log.append(("post", link, [(is_send, peer, key)]))
 
 
-def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """Backward from ``output`` with ``grad_output``, calling the C++ autograd engine directly.
+# --------------------------------------------------------------------------------------------------
+# One model chunk: forward and backward of its microbatches
+# --------------------------------------------------------------------------------------------------
 
-    ``torch.autograd.backward`` checks that the gradient's shape matches the output's; after
-    ``deallocate_output`` the output's data is a 1-element placeholder, so that check would fail
-    although the graph (all backward needs) is intact. The engine itself does not check.
+
+class Stage:
+    """One chunk of this rank as a pipeline stage: runs its microbatches' forward and backward."""
+
+    def __init__(self, ctx: StepContext, chunk: int):
+        self.chunk, self.module = chunk, ctx.chunks[chunk]
+        self.stage = ctx.placement.stage(ctx.pp_rank, chunk)
+        self.is_first, self.is_last = self.stage == 0, self.stage == ctx.placement.last_stage
+        self.forward_step_func, self.data = ctx.forward_step_func, ctx.data_iterators[chunk]
+        self.num_chunks, self.forward_only = len(ctx.chunks), ctx.forward_only
+        self.deallocate = ctx.settings.deallocate_pipeline_outputs and not self.is_last
+        self.grad_scale_func = ctx.hooks.grad_scale_func
+        self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # microbatch -> (input, output)
+        self.weight_grads: dict[int, object] = {}
+
+    def forward(self, received: torch.Tensor | None) -> tuple[torch.Tensor, Callable]:
+        """Run ``forward_step_func`` on this chunk; returns (output, loss function)."""
+        if received is not None and not self.forward_only:
+            received.requires_grad_(True)
+        if self.num_chunks > 1:
+            from core import parallel_state
+
+            parallel_state.set_virtual_pipeline_model_parallel_rank(self.chunk)
+        _set_input_tensor(self.module, [received])
+        with torch.no_grad() if self.forward_only else torch.enable_grad():
+            output, loss_func = self.forward_step_func(self.data, self.module)
+        return output, loss_func
+
+    def keep(self, microbatch: int, received: torch.Tensor | None, output: torch.Tensor) -> None:
+        """Hold what backward needs; free the output's storage once sent (backward needs its graph only)."""
+        self.saved[microbatch] = (received, output)
+        if self.deallocate:
+            deallocate_output(output)
+
+    def backward(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """B: the whole backward; returns the input's gradient (None on the first stage)."""
+        received, output = self._pop(microbatch)
+        fused_backward(output, grad)
+        if received is None:
+            return None
+        return received.grad if received.grad is not None else torch.zeros_like(received)
+
+    def backward_input(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """I: the input's gradient only; the weight gradients wait for W."""
+        received, output = self._pop(microbatch)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        input_grad, self.weight_grads[microbatch] = backward_input(output, grad, received, params)
+        return input_grad
+
+    def backward_weight(self, microbatch: int) -> None:
+        """W: the parameters' gradients of a microbatch whose I has run."""
+        backward_weight(self.weight_grads.pop(microbatch))
+
+    def _pop(self, microbatch: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        received, output = self.saved.pop(microbatch)
+        if self.is_last and self.grad_scale_func is not None:
+            output = self.grad_scale_func(output)
+        return received, output
+
+
+# --------------------------------------------------------------------------------------------------
+# Losses and gradient-sync hooks
+# --------------------------------------------------------------------------------------------------
+
+
+class Losses:
+    """The last stage's loss contract: scaled losses to backpropagate, logs, the step's token count."""
+
+    def __init__(self, ctx: StepContext):
+        self.num_microbatches, self.per_token = ctx.num_microbatches, ctx.settings.calculate_per_token_loss
+        self.non_loss_data = ctx.collect_non_loss_data and ctx.forward_only
+        self.logs = LossLogs()
+        self.num_tokens = torch.zeros((), dtype=torch.int64, device=current_device())
+
+    def apply(self, loss_func: Callable, output: torch.Tensor) -> torch.Tensor:
+        result = loss_func(output)
+        if self.non_loss_data:
+            self.logs.append(result)
+            return output
+        loss = parse_loss(result, num_microbatches=self.num_microbatches, per_token=self.per_token)
+        summed = loss.num_tokens is not None
+        if self.logs.summed is not None and self.logs.summed != summed:
+            raise TypeError("loss_func returned a 2-tuple for some microbatches and a 3-tuple for others")
+        self.logs.summed = summed
+        self.logs.append(loss.log)
+        if summed:
+            self.num_tokens += loss.num_tokens.to(self.num_tokens.device, torch.int64)
+        return loss.loss
+
+
+class GradSync:
+    """Data-parallel reduction suspended (``no_sync``) until each chunk's last weight-gradient step.
+
+    That step (a B, or under zero-bubble a W) runs with the suspension lifted, so buckets launch
+    their reductions while it runs; ``grad_sync`` is then called as a catch-all. With one
+    ``no_sync`` per chunk only that chunk's suspension is lifted; with one for all chunks it is
+    lifted for each chunk's last step and restored after it while other chunks still compute.
     """
-    torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad_output,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )
+
+    def __init__(self, hooks: ScheduleHooks, chunks: list[torch.nn.Module], table: list[Action]):
+        self.hooks, self.chunks = hooks, chunks
+        self.per_chunk = isinstance(hooks.no_sync, (list, tuple))
+        self.last = {a.chunk: i for i, a in enumerate(table) if a.kind in (B, W)}
+        self.contexts: dict[int, object] = {}
+
+    def suspend(self) -> None:
+        for chunk in range(len(self.chunks)) if self.per_chunk else [0]:
+            no_sync = self.hooks.for_chunk("no_sync", chunk)
+            if no_sync is not None and chunk not in self.contexts:
+                self.contexts[chunk] = context = no_sync()
+                context.__enter__()
+
+    def weight_step(self, index: int, chunk: int):
+        """Context for the weight-gradient step at ``index`` of the table."""
+        return _LastStep(self, chunk) if self.last.get(chunk) == index else nullcontext()
+
+    def lift(self, chunk: int) -> None:
+        context = self.contexts.pop(chunk if self.per_chunk else 0, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def resume(self) -> None:
+        for chunk in list(self.contexts):
+            self.lift(chunk)
+
+
+class _LastStep:
+    def __init__(self, sync: GradSync, chunk: int):
+        self.sync, self.chunk = sync, chunk
+
+    def __enter__(self) -> None:
+        self.sync.lift(self.chunk)
+
+    def __exit__(self, *exc) -> None:
+        grad_sync = self.sync.hooks.for_chunk("grad_sync", self.chunk)
+        if grad_sync is not None and exc[0] is None:
+            grad_sync(self.sync.chunks[self.chunk].parameters())
+        if not self.sync.per_chunk and self.sync.last and self.chunk != _last_chunk(self.sync.last):
+            self.sync.suspend()  # one context for all chunks: other chunks still accumulate
+
+
+def _last_chunk(last: dict[int, int]) -> int:
+    return max(last, key=last.get)
+
+
+# --------------------------------------------------------------------------------------------------
+# The interpreter
+# --------------------------------------------------------------------------------------------------
+
+
+def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
+    """Run this rank's complete table; returns the loss functions' logs (on the last stage)."""
+    stages = [Stage(ctx, c) for c in range(len(ctx.chunks))]
+    mailbox, losses = Mailbox(ctx), Losses(ctx)
+    sync = GradSync(ctx.hooks, ctx.chunks, table)
+    count = _InFlight()
+    timers = ctx.hooks.timers
+    handlers: dict[ActionKind, Callable[[int, Action], None]] = {
+        F: lambda i, a: _forward(a, stages[a.chunk], ctx, mailbox, losses, count),
+        B: lambda i, a: _backward(a, stages[a.chunk], ctx, mailbox, sync.weight_step(i, a.chunk), count),
+        I: lambda i, a: _backward_input(a, stages[a.chunk], ctx, mailbox),
+        W: lambda i, a: _backward_weight(a, stages[a.chunk], sync.weight_step(i, a.chunk), count),
+        SEND_F: lambda i, a: mailbox.send(output_message(a, ctx.pp_rank, ctx.placement)),
+        SEND_B: lambda i, a: mailbox.send(output_message(a, ctx.pp_rank, ctx.placement)),
+        RECV_F: lambda i, a: mailbox.receive(input_message(a, ctx.pp_rank, ctx.placement)),
+        RECV_B: lambda i, a: mailbox.receive(input_message(a, ctx.pp_rank, ctx.placement)),
+    }
+    record = ctx.record
+    if record is not None:
+        record.start = time.perf_counter()
+    if not ctx.forward_only:
+        sync.suspend()
+    for index, action in enumerate(table):
+        start = time.perf_counter() if record is not None else 0.0
+        with _timer(timers, action.kind):
+            handlers[action.kind](index, action)
+        if record is not None:
+            record.events.append(
+                Event(action.kind.value, action.microbatch, action.chunk, start, time.perf_counter())
+            )
+    mailbox.finish()
+    sync.resume()
+    _finish_step(ctx, losses, count)
+    return losses.logs
+
+
+def _forward(action, stage: Stage, ctx: StepContext, mailbox: Mailbox, losses: Losses, count) -> None:
+    message = input_message(action, ctx.pp_rank, ctx.placement)
+    received = mailbox.take(message) if message is not None else None
+    output, loss_func = stage.forward(received)
+    if stage.is_last:
+        output = losses.apply(loss_func, output)
+    else:
+        out = output_message(action, ctx.pp_rank, ctx.placement)
+        mailbox.produce(out, output, is_remote(out, ctx.placement))
+    if not ctx.forward_only:
+        stage.keep(action.microbatch, received, output)
+        count.add(1)
+
+
+def _backward(action, stage: Stage, ctx: StepContext, mailbox: Mailbox, weight_step, count) -> None:
+    grad = _output_grad(action, ctx, mailbox)
+    with weight_step:
+        input_grad = stage.backward(action.microbatch, grad)
+    count.add(-1)
+    _send_input_grad(action, ctx, mailbox, input_grad)
+
+
+def _backward_input(action, stage: Stage, ctx: StepContext, mailbox: Mailbox) -> None:
+    grad = _output_grad(action, ctx, mailbox)
+    _send_input_grad(action, ctx, mailbox, stage.backward_input(action.microbatch, grad))
+
+
+def _backward_weight(action, stage: Stage, weight_step, count) -> None:
+    with weight_step:
+        stage.backward_weight(action.microbatch)
+    count.add(-1)
+
+
+def _output_grad(action, ctx: StepContext, mailbox: Mailbox) -> torch.Tensor | None:
+    message = input_message(action, ctx.pp_rank, ctx.placement)
+    return mailbox.take(message) if message is not None else None
+
+
+def _send_input_grad(action, ctx: StepContext, mailbox: Mailbox, input_grad: torch.Tensor | None) -> None:
+    out = output_message(action, ctx.pp_rank, ctx.placement)
+    if out is not None:
+        mailbox.produce(out, input_grad, is_remote(out, ctx.placement))
+
+
+def _finish_step(ctx: StepContext, losses: Losses, count: _InFlight) -> None:
+    if ctx.record is not None:
+        ctx.record.end = time.perf_counter()
+        ctx.record.peak_in_flight = count.peak
+        ctx.record.num_tokens = losses.num_tokens
+    finalize = ctx.hooks.finalize_model_grads
+    if finalize is not None and not ctx.forward_only:
+        finalize(ctx.chunks, losses.num_tokens if ctx.settings.calculate_per_token_loss else None)
+
+
+class _InFlight:
+    """Microbatch-chunks forwarded but not yet through their weight gradients, and the peak."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def add(self, delta: int) -> None:
+        self.now += delta
+        self.peak = max(self.peak, self.now)
+
+
+_NO_TIMER = nullcontext()
+
+
+def _timer(timers, kind: ActionKind):
+    """Megatron's timers around compute: "forward-compute" and "backward-compute"."""
+    if timers is None or kind not in (F, B, I, W):
+        return _NO_TIMER
+    return _Timed(timers("forward-compute" if kind == F else "backward-compute", log_level=2))
+
+
+class _Timed:
+    def __init__(self, timer):
+        self.timer = timer
+
+    def __enter__(self):
+        self.timer.start()
+
+    def __exit__(self, *exc):
+        self.timer.stop()
 
 
 def deallocate_output(output: torch.Tensor) -> None:
@@ -364,112 +476,3 @@ def _set_input_tensor(module: torch.nn.Module, tensors: list) -> None:
             "need one to receive their input"
         )
     target.set_input_tensor(tensors)
-
-
-def _set_virtual_rank(chunk: int, num_chunks: int) -> None:
-    if num_chunks > 1:
-        from core import parallel_state
-
-        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
-
-
-def _apply_loss(ctx: StepContext, loss_func: Callable, output, store: list):
-    """Megatron's loss contract; returns (loss to backpropagate, token count or None)."""
-    result = loss_func(output)
-    if ctx.collect_non_loss_data and ctx.forward_only:
-        store.append(result)
-        return output, None
-    per_token = bool(getattr(ctx.config, "calculate_per_token_loss", False))
-    if isinstance(result, tuple) and len(result) == 3:
-        loss, num_tokens, log = result
-        if not per_token:  # never in place: the caller may share this tensor with its logs
-            loss = loss / num_tokens / ctx.num_microbatches
-    elif isinstance(result, tuple) and len(result) == 2:
-        if per_token:
-            raise ValueError(
-                "config.calculate_per_token_loss needs loss_func to return "
-                "(loss_sum, num_tokens, log_dict), got a 2-tuple"
-            )
-        loss, log = result
-        loss, num_tokens = loss / ctx.num_microbatches, None
-    else:
-        raise TypeError(
-            "loss_func must return (loss, log_dict) or (loss_sum, num_tokens, log_dict), got "
-            f"{type(result).__name__}"
-        )
-    store.append(log)
-    return loss, num_tokens
-
-
-def run_table(table: list[Action], ctx: StepContext) -> list:
-    """Run this rank's table; returns the loss functions' log dicts (on the last stage)."""
-    pp, me = ctx.pp_size, ctx.pp_rank
-    last_stage = pp * len(ctx.chunks) - 1
-    comm = _Comm(ctx)
-    sync = _GradSync(ctx, table)
-    store: list = []
-    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    total_tokens = torch.zeros((), dtype=torch.int64, device=comm.device)
-    deallocate = bool(getattr(ctx.config, "deallocate_pipeline_outputs", False))
-    in_flight = peak = 0
-    if not ctx.forward_only:
-        sync.disable()
-    comm.prefetch(table[:LOOKAHEAD])
-    comm.flush()
-    for index, action in enumerate(table):
-        stage = stage_of(me, action.chunk, pp)
-        key = (action.microbatch, action.chunk)
-        if action.kind == "F":
-            received = comm.take(ACTIVATION, action.microbatch, stage) if stage > 0 else None
-            start = time.perf_counter()
-            if received is not None and not ctx.forward_only:
-                received.requires_grad_(True)
-            _set_virtual_rank(action.chunk, len(ctx.chunks))
-            chunk = ctx.chunks[action.chunk]
-            _set_input_tensor(chunk, [received])
-            with torch.no_grad() if ctx.forward_only else torch.enable_grad():
-                output, loss_func = ctx.forward_step_func(ctx.data_iterators[action.chunk], chunk)
-                if stage == last_stage:
-                    output, num_tokens = _apply_loss(ctx, loss_func, output, store)
-                    if num_tokens is not None:
-                        total_tokens += torch.as_tensor(num_tokens, device=comm.device).to(torch.int64)
-            if stage < last_stage:
-                comm.send(ACTIVATION, action.microbatch, stage, stage + 1, output)
-            if not ctx.forward_only:
-                inputs[key], outputs[key] = received, output
-                in_flight += 1
-                peak = max(peak, in_flight)
-                if deallocate and stage < last_stage:
-                    deallocate_output(output)
-        else:
-            grad = comm.take(GRADIENT, action.microbatch, stage) if stage < last_stage else None
-            start = time.perf_counter()
-            _set_virtual_rank(action.chunk, len(ctx.chunks))
-            received, output = inputs.pop(key), outputs.pop(key)
-            sync.before_backward(index, action.chunk)
-            if output.requires_grad:
-                if grad is None:
-                    torch.autograd.backward(output)
-                else:
-                    custom_backward(output, grad)
-            sync.after_backward(index, action.chunk)
-            in_flight -= 1
-            if stage > 0:
-                input_grad = received.grad if received.grad is not None else torch.zeros_like(received)
-                comm.send(GRADIENT, action.microbatch, stage, stage - 1, input_grad)
-        if ctx.record is not None:
-            ctx.record.events.append((str(action), start, time.perf_counter()))
-        comm.prefetch(table[index + 1 : index + 1 + LOOKAHEAD])
-        comm.flush()
-    comm.finish()
-    if not ctx.forward_only:
-        sync.finish()
-    if ctx.record is not None:
-        ctx.record.peak_in_flight = peak
-        ctx.record.num_tokens = total_tokens
-    finalize = getattr(ctx.config, "finalize_model_grads_func", None)
-    if finalize is not None and not ctx.forward_only:
-        per_token = bool(getattr(ctx.config, "calculate_per_token_loss", False))
-        finalize(ctx.chunks, total_tokens if per_token else None)
-    return store

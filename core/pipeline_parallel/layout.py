@@ -4,8 +4,11 @@ A layout string says which layers each pipeline stage builds: ``E`` the embeddin
 (transformer) layer, ``m`` an MTP layer, ``L`` the final norm, output head and loss. ``|`` ends a
 stage, ``x*N`` repeats one character (``|`` included), ``(...)*N`` repeats a group (no nesting, the
 count is required, ``N`` may be 0), and commas are purely cosmetic. Stage ``s`` runs on
-``pp_rank = s % pp_size`` as virtual chunk ``vpp_rank = s // pp_size``; decoder layers are numbered
-globally in stage order. Megatron's example ``"Et*3|(tt|)*29,m|L"`` on 16 ranks is 32 stages: the
+``pp_rank = s % pp_size`` as virtual chunk ``vpp_rank = s // pp_size`` (Megatron's loop); under the
+ZBV schedule's V placement (``placement="v"``, two chunks per rank) stage ``s >= pp_size`` runs on
+rank ``2 pp_size - 1 - s`` instead (see :mod:`core.pipeline_parallel.placement`). Either way the
+string lists stages in the order data flows through them, and decoder layers are numbered
+globally in that order. Megatron's example ``"Et*3|(tt|)*29,m|L"`` on 16 ranks is 32 stages: the
 embedding and 3 layers on stage 0, two layers on each of stages 1-29, the MTP layer on stage 30
 and the loss on stage 31.
 
@@ -34,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
+
+from core.pipeline_parallel.placement import Placement
 
 __all__ = ["PipelineLayout", "even_layout", "parse_layout", "parse_stages"]
 
@@ -244,6 +249,9 @@ class PipelineLayout:
     pp_size: int
     """Pipeline-model-parallel size: the number of ranks the stages are dealt to."""
 
+    placement: str = "loop"
+    """How stages are dealt to ranks: "loop" (Megatron, stage s on rank s % pp) or "v" (ZBV)."""
+
     def __post_init__(self) -> None:
         stages = tuple(tuple(stage) for stage in self.stages)
         object.__setattr__(self, "stages", stages)
@@ -256,6 +264,7 @@ class PipelineLayout:
                 f"{len(stages)} pipeline stages are not a positive multiple of "
                 f"pipeline-model-parallel size {self.pp_size}"
             )
+        Placement(self.pp_size, len(stages) // self.pp_size, self.placement)  # checks the placement
 
         def fail(message: str) -> NoReturn:
             raise ValueError(f"pipeline layout '{self.to_string()}': {message}")
@@ -270,6 +279,11 @@ class PipelineLayout:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def stage_placement(self) -> Placement:
+        """Stage <-> (pp_rank, vpp_rank) of this layout."""
+        return Placement(self.pp_size, self.vpp_size, self.placement)
 
     @property
     def num_decoder_layers(self) -> int:
@@ -293,7 +307,7 @@ class PipelineLayout:
             vpp_rank = 0
         if not 0 <= vpp_rank < self.vpp_size:
             raise ValueError(f"vpp_rank {vpp_rank} is out of range for virtual pipeline size {self.vpp_size}")
-        return vpp_rank * self.pp_size + pp_rank
+        return self.stage_placement.stage(pp_rank, vpp_rank)
 
     def stage_layers(self, pp_rank: int, vpp_rank: int | None = None) -> list[str]:
         """The symbols of that stage, in order."""
@@ -346,7 +360,7 @@ class PipelineLayout:
         rows: list[tuple[int, int, list[str]]] = []  # first rank, last rank, cells
         for pp in range(self.pp_size):
             cells = [
-                self._compact(self.stages[v * self.pp_size + pp]) or "(empty)" for v in range(self.vpp_size)
+                self._compact(self.stages[self.stage_index(pp, v)]) or "(empty)" for v in range(self.vpp_size)
             ]
             if rows and rows[-1][2] == cells:
                 rows[-1] = (rows[-1][0], pp, cells)
@@ -361,7 +375,8 @@ class PipelineLayout:
         ]
         head = (
             f"PipelineLayout: pp_size={self.pp_size}, vpp_size={self.vpp_size}, "
-            f"{self.num_stages} stages, {self.num_decoder_layers} decoder layers"
+            + ("V placement, " if self.placement == "v" else "")
+            + f"{self.num_stages} stages, {self.num_decoder_layers} decoder layers"
         )
         return "\n".join([head] + lines)
 
@@ -385,11 +400,13 @@ def parse_layout(
     vpp_size: int | None = None,
     num_layers: int | None = None,
     mtp_num_layers: int | None = None,
+    placement: str = "loop",
 ) -> PipelineLayout:
     """Parse and validate a ``--pipeline-model-parallel-layout`` string as Megatron does.
 
     ``vpp_size=None`` infers the virtual size from the number of stages; a given one must agree,
     since the layout already fixes it. ``num_layers`` / ``mtp_num_layers`` are checked when given.
+    ``placement="v"`` deals the stages to ranks in a V (ZBV), which needs 2 stages per rank.
     """
     _check_size("pipeline-model-parallel size", pp_size)
     if vpp_size is not None:
@@ -407,18 +424,26 @@ def parse_layout(
             f"{len(stages)} stages on pipeline-model-parallel size {pp_size} make {detected} virtual "
             f"stages per rank, but virtual pipeline size {vpp_size} was given"
         )
+    if placement == "v" and detected != 2:
+        parser.fail(
+            f"the V placement (ZBV) needs 2 stages per pipeline rank, i.e. {2 * pp_size} stages, "
+            f"got {len(stages)}"
+        )
     _check_rules(stages, pp_size, num_layers, mtp_num_layers, parser.fail)
-    return PipelineLayout(tuple(tuple(sym for sym, _ in stage) for stage in stages), pp_size)
+    return PipelineLayout(tuple(tuple(sym for sym, _ in stage) for stage in stages), pp_size, placement)
 
 
-def even_layout(num_layers: int, pp_size: int, vpp_size: int | None = None) -> PipelineLayout:
+def even_layout(
+    num_layers: int, pp_size: int, vpp_size: int | None = None, placement: str = "loop"
+) -> PipelineLayout:
     """The split used when no layout string is given.
 
     The embedding goes on the first stage (pp_rank 0, vpp_rank 0) and the loss on the last
     (pp_rank pp_size-1, vpp_rank vpp_size-1). The ``num_layers`` decoder layers are dealt to the
     ``pp_size * vpp_size`` stages in stage order, ``num_layers // stages`` each, and the remainder
     one apiece to the earliest stages: 7 layers on 4 stages give 2, 2, 2, 1. No layer is dropped;
-    with fewer layers than stages the last stages are empty, which is legal.
+    with fewer layers than stages the last stages are empty, which is legal. Under the V placement
+    (``placement="v"``) the first and last stage are both on pp_rank 0.
     """
     _check_size("pipeline-model-parallel size", pp_size)
     vpp = 1 if vpp_size is None else vpp_size
@@ -430,4 +455,4 @@ def even_layout(num_layers: int, pp_size: int, vpp_size: int | None = None) -> P
     stages = [[DECODER] * (base + (s < extra)) for s in range(num_stages)]
     stages[0].insert(0, EMBEDDING)
     stages[-1].append(LOSS)
-    return PipelineLayout(tuple(tuple(stage) for stage in stages), pp_size)
+    return PipelineLayout(tuple(tuple(stage) for stage in stages), pp_size, placement)

@@ -1,80 +1,99 @@
-"""Point-to-point messages between neighbouring pipeline stages.
+"""Point-to-point messages between pipeline stages: the links, and Megatron's ``P2PCommunicator`` on them.
 
-Every exchange is one ``batch_isend_irecv`` of ``P2POp``s, never a bare blocking send/recv.
+``PipelineLinks`` is this rank's end of every directed link to a pipeline neighbour. Each link has
+its own two-rank process group (:func:`core.parallel_state.initialize_model_parallel` creates
+them), and every message is its own ``batch_isend_irecv`` on its link, never a bare blocking
+send/recv. NCCL runs one group's operations in order and a send completes only once its receive is
+posted; on its own link a message waits only for the messages before it on that link, which the
+two ends post in the same order. The executor and ``P2PCommunicator`` both post through here.
 
-Keeping activations and gradients apart. With PP=2 and virtual stages the previous and the next
-stage are the same rank, so one batch can carry an activation *and* a gradient to the same peer.
-gloo matches messages between two ranks by tag, then by arrival order; NCCL ignores tags and
-matches by order alone. Megatron posts "send to prev" before "send to next" but "recv from prev"
-before "recv from next", so on the receiving side the activation lands in the gradient buffer and
-the other way round — same shapes, no error, wrong training. Here every batch is put in one
-canonical order, the same on both sides: per peer, activations before gradients, shapes before
-data (``_ORDER``). The message kind also travels as the tag, so gloo could not confuse them even
-if the order were broken.
-
-``TRIDENT_P2P_VERBOSE=1`` logs every operation with rank, peer, kind and shape: the cheapest hang
-debugger there is.
+The message kind and part also travel as the gloo tag (activation/gradient x shape/data), so even
+if two messages between the same ranks were ever posted in different orders gloo could not swap
+them. ``TRIDENT_P2P_VERBOSE=1`` logs every operation with rank, peer, kind and shape: the cheapest
+hang debugger there is.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from core.device import current_device
 from core.model_parallel_config import ModelParallelConfig
-from core.parallel_state import ACTIVATION, GRADIENT
+from core.pipeline_parallel.lowering import ACTIVATION, GRADIENT
 
-# Canonical position of a message within a batch between two ranks; also its gloo tag.
-_ORDER = {(ACTIVATION, "shape"): 1, (ACTIVATION, "data"): 2, (GRADIENT, "shape"): 3, (GRADIENT, "data"): 4}
+_TAG = {(ACTIVATION, "shape"): 1, (ACTIVATION, "data"): 2, (GRADIENT, "shape"): 3, (GRADIENT, "data"): 4}
 _VERBOSE = os.environ.get("TRIDENT_P2P_VERBOSE", "0") not in ("", "0")
 
 Shape = Sequence[int] | torch.Size
+Link = tuple[int, int]  # (source pp rank, destination pp rank)
 
 
-@dataclass
-class P2PMessage:
-    """One operation of a batch: send or receive ``tensor`` to/from global rank ``peer``."""
+class PipelineLinks:
+    """This rank's directed links: ``groups[(src, dst)]`` is the two-rank group of pp ranks src -> dst.
 
-    is_send: bool
-    tensor: torch.Tensor
-    peer: int
-    kind: str = ACTIVATION  # ACTIVATION travels forward, GRADIENT backward
-    part: str = "data"  # "shape" messages precede "data" ones when shapes vary
-    label: str = ""  # for verbose logs, e.g. "mb 3 chunk 1"
+    ``record(link, is_send, peer, key)`` is called for every post, in posting order (for tests and
+    timelines). With ``groups`` None every link is ``shared_group`` itself: one stream per rank,
+    right on gloo but not NCCL-safe when receives are posted ahead (see ``core.parallel_state``).
+    """
+
+    def __init__(
+        self,
+        pp_rank: int,
+        global_ranks: Sequence[int],
+        groups: Mapping[Link, dist.ProcessGroup] | None,
+        shared_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.pp_rank, self.global_ranks = pp_rank, list(global_ranks)
+        self.groups, self.shared_group = groups, shared_group
+        self.record: Callable[[Link, bool, int, object], None] | None = None
+
+    @classmethod
+    def from_parallel_state(cls) -> PipelineLinks:
+        """The links of this rank's pipeline, as ``initialize_model_parallel`` set them up."""
+        from core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        return cls(
+            ps.get_pipeline_model_parallel_rank(),
+            dist.get_process_group_ranks(group),
+            ps.get_pipeline_model_parallel_channel_groups(),
+        )
 
     @property
-    def tag(self) -> int:
-        return _ORDER[(self.kind, self.part)]
+    def pp_size(self) -> int:
+        return len(self.global_ranks)
 
-
-def post_batch(messages: list[P2PMessage], group: dist.ProcessGroup | None) -> list[dist.Work]:
-    """Post ``messages`` as one batch, in the order given; returns the requests to wait on."""
-    if not messages:
-        return []
-    if _VERBOSE:
-        me = dist.get_rank()
-        for m in messages:
+    def post(
+        self,
+        is_send: bool,
+        peer: int,
+        tensor: torch.Tensor,
+        kind: str,
+        part: str = "data",
+        key: object = None,
+    ) -> dist.Work:
+        """Post one send to, or receive from, pipeline rank ``peer`` on their link; returns its request."""
+        link = (self.pp_rank, peer) if is_send else (peer, self.pp_rank)
+        group = self.shared_group if self.groups is None else self.groups[link]
+        if self.record is not None:
+            self.record(link, is_send, peer, key)
+        if _VERBOSE:
             print(
-                f"[p2p rank {me}] {'send' if m.is_send else 'recv'} {m.kind}/{m.part} "
-                f"{'->' if m.is_send else '<-'} {m.peer} {tuple(m.tensor.shape)} {m.label}",
+                f"[p2p rank {dist.get_rank()}] {'send' if is_send else 'recv'} {kind}/{part} "
+                f"{'->' if is_send else '<-'} {self.global_ranks[peer]} {tuple(tensor.shape)} {key or ''}",
                 file=sys.stderr,
                 flush=True,
             )
-    ops = [
-        dist.P2POp(dist.isend if m.is_send else dist.irecv, m.tensor, m.peer, group, m.tag) for m in messages
-    ]
-    return dist.batch_isend_irecv(ops)
-
-
-def canonical_order(messages: list[P2PMessage]) -> list[P2PMessage]:
-    """Sort a batch so both sides of every rank pair post their operations in the same order."""
-    return sorted(messages, key=lambda m: (m.peer, m.tag))
+        op = dist.isend if is_send else dist.irecv
+        (work,) = dist.batch_isend_irecv(
+            [dist.P2POp(op, tensor, self.global_ranks[peer], group, _TAG[(kind, part)])]
+        )
+        return work
 
 
 def is_single_shape(x) -> bool:
@@ -87,10 +106,14 @@ def is_single_shape(x) -> bool:
 
 
 class P2PCommunicator:
-    """Megatron's pipeline point-to-point API over one pipeline process group.
+    """Megatron's pipeline point-to-point API, posting on the same links as the executor.
 
     ``is_first_stage``/``is_last_stage`` arguments say whether this chunk has a neighbour on that
-    side (with virtual stages the ring wraps around: the last rank's next is rank 0).
+    side (with virtual stages the ring wraps around: the last rank's next is rank 0). Each call
+    posts its messages in one canonical order, the same on both ends: activations before gradients,
+    shapes before data. So with PP=2, where the previous and the next rank are the same, an
+    activation and a gradient can never land in each other's buffer (Megatron's batched order can
+    make that happen on gloo; a test shows it).
     """
 
     def __init__(self, pp_group: dist.ProcessGroup, config: ModelParallelConfig):
@@ -102,6 +125,7 @@ class P2PCommunicator:
         self.next_rank = ranks[(me + 1) % len(ranks)]
         self.prev_rank = ranks[(me - 1) % len(ranks)]
         self.device = current_device()
+        self.links = PipelineLinks(me, ranks, _channels_of(pp_group), shared_group=pp_group)
 
     # -- the one primitive ------------------------------------------------------------------
     def communicate(
@@ -114,7 +138,7 @@ class P2PCommunicator:
         tensor_shape: Shape | None,
         wait_on_reqs: bool = True,
     ):
-        """Send/receive with both neighbours in one batch; returns (from_prev, from_next, requests).
+        """Send/receive with both neighbours; returns (from_prev, from_next, requests).
 
         Sends to next and receives from prev are activations; the other two are gradients.
         """
@@ -129,16 +153,18 @@ class P2PCommunicator:
             raise ValueError("tensor_shape is required to receive when config.variable_seq_lengths is False")
         from_prev = self._empty(prev_shape) if recv_prev else None
         from_next = self._empty(next_shape) if recv_next else None
-        messages = []
-        if tensor_send_next is not None:
-            messages.append(P2PMessage(True, tensor_send_next.contiguous(), self.next_rank, ACTIVATION))
-        if from_prev is not None:
-            messages.append(P2PMessage(False, from_prev, self.prev_rank, ACTIVATION))
-        if tensor_send_prev is not None:
-            messages.append(P2PMessage(True, tensor_send_prev.contiguous(), self.prev_rank, GRADIENT))
-        if from_next is not None:
-            messages.append(P2PMessage(False, from_next, self.next_rank, GRADIENT))
-        reqs = post_batch(canonical_order(messages), self.pp_group)
+        nxt, prev = (self.pp_rank + 1) % self.pp_size, (self.pp_rank - 1) % self.pp_size
+        planned = [  # the canonical order: activations, then gradients
+            (True, nxt, tensor_send_next, ACTIVATION),
+            (False, prev, from_prev, ACTIVATION),
+            (True, prev, tensor_send_prev, GRADIENT),
+            (False, nxt, from_next, GRADIENT),
+        ]
+        reqs = [
+            self.links.post(is_send, peer, t.contiguous() if is_send else t, kind)
+            for is_send, peer, t, kind in planned
+            if t is not None
+        ]
         if wait_on_reqs:
             for req in reqs:
                 req.wait()
@@ -158,17 +184,16 @@ class P2PCommunicator:
 
         prev_buf = torch.empty(3, dtype=torch.int64, device=self.device) if recv_prev else None
         next_buf = torch.empty(3, dtype=torch.int64, device=self.device) if recv_next else None
-        messages = []
-        if send_next is not None:
-            messages.append(P2PMessage(True, shape_of(send_next), self.next_rank, ACTIVATION, "shape"))
-        if prev_buf is not None:
-            messages.append(P2PMessage(False, prev_buf, self.prev_rank, ACTIVATION, "shape"))
-        if send_prev is not None:
-            messages.append(P2PMessage(True, shape_of(send_prev), self.prev_rank, GRADIENT, "shape"))
-        if next_buf is not None:
-            messages.append(P2PMessage(False, next_buf, self.next_rank, GRADIENT, "shape"))
-        for req in post_batch(canonical_order(messages), self.pp_group):
-            req.wait()
+        nxt, prev = (self.pp_rank + 1) % self.pp_size, (self.pp_rank - 1) % self.pp_size
+        planned = [
+            (True, nxt, None if send_next is None else shape_of(send_next), ACTIVATION),
+            (False, prev, prev_buf, ACTIVATION),
+            (True, prev, None if send_prev is None else shape_of(send_prev), GRADIENT),
+            (False, nxt, next_buf, GRADIENT),
+        ]
+        for is_send, peer, t, kind in planned:
+            if t is not None:
+                self.links.post(is_send, peer, t, kind, "shape").wait()
         return (None if prev_buf is None else prev_buf.tolist()), (
             None if next_buf is None else next_buf.tolist()
         )
@@ -178,81 +203,53 @@ class P2PCommunicator:
         """Receive the input activation from the previous stage (None on the first stage)."""
         if is_first_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._each(
-            tensor_shapes,
-            lambda s: self.communicate(
-                tensor_send_next=None, tensor_send_prev=None, recv_prev=True, recv_next=False, tensor_shape=s
-            )[0],
-        )
+        return self._each(tensor_shapes, lambda s: self._talk(recv_prev=True, tensor_shape=s)[0])
 
     def recv_backward(self, tensor_shapes, is_last_stage: bool):
         """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
         if is_last_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._each(
-            tensor_shapes,
-            lambda s: self.communicate(
-                tensor_send_next=None, tensor_send_prev=None, recv_prev=False, recv_next=True, tensor_shape=s
-            )[1],
-        )
+        return self._each(tensor_shapes, lambda s: self._talk(recv_next=True, tensor_shape=s)[1])
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
         """Send this stage's output to the next stage (nothing on the last stage)."""
         if not is_last_stage:
             for t in _as_list(output_tensors):
-                self.communicate(
-                    tensor_send_next=t,
-                    tensor_send_prev=None,
-                    recv_prev=False,
-                    recv_next=False,
-                    tensor_shape=None,
-                )
+                self._talk(tensor_send_next=t)
 
     def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
         """Send the gradient of this stage's input to the previous stage (nothing on the first stage)."""
         if not is_first_stage:
             for t in _as_list(input_tensor_grads):
-                self.communicate(
-                    tensor_send_next=None,
-                    tensor_send_prev=t,
-                    recv_prev=False,
-                    recv_next=False,
-                    tensor_shape=None,
-                )
+                self._talk(tensor_send_prev=t)
 
     def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
-        """Send the output forward and receive its gradient back, in one batch."""
+        """Send the output forward and receive its gradient back."""
         if is_last_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
         return self._zip(
             output_tensors,
             tensor_shapes,
-            lambda t, s: self.communicate(
-                tensor_send_next=t, tensor_send_prev=None, recv_prev=False, recv_next=True, tensor_shape=s
-            )[1],
+            lambda t, s: self._talk(tensor_send_next=t, recv_next=True, tensor_shape=s)[1],
         )
 
     def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
-        """Send the input gradient back and receive the next input, in one batch."""
+        """Send the input gradient back and receive the next input."""
         if is_first_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
         return self._zip(
             input_tensor_grads,
             tensor_shapes,
-            lambda t, s: self.communicate(
-                tensor_send_next=None, tensor_send_prev=t, recv_prev=True, recv_next=False, tensor_shape=s
-            )[0],
+            lambda t, s: self._talk(tensor_send_prev=t, recv_prev=True, tensor_shape=s)[0],
         )
 
     def send_forward_recv_forward(
         self, output_tensor, recv_prev: bool, tensor_shape, overlap_p2p_comm: bool = False
     ):
         """Send to the next stage and receive from the previous one (interleaved schedules)."""
-        from_prev, _, reqs = self.communicate(
+        from_prev, _, reqs = self._talk(
             tensor_send_next=output_tensor,
-            tensor_send_prev=None,
             recv_prev=recv_prev,
-            recv_next=False,
             tensor_shape=tensor_shape,
             wait_on_reqs=not overlap_p2p_comm,
         )
@@ -262,10 +259,8 @@ class P2PCommunicator:
         self, input_tensor_grad, recv_next: bool, tensor_shape, overlap_p2p_comm: bool = False
     ):
         """Send a gradient to the previous stage and receive one from the next (interleaved schedules)."""
-        _, from_next, reqs = self.communicate(
-            tensor_send_next=None,
+        _, from_next, reqs = self._talk(
             tensor_send_prev=input_tensor_grad,
-            recv_prev=False,
             recv_next=recv_next,
             tensor_shape=tensor_shape,
             wait_on_reqs=not overlap_p2p_comm,
@@ -276,7 +271,7 @@ class P2PCommunicator:
         self, output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool, tensor_shape
     ):
         """All four at once: returns (input from prev, output gradient from next)."""
-        from_prev, from_next, _ = self.communicate(
+        from_prev, from_next, _ = self._talk(
             tensor_send_next=output_tensor,
             tensor_send_prev=input_tensor_grad,
             recv_prev=recv_prev,
@@ -284,6 +279,25 @@ class P2PCommunicator:
             tensor_shape=tensor_shape,
         )
         return from_prev, from_next
+
+    def _talk(
+        self,
+        *,
+        tensor_send_next=None,
+        tensor_send_prev=None,
+        recv_prev=False,
+        recv_next=False,
+        tensor_shape=None,
+        wait_on_reqs=True,
+    ):
+        return self.communicate(
+            tensor_send_next=tensor_send_next,
+            tensor_send_prev=tensor_send_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+            wait_on_reqs=wait_on_reqs,
+        )
 
     @staticmethod
     def _each(tensor_shapes, fn):
@@ -296,6 +310,15 @@ class P2PCommunicator:
         if is_single_shape(tensor_shapes):
             return fn(tensors, tensor_shapes)
         return [fn(t, s) for t, s in zip(tensors, tensor_shapes)]
+
+
+def _channels_of(pp_group: dist.ProcessGroup) -> Mapping[Link, dist.ProcessGroup] | None:
+    """parallel_state's link groups when ``pp_group`` is its pipeline group, else None (no links)."""
+    from core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_group() is pp_group:
+        return ps.get_pipeline_model_parallel_channel_groups()
+    return None
 
 
 def _as_list(x) -> list:

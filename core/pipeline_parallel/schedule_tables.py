@@ -1,39 +1,65 @@
 """Pipeline schedules as data: each rank's ordered list of compute actions.
 
 A table is a pure function of ``(pp_size, vpp_size, num_microbatches, pp_rank)``. Nothing here
-talks to another process: the executor runs the tables, the simulator times them and checks them
-for deadlocks, and the timeline plot draws them.
+talks to another process: :mod:`~core.pipeline_parallel.lowering` adds the sends and receives,
+the executor runs the result, the simulator times it and checks it for deadlocks, and the
+timeline draws it.
 
-Stage numbering follows Megatron's virtual pipeline: stage ``s`` lives on ``pp_rank = s % pp_size``
-as model chunk ``s // pp_size``, so activations travel rank 0 -> 1 -> ... -> pp-1 -> 0 (next chunk).
+Actions name a model chunk of this rank, not a stage; :mod:`~core.pipeline_parallel.placement`
+says which stage a chunk is (Megatron's loop for every schedule but ZBV, whose V puts the last
+stage next to the first).
+
+Backward comes whole (``B``) or split in two for the zero-bubble schedules (Qi et al., "Zero
+Bubble Pipeline Parallelism", ICLR 2024): ``I``, the gradient of the stage's input, which the
+previous stage is waiting for, and ``W``, the gradient of its weights, which nobody waits for and
+so can fill what would otherwise be idle time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections import Counter
+from enum import Enum
+from typing import NamedTuple
 
-Kind = Literal["F", "B"]
+
+class ActionKind(str, Enum):
+    """What an action does. Compute: forward, fused backward, input-gradient, weight-gradient.
+    Communication (added by lowering): post a send or a receive of an activation (``_F``) or of a
+    gradient (``_B``)."""
+
+    F = "F"
+    B = "B"
+    I = "I"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __str__(self) -> str:
+        return self.value
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One computation on one rank: forward ("F") or backward ("B") of a microbatch on a chunk."""
+# The members as module constants: attribute lookups on an Enum class are slow, and the simulator
+# and the lowering ask about kinds millions of times in the deadlock sweep.
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+COMPUTE = frozenset((F, B, I, W))
 
-    kind: Kind
+
+class Action(NamedTuple):
+    """One step of a rank's table: ``kind`` on ``microbatch`` with this rank's model chunk ``chunk``.
+
+    Its text form is PyTorch's: ``1F3`` is chunk 1, forward, microbatch 3; ``0SEND_B2`` posts the
+    send of chunk 0's input gradient for microbatch 2.
+    """
+
+    kind: ActionKind
     microbatch: int
     chunk: int = 0
 
-    def __str__(self) -> str:  # "1F3": chunk 1, forward, microbatch 3 (PyTorch's notation)
-        return f"{self.chunk}{self.kind}{self.microbatch}"
-
-
-def stage_of(pp_rank: int, chunk: int, pp_size: int) -> int:
-    return chunk * pp_size + pp_rank
-
-
-def rank_and_chunk(stage: int, pp_size: int) -> tuple[int, int]:
-    return stage % pp_size, stage // pp_size
+    def __str__(self) -> str:
+        return f"{self.chunk}{self.kind.value}{self.microbatch}"
 
 
 def _check_sizes(pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int) -> None:
@@ -45,15 +71,20 @@ def _check_sizes(pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: in
         raise ValueError(f"pp_rank {pp_rank} is outside the pipeline of size {pp_size}")
 
 
+def _forwards_only(table: list[Action]) -> list[Action]:
+    """A table's forwards in its order: forwards never wait for a backward, so this cannot deadlock."""
+    return [a for a in table if a.kind == F]
+
+
 def gpipe_table(
     pp_size: int, num_microbatches: int, pp_rank: int, forward_only: bool = False
 ) -> list[Action]:
     """All forwards, then all backwards (GPipe): simple, holds every microbatch's activations."""
     _check_sizes(pp_size, 1, num_microbatches, pp_rank)
-    forwards = [Action("F", mb) for mb in range(num_microbatches)]
+    forwards = [Action(F, mb) for mb in range(num_microbatches)]
     if forward_only:
         return forwards
-    return forwards + [Action("B", mb) for mb in range(num_microbatches)]
+    return forwards + [Action(B, mb) for mb in range(num_microbatches)]
 
 
 def one_f_one_b_table(
@@ -67,13 +98,13 @@ def one_f_one_b_table(
     """
     _check_sizes(pp_size, 1, num_microbatches, pp_rank)
     if forward_only:
-        return [Action("F", mb) for mb in range(num_microbatches)]
+        return [Action(F, mb) for mb in range(num_microbatches)]
     m = num_microbatches
     warmup = min(pp_size - pp_rank - 1, m)
-    table = [Action("F", mb) for mb in range(warmup)]  # warm-up
+    table = [Action(F, mb) for mb in range(warmup)]  # warm-up
     for i in range(m - warmup):  # steady state
-        table += [Action("F", warmup + i), Action("B", i)]
-    table += [Action("B", mb) for mb in range(m - warmup, m)]  # cool-down
+        table += [Action(F, warmup + i), Action(B, i)]
+    table += [Action(B, mb) for mb in range(m - warmup, m)]  # cool-down
     return table
 
 
@@ -142,10 +173,10 @@ def interleaved_table(
     _check_sizes(pp_size, vpp_size, num_microbatches, pp_rank)
     n = check_interleaving(pp_size, vpp_size, num_microbatches, microbatch_group_size)
     order = interleaved_order(num_microbatches, vpp_size, n)
-    forwards = [Action("F", mb, chunk) for mb, chunk in order]
+    forwards = [Action(F, mb, chunk) for mb, chunk in order]
     if forward_only:
         return forwards
-    backwards = [Action("B", mb, vpp_size - 1 - chunk) for mb, chunk in order]
+    backwards = [Action(B, mb, vpp_size - 1 - chunk) for mb, chunk in order]
     total = len(order)
     if num_microbatches == pp_size:
         warmup = total
@@ -158,6 +189,92 @@ def interleaved_table(
     return table
 
 
+def zero_bubble_table(
+    pp_size: int,
+    vpp_size: int,
+    num_microbatches: int,
+    pp_rank: int,
+    microbatch_group_size: int | None = None,
+    forward_only: bool = False,
+) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024): 1F1B with each backward split into I and W, the W's run late.
+
+    Warm-up: ``pp - r - 1`` forwards, as in 1F1B. Then for every backward step k: a forward (while
+    any are left), the input gradient ``I`` of step k, and the weight gradient ``W`` of step
+    ``k - r``. Rank r runs each W r steps late; the last r W's fill the cool-down, where 1F1B idles.
+    Every rank holds at most ``pp`` microbatches (1F1B's peak, on rank 0), and with equal F, I and
+    W costs the bubble shrinks from 1F1B's ``3 (pp - 1)`` units to ``pp - 1``.
+
+    With ``vpp_size > 1`` the same recipe runs on Megatron's interleaved order (an interleaved
+    zero-bubble schedule), with warm-up ``pp - r - 1 + (v - 1) N``.
+    """
+    _check_sizes(pp_size, vpp_size, num_microbatches, pp_rank)
+    n = check_interleaving(pp_size, vpp_size, num_microbatches, microbatch_group_size)
+    order = interleaved_order(num_microbatches, vpp_size, n)
+    forwards = [Action(F, mb, chunk) for mb, chunk in order]
+    if forward_only:
+        return forwards
+    inputs = [Action(I, mb, vpp_size - 1 - chunk) for mb, chunk in order]
+    weights = [Action(W, mb, vpp_size - 1 - chunk) for mb, chunk in order]
+    total = len(order)
+    warmup = min(pp_size - pp_rank - 1 + (vpp_size - 1) * n, total)
+    table = forwards[:warmup]  # warm-up
+    for k in range(total):  # steady state, then cool-down once the forwards run out
+        if warmup + k < total:
+            table.append(forwards[warmup + k])
+        table.append(inputs[k])
+        if k >= pp_rank:
+            table.append(weights[k - pp_rank])
+    return table + weights[max(total - pp_rank, 0) :]  # the late weight gradients
+
+
+def zbv_table(pp_size: int, num_microbatches: int, pp_rank: int, forward_only: bool = False) -> list[Action]:
+    """ZB-V (Qi et al. 2024, section 6): two chunks per rank in a V, F = I = W fill every slot.
+
+    Rank r holds stage r (chunk 0) and stage ``2 pp - 1 - r`` (chunk 1). The table is planned for a
+    full pipeline of ``max(m, 2 pp - 1)`` microbatches, and actions on microbatches that do not
+    exist are dropped. Peak: ``2 pp`` chunk activations, 1F1B's ``pp`` microbatches.
+    """
+    _check_sizes(pp_size, 2, num_microbatches, pp_rank)
+    planned = max(num_microbatches, 2 * pp_size - 1)
+    done: Counter = Counter()
+    table: list[Action] = []
+
+    def run(kind: ActionKind, chunk: int, times: int = 1) -> None:
+        for _ in range(times):
+            table.append(Action(kind, done[kind, chunk], chunk))
+            done[kind, chunk] += 1
+
+    run(F, 0, 2 * (pp_size - pp_rank) - 1)  # down the first leg of the V
+    for _ in range(pp_rank):
+        run(F, 1)
+        run(F, 0)
+    for _ in range(pp_size - pp_rank):  # the first backwards reach this rank's second chunk
+        run(F, 1)
+        run(I, 1)
+        run(W, 1)
+    while done[F, 1] < done[F, 0] or done[F, 0] < planned:  # steady: F, I, W on each chunk
+        if done[F, 0] < planned:
+            run(F, 0)
+        for kind in (I, W):
+            run(kind, 0)
+        for kind in (F, I, W):
+            run(kind, 1)
+    for _ in range(pp_rank):  # cool-down: input gradients first, they free the ranks upstream ...
+        run(I, 0)
+        run(I, 1)
+    for _ in range(pp_size - pp_rank):
+        run(I, 0)
+        run(W, 0)
+    run(W, 1, done[I, 1] - done[W, 1])  # ... the weight gradients fill the rest
+    run(W, 0, done[I, 0] - done[W, 0])
+    table = [a for a in table if a.microbatch < num_microbatches]
+    return _forwards_only(table) if forward_only else table
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+
+
 def build_table(
     schedule: str,
     pp_size: int,
@@ -168,7 +285,25 @@ def build_table(
     microbatch_group_size: int | None = None,
     forward_only: bool = False,
 ) -> list[Action]:
-    """The table of ``schedule`` ("gpipe", "1f1b" or "interleaved") for one rank."""
+    """The compute table of ``schedule`` for one rank.
+
+    ``"1f1b"`` with ``vpp_size > 1`` is interleaved 1F1B (also reachable as ``"interleaved"``),
+    ``"zb-h1"`` with ``vpp_size > 1`` the interleaved zero-bubble schedule; ``"zbv"`` needs
+    ``vpp_size == 2`` and the V placement.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
+    if schedule == "zbv":
+        if vpp_size != 2:
+            raise ValueError(
+                f"the ZBV schedule runs exactly 2 virtual stages per pipeline rank (a V), got {vpp_size}; "
+                "set virtual_pipeline_model_parallel_size=2"
+            )
+        return zbv_table(pp_size, num_microbatches, pp_rank, forward_only)
+    if schedule == "zb-h1":
+        return zero_bubble_table(
+            pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only
+        )
     if schedule == "interleaved" or vpp_size > 1:
         if schedule == "gpipe":
             raise ValueError(
@@ -180,9 +315,7 @@ def build_table(
         )
     if schedule == "gpipe":
         return gpipe_table(pp_size, num_microbatches, pp_rank, forward_only)
-    if schedule == "1f1b":
-        return one_f_one_b_table(pp_size, num_microbatches, pp_rank, forward_only)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; expected 'gpipe', '1f1b' or 'interleaved'")
+    return one_f_one_b_table(pp_size, num_microbatches, pp_rank, forward_only)
 
 
 def build_tables(

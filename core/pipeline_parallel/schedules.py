@@ -5,19 +5,26 @@
                                    num_microbatches=8, seq_length=512, micro_batch_size=2)
 
 Every check runs before any communication, on every rank, so bad input fails at once with one
-message instead of hanging a peer.
+message instead of hanging a peer. Each entry builds this rank's complete table (compute tables of
+every rank, lowered once and cached) and hands it to the executor. Besides Megatron's keywords the
+entries take ``schedule_hooks=`` (a :class:`~core.pipeline_parallel.hooks.ScheduleHooks`; default:
+read from the first chunk's config) and ``record=`` (a ``ScheduleRecord`` to fill).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from core.pipeline_parallel.executor import ScheduleRecord, StepContext, run_table
-from core.pipeline_parallel.p2p_communication import P2PCommunicator
-from core.pipeline_parallel.schedule_tables import build_tables
+from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
+from core.pipeline_parallel.losses import LossLogs
+from core.pipeline_parallel.lowering import lower
+from core.pipeline_parallel.p2p_communication import P2PCommunicator, PipelineLinks
+from core.pipeline_parallel.placement import placement_for
+from core.pipeline_parallel.schedule_tables import Action, build_tables
 
 Model = torch.nn.Module | list[torch.nn.Module]
 DataIterator = Iterator | None | list[Iterator | None]
@@ -26,9 +33,10 @@ DataIterator = Iterator | None | list[Iterator | None]
 def get_forward_backward_func() -> Callable:
     """The schedule for the current parallel state, as Megatron picks it.
 
-    A virtual size > 1: interleaved 1F1B (also at PP = 1, where the chunks hand over locally);
-    otherwise PP = 1: no pipelining; PP > 1: 1F1B, or GPipe when the model's
-    ``config.pipeline_schedule`` is "gpipe".
+    A virtual size > 1: the interleaved entry (also at PP = 1, where the chunks hand over
+    locally), which runs interleaved 1F1B, the interleaved zero-bubble schedule or ZBV as the
+    model's ``config.pipeline_schedule`` says; otherwise PP = 1: no pipelining; PP > 1: 1F1B, GPipe
+    or ZB-H1.
     """
     from core import parallel_state
 
@@ -80,9 +88,14 @@ def forward_backward_pipelining_without_interleaving(
     forward_only: bool = False,
     **kwargs,
 ) -> list:
-    """1F1B over the pipeline group (GPipe when ``config.pipeline_schedule == "gpipe"``)."""
+    """1F1B over the pipeline group; GPipe or ZB-H1 as ``config.pipeline_schedule`` says."""
     chunks = _single_chunk(model, "forward_backward_pipelining_without_interleaving")
-    schedule = chunks[0].config.pipeline_schedule
+    schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
+    if schedule == "zbv":
+        raise ValueError(
+            "pipeline_schedule='zbv' runs 2 model chunks per rank (a V); use "
+            "forward_backward_pipelining_with_interleaving with virtual_pipeline_model_parallel_size=2"
+        )
     return _run(
         schedule,
         forward_step_func,
@@ -107,14 +120,19 @@ def forward_backward_pipelining_with_interleaving(
     forward_only: bool = False,
     **kwargs,
 ) -> list:
-    """Interleaved 1F1B: ``model`` is this rank's list of chunks, ``data_iterator`` one per chunk."""
+    """Virtual stages: ``model`` is this rank's list of chunks, ``data_iterator`` one per chunk.
+
+    Runs interleaved 1F1B, or with ``config.pipeline_schedule`` "zb-h1" the interleaved zero-bubble
+    schedule, or with "zbv" ZBV (two chunks per rank in a V).
+    """
     chunks = _as_chunks(model)
-    if chunks[0].config.pipeline_schedule == "gpipe":
+    schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
+    if schedule == "gpipe":
         raise ValueError(
             "pipeline_schedule='gpipe' cannot run virtual stages; use '1f1b', which interleaves them"
         )
     return _run(
-        "interleaved",
+        "interleaved" if schedule == "1f1b" else schedule,
         forward_step_func,
         data_iterator,
         chunks,
@@ -145,8 +163,89 @@ def _run(
     first_val_step: bool | None = None,
     p2p_communicator: P2PCommunicator | None = None,
     record: ScheduleRecord | None = None,
+    schedule_hooks: ScheduleHooks | None = None,
     **unsupported,
-) -> list:
+) -> LossLogs:
+    _check_keywords(unsupported, decoder_seq_length, seq_length)
+    del first_val_step  # only meaningful for FP8 weight caching, which Trident does not do
+    settings = ScheduleSettings.from_config(chunks[0].config)
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    iterators = _as_iterators(data_iterator, len(chunks))
+    vpp = len(chunks)
+    if vpp > 1 and settings.virtual_pipeline_size != vpp:
+        raise ValueError(
+            f"model has {vpp} chunks but config.virtual_pipeline_model_parallel_size is "
+            f"{settings.virtual_pipeline_size}"
+        )
+    links = _links(p2p_communicator, pipelined)
+    pp_rank, pp_size = (links.pp_rank, links.pp_size) if links is not None else (0, 1)
+    table = complete_tables(
+        schedule,
+        pp_size,
+        vpp,
+        num_microbatches,
+        microbatch_group_size=settings.microbatch_group_size,
+        forward_only=forward_only,
+        variable_shapes=settings.variable_seq_lengths,
+    )[pp_rank]
+    ctx = StepContext(
+        forward_step_func=forward_step_func,
+        data_iterators=iterators,
+        chunks=chunks,
+        num_microbatches=num_microbatches,
+        settings=settings,
+        hooks=schedule_hooks if schedule_hooks is not None else _hooks_of(chunks),
+        tensor_shape=settings.tensor_shape(seq_length, micro_batch_size),
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        pp_rank=pp_rank,
+        placement=placement_for(schedule, pp_size, vpp),
+        links=links,
+        record=record,
+    )
+    return run_table(list(table), ctx)
+
+
+@functools.lru_cache(maxsize=64)
+def _complete_tables(
+    schedule: str,
+    pp_size: int,
+    vpp_size: int,
+    num_microbatches: int,
+    microbatch_group_size: int | None,
+    forward_only: bool,
+    variable_shapes: bool,
+) -> tuple[tuple[Action, ...], ...]:
+    tables = build_tables(
+        schedule,
+        pp_size,
+        vpp_size,
+        num_microbatches,
+        microbatch_group_size=microbatch_group_size,
+        forward_only=forward_only,
+    )
+    complete = lower(tables, placement_for(schedule, pp_size, vpp_size), variable_shapes=variable_shapes)
+    return tuple(tuple(t) for t in complete)
+
+
+def complete_tables(
+    schedule: str,
+    pp_size: int,
+    vpp_size: int,
+    num_microbatches: int,
+    *,
+    microbatch_group_size: int | None = None,
+    forward_only: bool = False,
+    variable_shapes: bool = False,
+) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's complete table, as the entry points run them (built and lowered once, cached)."""
+    return _complete_tables(
+        schedule, pp_size, vpp_size, num_microbatches, microbatch_group_size, forward_only, variable_shapes
+    )
+
+
+def _check_keywords(unsupported: dict, decoder_seq_length: int | None, seq_length: int) -> None:
     for name, value in unsupported.items():
         if name not in _ACCEPTED_DEFAULTS:
             raise TypeError(f"unexpected keyword argument {name!r} for a forward-backward function")
@@ -159,39 +258,19 @@ def _run(
             f"decoder_seq_length ({decoder_seq_length}) only applies to encoder-decoder models, which "
             "Trident does not have; leave it unset"
         )
-    del first_val_step  # only meaningful for FP8 weight caching, which Trident does not do
-    config = chunks[0].config
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    iterators = _as_iterators(data_iterator, len(chunks))
-    vpp = len(chunks)
-    configured_vpp = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
-    if vpp > 1 and configured_vpp != vpp:
-        raise ValueError(
-            f"model has {vpp} chunks but config.virtual_pipeline_model_parallel_size is {configured_vpp}"
-        )
-    pp_group, pp_rank, pp_size, pp_channels = _pipeline_group(p2p_communicator, pipelined)
-    group_size = getattr(config, "microbatch_group_size_per_vp_stage", None)
-    tables = build_tables(
-        schedule, pp_size, vpp, num_microbatches, microbatch_group_size=group_size, forward_only=forward_only
-    )
-    ctx = StepContext(
-        forward_step_func=forward_step_func,
-        data_iterators=iterators,
-        chunks=chunks,
-        num_microbatches=num_microbatches,
-        config=config,
-        tensor_shape=_tensor_shape(config, seq_length, micro_batch_size),
-        forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data,
-        pp_rank=pp_rank,
-        pp_size=pp_size,
-        pp_group=pp_group,
-        pp_channels=pp_channels,
-        all_tables=tables,
-        record=record,
-    )
-    return run_table(tables[pp_rank], ctx)
+
+
+def _hooks_of(chunks: list[torch.nn.Module]) -> ScheduleHooks:
+    """The first chunk's hooks (Megatron reads model[0].config); other chunks must agree or carry none."""
+    hooks = ScheduleHooks.from_config(chunks[0].config)
+    for index, chunk in enumerate(chunks[1:], start=1):
+        other = ScheduleHooks.from_config(chunk.config)
+        if not other.is_empty() and other != hooks:
+            raise ValueError(
+                f"model chunks 0 and {index} carry different schedule hooks; every chunk must see the "
+                "same ones (put one ScheduleHooks on every chunk's config.schedule_hooks)"
+            )
+    return hooks
 
 
 def _as_chunks(model: Model) -> list[torch.nn.Module]:
@@ -225,25 +304,16 @@ def _as_iterators(data_iterator: DataIterator, num_chunks: int) -> list:
     return [data_iterator] * num_chunks
 
 
-def _pipeline_group(p2p_communicator: P2PCommunicator | None, pipelined: bool):
-    """(pp group, pp rank, pp size, per-link channel groups or None)."""
-    if p2p_communicator is not None:  # the caller's own group: no per-link groups (see executor)
-        return p2p_communicator.pp_group, p2p_communicator.pp_rank, p2p_communicator.pp_size, None
+def _links(p2p_communicator: P2PCommunicator | None, pipelined: bool) -> PipelineLinks | None:
+    """This rank's pipeline links: the caller's communicator's, parallel_state's, or None (one rank)."""
+    if p2p_communicator is not None:
+        return p2p_communicator.links
     if not pipelined:
-        return None, 0, 1, None
+        return None
     from core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return None, 0, 1, None
-    group = parallel_state.get_pipeline_model_parallel_group()
-    size = dist.get_world_size(group)
-    channels = parallel_state.get_pipeline_model_parallel_channel_groups()
-    return group, parallel_state.get_pipeline_model_parallel_rank(), size, channels
-
-
-def _tensor_shape(config, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
-    """[seq, batch, hidden] between stages; the sequence is split over TP with sequence parallelism."""
-    seq = seq_length // getattr(config, "context_parallel_size", 1)
-    if getattr(config, "sequence_parallel", False):
-        seq //= config.tensor_model_parallel_size
-    return seq, micro_batch_size, config.hidden_size
+        return None
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return PipelineLinks.from_parallel_state()

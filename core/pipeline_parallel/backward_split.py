@@ -1,0 +1,198 @@
+"""A stage's backward in two halves, for any ``nn.Module``: input gradient now, weight gradients later.
+
+Zero-bubble schedules send the gradient of a stage's input upstream as soon as they can (``I``) and
+compute the gradients of its weights whenever the rank would otherwise idle (``W``). Both halves
+run on the autograd graph the forward built; nothing is recomputed:
+
+* ``I`` runs ``torch.autograd.grad`` from the stage's output to its input only, graph retained.
+  Autograd then evaluates just the input-gradient path. Where that path meets a weight's branch
+  (the matmul node of a linear layer, the node of a layer norm...) a hook keeps the gradient
+  arriving at that node: the *intermediate* gradients.
+* ``W`` runs ``torch.autograd.backward`` from those nodes, with the kept gradients, into the
+  parameters only. Gradients accumulate into ``.grad`` as in any backward, and every
+  ``register_post_accumulate_grad_hook`` fires, so a data-parallel wrapper that moves gradients
+  into its buckets from those hooks sees a bucket become ready after its W, unchanged.
+
+This is PyTorch's ``stage_backward_input`` / ``stage_backward_weight`` idea (torch.distributed.
+pipelining), with one difference: W accumulates through autograd (``backward(inputs=params)``)
+instead of adding returned gradients by hand, which is what keeps the hooks firing.
+
+Parameters are grouped by the intermediate nodes they reach; each group runs its own W backward so
+that no node between two groups is evaluated twice. Where one intermediate of a group feeds
+another, a hook pins the second's gradient to the kept value so nothing is counted twice. A stage
+whose input needs no gradient (the first stage) has nothing to do in ``I``: its W is the whole
+backward. Gradients are the same numbers a fused backward computes, in the same order, so the
+pipeline stays bit-identical to single-device training (the equivalence tests check it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class _ParamGroup:
+    params: list[torch.nn.Parameter]
+    nodes: list[Node]
+    grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+
+
+@dataclass
+class WeightGradients:
+    """What ``backward_weight`` needs: the parameter groups with their kept gradients, or, for a stage
+    whose input needs no gradient, the whole backward (``roots`` and ``root_grads``)."""
+
+    groups: list[_ParamGroup] = field(default_factory=list)
+    roots: list[GradientEdge] = field(default_factory=list)
+    root_grads: list[torch.Tensor] = field(default_factory=list)
+
+
+def fused_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
+    """The whole backward of a stage (B): from ``output`` into every parameter and the input's ``.grad``.
+
+    Starts from the output's gradient edge, so it works after ``deallocate_output`` replaced the
+    output's data with a placeholder (``torch.autograd.backward(output)`` would check its shape).
+    """
+    if output.grad_fn is None and not output.requires_grad:
+        return
+    grad = torch.ones_like(output) if grad_output is None else grad_output
+    torch.autograd.backward([get_gradient_edge(output)], grad_tensors=[grad])
+
+
+def backward_input(
+    output: torch.Tensor,
+    grad_output: torch.Tensor | None,
+    stage_input: torch.Tensor | None,
+    params: list[torch.nn.Parameter],
+) -> tuple[torch.Tensor | None, WeightGradients]:
+    """``I``: the gradient of ``stage_input`` (None if it needs none) and what ``W`` will need.
+
+    ``grad_output`` None means ``output`` is the loss (the last stage).
+    """
+    grad = torch.ones_like(output) if grad_output is None else grad_output
+    needs_input = stage_input is not None and stage_input.requires_grad
+    if output.grad_fn is None:  # an empty stage returned its input: the gradient passes through
+        return (grad if needs_input and output is stage_input else None), WeightGradients()
+    if not needs_input:
+        return None, WeightGradients(roots=[get_gradient_edge(output)], root_grads=[grad])
+    groups = _param_groups(output.grad_fn, _node_of(stage_input), params)
+    if groups is None:  # the output does not depend on the input
+        weights = WeightGradients(roots=[get_gradient_edge(output)], root_grads=[grad])
+        return torch.zeros_like(stage_input), weights
+    handles = []
+    try:
+        for group in groups:
+            group.grads = [None] * len(group.nodes)
+            for i, node in enumerate(group.nodes):
+                handles.append(node.register_prehook(_keep(group.grads, i)))
+        (input_grad,) = torch.autograd.grad(
+            [get_gradient_edge(output)], [stage_input], [grad], retain_graph=True, allow_unused=True
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    if input_grad is None:
+        input_grad = torch.zeros_like(stage_input)
+    return input_grad, WeightGradients(groups=groups)
+
+
+def backward_weight(weights: WeightGradients) -> None:
+    """``W``: accumulate the parameters' gradients, firing their post-accumulate hooks."""
+    if weights.roots:
+        torch.autograd.backward(weights.roots, grad_tensors=weights.root_grads)
+    for group in weights.groups:
+        edges, grads = [], []
+        for node, kept in zip(group.nodes, group.grads):
+            for i, g in enumerate(kept or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            continue
+        pins = []
+        if len(group.nodes) > 1:  # a kept node fed by another kept node must not add that flow again
+            pins = [node.register_prehook(_pinned(kept)) for node, kept in zip(group.nodes, group.grads)]
+        try:
+            torch.autograd.backward(edges, grad_tensors=grads, inputs=group.params, retain_graph=True)
+        finally:
+            for pin in pins:
+                pin.remove()
+    weights.groups.clear()
+    weights.roots.clear()
+    weights.root_grads.clear()
+
+
+def _keep(store: list, index: int):
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        store[index] = grad_outputs
+
+    return hook
+
+
+def _pinned(kept):
+    def hook(grad_outputs):
+        return kept
+
+    return hook
+
+
+def _node_of(tensor: torch.Tensor) -> Node:
+    """The autograd node a tensor's gradient enters: its grad_fn, or a leaf's accumulator."""
+    return get_gradient_edge(tensor).node
+
+
+def _param_groups(output_node: Node, input_node: Node, params: list[torch.nn.Parameter]):
+    """Parameters grouped by the nodes where their branch joins the input-gradient path.
+
+    None if the output does not depend on the input at all. Nodes keep the order in which they
+    were found from the output, so W runs the same way every time.
+    """
+    consumers: dict[Node, list[Node]] = defaultdict(list)  # the graph with its edges reversed
+    order, queue = {output_node: 0}, deque([output_node])
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is not None:
+                consumers[child].append(node)
+                if child not in order:
+                    order[child] = len(order)
+                    queue.append(child)
+    if input_node not in order:
+        return None
+    on_path, _ = _reachable(input_node, consumers, stop=set())  # every node between input and output
+    groups: list[_ParamGroup] = []
+    for param in params:
+        start = _node_of(param) if param.requires_grad else None
+        if start not in order:
+            continue  # not used by this stage's output: no gradient, as in a fused backward
+        _, joins = _reachable(start, consumers, stop=on_path)
+        touching = [g for g in groups if any(n in joins for n in g.nodes)]
+        merged = _ParamGroup(params=[], nodes=[])
+        for group in touching:
+            merged.params += group.params
+            merged.nodes += group.nodes
+        merged.params.append(param)
+        merged.nodes = sorted(set(merged.nodes) | joins, key=order.__getitem__)
+        groups = [g for g in groups if all(g is not t for t in touching)] + [merged]
+    return groups
+
+
+def _reachable(
+    start: Node, consumers: dict[Node, list[Node]], stop: set[Node]
+) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable forward (towards the output) from ``start`` without entering ``stop``, and the
+    ``stop`` nodes met on the way."""
+    reached, met = {start}, set()
+    queue = deque([start])
+    while queue:
+        for parent in consumers[queue.popleft()]:
+            if parent in stop:
+                met.add(parent)
+            elif parent not in reached:
+                reached.add(parent)
+                queue.append(parent)
+    return reached, met

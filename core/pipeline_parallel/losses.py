@@ -1,0 +1,97 @@
+"""Megatron's loss contract, typed: what ``loss_func`` may return, and how its logs are reduced.
+
+``loss_func(output)`` returns one of two forms, told apart by their length and checked:
+
+* ``(loss, log)``: the microbatch's mean loss. The schedule backpropagates ``loss / microbatches``;
+  every value in ``log`` is one number per microbatch, reported as the mean over microbatches
+  (and data-parallel ranks).
+* ``(loss_sum, num_tokens, log)``: the summed loss and its token count. With
+  ``calculate_per_token_loss`` the schedule backpropagates ``loss_sum`` and gradients are divided by
+  the step's total token count at the end; otherwise ``loss_sum / num_tokens / microbatches``.
+  Every value in ``log`` is a ``(sum, count)`` pair, reported as ``sum(sums) / sum(counts)``.
+
+``log`` may hold any keys ("lm loss" is only a convention). The schedules return the microbatches'
+logs as :class:`LossLogs`, a list that also says which form produced them, and
+:func:`reduce_loss_logs` turns them into one number per key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+class MicrobatchLoss(NamedTuple):
+    """One microbatch's ``loss_func`` result, checked: what to backpropagate, its tokens and its log."""
+
+    loss: torch.Tensor
+    num_tokens: torch.Tensor | None  # only from the 3-tuple form
+    log: Mapping
+
+
+class LossLogs(list):
+    """The per-microbatch log dicts a schedule returns (Megatron's return value, still a list).
+
+    ``summed`` is True when they came from the 3-tuple form, whose values are ``(sum, count)`` pairs.
+    """
+
+    summed: bool | None = None
+
+
+def parse_loss(result: object, *, num_microbatches: int, per_token: bool) -> MicrobatchLoss:
+    """Check ``loss_func``'s result and scale the loss as the contract above says."""
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise TypeError(
+            "loss_func must return (loss, log_dict) or (loss_sum, num_tokens, log_dict), got "
+            + (f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__)
+        )
+    log = result[-1]
+    if not isinstance(log, Mapping):
+        raise TypeError(
+            f"the last item loss_func returns must be a dict of logged values, got {type(log).__name__}"
+        )
+    if len(result) == 2:
+        if per_token:
+            raise ValueError(
+                "config.calculate_per_token_loss needs loss_func to return "
+                "(loss_sum, num_tokens, log_dict), got a 2-tuple"
+            )
+        return MicrobatchLoss(result[0] / num_microbatches, None, log)
+    loss, num_tokens = result[0], result[1]
+    if not per_token:  # never in place: the caller may share this tensor with its logs
+        loss = loss / num_tokens / num_microbatches
+    return MicrobatchLoss(loss, torch.as_tensor(num_tokens), log)
+
+
+def reduce_loss_logs(
+    logs: list[Mapping], group: dist.ProcessGroup | None = None, *, summed: bool | None = None
+) -> dict[str, float]:
+    """One number per logged key over the step's microbatches and the ranks of ``group`` (data parallel).
+
+    ``summed`` says whether values are ``(sum, count)`` pairs; it defaults to what a
+    :class:`LossLogs` knows. Ranks holding no logs (not the last stage) return ``{}``.
+    """
+    if not logs:
+        return {}
+    summed = getattr(logs, "summed", None) if summed is None else summed
+    if summed is None:
+        raise ValueError("say whether the logged values are (sum, count) pairs: pass summed=")
+    totals = []
+    for key in logs[0]:
+        values = [torch.as_tensor(log[key]).detach().reshape(-1).double() for log in logs]
+        for v in values:
+            if v.numel() != (2 if summed else 1):
+                form = "(loss_sum, num_tokens, log)" if summed else "(loss, log)"
+                expected = "a (sum, count) pair" if summed else "one number"
+                raise ValueError(
+                    f"logged value {key!r} has {v.numel()} elements; with the {form} form it must be {expected}"
+                )
+        pairs = [v if summed else torch.cat([v, v.new_ones(1)]) for v in values]
+        totals.append(torch.stack(pairs).sum(0))
+    total = torch.stack(totals)  # [keys, 2]: (sum, count) per key
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return {key: (total[i, 0] / total[i, 1]).item() for i, key in enumerate(logs[0])}
