@@ -5,7 +5,7 @@ A field of a config dataclass becomes a command-line flag named after it (``num_
 turns the configs into the parser. Most fields need nothing from this module. It is for the
 exceptions, and core never imports argparse or anything from ``training/``:
 
-    add_bias_linear: bool = flag(True, name="--disable-bias-linear")   # Megatron's spelling
+    add_bias_linear: bool = flag(True, name="--disable-bias-linear", help="No biases ...")  # Megatron's
     hidden_size: int = flag(0, group="network size")                   # another --help group
     num_query_groups: int | None = flag(None, cli_default=1)           # Megatron's flag default
     deallocate_pipeline_outputs: bool = not_a_flag(True)               # set by code, never a flag

@@ -35,12 +35,14 @@ from training.schema import (
     REJECTED_PREFIXES,
     Flag,
     coverage_of,
+    rejected_values,
 )
 
 __all__ = [
     "TINY_DEMO",
     "build_parser",
     "config_from_args",
+    "config_kwargs",
     "load_config",
     "parse_and_validate",
     "parse_args",
@@ -115,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Trident: Megatron-style 3D-parallel GPT training. Flags have Megatron's names and "
         "defaults; with no model-size or data flags, a tiny demo GPT trains on a built-in corpus.",
         epilog="Megatron flags Trident rejects, with one line saying why when given: "
-        + " ".join(rejected + [p + "*" for p in REJECTED_PREFIXES]),
+        + " ".join([o.replace(" ", "=") for o in rejected] + [p + "*" for p in REJECTED_PREFIXES]),
         formatter_class=_HelpFormatter,
         allow_abbrev=False,
     )
@@ -135,12 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
                 kw["help"] = argparse.SUPPRESS if hidden else f"Opposite of {flag.name}."
                 groups[flag.group].add_argument(flag.negation, action=opposite, **kw)
         else:
-            nargs = flag.nargs or None
-            groups[flag.group].add_argument(
-                *flag.options, type=flag.kind, choices=flag.choices, nargs=nargs, **kw
-            )
+            if flag.choices:  # values the table rejects are parsed, then rejected with a reason
+                kw["choices"] = flag.choices + rejected_values(flag.name)
+                kw["metavar"] = "{" + ",".join(map(str, flag.choices)) + "}"
+            groups[flag.group].add_argument(*flag.options, type=flag.kind, nargs=flag.nargs, **kw)
     for option in rejected:
-        if option not in BY_OPTION:  # rejected with no field: take any values, then say why
+        if option not in BY_OPTION and " " not in option:  # no field: take any values, then say why
             parser.add_argument(
                 option,
                 nargs="*",
@@ -180,7 +182,7 @@ def _convert(flag: Flag, key: str, option: str | None, value: Any, where: str) -
         value = flag.kind(value)
     except (TypeError, ValueError):
         raise bad from None
-    if flag.choices and value not in flag.choices:
+    if flag.choices and value not in flag.choices + rejected_values(flag.name):
         raise ValueError(f"{where}: key '{key}' must be one of {list(flag.choices)}, got {value!r}")
     return value
 
@@ -265,17 +267,44 @@ def _rejection(options: list[str]) -> str:
 
 def _unknown(parser: argparse.ArgumentParser, extras: list[str]) -> list[str]:
     """Flags of rejected families (``--moe-*``) among the unparsed tokens; anything else is an error."""
-    rejected, bad, in_rejected = [], [], False
+    rejected, bad, skipping_values = [], [], False
     for token in extras:
         if token.startswith("--"):
             option = token.split("=", 1)[0]
-            in_rejected = coverage_of(option).rejected
-            (rejected if in_rejected else bad).append(option if in_rejected else token)
-        elif not in_rejected:
+            skipping_values = coverage_of(option).rejected
+            if skipping_values:
+                rejected.append(option)
+            else:
+                bad.append(token)
+        elif not skipping_values:  # a value of a rejected flag is skipped with it
             bad.append(token)
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     return rejected
+
+
+def _given(argv: list[str] | None) -> dict[str, Any]:
+    """Values given in ``--config`` and on the command line (which wins), by dest; rejects what
+    Trident does not support with one ``ValueError``, its flags in command-line order."""
+    parser = build_parser()
+    parsed, extras = parser.parse_known_args(argv)
+    rejected = _unknown(parser, extras)
+    cli = vars(parsed)
+    given = load_config(cli["config"]) if cli.get("config") else {}
+    given.update(cli)
+    rejected += [k[len(_REJECTED_DEST) :] for k in given if k.startswith(_REJECTED_DEST)]
+    for dest, value in given.items():
+        flag = BY_DEST.get(dest)
+        if flag is not None and coverage_of(flag.name).rejected:
+            rejected.append(flag.name)
+        elif flag is not None and flag.choices and coverage_of(f"{flag.name} {value}").rejected:
+            rejected.append(f"{flag.name} {value}")
+    if rejected:
+        tokens = [t.split("=", 1)[0] for t in (sys.argv[1:] if argv is None else argv)]
+        first = {option: option.split(" ", 1)[0] for option in rejected}
+        order = {o: tokens.index(first[o]) if first[o] in tokens else len(tokens) for o in rejected}
+        raise ValueError(_rejection(sorted(order, key=order.get)))
+    return given
 
 
 def parse_args(
@@ -287,32 +316,17 @@ def parse_args(
     ``using_default_data`` (no data source: the built-in corpus), ``tiny_demo_filled`` (dest ->
     value the demo filled in), ``tiny_demo_off_by`` (the flags that turned it off) and
     ``explicit_args`` (the dests given). A rejected flag raises one ``ValueError`` saying why.
+    ``namespace``: the object to fill (as argparse's), a new ``Namespace`` by default.
     """
-    parser = build_parser()
-    parsed, extras = parser.parse_known_args(argv)
-    rejected = _unknown(parser, extras)
-    cli = vars(parsed)
-    given = load_config(cli["config"]) if cli.get("config") else {}
-    given.update(cli)
-    rejected += [k[len(_REJECTED_DEST) :] for k in given if k.startswith(_REJECTED_DEST)]
-    rejected += [BY_DEST[k].name for k in given if k in BY_DEST and coverage_of(BY_DEST[k].name).rejected]
-    if rejected:
-        tokens = [t.split("=", 1)[0] for t in (sys.argv[1:] if argv is None else argv)]
-        rejected = sorted(
-            dict.fromkeys(rejected), key=lambda o: tokens.index(o) if o in tokens else len(tokens)
-        )
-        raise ValueError(_rejection(rejected))
-
+    given = _given(argv)
     given_flags = {BY_DEST[k].name for k in given}
     off_by = [f for f in (*DEMO_OFF_MODEL_FLAGS, *DATA_SOURCE_FLAGS) if f in given_flags]
     filled: dict[str, Any] = {}
     if not off_by:
-        warmup_given = {"lr_warmup_iters", "lr_warmup_fraction"} & set(given)
-        filled = {
-            k: v
-            for k, v in TINY_DEMO.items()
-            if k not in given and not (k == "lr_warmup_fraction" and warmup_given)
-        }
+        warmup_given = bool({"lr_warmup_iters", "lr_warmup_fraction"} & set(given))
+        filled = {k: v for k, v in TINY_DEMO.items() if k not in given}
+        if warmup_given:
+            filled.pop("lr_warmup_fraction", None)
     values = {f.dest: list(f.default) if isinstance(f.default, list) else f.default for f in FLAGS}
     values.update(filled)
     values.update(given)
@@ -334,7 +348,8 @@ def parse_args(
 
 
 def parse_and_validate(argv: list[str] | None, world_size: int) -> argparse.Namespace:
-    """``parse_args`` then ``validate_args``; a bad command line exits with one line on rank 0."""
+    """``parse_args`` then ``validate_args``; a bad command line exits (status 2) with one line, printed
+    by rank 0 only, instead of a traceback on every rank."""
     from training.argument_checks import validate_args
 
     try:
