@@ -9,8 +9,9 @@
 3. Tied embeddings: the first stage's word embedding and the last stage's output weight are one
    weight held twice; their gradients are summed over the embedding group so both copies take the
    same step (parameters marked ``shared_embedding``).
-4. Per-token loss: the step's token count lives on the last stage; it is broadcast over the
-   pipeline, summed over data parallel ranks, and every gradient is divided by it.
+4. Per-token loss: the step's token count lives on the stage that computes the loss (the last
+   rank, or rank 0 under ZBV's V placement) and is 0 elsewhere; its maximum over the pipeline is
+   summed over the data-parallel ranks, and every gradient is divided by it.
 """
 
 from __future__ import annotations
@@ -78,17 +79,17 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.
 
 
 def scale_by_num_tokens(chunks: list[torch.nn.Module], num_tokens: torch.Tensor) -> None:
-    """Divide every gradient by the step's token count (all stages, all data-parallel ranks)."""
+    """Divide every gradient by the step's token count (all stages, all data-parallel ranks).
+
+    ``num_tokens`` is the count on the rank holding the loss stage and 0 (or the same count) on the
+    other pipeline ranks; its maximum over the pipeline works whichever rank holds the loss.
+    """
     from core import parallel_state as ps
 
     tokens = num_tokens.detach().clone().to(torch.float64).reshape(())
     initialized = ps.model_parallel_is_initialized()
     if initialized and ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(
-            tokens,
-            src=ps.get_pipeline_model_parallel_last_rank(),
-            group=ps.get_pipeline_model_parallel_group(),
-        )
+        dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group())
     if initialized and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         dist.all_reduce(tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
     if tokens.item() <= 0:
