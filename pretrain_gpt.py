@@ -38,8 +38,13 @@ def tokenizer_provider(args):
 
 
 def model_provider(
-    pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    shared_embedding_weight: torch.nn.Parameter | None = None,
 ) -> GPTModel:
+    """One model chunk. ``shared_embedding_weight``: the embedding of an earlier chunk of this rank,
+    which the loss chunk's tied output layer uses (ZBV places the first and the last stage together)."""
     args = get_args()
     config = TransformerConfig(**transformer_config_from_args(args))
     return GPTModel(
@@ -49,19 +54,21 @@ def model_provider(
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,
+        shared_embedding_weight=shared_embedding_weight,
     )
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked token loss: (sum, tokens, log) with --calculate-per-token-loss, else the microbatch mean."""
+    """Masked token loss as (loss sum, token count, log), Megatron's form.
+
+    The schedule normalises it as ``config.calculate_per_token_loss`` says (per token over the whole
+    step, or per microbatch), so this function does not need to know; the log holds (sum, count).
+    """
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum()
-    if get_args().calculate_per_token_loss:
-        return loss_sum, num_tokens.to(torch.int64), {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
-    loss = loss_sum / num_tokens
-    return loss, {"lm loss": loss.detach()}
+    return loss_sum, num_tokens.to(torch.int64), {"lm loss": torch.stack([loss_sum, num_tokens]).detach()}
 
 
 def forward_step(data_iterator, model):

@@ -109,8 +109,10 @@ def _full(chunks, what: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token):
-    ps, _, chunks = _setup(kind, tp, pp, vpp, sequence_parallel=sp, calculate_per_token_loss=per_token)
+def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token, schedule="1f1b"):
+    ps, _, chunks = _setup(
+        kind, tp, pp, vpp, sequence_parallel=sp, calculate_per_token_loss=per_token, pipeline_schedule=schedule
+    )
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]
     logs = _train_step(ps, chunks, batches)
@@ -201,20 +203,24 @@ def _full_one(param):
 # Tests
 # --------------------------------------------------------------------------------------------------
 
-SPLITS = {  # name: (tp, pp, vpp, sequence_parallel) on 8 ranks; data parallelism takes the rest
+SPLITS = {  # name: (tp, pp, vpp, sequence_parallel[, schedule]) on 8 ranks; DP takes the rest
     "tp2": (2, 1, None, False),
     "tp2_sp": (2, 1, None, True),
     "pp2_vpp2": (1, 2, 2, False),
     "tp2_pp2_dp2": (2, 2, None, False),
+    # Zero bubble: the B/W split through TP/SP layers; ZBV's V puts the tied embedding and output
+    # layer on one rank as one Parameter.
+    "tp2_sp_pp2_zb-h1": (2, 2, None, True, "zb-h1"),
+    "tp2_sp_pp2_zbv": (2, 2, 2, True, "zbv"),
 }
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_split_matches_single_device_model(ranks, kind, split):
-    tp, pp, vpp, sp = SPLITS[split]
-    per_token = not (kind == "gpt" and split in ("tp2", "pp2_vpp2"))  # the 2-tuple loss path too
-    results = ranks(8).run(_parity_rank, kind, tp, pp, vpp, sp, per_token, timeout=120)
+    tp, pp, vpp, sp, *schedule = SPLITS[split]
+    per_token = not (kind == "gpt" and split in ("tp2", "pp2_vpp2", "tp2_sp_pp2_zbv"))  # 2-tuple path too
+    results = ranks(8).run(_parity_rank, kind, tp, pp, vpp, sp, per_token, *schedule, timeout=120)
     dp = 8 // (tp * pp)
 
     reference = GPTModel(make_config(kind), VOCAB, SEQ)

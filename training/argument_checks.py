@@ -213,7 +213,11 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
 
         try:
             vpp = parse_layout(
-                args.pipeline_model_parallel_layout, pp, num_layers=args.num_layers, mtp_num_layers=0
+                args.pipeline_model_parallel_layout,
+                pp,
+                num_layers=args.num_layers,
+                mtp_num_layers=0,
+                placement="v" if args.pipeline_schedule == "zbv" else "loop",
             ).vpp_size
         except ValueError as err:
             raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
@@ -232,6 +236,12 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
         vpp = per_rank // per_stage
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    _require(
+        args.pipeline_schedule != "zbv" or vpp == 2,
+        "--pipeline-schedule zbv runs two model chunks per pipeline rank, in a V: give "
+        "--num-virtual-stages-per-pipeline-rank 2 (or a --pipeline-model-parallel-layout with "
+        f"{2 * pp} stages)" + (f"; got {vpp} virtual stages per rank" if vpp else ""),
+    )
     if vpp and vpp > 1:
         _require(
             pp > 1,
@@ -264,7 +274,7 @@ def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
     )
     args.num_microbatches = gbs // per_step
     vpp = args.virtual_pipeline_model_parallel_size
-    if vpp:
+    if vpp and args.pipeline_schedule != "zbv":  # ZBV's V runs any number of microbatches
         from core.pipeline_parallel.schedule_tables import check_interleaving
 
         try:

@@ -1,4 +1,4 @@
-"""Rank-aware printing: rank 0 says what is happening, the last stage's first rank reports losses."""
+"""Rank-aware printing: rank 0 says what is happening, the loss stage's first rank reports losses."""
 
 from __future__ import annotations
 
@@ -8,14 +8,20 @@ from core import parallel_state as ps
 
 
 def is_logging_rank() -> bool:
-    """First TP and DP rank of the last pipeline stage: the rank that has the loss."""
+    """First TP and DP rank of the pipeline rank that has the loss: the last, or the first under ZBV."""
     if not ps.model_parallel_is_initialized():
         return True
-    return (
-        ps.is_pipeline_last_stage()
-        and ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_data_parallel_rank() == 0
-    )
+    return holds_loss() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+
+
+def holds_loss() -> bool:
+    """Whether one of this pipeline rank's stages computes the loss (as the run's layout places them)."""
+    from models.gpt.gpt_model import pipeline_layout
+    from training.global_vars import get_args
+
+    layout = pipeline_layout(get_args())
+    rank = ps.get_pipeline_model_parallel_rank()
+    return any(layout.has_loss(rank, v if layout.vpp_size > 1 else None) for v in range(layout.vpp_size))
 
 
 def print_rank_0(message: str) -> None:

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from core import parallel_state as ps
 from core.device import bind_local_device, current_device, select_backend
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from core.distributed.distributed_data_parallel import multi_no_sync
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.optimizer.lr_scheduler import OptimizerParamScheduler
+from core.pipeline_parallel.hooks import ScheduleHooks
+from core.pipeline_parallel.losses import reduce_loss_logs
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from training import checkpointing
@@ -48,7 +49,7 @@ class TrainState:
     nan_iterations: int = 0
     consecutive_skipped: int = 0
     wandb_run_id: str | None = None
-    losses: list[float] = field(default_factory=list)  # per iteration, on the logging rank
+    losses: list[dict[str, float]] = field(default_factory=list)  # per iteration, on the loss stage
     step_seconds: list[float] = field(default_factory=list)  # wall time of each train step
 
 
@@ -157,7 +158,7 @@ def _train(
     saved_at = None
     while state.iteration < args.train_iters:
         start = time.perf_counter()
-        loss, grad_norm, applied = _train_step(
+        losses, grad_norm, applied = _train_step(
             args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state
         )
         state.step_seconds.append(time.perf_counter() - start)
@@ -165,9 +166,9 @@ def _train(
         state.consumed_samples += args.global_batch_size
         if applied:
             scheduler.step(increment=args.global_batch_size)
-        if loss is not None:
-            state.losses.append(loss)
-            window["loss"].append(loss)
+        if losses is not None:
+            state.losses.append(losses)
+            window["loss"].append(losses)
         window["iters"] += 1
         collector.after_step(state.iteration)
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
@@ -204,13 +205,13 @@ def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, tr
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss = _run_global_batch(
+    losses = _run_global_batch(
         args, chunks, forward_backward, forward_step_func, train_ds, state.consumed_samples
     )
-    bad_loss = _any_rank(loss is not None and not math.isfinite(loss))
+    bad_loss = _any_rank(losses is not None and not all(math.isfinite(v) for v in losses.values()))
     if bad_loss and args.check_for_nan_in_loss_and_grad:
         raise FloatingPointError(
-            f"loss is {loss} at iteration {state.iteration + 1} (--check-for-nan-in-loss-and-grad)"
+            f"loss is {losses} at iteration {state.iteration + 1} (--check-for-nan-in-loss-and-grad)"
         )
     applied, grad_norm = False, None
     if not bad_loss:
@@ -232,7 +233,7 @@ def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, tr
                 f"and were skipped (iteration {state.iteration + 1}); stopping. Lower --lr or "
                 "check the data; --max-consecutive-skipped-iterations sets the limit"
             )
-    return loss, grad_norm, applied
+    return losses, grad_norm, applied
 
 
 def _run_global_batch(
@@ -243,8 +244,9 @@ def _run_global_batch(
     dataset,
     consumed_samples: int,
     forward_only: bool = False,
-) -> float | None:
-    """One global batch through the pipeline schedule; returns its mean loss on the last stage."""
+) -> dict[str, float] | None:
+    """One global batch through the pipeline schedule; returns the reported losses (``loss_func``'s log
+    dict, each key reduced over microbatches and data-parallel ranks) on the loss stage, else None."""
     iterators = _iterators(chunks, dataset, consumed_samples, args)
     logs = forward_backward(
         forward_step_func=forward_step_func,
@@ -255,25 +257,11 @@ def _run_global_batch(
         micro_batch_size=args.micro_batch_size,
         forward_only=forward_only,
     )
-    return _reduce_loss(logs)
+    return reduce_loss_logs(logs, ps.get_data_parallel_group()) or None
 
 
-def _reduce_loss(logs: list[dict]) -> float | None:
-    """Mean "lm loss" over this step's microbatches and data-parallel ranks (last stage only)."""
-    if not logs:
-        return None
-    values = []
-    for log in logs:
-        value = log["lm loss"]
-        if value.numel() == 2:  # (loss sum, tokens) from the per-token contract
-            values.append(value)
-        else:
-            values.append(
-                torch.stack([value.reshape(()), torch.ones((), dtype=value.dtype, device=value.device)])
-            )
-    total = torch.stack(values).sum(0).double()  # (sum of losses, count): microbatches or tokens
-    dist.all_reduce(total, group=ps.get_data_parallel_group())
-    return (total[0] / total[1]).item()
+def _mean_per_key(values: list[dict[str, float]]) -> dict[str, float]:
+    return {key: sum(v[key] for v in values) / len(values) for key in values[0]} if values else {}
 
 
 def _shared_run_id(run_id: str | None) -> str | None:
@@ -293,7 +281,7 @@ def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state
     losses = []
     for k in range(args.eval_iters):
         with torch.no_grad():
-            loss = _run_global_batch(
+            reported = _run_global_batch(
                 args,
                 chunks,
                 forward_backward,
@@ -302,15 +290,17 @@ def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state
                 k * args.global_batch_size,
                 forward_only=True,
             )
-        if loss is not None:
-            losses.append(loss)
+        if reported is not None:
+            losses.append(reported)
     if losses:
-        value = sum(losses) / len(losses)
+        values = _mean_per_key(losses)
         print_rank_last(
-            f" validation loss at iteration {state.iteration} | lm loss value: {value:.6E} | "
-            f"lm loss PPL: {math.exp(min(value, 20)):.6E} |"
+            f" validation loss at iteration {state.iteration} |"
+            + "".join(
+                f" {k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E} |" for k, v in values.items()
+            )
         )
-        run.log({"validation/lm loss": value}, step=state.iteration)
+        run.log({f"validation/{k}": v for k, v in values.items()}, step=state.iteration)
 
 
 def _log(args, state, optimizer, grad_norm, window, run) -> None:
@@ -318,18 +308,20 @@ def _log(args, state, optimizer, grad_norm, window, run) -> None:
     elapsed_ms = (now - window["time"]) * 1000 / max(window["iters"], 1)
     tokens_per_s = args.global_batch_size * args.seq_length / (elapsed_ms / 1000)
     lr = optimizer.param_groups[0]["lr"]
-    loss = sum(window["loss"]) / len(window["loss"]) if window["loss"] else float("nan")
+    losses = _mean_per_key(window["loss"])
     norm = float("nan") if grad_norm is None else float(grad_norm)
     print_rank_last(
         f" iteration {state.iteration:8d}/{args.train_iters:8d} | consumed samples: {state.consumed_samples:12d} | "
         f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
-        f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {norm:.3f} | "
+        f"global batch size: {args.global_batch_size:5d} |"
+        + "".join(f" {key}: {value:.6E} |" for key, value in losses.items())
+        + f" grad norm: {norm:.3f} | "
         f"tokens/s: {tokens_per_s:.0f} | number of skipped iterations: {state.skipped_iterations:3d} | "
         f"number of nan iterations: {state.nan_iterations:3d} |"
     )
     run.log(
         {
-            "lm loss": loss,
+            **losses,
             "learning rate": lr,
             "grad norm": norm,
             "tokens per second": tokens_per_s,
@@ -380,20 +372,34 @@ def _build_chunks(model_provider: Callable, args) -> list[DistributedDataParalle
         ps.set_virtual_pipeline_model_parallel_rank(vp_stage)
         layout = pipeline_layout(args)  # reads the same four fields a TransformerConfig has
         pp_rank = ps.get_pipeline_model_parallel_rank()
+        post_process = layout.has_loss(pp_rank, vp_stage)
+        # The loss stage on the rank that also holds the embedding (ZBV's V) borrows its Parameter.
+        holder = next((c for c in chunks if c.pre_process), None)
+        shared = (
+            {"shared_embedding_weight": holder.embedding.word_embeddings.weight}
+            if post_process and holder
+            else {}
+        )
         chunk = model_provider(
             pre_process=layout.has_embedding(pp_rank, vp_stage),
-            post_process=layout.has_loss(pp_rank, vp_stage),
+            post_process=post_process,
             vp_stage=vp_stage if vpp > 1 else None,
+            **shared,
         )
         chunks.append(chunk)
     ps.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
     ddp_config = config_from_args(DistributedDataParallelConfig, args)
     wrapped = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
-    config = chunks[0].config
-    config.no_sync_func = multi_no_sync(wrapped) if len(wrapped) > 1 else wrapped[0].no_sync
-    if args.overlap_grad_reduce:
-        config.grad_sync_func = [c.start_grad_sync for c in wrapped]
-    config.finalize_model_grads_func = finalize_model_grads
+    # One hooks object for every chunk. Reduction is suspended per chunk and lifted for each chunk's
+    # own last weight-gradient step, so its buckets launch while that backward runs (and a weight
+    # shared by two chunks of this rank is counted ready once, by the chunk that registers it).
+    hooks = ScheduleHooks(
+        no_sync=[c.no_sync for c in wrapped],
+        grad_sync=[c.start_grad_sync for c in wrapped] if args.overlap_grad_reduce else None,
+        finalize_model_grads=finalize_model_grads,
+    )
+    for chunk in chunks:
+        chunk.config.schedule_hooks = hooks
     return wrapped
 
 

@@ -34,6 +34,9 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
+_ACCUMULATE_GRAD = type(get_gradient_edge(torch.zeros(1, requires_grad=True)).node)  # a leaf's node
+
+
 @dataclass
 class _ParamGroup:
     params: list[torch.nn.Parameter]
@@ -64,14 +67,13 @@ def fused_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> No
 
 
 def backward_input(
-    output: torch.Tensor,
-    grad_output: torch.Tensor | None,
-    stage_input: torch.Tensor | None,
-    params: list[torch.nn.Parameter],
+    output: torch.Tensor, grad_output: torch.Tensor | None, stage_input: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, WeightGradients]:
     """``I``: the gradient of ``stage_input`` (None if it needs none) and what ``W`` will need.
 
-    ``grad_output`` None means ``output`` is the loss (the last stage).
+    ``grad_output`` None means ``output`` is the loss (the last stage). The weights are every leaf
+    tensor the output's graph reaches, registered in the module or not (a tied output layer borrows
+    the embedding of another chunk): W computes exactly the gradients a fused backward would.
     """
     grad = torch.ones_like(output) if grad_output is None else grad_output
     needs_input = stage_input is not None and stage_input.requires_grad
@@ -79,7 +81,7 @@ def backward_input(
         return (grad if needs_input and output is stage_input else None), WeightGradients()
     if not needs_input:
         return None, WeightGradients(roots=[get_gradient_edge(output)], root_grads=[grad])
-    groups = _param_groups(output.grad_fn, _node_of(stage_input), params)
+    groups = _param_groups(output.grad_fn, _node_of(stage_input))
     if groups is None:  # the output does not depend on the input
         weights = WeightGradients(roots=[get_gradient_edge(output)], root_grads=[grad])
         return torch.zeros_like(stage_input), weights
@@ -145,8 +147,9 @@ def _node_of(tensor: torch.Tensor) -> Node:
     return get_gradient_edge(tensor).node
 
 
-def _param_groups(output_node: Node, input_node: Node, params: list[torch.nn.Parameter]):
-    """Parameters grouped by the nodes where their branch joins the input-gradient path.
+def _param_groups(output_node: Node, input_node: Node):
+    """The graph's weights (leaves other than the input) grouped by the nodes where their branch
+    joins the input-gradient path.
 
     None if the output does not depend on the input at all. Nodes keep the order in which they
     were found from the output, so W runs the same way every time.
@@ -165,10 +168,9 @@ def _param_groups(output_node: Node, input_node: Node, params: list[torch.nn.Par
         return None
     on_path, _ = _reachable(input_node, consumers, stop=set())  # every node between input and output
     groups: list[_ParamGroup] = []
-    for param in params:
-        start = _node_of(param) if param.requires_grad else None
-        if start not in order:
-            continue  # not used by this stage's output: no gradient, as in a fused backward
+    leaves = [node for node in order if node is not input_node and isinstance(node, _ACCUMULATE_GRAD)]
+    for start in leaves:
+        param = start.variable
         _, joins = _reachable(start, consumers, stop=on_path)
         touching = [g for g in groups if any(n in joins for n in g.nodes)]
         merged = _ParamGroup(params=[], nodes=[])

@@ -228,8 +228,7 @@ class Stage:
     def backward_input(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """I: the input's gradient only; the weight gradients wait for W."""
         received, output = self._pop(microbatch)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        input_grad, self.weight_grads[microbatch] = backward_input(output, grad, received, params)
+        input_grad, self.weight_grads[microbatch] = backward_input(output, grad, received)
         return input_grad
 
     def backward_weight(self, microbatch: int) -> None:

@@ -7,8 +7,9 @@ its decoder layers under their global numbers, and the final norm, output layer 
 the same full model in every TP/PP/VPP split.
 
 Tied embeddings. With the embedding and the output layer in one chunk the output layer uses the
-embedding's Parameter. In different chunks of one rank (virtual pipelining) the last chunk borrows
-the first chunk's Parameter without registering it, so it is optimised and reduced once. On
+embedding's Parameter. In different chunks of one rank (virtual pipelining with the embedding and
+the loss on one rank, as ZBV's V placement always has them) the last chunk borrows the first
+chunk's Parameter without registering it, so it is optimised and reduced once. On
 different ranks the last stage holds a copy, initialised from the embedding's name; both copies are
 marked ``shared_embedding`` and ``finalize_model_grads`` sums their gradients over the embedding
 group, so they take identical steps and stay bit-identical.
@@ -33,12 +34,21 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
-    """The layout the model is split by: ``config.pipeline_model_parallel_layout`` or an even split."""
+    """The layout the model is split by: ``config.pipeline_model_parallel_layout`` or an even split.
+
+    Under the ZBV schedule the stages are dealt to ranks in a V (stage ``s >= pp`` on rank
+    ``2 pp - 1 - s``), which puts the first and the last stage on rank 0.
+    """
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    placement = "v" if config.pipeline_schedule == "zbv" else "loop"
     if config.pipeline_model_parallel_layout is None:
-        return even_layout(config.num_layers, pp, vpp)
+        return even_layout(config.num_layers, pp, vpp, placement=placement)
     layout = parse_layout(
-        config.pipeline_model_parallel_layout, pp, num_layers=config.num_layers, mtp_num_layers=0
+        config.pipeline_model_parallel_layout,
+        pp,
+        num_layers=config.num_layers,
+        mtp_num_layers=0,
+        placement=placement,
     )
     if layout.vpp_size != (vpp or 1):
         raise ValueError(
@@ -63,7 +73,7 @@ def pipeline_rank(config: TransformerConfig) -> int:
 
 def _rank_of(layout: PipelineLayout, symbol: str) -> int:
     stage = next(s for s, layers in enumerate(layout.stages) if symbol in layers)
-    return stage % layout.pp_size
+    return layout.stage_placement.rank(stage)
 
 
 class GPTModel(nn.Module):
