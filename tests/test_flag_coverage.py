@@ -76,14 +76,14 @@ def dataset(tmp_path_factory) -> str:
 
 ISSUE_FLAGS = {
     WORKS: "--context-parallel-size --expert-model-parallel-size --distributed-backend --exit-duration-in-mins "
-    "--manual-gc --manual-gc-interval",
+    "--manual-gc --manual-gc-interval --ddp-bucket-size",
     NO_EFFECT: "--log-throughput --profile --profile-step-start --profile-step-end --attention-backend "
     "--use-mcore-models --empty-unused-memory-level --cross-entropy-loss-fusion "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion",
     NOT_YET: "--tokenizer-type=Llama2Tokenizer --fp16 --loss-scale --loss-scale-window --vocab-file --merge-file --tensorboard-dir --rotary-base "
     "--rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
     "--use-rope-scaling --train-samples --lr-decay-samples --lr-warmup-samples --use-distributed-optimizer "
-    "--overlap-param-gather --grad-reduce-in-bf16 --ddp-bucket-size --mock-data --num-workers "
+    "--overlap-param-gather --grad-reduce-in-bf16 --mock-data --num-workers "
     "--data-cache-path --ckpt-format --ckpt-step --use-checkpoint-args --exit-on-missing-checkpoint "
     "--distributed-timeout-minutes --decoupled-lr --decoupled-min-lr --tiktoken-pattern --no-mmap-bin-files",
     UNSUPPORTED: "--num-experts --moe-router-topk --moe-grouped-gemm --moe-aux-loss-coeff --fp8-format "

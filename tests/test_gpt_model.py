@@ -111,7 +111,13 @@ def _full(chunks, what: str) -> dict[str, torch.Tensor]:
 
 def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token, schedule="1f1b"):
     ps, _, chunks = _setup(
-        kind, tp, pp, vpp, sequence_parallel=sp, calculate_per_token_loss=per_token, pipeline_schedule=schedule
+        kind,
+        tp,
+        pp,
+        vpp,
+        sequence_parallel=sp,
+        calculate_per_token_loss=per_token,
+        pipeline_schedule=schedule,
     )
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]

@@ -96,7 +96,9 @@ def test_interleaved_table_warmup_counts():
         table = build_table("1f1b", pp, v, m, rank)
         warmup = next(i for i, a in enumerate(table) if a.kind == "B") - 1
         assert warmup == 2 * (pp - rank - 1) + (v - 1) * pp
-        assert sorted(table) == sorted([Action(k, mb, c) for k in (F, B) for mb in range(m) for c in range(v)])
+        assert sorted(table) == sorted(
+            [Action(k, mb, c) for k in (F, B) for mb in range(m) for c in range(v)]
+        )
 
 
 @pytest.mark.parametrize(

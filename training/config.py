@@ -172,6 +172,13 @@ class LoggingArgs:
     """Local directory of the W&B run."""
     log_throughput: bool = False
     """Megatron: log throughput per GPU."""
+    timeline_dir: str | None = None
+    """Trident: record what every rank does in the pipeline schedule (forward, backward, weight
+    gradient, each send and receive) for the --timeline-iters iterations, and write a Chrome trace
+    (timeline.json) and a picture (timeline.png, with matplotlib) into this directory; the log then
+    gives the measured bubble next to the simulator's."""
+    timeline_iters: list[int] = field(default_factory=list)
+    """Trident: iterations the timeline records (default: the last one of the run)."""
 
 
 @dataclass(kw_only=True)

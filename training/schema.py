@@ -366,7 +366,6 @@ COVERAGE: dict[str, Coverage] = {
     "--use-distributed-optimizer": not_yet(_DIST_OPT),
     "--overlap-param-gather": not_yet(_DIST_OPT),
     "--grad-reduce-in-bf16": not_yet("bf16 gradient reduction is being built; gradients are reduced in fp32"),
-    "--ddp-bucket-size": not_yet("a configurable gradient bucket size is being built"),
     "--log-num-zeros-in-grad": not_yet("logging the zero-gradient count is being built"),
     **dict.fromkeys(
         (

@@ -38,6 +38,7 @@ from training.global_vars import set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
 from training.run_control import ExitTimer, ManualGC
 from training.signal_handler import SignalHandler
+from training.timeline import Timeline
 from training.wandb_logging import start_run
 
 
@@ -155,12 +156,16 @@ def _train(
     forward_backward = get_forward_backward_func()
     window: dict[str, Any] = {"loss": [], "time": time.perf_counter(), "iters": 0}
     timer = ExitTimer(args.exit_duration_in_mins, _any_rank)
+    timeline = Timeline.from_args(args)
     saved_at = None
     while state.iteration < args.train_iters:
+        record = timeline.start() if timeline and timeline.wants(state.iteration + 1) else None
         start = time.perf_counter()
         losses, grad_norm, applied = _train_step(
-            args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state
+            args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state, record
         )
+        if record is not None:
+            timeline.finish(state.iteration + 1, record)
         state.step_seconds.append(time.perf_counter() - start)
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
@@ -198,15 +203,19 @@ def _train(
             break
     if args.save and saved_at != state.iteration:
         _save(args, chunks, optimizer, scheduler, state)
+    if timeline:
+        timeline.write()
 
 
-def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state):
-    """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip)."""
+def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state, record=None):
+    """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip).
+
+    ``record``: a ``ScheduleRecord`` the schedule fills (the timeline's iterations)."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = _run_global_batch(
-        args, chunks, forward_backward, forward_step_func, train_ds, state.consumed_samples
+        args, chunks, forward_backward, forward_step_func, train_ds, state.consumed_samples, record=record
     )
     bad_loss = _any_rank(losses is not None and not all(math.isfinite(v) for v in losses.values()))
     if bad_loss and args.check_for_nan_in_loss_and_grad:
@@ -244,6 +253,7 @@ def _run_global_batch(
     dataset,
     consumed_samples: int,
     forward_only: bool = False,
+    record=None,
 ) -> dict[str, float] | None:
     """One global batch through the pipeline schedule; returns the reported losses (``loss_func``'s log
     dict, each key reduced over microbatches and data-parallel ranks) on the loss stage, else None."""
@@ -256,6 +266,7 @@ def _run_global_batch(
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         forward_only=forward_only,
+        record=record,
     )
     return reduce_loss_logs(logs, ps.get_data_parallel_group()) or None
 

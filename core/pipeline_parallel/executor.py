@@ -52,7 +52,8 @@ from core.pipeline_parallel.schedule_tables import (
 
 
 class Event(NamedTuple):
-    """One timed thing a rank did: a table action, or a wait for a message (``kind`` "wait")."""
+    """One timed thing a rank did: a table action (``kind`` its name), or a wait for a received message
+    (``WAIT_F`` an activation, ``WAIT_B`` a gradient; ``chunk`` the one that needs it)."""
 
     kind: str
     microbatch: int
@@ -71,6 +72,8 @@ class ScheduleRecord:
     num_tokens: torch.Tensor | None = None
     start: float = 0.0
     end: float = 0.0
+    tables: tuple | None = None  # every rank's complete table, as run
+    placement: Placement | None = None
 
 
 @dataclass
@@ -173,7 +176,9 @@ class Mailbox:
         start = time.perf_counter()
         work.wait()
         message = key[0]
-        self.record.events.append(Event("wait", message.microbatch, -1, start, time.perf_counter()))
+        kind = "WAIT_F" if message.kind == ACTIVATION else "WAIT_B"
+        chunk = self.placement.rank_and_chunk(message.dst_stage)[1]
+        self.record.events.append(Event(kind, message.microbatch, chunk, start, time.perf_counter()))
 
     def _log_post(self, link, is_send, peer, key) -> None:
         self.record.comm_log.append(("post", link, [(is_send, peer, key)]))
@@ -359,13 +364,19 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         with _timer(timers, action.kind):
             handlers[action.kind](index, action)
         if record is not None:
-            record.events.append(
-                Event(action.kind.value, action.microbatch, action.chunk, start, time.perf_counter())
-            )
+            _record(record, action, start)
     mailbox.finish()
     sync.resume()
     _finish_step(ctx, losses, count)
     return losses.logs
+
+
+def _record(record: ScheduleRecord, action: Action, start: float) -> None:
+    """The action's event; a compute action starts once the wait for its input (its own event) ended."""
+    end = time.perf_counter()
+    if record.events and record.events[-1].kind.startswith("WAIT") and record.events[-1].end >= start:
+        start = record.events[-1].end
+    record.events.append(Event(action.kind.value, action.microbatch, action.chunk, start, end))
 
 
 def _forward(action, stage: Stage, ctx: StepContext, mailbox: Mailbox, losses: Losses, count) -> None:

@@ -180,7 +180,7 @@ def _run(
         )
     links = _links(p2p_communicator, pipelined)
     pp_rank, pp_size = (links.pp_rank, links.pp_size) if links is not None else (0, 1)
-    table = complete_tables(
+    tables = complete_tables(
         schedule,
         pp_size,
         vpp,
@@ -188,7 +188,10 @@ def _run(
         microbatch_group_size=settings.microbatch_group_size,
         forward_only=forward_only,
         variable_shapes=settings.variable_seq_lengths,
-    )[pp_rank]
+    )
+    placement = placement_for(schedule, pp_size, vpp)
+    if record is not None:
+        record.tables, record.placement = tables, placement
     ctx = StepContext(
         forward_step_func=forward_step_func,
         data_iterators=iterators,
@@ -200,11 +203,11 @@ def _run(
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
         pp_rank=pp_rank,
-        placement=placement_for(schedule, pp_size, vpp),
+        placement=placement,
         links=links,
         record=record,
     )
-    return run_table(list(table), ctx)
+    return run_table(list(tables[pp_rank]), ctx)
 
 
 @functools.lru_cache(maxsize=64)
