@@ -286,7 +286,7 @@ def draw(data: TimelineData, path: str) -> str:
     ]
     axes[-1].legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, fontsize=8)
     axes[-1].set_xlabel(
-        "ms from the start of the iteration (colour: microbatch; 1F3 = chunk 1, F, microbatch 3)"
+        "ms from the start of the iteration (colour: microbatch; F3 = forward of microbatch 3, f3 on chunk 1)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -314,7 +314,7 @@ def _panel(ax, step: IterationTimeline, colours) -> None:
                     ax.text(
                         start + width / 2,
                         y + 0.5,
-                        f"{kind}{mb}",
+                        f"{kind}{mb}" if chunk == 0 else f"{kind.lower()}{mb}",  # lower case: chunk 1
                         ha="center",
                         va="center",
                         fontsize=6,
