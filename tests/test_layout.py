@@ -489,3 +489,27 @@ def test_direct_construction_checks_structure_and_rules():
         ),
     ):
         PipelineLayout((("t",), ("E", "L")), 2)
+
+
+def test_zbv_places_the_second_chunk_back_up_the_ranks():
+    """Under ZBV's V, stage s >= pp runs on rank 2 pp - 1 - s: the first and the last stage share rank 0."""
+    layout = parse_layout("Et|t|t|tL", 2, placement="v")
+    assert [layout.stage_index(r, v) for r in range(2) for v in range(2)] == [0, 3, 1, 2]
+    assert layout.has_embedding(0, 0) and layout.has_loss(0, 1) and not layout.has_loss(1, 1)
+    assert layout.decoder_layers(0, 1) == [3] and layout.stage_layers(1, 1) == ["t"]
+    assert layout.decoder_layers(1, 0) == [1]
+    assert "V placement" in layout.table()
+    even = even_layout(8, 4, 2, placement="v")
+    assert even.has_embedding(0, 0) and even.has_loss(0, 1)
+    assert [even.decoder_layers(3, v) for v in (0, 1)] == [[3], [4]]  # the bottom of the V
+
+
+def test_zbv_needs_two_stages_per_rank():
+    with pytest.raises(
+        ValueError, match=r"the V placement \(ZBV\) needs 2 stages per pipeline rank, i\.e\. 4"
+    ):
+        parse_layout("Et|t|t|t|t|tL", 2, placement="v")
+    with pytest.raises(
+        ValueError, match="the V placement .ZBV. runs exactly 2 model chunks per pipeline rank"
+    ):
+        even_layout(4, 2, 1, placement="v")

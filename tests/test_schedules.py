@@ -11,10 +11,12 @@ import torch.distributed as dist
 from core.model_parallel_config import ModelParallelConfig
 from core.pipeline_parallel.layout import even_layout, parse_layout
 from core.pipeline_parallel.losses import reduce_loss_logs
-from core.pipeline_parallel.lowering import lower
+from core.pipeline_parallel.lowering import lower, message_of
 from core.pipeline_parallel.placement import placement_for
 from core.pipeline_parallel.schedule_tables import (
+    COMPUTE,
     Action,
+    ActionKind,
     B,
     F,
     build_table,
@@ -170,6 +172,79 @@ def test_simulated_peak_in_flight():
     assert simulate(build_tables("1f1b", pp, 2, m), 2).peak_in_flight == [
         2 * (pp - r - 1) + pp + 1 for r in range(pp)
     ]
+
+
+def test_zb_h1_table_runs_each_weight_gradient_rank_steps_late():
+    assert _strs(build_table("zb-h1", 4, 1, 4, 0)) == [
+        *("0F0", "0F1", "0F2"),  # warm-up as in 1F1B
+        *("0F3", "0I0", "0W0", "0I1", "0W1", "0I2", "0W2", "0I3", "0W3"),
+    ]
+    assert _strs(build_table("zb-h1", 4, 1, 4, 2)) == [
+        *("0F0", "0F1", "0I0", "0F2", "0I1", "0F3", "0I2", "0W0", "0I3", "0W1"),
+        *("0W2", "0W3"),  # the late weight gradients fill the cool-down
+    ]
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 16), (8, 32)])
+def test_zero_bubble_h1_keeps_1f1b_memory_and_cuts_its_bubble_to_a_third(pp, m):
+    """F = I = W = 1: 1F1B idles 3 (pp - 1) units per rank, ZB-H1 pp - 1 (Qi et al., table 1)."""
+    one_f_one_b = simulate(build_tables("1f1b", pp, 1, m), 1, forward_cost=1.0, backward_cost=2.0)
+    zb = simulate(build_tables("zb-h1", pp, 1, m), 1, forward_cost=1.0, backward_cost=2.0)
+    assert one_f_one_b.makespan == 3 * m + 3 * (pp - 1)
+    assert zb.makespan == 3 * m + (pp - 1)
+    # Rank r runs each W r steps late, so it holds pp microbatches: 1F1B's peak (rank 0's) everywhere.
+    assert one_f_one_b.peak_in_flight == [pp - r for r in range(pp)]
+    assert zb.peak_in_flight == [pp] * pp
+
+
+def test_zbv_fills_the_bubble_with_two_chunks_per_rank_in_a_v():
+    pp, m = 4, 16
+    placement = placement_for("zbv", pp, 2)
+    assert [placement.rank_and_chunk(s) for s in range(8)] == [
+        *[(r, 0) for r in range(4)],
+        *[(r, 1) for r in (3, 2, 1, 0)],
+    ]
+    costs = {"forward_cost": 0.5, "backward_cost": 1.0}  # per chunk: F = I = W = 1/2
+    zbv = simulate(build_tables("zbv", pp, 2, m), placement, **costs)
+    interleaved = simulate(build_tables("interleaved", pp, 2, m), 2, **costs)
+    assert zbv.makespan < interleaved.makespan
+    assert zbv.bubble_fraction < 0.05 < interleaved.bubble_fraction
+    assert max(zbv.peak_in_flight) == 2 * pp  # chunk activations: 1F1B's pp microbatches, 2 chunks each
+
+
+def test_lowering_adds_every_message_on_its_link_in_the_senders_order():
+    from core.pipeline_parallel.lowering import Message, validate
+    from core.pipeline_parallel.schedule_tables import RECV_B, RECV_F, SEND_B, SEND_F
+
+    placement = placement_for("zbv", 2, 2)
+    complete = lower(build_tables("zbv", 2, 2, 3), placement)
+    validate(complete, placement)  # each receive before its consumer, link orders equal
+    # Rank 1's chunk 0 hands its output to its own chunk 1 (the bottom of the V) without a message.
+    assert _strs(complete[1])[:5] == ["0RECV_F0", "0F0", "0RECV_F1", "1F0", "1SEND_F0"]
+    kinds = {a.kind for t in complete for a in t}
+    assert kinds == {F, ActionKind.I, ActionKind.W, SEND_F, RECV_F, SEND_B, RECV_B}
+    assert Message("activation", 0, 1, 2) not in {
+        message_of(a, r, placement) for r, t in enumerate(complete) for a in t if a.kind not in COMPUTE
+    }
+    broken = [list(t) for t in complete]
+    broken[1].remove(Action(RECV_F, 1, 0))
+    broken[1].insert(0, Action(RECV_F, 1, 0))  # receives in another order than the sends
+    with pytest.raises(ValueError, match="link 0 -> 1: receives .* do not match the sends"):
+        validate(broken, placement)
+
+
+def test_lookahead_is_a_lowering_parameter():
+    tables = build_tables("1f1b", 2, 1, 3)
+    placement = placement_for("1f1b", 2, 1)
+    right_before = lower(tables, placement, lookahead=1)[1]
+    two_ahead = lower(tables, placement, lookahead=2)[1]
+    assert _strs(right_before) == [
+        *("0RECV_F0", "0F0", "0B0", "0SEND_B0", "0RECV_F1", "0F1", "0B1", "0SEND_B1"),
+        *("0RECV_F2", "0F2", "0B2", "0SEND_B2"),
+    ]
+    assert _strs(two_ahead)[:5] == ["0RECV_F0", "0F0", "0RECV_F1", "0B0", "0SEND_B0"]
+    with pytest.raises(ValueError, match="lookahead must be >= 1"):
+        lower(tables, placement, lookahead=0)
 
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zbv", 2)] + [
@@ -720,3 +795,113 @@ def test_megatron_keywords_are_accepted_or_rejected_clearly(kwargs, error, messa
     assert len(logs) == 2  # Megatron's harmless keywords are accepted
     with pytest.raises(error, match=message):
         forward_backward_no_pipelining(data_iterator=iter(batches), **kwargs, **common)
+
+
+# --------------------------------------------------------------------------------------------------
+# Typed hooks and the loss contract (one process)
+# --------------------------------------------------------------------------------------------------
+
+
+def _one_rank_step(model, per_token=False, loss_func=None, **kwargs):
+    from core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    step = make_forward_step(per_token)
+    if loss_func is not None:
+
+        def step(data_iterator, chunk):
+            tokens, labels, mask = next(data_iterator)
+            return chunk(tokens, labels=labels), lambda out: loss_func(mask, out)
+
+    return forward_backward_no_pipelining(
+        forward_step_func=step,
+        data_iterator=iter(make_microbatches(2, 2, 6, variable=False)),
+        model=model,
+        num_microbatches=2,
+        seq_length=6,
+        micro_batch_size=2,
+        **kwargs,
+    )
+
+
+def test_hooks_come_typed_or_by_megatrons_names_not_both():
+    from core.pipeline_parallel.hooks import ScheduleHooks
+
+    def finalize(chunks, tokens):
+        return None
+
+    megatron = ModelParallelConfig(hidden_size=8, finalize_model_grads_func=finalize)
+    assert ScheduleHooks.from_config(megatron) == ScheduleHooks(finalize_model_grads=finalize)
+    typed = ScheduleHooks(finalize_model_grads=finalize)
+    assert ScheduleHooks.from_config(ModelParallelConfig(hidden_size=8, schedule_hooks=typed)) is typed
+    both = ModelParallelConfig(hidden_size=8, schedule_hooks=typed, grad_sync_func=print)
+    with pytest.raises(ValueError, match="has both schedule_hooks and Megatron's grad_sync_func"):
+        ScheduleHooks.from_config(both)
+
+
+def test_every_chunk_sees_the_same_hooks():
+    from core.pipeline_parallel.hooks import ScheduleHooks
+    from core.pipeline_parallel.schedules import _hooks_of
+
+    shared = ScheduleHooks(finalize_model_grads=lambda chunks, tokens: None)
+    chunks = [
+        ToyStage(ModelParallelConfig(hidden_size=8, schedule_hooks=shared), ["t"], [i]) for i in range(2)
+    ]
+    assert _hooks_of(chunks) is shared
+    chunks[1].config.schedule_hooks = ScheduleHooks(finalize_model_grads=lambda chunks, tokens: None)
+    with pytest.raises(ValueError, match="model chunks 0 and 1 carry different schedule hooks"):
+        _hooks_of(chunks)
+
+
+def test_grad_scale_func_scales_the_loss_before_backward_and_timers_time_compute():
+    from core.pipeline_parallel.hooks import ScheduleHooks
+
+    plain = ToyStage(ModelParallelConfig(hidden_size=8), ["E", "t", "L"], [0])
+    _one_rank_step(plain)
+    calls = []
+
+    class Timer:
+        def __init__(self, name):
+            self.name = name
+
+        def start(self):
+            calls.append(("start", self.name))
+
+        def stop(self):
+            calls.append(("stop", self.name))
+
+    hooks = ScheduleHooks(grad_scale_func=lambda loss: loss * 4.0, timers=lambda name, log_level: Timer(name))
+    scaled = ToyStage(ModelParallelConfig(hidden_size=8), ["E", "t", "L"], [0])
+    logs = _one_rank_step(scaled, schedule_hooks=hooks)
+    for p, q in zip(scaled.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad * 4.0)  # a power of two: exact
+    assert len(logs) == 2
+    assert calls == [
+        (what, name) for name in ("forward-compute", "backward-compute") * 2 for what in ("start", "stop")
+    ]
+
+
+def test_loss_func_forms_are_checked_and_any_keys_are_reported():
+    from core.pipeline_parallel.losses import reduce_loss_logs
+
+    model = ToyStage(ModelParallelConfig(hidden_size=8), ["E", "t", "L"], [0])
+
+    def two(mask, out):
+        loss = (out * mask).sum() / mask.sum()
+        return loss, {"my loss": loss.detach(), "tokens seen": mask.sum()}
+
+    logs = _one_rank_step(model, loss_func=two)
+    reduced = reduce_loss_logs(logs)
+    assert set(reduced) == {"my loss", "tokens seen"} and logs.summed is False
+    with pytest.raises(TypeError, match="loss_func must return .* got a 4-tuple"):
+        _one_rank_step(model, loss_func=lambda mask, out: (out.sum(), 1, 2, {}))
+    with pytest.raises(TypeError, match="must be a dict of logged values, got float"):
+        _one_rank_step(model, loss_func=lambda mask, out: (out.sum(), 1.0))
+    per_token = ToyStage(ModelParallelConfig(hidden_size=8, calculate_per_token_loss=True), ["E", "L"], [])
+    with pytest.raises(
+        ValueError, match="calculate_per_token_loss needs loss_func to return .* got a 2-tuple"
+    ):
+        _one_rank_step(per_token, loss_func=two)
+    with pytest.raises(
+        ValueError, match="logged value 'lm loss' has 1 elements; with the .* form it must be"
+    ):
+        reduce_loss_logs([{"lm loss": torch.tensor(1.0)}], summed=True)
