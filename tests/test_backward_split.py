@@ -121,3 +121,41 @@ def test_weight_gradients_accumulate_over_microbatches():
         backward_weight(weights)
     for p, q in zip(split.parameters(), fused.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        {},
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective"},
+    ],
+    ids=["no recompute", "full recompute", "selective recompute"],
+)
+def test_gpt_layers_split_bit_for_bit_with_recompute(recompute):
+    """Two real GPT decoder layers (attention, MLP, LayerNorms, residuals) as a middle stage.
+
+    With recomputation W runs the checkpointed forward again (a second backward over the graph
+    recomputes, as torch's non-reentrant checkpoint does for every backward pass).
+    """
+    from core.transformer.transformer_block import TransformerBlock
+    from models.gpt.presets import gpt2_config
+
+    torch.manual_seed(0)
+    config = gpt2_config(
+        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, **recompute
+    )
+    fused = TransformerBlock(config, [0, 1], post_process=False)
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    split = copy.deepcopy(fused)
+    x, grad = torch.randn(16, 2, 32), torch.randn(16, 2, 32)
+    fused_input = x.clone().requires_grad_(True)
+    fused_backward(fused(fused_input), grad)
+    split_input = x.clone().requires_grad_(True)
+    input_grad, weights = backward_input(split(split_input), grad, split_input)
+    backward_weight(weights)
+    assert torch.equal(input_grad, fused_input.grad)
+    for (n, p), q in zip(split.named_parameters(), fused.parameters()):
+        assert torch.equal(p.grad, q.grad), n

@@ -1,12 +1,21 @@
 """How close does each schedule come to its ideal makespan? Synthetic stages with known costs.
 
-Every rank's forward costs ``--forward-ms`` and its backward ``--backward-ms`` per microbatch,
-split evenly over its virtual chunks (sleeps: no compute noise, tiny tensors). The ideal is the
-simulator's makespan of the same table with those costs and free communication, so
-``measured / ideal`` is the engine's own overhead: communication latency, Python, waiting.
+Every rank's forward costs ``--forward-ms`` per microbatch, the input-gradient half of its backward
+``--input-ms`` and the weight-gradient half ``--weight-ms`` (a fused backward costs both), split
+evenly over its virtual chunks. The costs are sleeps inside autograd nodes placed as in a real layer
+(the input-gradient node on the path from the stage's input, the weight-gradient node on a branch
+from a parameter), so the zero-bubble split runs each half where it belongs: no compute noise,
+tiny tensors. As in any model, the first stage's input needs no gradient, so its input-gradient
+half runs inside its W. The ideal is the simulator's makespan of the same complete tables with
+those costs and free communication, so ``measured / ideal`` is the engine's own overhead:
+communication latency, Python, waiting.
+
+PyTorch's ``torch.distributed.pipelining`` runs the same stages with its own schedules (GPipe, 1F1B,
+interleaved 1F1B, ``ScheduleInterleavedZeroBubble`` for ZB-H1 and its interleaved form,
+``ScheduleZBVZeroBubble``), the two engines taking turns step by step on each case.
 
     python tools/bench_schedules.py                      # PP=4, microbatches 8 and 16, all schedules
-    python tools/bench_schedules.py --steps 7 --microbatches 8
+    python tools/bench_schedules.py --steps 7 --microbatches 8 --peer none
 
 Prints a table, then one JSON line.
 """
@@ -28,12 +37,13 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.model_parallel_config import ModelParallelConfig
-from core.pipeline_parallel.schedule_tables import build_tables
+from core.pipeline_parallel.placement import placement_for
+from core.pipeline_parallel.schedule_tables import B, F, I, W, build_tables
 from core.pipeline_parallel.simulator import simulate
 
 SEQ, BATCH, HIDDEN = 16, 1, 16
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)]
-
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-h1", 2), ("zbv", 2)]
+CONFIG_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "1f1b", "zb-h1": "zb-h1", "zbv": "zbv"}
 
 PRECISE = True
 
@@ -54,27 +64,48 @@ def busy(seconds: float) -> None:
         pass
 
 
-class _Sleep(torch.autograd.Function):
-    """Identity whose forward and backward take a fixed time."""
+class _InputPath(torch.autograd.Function):
+    """Identity on the input's path: its forward costs F, its backward the input-gradient half."""
 
     @staticmethod
-    def forward(ctx, x, forward_s, backward_s):
-        ctx.backward_s = backward_s
+    def forward(ctx, x, forward_s, input_s):
+        ctx.input_s = input_s
         busy(forward_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        busy(ctx.backward_s)
+        busy(ctx.input_s)
         return grad, None, None
 
 
+class _WeightPath(torch.autograd.Function):
+    """Identity on a parameter's branch: its backward costs the weight-gradient half."""
+
+    @staticmethod
+    def forward(ctx, weight, weight_s):
+        ctx.weight_s = weight_s
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        busy(ctx.weight_s)
+        return grad, None
+
+
+def _stage_output(x, weight, costs):
+    forward_s, input_s, weight_s = costs
+    return _InputPath.apply(x, forward_s, input_s) + _WeightPath.apply(weight, weight_s)
+
+
 class SleepStage(torch.nn.Module):
-    def __init__(self, config, forward_s, backward_s, first, last, vp_stage):
+    """Trident's synthetic chunk: ``set_input_tensor`` and Megatron's pre/post flags."""
+
+    def __init__(self, config, costs, first, last, vp_stage):
         super().__init__()
-        self.config, self.vp_stage = config, vp_stage
+        self.config, self.vp_stage, self.costs = config, vp_stage, costs
         self.pre_process, self.post_process = first, last
-        self.forward_s, self.backward_s = forward_s, backward_s
+        self.embedding = torch.nn.Parameter(torch.ones(HIDDEN))
         self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
         self.input_tensor = None
 
@@ -82,49 +113,43 @@ class SleepStage(torch.nn.Module):
         self.input_tensor = tensors[0]
 
     def forward(self):
-        x = self.weight.expand(SEQ, BATCH, HIDDEN) if self.pre_process else self.input_tensor
-        return _Sleep.apply(x, self.forward_s, self.backward_s)
+        x = self.embedding.expand(SEQ, BATCH, HIDDEN) if self.pre_process else self.input_tensor
+        return _stage_output(x, self.weight, self.costs)
 
 
 class _TorchSleepStage(torch.nn.Module):
     """The same synthetic stage for PyTorch's ``torch.distributed.pipelining`` (the peer)."""
 
-    def __init__(self, forward_s, backward_s):
+    def __init__(self, costs):
         super().__init__()
-        self.forward_s, self.backward_s = forward_s, backward_s
+        self.costs = costs
         self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
 
     def forward(self, x):
-        return _Sleep.apply(x * self.weight, self.forward_s, self.backward_s)
+        return _stage_output(x, self.weight, self.costs)
 
 
-def _torch_schedule(schedule, vpp, m, rank, world, f, b):
-    """PyTorch's own schedule over the same stages (stage s on rank s % pp, as in Megatron)."""
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+def _torch_schedule(schedule, vpp, m, rank, world, costs):
+    """PyTorch's own schedule over the same stages, on the same placement as Trident's."""
+    from torch.distributed import pipelining as pl
 
-    stages = [
-        PipelineStage(_TorchSleepStage(f, b), c * world + rank, world * vpp, torch.device("cpu"))
-        for c in range(vpp)
-    ]
+    placement = placement_for(schedule, world, vpp)
+    indices = [placement.stage(rank, c) for c in range(vpp)]
+    stages = [pl.PipelineStage(_TorchSleepStage(costs), s, world * vpp, torch.device("cpu")) for s in indices]
     loss = lambda out, target: out.float().mean()
-    if vpp > 1:
-        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss)
+    if schedule == "zbv":
+        sched = pl.ScheduleZBVZeroBubble(stages, m, loss_fn=loss)
+    elif schedule == "zb-h1":
+        sched = pl.ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss)
+    elif vpp > 1:
+        sched = pl.ScheduleInterleaved1F1B(stages, m, loss_fn=loss)
     else:
-        sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stages[0], m, loss_fn=loss)
+        sched = (pl.ScheduleGPipe if schedule == "gpipe" else pl.Schedule1F1B)(stages[0], m, loss_fn=loss)
     batch = torch.zeros(BATCH * m, SEQ, HIDDEN)
+    first, last = 0 in indices, world * vpp - 1 in indices
 
     def step():
-        if rank == 0:
-            sched.step(batch)
-        elif rank == world - 1:
-            sched.step(target=batch)
-        else:
-            sched.step()
+        sched.step(*([batch] if first else []), **({"target": batch} if last else {}))
 
     return step
 
@@ -133,7 +158,7 @@ def _forward_step(data_iterator, model):
     return model(), lambda out: (out.float().mean(), {})
 
 
-def _trident_schedule(schedule, vpp, m, rank, world, f, b, record=None):
+def _trident_schedule(schedule, vpp, m, rank, world, costs, record=None):
     from core import parallel_state as ps
     from core.pipeline_parallel.schedules import get_forward_backward_func
 
@@ -144,15 +169,14 @@ def _trident_schedule(schedule, vpp, m, rank, world, f, b, record=None):
         pipeline_model_parallel_size=world,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         hidden_size=HIDDEN,
-        pipeline_schedule="gpipe" if schedule == "gpipe" else "1f1b",
+        pipeline_schedule=CONFIG_SCHEDULE[schedule],
     )
-    stages = world * vpp
-    chunks = [
-        SleepStage(config, f, b, c * world + rank == 0, c * world + rank == stages - 1, c) for c in range(vpp)
-    ]
+    placement = placement_for(schedule, world, vpp)
+    stages = [placement.stage(rank, c) for c in range(vpp)]
+    chunks = [SleepStage(config, costs, s == 0, s == world * vpp - 1, c) for c, s in enumerate(stages)]
     func = get_forward_backward_func()
 
-    def step():
+    def step(record=record):
         func(
             forward_step_func=_forward_step,
             data_iterator=[None] * vpp if vpp > 1 else None,
@@ -166,7 +190,14 @@ def _trident_schedule(schedule, vpp, m, rank, world, f, b, record=None):
     return step
 
 
+def _costs(args, vpp: int) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of one chunk and microbatch."""
+    return tuple(ms / 1000 / vpp for ms in (args.forward_ms, args.input_ms, args.weight_ms))
+
+
 def _worker(rank, world, init_file, cases, args, out_queue):
+    from core.pipeline_parallel.executor import ScheduleRecord
+
     global PRECISE
     PRECISE = args.sleep == "precise"
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -177,35 +208,54 @@ def _worker(rank, world, init_file, cases, args, out_queue):
     # The engines take turns step by step on the same case, so a noisy stretch of the machine hits
     # both alike (the comparison is within the run, as the ratios are).
     times: dict[tuple, list[float]] = {case: [] for case in cases}
+    peaks: dict[tuple, int] = {}
     for schedule, vpp, m in dict.fromkeys((s, v, m) for _, s, v, m in cases):
-        f, b = args.forward_ms / 1000 / vpp, args.backward_ms / 1000 / vpp
         engines = [e for e, s, v, mb in cases if (s, v, mb) == (schedule, vpp, m)]
+        record = ScheduleRecord()  # filled by the warm-up step only: timed steps record nothing
         steps = {
-            e: (_trident_schedule if e == "trident" else _torch_schedule)(schedule, vpp, m, rank, world, f, b)
+            e: _trident_schedule(schedule, vpp, m, rank, world, _costs(args, vpp))
+            if e == "trident"
+            else _torch_schedule(schedule, vpp, m, rank, world, _costs(args, vpp))
             for e in engines
         }
         for i in range(args.steps + 1):
             for engine in engines:
                 dist.barrier()
                 start = time.perf_counter()
-                steps[engine]()
+                if engine == "trident" and i == 0:
+                    steps[engine](record)
+                else:
+                    steps[engine]()
                 elapsed = torch.tensor([time.perf_counter() - start])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if i:  # the first step warms up the connections
                     times[(engine, schedule, vpp, m)].append(elapsed.item())
         if "trident" in engines:
+            peak = torch.tensor([record.peak_in_flight])
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            peaks[(schedule, vpp, m)] = int(peak.item())
             ps.destroy_model_parallel()
-    results = [times[case] for case in cases]
     if rank == 0:
-        out_queue.put(results)
+        out_queue.put(([times[case] for case in cases], peaks))
     dist.destroy_process_group()
 
 
-def ideal_makespan(schedule: str, pp: int, vpp: int, m: int, forward_ms: float, backward_ms: float) -> float:
+def ideal_makespan(schedule: str, pp: int, vpp: int, m: int, args) -> float:
+    """The simulator's makespan with the stages' costs (the first stage's I is empty, its W both halves)."""
+    forward_s, input_s, weight_s = _costs(args, vpp)
+    placement = placement_for(schedule, pp, vpp)
+
+    def cost(action, rank: int) -> float:
+        first = placement.stage(rank, action.chunk) == 0
+        return {
+            F: forward_s,
+            B: input_s + weight_s,
+            I: 0.0 if first else input_s,
+            W: input_s + weight_s if first else weight_s,
+        }[action.kind]
+
     tables = build_tables(schedule, pp, vpp, m)
-    return simulate(
-        tables, vpp, forward_cost=forward_ms / 1000 / vpp, backward_cost=backward_ms / 1000 / vpp
-    ).makespan
+    return simulate(tables, placement, cost, cost, input_cost=cost, weight_cost=cost).makespan
 
 
 def _collect(queue, procs, timeout: float = 1800):
@@ -223,6 +273,32 @@ def _collect(queue, procs, timeout: float = 1800):
     raise TimeoutError(f"benchmark ranks did not finish within {timeout:.0f} s")
 
 
+def _name(schedule: str, vpp: int) -> str:
+    if schedule == "zb-h1" and vpp > 1:
+        return f"interleaved zb v={vpp}"
+    return schedule if vpp == 1 or schedule == "zbv" else f"{schedule} v={vpp}"
+
+
+def _run(args, cases) -> tuple[list, dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    pp = args.pipeline_model_parallel_size
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "rdzv"), cases, args, queue))
+            for r in range(pp)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(queue, procs)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -230,15 +306,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--forward-ms", type=float, default=20.0)
-    parser.add_argument("--backward-ms", type=float, default=40.0)
+    parser.add_argument("--input-ms", type=float, default=20.0, help="input-gradient half of the backward")
+    parser.add_argument("--weight-ms", type=float, default=20.0, help="weight-gradient half of the backward")
     parser.add_argument(
-        "--steps", type=int, default=5, help="timed steps per case and engine (after one warm-up step)"
+        "--schedules", nargs="+", default=[_name(s, v) for s, v in SCHEDULES], help="a subset, by table name"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per case and engine (after one warm-up)"
     )
     parser.add_argument(
         "--peer",
         choices=["torch", "none"],
         default="torch",
-        help="also run torch.distributed.pipelining's schedules on the same stages, taking turns with Trident step by step",
+        help="also run torch.distributed.pipelining's schedules on the same stages, taking turns step by step",
     )
     parser.add_argument(
         "--sleep",
@@ -249,65 +329,77 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     pp = args.pipeline_model_parallel_size
     engines = ["trident"] + (["torch"] if args.peer == "torch" else [])
+    chosen = [(s, v) for s, v in SCHEDULES if _name(s, v) in args.schedules]
     cases = [
         (e, s, v, m)
         for m in args.microbatches
-        for s, v in SCHEDULES
+        for s, v in chosen
         for e in engines
-        if not (s == "interleaved" and (m % pp or m < pp))
+        if not (v > 1 and s != "zbv" and (m % pp or m < pp))
     ]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "rdzv"), cases, args, queue))
-            for r in range(pp)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            results = _collect(queue, procs)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    rows = []
+    results, peaks = _run(args, cases)
     print(
-        f"PP={pp}, forward {args.forward_ms} ms + backward {args.backward_ms} ms per microbatch and rank, "
-        f"median of {args.steps} steps, {args.sleep} sleep"
+        f"PP={pp}, per microbatch and rank: forward {args.forward_ms} ms, input gradient {args.input_ms} ms, "
+        f"weight gradient {args.weight_ms} ms; median of {args.steps} steps, {args.sleep} sleep"
     )
-    print(f"{'engine':<9}{'schedule':<17}{'m':>4}{'ideal ms':>10}{'median ms':>11}{'min ms':>9}{'ratio':>8}")
+    print(
+        f"{'engine':<9}{'schedule':<22}{'m':>4}{'ideal ms':>10}{'median ms':>11}{'min ms':>9}"
+        f"{'ratio':>8}{'peak':>6}"
+    )
+    rows = []
     for (engine, schedule, vpp, m), times in zip(cases, results):
-        ideal = ideal_makespan(schedule, pp, vpp, m, args.forward_ms, args.backward_ms)
+        ideal = ideal_makespan(schedule, pp, vpp, m, args)
         median = statistics.median(times)
-        name = schedule if vpp == 1 else f"{schedule} v={vpp}"
+        peak = peaks.get((schedule, vpp, m)) if engine == "trident" else None
         rows.append(
             {
                 "engine": engine,
-                "schedule": name,
+                "schedule": _name(schedule, vpp),
                 "microbatches": m,
                 "ideal_ms": round(ideal * 1000, 2),
                 "median_ms": round(median * 1000, 2),
                 "min_ms": round(min(times) * 1000, 2),
-                "ratio": round(median / ideal, 4),
+                "ratio": round(median / ideal, 4) if ideal else None,
+                "peak_in_flight": peak,
             }
         )
         print(
-            f"{engine:<9}{name:<17}{m:>4}{ideal * 1000:>10.1f}{median * 1000:>11.1f}{min(times) * 1000:>9.1f}"
-            f"{median / ideal:>8.3f}"
+            f"{engine:<9}{_name(schedule, vpp):<22}{m:>4}{ideal * 1000:>10.1f}{median * 1000:>11.1f}"
+            f"{min(times) * 1000:>9.1f}{median / ideal if ideal else float('nan'):>8.3f}"
+            f"{'' if peak is None else peak:>6}"
         )
+    comparisons = _comparisons(rows)
+    for line in comparisons:
+        print(line)
     summary = {
         "benchmark": "bench_schedules",
         "pp": pp,
         "sleep": args.sleep,
         "forward_ms": args.forward_ms,
-        "backward_ms": args.backward_ms,
+        "input_ms": args.input_ms,
+        "weight_ms": args.weight_ms,
         "steps": args.steps,
+        "load": os.getloadavg()[0],
         "results": rows,
     }
     print(json.dumps(summary))
     return summary
+
+
+def _comparisons(rows: list[dict]) -> list[str]:
+    """Trident's zero-bubble schedules against their 1F1B counterparts, in the same run."""
+    median = {(r["engine"], r["schedule"], r["microbatches"]): r["median_ms"] for r in rows}
+    lines = []
+    for m in sorted({r["microbatches"] for r in rows}):
+        for fast, slow in (
+            ("zb-h1", "1f1b"),
+            ("zbv", "interleaved v=2"),
+            ("interleaved zb v=2", "interleaved v=2"),
+        ):
+            if ("trident", fast, m) in median and ("trident", slow, m) in median:
+                ratio = median[("trident", fast, m)] / median[("trident", slow, m)]
+                lines.append(f"m={m}: trident {fast} / {slow} = {ratio:.3f}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -100,8 +100,9 @@ def _measure(rank, world, init_file, schedule, vpp, m, forward_ms, backward_ms, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     record = ScheduleRecord()
+    half = backward_ms / 2000 / vpp  # a backward's input- and weight-gradient halves
     step = _trident_schedule(
-        schedule, vpp, m, rank, world, forward_ms / 1000 / vpp, backward_ms / 1000 / vpp, record=record
+        schedule, vpp, m, rank, world, (forward_ms / 1000 / vpp, half, half), record=record
     )
     step()  # warm-up
     record.events.clear()

@@ -27,15 +27,20 @@ def _remember_tracker(store: dict) -> Iterator[None]:
     yield
 
 
-@contextlib.contextmanager
-def _replay_tracker(store: dict) -> Iterator[None]:
-    tracker = get_rng_tracker()
-    current = tracker.get_states()
-    tracker.set_states(store["states"])
-    try:
-        yield
-    finally:
-        tracker.set_states(current)
+class _ReplayTracker:
+    """Swaps the forward's tracker states in for a recomputation. Re-enterable: a second backward over
+    the same graph (the zero-bubble weight-gradient pass) recomputes again."""
+
+    def __init__(self, store: dict) -> None:
+        self.store, self.saved = store, []
+
+    def __enter__(self) -> None:
+        tracker = get_rng_tracker()
+        self.saved.append(tracker.get_states())
+        tracker.set_states(self.store["states"])
+
+    def __exit__(self, *exc: object) -> None:
+        get_rng_tracker().set_states(self.saved.pop())
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
@@ -51,5 +56,5 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
-        context_fn=lambda: (_remember_tracker(store), _replay_tracker(store)),
+        context_fn=lambda: (_remember_tracker(store), _ReplayTracker(store)),
     )

@@ -1,0 +1,152 @@
+"""What does the zero-bubble split cost? I + W against one fused backward, on real GPT stages.
+
+A middle pipeline stage (GPT-2 or LLaMA decoder layers, the stage input needing a gradient) runs its
+forward, then either one fused backward (B) or the input-gradient pass (I) followed by the
+weight-gradient pass (W) of ``core.pipeline_parallel.backward_split``; PyTorch's own
+``stage_backward_input`` / ``stage_backward_weight`` (torch.distributed.pipelining) run as a third
+way. The three take turns repetition by repetition, each first in turn, so machine noise hits them alike.
+``(I + W) / B`` near 1 means the split recomputes nothing; the graph walk that finds where weight
+branches join the input path is its only extra work.
+
+    python tools/bench_backward_split.py
+    python tools/bench_backward_split.py --hidden-size 512 --seq-length 512 --repeats 11
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
+from core.transformer.transformer_block import TransformerBlock
+from models.gpt.presets import gpt2_config, llama_config
+
+
+def _stage(kind: str, args) -> TransformerBlock:
+    common = {
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "num_attention_heads": args.num_attention_heads,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+    config = gpt2_config(**common) if kind == "gpt" else llama_config(num_query_groups=2, **common)
+    stage = TransformerBlock(config, list(range(args.num_layers)), post_process=False)
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm.weight" in name else torch.randn_like(p) * 0.02)
+    return stage
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _one_repeat(stage, x, grad, way: str) -> dict[str, float]:
+    stage_input = x.clone().requires_grad_(True)
+    output = stage(stage_input)
+    if way == "fused":
+        return {"B": _timed(lambda: fused_backward(output, grad))}
+    if way == "trident":
+        held = {}
+        i = _timed(lambda: held.update(w=backward_input(output, grad, stage_input)[1]))
+        return {"I": i, "W": _timed(lambda: backward_weight(held["w"]))}
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    held = {}
+    params = list(stage.parameters())
+
+    def torch_input():
+        held["groups"] = stage_backward_input([output], [grad], [stage_input], iter(params))[1]
+
+    i = _timed(torch_input)
+    return {"I": i, "W": _timed(lambda: stage_backward_weight(iter(params), held["groups"]))}
+
+
+def measure(kind: str, args) -> dict:
+    torch.manual_seed(0)
+    fused = _stage(kind, args)
+    stages = {"fused": fused, "trident": copy.deepcopy(fused), "torch": copy.deepcopy(fused)}
+    x = torch.randn(args.seq_length, args.micro_batch_size, args.hidden_size)
+    grad = torch.randn_like(x)
+    times: dict[str, list[dict[str, float]]] = {way: [] for way in stages}
+    ways = list(stages)
+    for repeat in range(args.repeats + 1):
+        for way in ways[repeat % 3 :] + ways[: repeat % 3]:  # each goes first in turn
+            stage = stages[way]
+            stage.zero_grad(set_to_none=True)
+            result = _one_repeat(stage, x, grad, way)
+            if repeat:  # the first repeat warms up allocator and kernels
+                times[way].append(result)
+
+    def median(way: str, part: str) -> float:
+        return statistics.median(t[part] for t in times[way])
+
+    def median_sum(way: str) -> float:
+        return statistics.median(t["I"] + t["W"] for t in times[way])
+
+    fused = median("fused", "B")
+    return {
+        "model": kind,
+        "fused_ms": round(fused * 1e3, 2),
+        "input_ms": round(median("trident", "I") * 1e3, 2),
+        "weight_ms": round(median("trident", "W") * 1e3, 2),
+        "split_over_fused": round(median_sum("trident") / fused, 4),
+        "torch_input_ms": round(median("torch", "I") * 1e3, 2),
+        "torch_weight_ms": round(median("torch", "W") * 1e3, 2),
+        "torch_split_over_fused": round(median_sum("torch") / fused, 4),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [measure(kind, args) for kind in ("gpt", "llama")]
+    print(
+        f"middle stage: {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length} x batch "
+        f"{args.micro_batch_size}, {args.threads} thread(s), median of {args.repeats}; load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'model':<7}{'B ms':>9}{'I ms':>9}{'W ms':>9}{'(I+W)/B':>9}{'torch I':>9}{'torch W':>9}{'(I+W)/B':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<7}{r['fused_ms']:>9.1f}{r['input_ms']:>9.1f}{r['weight_ms']:>9.1f}"
+            f"{r['split_over_fused']:>9.3f}{r['torch_input_ms']:>9.1f}{r['torch_weight_ms']:>9.1f}"
+            f"{r['torch_split_over_fused']:>9.3f}"
+        )
+    summary = {
+        "benchmark": "bench_backward_split",
+        "load": os.getloadavg()[0],
+        "args": vars(args),
+        "results": rows,
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
