@@ -143,7 +143,12 @@ def test_gpt_layers_split_bit_for_bit_with_recompute(recompute):
 
     torch.manual_seed(0)
     config = gpt2_config(
-        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, **recompute
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **recompute,
     )
     fused = TransformerBlock(config, [0, 1], post_process=False)
     with torch.no_grad():

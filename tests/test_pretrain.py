@@ -99,6 +99,12 @@ SPLITS = {
     "TP2PP2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "PP2DP2": (4, ["--pipeline-model-parallel-size", "2"]),
     "PP2VPP2": (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]),
+    # ZBV: the B/W split, the V placement, the tied embedding as one Parameter on rank 0, which logs.
+    "PP2 ZBV": (
+        2,
+        ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+        + ["--pipeline-schedule", "zbv"],
+    ),
 }
 
 
@@ -138,6 +144,36 @@ def test_every_split_trains_the_same_loss_curve(cache, tmp_path):
         )
         assert first <= 1e-6, f"{name}: first-iteration loss differs by {first:.2e}"
         assert worst <= 1e-4, f"{name}: losses differ by up to {worst:.2e}"
+
+
+def _curve(cache, out: Path, nproc: int, flags: list[str]) -> dict[int, float]:
+    off = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    torchrun(
+        nproc,
+        SMALL + flags + off + ["--wandb-project", "zb", "--wandb-save-dir", str(out)],
+        cache,
+        timeout=900,
+    )
+    return wandb_losses(out)
+
+
+@pytest.mark.slow
+def test_zero_bubble_h1_trains_the_same_loss_curve_as_1f1b_on_tp2_pp2_dp2(cache, tmp_path):
+    """8 ranks, TP2 x PP2 x DP2, overlapped gradient reduction: ZB-H1's losses equal 1F1B's."""
+    split = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--overlap-grad-reduce",
+    ]
+    split += ["--train-iters", "10", "--ddp-bucket-size", "20000"]
+    one_f_one_b = _curve(cache, tmp_path / "1f1b", 8, split)
+    zero_bubble = _curve(cache, tmp_path / "zb", 8, split + ["--pipeline-schedule", "zb-h1"])
+    assert sorted(one_f_one_b) == list(range(1, 11))
+    worst = max(abs(zero_bubble[i] - one_f_one_b[i]) / one_f_one_b[i] for i in one_f_one_b)
+    print(f"zb-h1 vs 1f1b on TP2xPP2xDP2: worst relative loss difference over 10 iterations {worst:.2e}")
+    assert zero_bubble == one_f_one_b  # the same gradients, bit for bit: the same losses
 
 
 def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):

@@ -1,0 +1,128 @@
+"""A rank's pipeline messages while it runs its table: outputs waiting for their send, posted receives.
+
+The executor's handlers speak in actions; the mailbox turns an action into its message (which
+stage sends what to which, :mod:`~core.pipeline_parallel.lowering`) and posts it on its link
+(:class:`~core.pipeline_parallel.p2p_communication.PipelineLinks`). A compute action leaves its output
+here and the ``SEND`` that follows it posts it; a ``RECV`` posts a receive into a fresh buffer and the
+compute action that needs it waits for it. Messages between two chunks of this rank are handed over
+here without communication.
+
+Variable sequence lengths: an activation's shape travels first as a small int64 message, and its
+receive waits for the shape before posting the data; a gradient has the shape of the activation
+this rank sent for the same microbatch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from core.device import current_device
+from core.pipeline_parallel.lowering import ACTIVATION, GRADIENT, Message, input_message, output_message
+from core.pipeline_parallel.p2p_communication import PipelineLinks
+from core.pipeline_parallel.placement import Placement
+from core.pipeline_parallel.record import Event, ScheduleRecord
+from core.pipeline_parallel.schedule_tables import Action
+
+
+class Mailbox:
+    """This rank's messages: outputs waiting for their SEND, posted receives, local hand-overs."""
+
+    def __init__(
+        self,
+        *,
+        pp_rank: int,
+        placement: Placement,
+        links: PipelineLinks | None,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        variable_shapes: bool,
+        record: ScheduleRecord | None,
+    ):
+        self.pp_rank, self.placement, self.links, self.record = pp_rank, placement, links, record
+        self.shape, self.dtype, self.variable = shape, dtype, variable_shapes
+        self.device = current_device()
+        self.outbox: dict[Message, torch.Tensor] = {}
+        self.inbox: dict[Message, tuple[torch.Tensor, dist.Work | None]] = {}
+        self.sent_shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (microbatch, stage) -> shape
+        self.sends: list[dist.Work] = []
+        if links is not None:
+            links.record = self._log_post if record is not None else None
+
+    # -- what the compute handlers need ---------------------------------------------------------
+    def input_of(self, action: Action) -> torch.Tensor | None:
+        """The tensor ``action`` consumes (an F's input, a B's or I's output gradient); None if the
+        stage has no such input (the first stage's F, the last stage's backward)."""
+        message = input_message(action, self.pp_rank, self.placement)
+        if message is None:
+            return None
+        tensor, work = self.inbox.pop(message)
+        if work is not None:
+            self._wait(work, (message, "data"))
+        return tensor
+
+    def output_of(self, action: Action, tensor: torch.Tensor | None) -> None:
+        """What ``action`` produced for the next (F) or previous (B, I) stage: kept for its SEND, or
+        handed straight to this rank's chunk that needs it."""
+        message = output_message(action, self.pp_rank, self.placement)
+        if message is None:
+            return
+        tensor = tensor.detach()
+        if self.placement.rank(message.dst_stage) != self.pp_rank:
+            self.outbox[message] = tensor.contiguous()
+        else:
+            self.inbox[message] = (tensor, None)
+
+    # -- the communication actions --------------------------------------------------------------
+    def send(self, action: Action) -> None:
+        message = output_message(action, self.pp_rank, self.placement)
+        tensor = self.outbox.pop(message)
+        peer = self.placement.rank(message.dst_stage)
+        if message.kind == ACTIVATION and self.variable:  # its shape goes first
+            self.sent_shapes[(message.microbatch, message.src_stage)] = tuple(tensor.shape)
+            shape = torch.tensor(tensor.shape, dtype=torch.int64, device=self.device)
+            self.sends.append(self.links.post(True, peer, shape, message.kind, "shape", (message, "shape")))
+        self.sends.append(self.links.post(True, peer, tensor, message.kind, "data", (message, "data")))
+
+    def receive(self, action: Action) -> None:
+        """Post the receive (with variable lengths: receive the shape first and wait for it)."""
+        message = input_message(action, self.pp_rank, self.placement)
+        peer = self.placement.rank(message.src_stage)
+        shape = self.shape
+        if message.kind == GRADIENT and self.variable:  # it has the shape of the activation sent
+            shape = self.sent_shapes.get((message.microbatch, message.dst_stage))
+            if shape is None:
+                raise RuntimeError(
+                    f"schedule error: receive of {message} posted before its activation was sent"
+                )
+        elif self.variable:
+            buffer = torch.empty(len(self.shape), dtype=torch.int64, device=self.device)
+            work = self.links.post(False, peer, buffer, message.kind, "shape", (message, "shape"))
+            self._wait(work, (message, "shape"))
+            shape = tuple(buffer.tolist())
+        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        work = self.links.post(False, peer, buffer, message.kind, "data", (message, "data"))
+        self.inbox[message] = (buffer, work)
+
+    def finish(self) -> None:
+        """Wait until every send has completed (its buffer may then be freed)."""
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+
+    def _wait(self, work: dist.Work, key: tuple) -> None:
+        if self.record is None:
+            work.wait()
+            return
+        self.record.comm_log.append(("wait", key))
+        start = time.perf_counter()
+        work.wait()
+        message = key[0]
+        kind = "WAIT_F" if message.kind == ACTIVATION else "WAIT_B"
+        chunk = self.placement.rank_and_chunk(message.dst_stage)[1]
+        self.record.events.append(Event(kind, message.microbatch, chunk, start, time.perf_counter()))
+
+    def _log_post(self, link, is_send, peer, key) -> None:
+        self.record.comm_log.append(("post", link, [(is_send, peer, key)]))
