@@ -37,19 +37,17 @@ class PipelineLinks:
     """This rank's directed links: ``groups[(src, dst)]`` is the two-rank group of pp ranks src -> dst.
 
     ``record(link, is_send, peer, key)`` is called for every post, in posting order (for tests and
-    timelines). With ``groups`` None every link is ``shared_group`` itself: one stream per rank,
-    right on gloo but not NCCL-safe when receives are posted ahead (see ``core.parallel_state``).
+    timelines).
     """
 
     def __init__(
         self,
         pp_rank: int,
         global_ranks: Sequence[int],
-        groups: Mapping[Link, dist.ProcessGroup] | None,
-        shared_group: dist.ProcessGroup | None = None,
+        groups: Mapping[Link, dist.ProcessGroup],
     ) -> None:
         self.pp_rank, self.global_ranks = pp_rank, list(global_ranks)
-        self.groups, self.shared_group = groups, shared_group
+        self.groups = groups
         self.record: Callable[[Link, bool, int, object], None] | None = None
 
     @classmethod
@@ -79,7 +77,7 @@ class PipelineLinks:
     ) -> dist.Work:
         """Post one send to, or receive from, pipeline rank ``peer`` on their link; returns its request."""
         link = (self.pp_rank, peer) if is_send else (peer, self.pp_rank)
-        group = self.shared_group if self.groups is None else self.groups[link]
+        group = self.groups[link]
         if self.record is not None:
             self.record(link, is_send, peer, key)
         if _VERBOSE:
@@ -125,7 +123,7 @@ class P2PCommunicator:
         self.next_rank = ranks[(me + 1) % len(ranks)]
         self.prev_rank = ranks[(me - 1) % len(ranks)]
         self.device = current_device()
-        self.links = PipelineLinks(me, ranks, _channels_of(pp_group), shared_group=pp_group)
+        self.links = PipelineLinks(me, ranks, _channels_of(pp_group))
 
     # -- the one primitive ------------------------------------------------------------------
     def communicate(
@@ -312,13 +310,16 @@ class P2PCommunicator:
         return [fn(t, s) for t, s in zip(tensors, tensor_shapes)]
 
 
-def _channels_of(pp_group: dist.ProcessGroup) -> Mapping[Link, dist.ProcessGroup] | None:
-    """parallel_state's link groups when ``pp_group`` is its pipeline group, else None (no links)."""
+def _channels_of(pp_group: dist.ProcessGroup) -> Mapping[Link, dist.ProcessGroup]:
+    """parallel_state's link groups of ``pp_group``, which must be its pipeline group."""
     from core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_group() is pp_group:
-        return ps.get_pipeline_model_parallel_channel_groups()
-    return None
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_group() is not pp_group:
+        raise ValueError(
+            "P2PCommunicator posts on the pipeline links initialize_model_parallel creates (one group per "
+            "direction and neighbour, NCCL-safe); pass parallel_state.get_pipeline_model_parallel_group()"
+        )
+    return ps.get_pipeline_model_parallel_channel_groups()
 
 
 def _as_list(x) -> list:

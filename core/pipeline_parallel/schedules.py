@@ -169,15 +169,7 @@ def _run(
     _check_keywords(unsupported, decoder_seq_length, seq_length)
     del first_val_step  # only meaningful for FP8 weight caching, which Trident does not do
     settings = ScheduleSettings.from_config(chunks[0].config)
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    iterators = _as_iterators(data_iterator, len(chunks))
-    vpp = len(chunks)
-    if vpp > 1 and settings.virtual_pipeline_size != vpp:
-        raise ValueError(
-            f"model has {vpp} chunks but config.virtual_pipeline_model_parallel_size is "
-            f"{settings.virtual_pipeline_size}"
-        )
+    _check_sizes(settings, num_microbatches, vpp := len(chunks))
     links = _links(p2p_communicator, pipelined)
     pp_rank, pp_size = (links.pp_rank, links.pp_size) if links is not None else (0, 1)
     tables = complete_tables(
@@ -194,7 +186,7 @@ def _run(
         record.tables, record.placement = tables, placement
     ctx = StepContext(
         forward_step_func=forward_step_func,
-        data_iterators=iterators,
+        data_iterators=_as_iterators(data_iterator, vpp),
         chunks=chunks,
         num_microbatches=num_microbatches,
         settings=settings,
@@ -246,6 +238,16 @@ def complete_tables(
     return _complete_tables(
         schedule, pp_size, vpp_size, num_microbatches, microbatch_group_size, forward_only, variable_shapes
     )
+
+
+def _check_sizes(settings: ScheduleSettings, num_microbatches: int, vpp: int) -> None:
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if vpp > 1 and settings.virtual_pipeline_size != vpp:
+        raise ValueError(
+            f"model has {vpp} chunks but config.virtual_pipeline_model_parallel_size is "
+            f"{settings.virtual_pipeline_size}"
+        )
 
 
 def _check_keywords(unsupported: dict, decoder_seq_length: int | None, seq_length: int) -> None:
