@@ -289,7 +289,7 @@ def draw(data: TimelineData, path: str) -> str:
         "ms from the start of the iteration (colour: microbatch; F3 = forward of microbatch 3, f3 on chunk 1)"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
 

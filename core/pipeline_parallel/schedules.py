@@ -21,10 +21,11 @@ import torch
 from core.pipeline_parallel.executor import ScheduleRecord, StepContext, run_table
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
 from core.pipeline_parallel.losses import LossLogs
-from core.pipeline_parallel.lowering import lower
+from core.pipeline_parallel.lowering import lower, validate
 from core.pipeline_parallel.p2p_communication import P2PCommunicator, PipelineLinks
 from core.pipeline_parallel.placement import placement_for
 from core.pipeline_parallel.schedule_tables import Action, build_tables
+from core.pipeline_parallel.simulator import check_rendezvous, comm_logs
 
 Model = torch.nn.Module | list[torch.nn.Module]
 DataIterator = Iterator | None | list[Iterator | None]
@@ -220,7 +221,12 @@ def _complete_tables(
         microbatch_group_size=microbatch_group_size,
         forward_only=forward_only,
     )
-    complete = lower(tables, placement_for(schedule, pp_size, vpp_size), variable_shapes=variable_shapes)
+    placement = placement_for(schedule, pp_size, vpp_size)
+    complete = lower(tables, placement, variable_shapes=variable_shapes)
+    # Checked once per configuration, on every rank, before the first message: every receive ahead
+    # of its consumer and in its link's order, and a posting order that finishes under NCCL's rules.
+    validate(complete, placement)
+    check_rendezvous(comm_logs(complete, placement, variable_shapes=variable_shapes))
     return tuple(tuple(t) for t in complete)
 
 
@@ -234,7 +240,7 @@ def complete_tables(
     forward_only: bool = False,
     variable_shapes: bool = False,
 ) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's complete table, as the entry points run them (built and lowered once, cached)."""
+    """Every rank's complete table, as the entry points run them (built, lowered and checked once, cached)."""
     return _complete_tables(
         schedule, pp_size, vpp_size, num_microbatches, microbatch_group_size, forward_only, variable_shapes
     )

@@ -104,7 +104,7 @@ def simulate(
     ``weight_cost`` say otherwise; ``comm_latency`` is added to every message between ranks.
     """
     place = as_placement(placement, len(tables))
-    if not any(not a.kind in COMPUTE for t in tables for a in t) and len(tables) > 1:
+    if len(tables) > 1 and all(a.kind in COMPUTE for t in tables for a in t):  # compute tables
         tables = lower(tables, place, variable_shapes=variable_shapes)
     run = _Run(tables, place, _Costs(forward_cost, backward_cost, input_cost, weight_cost), variable_shapes)
     while run.remaining:
