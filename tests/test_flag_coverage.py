@@ -486,8 +486,8 @@ def _nan_on_first_call(forward_step):
             return output, loss_func
 
         def nan_loss(output_tensor):
-            loss, logs = loss_func(output_tensor)
-            return loss * float("nan"), {k: v * float("nan") for k, v in logs.items()}
+            loss, *counts, logs = loss_func(output_tensor)  # (loss, log) or (loss sum, tokens, log)
+            return loss * float("nan"), *counts, {k: v * float("nan") for k, v in logs.items()}
 
         return output, nan_loss
 
