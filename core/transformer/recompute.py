@@ -43,6 +43,10 @@ class _ReplayTracker:
         get_rng_tracker().set_states(self.saved.pop())
 
 
+def _replay_tracker(store: dict) -> _ReplayTracker:
+    return _ReplayTracker(store)
+
+
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` without keeping its intermediate activations; they are recomputed in backward.
 
@@ -56,5 +60,5 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
-        context_fn=lambda: (_remember_tracker(store), _ReplayTracker(store)),
+        context_fn=lambda: (_remember_tracker(store), _replay_tracker(store)),
     )
