@@ -144,8 +144,8 @@ def test_gpt_layers_split_bit_for_bit_with_recompute(recompute):
     torch.manual_seed(0)
     config = gpt2_config(
         num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
+        hidden_size=16,
+        num_attention_heads=2,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **recompute,
@@ -155,7 +155,7 @@ def test_gpt_layers_split_bit_for_bit_with_recompute(recompute):
         for p in fused.parameters():
             p.copy_(torch.randn_like(p) * 0.1)
     split = copy.deepcopy(fused)
-    x, grad = torch.randn(16, 2, 32), torch.randn(16, 2, 32)
+    x, grad = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
     fused_input = x.clone().requires_grad_(True)
     fused_backward(fused(fused_input), grad)
     split_input = x.clone().requires_grad_(True)
