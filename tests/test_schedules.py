@@ -269,14 +269,15 @@ def _check_tables(schedule, pp, v, m, tables, variable):
 
 
 # Every schedule and pipeline size up to 8; microbatch counts through every warm-up/cool-down boundary
-# (at most 2 pp v + pp - 1 <= 23 matters), and the largest. The slow test below sweeps m = 1..32.
-CI_MICROBATCHES = [*range(1, 17), 23, 24, 31, 32]
+# of the single-order schedules (below 2 pp <= 16) and of interleaving (multiples of pp: 24 is the
+# first with a steady state at pp 8), and the largest. The slow test below sweeps m = 1..32.
+CI_MICROBATCHES = [*range(1, 17), 24, 32]
 
 
 def test_no_legal_table_deadlocks():
     """Complete tables of every schedule (two virtual stages where it has them), PP <= 8: they neither
     deadlock nor break NCCL's rendezvous rules; fixed lengths, variable ones up to PP 4 and m 8, and
-    forward-only tables. ``pytest -m slow -k every_legal_table`` runs m = 1..32, 3 and 4 virtual
+    forward-only tables up to PP 4. ``pytest -m slow -k every_legal_table`` runs m = 1..32, 3 and 4 virtual
     stages, and variable lengths everywhere."""
     checked = 0
     two_chunks = [c for c in SCHEDULES if c[1] <= 2]
@@ -285,13 +286,13 @@ def test_no_legal_table_deadlocks():
         _check_tables(schedule, pp, v, m, tables, variable=False)
         if pp <= 4 and m <= 8:
             _check_tables(schedule, pp, v, m, tables, variable=True)
-        if (schedule, v) in forward_orders:
+        if (schedule, v) in forward_orders and pp <= 4:
             forward = build_tables(schedule, pp, v, m, forward_only=True)
             _check_tables(schedule, pp, v, m, forward, variable=False)
         checked += 1
-    # gpipe, 1f1b, zb-h1 and zbv: 8 x 20 each; interleaved 1F1B and zero-bubble: m a multiple of pp
+    # gpipe, 1f1b, zb-h1 and zbv: 8 x 18 each; interleaved 1F1B and zero-bubble: m a multiple of pp
     multiples = sum(1 for pp in range(1, 9) for m in CI_MICROBATCHES if m % pp == 0)
-    assert checked == 4 * 8 * 20 + 2 * multiples == 748
+    assert checked == 4 * 8 * 18 + 2 * multiples == 680
 
 
 @pytest.mark.slow
