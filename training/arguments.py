@@ -66,6 +66,12 @@ FLAGS: tuple[Flag, ...] = (
     F("--pipeline-schedule", str, "1f1b", "Trident: non-interleaved schedule.", choices=PIPELINE_SCHEDULES),
     F("--sequence-parallel", "true", False, "Shard activations along the sequence over the TP group."),
     F("--overlap-grad-reduce", "true", False, "Overlap the data-parallel gradient all-reduce with backward."),
+    F(
+        "--distributed-timeout-minutes",
+        int,
+        10,
+        "Timeout of collectives; a rank silent this long ends the job, named in the error.",
+    ),
     # --- model
     F("--num-layers", int, None, "Decoder layers."),
     F("--hidden-size", int, None, "Hidden size."),
@@ -106,6 +112,18 @@ FLAGS: tuple[Flag, ...] = (
     F("--lr-warmup-iters", int, 0, "Linear warm-up iterations."),
     F("--lr-warmup-fraction", float, None, "Warm-up as a fraction of the decay iterations."),
     F("--lr-decay-iters", int, None, "Decay iterations (default --train-iters)."),
+    F(
+        "--override-opt_param-scheduler",
+        "true",
+        False,
+        "On --load, follow the learning-rate flags, not the checkpoint's schedule.",
+    ),
+    F(
+        "--use-checkpoint-opt_param-scheduler",
+        "true",
+        False,
+        "On --load, keep the checkpoint's learning-rate schedule, whatever the flags say.",
+    ),
     F("--weight-decay", float, 0.01, "Weight decay."),
     F("--clip-grad", float, 1.0, "Clip the global gradient L2 norm to this (0: off)."),
     F("--adam-beta1", float, 0.9, "Adam beta1."),
