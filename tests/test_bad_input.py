@@ -44,13 +44,19 @@ class Case:
 
 def _flags(argv: str, world: int = 4):
     def act(tmp_path: Path, monkeypatch) -> None:
-        from training.training import _parse_and_validate
+        from training.arguments import parse_and_validate
 
         monkeypatch.setenv("WORLD_SIZE", str(world))
-        _parse_and_validate(argv.split())
+        parse_and_validate(argv.split(), world)
 
     return act
 
+
+# A full command line (the tiny demo is off), for checks that need the model flags given.
+FULL = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+    "--train-iters 3 --lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 1000 "
+)
 
 USAGE = [
     Case("unknown flag", _flags("--bogus 3"), "unrecognized arguments: --bogus 3 (see --help)", 2),
@@ -78,7 +84,7 @@ CONFIG = [
     Case("split empty weight", _flags("--split 1,,2"), f"--split '1,,2': '' is not a number; {SPLIT_HINT}"),
     Case(
         "blend weights",
-        _flags("--data-path -1 A 1 B"),
+        _flags(FULL + "--data-path -1 A 1 B"),
         "--data-path: blend weights must be finite numbers >= 0 with a positive sum, got ['-1', '1']",
     ),
     Case(
@@ -100,7 +106,7 @@ CONFIG = [
     ),
     Case(
         "heads over TP",
-        _flags("--tensor-model-parallel-size 2 --num-attention-heads 3"),
+        _flags(FULL + "--tensor-model-parallel-size 2 --num-attention-heads 3"),
         "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)",
     ),
     Case(
@@ -110,7 +116,7 @@ CONFIG = [
     ),
     Case(
         "warm-up",
-        _flags("--train-iters 3"),
+        _flags(FULL + "--lr-warmup-iters 10"),
         "--lr-warmup-iters (10) must be < the decay iterations (3, from --lr-decay-iters or else --train-iters)",
     ),
     Case("min lr", _flags("--min-lr 1 --lr 0.1"), "--min-lr (1.0) must be <= --lr (0.1)"),
@@ -134,7 +140,7 @@ CONFIG = [
     ),
     Case(
         "positions",
-        _flags("--seq-length 256 --max-position-embeddings 128"),
+        _flags(FULL + "--seq-length 256 --max-position-embeddings 128"),
         "--seq-length (256) must be <= --max-position-embeddings (128) with --position-embedding-type "
         "learned_absolute",
     ),
@@ -142,6 +148,7 @@ CONFIG = [
         "config file",
         _flags("--config /nonexistent/run.yaml"),
         "config file /nonexistent/run.yaml: cannot read it (No such file or directory)",
+        2,
     ),
     Case(
         "warm-up twice",
@@ -165,7 +172,8 @@ CONFIG = [
     Case(
         "sequence parallel",
         _flags(
-            "--sequence-parallel --tensor-model-parallel-size 2 --seq-length 127 --max-position-embeddings 128"
+            FULL + "--sequence-parallel --tensor-model-parallel-size 2 --seq-length 127 "
+            "--max-position-embeddings 128"
         ),
         "--seq-length (127) must be divisible by --tensor-model-parallel-size (2) with --sequence-parallel",
     ),

@@ -227,11 +227,9 @@ def report(err: BaseException) -> int:
     if not verdict.report:
         _wait_until_printed()
         return code
-    if isinstance(err, UsageError):
-        _print_error(f"{_prog()}: error: {err} (see --help)")
-    elif verdict.message is not None:
+    if verdict.message is not None:
         _print_error(f"{_prog()}: error: {verdict.message}")
-    elif isinstance(err, _clean_errors()):
+    elif isinstance(err, (UsageError, *_clean_errors())):
         _print_error(f"{_prog()}: error: {err}")
     else:
         sys.stdout.flush()
