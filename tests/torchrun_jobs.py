@@ -130,6 +130,17 @@ class Job:
                 raise AssertionError(f"never saw {text!r}:\n{self.output[-4000:]}")
             time.sleep(0.05)
 
+    def wait_for_workers(self, timeout: float) -> dict[int, int]:
+        """``workers()`` once torchrun has started all of them (after its rendezvous)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.workers()
+            except (AssertionError, FileNotFoundError, StopIteration):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
     def workers(self) -> dict[int, int]:
         """Global rank -> pid of torchrun's worker processes."""
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()

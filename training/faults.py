@@ -2,12 +2,14 @@
 
 * :func:`run_main` wraps the entry point (``pretrain_gpt.py``). Errors listed in
   :mod:`training.errors` print one line, ``pretrain_gpt.py: error: ...``, and exit 2 (usage) or 1;
-  anything else prints its traceback and exits 1. Exactly one rank prints: rank 0 for errors every
-  rank raises before the process groups exist, otherwise the first rank to claim the report in the
-  job's store (:func:`judge`). Every other rank exits 1 without a word, so a problem one rank sees is
-  not buried under the others' "Connection closed by peer" tracebacks. Nothing is written to
-  torchrun's error file (``TORCHELASTIC_ERROR_FILE``, used by ``@record``), so torchrun's summary
-  does not repeat the message; it lists the exit codes only.
+  anything else prints its traceback and exits 1. Exactly one rank prints: the first to claim the
+  report in the job's store (:func:`judge`; before the process groups exist, torchrun's own store,
+  or rank 0 without torchrun). Every other rank exits with the same code without a word, so a
+  problem one rank sees is not buried under the others' "Connection closed by peer" tracebacks.
+  torchrun ends all workers once one has exited with an error, so the quiet ranks wait until the
+  report is printed before they exit. Nothing is written to torchrun's error file
+  (``TORCHELASTIC_ERROR_FILE``, used by ``@record``), so torchrun's summary does not repeat the
+  message; it lists the exit codes only.
 * :func:`begin` starts :class:`core.watchdog.Watchdog`: a rank that stops answering ends the
   job within ``--distributed-timeout-minutes``, with a message naming it (``rank N``) and what the
   others were waiting in. The training loop names its phases with :func:`phase`.
@@ -81,10 +83,16 @@ def _env_rank() -> int:
 # --------------------------------------------------------------------------------------------------
 # Who reports: once per job
 # --------------------------------------------------------------------------------------------------
+# torchrun ends every worker as soon as one exits with an error, so the rank that prints must print
+# before any other rank exits: the quiet ranks wait for the reporter's "printed" key in the store.
 
+PRINTED_KEY = "trident/printed"
+QUIET_WAIT_S = 30.0
 _claim_lock = threading.Lock()
 _claimed: bool | None = None  # this process's answer, so that the watchdog and the main thread agree
 _generation = 0  # pretrain() calls so far; every rank counts the same, so their store keys match
+_STORE: Any = None  # this run's namespace in the job's store; kept past teardown for the report
+_RANK = 0
 
 
 def _distributed() -> Any:
@@ -93,34 +101,68 @@ def _distributed() -> Any:
     return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
-def _store() -> Any:
-    """This run's keys in the job's store: a fresh namespace for every ``pretrain()`` call."""
-    from torch.distributed import PrefixStore, distributed_c10d
+def _use_store(store: Any, rank: int) -> None:
+    global _STORE, _RANK, _claimed
+    with _claim_lock:
+        _STORE, _RANK, _claimed = store, rank, None
 
-    return PrefixStore(f"trident/run{_generation}", distributed_c10d._get_default_store())
+
+def _launcher_store() -> Any:
+    """torchrun's own store (its agent's), reachable before any process group exists; None elsewhere."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    try:
+        store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=30),
+        )
+    except (KeyError, ValueError, RuntimeError):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"trident/before-groups/attempt{attempt}", store)
 
 
 def _claim() -> bool:
-    """True once, on the first rank of the job to ask (True as well when the store cannot be reached)."""
+    """True once, on the first rank of the job to ask (True as well when there is no store to ask)."""
     global _claimed
     from core.watchdog import claim_report
 
     with _claim_lock:
-        if _claimed is None:
-            dist = _distributed()
-            try:
-                _claimed = dist is None or claim_report(_store(), dist.get_rank())
-            except Exception:  # noqa: BLE001 -- no store: better said twice than not at all
-                _claimed = True
-            return _claimed
-        return False
+        if _claimed is not None:
+            return False
+        try:
+            _claimed = _STORE is None or claim_report(_STORE, _RANK)
+        except Exception:  # noqa: BLE001 -- no store: better said twice than not at all
+            _claimed = True
+        return _claimed
+
+
+def _announce_printed() -> None:
+    if _STORE is not None:
+        with contextlib.suppress(Exception):
+            _STORE.set(PRINTED_KEY, "1")
+
+
+def _wait_until_printed() -> None:
+    """A quiet rank leaves only once the report is out (or after ``QUIET_WAIT_S``)."""
+    if _STORE is not None:
+        from datetime import timedelta
+
+        with contextlib.suppress(Exception):
+            _STORE.wait([PRINTED_KEY], timedelta(seconds=QUIET_WAIT_S))
 
 
 def _reported_elsewhere() -> bool:
     from core.watchdog import error_reported
 
     try:
-        return error_reported(_store())
+        return _STORE is not None and error_reported(_STORE)
     except Exception:  # noqa: BLE001
         return False
 
@@ -137,7 +179,7 @@ def judge(err: BaseException) -> None:
 
     if isinstance(err, PeerFailure):
         verdict = Verdict(report=False)
-    elif _distributed() is None:
+    elif _STORE is None:
         verdict = Verdict(report=True)
     elif is_communication_failure(err):
         if _reported_elsewhere():
@@ -177,22 +219,26 @@ def _print_error(line: str) -> None:
 def report(err: BaseException) -> int:
     """Print ``err`` if this rank is the one to (see :func:`judge`); return the exit code for it."""
     verdict: Verdict | None = getattr(err, _VERDICT, None)
-    if verdict is None:  # raised before the process groups existed: the same on every rank
-        verdict = Verdict(report=_env_rank() == 0)
+    if verdict is None:  # raised before any process group: the same error on every rank
+        store = _launcher_store()
+        _use_store(store, _env_rank())
+        verdict = Verdict(report=_claim() if store is not None else _env_rank() == 0)
+    code = EXIT_USAGE if isinstance(err, UsageError) else EXIT_FAILURE
+    if not verdict.report:
+        _wait_until_printed()
+        return code
     if isinstance(err, UsageError):
-        if verdict.report:
-            _print_error(f"{_prog()}: error: {err} (see --help)")
-        return EXIT_USAGE
-    if verdict.report:
-        if verdict.message is not None:
-            _print_error(f"{_prog()}: error: {verdict.message}")
-        elif isinstance(err, _clean_errors()):
-            _print_error(f"{_prog()}: error: {err}")
-        else:
-            sys.stdout.flush()
-            traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
-            sys.stderr.flush()
-    return EXIT_FAILURE
+        _print_error(f"{_prog()}: error: {err} (see --help)")
+    elif verdict.message is not None:
+        _print_error(f"{_prog()}: error: {verdict.message}")
+    elif isinstance(err, _clean_errors()):
+        _print_error(f"{_prog()}: error: {err}")
+    else:
+        sys.stdout.flush()
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+        sys.stderr.flush()
+    _announce_printed()
+    return code
 
 
 def run_main(main: Callable[[], object]) -> None:
@@ -258,9 +304,8 @@ def _watchdog_timeout(args: Any) -> tuple[float, str]:
     override = os.environ.get(TEST_TIMEOUT_ENV)
     if override:
         return float(override), f"{TEST_TIMEOUT_ENV}={override}"
-    return distributed_timeout_seconds(
-        args
-    ), f"--distributed-timeout-minutes {args.distributed_timeout_minutes}"
+    minutes = args.distributed_timeout_minutes
+    return distributed_timeout_seconds(args), f"--distributed-timeout-minutes {minutes}"
 
 
 def _end_silently_or_report(message: str) -> None:
@@ -271,32 +316,42 @@ def _end_silently_or_report(message: str) -> None:
     """
     if _claim():
         _print_error(f"{_prog()}: error: {message}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_FAILURE)
+        _announce_printed()
+    else:
+        _wait_until_printed()
+    _exit_now(EXIT_FAILURE)
 
 
 def _end_quietly() -> None:
     """Another rank reported the job's error while this one waits for it: nothing will come."""
     if not _claimed:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_FAILURE)
+        _wait_until_printed()
+        _exit_now(EXIT_FAILURE)
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def begin(args: Any) -> None:
     """A run starts (torch.distributed is up): a fresh report claim, and the watchdog for a world > 1."""
-    global _WATCHDOG, _claimed, _generation
+    global _WATCHDOG, _generation
+    from torch.distributed import PrefixStore, distributed_c10d
+
     from core.watchdog import Watchdog
 
-    with _claim_lock:
-        _claimed, _generation = None, _generation + 1
+    _generation += 1
     dist = _distributed()
     if dist is None:
+        _use_store(None, 0)
         return
+    store = PrefixStore(f"trident/run{_generation}", distributed_c10d._get_default_store())
+    _use_store(store, dist.get_rank())
     timeout, setting = _watchdog_timeout(args)
     _WATCHDOG = Watchdog(
-        _store(),
+        store,
         dist.get_rank(),
         dist.get_world_size(),
         timeout,
