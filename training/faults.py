@@ -195,7 +195,7 @@ def judge(err: BaseException) -> None:
 
 def _explain_communication_failure(err: BaseException) -> str:
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    text = text.split("] ", 1)[-1]  # drop gloo's "[.../pair.cc:553] " source location
+    text = text.split("] ", 1)[-1].split(". ", 1)[0]  # gloo's "[.../pair.cc:553] " and its advice
     watchdog = _WATCHDOG
     if watchdog is not None and ("timed out" in text.lower() or "timeout" in text.lower()):
         return watchdog.explain_timeout()
