@@ -334,6 +334,7 @@ COVERAGE: dict[str, Coverage] = {
     "--manual-gc-interval": works(),
     "--no-manual-gc-eval": works(),
     "--exit-duration-in-mins": works(),
+    "--distributed-timeout-minutes": works(),
     "--context-parallel-size": works_only(
         (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
     ),
@@ -382,9 +383,6 @@ COVERAGE: dict[str, Coverage] = {
     **dict.fromkeys(
         ("--ckpt-step", "--ckpt-format", "--use-checkpoint-args", "--exit-on-missing-checkpoint"),
         not_yet(_CKPT),
-    ),
-    "--distributed-timeout-minutes": not_yet(
-        "a collective timeout that names the silent rank is being built"
     ),
     **dict.fromkeys(("--vocab-file", "--merge-file", "--tiktoken-pattern"), not_yet(_TOKENIZER)),
     **dict.fromkeys(
