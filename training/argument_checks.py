@@ -15,6 +15,8 @@ from training.arguments import flag_name as _flag
 
 __all__ = ["validate_args"]
 
+CKPT_FORMATS = ("torch", "torch_dist")
+"""Megatron's --ckpt-format values that mean Trident's own format."""
 MIN_DEFAULT_GLOBAL_BATCH = 16
 """--global-batch-size not given: the smallest multiple of micro-batch x DP that is >= this."""
 
@@ -57,7 +59,16 @@ _AT_LEAST = {
         "make_vocab_size_divisible_by",
         "max_consecutive_skipped_iterations",
     ),
-    0: ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "init_method_std"),
+    0: (
+        "ckpt_step",
+        "eval_iters",
+        "lr_warmup_iters",
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "clip_grad",
+        "init_method_std",
+    ),
 }
 _FRACTIONS = ("hidden_dropout", "attention_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")
 
@@ -232,6 +243,11 @@ def _check_schedule_and_data(args: argparse.Namespace) -> None:
         args.lr_warmup_fraction is not None or args.lr_warmup_iters < decay,
         f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < the decay iterations ({decay}, from "
         "--lr-decay-iters or else --train-iters)",
+    )
+    _require(
+        args.ckpt_format in CKPT_FORMATS,
+        f"--ckpt-format {args.ckpt_format} is not supported: Trident writes one checkpoint format "
+        f"(safetensors and JSON, resharded on load); {' and '.join(CKPT_FORMATS)} are accepted and mean it",
     )
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")

@@ -135,6 +135,21 @@ FLAGS: tuple[Flag, ...] = (
     F("--no-load-optim", "true", None, "Do not load optimizer and scheduler state."),
     F("--no-load-rng", "true", None, "Do not load RNG states."),
     F("--finetune", "true", False, "Load weights only and start at iteration 0."),
+    F("--ckpt-step", int, None, "Load this iteration instead of the tracker's latest."),
+    F(
+        "--ckpt-format",
+        str,
+        "torch_dist",
+        "Checkpoint format: 'torch' and 'torch_dist' both mean Trident's one format (safetensors + JSON).",
+    ),
+    F("--use-checkpoint-args", "true", False, "Take model and tokenizer flags from the --load checkpoint."),
+    F(
+        "--exit-on-missing-checkpoint",
+        "true",
+        False,
+        "Error, not a fresh start, when --load has no checkpoint.",
+    ),
+    F("--no-verify-checkpoint", "true", False, "Trident: skip checksum verification when loading."),
     # --- evaluation and logging
     F("--eval-interval", int, 1000, "Iterations between evaluations."),
     F("--eval-iters", int, 100, "Iterations per evaluation."),
