@@ -1,17 +1,19 @@
-"""Checkpoints: resharding on real ranks, bit-identical conversions, crash safety, one clear error per problem.
+"""Checkpoints on four real gloo ranks: resharding on load, bit-identical conversions, crash safety.
 
-The multi-rank tests save a tiny LLaMA-style model (GQA, gated MLP with stride 2, biases, tied
-embeddings across pipeline ranks, a padded vocabulary) at TP=2 x PP=2 from four gloo ranks and load
-it at other splits. Parameters are initialised by name, so the same seed gives the same full
+One pool of ranks serves the whole module. A tiny LLaMA-style model (GQA, gated MLP with stride 2,
+biases, embeddings tied across pipeline ranks, a padded vocabulary) is saved at TP=2 x PP=2 and
+loaded at other splits. Parameters are initialised by name, so the same seed gives the same full
 weights in every split: a model built at the target split with the saving seed is the reference,
-independent of the checkpoint code. Optimizer states are filled the same way (by name, sliced
-with ``core.tensor_parallel.shard_of``). The in-process tests write checkpoints with the offline
-writer and damage them.
+independent of the checkpoint code. Optimizer states are filled the same way (by name, sliced with
+``core.tensor_parallel.shard_of``). The last test runs the real ``pretrain()`` on the ranks and
+resumes a TP2xPP2 checkpoint at TP1xPP4, directly and after ``tools/convert_checkpoint.py``. The
+format's single-process tests are in ``test_checkpoint_format.py``.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import io
 import os
 import random
 import signal
@@ -30,26 +32,16 @@ from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.tensor_parallel import get_rng_tracker, shard_of
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt import build_model_chunks
-from models.gpt.presets import gpt2_config
 from training import checkpointing
 from training.checkpoint import (
-    TRACKER,
     CheckpointError,
-    Parallelism,
-    Partition,
-    TensorSpec,
     convert_checkpoint,
-    flatten_state,
-    gpt_tensor_specs,
     open_checkpoint,
-    remove_stale_temp_files,
     target_split,
-    unflatten_state,
-    write_checkpoint,
 )
-from training.checkpoint.files import TensorFileWriter, read_header
-from training.checkpoint.format import optimizer_tensor_name, shard_from_full
+from training.checkpoint.files import read_header
 from training.checkpointing import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
+from training.data.indexed_dataset import IndexedDatasetBuilder
 from training.signal_handler import SignalHandler
 
 VOCAB, SEQ, SEED = 50, 16, 11  # VOCAB pads to 56 at TP=1 and 64 at TP=2 and 4
@@ -299,189 +291,6 @@ def test_signal_handler_tells_every_rank(ranks):
     assert ranks(4).run(_signals, timeout=60) == [[False, True, False, False]] * 4
 
 
-# --------------------------------------------------------------------------------------------------
-# In-process: the format, the converter's checks, damaged files
-# --------------------------------------------------------------------------------------------------
-
-
-def _write(root, tp=2, pp=2, config=None, vocab=VOCAB, **kw) -> str:
-    """A checkpoint of a GPT-2-style tiny model (tied embeddings) with Adam states, written offline."""
-    config = config or gpt2_config(
-        num_layers=4, hidden_size=32, num_attention_heads=4, make_vocab_size_divisible_by=8
-    )
-    specs, tied = gpt_tensor_specs(config, vocab, SEQ)
-    for name, spec in list(specs.items()):
-        specs[optimizer_tensor_name("exp_avg", name)] = spec
-    gen = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randn(spec.shape, generator=gen) for name, spec in specs.items()}
-    layout = f"E,t*{4 // pp}" + f"|t*{4 // pp}" * (pp - 2) + (f"|t*{4 // pp},L" if pp > 1 else ",L")
-    write_checkpoint(
-        str(root),
-        tensors.items(),
-        specs=specs,
-        tied=tied,
-        parallelism=Parallelism(tp, pp, 1, layout),
-        config=config.to_dict(),
-        vocab_size=vocab,
-        max_sequence_length=SEQ,
-        optimizer={"param_groups": []},
-        **kw,
-    )
-    return tensors
-
-
-def test_files_are_plain_safetensors_with_no_pickle_and_group_readable(tmp_path):
-    old = os.umask(0o002)
-    try:
-        tensors = _write(tmp_path)
-    finally:
-        os.umask(old)
-    path = tmp_path / "iter_0000000"
-    for name in os.listdir(path):
-        assert name.endswith((".safetensors", ".json")), name
-        assert os.stat(path / name).st_mode & 0o777 == 0o664, name  # the umask, not mkstemp's 0600
-    shard = safetensors.torch.load_file(path / "model_tp1_pp0.safetensors")[
-        "decoder.layers.0.mlp.linear_fc1.weight"
-    ]
-    assert torch.equal(shard, tensors["decoder.layers.0.mlp.linear_fc1.weight"][64:])
-    assert (tmp_path / TRACKER).read_text() == "0"
-    ckpt = open_checkpoint(str(tmp_path))
-    assert ckpt.config == gpt2_config(
-        num_layers=4, hidden_size=32, num_attention_heads=4, make_vocab_size_divisible_by=8
-    )
-    assert (ckpt.vocab_size, ckpt.padded_vocab_size) == (VOCAB, 64)
-    assert all(torch.equal(t, tensors[n]) for n, t in ckpt.iter_full_tensors("all"))
-
-
-def test_config_round_trips_through_json():
-    for config in (
-        make_config(2, 2, seed=3),
-        gpt2_config(num_layers=2, hidden_size=8, num_attention_heads=2, bf16=True),
-    ):
-        assert TransformerConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
-    with pytest.raises(ValueError, match=r"activation_func 'tanh' has no name to be saved under"):
-        make_config().__class__(
-            num_layers=1, hidden_size=4, num_attention_heads=1, activation_func=torch.tanh
-        ).to_dict()
-
-
-@pytest.mark.parametrize("dim, stride", [(0, 1), (1, 1), (0, 2)])
-def test_partition_cuts_what_shard_of_cuts(dim, stride):
-    full = torch.randn(24, 12)
-    param = torch.empty(24, 12)
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
-    spec = TensorSpec((24, 12), torch.float32, Partition(dim, stride), 0)
-    for tp in (1, 2, 3):
-        for rank in range(tp):
-            assert torch.equal(shard_from_full(full, spec, rank, tp), shard_of(full, param, rank, tp))
-
-
-def _flip(path: str, offset: int, data: bytes) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        fh.write(data)
-
-
-def test_damaged_files_name_the_file_and_the_tensor(tmp_path):
-    _write(tmp_path)
-    path = tmp_path / "iter_0000000" / "model_tp0_pp1.safetensors"
-    key = "decoder.layers.3.mlp.linear_fc1.weight"
-    start = read_header(str(path))[key]["start"]
-    original = path.read_bytes()
-    _flip(str(path), start + 100, bytes([original[start + 100] ^ 1]))
-    with pytest.raises(CheckpointError) as err:
-        open_checkpoint(str(tmp_path)).full_tensor(key)
-    assert str(err.value) == (
-        f"checkpoint file {path}: the bytes of tensor '{key}' do not match their checksum (the file is "
-        "corrupt; --no-verify-checkpoint skips this check)"
-    )
-    open_checkpoint(str(tmp_path), verify=False).full_tensor(key)  # the impatient may skip the check
-    _flip(str(path), 20, b"X")  # inside the header
-    with pytest.raises(
-        CheckpointError, match=r"model_tp0_pp1.safetensors is corrupt: its header does not match its checksum"
-    ):
-        open_checkpoint(str(tmp_path)).full_tensor(key)
-    path.write_bytes(original[:-10])
-    with pytest.raises(
-        CheckpointError, match=r"model_tp0_pp1.safetensors is truncated or corrupt: the manifest records"
-    ):
-        open_checkpoint(str(tmp_path)).full_tensor(key)
-    os.remove(path)
-    with pytest.raises(CheckpointError, match=f"^checkpoint file {path} is missing$"):
-        open_checkpoint(str(tmp_path)).full_tensor(key)
-
-
-def _convert_error(tmp_path, *flags: str) -> str:
-    from tools import convert_checkpoint
-
-    out = str(tmp_path / "out")
-    try:
-        assert convert_checkpoint.main(["--load", str(tmp_path), "--save", out, "--quiet", *flags]) == 1
-    finally:
-        assert not os.path.exists(os.path.join(out, TRACKER))  # nothing was committed
-    return out
-
-
-TARGET = "error: --target-tensor-parallel-size {} --target-pipeline-model-parallel-size {}{}: the target split does not fit the checkpoint's model: {}"
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (
-            ["--target-tensor-parallel-size", "3", "--target-pipeline-model-parallel-size", "1"],
-            TARGET.format(
-                3,
-                1,
-                "",
-                "invalid TransformerConfig: num_attention_heads (4) must be divisible by tensor_model_parallel_size "
-                "(3); num_query_groups (4) must be divisible by tensor_model_parallel_size (3); ffn_hidden_size (128) "
-                "must be divisible by tensor_model_parallel_size (3)",
-            ),
-        ),
-        (
-            [
-                "--target-tensor-parallel-size",
-                "1",
-                "--target-pipeline-parallel-size",
-                "2",
-                "--target-pipeline-model-parallel-layout",
-                "Et|tL",
-            ],
-            TARGET.format(
-                1,
-                2,
-                " --target-pipeline-model-parallel-layout 'Et|tL'",
-                "pipeline layout 'Et|tL': the layout has 2 decoder layers ('t') but num_layers is 4",
-            ),
-        ),
-    ],
-    ids=["heads", "layers"],
-)
-def test_a_target_split_that_does_not_fit_is_refused(tmp_path, capsys, flags, message):
-    _write(tmp_path)
-    _convert_error(tmp_path, *flags)
-    assert capsys.readouterr().err == message + "\n"
-
-
-def test_a_vocabulary_without_padding_must_divide(tmp_path):
-    specs = {"embedding.word_embeddings.weight": TensorSpec((50, 4), torch.float32, Partition(0), "E")}
-    with pytest.raises(
-        CheckpointError,
-        match=r"tensor 'embedding.word_embeddings.weight': dimension 0 \(50\) is not divisible by tensor-parallel size 4",
-    ):
-        write_checkpoint(
-            str(tmp_path),
-            [],
-            specs=specs,
-            tied={},
-            parallelism=Parallelism(4, 1, 1, "E,L"),
-            config={},
-            vocab_size=50,
-            max_sequence_length=SEQ,
-        )
-
-
 def test_converter_keeps_rng_where_the_rank_exists_and_says_so(saved, tmp_path, capsys):
     from tools import convert_checkpoint
 
@@ -504,132 +313,87 @@ def test_converter_keeps_rng_where_the_rank_exists_and_says_so(saved, tmp_path, 
     )
 
 
-def test_flat_pieces_from_a_sharded_optimizer_are_assembled(tmp_path):
-    """The ZeRO extension point: a TP shard stored as flat ranges in two DP ranks' files reads back whole."""
-    tensors = _write(tmp_path, tp=2, pp=1)
-    path = tmp_path / "iter_0000000"
-    manifest = json.loads((path / "manifest.json").read_text())
-    name = optimizer_tensor_name("exp_avg", "decoder.layers.1.mlp.linear_fc2.weight")
-    shard = safetensors.torch.load_file(path / "optim_tp1_pp0_dp0.safetensors")[name].reshape(-1)
-    records = {}
-    for d, (start, end) in enumerate([(0, 100), (100, shard.numel())]):
-        file = f"optim_tp1_pp0_dp{d + 5}.safetensors"
-        with TensorFileWriter(str(path / file), [(name, torch.float32, (end - start,))]) as writer:
-            writer.write(name, shard[start:end].clone())
-            records[file] = writer.close()
-        records[file]["pieces"][name] |= {"tp_rank": 1, "flat": [start, end]}
-    del manifest["files"]["optim_tp1_pp0_dp0.safetensors"]["pieces"][name]
-    manifest["files"].update(records)
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    ckpt = open_checkpoint(str(tmp_path))
-    assert torch.equal(ckpt.full_tensor(name), tensors[name])
-    assert torch.equal(ckpt.read_shard(name, 1, 4), tensors[name][:, 32:64])
+# --------------------------------------------------------------------------------------------------
+# pretrain() resumes a TP2xPP2 checkpoint at another split
+# --------------------------------------------------------------------------------------------------
+
+DATA_VOCAB = 300  # pads to 384 at TP=1 and 512 at TP=2: the resharded vocabulary changes its padding
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+RUN = [
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-3",
+    "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", str(DATA_VOCAB), "--split", "100,0,0",
+]  # fmt: skip
+TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+TP1PP4 = ["--pipeline-model-parallel-size", "4"]
 
 
-def test_missing_empty_and_broken_load_directories(tmp_path):
-    chunks = build_model_chunks(make_config(), VOCAB, SEQ)
-    for where in (tmp_path / "missing", tmp_path):  # Megatron starts from scratch; so do we
-        assert load_checkpoint(str(where), model_chunks=chunks) is None
-    with pytest.raises(
-        CheckpointError, match=r"no checkpoint in .* to load \(--exit-on-missing-checkpoint\)"
-    ):
-        load_checkpoint(str(tmp_path), model_chunks=chunks, exit_on_missing=True)
-    (tmp_path / TRACKER).write_text("12abc")
-    with pytest.raises(CheckpointError, match="is corrupt: expected an iteration number, got '12abc'"):
-        load_checkpoint(str(tmp_path), model_chunks=chunks)
-    (tmp_path / TRACKER).write_text("5")
-    with pytest.raises(CheckpointError, match=r"checkpoint manifest .*iter_0000005/manifest.json is missing"):
-        load_checkpoint(str(tmp_path), model_chunks=chunks)
-    os.makedirs(tmp_path / "iter_0000005")
-    (tmp_path / "iter_0000005" / "manifest.json").write_text(json.dumps({"format": "trident-checkpoint-v1"}))
-    with pytest.raises(CheckpointError, match="is in the old trident-checkpoint-v1 format"):
-        load_checkpoint(str(tmp_path), model_chunks=chunks)
-    with pytest.raises(
-        CheckpointError, match=r"^no checkpoint for iteration 7 in .*iter_0000007 does not exist$"
-    ):
-        load_checkpoint(str(tmp_path), model_chunks=chunks, iteration=7)
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("reshard-data")
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(root / "docs.bin", dtype=np.uint16)
+    for _ in range(200):
+        tokens = rng.integers(0, DATA_VOCAB - 1, size=int(rng.integers(5, 60)))
+        builder.add_document(np.append(tokens, DATA_VOCAB - 1), [tokens.size + 1])
+    builder.finalize(root / "docs.idx")
+    return str(root / "docs")
 
 
-def test_save_dir_probe_and_stale_temporary_files(tmp_path):
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(CheckpointError, match=r"^--save .*/file is not a directory: it is a regular file$"):
-        checkpointing.prepare_save_dir(str(tmp_path / "file"))
-    with pytest.raises(CheckpointError, match=r"^--save .*/file/sub is not writable: Not a directory$"):
-        checkpointing.prepare_save_dir(str(tmp_path / "file" / "sub"))
-    root = tmp_path / "ck"
-    _write(root)
-    kept = sorted(os.listdir(root / "iter_0000000"))
-    stale = [
-        root / ".latest_checkpointed_iteration.txt.0a1b2c3d.tmp",
-        root / "iter_0000000" / ".model_tp0_pp0.safetensors.deadbeef.tmp",
-    ]
-    for path in stale:
-        path.write_bytes(b"half a file")
-    (root / "iter_0000000" / ".notes.tmp").write_text("not ours")
-    assert sorted(checkpointing.prepare_save_dir(str(root))) == sorted(map(str, stale))
-    assert sorted(os.listdir(root / "iter_0000000")) == sorted(kept + [".notes.tmp"])
-    assert remove_stale_temp_files(str(root)) == []
+def _pretrain(rank, world_size, argv):
+    import pretrain_gpt
+    from training.training import pretrain
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        state = pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            pretrain_gpt.forward_step,
+            argv=argv,
+            tokenizer_provider=pretrain_gpt.tokenizer_provider,
+        )
+    return state.losses, out.getvalue()
 
 
-def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
-    from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
+def _losses(pool, *argv: str) -> tuple[list[float], str]:
+    """The logging rank's losses and rank 0's output."""
+    per_rank = pool.run(_pretrain, list(argv), timeout=180)
+    return next(losses for losses, _ in per_rank if losses), per_rank[0][1]
 
-    _write(tmp_path, tokenizer_type="NullTokenizer")
-    base = ["--load", str(tmp_path), "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
-    base += ["--train-iters", "20", "--seq-length", str(SEQ)]
-    args = parse_args(base + ["--use-checkpoint-args"])
-    load_checkpoint_args(args)
-    check_checkpoint_args(validate_args(args, 1))
-    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size) == (
-        4,
-        32,
-        4,
-        128,
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_the_next_steps_after_a_reshard_match(ranks, data, tmp_path):
+    """(i) TP2xPP2 resumed from its iteration-2 checkpoint (``--ckpt-step 2``) repeats the uninterrupted
+    run bit for bit; (ii) TP1xPP4 from a converted copy and (iii) TP1xPP4 loading it directly, with
+    ``--use-checkpoint-args`` and no model flags, agree with (i) within 1e-5 (fp32, dropout 0)."""
+    from tools import convert_checkpoint
+
+    pool, ckpt = ranks(4), str(tmp_path / "tp2pp2")
+    common = RUN + ["--data-path", data]
+    straight, _ = _losses(pool, *MODEL, *common, *TP2PP2, "--save", ckpt, "--save-interval", "2")
+    assert len(straight) == 5
+    resumed, _ = _losses(pool, *MODEL, *common, *TP2PP2, "--load", ckpt, "--ckpt-step", "2")  # (i)
+    assert resumed == straight[2:]
+    converted = str(tmp_path / "tp1pp4")
+    flags = ["--iteration", "2", "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "4"]
+    assert convert_checkpoint.main(["--load", ckpt, "--save", converted, "--quiet", *flags]) == 0
+    after_convert, _ = _losses(pool, *MODEL, *common, *TP1PP4, "--load", converted)  # (ii)
+    direct, out = _losses(
+        pool, *common, *TP1PP4, "--load", ckpt, "--ckpt-step", "2", "--use-checkpoint-args"
+    )  # (iii)
+    print(
+        f"relative differences to (i): converted {_rel(after_convert, resumed):.2e}, direct {_rel(direct, resumed):.2e}"
     )
-    args = parse_args(base + ["--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4"])
-    with pytest.raises(ValueError) as err:
-        check_checkpoint_args(validate_args(args, 1))
-    assert str(err.value) == (
-        f"--load {tmp_path}/iter_0000000 holds another model: --num-layers 6 but the checkpoint has 4; "
-        "pass the checkpoint's values, or --use-checkpoint-args to take every model flag from it"
+    assert _rel(after_convert, resumed) <= 1e-5 and _rel(direct, resumed) <= 1e-5, (
+        resumed,
+        after_convert,
+        direct,
     )
-
-
-def test_ckpt_format_accepts_megatrons_names_only():
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
-
-    for fmt in ("torch", "torch_dist"):
-        validate_args(parse_args(["--ckpt-format", fmt]), 1)
-    with pytest.raises(
-        ValueError, match=r"^--ckpt-format zarr is not supported: Trident writes one checkpoint format"
-    ):
-        validate_args(parse_args(["--ckpt-format", "zarr"]), 1)
-
-
-def test_flatten_state_round_trips_nested_python_values():
-    state = {
-        "a": [1, 2.5, None, "x", (True, torch.ones(2))],
-        3: {"__odd": torch.zeros(1, dtype=torch.int64)},
-        None: np.float32(1.5),
-    }
-    tensors, skeleton = flatten_state(state)
-    assert sorted(tensors) == ["3/__odd", "a/4/1"]
-    restored = unflatten_state(tensors, skeleton)
-    assert restored["a"][:4] == [1, 2.5, None, "x"] and restored[None] == 1.5
-    assert torch.equal(restored["a"][4][1], torch.ones(2)) and torch.equal(
-        restored[3]["__odd"], torch.zeros(1, dtype=torch.int64)
+    assert f"resharded checkpoint {ckpt}/iter_0000002 from TP=2 PP=2 VPP=1 DP=1 (layout 'E,t*2|t*2,L')" in out
+    assert (
+        "RNG states restored on 2 of 4 ranks; the other ranks did not exist in the checkpoint's split" in out
     )
-    with pytest.raises(TypeError, match="cannot store object at 'x' without pickle"):
-        flatten_state({"x": object()})
-
-
-def test_signal_handler_records_sigterm_and_restores_the_old_handler():
-    before = signal.getsignal(signal.SIGTERM)
-    with SignalHandler() as handler:
-        assert handler.signals_received() == [False]
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert handler.signals_received() == [True]
-    assert signal.getsignal(signal.SIGTERM) is before

@@ -177,15 +177,20 @@ def current_parallel() -> dict[str, int]:
 
 
 def prepare_save_dir(save_dir: str) -> list[str]:
-    """At startup: check ``--save`` is a writable directory (a write probe) and delete temporary files of
-    killed saves (rank 0); complete checkpoints are never touched. Returns the files removed."""
+    """At startup: check ``--save`` is a writable directory (a write probe on every rank), then delete the
+    temporary files of killed saves (rank 0); complete checkpoints are never touched. Returns the
+    files removed."""
     error, removed = None, []
     try:
         probe_writable(save_dir)
-        if not _distributed() or dist.get_rank() == 0:
-            removed = remove_stale_temp_files(save_dir)
     except CheckpointError as err:
         error = str(err)
+    _agree(error)  # every probe is done before rank 0 looks for stale temporary files
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            removed = remove_stale_temp_files(save_dir)
+        except OSError as err:
+            error = f"cannot clean temporary files of interrupted saves in --save {save_dir}: {err}"
     _agree(error)
     return removed
 

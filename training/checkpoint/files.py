@@ -139,13 +139,20 @@ def remove_stale_temp_files(root: str) -> list[str]:
 
 
 def probe_writable(directory: str, flag: str = "--save") -> None:
-    """Create ``directory`` if needed and write, fsync and delete a file in it; OSError -> CheckpointError."""
+    """Create ``directory`` if needed and write, fsync and delete a file in it; OSError -> CheckpointError.
+
+    Each caller uses its own file name, so every rank of a job can probe the same directory at once.
+    """
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"{flag} {directory} is not a directory: it is a regular file")
     try:
         os.makedirs(directory, exist_ok=True)
-        write_text(os.path.join(directory, ".write_probe"), "")
-        os.unlink(os.path.join(directory, ".write_probe"))
+        probe = _temp_path(os.path.join(directory, ".write_probe"))
+        with _open_new(probe) as fh:
+            fh.write(b"ok")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.unlink(probe)
     except OSError as err:
         raise CheckpointError(f"{flag} {directory} is not writable: {err.strerror or err}") from None
 
