@@ -19,7 +19,7 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,7 +65,10 @@ def checksum(data: bytes | memoryview) -> str:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a tensor (little-endian, row-major), as safetensors stores them."""
+    """The raw bytes of a tensor (little-endian, row-major), as safetensors stores them.
+
+    For a contiguous CPU tensor this is a view of its memory (reading into it fills the tensor).
+    """
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -288,6 +291,58 @@ def read_header(path: str, expected: Mapping[str, Any] | None = None) -> dict[st
     return header
 
 
+def _locate(path: str, header: Mapping[str, Any], key: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """(dtype, shape, absolute start, bytes) of tensor ``key`` in a file whose header was read."""
+    info = header.get(key)
+    if info is None:
+        raise CheckpointError(f"checkpoint file {path} has no tensor '{key}'")
+    dtype = _TORCH_DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise CheckpointError(f"checkpoint file {path}: tensor '{key}' has unsupported dtype {info['dtype']}")
+    begin, end = info["data_offsets"]
+    return dtype, tuple(info["shape"]), info["start"], end - begin
+
+
+def read_rows_into(
+    path: str,
+    header: Mapping[str, Any],
+    key: str,
+    runs: Sequence[tuple[int, torch.Tensor]],
+    *,
+    expected_checksum: str | None = None,
+) -> None:
+    """Read rows of tensor ``key`` straight into memory: each run is ``(first row, destination)``.
+
+    A destination is a contiguous tensor of whole rows (dim 0); no intermediate buffer is made.
+    With ``expected_checksum`` the runs must cover the tensor in order; its bytes are hashed as
+    they arrive and a mismatch names the file, the tensor and the word checksum.
+    """
+    _, shape, start, nbytes = _locate(path, header, key)
+    rows = shape[0] if shape else 1
+    row_bytes = nbytes // rows if rows else 0
+    hasher = xxhash.xxh3_64() if expected_checksum is not None else None
+    covered = 0
+    with open(path, "rb", buffering=0) as fh:
+        for first, dest in runs:
+            if hasher is not None and first != covered:
+                raise ValueError(
+                    f"verifying '{key}' needs its rows in order: got row {first}, expected {covered}"
+                )
+            view = tensor_bytes(dest) if dest.numel() else memoryview(b"")
+            fh.seek(start + first * row_bytes)
+            got = fh.readinto(view) if len(view) else 0
+            if got != len(view):
+                raise CheckpointError(f"checkpoint file {path} is truncated: tensor '{key}' is cut short")
+            if hasher is not None:
+                hasher.update(view)
+            covered = first + (len(view) // row_bytes if row_bytes else rows)
+    if hasher is not None and (covered != rows or hasher.hexdigest() != expected_checksum):
+        raise CheckpointError(
+            f"checkpoint file {path}: the bytes of tensor '{key}' do not match their checksum "
+            "(the file is corrupt; --no-verify-checkpoint skips this check)"
+        )
+
+
 def read_piece(
     path: str,
     header: Mapping[str, Any],
@@ -298,39 +353,16 @@ def read_piece(
 ) -> torch.Tensor:
     """Tensor ``key`` of the file, or only its rows ``[a, b)`` along dim 0 (one contiguous read).
 
-    With ``expected_checksum`` the whole piece is read and verified (the error names the file, the
-    tensor and the word checksum) before ``rows`` are cut from it.
+    With ``expected_checksum`` the whole piece is read and verified before ``rows`` are cut from it.
     """
-    info = header.get(key)
-    if info is None:
-        raise CheckpointError(f"checkpoint file {path} has no tensor '{key}'")
-    dtype = _TORCH_DTYPES.get(info["dtype"])
-    if dtype is None:
-        raise CheckpointError(f"checkpoint file {path}: tensor '{key}' has unsupported dtype {info['dtype']}")
-    shape = tuple(info["shape"])
-    begin, end = info["data_offsets"]
-    start, length = info["start"], end - begin
-    row_bytes = length // shape[0] if shape and shape[0] else 0
-    partial = rows is not None and expected_checksum is None and len(shape) > 0
-    if partial:
-        start, length = start + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
-    buffer = bytearray(length)
-    with open(path, "rb") as fh:
-        fh.seek(start)
-        if fh.readinto(buffer) != length:
-            raise CheckpointError(f"checkpoint file {path} is truncated: tensor '{key}' is cut short")
-    if expected_checksum is not None and checksum(buffer) != expected_checksum:
-        raise CheckpointError(
-            f"checkpoint file {path}: the bytes of tensor '{key}' do not match their checksum "
-            "(the file is corrupt; --no-verify-checkpoint skips this check)"
-        )
-    if partial:
-        shape = (rows[1] - rows[0], *shape[1:])
-    tensor = torch.frombuffer(buffer, dtype=dtype) if length else torch.empty(0, dtype=dtype)
-    tensor = tensor.reshape(shape)
-    if rows is not None and not partial and shape:
-        tensor = tensor[rows[0] : rows[1]]
-    return tensor
+    dtype, shape, _, _ = _locate(path, header, key)
+    if rows is None or expected_checksum is not None or not shape:
+        out = torch.empty(shape, dtype=dtype)
+        read_rows_into(path, header, key, [(0, out)], expected_checksum=expected_checksum)
+        return out if rows is None or not shape else out[rows[0] : rows[1]]
+    out = torch.empty((rows[1] - rows[0], *shape[1:]), dtype=dtype)
+    read_rows_into(path, header, key, [(rows[0], out)])
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -235,11 +235,15 @@ class TensorSpec:
 
 def shard_from_full(full: torch.Tensor, spec: TensorSpec, tp_rank: int, tp: int) -> torch.Tensor:
     """TP shard ``tp_rank`` of ``tp`` cut from the full unpadded tensor; padding rows are zero."""
-    if spec.partition is None:
+    if spec.partition is None or (tp == 1 and spec.shard_shape(1) == spec.shape):
         return full
     dim = spec.partition.dim
-    out = torch.zeros(spec.shard_shape(tp), dtype=full.dtype)
-    for local, start, length in spec.partition.segments(spec.shape[dim], tp, tp_rank):
+    shape = spec.shard_shape(tp)
+    runs = spec.partition.segments(spec.shape[dim], tp, tp_rank)
+    if dim == 0 and len(runs) == 1 and runs[0][2] == shape[0]:
+        return full.narrow(0, runs[0][1], shape[0])  # a contiguous slice: no copy
+    out = torch.zeros(shape, dtype=full.dtype)
+    for local, start, length in runs:
         out.narrow(dim, local, length).copy_(full.narrow(dim, start, length))
     return out
 

@@ -9,13 +9,20 @@ whole tensors (``full_tensor``, ``iter_full_tensors``). No process group is invo
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from training.checkpoint.files import SAFETENSORS_DTYPES, read_header, read_piece, unflatten_state
+from training.checkpoint.files import (
+    SAFETENSORS_DTYPES,
+    read_header,
+    read_piece,
+    read_rows_into,
+    unflatten_state,
+)
 from training.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -206,8 +213,11 @@ class Checkpoint:
         part.check(size, tp_size, f"tensor '{name}'")
         if tp_size == saved_tp:
             return self._saved_shard(stored, tp_rank)
-        out = torch.zeros(spec.shard_shape(tp_size), dtype=spec.dtype)
+        shape = spec.shard_shape(tp_size)
         wanted = part.segments(size, tp_size, tp_rank)
+        padded = sum(length for _, _, length in wanted) < shape[part.dim]
+        out = torch.zeros(shape, dtype=spec.dtype) if padded else torch.empty(shape, dtype=spec.dtype)
+        saved_rows = spec.shard_shape(saved_tp)[part.dim]
         for rank in range(saved_tp):
             overlaps = []  # (offset in out, offset in the saved shard, length)
             for out_at, start, length in wanted:
@@ -216,6 +226,14 @@ class Checkpoint:
                     if lo < hi:
                         overlaps.append((out_at + lo - start, src_at + lo - src_start, hi - lo))
             if not overlaps:
+                continue
+            whole = sum(n for _, _, n in overlaps) == saved_rows
+            if part.dim == 0 and self._single_piece(stored, rank) and (whole or not self.verify):
+                # rows land straight in place: no buffer, no copy
+                runs = sorted(
+                    ((src_at, out.narrow(0, out_at, n)) for out_at, src_at, n in overlaps), key=lambda r: r[0]
+                )
+                self._read_rows_into(stored, rank, runs, verify=whole)
                 continue
             first = min(s for _, s, _ in overlaps)
             last = max(s + n for _, s, n in overlaps)
@@ -270,6 +288,18 @@ class Checkpoint:
             self._headers[file] = read_header(os.path.join(self.path, file), record)
         return self._headers[file]
 
+    def _single_piece(self, name: str, tp_rank: int) -> bool:
+        pieces = self._pieces[name].get(tp_rank) or []
+        return len(pieces) == 1 and pieces[0][1] is None
+
+    def _read_rows_into(self, name: str, tp_rank: int, runs, *, verify: bool) -> None:
+        file, _, digest = self._pieces[name][tp_rank][0]
+        spec = self.spec(name)
+        header = self._header(file)
+        self._check_piece(file, header, name, spec.shard_shape(self.parallel.tp), spec.dtype)
+        checked = digest if (verify and self.verify) else None
+        read_rows_into(os.path.join(self.path, file), header, name, runs, expected_checksum=checked)
+
     def _saved_shard(self, name: str, tp_rank: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """TP shard ``tp_rank`` as saved (or its rows ``[a, b)``), assembled from flat pieces if need be."""
         pieces = self._pieces[name].get(tp_rank)
@@ -290,25 +320,23 @@ class Checkpoint:
                 expected_checksum=digest if self.verify else None,
                 rows=rows,
             )
-        numel = 1
-        for n in shape:
-            numel *= n
-        flat = torch.empty(numel, dtype=spec.dtype)
+        flat = torch.empty(math.prod(shape), dtype=spec.dtype)
         covered = 0
         for file, span, digest in sorted(pieces, key=lambda p: (p[1] or [0])[0]):
-            start, end = span if span is not None else (0, numel)
+            start, end = span if span is not None else (0, flat.numel())
             header = self._header(file)
             self._check_piece(file, header, name, (end - start,), spec.dtype)
             if start != covered:
                 break
-            flat[start:end] = read_piece(
-                os.path.join(self.path, file), header, name, expected_checksum=digest if self.verify else None
+            checked = digest if self.verify else None
+            read_rows_into(
+                os.path.join(self.path, file), header, name, [(0, flat[start:end])], expected_checksum=checked
             )
             covered = end
-        if covered != numel:
+        if covered != flat.numel():
             raise CheckpointError(
                 f"checkpoint {self.path}: the pieces of tensor '{name}' for TP rank {tp_rank} cover "
-                f"elements [0, {covered}) of {numel}"
+                f"elements [0, {covered}) of {flat.numel()}"
             )
         full = flat.reshape(shape)
         return full if rows is None else full[rows[0] : rows[1]]
