@@ -3,9 +3,10 @@
 Writes a checkpoint of a LLaMA-style model of about 1 GB in fp32 (24 layers, hidden 896, vocabulary
 32000, untied output layer) at TP2 x PP2, then converts it to TP1 x PP4 several times, each time
 right after copying the same files with ``cp -r`` (and ``cp -r`` followed by ``sync``, since the
-converter fsyncs every file it writes). Each conversion runs as its own process, so its peak
-resident memory (``ru_maxrss``) is its own; the table compares it with the largest tensor, the
-model, and a process that only imports the same modules.
+converter fsyncs every file it writes). Each conversion runs as its own process (its time includes
+starting Python and importing torch) and reports how much its resident memory grew during the
+conversion (Linux's peak-RSS counter, reset after the imports), against the largest tensor and
+the whole model.
 
     python tools/bench_convert.py                      # weights only, 3 rounds
     python tools/bench_convert.py --optimizer          # with Adam moments (3x the bytes)
@@ -35,19 +36,35 @@ from training.checkpoint import Parallelism, gpt_tensor_specs, write_checkpoint
 from training.checkpoint.format import optimizer_tensor_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONVERT = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]
 
 
-def _run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of one child process."""
+# Runs the converter in a child process and reports its memory during the conversion alone: after the
+# imports, writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current RSS (Linux).
+MEASURED_CONVERT = """
+import json, sys
+from tools import convert_checkpoint
+
+def status(field):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) // 1024 for line in fh if line.startswith(field + ":"))
+
+with open("/proc/self/clear_refs", "w") as fh:
+    fh.write("5")
+before = status("VmRSS")
+assert convert_checkpoint.main(sys.argv[1:]) == 0
+print(json.dumps({"rss_before_mb": before, "peak_mb": status("VmHWM")}))
+"""
+
+
+def _run(cmd: list[str]) -> tuple[float, str]:
+    """Wall seconds and standard output of one child process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    out, err = proc.communicate()
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()[-2000:]}")
-    proc.stderr.close()
-    return seconds, usage.ru_maxrss / 1024
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {err.decode()[-2000:]}")
+    return seconds, out.decode()
 
 
 def _write_source(root: str, with_optimizer: bool) -> tuple[int, int]:
@@ -93,9 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         files = os.path.join(source, "iter_0000000")
         file_bytes = sum(os.path.getsize(os.path.join(files, f)) for f in os.listdir(files))
         file_count = len(os.listdir(files))
-        _, baseline = _run([sys.executable, "-c", "import torch, training.checkpoint, tqdm"])
         times: dict[str, list[float]] = {"cp": [], "cp + sync": [], "convert": []}
-        rss: list[float] = []
+        memory: list[dict] = []
         for r in range(args.rounds):  # interleaved, so machine noise hits all three alike
             target = os.path.join(scratch, f"cp{r}")
             times["cp"].append(_run(["cp", "-r", files, target])[0])
@@ -104,15 +120,17 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(target)
             target = os.path.join(scratch, f"out{r}")
             flags = ["--target-tensor-parallel-size", "1", "--target-pipeline-model-parallel-size", "4"]
-            seconds, peak = _run([*CONVERT, "--load", source, "--save", target, "--quiet", *flags])
+            convert = [sys.executable, "-c", MEASURED_CONVERT, "--load", source, "--save", target, "--quiet"]
+            seconds, out = _run([*convert, *flags])
             times["convert"].append(seconds)
-            rss.append(peak)
+            memory.append(json.loads(out.strip().splitlines()[-1]))
             shutil.rmtree(target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in times.items()}
-    peak = max(rss)
+    before = max(m["rss_before_mb"] for m in memory)
+    grown = max(m["peak_mb"] - m["rss_before_mb"] for m in memory)
     print(f"\nTP2xPP2 -> TP1xPP4, {file_bytes / 1e9:.2f} GB in {file_count} files, {args.rounds} rounds")
     print(f"{'':<12}{'median s':>10}{'GB/s':>8}{'convert / this':>16}")
     for name, seconds in med.items():
@@ -120,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{name:<12}{seconds:>10.2f}{file_bytes / seconds / 1e9:>8.2f}{med['convert'] / seconds:>16.2f}"
         )
     print(
-        f"peak RSS of the converter {peak:.0f} MB; a process importing the same modules {baseline:.0f} MB; "
-        f"the difference {peak - baseline:.0f} MB = {(peak - baseline) * 2**20 / largest:.1f} x the largest tensor "
-        f"({largest / 2**20:.0f} MB), {(peak - baseline) * 2**20 / total * 100:.1f}% of the tensors ({total / 2**20:.0f} MB)"
+        f"converter RSS after its imports {before} MB; during the conversion it grew by at most {grown} MB = "
+        f"{grown * 2**20 / largest:.1f} x the largest tensor ({largest / 2**20:.0f} MB) = "
+        f"{grown * 2**20 / total * 100:.1f}% of all tensors ({total / 2**20:.0f} MB)"
     )
     summary = {
         "bytes": file_bytes,
@@ -130,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         "median_seconds": med,
         "convert_over_cp": med["convert"] / med["cp"],
         "convert_over_cp_sync": med["convert"] / med["cp + sync"],
-        "peak_rss_mb": peak,
-        "baseline_rss_mb": baseline,
+        "rss_after_imports_mb": before,
+        "rss_growth_mb": grown,
         "load_average": os.getloadavg()[0],
     }
     print(json.dumps(summary))

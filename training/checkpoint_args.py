@@ -13,9 +13,9 @@ import argparse
 import os
 from typing import Any
 
-from training.arguments import flag_name
 from training.checkpoint import CheckpointError, find_checkpoint
 from training.checkpoint.reader import load_manifest
+from training.schema import BY_DEST, flag_name
 
 __all__ = ["check_checkpoint_args", "checkpoint_model_args", "load_checkpoint_args"]
 
@@ -49,13 +49,13 @@ def checkpoint_model_args(manifest: dict[str, Any], args: argparse.Namespace) ->
         "openai_gelu": activation == "openai_gelu",
         "rotary_base": config["rotary_base"],
         "rotary_percent": config["rotary_percent"],
-        "norm_epsilon": config["layernorm_epsilon"],
+        "layernorm_epsilon": config["layernorm_epsilon"],
         "max_position_embeddings": manifest["model"]["max_sequence_length"],
     }
     if groups != heads:
         values["num_query_groups"] = groups
-    if "seq_length" in (manifest.get("args") or {}):
-        values["seq_length"] = manifest["args"]["seq_length"]
+    saved_args = manifest.get("args") or {}  # a run's flags; a converted or imported model has none
+    values["seq_length"] = saved_args.get("seq_length") or manifest["model"]["max_sequence_length"]
     return {dest: value for dest, value in values.items() if hasattr(args, dest)}
 
 
@@ -74,7 +74,10 @@ def _tokenizer_args(manifest: dict[str, Any], path: str) -> dict[str, Any]:
 def load_checkpoint_args(args: argparse.Namespace) -> None:
     """With ``--use-checkpoint-args``: set every model and tokenizer flag not given from the checkpoint.
 
-    Call before ``validate_args``, so that derived values come from the checkpoint's sizes.
+    The checkpoint then stands for the model-size flags, so the tiny demo is off, as it would be had
+    the user typed them: the values it filled in go back to Megatron's defaults, and the flags Megatron
+    requires (``--micro-batch-size``, ``--train-iters``, ``--lr``) must be given. Call before
+    ``validate_args``, so that derived values come from the checkpoint's sizes.
     """
     if not getattr(args, "use_checkpoint_args", False):
         return
@@ -87,26 +90,28 @@ def load_checkpoint_args(args: argparse.Namespace) -> None:
         )
     path, manifest = found
     given = set(getattr(args, "explicit_args", ()))
+    if getattr(args, "using_default_model", False):
+        for dest in args.tiny_demo_filled:
+            setattr(args, dest, BY_DEST[dest].default)
+        args.using_default_model, args.tiny_demo_filled = False, {}
+        args.tiny_demo_off_by = [flag_name("use_checkpoint_args")]
     values = checkpoint_model_args(manifest, args) | _tokenizer_args(manifest, path)
     for dest, value in values.items():
         if dest not in given:
             setattr(args, dest, value)
-    args.using_default_model = False
-    if getattr(args, "data_path", None) is None:
-        args.using_default_data = True
 
 
-def check_checkpoint_args(args: argparse.Namespace) -> None:
+def check_checkpoint_args(args: argparse.Namespace) -> argparse.Namespace:
     """Raise one ValueError naming every model flag that contradicts the ``--load`` checkpoint.
 
     Call after ``validate_args`` (derived sizes filled in). A missing checkpoint passes: the run then
     starts from scratch.
     """
     if not args.load:
-        return
+        return args
     found = _manifest(args)
     if found is None:
-        return
+        return args
     path, manifest = found
     given = set(getattr(args, "explicit_args", ()))
     conflicts = []
@@ -127,3 +132,4 @@ def check_checkpoint_args(args: argparse.Namespace) -> None:
             else "pass the checkpoint's values, or --use-checkpoint-args to take every model flag from it"
         )
         raise ValueError(f"--load {path} holds another model: " + "; ".join(conflicts) + f"; {hint}")
+    return args

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.flags import flag, not_a_flag
+
 
 @dataclass(kw_only=True)
 class DistributedDataParallelConfig:
@@ -14,7 +16,9 @@ class DistributedDataParallelConfig:
     optimizer (reduce-scatter) is not implemented.
     """
 
-    grad_reduce_in_fp32: bool = True
+    grad_reduce_in_fp32: bool = flag(
+        True, name="--grad-reduce-in-bf16", group="mixed precision", help="Reduce gradients in bfloat16."
+    )
     """Accumulate and all-reduce gradients in fp32 even when parameters are bf16/fp16."""
 
     overlap_grad_reduce: bool = False
@@ -24,14 +28,14 @@ class DistributedDataParallelConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (reduce-scatter). Not implemented: must be False."""
 
-    check_for_nan_in_grad: bool = False
+    check_for_nan_in_grad: bool = not_a_flag(False)
     """Raise, naming the parameters, if a bucket holds NaN or Inf before it is reduced."""
 
-    bucket_size: int | None = None
+    bucket_size: int | None = flag(None, name="--ddp-bucket-size")
     """Elements per bucket with ``overlap_grad_reduce``; None means Megatron's default,
     ``max(40_000_000, 1_000_000 * dp_size)``. Ignored without overlap (one bucket per buffer)."""
 
-    average_in_collective: bool = False
+    average_in_collective: bool = flag(False, name="--ddp-average-in-collective")
     """Average in the collective instead of pre-scaling by 1/dp. Gloo has no AVG reduction, so here
     it means "sum, then divide after the collective"; the result is the same average."""
 
