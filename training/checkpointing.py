@@ -42,11 +42,17 @@ from training.checkpoint.format import (
     iteration_dir,
     model_file,
     optim_file,
-    optimizer_tensor_name,
     rng_file,
-    split_optimizer_tensor_name,
 )
-from training.checkpoint.specs import check_same_model, optimizer_tensor_spec, specs_of_params
+from training.checkpoint.live import (
+    check_spec,
+    merge_param_groups,
+    model_parameters,
+    optimizer_tensors,
+    read_optimizer_state,
+    unwrap,
+)
+from training.checkpoint.specs import check_same_model, specs_of_params
 from training.checkpoint.writer import copy_tokenizer, manifest_header, write_manifest
 
 __all__ = [
@@ -196,51 +202,6 @@ def prepare_save_dir(save_dir: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
-# The model and optimizer by name
-# ------------------------------------------------------------------------------------------------
-
-
-def _unwrap(chunk: nn.Module) -> nn.Module:
-    return getattr(chunk, "module", chunk)
-
-
-def model_parameters(model_chunks: Sequence[nn.Module]) -> dict[str, nn.Parameter]:
-    """This rank's parameters by global name, each once (virtual chunks merged)."""
-    params: dict[str, nn.Parameter] = {}
-    for chunk in model_chunks:
-        for name, param in _unwrap(chunk).named_parameters():
-            if name in params and params[name] is not param:
-                raise RuntimeError(f"two model chunks on this rank both hold {name!r}")
-            params[name] = param
-    return params
-
-
-def _param_names_by_index(optimizer, params: Mapping[str, nn.Parameter]) -> list[str]:
-    """The parameter name of every index in the optimizer's state dict (torch numbers them group by group)."""
-    by_main = {}
-    for name, param in params.items():
-        try:
-            by_main[id(optimizer.get_main_param(param))] = name
-        except KeyError:
-            continue  # not optimised (requires_grad=False)
-    return [by_main[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def _optimizer_tensors(optimizer, params, specs) -> tuple[dict[str, torch.Tensor], dict, list[dict]]:
-    """The optimizer's state keyed by logical name, their specs, and its param groups (JSON)."""
-    state = optimizer.state_dict()
-    names = _param_names_by_index(optimizer, params)
-    tensors, tensor_specs = {}, {}
-    for key, value in state["state"].items():
-        index, state_key = key.split(".", 1)
-        name = names[int(index)]
-        logical, spec = optimizer_tensor_spec(state_key, name, value, params[name], specs[name])
-        tensors[logical], tensor_specs[logical] = value, spec
-    groups = [{k: v for k, v in g.items() if k != "num_params"} for g in state["param_groups"]]
-    return tensors, tensor_specs, groups
-
-
-# ------------------------------------------------------------------------------------------------
 # Save
 # ------------------------------------------------------------------------------------------------
 
@@ -306,7 +267,7 @@ def save_checkpoint(
     p = current_parallel()
     t, q, d = p["tp_rank"], p["pp_rank"], p["dp_rank"]
     path = iteration_dir(save_dir, iteration)
-    module = _unwrap(model_chunks[0])
+    module = unwrap(model_chunks[0])
     config = module.config
     error, local = None, {}
     try:
@@ -325,7 +286,7 @@ def save_checkpoint(
                 os.path.join(path, model_file(t, q)), mine, t, {"format": FORMAT}, owner
             )
             if optimizer is not None:
-                tensors, optimizer_specs, groups = _optimizer_tensors(optimizer, params, specs)
+                tensors, optimizer_specs, groups = optimizer_tensors(optimizer, params, specs)
                 specs.update(optimizer_specs)
                 mine = {
                     n: v for n, v in tensors.items() if optimizer_specs[n].partition is not None or t == 0
@@ -365,7 +326,7 @@ def save_checkpoint(
             manifest.update(
                 tensors={n: s for g in gathered for n, s in g["tensors"].items()},
                 tied=tied_tensors(config.untie_embeddings_and_output_weights),
-                optimizer=_merge_groups([g["groups"] for g in gathered if g["groups"] is not None]),
+                optimizer=merge_param_groups([g["groups"] for g in gathered if g["groups"] is not None]),
                 scheduler=None if scheduler_state is None else dict(scheduler_state),
                 files={f: r for g in gathered for f, r in g["files"].items()},
                 args=_json_subset(args),
@@ -380,17 +341,6 @@ def save_checkpoint(
 
 def _stored(files: Mapping[str, Mapping]) -> set[str]:
     return {key for record in files.values() for key in record["pieces"]}
-
-
-def _merge_groups(per_rank: list[list[dict]]) -> dict[str, Any] | None:
-    """Optimizer hyperparameters per (wd_mult, lr_mult) group, from whichever ranks have the group."""
-    if not per_rank:
-        return None
-    merged: dict[tuple, dict] = {}
-    for groups in per_rank:
-        for group in groups:
-            merged.setdefault((group.get("wd_mult"), group.get("lr_mult")), group)
-    return {"param_groups": list(merged.values())}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -462,58 +412,23 @@ def load_checkpoint(
 def _layout(model_chunks: Sequence[nn.Module]) -> str:
     from models.gpt.gpt_model import pipeline_layout
 
-    return pipeline_layout(_unwrap(model_chunks[0]).config).to_string()
+    return pipeline_layout(unwrap(model_chunks[0]).config).to_string()
 
 
 def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, load_rng, finetune):
     """Copy this rank's shards into the model; return (ckpt, optimizer state dict, RNG state, finetune)."""
     finetune = finetune or os.path.basename(ckpt.path) == "release"
     load_optim, load_rng = load_optim and not finetune, load_rng and not finetune
-    module = _unwrap(model_chunks[0])
+    module = unwrap(model_chunks[0])
     check_same_model(ckpt.manifest["model"]["config"], module.config.to_dict(), ckpt.path)
     params = model_parameters(model_chunks)
     specs = specs_of_params(params.items(), p["tp"], module.config.make_vocab_size_divisible_by)
     for name, param in params.items():
-        _check_spec(ckpt, name, specs[name])
+        check_spec(ckpt, name, specs[name])
         with torch.no_grad():
             param.copy_(ckpt.read_shard(name, p["tp_rank"], p["tp"]))
     optimizer_state = None
     if load_optim and optimizer is not None:
-        optimizer_state = _read_optimizer(ckpt, optimizer, params, p)
+        optimizer_state = read_optimizer_state(ckpt, optimizer, params, p)
     rng_state = ckpt.read_rng_state(p["tp_rank"], p["pp_rank"], p["dp_rank"]) if load_rng else None
     return ckpt, optimizer_state, rng_state, finetune
-
-
-def _check_spec(ckpt: Checkpoint, name: str, ours) -> None:
-    if not ckpt.has_tensor(name):
-        raise CheckpointError(f"checkpoint {ckpt.path} has no tensor '{name}', which the model has")
-    saved = ckpt.spec(name)
-    if (saved.shape, saved.partition) != (ours.shape, ours.partition):
-        raise CheckpointError(
-            f"checkpoint {ckpt.path}: tensor '{name}' has full shape {saved.shape} split {saved.partition} "
-            f"in the checkpoint but {ours.shape} split {ours.partition} in the model"
-        )
-
-
-def _read_optimizer(ckpt: Checkpoint, optimizer, params, p) -> dict:
-    """The optimizer's own (index-keyed) state dict, rebuilt from the checkpoint's name-keyed tensors."""
-    saved = ckpt.manifest.get("optimizer")
-    if saved is None:
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} holds no optimizer state; pass --no-load-optim or --finetune "
-            "to load only the weights"
-        )
-    keys = sorted({split_optimizer_tensor_name(n)[0] for n in ckpt.specs if split_optimizer_tensor_name(n)})
-    state = {}
-    for index, name in enumerate(_param_names_by_index(optimizer, params)):
-        for key in keys:
-            logical = optimizer_tensor_name(key, name)
-            if ckpt.has_tensor(logical):
-                state[f"{index}.{key}"] = ckpt.read_shard(logical, p["tp_rank"], p["tp"])
-    by_kind = {(g.get("wd_mult"), g.get("lr_mult")): g for g in saved["param_groups"]}
-    groups = []
-    for group in optimizer.param_groups:
-        current = {k: v for k, v in group.items() if k != "params"}
-        restored = by_kind.get((group.get("wd_mult"), group.get("lr_mult")), {})
-        groups.append(current | restored | {"num_params": len(group["params"])})
-    return {"param_groups": groups, "state": state}
