@@ -273,6 +273,37 @@ def test_missing_empty_and_broken_load_directories(tmp_path):
         load_checkpoint(str(tmp_path), model_chunks=chunks, iteration=7)
 
 
+def _tiny_run(bf16: bool):
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = gpt2_config(num_layers=2, hidden_size=8, num_attention_heads=2, bf16=bf16, seed=5)
+    chunks = build_model_chunks(config, VOCAB, SEQ)
+    return chunks, get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16), chunks)
+
+
+def test_fp32_master_weights_survive_a_change_of_precision(tmp_path):
+    """A bf16 run's fp32 master copies become an fp32 run's weights, and an fp32 run's weights a bf16
+    run's master copies: neither direction rounds through bf16."""
+    chunks, optimizer = _tiny_run(bf16=True)
+    masters = {}
+    for name, param in checkpointing.model_parameters(chunks).items():
+        main = optimizer.get_main_param(param)
+        with torch.no_grad():
+            main.add_(1e-3 * torch.randn_like(main))  # fp32 values bf16 cannot hold
+            param.copy_(main)
+        masters[name] = main.clone()
+    checkpointing.save_checkpoint(str(tmp_path / "bf16"), 1, model_chunks=chunks, optimizer=optimizer)
+    chunks, optimizer = _tiny_run(bf16=False)
+    load_checkpoint(str(tmp_path / "bf16"), model_chunks=chunks, optimizer=optimizer)
+    for name, param in checkpointing.model_parameters(chunks).items():
+        assert torch.equal(param, masters[name]), name
+    checkpointing.save_checkpoint(str(tmp_path / "fp32"), 1, model_chunks=chunks, optimizer=optimizer)
+    chunks, optimizer = _tiny_run(bf16=True)
+    load_checkpoint(str(tmp_path / "fp32"), model_chunks=chunks, optimizer=optimizer)
+    for name, param in checkpointing.model_parameters(chunks).items():
+        assert torch.equal(optimizer.get_main_param(param), masters[name]), name
+
+
 def test_save_dir_probe_and_stale_temporary_files(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match=r"^--save .*/file is not a directory: it is a regular file$"):

@@ -42,6 +42,7 @@ from training.checkpoint.format import (
     iteration_dir,
     model_file,
     optim_file,
+    optimizer_tensor_name,
     rng_file,
 )
 from training.checkpoint.live import (
@@ -425,8 +426,16 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, lo
     specs = specs_of_params(params.items(), p["tp"], module.config.make_vocab_size_divisible_by)
     for name, param in params.items():
         check_spec(ckpt, name, specs[name])
+        source = name  # an fp32 model loading a bf16 run takes the fp32 master copy when there is one
+        master = optimizer_tensor_name("main_param", name)
+        if (
+            param.dtype == torch.float32
+            and ckpt.spec(name).dtype != torch.float32
+            and ckpt.has_tensor(master)
+        ):
+            source = master
         with torch.no_grad():
-            param.copy_(ckpt.read_shard(name, p["tp_rank"], p["tp"]))
+            param.copy_(ckpt.read_shard(source, p["tp_rank"], p["tp"]))
     optimizer_state = None
     if load_optim and optimizer is not None:
         optimizer_state = read_optimizer_state(ckpt, optimizer, params, p)

@@ -114,6 +114,11 @@ def read_optimizer_state(
             logical = optimizer_tensor_name(key, name)
             if ckpt.has_tensor(logical):
                 state[f"{index}.{key}"] = ckpt.read_shard(logical, p["tp_rank"], p["tp"])
+        separate_main = optimizer.get_main_param(params[name]) is not params[name]
+        if separate_main and f"{index}.main_param" not in state and ckpt.spec(name).dtype == torch.float32:
+            state[f"{index}.main_param"] = ckpt.read_shard(
+                name, p["tp_rank"], p["tp"]
+            )  # an fp32 run's weights
     by_kind = {(g.get("wd_mult"), g.get("lr_mult")): g for g in saved["param_groups"]}
     groups = []
     for group in optimizer.param_groups:
