@@ -301,9 +301,10 @@ def save_checkpoint(
         record = None
         if t == q == d == 0 and tokenizer is not None:
             record = copy_tokenizer(tokenizer["files"], path, tokenizer["type"])
+        stored = {key for record in files.values() for key in record["pieces"]}
         local = {
             "files": files,
-            "tensors": {n: s.to_json() for n, s in specs.items() if n in _stored(files)},
+            "tensors": {n: s.to_json() for n, s in specs.items() if n in stored},
             "groups": groups,
             "tokenizer": record,
         }
@@ -334,14 +335,10 @@ def save_checkpoint(
                 extra=dict(extra or {}),
             )
             write_manifest(save_dir, iteration, manifest)  # the tracker, the commit point, comes last
-        except OSError as err:
-            error = f"committing checkpoint {path} failed: {err}"
+        except Exception as err:  # noqa: BLE001 -- every rank waits in _agree for rank 0's verdict
+            error = f"committing checkpoint {path} failed: {type(err).__name__}: {err}"
     _agree(error)
     return path
-
-
-def _stored(files: Mapping[str, Mapping]) -> set[str]:
-    return {key for record in files.values() for key in record["pieces"]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -388,6 +385,8 @@ def load_checkpoint(
             )
     except CheckpointError as err:
         error = str(err)
+    except Exception as err:  # noqa: BLE001 -- reported on every rank by _agree, so no rank waits forever
+        error = f"loading checkpoint {path or load_dir} failed: {type(err).__name__}: {err}"
     _agree(error)
     if path is None:
         return None
