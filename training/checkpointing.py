@@ -28,9 +28,9 @@ from torch import nn
 from training.checkpoint import (
     Checkpoint,
     CheckpointError,
-    Parallelism,
     find_checkpoint,
     flatten_state,
+    parallelism_of,
     read_tracker,
     remove_stale_temp_files,
     tied_tensors,
@@ -263,8 +263,6 @@ def save_checkpoint(
     :class:`CheckpointError` on every rank and leaves the tracker, hence the previous checkpoint,
     untouched. Returns the iteration directory.
     """
-    from models.gpt.gpt_model import pipeline_layout
-
     p = current_parallel()
     t, q, d = p["tp_rank"], p["pp_rank"], p["dp_rank"]
     path = iteration_dir(save_dir, iteration)
@@ -314,11 +312,10 @@ def save_checkpoint(
     gathered = _gather(local)
     if t == q == d == 0:
         try:
-            layout = pipeline_layout(config).to_string()
             manifest = manifest_header(
                 iteration=iteration,
                 consumed_samples=consumed_samples,
-                parallelism=Parallelism(p["tp"], p["pp"], p["vpp"], layout, p["dp"]),
+                parallelism=parallelism_of(config, p["dp"]),
                 config=config.to_dict(),
                 vocab_size=module.vocab_size,
                 padded_vocab_size=module.padded_vocab_size,
@@ -397,7 +394,7 @@ def load_checkpoint(
             optimizer.load_state_dict(optimizer_state)
     if rng_state is not None:
         set_rng_state(rng_state)
-    ours = Parallelism(p["tp"], p["pp"], p["vpp"], _layout(model_chunks), p["dp"])
+    ours = parallelism_of(unwrap(model_chunks[0]).config, p["dp"])
     return LoadedCheckpoint(
         path=path,
         iteration=0 if finetune else ckpt.iteration,
@@ -407,12 +404,6 @@ def load_checkpoint(
         resharded=ours != ckpt.parallel,
         rng_restored=_sum_over_ranks(int(rng_state is not None)),
     )
-
-
-def _layout(model_chunks: Sequence[nn.Module]) -> str:
-    from models.gpt.gpt_model import pipeline_layout
-
-    return pipeline_layout(unwrap(model_chunks[0]).config).to_string()
 
 
 def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, load_rng, finetune):

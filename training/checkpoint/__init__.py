@@ -20,14 +20,17 @@ Reading (any split, no process group)::
 
 Writing from full tensors at a chosen split::
 
-    specs, tied = gpt_tensor_specs(config, vocab_size, max_sequence_length)
-    write_checkpoint(out, ((n, tensors[n]) for n in specs), specs=specs, tied=tied,
-                     parallelism=Parallelism(tp=2, pp=2, vpp=1, layout=...), config=config.to_dict(), ...)
+    config = llama_config(..., tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    specs, tied = gpt_tensor_specs(config, vocab_size, max_sequence_length)   # every tensor, any order
+    write_checkpoint(out, ((n, full[n]) for n in specs), specs=specs, tied=tied,
+                     parallelism=parallelism_of(config), config=config.to_dict(),
+                     vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                     tokenizer_type="GPTSentencePieceTokenizer", tokenizer_files={"tokenizer_model": path})
 
 See :mod:`training.checkpoint.format` for what the manifest holds.
 """
 
-from training.checkpoint.convert import ConversionSummary, convert_checkpoint, target_split
+from training.checkpoint.convert import ConversionSummary, convert_checkpoint, parallelism_of, target_split
 from training.checkpoint.files import flatten_state, remove_stale_temp_files, unflatten_state
 from training.checkpoint.format import (
     FORMAT,
@@ -61,6 +64,7 @@ __all__ = [
     "gpt_tensor_specs",
     "iteration_dir",
     "open_checkpoint",
+    "parallelism_of",
     "read_tracker",
     "remove_stale_temp_files",
     "target_split",

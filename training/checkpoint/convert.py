@@ -29,7 +29,7 @@ from training.checkpoint.format import (
 from training.checkpoint.reader import Checkpoint
 from training.checkpoint.writer import CheckpointWriter, copy_tokenizer, padded_vocab_size, write_manifest
 
-__all__ = ["ConversionSummary", "convert_checkpoint", "target_split"]
+__all__ = ["ConversionSummary", "convert_checkpoint", "parallelism_of", "target_split"]
 
 
 @dataclasses.dataclass
@@ -60,6 +60,20 @@ class ConversionSummary:
         )
 
 
+def parallelism_of(config, dp: int = 1) -> Parallelism:
+    """The :class:`Parallelism` a ``TransformerConfig`` describes (its layout made explicit)."""
+    from models.gpt.gpt_model import pipeline_layout
+
+    layout = pipeline_layout(config)
+    return Parallelism(
+        config.tensor_model_parallel_size,
+        config.pipeline_model_parallel_size,
+        layout.vpp_size,
+        layout.to_string(),
+        dp,
+    )
+
+
 def target_split(
     ckpt: Checkpoint,
     *,
@@ -70,7 +84,6 @@ def target_split(
 ) -> tuple[Parallelism, dict[str, Any]]:
     """The target :class:`Parallelism` and model config, or a CheckpointError saying what does not fit."""
     from core.transformer.transformer_config import TransformerConfig
-    from models.gpt.gpt_model import pipeline_layout
 
     try:
         config = TransformerConfig.from_dict(
@@ -89,12 +102,9 @@ def target_split(
             config = dataclasses.replace(
                 config, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None
             )
-        pipeline = pipeline_layout(config)
+        target = parallelism_of(config, ckpt.parallel.dp)
     except ValueError as err:
         raise CheckpointError(f"the target split does not fit the checkpoint's model: {err}") from None
-    target = Parallelism(
-        tensor_parallel, pipeline_parallel, pipeline.vpp_size, pipeline.to_string(), ckpt.parallel.dp
-    )
     return target, config.to_dict()
 
 
