@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs the converter in a child process and reports its memory during the conversion alone: after the
 # imports, writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current RSS (Linux).
 MEASURED_CONVERT = """
-import json, sys
+import json, sys, time
 from tools import convert_checkpoint
 
 def status(field):
@@ -51,8 +51,10 @@ def status(field):
 with open("/proc/self/clear_refs", "w") as fh:
     fh.write("5")
 before = status("VmRSS")
+start = time.perf_counter()
 assert convert_checkpoint.main(sys.argv[1:]) == 0
-print(json.dumps({"rss_before_mb": before, "peak_mb": status("VmHWM")}))
+seconds = time.perf_counter() - start
+print(json.dumps({"rss_before_mb": before, "peak_mb": status("VmHWM"), "seconds": seconds}))
 """
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         files = os.path.join(source, "iter_0000000")
         file_bytes = sum(os.path.getsize(os.path.join(files, f)) for f in os.listdir(files))
         file_count = len(os.listdir(files))
-        times: dict[str, list[float]] = {"cp": [], "cp + sync": [], "convert": []}
+        times: dict[str, list[float]] = {"cp": [], "cp + sync": [], "convert": [], "  of which work": []}
         memory: list[dict] = []
         for r in range(args.rounds):  # interleaved, so machine noise hits all three alike
             target = os.path.join(scratch, f"cp{r}")
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds, out = _run([*convert, *flags])
             times["convert"].append(seconds)
             memory.append(json.loads(out.strip().splitlines()[-1]))
+            times["  of which work"].append(memory[-1]["seconds"])  # without starting Python and torch
             shutil.rmtree(target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
