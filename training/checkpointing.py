@@ -35,7 +35,7 @@ from training.checkpoint import (
     remove_stale_temp_files,
     tied_tensors,
 )
-from training.checkpoint.files import TensorFileWriter, probe_writable
+from training.checkpoint.files import TensorFileWriter, fsync_dir, probe_writable
 from training.checkpoint.format import (
     FORMAT,
     canonical_order,
@@ -229,7 +229,7 @@ def _write(
     with TensorFileWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata) as fh:
         for key, tensor in tensors.items():
             fh.write(key, tensor)
-        record = fh.close()
+        record = fh.close(sync_dir=False)  # save_checkpoint syncs the directory once
     for piece in record["pieces"].values():
         piece["tp_rank"] = tp_rank
     return record
@@ -296,6 +296,7 @@ def save_checkpoint(
         tensors, skeleton = flatten_state(rng_state if rng_state is not None else get_rng_state())
         meta = {"format": FORMAT, "skeleton": skeleton}
         files[rng_file(t, q, d)] = _write(os.path.join(path, rng_file(t, q, d)), tensors, 0, meta)
+        fsync_dir(path)  # the renames above are durable before rank 0 commits
         record = None
         if t == q == d == 0 and tokenizer is not None:
             record = copy_tokenizer(tokenizer["files"], path, tokenizer["type"])

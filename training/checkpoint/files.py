@@ -35,6 +35,7 @@ __all__ = [
     "atomic_write",
     "checksum",
     "flatten_state",
+    "fsync_dir",
     "probe_writable",
     "read_header",
     "read_piece",
@@ -90,7 +91,8 @@ def _open_new(path: str, mode: str = "wb"):
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), mode)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make the renames in directory ``path`` durable."""
     fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -111,7 +113,7 @@ def atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> N
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 def write_text(path: str, text: str) -> None:
@@ -221,8 +223,12 @@ class TensorFileWriter:
         self._fh.write(data)
         self._pieces[key] = {"checksum": checksum(data)}
 
-    def close(self) -> dict[str, Any]:
-        """Finish the file (fsync, rename into place) and return its manifest record."""
+    def close(self, *, sync_dir: bool = True) -> dict[str, Any]:
+        """Finish the file (fsync, rename into place) and return its manifest record.
+
+        ``sync_dir=False`` leaves the directory's fsync (which makes the rename durable) to the
+        caller, who can then do it once for many files with :func:`fsync_dir`.
+        """
         missing = [key for key in self._slots if key not in self._pieces]
         if missing:
             raise ValueError(f"{self.path}: tensors {missing[:3]} were declared but never written")
@@ -230,7 +236,8 @@ class TensorFileWriter:
         os.fsync(self._fh.fileno())
         self._fh.close()
         os.replace(self._tmp, self.path)
-        _fsync_dir(os.path.dirname(self.path))
+        if sync_dir:
+            fsync_dir(os.path.dirname(self.path))
         pieces = {key: self._pieces[key] for key in self._slots}
         return {"bytes": self.nbytes, "checksum": checksum(self._header), "pieces": pieces}
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from core.pipeline_parallel.layout import DECODER, EMBEDDING, LOSS, parse_layout
-from training.checkpoint.files import TensorFileWriter, atomic_write, write_text
+from training.checkpoint.files import TensorFileWriter, atomic_write, fsync_dir, write_text
 from training.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -161,7 +161,8 @@ class CheckpointWriter:
         missing = [name for name in self.specs if name not in self._written]
         if missing:
             raise CheckpointError(f"tensors {missing[:3]} were never written ({len(missing)} in all)")
-        records = {file: writer.close() for file, writer in self._files.items()}
+        records = {file: writer.close(sync_dir=False) for file, writer in self._files.items()}
+        fsync_dir(self.path)
         for places in self.placements.values():
             for file, key, t in places:
                 records[file]["pieces"][key]["tp_rank"] = t
