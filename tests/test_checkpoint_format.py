@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,6 +90,28 @@ def test_files_are_plain_safetensors_with_no_pickle_and_group_readable(tmp_path)
     )
     assert (ckpt.vocab_size, ckpt.padded_vocab_size) == (VOCAB, 64)
     assert all(torch.equal(t, tensors[n]) for n, t in ckpt.iter_full_tensors("all"))
+
+
+def test_tokenizer_files_are_copied_in_and_travel_with_the_checkpoint(tmp_path):
+    model = tmp_path / "spm.model"
+    model.write_bytes(b"\x00sentencepiece bytes\xff")
+    files = {"tokenizer_model": str(model)}
+    _write(tmp_path / "run", tokenizer_type="GPTSentencePieceTokenizer", tokenizer_files=files)
+    os.remove(model)
+    os.rename(tmp_path / "run", tmp_path / "moved")  # no path outside the checkpoint is needed
+    from tools import convert_checkpoint
+
+    flags = ["--target-tensor-parallel-size", "1", "--target-pipeline-model-parallel-size", "1", "--quiet"]
+    assert (
+        convert_checkpoint.main(["--load", str(tmp_path / "moved"), "--save", str(tmp_path / "tp1"), *flags])
+        == 0
+    )
+    for root in ("moved", "tp1"):
+        tokenizer = open_checkpoint(str(tmp_path / root)).tokenizer
+        assert tokenizer["type"] == "GPTSentencePieceTokenizer"
+        copied = tokenizer["files"]["tokenizer_model"]
+        assert copied == str(tmp_path / root / "iter_0000000" / "tokenizer" / "spm.model")
+        assert Path(copied).read_bytes() == b"\x00sentencepiece bytes\xff"
 
 
 def test_config_round_trips_through_json():
@@ -323,6 +346,26 @@ def test_save_dir_probe_and_stale_temporary_files(tmp_path):
     assert sorted(checkpointing.prepare_save_dir(str(root))) == sorted(map(str, stale))
     assert sorted(os.listdir(root / "iter_0000000")) == sorted(kept + [".notes.tmp"])
     assert remove_stale_temp_files(str(root)) == []
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("the model was built before --save was checked")
+
+
+def test_pretrain_checks_save_before_building_anything(tmp_path):
+    import pretrain_gpt
+    from training.training import pretrain
+
+    (tmp_path / "file").write_text("x")
+    argv = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--save", str(tmp_path / "file")]
+    with pytest.raises(CheckpointError, match=r"^--save .*/file is not a directory: it is a regular file$"):
+        pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            _no_model,
+            pretrain_gpt.forward_step,
+            argv=argv,
+            tokenizer_provider=pretrain_gpt.tokenizer_provider,
+        )
 
 
 def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):
