@@ -327,6 +327,30 @@ def test_fp32_master_weights_survive_a_change_of_precision(tmp_path):
         assert torch.equal(optimizer.get_main_param(param), masters[name]), name
 
 
+def test_finetune_loads_the_weights_only_and_starts_at_iteration_zero(tmp_path):
+    chunks, optimizer = _tiny_run(bf16=False)
+    params = checkpointing.model_parameters(chunks)
+    for param in params.values():
+        optimizer.optimizer.state[optimizer.get_main_param(param)] = {"exp_avg": torch.ones_like(param)}
+    saved = {name: param.detach().clone() for name, param in params.items()}
+    checkpointing.save_checkpoint(
+        str(tmp_path), 7, model_chunks=chunks, optimizer=optimizer, scheduler_state={"num_steps": 7},
+        consumed_samples=56,
+    )  # fmt: skip
+    chunks, optimizer = _tiny_run(bf16=False)
+    for param in checkpointing.model_parameters(chunks).values():
+        with torch.no_grad():
+            param.zero_()
+    loaded = load_checkpoint(str(tmp_path), model_chunks=chunks, optimizer=optimizer, finetune=True)
+    assert (loaded.iteration, loaded.consumed_samples, loaded.scheduler_state) == (0, 0, None)
+    assert loaded.rng_restored == 0 and len(optimizer.optimizer.state) == 0
+    for name, param in checkpointing.model_parameters(chunks).items():
+        assert torch.equal(param, saved[name]), name
+        assert torch.equal(optimizer.get_main_param(param), saved[name]), (
+            name
+        )  # the optimizer steps from them
+
+
 def test_save_dir_probe_and_stale_temporary_files(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match=r"^--save .*/file is not a directory: it is a regular file$"):
