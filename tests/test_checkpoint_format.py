@@ -270,6 +270,7 @@ def test_flat_pieces_from_a_sharded_optimizer_are_assembled(tmp_path):
     ckpt = open_checkpoint(str(tmp_path))
     assert torch.equal(ckpt.full_tensor(name), tensors[name])
     assert torch.equal(ckpt.read_shard(name, 1, 4), tensors[name][:, 32:64])
+    assert torch.equal(ckpt.read_flat_range(name, 1, 2, 90, 130), tensors[name][:, 64:].reshape(-1)[90:130])
 
 
 def test_missing_empty_and_broken_load_directories(tmp_path):

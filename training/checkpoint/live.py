@@ -4,6 +4,15 @@ The optimizer's own state dict numbers parameters in group order (torch's conven
 depends on the split; the checkpoint stores each state under ``optimizer.state.<key>.<parameter
 name>`` instead, split like its parameter, so it reshards with the weights. These helpers convert
 between the two through the optimizer's public API (``param_groups``, ``get_main_param``).
+
+The distributed optimizer (ZeRO-1) plugs in here. Its ``param_state_by_name()`` gives, per
+parameter name, the flat range ``[start, end)`` of the TP-local tensor that this data-parallel rank
+owns, with that range of every per-element state (``exp_avg``, ``exp_avg_sq``, ``main_param``).
+Saving it means: every DP rank ``d`` writes its ranges to ``optim_tp{t}_pp{p}_dp{d}.safetensors``
+(1-D tensors under the same logical names) and tags each piece in the manifest with
+``"flat": [start, end]`` besides its ``tp_rank``; scalar states (``step``) go once, from DP rank 0.
+Loading at any DP size is :meth:`Checkpoint.read_flat_range` of the rank's own range, which the
+reader assembles from whatever pieces overlap it, after resharding over TP if the TP size changed.
 """
 
 from __future__ import annotations

@@ -244,6 +244,17 @@ class Checkpoint:
                 out.narrow(part.dim, out_at, length).copy_(piece.narrow(part.dim, src_at - base, length))
         return out
 
+    def read_flat_range(self, name: str, tp_rank: int, tp_size: int, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of TP shard ``tp_rank`` of ``tp_size``, flattened row-major: the
+        range a distributed-optimizer rank owns (see :mod:`training.checkpoint.live`)."""
+        shard = self.read_shard(name, tp_rank, tp_size).reshape(-1)
+        if not 0 <= start <= end <= shard.numel():
+            raise CheckpointError(
+                f"checkpoint {self.path}: range [{start}, {end}) is outside tensor '{name}' "
+                f"({shard.numel()} elements in TP shard {tp_rank} of {tp_size})"
+            )
+        return shard[start:end].clone()
+
     def full_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor, vocabulary unpadded."""
         shard = self.read_shard(name, 0, 1)
