@@ -22,6 +22,7 @@ from training import get_args, get_tokenizer, pretrain
 from training.arguments import transformer_config_from_args
 from training.data import build_train_valid_test_datasets, default_tokenizer
 from training.data.defaults import default_data_prefix
+from training.faults import run_main
 from training.tokenizer import build_tokenizer
 
 
@@ -89,13 +90,17 @@ def train_valid_test_datasets_provider(args):
         num_samples,
         eod_token=tokenizer.eod,
         eod_mask_loss=args.eod_mask_loss,
+        vocab_size=tokenizer.vocab_size,
     )
 
 
 if __name__ == "__main__":
-    pretrain(
-        train_valid_test_datasets_provider,
-        model_provider,
-        forward_step,
-        tokenizer_provider=tokenizer_provider,
+    # One clear error, printed once for the whole job, with exit code 1 (2 for usage errors).
+    run_main(
+        lambda: pretrain(
+            train_valid_test_datasets_provider,
+            model_provider,
+            forward_step,
+            tokenizer_provider=tokenizer_provider,
+        )
     )

@@ -36,6 +36,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import MappingProxyType
 
 import torch.distributed as dist
@@ -230,8 +231,11 @@ _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: int | None = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: int | None = None
 
 
-def initialize_distributed() -> bool:
+def initialize_distributed(timeout: timedelta | None = None) -> bool:
     """Start torch.distributed for this process if nobody has yet; True if this call started it.
+
+    ``timeout`` bounds every collective of the default group (Megatron's
+    ``--distributed-timeout-minutes``; torch's default when None).
 
     Under torchrun the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) says where to meet;
     a plain ``python script.py`` becomes a world of one through a private file rendezvous, so the
@@ -243,7 +247,7 @@ def initialize_distributed() -> bool:
         return False
     bind_local_device()
     if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
-        dist.init_process_group(backend=default_backend(), init_method="env://")
+        dist.init_process_group(backend=default_backend(), init_method="env://", timeout=timeout)
         return True
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != 1:
@@ -254,7 +258,11 @@ def initialize_distributed() -> bool:
     rendezvous_dir = tempfile.mkdtemp(prefix="trident-rendezvous-")
     atexit.register(shutil.rmtree, rendezvous_dir, ignore_errors=True)
     dist.init_process_group(
-        backend=default_backend(), init_method=f"file://{rendezvous_dir}/store", rank=0, world_size=1
+        backend=default_backend(),
+        init_method=f"file://{rendezvous_dir}/store",
+        rank=0,
+        world_size=1,
+        timeout=timeout,
     )
     return True
 
@@ -278,6 +286,7 @@ def initialize_model_parallel(
     order: str = DEFAULT_ORDER,
     *,
     expert_model_parallel_size: int = 1,
+    distributed_timeout_minutes: float | None = None,
 ) -> ParallelGroups:
     """Create Megatron's process groups on every rank and keep this rank's; return them.
 
@@ -287,7 +296,8 @@ def initialize_model_parallel(
     any group exists. Expert parallelism is not implemented: ``expert_model_parallel_size`` must be
     1, and ``ep`` in ``order`` names a size-1 axis (so Megatron's pp-last rule for MoE never binds).
     Unlike Megatron, a virtual pipeline size is accepted with a pipeline size of 1 (several chunks
-    on one rank), which keeps single-rank runs on the same code path.
+    on one rank), which keeps single-rank runs on the same code path. ``distributed_timeout_minutes``
+    bounds every collective on the new groups (torch's default when None), as in Megatron.
     """
     global _GROUPS, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     if _GROUPS is not None:
@@ -310,18 +320,19 @@ def initialize_model_parallel(
         order,
     )
     rank = dist.get_rank()
+    timeout = None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes)
     mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES)
     ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES, ())
     for name in GROUP_NAMES:
         for members in layout[name]:
-            group = dist.new_group(ranks=members)
+            group = dist.new_group(ranks=members, timeout=timeout)
             if rank in members:
                 _CREATED.append(group)
                 mine[name], ranks[name] = group, tuple(members)
     channels: dict[tuple[str, int, int], ProcessGroup] = {}
     for members in layout["pp"]:
         for kind, src, dst in pipeline_channels(len(members)):
-            group = dist.new_group(ranks=[members[src], members[dst]])
+            group = dist.new_group(ranks=[members[src], members[dst]], timeout=timeout)
             if rank in (members[src], members[dst]):
                 _CREATED.append(group)
                 channels[(kind, src, dst)] = group

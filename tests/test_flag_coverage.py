@@ -76,7 +76,8 @@ def dataset(tmp_path_factory) -> str:
 
 ISSUE_FLAGS = {
     WORKS: "--context-parallel-size --expert-model-parallel-size --distributed-backend --exit-duration-in-mins "
-    "--manual-gc --manual-gc-interval --ckpt-step --use-checkpoint-args --exit-on-missing-checkpoint",
+    "--manual-gc --manual-gc-interval --distributed-timeout-minutes --ckpt-step --use-checkpoint-args "
+    "--exit-on-missing-checkpoint",
     NO_EFFECT: "--log-throughput --profile --profile-step-start --profile-step-end --attention-backend "
     "--use-mcore-models --empty-unused-memory-level --cross-entropy-loss-fusion "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion --ckpt-format",
@@ -84,7 +85,7 @@ ISSUE_FLAGS = {
     "--rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
     "--use-rope-scaling --train-samples --lr-decay-samples --lr-warmup-samples --use-distributed-optimizer "
     "--overlap-param-gather --grad-reduce-in-bf16 --ddp-bucket-size --mock-data --num-workers "
-    "--data-cache-path --distributed-timeout-minutes --decoupled-lr --decoupled-min-lr --tiktoken-pattern --no-mmap-bin-files",
+    "--data-cache-path --decoupled-lr --decoupled-min-lr --tiktoken-pattern --no-mmap-bin-files",
     UNSUPPORTED: "--num-experts --moe-router-topk --moe-grouped-gemm --moe-aux-loss-coeff --fp8-format "
     "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
     "--ckpt-format=zarr --ckpt-format=torch_dcp",
@@ -219,10 +220,11 @@ def test_parallel_sizes_above_one_are_rejected_and_one_is_accepted(argv, message
 
 
 def test_pretrain_exits_with_one_line_on_a_rejected_flag(capsys):
+    from training.faults import run_main
     from training.training import pretrain
 
     with pytest.raises(SystemExit) as exit_info:
-        pretrain(None, None, None, argv=["--fp16"])
+        run_main(lambda: pretrain(None, None, None, argv=["--fp16"]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith(f": error: Trident does not support --fp16 yet: {FP16}"), err

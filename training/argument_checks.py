@@ -67,6 +67,7 @@ _AT_LEAST = {
         "lr_decay_iters",
         "make_vocab_size_divisible_by",
         "max_consecutive_skipped_iterations",
+        "distributed_timeout_minutes",
     ),
     0: (
         "ckpt_step",
@@ -284,6 +285,11 @@ def _check_schedule_and_data(args: argparse.Namespace) -> None:
     _require(
         args.lr_warmup_fraction is None or "lr_warmup_iters" not in given,
         "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one",
+    )
+    _require(
+        not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive: "
+        "give at most one",
     )
     decay = args.lr_decay_iters or args.train_iters
     _require(

@@ -17,7 +17,9 @@ source, the run trains on the built-in corpus with Trident's own SentencePiece t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import os
 import sys
 import textwrap
@@ -252,23 +254,37 @@ def parse_args(
 
 
 def parse_and_validate(argv: list[str] | None, world_size: int) -> argparse.Namespace:
-    """``parse_args`` then ``validate_args``; a bad command line exits (status 2) with one line, printed
-    by rank 0 only, instead of a traceback on every rank.
+    """``parse_args`` then ``validate_args``, with errors the entry point prints once as one line.
 
-    With ``--load``, the checkpoint's model description takes part: ``--use-checkpoint-args`` fills
-    the model flags from it before validation, and a model flag contradicting it is an error after.
+    A command line that cannot be parsed, or names a flag Trident rejects, raises
+    :class:`~training.errors.UsageError` (exit status 2); flags that parse but do not fit together
+    raise :class:`~training.errors.ConfigError` (exit status 1). argparse's own message is captured
+    rather than printed, and only rank 0 prints ``--help``. With ``--load``, the checkpoint's model
+    description takes part: ``--use-checkpoint-args`` fills the model flags from it before
+    validation, and a model flag contradicting it is a ``ConfigError`` after.
     """
     from training.argument_checks import validate_args
     from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
+    from training.errors import ConfigError, UsageError
 
+    rank0 = os.environ.get("RANK", "0") == "0"
+    captured = io.StringIO()
+    quiet_stdout = contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO())
     try:
-        args = parse_args(argv)
+        with contextlib.redirect_stderr(captured), quiet_stdout:
+            args = parse_args(argv)
+    except SystemExit as exit_:
+        if exit_.code in (0, None):  # --help
+            raise
+        lines = captured.getvalue().strip().splitlines() or [f"invalid command line {argv}"]
+        raise UsageError(lines[-1].split(": error: ", 1)[-1] + " (see --help)") from None
+    except ValueError as err:  # a rejected flag, or a --config file that cannot be used
+        raise UsageError(str(err)) from None
+    try:
         load_checkpoint_args(args)
         return check_checkpoint_args(validate_args(args, world_size))
     except ValueError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{build_parser().prog}: error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise ConfigError(str(err)) from None
 
 
 # --------------------------------------------------------------------------------------------------

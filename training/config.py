@@ -101,6 +101,10 @@ class LearningRateArgs:
     """Iterations of linear warm-up."""
     lr_warmup_fraction: float | None = None
     """Warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)."""
+    override_opt_param_scheduler: bool = flag(False, name="--override-opt_param-scheduler")
+    """On --load, follow the learning-rate flags, not the checkpoint's schedule."""
+    use_checkpoint_opt_param_scheduler: bool = flag(False, name="--use-checkpoint-opt_param-scheduler")
+    """On --load, keep the checkpoint's learning-rate schedule, whatever the flags say."""
 
 
 @dataclass(kw_only=True)
@@ -203,6 +207,8 @@ class DistributedArgs:
     """Process-group backend (default: nccl with GPUs, gloo without; nccl without CUDA falls back to gloo)."""
     expert_model_parallel_size: int = 1
     """Ranks the experts of a mixture-of-experts layer are split over."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of every collective; a rank silent this long ends the job, named in the error."""
 
 
 @dataclass(kw_only=True)

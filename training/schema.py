@@ -337,6 +337,7 @@ COVERAGE: dict[str, Coverage] = {
     "--manual-gc-interval": works(),
     "--no-manual-gc-eval": works(),
     "--exit-duration-in-mins": works(),
+    "--distributed-timeout-minutes": works(),
     "--ckpt-step": works(),
     "--use-checkpoint-args": works(),
     "--exit-on-missing-checkpoint": works(),
@@ -386,9 +387,6 @@ COVERAGE: dict[str, Coverage] = {
             "--no-position-embedding",
         ),
         not_yet(_MODEL),
-    ),
-    "--distributed-timeout-minutes": not_yet(
-        "a collective timeout that names the silent rank is being built"
     ),
     **dict.fromkeys(("--vocab-file", "--merge-file", "--tiktoken-pattern"), not_yet(_TOKENIZER)),
     **dict.fromkeys(

@@ -5,6 +5,10 @@
 Order of business: parse and validate every flag before any process group exists (one error on
 every rank); set up TP/PP/DP groups; build tokenizer, data, model chunks (wrapped for data
 parallelism), optimizer and LR schedule; resume from ``--load``; then train, evaluate, log and save.
+
+When something goes wrong (``training.faults``): the heartbeat watchdog names a rank that stops
+answering, a step that fails on some ranks fails on all (``faults.agree``), and the rank that
+reports the error is decided here, while the process groups still exist (``faults.judge``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,11 +34,12 @@ from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.optimizer.lr_scheduler import OptimizerParamScheduler
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
-from training import checkpointing
+from training import checkpointing, faults
 from training.argument_checks import validate_args
 from training.arguments import config_from_args, parse_and_validate, startup_report
 from training.batches import step_iterator
 from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
+from training.errors import ConfigError
 from training.global_vars import set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
 from training.run_control import ExitTimer, ManualGC
@@ -65,21 +71,31 @@ def pretrain(
     """Train as the flags say; returns the final state (losses on the rank that logs them).
 
     ``args``: an already parsed namespace (``training.arguments.parse_args``) instead of ``argv``.
+    Bad flags raise :class:`~training.errors.UsageError` (unparsable or rejected) or
+    :class:`~training.errors.ConfigError` on every rank, before any process group exists.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args is None:
         args = parse_and_validate(argv, world_size)
     else:
-        load_checkpoint_args(args)  # --use-checkpoint-args: model flags from the --load checkpoint
-        validate_args(args, world_size)
-        check_checkpoint_args(args)  # a model flag contradicting the --load checkpoint: one error, now
+        try:
+            load_checkpoint_args(args)  # --use-checkpoint-args: model flags from the --load checkpoint
+            validate_args(args, world_size)
+            check_checkpoint_args(args)  # a model flag contradicting the --load checkpoint: one error, now
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     select_backend(args.distributed_backend)
-    started = ps.initialize_distributed()
+    started = ps.initialize_distributed(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     try:
+        faults.begin(args)
         return _setup_and_train(
             args, train_valid_test_datasets_provider, model_provider, forward_step_func, tokenizer_provider
         )
+    except BaseException as err:
+        faults.judge(err)  # who prints it: decided while the groups (and their store) still exist
+        raise
     finally:
+        faults.end()
         # Tear down what this call set up: gloo aborts a process whose groups outlive the interpreter.
         if started:
             ps.destroy_distributed()
@@ -99,8 +115,10 @@ def _setup_and_train(
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     _seed_everything(args.seed)
+    faults.phase("building the tokenizer")
     tokenizer = _rank0_first(lambda: tokenizer_provider(args)) if tokenizer_provider else None
     set_global_variables(args, tokenizer)
     for line in startup_report(args):
@@ -110,13 +128,17 @@ def _setup_and_train(
         removed = checkpointing.prepare_save_dir(args.save)
         if removed:
             print_rank_0(f"removed {len(removed)} temporary file(s) of interrupted saves from {args.save}")
+    faults.phase("building the model and optimizer")
     chunks = _build_chunks(model_provider, args)
     optimizer = get_megatron_optimizer(config_from_args(OptimizerConfig, args), chunks)
     scheduler = _build_scheduler(optimizer, args)
     state = TrainState()
     if args.load:
+        faults.phase("loading the checkpoint")
         _load(args, chunks, optimizer, scheduler, state)
+    faults.phase("building the datasets")
     train_ds, valid_ds, _ = _rank0_first(lambda: train_valid_test_datasets_provider(args))
+    faults.phase("starting the W&B run")
     run = start_run(
         project=args.wandb_project,
         name=args.wandb_exp_name or None,
@@ -188,6 +210,7 @@ def _train(
             with collector.evaluation():
                 _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state, run)
         stop = args.exit_interval and state.iteration % args.exit_interval == 0
+        faults.phase("run-control checks (exit timer, SIGTERM)", state.iteration)
         if timer.expired():
             print_rank_0(
                 f"--exit-duration-in-mins {args.exit_duration_in_mins} reached: saving a checkpoint at "
@@ -204,16 +227,20 @@ def _train(
             break
     if args.save and saved_at != state.iteration:
         _save(args, chunks, optimizer, scheduler, state)
+    faults.phase("finishing")
 
 
 def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state):
     """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip)."""
+    iteration = state.iteration + 1
+    faults.phase("forward-backward (pipeline send/recv, data-parallel gradient all-reduce)", iteration)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss = _run_global_batch(
         args, chunks, forward_backward, forward_step_func, train_ds, state.consumed_samples
     )
+    faults.phase("the loss check (all-reduce)", iteration)
     bad_loss = _any_rank(loss is not None and not math.isfinite(loss))
     if bad_loss and args.check_for_nan_in_loss_and_grad:
         raise FloatingPointError(
@@ -221,6 +248,7 @@ def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, tr
         )
     applied, grad_norm = False, None
     if not bad_loss:
+        faults.phase("the optimizer step (gradient-norm all-reduce)", iteration)
         applied, grad_norm, _ = optimizer.step()
         if not applied and args.check_for_nan_in_loss_and_grad:
             raise FloatingPointError(
@@ -297,6 +325,7 @@ def _any_rank(flag: bool) -> bool:
 
 
 def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state, run) -> None:
+    faults.phase("evaluation (pipeline send/recv)", state.iteration)
     losses = []
     for k in range(args.eval_iters):
         with torch.no_grad():
@@ -368,14 +397,15 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rank0_first(build: Callable):
-    """Global rank 0 builds (and caches) first, the others after it; cache files are written atomically."""
-    if dist.get_rank() == 0:
-        result = build()
-        dist.barrier()
-    else:
-        dist.barrier()
-        result = build()
-    return result
+    """Global rank 0 builds (and caches) first, the others after it; cache files are written atomically.
+
+    A failure on any rank (a data file rank 0 cannot read) fails every rank at once: the rank that
+    failed reports it, the others end quietly instead of waiting for it (``faults.agree``).
+    """
+    first = dist.get_rank() == 0
+    result = faults.agree(build if first else None)
+    later = faults.agree(None if first else build)
+    return result if first else later
 
 
 def _build_chunks(model_provider: Callable, args) -> list[DistributedDataParallel]:
@@ -417,6 +447,52 @@ def _build_scheduler(optimizer, args) -> OptimizerParamScheduler:
         lr_warmup_steps=warmup_iters * args.global_batch_size,
         lr_decay_steps=decay_iters * args.global_batch_size,
         lr_decay_style=args.lr_decay_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+    )
+
+
+# The scheduler settings a checkpoint stores, and the flags that set them (steps count samples).
+_SCHEDULER_FLAGS = {
+    "max_lr": ("--lr", False),
+    "min_lr": ("--min-lr", False),
+    "lr_warmup_steps": ("warm-up iterations (--lr-warmup-iters or --lr-warmup-fraction)", True),
+    "lr_decay_steps": ("decay iterations (--lr-decay-iters, else --train-iters)", True),
+    "lr_decay_style": ("--lr-decay-style", False),
+}
+
+
+def _check_scheduler(args, scheduler, saved: dict, saved_args: dict) -> None:
+    """Megatron's rule on resume: the flags' schedule must be the checkpoint's, unless told which wins.
+
+    Without it a run resumed with a larger ``--train-iters`` silently keeps the old decay and trains
+    at the minimum learning rate.
+    """
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    differ = scheduler.mismatches(saved)
+    if not differ:
+        return
+    saved_gbs = saved_args.get("global_batch_size") or args.global_batch_size
+
+    def shown(value, in_iterations: bool, gbs: int):
+        if in_iterations and isinstance(value, int) and value % gbs == 0:
+            return value // gbs
+        return f"{value} samples" if in_iterations else value
+
+    listed = []
+    for name, mine, theirs in differ:
+        flag, in_iterations = _SCHEDULER_FLAGS.get(name, (name, False))
+        ours, old = (
+            shown(mine, in_iterations, args.global_batch_size),
+            shown(theirs, in_iterations, saved_gbs),
+        )
+        listed.append(f"{flag} {ours} here, {old} in the checkpoint")
+    raise ConfigError(
+        f"--load {args.load}: the learning-rate schedule differs from the checkpoint's: "
+        + "; ".join(listed)
+        + ". Pass --override-opt_param-scheduler to follow the flags, or "
+        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule"
     )
 
 
@@ -447,6 +523,7 @@ def _tokenizer_record(args) -> dict | None:
 
 
 def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
+    faults.phase("saving a checkpoint", state.iteration)
     path = checkpointing.save_checkpoint(
         args.save,
         state.iteration,
@@ -481,6 +558,7 @@ def _load(args, chunks, optimizer, scheduler, state: TrainState) -> None:
         print_rank_0(f"WARNING: no checkpoint in {args.load}: starting from scratch")
         return
     if loaded.scheduler_state is not None:
+        _check_scheduler(args, scheduler, loaded.scheduler_state, loaded.manifest.get("args", {}))
         scheduler.load_state_dict(loaded.scheduler_state)
     extra = loaded.manifest.get("extra", {})
     state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples

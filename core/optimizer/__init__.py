@@ -107,6 +107,11 @@ def get_megatron_optimizer(
         scale_lr_cond=scale_lr_cond,
         lr_mult=lr_mult,
     )
+    if not groups:
+        # An empty pipeline stage (a layout such as "Ett|t||tL") owns no parameters. torch refuses an
+        # empty parameter list, so it gets one empty group: its step is a no-op, yet it still joins
+        # every collective its peers run (grad-norm all-reduce, checkpoint agreement).
+        groups = [{"params": [], "wd_mult": 1.0, "lr_mult": 1.0, "weight_decay": config.weight_decay}]
     if config.optimizer == "adam":
         inner = torch.optim.AdamW(
             groups,

@@ -177,22 +177,31 @@ class OptimizerParamScheduler:
         """Python scalars and strings only (JSON-ready)."""
         return {"num_steps": self.num_steps, **{name: getattr(self, name) for name in self._SAVED}}
 
+    def mismatches(self, state_dict: dict) -> list[tuple[str, Any, Any]]:
+        """``(setting, this scheduler's value, the checkpoint's)`` for every saved setting that differs."""
+        return [
+            (name, getattr(self, name), state_dict[name])
+            for name in self._SAVED
+            if name in state_dict and getattr(self, name) != state_dict[name]
+        ]
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Resume the curve: the checkpoint's settings win unless ``override_opt_param_scheduler``;
-        with ``use_checkpoint_opt_param_scheduler=False`` they must match this scheduler's."""
-        for name in self._SAVED:
-            if name in state_dict:
-                setattr(self, name, self._check_and_set(getattr(self, name), state_dict[name], name))
+        """Resume the curve (Megatron's rules): with ``override_opt_param_scheduler`` this scheduler's
+        settings win, with ``use_checkpoint_opt_param_scheduler`` the checkpoint's; with neither they
+        must be equal, else ``ValueError`` lists every one that differs."""
+        differ = self.mismatches(state_dict)
+        if differ and not (self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler):
+            listed = "; ".join(
+                f"{name} is {mine!r} here but {saved!r} in the checkpoint" for name, mine, saved in differ
+            )
+            raise ValueError(
+                f"OptimizerParamScheduler: {listed}; pass override_opt_param_scheduler=True to keep "
+                "these settings or use_checkpoint_opt_param_scheduler=True to take the checkpoint's"
+            )
+        if not self.override_opt_param_scheduler:
+            for name in self._SAVED:
+                if name in state_dict:
+                    setattr(self, name, state_dict[name])
         self._validate()
         self.num_steps = 0
         self.step(int(state_dict["num_steps"]))
-
-    def _check_and_set(self, current: Any, saved: Any, name: str) -> Any:
-        if self.override_opt_param_scheduler:
-            return current
-        if not self.use_checkpoint_opt_param_scheduler and current != saved:
-            raise ValueError(
-                f"OptimizerParamScheduler: {name} is {current!r} here but {saved!r} in the "
-                "checkpoint; pass use_checkpoint_opt_param_scheduler=True to take the checkpoint's"
-            )
-        return saved

@@ -33,25 +33,48 @@ def parse_data_path(data_path: str | Sequence[str | float]) -> tuple[list[str], 
     """``["0.3", "A", "0.7", "B"]`` -> ``(["A", "B"], [0.3, 0.7])``; ``["A", "B"]`` -> ``(["A", "B"], None)``."""
     items = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)
     if not items:
-        raise ValueError("--data-path is empty")
+        raise ValueError("no dataset prefix given")
     if len(items) % 2 == 0:
         try:
             weights = [float(w) for w in items[0::2]]
         except (TypeError, ValueError):
             weights = None
         if weights is not None:
+            if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+                raise ValueError(
+                    f"blend weights must be finite numbers >= 0 with a positive sum, got {items[0::2]}"
+                )
             return [os.fspath(p).strip() for p in items[1::2]], weights
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
-            raise TypeError(f"--data-path: expected 'weight prefix' pairs or prefixes, got {items}")
+            raise TypeError(f"expected 'weight prefix' pairs or prefixes, got {items}")
     return [os.fspath(p).strip() for p in items], None
 
 
 def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> ``[0.969, 0.03, 0.001]`` (missing trailing splits are 0)."""
-    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not values or len(values) > 3:
-        raise ValueError(f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1")
+    """``"969,30,1"`` -> ``[0.969, 0.03, 0.001]``: train, valid, test weights, normalised.
+
+    Missing trailing weights are 0; ``/`` separates as well as ``,`` (Megatron's older form). Every
+    weight must be a finite number >= 0 and their sum positive; anything else raises ``ValueError``
+    naming ``--split`` (Megatron pulls the digits out of the string, so ``1,2,x`` became ``1,2``).
+    """
+    text = str(split).strip()
+    hint = "expected up to three comma-separated weights, e.g. 969,30,1"
+    pieces = [piece.strip() for piece in re.split(r"[,/]", text)]
+    if len(pieces) > 3:
+        raise ValueError(f"--split {text!r}: {hint}")
+    values = []
+    for piece in pieces:
+        try:
+            value = float(piece)
+        except ValueError:
+            raise ValueError(f"--split {text!r}: {piece!r} is not a number; {hint}") from None
+        if not math.isfinite(value) or value < 0:
+            problem = "negative" if value < 0 else "not finite"
+            raise ValueError(f"--split {text!r}: weight {piece} is {problem}; {hint}")
+        values.append(value)
+    if sum(values) <= 0:
+        raise ValueError(f"--split {text!r}: the weights sum to 0, so no split gets any data; {hint}")
     return normalize(values + [0.0] * (3 - len(values)))
 
 
@@ -86,19 +109,27 @@ def build_train_valid_test_datasets(
     eod_token: int | None = None,
     eod_mask_loss: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
 ) -> list[GPTDataset | BlendedDataset | None]:
     """The train, valid and test datasets (None for a split of zero width).
 
     ``num_samples[i]`` is how many samples split ``i`` must provide (``None``: one epoch). With
     a single prefix the split is a :class:`GPTDataset`; with several, a :class:`BlendedDataset`
     over one ``GPTDataset`` per prefix. ``cache_dir`` holds the index caches (default: a
-    ``cache`` directory next to each dataset).
+    ``cache`` directory next to each dataset). With ``vocab_size`` (the tokenizer's), each sample is
+    checked to hold only ids below it as it is read.
     """
     prefixes, weights = parse_data_path(data_prefixes_with_weights)
     sizes = list(num_samples)
     if len(sizes) != 3:
         raise ValueError(f"num_samples needs one entry per split (train, valid, test), got {sizes}")
-    common = {"seq_length": seq_length, "seed": seed, "eod_token": eod_token, "eod_mask_loss": eod_mask_loss}
+    common = {
+        "seq_length": seq_length,
+        "seed": seed,
+        "eod_token": eod_token,
+        "eod_mask_loss": eod_mask_loss,
+        "vocab_size": vocab_size,
+    }
 
     unused_empty: dict[str, list[str]] = {}
 

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from training.data.corpus import atomic_write_bytes
-from training.data.indexed_dataset import IndexedDataset, index_file_path
+from training.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from training.errors import DataError
 
 # Below this fraction of an epoch, the last epoch is shuffled separately (Megatron's rule) so
 # its few samples are not spread over the whole run.
@@ -126,7 +127,9 @@ class GPTDataset(torch.utils.data.Dataset):
     them (without the attention mask: attention is causal): ``tokens`` (int64 inputs),
     ``labels`` (the inputs shifted by one), ``loss_mask`` (float; 0 where the *input* token is
     ``eod_token`` when ``eod_mask_loss``) and ``position_ids`` (``0 .. seq_length - 1``).
-    ``built_anew_on_cache_miss`` tells whether the indices were built (True) or loaded.
+    ``built_anew_on_cache_miss`` tells whether the indices were built (True) or loaded. With
+    ``vocab_size``, every sample's ids are checked to lie in ``[0, vocab_size)`` as it is read (a
+    max and a min over ``seq_length + 1`` ids; the whole dataset is never scanned).
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class GPTDataset(torch.utils.data.Dataset):
         eod_token: int | None = None,
         eod_mask_loss: bool = False,
         cache_dir: str | os.PathLike | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if seq_length < 2:
             raise ValueError(f"--seq-length must be at least 2, got {seq_length}")
@@ -154,9 +158,10 @@ class GPTDataset(torch.utils.data.Dataset):
         self.split_name = split_name
         self.eod_token = eod_token
         self.eod_mask_loss = eod_mask_loss
+        self.vocab_size = vocab_size
         self.tokens_per_epoch = int(np.sum(indexed.sequence_lengths[self.indices], dtype=np.int64))
         if self.tokens_per_epoch < 2:
-            raise ValueError(
+            raise DataError(
                 f"the {split_name} split of {indexed.prefix} has {len(self.indices)} documents and "
                 f"{self.tokens_per_epoch} tokens: too few to draw samples from (adjust --split)"
             )
@@ -224,7 +229,23 @@ class GPTDataset(torch.utils.data.Dataset):
             parts = [self.indexed.get(int(seq[doc_beg]), int(off_beg))]
             parts += [self.indexed.get(int(seq[i])) for i in range(doc_beg + 1, doc_end)]
             parts.append(self.indexed.get(int(seq[doc_end]), 0, int(off_end) + 1))
-        return np.concatenate(parts).astype(np.int64)
+        tokens = np.concatenate(parts).astype(np.int64)
+        if self.vocab_size is not None and (tokens.max() >= self.vocab_size or tokens.min() < 0):
+            self._raise_out_of_vocabulary(idx, parts, [int(seq[d]) for d in range(doc_beg, doc_end + 1)])
+        return tokens
+
+    def _raise_out_of_vocabulary(self, idx: int, parts: list[np.ndarray], documents: list[int]) -> None:
+        """Name the file, the document and the id: ``F.embedding`` would only say "index out of range"."""
+        for part, document in zip(parts, documents):
+            bad = part[(part >= self.vocab_size) | (part < 0)]
+            if len(bad):
+                break
+        raise DataError(
+            f"token id {int(bad[0])} in {data_file_path(self.indexed.prefix)} (sequence {document}, "
+            f"{self.split_name} sample {idx}) is outside the tokenizer's {self.vocab_size} ids: the data "
+            "was preprocessed with another tokenizer; rerun tools/preprocess_data.py with this "
+            "run's --tokenizer-model (or --vocab-size)"
+        )
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         text = torch.from_numpy(self.sample_tokens(idx))

@@ -29,9 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from training.errors import DataError
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_BYTES = len(INDEX_MAGIC) + 8 + 1 + 8 + 8  # 34
+_REBUILD = "rerun tools/preprocess_data.py to rebuild the pair"
 
 # Megatron's ``DType`` enum: the code stored in the .idx header for each token dtype.
 DTYPE_CODES: dict[type[np.number], int] = {
@@ -103,14 +106,35 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"indexed dataset file {p} not found (prefix {self.prefix!r})")
+                raise DataError(
+                    f"indexed dataset file {p} not found (--data-path prefix {self.prefix!r}; "
+                    "a prefix names both P.bin and P.idx, without the suffix)"
+                )
+        idx_bytes = os.path.getsize(idx_path)
+        if idx_bytes < HEADER_BYTES:
+            what = (
+                "is empty"
+                if idx_bytes == 0
+                else f"has {idx_bytes} bytes, fewer than its {HEADER_BYTES}-byte header"
+            )
+            raise DataError(f"index file {idx_path} {what}: {_REBUILD}")
         self._idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
-        if len(self._idx) < HEADER_BYTES or bytes(self._idx[: len(INDEX_MAGIC)]) != INDEX_MAGIC:
-            raise ValueError(f"{idx_path} is not a Megatron indexed-dataset index (bad magic)")
+        if bytes(self._idx[: len(INDEX_MAGIC)]) != INDEX_MAGIC:
+            raise DataError(f"{idx_path} is not a Megatron indexed-dataset index (bad magic)")
         version, code, num_seq, num_doc = struct.unpack_from("<QBQQ", bytes(self._idx[9:HEADER_BYTES]))
         if version != INDEX_VERSION:
-            raise ValueError(f"{idx_path}: unsupported index version {version} (expected 1)")
-        self.dtype = dtype_from_code(code)
+            raise DataError(f"{idx_path}: unsupported index version {version} (expected 1)")
+        try:
+            self.dtype = dtype_from_code(code)
+        except ValueError as err:
+            raise DataError(f"{idx_path}: {err}") from None
+        expected = HEADER_BYTES + num_seq * (4 + 8) + num_doc * 8
+        if idx_bytes != expected:
+            state = "is truncated" if idx_bytes < expected else "is corrupt"
+            raise DataError(
+                f"index file {idx_path} {state}: it has {idx_bytes} bytes but its header describes "
+                f"{num_seq} sequences and {max(num_doc - 1, 0)} documents ({expected} bytes); {_REBUILD}"
+            )
         offset = HEADER_BYTES
         self.sequence_lengths = np.frombuffer(self._idx, np.int32, num_seq, offset)
         offset += self.sequence_lengths.nbytes
@@ -118,9 +142,35 @@ class IndexedDataset:
         offset += self.sequence_pointers.nbytes
         self.document_indices = np.frombuffer(self._idx, np.int64, num_doc, offset)
         if num_doc == 0 or self.document_indices[-1] != num_seq:
-            raise ValueError(f"{idx_path}: document index does not end at the sequence count {num_seq}")
+            raise DataError(f"{idx_path}: document index does not end at the sequence count {num_seq}")
+        self._check_data_size(idx_path, bin_path)
         size = os.path.getsize(bin_path)
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
+
+    def _check_data_size(self, idx_path: str, bin_path: str) -> None:
+        """The ``.bin`` holds exactly the tokens the ``.idx`` describes (O(1): the last sequence's end)."""
+        itemsize = np.dtype(self.dtype).itemsize
+        num_tokens = 0
+        if len(self.sequence_lengths):
+            num_tokens = int(self.sequence_pointers[-1]) // itemsize + int(self.sequence_lengths[-1])
+        expected, size = num_tokens * itemsize, os.path.getsize(bin_path)
+        if size == expected:
+            return
+        name = np.dtype(self.dtype).name
+        problem = (
+            f"data file {bin_path} has {size} bytes but {idx_path} describes {num_tokens} {name} "
+            f"tokens ({expected} bytes)"
+        )
+        if size > expected and num_tokens and size % num_tokens == 0 and size // num_tokens in (2, 4, 8):
+            hint = (
+                f"the .bin holds {size // num_tokens}-byte token ids where the .idx says {itemsize}-byte "
+                f"{name}: the two files were not written together"
+            )
+        elif size < expected:
+            hint = f"the .bin is truncated; {_REBUILD}"
+        else:
+            hint = f"the .bin and .idx were not written together; {_REBUILD}"
+        raise DataError(f"{problem}: {hint}")
 
     def __len__(self) -> int:
         """Number of sequences (documents, for whole-document preprocessing)."""

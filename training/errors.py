@@ -1,0 +1,35 @@
+"""The errors a run ends with on purpose, and how the entry point treats each (see ``training.faults``).
+
+=================  =========  ===============================================================
+error              exit code  printed
+=================  =========  ===============================================================
+``UsageError``     2          one line (``pretrain_gpt.py: error: ...``), like argparse
+``ConfigError``    1          one line: flags that do not fit together or with the checkpoint
+``DataError``      1          one line naming the data file
+``CheckpointError`` 1         one line naming the checkpoint file (``training.checkpoint``)
+``PeerFailure``    1          nothing: another rank failed and has already said why
+anything else      1          its traceback, once, from the rank that raised it
+=================  =========  ===============================================================
+
+This module imports nothing heavy, so the data tools can raise these errors without torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "DataError", "PeerFailure", "UsageError"]
+
+
+class UsageError(Exception):
+    """The command line cannot be parsed (unknown flag, a value of the wrong type); exit code 2."""
+
+
+class ConfigError(ValueError):
+    """Flags that parse but do not fit together, the world size, or the checkpoint being resumed."""
+
+
+class DataError(ValueError):
+    """A data file that is missing, truncated, inconsistent or holds ids the tokenizer cannot have."""
+
+
+class PeerFailure(RuntimeError):
+    """Raised on the ranks that did not fail when another rank did and reported it; ends quietly."""
