@@ -274,10 +274,7 @@ def test_a_corrupt_tensor_read_by_one_rank_is_refused_on_every_rank(ranks, tmp_p
         "'decoder.layers.5.mlp.linear_fc1.weight' do not match their checksum (the file is corrupt; "
         "--no-verify-checkpoint skips this check)"
     )
-    assert messages == [f"rank 2: {own}"] * 2 + [
-        own,
-        f"rank 2: {own}",
-    ]  # ranks 2 and 3 (pipeline rank 1) read it
+    assert messages == [f"rank 2: {own}"] * 2 + [own] * 2  # ranks 2 and 3 (pipeline rank 1) read it
 
 
 def _signals(rank, world_size):
@@ -396,4 +393,61 @@ def test_the_next_steps_after_a_reshard_match(ranks, data, tmp_path):
     assert f"resharded checkpoint {ckpt}/iter_0000002 from TP=2 PP=2 VPP=1 DP=1 (layout 'E,t*2|t*2,L')" in out
     assert (
         "RNG states restored on 2 of 4 ranks; the other ranks did not exist in the checkpoint's split" in out
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad checkpoints through real torchrun (slow: pytest -m slow tests/test_checkpointing.py)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bad_checkpoints_through_torchrun_print_one_line_and_end_every_rank(data, tmp_path):
+    """A --save that is a regular file, a corrupt tensor read by one pipeline rank, and a --num-layers
+    that contradicts the checkpoint: each is one line naming the file (and tensor) or both values,
+    printed once, and every rank exits 1."""
+    from tests.torchrun_jobs import TINY, job_env, run, worker_tracebacks
+
+    prog, ckpt = "pretrain_gpt.py", tmp_path / "ckpt"
+    base = [
+        *TINY,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--vocab-size",
+        str(DATA_VOCAB),
+        "--data-path",
+        data,
+    ]
+
+    def fails_once(flags: list[str], line: str, found_by: str = "") -> None:
+        """``found_by``: the "rank N: " that a rank which did not see the problem itself puts first."""
+        code, output = run(2, [*base, *flags], env=job_env())
+        printed = [x for x in output.splitlines() if "error:" in x]
+        assert code == 1 and printed in ([f"{prog}: error: {line}"], [f"{prog}: error: {found_by}{line}"]), (
+            output[-4000:]
+        )
+        assert worker_tracebacks(output) == [], output[-4000:]
+
+    (tmp_path / "file").write_text("x")
+    fails_once(
+        ["--train-iters", "2", "--save", str(tmp_path / "file")],
+        f"--save {tmp_path}/file is not a directory: it is a regular file",
+    )
+    code, output = run(2, [*base, "--train-iters", "2", "--save", str(ckpt)], env=job_env())
+    assert code == 0, output[-3000:]
+    victim = ckpt / "iter_0000002" / "model_tp0_pp1.safetensors"
+    start = read_header(str(victim))["decoder.layers.3.mlp.linear_fc1.weight"]["start"]
+    with open(victim, "r+b") as fh:
+        fh.seek(start + 64)
+        fh.write(b"\xff" * 4096)
+    line = (
+        f"checkpoint file {victim}: the bytes of tensor 'decoder.layers.3.mlp.linear_fc1.weight' do not match "
+        "their checksum (the file is corrupt; --no-verify-checkpoint skips this check)"
+    )
+    fails_once(["--train-iters", "3", "--load", str(ckpt)], line, found_by="rank 1: ")  # pipeline rank 1
+    flags = ["--train-iters", "3", "--load", str(ckpt), "--num-layers", "6"]
+    fails_once(
+        flags,
+        f"--load {ckpt}/iter_0000002 holds another model: --num-layers 6 but the checkpoint has 4; pass the "
+        "checkpoint's values, or --use-checkpoint-args to take every model flag from it",
     )

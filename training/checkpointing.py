@@ -153,7 +153,8 @@ def _agree(error: str | None) -> None:
     buf = data if rank == src else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buf, src)
     message = bytes(buf.cpu().tolist()).decode()
-    raise CheckpointError(message if rank == src else f"rank {src}: {message}")
+    own = rank == src or error == message  # a rank that hit the same problem needs no "rank N:"
+    raise CheckpointError(message if own else f"rank {src}: {message}")
 
 
 def _sum_over_ranks(value: int) -> int:
