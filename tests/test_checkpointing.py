@@ -7,7 +7,8 @@ weights in every split: a model built at the target split with the saving seed i
 independent of the checkpoint code. Optimizer states are filled the same way (by name, sliced with
 ``core.tensor_parallel.shard_of``). The last test runs the real ``pretrain()`` on the ranks and
 resumes a TP2xPP2 checkpoint at TP1xPP4, directly and after ``tools/convert_checkpoint.py``. The
-format's single-process tests are in ``test_checkpoint_format.py``.
+format's single-process tests are in ``test_checkpoint_format.py``. Bad checkpoints through real
+torchrun (one line, printed once, every rank exits) are slow: ``pytest -m slow tests/test_checkpointing.py``.
 """
 
 from __future__ import annotations
