@@ -1,105 +1,109 @@
-"""Checkpoints: bit-identical round trips on real ranks, crash safety, no pickle, one clear error per problem.
+"""Checkpoints on four real gloo ranks: resharding on load, bit-identical conversions, crash safety.
 
-The multi-rank tests run TP=1 PP=2 DP=2 on four gloo ranks. The message tests build the same
-four-rank checkpoint in this process by calling ``save_checkpoint`` once per (tp, pp, dp)
-coordinate (without torch.distributed the agreement steps are local; rank (0, 0, 0) goes last
-because it commits), then load it as each coordinate would.
+One pool of ranks serves the whole module. A tiny LLaMA-style model (GQA, gated MLP with stride 2,
+biases, embeddings tied across pipeline ranks, a padded vocabulary) is saved at TP=2 x PP=2 and
+loaded at other splits. Parameters are initialised by name, so the same seed gives the same full
+weights in every split: a model built at the target split with the saving seed is the reference,
+independent of the checkpoint code. Optimizer states are filled the same way (by name, sliced with
+``core.tensor_parallel.shard_of``). The last test runs the real ``pretrain()`` on the ranks and
+resumes a TP2xPP2 checkpoint at TP1xPP4, directly and after ``tools/convert_checkpoint.py``. The
+format's single-process tests are in ``test_checkpoint_format.py``. Bad checkpoints through real
+torchrun (one line, printed once, every rank exits) are slow: ``pytest -m slow tests/test_checkpointing.py``.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import io
 import os
 import random
 import signal
-from argparse import Namespace
+import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from core import parallel_state
-from core.tensor_parallel import get_rng_tracker
+from core.optimizer import OptimizerConfig, get_megatron_optimizer
+from core.tensor_parallel import get_rng_tracker, shard_of
+from core.transformer.transformer_config import TransformerConfig
+from models.gpt import build_model_chunks
 from training import checkpointing
-from training.checkpointing import (
-    TRACKER,
+from training.checkpoint import (
     CheckpointError,
-    current_parallel,
-    flatten_state,
-    get_rng_state,
-    load_checkpoint,
-    read_tracker,
-    save_checkpoint,
-    set_rng_state,
-    unflatten_state,
+    convert_checkpoint,
+    open_checkpoint,
+    target_split,
 )
+from training.checkpoint.files import read_header
+from training.checkpointing import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
+from training.data.indexed_dataset import IndexedDatasetBuilder
 from training.signal_handler import SignalHandler
 
-TP, PP, DP = 1, 2, 2
+VOCAB, SEQ, SEED = 50, 16, 11  # VOCAB pads to 56 at TP=1 and 64 at TP=2 and 4
+STATES = ("exp_avg", "exp_avg_sq")
 
 
-def _parallel(tp_rank=0, pp_rank=0, dp_rank=0, tp=TP, pp=PP, dp=DP, vpp=1):
-    return {
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "tp_rank": tp_rank,
-        "pp_rank": pp_rank,
-        "dp_rank": dp_rank,
-        "vpp": vpp,
-    }
+def make_config(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = SEED) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=8,
+        hidden_size=16,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=32,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        make_vocab_size_divisible_by=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        seed=seed,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
 
 
-def _rank_parallel(rank: int) -> dict:
-    """Megatron's rank order for TP=1: rank = dp_rank + DP * pp_rank."""
-    return _parallel(0, rank // DP, rank % DP)
+def _padded_full(name: str, param: torch.Tensor, tp: int, salt: str) -> torch.Tensor:
+    """A full tensor determined by (salt, name) alone, vocabulary padding rows zero, as ``shard_of`` wants."""
+    key = "embedding.word_embeddings.weight" if getattr(param, "init_name", None) else name
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim % param.dim()] *= tp
+    rows = getattr(param, "init_valid_rows", shape[0])
+    full = torch.zeros(shape)
+    full[:rows] = torch.randn(
+        [rows, *shape[1:]], generator=torch.Generator().manual_seed(zlib.crc32(f"{salt}{key}".encode()))
+    )
+    return full
 
 
-def _model(pp_rank: int, iteration: int = 1) -> dict[str, torch.Tensor]:
-    """A stage's tensors with global names; stage 0 has the embedding, stage 1 the head."""
-    g = torch.Generator().manual_seed(10 * iteration + pp_rank)
-    state = {
-        f"decoder.layers.{2 * pp_rank + i}.mlp.linear_fc1.weight": torch.randn(8, 4, generator=g)
-        for i in range(2)
-    }
-    state[f"decoder.layers.{2 * pp_rank}.norm.weight"] = torch.randn(4, generator=g).to(torch.bfloat16)
-    if pp_rank == 0:
-        state["embedding.word_embeddings.weight"] = torch.randn(16, 4, generator=g)
-    else:
-        state["output_layer.weight"] = torch.randn(16, 4, generator=g)
-        state["decoder.final_layernorm.weight"] = state["output_layer.weight"][0]  # a view: must be copied
-    return state
+def _expected_adam(name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    tp, rank = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    out = {s: shard_of(_padded_full(name, param, tp, s), param, rank, tp) for s in STATES}
+    return out | {"step": torch.tensor(3.0)}
 
 
-def _shapes(pp_rank: int) -> dict[str, tuple]:
-    return {k: tuple(v.shape) for k, v in _model(pp_rank).items()}
+def _build(tp: int, pp: int, vpp: int | None, seed: int):
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, pp, vpp)
+    chunks = build_model_chunks(make_config(tp, pp, vpp, seed), VOCAB, SEQ)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3), chunks)
+    return chunks, optimizer, checkpointing.model_parameters(chunks)
 
 
-def _optimizer(rank: int) -> dict:
-    g = torch.Generator().manual_seed(100 + rank)
-    first = {
-        "exp_avg": torch.randn(8, 4, generator=g),
-        "exp_avg_sq": torch.rand(8, 4, generator=g),
-        "step": torch.tensor(3.0),
-    }
-    return {
-        "state": {0: first, 1: {"step": torch.tensor(3.0)}},
-        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0, 1], "decoupled": None}],
-        "grad_scaler": {"scale": 65536.0, "growth_tracker": 2},
-        "rank": rank,
-    }
-
-
-def _equal(a, b) -> bool:
-    """Exact equality of nested states: same types, same dtypes, same bits."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b and type(a) is type(b)
+def _coordinate_seed() -> int:
+    p = checkpointing.current_parallel()
+    return 1000 + 100 * p["pp_rank"] + 10 * p["tp_rank"] + p["dp_rank"]
 
 
 def _seed_everything(seed: int) -> None:
@@ -116,97 +120,105 @@ def _draws() -> list:
     return [random.random(), float(np.random.rand()), torch.rand(4), tracked]
 
 
-def _save(root, iteration, parallel, rank, rng_state=None, optimizer_state=None):
-    return save_checkpoint(
-        str(root),
-        iteration,
-        model_state=_model(parallel["pp_rank"], iteration),
-        optimizer_state=optimizer_state or _optimizer(rank),
-        scheduler_state={"num_steps": iteration * 16},
-        rng_state=rng_state,
-        args=Namespace(lr=1e-3, params_dtype=torch.float32, fn=print),
-        consumed_samples=iteration * 16,
-        parallel=parallel,
-        extra={"wandb_id": "abc123"},
+def _save_tp2_pp2(rank, world_size, root):
+    chunks, optimizer, params = _build(2, 2, None, SEED)
+    for name, param in params.items():
+        optimizer.optimizer.state[optimizer.get_main_param(param)] = _expected_adam(name, param)
+    _seed_everything(_coordinate_seed())
+    save_checkpoint(
+        root,
+        3,
+        model_chunks=chunks,
+        optimizer=optimizer,
+        scheduler_state={"num_steps": 48},
+        consumed_samples=48,
+        extra={"wandb_run_id": "abc123"},
     )
-
-
-def _save_all_in_process(root, iteration=1) -> None:
-    """Every coordinate's share of one TP=1 PP=2 DP=2 checkpoint; rank 0 last, since it commits."""
-    for rank in reversed(range(TP * PP * DP)):
-        _save(root, iteration, _rank_parallel(rank), rank)
-
-
-def _load(root, pp_rank=1, dp_rank=1, shapes=None, parallel=None, **kw):
-    return load_checkpoint(
-        str(root),
-        parallel=parallel or _parallel(0, pp_rank, dp_rank),
-        expected_model_shapes=_shapes(pp_rank) if shapes is None else shapes,
-        **kw,
-    )
-
-
-def _error_of(fn, *args, **kw) -> str | None:
-    try:
-        fn(*args, **kw)
-    except CheckpointError as err:
-        return str(err)
-    return None
-
-
-# --------------------------------------------------------------------------------------------------
-# Four real ranks: TP=1 PP=2 DP=2
-# --------------------------------------------------------------------------------------------------
-
-
-def _round_trip(rank, world_size, root):
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
-    p = current_parallel()
-    assert p == _rank_parallel(rank)
-    _seed_everything(1000 + rank)
-    saved_rng = get_rng_state()
-    expected = _draws()
-    _save(root, 3, p, rank, rng_state=saved_rng)
-    _seed_everything(7)  # scramble every stream
-    ckpt = load_checkpoint(root, parallel=p, expected_model_shapes=_shapes(p["pp_rank"]))
-    set_rng_state(ckpt.rng_state)
-    assert _equal(_draws(), expected), "RNG streams differ after set_rng_state"
-    assert _equal(ckpt.model_state, _model(p["pp_rank"], 3))
-    assert _equal(ckpt.optimizer_state, _optimizer(rank))
-    assert (ckpt.iteration, ckpt.consumed_samples, ckpt.scheduler_state) == (3, 48, {"num_steps": 48})
-    assert ckpt.manifest["extra"] == {"wandb_id": "abc123"}
-    assert ckpt.manifest["args"] == {"lr": 1e-3, "params_dtype": "torch.float32"}  # the JSON subset
     return sorted(os.listdir(os.path.join(root, "iter_0000003")))
 
 
-def test_round_trip_is_bit_identical_on_four_ranks(ranks, tmp_path):
-    files = ranks(4).run(_round_trip, str(tmp_path), timeout=120)
-    per_rank = [
-        f"{kind}_tp0_pp{q}_dp{d}.safetensors" for kind in ("optim", "rng") for q in (0, 1) for d in (0, 1)
-    ]
+def _load_at(rank, world_size, root, tp, pp, vpp):
+    _, _, reference = _build(tp, pp, vpp, SEED)
+    chunks, optimizer, params = _build(tp, pp, vpp, seed=99)
+    p = checkpointing.current_parallel()
+    existed = p["tp_rank"] < 2 and p["pp_rank"] < 2 and p["dp_rank"] < 1
+    _seed_everything(7)
+    fresh = get_rng_state()
+    loaded = load_checkpoint(root, model_chunks=chunks, optimizer=optimizer)
+    assert (loaded.iteration, loaded.consumed_samples, loaded.scheduler_state) == (3, 48, {"num_steps": 48})
+    for name, param in params.items():
+        assert torch.equal(param, reference[name]), name
+        state = optimizer.optimizer.state[optimizer.get_main_param(param)]
+        for key, value in _expected_adam(name, param).items():
+            assert torch.equal(state[key], value), (name, key)
+    draws = _draws()
+    if existed:
+        _seed_everything(_coordinate_seed())
+    else:
+        set_rng_state(fresh)
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(draws, _draws()))
+    return loaded.resharded, loaded.rng_restored
+
+
+@pytest.fixture(scope="module")
+def saved(ranks, tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("tp2pp2"))
+    files = ranks(4).run(_save_tp2_pp2, root, timeout=120)
     assert files[0] == sorted(
-        ["manifest.json", "model_tp0_pp0.safetensors", "model_tp0_pp1.safetensors", *per_rank]
+        ["manifest.json"]
+        + [
+            f"{k}_tp{t}_pp{p}{d}.safetensors"
+            for k, d in (("model", ""), ("optim", "_dp0"), ("rng", "_dp0"))
+            for t in (0, 1)
+            for p in (0, 1)
+        ]
     )
-    assert read_tracker(str(tmp_path)) == 3
+    return root
+
+
+@pytest.mark.parametrize(
+    "split, restored",
+    [((2, 2, None), 4), ((1, 2, None), 2), ((4, 1, None), 2), ((1, 4, 2), 2)],
+    ids=["same", "TP1PP2DP2", "TP4", "TP1PP4VPP2"],
+)
+def test_load_at_any_split_gives_each_rank_its_slices(ranks, saved, split, restored):
+    results = ranks(4).run(_load_at, saved, *split, timeout=120)
+    assert results == [(split != (2, 2, None), restored)] * 4
+
+
+def test_reshard_round_trip_is_bit_identical(saved, tmp_path):
+    """TP2xPP2 -> TP1xPP1 -> TP1xPP4 (VPP 2) -> TP2xPP2: the same bytes in every model and optimizer file."""
+    source = saved
+    for step, (tp, pp, vpp) in enumerate([(1, 1, None), (1, 4, 2), (2, 2, None)]):
+        ckpt = open_checkpoint(source)
+        target, config = target_split(ckpt, tensor_parallel=tp, pipeline_parallel=pp, virtual_stages=vpp)
+        convert_checkpoint(ckpt, str(tmp_path / str(step)), target, config)
+        source = str(tmp_path / str(step))
+    before, after = open_checkpoint(saved), open_checkpoint(source)
+    for name in [f for f in os.listdir(before.path) if f.startswith(("model", "optim"))]:
+        a = safetensors.torch.load_file(os.path.join(before.path, name))
+        b = safetensors.torch.load_file(os.path.join(after.path, name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        assert before.manifest["files"][name] == after.manifest["files"][name]  # same checksums too
+    rng = sorted(f for f in os.listdir(after.path) if f.startswith("rng"))
+    assert rng == ["rng_tp0_pp0_dp0.safetensors"]  # the one rank that exists in every split kept its states
+    assert after.manifest["model"] == before.manifest["model"]
 
 
 def _crash_then_load(rank, world_size, root):
-    p = _rank_parallel(rank)
-    _save(root, 1, p, rank)
-    real_write_text = checkpointing.write_text
+    chunks, optimizer, _ = _build(1, 2, None, SEED)
+    save_checkpoint(root, 1, model_chunks=chunks, optimizer=optimizer)
+    real = checkpointing.write_manifest
 
-    def dies_before_commit(path: str, text: str) -> None:
-        if not path.endswith(TRACKER):
-            real_write_text(path, text)  # the manifest is written; the process "dies" before the tracker
+    def dies_before_the_tracker(root_, iteration, manifest, commit=True):
+        return real(root_, iteration, manifest, commit=False)
 
-    checkpointing.write_text = dies_before_commit
+    checkpointing.write_manifest = dies_before_the_tracker
     try:
-        _save(root, 2, p, rank)
+        save_checkpoint(root, 2, model_chunks=chunks, optimizer=optimizer)
     finally:
-        checkpointing.write_text = real_write_text
-    ckpt = load_checkpoint(root, parallel=p, expected_model_shapes=_shapes(p["pp_rank"]))
-    assert _equal(ckpt.model_state, _model(p["pp_rank"], 1))
-    return ckpt.iteration
+        checkpointing.write_manifest = real
+    return load_checkpoint(root, model_chunks=chunks, optimizer=optimizer).iteration
 
 
 def test_crash_before_the_tracker_update_loads_the_previous_checkpoint(ranks, tmp_path):
@@ -215,10 +227,19 @@ def test_crash_before_the_tracker_update_loads_the_previous_checkpoint(ranks, tm
 
 
 def _failed_save(rank, world_size, root):
-    p = _rank_parallel(rank)
-    _save(root, 1, p, rank)
-    message = _error_of(_save, root, 2, p, rank, optimizer_state={"bad": object()} if rank == 2 else None)
-    return message, load_checkpoint(root, parallel=p, expected_model_shapes=_shapes(p["pp_rank"])).iteration
+    chunks, optimizer, _ = _build(1, 2, None, SEED)
+    save_checkpoint(root, 1, model_chunks=chunks, optimizer=optimizer)
+    try:
+        save_checkpoint(
+            root,
+            2,
+            model_chunks=chunks,
+            optimizer=optimizer,
+            rng_state={"bad": object()} if rank == 2 else None,
+        )
+    except CheckpointError as err:
+        message = str(err)
+    return message, load_checkpoint(root, model_chunks=chunks, optimizer=optimizer).iteration
 
 
 def test_a_save_failing_on_one_rank_fails_on_all_and_keeps_the_previous_checkpoint(ranks, tmp_path):
@@ -230,48 +251,31 @@ def test_a_save_failing_on_one_rank_fails_on_all_and_keeps_the_previous_checkpoi
     assert results == [(f"rank 2: {own}", 1)] * 2 + [(own, 1)] + [(f"rank 2: {own}", 1)]
 
 
-def _truncate_then_load(rank, world_size, root):
-    p = _rank_parallel(rank)
-    _save(root, 1, p, rank)
-    if rank == 0:  # truncate rank 3's optimizer file
-        path = os.path.join(root, "iter_0000001", "optim_tp0_pp1_dp1.safetensors")
-        os.truncate(path, os.path.getsize(path) - 10)
+def _corrupt_then_load(rank, world_size, root, victim):
+    chunks, optimizer, _ = _build(1, 2, None, SEED)
+    save_checkpoint(root, 1, model_chunks=chunks, optimizer=optimizer)
+    if rank == 0:
+        path = os.path.join(root, "iter_0000001", victim)
+        header = read_header(path)
+        start = header["decoder.layers.5.mlp.linear_fc1.weight"]["start"]
+        with open(path, "r+b") as fh:
+            fh.seek(start + 8)
+            fh.write(b"\xff" * 4096)
     dist.barrier()
-    return _error_of(load_checkpoint, root, parallel=p, expected_model_shapes=_shapes(p["pp_rank"]))
+    try:
+        load_checkpoint(root, model_chunks=chunks, optimizer=optimizer)
+    except CheckpointError as err:
+        return str(err)
 
 
-def test_truncated_file_fails_on_every_rank_with_the_same_message(ranks, tmp_path):
-    messages = ranks(4).run(_truncate_then_load, str(tmp_path), timeout=120)
-    path = tmp_path / "iter_0000001" / "optim_tp0_pp1_dp1.safetensors"
-    size = os.path.getsize(path)
-    assert (
-        messages
-        == [
-            (
-                f"checkpoint file {path} is truncated or corrupt: its header describes "
-                f"{size + 10} bytes but the file has {size}"
-            )
-        ]
-        * 4
-    )
-
-
-def _shape_mismatch_on_rank_3(rank, world_size, root):
-    p = _rank_parallel(rank)
-    _save(root, 1, p, rank)
-    shapes = _shapes(p["pp_rank"])
-    if rank == 3:
-        shapes["output_layer.weight"] = (32, 4)
-    return _error_of(load_checkpoint, root, parallel=p, expected_model_shapes=shapes)
-
-
-def test_a_shape_mismatch_on_one_rank_is_raised_on_all_ranks(ranks, tmp_path):
-    messages = ranks(4).run(_shape_mismatch_on_rank_3, str(tmp_path), timeout=120)
+def test_a_corrupt_tensor_read_by_one_rank_is_refused_on_every_rank(ranks, tmp_path):
+    messages = ranks(4).run(_corrupt_then_load, str(tmp_path), "model_tp0_pp1.safetensors", timeout=120)
     own = (
-        f"checkpoint file {tmp_path}/iter_0000001/model_tp0_pp1.safetensors does not match the model: "
-        "tensor 'output_layer.weight' has shape (16, 4) in the checkpoint but (32, 4) in the model"
+        f"checkpoint file {tmp_path}/iter_0000001/model_tp0_pp1.safetensors: the bytes of tensor "
+        "'decoder.layers.5.mlp.linear_fc1.weight' do not match their checksum (the file is corrupt; "
+        "--no-verify-checkpoint skips this check)"
     )
-    assert messages == [f"rank 3: {own}"] * 3 + [own]
+    assert messages == [f"rank 2: {own}"] * 2 + [own] * 2  # ranks 2 and 3 (pipeline rank 1) read it
 
 
 def _signals(rank, world_size):
@@ -285,161 +289,166 @@ def test_signal_handler_tells_every_rank(ranks):
     assert ranks(4).run(_signals, timeout=60) == [[False, True, False, False]] * 4
 
 
+def test_converter_keeps_rng_where_the_rank_exists_and_says_so(saved, tmp_path, capsys):
+    from tools import convert_checkpoint
+
+    out = str(tmp_path / "tp1pp4")
+    flags = ["--target-tensor-parallel-size", "1", "--target-pipeline-model-parallel-size", "4", "--quiet"]
+    assert convert_checkpoint.main(["--load-dir", saved, "--save-dir", out, *flags]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("converted TP=2 PP=2 DP=1 -> TP=1 PP=4 DP=1: 328 tensors"), line
+    assert line.endswith(
+        "RNG states kept for 2 of 4 ranks, the other 2 will be seeded afresh as new ranks when training resumes"
+    )
+    for name in ("rng_tp0_pp0_dp0.safetensors", "rng_tp0_pp1_dp0.safetensors"):
+        kept = Path(out, "iter_0000003", name).read_bytes()
+        assert kept == Path(saved, "iter_0000003", name).read_bytes()
+    assert not os.path.exists(os.path.join(out, "iter_0000003", "rng_tp0_pp2_dp0.safetensors"))
+    assert convert_checkpoint.main(["--load", saved, "--save", out, *flags]) == 1  # never overwrites
+    assert (
+        capsys.readouterr().err
+        == f"error: {out}/iter_0000003 already holds a checkpoint; choose another --save or remove it\n"
+    )
+
+
 # --------------------------------------------------------------------------------------------------
-# In-process: exact messages, no pickle, finetune
+# pretrain() resumes a TP2xPP2 checkpoint at another split
+# --------------------------------------------------------------------------------------------------
+
+DATA_VOCAB = 300  # pads to 384 at TP=1 and 512 at TP=2: the resharded vocabulary changes its padding
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+RUN = [
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-3",
+    "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", str(DATA_VOCAB), "--split", "100,0,0",
+]  # fmt: skip
+TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+TP1PP4 = ["--pipeline-model-parallel-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("reshard-data")
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(root / "docs.bin", dtype=np.uint16)
+    for _ in range(200):
+        tokens = rng.integers(0, DATA_VOCAB - 1, size=int(rng.integers(5, 60)))
+        builder.add_document(np.append(tokens, DATA_VOCAB - 1), [tokens.size + 1])
+    builder.finalize(root / "docs.idx")
+    return str(root / "docs")
+
+
+def _pretrain(rank, world_size, argv):
+    import pretrain_gpt
+    from training.training import pretrain
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        state = pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            pretrain_gpt.forward_step,
+            argv=argv,
+            tokenizer_provider=pretrain_gpt.tokenizer_provider,
+        )
+    return state.losses, out.getvalue()
+
+
+def _losses(pool, *argv: str) -> tuple[list[float], str]:
+    """The logging rank's losses and rank 0's output."""
+    per_rank = pool.run(_pretrain, list(argv), timeout=180)
+    return next(losses for losses, _ in per_rank if losses), per_rank[0][1]
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_the_next_steps_after_a_reshard_match(ranks, data, tmp_path):
+    """(i) TP2xPP2 resumed from its iteration-2 checkpoint (``--ckpt-step 2``) repeats the uninterrupted
+    run bit for bit; (ii) TP1xPP4 from a converted copy and (iii) TP1xPP4 loading it directly, with
+    ``--use-checkpoint-args`` and no model flags, agree with (i) within 1e-5 (fp32, dropout 0)."""
+    from tools import convert_checkpoint
+
+    pool, ckpt = ranks(4), str(tmp_path / "tp2pp2")
+    common = RUN + ["--data-path", data]
+    straight, _ = _losses(pool, *MODEL, *common, *TP2PP2, "--save", ckpt, "--save-interval", "2")
+    assert len(straight) == 5
+    resumed, _ = _losses(pool, *MODEL, *common, *TP2PP2, "--load", ckpt, "--ckpt-step", "2")  # (i)
+    assert resumed == straight[2:]
+    converted = str(tmp_path / "tp1pp4")
+    flags = ["--iteration", "2", "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "4"]
+    assert convert_checkpoint.main(["--load", ckpt, "--save", converted, "--quiet", *flags]) == 0
+    after_convert, _ = _losses(pool, *MODEL, *common, *TP1PP4, "--load", converted)  # (ii)
+    direct, out = _losses(
+        pool, *common, *TP1PP4, "--load", ckpt, "--ckpt-step", "2", "--use-checkpoint-args"
+    )  # (iii)
+    print(
+        f"relative differences to (i): converted {_rel(after_convert, resumed):.2e}, direct {_rel(direct, resumed):.2e}"
+    )
+    assert _rel(after_convert, resumed) <= 1e-5 and _rel(direct, resumed) <= 1e-5, (
+        resumed,
+        after_convert,
+        direct,
+    )
+    assert f"resharded checkpoint {ckpt}/iter_0000002 from TP=2 PP=2 VPP=1 DP=1 (layout 'E,t*2|t*2,L')" in out
+    assert (
+        "RNG states restored on 2 of 4 ranks; the other ranks did not exist in the checkpoint's split" in out
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad checkpoints through real torchrun (slow: pytest -m slow tests/test_checkpointing.py)
 # --------------------------------------------------------------------------------------------------
 
 
-def test_no_pickle_anywhere(tmp_path):
-    _save_all_in_process(tmp_path)
-    for dirpath, _, files in os.walk(tmp_path):
-        for name in files:
-            assert name.endswith((".safetensors", ".json", ".txt")), name
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                head = fh.read(2)
-            assert head[:1] != b"\x80" and head != b"PK", f"{name} looks like a pickle or torch.save zip"
-    assert (tmp_path / TRACKER).read_text() == "1"
-    manifest = json.loads((tmp_path / "iter_0000001" / "manifest.json").read_text())
-    assert (manifest["iteration"], manifest["parallel"]) == (1, {"tp": 1, "pp": 2, "dp": 2, "vpp": 1})
+@pytest.mark.slow
+def test_bad_checkpoints_through_torchrun_print_one_line_and_end_every_rank(data, tmp_path):
+    """A --save that is a regular file, a corrupt tensor read by one pipeline rank, and a --num-layers
+    that contradicts the checkpoint: each is one line naming the file (and tensor) or both values,
+    printed once, and every rank exits 1."""
+    from tests.torchrun_jobs import TINY, job_env, run, worker_tracebacks
 
+    prog, ckpt = "pretrain_gpt.py", tmp_path / "ckpt"
+    base = [
+        *TINY,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--vocab-size",
+        str(DATA_VOCAB),
+        "--data-path",
+        data,
+    ]
 
-def test_finetune_loads_weights_only_at_iteration_zero(tmp_path):
-    _save_all_in_process(tmp_path)
-    ckpt = _load(tmp_path, finetune=True)
-    assert (ckpt.iteration, ckpt.consumed_samples) == (0, 0)
-    assert (ckpt.optimizer_state, ckpt.scheduler_state, ckpt.rng_state) == (None, None, None)
-    assert _equal(ckpt.model_state, _model(1))
-    # Weights only, so a different data-parallel size is fine.
-    assert _load(tmp_path, parallel=_parallel(0, 1, 0, dp=1), finetune=True).iteration == 0
+    def fails_once(flags: list[str], line: str, found_by: str = "") -> None:
+        """``found_by``: the "rank N: " that a rank which did not see the problem itself puts first."""
+        code, output = run(2, [*base, *flags], env=job_env())
+        printed = [x for x in output.splitlines() if "error:" in x]
+        assert code == 1 and printed in ([f"{prog}: error: {line}"], [f"{prog}: error: {found_by}{line}"]), (
+            output[-4000:]
+        )
+        assert worker_tracebacks(output) == [], output[-4000:]
 
-
-def test_no_load_optim_and_no_load_rng(tmp_path):
-    _save_all_in_process(tmp_path)
-    ckpt = _load(tmp_path, load_optim=False, load_rng=False)
-    assert ckpt.iteration == 1
-    assert (ckpt.optimizer_state, ckpt.scheduler_state, ckpt.rng_state) == (None, None, None)
-    ckpt = _load(tmp_path, load_rng=False)
-    assert _equal(ckpt.optimizer_state, _optimizer(3)) and ckpt.scheduler_state == {"num_steps": 16}
-
-
-def test_missing_checkpoint(tmp_path):
-    assert _load(tmp_path, missing_ok=True) is None
-    assert _error_of(_load, tmp_path) == f"no checkpoint in {tmp_path}: {tmp_path}/{TRACKER} is missing"
-    (tmp_path / TRACKER).write_text("12abc")
-    assert _error_of(_load, tmp_path) == (
-        f"checkpoint tracker {tmp_path}/{TRACKER} is corrupt: expected an iteration number, got '12abc'"
+    (tmp_path / "file").write_text("x")
+    fails_once(
+        ["--train-iters", "2", "--save", str(tmp_path / "file")],
+        f"--save {tmp_path}/file is not a directory: it is a regular file",
     )
-
-
-def _overwrite(data: bytes, mode: str = "r+b"):
-    def damage(path: str) -> None:
-        with open(path, mode) as fh:
-            fh.write(data)
-
-    return damage
-
-
-@pytest.mark.parametrize(
-    "victim, damage, message",
-    [
-        (
-            "model_tp0_pp0.safetensors",
-            _overwrite(b"\x05", "wb"),
-            "is truncated or corrupt: 1 bytes, too short for a safetensors header",
-        ),
-        (
-            "rng_tp0_pp1_dp0.safetensors",
-            _overwrite(b"\xff" * 8),
-            "is truncated or corrupt: its header claims 18446744073709551615 bytes but the file has",
-        ),
-        (
-            "optim_tp0_pp0_dp1.safetensors",
-            _overwrite(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json"),
-            "is truncated or corrupt: its safetensors header cannot be parsed",
-        ),
-        ("model_tp0_pp1.safetensors", os.remove, "is missing"),
-    ],
-)
-def test_corrupt_files_are_named_on_every_rank(tmp_path, victim, damage, message):
-    _save_all_in_process(tmp_path)
-    path = tmp_path / "iter_0000001" / victim
-    damage(str(path))
-    for pp_rank, dp_rank in [(0, 0), (1, 1)]:  # the owner and a rank that never reads the file
-        assert _error_of(_load, tmp_path, pp_rank, dp_rank).startswith(f"checkpoint file {path} {message}")
-
-
-def test_corrupt_manifest_is_named(tmp_path):
-    _save_all_in_process(tmp_path)
-    manifest = tmp_path / "iter_0000001" / "manifest.json"
-    manifest.write_text("{")
-    assert _error_of(_load, tmp_path) == f"checkpoint manifest {manifest} is corrupt"
-
-
-def test_shape_missing_and_extra_tensors_are_named(tmp_path):
-    _save_all_in_process(tmp_path)
-    shapes = _shapes(1)
-    shapes["decoder.layers.2.mlp.linear_fc1.weight"] = (4, 8)
-    shapes["decoder.layers.9.mlp.linear_fc1.weight"] = (8, 4)
-    del shapes["output_layer.weight"]
-    path = tmp_path / "iter_0000001" / "model_tp0_pp1.safetensors"
-    assert _error_of(_load, tmp_path, shapes=shapes) == (
-        f"checkpoint file {path} does not match the model: "
-        "tensor 'decoder.layers.2.mlp.linear_fc1.weight' has shape (8, 4) in the checkpoint but (4, 8) "
-        "in the model; tensor 'decoder.layers.9.mlp.linear_fc1.weight' (8, 4) is missing from the "
-        "checkpoint; the checkpoint has tensor 'output_layer.weight' (16, 4) that the model does not"
+    code, output = run(2, [*base, "--train-iters", "2", "--save", str(ckpt)], env=job_env())
+    assert code == 0, output[-3000:]
+    victim = ckpt / "iter_0000002" / "model_tp0_pp1.safetensors"
+    start = read_header(str(victim))["decoder.layers.3.mlp.linear_fc1.weight"]["start"]
+    with open(victim, "r+b") as fh:
+        fh.seek(start + 64)
+        fh.write(b"\xff" * 4096)
+    line = (
+        f"checkpoint file {victim}: the bytes of tensor 'decoder.layers.3.mlp.linear_fc1.weight' do not match "
+        "their checksum (the file is corrupt; --no-verify-checkpoint skips this check)"
     )
-
-
-CONVERT = "convert it with tools/convert_checkpoint.py (coming)"
-
-
-@pytest.mark.parametrize(
-    "ours, kw, hint",
-    [
-        (_parallel(tp=1, pp=2, dp=1, vpp=2), {}, f"TP=1 PP=2 VPP=2 DP=1; {CONVERT}"),
-        (_parallel(tp=2, pp=1, dp=2), {"finetune": True}, f"TP=2 PP=1 DP=2; {CONVERT}"),
-        (
-            _parallel(tp=1, pp=2, dp=1),
-            {"load_optim": False},
-            (
-                "TP=1 PP=2 DP=1; optimizer and RNG states are per data-parallel rank: pass --no-load-optim "
-                "--no-load-rng (or --finetune) to load only the weights"
-            ),
-        ),
-    ],
-)
-def test_parallel_size_mismatch(tmp_path, ours, kw, hint):
-    _save_all_in_process(tmp_path)
-    assert _error_of(_load, tmp_path, 0, 0, parallel=ours, **kw) == (
-        f"checkpoint {tmp_path}/iter_0000001 was saved with TP=1 PP=2 DP=2, this run has {hint}"
+    fails_once(["--train-iters", "3", "--load", str(ckpt)], line, found_by="rank 1: ")  # pipeline rank 1
+    flags = ["--train-iters", "3", "--load", str(ckpt), "--num-layers", "6"]
+    fails_once(
+        flags,
+        f"--load {ckpt}/iter_0000002 holds another model: --num-layers 6 but the checkpoint has 4; pass the "
+        "checkpoint's values, or --use-checkpoint-args to take every model flag from it",
     )
-
-
-def test_stray_temporary_files_and_uncommitted_iterations_are_ignored(tmp_path):
-    _save_all_in_process(tmp_path, iteration=1)
-    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path / "iter_0000001"))
-    os.makedirs(tmp_path / "iter_0000002")
-    (tmp_path / "iter_0000002" / ".model_tp0_pp0.safetensors.x.tmp").write_bytes(b"half a file")
-    assert _load(tmp_path).iteration == 1
-
-
-def test_flatten_state_round_trips_nested_python_values():
-    state = {
-        "a": [1, 2.5, None, "x", (True, torch.ones(2))],
-        3: {"__odd": torch.zeros(1, dtype=torch.int64)},
-        None: np.float32(1.5),
-    }
-    tensors, skeleton = flatten_state(state)
-    assert sorted(tensors) == ["3/__odd", "a/4/1"]
-    assert _equal(unflatten_state(tensors, skeleton), {**state, None: 1.5})
-    with pytest.raises(TypeError, match="cannot store object at 'x' without pickle"):
-        flatten_state({"x": object()})
-
-
-def test_signal_handler_records_sigterm_and_restores_the_old_handler():
-    before = signal.getsignal(signal.SIGTERM)
-    with SignalHandler() as handler:
-        assert handler.signals_received() == [False]
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert handler.signals_received() == [True]
-    assert signal.getsignal(signal.SIGTERM) is before

@@ -76,18 +76,19 @@ def dataset(tmp_path_factory) -> str:
 
 ISSUE_FLAGS = {
     WORKS: "--context-parallel-size --expert-model-parallel-size --distributed-backend --exit-duration-in-mins "
-    "--manual-gc --manual-gc-interval --distributed-timeout-minutes --ddp-bucket-size",
+    "--manual-gc --manual-gc-interval --distributed-timeout-minutes --ddp-bucket-size --ckpt-step "
+    "--use-checkpoint-args --exit-on-missing-checkpoint",
     NO_EFFECT: "--log-throughput --profile --profile-step-start --profile-step-end --attention-backend "
     "--use-mcore-models --empty-unused-memory-level --cross-entropy-loss-fusion "
-    "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion",
+    "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion --ckpt-format",
     NOT_YET: "--tokenizer-type=Llama2Tokenizer --fp16 --loss-scale --loss-scale-window --vocab-file --merge-file --tensorboard-dir --rotary-base "
     "--rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
     "--use-rope-scaling --train-samples --lr-decay-samples --lr-warmup-samples --use-distributed-optimizer "
     "--overlap-param-gather --grad-reduce-in-bf16 --mock-data --num-workers "
-    "--data-cache-path --ckpt-format --ckpt-step --use-checkpoint-args --exit-on-missing-checkpoint "
-    "--decoupled-lr --decoupled-min-lr --tiktoken-pattern --no-mmap-bin-files",
+    "--data-cache-path --decoupled-lr --decoupled-min-lr --tiktoken-pattern --no-mmap-bin-files",
     UNSUPPORTED: "--num-experts --moe-router-topk --moe-grouped-gemm --moe-aux-loss-coeff --fp8-format "
-    "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule",
+    "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
+    "--ckpt-format=zarr --ckpt-format=torch_dcp",
 }
 
 

@@ -70,6 +70,7 @@ _AT_LEAST = {
         "distributed_timeout_minutes",
     ),
     0: (
+        "ckpt_step",
         "eval_iters",
         "lr_warmup_iters",
         "lr",

@@ -259,9 +259,12 @@ def parse_and_validate(argv: list[str] | None, world_size: int) -> argparse.Name
     A command line that cannot be parsed, or names a flag Trident rejects, raises
     :class:`~training.errors.UsageError` (exit status 2); flags that parse but do not fit together
     raise :class:`~training.errors.ConfigError` (exit status 1). argparse's own message is captured
-    rather than printed, and only rank 0 prints ``--help``.
+    rather than printed, and only rank 0 prints ``--help``. With ``--load``, the checkpoint's model
+    description takes part: ``--use-checkpoint-args`` fills the model flags from it before
+    validation, and a model flag contradicting it is a ``ConfigError`` after.
     """
     from training.argument_checks import validate_args
+    from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
     from training.errors import ConfigError, UsageError
 
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -278,7 +281,8 @@ def parse_and_validate(argv: list[str] | None, world_size: int) -> argparse.Name
     except ValueError as err:  # a rejected flag, or a --config file that cannot be used
         raise UsageError(str(err)) from None
     try:
-        return validate_args(args, world_size)
+        load_checkpoint_args(args)
+        return check_checkpoint_args(validate_args(args, world_size))
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

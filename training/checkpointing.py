@@ -1,21 +1,14 @@
-"""Checkpoints as safetensors and JSON, no pickle; a crash mid-save never loses the previous checkpoint.
+"""Checkpoints of a training run: every rank saves its shards, and loads its slices at any split.
 
-One directory per iteration, Megatron's tracker file next to them::
-
-    DIR/latest_checkpointed_iteration.txt             the iteration number; written last, atomically
-    DIR/iter_0000100/manifest.json                    iteration, samples, sizes, args, scheduler, extra
-    DIR/iter_0000100/model_tp{t}_pp{p}.safetensors    weights of one (TP, PP) rank (DP rank 0 writes it)
-    DIR/iter_0000100/optim_tp{t}_pp{p}_dp{d}.safetensors   optimizer state of every rank
-    DIR/iter_0000100/rng_tp{t}_pp{p}_dp{d}.safetensors     RNG states of every rank
-
-Parameter names carry global layer numbers, so a model file is a flat ``name -> tensor`` dict (all
-virtual chunks of a rank merged). Nested states (optimizer, RNG) are stored as their tensors plus a
-JSON skeleton in the safetensors metadata. Every file is written to a temporary name, fsynced and
-renamed; after a barrier rank 0 writes the manifest and then the tracker, so a reader sees either
-the old checkpoint or the whole new one. Loading checks the tracker, the manifest, the parallel
-sizes and every file's header on every rank before any collective, so a bad checkpoint makes every
-rank raise the same :class:`CheckpointError`; per-rank shape checks are agreed on with one small
-all-reduce so that those, too, fail on every rank instead of hanging.
+The format and the resharding live in :mod:`training.checkpoint`; this module connects them to the
+live run. :func:`save_checkpoint` describes every parameter (global name, full shape, TP split,
+owner in the layout) and stores the optimizer state by parameter name, so :func:`load_checkpoint`
+can rebuild this rank's shards from a checkpoint saved at another TP/PP/VPP/layout/DP: each rank
+reads only the pieces that overlap its slices, optimizer state included. Saving writes every file
+under a temporary name and renames it; after a barrier rank 0 writes the manifest and then the
+tracker, so a crash mid-save leaves the previous checkpoint in place. Every problem becomes one
+:class:`CheckpointError` naming the file (and tensor), raised on every rank by :func:`_agree` before
+any collective could hang.
 """
 
 from __future__ import annotations
@@ -24,21 +17,44 @@ import json
 import os
 import random
 from argparse import Namespace
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from training.checkpoint_io import (
+from training.checkpoint import (
+    Checkpoint,
     CheckpointError,
+    find_checkpoint,
     flatten_state,
-    read_header,
-    unflatten_state,
-    write_tensors,
-    write_text,
+    parallelism_of,
+    read_tracker,
+    remove_stale_temp_files,
+    tied_tensors,
 )
+from training.checkpoint.files import TensorFileWriter, fsync_dir, probe_writable
+from training.checkpoint.format import (
+    FORMAT,
+    canonical_order,
+    iteration_dir,
+    model_file,
+    optim_file,
+    optimizer_tensor_name,
+    rng_file,
+)
+from training.checkpoint.live import (
+    check_spec,
+    merge_param_groups,
+    model_parameters,
+    optimizer_tensors,
+    read_optimizer_state,
+    unwrap,
+)
+from training.checkpoint.specs import check_same_model, specs_of_params
+from training.checkpoint.writer import copy_tokenizer, manifest_header, write_manifest
 
 __all__ = [
     "CheckpointError",
@@ -46,60 +62,26 @@ __all__ = [
     "current_parallel",
     "get_rng_state",
     "load_checkpoint",
+    "prepare_save_dir",
     "read_tracker",
     "save_checkpoint",
     "set_rng_state",
 ]
 
-TRACKER = "latest_checkpointed_iteration.txt"
-MANIFEST = "manifest.json"
-FORMAT = "trident-checkpoint-v1"
-
 
 @dataclass
 class LoadedCheckpoint:
-    """What ``load_checkpoint`` read for this rank; parts that were not asked for are None."""
+    """What :func:`load_checkpoint` restored on this rank (model, optimizer and RNG are already applied)."""
 
+    path: str
     iteration: int
     consumed_samples: int
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict | None
     scheduler_state: dict | None
-    rng_state: dict | None
     manifest: dict
-
-
-# ------------------------------------------------------------------------------------------------
-# File names and the manifest (writing and reading the files: training.checkpoint_io)
-# ------------------------------------------------------------------------------------------------
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def _names(p: Mapping[str, int]) -> dict[str, list[str]]:
-    """Every file a checkpoint with these parallel sizes holds, by kind."""
-    grid = [(t, q, d) for q in range(p["pp"]) for t in range(p["tp"]) for d in range(p["dp"])]
-    return {
-        "model": [f"model_tp{t}_pp{q}.safetensors" for t, q, d in grid if d == 0],
-        "optimizer": [f"optim_tp{t}_pp{q}_dp{d}.safetensors" for t, q, d in grid],
-        "rng": [f"rng_tp{t}_pp{q}_dp{d}.safetensors" for t, q, d in grid],
-    }
-
-
-def _json_subset(args: Namespace | Mapping | None) -> dict[str, Any]:
-    """The JSON-serialisable part of the run's arguments (dtypes as strings)."""
-    out: dict[str, Any] = {}
-    for key, value in (vars(args) if isinstance(args, Namespace) else dict(args or {})).items():
-        if isinstance(value, torch.dtype):
-            value = str(value)
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            continue
-        out[key] = value
-    return out
+    resharded: bool
+    """The checkpoint was saved at another TP/PP/VPP/layout/DP split than this run's."""
+    rng_restored: int
+    """Ranks (in the whole job) whose RNG states came from the checkpoint; the others kept fresh seeds."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,13 +125,17 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Save (and the agreement step that save and load share)
+# Agreement between ranks
 # ------------------------------------------------------------------------------------------------
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _agree(error: str | None) -> None:
     """Raise on every rank if any rank failed: the lowest failing rank's message is broadcast to all."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _distributed():
         if error:
             raise CheckpointError(error)
         return
@@ -167,17 +153,18 @@ def _agree(error: str | None) -> None:
     buf = data if rank == src else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buf, src)
     message = bytes(buf.cpu().tolist()).decode()
-    raise CheckpointError(message if rank == src else f"rank {src}: {message}")
+    own = rank == src or error == message  # a rank that hit the same problem needs no "rank N:"
+    raise CheckpointError(message if own else f"rank {src}: {message}")
 
 
-def _sizes(parallel: Mapping[str, Any]) -> dict[str, int]:
-    """The sizes of a ``parallel`` dict, after checking its ranks lie inside them."""
-    for axis in ("tp", "pp", "dp"):
-        if not 0 <= parallel[f"{axis}_rank"] < parallel[axis]:
-            raise ValueError(
-                f"parallel {axis}_rank {parallel[f'{axis}_rank']} is outside {axis} size {parallel[axis]}"
-            )
-    return {"tp": parallel["tp"], "pp": parallel["pp"], "dp": parallel["dp"], "vpp": parallel.get("vpp") or 1}
+def _sum_over_ranks(value: int) -> int:
+    if not _distributed():
+        return value
+    from core.device import current_device
+
+    total = torch.tensor([value], device=current_device())
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def current_parallel() -> dict[str, int]:
@@ -197,64 +184,158 @@ def current_parallel() -> dict[str, int]:
     }
 
 
+def prepare_save_dir(save_dir: str) -> list[str]:
+    """At startup: check ``--save`` is a writable directory (a write probe on every rank), then delete the
+    temporary files of killed saves (rank 0); complete checkpoints are never touched. Returns the
+    files removed."""
+    error, removed = None, []
+    try:
+        probe_writable(save_dir)
+    except CheckpointError as err:
+        error = str(err)
+    _agree(error)  # every probe is done before rank 0 looks for stale temporary files
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            removed = remove_stale_temp_files(save_dir)
+        except OSError as err:
+            error = f"cannot clean temporary files of interrupted saves in --save {save_dir}: {err}"
+    _agree(error)
+    return removed
+
+
+# ------------------------------------------------------------------------------------------------
+# Save
+# ------------------------------------------------------------------------------------------------
+
+
+def _json_subset(args: Namespace | Mapping | None) -> dict[str, Any]:
+    """The JSON-serialisable part of the run's arguments (dtypes as strings)."""
+    out: dict[str, Any] = {}
+    for key, value in (vars(args) if isinstance(args, Namespace) else dict(args or {})).items():
+        if isinstance(value, torch.dtype):
+            value = str(value)
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        out[key] = value
+    return out
+
+
+def _write(
+    path: str, tensors: Mapping[str, torch.Tensor], tp_rank: int, metadata: Mapping[str, str], owner=None
+) -> dict:
+    if owner is not None:
+        tensors = {key: tensors[key] for key in canonical_order(tensors, owner)}
+    with TensorFileWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata) as fh:
+        for key, tensor in tensors.items():
+            fh.write(key, tensor)
+        record = fh.close(sync_dir=False)  # save_checkpoint syncs the directory once
+    for piece in record["pieces"].values():
+        piece["tp_rank"] = tp_rank
+    return record
+
+
+def _gather(value: Any) -> list[Any]:
+    if not _distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
     *,
-    model_state: Mapping[str, torch.Tensor],
-    optimizer_state: Mapping | None,
-    scheduler_state: Mapping | None,
-    rng_state: Mapping | None,
-    args: Namespace | Mapping | None,
-    consumed_samples: int,
-    parallel: Mapping[str, Any],
+    model_chunks: Sequence[nn.Module],
+    optimizer=None,
+    scheduler_state: Mapping | None = None,
+    consumed_samples: int = 0,
+    tokenizer: Mapping[str, Any] | None = None,
+    args: Namespace | Mapping | None = None,
     extra: Mapping | None = None,
+    rng_state: Mapping | None = None,
 ) -> str:
-    """Write this rank's files of ``DIR/iter_XXXXXXX``; rank (0, 0, 0) then commits it. Call on every rank.
+    """Write this rank's files of ``DIR/iter_XXXXXXX``; rank 0 then commits it. Call on every rank.
 
-    ``rng_state=None`` saves :func:`get_rng_state`. A failure on any rank raises :class:`CheckpointError`
-    on every rank and leaves the tracker, hence the previous checkpoint, untouched. Returns the
-    iteration directory.
+    ``tokenizer`` is ``{"type": ..., "files": {role: path}}``; the files are copied in.
+    ``rng_state=None`` saves :func:`get_rng_state`. A failure on any rank raises
+    :class:`CheckpointError` on every rank and leaves the tracker, hence the previous checkpoint,
+    untouched. Returns the iteration directory.
     """
-    t, q, d = parallel["tp_rank"], parallel["pp_rank"], parallel["dp_rank"]
+    p = current_parallel()
+    t, q, d = p["tp_rank"], p["pp_rank"], p["dp_rank"]
     path = iteration_dir(save_dir, iteration)
-    sizes = _sizes(parallel)
-    manifest = {
-        "format": FORMAT,
-        "iteration": iteration,
-        "consumed_samples": consumed_samples,
-        "parallel": sizes,
-        "files": _names(sizes),
-        "args": _json_subset(args),
-        "scheduler": None if scheduler_state is None else dict(scheduler_state),
-        "extra": dict(extra or {}),
-    }
-    try:  # on every rank, before any file is touched: the same error everywhere
-        manifest_text = json.dumps(manifest, indent=1)
+    module = unwrap(model_chunks[0])
+    config = module.config
+    error, local = None, {}
+    try:
+        json.dumps([dict(scheduler_state or {}), dict(extra or {})])
     except (TypeError, ValueError) as err:
         raise TypeError(f"scheduler_state and extra must be JSON-serialisable: {err}") from None
-    error = None
     try:
+        params = model_parameters(model_chunks)
+        specs = specs_of_params(params.items(), p["tp"], config.make_vocab_size_divisible_by)
         os.makedirs(path, exist_ok=True)
-        if d == 0:
-            model_file = os.path.join(path, f"model_tp{t}_pp{q}.safetensors")
-            write_tensors(model_file, model_state, {"format": FORMAT})
-        for kind, state in (("optim", optimizer_state or {}), ("rng", rng_state or get_rng_state())):
-            tensors, skeleton = flatten_state(state)
-            write_tensors(
-                os.path.join(path, f"{kind}_tp{t}_pp{q}_dp{d}.safetensors"),
-                tensors,
-                {"format": FORMAT, "skeleton": skeleton},
+        files, groups = {}, None
+        if d == 0:  # weights and (not yet distributed) optimizer state are replicated over DP
+            mine = {n: w for n, w in params.items() if specs[n].partition is not None or t == 0}
+            owner = lambda name: specs[name].owner
+            files[model_file(t, q)] = _write(
+                os.path.join(path, model_file(t, q)), mine, t, {"format": FORMAT}, owner
             )
+            if optimizer is not None:
+                tensors, optimizer_specs, groups = optimizer_tensors(optimizer, params, specs)
+                specs.update(optimizer_specs)
+                mine = {
+                    n: v for n, v in tensors.items() if optimizer_specs[n].partition is not None or t == 0
+                }
+                files[optim_file(t, q, d)] = _write(
+                    os.path.join(path, optim_file(t, q, d)), mine, t, {"format": FORMAT}, owner
+                )
+        tensors, skeleton = flatten_state(rng_state if rng_state is not None else get_rng_state())
+        meta = {"format": FORMAT, "skeleton": skeleton}
+        files[rng_file(t, q, d)] = _write(os.path.join(path, rng_file(t, q, d)), tensors, 0, meta)
+        fsync_dir(path)  # the renames above are durable before rank 0 commits
+        record = None
+        if t == q == d == 0 and tokenizer is not None:
+            record = copy_tokenizer(tokenizer["files"], path, tokenizer["type"])
+        stored = {key for record in files.values() for key in record["pieces"]}
+        local = {
+            "files": files,
+            "tensors": {n: s.to_json() for n, s in specs.items() if n in stored},
+            "groups": groups,
+            "tokenizer": record,
+        }
     except Exception as err:  # noqa: BLE001 -- reported on every rank by _agree, so no rank waits forever
         error = f"saving checkpoint {path} failed: {type(err).__name__}: {err}"
     _agree(error)  # doubles as the barrier: every rank's files are complete before the commit
+    gathered = _gather(local)
     if t == q == d == 0:
         try:
-            write_text(os.path.join(path, MANIFEST), manifest_text)
-            write_text(os.path.join(save_dir, TRACKER), str(iteration))  # the commit point: last
-        except OSError as err:
-            error = f"committing checkpoint {path} failed: {err}"
+            manifest = manifest_header(
+                iteration=iteration,
+                consumed_samples=consumed_samples,
+                parallelism=parallelism_of(config, p["dp"]),
+                config=config.to_dict(),
+                vocab_size=module.vocab_size,
+                padded_vocab_size=module.padded_vocab_size,
+                max_sequence_length=module.max_sequence_length,
+                tokenizer=local["tokenizer"],
+            )
+            manifest.update(
+                tensors={n: s for g in gathered for n, s in g["tensors"].items()},
+                tied=tied_tensors(config.untie_embeddings_and_output_weights),
+                optimizer=merge_param_groups([g["groups"] for g in gathered if g["groups"] is not None]),
+                scheduler=None if scheduler_state is None else dict(scheduler_state),
+                files={f: r for g in gathered for f, r in g["files"].items()},
+                args=_json_subset(args),
+                extra=dict(extra or {}),
+            )
+            write_manifest(save_dir, iteration, manifest)  # the tracker, the commit point, comes last
+        except Exception as err:  # noqa: BLE001 -- every rank waits in _agree for rank 0's verdict
+            error = f"committing checkpoint {path} failed: {type(err).__name__}: {err}"
     _agree(error)
     return path
 
@@ -264,139 +345,91 @@ def save_checkpoint(
 # ------------------------------------------------------------------------------------------------
 
 
-def read_tracker(root: str) -> int | str | None:
-    """The iteration the tracker names (``"release"`` for a release checkpoint), None when there is none."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        text = fh.read().strip()
-    if text == "release":
-        return text
-    if not text.isdigit():
-        raise CheckpointError(
-            f"checkpoint tracker {path} is corrupt: expected an iteration number, got {text!r}"
-        )
-    return int(text)
-
-
-def _describe(p: Mapping[str, int]) -> str:
-    return f"TP={p['tp']} PP={p['pp']}" + (f" VPP={p['vpp']}" if p["vpp"] > 1 else "") + f" DP={p['dp']}"
-
-
-def _check_shapes(path: str, header: dict, expected: Mapping[str, tuple]) -> None:
-    saved = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    problems = [
-        f"tensor '{k}' has shape {saved[k]} in the checkpoint but {tuple(s)} in the model"
-        for k, s in expected.items()
-        if k in saved and saved[k] != tuple(s)
-    ]
-    problems += [
-        f"tensor '{k}' {tuple(s)} is missing from the checkpoint"
-        for k, s in expected.items()
-        if k not in saved
-    ]
-    problems += [
-        f"the checkpoint has tensor '{k}' {s} that the model does not"
-        for k, s in saved.items()
-        if k not in expected
-    ]
-    if problems:
-        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise CheckpointError(
-            f"checkpoint file {path} does not match the model: " + "; ".join(problems[:3]) + more
-        )
-
-
 def load_checkpoint(
     load_dir: str,
     *,
-    parallel: Mapping[str, Any],
-    expected_model_shapes: Mapping[str, tuple],
+    model_chunks: Sequence[nn.Module],
+    optimizer=None,
+    iteration: int | None = None,
     load_optim: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
-    missing_ok: bool = False,
+    verify: bool = True,
+    exit_on_missing: bool = False,
 ) -> LoadedCheckpoint | None:
-    """Read the latest checkpoint in ``load_dir`` for this rank; call on every rank.
+    """Restore this rank's model shards (and optimizer and RNG state) from ``load_dir``; call on every rank.
 
-    ``finetune`` (Megatron's ``--finetune``, also implied by a ``release`` checkpoint) loads the
-    weights only and starts at iteration 0 with 0 consumed samples; ``load_optim=False``
-    (``--no-load-optim``) skips optimizer and scheduler state, ``load_rng=False`` the RNG states.
-    With no tracker file, ``missing_ok=True`` returns None (Megatron starts from scratch then);
-    otherwise that, like any other problem, raises :class:`CheckpointError`.
+    The checkpoint may come from any TP/PP/VPP/layout/DP split. ``iteration`` is ``--ckpt-step``
+    (default: the tracker's). ``finetune`` (also implied by a ``release`` checkpoint) loads weights
+    only and starts at iteration 0; ``load_optim=False`` skips optimizer and scheduler state,
+    ``load_rng=False`` the RNG states, ``verify=False`` the checksums. A missing or empty
+    directory returns None (start from scratch) unless ``exit_on_missing``.
     """
-    marker = read_tracker(load_dir)
-    if marker is None:
-        if missing_ok:
-            return None
-        raise CheckpointError(f"no checkpoint in {load_dir}: {os.path.join(load_dir, TRACKER)} is missing")
-    finetune = finetune or marker == "release"
-    path = os.path.join(load_dir, "release") if marker == "release" else iteration_dir(load_dir, marker)
-    manifest_path = os.path.join(path, MANIFEST)
+    p = current_parallel()
+    error, path, loaded = None, None, None
     try:
-        with open(manifest_path) as fh:
-            manifest = json.load(fh)
-        saved = {k: int(manifest["parallel"][k]) for k in ("tp", "pp", "dp", "vpp")}
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint manifest {manifest_path} is missing") from None
-    except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"checkpoint manifest {manifest_path} is corrupt") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"checkpoint manifest {manifest_path} has format {manifest.get('format')!r}, expected {FORMAT!r}"
-        )
-    ours = _sizes(parallel)
-    load_optim, load_rng = load_optim and not finetune, load_rng and not finetune
-    shape_differs = any(saved[k] != ours[k] for k in ("tp", "pp", "vpp"))
-    if shape_differs or (saved["dp"] != ours["dp"] and (load_optim or load_rng)):
-        hint = (
-            "convert it with tools/convert_checkpoint.py (coming)"
-            if shape_differs
-            else "optimizer and RNG states are per data-parallel rank: pass --no-load-optim --no-load-rng "
-            "(or --finetune) to load only the weights"
-        )
-        raise CheckpointError(
-            f"checkpoint {path} was saved with {_describe(saved)}, this run has {_describe(ours)}; {hint}"
-        )
-    names = _names(saved)
-    kinds = ["model"] + ["optimizer"] * load_optim + ["rng"] * load_rng
-    headers = {name: read_header(os.path.join(path, name)) for kind in kinds for name in names[kind]}
-
-    t, q, d = parallel["tp_rank"], parallel["pp_rank"], parallel["dp_rank"]
-    mine = {
-        "model": f"model_tp{t}_pp{q}.safetensors",
-        "optimizer": f"optim_tp{t}_pp{q}_dp{d}.safetensors",
-        "rng": f"rng_tp{t}_pp{q}_dp{d}.safetensors",
-    }
-    states: dict[str, Any] = {"optimizer": None, "rng": None}
-    error = None
-    try:
-        from safetensors.torch import load_file
-
-        _check_shapes(os.path.join(path, mine["model"]), headers[mine["model"]], expected_model_shapes)
-        for kind in kinds:
-            file = os.path.join(path, mine[kind])
-            try:
-                tensors = load_file(file)
-                meta = headers[mine[kind]].get("__metadata__") or {}
-                states[kind] = tensors if kind == "model" else unflatten_state(tensors, meta["skeleton"])
-            except Exception as err:  # noqa: BLE001 -- any read failure becomes one error naming the file
-                raise CheckpointError(f"checkpoint file {file} cannot be read: {err}") from None
+        path = find_checkpoint(load_dir, iteration)
+        if path is None and exit_on_missing:
+            raise CheckpointError(
+                f"no checkpoint in {load_dir} to load (--exit-on-missing-checkpoint); the directory "
+                + (
+                    "holds no latest_checkpointed_iteration.txt"
+                    if os.path.isdir(load_dir)
+                    else "does not exist"
+                )
+            )
+        if path is not None:
+            loaded = _read_this_rank(
+                Checkpoint(path, verify=verify), model_chunks, optimizer, p, load_optim, load_rng, finetune
+            )
     except CheckpointError as err:
         error = str(err)
+    except Exception as err:  # noqa: BLE001 -- reported on every rank by _agree, so no rank waits forever
+        error = f"loading checkpoint {path or load_dir} failed: {type(err).__name__}: {err}"
     _agree(error)
+    if path is None:
+        return None
+    ckpt, optimizer_state, rng_state, finetune = loaded
+    if optimizer is not None:
+        optimizer.reload_model_params()
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+    if rng_state is not None:
+        set_rng_state(rng_state)
+    ours = parallelism_of(unwrap(model_chunks[0]).config, p["dp"])
     return LoadedCheckpoint(
-        iteration=0 if finetune else manifest["iteration"],
-        consumed_samples=0 if finetune else manifest["consumed_samples"],
-        model_state=states["model"],
-        optimizer_state=states["optimizer"],
-        scheduler_state=manifest.get("scheduler") if load_optim else None,
-        rng_state=states["rng"],
-        manifest=manifest,
+        path=path,
+        iteration=0 if finetune else ckpt.iteration,
+        consumed_samples=0 if finetune else int(ckpt.manifest.get("consumed_samples", 0)),
+        scheduler_state=ckpt.manifest.get("scheduler") if (load_optim and not finetune) else None,
+        manifest=ckpt.manifest,
+        resharded=ours != ckpt.parallel,
+        rng_restored=_sum_over_ranks(int(rng_state is not None)),
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# --exit-signal-handler
-# ------------------------------------------------------------------------------------------------
+def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, load_rng, finetune):
+    """Copy this rank's shards into the model; return (ckpt, optimizer state dict, RNG state, finetune)."""
+    finetune = finetune or os.path.basename(ckpt.path) == "release"
+    load_optim, load_rng = load_optim and not finetune, load_rng and not finetune
+    module = unwrap(model_chunks[0])
+    check_same_model(ckpt.manifest["model"]["config"], module.config.to_dict(), ckpt.path)
+    params = model_parameters(model_chunks)
+    specs = specs_of_params(params.items(), p["tp"], module.config.make_vocab_size_divisible_by)
+    for name, param in params.items():
+        check_spec(ckpt, name, specs[name])
+        source = name  # an fp32 model loading a bf16 run takes the fp32 master copy when there is one
+        master = optimizer_tensor_name("main_param", name)
+        if (
+            param.dtype == torch.float32
+            and ckpt.spec(name).dtype != torch.float32
+            and ckpt.has_tensor(master)
+        ):
+            source = master
+        with torch.no_grad():
+            param.copy_(ckpt.read_shard(source, p["tp_rank"], p["tp"]))
+    optimizer_state = None
+    if load_optim and optimizer is not None:
+        optimizer_state = read_optimizer_state(ckpt, optimizer, params, p)
+    rng_state = ckpt.read_rng_state(p["tp_rank"], p["pp_rank"], p["dp_rank"]) if load_rng else None
+    return ckpt, optimizer_state, rng_state, finetune

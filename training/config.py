@@ -16,6 +16,7 @@ from core.flags import flag
 
 TokenizerType = Literal["GPTSentencePieceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
+CkptFormat = Literal["torch", "torch_dist"]
 AttentionBackend = Literal["flash", "fused", "unfused", "local", "auto"]
 
 
@@ -122,6 +123,22 @@ class CheckpointingArgs:
     """Do not load the random number generator states."""
     finetune: bool = False
     """Load the weights only and start at iteration 0."""
+    ckpt_step: int | None = None
+    """Load this iteration of --load instead of the one its tracker file names."""
+    ckpt_format: CkptFormat = "torch_dist"
+    """Megatron's checkpoint format; both values mean Trident's one format (safetensors and JSON,
+    resharded on load to any split)."""
+    use_checkpoint_args: bool = False
+    """Take the model and tokenizer flags from the --load checkpoint; a flag given that contradicts
+    it is an error naming both values."""
+    exit_on_missing_checkpoint: bool = False
+    """Stop with an error, instead of starting from scratch, when --load holds no checkpoint."""
+    verify_checkpoint: bool = flag(
+        True,
+        name="--no-verify-checkpoint",
+        help="Trident: load without verifying the checksum of every tensor read.",
+    )
+    """Verify the checksum of every tensor read from a checkpoint."""
 
 
 @dataclass(kw_only=True)

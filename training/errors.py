@@ -6,7 +6,7 @@ error              exit code  printed
 ``UsageError``     2          one line (``pretrain_gpt.py: error: ...``), like argparse
 ``ConfigError``    1          one line: flags that do not fit together or with the checkpoint
 ``DataError``      1          one line naming the data file
-``CheckpointError`` 1         one line naming the checkpoint file (``training.checkpoint_io``)
+``CheckpointError`` 1         one line naming the checkpoint file (``training.checkpoint``)
 ``PeerFailure``    1          nothing: another rank failed and has already said why
 anything else      1          its traceback, once, from the rank that raised it
 =================  =========  ===============================================================

@@ -67,7 +67,7 @@ class Verdict:
 
 
 def _clean_errors() -> tuple[type[BaseException], ...]:
-    from training.checkpoint_io import CheckpointError
+    from training.checkpoint import CheckpointError
 
     return (ConfigError, DataError, CheckpointError)
 

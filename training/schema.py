@@ -321,7 +321,10 @@ _RAMP = (
 _FP16 = "fp16 training with loss scaling is being built; use --bf16 meanwhile"
 _DIST_OPT = "the distributed optimizer is being built; optimizer state is replicated over data-parallel ranks"
 _MODEL = "this model option is being built"
-_CKPT = "this checkpoint option is being built"
+_ONE_FORMAT = (
+    "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
+    "--ckpt-format torch and torch_dist both mean it"
+)
 _TOKENIZER = "more tokenizers are being built"
 _DATA = "this data-loading option is being built"
 _SAMPLES = "sample-based schedules are being built; use --train-iters, --lr-decay-iters, --lr-warmup-iters"
@@ -335,6 +338,9 @@ COVERAGE: dict[str, Coverage] = {
     "--no-manual-gc-eval": works(),
     "--exit-duration-in-mins": works(),
     "--distributed-timeout-minutes": works(),
+    "--ckpt-step": works(),
+    "--use-checkpoint-args": works(),
+    "--exit-on-missing-checkpoint": works(),
     "--context-parallel-size": works_only(
         (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
     ),
@@ -352,6 +358,7 @@ COVERAGE: dict[str, Coverage] = {
     "--profile-step-end": no_effect(_NO_PROFILER),
     "--profile-ranks": no_effect(_NO_PROFILER),
     "--use-pytorch-profiler": no_effect(_NO_PROFILER),
+    "--ckpt-format": no_effect("torch and torch_dist both mean Trident's one checkpoint format"),
     # (c) not supported yet: each is being built; when it lands, its entry becomes works()
     **dict.fromkeys(
         (
@@ -379,10 +386,6 @@ COVERAGE: dict[str, Coverage] = {
             "--no-position-embedding",
         ),
         not_yet(_MODEL),
-    ),
-    **dict.fromkeys(
-        ("--ckpt-step", "--ckpt-format", "--use-checkpoint-args", "--exit-on-missing-checkpoint"),
-        not_yet(_CKPT),
     ),
     **dict.fromkeys(("--vocab-file", "--merge-file", "--tiktoken-pattern"), not_yet(_TOKENIZER)),
     **dict.fromkeys(
@@ -416,6 +419,10 @@ COVERAGE: dict[str, Coverage] = {
     "--num-experts": unsupported(_MOE),
     "--rampup-batch-size": unsupported(_RAMP),
     "--step-batch-size-schedule": unsupported(_RAMP),
+    **dict.fromkeys(
+        ("--ckpt-format zarr", "--ckpt-format torch_dcp", "--ckpt-format fsdp_dtensor"),
+        unsupported(_ONE_FORMAT),
+    ),
 }
 """Megatron flags beyond "declared and read": (a) works, (b) accepted with no effect, (c) rejected.
 A key "--flag value" rejects one value of a flag that otherwise works."""

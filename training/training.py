@@ -39,6 +39,7 @@ from training import checkpointing, faults
 from training.argument_checks import validate_args
 from training.arguments import config_from_args, parse_and_validate, startup_report
 from training.batches import step_iterator
+from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
 from training.errors import ConfigError
 from training.global_vars import set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
@@ -80,7 +81,9 @@ def pretrain(
         args = parse_and_validate(argv, world_size)
     else:
         try:
+            load_checkpoint_args(args)  # --use-checkpoint-args: model flags from the --load checkpoint
             validate_args(args, world_size)
+            check_checkpoint_args(args)  # a model flag contradicting the --load checkpoint: one error, now
         except ValueError as err:
             raise ConfigError(str(err)) from None
     select_backend(args.distributed_backend)
@@ -123,6 +126,10 @@ def _setup_and_train(
     for line in startup_report(args):
         print_rank_0(line)
 
+    if args.save:  # a bad --save fails now, not after the first save_interval of training
+        removed = checkpointing.prepare_save_dir(args.save)
+        if removed:
+            print_rank_0(f"removed {len(removed)} temporary file(s) of interrupted saves from {args.save}")
     faults.phase("building the model and optimizer")
     chunks = _build_chunks(model_provider, args)
     optimizer = get_megatron_optimizer(config_from_args(OptimizerConfig, args), chunks)
@@ -521,14 +528,15 @@ def _one_or_list(items: list):
     return items if len(items) > 1 else items[0]
 
 
-def _model_state(chunks) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        for name, tensor in chunk.module.state_dict().items():
-            if name in state and state[name].data_ptr() != tensor.data_ptr():
-                raise RuntimeError(f"two model chunks on this rank both hold {name!r}")
-            state[name] = tensor
-    return state
+def _tokenizer_record(args) -> dict | None:
+    """What the checkpoint copies of the tokenizer: its type, files and (NullTokenizer) vocabulary size."""
+    if not getattr(args, "tokenizer_type", None):
+        return None
+    files = {"tokenizer_model": args.tokenizer_model} if args.tokenizer_model else {}
+    record = {"type": args.tokenizer_type, "files": files}
+    if args.tokenizer_type == "NullTokenizer":
+        record["vocab_size"] = args.vocab_size
+    return record
 
 
 def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
@@ -536,13 +544,12 @@ def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
     path = checkpointing.save_checkpoint(
         args.save,
         state.iteration,
-        model_state=_model_state(chunks),
-        optimizer_state=optimizer.state_dict(),
+        model_chunks=chunks,
+        optimizer=optimizer,
         scheduler_state=scheduler.state_dict(),
-        rng_state=checkpointing.get_rng_state(),
-        args=args,
         consumed_samples=state.consumed_samples,
-        parallel=checkpointing.current_parallel(),
+        tokenizer=_tokenizer_record(args),
+        args=args,
         extra={
             "wandb_run_id": state.wandb_run_id,
             "skipped_iterations": state.skipped_iterations,
@@ -553,35 +560,39 @@ def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
 
 
 def _load(args, chunks, optimizer, scheduler, state: TrainState) -> None:
-    model_state = _model_state(chunks)
     loaded = checkpointing.load_checkpoint(
         args.load,
-        parallel=checkpointing.current_parallel(),
-        expected_model_shapes={k: tuple(v.shape) for k, v in model_state.items()},
+        model_chunks=chunks,
+        optimizer=optimizer,
+        iteration=args.ckpt_step,
         load_optim=not args.no_load_optim and not args.finetune,
         load_rng=not args.no_load_rng and not args.finetune,
         finetune=args.finetune,
-        missing_ok=args.load == args.save,
+        verify=args.verify_checkpoint,
+        exit_on_missing=args.exit_on_missing_checkpoint,
     )
     if loaded is None:
-        print_rank_0(f"no checkpoint in {args.load} yet: starting from scratch")
+        print_rank_0(f"WARNING: no checkpoint in {args.load}: starting from scratch")
         return
-    for chunk in chunks:
-        own = chunk.module.state_dict()
-        chunk.module.load_state_dict({k: loaded.model_state[k] for k in own})
-    if loaded.optimizer_state is not None:
-        optimizer.load_state_dict(loaded.optimizer_state)
-    else:
-        optimizer.reload_model_params()
     if loaded.scheduler_state is not None:
         _check_scheduler(args, scheduler, loaded.scheduler_state, loaded.manifest.get("args", {}))
         scheduler.load_state_dict(loaded.scheduler_state)
-    if loaded.rng_state is not None:
-        checkpointing.set_rng_state(loaded.rng_state)
     extra = loaded.manifest.get("extra", {})
     state.iteration, state.consumed_samples = loaded.iteration, loaded.consumed_samples
     if not args.finetune:
         state.wandb_run_id = extra.get("wandb_run_id")
         state.skipped_iterations = extra.get("skipped_iterations", 0)
         state.nan_iterations = extra.get("nan_iterations", 0)
+    if loaded.resharded:
+        saved = loaded.manifest["parallel"]
+        print_rank_0(
+            f"resharded checkpoint {loaded.path} from TP={saved['tp']} PP={saved['pp']} VPP={saved['vpp']} "
+            f"DP={saved['dp']} (layout '{saved['layout']}') to this run's split"
+        )
+    world = dist.get_world_size()
+    if not args.no_load_rng and not args.finetune and loaded.rng_restored < world:
+        print_rank_0(
+            f"RNG states restored on {loaded.rng_restored} of {world} ranks; the other ranks did not exist "
+            "in the checkpoint's split and keep fresh seeds, as Megatron seeds a new rank"
+        )
     print_rank_0(f"loaded checkpoint {args.load} at iteration {state.iteration}")

@@ -10,9 +10,9 @@ before any rank builds a layer or joins a collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, get_args
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +28,22 @@ NORMALIZATIONS = get_args(Normalization)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 RECOMPUTE_GRANULARITIES = get_args(RecomputeGranularity)
 RECOMPUTE_METHODS = get_args(RecomputeMethod)
+RUNTIME_FIELDS = ("no_sync_func", "grad_sync_func", "finalize_model_grads_func", "timers")
+"""Hooks the training loop installs at run time: not part of a model's description, never serialised."""
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation GPT-2 was trained with (Megatron's ``openai_gelu``, HF's ``gelu_new``)."""
     return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "openai_gelu": openai_gelu,
+    "silu": F.silu,
+    "relu": F.relu,
+}
+"""Activation functions by the name a serialised config stores (``to_dict`` / ``from_dict``)."""
 
 
 @dataclass(kw_only=True)
@@ -254,3 +265,49 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return -(-vocab_size // multiple) * multiple
+
+    # -- serialisation ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-ready values: dtypes and the activation by name, run-time hooks left out.
+
+        ``TransformerConfig.from_dict(config.to_dict()) == config`` for every config whose activation
+        is in ``ACTIVATIONS``; a checkpoint stores this so a model can be rebuilt with no command line.
+        """
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in RUNTIME_FIELDS:
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            elif f.name == "activation_func":
+                names = [name for name, fn in ACTIVATIONS.items() if fn is value]
+                if not names:
+                    raise ValueError(
+                        f"activation_func {getattr(value, '__name__', value)!r} has no name to be saved "
+                        f"under; use one of {sorted(ACTIVATIONS)} or add it to ACTIVATIONS"
+                    )
+                value = names[0]
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], **overrides: Any) -> TransformerConfig:
+        """The config :meth:`to_dict` described, with ``overrides`` applied (e.g. other parallel sizes)."""
+        known = {f.name: f for f in fields(cls) if f.name not in RUNTIME_FIELDS}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"TransformerConfig has no field(s) {unknown} (saved by a newer Trident?)")
+        kwargs = dict(values) | overrides
+        for name in ("params_dtype", "pipeline_dtype"):
+            if isinstance(kwargs.get(name), str):
+                dtype = getattr(torch, kwargs[name], None)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"{name} {kwargs[name]!r} is not a torch dtype")  # noqa: TRY004
+                kwargs[name] = dtype
+        activation = kwargs.get("activation_func")
+        if isinstance(activation, str):
+            if activation not in ACTIVATIONS:
+                raise ValueError(f"activation_func {activation!r} is not one of {sorted(ACTIVATIONS)}")
+            kwargs["activation_func"] = ACTIVATIONS[activation]
+        return cls(**kwargs)

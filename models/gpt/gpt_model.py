@@ -31,6 +31,21 @@ from core.transformer.transformer_config import TransformerConfig
 from models.gpt.embedding import LanguageModelEmbedding
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT = "output_layer.weight"
+
+
+def layout_owner(name: str) -> str | int:
+    """The pipeline-layout element that holds parameter ``name``: "E", "L" or its decoder layer's number.
+
+    Checkpoints record it for every tensor, so any other layout can place the tensor.
+    """
+    if name.startswith("embedding."):
+        return EMBEDDING
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2])
+    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        return LOSS
+    raise ValueError(f"parameter {name!r} belongs to no pipeline-layout element (E, t or L)")
 
 
 def pipeline_layout(config: TransformerConfig) -> PipelineLayout:

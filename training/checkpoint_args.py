@@ -1,0 +1,135 @@
+"""Model flags and the ``--load`` checkpoint: take them from it, or check they agree with it.
+
+Megatron's ``--use-checkpoint-args`` builds the model from the checkpoint's own description: every
+model flag the user did not give is taken from the checkpoint, and one they gave that contradicts
+it is an error naming both values. Without it, any model flag (given or defaulted) that contradicts
+the checkpoint is the same error, before a process group or a model exists, rather than a shape
+mismatch later. Both run on every rank and read only the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from training.checkpoint import CheckpointError, find_checkpoint
+from training.checkpoint.reader import load_manifest
+from training.schema import BY_DEST, flag_name
+
+__all__ = ["check_checkpoint_args", "checkpoint_model_args", "load_checkpoint_args"]
+
+
+def _manifest(args: argparse.Namespace) -> tuple[str, dict[str, Any]] | None:
+    path = find_checkpoint(args.load, args.ckpt_step) if args.load else None
+    return None if path is None else (path, load_manifest(path))
+
+
+def checkpoint_model_args(manifest: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The model (and tokenizer) flags, by dest, that describe the checkpoint's model.
+
+    Only dests this command line has are returned, so flags added later join in by being declared.
+    """
+    config = manifest["model"]["config"]
+    heads, groups = config["num_attention_heads"], config["num_query_groups"]
+    activation = config["activation_func"]
+    values: dict[str, Any] = {
+        "num_layers": config["num_layers"],
+        "hidden_size": config["hidden_size"],
+        "ffn_hidden_size": config["ffn_hidden_size"],
+        "num_attention_heads": heads,
+        "kv_channels": config["kv_channels"],
+        "group_query_attention": groups != heads,
+        "normalization": config["normalization"],
+        "add_bias_linear": config["add_bias_linear"],
+        "add_qkv_bias": config["add_qkv_bias"],
+        "position_embedding_type": config["position_embedding_type"],
+        "untie_embeddings_and_output_weights": config["untie_embeddings_and_output_weights"],
+        "swiglu": config["gated_linear_unit"] and activation == "silu",
+        "openai_gelu": activation == "openai_gelu",
+        "rotary_base": config["rotary_base"],
+        "rotary_percent": config["rotary_percent"],
+        "layernorm_epsilon": config["layernorm_epsilon"],
+        "max_position_embeddings": manifest["model"]["max_sequence_length"],
+    }
+    if groups != heads:
+        values["num_query_groups"] = groups
+    saved_args = manifest.get("args") or {}  # a run's flags; a converted or imported model has none
+    values["seq_length"] = saved_args.get("seq_length") or manifest["model"]["max_sequence_length"]
+    return {dest: value for dest, value in values.items() if hasattr(args, dest)}
+
+
+def _tokenizer_args(manifest: dict[str, Any], path: str) -> dict[str, Any]:
+    record = manifest.get("tokenizer") or {}
+    values: dict[str, Any] = {}
+    if record.get("type"):
+        values["tokenizer_type"] = record["type"]
+    if "tokenizer_model" in record.get("files", {}):
+        values["tokenizer_model"] = os.path.join(path, record["files"]["tokenizer_model"])
+    if record.get("vocab_size") is not None:
+        values["vocab_size"] = record["vocab_size"]
+    return values
+
+
+def load_checkpoint_args(args: argparse.Namespace) -> None:
+    """With ``--use-checkpoint-args``: set every model and tokenizer flag not given from the checkpoint.
+
+    The checkpoint then stands for the model-size flags, so the tiny demo is off, as it would be had
+    the user typed them: the values it filled in go back to Megatron's defaults, and the flags Megatron
+    requires (``--micro-batch-size``, ``--train-iters``, ``--lr``) must be given. Call before
+    ``validate_args``, so that derived values come from the checkpoint's sizes.
+    """
+    if not getattr(args, "use_checkpoint_args", False):
+        return
+    if not args.load:
+        raise ValueError("--use-checkpoint-args needs --load: the checkpoint to take the model flags from")
+    found = _manifest(args)
+    if found is None:
+        raise CheckpointError(
+            f"--use-checkpoint-args: no checkpoint in {args.load} to take the model flags from"
+        )
+    path, manifest = found
+    given = set(getattr(args, "explicit_args", ()))
+    if getattr(args, "using_default_model", False):
+        for dest in args.tiny_demo_filled:
+            setattr(args, dest, BY_DEST[dest].default)
+        args.using_default_model, args.tiny_demo_filled = False, {}
+        args.tiny_demo_off_by = [flag_name("use_checkpoint_args")]
+    values = checkpoint_model_args(manifest, args) | _tokenizer_args(manifest, path)
+    for dest, value in values.items():
+        if dest not in given:
+            setattr(args, dest, value)
+
+
+def check_checkpoint_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Raise one ValueError naming every model flag that contradicts the ``--load`` checkpoint.
+
+    Call after ``validate_args`` (derived sizes filled in). A missing checkpoint passes: the run then
+    starts from scratch.
+    """
+    if not args.load:
+        return args
+    found = _manifest(args)
+    if found is None:
+        return args
+    path, manifest = found
+    given = set(getattr(args, "explicit_args", ()))
+    conflicts = []
+    learned = args.position_embedding_type == "learned_absolute"
+    for dest, saved in checkpoint_model_args(manifest, args).items():
+        ours = getattr(args, dest)
+        if dest == "seq_length" or (dest == "max_position_embeddings" and not learned):
+            continue  # free to change: they shape no tensor
+        if dest == "num_query_groups" and not args.group_query_attention:
+            continue
+        if ours != saved:
+            how = "" if dest in given else " (default)"
+            conflicts.append(f"{flag_name(dest)} {ours}{how} but the checkpoint has {saved}")
+    if conflicts:
+        hint = (
+            "drop the flag(s) to use the checkpoint's values"
+            if args.use_checkpoint_args
+            else "pass the checkpoint's values, or --use-checkpoint-args to take every model flag from it"
+        )
+        raise ValueError(f"--load {path} holds another model: " + "; ".join(conflicts) + f"; {hint}")
+    return args
