@@ -32,9 +32,10 @@ from training import checkpointing
 from training.argument_checks import validate_args
 from training.arguments import parse_args
 from training.batches import step_iterator
-from training.global_vars import set_global_variables
+from training.global_vars import get_tokenizer, set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
 from training.signal_handler import SignalHandler
+from training.throughput import memory_stats, num_floating_point_operations, peak_memory_bytes, peak_tflops
 from training.wandb_logging import start_run
 
 
@@ -47,7 +48,20 @@ class TrainState:
     consecutive_skipped: int = 0
     wandb_run_id: str | None = None
     losses: list[float] = field(default_factory=list)  # per iteration, on the logging rank
-    step_seconds: list[float] = field(default_factory=list)  # wall time of each train step
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each iteration (no eval/save)
+
+
+@dataclass
+class _Step:
+    """What one iteration measured, for the log line and W&B."""
+
+    loss: float | None
+    grad_norm: float | None
+    num_zeros: int | None
+    applied: bool
+    peak_memory: float  # bytes, the largest of any rank
+    params_norm: float | None = None
+    seconds: float = 0.0
 
 
 def pretrain(
@@ -57,14 +71,24 @@ def pretrain(
     *,
     argv: list[str] | None = None,
     tokenizer_provider: Callable | None = None,
+    iteration_hook: Callable[[TrainState], None] | None = None,
 ) -> TrainState:
-    """Train as the flags say; returns the final state (losses on the rank that logs them)."""
+    """Train as the flags say; returns the final state (losses on the rank that logs them).
+
+    ``iteration_hook(state)``, if given, runs after every iteration, outside its measured time
+    (``tools/bench_overhead.py`` interleaves a plain PyTorch loop with it, step by step).
+    """
     args = parse_args(argv)
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     started = ps.initialize_distributed()
     try:
         return _setup_and_train(
-            args, train_valid_test_datasets_provider, model_provider, forward_step_func, tokenizer_provider
+            args,
+            train_valid_test_datasets_provider,
+            model_provider,
+            forward_step_func,
+            tokenizer_provider,
+            iteration_hook,
         )
     finally:
         # Tear down what this call set up: gloo aborts a process whose groups outlive the interpreter.
@@ -80,6 +104,7 @@ def _setup_and_train(
     model_provider: Callable,
     forward_step_func: Callable,
     tokenizer_provider: Callable | None,
+    iteration_hook: Callable[[TrainState], None] | None = None,
 ) -> TrainState:
     bind_local_device()
     ps.initialize_model_parallel(
@@ -100,14 +125,24 @@ def _setup_and_train(
             min_lr=args.min_lr,
             weight_decay=args.weight_decay,
             bf16=args.bf16,
+            fp16=args.fp16,
             params_dtype=args.params_dtype,
+            loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
             adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,
+            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+            use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         chunks,
     )
+    if optimizer.grad_scaler is not None:  # the schedule scales the last stage's loss before backward
+        chunks[0].config.grad_scale_func = optimizer.scale_loss
     scheduler = _build_scheduler(optimizer, args)
     state = TrainState()
     if args.load:
@@ -142,33 +177,41 @@ def _setup_and_train(
             state,
             run,
             signals,
+            iteration_hook,
         )
     run.finish()
     return state
 
 
 def _train(
-    args, chunks, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals
+    args, chunks, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals, hook
 ) -> None:
     forward_backward = get_forward_backward_func()
-    window: dict[str, Any] = {"loss": [], "time": time.perf_counter(), "iters": 0}
+    device = current_device()
+    flops = num_floating_point_operations(args, args.global_batch_size, _padded_vocab_size(chunks, args))
+    peak = peak_tflops(device, args.peak_tflops)
+    window: dict[str, Any] = {"time": time.perf_counter(), "paused": 0.0, "iters": 0}
+    window.update(loss=[], skipped_loss=[])  # losses of the iterations that stepped, and of the others
     saved_at = None
     while state.iteration < args.train_iters:
         start = time.perf_counter()
-        loss, grad_norm, applied = _train_step(
-            args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state
-        )
-        state.step_seconds.append(time.perf_counter() - start)
+        step = _train_step(args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state)
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
-        if applied:
+        if step.applied:
             scheduler.step(increment=args.global_batch_size)
-        if loss is not None:
-            state.losses.append(loss)
-            window["loss"].append(loss)
+        if step.loss is not None:
+            state.losses.append(step.loss)
+            window["loss" if step.applied else "skipped_loss"].append(step.loss)
         window["iters"] += 1
+        if args.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
+            step.params_norm = optimizer.get_params_norm()
+        step.seconds = time.perf_counter() - start
+        run.log(_wandb_row(args, state, optimizer, step, flops, peak, device), step=state.iteration)
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-            _log(args, state, optimizer, grad_norm, window, run)
+            _log(args, state, optimizer, step, window, flops, peak)
+        state.step_seconds.append(time.perf_counter() - start)
+        paused = time.perf_counter()
         if (
             valid_ds is not None
             and args.eval_interval
@@ -183,35 +226,53 @@ def _train(
         if args.save and (stop or state.iteration % args.save_interval == 0):
             _save(args, chunks, optimizer, scheduler, state)
             saved_at = state.iteration
+        if hook is not None:
+            hook(state)
+        window["paused"] += time.perf_counter() - paused  # evaluation and saving are not step time
         if stop:
             break
+    for chunk in chunks:  # the last step's parameter all-gathers (distributed optimizer) land
+        chunk.finish_param_sync()
     if args.save and saved_at != state.iteration:
         _save(args, chunks, optimizer, scheduler, state)
 
 
-def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state):
-    """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip)."""
+def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state) -> _Step:
+    """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip).
+
+    A step is skipped for a NaN/Inf loss or gradient norm (counted as a NaN iteration, and towards
+    ``--max-consecutive-skipped-iterations``), or for an fp16 loss-scale overflow (a skipped
+    iteration only: the scaler backs off and training goes on, as in Megatron).
+    """
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss = _run_global_batch(
         args, chunks, forward_backward, forward_step_func, train_ds, state.consumed_samples
     )
-    bad_loss = _any_rank(loss is not None and not math.isfinite(loss))
+    bad_loss, peak_memory = _max_over_ranks(
+        [
+            1.0 if loss is not None and not math.isfinite(loss) else 0.0,
+            float(peak_memory_bytes(current_device())),
+        ]
+    )
     if bad_loss and args.check_for_nan_in_loss_and_grad:
         raise FloatingPointError(
             f"loss is {loss} at iteration {state.iteration + 1} (--check-for-nan-in-loss-and-grad)"
         )
-    applied, grad_norm = False, None
+    applied, grad_norm, num_zeros, overflow = False, None, None, False
     if not bad_loss:
-        applied, grad_norm, _ = optimizer.step()
-        if not applied and args.check_for_nan_in_loss_and_grad:
+        applied, grad_norm, num_zeros = optimizer.step()
+        overflow = not applied and optimizer.last_step_overflowed
+        if not applied and not overflow and args.check_for_nan_in_loss_and_grad:
             raise FloatingPointError(
                 f"gradient norm is {grad_norm} at iteration {state.iteration + 1} "
                 "(--check-for-nan-in-loss-and-grad)"
             )
     if applied:
         state.consecutive_skipped = 0
+    elif overflow:
+        state.skipped_iterations += 1
     else:
         state.skipped_iterations += 1
         state.nan_iterations += 1
@@ -222,7 +283,7 @@ def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, tr
                 f"and were skipped (iteration {state.iteration + 1}); stopping. Lower --lr or "
                 "check the data; --max-consecutive-skipped-iterations sets the limit"
             )
-    return loss, grad_norm, applied
+    return _Step(loss, grad_norm, num_zeros, applied, peak_memory)
 
 
 def _run_global_batch(
@@ -262,7 +323,8 @@ def _reduce_loss(logs: list[dict]) -> float | None:
                 torch.stack([value.reshape(()), torch.ones((), dtype=value.dtype, device=value.device)])
             )
     total = torch.stack(values).sum(0).double()  # (sum of losses, count): microbatches or tokens
-    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
     return (total[0] / total[1]).item()
 
 
@@ -273,27 +335,37 @@ def _shared_run_id(run_id: str | None) -> str | None:
     return next((i for i in ids if i), None)
 
 
-def _any_rank(flag: bool) -> bool:
-    tensor = torch.tensor([1.0 if flag else 0.0], device=current_device())
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's maximum over all ranks, in one collective (none at world size 1)."""
+    if dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=current_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return tensor.tolist()
 
 
 def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state, run) -> None:
+    """Validation loss over ``--eval-iters`` batches, in eval mode (no dropout), as Megatron does."""
     losses = []
-    for k in range(args.eval_iters):
-        with torch.no_grad():
-            loss = _run_global_batch(
-                args,
-                chunks,
-                forward_backward,
-                forward_step_func,
-                valid_ds,
-                k * args.global_batch_size,
-                forward_only=True,
-            )
-        if loss is not None:
-            losses.append(loss)
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        for k in range(args.eval_iters):
+            with torch.no_grad():
+                loss = _run_global_batch(
+                    args,
+                    chunks,
+                    forward_backward,
+                    forward_step_func,
+                    valid_ds,
+                    k * args.global_batch_size,
+                    forward_only=True,
+                )
+            if loss is not None:
+                losses.append(loss)
+    finally:
+        for chunk in chunks:
+            chunk.train()
     if losses:
         value = sum(losses) / len(losses)
         print_rank_last(
@@ -303,34 +375,90 @@ def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state
         run.log({"validation/lm loss": value}, step=state.iteration)
 
 
-def _log(args, state, optimizer, grad_norm, window, run) -> None:
+def _padded_vocab_size(chunks, args) -> int:
+    """The output layer's (padded) vocabulary, for the FLOP count: the model's, else Megatron's rule."""
+    for chunk in chunks:
+        size = getattr(getattr(chunk, "module", chunk), "padded_vocab_size", None)
+        if size is not None:
+            return int(size)
+    try:
+        vocab = get_tokenizer().vocab_size
+    except RuntimeError:  # no tokenizer: the FLOP count leaves the output layer out
+        return 0
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab // multiple) * multiple
+
+
+def _loss_scale(optimizer) -> float:
+    return 1.0 if optimizer.grad_scaler is None else optimizer.grad_scaler.scale
+
+
+def _wandb_row(args, state, optimizer, step: _Step, flops: float, peak: float | None, device) -> dict:
+    """This iteration's numbers under Megatron's W&B keys (plus a few of Trident's), every iteration."""
+    tflops = flops / (step.seconds * 1e12 * args.world_size)
+    row = {
+        "learning-rate": optimizer.param_groups[0]["lr"],
+        "batch-size": args.global_batch_size,
+        "samples vs steps": state.consumed_samples,
+        "loss-scale": _loss_scale(optimizer),
+        "iteration-time": step.seconds,
+        "throughput": tflops,
+        "tokens-per-second": args.global_batch_size * args.seq_length / step.seconds,
+        "skipped-iterations": state.skipped_iterations,
+        "nan-iterations": state.nan_iterations,
+    }
+    if step.loss is not None:
+        row["lm loss"] = step.loss
+    if step.grad_norm is not None:
+        row["grad-norm"] = step.grad_norm
+    if step.num_zeros is not None:
+        row["num-zeros"] = step.num_zeros
+    if step.params_norm is not None:
+        row["params-norm"] = step.params_norm
+    if peak is not None:
+        row["mfu"] = tflops / peak
+    if args.log_memory_to_tensorboard:
+        row.update(memory_stats(device))
+        row["mem-max-allocated-bytes"] = step.peak_memory  # the largest of any rank
+    return row
+
+
+def _log(args, state, optimizer, step: _Step, window, flops: float, peak: float | None) -> None:
+    """Megatron's log line, averaged over the iterations since the last one (eval and saving excluded)."""
     now = time.perf_counter()
-    elapsed_ms = (now - window["time"]) * 1000 / max(window["iters"], 1)
-    tokens_per_s = args.global_batch_size * args.seq_length / (elapsed_ms / 1000)
+    seconds = (now - window["time"] - window["paused"]) / max(window["iters"], 1)
+    tflops = flops / (seconds * 1e12 * args.world_size)
     lr = optimizer.param_groups[0]["lr"]
-    loss = sum(window["loss"]) / len(window["loss"]) if window["loss"] else float("nan")
-    norm = float("nan") if grad_norm is None else float(grad_norm)
-    print_rank_last(
-        f" iteration {state.iteration:8d}/{args.train_iters:8d} | consumed samples: {state.consumed_samples:12d} | "
-        f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
-        f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {norm:.3f} | "
-        f"tokens/s: {tokens_per_s:.0f} | number of skipped iterations: {state.skipped_iterations:3d} | "
-        f"number of nan iterations: {state.nan_iterations:3d} |"
-    )
-    run.log(
-        {
-            "lm loss": loss,
-            "learning rate": lr,
-            "grad norm": norm,
-            "tokens per second": tokens_per_s,
-            "elapsed time per iteration (ms)": elapsed_ms,
-            "consumed samples": state.consumed_samples,
-            "skipped iterations": state.skipped_iterations,
-            "nan iterations": state.nan_iterations,
-        },
-        step=state.iteration,
-    )
-    window.update(loss=[], time=now, iters=0)
+    # Megatron averages the iterations that stepped; if every one was skipped, show theirs instead of 0.
+    losses = window["loss"] or window["skipped_loss"]
+    loss = sum(losses) / len(losses) if losses else float("nan")
+    fields = [
+        f"iteration {state.iteration:8d}/{args.train_iters:8d}",
+        f"consumed samples: {state.consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {seconds * 1000:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {tflops:.4g}",
+    ]
+    if peak is not None:
+        fields.append(f"MFU: {100 * tflops / peak:.1f}%")
+    fields += [
+        f"learning rate: {lr:.6E}",
+        f"global batch size: {args.global_batch_size:5d}",
+        f"lm loss: {loss:.6E}",
+        f"loss scale: {_loss_scale(optimizer):.1f}",
+        f"grad norm: {float('nan') if step.grad_norm is None else step.grad_norm:.3f}",
+    ]
+    if step.num_zeros is not None:
+        fields.append(f"num zeros: {step.num_zeros}")
+    if step.params_norm is not None:
+        fields.append(f"params norm: {step.params_norm:.3f}")
+    fields += [
+        f"tokens/s: {args.global_batch_size * args.seq_length / seconds:.0f}",
+        f"peak memory per rank (MB): {step.peak_memory / 2**20:.0f}",
+        f"number of skipped iterations: {state.skipped_iterations:3d}",
+        f"number of nan iterations: {state.nan_iterations:3d}",
+    ]
+    print_rank_last(" " + " | ".join(fields) + " |")
+    window.update(loss=[], time=now, paused=0.0, iters=0, skipped_loss=[])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -377,7 +505,13 @@ def _build_chunks(model_provider: Callable, args) -> list[DistributedDataParalle
         )
         chunks.append(chunk)
     ps.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+        bucket_size=args.ddp_bucket_size,
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+    )
     wrapped = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
     config = chunks[0].config
     config.no_sync_func = multi_no_sync(wrapped) if len(wrapped) > 1 else wrapped[0].no_sync
@@ -429,6 +563,8 @@ def _model_state(chunks) -> dict[str, torch.Tensor]:
 
 
 def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
+    for chunk in chunks:  # the weights must be whole before they are written
+        chunk.finish_param_sync()
     path = checkpointing.save_checkpoint(
         args.save,
         state.iteration,

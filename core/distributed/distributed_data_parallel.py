@@ -12,6 +12,11 @@ backward's end: the pipeline schedule decides when gradients are final (the last
 chunk), and the wrapper exposes exactly the hooks the schedule calls. Gradients end up in
 ``param.main_grad`` (``param.grad`` stays None), in fp32 for a bf16 model by default, which is
 what the mixed-precision optimizer steps from.
+
+With ``use_distributed_optimizer`` the buckets are reduce-scattered instead of all-reduced (each
+data-parallel rank gets the sum of its shard), the parameters live in a flat buffer of the same
+layout, and ``start_param_sync`` all-gathers the shards the optimizer updated (see
+:mod:`core.distributed.grad_buffer`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from core.distributed.grad_buffer import Bucket, GradBuffer
+from core.distributed.grad_buffer import Bucket, GradBuffer, ReduceOptions
 
 
 def _default_group() -> ProcessGroup | None:
@@ -45,7 +50,7 @@ def _pipeline_rank() -> int:
 
 
 class DistributedDataParallel(nn.Module):
-    """Wraps one model chunk; its gradients live in flat buffers and are all-reduced in buckets.
+    """Wraps one model chunk; its gradients live in flat buffers and are reduced in buckets.
 
     Attributes it does not have itself (``set_input_tensor``, ``pre_process``, ``vp_stage``...)
     are looked up on the wrapped ``module``, so schedules and user code treat it as the model.
@@ -90,6 +95,13 @@ class DistributedDataParallel(nn.Module):
             else:
                 pre_scale = 1.0 / dp_size
 
+        options = ReduceOptions(
+            pre_scale=pre_scale,
+            post_scale=post_scale,
+            async_op=ddp_config.overlap_grad_reduce,
+            check_for_nan=ddp_config.check_for_nan_in_grad,
+            shard=ddp_config.use_distributed_optimizer,
+        )
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list[tuple[nn.Parameter, str]]] = {}
         for name, param in module.named_parameters():
             if param.requires_grad:
@@ -105,10 +117,7 @@ class DistributedDataParallel(nn.Module):
                     self.bucket_size,
                     self.data_parallel_group,
                     first_bucket_index=len(self.buckets),
-                    pre_scale=pre_scale,
-                    post_scale=post_scale,
-                    async_op=ddp_config.overlap_grad_reduce,
-                    check_for_nan=ddp_config.check_for_nan_in_grad,
+                    options=options,
                 )
             )
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
@@ -118,6 +127,11 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._make_grad_hook(bucket))
             for p, bucket in self.param_to_bucket.items()
         ]
+        if ddp_config.overlap_param_gather:
+            self._hook_handles += [
+                module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
+                for module, buckets in self._buckets_by_module().items()
+            ]
 
     # -- plumbing ---------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -162,6 +176,28 @@ class DistributedDataParallel(nn.Module):
 
         return hook
 
+    def _buckets_by_module(self) -> dict[nn.Module, list[Bucket]]:
+        """Each submodule that owns parameters -> the buckets holding them, in forward order."""
+        out: dict[nn.Module, list[Bucket]] = {}
+        for module in self.module.modules():
+            buckets = {
+                id(b): b
+                for p in module.parameters(recurse=False)
+                if (b := self.param_to_bucket.get(p)) is not None
+            }
+            if buckets:
+                out[module] = sorted(buckets.values(), key=lambda b: -b.index)
+        return out
+
+    @staticmethod
+    def _make_forward_pre_hook(buckets: list[Bucket]):
+        def hook(module: nn.Module, args: Any) -> None:
+            # The module is about to read its parameters: their all-gather must have landed.
+            for bucket in buckets:
+                bucket.finish_param_sync()
+
+        return hook
+
     # -- the schedule's hooks ------------------------------------------------------------------
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -193,6 +229,23 @@ class DistributedDataParallel(nn.Module):
         """Zero all gradients and re-arm the buckets; call once at the start of every step."""
         for buffer in self.buffers:
             buffer.reset()
+
+    # -- the distributed optimizer's hooks ------------------------------------------------------
+    def start_param_sync(self) -> None:
+        """All-gather the parameter shards the distributed optimizer just updated.
+
+        With ``overlap_param_gather`` the all-gathers are launched asynchronously, in the order the
+        next forward needs them, and each module's forward pre-hook waits for its own buckets; so
+        the gathers of later buckets overlap the forward of earlier layers. Without it they
+        complete here. A no-op without the distributed optimizer.
+        """
+        for bucket in reversed(self.buckets):
+            bucket.start_param_sync(async_op=self.ddp_config.overlap_param_gather)
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight (before reading the weights)."""
+        for bucket in self.buckets:
+            bucket.finish_param_sync()
 
     def broadcast_params(self) -> None:
         """Copy the first data-parallel rank's parameters to the others (identical replicas)."""

@@ -450,7 +450,8 @@ def run_table(table: list[Action], ctx: StepContext) -> list:
             sync.before_backward(index, action.chunk)
             if output.requires_grad:
                 if grad is None:
-                    torch.autograd.backward(output)
+                    scale = getattr(ctx.config, "grad_scale_func", None)  # fp16 loss scaling (Megatron)
+                    torch.autograd.backward(output if scale is None else scale(output))
                 else:
                     custom_backward(output, grad)
             sync.after_backward(index, action.chunk)

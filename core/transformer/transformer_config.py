@@ -90,6 +90,9 @@ class TransformerConfig(ModelParallelConfig):
     hidden_dropout: float = 0.1
     """Dropout on the embedding output and on each residual branch."""
 
+    attention_softmax_in_fp32: bool = False
+    """With 16-bit activations, compute attention's masking and softmax in fp32 (Megatron's flag)."""
+
     init_method_std: float = 0.02
     """Std of the normal initialisation; output projections get std / sqrt(2 * num_layers)."""
 
