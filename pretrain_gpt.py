@@ -80,7 +80,7 @@ def train_valid_test_datasets_provider(args):
     prefixes = args.data_path or [default_data_prefix(tokenizer, args.tokenizer_model, verbose=_verbose())]
     gbs = args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
-    num_samples = (args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs)
+    num_samples = (args.train_iters * gbs, evaluations * args.eval_iters * gbs, 0)  # no test evaluation
     return build_train_valid_test_datasets(
         prefixes,
         args.split or "969,30,1",

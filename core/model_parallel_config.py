@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+from core.flags import flag, not_a_flag
+
+PipelineSchedule = Literal["1f1b", "gpipe"]
+PIPELINE_SCHEDULES = get_args(PipelineSchedule)
 
 
 @dataclass(kw_only=True)
@@ -24,7 +28,7 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages per model replica (PP)."""
 
-    virtual_pipeline_model_parallel_size: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = not_a_flag(None)
     """Model chunks per pipeline rank; > 1 selects the interleaved 1F1B schedule."""
 
     context_parallel_size: int = 1
@@ -33,7 +37,7 @@ class ModelParallelConfig:
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence over the TP group."""
 
-    hidden_size: int = 0
+    hidden_size: int = flag(0, group="network size", cli_default=None)
     """Hidden size of the activations passed between stages."""
 
     params_dtype: torch.dtype = torch.float32
@@ -42,23 +46,25 @@ class ModelParallelConfig:
     pipeline_dtype: torch.dtype = torch.float32
     """Dtype of activations and gradients sent between pipeline stages."""
 
-    variable_seq_lengths: bool = False
+    variable_seq_lengths: bool = not_a_flag(False)
     """Microbatches may differ in shape: each message is preceded by its shape."""
 
-    deallocate_pipeline_outputs: bool = True
+    deallocate_pipeline_outputs: bool = not_a_flag(True)
     """Free an output's storage once it has been sent; backward only needs its graph."""
 
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: PipelineSchedule = "1f1b"
     """"1f1b" (default) or "gpipe" (all forward, then all backward).
     Interleaved 1F1B is implied by ``virtual_pipeline_model_parallel_size > 1``."""
 
     pipeline_model_parallel_layout: str | None = None
     """Megatron layout string, e.g. ``"Et*3|(tt|)*29,m|L"``; None means an even split."""
 
-    microbatch_group_size_per_vp_stage: int | None = None
+    microbatch_group_size_per_vp_stage: int | None = flag(
+        None, name="--microbatch-group-size-per-virtual-pipeline-stage"
+    )
     """Microbatches run on one virtual chunk before moving to the next (None = pipeline size)."""
 
-    calculate_per_token_loss: bool = False
+    calculate_per_token_loss: bool = flag(False, group="training")
     """Normalise the loss by the step's total token count instead of per microbatch."""
 
     no_sync_func: Callable[[], AbstractContextManager] | None = None

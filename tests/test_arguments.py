@@ -1,4 +1,4 @@
-"""Megatron flag names, the default tiny GPT, config files, and every validation message (no processes)."""
+"""Megatron flag names and defaults, the tiny demo, config files, and every validation message (no processes)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from training.argument_checks import validate_args
 from training.arguments import (
-    FLAGS,
-    TINY_GPT,
+    TINY_DEMO,
     build_parser,
     parse_args,
     transformer_config_from_args,
 )
+from training.schema import FLAGS
 
 BRIEF_FLAGS = re.findall(
     r"--[a-z0-9-]+",
@@ -37,6 +37,14 @@ BRIEF_FLAGS = re.findall(
 --calculate-per-token-loss --config
 """,
 )
+
+
+# A complete Megatron command line (the tiny demo is off): every required flag, Megatron's defaults for the rest.
+FULL = (
+    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 "
+    "--train-iters 100 --lr 1e-3"
+)
+DATA = "--data-path A --tokenizer-type NullTokenizer --vocab-size 1000"
 
 
 def _args(argv: str = "", world_size: int = 1):
@@ -83,7 +91,7 @@ def test_megatron_flag_names_parse_to_megatron_dests(argv, dest, value):
     assert getattr(parse_args(argv.split()), dest) == value
 
 
-def test_flags_not_in_the_tiny_table_keep_megatron_defaults():
+def test_flags_not_in_the_tiny_demo_keep_megatron_defaults():
     args = parse_args([])
     megatron = {
         "tensor_model_parallel_size": 1,
@@ -113,7 +121,6 @@ def test_flags_not_in_the_tiny_table_keep_megatron_defaults():
         "split": None,
         "ffn_hidden_size": None,
         "kv_channels": None,
-        "lr_warmup_fraction": None,
         "lr_decay_iters": None,
         "recompute_granularity": None,
         "sequence_parallel": False,
@@ -125,17 +132,19 @@ def test_flags_not_in_the_tiny_table_keep_megatron_defaults():
         "load": None,
     }
     assert {k: getattr(args, k) for k in megatron} == megatron
-    assert len({f.key for f in FLAGS}) == len(FLAGS) - 1  # only --[no-]check-for-nan share a dest
+    assert len({f.dest for f in FLAGS}) == len(FLAGS)  # one flag per attribute (--[no-]check-... is one)
 
 
-def test_defaults_table_is_the_tiny_gpt():
+def test_the_bare_command_is_the_tiny_demo():
     args = parse_args([])
-    assert {k: getattr(args, k) for k in TINY_GPT} == TINY_GPT
+    assert {k: getattr(args, k) for k in TINY_DEMO} == TINY_DEMO
     assert (args.max_position_embeddings, args.save_interval) == (128, 100)
     assert args.using_default_model and args.using_default_data and args.explicit_args == []
+    assert args.tokenizer_type == "GPTSentencePieceTokenizer"
     validate_args(args, 1)
     assert (args.global_batch_size, args.num_microbatches, args.data_parallel_size) == (16, 4, 1)
     assert (args.ffn_hidden_size, args.kv_channels, args.params_dtype) == (512, 32, torch.float32)
+    assert args.lr_warmup_iters == 0 and args.lr_warmup_fraction == 0.1  # 10 of the 100 iterations
 
 
 @pytest.mark.parametrize(
@@ -146,18 +155,33 @@ def test_default_global_batch_is_the_smallest_multiple_of_mbs_x_dp_from_16(world
     assert (args.global_batch_size, args.num_microbatches) == (gbs, microbatches)
 
 
-def test_given_flags_win_over_the_table_and_are_recorded():
-    args = _args("--num-layers 8 --seq-length 256 --train-iters 40 --data-path A --global-batch-size 8")
+def test_given_flags_are_recorded_and_same_as_defaults_follow_them():
+    args = _args(f"{FULL} --num-layers 8 --seq-length 256 --train-iters 40 {DATA} --global-batch-size 8")
     assert (args.num_layers, args.max_position_embeddings, args.save_interval) == (8, 256, 40)
     assert not args.using_default_model and not args.using_default_data
     assert args.split == "969,30,1"  # Megatron's legacy default when --data-path has no --split
-    assert args.explicit_args == ["data_path", "global_batch_size", "num_layers", "seq_length", "train_iters"]
-    assert parse_args(["--swiglu"]).using_default_model  # only the size flags count as "the model"
+    assert args.explicit_args == [
+        "data_path",
+        "global_batch_size",
+        "hidden_size",
+        "lr",
+        "micro_batch_size",
+        "num_attention_heads",
+        "num_layers",
+        "seq_length",
+        "tokenizer_type",
+        "train_iters",
+        "vocab_size",
+    ]
 
 
-def test_warmup_fraction_replaces_the_tiny_warmup_iters():
-    args = _args("--lr-warmup-fraction 0.1")
-    assert (args.lr_warmup_fraction, args.lr_warmup_iters) == (0.1, 0)
+@pytest.mark.parametrize(
+    "argv, fraction, iters",
+    [("--lr-warmup-iters 3", None, 3), ("--lr-warmup-fraction 0.2", 0.2, 0), ("--train-iters 10", 0.1, 0)],
+)
+def test_a_given_warmup_replaces_the_demo_warmup(argv, fraction, iters):
+    args = _args(argv)
+    assert (args.lr_warmup_fraction, args.lr_warmup_iters) == (fraction, iters)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,22 +271,22 @@ VALIDATION_ERRORS = [
         "--num-query-groups (1) must be divisible by --tensor-model-parallel-size (2)",
     ),
     (
-        "--hidden-size 130",
+        f"{FULL} --hidden-size 130",
         1,
         "--hidden-size (130) must be divisible by --num-attention-heads (4) unless --kv-channels is given",
     ),
     (
-        "--ffn-hidden-size 101 --tensor-model-parallel-size 2",
+        f"{FULL} --ffn-hidden-size 101 --tensor-model-parallel-size 2",
         2,
         "--ffn-hidden-size (101) must be divisible by --tensor-model-parallel-size (2)",
     ),
     (
-        "--swiglu --hidden-size 16",
+        f"{FULL} --swiglu --hidden-size 16",
         1,
         "--swiglu with --hidden-size 16 gives an FFN size of 0 (int(8*hidden/3/64)*64); give --ffn-hidden-size",
     ),
     (
-        "--seq-length 256 --max-position-embeddings 128",
+        f"{FULL} --seq-length 256 --max-position-embeddings 128",
         1,
         (
             "--seq-length (256) must be <= --max-position-embeddings (128) with --position-embedding-type "
@@ -270,7 +294,7 @@ VALIDATION_ERRORS = [
         ),
     ),
     (
-        "--sequence-parallel --tensor-model-parallel-size 4 --seq-length 130 --max-position-embeddings 256",
+        f"{FULL} --sequence-parallel --tensor-model-parallel-size 4 --seq-length 130 --max-position-embeddings 256",
         4,
         "--seq-length (130) must be divisible by --tensor-model-parallel-size (4) with --sequence-parallel",
     ),
@@ -283,7 +307,7 @@ VALIDATION_ERRORS = [
         "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one",
     ),
     (
-        "--train-iters 10",
+        f"{FULL} --train-iters 10 --lr-warmup-iters 10",
         1,
         (
             "--lr-warmup-iters (10) must be < the decay iterations (10, from --lr-decay-iters or else "
@@ -292,7 +316,7 @@ VALIDATION_ERRORS = [
     ),
     ("--tokenizer-type NullTokenizer", 1, "--tokenizer-type NullTokenizer needs --vocab-size"),
     (
-        "--data-path A --split 1,2,3,4",
+        f"{FULL} {DATA} --split 1,2,3,4",
         1,
         "--split '1,2,3,4': expected up to three comma-separated weights, e.g. 969,30,1",
     ),

@@ -48,7 +48,11 @@ CONFIGS = {
     "plain": {},
     "overlap": {"overlap_grad_reduce": True},
     "distopt": {"use_distributed_optimizer": True},
-    "distopt+overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True},
+    "distopt+overlap": {
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    },
 }
 
 
@@ -126,7 +130,9 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)

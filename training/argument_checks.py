@@ -11,12 +11,23 @@ from __future__ import annotations
 import argparse
 import os
 
-from training.arguments import flag_name as _flag
+from training.schema import BY_OPTION, COVERAGE
+from training.schema import flag_name as _flag
 
 __all__ = ["validate_args"]
 
-MIN_DEFAULT_GLOBAL_BATCH = 16
-"""--global-batch-size not given: the smallest multiple of micro-batch x DP that is >= this."""
+DEMO_MIN_GLOBAL_BATCH = 16
+"""The tiny demo's --global-batch-size: the smallest multiple of micro-batch x DP that is >= this."""
+REQUIRED = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "micro_batch_size",
+    "train_iters",
+    "lr",
+)
+"""Flags Megatron has no default for (the tiny demo fills them in when it is on)."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -56,13 +67,52 @@ _AT_LEAST = {
         "lr_decay_iters",
         "make_vocab_size_divisible_by",
         "max_consecutive_skipped_iterations",
-        "ddp_bucket_size",
+        "bucket_size",
         "hysteresis",
         "loss_scale_window",
     ),
-    0: ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "init_method_std"),
+    0: (
+        "eval_iters",
+        "lr_warmup_iters",
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "clip_grad",
+        "init_method_std",
+        "manual_gc_interval",
+        "exit_duration_in_mins",
+    ),
 }
 _FRACTIONS = ("hidden_dropout", "attention_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")
+
+
+def _check_required(args: argparse.Namespace) -> None:
+    """Outside the tiny demo, Megatron's required flags, and a tokenizer for the given data."""
+    if args.using_default_model:
+        return
+    missing = [_flag(d) for d in REQUIRED if getattr(args, d) is None]
+    if args.tokenizer_type is None:
+        missing.append(_flag("tokenizer_type"))
+    if missing:
+        them = "it" if len(missing) == 1 else "them"
+        off_by = args.tiny_demo_off_by
+        raise ValueError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required: Megatron has no default "
+            f"for {them}, and the tiny demo that fills {them} in is off because {', '.join(off_by)} "
+            f"{'was' if len(off_by) == 1 else 'were'} given"
+        )
+
+
+def _check_supported_values(args: argparse.Namespace) -> None:
+    """Flags Trident takes at one value only (``works_only`` in the schema's coverage table)."""
+    for option, entry in COVERAGE.items():
+        if entry.only and option in BY_OPTION:
+            value = getattr(args, BY_OPTION[option].dest)
+            _require(
+                value in entry.only,
+                f"{option} {value}: Trident supports only {' or '.join(map(str, entry.only))}, "
+                f"because {entry.reason}",
+            )
 
 
 def _check_ranges(args: argparse.Namespace) -> None:
@@ -200,8 +250,15 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
 
 def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
     mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp
-    if args.global_batch_size is None:
-        args.global_batch_size = per_step * max(1, -(-MIN_DEFAULT_GLOBAL_BATCH // per_step))
+    if args.global_batch_size is None and args.using_default_model:
+        args.global_batch_size = per_step * max(1, -(-DEMO_MIN_GLOBAL_BATCH // per_step))
+        filled = list(args.tiny_demo_filled.items())
+        at = next((i + 1 for i, (k, _) in enumerate(filled) if k == "micro_batch_size"), len(filled))
+        args.tiny_demo_filled = dict(
+            filled[:at] + [("global_batch_size", args.global_batch_size)] + filled[at:]
+        )
+    elif args.global_batch_size is None:
+        args.global_batch_size = per_step  # Megatron's default: one microbatch per data-parallel rank
     gbs = args.global_batch_size
     _require(
         gbs % per_step == 0,
@@ -263,14 +320,16 @@ def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
         args.min_loss_scale <= args.initial_loss_scale,
         f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale ({args.initial_loss_scale})",
     )
-    if args.grad_reduce_in_bf16:
+    # Megatron's gradient dtype: bf16 accumulates and reduces in fp32 unless --grad-reduce-in-bf16;
+    # fp16 in fp16 unless --accumulate-allreduce-grads-in-fp32; fp32 in fp32.
+    if not args.grad_reduce_in_fp32:  # --grad-reduce-in-bf16
         _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16 (other parameters reduce in their own dtype)")
         _require(
             not args.accumulate_allreduce_grads_in_fp32,
             "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive",
         )
-    elif args.bf16:  # Megatron: bf16 gradients are accumulated and reduced in fp32
-        args.accumulate_allreduce_grads_in_fp32 = True
+    elif args.fp16:
+        args.grad_reduce_in_fp32 = args.accumulate_allreduce_grads_in_fp32
     if args.overlap_param_gather:
         _require(
             args.use_distributed_optimizer,
@@ -292,6 +351,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     import torch
 
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    _check_required(args)
+    _check_supported_values(args)
     _check_ranges(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _require(

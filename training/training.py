@@ -9,6 +9,7 @@ parallelism), optimizer and LR schedule; resume from ``--load``; then train, eva
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from core import parallel_state as ps
-from core.device import bind_local_device, current_device
+from core.device import bind_local_device, current_device, select_backend
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from core.distributed.distributed_data_parallel import multi_no_sync
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -30,10 +31,11 @@ from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from training import checkpointing
 from training.argument_checks import validate_args
-from training.arguments import parse_args
+from training.arguments import config_from_args, parse_and_validate, startup_report
 from training.batches import step_iterator
 from training.global_vars import get_tokenizer, set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
+from training.run_control import ExitTimer, ManualGC
 from training.signal_handler import SignalHandler
 from training.throughput import memory_stats, num_floating_point_operations, peak_memory_bytes, peak_tflops
 from training.wandb_logging import start_run
@@ -71,15 +73,21 @@ def pretrain(
     *,
     argv: list[str] | None = None,
     tokenizer_provider: Callable | None = None,
+    args: argparse.Namespace | None = None,
     iteration_hook: Callable[[TrainState], None] | None = None,
 ) -> TrainState:
     """Train as the flags say; returns the final state (losses on the rank that logs them).
 
+    ``args``: an already parsed namespace (``training.arguments.parse_args``) instead of ``argv``.
     ``iteration_hook(state)``, if given, runs after every iteration, outside its measured time
     (``tools/bench_overhead.py`` interleaves a plain PyTorch loop with it, step by step).
     """
-    args = parse_args(argv)
-    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args is None:
+        args = parse_and_validate(argv, world_size)
+    else:
+        validate_args(args, world_size)
+    select_backend(args.distributed_backend)
     started = ps.initialize_distributed()
     try:
         return _setup_and_train(
@@ -115,32 +123,11 @@ def _setup_and_train(
     _seed_everything(args.seed)
     tokenizer = _rank0_first(lambda: tokenizer_provider(args)) if tokenizer_provider else None
     set_global_variables(args, tokenizer)
-    if args.using_default_model or args.using_default_data:
-        print_rank_0(_describe_defaults(args))
+    for line in startup_report(args):
+        print_rank_0(line)
 
     chunks = _build_chunks(model_provider, args)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            bf16=args.bf16,
-            fp16=args.fp16,
-            params_dtype=args.params_dtype,
-            loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale,
-            min_loss_scale=args.min_loss_scale,
-            loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad,
-            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-        ),
-        chunks,
-    )
+    optimizer = get_megatron_optimizer(config_from_args(OptimizerConfig, args), chunks)
     if optimizer.grad_scaler is not None:  # the schedule scales the last stage's loss before backward
         chunks[0].config.grad_scale_func = optimizer.scale_loss
     scheduler = _build_scheduler(optimizer, args)
@@ -165,7 +152,10 @@ def _setup_and_train(
     )
     # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.
     handler = SignalHandler() if args.exit_signal_handler else contextlib.nullcontext()
-    with handler as signals:
+    collector = ManualGC(
+        enabled=args.manual_gc, interval=args.manual_gc_interval, around_eval=args.manual_gc_eval
+    )
+    with handler as signals, collector:
         _train(
             args,
             chunks,
@@ -177,6 +167,7 @@ def _setup_and_train(
             state,
             run,
             signals,
+            collector,
             iteration_hook,
         )
     run.finish()
@@ -184,7 +175,7 @@ def _setup_and_train(
 
 
 def _train(
-    args, chunks, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals, hook
+    args, chunks, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals, collector, hook
 ) -> None:
     forward_backward = get_forward_backward_func()
     device = current_device()
@@ -192,6 +183,7 @@ def _train(
     peak = peak_tflops(device, args.peak_tflops)
     window: dict[str, Any] = {"time": time.perf_counter(), "paused": 0.0, "iters": 0}
     window.update(loss=[], skipped_loss=[])  # losses of the iterations that stepped, and of the others
+    timer = ExitTimer(args.exit_duration_in_mins, _any_rank)
     saved_at = None
     while state.iteration < args.train_iters:
         start = time.perf_counter()
@@ -208,6 +200,7 @@ def _train(
             step.params_norm = optimizer.get_params_norm()
         step.seconds = time.perf_counter() - start
         run.log(_wandb_row(args, state, optimizer, step, flops, peak, device), step=state.iteration)
+        collector.after_step(state.iteration)
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             _log(args, state, optimizer, step, window, flops, peak)
         state.step_seconds.append(time.perf_counter() - start)
@@ -218,8 +211,15 @@ def _train(
             and state.iteration % args.eval_interval == 0
             and args.eval_iters > 0
         ):
-            _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state, run)
+            with collector.evaluation():
+                _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state, run)
         stop = args.exit_interval and state.iteration % args.exit_interval == 0
+        if timer.expired():
+            print_rank_0(
+                f"--exit-duration-in-mins {args.exit_duration_in_mins} reached: saving a checkpoint at "
+                f"iteration {state.iteration} and exiting"
+            )
+            stop = True
         if args.exit_signal_handler and any(signals.signals_received()):
             print_rank_0(f"SIGTERM received: saving a checkpoint at iteration {state.iteration} and exiting")
             stop = True
@@ -505,13 +505,7 @@ def _build_chunks(model_provider: Callable, args) -> list[DistributedDataParalle
         )
         chunks.append(chunk)
     ps.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
-    ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather,
-        bucket_size=args.ddp_bucket_size,
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-    )
+    ddp_config = config_from_args(DistributedDataParallelConfig, args)
     wrapped = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
     config = chunks[0].config
     config.no_sync_func = multi_no_sync(wrapped) if len(wrapped) > 1 else wrapped[0].no_sync
@@ -616,18 +610,3 @@ def _load(args, chunks, optimizer, scheduler, state: TrainState) -> None:
         state.skipped_iterations = extra.get("skipped_iterations", 0)
         state.nan_iterations = extra.get("nan_iterations", 0)
     print_rank_0(f"loaded checkpoint {args.load} at iteration {state.iteration}")
-
-
-def _describe_defaults(args) -> str:
-    parts = []
-    if args.using_default_model:
-        parts.append(
-            f"the default tiny GPT ({args.num_layers} layers, hidden {args.hidden_size}, "
-            f"{args.num_attention_heads} heads, sequence {args.seq_length})"
-        )
-    if args.using_default_data:
-        parts.append(
-            "the default corpus (this Python's standard-library docstrings and pydoc topics) with "
-            "Trident's own SentencePiece tokenizer"
-        )
-    return "no model/data flags given: training " + " on ".join(parts)

@@ -27,12 +27,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from core.device import current_device
+from core.flags import flag
 from core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -52,38 +54,42 @@ _COPIED_ATTRIBUTES = ("shared", "shared_embedding", "sequence_parallel")
 class OptimizerConfig:
     """Optimizer settings (Megatron's ``OptimizerConfig`` field names and defaults)."""
 
-    optimizer: str = "adam"
+    optimizer: Literal["adam", "sgd"] = flag("adam", group="training")
     """"adam" (decoupled weight decay, i.e. AdamW, as Megatron's Adam) or "sgd"."""
-    lr: float | None = None
+    lr: float | None = flag(None, group="learning rate")
     """Initial learning rate; the scheduler overwrites it every step."""
-    min_lr: float | None = None
+    min_lr: float | None = flag(None, group="learning rate", cli_default=0.0)
     """Floor of the learning-rate decay (read by the scheduler's builder)."""
     weight_decay: float = 0.01
     """Decoupled weight decay for matrices; biases and norms get none (see ``get_param_groups``)."""
     bf16: bool = False
     """The model is bf16: keep fp32 main parameters and step on those."""
-    fp16: bool = False
+    fp16: bool = flag(False, group="mixed precision")
     """The model is fp16: fp32 main parameters, and dynamic loss scaling unless ``loss_scale`` is set."""
     params_dtype: torch.dtype = torch.float32
-    loss_scale: float | None = None
+    loss_scale: float | None = flag(None, group="mixed precision")
     """A constant loss scale (fp16 or bf16); None with fp16 means dynamic loss scaling."""
-    initial_loss_scale: float = 2**32
+    initial_loss_scale: float = flag(2.0**32, group="mixed precision")
     """Dynamic loss scaling: the starting scale."""
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = flag(1.0, group="mixed precision")
     """Dynamic loss scaling: the scale never backs off below this."""
-    loss_scale_window: float = 1000
+    loss_scale_window: float = flag(1000, group="mixed precision")
     """Dynamic loss scaling: steps without overflow before the scale doubles."""
-    hysteresis: int = 2
+    hysteresis: int = flag(2, group="mixed precision")
     """Dynamic loss scaling: overflows tolerated before the scale halves."""
     adam_beta1: float = 0.9
+    """Adam's decay rate of the running mean of gradients."""
     adam_beta2: float = 0.999
+    """Adam's decay rate of the running mean of squared gradients."""
     adam_eps: float = 1e-08
+    """Added to Adam's denominator for numerical stability."""
     sgd_momentum: float = 0.9
+    """Momentum of SGD (with ``optimizer="sgd"``)."""
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping (the norm is still computed)."""
-    log_num_zeros_in_grad: bool = False
+    log_num_zeros_in_grad: bool = flag(False, group="logging")
     """Count zero gradient elements every step (third value of ``step()``)."""
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = flag(False, group="distributed")
     """Shard main parameters and optimizer state over data-parallel ranks (ZeRO-1); the model
     chunks must be wrapped in ``DistributedDataParallel`` with ``use_distributed_optimizer=True``."""
 

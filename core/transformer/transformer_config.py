@@ -12,16 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
+from core.flags import flag, not_a_flag
 from core.model_parallel_config import ModelParallelConfig
 
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
+Normalization = Literal["LayerNorm", "RMSNorm"]
+PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
+NORMALIZATIONS = get_args(Normalization)
+POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
+RECOMPUTE_GRANULARITIES = get_args(RecomputeGranularity)
+RECOMPUTE_METHODS = get_args(RecomputeMethod)
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -36,13 +42,13 @@ class TransformerConfig(ModelParallelConfig):
     LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``).
     """
 
-    num_layers: int = 0
+    num_layers: int = flag(0, cli_default=None)
     """Decoder layers in the whole model (all pipeline stages together)."""
 
-    num_attention_heads: int = 0
+    num_attention_heads: int = flag(0, cli_default=None)
     """Query heads per layer."""
 
-    num_query_groups: int | None = None
+    num_query_groups: int | None = flag(None, cli_default=1)
     """Key/value heads (GQA); None means one per query head (MHA), 1 is multi-query attention."""
 
     ffn_hidden_size: int | None = None
@@ -51,25 +57,29 @@ class TransformerConfig(ModelParallelConfig):
     kv_channels: int | None = None
     """Size of one attention head; None means hidden_size / num_attention_heads."""
 
-    normalization: str = "LayerNorm"
+    normalization: Normalization = "LayerNorm"
     """"LayerNorm" (GPT-2) or "RMSNorm" (LLaMA)."""
 
-    layernorm_epsilon: float = 1e-5
+    layernorm_epsilon: float = flag(1e-5, name="--norm-epsilon")
     """Epsilon of every norm."""
 
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
     """MLP activation; with ``gated_linear_unit`` it is applied to the gate branch (F.silu: SwiGLU)."""
 
-    gated_linear_unit: bool = False
+    gated_linear_unit: bool = not_a_flag(False)
     """Use a gated MLP: ``act(x W_gate) * (x W_up)`` (LLaMA's SwiGLU with ``activation_func=F.silu``)."""
 
-    add_bias_linear: bool = True
+    add_bias_linear: bool = flag(
+        True,
+        name="--disable-bias-linear",
+        help="No biases in the linear layers of attention and MLP (LLaMA).",
+    )
     """Biases on every linear layer of attention and MLP (GPT-2 yes, LLaMA no)."""
 
     add_qkv_bias: bool = False
     """Bias on the QKV projection only, even without ``add_bias_linear`` (Qwen-style)."""
 
-    position_embedding_type: str = "learned_absolute"
+    position_embedding_type: PositionEmbeddingType = "learned_absolute"
     """"learned_absolute" (GPT-2), "rope" (LLaMA) or "none"."""
 
     rotary_base: float = 10000.0
@@ -84,35 +94,35 @@ class TransformerConfig(ModelParallelConfig):
     make_vocab_size_divisible_by: int = 128
     """The vocabulary is padded to a multiple of this times the TP size, so every shard is equal."""
 
-    attention_dropout: float = 0.1
+    attention_dropout: float = flag(0.1, group="regularization")
     """Dropout on attention probabilities."""
 
-    hidden_dropout: float = 0.1
+    hidden_dropout: float = flag(0.1, group="regularization")
     """Dropout on the embedding output and on each residual branch."""
 
-    attention_softmax_in_fp32: bool = False
+    attention_softmax_in_fp32: bool = flag(False, group="mixed precision")
     """With 16-bit activations, compute attention's masking and softmax in fp32 (Megatron's flag)."""
 
-    init_method_std: float = 0.02
+    init_method_std: float = flag(0.02, group="initialization")
     """Std of the normal initialisation; output projections get std / sqrt(2 * num_layers)."""
 
-    perform_initialization: bool = True
+    perform_initialization: bool = not_a_flag(True)
     """Initialise parameters at construction (off when weights are about to be loaded anyway)."""
 
-    bf16: bool = False
+    bf16: bool = flag(False, group="mixed precision")
     """Run in bfloat16: sets ``params_dtype`` and ``pipeline_dtype`` to bfloat16 (losses stay fp32)."""
 
-    recompute_granularity: str | None = None
+    recompute_granularity: RecomputeGranularity | None = flag(None, group="training")
     """Activation recomputation: "full" (whole layers), "selective" (core attention) or None."""
 
-    recompute_method: str | None = None
+    recompute_method: RecomputeMethod | None = flag(None, group="training")
     """With "full": "uniform" checkpoints groups of ``recompute_num_layers`` layers, "block" only the
     first ``recompute_num_layers`` layers of each stage."""
 
-    recompute_num_layers: int | None = None
+    recompute_num_layers: int | None = flag(None, group="training")
     """Layers per checkpointed group ("uniform") or checkpointed layers per stage ("block")."""
 
-    seed: int = 1234
+    seed: int = flag(1234, group="initialization")
     """Parameter initialisation seed: with (seed, parameter name) it fixes every full weight."""
 
     def __post_init__(self) -> None:

@@ -8,6 +8,8 @@
 * Blending: dataset ``d`` is asked for ``ceil(ceil(n * w_d) * 1.005)`` samples of a split that
   needs ``n`` (the small surplus keeps the blend from running past its end), and the blend is
   ``sum_d ceil(n * w_d)`` samples long.
+* A split that rounds to no documents is None too when it is not used (0 samples asked of it), with
+  one warning: ``969,30,1`` leaves a small dataset no test documents, and training never reads them.
 """
 
 from __future__ import annotations
@@ -98,10 +100,17 @@ def build_train_valid_test_datasets(
         raise ValueError(f"num_samples needs one entry per split (train, valid, test), got {sizes}")
     common = {"seq_length": seq_length, "seed": seed, "eod_token": eod_token, "eod_mask_loss": eod_mask_loss}
 
+    unused_empty: dict[str, list[str]] = {}
+
     def per_prefix(prefix: str, counts: Sequence[int | None]) -> list[GPTDataset | None]:
         indexed = IndexedDataset(prefix)
         datasets = []
-        for name, docs, count in zip(SPLIT_NAMES, split_document_indices(len(indexed), split), counts):
+        for name, docs, count, asked in zip(
+            SPLIT_NAMES, split_document_indices(len(indexed), split), counts, sizes
+        ):
+            if docs is not None and len(docs) == 0 and asked == 0:
+                unused_empty.setdefault(name, []).append(f"{prefix} ({len(indexed)} documents)")
+                docs = None
             datasets.append(
                 None
                 if docs is None
@@ -109,8 +118,15 @@ def build_train_valid_test_datasets(
             )
         return datasets
 
+    def warn_once() -> None:
+        if unused_empty and os.environ.get("RANK", "0") == "0":
+            where = "; ".join(f"{name} split of {', '.join(p)}" for name, p in unused_empty.items())
+            print(f"WARNING: --split {split} leaves no documents in the {where}; it is not used", flush=True)
+
     if len(prefixes) == 1:
-        return per_prefix(prefixes[0], sizes)
+        single = per_prefix(prefixes[0], sizes)
+        warn_once()
+        return single
 
     if weights is not None:
         weights = normalize(weights)
@@ -122,6 +138,7 @@ def build_train_valid_test_datasets(
     else:
         buffers = [[None, None, None] for _ in prefixes]
     parts = [per_prefix(prefix, counts) for prefix, counts in zip(prefixes, buffers)]
+    warn_once()
 
     blends: list[BlendedDataset | None] = []
     for i, name in enumerate(SPLIT_NAMES):

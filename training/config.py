@@ -1,0 +1,205 @@
+"""The training side of the configuration: every flag that no core config owns, declared once.
+
+Each dataclass is one ``--help`` section (``training/schema.py`` lists them in Megatron's order);
+each field is one flag, named after the field, with its type, Megatron's default and its docstring
+as help. The training loop reads the values from the flat ``args`` namespace under the same names.
+Whether a Megatron flag works, has no effect here or is rejected is decided in the coverage table
+of ``training/schema.py``, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from core.flags import flag
+
+TokenizerType = Literal["GPTSentencePieceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+AttentionBackend = Literal["flash", "fused", "unfused", "local", "auto"]
+
+
+@dataclass(kw_only=True)
+class ModelArgs:
+    """Model flags that a ``GPTModel`` or the config builder reads, besides ``TransformerConfig``'s."""
+
+    seq_length: int | None = None
+    """Tokens per sample."""
+    max_position_embeddings: int | None = None
+    """Positions of the learned position embedding (default: --seq-length)."""
+    group_query_attention: bool = False
+    """Grouped-query attention: --num-query-groups key/value heads shared by the query heads."""
+    swiglu: bool = False
+    """SwiGLU MLP: a gated linear unit with SiLU (FFN size int(8*hidden/3/64)*64 by default)."""
+    attention_backend: AttentionBackend = "auto"
+    """Megatron's attention kernel choice (flash, fused, unfused, local, auto)."""
+
+
+@dataclass(kw_only=True)
+class TrainingArgs:
+    """Batch sizes, run length, stopping and the switches Megatron keeps with them."""
+
+    micro_batch_size: int | None = None
+    """Samples per microbatch per data-parallel rank."""
+    global_batch_size: int | None = None
+    """Samples per step over all data-parallel ranks (default: --micro-batch-size x data-parallel size)."""
+    train_iters: int | None = None
+    """Training iterations."""
+    log_interval: int = 100
+    """Iterations between log lines."""
+    exit_interval: int | None = None
+    """Save and exit after an iteration divisible by this."""
+    exit_duration_in_mins: int | None = None
+    """Save and exit once the run has lasted this many minutes (all ranks agree on when)."""
+    exit_signal_handler: bool = False
+    """On SIGTERM, save a checkpoint and exit."""
+    check_for_nan_in_loss_and_grad: bool = flag(False, negation="--no-check-for-nan-in-loss-and-grad")
+    """Raise on a NaN/inf loss or gradient, as Megatron does; without it Trident counts and skips the step."""
+    max_consecutive_skipped_iterations: int = 10
+    """Stop the run after this many consecutive skipped (NaN/inf) steps."""
+    accumulate_allreduce_grads_in_fp32: bool = flag(False, group="mixed precision")
+    """Accumulate and reduce gradients in fp32 (with --fp16; --bf16 does so unless --grad-reduce-in-bf16)."""
+    manual_gc: bool = False
+    """Disable Python's automatic garbage collector and collect at fixed points instead, the same
+    on every rank (at the start, around evaluations and every --manual-gc-interval steps)."""
+    manual_gc_interval: int = 0
+    """With --manual-gc, collect garbage every this many steps (0: never between steps)."""
+    manual_gc_eval: bool = flag(
+        True, name="--no-manual-gc-eval", help="With --manual-gc, do not collect garbage around evaluations."
+    )
+    """With --manual-gc, collect garbage before and after each evaluation."""
+    use_mcore_models: bool = False
+    """Megatron: use the Megatron Core model implementation."""
+    masked_softmax_fusion: bool = flag(
+        True, name="--no-masked-softmax-fusion", help="Megatron: do not fuse scaling, masking and softmax."
+    )
+    """Megatron: fuse attention-score scaling, masking and softmax in one kernel."""
+    cross_entropy_loss_fusion: bool = False
+    """Megatron: fused cross-entropy kernel."""
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Megatron: call torch.cuda.empty_cache() every iteration (0 off, 1 moderate, 2 aggressive)."""
+    profile: bool = False
+    """Megatron: profile with nsys (or --use-pytorch-profiler) between two steps."""
+    profile_step_start: int = 10
+    """Megatron: first profiled step."""
+    profile_step_end: int = 12
+    """Megatron: step at which profiling stops."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Megatron: ranks to profile."""
+    use_pytorch_profiler: bool = False
+    """Megatron: use torch.profiler for --profile."""
+
+
+@dataclass(kw_only=True)
+class LearningRateArgs:
+    """The learning-rate schedule (the peak and floor are ``OptimizerConfig.lr`` and ``min_lr``)."""
+
+    lr_decay_style: LrDecayStyle = "linear"
+    """Decay after warm-up."""
+    lr_decay_iters: int | None = None
+    """Iterations to decay over (default: --train-iters)."""
+    lr_warmup_iters: int = 0
+    """Iterations of linear warm-up."""
+    lr_warmup_fraction: float | None = None
+    """Warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointingArgs:
+    """Where checkpoints go, how often, and what is restored from them."""
+
+    save: str | None = None
+    """Checkpoint directory to save to."""
+    load: str | None = None
+    """Checkpoint directory to resume from."""
+    save_interval: int | None = flag(None, aliases=("--persistent-save-interval",))
+    """Iterations between checkpoints (default: --train-iters, i.e. once at the end)."""
+    no_load_optim: bool | None = None
+    """Do not load the optimizer and scheduler state."""
+    no_load_rng: bool | None = None
+    """Do not load the random number generator states."""
+    finetune: bool = False
+    """Load the weights only and start at iteration 0."""
+
+
+@dataclass(kw_only=True)
+class ValidationArgs:
+    """How often and how long to evaluate on the validation split."""
+
+    eval_interval: int = 1000
+    """Iterations between evaluations."""
+    eval_iters: int = 100
+    """Global batches per evaluation (0: no evaluation)."""
+
+
+@dataclass(kw_only=True)
+class DataArgs:
+    """The training data: indexed datasets, their split and the loss mask."""
+
+    data_path: list[str] | None = None
+    """Dataset prefixes, or 'weight prefix weight prefix ...' (default: the built-in corpus)."""
+    split: str | None = None
+    """Train,valid,test weights, e.g. 969,30,1 (default with --data-path: 969,30,1)."""
+    eod_mask_loss: bool = False
+    """Mask the loss on end-of-document tokens."""
+    create_attention_mask_in_dataloader: bool = flag(
+        True,
+        name="--no-create-attention-mask-in-dataloader",
+        help="Megatron: do not build attention masks in the data loader.",
+    )
+    """Megatron: build an attention mask for every sample in the data loader."""
+
+
+@dataclass(kw_only=True)
+class TokenizerArgs:
+    """The tokenizer the data was preprocessed with."""
+
+    tokenizer_type: TokenizerType | None = None
+    """Tokenizer (default without a data source: Trident's own SentencePiece model)."""
+    tokenizer_model: str | None = None
+    """SentencePiece model file (default: the one built for the default corpus)."""
+    vocab_size: int | None = None
+    """Vocabulary size, for NullTokenizer."""
+
+
+@dataclass(kw_only=True)
+class LoggingArgs:
+    """Experiment tracking."""
+
+    wandb_project: str = ""
+    """W&B project ('' = no W&B)."""
+    wandb_exp_name: str = ""
+    """W&B run name."""
+    wandb_save_dir: str = ""
+    """Local directory of the W&B run."""
+    log_throughput: bool = False
+    """Megatron: log throughput per GPU."""
+    peak_tflops: float | None = None
+    """Trident: peak TFLOP/s of one device, for MFU in the log line (default: a table of known GPUs;
+    none on CPU)."""
+    log_params_norm: bool = False
+    """Compute the parameters' global L2 norm every iteration and log it (a collective per step)."""
+    log_memory_to_tensorboard: bool = False
+    """Write the memory statistics (mem-* keys) to W&B every iteration."""
+
+
+@dataclass(kw_only=True)
+class DistributedArgs:
+    """Process-group options besides the parallel sizes (those are ``ModelParallelConfig``'s)."""
+
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Decoder layers per virtual pipeline stage (interleaved 1F1B)."""
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    """Virtual stages (model chunks) per pipeline rank (interleaved 1F1B)."""
+    distributed_backend: Literal["nccl", "gloo"] | None = None
+    """Process-group backend (default: nccl with GPUs, gloo without; nccl without CUDA falls back to gloo)."""
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of a mixture-of-experts layer are split over."""
+
+
+@dataclass(kw_only=True)
+class ConfigFileArgs:
+    """Trident: flags from a file."""
+
+    config: str | None = None
+    """YAML or TOML file of flags (keys with dashes or underscores); the command line overrides it."""

@@ -1,0 +1,440 @@
+"""The configuration schema: every flag, derived from the typed config dataclasses, plus its coverage.
+
+The dataclasses in ``SECTIONS`` are the single source. Each field is one flag: its name gives the
+flag (``num_layers`` -> ``--num-layers``) and the attribute on ``args``, its annotation the type
+(``Literal[...]`` gives the choices, ``list[str]`` takes several values), its default Megatron's
+default, its docstring the ``--help`` text and its class the ``--help`` section. Core configs
+(``TransformerConfig``, ``OptimizerConfig``, ...) own the fields they use; ``training/config.py``
+owns the rest. ``COVERAGE`` says, for the Megatron flags that are not simply "declared and read",
+whether they work, are accepted with no effect here, or are rejected, and why.
+
+How to
+======
+
+Declare a new flag: add a field, with a docstring, to the dataclass that uses it::
+
+    @dataclass(kw_only=True)
+    class TrainingArgs:
+        log_timers_to_tensorboard: bool = False
+        \"\"\"Write the step timers to TensorBoard.\"\"\"
+
+That is all: ``--log-timers-to-tensorboard`` exists, ``--help`` lists it under the class's section,
+``--config`` files accept it, ``args.log_timers_to_tensorboard`` holds it, and a core config with
+a field of that name receives it from ``config_from_args``. Code must read it: the test
+``test_every_accepted_flag_is_read`` (tests/test_flag_coverage.py) records every attribute read
+during a short real run and fails on a flag nobody read; if yours is read only on a path that run
+does not take, add the flag to that test's command line. Megatron's odd spellings and other
+exceptions go in the field's metadata, through ``core.flags``::
+
+    add_bias_linear: bool = flag(True, name="--disable-bias-linear", help="No biases ...")
+    save_interval: int | None = flag(None, aliases=("--persistent-save-interval",))
+    hidden_size: int = flag(0, group="network size")                   # another --help section
+    num_query_groups: int | None = flag(None, cli_default=1)           # the flag's default differs
+    deallocate_pipeline_outputs: bool = not_a_flag(True)               # set by code only
+
+A bool field whose default is True gives a flag that stores False (``--no-<name>`` unless named
+otherwise); its ``help=`` says what the flag does, since the docstring says what the field does.
+Fields whose type a command line cannot spell (callables, dtypes, hook objects) are never flags.
+
+Mark a Megatron flag "accepted, no effect here": declare its field as above, then add it to
+``COVERAGE`` with ``no_effect("why")``. ``--help`` says so and the run reports it once at start.
+
+Reject a Megatron flag: add it to ``COVERAGE`` with ``unsupported("why")`` (Trident will not build
+it) or ``not_yet("what is being built")``; no field is needed (a whole family can be rejected by
+prefix in ``REJECTED_PREFIXES``). ``"--flag value"`` rejects one value of a working flag
+(``"--tokenizer-type Llama2Tokenizer"``), and ``works_only((1,), "why")`` accepts only those values.
+
+Flip a "not supported yet" flag to working: declare its field (if it has none), read it, and change
+its ``not_yet(...)`` entry to ``works()`` (for a value: delete the entry and add the value to the
+field's ``Literal``). Nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import sys
+import textwrap
+import types
+import typing
+from dataclasses import MISSING, dataclass
+from typing import Any, Literal
+
+from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.flags import FLAG_METADATA_KEY, UNSET, FlagSpec
+from core.model_parallel_config import ModelParallelConfig
+from core.optimizer.optimizer import OptimizerConfig
+from core.transformer.transformer_config import TransformerConfig
+from training import config as training_config
+
+__all__ = [
+    "BY_DEST",
+    "BY_OPTION",
+    "COVERAGE",
+    "FLAGS",
+    "GROUPS",
+    "REJECTED_PREFIXES",
+    "SECTIONS",
+    "Coverage",
+    "Flag",
+    "coverage_of",
+    "flag_name",
+]
+
+GROUPS = (
+    "network size",
+    "regularization",
+    "training",
+    "initialization",
+    "learning rate",
+    "checkpointing",
+    "mixed precision",
+    "distributed",
+    "validation",
+    "data and dataloader",
+    "tokenizer",
+    "logging",
+    "config file",
+)
+"""``--help`` sections, in Megatron's order."""
+
+SECTIONS: tuple[tuple[type, str], ...] = (
+    (ModelParallelConfig, "distributed"),
+    (TransformerConfig, "network size"),
+    (training_config.ModelArgs, "network size"),
+    (OptimizerConfig, "regularization"),
+    (DistributedDataParallelConfig, "distributed"),
+    (training_config.TrainingArgs, "training"),
+    (training_config.LearningRateArgs, "learning rate"),
+    (training_config.CheckpointingArgs, "checkpointing"),
+    (training_config.ValidationArgs, "validation"),
+    (training_config.DataArgs, "data and dataloader"),
+    (training_config.TokenizerArgs, "tokenizer"),
+    (training_config.LoggingArgs, "logging"),
+    (training_config.DistributedArgs, "distributed"),
+    (training_config.ConfigFileArgs, "config file"),
+)
+"""The config classes that declare flags, each with its default ``--help`` section. A field name
+that several classes share (``bf16``, ``lr``, ``seed``) is one flag, declared by the first."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag as the parser, config files and ``args`` see it."""
+
+    dest: str
+    """Attribute on ``args`` and field name in the owning config."""
+    options: tuple[str, ...]
+    """Its spellings, canonical first."""
+    kind: type
+    """bool, int, float or str (of each value, for a list)."""
+    default: Any
+    choices: tuple | None
+    nargs: str | None
+    """"*" for a list of values."""
+    help: str
+    group: str
+    owner: type
+    negation: str | None = None
+    """A second option that stores the opposite bool."""
+
+    @property
+    def name(self) -> str:
+        return self.options[0]
+
+    def stores(self, option: str) -> bool:
+        """The value a bool option stores when given."""
+        stores_true = self.default is not True
+        return stores_true if option != self.negation else not stores_true
+
+
+# --------------------------------------------------------------------------------------------------
+# Flags from fields
+# --------------------------------------------------------------------------------------------------
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of ``cls`` and its dataclass bases, whitespace collapsed."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        except (OSError, TypeError):
+            continue
+        for node, after in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _annotation(cls: type, name: str, annotation: Any) -> Any:
+    """The field's type, evaluated in the module of the class that declares it (None if it cannot be)."""
+    if not isinstance(annotation, str):
+        return annotation
+    owner = next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
+    try:
+        return eval(annotation, vars(sys.modules[owner.__module__]))
+    except (NameError, AttributeError, SyntaxError, TypeError):
+        return None
+
+
+def _command_line_type(tp: Any) -> tuple[type, tuple | None, str | None] | None:
+    """(kind, choices, nargs) of a type a command line can spell, else None."""
+    origin, params = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        rest = [p for p in params if p is not type(None)]
+        return _command_line_type(rest[0]) if len(rest) == 1 else None
+    if origin is Literal:
+        kinds = {type(p) for p in params}
+        return (kinds.pop(), params, None) if len(kinds) == 1 else None
+    if origin is list and len(params) == 1 and params[0] in (str, int, float):
+        return params[0], None, "*"
+    if tp in (bool, int, float, str):
+        return tp, None, None
+    return None
+
+
+def _flag(cls: type, group: str, field: dataclasses.Field, doc: str | None) -> Flag | None:
+    spec: FlagSpec = field.metadata.get(FLAG_METADATA_KEY, FlagSpec())
+    if not spec.is_flag or not field.init:
+        return None
+    where = f"{cls.__name__}.{field.name}"
+    cli_type = _command_line_type(_annotation(cls, field.name, field.type))
+    if cli_type is None:
+        if field.metadata.get(FLAG_METADATA_KEY) is not None:
+            raise TypeError(f"{where}: its type {field.type!r} cannot be given on a command line")
+        return None
+    kind, choices, nargs = cli_type
+    if spec.cli_default is not UNSET:
+        default = spec.cli_default
+    elif field.default_factory is not MISSING:
+        default = field.default_factory()
+    else:
+        default = None if field.default is MISSING else field.default
+    name = spec.name or "--" + field.name.replace("_", "-")
+    if kind is bool and default is True and spec.name is None:
+        name = "--no-" + field.name.replace("_", "-")
+    # A flag that stores False needs help= saying what the flag does (the docstring says what the
+    # field does); test_every_shown_flag_has_help_text holds both to account.
+    help_text = spec.help if spec.help or (kind is bool and default is True) else doc
+    return Flag(
+        dest=field.name,
+        options=(name, *spec.aliases),
+        kind=kind,
+        default=default,
+        choices=choices,
+        nargs=nargs,
+        help=(help_text or "").replace("``", ""),
+        group=spec.group or group,
+        owner=cls,
+        negation=spec.negation,
+    )
+
+
+def _collect() -> tuple[Flag, ...]:
+    flags: dict[str, Flag] = {}
+    options: dict[str, str] = {}
+    for cls, group in SECTIONS:
+        docs = _field_docs(cls)
+        for field in dataclasses.fields(cls):
+            if field.name in flags:
+                continue  # declared by an earlier class (bf16, lr, seed, ...)
+            made = _flag(cls, group, field, docs.get(field.name))
+            if made is None:
+                continue
+            for option in (*made.options, *filter(None, [made.negation])):
+                if option in options:
+                    raise ValueError(f"{option} is declared twice: by {options[option]} and {made.dest}")
+                options[option] = made.dest
+            flags[made.dest] = made
+    return tuple(flags.values())
+
+
+FLAGS: tuple[Flag, ...] = _collect()
+BY_DEST: dict[str, Flag] = {f.dest: f for f in FLAGS}
+BY_OPTION: dict[str, Flag] = {o: f for f in FLAGS for o in (*f.options, *filter(None, [f.negation]))}
+
+
+def flag_name(dest: str) -> str:
+    """The canonical flag (e.g. ``--num-layers``) of the attribute ``dest``."""
+    return BY_DEST[dest].name
+
+
+# --------------------------------------------------------------------------------------------------
+# Coverage of Megatron's flags
+# --------------------------------------------------------------------------------------------------
+
+WORKS, NO_EFFECT, NOT_YET, UNSUPPORTED = "works", "no effect", "not supported yet", "not supported"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What Trident does with one Megatron flag."""
+
+    status: str
+    """WORKS, NO_EFFECT, NOT_YET or UNSUPPORTED."""
+    reason: str = ""
+    only: tuple = ()
+    """With WORKS: the only values accepted (others are rejected with ``reason``)."""
+
+    @property
+    def rejected(self) -> bool:
+        return self.status in (NOT_YET, UNSUPPORTED)
+
+
+def works() -> Coverage:
+    return Coverage(WORKS)
+
+
+def works_only(values: tuple, reason: str) -> Coverage:
+    return Coverage(WORKS, reason, values)
+
+
+def no_effect(reason: str) -> Coverage:
+    return Coverage(NO_EFFECT, reason)
+
+
+def not_yet(reason: str) -> Coverage:
+    return Coverage(NOT_YET, reason)
+
+
+def unsupported(reason: str) -> Coverage:
+    return Coverage(UNSUPPORTED, reason)
+
+
+_MOE = "mixture-of-experts (MoE) layers are out of scope; Trident trains dense GPT and LLaMA models"
+_FP8 = "FP8 training needs Transformer Engine on FP8 GPUs, which are out of scope; use --bf16"
+_RAMP = (
+    "a global batch size that changes during the run is out of scope (the microbatch count and the "
+    "pipeline schedule are fixed per run); give a fixed --global-batch-size"
+)
+_MODEL = "this model option is being built"
+_CKPT = "this checkpoint option is being built"
+_TOKENIZER = "more tokenizers are being built"
+_DATA = "this data-loading option is being built"
+_SAMPLES = "sample-based schedules are being built; use --train-iters, --lr-decay-iters, --lr-warmup-iters"
+_NO_PROFILER = "Trident has no built-in profiler; run under torch.profiler or nsys"
+
+COVERAGE: dict[str, Coverage] = {
+    # (a) read and working: keys of Megatron's run-control and parallel flags that need a note here.
+    "--distributed-backend": works(),
+    "--manual-gc": works(),
+    "--manual-gc-interval": works(),
+    "--no-manual-gc-eval": works(),
+    "--exit-duration-in-mins": works(),
+    **dict.fromkeys(
+        (
+            "--fp16",
+            "--loss-scale",
+            "--initial-loss-scale",
+            "--min-loss-scale",
+            "--loss-scale-window",
+            "--hysteresis",
+            "--use-distributed-optimizer",
+            "--overlap-param-gather",
+            "--grad-reduce-in-bf16",
+            "--ddp-bucket-size",
+            "--log-num-zeros-in-grad",
+        ),
+        works(),
+    ),
+    "--context-parallel-size": works_only(
+        (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
+    ),
+    "--expert-model-parallel-size": works_only((1,), _MOE),
+    # (b) accepted, no effect on Trident's code paths
+    "--use-mcore-models": no_effect("Trident has one model implementation, built like Megatron Core's"),
+    "--no-masked-softmax-fusion": no_effect("softmax is one PyTorch call, never a fused kernel"),
+    "--attention-backend": no_effect("attention is PyTorch's scaled_dot_product_attention"),
+    "--cross-entropy-loss-fusion": no_effect("the vocabulary-parallel cross-entropy is not fused"),
+    "--empty-unused-memory-level": no_effect("the CUDA cache is left to PyTorch"),
+    "--no-create-attention-mask-in-dataloader": no_effect("attention is causal without a mask tensor"),
+    "--log-throughput": no_effect("TFLOP/s per GPU and tokens/s are always in the log line"),
+    "--profile": no_effect(_NO_PROFILER),
+    "--profile-step-start": no_effect(_NO_PROFILER),
+    "--profile-step-end": no_effect(_NO_PROFILER),
+    "--profile-ranks": no_effect(_NO_PROFILER),
+    "--use-pytorch-profiler": no_effect(_NO_PROFILER),
+    # (c) not supported yet: each is being built; when it lands, its entry becomes works()
+    **dict.fromkeys(
+        (
+            "--rotary-base",
+            "--rotary-percent",
+            "--norm-epsilon",
+            "--openai-gelu",
+            "--apply-layernorm-1p",
+            "--use-rope-scaling",
+            "--no-position-embedding",
+        ),
+        not_yet(_MODEL),
+    ),
+    **dict.fromkeys(
+        ("--ckpt-step", "--ckpt-format", "--use-checkpoint-args", "--exit-on-missing-checkpoint"),
+        not_yet(_CKPT),
+    ),
+    "--distributed-timeout-minutes": not_yet(
+        "a collective timeout that names the silent rank is being built"
+    ),
+    **dict.fromkeys(("--vocab-file", "--merge-file", "--tiktoken-pattern"), not_yet(_TOKENIZER)),
+    **dict.fromkeys(
+        (
+            "--mock-data",
+            "--num-workers",
+            "--data-cache-path",
+            "--no-mmap-bin-files",
+            "--train-data-path",
+            "--valid-data-path",
+            "--test-data-path",
+            "--dataloader-type",
+        ),
+        not_yet(_DATA),
+    ),
+    **dict.fromkeys(("--train-samples", "--lr-decay-samples", "--lr-warmup-samples"), not_yet(_SAMPLES)),
+    **dict.fromkeys(
+        ("--decoupled-lr", "--decoupled-min-lr"),
+        not_yet("separate learning rates for the embedding and output layers are being built"),
+    ),
+    "--tensorboard-dir": not_yet("TensorBoard logging is being built; --wandb-project logs the same scalars"),
+    **{
+        f"--tokenizer-type {name}": not_yet(_TOKENIZER)
+        for name in ("GPT2BPETokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer")
+    },
+    **dict.fromkeys(
+        ("--lr-decay-style WSD", "--lr-decay-style inverse-square-root"),
+        not_yet("the WSD and inverse-square-root schedules are being wired to the command line"),
+    ),
+    # (c) not supported: out of scope
+    "--num-experts": unsupported(_MOE),
+    "--rampup-batch-size": unsupported(_RAMP),
+    "--step-batch-size-schedule": unsupported(_RAMP),
+}
+"""Megatron flags beyond "declared and read": (a) works, (b) accepted with no effect, (c) rejected.
+A key "--flag value" rejects one value of a flag that otherwise works."""
+
+REJECTED_PREFIXES: dict[str, Coverage] = {"--moe-": unsupported(_MOE), "--fp8": unsupported(_FP8)}
+"""Whole flag families Trident rejects, by prefix."""
+
+
+def rejected_values(option: str) -> tuple[str, ...]:
+    """Values of ``option`` that the table rejects ("--tokenizer-type Llama2Tokenizer")."""
+    return tuple(k.split(" ", 1)[1] for k, c in COVERAGE.items() if k.startswith(option + " ") and c.rejected)
+
+
+def coverage_of(option: str) -> Coverage:
+    """The coverage of a flag (or of "--flag value"); a declared flag not in the table simply works."""
+    if option in COVERAGE:
+        return COVERAGE[option]
+    for prefix, entry in REJECTED_PREFIXES.items():
+        if option.startswith(prefix):
+            return entry
+    return works()
