@@ -8,9 +8,10 @@ zero_grad, forward/backward per microbatch, clip, step.
 The two take turns step by step: ``pretrain()`` runs its iteration, then (through its
 ``iteration_hook``) the plain loop runs one step, and so on, so that machine noise hits both alike.
 Each round is a fresh ``pretrain()`` and a fresh plain model; the first ``--warmup`` steps of a round
-are dropped. Reported: the medians over all timed steps, the ratio of medians with a bootstrap 95%
-interval over the step pairs, the ratio of each round, the data path's own time per step (the same
-for both), and the machine's load average.
+are dropped. Both wall time and the process's CPU time are measured (with one thread, CPU time is
+what the step itself cost, which other processes on a shared machine disturb far less). Reported:
+medians and quartiles, the ratio of medians with a bootstrap 95% interval over the step pairs, the
+ratio of each round, the data path's own time per step (the same for both), and the load average.
 
     python tools/bench_overhead.py                     # default tiny GPT, 3 rounds x 40 timed steps
     python tools/bench_overhead.py --rounds 5 --steps 60
@@ -62,12 +63,13 @@ class PlainLoop:
         )
         self.consumed = 0
         self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
         self.data_seconds: list[float] = []
 
     def step(self) -> None:
         args = self.args
         m = args.global_batch_size // args.micro_batch_size
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         batches = step_iterator(self.dataset, self.consumed, m, args.micro_batch_size, args.seq_length)
         data = 0.0
         self.optimizer.zero_grad(set_to_none=True)
@@ -83,23 +85,35 @@ class PlainLoop:
         self.optimizer.step()
         self.consumed += args.global_batch_size
         self.seconds.append(time.perf_counter() - start)
+        self.cpu_seconds.append(time.process_time() - cpu)
         self.data_seconds.append(data)
 
 
-def _round(flags: list[str], warmup: int, profiler: cProfile.Profile | None):
-    """One pretrain() with the plain loop interleaved; (trident seconds, plain seconds, data seconds)."""
+def _round(flags: list[str], warmup: int, profiler: cProfile.Profile | None) -> dict[str, list[float]]:
+    """One pretrain() with the plain loop interleaved: per-step wall and CPU seconds of each side.
+
+    A pretrain() iteration is everything between two calls of its hook (train step, scheduler,
+    logging), so it is timed from the end of one hook call to the start of the next.
+    """
     plain: list[PlainLoop] = []
+    trident = {"wall": [], "cpu": []}
+    last: list[tuple[float, float]] = []
 
     def after_iteration(state) -> None:
+        now = (time.perf_counter(), time.process_time())
         if profiler is not None:  # profile pretrain()'s iterations from the second on, not the plain loop
             profiler.disable()
+        if last:
+            trident["wall"].append(now[0] - last[0][0])
+            trident["cpu"].append(now[1] - last[0][1])
         if not plain:
             plain.append(PlainLoop())
         plain[0].step()
+        last[:] = [(time.perf_counter(), time.process_time())]
         if profiler is not None and state.iteration < get_args().train_iters:
             profiler.enable()
 
-    state = pretrain(
+    pretrain(
         pretrain_gpt.train_valid_test_datasets_provider,
         pretrain_gpt.model_provider,
         pretrain_gpt.forward_step,
@@ -108,7 +122,14 @@ def _round(flags: list[str], warmup: int, profiler: cProfile.Profile | None):
         iteration_hook=after_iteration,
     )
     loop = plain[0]
-    return state.step_seconds[warmup:], loop.seconds[warmup:], loop.data_seconds[warmup:]
+    # Trident's first iteration is not timed (the hook had not run yet): align on the plain loop's 2nd.
+    return {
+        "trident": trident["wall"][warmup:],
+        "trident_cpu": trident["cpu"][warmup:],
+        "plain": loop.seconds[1:][warmup:],
+        "plain_cpu": loop.cpu_seconds[1:][warmup:],
+        "data": loop.data_seconds[1:][warmup:],
+    }
 
 
 def _bootstrap(trident: list[float], plain: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -152,48 +173,48 @@ def main(argv=None) -> dict:
     ]
     profiler = cProfile.Profile() if args.profile else None
     load_before = os.getloadavg()
-    trident, plain, data, per_round = [], [], [], []
-    for _ in range(args.rounds):
-        t, p, d = _round(flags, args.warmup, profiler)
-        trident += t
-        plain += p
-        data += d
-        per_round.append(statistics.median(t) / statistics.median(p))
+    runs = [_round(flags, args.warmup, profiler) for _ in range(args.rounds)]
     load_after = os.getloadavg()
-    t_med, p_med, d_med = statistics.median(trident), statistics.median(plain), statistics.median(data)
-    low, high = _bootstrap(trident, plain)
+    every = {key: [x for run in runs for x in run[key]] for key in runs[0]}
     a = get_args()
     tokens = a.global_batch_size * a.seq_length
-    q = statistics.quantiles
     print(
         f"one rank, {a.num_layers} layers x hidden {a.hidden_size}, global batch {a.global_batch_size} x "
         f"{a.seq_length} tokens; {args.rounds} rounds x {args.steps} timed steps, taking turns step by step"
     )
-    print(f"{'loop':<12}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'tokens/s':>10}")
-    for name, xs in (("plain torch", plain), ("trident", trident)):
-        p25, _, p75 = q(xs, n=4)
+    print(f"{'loop':<20}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'tokens/s':>10}")
+    for label, key in (("plain torch, wall", "plain"), ("trident, wall", "trident")):
+        p25, median, p75 = statistics.quantiles(every[key], n=4)
+        median = statistics.median(every[key])
         print(
-            f"{name:<12}{statistics.median(xs) * 1000:>11.1f}{p25 * 1000:>9.1f}{p75 * 1000:>9.1f}{tokens / statistics.median(xs):>10.0f}"
+            f"{label:<20}{median * 1000:>11.1f}{p25 * 1000:>9.1f}{p75 * 1000:>9.1f}{tokens / median:>10.0f}"
         )
-    print(f"ratio trident / plain: {t_med / p_med:.4f} (95% bootstrap interval {low:.4f} .. {high:.4f})")
-    print(f"ratio per round: {', '.join(f'{r:.4f}' for r in per_round)}")
-    print(f"data path (read and stack, same code both sides): {d_med * 1000:.1f} ms per step")
+    for label, key in (("plain torch, CPU", "plain_cpu"), ("trident, CPU", "trident_cpu")):
+        p25, _, p75 = statistics.quantiles(every[key], n=4)
+        median = statistics.median(every[key])
+        print(f"{label:<20}{median * 1000:>11.1f}{p25 * 1000:>9.1f}{p75 * 1000:>9.1f}")
+    summary = {"benchmark": "bench_overhead", "tokens_per_step": tokens}
+    for kind, t_key, p_key in (("wall", "trident", "plain"), ("cpu", "trident_cpu", "plain_cpu")):
+        ratio = statistics.median(every[t_key]) / statistics.median(every[p_key])
+        low, high = _bootstrap(every[t_key], every[p_key])
+        rounds = [statistics.median(r[t_key]) / statistics.median(r[p_key]) for r in runs]
+        print(
+            f"ratio trident / plain ({kind} time): {ratio:.4f}, 95% bootstrap interval {low:.4f} .. {high:.4f}; "
+            f"per round {', '.join(f'{r:.4f}' for r in rounds)}"
+        )
+        summary[f"ratio_{kind}"] = round(ratio, 4)
+        summary[f"ratio_{kind}_95"] = [round(low, 4), round(high, 4)]
+        summary[f"ratio_{kind}_per_round"] = [round(r, 4) for r in rounds]
+    summary["plain_ms"] = round(statistics.median(every["plain"]) * 1000, 2)
+    summary["trident_ms"] = round(statistics.median(every["trident"]) * 1000, 2)
+    summary["data_ms"] = round(statistics.median(every["data"]) * 1000, 2)
+    summary["load_average"] = [round(x, 2) for x in load_after]
+    print(f"data path (read and stack, the same code on both sides): {summary['data_ms']:.1f} ms per step")
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     if profiler is not None:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
         print(out.getvalue())
-    summary = {
-        "benchmark": "bench_overhead",
-        "plain_ms": round(p_med * 1000, 2),
-        "trident_ms": round(t_med * 1000, 2),
-        "ratio": round(t_med / p_med, 4),
-        "ratio_95": [round(low, 4), round(high, 4)],
-        "ratio_per_round": [round(r, 4) for r in per_round],
-        "data_ms": round(d_med * 1000, 2),
-        "tokens_per_step": tokens,
-        "load_average": [round(x, 2) for x in load_after],
-    }
     print(json.dumps(summary))
     return summary
 

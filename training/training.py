@@ -175,7 +175,18 @@ def _setup_and_train(
 
 
 def _train(
-    args, chunks, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals, collector, hook
+    args,
+    chunks,
+    optimizer,
+    scheduler,
+    forward_step_func,
+    train_ds,
+    valid_ds,
+    state,
+    run,
+    signals,
+    collector,
+    hook,
 ) -> None:
     forward_backward = get_forward_backward_func()
     device = current_device()
@@ -333,6 +344,11 @@ def _shared_run_id(run_id: str | None) -> str | None:
     ids: list = [None] * dist.get_world_size()
     dist.all_gather_object(ids, run_id)
     return next((i for i in ids if i), None)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank."""
+    return bool(_max_over_ranks([1.0 if flag else 0.0])[0])
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
