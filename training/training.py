@@ -255,9 +255,7 @@ def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, tr
     ``--max-consecutive-skipped-iterations``), or for an fp16 loss-scale overflow (a skipped
     iteration only: the scaler backs off and training goes on, as in Megatron).
     """
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    optimizer.zero_grad()  # and the chunks' gradient buffers
     loss = _run_global_batch(
         args, chunks, forward_backward, forward_step_func, train_ds, state.consumed_samples
     )

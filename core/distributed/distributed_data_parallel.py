@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from core.distributed.grad_buffer import Bucket, GradBuffer, ReduceOptions
+from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
 
 
 def _default_group() -> ProcessGroup | None:
@@ -162,14 +162,17 @@ class DistributedDataParallel(nn.Module):
         overlap = self.ddp_config.overlap_grad_reduce
 
         def hook(param: nn.Parameter) -> None:
-            # Runs right after autograd accumulated into param.grad: move it into main_grad.
-            bucket.check_accumulation_allowed(param)
+            # Runs right after autograd accumulated into param.grad: move it into main_grad. It runs
+            # for every parameter of every microbatch, so it does no more than that.
+            if bucket.state != IDLE:
+                bucket.check_accumulation_allowed(param)  # raises
             grad = param.grad
             if grad is not None:
                 # If an optimizer left param.grad aliasing main_grad (fp32 models step on it), autograd
                 # has just accumulated in place and there is nothing to add.
-                if grad.data_ptr() != param.main_grad.data_ptr():
-                    param.main_grad.add_(grad)
+                main_grad = param.main_grad
+                if grad.data_ptr() != main_grad.data_ptr():
+                    main_grad.add_(grad)
                 param.grad = None
             if overlap:
                 bucket.register_grad_ready(param)

@@ -77,8 +77,9 @@ def get_grad_norm_fp32(
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return float(total.item())
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        total += torch.linalg.vector_norm(g.detach().float(), norm_type).double() ** norm_type
+    if grads:  # one fused call for all tensors: per-tensor fp32 norms, summed in float64
+        norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
+        total += torch.stack(norms).double().pow(norm_type).sum()
     if communicate:
         dist.all_reduce(total, group=group)
     return float(total.item() ** (1.0 / norm_type))
@@ -92,9 +93,9 @@ def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float,
     """
     coeff = max_norm / (total_norm + 1.0e-6)
     if coeff < 1.0:
-        for g in grads:
-            if g is not None:
-                g.mul_(coeff)
+        grads = [g for g in grads if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, coeff)
     return min(coeff, 1.0)
 
 

@@ -139,8 +139,8 @@ class ParamShard:
         grad = getattr(self.model_param, "main_grad", None)
         if grad is None:
             grad = self.model_param.grad
-        if grad is None:
-            return None
+        if grad is None or grad.shape == self.main_param.shape:  # the whole parameter
+            return grad
         return grad.reshape(-1)[self.start : self.end].view_as(self.main_param)
 
     def model_view(self) -> torch.Tensor:
@@ -182,6 +182,7 @@ class MegatronOptimizer:
         self.config = config
         self.model_chunks = list(model_chunks or [])
         self._shards: list[ParamShard] = []
+        self._counted: list[ParamShard] | None = None  # the shards that count in global norms
         self.grad_scaler = make_grad_scaler(config)
         self.last_step_overflowed = False
         """True when the last ``step()`` found Inf/NaN in the loss-scaled gradients and skipped."""
@@ -248,12 +249,15 @@ class MegatronOptimizer:
                 s.main_param.grad = None if grad is None else grad.float()
                 model.grad = None  # a 16-bit copy is no longer needed
 
+    def _counted_shards(self) -> list[ParamShard]:
+        """The shards this rank counts in global norms (which never changes, so it is kept)."""
+        if self._counted is None:
+            self._counted = [s for s in self._shards if param_counts_for_norm(s.model_param)]
+        return self._counted
+
     def _main_grads(self, for_norm: bool) -> list[torch.Tensor]:
-        return [
-            s.main_param.grad
-            for s in self._shards
-            if s.main_param.grad is not None and (not for_norm or param_counts_for_norm(s.model_param))
-        ]
+        shards = self._counted_shards() if for_norm else self._shards
+        return [s.main_param.grad for s in shards if s.main_param.grad is not None]
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients, each weight counted once across TP, PP (and DP)."""
@@ -271,7 +275,7 @@ class MegatronOptimizer:
 
     def get_params_norm(self) -> float:
         """Global L2 norm of the (main) parameters, each weight counted once (``--log-params-norm``)."""
-        params = [s.main_param for s in self._shards if param_counts_for_norm(s.model_param)]
+        params = [s.main_param for s in self._counted_shards()]
         return get_grad_norm_fp32(params, 2.0, self._grad_stats_group())
 
     # -- the step -----------------------------------------------------------------------------------
