@@ -349,3 +349,23 @@ def test_wandb_gets_every_iteration_with_mfu_memory_and_eval_mode_losses_repeat(
     validation = [row["validation/lm loss"] for row in rows if "validation/lm loss" in row]
     assert len(validation) == 2 and validation[0] == validation[1]
     assert glob.glob(f"{run_dir[0]}/files/output.log"), "W&B console capture is on"
+
+
+@pytest.mark.slow
+def test_fp16_with_loss_scaling_tracks_fp32_as_bf16_does(ranks, data_prefix):
+    """50 iterations, PP=2 x DP=2, the distributed optimizer: fp16 (initial scale 65536) and bf16 vs fp32."""
+    curves = {}
+    for name, extra in (
+        ("fp32", []),
+        ("bf16", ["--bf16"]),
+        ("fp16", ["--fp16", "--initial-loss-scale", "65536"]),
+    ):
+        flags = small_gpt(data_prefix, 50, "--pipeline-model-parallel-size", "2", *DISTRIBUTED, *extra)
+        curves[name] = _losses(ranks(4), flags)
+    print(f"{'iteration':>9} {'fp32':>8} {'bf16':>8} {'fp16':>8}")
+    for i in (1, 10, 25, 50):
+        print(f"{i:>9} " + " ".join(f"{curves[n][i - 1]:>8.4f}" for n in ("fp32", "bf16", "fp16")))
+    for i in (10, 25, 50):
+        for name in ("bf16", "fp16"):
+            assert abs(curves[name][i - 1] - curves["fp32"][i - 1]) / curves["fp32"][i - 1] < 0.03, (name, i)
+    assert curves["fp16"][49] < curves["fp16"][0]
