@@ -25,7 +25,8 @@ def test_flops_of_the_default_model_match_the_hand_count():
 
 
 def test_flops_count_fewer_key_value_heads_and_swiglus_third_matrix():
-    base = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64"]
+    base = "--num-layers 2 --hidden-size 256 --num-attention-heads 8 --seq-length 64 --micro-batch-size 1"
+    base = [*base.split(), "--train-iters", "1", "--lr", "1e-3"]
     mha = validate_args(parse_args(base), 1)
     gqa = validate_args(parse_args(base + ["--group-query-attention", "--num-query-groups", "2"]), 1)
     gelu = validate_args(parse_args([*base, "--ffn-hidden-size", "512"]), 1)
