@@ -10,8 +10,9 @@
 Unlike ``torch.nn.parallel.DistributedDataParallel`` it has no all-reduce in forward or at
 backward's end: the pipeline schedule decides when gradients are final (the last microbatch of a
 chunk), and the wrapper exposes exactly the hooks the schedule calls. Gradients end up in
-``param.main_grad`` (``param.grad`` stays None), in fp32 for a bf16 model by default, which is
-what the mixed-precision optimizer steps from.
+``param.main_grad``, in fp32 for a bf16 model by default, which is what the mixed-precision
+optimizer steps from; where the gradient has the parameter's dtype, ``param.grad`` is that same
+buffer view.
 
 With ``use_distributed_optimizer`` the buckets are reduce-scattered instead of all-reduced (each
 data-parallel rank gets the sum of its shard), the parameters live in a flat buffer of the same
@@ -123,6 +124,13 @@ class DistributedDataParallel(nn.Module):
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets for p in bucket.params
         }
+        # Where the gradient has the parameter's dtype, ``param.grad`` is ``main_grad`` itself (as
+        # torch DDP's gradient_as_bucket_view): autograd accumulates every microbatch straight into
+        # the buffer, and the hook below has nothing to copy. Otherwise the hook adds each
+        # microbatch's gradient into the (fp32) buffer and drops it.
+        self._grad_is_main_grad = [p for p in self.param_to_bucket if p.main_grad.dtype == p.dtype]
+        for param in self._grad_is_main_grad:
+            param.grad = param.main_grad
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(bucket))
             for p, bucket in self.param_to_bucket.items()
@@ -162,18 +170,15 @@ class DistributedDataParallel(nn.Module):
         overlap = self.ddp_config.overlap_grad_reduce
 
         def hook(param: nn.Parameter) -> None:
-            # Runs right after autograd accumulated into param.grad: move it into main_grad. It runs
-            # for every parameter of every microbatch, so it does no more than that.
+            # Runs right after autograd accumulated into param.grad; it runs for every parameter of
+            # every microbatch, so it does no more than this. If param.grad is main_grad, autograd has
+            # just accumulated into the buffer in place; otherwise add it there and let it go.
             if bucket.state != IDLE:
                 bucket.check_accumulation_allowed(param)  # raises
-            grad = param.grad
-            if grad is not None:
-                # If an optimizer left param.grad aliasing main_grad (fp32 models step on it), autograd
-                # has just accumulated in place and there is nothing to add.
-                main_grad = param.main_grad
-                if grad.data_ptr() != main_grad.data_ptr():
-                    main_grad.add_(grad)
-                param.grad = None
+            grad, main_grad = param.grad, param.main_grad
+            if grad is not None and grad.data_ptr() != main_grad.data_ptr():
+                main_grad.add_(grad)
+                param.grad = main_grad if main_grad.dtype == param.dtype else None
             if overlap:
                 bucket.register_grad_ready(param)
 
@@ -232,6 +237,8 @@ class DistributedDataParallel(nn.Module):
         """Zero all gradients and re-arm the buckets; call once at the start of every step."""
         for buffer in self.buffers:
             buffer.reset()
+        for param in self._grad_is_main_grad:
+            param.grad = param.main_grad
 
     # -- the distributed optimizer's hooks ------------------------------------------------------
     def start_param_sync(self) -> None:

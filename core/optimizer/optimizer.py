@@ -314,11 +314,8 @@ class MegatronOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all ``.grad`` tensors and zero the data-parallel ``main_grad`` buffers."""
-        covered: set[int] = set()
-        for chunk in self.model_chunks:
-            if hasattr(chunk, "zero_grad_buffer"):
-                chunk.zero_grad_buffer()
-                covered.update(id(p) for p in chunk.parameters())
+        wrapped = [chunk for chunk in self.model_chunks if hasattr(chunk, "zero_grad_buffer")]
+        covered = {id(p) for chunk in wrapped for p in chunk.parameters()}
         for s in self._shards:
             for p in {id(s.model_param): s.model_param, id(s.main_param): s.main_param}.values():
                 if set_to_none:
@@ -328,6 +325,8 @@ class MegatronOptimizer:
             main_grad = getattr(s.model_param, "main_grad", None)
             if main_grad is not None and id(s.model_param) not in covered:
                 main_grad.zero_()
+        for chunk in wrapped:  # last: it may point .grad at the zeroed buffer again
+            chunk.zero_grad_buffer()
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
