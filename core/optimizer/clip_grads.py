@@ -100,11 +100,24 @@ def _sum_of_squares_fp64(tensors: list[torch.Tensor], device: torch.device) -> t
     and hence every step are the same either way.
     """
     total = torch.zeros((), dtype=torch.float64, device=device)
+    small: list[torch.Tensor] = []  # tensors below a chunk are joined: one conversion for many
+    small_numel = 0
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
-        for start in range(0, flat.numel(), _CHUNK):
-            chunk = flat[start : start + _CHUNK].double()
+        if flat.numel() >= _CHUNK:
+            for start in range(0, flat.numel(), _CHUNK):
+                chunk = flat[start : start + _CHUNK].double()
+                total += torch.dot(chunk, chunk)
+            continue
+        if small_numel + flat.numel() > _CHUNK:
+            chunk = torch.cat(small).double()
             total += torch.dot(chunk, chunk)
+            small, small_numel = [], 0
+        small.append(flat)
+        small_numel += flat.numel()
+    if small:
+        chunk = torch.cat(small).double()
+        total += torch.dot(chunk, chunk)
     return total
 
 

@@ -183,6 +183,7 @@ class MegatronOptimizer:
         self.model_chunks = list(model_chunks or [])
         self._shards: list[ParamShard] = []
         self._counted: list[ParamShard] | None = None  # the shards that count in global norms
+        self._in_buffers: set[int] | None = None
         self.grad_scaler = make_grad_scaler(config)
         self.last_step_overflowed = False
         """True when the last ``step()`` found Inf/NaN in the loss-scaled gradients and skipped."""
@@ -315,7 +316,9 @@ class MegatronOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all ``.grad`` tensors and zero the data-parallel ``main_grad`` buffers."""
         wrapped = [chunk for chunk in self.model_chunks if hasattr(chunk, "zero_grad_buffer")]
-        covered = {id(p) for chunk in wrapped for p in chunk.parameters()}
+        if self._in_buffers is None:  # parameters whose main_grad the chunks zero themselves
+            self._in_buffers = {id(p) for chunk in wrapped for p in chunk.parameters()}
+        covered = self._in_buffers
         for s in self._shards:
             for p in {id(s.model_param): s.model_param, id(s.main_param): s.main_param}.values():
                 if set_to_none:
