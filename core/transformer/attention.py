@@ -74,7 +74,9 @@ def _attention_softmax_in_fp32(
     if allowed is None:
         allowed = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
     scores = torch.matmul(query * query.shape[-1] ** -0.5, key.transpose(-2, -1))
-    probs = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1).to(value.dtype)
+    probs = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
+    # A row with every key masked is NaN after the softmax; it attends to nothing, as in SDPA.
+    probs = probs.masked_fill(~allowed, 0.0).to(value.dtype)
     if dropout_p > 0.0:
         with sharded_rng():
             probs = F.dropout(probs, dropout_p)
