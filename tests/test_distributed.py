@@ -1,5 +1,6 @@
-"""Data parallelism: DDP's gradient buffers and buckets against single-process references, and
-finalize_model_grads on ``main_grad`` (tied embeddings, sequence-parallel norms)."""
+"""Data parallelism: DDP's gradient buffers and buckets against single-process references (and the
+distributed optimizer's sharded layout), and finalize_model_grads on ``main_grad`` (tied
+embeddings, sequence-parallel norms)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_main_grads_live_in_one_flat_buffer_and_match_plain_autograd():
     ddp.finish_grad_sync()
     buffer = ddp.buffers[0].grad_data
     for name, param in model.named_parameters():
-        assert param.grad is None  # moved into main_grad by the hook
+        assert param.grad.data_ptr() == param.main_grad.data_ptr()  # fp32: .grad is the buffer view
         assert param.main_grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
         assert _rel(param.main_grad, expected[name]) < 1e-6
     assert len(ddp.buckets) == 1  # no overlap: one bucket per buffer, as Megatron
@@ -76,6 +77,28 @@ def test_buckets_follow_reverse_parameter_order_and_bucket_size():
     # A bucket closes once it holds >= 100 elements: head (11 + 88) + layers.1.bias (8), and so on.
     assert [len(b.params) for b in ddp.buckets] == [3, 3, 1]
     assert [b.grad_data.numel() for b in ddp.buckets] == [11 + 88 + 8, 64 + 8 + 64, 88]
+
+
+def test_sharded_buffers_pad_buckets_hold_the_parameters_and_isolate_a_tied_embedding():
+    model = _toy()
+    model.embedding.weight.shared_embedding = True
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=100
+    )
+    ddp = DistributedDataParallel(model.config, config, model)
+    # Buckets close at >= 100 elements and are padded to lcm(dp, 128); the embedding sits alone, so
+    # the first and last stage shard their two copies of it identically.
+    assert [b.names for b in ddp.buckets] == [
+        ["head.bias", "head.weight", "layers.1.bias"],
+        ["layers.1.weight", "layers.0.bias", "layers.0.weight"],
+        ["embedding.weight"],
+    ]
+    assert [b.grad_data.numel() for b in ddp.buckets] == [128, 256, 128]
+    storage = ddp.buffers[0].param_data.untyped_storage().data_ptr()
+    for name, param in model.named_parameters():  # the values moved into the flat parameter buffer
+        assert param.untyped_storage().data_ptr() == storage and torch.equal(param, before[name])
+        assert ddp.param_to_bucket[param].owned_range(param) == (0, param.numel())  # one rank owns all
 
 
 def test_bf16_model_accumulates_in_fp32_buffer():

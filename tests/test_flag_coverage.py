@@ -48,7 +48,7 @@ MODEL = (
 )
 DATA = "--tokenizer-type NullTokenizer --vocab-size 1000"
 MOE = "mixture-of-experts (MoE) layers are out of scope; Trident trains dense GPT and LLaMA models"
-FP16 = "fp16 training with loss scaling is being built; use --bf16 meanwhile"
+DATA_OPTION = "this data-loading option is being built"
 
 
 def _args(argv: str, world_size: int = 1) -> argparse.Namespace:
@@ -77,14 +77,14 @@ def dataset(tmp_path_factory) -> str:
 ISSUE_FLAGS = {
     WORKS: "--context-parallel-size --expert-model-parallel-size --distributed-backend --exit-duration-in-mins "
     "--manual-gc --manual-gc-interval --distributed-timeout-minutes --ddp-bucket-size --ckpt-step "
-    "--use-checkpoint-args --exit-on-missing-checkpoint",
+    "--use-checkpoint-args --exit-on-missing-checkpoint --fp16 --loss-scale --loss-scale-window "
+    "--use-distributed-optimizer --overlap-param-gather --grad-reduce-in-bf16",
     NO_EFFECT: "--log-throughput --profile --profile-step-start --profile-step-end --attention-backend "
     "--use-mcore-models --empty-unused-memory-level --cross-entropy-loss-fusion "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion --ckpt-format",
-    NOT_YET: "--tokenizer-type=Llama2Tokenizer --fp16 --loss-scale --loss-scale-window --vocab-file --merge-file --tensorboard-dir --rotary-base "
+    NOT_YET: "--tokenizer-type=Llama2Tokenizer --vocab-file --merge-file --tensorboard-dir --rotary-base "
     "--rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
-    "--use-rope-scaling --train-samples --lr-decay-samples --lr-warmup-samples --use-distributed-optimizer "
-    "--overlap-param-gather --grad-reduce-in-bf16 --mock-data --num-workers "
+    "--use-rope-scaling --train-samples --lr-decay-samples --lr-warmup-samples --mock-data --num-workers "
     "--data-cache-path --decoupled-lr --decoupled-min-lr --tiktoken-pattern --no-mmap-bin-files",
     UNSUPPORTED: "--num-experts --moe-router-topk --moe-grouped-gemm --moe-aux-loss-coeff --fp8-format "
     "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
@@ -144,16 +144,16 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ("--fp16", f"Trident does not support --fp16 yet: {FP16}"),
+        ("--mock-data", f"Trident does not support --mock-data yet: {DATA_OPTION}"),
         (
             "--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff=0.01",
             f"Trident does not support --num-experts, --moe-router-topk, --moe-grouped-gemm, --moe-aux-loss-coeff: {MOE}",
         ),
         (
-            "--fp8-format hybrid --loss-scale 4096 --fp16 --num-experts 2",
+            "--fp8-format hybrid --num-workers 2 --mock-data --num-experts 2",
             (
                 "Trident does not support --fp8-format: FP8 training needs Transformer Engine on FP8 GPUs, which are "
-                f"out of scope; use --bf16; Trident does not support --loss-scale, --fp16 yet: {FP16}; "
+                f"out of scope; use --bf16; Trident does not support --num-workers, --mock-data yet: {DATA_OPTION}; "
                 f"Trident does not support --num-experts: {MOE}"
             ),
         ),
@@ -224,10 +224,12 @@ def test_pretrain_exits_with_one_line_on_a_rejected_flag(capsys):
     from training.training import pretrain
 
     with pytest.raises(SystemExit) as exit_info:
-        run_main(lambda: pretrain(None, None, None, argv=["--fp16"]))
+        run_main(lambda: pretrain(None, None, None, argv=["--mock-data"]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].endswith(f": error: Trident does not support --fp16 yet: {FP16}"), err
+    assert len(err) == 1 and err[0].endswith(
+        f": error: Trident does not support --mock-data yet: {DATA_OPTION}"
+    ), err
 
 
 def test_a_not_yet_flag_keeps_its_default_for_the_config_that_owns_it():

@@ -1,5 +1,6 @@
 """Optimizer: AdamW parity, bf16 with fp32 main params, weight-decay groups, LR schedule, state
-round trip; global-norm clipping over TP x PP with a tied embedding; NaN steps skipped."""
+round trip (also per parameter name); global-norm clipping over TP x PP with a tied embedding; NaN
+steps skipped; fp16 loss scaling (overflow skips, back-off, unscaled steps)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from core.optimizer import (
+    DynamicGradScaler,
     OptimizerConfig,
     OptimizerParamScheduler,
     get_grad_norm_fp32,
@@ -86,7 +88,7 @@ def test_fp32_step_from_ddp_buffers_is_bit_identical_to_torch_adamw():
         optimizer.zero_grad()
         ddp(_tokens(step)).backward()
         ddp.finish_grad_sync()
-        assert all(p.grad is None for p in model.parameters())  # everything is in main_grad
+        assert all(p.grad.data_ptr() == p.main_grad.data_ptr() for p in model.parameters())  # the buffer
         ok, grad_norm, zeros = optimizer.step()
         reference.zero_grad()
         ref(_tokens(step)).backward()
@@ -192,7 +194,7 @@ def test_zero_grad_clears_grads_and_main_grad_buffers():
     ddp.finish_grad_sync()
     optimizer.step()
     optimizer.zero_grad()
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad.data_ptr() == p.main_grad.data_ptr() for p in model.parameters())  # views of:
     assert ddp.buffers[0].grad_data.abs().sum() == 0
     ddp(_tokens(1)).backward()  # buckets were re-armed: no "arrived after reduction" error
 
@@ -363,3 +365,99 @@ def test_plain_process_norm_needs_no_groups():
     ok, norm, _ = optimizer.step()
     assert ok and norm > 1e-3
     assert optimizer.get_grad_norm() == pytest.approx(1e-3, rel=1e-3)  # clipped to the limit
+
+
+# --------------------------------------------------------------------------------------------------
+# fp16: loss scaling (Megatron's DynamicGradScaler semantics)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_dynamic_scaler_backs_off_after_hysteresis_and_grows_after_a_quiet_window():
+    scaler = DynamicGradScaler(1024.0, min_scale=256.0, growth_interval=3, hysteresis=2)
+    scales = []
+    for found_inf in (True, True, True, False, False, False, True, True, True, True):
+        scaler.update(found_inf)
+        scales.append(scaler.scale)
+    # 1st overflow uses up hysteresis; then every one halves until the window of 3 quiet steps
+    # doubles it and restores the hysteresis; the floor is min_scale.
+    assert scales == [1024, 512, 256, 256, 256, 512, 512, 256, 256, 256]
+    state = scaler.state_dict()
+    again = DynamicGradScaler(1.0, min_scale=1.0, growth_interval=3, hysteresis=2)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+
+
+def _fp16_net_and_optimizer(hysteresis: int, scale: float = 2.0**20):
+    model = _Net().to(torch.float16)
+    config = OptimizerConfig(
+        lr=1e-2,
+        weight_decay=0.1,
+        fp16=True,
+        initial_loss_scale=scale,
+        min_loss_scale=1.0,
+        hysteresis=hysteresis,
+    )
+    return model, get_megatron_optimizer(config, [model])
+
+
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_leaves_parameters_untouched():
+    model, optimizer = _fp16_net_and_optimizer(hysteresis=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    mains = [m.detach().clone() for m in optimizer.get_parameters()]
+    optimizer.zero_grad()
+    optimizer.scale_loss(model(_tokens(0)).float()).backward()
+    next(model.parameters()).grad.view(-1)[0] = float("inf")  # what an overflowing backward leaves
+    ok, grad_norm, _ = optimizer.step()
+    assert (ok, grad_norm, optimizer.last_step_overflowed) == (False, None, True)
+    assert optimizer.grad_scaler.scale == 2.0**19
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.equal(a, m) for a, m in zip(mains, optimizer.get_parameters()))
+    assert len(optimizer.state) == 0  # no Adam moments were created by the skipped step
+
+
+def test_fp16_step_unscales_gradients_to_those_of_fp32_main_params():
+    model, optimizer = _fp16_net_and_optimizer(hysteresis=2, scale=1024.0)
+    reference = _Net()
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    reference_opt = _reference_adamw(reference)
+    optimizer.zero_grad()
+    optimizer.scale_loss(model(_tokens(0)).float()).backward()
+    ok, _, _ = optimizer.step()
+    reference(_tokens(0)).backward()
+    reference_opt.step()
+    assert ok and not optimizer.last_step_overflowed and optimizer.grad_scaler.scale == 1024.0
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(
+            optimizer.get_main_param(p), q, rtol=0, atol=1e-4
+        )  # Adam's first step: lr * sign
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_param_state_by_name_round_trips_and_continues_bit_identically(bf16):
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=bf16)
+    model = _Net().to(dtype)
+    optimizer = get_megatron_optimizer(config, [model])
+    for step in range(2):
+        optimizer.zero_grad()
+        model(_tokens(step)).float().backward()
+        optimizer.step()
+    state = optimizer.param_state_by_name()
+    assert state["params"]["fc.weight"]["start"] == 0 and state["params"]["fc.weight"]["end"] == 24
+    assert state["params"]["fc.weight"]["exp_avg"].shape == (24,)
+    assert ("main_param" in state["params"]["fc.weight"]) == bf16
+    copy = _Net(seed=3).to(dtype)
+    copy.load_state_dict(model.state_dict())
+    restored = get_megatron_optimizer(config, [copy])
+    restored.load_param_state_by_name(state)
+    for opt, net in ((optimizer, model), (restored, copy)):
+        for step in range(2, 4):
+            opt.zero_grad()
+            net(_tokens(step)).float().backward()
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), copy.parameters()))
+    state["params"]["fc.weight"]["start"] = 1
+    with pytest.raises(
+        ValueError, match=r"'fc.weight' covers \[1, 24\) of 24 elements; this rank needs \[0, 24\)"
+    ):
+        restored.load_param_state_by_name(state)

@@ -68,6 +68,9 @@ _AT_LEAST = {
         "make_vocab_size_divisible_by",
         "max_consecutive_skipped_iterations",
         "distributed_timeout_minutes",
+        "bucket_size",
+        "hysteresis",
+        "loss_scale_window",
     ),
     0: (
         "ckpt_step",
@@ -324,6 +327,36 @@ def _check_schedule_and_data(args: argparse.Namespace) -> None:
         parse_split(args.split)  # its ValueError already names --split
 
 
+def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
+    """16-bit formats, loss scaling, gradient-reduction dtype and the distributed optimizer."""
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive: give at most one")
+    for dest in ("loss_scale", "initial_loss_scale", "min_loss_scale", "peak_tflops"):
+        value = getattr(args, dest)
+        _require(value is None or value > 0, f"{_flag(dest)} must be > 0, got {value}")
+    _require(
+        args.min_loss_scale <= args.initial_loss_scale,
+        f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale ({args.initial_loss_scale})",
+    )
+    # Megatron's gradient dtype: bf16 accumulates and reduces in fp32 unless --grad-reduce-in-bf16;
+    # fp16 in fp16 unless --accumulate-allreduce-grads-in-fp32; fp32 in fp32.
+    if not args.grad_reduce_in_fp32:  # --grad-reduce-in-bf16
+        _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16 (other parameters reduce in their own dtype)")
+        _require(
+            not args.accumulate_allreduce_grads_in_fp32,
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive",
+        )
+    elif args.fp16:
+        args.grad_reduce_in_fp32 = args.accumulate_allreduce_grads_in_fp32
+    if args.overlap_param_gather:
+        _require(
+            args.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer (only it gathers parameters)",
+        )
+        _require(
+            args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)"
+        )
+
+
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check the flags together and fill derived values; one ``ValueError`` naming flags and numbers.
 
@@ -349,6 +382,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_pipeline(args, pp)
     _check_batch(args, pp, args.data_parallel_size)
     _check_schedule_and_data(args)
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    _check_precision_and_data_parallel(args)
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     args.pipeline_dtype = args.params_dtype
     return args

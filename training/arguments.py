@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage="%(prog)s [--flag value ...]",
         description="Trident: Megatron-style 3D-parallel GPT training. Flags have Megatron's names and "
         "defaults; with no model-size or data flags, a tiny demo GPT trains on a built-in corpus.",
-        epilog="Megatron flags Trident rejects, with one line saying why when given: "
+        epilog="Megatron flags Trident rejects, with one line saying why when given, are "
         + " ".join([o.replace(" ", "=") for o in rejected] + [p + "*" for p in REJECTED_PREFIXES]),
         formatter_class=_HelpFormatter,
         allow_abbrev=False,

@@ -58,6 +58,8 @@ class TrainingArgs:
     """Raise on a NaN/inf loss or gradient, as Megatron does; without it Trident counts and skips the step."""
     max_consecutive_skipped_iterations: int = 10
     """Stop the run after this many consecutive skipped (NaN/inf) steps."""
+    accumulate_allreduce_grads_in_fp32: bool = flag(False, group="mixed precision")
+    """Accumulate and reduce gradients in fp32 (with --fp16; --bf16 does so unless --grad-reduce-in-bf16)."""
     manual_gc: bool = False
     """Disable Python's automatic garbage collector and collect at fixed points instead, the same
     on every rank (at the start, around evaluations and every --manual-gc-interval steps)."""
@@ -200,6 +202,13 @@ class LoggingArgs:
     gives the measured bubble next to the simulator's."""
     timeline_iters: list[int] = field(default_factory=list)
     """Trident: iterations the timeline records (default: the last one of the run)."""
+    peak_tflops: float | None = None
+    """Trident: peak TFLOP/s of one device, for MFU in the log line (default: a table of known GPUs;
+    none on CPU)."""
+    log_params_norm: bool = False
+    """Compute the parameters' global L2 norm every iteration and log it (a collective per step)."""
+    log_memory_to_tensorboard: bool = False
+    """Write the memory statistics (mem-* keys) to W&B every iteration."""
 
 
 @dataclass(kw_only=True)

@@ -318,8 +318,6 @@ _RAMP = (
     "a global batch size that changes during the run is out of scope (the microbatch count and the "
     "pipeline schedule are fixed per run); give a fixed --global-batch-size"
 )
-_FP16 = "fp16 training with loss scaling is being built; use --bf16 meanwhile"
-_DIST_OPT = "the distributed optimizer is being built; optimizer state is replicated over data-parallel ranks"
 _MODEL = "this model option is being built"
 _ONE_FORMAT = (
     "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
@@ -341,6 +339,22 @@ COVERAGE: dict[str, Coverage] = {
     "--ckpt-step": works(),
     "--use-checkpoint-args": works(),
     "--exit-on-missing-checkpoint": works(),
+    **dict.fromkeys(
+        (
+            "--fp16",
+            "--loss-scale",
+            "--initial-loss-scale",
+            "--min-loss-scale",
+            "--loss-scale-window",
+            "--hysteresis",
+            "--use-distributed-optimizer",
+            "--overlap-param-gather",
+            "--grad-reduce-in-bf16",
+            "--ddp-bucket-size",
+            "--log-num-zeros-in-grad",
+        ),
+        works(),
+    ),
     "--context-parallel-size": works_only(
         (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
     ),
@@ -352,7 +366,7 @@ COVERAGE: dict[str, Coverage] = {
     "--cross-entropy-loss-fusion": no_effect("the vocabulary-parallel cross-entropy is not fused"),
     "--empty-unused-memory-level": no_effect("the CUDA cache is left to PyTorch"),
     "--no-create-attention-mask-in-dataloader": no_effect("attention is causal without a mask tensor"),
-    "--log-throughput": no_effect("tokens/s is always in the log line"),
+    "--log-throughput": no_effect("TFLOP/s per GPU and tokens/s are always in the log line"),
     "--profile": no_effect(_NO_PROFILER),
     "--profile-step-start": no_effect(_NO_PROFILER),
     "--profile-step-end": no_effect(_NO_PROFILER),
@@ -360,21 +374,6 @@ COVERAGE: dict[str, Coverage] = {
     "--use-pytorch-profiler": no_effect(_NO_PROFILER),
     "--ckpt-format": no_effect("torch and torch_dist both mean Trident's one checkpoint format"),
     # (c) not supported yet: each is being built; when it lands, its entry becomes works()
-    **dict.fromkeys(
-        (
-            "--fp16",
-            "--loss-scale",
-            "--initial-loss-scale",
-            "--min-loss-scale",
-            "--loss-scale-window",
-            "--hysteresis",
-        ),
-        not_yet(_FP16),
-    ),
-    "--use-distributed-optimizer": not_yet(_DIST_OPT),
-    "--overlap-param-gather": not_yet(_DIST_OPT),
-    "--grad-reduce-in-bf16": not_yet("bf16 gradient reduction is being built; gradients are reduced in fp32"),
-    "--log-num-zeros-in-grad": not_yet("logging the zero-gradient count is being built"),
     **dict.fromkeys(
         (
             "--rotary-base",

@@ -41,10 +41,11 @@ from training.arguments import config_from_args, parse_and_validate, startup_rep
 from training.batches import step_iterator
 from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
 from training.errors import ConfigError
-from training.global_vars import set_global_variables
+from training.global_vars import get_tokenizer, set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
 from training.run_control import ExitTimer, ManualGC
 from training.signal_handler import SignalHandler
+from training.throughput import memory_stats, num_floating_point_operations, peak_memory_bytes, peak_tflops
 from training.timeline import Timeline
 from training.wandb_logging import start_run
 
@@ -58,7 +59,20 @@ class TrainState:
     consecutive_skipped: int = 0
     wandb_run_id: str | None = None
     losses: list[dict[str, float]] = field(default_factory=list)  # per iteration, on the loss stage
-    step_seconds: list[float] = field(default_factory=list)  # wall time of each train step
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each iteration (no eval/save)
+
+
+@dataclass
+class _Step:
+    """What one iteration measured, for the log line and W&B."""
+
+    losses: dict[str, float] | None  # loss_func's reported values, on the loss stage
+    grad_norm: float | None
+    num_zeros: int | None
+    applied: bool
+    peak_memory: float  # bytes, the largest of any rank
+    params_norm: float | None = None
+    seconds: float = 0.0
 
 
 def pretrain(
@@ -69,12 +83,15 @@ def pretrain(
     argv: list[str] | None = None,
     tokenizer_provider: Callable | None = None,
     args: argparse.Namespace | None = None,
+    iteration_hook: Callable[[TrainState], None] | None = None,
 ) -> TrainState:
     """Train as the flags say; returns the final state (losses on the rank that logs them).
 
     ``args``: an already parsed namespace (``training.arguments.parse_args``) instead of ``argv``.
     Bad flags raise :class:`~training.errors.UsageError` (unparsable or rejected) or
     :class:`~training.errors.ConfigError` on every rank, before any process group exists.
+    ``iteration_hook(state)``, if given, runs after every iteration, outside its measured time
+    (``tools/bench_overhead.py`` interleaves a plain PyTorch loop with it, step by step).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args is None:
@@ -91,7 +108,12 @@ def pretrain(
     try:
         faults.begin(args)
         return _setup_and_train(
-            args, train_valid_test_datasets_provider, model_provider, forward_step_func, tokenizer_provider
+            args,
+            train_valid_test_datasets_provider,
+            model_provider,
+            forward_step_func,
+            tokenizer_provider,
+            iteration_hook,
         )
     except BaseException as err:
         faults.judge(err)  # who prints it: decided while the groups (and their store) still exist
@@ -111,6 +133,7 @@ def _setup_and_train(
     model_provider: Callable,
     forward_step_func: Callable,
     tokenizer_provider: Callable | None,
+    iteration_hook: Callable[[TrainState], None] | None = None,
 ) -> TrainState:
     bind_local_device()
     ps.initialize_model_parallel(
@@ -133,6 +156,8 @@ def _setup_and_train(
     faults.phase("building the model and optimizer")
     chunks = _build_chunks(model_provider, args)
     optimizer = get_megatron_optimizer(config_from_args(OptimizerConfig, args), chunks)
+    if optimizer.grad_scaler is not None:  # the schedule scales the last stage's loss before backward
+        chunks[0].config.schedule_hooks.grad_scale_func = optimizer.scale_loss
     scheduler = _build_scheduler(optimizer, args)
     state = TrainState()
     if args.load:
@@ -174,39 +199,60 @@ def _setup_and_train(
             run,
             signals,
             collector,
+            iteration_hook,
         )
     run.finish()
     return state
 
 
 def _train(
-    args, chunks, optimizer, scheduler, forward_step_func, train_ds, valid_ds, state, run, signals, collector
+    args,
+    chunks,
+    optimizer,
+    scheduler,
+    forward_step_func,
+    train_ds,
+    valid_ds,
+    state,
+    run,
+    signals,
+    collector,
+    hook,
 ) -> None:
     forward_backward = get_forward_backward_func()
-    window: dict[str, Any] = {"loss": [], "time": time.perf_counter(), "iters": 0}
+    device = current_device()
+    flops = num_floating_point_operations(args, args.global_batch_size, _padded_vocab_size(chunks, args))
+    peak = peak_tflops(device, args.peak_tflops)
+    window: dict[str, Any] = {"time": time.perf_counter(), "paused": 0.0, "iters": 0}
+    window.update(loss=[], skipped_loss=[])  # losses of the iterations that stepped, and of the others
     timer = ExitTimer(args.exit_duration_in_mins, _any_rank)
     timeline = Timeline.from_args(args)
     saved_at = None
     while state.iteration < args.train_iters:
         record = timeline.start() if timeline and timeline.wants(state.iteration + 1) else None
         start = time.perf_counter()
-        losses, grad_norm, applied = _train_step(
+        step = _train_step(
             args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state, record
         )
         if record is not None:
             timeline.finish(state.iteration + 1, record)
-        state.step_seconds.append(time.perf_counter() - start)
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
-        if applied:
+        if step.applied:
             scheduler.step(increment=args.global_batch_size)
-        if losses is not None:
-            state.losses.append(losses)
-            window["loss"].append(losses)
+        if step.losses is not None:
+            state.losses.append(step.losses)
+            window["loss" if step.applied else "skipped_loss"].append(step.losses)
         window["iters"] += 1
+        if args.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
+            step.params_norm = optimizer.get_params_norm()
+        step.seconds = time.perf_counter() - start
+        run.log(_wandb_row(args, state, optimizer, step, flops, peak, device), step=state.iteration)
         collector.after_step(state.iteration)
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-            _log(args, state, optimizer, grad_norm, window, run)
+            _log(args, state, optimizer, step, window, flops, peak)
+        state.step_seconds.append(time.perf_counter() - start)
+        paused = time.perf_counter()
         if (
             valid_ds is not None
             and args.eval_interval
@@ -229,8 +275,13 @@ def _train(
         if args.save and (stop or state.iteration % args.save_interval == 0):
             _save(args, chunks, optimizer, scheduler, state)
             saved_at = state.iteration
+        if hook is not None:
+            hook(state)
+        window["paused"] += time.perf_counter() - paused  # evaluation and saving are not step time
         if stop:
             break
+    for chunk in chunks:  # the last step's parameter all-gathers (distributed optimizer) land
+        chunk.finish_param_sync()
     if args.save and saved_at != state.iteration:
         _save(args, chunks, optimizer, scheduler, state)
     if timeline:
@@ -238,35 +289,47 @@ def _train(
     faults.phase("finishing")
 
 
-def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state, record=None):
+def _train_step(
+    args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state, record=None
+) -> _Step:
     """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip).
 
-    ``record``: a ``ScheduleRecord`` the schedule fills (the timeline's iterations)."""
+    A step is skipped for a NaN/Inf loss or gradient norm (counted as a NaN iteration, and towards
+    ``--max-consecutive-skipped-iterations``), or for an fp16 loss-scale overflow (a skipped
+    iteration only: the scaler backs off and training goes on, as in Megatron).
+    ``record``: a ``ScheduleRecord`` the schedule fills (the timeline's iterations).
+    """
     iteration = state.iteration + 1
     faults.phase("forward-backward (pipeline send/recv, data-parallel gradient all-reduce)", iteration)
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    optimizer.zero_grad()  # and the chunks' gradient buffers
     losses = _run_global_batch(
         args, chunks, forward_backward, forward_step_func, train_ds, state.consumed_samples, record=record
     )
     faults.phase("the loss check (all-reduce)", iteration)
-    bad_loss = _any_rank(losses is not None and not all(math.isfinite(v) for v in losses.values()))
+    bad_loss, peak_memory = _max_over_ranks(
+        [
+            1.0 if losses is not None and not all(math.isfinite(v) for v in losses.values()) else 0.0,
+            float(peak_memory_bytes(current_device())),
+        ]
+    )
     if bad_loss and args.check_for_nan_in_loss_and_grad:
         raise FloatingPointError(
             f"loss is {losses} at iteration {state.iteration + 1} (--check-for-nan-in-loss-and-grad)"
         )
-    applied, grad_norm = False, None
+    applied, grad_norm, num_zeros, overflow = False, None, None, False
     if not bad_loss:
         faults.phase("the optimizer step (gradient-norm all-reduce)", iteration)
-        applied, grad_norm, _ = optimizer.step()
-        if not applied and args.check_for_nan_in_loss_and_grad:
+        applied, grad_norm, num_zeros = optimizer.step()
+        overflow = not applied and optimizer.last_step_overflowed
+        if not applied and not overflow and args.check_for_nan_in_loss_and_grad:
             raise FloatingPointError(
                 f"gradient norm is {grad_norm} at iteration {state.iteration + 1} "
                 "(--check-for-nan-in-loss-and-grad)"
             )
     if applied:
         state.consecutive_skipped = 0
+    elif overflow:
+        state.skipped_iterations += 1
     else:
         state.skipped_iterations += 1
         state.nan_iterations += 1
@@ -277,7 +340,7 @@ def _train_step(args, chunks, optimizer, forward_backward, forward_step_func, tr
                 f"and were skipped (iteration {state.iteration + 1}); stopping. Lower --lr or "
                 "check the data; --max-consecutive-skipped-iterations sets the limit"
             )
-    return losses, grad_norm, applied
+    return _Step(losses, grad_norm, num_zeros, applied, peak_memory)
 
 
 def _run_global_batch(
@@ -318,27 +381,42 @@ def _shared_run_id(run_id: str | None) -> str | None:
 
 
 def _any_rank(flag: bool) -> bool:
-    tensor = torch.tensor([1.0 if flag else 0.0], device=current_device())
+    """Whether ``flag`` is true on any rank."""
+    return bool(_max_over_ranks([1.0 if flag else 0.0])[0])
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's maximum over all ranks, in one collective (none at world size 1)."""
+    if dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=current_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return tensor.tolist()
 
 
 def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state, run) -> None:
-    faults.phase("evaluation (pipeline send/recv)", state.iteration)
+    """Validation loss over ``--eval-iters`` batches, in eval mode (no dropout), as Megatron does."""
     losses = []
-    for k in range(args.eval_iters):
-        with torch.no_grad():
-            reported = _run_global_batch(
-                args,
-                chunks,
-                forward_backward,
-                forward_step_func,
-                valid_ds,
-                k * args.global_batch_size,
-                forward_only=True,
-            )
-        if reported is not None:
-            losses.append(reported)
+    for chunk in chunks:
+        chunk.eval()
+    faults.phase("evaluation (pipeline send/recv)", state.iteration)
+    try:
+        for k in range(args.eval_iters):
+            with torch.no_grad():
+                reported = _run_global_batch(
+                    args,
+                    chunks,
+                    forward_backward,
+                    forward_step_func,
+                    valid_ds,
+                    k * args.global_batch_size,
+                    forward_only=True,
+                )
+            if reported is not None:
+                losses.append(reported)
+    finally:
+        for chunk in chunks:
+            chunk.train()
     if losses:
         values = _mean_per_key(losses)
         print_rank_last(
@@ -350,36 +428,88 @@ def _evaluate(args, chunks, forward_backward, forward_step_func, valid_ds, state
         run.log({f"validation/{k}": v for k, v in values.items()}, step=state.iteration)
 
 
-def _log(args, state, optimizer, grad_norm, window, run) -> None:
+def _padded_vocab_size(chunks, args) -> int:
+    """The output layer's (padded) vocabulary, for the FLOP count: the model's, else Megatron's rule."""
+    for chunk in chunks:
+        size = getattr(getattr(chunk, "module", chunk), "padded_vocab_size", None)
+        if size is not None:
+            return int(size)
+    try:
+        vocab = get_tokenizer().vocab_size
+    except RuntimeError:  # no tokenizer: the FLOP count leaves the output layer out
+        return 0
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab // multiple) * multiple
+
+
+def _loss_scale(optimizer) -> float:
+    return 1.0 if optimizer.grad_scaler is None else optimizer.grad_scaler.scale
+
+
+def _wandb_row(args, state, optimizer, step: _Step, flops: float, peak: float | None, device) -> dict:
+    """This iteration's numbers under Megatron's W&B keys (plus a few of Trident's), every iteration."""
+    tflops = flops / (step.seconds * 1e12 * args.world_size)
+    row = {
+        "learning-rate": optimizer.param_groups[0]["lr"],
+        "batch-size": args.global_batch_size,
+        "samples vs steps": state.consumed_samples,
+        "loss-scale": _loss_scale(optimizer),
+        "iteration-time": step.seconds,
+        "throughput": tflops,
+        "tokens-per-second": args.global_batch_size * args.seq_length / step.seconds,
+        "skipped-iterations": state.skipped_iterations,
+        "nan-iterations": state.nan_iterations,
+    }
+    row.update(step.losses or {})  # "lm loss" and whatever else loss_func reports
+    if step.grad_norm is not None:
+        row["grad-norm"] = step.grad_norm
+    if step.num_zeros is not None:
+        row["num-zeros"] = step.num_zeros
+    if step.params_norm is not None:
+        row["params-norm"] = step.params_norm
+    if peak is not None:
+        row["mfu"] = tflops / peak
+    if args.log_memory_to_tensorboard:
+        row.update(memory_stats(device))
+        row["mem-max-allocated-bytes"] = step.peak_memory  # the largest of any rank
+    return row
+
+
+def _log(args, state, optimizer, step: _Step, window, flops: float, peak: float | None) -> None:
+    """Megatron's log line, averaged over the iterations since the last one (eval and saving excluded)."""
     now = time.perf_counter()
-    elapsed_ms = (now - window["time"]) * 1000 / max(window["iters"], 1)
-    tokens_per_s = args.global_batch_size * args.seq_length / (elapsed_ms / 1000)
+    seconds = (now - window["time"] - window["paused"]) / max(window["iters"], 1)
+    tflops = flops / (seconds * 1e12 * args.world_size)
     lr = optimizer.param_groups[0]["lr"]
-    losses = _mean_per_key(window["loss"])
-    norm = float("nan") if grad_norm is None else float(grad_norm)
-    print_rank_last(
-        f" iteration {state.iteration:8d}/{args.train_iters:8d} | consumed samples: {state.consumed_samples:12d} | "
-        f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
-        f"global batch size: {args.global_batch_size:5d} |"
-        + "".join(f" {key}: {value:.6E} |" for key, value in losses.items())
-        + f" grad norm: {norm:.3f} | "
-        f"tokens/s: {tokens_per_s:.0f} | number of skipped iterations: {state.skipped_iterations:3d} | "
-        f"number of nan iterations: {state.nan_iterations:3d} |"
-    )
-    run.log(
-        {
-            **losses,
-            "learning rate": lr,
-            "grad norm": norm,
-            "tokens per second": tokens_per_s,
-            "elapsed time per iteration (ms)": elapsed_ms,
-            "consumed samples": state.consumed_samples,
-            "skipped iterations": state.skipped_iterations,
-            "nan iterations": state.nan_iterations,
-        },
-        step=state.iteration,
-    )
-    window.update(loss=[], time=now, iters=0)
+    # Megatron averages the iterations that stepped; if every one was skipped, show theirs instead of 0.
+    losses = _mean_per_key(window["loss"] or window["skipped_loss"]) or {"lm loss": float("nan")}
+    fields = [
+        f"iteration {state.iteration:8d}/{args.train_iters:8d}",
+        f"consumed samples: {state.consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {seconds * 1000:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {tflops:.4g}",
+    ]
+    if peak is not None:
+        fields.append(f"MFU: {100 * tflops / peak:.1f}%")
+    fields += [
+        f"learning rate: {lr:.6E}",
+        f"global batch size: {args.global_batch_size:5d}",
+        *(f"{key}: {value:.6E}" for key, value in losses.items()),
+        f"loss scale: {_loss_scale(optimizer):.1f}",
+        f"grad norm: {float('nan') if step.grad_norm is None else step.grad_norm:.3f}",
+    ]
+    if step.num_zeros is not None:
+        fields.append(f"num zeros: {step.num_zeros}")
+    if step.params_norm is not None:
+        fields.append(f"params norm: {step.params_norm:.3f}")
+    fields += [
+        f"tokens/s: {args.global_batch_size * args.seq_length / seconds:.0f}",
+        f"peak memory per rank (MB): {step.peak_memory / 2**20:.0f}",
+        f"number of skipped iterations: {state.skipped_iterations:3d}",
+        f"number of nan iterations: {state.nan_iterations:3d}",
+    ]
+    print_rank_last(" " + " | ".join(fields) + " |")
+    window.update(loss=[], time=now, paused=0.0, iters=0, skipped_loss=[])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -541,6 +671,8 @@ def _tokenizer_record(args) -> dict | None:
 
 def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
     faults.phase("saving a checkpoint", state.iteration)
+    for chunk in chunks:  # the weights must be whole before they are written
+        chunk.finish_param_sync()
     path = checkpointing.save_checkpoint(
         args.save,
         state.iteration,

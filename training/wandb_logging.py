@@ -1,8 +1,8 @@
 """Weights & Biases tracking: one rank logs, offline when there is no key, resumable by run id.
 
-Only the first rank of the last pipeline stage (the one that has the loss) talks to W&B; every
-other rank gets a ``NullRun`` with the same methods that does nothing, so the training loop never
-branches on rank. Without an API key (or with ``WANDB_MODE=offline``) runs are written offline
+Only the first rank of the last pipeline stage (the one that has the loss) talks to W&B, every
+iteration, with W&B's system metrics and console capture on; every other rank gets a ``NullRun``
+with the same methods that does nothing, so the training loop never branches on rank. Without an API key (or with ``WANDB_MODE=offline``) runs are written offline
 under ``--wandb-save-dir``; ``read_offline_history`` reads such a run's logged scalars back.
 """
 
@@ -75,7 +75,9 @@ def start_run(
         id=run_id,
         resume="allow" if run_id else None,
         mode=mode,
-        settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+        # W&B's defaults: system metrics (CPU, GPU, memory) and console capture on. WANDB_CONSOLE=off
+        # and WANDB_X_DISABLE_STATS=true turn them off (see the README).
+        settings=wandb.Settings(silent=True),
     )
 
 

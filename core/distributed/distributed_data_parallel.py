@@ -10,8 +10,14 @@
 Unlike ``torch.nn.parallel.DistributedDataParallel`` it has no all-reduce in forward or at
 backward's end: the pipeline schedule decides when gradients are final (the last microbatch of a
 chunk), and the wrapper exposes exactly the hooks the schedule calls. Gradients end up in
-``param.main_grad`` (``param.grad`` stays None), in fp32 for a bf16 model by default, which is
-what the mixed-precision optimizer steps from.
+``param.main_grad``, in fp32 for a bf16 model by default, which is what the mixed-precision
+optimizer steps from; where the gradient has the parameter's dtype, ``param.grad`` is that same
+buffer view.
+
+With ``use_distributed_optimizer`` the buckets are reduce-scattered instead of all-reduced (each
+data-parallel rank gets the sum of its shard), the parameters live in a flat buffer of the same
+layout, and ``start_param_sync`` all-gathers the shards the optimizer updated (see
+:mod:`core.distributed.grad_buffer`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from core.distributed.grad_buffer import Bucket, GradBuffer
+from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
 
 
 def _default_group() -> ProcessGroup | None:
@@ -45,7 +51,7 @@ def _pipeline_rank() -> int:
 
 
 class DistributedDataParallel(nn.Module):
-    """Wraps one model chunk; its gradients live in flat buffers and are all-reduced in buckets.
+    """Wraps one model chunk; its gradients live in flat buffers and are reduced in buckets.
 
     Attributes it does not have itself (``set_input_tensor``, ``pre_process``, ``vp_stage``...)
     are looked up on the wrapped ``module``, so schedules and user code treat it as the model.
@@ -90,6 +96,13 @@ class DistributedDataParallel(nn.Module):
             else:
                 pre_scale = 1.0 / dp_size
 
+        options = ReduceOptions(
+            pre_scale=pre_scale,
+            post_scale=post_scale,
+            async_op=ddp_config.overlap_grad_reduce,
+            check_for_nan=ddp_config.check_for_nan_in_grad,
+            shard=ddp_config.use_distributed_optimizer,
+        )
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list[tuple[nn.Parameter, str]]] = {}
         for name, param in module.named_parameters():
             if param.requires_grad:
@@ -105,19 +118,28 @@ class DistributedDataParallel(nn.Module):
                     self.bucket_size,
                     self.data_parallel_group,
                     first_bucket_index=len(self.buckets),
-                    pre_scale=pre_scale,
-                    post_scale=post_scale,
-                    async_op=ddp_config.overlap_grad_reduce,
-                    check_for_nan=ddp_config.check_for_nan_in_grad,
+                    options=options,
                 )
             )
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets for p in bucket.params
         }
+        # Where the gradient has the parameter's dtype, ``param.grad`` is ``main_grad`` itself (as
+        # torch DDP's gradient_as_bucket_view): autograd accumulates every microbatch straight into
+        # the buffer, and the hook below has nothing to copy. Otherwise the hook adds each
+        # microbatch's gradient into the (fp32) buffer and drops it.
+        self._grad_is_main_grad = [p for p in self.param_to_bucket if p.main_grad.dtype == p.dtype]
+        for param in self._grad_is_main_grad:
+            param.grad = param.main_grad
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(bucket))
             for p, bucket in self.param_to_bucket.items()
         ]
+        if ddp_config.overlap_param_gather:
+            self._hook_handles += [
+                module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
+                for module, buckets in self._buckets_by_module().items()
+            ]
 
     # -- plumbing ---------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -148,17 +170,39 @@ class DistributedDataParallel(nn.Module):
         overlap = self.ddp_config.overlap_grad_reduce
 
         def hook(param: nn.Parameter) -> None:
-            # Runs right after autograd accumulated into param.grad: move it into main_grad.
-            bucket.check_accumulation_allowed(param)
-            grad = param.grad
-            if grad is not None:
-                # If an optimizer left param.grad aliasing main_grad (fp32 models step on it), autograd
-                # has just accumulated in place and there is nothing to add.
-                if grad.data_ptr() != param.main_grad.data_ptr():
-                    param.main_grad.add_(grad)
-                param.grad = None
+            # Runs right after autograd accumulated into param.grad; it runs for every parameter of
+            # every microbatch, so it does no more than this. If param.grad is main_grad, autograd has
+            # just accumulated into the buffer in place; otherwise add it there and let it go.
+            if bucket.state != IDLE:
+                bucket.check_accumulation_allowed(param)  # raises
+            grad, main_grad = param.grad, param.main_grad
+            if grad is not None and grad.data_ptr() != main_grad.data_ptr():
+                main_grad.add_(grad)
+                param.grad = main_grad if main_grad.dtype == param.dtype else None
             if overlap:
                 bucket.register_grad_ready(param)
+
+        return hook
+
+    def _buckets_by_module(self) -> dict[nn.Module, list[Bucket]]:
+        """Each submodule that owns parameters -> the buckets holding them, in forward order."""
+        out: dict[nn.Module, list[Bucket]] = {}
+        for module in self.module.modules():
+            buckets = {
+                id(b): b
+                for p in module.parameters(recurse=False)
+                if (b := self.param_to_bucket.get(p)) is not None
+            }
+            if buckets:
+                out[module] = sorted(buckets.values(), key=lambda b: -b.index)
+        return out
+
+    @staticmethod
+    def _make_forward_pre_hook(buckets: list[Bucket]):
+        def hook(module: nn.Module, args: Any) -> None:
+            # The module is about to read its parameters: their all-gather must have landed.
+            for bucket in buckets:
+                bucket.finish_param_sync()
 
         return hook
 
@@ -193,6 +237,25 @@ class DistributedDataParallel(nn.Module):
         """Zero all gradients and re-arm the buckets; call once at the start of every step."""
         for buffer in self.buffers:
             buffer.reset()
+        for param in self._grad_is_main_grad:
+            param.grad = param.main_grad
+
+    # -- the distributed optimizer's hooks ------------------------------------------------------
+    def start_param_sync(self) -> None:
+        """All-gather the parameter shards the distributed optimizer just updated.
+
+        With ``overlap_param_gather`` the all-gathers are launched asynchronously, in the order the
+        next forward needs them, and each module's forward pre-hook waits for its own buckets; so
+        the gathers of later buckets overlap the forward of earlier layers. Without it they
+        complete here. A no-op without the distributed optimizer.
+        """
+        for bucket in reversed(self.buckets):
+            bucket.start_param_sync(async_op=self.ddp_config.overlap_param_gather)
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight (before reading the weights)."""
+        for bucket in self.buckets:
+            bucket.finish_param_sync()
 
     def broadcast_params(self) -> None:
         """Copy the first data-parallel rank's parameters to the others (identical replicas)."""

@@ -4,27 +4,69 @@ Every parameter's ``main_grad`` is a view into one flat tensor, so a data-parall
 few large collectives instead of one per parameter, and the optimizer and gradient clipping can
 treat the whole model's gradients as one tensor. Parameters are laid out in *reverse* module
 order, which is roughly the order backward produces their gradients: the first bucket fills up
-first, and with ``overlap_grad_reduce`` its all-reduce runs while backward computes the rest.
+first, and with ``overlap_grad_reduce`` its reduction runs while backward computes the rest.
+
+With the distributed optimizer (``shard=True``, Megatron's design) three things change:
+
+* each bucket is padded to a multiple of ``lcm(dp, 128)`` elements and cut into ``dp`` equal
+  shards; a bucket's gradients are reduce-scattered, so data-parallel rank ``r`` ends up with the
+  sum of shard ``r`` only (:mod:`core.distributed.collectives` says what each backend does);
+* the parameters move into a second flat buffer with the same layout (``param.data`` becomes a
+  view of it), so the updated shards can be all-gathered straight into the parameters;
+* a tied word embedding (``shared_embedding``) gets a bucket of its own. Its first-stage and
+  last-stage copies are then sharded identically over data parallelism, so after the
+  reduce-scatter the embedding group can sum the two copies' shards element by element.
 
 A bucket moves through three states per step: idle (gradients accumulating), launched (its
-all-reduce is under way) and done (reduced). ``zero_grad_buffer`` returns it to idle.
+reduction is under way) and done (reduced). ``reset`` returns it to idle.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core.distributed.collectives import all_gather, reduce_scatter, reduce_scatter_is_native
+
 IDLE, LAUNCHED, DONE = "idle", "launched", "done"
+SHARD_ALIGNMENT = 128
+"""Buckets of a sharded buffer are padded to a multiple of lcm(dp, this) elements (Megatron's value:
+shards start 256-byte aligned in 16-bit precision)."""
+
+
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How a buffer's buckets are reduced over the data-parallel group.
+
+    ``pre_scale`` multiplies the gradients before the sum (Megatron's ``gradient_scaling_factor``:
+    1/dp to average, 1 for a per-token loss); ``post_scale`` multiplies after it (our stand-in for
+    an averaging collective, which gloo lacks). ``shard`` selects reduce-scatter (distributed
+    optimizer) over all-reduce.
+    """
+
+    pre_scale: float = 1.0
+    post_scale: float = 1.0
+    async_op: bool = False
+    check_for_nan: bool = False
+    shard: bool = False
+
+
+def _group_size_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 class Bucket:
     """Whole parameters' gradients in one contiguous slice of a buffer, reduced as one message.
 
-    ``pre_scale`` multiplies the gradients before the sum (Megatron's ``gradient_scaling_factor``:
-    1/dp to average, 1 for a per-token loss); ``post_scale`` multiplies after it (our stand-in for
-    an averaging collective, which gloo lacks).
+    ``starts[i]`` is where ``params[i]`` begins inside the bucket. With ``options.shard`` the bucket
+    (``grad_data``, and ``param_data`` holding the parameters themselves) divides into equal shards,
+    one per data-parallel rank.
     """
 
     def __init__(
@@ -32,28 +74,44 @@ class Bucket:
         index: int,
         params: list[torch.nn.Parameter],
         names: list[str],
+        starts: list[int],
         grad_data: torch.Tensor,
+        param_data: torch.Tensor | None,
         group: ProcessGroup | None,
-        *,
-        pre_scale: float,
-        post_scale: float,
-        async_op: bool,
-        check_for_nan: bool,
+        options: ReduceOptions,
     ) -> None:
         self.index = index
-        self.params = params
-        self.names = names
-        self.grad_data = grad_data
+        self.params, self.names = params, names
+        self._start_of = {id(p): s for p, s in zip(params, starts)}
+        self.grad_data, self.param_data = grad_data, param_data
         self.group = group
-        self.pre_scale = pre_scale
-        self.post_scale = post_scale
-        self.async_op = async_op
-        self.check_for_nan = check_for_nan
+        self.options = options
+        self.dp_size, self.dp_rank = _group_size_and_rank(group)
+        self.communicate = self.dp_size > 1
+        self.shard_size = grad_data.numel() // self.dp_size if options.shard else grad_data.numel()
+        if options.shard:
+            lo, hi = self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
+            self.grad_shard, self.param_shard = grad_data[lo:hi], param_data[lo:hi]
+            self.native_reduce_scatter = self.communicate and reduce_scatter_is_native(group)
         self.is_last_microbatch = True  # False inside DistributedDataParallel.no_sync()
         self.state = IDLE
         self.handle: dist.Work | None = None
+        self.param_handle: dist.Work | None = None
         self._ready: set[int] = set()
 
+    def owned_range(self, param: torch.nn.Parameter) -> tuple[int, int] | None:
+        """The part ``[start, end)`` of flattened ``param`` in this rank's shard (None if no part is).
+
+        Without sharding a rank owns every parameter whole.
+        """
+        start, numel = self._start_of[id(param)], param.numel()
+        if not self.options.shard:
+            return 0, numel
+        lo = max(start, self.dp_rank * self.shard_size)
+        hi = min(start + numel, (self.dp_rank + 1) * self.shard_size)
+        return (lo - start, hi - start) if lo < hi else None
+
+    # -- gradients ----------------------------------------------------------------------------
     def register_grad_ready(self, param: torch.nn.Parameter) -> None:
         """Note that ``param``'s gradient is final for this step; launch the reduction when all are.
 
@@ -72,21 +130,31 @@ class Bucket:
             self.start_grad_sync()
 
     def start_grad_sync(self) -> None:
-        """Launch the all-reduce (asynchronously with overlap); a no-op if already launched."""
+        """Launch the reduction (asynchronously with overlap); a no-op if already launched."""
         if self.state != IDLE:
             return
-        if self.check_for_nan and not bool(torch.isfinite(self.grad_data).all()):
+        opts = self.options
+        if opts.check_for_nan and not bool(torch.isfinite(self.grad_data).all()):
             rank = dist.get_rank() if dist.is_initialized() else 0
             bad = [n for p, n in zip(self.params, self.names) if not bool(torch.isfinite(p.main_grad).all())]
             raise RuntimeError(
                 f"rank {rank}: NaN or Inf in the gradients of {bad} before the data-parallel "
                 "reduction (check_for_nan_in_grad)"
             )
-        if self.pre_scale != 1.0:
-            self.grad_data.mul_(self.pre_scale)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            work = dist.all_reduce(self.grad_data, group=self.group, async_op=self.async_op)
-            self.handle = work if self.async_op else None
+        if opts.pre_scale != 1.0:
+            self.grad_data.mul_(opts.pre_scale)
+        if self.communicate:
+            if opts.shard:
+                work = reduce_scatter(
+                    self.grad_shard,
+                    self.grad_data,
+                    self.group,
+                    native=self.native_reduce_scatter,
+                    async_op=opts.async_op,
+                )
+            else:
+                work = dist.all_reduce(self.grad_data, group=self.group, async_op=opts.async_op)
+            self.handle = work if opts.async_op else None
         self.state = LAUNCHED
 
     def finish_grad_sync(self) -> None:
@@ -97,8 +165,8 @@ class Bucket:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
-        if self.post_scale != 1.0:
-            self.grad_data.mul_(self.post_scale)
+        if self.options.post_scale != 1.0:
+            (self.grad_shard if self.options.shard else self.grad_data).mul_(self.options.post_scale)
         self.state = DONE
 
     def check_accumulation_allowed(self, param: torch.nn.Parameter) -> None:
@@ -119,6 +187,20 @@ class Bucket:
         self._ready.clear()
         self.is_last_microbatch = True
 
+    # -- parameters (distributed optimizer) ---------------------------------------------------
+    def start_param_sync(self, async_op: bool) -> None:
+        """All-gather the updated parameter shards into ``param_data``; a no-op if one is under way."""
+        if not (self.options.shard and self.communicate) or self.param_handle is not None:
+            return
+        work = all_gather(self.param_data, self.param_shard, self.group, async_op=async_op)
+        self.param_handle = work if async_op else None
+
+    def finish_param_sync(self) -> None:
+        """Wait for this bucket's parameter all-gather, if one is in flight."""
+        if self.param_handle is not None:
+            self.param_handle.wait()
+            self.param_handle = None
+
     def _name(self, param: torch.nn.Parameter) -> str:
         for p, n in zip(self.params, self.names):
             if p is param:
@@ -130,7 +212,9 @@ class GradBuffer:
     """All gradients of one (parameter dtype, gradient dtype) pair in one flat tensor, in buckets.
 
     ``params`` come in module order; they are laid out reversed. ``bucket_size`` None puts
-    everything in one bucket. Creating the buffer sets ``param.main_grad`` on each parameter.
+    everything in one bucket (plus, when sharding, one for a tied embedding). Creating the buffer
+    sets ``param.main_grad`` on each parameter, and with ``options.shard`` moves ``param.data``
+    into ``param_data``.
     """
 
     def __init__(
@@ -142,44 +226,60 @@ class GradBuffer:
         group: ProcessGroup | None,
         *,
         first_bucket_index: int,
-        pre_scale: float,
-        post_scale: float,
-        async_op: bool,
-        check_for_nan: bool,
+        options: ReduceOptions,
     ) -> None:
-        order = list(zip(params, names))[::-1]
-        total = sum(p.numel() for p, _ in order)
+        dp_size, _ = _group_size_and_rank(group)
+        pad_to = math.lcm(dp_size, SHARD_ALIGNMENT) if options.shard else 1
+        layout = self._layout(list(zip(params, names))[::-1], bucket_size, pad_to, options.shard)
+        total = layout[-1][1] if layout else 0
+        device = params[0].device
         self.grad_dtype = grad_dtype
-        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=params[0].device)
+        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
+        self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device) if options.shard else None
         self.buckets: list[Bucket] = []
-        offset, start, members = 0, 0, []
-
-        def close_bucket() -> None:
-            nonlocal start, members
-            if not members:
-                return
+        for begin, end, members in layout:
+            for param, _, offset in members:
+                param.main_grad = self.grad_data[offset : offset + param.numel()].view(param.shape)
+                if self.param_data is not None:
+                    view = self.param_data[offset : offset + param.numel()]
+                    view.copy_(param.data.reshape(-1))
+                    param.data = view.view(param.shape)
             self.buckets.append(
                 Bucket(
                     first_bucket_index + len(self.buckets),
-                    [p for p, _ in members],
-                    [n for _, n in members],
-                    self.grad_data[start:offset],
+                    [p for p, _, _ in members],
+                    [n for _, n, _ in members],
+                    [o - begin for _, _, o in members],
+                    self.grad_data[begin:end],
+                    None if self.param_data is None else self.param_data[begin:end],
                     group,
-                    pre_scale=pre_scale,
-                    post_scale=post_scale,
-                    async_op=async_op,
-                    check_for_nan=check_for_nan,
+                    options,
                 )
             )
-            start, members = offset, []
+
+    @staticmethod
+    def _layout(order, bucket_size: int | None, pad_to: int, shard: bool):
+        """Buckets as (start, padded end, [(param, name, offset)]) over the flat buffer."""
+        buckets, members = [], []
+        offset = start = 0
+
+        def close() -> None:
+            nonlocal offset, start, members
+            if members:
+                offset = -(-offset // pad_to) * pad_to
+                buckets.append((start, offset, members))
+                start, members = offset, []
 
         for param, name in order:
-            param.main_grad = self.grad_data[offset : offset + param.numel()].view(param.shape)
+            alone = shard and getattr(param, "shared_embedding", False)
+            if alone:
+                close()
+            members.append((param, name, offset))
             offset += param.numel()
-            members.append((param, name))
-            if bucket_size is not None and offset - start >= bucket_size:
-                close_bucket()
-        close_bucket()
+            if alone or (bucket_size is not None and offset - start >= bucket_size):
+                close()
+        close()
+        return buckets
 
     def reset(self) -> None:
         """Zero every gradient and return the buckets to idle."""

@@ -1,4 +1,5 @@
-"""Mixed-precision optimizers with global-norm clipping, parameter groups and the LR schedule.
+"""Mixed-precision optimizers (fp32, bf16, fp16 with loss scaling, distributed) with global-norm
+clipping, parameter groups and the LR schedule.
 
 optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-4, bf16=True, clip_grad=1.0), model_chunks)
 scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-4, min_lr=3e-5,
@@ -21,20 +22,27 @@ from core.optimizer.clip_grads import (
     get_grad_norm_fp32,
     param_counts_for_norm,
 )
+from core.optimizer.distrib_optimizer import DistributedOptimizer
+from core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from core.optimizer.lr_scheduler import OptimizerParamScheduler
 from core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
     OptimizerConfig,
+    ParamShard,
 )
 
 __all__ = [
+    "ConstantGradScaler",
+    "DistributedOptimizer",
+    "DynamicGradScaler",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
     "MegatronOptimizer",
     "OptimizerConfig",
     "OptimizerParamScheduler",
+    "ParamShard",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "get_grad_norm_fp32",
@@ -96,7 +104,10 @@ def get_megatron_optimizer(
     scale_lr_cond: Condition | None = None,
     lr_mult: float = 1.0,
 ) -> MegatronOptimizer:
-    """The optimizer for these chunks: AdamW (or SGD) on fp32 parameters, fp32 main copies if bf16."""
+    """The optimizer for these chunks: AdamW (or SGD) on fp32 parameters, fp32 main copies for a
+    bf16/fp16 model, loss scaling for fp16, and with ``use_distributed_optimizer`` all of it for
+    this data-parallel rank's shard only (the chunks must then be ``DistributedDataParallel``
+    wrappers built with ``use_distributed_optimizer=True``)."""
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr must be set (the scheduler then drives it every step)")
@@ -124,5 +135,10 @@ def get_megatron_optimizer(
         inner = torch.optim.SGD(
             groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
         )
-    cls = Float16OptimizerWithFloat16Params if config.bf16 else FP32Optimizer
+    if config.use_distributed_optimizer:
+        cls = DistributedOptimizer
+    elif config.bf16 or config.fp16:
+        cls = Float16OptimizerWithFloat16Params
+    else:
+        cls = FP32Optimizer
     return cls(inner, config, chunks)

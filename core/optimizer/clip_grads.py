@@ -62,8 +62,8 @@ def get_grad_norm_fp32(
 ) -> float:
     """The ``norm_type`` norm of all these gradients together, over every rank of the group.
 
-    Each rank passes only the gradients it counts (see :func:`param_counts_for_norm`). Partial sums
-    are kept in float64 so that the answer does not depend on how the model is split. Every rank of
+    Each rank passes only the gradients it counts (see :func:`param_counts_for_norm`). The L2 norm
+    accumulates squares in float64, so the answer does not depend on how the model is split. Every rank of
     the group must call this (it is a collective), even one with no gradients.
     """
     grads = [g for g in grads_for_norm if g is not None]
@@ -76,12 +76,49 @@ def get_grad_norm_fp32(
         if communicate:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return float(total.item())
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        total += torch.linalg.vector_norm(g.detach().float(), norm_type).double() ** norm_type
+    if norm_type == 2.0:
+        total = _sum_of_squares_fp64(grads, device)
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        if grads:
+            norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
+            total += torch.stack(norms).double().pow(norm_type).sum()
     if communicate:
         dist.all_reduce(total, group=group)
     return float(total.item() ** (1.0 / norm_type))
+
+
+_CHUNK = 1 << 24  # elements converted to float64 at a time (a 128 MiB temporary at most)
+
+
+def _sum_of_squares_fp64(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of every element's square, accumulated in float64.
+
+    fp32 accumulation is off by ~1e-5 relative for a million elements, and differently for a tensor
+    and for its pieces. In float64 the sum no longer depends on how the elements are cut (a whole
+    parameter, or data-parallel shards of it: the distributed optimizer), so the clipping factor
+    and hence every step are the same either way.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    small: list[torch.Tensor] = []  # tensors below a chunk are joined: one conversion for many
+    small_numel = 0
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() >= _CHUNK:
+            for start in range(0, flat.numel(), _CHUNK):
+                chunk = flat[start : start + _CHUNK].double()
+                total += torch.dot(chunk, chunk)
+            continue
+        if small_numel + flat.numel() > _CHUNK:
+            chunk = torch.cat(small).double()
+            total += torch.dot(chunk, chunk)
+            small, small_numel = [], 0
+        small.append(flat)
+        small_numel += flat.numel()
+    if small:
+        chunk = torch.cat(small).double()
+        total += torch.dot(chunk, chunk)
+    return total
 
 
 def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -92,9 +129,9 @@ def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float,
     """
     coeff = max_norm / (total_norm + 1.0e-6)
     if coeff < 1.0:
-        for g in grads:
-            if g is not None:
-                g.mul_(coeff)
+        grads = [g for g in grads if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, coeff)
     return min(coeff, 1.0)
 
 

@@ -1,17 +1,25 @@
 """Optimizers that step from data-parallel gradient buffers, clip by the global norm, and skip bad steps.
 
-Two flavours, as in Megatron:
+Three flavours, as in Megatron:
 
 * :class:`FP32Optimizer` — an fp32 model; the inner torch optimizer steps on the model's own
   parameters, with ``param.main_grad`` (the data-parallel buffer) handed to it as the gradient.
-* :class:`Float16OptimizerWithFloat16Params` — a bf16 model. bf16 has too few mantissa bits for
-  small updates to register (``w + lr * u == w`` for most of training), so the optimizer keeps an
-  fp32 *main* copy of each bf16 parameter, steps on that with fp32 gradients, and copies the result
-  back into the bf16 model. fp32 parameters in the same model are stepped directly.
+* :class:`Float16OptimizerWithFloat16Params` — a bf16 or fp16 model. 16-bit floats have too few
+  mantissa bits for small updates to register (``w + lr * u == w`` for most of training), so the
+  optimizer keeps an fp32 *main* copy of each 16-bit parameter, steps on that with fp32 gradients,
+  and copies the result back into the model. fp32 parameters in the same model are stepped directly.
+* :class:`~core.optimizer.distrib_optimizer.DistributedOptimizer` — either of the above, but each
+  data-parallel rank keeps main parameters and optimizer state for its shard only.
+
+All three describe what they step as :class:`ParamShard` records: the range ``[start, end)`` of a
+flattened model parameter and the fp32 tensor stepped on for it (the whole parameter except in
+the distributed optimizer). ``param_state_by_name`` exports the state in those terms.
 
 ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``. A non-finite global norm
 (a NaN or Inf anywhere in the model) skips the update on every rank (the norm is global, so they
-agree) and leaves parameters and optimizer state untouched.
+agree) and leaves parameters and optimizer state untouched. With loss scaling (fp16, or
+``loss_scale``) the gradients are unscaled first; an overflow skips the step, sets
+``last_step_overflowed`` and lets the scaler back off (see :mod:`core.optimizer.grad_scaler`).
 """
 
 from __future__ import annotations
@@ -19,12 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from core.flags import flag
+from core.device import current_device
 from core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -32,55 +40,53 @@ from core.optimizer.clip_grads import (
     grad_stats_group,
     param_counts_for_norm,
 )
+from core.optimizer.grad_scaler import unscale_and_check
+from core.optimizer.optimizer_config import OptimizerConfig, make_grad_scaler
+from core.optimizer.param_state import export_param_state, import_param_state
 from core.tensor_parallel.utils import copy_tensor_model_parallel_attributes
 
 _HALF = (torch.bfloat16, torch.float16)
 _COPIED_ATTRIBUTES = ("shared", "shared_embedding", "sequence_parallel")
 
 
-@dataclass(kw_only=True)
-class OptimizerConfig:
-    """Optimizer settings (Megatron's ``OptimizerConfig`` field names and defaults)."""
+@dataclass(eq=False)
+class ParamShard:
+    """The part ``[start, end)`` of a flattened model parameter that an optimizer steps, and how.
 
-    optimizer: Literal["adam", "sgd"] = flag("adam", group="training")
-    """"adam" (decoupled weight decay, i.e. AdamW, as Megatron's Adam) or "sgd"."""
-    lr: float | None = flag(None, group="learning rate")
-    """Initial learning rate; the scheduler overwrites it every step."""
-    min_lr: float | None = flag(None, group="learning rate", cli_default=0.0)
-    """Floor of the learning-rate decay (read by the scheduler's builder)."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay for matrices; biases and norms get none (see ``get_param_groups``)."""
-    bf16: bool = False
-    """The model is bf16: keep fp32 main parameters and step on those."""
-    fp16: bool = flag(False, group="mixed precision")
-    """fp16 needs dynamic loss scaling, which Trident does not implement: must stay False."""
-    params_dtype: torch.dtype = torch.float32
-    adam_beta1: float = 0.9
-    """Adam's decay rate of the running mean of gradients."""
-    adam_beta2: float = 0.999
-    """Adam's decay rate of the running mean of squared gradients."""
-    adam_eps: float = 1e-08
-    """Added to Adam's denominator for numerical stability."""
-    sgd_momentum: float = 0.9
-    """Momentum of SGD (with ``optimizer="sgd"``)."""
-    clip_grad: float = 1.0
-    """Clip gradients to this global L2 norm; 0 disables clipping (the norm is still computed)."""
-    log_num_zeros_in_grad: bool = flag(False, group="logging")
-    """Count zero gradient elements every step (third value of ``step()``)."""
-    use_distributed_optimizer: bool = flag(False, group="distributed")
-    """ZeRO-1 style sharding of optimizer state; not implemented, must stay False."""
+    ``main_param`` is the fp32 tensor the inner optimizer steps on: the model parameter itself
+    (fp32 models), an fp32 copy (``copy=True``: 16-bit models), or a view of the parameter's range
+    (fp32 parameters under the distributed optimizer).
+    """
 
-    def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"OptimizerConfig.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        if self.fp16:
-            raise ValueError(
-                "fp16 training needs loss scaling, which Trident does not implement; use bf16=True"
-            )
-        if self.use_distributed_optimizer:
-            raise ValueError("use_distributed_optimizer=True is not implemented in Trident; set it to False")
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+    name: str
+    model_param: nn.Parameter
+    main_param: torch.Tensor
+    start: int
+    end: int
+    copy: bool
+
+    def model_grad(self) -> torch.Tensor | None:
+        """The model's reduced gradient of this range (``main_grad`` if any, else ``.grad``), shaped as main."""
+        grad = getattr(self.model_param, "main_grad", None)
+        if grad is None:
+            grad = self.model_param.grad
+        if grad is None or grad.shape == self.main_param.shape:  # the whole parameter
+            return grad
+        return grad.reshape(-1)[self.start : self.end].view_as(self.main_param)
+
+    def model_view(self) -> torch.Tensor:
+        """The model parameter's values of this range, shaped as main (writes go to the model)."""
+        return self.model_param.detach().reshape(-1)[self.start : self.end].view_as(self.main_param)
+
+
+def model_named_parameters(chunks: Iterable[nn.Module]) -> dict[int, str]:
+    """id(parameter) -> its name in its chunk (a data-parallel wrapper adds no prefix)."""
+    names: dict[int, str] = {}
+    for chunk in chunks:
+        module = chunk.module if hasattr(chunk, "ddp_config") else chunk
+        for name, param in module.named_parameters():
+            names.setdefault(id(param), name)
+    return names
 
 
 def _jsonable(value):
@@ -90,11 +96,11 @@ def _jsonable(value):
 
 
 class MegatronOptimizer:
-    """Common machinery: gradient hand-over, global norm, clipping, skip-on-NaN, state dicts.
+    """Common machinery: gradient hand-over, loss scaling, global norm, clipping, skip-on-NaN, state.
 
-    Subclasses differ only in how they pair each model parameter with the parameter the inner
-    optimizer steps on (``self._pairs``: (model param, main param), the same tensor for fp32).
-    ``model_chunks`` lets ``zero_grad`` also zero the chunks' data-parallel gradient buffers.
+    Subclasses differ only in the :class:`ParamShard` records they build (``self._shards``).
+    ``model_chunks`` lets ``zero_grad`` also zero the chunks' data-parallel gradient buffers, and
+    names the parameters in ``param_state_by_name``.
     """
 
     def __init__(
@@ -106,7 +112,16 @@ class MegatronOptimizer:
         self.optimizer = optimizer
         self.config = config
         self.model_chunks = list(model_chunks or [])
-        self._pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._shards: list[ParamShard] = []
+        self._counted: list[ParamShard] | None = None  # the shards that count in global norms
+        self._in_buffers: set[int] | None = None
+        self.grad_scaler = make_grad_scaler(config)
+        self.last_step_overflowed = False
+        """True when the last ``step()`` found Inf/NaN in the loss-scaled gradients and skipped."""
+        self._names = model_named_parameters(self.model_chunks)
+
+    def _name(self, param: nn.Parameter) -> str:
+        return self._names.get(id(param), f"param{len(self._names)}.{id(param)}")
 
     @property
     def param_groups(self) -> list[dict]:
@@ -118,46 +133,67 @@ class MegatronOptimizer:
         """The inner optimizer's per-parameter state (keyed by main parameter)."""
         return self.optimizer.state
 
+    # -- loss scaling -------------------------------------------------------------------------------
     def get_loss_scale(self) -> torch.Tensor:
-        """Always 1: bf16 and fp32 need no loss scaling (kept for Megatron-style training loops)."""
-        return torch.ones(())
+        """The current loss scale (1 without loss scaling)."""
+        return torch.tensor(1.0 if self.grad_scaler is None else self.grad_scaler.scale)
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to backpropagate: ``loss`` times the loss scale (``config.grad_scale_func``)."""
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
+
+    def _unscale_and_check_for_inf(self) -> bool:
+        """Divide the main gradients by the loss scale; True if any rank found an Inf or NaN."""
+        grads = self._main_grads(for_norm=False)
+        found_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else current_device())
+        unscale_and_check(grads, self.grad_scaler.inv_scale, found_inf)
+        group = self._grad_stats_group()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        return bool(found_inf.item() > 0)
+
+    # -- parameters -----------------------------------------------------------------------------------
     def get_parameters(self) -> list[torch.Tensor]:
         """The tensors the inner optimizer steps on (fp32 main parameters), in group order."""
-        return [main for _, main in self._pairs]
+        return [s.main_param for s in self._shards]
 
     def get_main_param(self, model_param: nn.Parameter) -> torch.Tensor:
         """The fp32 tensor stepped on for ``model_param`` (itself for fp32 parameters)."""
-        for model, main in self._pairs:
-            if model is model_param:
-                return main
+        for s in self._shards:
+            if s.model_param is model_param:
+                return s.main_param
         raise KeyError("parameter is not managed by this optimizer")
 
     # -- gradients ----------------------------------------------------------------------------------
+    def _grad_stats_group(self):
+        """The group gradient statistics (norm, zeros, overflow) are summed over."""
+        return grad_stats_group()
+
     def prepare_grads(self) -> None:
         """Give every main parameter its gradient: the model's ``main_grad`` (data-parallel buffer,
-        already reduced) if it has one, else ``.grad``; cast to fp32 for bf16 models."""
-        for model_param, main_param in self._pairs:
-            grad = getattr(model_param, "main_grad", None)
-            if grad is None:
-                grad = model_param.grad
-            if main_param is model_param:
-                if grad is not None and grad is not model_param.grad:  # hand the buffer view over
-                    model_param.grad = grad if grad.dtype == model_param.dtype else grad.to(model_param.dtype)
+        already reduced) if it has one, else ``.grad``; cast to fp32 for 16-bit models."""
+        for s in self._shards:
+            grad, model = s.model_grad(), s.model_param
+            if s.main_param is model:  # hand the buffer view over as the parameter's own grad
+                if grad is not None and grad is not model.grad:
+                    model.grad = grad if grad.dtype == model.dtype else grad.to(model.dtype)
             else:
-                main_param.grad = None if grad is None else grad.float()
-                model_param.grad = None  # the bf16 copy is no longer needed
+                s.main_param.grad = None if grad is None else grad.float()
+                model.grad = None  # a 16-bit copy is no longer needed
+
+    def _counted_shards(self) -> list[ParamShard]:
+        """The shards this rank counts in global norms (which never changes, so it is kept)."""
+        if self._counted is None:
+            self._counted = [s for s in self._shards if param_counts_for_norm(s.model_param)]
+        return self._counted
 
     def _main_grads(self, for_norm: bool) -> list[torch.Tensor]:
-        return [
-            main.grad
-            for model, main in self._pairs
-            if main.grad is not None and (not for_norm or param_counts_for_norm(model))
-        ]
+        shards = self._counted_shards() if for_norm else self._shards
+        return [s.main_param.grad for s in shards if s.main_param.grad is not None]
 
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients, each weight counted once across TP, PP (and DP)."""
-        return get_grad_norm_fp32(self._main_grads(for_norm=True), 2.0, grad_stats_group())
+        return get_grad_norm_fp32(self._main_grads(for_norm=True), 2.0, self._grad_stats_group())
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip all gradients to global norm ``clip_grad``; return the norm before clipping."""
@@ -167,13 +203,25 @@ class MegatronOptimizer:
 
     def count_zeros(self) -> int:
         """Zero gradient elements in the whole model (a sign of dead units or underflow)."""
-        return count_zeros_fp32(self._main_grads(for_norm=True), grad_stats_group())
+        return count_zeros_fp32(self._main_grads(for_norm=True), self._grad_stats_group())
+
+    def get_params_norm(self) -> float:
+        """Global L2 norm of the (main) parameters, each weight counted once (``--log-params-norm``)."""
+        params = [s.main_param for s in self._counted_shards()]
+        return get_grad_norm_fp32(params, 2.0, self._grad_stats_group())
 
     # -- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
-        """Clip, step and copy back; skipped (returns False) when the global grad norm is not finite."""
+        """Unscale, clip, step and copy back; skipped (False) on overflow or a non-finite grad norm."""
         self.prepare_grads()
+        self.last_step_overflowed = False
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_inf()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.last_step_overflowed = True
+                return False, None, None
         grad_norm = self.get_grad_norm()
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
@@ -185,41 +233,43 @@ class MegatronOptimizer:
         return True, grad_norm, num_zeros
 
     def _copy_main_params_to_model_params(self) -> None:
-        for model_param, main_param in self._pairs:
-            if main_param is not model_param:
-                model_param.data.copy_(main_param.data)
+        for s in self._shards:
+            if s.copy:
+                s.model_view().copy_(s.main_param)
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 main copies from the model (after loading model weights only)."""
         with torch.no_grad():
-            for model_param, main_param in self._pairs:
-                if main_param is not model_param:
-                    main_param.copy_(model_param)
+            for s in self._shards:
+                if s.copy:
+                    s.main_param.copy_(s.model_view())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all ``.grad`` tensors and zero the data-parallel ``main_grad`` buffers."""
-        covered: set[int] = set()
-        for chunk in self.model_chunks:
-            if hasattr(chunk, "zero_grad_buffer"):
-                chunk.zero_grad_buffer()
-                covered.update(id(p) for p in chunk.parameters())
-        for model_param, main_param in self._pairs:
-            for p in {id(model_param): model_param, id(main_param): main_param}.values():
+        wrapped = [chunk for chunk in self.model_chunks if hasattr(chunk, "zero_grad_buffer")]
+        if self._in_buffers is None:  # parameters whose main_grad the chunks zero themselves
+            self._in_buffers = {id(p) for chunk in wrapped for p in chunk.parameters()}
+        covered = self._in_buffers
+        for s in self._shards:
+            for p in {id(s.model_param): s.model_param, id(s.main_param): s.main_param}.values():
                 if set_to_none:
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
-            main_grad = getattr(model_param, "main_grad", None)
-            if main_grad is not None and id(model_param) not in covered:
+            main_grad = getattr(s.model_param, "main_grad", None)
+            if main_grad is not None and id(s.model_param) not in covered:
                 main_grad.zero_()
+        for chunk in wrapped:  # last: it may point .grad at the zeroed buffer again
+            chunk.zero_grad_buffer()
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """``{"param_groups": [JSON-ready dicts], "state": {"<index>.<name>": tensor}}``.
 
         Parameters are numbered in group order, as torch does; ``<index>.main_param`` holds the fp32
-        main copy of a bf16 parameter, so resuming loses no precision. No pickled objects: the
-        tensors go to safetensors, the rest to JSON.
+        main copy of a 16-bit parameter, so resuming loses no precision. No pickled objects: the
+        tensors go to safetensors, the rest to JSON. With loss scaling, ``"grad_scaler"`` holds the
+        scaler's numbers.
         """
         inner = self.optimizer.state_dict()
         groups = [
@@ -232,10 +282,13 @@ class MegatronOptimizer:
             for name, value in per_param.items()
             if value is not None
         }
-        for i, (model_param, main_param) in enumerate(self._ordered_pairs()):
-            if main_param is not model_param:
-                tensors[f"{i}.main_param"] = main_param.detach().clone()
-        return {"param_groups": groups, "state": tensors}
+        for i, s in enumerate(self._ordered_shards()):
+            if s.copy:
+                tensors[f"{i}.main_param"] = s.main_param.detach().clone()
+        out = {"param_groups": groups, "state": tensors}
+        if self.grad_scaler is not None:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore from :meth:`state_dict`'s output (possibly read back from safetensors + JSON)."""
@@ -264,13 +317,28 @@ class MegatronOptimizer:
             {"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups}
         )
         with torch.no_grad():
-            for i, (model_param, main_param) in enumerate(self._ordered_pairs()):
-                if i in mains and main_param is not model_param:
-                    main_param.copy_(mains[i])
+            for i, s in enumerate(self._ordered_shards()):
+                if i in mains and s.copy:
+                    s.main_param.copy_(mains[i])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
-    def _ordered_pairs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """Pairs in the inner optimizer's parameter numbering."""
-        by_main = {id(main): (model, main) for model, main in self._pairs}
+    def param_state_by_name(self) -> dict:
+        """This rank's optimizer state per parameter name, as flat ranges of each TP-local tensor.
+
+        ``{"param_groups": [...], "params": {name: {"start", "end", "numel", "shape", "exp_avg", ...}},
+        "grad_scaler": {...}}``: see :func:`core.optimizer.param_state.export_param_state`. The same
+        form for every flavour, so state moves between DP sizes by cutting or joining ranges.
+        """
+        return export_param_state(self)
+
+    def load_param_state_by_name(self, state: dict) -> None:
+        """Load :meth:`param_state_by_name` output; each entry may cover more than this rank's range."""
+        import_param_state(self, state)
+
+    def _ordered_shards(self) -> list[ParamShard]:
+        """Shards in the inner optimizer's parameter numbering."""
+        by_main = {id(s.main_param): s for s in self._shards}
         return [by_main[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
 
@@ -289,15 +357,15 @@ class FP32Optimizer(MegatronOptimizer):
                 if param.dtype != torch.float32:
                     raise TypeError(
                         f"FP32Optimizer got a {param.dtype} parameter; use "
-                        "Float16OptimizerWithFloat16Params (OptimizerConfig.bf16=True)"
+                        "Float16OptimizerWithFloat16Params (OptimizerConfig.bf16 or fp16=True)"
                     )
-                self._pairs.append((param, param))
+                self._shards.append(ParamShard(self._name(param), param, param, 0, param.numel(), False))
 
 
 class Float16OptimizerWithFloat16Params(MegatronOptimizer):
-    """bf16 model with fp32 main parameters: the inner optimizer steps on fp32 copies.
+    """bf16/fp16 model with fp32 main parameters: the inner optimizer steps on fp32 copies.
 
-    ``optimizer`` is built on the model's parameters; each bf16 one is swapped, in its group, for
+    ``optimizer`` is built on the model's parameters; each 16-bit one is swapped, in its group, for
     an fp32 clone that carries the same tensor-parallel and tied-weight attributes.
     """
 
@@ -310,19 +378,20 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         super().__init__(optimizer, config, model_chunks)
         for group in optimizer.param_groups:
             for index, param in enumerate(group["params"]):
+                name = self._name(param)
                 if param.dtype in _HALF:
                     main = param.detach().clone().float()
                     copy_tensor_model_parallel_attributes(main, param)
-                    for name in _COPIED_ATTRIBUTES:
-                        if hasattr(param, name):
-                            setattr(main, name, getattr(param, name))
+                    for attribute in _COPIED_ATTRIBUTES:
+                        if hasattr(param, attribute):
+                            setattr(main, attribute, getattr(param, attribute))
                     group["params"][index] = main
                     if param in optimizer.state:
                         optimizer.state[main] = optimizer.state.pop(param)
-                    self._pairs.append((param, main))
+                    self._shards.append(ParamShard(name, param, main, 0, param.numel(), True))
                 elif param.dtype == torch.float32:
-                    self._pairs.append((param, param))
+                    self._shards.append(ParamShard(name, param, param, 0, param.numel(), False))
                 else:
                     raise TypeError(
-                        f"cannot optimise a {param.dtype} parameter; expected bfloat16 or float32"
+                        f"cannot optimise a {param.dtype} parameter; expected bfloat16, float16 or float32"
                     )

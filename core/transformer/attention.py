@@ -35,12 +35,14 @@ def core_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     dropout_p: float,
+    softmax_in_fp32: bool = False,
 ) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d)) v`` over ``[b, heads, s, d]``, causal, with dropout on the probabilities.
 
     ``attention_mask`` is Megatron's: boolean, True where attention is NOT allowed, broadcastable to
     ``[b, heads, s, s]``; it is combined with the causal mask. The probabilities are sharded by head,
-    so their dropout draws from this TP rank's own stream.
+    so their dropout draws from this TP rank's own stream. ``softmax_in_fp32`` (Megatron's
+    ``--attention-softmax-in-fp32``) takes 16-bit inputs through :func:`_attention_softmax_in_fp32`.
     """
     if attention_mask is None:
         mask, causal = None, True
@@ -48,12 +50,37 @@ def core_attention(
         seq = query.shape[-2]
         allowed = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
         mask, causal = allowed & ~attention_mask.bool(), False
+    if softmax_in_fp32 and query.dtype in (torch.float16, torch.bfloat16):
+        return _attention_softmax_in_fp32(query, key, value, mask, dropout_p)
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal)
     with sharded_rng():
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
         )
+
+
+def _attention_softmax_in_fp32(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Attention written out, as Megatron's unfused path: scores in the inputs' dtype, then masking and
+    softmax in fp32 (fp16 scores can overflow, and an fp16 softmax loses small probabilities), then
+    the probabilities cast back for dropout and the product with ``value``."""
+    seq = query.shape[-2]
+    if allowed is None:
+        allowed = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
+    scores = torch.matmul(query * query.shape[-1] ** -0.5, key.transpose(-2, -1))
+    probs = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
+    # A row with every key masked is NaN after the softmax; it attends to nothing, as in SDPA.
+    probs = probs.masked_fill(~allowed, 0.0).to(value.dtype)
+    if dropout_p > 0.0:
+        with sharded_rng():
+            probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, value)
 
 
 class SelfAttention(nn.Module):
@@ -121,9 +148,10 @@ class SelfAttention(nn.Module):
             key = einops.repeat(key, "b g s d -> b (g n) s d", n=self.heads_per_group)
             value = einops.repeat(value, "b g s d -> b (g n) s d", n=self.heads_per_group)
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        fp32_softmax = self.config.attention_softmax_in_fp32
         if self.recompute_core:
-            context = checkpoint(core_attention, query, key, value, attention_mask, dropout_p)
+            context = checkpoint(core_attention, query, key, value, attention_mask, dropout_p, fp32_softmax)
         else:
-            context = core_attention(query, key, value, attention_mask, dropout_p)
+            context = core_attention(query, key, value, attention_mask, dropout_p, fp32_softmax)
         output, _ = self.linear_proj(einops.rearrange(context, "b h s d -> s b (h d)"))
         return output

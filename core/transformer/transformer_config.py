@@ -28,7 +28,14 @@ NORMALIZATIONS = get_args(Normalization)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 RECOMPUTE_GRANULARITIES = get_args(RecomputeGranularity)
 RECOMPUTE_METHODS = get_args(RecomputeMethod)
-RUNTIME_FIELDS = ("no_sync_func", "grad_sync_func", "finalize_model_grads_func", "timers")
+RUNTIME_FIELDS = (
+    "schedule_hooks",
+    "no_sync_func",
+    "grad_sync_func",
+    "finalize_model_grads_func",
+    "grad_scale_func",
+    "timers",
+)
 """Hooks the training loop installs at run time: not part of a model's description, never serialised."""
 
 
@@ -110,6 +117,9 @@ class TransformerConfig(ModelParallelConfig):
 
     hidden_dropout: float = flag(0.1, group="regularization")
     """Dropout on the embedding output and on each residual branch."""
+
+    attention_softmax_in_fp32: bool = flag(False, group="mixed precision")
+    """With 16-bit activations, compute attention's masking and softmax in fp32 (Megatron's flag)."""
 
     init_method_std: float = flag(0.02, group="initialization")
     """Std of the normal initialisation; output projections get std / sqrt(2 * num_layers)."""

@@ -1,0 +1,81 @@
+"""Optimizer settings (Megatron's ``OptimizerConfig``, in its own module as in Megatron Core)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from core.flags import flag
+from core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+__all__ = ["OptimizerConfig", "make_grad_scaler"]
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer settings (Megatron's ``OptimizerConfig`` field names and defaults)."""
+
+    optimizer: Literal["adam", "sgd"] = flag("adam", group="training")
+    """"adam" (decoupled weight decay, i.e. AdamW, as Megatron's Adam) or "sgd"."""
+    lr: float | None = flag(None, group="learning rate")
+    """Initial learning rate; the scheduler overwrites it every step."""
+    min_lr: float | None = flag(None, group="learning rate", cli_default=0.0)
+    """Floor of the learning-rate decay (read by the scheduler's builder)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay for matrices; biases and norms get none (see ``get_param_groups``)."""
+    bf16: bool = False
+    """The model is bf16: keep fp32 main parameters and step on those."""
+    fp16: bool = flag(False, group="mixed precision")
+    """The model is fp16: fp32 main parameters, and dynamic loss scaling unless ``loss_scale`` is set."""
+    params_dtype: torch.dtype = torch.float32
+    loss_scale: float | None = flag(None, group="mixed precision")
+    """A constant loss scale (fp16 or bf16); None with fp16 means dynamic loss scaling."""
+    initial_loss_scale: float = flag(2.0**32, group="mixed precision")
+    """Dynamic loss scaling: the starting scale."""
+    min_loss_scale: float = flag(1.0, group="mixed precision")
+    """Dynamic loss scaling: the scale never backs off below this."""
+    loss_scale_window: float = flag(1000, group="mixed precision")
+    """Dynamic loss scaling: steps without overflow before the scale doubles."""
+    hysteresis: int = flag(2, group="mixed precision")
+    """Dynamic loss scaling: overflows tolerated before the scale halves."""
+    adam_beta1: float = 0.9
+    """Adam's decay rate of the running mean of gradients."""
+    adam_beta2: float = 0.999
+    """Adam's decay rate of the running mean of squared gradients."""
+    adam_eps: float = 1e-08
+    """Added to Adam's denominator for numerical stability."""
+    sgd_momentum: float = 0.9
+    """Momentum of SGD (with ``optimizer="sgd"``)."""
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping (the norm is still computed)."""
+    log_num_zeros_in_grad: bool = flag(False, group="logging")
+    """Count zero gradient elements every step (third value of ``step()``)."""
+    use_distributed_optimizer: bool = flag(False, group="distributed")
+    """Shard main parameters and optimizer state over data-parallel ranks (ZeRO-1); the model
+    chunks must be wrapped in ``DistributedDataParallel`` with ``use_distributed_optimizer=True``."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"OptimizerConfig.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.fp16 and self.bf16:
+            raise ValueError("OptimizerConfig: fp16 and bf16 cannot both be True")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"loss_scale must be > 0 or None (dynamic), got {self.loss_scale}")
+
+
+def make_grad_scaler(config: OptimizerConfig) -> ConstantGradScaler | None:
+    """Megatron's choice: a constant scale if ``loss_scale`` is set, dynamic scaling for fp16, else none."""
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_interval=int(config.loss_scale_window),
+            hysteresis=config.hysteresis,
+        )
+    return None

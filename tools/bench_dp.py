@@ -1,0 +1,182 @@
+"""Data-parallel step time: gradient-reduce overlap and the distributed optimizer, DP = 2, one run.
+
+Two spawned ranks (gloo on CPU, NCCL on GPUs) each hold four copies of one GPT (8 layers, hidden
+512 by default) and train them with the real schedule, DDP wrapper and optimizer, taking turns step
+by step so that machine noise hits all four alike:
+
+* ``plain``: buckets reduced after backward (``finish_grad_sync``), full optimizer on every rank;
+* ``overlap``: ``overlap_grad_reduce``, each bucket's all-reduce launched as soon as its gradients
+  are final in the last microbatch's backward;
+* ``distopt``: the distributed optimizer (reduce-scatter, sharded step, parameter all-gather);
+* ``distopt+overlap``: both, with the parameter all-gather overlapped with the next forward.
+
+A step is zero_grad, forward/backward over the microbatches, the optimizer step; it is timed on
+every rank between barriers and the slowest rank counts. Medians over ``--steps`` steps after
+``--warmup``; ratios against ``plain``.
+
+    python tools/bench_dp.py
+    python tools/bench_dp.py --layers 8 --hidden 512 --seq 64 --microbatches 4 --bucket-size 2000000
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core import parallel_state
+from core.device import current_device
+from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from core.optimizer import OptimizerConfig, get_megatron_optimizer
+from core.pipeline_parallel.schedules import get_forward_backward_func
+from core.tensor_parallel import model_parallel_seed
+from models.gpt import GPTModel, preset
+
+CONFIGS = {
+    "plain": {},
+    "overlap": {"overlap_grad_reduce": True},
+    "distopt": {"use_distributed_optimizer": True},
+    "distopt+overlap": {
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    },
+}
+
+
+def _build(name: str, args: argparse.Namespace):
+    config = preset(
+        "gpt2",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    config.deallocate_pipeline_outputs = False
+    model = GPTModel(config, args.vocab, args.seq).to(current_device())
+    ddp_config = DistributedDataParallelConfig(bucket_size=args.bucket_size, **CONFIGS[name])
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    config.no_sync_func = ddp.no_sync  # bucket hooks launch reductions during the last backward
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-4, use_distributed_optimizer=ddp_config.use_distributed_optimizer), [ddp]
+    )
+    return ddp, optimizer
+
+
+def _forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
+    output = model(tokens, labels=labels)
+    return output, lambda out: (out.float().mean(), {"lm loss": out.float().mean().detach()})
+
+
+def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    from core.device import bind_local_device, default_backend
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    bind_local_device()
+    dist.init_process_group(default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel()  # DP = 2
+    model_parallel_seed(1234)
+    runs = {name: _build(name, args) for name in CONFIGS}
+    gen = torch.Generator().manual_seed(rank)
+    device = current_device()
+    batches = [
+        (torch.randint(0, args.vocab, (args.mbs, args.seq), generator=gen).to(device),) * 2
+        for _ in range(args.microbatches)
+    ]
+    forward_backward = get_forward_backward_func()
+    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for step in range(args.warmup + args.steps):
+        for name, (ddp, optimizer) in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=iter(batches),
+                model=ddp,
+                num_microbatches=args.microbatches,
+                seq_length=args.seq,
+                micro_batch_size=args.mbs,
+            )
+            optimizer.step()
+            ddp.finish_param_sync()  # the next forward of this model could overlap it; others come first
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= args.warmup:
+                times[name].append(elapsed.item())
+    if rank == 0:
+        results.put(times)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--mbs", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--bucket-size", type=int, default=2_000_000, help="elements per bucket")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_rank, args=(r, args, init_file, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        times = results.get(timeout=3600)
+        for p in procs:
+            p.join(timeout=60)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    params = args.layers * 12 * args.hidden**2 + args.vocab * args.hidden
+    print(
+        f"DP=2, GPT {args.layers} layers x hidden {args.hidden} (~{params / 1e6:.0f}M parameters), "
+        f"{args.microbatches} microbatches of {args.mbs} x {args.seq}, buckets of {args.bucket_size} "
+        f"elements; {args.steps} steps each, taking turns"
+    )
+    print(f"{'configuration':<18}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'vs plain':>10}")
+    for name, ts in times.items():
+        p25, _, p75 = statistics.quantiles(ts, n=4)
+        ratio = medians[name] / medians["plain"]
+        print(f"{name:<18}{medians[name] * 1000:>11.1f}{p25 * 1000:>9.1f}{p75 * 1000:>9.1f}{ratio:>10.3f}")
+    summary = {
+        "benchmark": "bench_dp",
+        "median_ms": {name: round(m * 1000, 1) for name, m in medians.items()},
+        "overlap_vs_plain": round(medians["overlap"] / medians["plain"], 4),
+        "distopt_vs_plain": round(medians["distopt"] / medians["plain"], 4),
+        "distopt_overlap_vs_overlap": round(medians["distopt+overlap"] / medians["overlap"], 4),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
