@@ -76,18 +76,25 @@ def dataset(tmp_path_factory) -> str:
 
 ISSUE_FLAGS = {
     WORKS: "--context-parallel-size --expert-model-parallel-size --distributed-backend --exit-duration-in-mins "
-    "--manual-gc --manual-gc-interval",
-    NO_EFFECT: "--log-throughput --profile --profile-step-start --profile-step-end --attention-backend "
-    "--use-mcore-models --empty-unused-memory-level --cross-entropy-loss-fusion "
-    "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion",
-    NOT_YET: "--tokenizer-type=Llama2Tokenizer --fp16 --loss-scale --loss-scale-window --vocab-file --merge-file --tensorboard-dir --rotary-base "
+    "--manual-gc --manual-gc-interval --tokenizer-type=GPT2BPETokenizer --tokenizer-type=Llama2Tokenizer "
+    "--tokenizer-type=HuggingFaceTokenizer --vocab-file --merge-file --mock-data --num-workers --data-cache-path "
+    "--no-mmap-bin-files --train-data-path --valid-data-path --test-data-path --train-samples --lr-decay-samples "
+    "--lr-warmup-samples --decoupled-lr --decoupled-min-lr --start-weight-decay --end-weight-decay "
+    "--weight-decay-incr-style --lr-decay-style=WSD --lr-decay-style=inverse-square-root --lr-wsd-decay-style "
+    "--lr-wsd-decay-iters --lr-wsd-decay-samples --tensorboard-dir --profile --profile-step-start "
+    "--profile-step-end --profile-ranks --dataloader-type --checkpoint-activations --recompute-activations",
+    NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
+    "--cross-entropy-loss-fusion --no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
+    "--tiktoken-pattern --use-pytorch-profiler --data-impl",
+    NOT_YET: "--fp16 --loss-scale --loss-scale-window --rotary-base "
     "--rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
-    "--use-rope-scaling --train-samples --lr-decay-samples --lr-warmup-samples --use-distributed-optimizer "
-    "--overlap-param-gather --grad-reduce-in-bf16 --ddp-bucket-size --mock-data --num-workers "
-    "--data-cache-path --ckpt-format --ckpt-step --use-checkpoint-args --exit-on-missing-checkpoint "
-    "--distributed-timeout-minutes --decoupled-lr --decoupled-min-lr --tiktoken-pattern --no-mmap-bin-files",
+    "--use-rope-scaling --use-distributed-optimizer "
+    "--overlap-param-gather --grad-reduce-in-bf16 --ddp-bucket-size "
+    "--ckpt-format --ckpt-step --use-checkpoint-args --exit-on-missing-checkpoint "
+    "--distributed-timeout-minutes",
     UNSUPPORTED: "--num-experts --moe-router-topk --moe-grouped-gemm --moe-aux-loss-coeff --fp8-format "
-    "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule",
+    "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
+    "--tokenizer-type=TikTokenizer",
 }
 
 
@@ -98,7 +105,8 @@ def test_every_flag_of_the_issue_is_classified(status):
         assert coverage_of(option).status == status, option
         assert coverage_of(option).reason or status == WORKS, option
         if status in (WORKS, NO_EFFECT):
-            assert option in BY_OPTION, f"{option} is accepted, so a config field must declare it"
+            flag = BY_OPTION[option.split(" ")[0]]  # accepted, so a config field declares it
+            assert " " not in option or option.split(" ")[1] in flag.choices, option
 
 
 def test_rejected_flags_are_hidden_from_help_and_named_in_its_epilog():
@@ -158,17 +166,13 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
         ),
         (
             "--rotary-base 1000000 --tensorboard-dir tb",
-            (
-                "Trident does not support --rotary-base yet: this model option is being built; Trident does not "
-                "support --tensorboard-dir yet: TensorBoard logging is being built; --wandb-project logs the same scalars"
-            ),
+            "Trident does not support --rotary-base yet: this model option is being built",
         ),
         (
-            "--tokenizer-type Llama2Tokenizer --lr-decay-style WSD",
+            "--tokenizer-type TikTokenizer --tiktoken-pattern v2",
             (
-                "Trident does not support --tokenizer-type Llama2Tokenizer yet: more tokenizers are being built; "
-                "Trident does not support --lr-decay-style WSD yet: the WSD and inverse-square-root schedules are "
-                "being wired to the command line"
+                "Trident does not support --tokenizer-type TikTokenizer: Trident has no tiktoken tokenizer; save the "
+                "tokenizer as a Hugging Face tokenizer folder and use --tokenizer-type HuggingFaceTokenizer"
             ),
         ),
         (
@@ -242,13 +246,13 @@ def test_a_not_yet_flag_keeps_its_default_for_the_config_that_owns_it():
 
 def test_no_effect_flags_are_reported_at_start_and_listed_in_help():
     args = _args(
-        "--use-mcore-models --attention-backend fused --no-masked-softmax-fusion --profile-ranks 0 1"
+        "--use-mcore-models --attention-backend fused --no-masked-softmax-fusion --tiktoken-pattern v2"
     )
     assert startup_report(args)[-1] == (
         "accepted, no effect here: --attention-backend fused (attention is PyTorch's "
         "scaled_dot_product_attention); --use-mcore-models (Trident has one model implementation, built like "
         "Megatron Core's); --no-masked-softmax-fusion (softmax is one PyTorch call, never a fused kernel); "
-        "--profile-ranks 0 1 (Trident has no built-in profiler; run under torch.profiler or nsys)"
+        "--tiktoken-pattern v2 (only a TikTokenizer reads it, and Trident has none)"
     )
     assert not any(line.startswith("accepted") for line in startup_report(_args("")))
     helps = {o: action.help for action in build_parser()._actions for o in action.option_strings}
@@ -570,10 +574,10 @@ def test_megatron_command_line_trains_with_megatrons_defaults(dataset, tmp_path)
     )
     out = done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
-    iterations = [line for line in out.splitlines() if line.startswith(" iteration ")]
-    assert len(iterations) == 1 and iterations[0].startswith(
-        " iteration        3/       3 |"
-    )  # log every 100
+    iterations = [line for line in out.splitlines() if "] iteration " in line]
+    assert len(iterations) == 1, out  # log every 100
+    assert re.match(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        3/       3 \|", iterations[0])
+    assert iterations[0].endswith("| ETA: 0:00:00 |")
     assert re.search(r"\| lm loss: \d\.\d{6}E\+\d\d \|", iterations[0])
     assert out.count("accepted, no effect here: ") == 1
     assert "accepted, no effect here: --use-mcore-models (" in out and "; --no-masked-softmax-fusion (" in out

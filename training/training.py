@@ -26,16 +26,19 @@ from core.device import bind_local_device, current_device, select_backend
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from core.distributed.distributed_data_parallel import multi_no_sync
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
-from core.optimizer.lr_scheduler import OptimizerParamScheduler
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from training import checkpointing
 from training.argument_checks import validate_args
 from training.arguments import config_from_args, parse_and_validate, startup_report
-from training.batches import step_iterator
+from training.batches import BatchStream
 from training.global_vars import set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
+from training.lr_schedule import build_scheduler
+from training.profiling import StepProfiler
+from training.progress import Progress
 from training.run_control import ExitTimer, ManualGC
+from training.run_logging import RunLoggers
 from training.signal_handler import SignalHandler
 from training.wandb_logging import start_run
 
@@ -50,6 +53,7 @@ class TrainState:
     wandb_run_id: str | None = None
     losses: list[float] = field(default_factory=list)  # per iteration, on the logging rank
     step_seconds: list[float] = field(default_factory=list)  # wall time of each train step
+    progress: Progress | None = None  # timestamps, ETA and the end-of-run summary
 
 
 def pretrain(
@@ -104,12 +108,18 @@ def _setup_and_train(
         print_rank_0(line)
 
     chunks = _build_chunks(model_provider, args)
-    optimizer = get_megatron_optimizer(config_from_args(OptimizerConfig, args), chunks)
-    scheduler = _build_scheduler(optimizer, args)
+    optimizer = get_megatron_optimizer(
+        config_from_args(OptimizerConfig, args),
+        chunks,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+    )
+    scheduler = build_scheduler(optimizer, args)
     state = TrainState()
     if args.load:
         _load(args, chunks, optimizer, scheduler, state)
     train_ds, valid_ds, _ = _rank0_first(lambda: train_valid_test_datasets_provider(args))
+    train_ds, valid_ds = (_batch_stream(ds, args) for ds in (train_ds, valid_ds))
     run = start_run(
         project=args.wandb_project,
         name=args.wandb_exp_name or None,
@@ -118,6 +128,7 @@ def _setup_and_train(
         run_id=state.wandb_run_id,
         is_logging_rank=is_logging_rank(),
     )
+    run = RunLoggers(run, tensorboard_dir=args.tensorboard_dir if is_logging_rank() else None)
     state.wandb_run_id = _shared_run_id(getattr(run, "id", None) or state.wandb_run_id)
     print_rank_0(
         f"training {args.train_iters} iterations from iteration {state.iteration}: "
@@ -144,6 +155,10 @@ def _setup_and_train(
             signals,
             collector,
         )
+    for line in state.progress.summary(
+        args, iteration=state.iteration, consumed_samples=state.consumed_samples, last=run.last, run=run
+    ):
+        print_rank_last(line)
     run.finish()
     return state
 
@@ -154,14 +169,25 @@ def _train(
     forward_backward = get_forward_backward_func()
     window: dict[str, Any] = {"loss": [], "time": time.perf_counter(), "iters": 0}
     timer = ExitTimer(args.exit_duration_in_mins, _any_rank)
+    state.progress = Progress(state, args.train_iters)
+    profiler = StepProfiler(
+        enabled=args.profile,
+        start=args.profile_step_start,
+        end=args.profile_step_end,
+        rank=dist.get_rank(),
+        ranks=args.profile_ranks,
+        out_dir=args.tensorboard_dir or "profile",
+    )
     saved_at = None
     while state.iteration < args.train_iters:
         start = time.perf_counter()
+        profiler.before_step(state.iteration)
         loss, grad_norm, applied = _train_step(
             args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state
         )
         state.step_seconds.append(time.perf_counter() - start)
         state.iteration += 1
+        profiler.after_step(state.iteration)
         state.consumed_samples += args.global_batch_size
         if applied:
             scheduler.step(increment=args.global_batch_size)
@@ -195,6 +221,7 @@ def _train(
             saved_at = state.iteration
         if stop:
             break
+    profiler.stop()
     if args.save and saved_at != state.iteration:
         _save(args, chunks, optimizer, scheduler, state)
 
@@ -320,7 +347,7 @@ def _log(args, state, optimizer, grad_norm, window, run) -> None:
     lr = optimizer.param_groups[0]["lr"]
     loss = sum(window["loss"]) / len(window["loss"]) if window["loss"] else float("nan")
     norm = float("nan") if grad_norm is None else float(grad_norm)
-    print_rank_last(
+    state.progress.print_log_line(
         f" iteration {state.iteration:8d}/{args.train_iters:8d} | consumed samples: {state.consumed_samples:12d} | "
         f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
         f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {norm:.3f} | "
@@ -397,31 +424,23 @@ def _build_chunks(model_provider: Callable, args) -> list[DistributedDataParalle
     return wrapped
 
 
-def _build_scheduler(optimizer, args) -> OptimizerParamScheduler:
-    decay_iters = args.lr_decay_iters or args.train_iters
-    warmup_iters = args.lr_warmup_iters
-    if args.lr_warmup_fraction is not None:
-        warmup_iters = int(args.lr_warmup_fraction * decay_iters)
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr or 0.0,
-        lr_warmup_steps=warmup_iters * args.global_batch_size,
-        lr_decay_steps=decay_iters * args.global_batch_size,
-        lr_decay_style=args.lr_decay_style,
+def _batch_stream(dataset, args) -> BatchStream | None:
+    if dataset is None:
+        return None
+    return BatchStream(
+        dataset,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        num_workers=args.num_workers,
+        dataloader_type=args.dataloader_type,
     )
 
 
-def _iterators(chunks, dataset, consumed_samples: int, args) -> list:
-    return [
-        step_iterator(
-            dataset, consumed_samples, args.num_microbatches, args.micro_batch_size, args.seq_length
-        )
-        if (c.pre_process or c.post_process)
-        else None
-        for c in chunks
-    ]
+def _iterators(chunks, stream: BatchStream, consumed_samples: int, args) -> list:
+    """Per chunk, an iterator over this step's microbatches (None for a chunk that reads no data)."""
+    reads = [c.pre_process or c.post_process for c in chunks]
+    batches = stream.step(consumed_samples, args.num_microbatches) if any(reads) else []
+    return [iter(batches) if r else None for r in reads]
 
 
 def _one_or_list(items: list):

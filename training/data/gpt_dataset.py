@@ -171,11 +171,13 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"the {split_name} split of {indexed.prefix} has {len(self.indices)} documents and "
                 f"{self.tokens_per_epoch} tokens: too few to draw samples from (adjust --split)"
             )
+        in_memory = cache_dir is None and getattr(indexed, "in_memory", False)  # --mock-data
         if cache_dir is None:
             cache_dir = Path(indexed.prefix).parent / "cache" / "GPTDataset_indices"
+        identity = getattr(indexed, "cache_identity", None)
         description = {
             "class": "GPTDataset",
-            "dataset": _file_identity(indexed.prefix),
+            "dataset": identity() if identity is not None else _file_identity(indexed.prefix),
             "split": split_name,
             "documents": [int(self.indices[0]), int(self.indices[-1]) + 1, len(self.indices)],
             "num_samples": num_samples,
@@ -185,11 +187,12 @@ class GPTDataset(torch.utils.data.Dataset):
         }
         cache = IndexCache(cache_dir, f"GPTDataset-{split_name}", description)
         names = ["document_index", "sample_index", "shuffle_index"]
-        arrays = cache.load(names)
+        arrays = None if in_memory else cache.load(names)
         self.built_anew_on_cache_miss = arrays is None
         if arrays is None:
             arrays = dict(zip(names, self._build_indices()))
-            cache.save(arrays)
+            if not in_memory:
+                cache.save(arrays)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
