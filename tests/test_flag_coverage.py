@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -517,6 +518,9 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
         *f"{MODEL} --data-path {dataset} {DATA} --split 90,10,0 --eval-interval 1 --eval-iters 1".split(),
         *("--log-interval", "1", "--save", checkpoints, "--load", checkpoints, "--manual-gc"),
         *("--manual-gc-interval", "2", "--exit-duration-in-mins", "1000", "--distributed-backend", "gloo"),
+        *("--tensorboard-dir", str(tmp_path / "tb"), "--profile", "--profile-step-start", "1"),
+        *("--profile-step-end", "2", "--num-workers", "1", "--data-cache-path", str(tmp_path / "cache")),
+        *("--decoupled-lr", "2e-3", "--dataloader-type", "cyclic"),
     ]
     namespace = RecordingNamespace()
     _, state = _pretrain(argv, _nan_on_first_call(pretrain_gpt.forward_step), namespace)
@@ -524,6 +528,16 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
     assert _unread(reads) == set()
     assert state.iteration == 3 and state.skipped_iterations == 1 and len(state.losses) == 3
     assert (tmp_path / "ckpt" / "iter_0000003").is_dir() and gc.isenabled()
+    assert list((tmp_path / "cache").glob("*GPTDataset-train-shuffle_index.npy"))  # --data-cache-path
+    trace = json.loads((tmp_path / "tb" / "rank0.pt.trace.json").read_text())  # iteration 2 only
+    assert trace["traceEvents"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert sorted(losses) == [2, 3] and losses[3] == pytest.approx(state.losses[-1], rel=1e-6)  # 1 was NaN
+    assert [e.step for e in events.Scalars("validation/lm loss")] == [1, 2, 3]
     # The check can fail: before the run, the flags only the training loop reads are unread.
     partial = RecordingNamespace()
     validate_args(parse_args(argv, namespace=partial), 1)
@@ -535,7 +549,15 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
         "--finetune",
         "--eod-mask-loss",
     } <= _unread(partial._reads)
-    assert "validation loss at iteration 3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "validation loss at iteration 3" in out
+    summary = out[out.index("run summary: 3 iterations in ") :].splitlines()
+    assert re.match(r"  final train lm loss: \d\.\d{4} \| final validation lm loss: \d\.\d{4}$", summary[1])
+    assert summary[2] == f"  checkpoint: {checkpoints} (iteration 3)"
+    assert summary[3].startswith("  resume or train longer: ") and summary[3].endswith(
+        f"--load {checkpoints} --train-iters 6"
+    )
+    assert summary[4] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
 
 
 def test_exit_duration_saves_and_exits_after_the_step_that_ran_out(dataset, tmp_path, capsys):
