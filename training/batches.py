@@ -86,6 +86,9 @@ class BatchStream:
             num_workers=self.num_workers,
             pin_memory=current_device().type == "cuda",
             persistent_workers=False,
+            # Its own generator: otherwise starting the iterator draws a worker seed from torch's global
+            # generator, which dropout uses, and a resumed run (which starts it later) would diverge.
+            generator=torch.Generator().manual_seed(consumed_samples),
         )
         return iter(loader)
 
