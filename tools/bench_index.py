@@ -154,7 +154,7 @@ def _sample_index_row(num_documents: int, seq_length: int, helpers, repeats: int
     medians = {k: statistics.median(v) for k, v in times.items()}
     row = {"documents": num_documents, "samples": (tokens - 1) // seq_length, "seconds": medians}
     if helpers is not None:
-        row["numpy_over_megatron"] = round(medians["compiled"] / medians["megatron"], 2)
+        row["compiled_over_megatron"] = round(medians["compiled"] / medians["megatron"], 2)
     return row
 
 
