@@ -20,10 +20,15 @@ from core.transformer import TransformerConfig
 from models.gpt import GPTModel
 from training import get_args, get_tokenizer, pretrain
 from training.arguments import transformer_config_from_args
-from training.data import build_train_valid_test_datasets, default_tokenizer
+from training.data import IndexedDataset, build_train_valid_test_datasets, default_tokenizer
+from training.data.builder import build_per_split_datasets
 from training.data.defaults import default_data_prefix
+from training.data.mock_dataset import MockIndexedDataset
 from training.faults import run_main
 from training.tokenizer import build_tokenizer
+
+SENTENCEPIECE_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer")
+"""Tokenizers that, given no --tokenizer-model, use Trident's own SentencePiece model."""
 
 
 def _verbose() -> bool:
@@ -32,10 +37,16 @@ def _verbose() -> bool:
 
 def tokenizer_provider(args):
     model = args.tokenizer_model
-    if model is None and args.tokenizer_type != "NullTokenizer":
+    if model is None and args.tokenizer_type in SENTENCEPIECE_TYPES:
         model = str(default_tokenizer(verbose=_verbose()))
         args.tokenizer_model = model
-    return build_tokenizer(args.tokenizer_type, model, vocab_size=args.vocab_size)
+    return build_tokenizer(
+        args.tokenizer_type,
+        model,
+        vocab_size=args.vocab_size,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+    )
 
 
 def model_provider(
@@ -85,19 +96,27 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(args):
     tokenizer = get_tokenizer()
-    prefixes = args.data_path or [default_data_prefix(tokenizer, args.tokenizer_model, verbose=_verbose())]
     gbs = args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
-    num_samples = (args.train_iters * gbs, evaluations * args.eval_iters * gbs, 0)  # no test evaluation
+    train_samples = args.train_samples or args.train_iters * gbs
+    num_samples = (train_samples, evaluations * args.eval_iters * gbs, 0)  # no test evaluation
+    common = {
+        "eod_token": tokenizer.eod,
+        "eod_mask_loss": args.eod_mask_loss,
+        "cache_dir": args.data_cache_path,
+        "vocab_size": tokenizer.vocab_size,
+        "open_dataset": partial(IndexedDataset, mmap=args.mmap_bin_files),
+    }
+    if args.train_data_path is not None:
+        paths = (args.train_data_path, args.valid_data_path, args.test_data_path)
+        return build_per_split_datasets(paths, args.seq_length, args.seed, num_samples, **common)
+    if args.mock_data:
+        prefixes = ["mock"]
+        common["open_dataset"] = lambda _: MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod)
+    else:
+        prefixes = args.data_path or [default_data_prefix(tokenizer, verbose=_verbose())]
     return build_train_valid_test_datasets(
-        prefixes,
-        args.split or "969,30,1",
-        args.seq_length,
-        args.seed,
-        num_samples,
-        eod_token=tokenizer.eod,
-        eod_mask_loss=args.eod_mask_loss,
-        vocab_size=tokenizer.vocab_size,
+        prefixes, args.split or "969,30,1", args.seq_length, args.seed, num_samples, **common
     )
 
 

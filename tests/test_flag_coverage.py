@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -48,7 +49,7 @@ MODEL = (
 )
 DATA = "--tokenizer-type NullTokenizer --vocab-size 1000"
 MOE = "mixture-of-experts (MoE) layers are out of scope; Trident trains dense GPT and LLaMA models"
-DATA_OPTION = "this data-loading option is being built"
+MODEL_OPTION = "this model option is being built"
 
 
 def _args(argv: str, world_size: int = 1) -> argparse.Namespace:
@@ -78,17 +79,22 @@ ISSUE_FLAGS = {
     WORKS: "--context-parallel-size --expert-model-parallel-size --distributed-backend --exit-duration-in-mins "
     "--manual-gc --manual-gc-interval --distributed-timeout-minutes --ddp-bucket-size --ckpt-step "
     "--use-checkpoint-args --exit-on-missing-checkpoint --fp16 --loss-scale --loss-scale-window "
-    "--use-distributed-optimizer --overlap-param-gather --grad-reduce-in-bf16",
-    NO_EFFECT: "--log-throughput --profile --profile-step-start --profile-step-end --attention-backend "
-    "--use-mcore-models --empty-unused-memory-level --cross-entropy-loss-fusion "
-    "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion --ckpt-format",
-    NOT_YET: "--tokenizer-type=Llama2Tokenizer --vocab-file --merge-file --tensorboard-dir --rotary-base "
-    "--rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
-    "--use-rope-scaling --train-samples --lr-decay-samples --lr-warmup-samples --mock-data --num-workers "
-    "--data-cache-path --decoupled-lr --decoupled-min-lr --tiktoken-pattern --no-mmap-bin-files",
+    "--use-distributed-optimizer --overlap-param-gather --grad-reduce-in-bf16 "
+    "--tokenizer-type=GPT2BPETokenizer --tokenizer-type=Llama2Tokenizer "
+    "--tokenizer-type=HuggingFaceTokenizer --vocab-file --merge-file --mock-data --num-workers --data-cache-path "
+    "--no-mmap-bin-files --train-data-path --valid-data-path --test-data-path --train-samples --lr-decay-samples "
+    "--lr-warmup-samples --decoupled-lr --decoupled-min-lr --start-weight-decay --end-weight-decay "
+    "--weight-decay-incr-style --lr-decay-style=WSD --lr-decay-style=inverse-square-root --lr-wsd-decay-style "
+    "--lr-wsd-decay-iters --lr-wsd-decay-samples --tensorboard-dir --profile --profile-step-start "
+    "--profile-step-end --profile-ranks --dataloader-type --checkpoint-activations --recompute-activations",
+    NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
+    "--cross-entropy-loss-fusion --no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
+    "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format",
+    NOT_YET: "--rotary-base --rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon "
+    "--openai-gelu --use-rope-scaling",
     UNSUPPORTED: "--num-experts --moe-router-topk --moe-grouped-gemm --moe-aux-loss-coeff --fp8-format "
     "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
-    "--ckpt-format=zarr --ckpt-format=torch_dcp",
+    "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp",
 }
 
 
@@ -99,7 +105,8 @@ def test_every_flag_of_the_issue_is_classified(status):
         assert coverage_of(option).status == status, option
         assert coverage_of(option).reason or status == WORKS, option
         if status in (WORKS, NO_EFFECT):
-            assert option in BY_OPTION, f"{option} is accepted, so a config field must declare it"
+            flag = BY_OPTION[option.split(" ")[0]]  # accepted, so a config field declares it
+            assert " " not in option or option.split(" ")[1] in flag.choices, option
 
 
 def test_rejected_flags_are_hidden_from_help_and_named_in_its_epilog():
@@ -144,32 +151,28 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ("--mock-data", f"Trident does not support --mock-data yet: {DATA_OPTION}"),
+        ("--norm-epsilon 1e-6", f"Trident does not support --norm-epsilon yet: {MODEL_OPTION}"),
         (
             "--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff=0.01",
             f"Trident does not support --num-experts, --moe-router-topk, --moe-grouped-gemm, --moe-aux-loss-coeff: {MOE}",
         ),
         (
-            "--fp8-format hybrid --num-workers 2 --mock-data --num-experts 2",
+            "--fp8-format hybrid --norm-epsilon 1e-6 --openai-gelu --num-experts 2",
             (
                 "Trident does not support --fp8-format: FP8 training needs Transformer Engine on FP8 GPUs, which are "
-                f"out of scope; use --bf16; Trident does not support --num-workers, --mock-data yet: {DATA_OPTION}; "
+                f"out of scope; use --bf16; Trident does not support --norm-epsilon, --openai-gelu yet: {MODEL_OPTION}; "
                 f"Trident does not support --num-experts: {MOE}"
             ),
         ),
         (
             "--rotary-base 1000000 --tensorboard-dir tb",
-            (
-                "Trident does not support --rotary-base yet: this model option is being built; Trident does not "
-                "support --tensorboard-dir yet: TensorBoard logging is being built; --wandb-project logs the same scalars"
-            ),
+            "Trident does not support --rotary-base yet: this model option is being built",
         ),
         (
-            "--tokenizer-type Llama2Tokenizer --lr-decay-style WSD",
+            "--tokenizer-type TikTokenizer --tiktoken-pattern v2",
             (
-                "Trident does not support --tokenizer-type Llama2Tokenizer yet: more tokenizers are being built; "
-                "Trident does not support --lr-decay-style WSD yet: the WSD and inverse-square-root schedules are "
-                "being wired to the command line"
+                "Trident does not support --tokenizer-type TikTokenizer: Trident has no tiktoken tokenizer; save the "
+                "tokenizer as a Hugging Face tokenizer folder and use --tokenizer-type HuggingFaceTokenizer"
             ),
         ),
         (
@@ -224,11 +227,11 @@ def test_pretrain_exits_with_one_line_on_a_rejected_flag(capsys):
     from training.training import pretrain
 
     with pytest.raises(SystemExit) as exit_info:
-        run_main(lambda: pretrain(None, None, None, argv=["--mock-data"]))
+        run_main(lambda: pretrain(None, None, None, argv=["--openai-gelu"]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith(
-        f": error: Trident does not support --mock-data yet: {DATA_OPTION}"
+        f": error: Trident does not support --openai-gelu yet: {MODEL_OPTION}"
     ), err
 
 
@@ -246,13 +249,13 @@ def test_a_not_yet_flag_keeps_its_default_for_the_config_that_owns_it():
 
 def test_no_effect_flags_are_reported_at_start_and_listed_in_help():
     args = _args(
-        "--use-mcore-models --attention-backend fused --no-masked-softmax-fusion --profile-ranks 0 1"
+        "--use-mcore-models --attention-backend fused --no-masked-softmax-fusion --tiktoken-pattern v2"
     )
     assert startup_report(args)[-1] == (
         "accepted, no effect here: --attention-backend fused (attention is PyTorch's "
         "scaled_dot_product_attention); --use-mcore-models (Trident has one model implementation, built like "
         "Megatron Core's); --no-masked-softmax-fusion (softmax is one PyTorch call, never a fused kernel); "
-        "--profile-ranks 0 1 (Trident has no built-in profiler; run under torch.profiler or nsys)"
+        "--tiktoken-pattern v2 (only a TikTokenizer reads it, and Trident has none)"
     )
     assert not any(line.startswith("accepted") for line in startup_report(_args("")))
     helps = {o: action.help for action in build_parser()._actions for o in action.option_strings}
@@ -517,6 +520,9 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
         *f"{MODEL} --data-path {dataset} {DATA} --split 90,10,0 --eval-interval 1 --eval-iters 1".split(),
         *("--log-interval", "1", "--save", checkpoints, "--load", checkpoints, "--manual-gc"),
         *("--manual-gc-interval", "2", "--exit-duration-in-mins", "1000", "--distributed-backend", "gloo"),
+        *("--tensorboard-dir", str(tmp_path / "tb"), "--profile", "--profile-step-start", "1"),
+        *("--profile-step-end", "2", "--num-workers", "1", "--data-cache-path", str(tmp_path / "cache")),
+        *("--decoupled-lr", "2e-3", "--dataloader-type", "cyclic"),
     ]
     namespace = RecordingNamespace()
     _, state = _pretrain(argv, _nan_on_first_call(pretrain_gpt.forward_step), namespace)
@@ -524,6 +530,16 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
     assert _unread(reads) == set()
     assert state.iteration == 3 and state.skipped_iterations == 1 and len(state.losses) == 3
     assert (tmp_path / "ckpt" / "iter_0000003").is_dir() and gc.isenabled()
+    assert list((tmp_path / "cache").glob("*GPTDataset-train-shuffle_index.npy"))  # --data-cache-path
+    trace = json.loads((tmp_path / "tb" / "rank0.pt.trace.json").read_text())  # iteration 2 only
+    assert trace["traceEvents"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert sorted(losses) == [2, 3] and losses[3] == pytest.approx(state.losses[-1]["lm loss"], rel=1e-6)  # 1 was NaN
+    assert [e.step for e in events.Scalars("validation/lm loss")] == [1, 2, 3]
     # The check can fail: before the run, the flags only the training loop reads are unread.
     partial = RecordingNamespace()
     validate_args(parse_args(argv, namespace=partial), 1)
@@ -535,7 +551,15 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
         "--finetune",
         "--eod-mask-loss",
     } <= _unread(partial._reads)
-    assert "validation loss at iteration 3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "validation loss at iteration 3" in out
+    summary = out[out.index("run summary: 3 iterations in ") :].splitlines()
+    assert re.match(r"  final train lm loss: \d\.\d{4} \| final validation lm loss: \d\.\d{4}$", summary[1])
+    assert summary[2] == f"  checkpoint: {checkpoints} (iteration 3)"
+    assert summary[3].startswith("  resume or train longer: ") and summary[3].endswith(
+        f"--load {checkpoints} --train-iters 6"
+    )
+    assert summary[4] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
 
 
 def test_exit_duration_saves_and_exits_after_the_step_that_ran_out(dataset, tmp_path, capsys):
@@ -574,10 +598,10 @@ def test_megatron_command_line_trains_with_megatrons_defaults(dataset, tmp_path)
     )
     out = done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
-    iterations = [line for line in out.splitlines() if line.startswith(" iteration ")]
-    assert len(iterations) == 1 and iterations[0].startswith(
-        " iteration        3/       3 |"
-    )  # log every 100
+    iterations = [line for line in out.splitlines() if "] iteration " in line]
+    assert len(iterations) == 1, out  # log every 100
+    assert re.match(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        3/       3 \|", iterations[0])
+    assert iterations[0].endswith("| ETA: 0:00:00 |")
     assert re.search(r"\| lm loss: \d\.\d{6}E\+\d\d \|", iterations[0])
     assert out.count("accepted, no effect here: ") == 1
     assert "accepted, no effect here: --use-mcore-models (" in out and "; --no-masked-softmax-fusion (" in out

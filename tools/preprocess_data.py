@@ -35,9 +35,7 @@ from training.data.indexed_dataset import (
     index_file_path,
     optimal_dtype,
 )
-from training.tokenizer import build_tokenizer
-
-TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+from training.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 # Per-process encoder state, set by _init_worker (in each pool worker, or in-process).
 _STATE: dict = {}
@@ -93,8 +91,16 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--input", required=True, help="JSON-lines file, one document per line")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each line")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", help="SentencePiece model file")
+    g.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        help="as for training (default with --vocab-file and --merge-file: GPT2BPETokenizer)",
+    )
+    g.add_argument(
+        "--tokenizer-model", help="SentencePiece model file, or a local Hugging Face tokenizer folder"
+    )
+    g.add_argument("--vocab-file", help="GPT-2 BPE vocab.json (GPT2BPETokenizer)")
+    g.add_argument("--merge-file", help="GPT-2 BPE merges.txt (GPT2BPETokenizer)")
     g.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer only)")
     g.add_argument(
         "--vocab-extra-ids", type=int, default=0, help="<extra_id_N> tokens (SentencePieceTokenizer)"
@@ -107,6 +113,10 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--chunk-size", type=int, default=32, help="documents sent to a worker at a time")
     g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     args = p.parse_args(argv)
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        args.tokenizer_type = "GPT2BPETokenizer"
+    if args.tokenizer_type is None:
+        p.error("--tokenizer-type is required (or --vocab-file and --merge-file for GPT2BPETokenizer)")
     if args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
     return args
@@ -122,6 +132,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         "tokenizer_model": args.tokenizer_model,
         "vocab_size": args.vocab_size,
         "vocab_extra_ids": args.vocab_extra_ids,
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
     }
     tokenizer = build_tokenizer(**tokenizer_kwargs)
     dtype = optimal_dtype(tokenizer.vocab_size)

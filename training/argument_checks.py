@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
 
@@ -65,6 +66,10 @@ _AT_LEAST = {
         "microbatch_group_size_per_vp_stage",
         "recompute_num_layers",
         "lr_decay_iters",
+        "train_samples",
+        "lr_decay_samples",
+        "lr_wsd_decay_iters",
+        "lr_wsd_decay_samples",
         "make_vocab_size_divisible_by",
         "max_consecutive_skipped_iterations",
         "distributed_timeout_minutes",
@@ -83,6 +88,13 @@ _AT_LEAST = {
         "init_method_std",
         "manual_gc_interval",
         "exit_duration_in_mins",
+        "lr_warmup_samples",
+        "decoupled_lr",
+        "decoupled_min_lr",
+        "start_weight_decay",
+        "end_weight_decay",
+        "num_workers",
+        "profile_step_start",
     ),
 }
 _FRACTIONS = ("hidden_dropout", "attention_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")
@@ -93,6 +105,8 @@ def _check_required(args: argparse.Namespace) -> None:
     if args.using_default_model:
         return
     missing = [_flag(d) for d in REQUIRED if getattr(args, d) is None]
+    if args.train_samples is not None and "--train-iters" in missing:
+        missing.remove("--train-iters")  # a sample-based run: --train-samples gives the length
     if args.tokenizer_type is None:
         missing.append(_flag("tokenizer_type"))
     if missing:
@@ -292,39 +306,76 @@ def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
             ) from None
 
 
-def _check_schedule_and_data(args: argparse.Namespace) -> None:
-    _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
-    given = set(getattr(args, "explicit_args", ()))
-    _require(
-        args.lr_warmup_fraction is None or "lr_warmup_iters" not in given,
-        "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one",
-    )
-    _require(
-        not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
-        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive: "
-        "give at most one",
-    )
-    decay = args.lr_decay_iters or args.train_iters
-    _require(
-        args.lr_warmup_fraction is not None or args.lr_warmup_iters < decay,
-        f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < the decay iterations ({decay}, from "
-        "--lr-decay-iters or else --train-iters)",
-    )
-    if args.tokenizer_type == "NullTokenizer":
-        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.data_path is not None:
-        from training.data.builder import parse_data_path
+def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
+    """``--checkpoint-activations`` (Megatron's old full recompute) and ``--recompute-activations``
+    (selective) set the recompute flags, which must then not be given too."""
+    for dest, settings in (
+        ("checkpoint_activations", ("full", "uniform", 1)),
+        ("recompute_activations", ("selective", None, None)),
+    ):
+        if not getattr(args, dest):
+            continue
+        given = [
+            d
+            for d in ("recompute_granularity", "recompute_method", "recompute_num_layers")
+            if getattr(args, d)
+        ]
+        _require(
+            not given,
+            f"{_flag(dest)} sets {_flag('recompute_granularity')} {settings[0]}: do not give "
+            f"{', '.join(map(_flag, given))} with it",
+        )
+        args.recompute_granularity, args.recompute_method, args.recompute_num_layers = settings
 
-        try:
-            parse_data_path(args.data_path)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"--data-path: {err}") from None
-        if args.split is None:
-            args.split = "969,30,1"  # Megatron's legacy default when --data-path has no --split
+
+def _check_data(args: argparse.Namespace) -> None:
+    """Data sources, tokenizer files, the split, profiling."""
+    sources = [
+        _flag(d)
+        for d in ("data_path", "mock_data", "train_data_path")
+        if getattr(args, d) not in (None, False)
+    ]
+    _require(len(sources) <= 1, f"{' and '.join(sources)} are mutually exclusive: give one data source")
+    per_split = [_flag(d) for d in ("valid_data_path", "test_data_path") if getattr(args, d) is not None]
+    _require(
+        not per_split or args.train_data_path is not None,
+        f"{', '.join(per_split)} {'needs' if len(per_split) == 1 else 'need'} --train-data-path",
+    )
+    kind = args.tokenizer_type
+    if kind == "NullTokenizer":
+        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    if kind == "GPT2BPETokenizer":
+        _require(
+            args.vocab_file is not None and args.merge_file is not None,
+            "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file",
+        )
+    if kind == "HuggingFaceTokenizer":
+        _require(
+            args.tokenizer_model is not None,
+            "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a local folder saved by "
+            "transformers (tokenizer.json, tokenizer_config.json); nothing is downloaded",
+        )
+    from training.data.builder import parse_data_path
+
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, dest) is not None:
+            try:
+                parse_data_path(getattr(args, dest))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{_flag(dest)}: {err}") from None
+    if (args.data_path is not None or args.mock_data) and args.split is None:
+        args.split = "969,30,1"  # Megatron's legacy default when --data-path has no --split
     if args.split is not None:
         from training.data.builder import parse_split
 
         parse_split(args.split)  # its ValueError already names --split
+    if args.profile:
+        start, end = args.profile_step_start, args.profile_step_end
+        _require(start < end, f"--profile-step-start ({start}) must be < --profile-step-end ({end})")
+        outside = [r for r in args.profile_ranks if not 0 <= r < args.world_size]
+        _require(
+            not outside, f"--profile-ranks {outside} are not ranks of this run (world size {args.world_size})"
+        )
 
 
 def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
@@ -339,14 +390,15 @@ def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
     )
     # Megatron's gradient dtype: bf16 accumulates and reduces in fp32 unless --grad-reduce-in-bf16;
     # fp16 in fp16 unless --accumulate-allreduce-grads-in-fp32; fp32 in fp32.
+    accumulate_in_fp32 = args.accumulate_allreduce_grads_in_fp32
     if not args.grad_reduce_in_fp32:  # --grad-reduce-in-bf16
         _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16 (other parameters reduce in their own dtype)")
         _require(
-            not args.accumulate_allreduce_grads_in_fp32,
+            not accumulate_in_fp32,
             "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive",
         )
     elif args.fp16:
-        args.grad_reduce_in_fp32 = args.accumulate_allreduce_grads_in_fp32
+        args.grad_reduce_in_fp32 = accumulate_in_fp32
     if args.overlap_param_gather:
         _require(
             args.use_distributed_optimizer,
@@ -378,10 +430,20 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp}",
     )
     args.world_size, args.data_parallel_size = world_size, world_size // (tp * pp)
+    _apply_old_recompute_flags(args)
     _check_model(args, tp)
     _check_pipeline(args, pp)
     _check_batch(args, pp, args.data_parallel_size)
-    _check_schedule_and_data(args)
+    _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    _require(
+        not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive: "
+        "give at most one",
+    )
+    check_schedule(args)
+    if args.save_interval is None:
+        args.save_interval = args.train_iters  # --save-interval defaults to the run's length
+    _check_data(args)
     _check_precision_and_data_parallel(args)
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     args.pipeline_dtype = args.params_dtype

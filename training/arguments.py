@@ -69,7 +69,7 @@ TINY_DEMO: dict[str, Any] = {
 }
 """The tiny demo's values (and --global-batch-size: the smallest multiple of micro-batch x DP >= 16)."""
 DEMO_OFF_MODEL_FLAGS = ("--hidden-size", "--num-attention-heads", "--seq-length", "--ffn-hidden-size")
-DATA_SOURCE_FLAGS = ("--data-path", "--mock-data")
+DATA_SOURCE_FLAGS = ("--data-path", "--mock-data", "--train-data-path")
 DEFAULT_TOKENIZER = "GPTSentencePieceTokenizer"
 SAME_AS: dict[str, str] = {"max_position_embeddings": "seq_length", "save_interval": "train_iters"}
 """Flags that default to another flag's final value."""
@@ -229,15 +229,18 @@ def parse_args(
     off_by = [f for f in (*DEMO_OFF_MODEL_FLAGS, *DATA_SOURCE_FLAGS) if f in given_flags]
     filled: dict[str, Any] = {}
     if not off_by:
-        warmup_given = bool({"lr_warmup_iters", "lr_warmup_fraction"} & set(given))
         filled = {k: v for k, v in TINY_DEMO.items() if k not in given}
-        if warmup_given:
+        if {"lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"} & set(given):
             filled.pop("lr_warmup_fraction", None)
+        if "train_samples" in given:  # a sample-based demo: its length comes from --train-samples
+            filled.pop("train_iters", None)
     values = {f.dest: list(f.default) if isinstance(f.default, list) else f.default for f in FLAGS}
     values.update(filled)
     values.update(given)
     no_data_source = not any(f in given_flags for f in DATA_SOURCE_FLAGS)
-    if no_data_source and "tokenizer_type" not in given:
+    if "tokenizer_type" not in given and {"vocab_file", "merge_file"} <= set(given):
+        values["tokenizer_type"] = "GPT2BPETokenizer"  # as Megatron's scripts that give only the files
+    elif no_data_source and "tokenizer_type" not in given:
         values["tokenizer_type"] = DEFAULT_TOKENIZER
     for dest, source in SAME_AS.items():
         if dest not in given:
@@ -352,15 +355,22 @@ def startup_report(args: argparse.Namespace) -> list[str]:
         kept = [_spelled(k, getattr(args, k)) for k in TINY_DEMO if k in args.explicit_args]
         lines.append(line + (f"; as given: {' '.join(kept)}" if kept else ""))
     if args.using_default_data:
+        tokenizer = (
+            "Trident's own SentencePiece tokenizer"
+            if args.tokenizer_type == DEFAULT_TOKENIZER and args.tokenizer_model is None
+            else f"--tokenizer-type {args.tokenizer_type}"
+        )
         lines.append(
             "no data source (--data-path, --mock-data): training on the built-in corpus (this Python's "
-            "standard-library docstrings and pydoc topics) with Trident's own SentencePiece tokenizer"
+            f"standard-library docstrings and pydoc topics) with {tokenizer}"
         )
     no_effect = []
     for flag in FLAGS:
         entry = coverage_of(flag.name)
+        if entry.status != NO_EFFECT:
+            continue  # read only the no-effect flags: test_every_accepted_flag_is_read counts reads
         value = getattr(args, flag.dest)
-        if entry.status == NO_EFFECT and value != flag.default:
+        if value != flag.default:
             no_effect.append(f"{_spelled(flag.dest, value)} ({entry.reason})")
     if no_effect:
         lines.append("accepted, no effect here: " + "; ".join(no_effect))

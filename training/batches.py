@@ -1,9 +1,18 @@
-"""Microbatches for one training step: each data-parallel rank its own samples, TP ranks identical.
+"""Microbatches for each training step, read ahead by a ``torch.utils.data.DataLoader``.
 
-Sample order is Megatron's sequential sampler: the step that starts at ``consumed_samples`` takes
-the next ``global_batch_size`` samples, microbatch by microbatch, data-parallel rank ``r`` taking
-the ``r``-th slice of each. Resuming from a checkpoint's ``consumed_samples`` therefore continues
-the exact sequence. As in Megatron, tensor-parallel rank 0 reads and broadcasts to its TP group.
+Sample order is Megatron's: with ``--dataloader-type single`` the step that starts at
+``consumed_samples`` takes the next ``global_batch_size`` samples, microbatch by microbatch,
+data-parallel rank ``r`` taking the ``r``-th slice of each; with ``cyclic``, each rank reads its shard
+in a random order per epoch (``training/data/samplers.py``). Either order is a function of
+``consumed_samples`` alone, which a checkpoint stores, so a resumed run reads exactly what the
+uninterrupted one would have. The datasets draw no random numbers, so neither the worker count nor
+the read-ahead changes what is read.
+
+``BatchStream`` keeps one ``DataLoader`` iterator open across steps: ``--num-workers`` processes build
+the next microbatches (``prefetch_factor`` each) while the model computes, into pinned memory on a
+GPU. Only tensor-parallel rank 0 of a stage that reads data (the first and last pipeline stages)
+reads; it broadcasts each microbatch to its tensor-parallel group, as Megatron does. Asking for a
+step at another position (an evaluation, which starts at its first sample) restarts the loader there.
 """
 
 from __future__ import annotations
@@ -15,14 +24,10 @@ import torch.distributed as dist
 
 from core import parallel_state as ps
 from core.device import current_device
-from training.data import dp_microbatch_indices
+from training.data.samplers import EndlessSequentialSampler, MegatronPretrainingRandomSampler
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
-
-
-def _read(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
-    samples = [dataset[i % len(dataset)] for i in indices]
-    return {f: torch.stack([s[f] for s in samples]) for f in FIELDS}
+SAMPLERS = {"single": EndlessSequentialSampler, "cyclic": MegatronPretrainingRandomSampler}
 
 
 def _broadcast_in_tp_group(
@@ -31,7 +36,7 @@ def _broadcast_in_tp_group(
     """TP rank 0's batch on every rank of its tensor-parallel group."""
     device = current_device()
     if ps.get_tensor_model_parallel_world_size() == 1:
-        return {k: v.to(device) for k, v in batch.items()}
+        return {k: batch[k].to(device, non_blocking=True) for k in FIELDS}
     src, group = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_group()
     out = {}
     for field in FIELDS:
@@ -46,17 +51,67 @@ def _broadcast_in_tp_group(
     return out
 
 
-def step_iterator(
-    dataset, consumed_samples: int, num_microbatches: int, micro_batch_size: int, seq_length: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's microbatches of the step that starts at ``consumed_samples``."""
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    reads = ps.get_tensor_model_parallel_rank() == 0
-    for k in range(num_microbatches):
-        start = consumed_samples + k * micro_batch_size * dp_size
-        batch = (
-            _read(dataset, dp_microbatch_indices(start, micro_batch_size, dp_rank, dp_size))
-            if reads
-            else None
+class BatchStream:
+    """One dataset's microbatches for this rank, step after step (see the module docstring).
+
+    ``num_workers=0`` reads in the training process; ``dataloader_type`` is ``single`` or ``cyclic``.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        *,
+        micro_batch_size: int,
+        seq_length: int,
+        num_workers: int = 0,
+        dataloader_type: str = "single",
+    ) -> None:
+        self.dataset = dataset
+        self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
+        self.num_workers, self.dataloader_type = num_workers, dataloader_type
+        self.position: int | None = None
+        self._batches: Iterator | None = None
+
+    def _open(self, consumed_samples: int) -> Iterator:
+        sampler = SAMPLERS[self.dataloader_type](
+            len(self.dataset),
+            consumed_samples,
+            self.micro_batch_size,
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(),
         )
-        yield _broadcast_in_tp_group(batch, micro_batch_size, seq_length)
+        loader = torch.utils.data.DataLoader(
+            self.dataset,
+            batch_sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=current_device().type == "cuda",
+            persistent_workers=False,
+            # Its own generator: otherwise starting the iterator draws a worker seed from torch's global
+            # generator, which dropout uses, and a resumed run (which starts it later) would diverge.
+            generator=torch.Generator().manual_seed(consumed_samples),
+        )
+        return iter(loader)
+
+    def step(self, consumed_samples: int, num_microbatches: int) -> list[dict[str, torch.Tensor]]:
+        """The ``num_microbatches`` microbatches of the step that starts at ``consumed_samples``."""
+        reads = ps.get_tensor_model_parallel_rank() == 0
+        if reads and consumed_samples != self.position:
+            self.close()
+            self._batches = self._open(consumed_samples)
+        batches = [
+            _broadcast_in_tp_group(
+                next(self._batches) if reads else None, self.micro_batch_size, self.seq_length
+            )
+            for _ in range(num_microbatches)
+        ]
+        self.position = (
+            consumed_samples + num_microbatches * self.micro_batch_size * ps.get_data_parallel_world_size()
+        )
+        return batches
+
+    def close(self) -> None:
+        """Stop the loader's worker processes."""
+        self._batches, self.position = None, None
+
+    def __len__(self) -> int:
+        return len(self.dataset)

@@ -14,9 +14,18 @@ from typing import Literal
 
 from core.flags import flag
 
-TokenizerType = Literal["GPTSentencePieceTokenizer", "SentencePieceTokenizer", "NullTokenizer"]
-LrDecayStyle = Literal["constant", "linear", "cosine"]
 CkptFormat = Literal["torch", "torch_dist"]
+TokenizerType = Literal[
+    "GPT2BPETokenizer",
+    "GPTSentencePieceTokenizer",
+    "SentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+]
+LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+WsdDecayStyle = Literal["exponential", "linear", "cosine", "minus_sqrt"]
+IncrStyle = Literal["constant", "linear", "cosine"]
 AttentionBackend = Literal["flash", "fused", "unfused", "local", "auto"]
 
 
@@ -46,6 +55,9 @@ class TrainingArgs:
     """Samples per step over all data-parallel ranks (default: --micro-batch-size x data-parallel size)."""
     train_iters: int | None = None
     """Training iterations."""
+    train_samples: int | None = None
+    """Training samples, instead of --train-iters (iterations = samples / --global-batch-size); the
+    learning-rate schedule is then given in samples too."""
     log_interval: int = 100
     """Iterations between log lines."""
     exit_interval: int | None = None
@@ -79,16 +91,22 @@ class TrainingArgs:
     """Megatron: fused cross-entropy kernel."""
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Megatron: call torch.cuda.empty_cache() every iteration (0 off, 1 moderate, 2 aggressive)."""
+    checkpoint_activations: bool = False
+    """Megatron's old spelling of full activation recomputation: --recompute-granularity full
+    --recompute-method uniform --recompute-num-layers 1."""
+    recompute_activations: bool = False
+    """Recompute the attention core in the backward pass (--recompute-granularity selective)."""
     profile: bool = False
-    """Megatron: profile with nsys (or --use-pytorch-profiler) between two steps."""
+    """Profile steps --profile-step-start to --profile-step-end with torch.profiler, writing one
+    Chrome/TensorBoard trace per rank of --profile-ranks (into --tensorboard-dir, or ./profile)."""
     profile_step_start: int = 10
-    """Megatron: first profiled step."""
+    """With --profile: the iteration after which profiling starts (iterations start+1 .. end)."""
     profile_step_end: int = 12
-    """Megatron: step at which profiling stops."""
+    """With --profile: the iteration after which profiling stops."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
-    """Megatron: ranks to profile."""
+    """With --profile: the global ranks that write a trace."""
     use_pytorch_profiler: bool = False
-    """Megatron: use torch.profiler for --profile."""
+    """Megatron: use torch.profiler rather than nsys for --profile (Trident always does)."""
 
 
 @dataclass(kw_only=True)
@@ -107,6 +125,26 @@ class LearningRateArgs:
     """On --load, follow the learning-rate flags, not the checkpoint's schedule."""
     use_checkpoint_opt_param_scheduler: bool = flag(False, name="--use-checkpoint-opt_param-scheduler")
     """On --load, keep the checkpoint's learning-rate schedule, whatever the flags say."""
+    lr_decay_samples: int | None = None
+    """With --train-samples: samples to decay over (default: --train-samples)."""
+    lr_warmup_samples: int = 0
+    """With --train-samples: samples of linear warm-up."""
+    lr_wsd_decay_style: WsdDecayStyle = "exponential"
+    """With --lr-decay-style WSD: the shape of the final anneal."""
+    lr_wsd_decay_iters: int | None = None
+    """With --lr-decay-style WSD: iterations of the final anneal (the end of the decay iterations)."""
+    lr_wsd_decay_samples: int | None = None
+    """With --lr-decay-style WSD and --train-samples: samples of the final anneal."""
+    decoupled_lr: float | None = None
+    """A separate peak learning rate for the input embedding and the output layer."""
+    decoupled_min_lr: float | None = None
+    """With --decoupled-lr: their floor (default: --min-lr)."""
+    start_weight_decay: float | None = flag(None, group="regularization")
+    """Weight decay at the start of a --weight-decay-incr-style ramp (default: --weight-decay)."""
+    end_weight_decay: float | None = flag(None, group="regularization")
+    """Weight decay at the end of the run after a --weight-decay-incr-style ramp (default: --weight-decay)."""
+    weight_decay_incr_style: IncrStyle = flag("constant", group="regularization")
+    """Weight decay from --start-weight-decay to --end-weight-decay over the run."""
 
 
 @dataclass(kw_only=True)
@@ -163,6 +201,26 @@ class DataArgs:
     """Train,valid,test weights, e.g. 969,30,1 (default with --data-path: 969,30,1)."""
     eod_mask_loss: bool = False
     """Mask the loss on end-of-document tokens."""
+    train_data_path: list[str] | None = None
+    """Training data only, as --data-path (no --split): prefixes, or 'weight prefix ...'."""
+    valid_data_path: list[str] | None = None
+    """Validation data only, as --data-path (no --split)."""
+    test_data_path: list[str] | None = None
+    """Test data only, as --data-path (no --split)."""
+    mock_data: bool = False
+    """Train on generated token sequences (Megatron's mock dataset) instead of files."""
+    data_cache_path: str | None = None
+    """Directory for the dataset index caches (default: a cache directory beside each dataset)."""
+    mmap_bin_files: bool = flag(
+        True, name="--no-mmap-bin-files", help="Read the .bin data files with plain reads, not memory maps."
+    )
+    """Memory-map the .bin data files (else read each sample with a file read)."""
+    num_workers: int = 2
+    """Data-loader worker processes per rank (0: read in the training process)."""
+    dataloader_type: Literal["single", "cyclic"] = "single"
+    """single: Megatron's sequential sampler; cyclic: a random order per epoch, sharded by data-parallel rank."""
+    data_impl: Literal["mmap"] = "mmap"
+    """Megatron's old choice of indexed-dataset implementation (memory-mapped is the only one left)."""
     create_attention_mask_in_dataloader: bool = flag(
         True,
         name="--no-create-attention-mask-in-dataloader",
@@ -178,7 +236,14 @@ class TokenizerArgs:
     tokenizer_type: TokenizerType | None = None
     """Tokenizer (default without a data source: Trident's own SentencePiece model)."""
     tokenizer_model: str | None = None
-    """SentencePiece model file (default: the one built for the default corpus)."""
+    """SentencePiece model file, or a local Hugging Face tokenizer folder for HuggingFaceTokenizer
+    (default: Trident's own SentencePiece model, built for the default corpus)."""
+    vocab_file: str | None = None
+    """GPT-2 BPE vocabulary (vocab.json); with --merge-file and no --tokenizer-type: GPT2BPETokenizer."""
+    merge_file: str | None = None
+    """GPT-2 BPE merges (merges.txt)."""
+    tiktoken_pattern: str | None = None
+    """Megatron: the TikTokenizer split pattern (v1 or v2)."""
     vocab_size: int | None = None
     """Vocabulary size, for NullTokenizer."""
 
@@ -209,6 +274,8 @@ class LoggingArgs:
     """Compute the parameters' global L2 norm every iteration and log it (a collective per step)."""
     log_memory_to_tensorboard: bool = False
     """Write the memory statistics (mem-* keys) to W&B every iteration."""
+    tensorboard_dir: str | None = None
+    """Write the logged scalars as TensorBoard events here (beside W&B, if on)."""
 
 
 @dataclass(kw_only=True)

@@ -42,7 +42,7 @@ Mark a Megatron flag "accepted, no effect here": declare its field as above, the
 Reject a Megatron flag: add it to ``COVERAGE`` with ``unsupported("why")`` (Trident will not build
 it) or ``not_yet("what is being built")``; no field is needed (a whole family can be rejected by
 prefix in ``REJECTED_PREFIXES``). ``"--flag value"`` rejects one value of a working flag
-(``"--tokenizer-type Llama2Tokenizer"``), and ``works_only((1,), "why")`` accepts only those values.
+(``"--tokenizer-type TikTokenizer"``), and ``works_only((1,), "why")`` accepts only those values.
 
 Flip a "not supported yet" flag to working: declare its field (if it has none), read it, and change
 its ``not_yet(...)`` entry to ``works()`` (for a value: delete the entry and add the value to the
@@ -323,10 +323,10 @@ _ONE_FORMAT = (
     "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
     "--ckpt-format torch and torch_dist both mean it"
 )
-_TOKENIZER = "more tokenizers are being built"
-_DATA = "this data-loading option is being built"
-_SAMPLES = "sample-based schedules are being built; use --train-iters, --lr-decay-iters, --lr-warmup-iters"
-_NO_PROFILER = "Trident has no built-in profiler; run under torch.profiler or nsys"
+_TIKTOKEN = (
+    "Trident has no tiktoken tokenizer; save the tokenizer as a Hugging Face tokenizer folder and use "
+    "--tokenizer-type HuggingFaceTokenizer"
+)
 
 COVERAGE: dict[str, Coverage] = {
     # (a) read and working: keys of Megatron's run-control and parallel flags that need a note here.
@@ -355,6 +355,8 @@ COVERAGE: dict[str, Coverage] = {
         ),
         works(),
     ),
+    "--profile": works(),
+    "--checkpoint-activations": works(),
     "--context-parallel-size": works_only(
         (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
     ),
@@ -367,11 +369,9 @@ COVERAGE: dict[str, Coverage] = {
     "--empty-unused-memory-level": no_effect("the CUDA cache is left to PyTorch"),
     "--no-create-attention-mask-in-dataloader": no_effect("attention is causal without a mask tensor"),
     "--log-throughput": no_effect("TFLOP/s per GPU and tokens/s are always in the log line"),
-    "--profile": no_effect(_NO_PROFILER),
-    "--profile-step-start": no_effect(_NO_PROFILER),
-    "--profile-step-end": no_effect(_NO_PROFILER),
-    "--profile-ranks": no_effect(_NO_PROFILER),
-    "--use-pytorch-profiler": no_effect(_NO_PROFILER),
+    "--use-pytorch-profiler": no_effect("--profile always uses torch.profiler"),
+    "--tiktoken-pattern": no_effect("only a TikTokenizer reads it, and Trident has none"),
+    "--data-impl": no_effect("indexed datasets are always memory-mapped (Megatron-LM has dropped the flag)"),
     "--ckpt-format": no_effect("torch and torch_dist both mean Trident's one checkpoint format"),
     # (c) not supported yet: each is being built; when it lands, its entry becomes works()
     **dict.fromkeys(
@@ -386,35 +386,8 @@ COVERAGE: dict[str, Coverage] = {
         ),
         not_yet(_MODEL),
     ),
-    **dict.fromkeys(("--vocab-file", "--merge-file", "--tiktoken-pattern"), not_yet(_TOKENIZER)),
-    **dict.fromkeys(
-        (
-            "--mock-data",
-            "--num-workers",
-            "--data-cache-path",
-            "--no-mmap-bin-files",
-            "--train-data-path",
-            "--valid-data-path",
-            "--test-data-path",
-            "--dataloader-type",
-        ),
-        not_yet(_DATA),
-    ),
-    **dict.fromkeys(("--train-samples", "--lr-decay-samples", "--lr-warmup-samples"), not_yet(_SAMPLES)),
-    **dict.fromkeys(
-        ("--decoupled-lr", "--decoupled-min-lr"),
-        not_yet("separate learning rates for the embedding and output layers are being built"),
-    ),
-    "--tensorboard-dir": not_yet("TensorBoard logging is being built; --wandb-project logs the same scalars"),
-    **{
-        f"--tokenizer-type {name}": not_yet(_TOKENIZER)
-        for name in ("GPT2BPETokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer")
-    },
-    **dict.fromkeys(
-        ("--lr-decay-style WSD", "--lr-decay-style inverse-square-root"),
-        not_yet("the WSD and inverse-square-root schedules are being wired to the command line"),
-    ),
     # (c) not supported: out of scope
+    "--tokenizer-type TikTokenizer": unsupported(_TIKTOKEN),
     "--num-experts": unsupported(_MOE),
     "--rampup-batch-size": unsupported(_RAMP),
     "--step-batch-size-schedule": unsupported(_RAMP),
@@ -431,7 +404,7 @@ REJECTED_PREFIXES: dict[str, Coverage] = {"--moe-": unsupported(_MOE), "--fp8": 
 
 
 def rejected_values(option: str) -> tuple[str, ...]:
-    """Values of ``option`` that the table rejects ("--tokenizer-type Llama2Tokenizer")."""
+    """Values of ``option`` that the table rejects ("--tokenizer-type TikTokenizer")."""
     return tuple(k.split(" ", 1)[1] for k, c in COVERAGE.items() if k.startswith(option + " ") and c.rejected)
 
 

@@ -105,12 +105,13 @@ class Timeline:
 
     @classmethod
     def from_args(cls, args) -> Timeline | None:
+        iterations = args.timeline_iters  # read either way: it is meaningless without --timeline-dir
         if not args.timeline_dir:
             return None
         schedule = args.pipeline_schedule
         if schedule == "1f1b" and args.virtual_pipeline_model_parallel_size:
             schedule = "interleaved 1f1b"
-        return cls(args.timeline_dir, args.timeline_iters or [args.train_iters], schedule)
+        return cls(args.timeline_dir, iterations or [args.train_iters], schedule)
 
     def wants(self, iteration: int) -> bool:
         return iteration in self.iterations

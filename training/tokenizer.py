@@ -12,6 +12,14 @@ and ``vocab_size`` agree and preprocessed data are interchangeable:
   they already are pieces, so ``eod`` is the new ``<EOD>`` id, not ``eos``; ``vocab_size``
   counts the additions; ``tokenize`` cuts the text at the literal special-token strings and
   encodes them as single ids, and ``detokenize`` writes them back surrounded by spaces.
+* ``Llama2Tokenizer`` — the SentencePiece model as LLaMA-2 uses it: ``tokenize`` puts BOS first;
+  ``eod`` is ``eos``; ``vocab_size`` is the model's piece count.
+* ``GPT2BPETokenizer`` — GPT-2's byte-level BPE from ``--vocab-file`` (vocab.json) and
+  ``--merge-file`` (merges.txt), run by the ``tokenizers`` library with GPT-2's split pattern; no
+  special tokens are parsed in the text; ``eod`` is ``<|endoftext|>``.
+* ``HuggingFaceTokenizer`` — ``transformers.AutoTokenizer`` on a local folder (never a download);
+  ``tokenize`` is ``tokenizer(text).input_ids`` (with the special tokens the tokenizer adds, e.g. BOS);
+  ``eod`` is its ``eos_token_id``; ``vocab_size`` is ``len(tokenizer)`` (added tokens included).
 * ``NullTokenizer`` — text is space-separated ids; ``eod`` is ``vocab_size - 1``.
 
 Models trained by ``tools/train_tokenizer.py`` use unk=0 ``<unk>``, bos=1 ``<s>``, eos=2
@@ -201,7 +209,140 @@ class NullTokenizer:
     bos = pad = cls = sep = mask = property(lambda self: -1)
 
 
-Tokenizer = GPTSentencePieceTokenizer | SentencePieceTokenizer | NullTokenizer
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """SentencePiece as Megatron's ``_Llama2Tokenizer``: BOS before every text, ``eod`` is ``eos``."""
+
+    def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Token ids of ``text``, after BOS (and before EOS if asked), as LLaMA-2 was trained."""
+        ids = self.tokenizer.encode_as_ids(text)
+        return [self._bos_id] * bos + ids + [self._eos_id] * eos
+
+
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE, as Megatron's ``_GPT2BPETokenizer``, from vocab.json and merges.txt."""
+
+    def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> None:
+        import json
+
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        for path, flag in ((vocab_file, "--vocab-file"), (merge_file, "--merge-file")):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"GPT-2 BPE file {path} not found ({flag})")
+        self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
+        with open(vocab_file, encoding="utf-8") as f:
+            self._vocab: dict[str, int] = json.load(f)
+        if "<|endoftext|>" not in self._vocab:
+            raise ValueError(f"{vocab_file} has no '<|endoftext|>' token, GPT-2's end of document")
+        self.tokenizer = Tokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
+        self.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self.tokenizer.decoder = decoders.ByteLevel()
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._eod_id = self._vocab["<|endoftext|>"]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=False)
+
+    @property
+    def eod(self) -> int:
+        return self._eod_id
+
+    eos = eod
+    bos = pad = cls = sep = mask = property(lambda self: -1)
+
+
+class HuggingFaceTokenizer:
+    """``transformers.AutoTokenizer`` from a local folder, as Megatron's ``_HuggingFaceTokenizer``."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(
+                f"Hugging Face tokenizer folder {folder} not found (--tokenizer-model): give a local folder "
+                "written by tokenizer.save_pretrained(); Trident never downloads one"
+            )
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError(
+                "--tokenizer-type HuggingFaceTokenizer needs transformers: pip install transformers"
+            ) from None
+        self.folder = os.fspath(folder)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"the tokenizer in {folder} has no eos token, which Megatron uses as end of document"
+            )
+        self._vocab = self.tokenizer.get_vocab()
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(map(int, ids)))
+
+    @property
+    def eod(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def eos(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def bos(self) -> int:
+        return -1 if self.tokenizer.bos_token_id is None else self.tokenizer.bos_token_id
+
+    @property
+    def pad(self) -> int:
+        return -1 if self.tokenizer.pad_token_id is None else self.tokenizer.pad_token_id
+
+    cls = sep = mask = property(lambda self: -1)
+
+
+Tokenizer = (
+    GPTSentencePieceTokenizer
+    | SentencePieceTokenizer
+    | Llama2Tokenizer
+    | GPT2BPETokenizer
+    | HuggingFaceTokenizer
+    | NullTokenizer
+)
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "GPTSentencePieceTokenizer",
+    "SentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
 
 
 def build_tokenizer(
@@ -210,22 +351,44 @@ def build_tokenizer(
     *,
     vocab_size: int | None = None,
     vocab_extra_ids: int = 0,
+    vocab_file: str | os.PathLike | None = None,
+    merge_file: str | os.PathLike | None = None,
 ) -> Tokenizer:
     """Build a tokenizer by its Megatron ``--tokenizer-type`` name."""
-    if tokenizer_type in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
+    if tokenizer_type in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"):
         if tokenizer_model is None:
             raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
-        if tokenizer_type == "GPTSentencePieceTokenizer":
-            return GPTSentencePieceTokenizer(tokenizer_model)
-        return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
+        if tokenizer_type == "SentencePieceTokenizer":
+            return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
+        cls = Llama2Tokenizer if tokenizer_type == "Llama2Tokenizer" else GPTSentencePieceTokenizer
+        return cls(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if vocab_file is None or merge_file is None:
+            raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local folder)")
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
     raise ValueError(
-        f"unsupported --tokenizer-type {tokenizer_type!r}; "
-        "use GPTSentencePieceTokenizer, SentencePieceTokenizer or NullTokenizer"
+        f"unsupported --tokenizer-type {tokenizer_type!r}; use one of {', '.join(TOKENIZER_TYPES)}"
     )
+
+
+def tokenizer_files(tokenizer: Tokenizer) -> list[str]:
+    """The files that define ``tokenizer`` (for cache keys and checkpoints); [] for NullTokenizer."""
+    if isinstance(tokenizer, GPTSentencePieceTokenizer):
+        return [tokenizer.model_file]
+    if isinstance(tokenizer, GPT2BPETokenizer):
+        return [tokenizer.vocab_file, tokenizer.merge_file]
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        paths = (os.path.join(tokenizer.folder, f) for f in sorted(os.listdir(tokenizer.folder)))
+        return [p for p in paths if os.path.isfile(p)]
+    return []
 
 
 def vocab_size_with_padding(

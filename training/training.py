@@ -30,7 +30,6 @@ from core import parallel_state as ps
 from core.device import bind_local_device, current_device, select_backend
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
-from core.optimizer.lr_scheduler import OptimizerParamScheduler
 from core.pipeline_parallel.hooks import ScheduleHooks
 from core.pipeline_parallel.losses import reduce_loss_logs
 from core.pipeline_parallel.schedules import get_forward_backward_func
@@ -38,12 +37,16 @@ from core.tensor_parallel import model_parallel_seed
 from training import checkpointing, faults
 from training.argument_checks import validate_args
 from training.arguments import config_from_args, parse_and_validate, startup_report
-from training.batches import step_iterator
+from training.batches import BatchStream
 from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
 from training.errors import ConfigError
 from training.global_vars import get_tokenizer, set_global_variables
 from training.logging_utils import is_logging_rank, print_rank_0, print_rank_last
+from training.lr_schedule import build_scheduler
+from training.profiling import StepProfiler
+from training.progress import Progress
 from training.run_control import ExitTimer, ManualGC
+from training.run_logging import RunLoggers
 from training.signal_handler import SignalHandler
 from training.throughput import memory_stats, num_floating_point_operations, peak_memory_bytes, peak_tflops
 from training.timeline import Timeline
@@ -60,6 +63,7 @@ class TrainState:
     wandb_run_id: str | None = None
     losses: list[dict[str, float]] = field(default_factory=list)  # per iteration, on the loss stage
     step_seconds: list[float] = field(default_factory=list)  # wall time of each iteration (no eval/save)
+    progress: Progress | None = None  # timestamps, ETA and the end-of-run summary
 
 
 @dataclass
@@ -155,16 +159,22 @@ def _setup_and_train(
             print_rank_0(f"removed {len(removed)} temporary file(s) of interrupted saves from {args.save}")
     faults.phase("building the model and optimizer")
     chunks = _build_chunks(model_provider, args)
-    optimizer = get_megatron_optimizer(config_from_args(OptimizerConfig, args), chunks)
+    optimizer = get_megatron_optimizer(
+        config_from_args(OptimizerConfig, args),
+        chunks,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+    )
     if optimizer.grad_scaler is not None:  # the schedule scales the last stage's loss before backward
         chunks[0].config.schedule_hooks.grad_scale_func = optimizer.scale_loss
-    scheduler = _build_scheduler(optimizer, args)
+    scheduler = build_scheduler(optimizer, args)
     state = TrainState()
     if args.load:
         faults.phase("loading the checkpoint")
         _load(args, chunks, optimizer, scheduler, state)
     faults.phase("building the datasets")
     train_ds, valid_ds, _ = _rank0_first(lambda: train_valid_test_datasets_provider(args))
+    train_ds, valid_ds = (_batch_stream(ds, args) for ds in (train_ds, valid_ds))
     faults.phase("starting the W&B run")
     run = start_run(
         project=args.wandb_project,
@@ -174,6 +184,7 @@ def _setup_and_train(
         run_id=state.wandb_run_id,
         is_logging_rank=is_logging_rank(),
     )
+    run = RunLoggers(run, tensorboard_dir=args.tensorboard_dir if is_logging_rank() else None)
     state.wandb_run_id = _shared_run_id(getattr(run, "id", None) or state.wandb_run_id)
     print_rank_0(
         f"training {args.train_iters} iterations from iteration {state.iteration}: "
@@ -201,6 +212,10 @@ def _setup_and_train(
             collector,
             iteration_hook,
         )
+    for line in state.progress.summary(
+        args, iteration=state.iteration, consumed_samples=state.consumed_samples, last=run.last, run=run
+    ):
+        print_rank_last(line)
     run.finish()
     return state
 
@@ -227,16 +242,27 @@ def _train(
     window.update(loss=[], skipped_loss=[])  # losses of the iterations that stepped, and of the others
     timer = ExitTimer(args.exit_duration_in_mins, _any_rank)
     timeline = Timeline.from_args(args)
+    state.progress = Progress(state, args.train_iters)
+    profiler = StepProfiler(
+        enabled=args.profile,
+        start=args.profile_step_start,
+        end=args.profile_step_end,
+        rank=dist.get_rank(),
+        ranks=args.profile_ranks,
+        out_dir=args.tensorboard_dir or "profile",
+    )
     saved_at = None
     while state.iteration < args.train_iters:
         record = timeline.start() if timeline and timeline.wants(state.iteration + 1) else None
         start = time.perf_counter()
+        profiler.before_step(state.iteration)
         step = _train_step(
             args, chunks, optimizer, forward_backward, forward_step_func, train_ds, state, record
         )
         if record is not None:
             timeline.finish(state.iteration + 1, record)
         state.iteration += 1
+        profiler.after_step(state.iteration)
         state.consumed_samples += args.global_batch_size
         if step.applied:
             scheduler.step(increment=args.global_batch_size)
@@ -282,6 +308,7 @@ def _train(
             break
     for chunk in chunks:  # the last step's parameter all-gathers (distributed optimizer) land
         chunk.finish_param_sync()
+    profiler.stop()
     if args.save and saved_at != state.iteration:
         _save(args, chunks, optimizer, scheduler, state)
     if timeline:
@@ -508,7 +535,7 @@ def _log(args, state, optimizer, step: _Step, window, flops: float, peak: float 
         f"number of skipped iterations: {state.skipped_iterations:3d}",
         f"number of nan iterations: {state.nan_iterations:3d}",
     ]
-    print_rank_last(" " + " | ".join(fields) + " |")
+    state.progress.print_log_line(" " + " | ".join(fields) + " |")
     window.update(loss=[], time=now, paused=0.0, iters=0, skipped_loss=[])
 
 
@@ -581,24 +608,6 @@ def _build_chunks(model_provider: Callable, args) -> list[DistributedDataParalle
     return wrapped
 
 
-def _build_scheduler(optimizer, args) -> OptimizerParamScheduler:
-    decay_iters = args.lr_decay_iters or args.train_iters
-    warmup_iters = args.lr_warmup_iters
-    if args.lr_warmup_fraction is not None:
-        warmup_iters = int(args.lr_warmup_fraction * decay_iters)
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr or 0.0,
-        lr_warmup_steps=warmup_iters * args.global_batch_size,
-        lr_decay_steps=decay_iters * args.global_batch_size,
-        lr_decay_style=args.lr_decay_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-    )
-
-
 # The scheduler settings a checkpoint stores, and the flags that set them (steps count samples).
 _SCHEDULER_FLAGS = {
     "max_lr": ("--lr", False),
@@ -643,15 +652,23 @@ def _check_scheduler(args, scheduler, saved: dict, saved_args: dict) -> None:
     )
 
 
-def _iterators(chunks, dataset, consumed_samples: int, args) -> list:
-    return [
-        step_iterator(
-            dataset, consumed_samples, args.num_microbatches, args.micro_batch_size, args.seq_length
-        )
-        if (c.pre_process or c.post_process)
-        else None
-        for c in chunks
-    ]
+def _batch_stream(dataset, args) -> BatchStream | None:
+    if dataset is None:
+        return None
+    return BatchStream(
+        dataset,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        num_workers=args.num_workers,
+        dataloader_type=args.dataloader_type,
+    )
+
+
+def _iterators(chunks, stream: BatchStream, consumed_samples: int, args) -> list:
+    """Per chunk, an iterator over this step's microbatches (None for a chunk that reads no data)."""
+    reads = [c.pre_process or c.post_process for c in chunks]
+    batches = stream.step(consumed_samples, args.num_microbatches) if any(reads) else []
+    return [iter(batches) if r else None for r in reads]
 
 
 def _one_or_list(items: list):

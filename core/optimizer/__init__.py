@@ -70,16 +70,23 @@ def get_param_groups(
     no_weight_decay_cond: Condition | None = None,
     scale_lr_cond: Condition | None = None,
     lr_mult: float = 1.0,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
 ) -> list[dict]:
     """Trainable parameters of all chunks in groups of equal (``wd_mult``, ``lr_mult``).
 
     Each group is a torch parameter-group dict with ``params``, ``weight_decay`` (already
     multiplied), ``wd_mult`` and ``lr_mult`` (read by the scheduler). Groups come in a fixed order,
     decayed first, so optimizer checkpoints line up across runs; empty groups are left out.
+
+    With ``decoupled_lr`` (Megatron's ``--decoupled-lr``), parameters marked
+    ``is_embedding_or_output_parameter`` (the input embedding and the output layer) go into groups of
+    their own with ``max_lr=decoupled_lr`` and ``min_lr=decoupled_min_lr`` (if given), which the
+    scheduler uses instead of its own.
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     no_wd = no_weight_decay_cond or default_no_weight_decay
-    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
+    groups: dict[tuple[float, float, bool], list[nn.Parameter]] = {}
     seen: set[int] = set()
     for chunk in chunks:
         for name, param in chunk.named_parameters():
@@ -88,12 +95,23 @@ def get_param_groups(
             seen.add(id(param))
             wd_mult = 0.0 if no_wd(name, param) else 1.0
             scaled = scale_lr_cond is not None and scale_lr_cond(name, param)
-            groups.setdefault((wd_mult, lr_mult if scaled else 1.0), []).append(param)
-    ordered = sorted(groups, key=lambda key: (-key[0], key[1]))
-    return [
-        {"params": groups[key], "wd_mult": key[0], "lr_mult": key[1], "weight_decay": weight_decay * key[0]}
-        for key in ordered
-    ]
+            decoupled = decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
+            groups.setdefault((wd_mult, lr_mult if scaled else 1.0, decoupled), []).append(param)
+    ordered = sorted(groups, key=lambda key: (key[2], -key[0], key[1]))
+    out = []
+    for key in ordered:
+        group = {
+            "params": groups[key],
+            "wd_mult": key[0],
+            "lr_mult": key[1],
+            "weight_decay": weight_decay * key[0],
+        }
+        if key[2]:
+            group["max_lr"] = decoupled_lr
+            if decoupled_min_lr is not None:
+                group["min_lr"] = decoupled_min_lr
+        out.append(group)
+    return out
 
 
 def get_megatron_optimizer(
@@ -103,6 +121,8 @@ def get_megatron_optimizer(
     no_weight_decay_cond: Condition | None = None,
     scale_lr_cond: Condition | None = None,
     lr_mult: float = 1.0,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
 ) -> MegatronOptimizer:
     """The optimizer for these chunks: AdamW (or SGD) on fp32 parameters, fp32 main copies for a
     bf16/fp16 model, loss scaling for fp16, and with ``use_distributed_optimizer`` all of it for
@@ -117,6 +137,8 @@ def get_megatron_optimizer(
         no_weight_decay_cond=no_weight_decay_cond,
         scale_lr_cond=scale_lr_cond,
         lr_mult=lr_mult,
+        decoupled_lr=decoupled_lr,
+        decoupled_min_lr=decoupled_min_lr,
     )
     if not groups:
         # An empty pipeline stage (a layout such as "Ett|t||tL") owns no parameters. torch refuses an

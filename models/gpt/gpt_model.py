@@ -149,6 +149,9 @@ class GPTModel(nn.Module):
         self.output_layer = self._build_output_layer(shared_embedding_weight) if post_process else None
         if pre_process and self.share_embeddings_and_output_weights and self._tied_across_ranks():
             self.embedding.word_embeddings.weight.shared_embedding = True  # the first stage's copy
+        for layer in (self.embedding and self.embedding.word_embeddings, self.output_layer):
+            if layer is not None and layer.weight is not None:  # --decoupled-lr applies to these two
+                layer.weight.is_embedding_or_output_parameter = True
         if config.perform_initialization:
             initialize_by_name(self, config)
 

@@ -4,6 +4,10 @@ Sample ``i`` of the blend goes to the dataset that is furthest behind its share:
 the largest ``weight * max(i, 1) - samples_taken_so_far`` (first one on ties). For any prefix
 of the blend the counts are therefore within one sample of ``weight * length``, and the order
 is fully deterministic (no random draw).
+
+The two index builders are the same loops as megatron-core's C++ helpers (``helpers.cpp``), compiled
+by numba on first use (``training/data/jit.py``), so a blend of hundreds of millions of samples
+takes seconds instead of the hour a Python loop needs; ``tools/bench_index.py`` measures them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 import torch
 
 from training.data.gpt_dataset import IndexCache
+from training.data.jit import compiled
 
 
 def normalize(weights: Sequence[float]) -> list[float]:
@@ -25,41 +30,53 @@ def normalize(weights: Sequence[float]) -> list[float]:
     return (w / w.sum()).tolist()
 
 
-def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each of ``size`` samples: which dataset (int16) and which of its samples (int64)."""
-    w = [float(x) for x in weights]
-    taken = [0] * len(w)
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    for i in range(size):
+def _fill_blending_indices(weights, dataset_index, dataset_sample_index):
+    taken = np.zeros(len(weights), dtype=np.int64)
+    for i in range(len(dataset_index)):
         scale = max(float(i), 1.0)
-        best, best_error = 0, w[0] * scale - taken[0]
-        for d in range(1, len(w)):
-            error = w[d] * scale - taken[d]
+        best, best_error = 0, weights[0] * scale - taken[0]
+        for d in range(1, len(weights)):
+            error = weights[d] * scale - taken[d]
             if error > best_error:
                 best, best_error = d, error
         dataset_index[i] = best
         dataset_sample_index[i] = taken[best]
         taken[best] += 1
+
+
+def _fill_exhaustive_blending_indices(weights, sizes, dataset_index, dataset_sample_index):
+    taken = np.zeros(len(weights), dtype=np.int64)
+    for i in range(len(dataset_index)):
+        scale = max(float(i), 1.0)
+        best, best_error = -1, -np.inf
+        for d in range(len(weights)):
+            if taken[d] < sizes[d]:
+                error = weights[d] * scale - taken[d]
+                if best < 0 or error > best_error:
+                    best, best_error = d, error
+        dataset_index[i] = best
+        dataset_sample_index[i] = taken[best]
+        taken[best] += 1
+
+
+def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``size`` samples: which dataset (int16) and which of its samples (int64)."""
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    compiled(_fill_blending_indices)(
+        np.asarray(weights, dtype=np.float64), dataset_index, dataset_sample_index
+    )
     return dataset_index, dataset_sample_index
 
 
 def build_exhaustive_blending_indices(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Like :func:`build_blending_indices` with weights ``sizes``, taking exactly ``sizes[d]`` from each."""
-    total = int(sum(sizes))
-    w = [s / total for s in sizes]
-    taken = [0] * len(sizes)
-    open_ = [d for d in range(len(sizes)) if sizes[d] > 0]
+    counts = np.asarray(sizes, dtype=np.int64)
+    total = int(counts.sum())
     dataset_index = np.zeros(total, dtype=np.int16)
     dataset_sample_index = np.zeros(total, dtype=np.int64)
-    for i in range(total):
-        scale = max(float(i), 1.0)
-        best = max(open_, key=lambda d: (w[d] * scale - taken[d], -d))
-        dataset_index[i] = best
-        dataset_sample_index[i] = taken[best]
-        taken[best] += 1
-        if taken[best] == sizes[best]:
-            open_.remove(best)
+    weights = np.asarray([int(s) / total for s in sizes], dtype=np.float64)
+    compiled(_fill_exhaustive_blending_indices)(weights, counts, dataset_index, dataset_sample_index)
     return dataset_index, dataset_sample_index
 
 

@@ -8,6 +8,8 @@
 * Blending: dataset ``d`` is asked for ``ceil(ceil(n * w_d) * 1.005)`` samples of a split that
   needs ``n`` (the small surplus keeps the blend from running past its end), and the blend is
   ``sum_d ceil(n * w_d)`` samples long.
+* ``build_per_split_datasets``: Megatron's ``--train-data-path``/``--valid-data-path``/
+  ``--test-data-path``, each split from its own data.
 * A split that rounds to no documents is None too when it is not used (0 samples asked of it), with
   one warning: ``969,30,1`` leaves a small dataset no test documents, and training never reads them.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -110,6 +112,7 @@ def build_train_valid_test_datasets(
     eod_mask_loss: bool = False,
     cache_dir: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    open_dataset: Callable[[str], IndexedDataset] = IndexedDataset,
 ) -> list[GPTDataset | BlendedDataset | None]:
     """The train, valid and test datasets (None for a split of zero width).
 
@@ -117,7 +120,9 @@ def build_train_valid_test_datasets(
     a single prefix the split is a :class:`GPTDataset`; with several, a :class:`BlendedDataset`
     over one ``GPTDataset`` per prefix. ``cache_dir`` holds the index caches (default: a
     ``cache`` directory next to each dataset). With ``vocab_size`` (the tokenizer's), each sample is
-    checked to hold only ids below it as it is read.
+    checked to hold only ids below it as it is read. ``open_dataset`` opens a prefix (a
+    ``MockIndexedDataset`` for ``--mock-data``, an ``IndexedDataset`` without memory maps for
+    ``--no-mmap-bin-files``).
     """
     prefixes, weights = parse_data_path(data_prefixes_with_weights)
     sizes = list(num_samples)
@@ -134,7 +139,7 @@ def build_train_valid_test_datasets(
     unused_empty: dict[str, list[str]] = {}
 
     def per_prefix(prefix: str, counts: Sequence[int | None]) -> list[GPTDataset | None]:
-        indexed = IndexedDataset(prefix)
+        indexed = open_dataset(prefix)
         datasets = []
         for name, docs, count, asked in zip(
             SPLIT_NAMES, split_document_indices(len(indexed), split), counts, sizes
@@ -191,3 +196,26 @@ def build_train_valid_test_datasets(
             BlendedDataset(members, split_weights, size, cache_dir=blend_cache, description=description)
         )
     return blends
+
+
+def build_per_split_datasets(
+    paths: Sequence[str | Sequence[str | float] | None],
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int | None] = (None, None, None),
+    **kwargs,
+) -> list[GPTDataset | BlendedDataset | None]:
+    """``--train-data-path``/``--valid-data-path``/``--test-data-path``: each split from its own
+    prefixes (or "weight prefix ..." blend), all of their documents, no ``--split``; None where no
+    path is given. ``kwargs`` as for :func:`build_train_valid_test_datasets`."""
+    datasets: list[GPTDataset | BlendedDataset | None] = []
+    for i, path in enumerate(paths):
+        if path is None:
+            datasets.append(None)
+            continue
+        only_this = ",".join("1" if j == i else "0" for j in range(3))
+        counts = [num_samples[i] if j == i else 0 for j in range(3)]
+        datasets.append(
+            build_train_valid_test_datasets(path, only_this, seq_length, seed, counts, **kwargs)[i]
+        )
+    return datasets

@@ -15,23 +15,26 @@ from training.data.indexed_dataset import (
     optimal_dtype,
 )
 from training.data.tokenizer_training import iter_jsonl_texts
+from training.tokenizer import tokenizer_files
 
 
 def default_data_prefix(
     tokenizer,
-    tokenizer_model: str | os.PathLike,
     cache_dir: str | os.PathLike | None = None,
     *,
     verbose: bool = True,
 ) -> str:
     """Prefix of the default corpus as a Megatron indexed dataset (EOD after every document).
 
-    The cache key includes the tokenizer model's bytes, so another tokenizer never reads stale ids.
+    The cache key includes the bytes of the tokenizer's files, so another tokenizer never reads stale ids.
     Both files are written under temporary names and moved into place, the index last.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     corpus = build_default_corpus(cache, verbose=verbose)
-    digest = hashlib.sha256(Path(tokenizer_model).read_bytes()).hexdigest()[:12]
+    hasher = hashlib.sha256(type(tokenizer).__name__.encode())
+    for path in tokenizer_files(tokenizer):
+        hasher.update(Path(path).read_bytes())
+    digest = hasher.hexdigest()[:12]
     prefix = str(cache / f"{corpus.stem}-{type(tokenizer).__name__}-{digest}_text_document")
     if os.path.exists(index_file_path(prefix)) and os.path.exists(data_file_path(prefix)):
         if verbose:

@@ -32,6 +32,7 @@ import torch
 
 from training.data.corpus import atomic_write_bytes
 from training.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from training.data.jit import compiled
 from training.errors import DataError
 
 # Below this fraction of an epoch, the last epoch is shuffled separately (Megatron's rule) so
@@ -52,6 +53,19 @@ def build_document_index(
     return np.concatenate((first, last))
 
 
+def _fill_sample_index(lengths, document_index, seq_length, index):
+    doc, start = 0, 0  # the stream position where document_index[doc] starts
+    for k in range(len(index)):
+        position = k * seq_length
+        while doc + 1 < len(document_index) and start + lengths[document_index[doc]] <= position:
+            start += lengths[document_index[doc]]
+            doc += 1
+        index[k, 0] = doc
+        index[k, 1] = position - start
+    index[0, 0] = 0  # Megatron anchors the first sample at (0, 0), even on an empty first document
+    index[0, 1] = 0
+
+
 def build_sample_index(
     sequence_lengths: np.ndarray,
     document_index: np.ndarray,
@@ -62,18 +76,15 @@ def build_sample_index(
     """Start (document-index position, offset) of every ``seq_length + 1`` window, plus the end.
 
     Equal to Megatron's ``helpers.build_sample_idx`` with ``drop_last_partial_sequence`` and the
-    extra token: window ``k`` starts at stream token ``k * seq_length``, located in the document
-    that contains that token.
+    extra token: window ``k`` starts at stream token ``k * seq_length``, located in the last document
+    that starts at or before that token (empty documents are stepped over). One compiled pass over
+    samples and documents, as Megatron's C++ helper.
     """
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
     big = max(len(document_index), int(sequence_lengths.max(initial=0))) > np.iinfo(np.int32).max
-    lengths = np.asarray(sequence_lengths, dtype=np.int64)[document_index]
-    starts = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    doc = np.searchsorted(starts, positions, side="right") - 1
-    index = np.stack([doc, positions - starts[doc]], axis=1).astype(np.int64 if big else np.int32)
-    index[0] = 0  # Megatron anchors the first sample at (0, 0), even on an empty first document
+    index = np.empty((num_samples + 1, 2), dtype=np.int64 if big else np.int32)
+    lengths = np.asarray(sequence_lengths, dtype=np.int64)
+    compiled(_fill_sample_index)(lengths, np.asarray(document_index), np.int64(seq_length), index)
     return index
 
 
@@ -165,11 +176,13 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"the {split_name} split of {indexed.prefix} has {len(self.indices)} documents and "
                 f"{self.tokens_per_epoch} tokens: too few to draw samples from (adjust --split)"
             )
+        in_memory = cache_dir is None and getattr(indexed, "in_memory", False)  # --mock-data
         if cache_dir is None:
             cache_dir = Path(indexed.prefix).parent / "cache" / "GPTDataset_indices"
+        identity = getattr(indexed, "cache_identity", None)
         description = {
             "class": "GPTDataset",
-            "dataset": _file_identity(indexed.prefix),
+            "dataset": identity() if identity is not None else _file_identity(indexed.prefix),
             "split": split_name,
             "documents": [int(self.indices[0]), int(self.indices[-1]) + 1, len(self.indices)],
             "num_samples": num_samples,
@@ -179,11 +192,12 @@ class GPTDataset(torch.utils.data.Dataset):
         }
         cache = IndexCache(cache_dir, f"GPTDataset-{split_name}", description)
         names = ["document_index", "sample_index", "shuffle_index"]
-        arrays = cache.load(names)
+        arrays = None if in_memory else cache.load(names)
         self.built_anew_on_cache_miss = arrays is None
         if arrays is None:
             arrays = dict(zip(names, self._build_indices()))
-            cache.save(arrays)
+            if not in_memory:
+                cache.save(arrays)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]

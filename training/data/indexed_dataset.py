@@ -97,12 +97,14 @@ class IndexedDataset:
     """Read-only, memory-mapped view of a ``prefix.bin``/``prefix.idx`` pair.
 
     ``ds[i]`` is sequence ``i`` as a numpy array (a view into the mapping, zero-copy);
-    ``ds.get(i, offset, length)`` a slice of it. Pickles by path, so it can cross process
+    ``ds.get(i, offset, length)`` a slice of it. With ``mmap=False`` (``--no-mmap-bin-files``) the
+    ``.bin`` file is read with plain file reads instead (the ``.idx`` is still mapped). Pickles by path, so it can cross process
     boundaries (data-loader workers) cheaply.
     """
 
-    def __init__(self, prefix: str | os.PathLike) -> None:
+    def __init__(self, prefix: str | os.PathLike, *, mmap: bool = True) -> None:
         self.prefix = os.fspath(prefix)
+        self.mmap = mmap
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
@@ -145,7 +147,8 @@ class IndexedDataset:
             raise DataError(f"{idx_path}: document index does not end at the sequence count {num_seq}")
         self._check_data_size(idx_path, bin_path)
         size = os.path.getsize(bin_path)
-        self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
+        self._bin_path = bin_path
+        self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if size and mmap else np.zeros(0, np.uint8)
 
     def _check_data_size(self, idx_path: str, bin_path: str) -> None:
         """The ``.bin`` holds exactly the tokens the ``.idx`` describes (O(1): the last sequence's end)."""
@@ -186,16 +189,20 @@ class IndexedDataset:
             length = int(self.sequence_lengths[idx]) - offset
         itemsize = np.dtype(self.dtype).itemsize
         start = int(self.sequence_pointers[idx]) + offset * itemsize
+        if not self.mmap:  # --no-mmap-bin-files: one read per call, as Megatron's file reader
+            with open(self._bin_path, "rb", buffering=0) as f:
+                f.seek(start)
+                return np.frombuffer(f.read(length * itemsize), self.dtype, length)
         return np.frombuffer(self._bin, self.dtype, length, start)
 
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
 
-    def __getstate__(self) -> str:
-        return self.prefix
+    def __getstate__(self) -> tuple[str, bool]:
+        return self.prefix, self.mmap
 
-    def __setstate__(self, prefix: str) -> None:
-        self.__init__(prefix)
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.__init__(state[0], mmap=state[1])
 
     @staticmethod
     def exists(prefix: str | os.PathLike) -> bool:
