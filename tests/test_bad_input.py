@@ -372,13 +372,14 @@ def _scheduler_case(flags: str, message: str) -> Case:
 
         from core.optimizer.lr_scheduler import OptimizerParamScheduler
         from training.arguments import parse_args
-        from training.training import _build_scheduler, _check_scheduler
+        from training.lr_schedule import build_scheduler
+        from training.training import _check_scheduler
 
         def schedule(argv: str):
             args = parse_args(argv.split())
             args.global_batch_size, args.load = 8, "ck"
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-            return args, _build_scheduler(optimizer, args)
+            return args, build_scheduler(optimizer, args)
 
         _, saved = schedule("--train-iters 4 --lr 1e-3 --lr-warmup-iters 0 --lr-decay-style linear")
         args, scheduler = schedule(flags)
@@ -555,3 +556,46 @@ def test_resuming_with_new_scheduler_flags_needs_an_override(data, tmp_path):
     # iterations 5..8 of a linear decay from 0.01 over 8 iterations; the checkpoint's ended at 4: lr 0
     assert rates["--override-opt_param-scheduler"] == pytest.approx([0.00375, 0.0025, 0.00125, 0.0])
     assert rates["--use-checkpoint-opt_param-scheduler"] == [0.0, 0.0, 0.0, 0.0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Wrong tensor sizes between pipeline stages (fixed shapes): refused by the sender, before gloo sees it
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sent, dtype, expected",
+    [
+        ((16, 2, 64), "float32", "shape (16, 2, 64) and dtype float32"),  # shorter than the schedule's
+        ((64, 2, 64), "float32", "shape (64, 2, 64) and dtype float32"),  # longer
+        ((32, 2, 64), "bfloat16", "shape (32, 2, 64) and dtype bfloat16"),  # another dtype
+    ],
+)
+def test_a_stage_sending_another_shape_than_the_schedule_expects_is_named(sent, dtype, expected):
+    import torch
+
+    from core.pipeline_parallel.hooks import ScheduleSettings
+    from core.pipeline_parallel.mailbox import Mailbox, PipelineShapeError
+    from core.pipeline_parallel.placement import placement_for
+    from core.pipeline_parallel.schedule_tables import Action, ActionKind
+
+    settings = ScheduleSettings(hidden_size=64, pipeline_dtype=torch.float32)
+    mailbox = Mailbox(
+        pp_rank=0,
+        placement=placement_for("1f1b", 2),
+        links=None,  # the check comes before anything is posted
+        shape=settings.tensor_shape(32, 2),
+        dtype=torch.float32,
+        variable_shapes=False,
+        record=None,
+        shape_origin=settings.describe_tensor_shape(32, 2),
+    )
+    mailbox.output_of(Action(ActionKind.F, 3), torch.zeros(sent, dtype=getattr(torch, dtype)))
+    message = (
+        f"pipeline stage 0 sends the activation of microbatch 3 to stage 1 with {expected}, but the "
+        "schedule expects shape (32, 2, 64) and dtype float32 ([seq_length 32, micro_batch_size 2, "
+        "hidden_size 64]): give the seq_length and micro_batch_size the model really uses (or "
+        "variable_seq_lengths=True)"
+    )
+    with pytest.raises(PipelineShapeError, match=f"^{re.escape(message)}$"):
+        mailbox.send(Action(ActionKind.SEND_F, 3))

@@ -348,10 +348,10 @@ def _pretrain(rank, world_size, argv):
             pretrain_gpt.train_valid_test_datasets_provider,
             pretrain_gpt.model_provider,
             pretrain_gpt.forward_step,
-            argv=argv,
+            argv=[*argv, "--num-workers", "0"],  # a daemonic pool worker cannot start DataLoader workers
             tokenizer_provider=pretrain_gpt.tokenizer_provider,
         )
-    return state.losses, out.getvalue()
+    return [losses["lm loss"] for losses in state.losses], out.getvalue()
 
 
 def _losses(pool, *argv: str) -> tuple[list[float], str]:

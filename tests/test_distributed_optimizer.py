@@ -52,7 +52,7 @@ def run_pretrain(rank, world_size, flags):
         pretrain_gpt.train_valid_test_datasets_provider,
         pretrain_gpt.model_provider,
         pretrain_gpt.forward_step,
-        argv=flags,
+        argv=[*flags, "--num-workers", "0"],  # a daemonic pool worker cannot start DataLoader workers
         tokenizer_provider=pretrain_gpt.tokenizer_provider,
     )
     return [losses["lm loss"] for losses in state.losses], state.skipped_iterations, state.nan_iterations

@@ -32,6 +32,7 @@ from core.distributed import DistributedDataParallel, DistributedDataParallelCon
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.pipeline_parallel.hooks import ScheduleHooks
 from core.pipeline_parallel.losses import reduce_loss_logs
+from core.pipeline_parallel.mailbox import PipelineShapeError
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from training import checkpointing, faults
@@ -383,16 +384,21 @@ def _run_global_batch(
     """One global batch through the pipeline schedule; returns the reported losses (``loss_func``'s log
     dict, each key reduced over microbatches and data-parallel ranks) on the loss stage, else None."""
     iterators = _iterators(chunks, dataset, consumed_samples, args)
-    logs = forward_backward(
-        forward_step_func=forward_step_func,
-        data_iterator=_one_or_list(iterators),
-        model=_one_or_list(chunks),
-        num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=forward_only,
-        record=record,
-    )
+    try:
+        logs = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=_one_or_list(iterators),
+            model=_one_or_list(chunks),
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=forward_only,
+            record=record,
+        )
+    except PipelineShapeError as err:  # the model's stages disagree with --seq-length/--micro-batch-size
+        raise ConfigError(
+            f"{err} (--seq-length {args.seq_length}, --micro-batch-size {args.micro_batch_size})"
+        ) from None
     return reduce_loss_logs(logs, ps.get_data_parallel_group()) or None
 
 
@@ -615,6 +621,10 @@ _SCHEDULER_FLAGS = {
     "lr_warmup_steps": ("warm-up iterations (--lr-warmup-iters or --lr-warmup-fraction)", True),
     "lr_decay_steps": ("decay iterations (--lr-decay-iters, else --train-iters)", True),
     "lr_decay_style": ("--lr-decay-style", False),
+    "start_wd": ("--start-weight-decay (else --weight-decay)", False),
+    "end_wd": ("--end-weight-decay (else --weight-decay)", False),
+    "wd_incr_steps": ("weight-decay ramp iterations (--train-iters)", True),
+    "wd_incr_style": ("--weight-decay-incr-style", False),
 }
 
 

@@ -178,11 +178,19 @@ class OptimizerParamScheduler:
         return {"num_steps": self.num_steps, **{name: getattr(self, name) for name in self._SAVED}}
 
     def mismatches(self, state_dict: dict) -> list[tuple[str, Any, Any]]:
-        """``(setting, this scheduler's value, the checkpoint's)`` for every saved setting that differs."""
+        """``(setting, this scheduler's value, the checkpoint's)`` for every saved setting that differs.
+
+        The weight-decay ramp's length counts only when there is a ramp (a style other than constant).
+        """
+        constant_wd = (
+            self.wd_incr_style == "constant" and state_dict.get("wd_incr_style", "constant") == "constant"
+        )
         return [
             (name, getattr(self, name), state_dict[name])
             for name in self._SAVED
-            if name in state_dict and getattr(self, name) != state_dict[name]
+            if name in state_dict
+            and getattr(self, name) != state_dict[name]
+            and not (name == "wd_incr_steps" and constant_wd)
         ]
 
     def load_state_dict(self, state_dict: dict) -> None:

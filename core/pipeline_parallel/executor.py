@@ -63,6 +63,8 @@ class StepContext:
     placement: Placement
     links: PipelineLinks | None = None
     record: ScheduleRecord | None = None
+    shape_origin: str = ""
+    """How ``tensor_shape`` was derived (``seq_length``, ``micro_batch_size``, ...), for errors."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -81,6 +83,7 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         dtype=ctx.settings.pipeline_dtype,
         variable_shapes=ctx.settings.variable_seq_lengths,
         record=ctx.record,
+        shape_origin=ctx.shape_origin,
     )
     losses, sync, count = Losses(ctx), GradSync(ctx.hooks, ctx.chunks, table), InFlight()
     handlers: dict[ActionKind, Callable[[int, Action], None]] = {

@@ -122,3 +122,12 @@ class ScheduleSettings:
         if self.sequence_parallel:
             seq //= self.tensor_parallel_size
         return seq, micro_batch_size, self.hidden_size
+
+    def describe_tensor_shape(self, seq_length: int, micro_batch_size: int) -> str:
+        """Where :meth:`tensor_shape` comes from, for error messages."""
+        seq = f"seq_length {seq_length}"
+        if self.context_parallel_size > 1:
+            seq += f" / context_parallel_size {self.context_parallel_size}"
+        if self.sequence_parallel:
+            seq += f" / tensor_model_parallel_size {self.tensor_parallel_size} (sequence parallelism)"
+        return f"[{seq}, micro_batch_size {micro_batch_size}, hidden_size {self.hidden_size}]"

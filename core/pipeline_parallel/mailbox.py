@@ -27,6 +27,10 @@ from core.pipeline_parallel.record import Event, ScheduleRecord
 from core.pipeline_parallel.schedule_tables import Action
 
 
+class PipelineShapeError(ValueError):
+    """A stage sent a tensor whose shape or dtype is not the one the schedule was given."""
+
+
 class Mailbox:
     """This rank's messages: outputs waiting for their SEND, posted receives, local hand-overs."""
 
@@ -40,9 +44,11 @@ class Mailbox:
         dtype: torch.dtype,
         variable_shapes: bool,
         record: ScheduleRecord | None,
+        shape_origin: str = "",
     ):
         self.pp_rank, self.placement, self.links, self.record = pp_rank, placement, links, record
         self.shape, self.dtype, self.variable = shape, dtype, variable_shapes
+        self.shape_origin = shape_origin
         self.device = current_device()
         self.outbox: dict[Message, torch.Tensor] = {}
         self.inbox: dict[Message, tuple[torch.Tensor, dist.Work | None]] = {}
@@ -79,6 +85,8 @@ class Mailbox:
     def send(self, action: Action) -> None:
         message = output_message(action, self.pp_rank, self.placement)
         tensor = self.outbox.pop(message)
+        if not self.variable and (tensor.shape != self.shape or tensor.dtype != self.dtype):
+            raise PipelineShapeError(self._mismatch(message, tensor))
         peer = self.placement.rank(message.dst_stage)
         if message.kind == ACTIVATION and self.variable:  # its shape goes first
             self.sent_shapes[(message.microbatch, message.src_stage)] = tuple(tensor.shape)
@@ -111,6 +119,19 @@ class Mailbox:
         for work in self.sends:
             work.wait()
         self.sends.clear()
+
+    def _mismatch(self, message: Message, tensor: torch.Tensor) -> str:
+        """Fixed shapes: both sides size their buffers from the schedule's arguments, and gloo would
+        accept a short message into a larger buffer (garbage) or abort on a longer one, so say it here."""
+        what = "activation" if message.kind == ACTIVATION else "gradient"
+        origin = f" ({self.shape_origin})" if self.shape_origin else ""
+        return (
+            f"pipeline stage {message.src_stage} sends the {what} of microbatch {message.microbatch} to "
+            f"stage {message.dst_stage} with shape {tuple(tensor.shape)} and dtype "
+            f"{str(tensor.dtype).removeprefix('torch.')}, but the schedule expects shape {tuple(self.shape)} "
+            f"and dtype {str(self.dtype).removeprefix('torch.')}{origin}: give the seq_length and "
+            "micro_batch_size the model really uses (or variable_seq_lengths=True)"
+        )
 
     def _wait(self, work: dist.Work, key: tuple) -> None:
         if self.record is None:

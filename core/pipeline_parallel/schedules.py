@@ -193,6 +193,7 @@ def _run(
         settings=settings,
         hooks=schedule_hooks if schedule_hooks is not None else _hooks_of(chunks),
         tensor_shape=settings.tensor_shape(seq_length, micro_batch_size),
+        shape_origin=settings.describe_tensor_shape(seq_length, micro_batch_size),
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
         pp_rank=pp_rank,
