@@ -2,6 +2,12 @@
 
 Tiny Hugging Face configs are built in code (nothing is downloaded); the weights of a seeded
 GPTModel are copied in through ``models.gpt.hf_mapping.to_hf`` and the logits compared in fp32.
+Each model flag an imported model needs is shown to change the computation. ``tools/convert_checkpoint.py
+--to-hf`` is checked end to end: ``AutoModelForCausalLM`` on the exported folder gives the logits of
+the same checkpoint run at TP2 x PP2 on four real ranks, and ``AutoTokenizer`` the ids of our tokenizer.
+``--from-hf`` then ``--to-hf`` gives the Hugging Face files back bit for bit, bad folders get one
+error naming the file or field, and ``pretrain_gpt.py --load OUT --finetune --use-checkpoint-args``
+trains an imported model with no model flag.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 64, 16
 TOL = 1e-5
+ROPE_OFFSET = 3000
+"""RoPE cases also run at positions ROPE_OFFSET.. , where Llama-3.1's scaling of the slow frequencies shows."""
 
 
 def _perturb_norms_and_biases(model: GPTModel) -> None:
@@ -51,6 +59,22 @@ CASES = {
             init_method_std=0.2,
             kv_channels=16,
             untie_embeddings_and_output_weights=False,
+        ),
+        "LlamaForCausalLM",
+        "LlamaConfig",
+    ),
+    "llama3-rope-scaling": (
+        lambda: llama_config(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_query_groups=1,
+            ffn_hidden_size=48,
+            init_method_std=0.2,
+            rotary_base=500000.0,
+            rope_scaling=True,
+            rope_scaling_factor=8.0,
+            layernorm_epsilon=1e-6,
         ),
         "LlamaForCausalLM",
         "LlamaConfig",
@@ -91,6 +115,8 @@ def test_logits_match_hugging_face(case):
         expected = theirs(tokens).logits
         logits = ours(tokens)[..., :VOCAB]
         positions = torch.arange(SEQ).flip(0).expand(2, SEQ).contiguous()  # explicit position ids too
+        if config.position_embedding_type == "rope":
+            positions = positions + ROPE_OFFSET
         expected_pos = theirs(tokens, position_ids=positions).logits
         logits_pos = ours(tokens, position_ids=positions)[..., :VOCAB]
     for a, b in ((logits, expected), (logits_pos, expected_pos)):
@@ -108,3 +134,80 @@ def test_from_hf_inverts_to_hf(case):
     assert back.keys() == state.keys()
     for name, value in state.items():
         assert torch.equal(back[name], value), name
+
+
+# --------------------------------------------------------------------------------------------------
+# Each model flag changes what the model computes
+# --------------------------------------------------------------------------------------------------
+
+ROPE_MODEL = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --swiglu --normalization RMSNorm "
+    "--position-embedding-type rope --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
+    "--init-method-std 0.2"
+)
+RUN = ("--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3")
+GPT_MODEL = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --init-method-std 0.2"
+
+
+def _model_from_flags(argv: str) -> GPTModel:
+    from core.transformer.transformer_config import TransformerConfig
+    from training.argument_checks import validate_args
+    from training.arguments import parse_args, transformer_config_from_args
+
+    args = validate_args(parse_args([*argv.split(), *RUN]), 1)
+    return GPTModel(TransformerConfig(**transformer_config_from_args(args)), VOCAB, SEQ).eval()
+
+
+def _logits_with(argv: str, state: dict) -> torch.Tensor:
+    model = _model_from_flags(argv)
+    model.load_state_dict(state)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = (torch.arange(SEQ) + ROPE_OFFSET).expand(2, SEQ)
+    with torch.no_grad():
+        return model(tokens, position_ids=positions if "rope" in argv else None)[..., :VOCAB]
+
+
+@pytest.mark.parametrize(
+    "base, flags",
+    [
+        (ROPE_MODEL, "--rotary-base 500000"),
+        (ROPE_MODEL, "--rotary-percent 0.5"),
+        (ROPE_MODEL, "--use-rope-scaling"),
+        (ROPE_MODEL + " --use-rope-scaling", "--rope-scaling-factor 32"),
+        (ROPE_MODEL, "--norm-epsilon 0.5"),
+        (ROPE_MODEL, "--apply-layernorm-1p"),
+        (GPT_MODEL, "--openai-gelu"),
+        (GPT_MODEL, "--norm-epsilon 0.5"),
+    ],
+)
+def test_each_model_flag_changes_the_logits(base, flags):
+    reference = _model_from_flags(base)
+    _perturb_norms_and_biases(reference)
+    state = reference.state_dict()
+    before, after = _logits_with(base, state), _logits_with(f"{base} {flags}", state)
+    assert ((after - before).norm() / before.norm()).item() > 1e-4
+
+
+def test_no_position_embedding_is_megatrons_spelling_of_what_rope_already_does():
+    """Megatron accepts --no-position-embedding only with RoPE, whose model has no position table anyway."""
+    reference = _model_from_flags(ROPE_MODEL)
+    state = reference.state_dict()
+    assert torch.equal(
+        _logits_with(ROPE_MODEL, state), _logits_with(f"{ROPE_MODEL} --no-position-embedding", state)
+    )
+    assert reference.embedding.position_embeddings is None
+
+
+def test_layernorm_1p_stores_gamma_minus_one():
+    """--apply-layernorm-1p with weights w - 1 computes what the plain norm computes with w; both start at gamma 1."""
+    for base in (ROPE_MODEL, GPT_MODEL):
+        plain = _model_from_flags(base)
+        _perturb_norms_and_biases(plain)
+        state = plain.state_dict()
+        shifted = {k: v - 1 if "layernorm.weight" in k else v for k, v in state.items()}
+        a, b = _logits_with(base, state), _logits_with(f"{base} --apply-layernorm-1p", shifted)
+        assert ((a - b).norm() / a.norm()).item() < 1e-6
+        fresh = _model_from_flags(f"{base} --apply-layernorm-1p")
+        assert all(
+            torch.count_nonzero(p) == 0 for n, p in fresh.named_parameters() if "layernorm.weight" in n
+        )
