@@ -17,6 +17,7 @@ import torch
 
 from models.gpt import GPTModel, gpt2_config, llama_config
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs, to_hf
+from tests.pipeline_logits import checkpoint_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,8 +68,9 @@ CASES = {
         lambda: llama_config(
             num_layers=2,
             hidden_size=32,
-            num_attention_heads=2,
-            num_query_groups=1,
+            num_attention_heads=4,
+            num_query_groups=2,
+            kv_channels=16,
             ffn_hidden_size=48,
             init_method_std=0.2,
             rotary_base=500000.0,
@@ -211,3 +213,110 @@ def test_layernorm_1p_stores_gamma_minus_one():
         assert all(
             torch.count_nonzero(p) == 0 for n, p in fresh.named_parameters() if "layernorm.weight" in n
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# tools/convert_checkpoint.py --to-hf: logits of a TP2 x PP2 run, ids of our tokenizer
+# --------------------------------------------------------------------------------------------------
+
+EXPORTS = {
+    # case: (config, tokenizer type)
+    "llama-gqa": (CASES["llama-gqa"][0], "Llama2Tokenizer"),
+    "llama3-rope-scaling": (CASES["llama3-rope-scaling"][0], "GPTSentencePieceTokenizer"),
+    "gpt2": (CASES["gpt2"][0], "GPT2BPETokenizer"),
+}
+TEXTS = [
+    "Hello world, it's 2024!",
+    "  leading spaces\tand\ttabs\n\nnew lines   ",
+    "naïve café — ünïcödé ✓ 你好",
+    "numbers 1234567 and <s> special </s> strings <|endoftext|>",
+    " x",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """A SentencePiece BPE model (trained by tools/train_tokenizer.py) and GPT-2 BPE vocab/merges files."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from tests.test_data import make_docs, write_jsonl
+    from tools import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    docs = make_docs(200, seed=3) + TEXTS
+    jsonl = write_jsonl(root / "docs.jsonl", docs)
+    spm = train_tokenizer.main(["--input", jsonl, "--model-prefix", str(root / "spm"), "--vocab-size", "400"])
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(docs, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
+    bpe.save_model(str(root))
+    return {
+        "spm": {"tokenizer_model": str(spm)},
+        "bpe": {"vocab_file": str(root / "vocab.json"), "merge_file": str(root / "merges.txt")},
+        "docs": docs,
+    }
+
+
+def _write_trident_checkpoint(root, config, vocab: int, tokenizer_type: str, files: dict) -> None:
+    """A seeded GPTModel (norms and biases perturbed) written at TP2 x PP2 by the checkpoint writer."""
+    from training.checkpoint import Parallelism, gpt_tensor_specs, write_checkpoint
+
+    model = GPTModel(config, vocab, SEQ)
+    _perturb_norms_and_biases(model)
+    specs, tied = gpt_tensor_specs(config, vocab, SEQ)
+    state = model.state_dict()
+    tensors = ((n, state[n][: spec.shape[0]]) for n, spec in specs.items())
+    write_checkpoint(
+        str(root),
+        tensors,
+        specs=specs,
+        tied=tied,
+        parallelism=Parallelism(2, 2, 1, "Et|tL"),
+        config=config.to_dict(),
+        vocab_size=vocab,
+        max_sequence_length=SEQ,
+        tokenizer_type=tokenizer_type,
+        tokenizer_files=files,
+    )
+
+
+def test_export_gives_the_logits_of_a_tp2_pp2_run_and_our_tokenizers_ids(ranks, tmp_path, tokenizer_files):
+    from tools import convert_checkpoint
+    from training.checkpoint import open_checkpoint
+    from training.tokenizer import build_tokenizer
+
+    roots, vocabs = [], {}
+    for case, (make, tokenizer_type) in EXPORTS.items():
+        files = tokenizer_files["bpe" if tokenizer_type == "GPT2BPETokenizer" else "spm"]
+        ours = build_tokenizer(
+            tokenizer_type,
+            files.get("tokenizer_model"),
+            **{k: v for k, v in files.items() if k != "tokenizer_model"},
+        )
+        vocabs[case] = ours
+        config = make()
+        _write_trident_checkpoint(tmp_path / case, config, ours.vocab_size, tokenizer_type, files)
+        roots.append((str(tmp_path / case), config.position_embedding_type == "rope"))
+    tokens = torch.randint(0, 400, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = (torch.arange(SEQ) + ROPE_OFFSET).expand(2, SEQ)
+    results = ranks(4).run(checkpoint_logits, roots, tokens, positions, timeout=120)
+    last = next(r for r in results if r[0] is not None)  # the last stage's first TP rank
+    for (case, _), (root, rope), ours_logits in zip(EXPORTS.items(), roots, last):
+        out = tmp_path / f"{case}-hf"
+        assert convert_checkpoint.main(["--load", root, "--to-hf", str(out), "--quiet"]) == 0
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+        with torch.no_grad():
+            theirs = hf(tokens, position_ids=positions if rope else None).logits
+        diff = ((ours_logits - theirs).norm() / theirs.norm()).item()
+        print(f"{case}: TP2xPP2 vs AutoModelForCausalLM relative logits difference {diff:.2e}")
+        assert diff <= TOL
+        assert (
+            hf.config.rope_parameters["rope_theta"] == open_checkpoint(root).config.rotary_base
+            if rope
+            else True
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+        ours = vocabs[case]
+        for text in TEXTS + tokenizer_files["docs"][:50]:
+            assert tokenizer(text).input_ids == ours.tokenize(text), (case, text)
+        assert (hf.config.eos_token_id, tokenizer.eos_token_id) == (ours.eod, ours.eod)
