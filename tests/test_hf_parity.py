@@ -12,6 +12,10 @@ trains an imported model with no model flag.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+
 import pytest
 import torch
 
@@ -172,14 +176,17 @@ def _logits_with(argv: str, state: dict) -> torch.Tensor:
 @pytest.mark.parametrize(
     "base, flags",
     [
-        (ROPE_MODEL, "--rotary-base 500000"),
-        (ROPE_MODEL, "--rotary-percent 0.5"),
-        (ROPE_MODEL, "--use-rope-scaling"),
-        (ROPE_MODEL + " --use-rope-scaling", "--rope-scaling-factor 32"),
-        (ROPE_MODEL, "--norm-epsilon 0.5"),
-        (ROPE_MODEL, "--apply-layernorm-1p"),
-        (GPT_MODEL, "--openai-gelu"),
-        (GPT_MODEL, "--norm-epsilon 0.5"),
+        pytest.param(base, flags, id=f"{name} {flags}")
+        for name, base, flags in (
+            ("llama", ROPE_MODEL, "--rotary-base 500000"),
+            ("llama", ROPE_MODEL, "--rotary-percent 0.5"),
+            ("llama", ROPE_MODEL, "--use-rope-scaling"),
+            ("llama --use-rope-scaling", ROPE_MODEL + " --use-rope-scaling", "--rope-scaling-factor 32"),
+            ("llama", ROPE_MODEL, "--norm-epsilon 0.5"),
+            ("llama", ROPE_MODEL, "--apply-layernorm-1p"),
+            ("gpt", GPT_MODEL, "--openai-gelu"),
+            ("gpt", GPT_MODEL, "--norm-epsilon 0.5"),
+        )
     ],
 )
 def test_each_model_flag_changes_the_logits(base, flags):
@@ -320,3 +327,251 @@ def test_export_gives_the_logits_of_a_tp2_pp2_run_and_our_tokenizers_ids(ranks, 
         for text in TEXTS + tokenizer_files["docs"][:50]:
             assert tokenizer(text).input_ids == ours.tokenize(text), (case, text)
         assert (hf.config.eos_token_id, tokenizer.eos_token_id) == (ours.eod, ours.eod)
+
+
+# --------------------------------------------------------------------------------------------------
+# tools/convert_checkpoint.py --from-hf: back bit for bit, bad folders, training an imported model
+# --------------------------------------------------------------------------------------------------
+
+HF_VOCAB = 300
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+HF_MODELS = {
+    "llama-gqa-scaled": (
+        "LlamaConfig",
+        {
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0,
+            "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8192},
+            "tie_word_embeddings": False,
+        },
+    ),
+    "llama-tied": (
+        "LlamaConfig",
+        {
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gpt2": ("GPT2Config", {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}),
+}
+ARCHITECTURE_FIELDS = [
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "n_positions",
+    "layer_norm_epsilon",
+    "activation_function",
+    "bos_token_id",
+    "eos_token_id",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory, tokenizer_files):
+    """Tiny Hugging Face models with random weights (norms and biases too), saved with a BPE tokenizer;
+    the LLaMA with GQA is sharded with an index."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    root = tmp_path_factory.mktemp("hf")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(tokenizer_files["docs"], vocab_size=HF_VOCAB, special_tokens=["<|endoftext|>"])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>"
+    )
+    eos = tokenizer.eos_token_id
+    folders = {}
+    for case, (config_class, fields) in HF_MODELS.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_class)(
+            vocab_size=HF_VOCAB, bos_token_id=eos, eos_token_id=eos, **fields
+        )
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape) * 0.2)
+        folder = root / case
+        model.save_pretrained(str(folder), max_shard_size="40KB" if case == "llama-gqa-scaled" else "5GB")
+        tokenizer.save_pretrained(str(folder))
+        folders[case] = folder
+    assert (folders["llama-gqa-scaled"] / "model.safetensors.index.json").is_file()
+    return folders
+
+
+def _safetensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+def _convert(*argv) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from tools import convert_checkpoint
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = convert_checkpoint.main([*map(str, argv), "--quiet"])
+    return code, err.getvalue().strip()
+
+
+@pytest.mark.parametrize("case", list(HF_MODELS))
+def test_import_then_export_gives_the_hugging_face_files_back(tmp_path, hf_folders, case):
+    folder = hf_folders[case]
+    split = ("--target-tensor-parallel-size", 2, "--target-pipeline-model-parallel-size", 2)
+    assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt", *split) == (0, "")
+    shards = ("--max-shard-size", "40KB") if case == "llama-gqa-scaled" else ()
+    assert _convert("--load", tmp_path / "ckpt", "--to-hf", tmp_path / "out", *shards) == (0, "")
+    original, exported = _safetensors(folder), _safetensors(tmp_path / "out")
+    assert original.keys() == exported.keys()
+    assert all(
+        torch.equal(original[k], exported[k]) and original[k].dtype == exported[k].dtype for k in original
+    )
+    if shards:
+        index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+        assert sorted(index["weight_map"]) == sorted(original) and len(set(index["weight_map"].values())) > 1
+    theirs = transformers.AutoConfig.from_pretrained(str(folder)).to_dict()
+    ours = transformers.AutoConfig.from_pretrained(str(tmp_path / "out")).to_dict()
+    assert {k: ours.get(k) for k in ARCHITECTURE_FIELDS} == {k: theirs.get(k) for k in ARCHITECTURE_FIELDS}
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+
+BAD_CONFIGS = [
+    (
+        "llama-tied",
+        {"model_type": "mistral"},
+        "model_type 'mistral' is not supported: Trident imports 'llama' and 'gpt2' models",
+    ),
+    (
+        "llama-tied",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
+        "rope_parameters.rope_type 'yarn' is not supported: Trident has plain RoPE and Llama-3.1's scaling ('llama3')",
+    ),
+    (
+        "llama-gqa-scaled",
+        {"rope_parameters": {**LLAMA3, "original_max_position_embeddings": 4096, "rope_theta": 5e5}},
+        (
+            "rope_parameters.original_max_position_embeddings 4096 is not supported: Trident's --use-rope-scaling "
+            "has Llama-3.1's 8192 (only the factor may change)"
+        ),
+    ),
+    (
+        "llama-tied",
+        {"attention_bias": True},
+        (
+            "attention_bias True is not supported: Trident has biases on every linear layer or on none, and "
+            "mlp_bias is False"
+        ),
+    ),
+    (
+        "llama-tied",
+        {"hidden_act": "gelu"},
+        "hidden_act 'gelu' is not supported: LLaMA's gated MLP is SwiGLU ('silu')",
+    ),
+    (
+        "gpt2",
+        {"tie_word_embeddings": False},
+        "tie_word_embeddings False is not supported: Trident's GPT-2 ties the output layer to the word embedding",
+    ),
+]
+
+
+@pytest.mark.parametrize("case, change, message", BAD_CONFIGS)
+def test_an_unsupported_hugging_face_config_is_one_error_naming_the_field(
+    tmp_path, hf_folders, case, change, message
+):
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folders[case], folder)
+    config = json.loads((folder / "config.json").read_text()) | change
+    (folder / "config.json").write_text(json.dumps(config))
+    assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt") == (
+        1,
+        f"error: {folder}/config.json: {message}",
+    )
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_missing_or_truncated_shard_is_one_error_naming_the_file(tmp_path, hf_folders, damage):
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folders["llama-gqa-scaled"], folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / sorted(set(index["weight_map"].values()))[1]
+    size = shard.stat().st_size
+    if damage == "missing":
+        shard.unlink()
+        expected = f"{shard} is missing (listed in {folder}/model.safetensors.index.json)"
+    else:
+        os.truncate(shard, size - 100)
+        expected = f"{shard} is truncated or damaged: {size - 100} bytes, its header describes {size}"
+    assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt") == (1, f"error: {expected}")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_folders, capsys):
+    """--finetune --use-checkpoint-args: sizes, RoPE theta and scaling, GQA, norm epsilon and the tokenizer
+    all come from the imported checkpoint; at --lr 0 the weights it saves are the Hugging Face ones."""
+    import pretrain_gpt
+    from training.arguments import parse_args
+    from training.checkpoint import open_checkpoint
+    from training.training import pretrain
+
+    assert _convert("--from-hf", hf_folders["llama-gqa-scaled"], "--save", tmp_path / "imported")[0] == 0
+    argv = (
+        f"--load {tmp_path / 'imported'} --finetune --use-checkpoint-args --mock-data --micro-batch-size 2 "
+    )
+    argv += (
+        f"--train-iters 2 --lr 0 --eval-iters 0 --log-interval 1 --num-workers 0 --save {tmp_path / 'run'}"
+    )
+    args = parse_args(argv.split())
+    state = pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        pretrain_gpt.model_provider,
+        pretrain_gpt.forward_step,
+        tokenizer_provider=pretrain_gpt.tokenizer_provider,
+        args=args,
+    )
+    assert state.iteration == 2 and all(
+        torch.isfinite(torch.tensor(s["lm loss"])).all() for s in state.losses
+    )
+    assert (args.rotary_base, args.rope_scaling, args.rope_scaling_factor) == (500000.0, True, 32.0)
+    assert (args.num_layers, args.num_query_groups, args.layernorm_epsilon) == (2, 2, 1e-6)
+    assert (args.tokenizer_type, args.seq_length) == ("HuggingFaceTokenizer", 64)
+    imported, trained = open_checkpoint(str(tmp_path / "imported")), open_checkpoint(str(tmp_path / "run"))
+    assert trained.iteration == 2
+    assert all(torch.equal(t, trained.full_tensor(n)) for n, t in imported.iter_full_tensors())
+    assert re.search(r"iteration +2/ +2 \|", capsys.readouterr().out)

@@ -99,7 +99,7 @@ def hf_config_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_le
         "n_embd": config.hidden_size,
         "n_layer": config.num_layers,
         "n_head": config.num_attention_heads,
-        "n_inner": config.ffn_hidden_size,
+        "n_inner": None if config.ffn_hidden_size == 4 * config.hidden_size else config.ffn_hidden_size,
         "activation_function": "gelu_new" if config.activation_func is openai_gelu else "gelu",
         "layer_norm_epsilon": config.layernorm_epsilon,
         "resid_pdrop": config.hidden_dropout,

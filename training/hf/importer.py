@@ -93,9 +93,9 @@ class SafetensorsFolder(Mapping):
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing (listed in {index})")
             try:
+                _check_size(path)
                 handle = safe_open(path, framework="pt")
                 keys = list(handle.keys())
-                _check_size(path, handle, keys)
             except CheckpointError:
                 raise
             except Exception as err:  # noqa: BLE001 -- safetensors raises its own types for a bad header
@@ -124,8 +124,8 @@ class SafetensorsFolder(Mapping):
         return len(self._where)
 
 
-def _check_size(path: str, handle, keys: list[str]) -> None:
-    """A file cut short still opens (safetensors maps it lazily): compare its size with the header's."""
+def _check_size(path: str) -> None:
+    """A file cut short or extended: compare its size with the one its header describes."""
     with open(path, "rb") as fh:
         header_size = int.from_bytes(fh.read(8), "little")
         header = json.loads(fh.read(header_size))
