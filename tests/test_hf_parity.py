@@ -100,9 +100,39 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+ONE_PLUS = {  # --apply-layernorm-1p: exported as gamma = 1 + weight
+    "llama-gqa-layernorm-1p": (
+        lambda: llama_config(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=48,
+            init_method_std=0.2,
+            layernorm_zero_centered_gamma=True,
+        ),
+        "LlamaForCausalLM",
+        "LlamaConfig",
+    ),
+    "gpt2-layernorm-1p": (
+        lambda: gpt2_config(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            init_method_std=0.2,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            layernorm_zero_centered_gamma=True,
+        ),
+        "GPT2LMHeadModel",
+        "GPT2Config",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(ONE_PLUS))
 def test_logits_match_hugging_face(case):
-    make, model_class, config_class = CASES[case]
+    make, model_class, config_class = {**CASES, **ONE_PLUS}[case]
     config = make()
     ours = GPTModel(config, VOCAB, SEQ).eval()
     _perturb_norms_and_biases(ours)
