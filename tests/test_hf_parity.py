@@ -605,3 +605,37 @@ def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_fold
     assert trained.iteration == 2
     assert all(torch.equal(t, trained.full_tensor(n)) for n, t in imported.iter_full_tensors())
     assert re.search(r"iteration +2/ +2 \|", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--load", "A", "--to-hf", "B", "--save", "C"],
+            "--to-hf OUT exports the checkpoint --load DIR [--iteration N]; it takes no --save or --target-* flag",
+        ),
+        (
+            ["--from-hf", "A", "--load", "B", "--save", "C"],
+            "--from-hf DIR imports into --save OUT; it takes no --load or --iteration",
+        ),
+        (
+            ["--to-hf", "A", "--from-hf", "B"],
+            "--to-hf and --from-hf exclude each other: convert one way per run",
+        ),
+        (
+            ["--load", "A", "--save", "B"],
+            (
+                "resharding needs --target-tensor-parallel-size, --target-pipeline-model-parallel-size (or --to-hf "
+                "OUT / --from-hf DIR for Hugging Face)"
+            ),
+        ),
+        (
+            ["--load", "A", "--to-hf", "B", "--max-shard-size", "5 parsecs"],
+            "--max-shard-size '5 parsecs' is not a size such as 5GB, 500MB or 1000000",
+        ),
+    ],
+)
+def test_convert_checkpoint_says_which_flags_each_direction_takes(tmp_path, argv, message):
+    _write_trident_checkpoint(tmp_path / "A", CASES["gpt2"][0](), VOCAB, "NullTokenizer", {})
+    assert _convert(*(tmp_path / a if a in ("A", "B", "C") else a for a in argv)) == (1, f"error: {message}")
+    assert not (tmp_path / "B").exists() and not (tmp_path / "C").exists()

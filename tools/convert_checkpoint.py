@@ -27,8 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.checkpoint import CheckpointError, convert_checkpoint, open_checkpoint, target_split
-
-DEFAULT_MAX_SHARD_SIZE = "5GB"
+from training.hf.exporter import DEFAULT_MAX_SHARD_SIZE
 
 
 def build_parser() -> argparse.ArgumentParser:
