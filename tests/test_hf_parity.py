@@ -567,7 +567,10 @@ def test_a_missing_or_truncated_shard_is_one_error_naming_the_file(tmp_path, hf_
         expected = f"{shard} is missing (listed in {folder}/model.safetensors.index.json)"
     else:
         os.truncate(shard, size - 100)
-        expected = f"{shard} is truncated or damaged: {size - 100} bytes, its header describes {size}"
+        expected = (
+            f"checkpoint file {shard} is truncated or corrupt: its header describes {size} bytes but the file "
+            f"has {size - 100}"
+        )
     assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt") == (1, f"error: {expected}")
     assert not (tmp_path / "ckpt").exists()
 

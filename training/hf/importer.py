@@ -25,6 +25,7 @@ import torch
 
 from models.gpt.hf_mapping import hf_architecture, iter_from_hf
 from training.checkpoint.convert import parallelism_of
+from training.checkpoint.files import read_header, read_piece
 from training.checkpoint.format import MANIFEST, CheckpointError, iteration_dir
 from training.checkpoint.specs import gpt_tensor_specs
 from training.checkpoint.writer import write_checkpoint
@@ -62,12 +63,11 @@ class SafetensorsFolder(Mapping):
 
     Names are normalised to the ``transformers`` module names (old GPT-2 files lack the
     ``transformer.`` prefix). Opening checks that every shard exists and that its header and
-    size agree, so a damaged folder fails before a byte is written.
+    size agree, so a damaged folder fails before a byte is written. Tensors are read with plain
+    file reads, not memory maps, so pages already converted do not stay in the process.
     """
 
     def __init__(self, folder: str) -> None:
-        from safetensors import safe_open
-
         self.folder = folder
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
@@ -86,33 +86,25 @@ class SafetensorsFolder(Mapping):
             )
         self.read: set[str] = set()
         """Names looked up so far (the importer checks that none was left out)."""
-        self._handles: dict[str, Any] = {}
+        self._headers: dict[str, dict[str, Any]] = {}
         self._where: dict[str, tuple[str, str]] = {}
         for file in files:
             path = os.path.join(folder, file)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing (listed in {index})")
-            try:
-                _check_size(path)
-                handle = safe_open(path, framework="pt")
-                keys = list(handle.keys())
-            except CheckpointError:
-                raise
-            except Exception as err:  # noqa: BLE001 -- safetensors raises its own types for a bad header
-                raise CheckpointError(f"{path} is not a complete safetensors file: {err}") from None
-            self._handles[file] = handle
-            for key in keys:
-                if key.endswith(SKIPPED_SUFFIXES):
+            self._headers[path] = read_header(path)  # checks the size against the header
+            for key in self._headers[path]:
+                if key == "__metadata__" or key.endswith(SKIPPED_SUFFIXES):
                     continue
                 name = key if key.startswith(("model.", "transformer.", "lm_head.")) else "transformer." + key
-                self._where[name] = (file, key)
+                self._where[name] = (path, key)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise CheckpointError(f"the Hugging Face weights in {self.folder} have no tensor '{name}'")
-        file, key = self._where[name]
+        path, key = self._where[name]
         self.read.add(name)
-        return self._handles[file].get_tensor(key)
+        return read_piece(path, self._headers[path], key)
 
     def __contains__(self, name: object) -> bool:
         return name in self._where
@@ -122,20 +114,6 @@ class SafetensorsFolder(Mapping):
 
     def __len__(self) -> int:
         return len(self._where)
-
-
-def _check_size(path: str) -> None:
-    """A file cut short or extended: compare its size with the one its header describes."""
-    with open(path, "rb") as fh:
-        header_size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(header_size))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    expected = 8 + header_size + end
-    actual = os.path.getsize(path)
-    if actual != expected:
-        raise CheckpointError(
-            f"{path} is truncated or damaged: {actual} bytes, its header describes {expected}"
-        )
 
 
 def import_from_hf(
