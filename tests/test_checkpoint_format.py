@@ -417,8 +417,11 @@ def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):
         check_checkpoint_args(validate_args(args, 1))
     assert str(err.value) == (
         f"--load {tmp_path}/iter_0000000 holds another model: --num-layers 6 but the checkpoint has 4; "
+        "--openai-gelu False (default) but the checkpoint has True; "  # the GPT-2 preset's tanh GELU
         "pass the checkpoint's values, or --use-checkpoint-args to take every model flag from it"
     )
+    model = f"--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length {SEQ} --openai-gelu"
+    check_checkpoint_args(validate_args(parse_args(base + model.split()), 1))
 
 
 def test_ckpt_format_accepts_megatrons_names_only():

@@ -178,6 +178,15 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
         f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
         f"by --tensor-model-parallel-size ({tp})",
     )
+    _require(
+        not (args.swiglu and args.openai_gelu),
+        "--openai-gelu and --swiglu exclude each other: SwiGLU's gate uses SiLU, not GELU",
+    )
+    _require(
+        args.add_position_embedding or args.position_embedding_type != "learned_absolute",
+        "--no-position-embedding needs --position-embedding-type rope (as in Megatron, where it is "
+        "deprecated); for a model with no position information at all use --position-embedding-type none",
+    )
     if args.position_embedding_type == "learned_absolute":
         _require(
             args.seq_length <= args.max_position_embeddings,

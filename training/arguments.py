@@ -312,21 +312,23 @@ def config_from_args(config_class: type, args: argparse.Namespace, **overrides: 
 
 def transformer_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for ``TransformerConfig`` from validated args: its fields by name, plus the
-    three that Megatron flags set indirectly (``--swiglu``, ``--group-query-attention``).
+    ones that Megatron flags set indirectly (``--swiglu``, ``--openai-gelu``, ``--group-query-attention``,
+    ``--apply-layernorm-1p``).
 
     Sequence length and position count are ``GPTModel`` arguments, not config fields: pass
     ``args.max_position_embeddings`` as its ``max_sequence_length``.
     """
     import torch.nn.functional as F
 
-    from core.transformer.transformer_config import TransformerConfig
+    from core.transformer.transformer_config import TransformerConfig, openai_gelu
 
     if not hasattr(args, "data_parallel_size"):
         raise ValueError("call validate_args(args, world_size) first")
     config = config_kwargs(TransformerConfig, args)
     config["num_query_groups"] = args.num_query_groups if args.group_query_attention else None
     config["gated_linear_unit"] = args.swiglu
-    config["activation_func"] = F.silu if args.swiglu else F.gelu
+    config["activation_func"] = F.silu if args.swiglu else openai_gelu if args.openai_gelu else F.gelu
+    config["layernorm_zero_centered_gamma"] = args.apply_layernorm_1p
     return config
 
 

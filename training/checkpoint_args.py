@@ -50,6 +50,9 @@ def checkpoint_model_args(manifest: dict[str, Any], args: argparse.Namespace) ->
         "rotary_base": config["rotary_base"],
         "rotary_percent": config["rotary_percent"],
         "layernorm_epsilon": config["layernorm_epsilon"],
+        "apply_layernorm_1p": config.get("layernorm_zero_centered_gamma", False),
+        "rope_scaling": config.get("rope_scaling", False),
+        "rope_scaling_factor": config.get("rope_scaling_factor", 8.0),
         "max_position_embeddings": manifest["model"]["max_sequence_length"],
     }
     if groups != heads:

@@ -41,6 +41,18 @@ class ModelArgs:
     """Grouped-query attention: --num-query-groups key/value heads shared by the query heads."""
     swiglu: bool = False
     """SwiGLU MLP: a gated linear unit with SiLU (FFN size int(8*hidden/3/64)*64 by default)."""
+    openai_gelu: bool = False
+    """GELU with the tanh approximation GPT-2 was trained with (Hugging Face's gelu_new), instead
+    of the exact erf GELU."""
+    apply_layernorm_1p: bool = False
+    """Norm weights hold gamma - 1, start at zero and scale by 1 + weight (a zero-centred gamma)."""
+    add_position_embedding: bool = flag(
+        True,
+        name="--no-position-embedding",
+        help="No learned position embedding (as Megatron: only with --position-embedding-type rope or none, "
+        "which have none anyway).",
+    )
+    """Add a learned absolute position embedding to the word embedding (with learned_absolute)."""
     attention_backend: AttentionBackend = "auto"
     """Megatron's attention kernel choice (flash, fused, unfused, local, auto)."""
 

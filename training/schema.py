@@ -318,7 +318,6 @@ _RAMP = (
     "a global batch size that changes during the run is out of scope (the microbatch count and the "
     "pipeline schedule are fixed per run); give a fixed --global-batch-size"
 )
-_MODEL = "this model option is being built"
 _ONE_FORMAT = (
     "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
     "--ckpt-format torch and torch_dist both mean it"
@@ -373,19 +372,6 @@ COVERAGE: dict[str, Coverage] = {
     "--tiktoken-pattern": no_effect("only a TikTokenizer reads it, and Trident has none"),
     "--data-impl": no_effect("indexed datasets are always memory-mapped (Megatron-LM has dropped the flag)"),
     "--ckpt-format": no_effect("torch and torch_dist both mean Trident's one checkpoint format"),
-    # (c) not supported yet: each is being built; when it lands, its entry becomes works()
-    **dict.fromkeys(
-        (
-            "--rotary-base",
-            "--rotary-percent",
-            "--norm-epsilon",
-            "--openai-gelu",
-            "--apply-layernorm-1p",
-            "--use-rope-scaling",
-            "--no-position-embedding",
-        ),
-        not_yet(_MODEL),
-    ),
     # (c) not supported: out of scope
     "--tokenizer-type TikTokenizer": unsupported(_TIKTOKEN),
     "--num-experts": unsupported(_MOE),

@@ -4,6 +4,9 @@ The norms are replicated on every TP rank. Under sequence parallelism each rank 
 its slice of the sequence, so its weight gradient is a partial sum: the parameters are marked
 ``sequence_parallel`` for ``finalize_model_grads`` to all-reduce them over the TP group. Both
 norms compute in fp32 and cast back (as Hugging Face's LLaMA does), so bf16 runs stay stable.
+
+With ``layernorm_zero_centered_gamma`` (Megatron's ``--apply-layernorm-1p``) the weight holds
+gamma - 1: it starts at zero and the norm scales by ``1 + weight``.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, config: TransformerConfig) -> None:
         super().__init__()
         self.eps = config.layernorm_epsilon
-        self.weight = _norm_param(hidden_size, config, 1.0)
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.weight = _norm_param(hidden_size, config, 0.0 if self.zero_centered_gamma else 1.0)
         self.bias = _norm_param(hidden_size, config, 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        gamma = self.weight.float() + 1 if self.zero_centered_gamma else self.weight.float()
+        out = F.layer_norm(x.float(), x.shape[-1:], gamma, self.bias.float(), self.eps)
         return out.to(x.dtype)
 
 
@@ -44,12 +49,14 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, config: TransformerConfig) -> None:
         super().__init__()
         self.eps = config.layernorm_epsilon
-        self.weight = _norm_param(hidden_size, config, 1.0)
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.weight = _norm_param(hidden_size, config, 0.0 if self.zero_centered_gamma else 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        gamma = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return gamma * normed.to(x.dtype)
 
 
 def build_norm(hidden_size: int, config: TransformerConfig) -> nn.Module:

@@ -5,23 +5,60 @@ neighbour, as in the original RoPE paper and Megatron's ``rotary_interleaved``);
 layout of every Hugging Face LLaMA checkpoint, so weights convert without permuting rows. With
 ``rotary_percent < 1`` only the first ``rotary_dim`` channels of a head rotate (GPT-NeoX style).
 The angles are computed in fp32 and cast to the activations' dtype at the end.
+
+Llama-3.1 RoPE scaling (``--use-rope-scaling``) stretches the context by slowing the slow
+frequencies only: a frequency whose wavelength exceeds ``original_positions / low_freq_factor``
+is divided by ``factor``, one shorter than ``original_positions / high_freq_factor`` is kept, and
+those between are blended linearly in ``original_positions / wavelength``. The constants are
+Meta's, Megatron's and Hugging Face's ``rope_type: llama3`` defaults.
 """
 
 from __future__ import annotations
+
+import math
 
 import einops
 import torch
 from torch import nn
 
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
+
+
+def llama3_scaled_frequencies(
+    inv_freq: torch.Tensor,
+    factor: float,
+    *,
+    low_freq_factor: float = LLAMA3_LOW_FREQ_FACTOR,
+    high_freq_factor: float = LLAMA3_HIGH_FREQ_FACTOR,
+    original_max_positions: int = LLAMA3_ORIGINAL_MAX_POSITIONS,
+) -> torch.Tensor:
+    """Llama-3.1's rescaled inverse frequencies (the same arithmetic as Megatron's and HF's)."""
+    low_freq_wavelen = original_max_positions / low_freq_factor
+    high_freq_wavelen = original_max_positions / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
 
 class RotaryEmbedding(nn.Module):
-    """Produces the ``(cos, sin)`` tables for given positions; holds no trainable parameters."""
+    """Produces the ``(cos, sin)`` tables for given positions; holds no trainable parameters.
 
-    def __init__(self, rotary_dim: int, base: float) -> None:
+    ``scaling_factor``: Llama-3.1 RoPE scaling by this factor (None: plain RoPE).
+    """
+
+    def __init__(self, rotary_dim: int, base: float, scaling_factor: float | None = None) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (base**exponents), persistent=False)
+        inv_freq = 1.0 / (base**exponents)
+        if scaling_factor is not None:
+            inv_freq = llama3_scaled_frequencies(inv_freq, scaling_factor)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @torch.no_grad()
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

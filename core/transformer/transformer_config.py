@@ -81,6 +81,11 @@ class TransformerConfig(ModelParallelConfig):
     layernorm_epsilon: float = flag(1e-5, name="--norm-epsilon")
     """Epsilon of every norm."""
 
+    layernorm_zero_centered_gamma: bool = not_a_flag(False)
+    """Norm weights hold gamma - 1 and start at zero; the norm scales by ``1 + weight`` (Megatron's
+    ``--apply-layernorm-1p``: in low precision, small updates around zero are kept that would round
+    away near one)."""
+
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
     """MLP activation; with ``gated_linear_unit`` it is applied to the gate branch (F.silu: SwiGLU)."""
 
@@ -105,6 +110,13 @@ class TransformerConfig(ModelParallelConfig):
 
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates (the rest pass through)."""
+
+    rope_scaling: bool = flag(False, name="--use-rope-scaling")
+    """Llama-3.1 RoPE scaling: slow frequencies divided by ``rope_scaling_factor``, fast ones kept,
+    a smooth ramp between (low/high frequency factors 1 and 4, 8192 original positions, as Megatron)."""
+
+    rope_scaling_factor: float = 8.0
+    """With ``rope_scaling``: how much the slow RoPE frequencies are divided by (Llama-3.1: 8, 3.2: 32)."""
 
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of reusing the word embedding (LLaMA unties)."""
@@ -203,6 +215,10 @@ class TransformerConfig(ModelParallelConfig):
             )
         elif self.position_embedding_type == "rope":
             out += self._rope_problems()
+        elif self.rope_scaling:
+            out.append(
+                f"rope_scaling needs position_embedding_type 'rope', got {self.position_embedding_type!r}"
+            )
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 out.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -218,6 +234,10 @@ class TransformerConfig(ModelParallelConfig):
         )
         if not 0.0 < self.rotary_percent <= 1.0:
             return [f"rotary_percent must be in (0, 1], got {self.rotary_percent}"]
+        if self.rotary_base <= 0:
+            return [f"rotary_base must be > 0, got {self.rotary_base}"]
+        if self.rope_scaling and self.rope_scaling_factor < 1.0:
+            return [f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}"]
         rotary_dim = int(head * self.rotary_percent)
         if rotary_dim < 2 or rotary_dim % 2:
             return [

@@ -138,7 +138,11 @@ class GPTModel(nn.Module):
             else None
         )
         self.rotary_pos_emb = (
-            RotaryEmbedding(config.rotary_dim, config.rotary_base)
+            RotaryEmbedding(
+                config.rotary_dim,
+                config.rotary_base,
+                config.rope_scaling_factor if config.rope_scaling else None,
+            )
             if config.position_embedding_type == "rope"
             else None
         )

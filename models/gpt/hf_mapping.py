@@ -10,17 +10,24 @@ tools. Three layouts differ from Hugging Face's:
 * GPT-2's ``Conv1D`` stores weights as ``[in, out]``, the transpose of ``nn.Linear``.
 
 The vocabulary is padded here (``config.padded_vocab_size``, zero rows) and unpadded on export.
-RoPE needs no permutation: both sides use the rotate-half convention.
+RoPE needs no permutation: both sides use the rotate-half convention. A zero-centred norm weight
+(``--apply-layernorm-1p``) is gamma - 1 here and gamma there. ``iter_to_hf`` and ``iter_from_hf``
+convert one layer at a time from a possibly lazy mapping, which is how the checkpoint tools stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import einops
 import torch
 import torch.nn.functional as F
 
+from core.transformer.rope import (
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_MAX_POSITIONS,
+)
 from core.transformer.transformer_config import TransformerConfig, openai_gelu
 
 StateDict = Mapping[str, torch.Tensor]
@@ -59,6 +66,15 @@ def hf_architecture(config: TransformerConfig) -> str:
 def hf_config_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> dict:
     """Keyword arguments for ``LlamaConfig`` / ``GPT2Config`` describing the same model."""
     if hf_architecture(config) == "llama":
+        rope_scaling = None
+        if config.rope_scaling:
+            rope_scaling = {
+                "rope_type": "llama3",
+                "factor": config.rope_scaling_factor,
+                "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+                "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS,
+            }
         return {
             "vocab_size": vocab_size,
             "hidden_size": config.hidden_size,
@@ -70,6 +86,7 @@ def hf_config_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_le
             "max_position_embeddings": max_sequence_length,
             "rms_norm_eps": config.layernorm_epsilon,
             "rope_theta": config.rotary_base,
+            "rope_scaling": rope_scaling,
             "hidden_act": "silu",
             "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
             "attention_bias": config.add_bias_linear,
@@ -82,7 +99,7 @@ def hf_config_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_le
         "n_embd": config.hidden_size,
         "n_layer": config.num_layers,
         "n_head": config.num_attention_heads,
-        "n_inner": config.ffn_hidden_size,
+        "n_inner": None if config.ffn_hidden_size == 4 * config.hidden_size else config.ffn_hidden_size,
         "activation_function": "gelu_new" if config.activation_func is openai_gelu else "gelu",
         "layer_norm_epsilon": config.layernorm_epsilon,
         "resid_pdrop": config.hidden_dropout,
@@ -119,65 +136,87 @@ def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 def to_hf(state_dict: StateDict, config: TransformerConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """A full (TP=PP=1) GPTModel state dict -> the Hugging Face model's state dict."""
-    sd = {k: v.detach() for k, v in state_dict.items()}
-    embedding = sd["embedding.word_embeddings.weight"][:vocab_size]
-    head = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])[:vocab_size]
+    return dict(iter_to_hf(state_dict, config, vocab_size))
+
+
+def iter_to_hf(
+    source: StateDict, config: TransformerConfig, vocab_size: int, *, tied_head: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, tensor)`` from full GPTModel tensors, one layer at a time.
+
+    ``source`` may be lazy (a checkpoint read on demand): each tensor is looked up when its layer
+    is converted, so memory stays near one layer. ``lm_head.weight`` comes last; with tied
+    embeddings only if ``tied_head`` (a state dict has it, a saved Hugging Face model does not).
+    """
     llama = hf_architecture(config) == "llama"
-    out: dict[str, torch.Tensor] = {}
+    prefix = "model." if llama else "transformer."
+    word = "embedding.word_embeddings.weight"
+    yield prefix + ("embed_tokens.weight" if llama else "wte.weight"), source[word][:vocab_size].contiguous()
+    if not llama:
+        yield "transformer.wpe.weight", source["embedding.position_embeddings.weight"].contiguous()
     for i in range(config.num_layers):
-        src = f"decoder.layers.{i}."
-        dst = f"model.layers.{i}." if llama else f"transformer.h.{i}."
-        for ours, theirs in _per_layer_names(llama):
-            for suffix in ("weight", "bias"):
-                if src + ours + "." + suffix in sd:
-                    out[dst + theirs + "." + suffix] = sd[src + ours + "." + suffix]
-        q, k, v = _split_qkv(sd[src + "self_attention.linear_qkv.weight"], config)
-        fc1 = sd[src + "mlp.linear_fc1.weight"]
-        if llama:
-            out.update(
-                {
-                    dst + "self_attn.q_proj.weight": q,
-                    dst + "self_attn.k_proj.weight": k,
-                    dst + "self_attn.v_proj.weight": v,
-                }
-            )
-            if src + "self_attention.linear_qkv.bias" in sd:
-                biases = _split_qkv(sd[src + "self_attention.linear_qkv.bias"], config)
-                out.update({dst + f"self_attn.{p}_proj.bias": b for p, b in zip("qkv", biases)})
-            gate, up = torch.chunk(fc1, 2, dim=0)
-            out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
-            if src + "mlp.linear_fc1.bias" in sd:
-                gate_b, up_b = torch.chunk(sd[src + "mlp.linear_fc1.bias"], 2)
-                out.update({dst + "mlp.gate_proj.bias": gate_b, dst + "mlp.up_proj.bias": up_b})
-        else:
-            out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-            out[dst + "attn.c_attn.bias"] = torch.cat(
-                _split_qkv(sd[src + "self_attention.linear_qkv.bias"], config)
-            )
-            out[dst + "mlp.c_fc.weight"] = fc1.t()
-            out[dst + "mlp.c_fc.bias"] = sd[src + "mlp.linear_fc1.bias"]
-            for conv in ("attn.c_proj.weight", "mlp.c_proj.weight"):
-                out[dst + conv] = out[dst + conv].t()
+        yield from _layer_to_hf(source, config, i, llama)
     final = "decoder.final_layernorm."
+    yield prefix + ("norm.weight" if llama else "ln_f.weight"), _gamma_to_hf(source[final + "weight"], config)
+    if not llama:
+        yield "transformer.ln_f.bias", source[final + "bias"].contiguous()
+    if config.untie_embeddings_and_output_weights:
+        yield "lm_head.weight", source["output_layer.weight"][:vocab_size].contiguous()
+    elif tied_head:
+        yield "lm_head.weight", source[word][:vocab_size].contiguous()
+
+
+def _gamma_to_hf(weight: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """A norm weight as Hugging Face stores it: gamma itself, not gamma - 1 (``--apply-layernorm-1p``)."""
+    return (weight + 1 if config.layernorm_zero_centered_gamma else weight).contiguous()
+
+
+def _gamma_from_hf(weight: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    return (weight - 1 if config.layernorm_zero_centered_gamma else weight).contiguous()
+
+
+def _layer_to_hf(
+    sd: StateDict, config: TransformerConfig, i: int, llama: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    src = f"decoder.layers.{i}."
+    dst = f"model.layers.{i}." if llama else f"transformer.h.{i}."
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs in _per_layer_names(llama):
+        for suffix in ("weight", "bias"):
+            if src + ours + "." + suffix in sd:
+                value = sd[src + ours + "." + suffix]
+                if ours.endswith("layernorm") and suffix == "weight":
+                    value = _gamma_to_hf(value, config)
+                out[dst + theirs + "." + suffix] = value
+    q, k, v = _split_qkv(sd[src + "self_attention.linear_qkv.weight"], config)
+    fc1 = sd[src + "mlp.linear_fc1.weight"]
     if llama:
         out.update(
             {
-                "model.embed_tokens.weight": embedding,
-                "model.norm.weight": sd[final + "weight"],
-                "lm_head.weight": head,
+                dst + "self_attn.q_proj.weight": q,
+                dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v,
             }
         )
+        if src + "self_attention.linear_qkv.bias" in sd:
+            biases = _split_qkv(sd[src + "self_attention.linear_qkv.bias"], config)
+            out.update({dst + f"self_attn.{p}_proj.bias": b for p, b in zip("qkv", biases)})
+        gate, up = torch.chunk(fc1, 2, dim=0)
+        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+        if src + "mlp.linear_fc1.bias" in sd:
+            gate_b, up_b = torch.chunk(sd[src + "mlp.linear_fc1.bias"], 2)
+            out.update({dst + "mlp.gate_proj.bias": gate_b, dst + "mlp.up_proj.bias": up_b})
     else:
-        out.update(
-            {
-                "transformer.wte.weight": embedding,
-                "lm_head.weight": head,
-                "transformer.wpe.weight": sd["embedding.position_embeddings.weight"],
-                "transformer.ln_f.weight": sd[final + "weight"],
-                "transformer.ln_f.bias": sd[final + "bias"],
-            }
+        out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
+        out[dst + "attn.c_attn.bias"] = torch.cat(
+            _split_qkv(sd[src + "self_attention.linear_qkv.bias"], config)
         )
-    return {k: v.contiguous() for k, v in out.items()}
+        out[dst + "mlp.c_fc.weight"] = fc1.t()
+        out[dst + "mlp.c_fc.bias"] = sd[src + "mlp.linear_fc1.bias"]
+        for conv in ("attn.c_proj.weight", "mlp.c_proj.weight"):
+            out[dst + conv] = out[dst + conv].t()
+    for name, value in out.items():
+        yield name, value.contiguous()
 
 
 def _per_layer_names(llama: bool) -> list[tuple[str, str]]:
@@ -199,52 +238,75 @@ def _per_layer_names(llama: bool) -> list[tuple[str, str]]:
 
 def from_hf(hf_state_dict: StateDict, config: TransformerConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """A Hugging Face LLaMA / GPT-2 state dict -> a full (TP=PP=1) GPTModel state dict (vocabulary padded)."""
-    hf = {k: v.detach() for k, v in hf_state_dict.items()}
-    llama = hf_architecture(config) == "llama"
     padded = config.padded_vocab_size(vocab_size)
-    out: dict[str, torch.Tensor] = {}
-    for i in range(config.num_layers):
-        src = f"model.layers.{i}." if llama else f"transformer.h.{i}."
-        dst = f"decoder.layers.{i}."
-        for ours, theirs in _per_layer_names(llama):
-            for suffix in ("weight", "bias"):
-                if src + theirs + "." + suffix in hf:
-                    value = hf[src + theirs + "." + suffix]
-                    transpose = not llama and suffix == "weight" and theirs.endswith("c_proj")
-                    out[dst + ours + "." + suffix] = value.t() if transpose else value
-        if llama:
-            attn = src + "self_attn."
-            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-                *(hf[attn + f"{p}_proj.weight"] for p in "qkv"), config
-            )
-            if attn + "q_proj.bias" in hf:
-                out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                    *(hf[attn + f"{p}_proj.bias"] for p in "qkv"), config
-                )
-            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-            )
-            if src + "mlp.gate_proj.bias" in hf:
-                out[dst + "mlp.linear_fc1.bias"] = torch.cat(
-                    [hf[src + "mlp.gate_proj.bias"], hf[src + "mlp.up_proj.bias"]]
-                )
-        else:
-            q, k, v = torch.chunk(hf[src + "attn.c_attn.weight"].t(), 3, dim=0)
-            out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(q, k, v, config)
-            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                *torch.chunk(hf[src + "attn.c_attn.bias"], 3), config
-            )
-            out[dst + "mlp.linear_fc1.weight"] = hf[src + "mlp.c_fc.weight"].t()
-            out[dst + "mlp.linear_fc1.bias"] = hf[src + "mlp.c_fc.bias"]
+    out = dict(iter_from_hf(hf_state_dict, config))
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in out:
+            out[name] = _pad_rows(out[name], padded)
+    return out
+
+
+def iter_from_hf(source: StateDict, config: TransformerConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(GPTModel name, full tensor)`` from Hugging Face tensors, one layer at a time, vocabulary unpadded.
+
+    ``source`` may be lazy (safetensors files read on demand). A tied model (GPT-2, or LLaMA with
+    ``tie_word_embeddings``) needs no ``lm_head.weight``; an untied one takes it, or the embedding
+    when the checkpoint leaves it out.
+    """
+    llama = hf_architecture(config) == "llama"
     prefix = "model." if llama else "transformer."
-    embedding = hf[prefix + ("embed_tokens.weight" if llama else "wte.weight")]
-    out["embedding.word_embeddings.weight"] = _pad_rows(embedding, padded)
+    embedding_name = prefix + ("embed_tokens.weight" if llama else "wte.weight")
+    yield "embedding.word_embeddings.weight", source[embedding_name].contiguous()
+    if not llama:
+        yield "embedding.position_embeddings.weight", source["transformer.wpe.weight"].contiguous()
+    for i in range(config.num_layers):
+        yield from _layer_from_hf(source, config, i, llama)
+    norm = source[prefix + ("norm.weight" if llama else "ln_f.weight")]
+    yield "decoder.final_layernorm.weight", _gamma_from_hf(norm, config)
+    if not llama:
+        yield "decoder.final_layernorm.bias", source["transformer.ln_f.bias"].contiguous()
+    if config.untie_embeddings_and_output_weights:
+        head = source["lm_head.weight"] if "lm_head.weight" in source else source[embedding_name]
+        yield "output_layer.weight", head.contiguous()
+
+
+def _layer_from_hf(
+    hf: StateDict, config: TransformerConfig, i: int, llama: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    src = f"model.layers.{i}." if llama else f"transformer.h.{i}."
+    dst = f"decoder.layers.{i}."
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs in _per_layer_names(llama):
+        for suffix in ("weight", "bias"):
+            if src + theirs + "." + suffix in hf:
+                value = hf[src + theirs + "." + suffix]
+                if ours.endswith("layernorm") and suffix == "weight":
+                    value = _gamma_from_hf(value, config)
+                transpose = not llama and suffix == "weight" and theirs.endswith("c_proj")
+                out[dst + ours + "." + suffix] = value.t() if transpose else value
     if llama:
-        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-        if config.untie_embeddings_and_output_weights:
-            out["output_layer.weight"] = _pad_rows(hf.get("lm_head.weight", embedding), padded)
+        attn = src + "self_attn."
+        out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+            *(hf[attn + f"{p}_proj.weight"] for p in "qkv"), config
+        )
+        if attn + "q_proj.bias" in hf:
+            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                *(hf[attn + f"{p}_proj.bias"] for p in "qkv"), config
+            )
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+        )
+        if src + "mlp.gate_proj.bias" in hf:
+            out[dst + "mlp.linear_fc1.bias"] = torch.cat(
+                [hf[src + "mlp.gate_proj.bias"], hf[src + "mlp.up_proj.bias"]]
+            )
     else:
-        out["embedding.position_embeddings.weight"] = hf["transformer.wpe.weight"]
-        out["decoder.final_layernorm.weight"] = hf["transformer.ln_f.weight"]
-        out["decoder.final_layernorm.bias"] = hf["transformer.ln_f.bias"]
-    return {k: v.contiguous() for k, v in out.items()}
+        q, k, v = torch.chunk(hf[src + "attn.c_attn.weight"].t(), 3, dim=0)
+        out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(q, k, v, config)
+        out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+            *torch.chunk(hf[src + "attn.c_attn.bias"], 3), config
+        )
+        out[dst + "mlp.linear_fc1.weight"] = hf[src + "mlp.c_fc.weight"].t()
+        out[dst + "mlp.linear_fc1.bias"] = hf[src + "mlp.c_fc.bias"]
+    for name, value in out.items():
+        yield name, value.contiguous()

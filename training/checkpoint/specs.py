@@ -121,6 +121,9 @@ def check_same_model(saved: Mapping[str, Any], ours: Mapping[str, Any], where: s
         "position_embedding_type",
         "rotary_base",
         "rotary_percent",
+        "rope_scaling",
+        "rope_scaling_factor",
+        "layernorm_zero_centered_gamma",
         "untie_embeddings_and_output_weights",
     )
     diffs = [
