@@ -282,6 +282,9 @@ def test_flat_pieces_from_a_sharded_optimizer_are_assembled(tmp_path):
         assert torch.equal(
             ckpt.read_flat_range(name, 1, 4, 10, 50), tensors[name][:, 32:64].reshape(-1)[10:50]
         )
+    os.remove(path / "optim_tp1_pp0_dp5.safetensors")
+    with pytest.raises(CheckpointError, match=r"checkpoint file .*/optim_tp1_pp0_dp5.safetensors is missing"):
+        open_checkpoint(str(tmp_path)).read_flat_range(name, 1, 2, 90, 130)
     del manifest["files"]["optim_tp1_pp0_dp5.safetensors"]
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(

@@ -168,8 +168,9 @@ def test_converting_a_sharded_checkpoint_equals_converting_the_plain_one(
     ranks, data_prefix, sharded, tmp_path
 ):
     """The sharded iteration-3 checkpoint and a plain copy of it (loaded into the plain optimizer at the
-    same split and saved again) convert to TP2 x PP1 byte for byte; the result trains on with the
-    distributed optimizer at TP2 x DP2 within 1e-5 of the sharded run."""
+    same split and saved again) convert to TP2 x PP1 byte for byte. The result trains on with the
+    distributed optimizer at TP2 x DP2 within 1e-5 of the sharded run, and exactly as loading the
+    sharded checkpoint at TP2 x DP2 directly does."""
     root, straight = sharded
     plain = str(tmp_path / "plain")
     flags = small_gpt(data_prefix, 3, *PP2, *PLAIN, "--load", root, "--ckpt-step", "3", "--save", plain)
@@ -189,10 +190,11 @@ def test_converting_a_sharded_checkpoint_equals_converting_the_plain_one(
             safetensors.torch.load_file(os.path.join(p, "iter_0000003", file)) for p in converted.values()
         )
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
-    tp2 = ["--tensor-model-parallel-size", "2", "--load", converted["sharded"]]
-    losses, _ = _run(ranks(4), small_gpt(data_prefix, 6, *DISTRIBUTED, *tp2))
+    tp2 = small_gpt(data_prefix, 6, *DISTRIBUTED, "--tensor-model-parallel-size", "2")
+    losses, _ = _run(ranks(4), tp2 + ["--load", converted["sharded"]])
+    direct, _ = _run(ranks(4), tp2 + ["--load", root, "--ckpt-step", "3"])  # resharded while loading
     print(f"TP2 x DP2 from the converted checkpoint: {_rel(losses, straight[3:]):.2e}")
-    assert _rel(losses, straight[3:]) <= 1e-5
+    assert _rel(losses, straight[3:]) <= 1e-5 and direct == losses
 
 
 @pytest.mark.slow
