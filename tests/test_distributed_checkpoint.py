@@ -92,15 +92,16 @@ def sharded(ranks, data_prefix, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def at_dp1(ranks, data_prefix, sharded, tmp_path_factory):
-    """Iterations 4-6 at PP2 x DP1 from the DP2 checkpoint of iteration 3: plain (saved at 6) and sharded."""
+    """Iterations 4-6 at PP2 x DP1 from the DP2 checkpoint of iteration 3, plain and with the
+    distributed optimizer, each saved at 6."""
     root, _ = sharded
-    plain = str(tmp_path_factory.mktemp("dp1-plain"))
+    saved = {name: str(tmp_path_factory.mktemp(f"dp1-{name}")) for name in ("plain", "distributed")}
     load = ["--load", root, "--ckpt-step", "3"]
     losses = {
-        "plain": _run(ranks(2), small_gpt(data_prefix, 6, *PP2, *PLAIN, *load, "--save", plain))[0],
-        "distributed": _run(ranks(2), small_gpt(data_prefix, 6, *PP2, *DISTRIBUTED, *load))[0],
+        name: _run(ranks(2), small_gpt(data_prefix, 6, *PP2, *flags, *load, "--save", saved[name]))[0]
+        for name, flags in (("plain", PLAIN), ("distributed", DISTRIBUTED))
     }
-    return plain, losses
+    return saved, losses
 
 
 def test_the_files_hold_each_ranks_flat_ranges_which_tile_every_tensor(sharded):
@@ -141,18 +142,24 @@ def test_resume_from_a_distributed_optimizer_checkpoint_is_exact_in_fp16(ranks, 
 
 
 def test_a_dp2_checkpoint_loads_at_dp1_with_and_without_the_distributed_optimizer(sharded, at_dp1):
+    """The same next losses as the DP2 run within 1e-6 (fp32). At DP=1 the distributed optimizer owns
+    whole parameters and saves as the plain one does: the two runs' checkpoints are the same bytes."""
     _, straight = sharded
-    _, losses = at_dp1
+    saved, losses = at_dp1
     print({name: f"{_rel(curve, straight[3:]):.2e}" for name, curve in losses.items()})
     for curve in losses.values():
         assert _rel(curve, straight[3:]) <= 1e-6
+    records = {name: _weights_and_optimizer(path) for name, path in saved.items()}
+    assert records["plain"] == records["distributed"]
+    assert not any("flat" in p for r in records["distributed"].values() for p in r["pieces"].values())
 
 
 def test_each_ranks_optimizer_file_holds_one_dp_th_of_the_state(sharded, at_dp1):
     """DP=2 sharded files against the DP=1 plain run's files of the same iteration (fp32 Adam: 8 bytes
     per element). Each stage has two buckets (the tied embedding has its own), each padded to a
     multiple of 128 elements, so a rank's share may miss 1/DP by at most that padding."""
-    (root, _), (plain, _) = sharded, at_dp1
+    (root, _), (saved, _) = sharded, at_dp1
+    plain = saved["plain"]
     for stage in (0, 1):
         full = _state_bytes(os.path.join(plain, "iter_0000006", f"optim_tp0_pp{stage}_dp0.safetensors"))
         shards = [
