@@ -270,7 +270,27 @@ def test_flat_pieces_from_a_sharded_optimizer_are_assembled(tmp_path):
     ckpt = open_checkpoint(str(tmp_path))
     assert torch.equal(ckpt.full_tensor(name), tensors[name])
     assert torch.equal(ckpt.read_shard(name, 1, 4), tensors[name][:, 32:64])
-    assert torch.equal(ckpt.read_flat_range(name, 1, 2, 90, 130), tensors[name][:, 64:].reshape(-1)[90:130])
+    weight = "decoder.layers.1.mlp.linear_fc2.weight"  # a whole piece: rows 1-3 hold the range
+    for verify in (True, False):  # unverified reads take only the rows (or elements) the range needs
+        ckpt = open_checkpoint(str(tmp_path), verify=verify)
+        flat = tensors[name][:, 64:].reshape(-1)
+        assert torch.equal(ckpt.read_flat_range(name, 1, 2, 90, 130), flat[90:130])
+        assert torch.equal(ckpt.read_flat_range(name, 1, 2, 100, 100), flat[100:100])
+        assert torch.equal(
+            ckpt.read_flat_range(weight, 1, 2, 40, 130), tensors[weight][:, 64:].reshape(-1)[40:130]
+        )
+        assert torch.equal(
+            ckpt.read_flat_range(name, 1, 4, 10, 50), tensors[name][:, 32:64].reshape(-1)[10:50]
+        )
+    os.remove(path / "optim_tp1_pp0_dp5.safetensors")
+    with pytest.raises(CheckpointError, match=r"checkpoint file .*/optim_tp1_pp0_dp5.safetensors is missing"):
+        open_checkpoint(str(tmp_path)).read_flat_range(name, 1, 2, 90, 130)
+    del manifest["files"]["optim_tp1_pp0_dp5.safetensors"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        CheckpointError, match=rf"pieces of tensor '{name}' for TP rank 1 cover 30 of the 40 "
+    ):
+        open_checkpoint(str(tmp_path)).read_flat_range(name, 1, 2, 90, 130)
 
 
 def test_missing_empty_and_broken_load_directories(tmp_path):

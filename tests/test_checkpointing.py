@@ -321,7 +321,7 @@ RUN = [
     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-3",
     "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", str(DATA_VOCAB), "--split", "100,0,0",
+    "--vocab-size", str(DATA_VOCAB), "--split", "100,0,0", "--num-workers", "0",
 ]  # fmt: skip
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 TP1PP4 = ["--pipeline-model-parallel-size", "4"]
@@ -355,9 +355,10 @@ def _pretrain(rank, world_size, argv):
 
 
 def _losses(pool, *argv: str) -> tuple[list[float], str]:
-    """The logging rank's losses and rank 0's output."""
+    """The logging rank's "lm loss" per iteration and rank 0's output."""
     per_rank = pool.run(_pretrain, list(argv), timeout=180)
-    return next(losses for losses, _ in per_rank if losses), per_rank[0][1]
+    losses = next(losses for losses, _ in per_rank if losses)
+    return [step["lm loss"] for step in losses], per_rank[0][1]
 
 
 def _rel(a: list[float], b: list[float]) -> float:

@@ -22,8 +22,12 @@ VOCAB = 100
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> str:
+    return synthetic_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def synthetic_corpus(directory) -> str:
     """A small learnable corpus as Megatron's indexed dataset: counting sequences with random strides."""
-    prefix = tmp_path_factory.mktemp("corpus") / "synthetic"
+    prefix = directory / "synthetic"
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -35,11 +39,14 @@ def data_prefix(tmp_path_factory) -> str:
 
 
 def small_gpt(prefix: str, iterations: int, *extra: str) -> list[str]:
-    """Flags of a 4-layer, 32-wide GPT on the synthetic corpus (dropout off unless ``extra`` says)."""
+    """Flags of a 4-layer, 32-wide GPT on the synthetic corpus (dropout off unless ``extra`` says).
+
+    Data are read in the rank's own process: a pool's ranks are daemonic and cannot start loader workers.
+    """
     flags = f"""--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         --micro-batch-size 2 --global-batch-size 8 --train-iters {iterations} --lr 3e-3 --lr-warmup-iters 1
         --log-interval 1000 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0
-        --tokenizer-type NullTokenizer --vocab-size {VOCAB} --split 98,2,0"""
+        --tokenizer-type NullTokenizer --vocab-size {VOCAB} --split 98,2,0 --num-workers 0"""
     return flags.split() + ["--data-path", prefix, *extra]
 
 

@@ -2,11 +2,13 @@
 
 The format and the resharding live in :mod:`training.checkpoint`; this module connects them to the
 live run. :func:`save_checkpoint` describes every parameter (global name, full shape, TP split,
-owner in the layout) and stores the optimizer state by parameter name, so :func:`load_checkpoint`
-can rebuild this rank's shards from a checkpoint saved at another TP/PP/VPP/layout/DP: each rank
-reads only the pieces that overlap its slices, optimizer state included. Saving writes every file
-under a temporary name and renames it; after a barrier rank 0 writes the manifest and then the
-tracker, so a crash mid-save leaves the previous checkpoint in place. Every problem becomes one
+owner in the layout) and stores the optimizer state by parameter name (with the distributed
+optimizer, every data-parallel rank its own flat ranges of it; see :mod:`training.checkpoint.live`),
+so :func:`load_checkpoint` can rebuild this rank's shards from a checkpoint saved at another
+TP/PP/VPP/layout/DP, with or without the distributed optimizer: each rank reads only the pieces
+that overlap its slices, optimizer state included. The fp16 loss scaler's state goes in the
+manifest. Saving writes every file under a temporary name and renames it; after a barrier rank 0
+writes the manifest and then the tracker, so a crash mid-save leaves the previous checkpoint in place. Every problem becomes one
 :class:`CheckpointError` naming the file (and tensor), raised on every rank by :func:`_agree` before
 any collective could hang.
 """
@@ -47,6 +49,7 @@ from training.checkpoint.format import (
 )
 from training.checkpoint.live import (
     check_spec,
+    is_sharded,
     merge_param_groups,
     model_parameters,
     optimizer_tensors,
@@ -236,6 +239,15 @@ def _write(
     return record
 
 
+def _optimizer_record(optimizer, gathered: list[dict]) -> dict | None:
+    """The manifest's ``optimizer``: hyperparameters per parameter group and the loss scaler's state."""
+    if optimizer is None:
+        return None
+    record = merge_param_groups([g["groups"] for g in gathered if g["groups"] is not None]) or {}
+    scalers = [g["grad_scaler"] for g in gathered if g["grad_scaler"] is not None]
+    return record | {"grad_scaler": scalers[0] if scalers else None}
+
+
 def _gather(value: Any) -> list[Any]:
     if not _distributed():
         return [value]
@@ -278,22 +290,24 @@ def save_checkpoint(
         params = model_parameters(model_chunks)
         specs = specs_of_params(params.items(), p["tp"], config.make_vocab_size_divisible_by)
         os.makedirs(path, exist_ok=True)
-        files, groups = {}, None
-        if d == 0:  # weights and (not yet distributed) optimizer state are replicated over DP
+        files, groups, grad_scaler = {}, None, None
+        owner = lambda name: specs[name].owner
+        if d == 0:  # the weights are replicated over DP
             mine = {n: w for n, w in params.items() if specs[n].partition is not None or t == 0}
-            owner = lambda name: specs[name].owner
             files[model_file(t, q)] = _write(
                 os.path.join(path, model_file(t, q)), mine, t, {"format": FORMAT}, owner
             )
-            if optimizer is not None:
-                tensors, optimizer_specs, groups = optimizer_tensors(optimizer, params, specs)
-                specs.update(optimizer_specs)
-                mine = {
-                    n: v for n, v in tensors.items() if optimizer_specs[n].partition is not None or t == 0
-                }
-                files[optim_file(t, q, d)] = _write(
-                    os.path.join(path, optim_file(t, q, d)), mine, t, {"format": FORMAT}, owner
-                )
+        sharded = optimizer is not None and is_sharded(optimizer, p["dp"])
+        if optimizer is not None and (d == 0 or sharded):  # unsharded state is replicated over DP too
+            state = optimizer_tensors(optimizer, params, specs, tp_rank=t, sharded=sharded)
+            specs.update(state.specs)
+            groups, grad_scaler = state.param_groups, state.grad_scaler
+            record = _write(
+                os.path.join(path, optim_file(t, q, d)), state.tensors, t, {"format": FORMAT}, owner
+            )
+            for key, (start, end) in state.flat.items():
+                record["pieces"][key]["flat"] = [start, end]
+            files[optim_file(t, q, d)] = record
         tensors, skeleton = flatten_state(rng_state if rng_state is not None else get_rng_state())
         meta = {"format": FORMAT, "skeleton": skeleton}
         files[rng_file(t, q, d)] = _write(os.path.join(path, rng_file(t, q, d)), tensors, 0, meta)
@@ -306,6 +320,7 @@ def save_checkpoint(
             "files": files,
             "tensors": {n: s.to_json() for n, s in specs.items() if n in stored},
             "groups": groups,
+            "grad_scaler": grad_scaler,
             "tokenizer": record,
         }
     except Exception as err:  # noqa: BLE001 -- reported on every rank by _agree, so no rank waits forever
@@ -327,7 +342,7 @@ def save_checkpoint(
             manifest.update(
                 tensors={n: s for g in gathered for n, s in g["tensors"].items()},
                 tied=tied_tensors(config.untie_embeddings_and_output_weights),
-                optimizer=merge_param_groups([g["groups"] for g in gathered if g["groups"] is not None]),
+                optimizer=_optimizer_record(optimizer, gathered),
                 scheduler=None if scheduler_state is None else dict(scheduler_state),
                 files={f: r for g in gathered for f, r in g["files"].items()},
                 args=_json_subset(args),
@@ -393,7 +408,7 @@ def load_checkpoint(
     if optimizer is not None:
         optimizer.reload_model_params()
         if optimizer_state is not None:
-            optimizer.load_state_dict(optimizer_state)
+            optimizer.load_param_state_by_name(optimizer_state)
     if rng_state is not None:
         set_rng_state(rng_state)
     ours = parallelism_of(unwrap(model_chunks[0]).config, p["dp"])

@@ -42,7 +42,7 @@ class ConstantGradScaler:
         return {"scale": self._scale}
 
     def load_state_dict(self, state: dict) -> None:
-        self._scale = float(state["scale"])
+        """Nothing to restore: a constant scale comes from ``--loss-scale``, not the checkpoint (Megatron)."""
 
 
 class DynamicGradScaler(ConstantGradScaler):
@@ -97,9 +97,11 @@ class DynamicGradScaler(ConstantGradScaler):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue where the saved scaler stopped; a constant scale's state (``{"scale"}``) starts
+        the trackers afresh from its scale."""
         self._scale = float(state["scale"])
-        self._growth_tracker = int(state["growth_tracker"])
-        self._hysteresis_tracker = int(state["hysteresis_tracker"])
+        self._growth_tracker = int(state.get("growth_tracker", 0))
+        self._hysteresis_tracker = int(state.get("hysteresis_tracker", self.hysteresis))
 
 
 def unscale_and_check(grads: list[torch.Tensor], inv_scale: float, found_inf: torch.Tensor) -> None:

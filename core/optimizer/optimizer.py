@@ -153,6 +153,12 @@ class MegatronOptimizer:
         return bool(found_inf.item() > 0)
 
     # -- parameters -----------------------------------------------------------------------------------
+    @property
+    def shards(self) -> list[ParamShard]:
+        """What this optimizer steps: one :class:`ParamShard` per parameter (or, in the distributed
+        optimizer, per part of a parameter this data-parallel rank owns)."""
+        return list(self._shards)
+
     def get_parameters(self) -> list[torch.Tensor]:
         """The tensors the inner optimizer steps on (fp32 main parameters), in group order."""
         return [s.main_param for s in self._shards]

@@ -5,7 +5,8 @@ Layout on disk (Megatron's outer layout)::
     DIR/latest_checkpointed_iteration.txt            the bare iteration number; written last
     DIR/iter_0000100/manifest.json                   config, vocabulary, tensor specs, piece index, checksums
     DIR/iter_0000100/model_tp{t}_pp{p}.safetensors   weights: TP shard t of the tensors pipeline rank p holds
-    DIR/iter_0000100/optim_tp{t}_pp{p}_dp{d}.safetensors   optimizer state by parameter name
+    DIR/iter_0000100/optim_tp{t}_pp{p}_dp{d}.safetensors   optimizer state by parameter name: DP rank 0's,
+                                                     or each DP rank's own flat ranges (distributed optimizer)
     DIR/iter_0000100/rng_tp{t}_pp{p}_dp{d}.safetensors     RNG states of every rank
     DIR/iter_0000100/tokenizer/                      the tokenizer's files, copied in
 

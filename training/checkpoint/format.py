@@ -11,13 +11,14 @@ parallel split, and stored in *pieces* inside safetensors files:
 * its :class:`TensorSpec` gives the full shape (the vocabulary *unpadded*), dtype, the
   :class:`Partition` over TP (dim, stride, vocabulary padding rule) and its *owner* in the pipeline
   layout (``"E"``, ``"L"`` or a decoder-layer number), which places it in any other split;
-* a piece is TP shard ``tp_rank`` of the split at which the file was written, optionally only the
-  flat range ``[start, end)`` of that shard, flattened in row-major order. Today every piece is a
-  whole shard. The distributed optimizer (ZeRO-1, Megatron's design: each data-parallel rank owns a
-  contiguous range of the flat gradient buffer, which meets each parameter in one contiguous range)
-  will write, per DP rank, ``optim_tp{t}_pp{p}_dp{d}`` files holding only its ranges, each listed
-  with ``"flat": [start, end]``; readers already assemble a shard from such pieces, so loading at
-  another DP size needs nothing new.
+* a piece is TP shard ``tp_rank`` of the split at which the file was written, or only the flat
+  range ``[start, end)`` of that shard, flattened in row-major order (a 1-D tensor). Model weights
+  and an unsharded optimizer's state are whole shards. The distributed optimizer (ZeRO-1,
+  Megatron's design: each data-parallel rank owns a contiguous range of the flat gradient buffer,
+  which meets each parameter in one contiguous range) writes, per DP rank ``d``, an
+  ``optim_tp{t}_pp{p}_dp{d}`` file holding only its ranges, each listed with ``"flat": [start,
+  end]``; readers assemble a shard, or any range of it, from whatever pieces overlap it, so loading
+  at another DP size, or without the distributed optimizer, needs nothing else.
 
 The manifest's ``files`` section is the index of pieces: ``{file: {"bytes": n, "checksum": h,
 "pieces": {tensor name: {"tp_rank": t, "flat": [s, e] (optional), "checksum": h}}}}``. Checksums
@@ -262,8 +263,8 @@ class Parallelism:
     vpp: int
     layout: str
     dp: int = 1
-    """Data-parallel size of the run that wrote it: the number of RNG (and, later, sharded
-    optimizer) files per (TP, PP) rank."""
+    """Data-parallel size of the run that wrote it: the number of RNG (and, with the distributed
+    optimizer, optimizer) files per (TP, PP) rank."""
 
     def describe(self) -> str:
         return f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "") + f" DP={self.dp}"

@@ -2,22 +2,33 @@
 
 The optimizer's own state dict numbers parameters in group order (torch's convention), which
 depends on the split; the checkpoint stores each state under ``optimizer.state.<key>.<parameter
-name>`` instead, split like its parameter, so it reshards with the weights. These helpers convert
-between the two through the optimizer's public API (``param_groups``, ``get_main_param``).
+name>`` instead, split over TP like its parameter, so it reshards with the weights. Every optimizer
+flavour exports its state through ``param_state_by_name()`` (:mod:`core.optimizer.param_state`):
+per parameter name, the flat range ``[start, end)`` of the TP-local tensor it steps, that range of
+every per-element state (``exp_avg``, ``exp_avg_sq``, and ``main_param``, the fp32 master copy of
+a 16-bit parameter) and the per-parameter scalars (``step``). Saving writes it in one of two forms:
 
-The distributed optimizer (ZeRO-1) plugs in here. Its ``param_state_by_name()`` gives, per
-parameter name, the flat range ``[start, end)`` of the TP-local tensor that this data-parallel rank
-owns, with that range of every per-element state (``exp_avg``, ``exp_avg_sq``, ``main_param``).
-Saving it means: every DP rank ``d`` writes its ranges to ``optim_tp{t}_pp{p}_dp{d}.safetensors``
-(1-D tensors under the same logical names) and tags each piece in the manifest with
-``"flat": [start, end]`` besides its ``tp_rank``; scalar states (``step``) go once, from DP rank 0.
-Loading at any DP size is :meth:`Checkpoint.read_flat_range` of the rank's own range, which the
-reader assembles from whatever pieces overlap it, after resharding over TP if the TP size changed.
+* an unsharded optimizer (every data-parallel rank holds the same state): DP rank 0 writes each
+  state shaped like its TP shard, one whole piece per TP rank, in ``optim_tp{t}_pp{p}_dp0``;
+* the distributed optimizer (ZeRO-1) at DP > 1: every DP rank ``d`` writes its own ranges, 1-D,
+  in ``optim_tp{t}_pp{p}_dp{d}``, each piece tagged ``"flat": [start, end]`` in the manifest; a
+  scalar goes once, from the rank whose range starts at the parameter's first element. The
+  ranges of all DP ranks tile each TP shard, so each file holds 1/DP of the state (give or take
+  a bucket's padding).
+
+Loading is the same for both: each rank asks :meth:`Checkpoint.read_flat_range` for exactly the
+ranges its optimizer steps (the whole TP shard, unless it is a distributed optimizer), which the
+reader cuts from whatever pieces overlap them, after resharding over TP if the TP size changed;
+:func:`read_optimizer_state` hands them over in ``param_state_by_name`` form. So a checkpoint
+loads at any DP (and TP/PP) size, with or without the distributed optimizer. The loss scaler's
+state (fp16) is saved in the manifest beside the parameter groups.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +41,11 @@ from training.checkpoint.format import (
     split_optimizer_tensor_name,
 )
 from training.checkpoint.reader import Checkpoint
-from training.checkpoint.specs import optimizer_tensor_spec
 
 __all__ = [
+    "OptimizerTensors",
     "check_spec",
+    "is_sharded",
     "merge_param_groups",
     "model_parameters",
     "optimizer_tensors",
@@ -58,29 +70,72 @@ def model_parameters(model_chunks: Sequence[nn.Module]) -> dict[str, nn.Paramete
     return params
 
 
-def param_names_by_index(optimizer, params: Mapping[str, nn.Parameter]) -> list[str]:
-    """The parameter name of every index in the optimizer's state dict (torch numbers them group by group)."""
-    by_main = {}
-    for name, param in params.items():
-        try:
-            by_main[id(optimizer.get_main_param(param))] = name
-        except KeyError:
-            continue  # not optimised (requires_grad=False)
-    return [by_main[id(p)] for group in optimizer.param_groups for p in group["params"]]
+PARAM_STATE_FIELDS = ("start", "end", "numel", "shape")
+"""Keys of a ``param_state_by_name`` entry that describe its range rather than hold state."""
 
 
-def optimizer_tensors(optimizer, params, specs) -> tuple[dict[str, torch.Tensor], dict, list[dict]]:
-    """The optimizer's state keyed by logical name, their specs, and its param groups (JSON)."""
-    state = optimizer.state_dict()
-    names = param_names_by_index(optimizer, params)
-    tensors, tensor_specs = {}, {}
-    for key, value in state["state"].items():
-        index, state_key = key.split(".", 1)
-        name = names[int(index)]
-        logical, spec = optimizer_tensor_spec(state_key, name, value, params[name], specs[name])
-        tensors[logical], tensor_specs[logical] = value, spec
-    groups = [{k: v for k, v in g.items() if k != "num_params"} for g in state["param_groups"]]
-    return tensors, tensor_specs, groups
+def is_sharded(optimizer, dp_size: int) -> bool:
+    """Whether each data-parallel rank holds only its own part of the optimizer state."""
+    return dp_size > 1 and bool(getattr(optimizer.config, "use_distributed_optimizer", False))
+
+
+@dataclass
+class OptimizerTensors:
+    """What one rank writes of the optimizer state, by logical name (see the module docstring)."""
+
+    tensors: dict[str, torch.Tensor]
+    specs: dict[str, TensorSpec]
+    flat: dict[str, tuple[int, int]]
+    """The range ``[start, end)`` of the TP shard that each 1-D piece holds (distributed optimizer)."""
+    param_groups: list[dict]
+    grad_scaler: dict | None
+
+
+def optimizer_tensors(
+    optimizer,
+    params: Mapping[str, nn.Parameter],
+    specs: Mapping[str, TensorSpec],
+    *,
+    tp_rank: int,
+    sharded: bool,
+) -> OptimizerTensors:
+    """This rank's optimizer state to write: whole TP shards, or (``sharded``) its own flat ranges.
+
+    A TP-replicated parameter's state is written by TP rank 0 only; a scalar state by TP rank 0 and
+    the DP rank whose range starts at element 0 (any, when unsharded: only DP rank 0 writes then).
+    """
+    state = optimizer.param_state_by_name()
+    out = OptimizerTensors({}, {}, {}, [], state.get("grad_scaler"))
+    for name, entry in state["params"].items():
+        if name not in params:
+            raise CheckpointError(
+                f"the optimizer steps a parameter '{name}' that the model chunks do not hold"
+            )
+        spec, start, end = specs[name], entry["start"], entry["end"]
+        if spec.partition is None and tp_rank != 0:
+            continue
+        for key, value in entry.items():
+            if key in PARAM_STATE_FIELDS or not isinstance(value, torch.Tensor):
+                continue
+            logical = optimizer_tensor_name(key, name)
+            if value.dim() == 0:  # replicated over TP and DP: written once
+                if start == 0 and tp_rank == 0:
+                    out.tensors[logical] = value
+                    out.specs[logical] = TensorSpec((), value.dtype, None, spec.owner)
+                continue
+            if value.dim() != 1 or value.numel() != end - start:
+                raise CheckpointError(
+                    f"optimizer state '{key}' of parameter '{name}' has shape {tuple(value.shape)}, neither "
+                    f"one value per element of its range [{start}, {end}) nor a scalar: cannot say how it "
+                    "is split"
+                )
+            out.specs[logical] = dataclasses.replace(spec, dtype=value.dtype)
+            if sharded:
+                out.tensors[logical], out.flat[logical] = value, (start, end)
+            else:
+                out.tensors[logical] = value.view(entry["shape"])
+    out.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    return out
 
 
 def merge_param_groups(per_rank: list[list[dict]]) -> dict[str, Any] | None:
@@ -109,29 +164,54 @@ def check_spec(ckpt: Checkpoint, name: str, ours: TensorSpec) -> None:
 def read_optimizer_state(
     ckpt: Checkpoint, optimizer, params: Mapping[str, nn.Parameter], p: Mapping[str, int]
 ) -> dict:
-    """The optimizer's own (index-keyed) state dict, rebuilt from the checkpoint's name-keyed tensors."""
+    """This rank's optimizer state from the checkpoint, for ``optimizer.load_param_state_by_name``.
+
+    Each entry holds exactly the range the optimizer steps on this rank. A 16-bit parameter with no
+    saved master copy takes it from fp32 weights (an fp32 run's); otherwise it keeps the copy
+    ``reload_model_params`` made of the loaded weights.
+    """
     saved = ckpt.manifest.get("optimizer")
     if saved is None:
         raise CheckpointError(
             f"checkpoint {ckpt.path} holds no optimizer state; pass --no-load-optim or --finetune "
             "to load only the weights"
         )
-    keys = sorted({split_optimizer_tensor_name(n)[0] for n in ckpt.specs if split_optimizer_tensor_name(n)})
-    state = {}
-    for index, name in enumerate(param_names_by_index(optimizer, params)):
+    keys = sorted({split[0] for n in ckpt.specs if (split := split_optimizer_tensor_name(n)) is not None})
+    names = {id(param): name for name, param in params.items()}
+    entries = {}
+    for shard in optimizer.shards:
+        name = names.get(id(shard.model_param))
+        if name is None:
+            raise CheckpointError(
+                f"the optimizer steps a parameter '{shard.name}' that the model chunks do not hold"
+            )
+        param, full_shape = shard.model_param, ckpt.spec(name).shape
+
+        def read(logical: str, start: int = shard.start, end: int = shard.end) -> torch.Tensor:
+            return ckpt.read_flat_range(logical, p["tp_rank"], p["tp"], start, end)
+
+        entry: dict[str, Any] = {
+            "start": shard.start,
+            "end": shard.end,
+            "numel": param.numel(),
+            "shape": list(param.shape),
+        }
         for key in keys:
             logical = optimizer_tensor_name(key, name)
-            if ckpt.has_tensor(logical):
-                state[f"{index}.{key}"] = ckpt.read_shard(logical, p["tp_rank"], p["tp"])
-        separate_main = optimizer.get_main_param(params[name]) is not params[name]
-        if separate_main and f"{index}.main_param" not in state and ckpt.spec(name).dtype == torch.float32:
-            state[f"{index}.main_param"] = ckpt.read_shard(
-                name, p["tp_rank"], p["tp"]
-            )  # an fp32 run's weights
-    by_kind = {(g.get("wd_mult"), g.get("lr_mult")): g for g in saved["param_groups"]}
-    groups = []
-    for group in optimizer.param_groups:
-        current = {k: v for k, v in group.items() if k != "params"}
-        restored = by_kind.get((group.get("wd_mult"), group.get("lr_mult")), {})
-        groups.append(current | restored | {"num_params": len(group["params"])})
-    return {"param_groups": groups, "state": state}
+            if not ckpt.has_tensor(logical) or (key == "main_param" and param.dtype == torch.float32):
+                continue  # an fp32 parameter is its own master copy, loaded with the weights
+            per_element = ckpt.spec(logical).shape == full_shape
+            entry[key] = read(logical) if per_element else ckpt.read_shard(logical)
+        if (
+            "main_param" not in entry
+            and param.dtype != torch.float32
+            and ckpt.spec(name).dtype == torch.float32
+        ):
+            entry["main_param"] = read(name)  # an fp32 run's weights
+        entries[shard.name] = entry
+    by_kind = {(g.get("wd_mult"), g.get("lr_mult")): g for g in saved.get("param_groups") or []}
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | by_kind.get((g.get("wd_mult"), g.get("lr_mult")), {})
+        for g in optimizer.param_groups
+    ]
+    return {"param_groups": groups, "params": entries, "grad_scaler": saved.get("grad_scaler")}

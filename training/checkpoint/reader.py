@@ -246,14 +246,55 @@ class Checkpoint:
 
     def read_flat_range(self, name: str, tp_rank: int, tp_size: int, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of TP shard ``tp_rank`` of ``tp_size``, flattened row-major: the
-        range a distributed-optimizer rank owns (see :mod:`training.checkpoint.live`)."""
-        shard = self.read_shard(name, tp_rank, tp_size).reshape(-1)
-        if not 0 <= start <= end <= shard.numel():
+        range a distributed-optimizer rank owns (see :mod:`training.checkpoint.live`).
+
+        At the saved TP size only the saved pieces that overlap the range are read (whole pieces
+        when checksums are verified, else just their rows that hold the range); at another TP size
+        the shard is resharded first.
+        """
+        spec = self.spec(name)
+        numel = math.prod(spec.shard_shape(tp_size))
+        if not 0 <= start <= end <= numel:
             raise CheckpointError(
                 f"checkpoint {self.path}: range [{start}, {end}) is outside tensor '{name}' "
-                f"({shard.numel()} elements in TP shard {tp_rank} of {tp_size})"
+                f"({numel} elements in TP shard {tp_rank} of {tp_size})"
             )
-        return shard[start:end].clone()
+        if spec.partition is not None and tp_size != self.parallel.tp:
+            return self.read_shard(name, tp_rank, tp_size).reshape(-1)[start:end].clone()
+        stored = name if name in self._pieces else self._tied_source(name)
+        rank = tp_rank if spec.partition is not None else 0
+        pieces = self._pieces.get(stored, {}).get(rank)
+        if not pieces:
+            raise CheckpointError(
+                f"checkpoint {self.path} has no piece of tensor '{name}' for TP rank {rank}"
+            )
+        out = torch.empty(end - start, dtype=spec.dtype)
+        covered = 0
+        for file, span, digest in pieces:
+            lo, hi = span if span is not None else (0, numel)
+            a, b = max(lo, start), min(hi, end)
+            if a >= b:
+                continue
+            shape = (hi - lo,) if span is not None else spec.shard_shape(self.parallel.tp)
+            header = self._header(file)
+            self._check_piece(file, header, stored, shape, spec.dtype)
+            row = math.prod(shape[1:])
+            first, last = (a - lo) // row, -(-(b - lo) // row)
+            piece = read_piece(
+                os.path.join(self.path, file),
+                header,
+                stored,
+                expected_checksum=digest if self.verify else None,
+                rows=(first, last) if shape else None,
+            ).reshape(-1)
+            out[a - start : b - start] = piece[a - lo - first * row : b - lo - first * row]
+            covered += b - a
+        if covered != end - start:
+            raise CheckpointError(
+                f"checkpoint {self.path}: the pieces of tensor '{name}' for TP rank {rank} cover "
+                f"{covered} of the {end - start} elements in [{start}, {end})"
+            )
+        return out
 
     def full_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor, vocabulary unpadded."""

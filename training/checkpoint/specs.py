@@ -22,10 +22,9 @@ from training.checkpoint.format import (
     Partition,
     TensorSpec,
     canonical_order,
-    optimizer_tensor_name,
 )
 
-__all__ = ["gpt_tensor_specs", "optimizer_tensor_spec", "param_spec", "tied_tensors"]
+__all__ = ["gpt_tensor_specs", "param_spec", "tied_tensors"]
 
 
 def param_spec(name: str, param: torch.Tensor, tp_size: int, pad_multiple: int) -> TensorSpec:
@@ -48,21 +47,6 @@ def param_spec(name: str, param: torch.Tensor, tp_size: int, pad_multiple: int) 
             partition = Partition(dim, getattr(param, "partition_stride", 1))
             shape[dim] *= tp_size
     return TensorSpec(tuple(shape), param.dtype, partition, layout_owner(name))
-
-
-def optimizer_tensor_spec(
-    key: str, param_name: str, state: torch.Tensor, param: torch.Tensor, spec: TensorSpec
-) -> tuple[str, TensorSpec]:
-    """Name and spec of optimizer state ``key`` of a parameter: split like it, or a replicated scalar."""
-    name = optimizer_tensor_name(key, param_name)
-    if tuple(state.shape) == tuple(param.shape):
-        return name, dataclasses.replace(spec, dtype=state.dtype)
-    if state.dim() == 0:
-        return name, TensorSpec((), state.dtype, None, spec.owner)
-    raise CheckpointError(
-        f"optimizer state '{key}' of parameter '{param_name}' has shape {tuple(state.shape)}, neither "
-        f"the parameter's {tuple(param.shape)} nor a scalar: cannot say how it is split"
-    )
 
 
 def tied_tensors(untie_embeddings_and_output_weights: bool) -> dict[str, dict[str, Any]]:
