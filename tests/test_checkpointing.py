@@ -351,7 +351,7 @@ def _pretrain(rank, world_size, argv):
             argv=[*argv, "--num-workers", "0"],  # a daemonic pool worker cannot start DataLoader workers
             tokenizer_provider=pretrain_gpt.tokenizer_provider,
         )
-    return [losses["lm loss"] for losses in state.losses], out.getvalue()
+    return state.losses, out.getvalue()
 
 
 def _losses(pool, *argv: str) -> tuple[list[float], str]:
