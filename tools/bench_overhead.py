@@ -1,8 +1,8 @@
 """What does the framework cost at one rank? ``pretrain()`` against a plain PyTorch loop, same model.
 
 Both train the same ``GPTModel`` (TP = PP = DP = 1) with AdamW, global-norm clipping and the same
-microbatching, on the same samples read the same way (``training.batches.step_iterator``: the
-dataset's samples stacked into microbatches). The plain loop is what one would write by hand:
+microbatching, on the same samples read the same way (``training.batches.BatchStream`` in the
+training process, ``--num-workers 0``: the dataset's samples stacked into microbatches). The plain loop is what one would write by hand:
 zero_grad, forward/backward per microbatch, clip, step.
 
 The two take turns step by step: ``pretrain()`` runs its iteration, then (through its
@@ -39,7 +39,7 @@ import torch
 
 import pretrain_gpt
 from training import get_args
-from training.batches import step_iterator
+from training.batches import BatchStream
 from training.training import pretrain
 
 
@@ -61,6 +61,9 @@ class PlainLoop:
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
         )
+        self.stream = BatchStream(
+            self.dataset, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length
+        )
         self.consumed = 0
         self.seconds: list[float] = []
         self.cpu_seconds: list[float] = []
@@ -70,13 +73,11 @@ class PlainLoop:
         args = self.args
         m = args.global_batch_size // args.micro_batch_size
         start, cpu = time.perf_counter(), time.process_time()
-        batches = step_iterator(self.dataset, self.consumed, m, args.micro_batch_size, args.seq_length)
-        data = 0.0
         self.optimizer.zero_grad(set_to_none=True)
-        for _ in range(m):
-            read = time.perf_counter()
-            batch = next(batches)
-            data += time.perf_counter() - read
+        read = time.perf_counter()
+        batches = self.stream.step(self.consumed, m)
+        data = time.perf_counter() - read
+        for batch in batches:
             per_token = self.model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
             mask = batch["loss_mask"]
             loss = (per_token * mask).sum() / mask.sum() / m
@@ -168,6 +169,8 @@ def main(argv=None) -> dict:
         "--hidden-dropout",
         "0",
         "--attention-dropout",
+        "0",
+        "--num-workers",
         "0",
         *model_flags,
     ]
