@@ -321,3 +321,32 @@ def test_bad_input_is_one_line_naming_the_flag(checkpoints, capsys, tmp_path):
             generate_tool.main([*load, "--prompt", "x", *flags])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tensor_parallel_generation_under_torchrun(checkpoints, capsys):
+    """``python -m pytest -q -m slow tests/test_generate.py``: TP=2 under torchrun chooses the TP=1 tokens,
+    and a world size that does not divide the heads is one error, printed once."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+
+    def torchrun(nproc: int, *flags: str) -> subprocess.CompletedProcess:
+        command = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "tools/generate.py", *flags]
+        return subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False
+        )
+
+    for case in MODELS:
+        flags = ["--load", checkpoints[case]["tp1"], "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]
+        proc = torchrun(2, *flags, "--json")
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.strip().splitlines()
+        assert len(lines) == 1  # rank 0 prints
+        assert json.loads(lines[0])["tokens"] == _run_tool(capsys, *flags)["tokens"]
+    proc = torchrun(3, "--load", checkpoints["gpt2"]["tp1"], "--prompt", PROMPT)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("generate.py: error:")]
+    assert len(errors) == 1
+    assert "at TP 3 (each torchrun process is one tensor-parallel rank)" in errors[0]
+    assert "num_attention_heads (4) must be divisible by tensor_model_parallel_size (3)" in errors[0]

@@ -162,8 +162,14 @@ def run(args: argparse.Namespace, sampling, distributed: bool) -> dict | None:
         try:
             loaded = load_for_generation(args.load, args.ckpt_step, verify=not args.no_verify_checkpoint)
         except CheckpointError as err:
-            step = f" --ckpt-step {args.ckpt_step}" if args.ckpt_step is not None else ""
-            raise InputError(f"--load {args.load}{step}: {err}") from None
+            where = f"--load {args.load}" + (
+                f" --ckpt-step {args.ckpt_step}" if args.ckpt_step is not None else ""
+            )
+            if distributed:
+                where += (
+                    f" at TP {os.environ['WORLD_SIZE']} (each torchrun process is one tensor-parallel rank)"
+                )
+            raise InputError(f"{where}: {err}") from None
         prompt = tokenize_prompt(loaded, args)
     except InputError as err:
         error = str(err)
