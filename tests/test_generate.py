@@ -101,7 +101,7 @@ def _hf_model(case: str, vocab: int, seed: int = 0):
     return model, config
 
 
-def _write(root, hf_model, config, vocab: int, tokenizer_type: str, spm: str, tp: int = 1, pp: int = 1):
+def _write(root, hf_model, config, vocab: int, tokenizer_type: str, files, tp: int = 1, pp: int = 1):
     """The Hugging Face weights as a Trident checkpoint at TP x PP, with the tokenizer copied in."""
     config = dataclasses.replace(config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     ours = from_hf(hf_model.state_dict(), config, vocab)
@@ -116,7 +116,7 @@ def _write(root, hf_model, config, vocab: int, tokenizer_type: str, spm: str, tp
         vocab_size=vocab,
         max_sequence_length=SEQ,
         tokenizer_type=tokenizer_type,
-        tokenizer_files={"tokenizer_model": spm},
+        tokenizer_files=files if isinstance(files, dict) else {"tokenizer_model": files},
     )
     return str(root)
 
@@ -148,6 +148,43 @@ def checkpoints(spm, tmp_path_factory):
         if case == "llama-gqa":
             out[case]["tp2pp2"] = _write(root / "tp2pp2", hf_model, config, vocab, tokenizer_type, spm, 2, 2)
     return out
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_gpt2_bpe_and_hugging_face_tokenizers_travel_with_the_checkpoint(tokenizer_type, tmp_path, capsys):
+    """The files training copies in (vocab.json and merges.txt, or a tokenizer folder) rebuild the tokenizer."""
+    from argparse import Namespace
+
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from training.training import _tokenizer_record
+
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator([PROMPT] * 3 + WORDS, vocab_size=300, special_tokens=["<|endoftext|>"])
+    trainer.save_model(str(tmp_path))
+    hf_folder = str(tmp_path / "hf")
+    PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer, eos_token="<|endoftext|>").save_pretrained(
+        hf_folder
+    )
+    bpe = {"vocab_file": str(tmp_path / "vocab.json"), "merge_file": str(tmp_path / "merges.txt")}
+    flags = {
+        "tokenizer_type": tokenizer_type,
+        "tokenizer_model": None,
+        "vocab_file": None,
+        "merge_file": None,
+    }
+    flags.update(bpe if tokenizer_type == "GPT2BPETokenizer" else {"tokenizer_model": hf_folder})
+    record = _tokenizer_record(Namespace(**flags))  # what pretrain() copies into its checkpoints
+    tokenizer = build_tokenizer(
+        tokenizer_type, record["files"].get("tokenizer_model"), **{k: record["files"].get(k) for k in bpe}
+    )
+    hf_model, config = _hf_model("gpt2", tokenizer.vocab_size)
+    root = _write(tmp_path / "ckpt", hf_model, config, tokenizer.vocab_size, tokenizer_type, record["files"])
+    out = _run_tool(capsys, "--load", root, "--prompt", PROMPT, "--max-new-tokens", "4")
+    prompt = tokenizer.tokenize(PROMPT)
+    assert out["tokens"][: len(prompt)] == prompt and len(out["tokens"]) == len(prompt) + 4
+    assert out["text"] == tokenizer.detokenize(out["tokens"])
 
 
 # -- the key/value cache ------------------------------------------------------------------------------
