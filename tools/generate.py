@@ -147,7 +147,7 @@ class Stop(Exception):
     """Another rank failed and says why; this one ends quietly."""
 
 
-def run(args: argparse.Namespace, sampling, distributed: bool) -> dict | None:
+def run(args: argparse.Namespace, sampling, distributed: bool) -> dict:
     """Load, tokenize and generate; the result for printing, on every rank."""
     import torch
 
@@ -173,6 +173,10 @@ def run(args: argparse.Namespace, sampling, distributed: bool) -> dict | None:
         prompt = tokenize_prompt(loaded, args)
     except InputError as err:
         error = str(err)
+    except Exception as err:  # a bug: its traceback in one process; under torchrun no rank may wait for it
+        if not distributed:
+            raise
+        error = f"loading {args.load} failed: {type(err).__name__}: {err}"
     failed = _first_failure(error) if distributed else (None if error is None else 0)
     if failed is not None:
         raise InputError(error) if failed == int(os.environ.get("RANK", "0")) else Stop()
