@@ -538,9 +538,8 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     losses = {e.step: e.value for e in events.Scalars("lm loss")}
-    assert sorted(losses) == [2, 3] and losses[3] == pytest.approx(
-        state.losses[-1]["lm loss"], rel=1e-6
-    )  # 1 was NaN
+    # step 1 was NaN
+    assert sorted(losses) == [2, 3] and losses[3] == pytest.approx(state.losses[-1]["lm loss"], rel=1e-6)
     assert [e.step for e in events.Scalars("validation/lm loss")] == [1, 2, 3]
     # The check can fail: before the run, the flags only the training loop reads are unread.
     partial = RecordingNamespace()

@@ -134,7 +134,7 @@ def _run_tool(capsys, *flags: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(spm, tmp_path_factory):
-    """Per model: the Hugging Face model and its checkpoint at TP1 (and, for LLaMA, at TP2 x PP2)."""
+    """Per model: the Hugging Face model and its checkpoint at TP1 and at TP2 x PP2."""
     vocab = build_tokenizer("GPTSentencePieceTokenizer", spm).vocab_size
     out = {}
     for case, (_, _, _, tokenizer_type) in MODELS.items():
@@ -145,8 +145,7 @@ def checkpoints(spm, tmp_path_factory):
             "tp1": _write(root / "tp1", hf_model, config, vocab, tokenizer_type, spm),
             "tokenizer": build_tokenizer(tokenizer_type, spm),
         }
-        if case == "llama-gqa":
-            out[case]["tp2pp2"] = _write(root / "tp2pp2", hf_model, config, vocab, tokenizer_type, spm, 2, 2)
+        out[case]["tp2pp2"] = _write(root / "tp2pp2", hf_model, config, vocab, tokenizer_type, spm, 2, 2)
     return out
 
 
@@ -250,8 +249,11 @@ def test_greedy_tool_output_equals_hugging_face_generate(case, checkpoints):
         assert [v for _, v in step] == sorted((v for _, v in step), reverse=True)
 
 
-def test_a_tp2_pp2_checkpoint_generates_what_tp1_generates(checkpoints, capsys):
-    entry = checkpoints["llama-gqa"]
+@pytest.mark.parametrize("case", list(MODELS))
+def test_a_tp2_pp2_checkpoint_generates_what_tp1_generates(case, checkpoints, capsys):
+    """Resharded in memory: vocabulary re-padded (300 -> 512 rows at TP2, 384 at TP1), GPT-2's tied
+    output layer stored on the last pipeline rank and LLaMA's untied one."""
+    entry = checkpoints[case]
     flags = ["--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]
     tp1 = _run_tool(capsys, "--load", entry["tp1"], *flags)
     tp2pp2 = _run_tool(capsys, "--load", entry["tp2pp2"], *flags)
