@@ -689,7 +689,8 @@ def _tokenizer_record(args) -> dict | None:
     """What the checkpoint copies of the tokenizer: its type, files and (NullTokenizer) vocabulary size."""
     if not getattr(args, "tokenizer_type", None):
         return None
-    files = {"tokenizer_model": args.tokenizer_model} if args.tokenizer_model else {}
+    roles = ("tokenizer_model", "vocab_file", "merge_file")  # GPT2BPETokenizer has the last two
+    files = {role: getattr(args, role) for role in roles if getattr(args, role, None)}
     record = {"type": args.tokenizer_type, "files": files}
     if args.tokenizer_type == "NullTokenizer":
         record["vocab_size"] = args.vocab_size

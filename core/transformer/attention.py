@@ -21,6 +21,7 @@ from torch import nn
 
 from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_world_size
 from core.transformer.dropout import sharded_rng
+from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, mark_init
 from core.transformer.recompute import checkpoint
 from core.transformer.rope import apply_rotary
@@ -40,16 +41,20 @@ def core_attention(
     """``softmax(q k^T / sqrt(d)) v`` over ``[b, heads, s, d]``, causal, with dropout on the probabilities.
 
     ``attention_mask`` is Megatron's: boolean, True where attention is NOT allowed, broadcastable to
-    ``[b, heads, s, s]``; it is combined with the causal mask. The probabilities are sharded by head,
+    ``[b, heads, s, s]``; it is combined with the causal mask. With fewer queries than keys (cached
+    decoding) the queries are the last positions: query ``i`` sees keys up to ``i + keys - queries``.
+    The probabilities are sharded by head,
     so their dropout draws from this TP rank's own stream. ``softmax_in_fp32`` (Megatron's
     ``--attention-softmax-in-fp32``) takes 16-bit inputs through :func:`_attention_softmax_in_fp32`.
     """
-    if attention_mask is None:
+    queries, keys = query.shape[-2], key.shape[-2]
+    if attention_mask is None and queries == keys:
         mask, causal = None, True
     else:
-        seq = query.shape[-2]
-        allowed = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
-        mask, causal = allowed & ~attention_mask.bool(), False
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+        if attention_mask is not None:
+            mask = mask & ~attention_mask.bool()
+        causal = False
     if softmax_in_fp32 and query.dtype in (torch.float16, torch.bfloat16):
         return _attention_softmax_in_fp32(query, key, value, mask, dropout_p)
     if dropout_p == 0.0:
@@ -138,12 +143,21 @@ class SelfAttention(nn.Module):
         return query, per_group[:, :, n], per_group[:, :, n + 1]
 
     def forward(
-        self, hidden: torch.Tensor, rotary: Rotary = None, attention_mask: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        rotary: Rotary = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
+        """``inference_context`` (generation only): cache this call's keys and values and attend over
+        every cached position; ``hidden`` then holds only the new tokens."""
         mixed, _ = self.linear_qkv(hidden)
         query, key, value = self.split_qkv(mixed)
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        if inference_context is not None:
+            key, value = inference_context.store(self.layer_number, key, value)
         if self.heads_per_group > 1:  # each key/value head serves its group's query heads
             key = einops.repeat(key, "b g s d -> b (g n) s d", n=self.heads_per_group)
             value = einops.repeat(value, "b g s d -> b (g n) s d", n=self.heads_per_group)

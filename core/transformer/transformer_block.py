@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from core.transformer.attention import Rotary
+from core.transformer.inference_context import InferenceContext
 from core.transformer.norms import build_norm
 from core.transformer.recompute import checkpoint
 from core.transformer.transformer_config import TransformerConfig
@@ -45,8 +46,18 @@ class TransformerBlock(nn.Module):
         return checkpointed + ([(rest, False)] if rest else [])
 
     def forward(
-        self, hidden: torch.Tensor, rotary: Rotary = None, attention_mask: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        rotary: Rotary = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
+        """``inference_context``: generation with a key/value cache (no recomputation: no backward)."""
+        if inference_context is not None:
+            for layer in self.layers.values():
+                hidden = layer(hidden, rotary, attention_mask, inference_context=inference_context)
+            return hidden if self.final_layernorm is None else self.final_layernorm(hidden)
         for layers, recompute in self._segments():
 
             def run(x: torch.Tensor, rot: Rotary, mask: torch.Tensor | None, layers=layers) -> torch.Tensor:

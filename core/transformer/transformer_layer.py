@@ -7,6 +7,7 @@ from torch import nn
 
 from core.transformer.attention import Rotary, SelfAttention
 from core.transformer.dropout import dropout
+from core.transformer.inference_context import InferenceContext
 from core.transformer.mlp import MLP
 from core.transformer.norms import build_norm
 from core.transformer.transformer_config import TransformerConfig
@@ -34,9 +35,16 @@ class TransformerLayer(nn.Module):
         )
 
     def forward(
-        self, hidden: torch.Tensor, rotary: Rotary = None, attention_mask: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        rotary: Rotary = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (``[s / tp, b, h]`` both ways under sequence parallelism)."""
-        attended = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
+        attended = self.self_attention(
+            self.input_layernorm(hidden), rotary, attention_mask, inference_context=inference_context
+        )
         hidden = hidden + self._residual_dropout(attended)
         return hidden + self._residual_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))

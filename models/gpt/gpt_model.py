@@ -24,6 +24,7 @@ from torch import nn
 from core import parallel_state
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
 from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
+from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, initialize_by_name, mark_init
 from core.transformer.rope import RotaryEmbedding
 from core.transformer.transformer_block import TransformerBlock
@@ -237,12 +238,18 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        *,
+        inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
         """Hidden ``[s, b, h]`` from a non-last stage; on the last, per-token loss ``[b, s]`` (fp32) given
         ``labels``, else logits ``[b, s, padded_vocab / tp]`` (padding entries are -inf).
 
         ``attention_mask`` is Megatron's boolean "True = masked" mask; causality is always applied.
+        ``inference_context`` (generation): the input holds only tokens after the cached ones, whose
+        positions default to follow them; the caller advances the context after the last stage.
         """
+        if inference_context is not None and position_ids is None:
+            position_ids = self._cached_positions(input_ids, inference_context)
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         elif self.input_tensor is None:
@@ -251,7 +258,9 @@ class GPTModel(nn.Module):
             )
         else:
             hidden = self.input_tensor
-        hidden = self.decoder(hidden, self._rotary(hidden, position_ids), attention_mask)
+        hidden = self.decoder(
+            hidden, self._rotary(hidden, position_ids), attention_mask, inference_context=inference_context
+        )
         if not self.post_process:
             return hidden
         logits, _ = self.output_layer(hidden, weight=self._output_weight())
@@ -260,6 +269,18 @@ class GPTModel(nn.Module):
             return einops.rearrange(logits, "s b v -> b s v").contiguous()
         loss = vocab_parallel_cross_entropy(logits.float(), einops.rearrange(labels, "b s -> s b"))
         return einops.rearrange(loss, "s b -> b s").contiguous()
+
+    def _cached_positions(self, input_ids: torch.Tensor | None, context: InferenceContext) -> torch.Tensor:
+        """Positions ``[1, s]`` of the new tokens, which follow the ones ``context`` holds."""
+        if self.config.sequence_parallel:
+            raise ValueError("generation with an inference_context needs sequence_parallel=False")
+        if self.pre_process:
+            return context.positions(input_ids.shape[1], input_ids.device).unsqueeze(0)
+        if self.input_tensor is None:
+            raise RuntimeError(
+                "GPTModel without pre_process got no input: call set_input_tensor([hidden]) first"
+            )
+        return context.positions(self.input_tensor.shape[0], self.input_tensor.device).unsqueeze(0)
 
     def _rotary(
         self, hidden: torch.Tensor, position_ids: torch.Tensor | None
