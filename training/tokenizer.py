@@ -32,21 +32,12 @@ import math
 import os
 
 
-class GPTSentencePieceTokenizer:
-    """SentencePiece as Megatron's ``_GPTSentencePieceTokenizer``: raw ids, ``eod`` is ``eos``."""
+class _VocabTable:
+    """Megatron's ``vocab``, ``inv_vocab`` and ``vocab_size`` over a piece-to-id table."""
 
-    def __init__(self, model_file: str | os.PathLike) -> None:
-        import sentencepiece
-
-        if not os.path.isfile(model_file):
-            raise FileNotFoundError(f"SentencePiece model {model_file} not found (--tokenizer-model)")
-        self.model_file = os.fspath(model_file)
-        self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=self.model_file)
-        self._vocab = {self.tokenizer.id_to_piece(i): i for i in range(len(self.tokenizer))}
-        self._inv_vocab = {i: p for p, i in self._vocab.items()}
-        self._pad_id = self.tokenizer.pad_id()
-        self._bos_id = self.tokenizer.bos_id()
-        self._eos_id = self.tokenizer.eos_id()
+    def _set_vocab(self, vocab: dict[str, int]) -> None:
+        self._vocab = vocab
+        self._inv_vocab = {i: piece for piece, i in vocab.items()}
 
     @property
     def vocab_size(self) -> int:
@@ -60,6 +51,22 @@ class GPTSentencePieceTokenizer:
     @property
     def inv_vocab(self) -> dict[int, str]:
         return self._inv_vocab
+
+
+class GPTSentencePieceTokenizer(_VocabTable):
+    """SentencePiece as Megatron's ``_GPTSentencePieceTokenizer``: raw ids, ``eod`` is ``eos``."""
+
+    def __init__(self, model_file: str | os.PathLike) -> None:
+        import sentencepiece
+
+        if not os.path.isfile(model_file):
+            raise FileNotFoundError(f"SentencePiece model {model_file} not found (--tokenizer-model)")
+        self.model_file = os.fspath(model_file)
+        self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=self.model_file)
+        self._set_vocab({self.tokenizer.id_to_piece(i): i for i in range(len(self.tokenizer))})
+        self._pad_id = self.tokenizer.pad_id()
+        self._bos_id = self.tokenizer.bos_id()
+        self._eos_id = self.tokenizer.eos_id()
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS or EOS."""
@@ -218,7 +225,7 @@ class Llama2Tokenizer(GPTSentencePieceTokenizer):
         return [self._bos_id] * bos + ids + [self._eos_id] * eos
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(_VocabTable):
     """GPT-2's byte-level BPE, as Megatron's ``_GPT2BPETokenizer``, from vocab.json and merges.txt."""
 
     def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> None:
@@ -231,26 +238,14 @@ class GPT2BPETokenizer:
                 raise FileNotFoundError(f"GPT-2 BPE file {path} not found ({flag})")
         self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
         with open(vocab_file, encoding="utf-8") as f:
-            self._vocab: dict[str, int] = json.load(f)
-        if "<|endoftext|>" not in self._vocab:
+            vocab: dict[str, int] = json.load(f)
+        if "<|endoftext|>" not in vocab:
             raise ValueError(f"{vocab_file} has no '<|endoftext|>' token, GPT-2's end of document")
         self.tokenizer = Tokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
         self.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self.tokenizer.decoder = decoders.ByteLevel()
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
-        self._eod_id = self._vocab["<|endoftext|>"]
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
+        self._set_vocab(vocab)
+        self._eod_id = vocab["<|endoftext|>"]
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -266,7 +261,7 @@ class GPT2BPETokenizer:
     bos = pad = cls = sep = mask = property(lambda self: -1)
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_VocabTable):
     """``transformers.AutoTokenizer`` from a local folder, as Megatron's ``_HuggingFaceTokenizer``."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
@@ -287,20 +282,11 @@ class HuggingFaceTokenizer:
             raise ValueError(
                 f"the tokenizer in {folder} has no eos token, which Megatron uses as end of document"
             )
-        self._vocab = self.tokenizer.get_vocab()
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._set_vocab(self.tokenizer.get_vocab())
 
     @property
     def vocab_size(self) -> int:
-        return len(self.tokenizer)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
+        return len(self.tokenizer)  # with added tokens, which get_vocab() may not list
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
