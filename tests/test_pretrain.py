@@ -102,10 +102,22 @@ SPLITS = {
 }
 
 
-def test_every_split_trains_the_same_loss_curve(cache, tmp_path):
+def test_splits_train_the_same_loss_curve(cache, tmp_path):
+    """Same seed and global batch, fp32, dropout off: TP2 x PP2 and PP2 x VPP2 give TP1's losses."""
+    _check_splits(cache, tmp_path, ["TP2PP2", "PP2VPP2"])
+
+
+@pytest.mark.slow
+def test_more_splits_train_the_same_loss_curve(cache, tmp_path):
+    """The rest of the sweep, 4 ranks each: PP4, and PP2 x DP2."""
+    _check_splits(cache, tmp_path, ["PP4", "PP2DP2"])
+
+
+def _check_splits(cache, tmp_path, names: list[str]) -> None:
     """Same seed and global batch, fp32, dropout off: the same losses whatever the TP x PP x DP split."""
     curves = {}
-    for name, (nproc, flags) in SPLITS.items():
+    for name in ["TP1PP1DP1", *names]:
+        nproc, flags = SPLITS[name]
         out = tmp_path / name
         torchrun(
             nproc,

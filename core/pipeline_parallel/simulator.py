@@ -223,7 +223,7 @@ def check_rendezvous(comm_logs: list[list[tuple]]) -> None:
     """Would these posting orders finish under NCCL's rules? Raises ``ScheduleDeadlock`` if not.
 
     ``comm_logs[r]`` is rank r's posting order (:func:`comm_logs` of complete tables, or a run's
-    ``ScheduleRecord.comm_log``): ``("post", stream, ops)`` for one ``batch_isend_irecv`` (``ops``
+    ``ScheduleRecord.comm_log``): ``("post", stream, ops)`` for one posted batch (``ops``
     are ``(is_send, peer, message key)``) and ``("wait", key)`` where the rank blocks until the
     batch receiving ``key`` is done. The rules are the strictest a backend may apply: batches with
     the same ``stream`` run one after another; a batch starts only after the rank's earlier waits
