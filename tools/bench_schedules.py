@@ -6,8 +6,8 @@ evenly over its virtual chunks. The costs are sleeps inside autograd nodes place
 (the input-gradient node on the path from the stage's input, the weight-gradient node on a branch
 from a parameter), so the zero-bubble split runs each half where it belongs: no compute noise,
 tiny tensors. As in any model, the first stage's input needs no gradient, so its input-gradient
-half runs inside its W. The stage's own few operations are measured once per rank and taken off
-its sleeps (``stage_overhead``; ``--no-calibrate`` keeps the full sleeps). The ideal is the
+half runs inside its W. A stage's costs count from the moment it starts (``StageClock``), so its
+own few operations are inside them. The ideal is the
 simulator's makespan of the same complete tables with those costs and free communication, so
 ``measured / ideal`` is the engine's own overhead: communication latency, Python, waiting.
 
@@ -50,34 +50,54 @@ CONFIG_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "1f1b", "zb-
 PRECISE = True
 
 
-def busy(seconds: float) -> None:
-    """Take ``seconds``: a sleep, finished by a short spin when ``PRECISE``.
+class StageClock:
+    """Where a synthetic stage's costs count from, so that its own few operations fall inside them.
 
-    ``time.sleep`` overshoots by about 0.5 ms on these virtual machines, which would be charged to
-    the schedule as overhead (5 % of a 10 ms chunk); the spin makes the cost what the ideal assumes.
+    After a pause (between pipeline actions, other ranks on the core) even a tiny tensor operation
+    costs tens of microseconds on these 2-core machines, and the stage's dozen of them add about
+    half a millisecond a chunk: 5 % of a 10 ms chunk that the ideal does not have, charged to the
+    engine. So the forward's cost counts from the moment the stage's forward starts, and a
+    backward's from the moment autograd reaches the stage's output node; everything the engine does
+    outside the stage is still measured. ``mark`` is that moment (None: count from the cost node).
+    """
+
+    __slots__ = ("mark",)
+
+    def __init__(self) -> None:
+        self.mark: float | None = time.perf_counter()
+
+
+def spend(clock: StageClock, seconds: float, *, keep_mark: bool = False) -> None:
+    """Take ``seconds`` from ``clock.mark`` (a sleep, then a short spin to the deadline).
+
+    ``time.sleep`` alone overshoots by about 0.5 ms on these virtual machines. ``keep_mark`` leaves
+    the deadline as the mark, for the cost node that runs next in the same backward. With
+    ``PRECISE`` off it is a plain ``time.sleep(seconds)`` from wherever the node starts.
     """
     if not PRECISE:
         time.sleep(seconds)
         return
-    deadline = time.perf_counter() + seconds
-    if seconds > 0.002:
-        time.sleep(seconds - 0.0015)
+    start = time.perf_counter() if clock.mark is None else clock.mark
+    deadline = start + seconds
+    remaining = deadline - time.perf_counter()
+    if remaining > 0.002:
+        time.sleep(remaining - 0.0015)
     while time.perf_counter() < deadline:
         pass
+    clock.mark = deadline if keep_mark else None
 
 
 class _InputPath(torch.autograd.Function):
-    """Identity on the input's path: its forward costs F, its backward the input-gradient half."""
+    """Identity on the input's path: its backward costs the input-gradient half."""
 
     @staticmethod
-    def forward(ctx, x, forward_s, input_s):
-        ctx.input_s = input_s
-        busy(forward_s)
+    def forward(ctx, x, clock, input_s):
+        ctx.clock, ctx.input_s = clock, input_s
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        busy(ctx.input_s)
+        spend(ctx.clock, ctx.input_s)
         return grad, None, None
 
 
@@ -85,19 +105,38 @@ class _WeightPath(torch.autograd.Function):
     """Identity on a parameter's branch: its backward costs the weight-gradient half."""
 
     @staticmethod
-    def forward(ctx, weight, weight_s):
-        ctx.weight_s = weight_s
+    def forward(ctx, weight, clock, weight_s):
+        ctx.clock, ctx.weight_s = clock, weight_s
         return weight.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        busy(ctx.weight_s)
-        return grad, None
+        spend(ctx.clock, ctx.weight_s, keep_mark=True)  # a fused backward's input half follows
+        return grad, None, None
 
 
-def _stage_output(x, weight, costs):
+class _Output(torch.autograd.Function):
+    """The sum of the two paths; where a backward (or a W replaying the join) starts the clock."""
+
+    @staticmethod
+    def forward(ctx, x, weight, clock):
+        ctx.clock = clock
+        return x + weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.mark = time.perf_counter()
+        return grad, grad, None
+
+
+def _stage_output(x, weight, costs, clock: StageClock):
+    """The stage's output; its forward costs F in all, counted from ``clock``'s mark."""
     forward_s, input_s, weight_s = costs
-    return _InputPath.apply(x, forward_s, input_s) + _WeightPath.apply(weight, weight_s)
+    out = _Output.apply(
+        _InputPath.apply(x, clock, input_s), _WeightPath.apply(weight, clock, weight_s), clock
+    )
+    spend(clock, forward_s)  # last, so that the operations above are inside the forward's cost
+    return out
 
 
 class SleepStage(torch.nn.Module):
@@ -107,7 +146,7 @@ class SleepStage(torch.nn.Module):
         super().__init__()
         self.config, self.vp_stage, self.costs = config, vp_stage, costs
         self.pre_process, self.post_process = first, last
-        self.embedding = torch.nn.Parameter(torch.ones(HIDDEN))
+        self.embedding = torch.nn.Parameter(torch.ones(SEQ, BATCH, HIDDEN))
         self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
         self.input_tensor = None
 
@@ -115,8 +154,9 @@ class SleepStage(torch.nn.Module):
         self.input_tensor = tensors[0]
 
     def forward(self):
-        x = self.embedding.expand(SEQ, BATCH, HIDDEN) if self.pre_process else self.input_tensor
-        return _stage_output(x, self.weight, self.costs)
+        clock = StageClock()
+        x = self.embedding if self.pre_process else self.input_tensor
+        return _stage_output(x, self.weight, self.costs, clock)
 
 
 class _TorchSleepStage(torch.nn.Module):
@@ -130,13 +170,14 @@ class _TorchSleepStage(torch.nn.Module):
     def __init__(self, costs, first: bool):
         super().__init__()
         self.costs, self.first = costs, first
-        self.embedding = torch.nn.Parameter(torch.ones(HIDDEN))
+        self.embedding = torch.nn.Parameter(torch.ones(SEQ, BATCH, HIDDEN))
         self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
 
     def forward(self, x):
+        clock = StageClock()
         if self.first:
-            x = self.embedding.expand(SEQ, BATCH, HIDDEN)
-        return _stage_output(x, self.weight, self.costs)
+            x = self.embedding
+        return _stage_output(x, self.weight, self.costs, clock)
 
 
 def _torch_schedule(schedule, vpp, m, rank, world, costs):
@@ -208,42 +249,6 @@ def _costs(args, vpp: int) -> tuple[float, float, float]:
     return tuple(ms / 1000 / vpp for ms in (args.forward_ms, args.input_ms, args.weight_ms))
 
 
-def stage_overhead(repeats: int = 21, pause_s: float = 0.01) -> tuple[float, float]:
-    """Seconds the synthetic stage itself takes beyond its sleeps: (forward, fused backward).
-
-    Its few tiny tensor operations and autograd nodes cost little on a warm CPU, but after a pause
-    (as between pipeline actions, when other ranks ran on the core) they cost about half a
-    millisecond each way on these 2-core machines: 3-5 % of a 10 ms chunk, which the ideal does
-    not have. It is measured here the same way (a pause, then the stage with zero sleeps; medians)
-    and taken off the sleeps, so that a stage costs what the ideal assumes, in both engines. The
-    engines' own work (the split backward's mechanics included) is not part of it.
-    """
-    weight = torch.nn.Parameter(torch.ones(HIDDEN))
-    forward, backward = [], []
-    for _ in range(repeats):
-        x = torch.ones(SEQ, BATCH, HIDDEN, requires_grad=True)
-        time.sleep(pause_s)
-        start = time.perf_counter()
-        out = _stage_output(x, weight, (0.0, 0.0, 0.0))
-        forward.append(time.perf_counter() - start)
-        grad = torch.ones_like(out)
-        time.sleep(pause_s)
-        start = time.perf_counter()
-        torch.autograd.backward(out, grad)
-        backward.append(time.perf_counter() - start)
-    return statistics.median(forward), statistics.median(backward)
-
-
-def _sleeps(costs: tuple[float, float, float], overhead: tuple[float, float]) -> tuple[float, float, float]:
-    """The sleeps that make a stage cost ``costs``: its own overhead off (the backward's half each)."""
-    forward_s, input_s, weight_s = costs
-    return (
-        max(0.0, forward_s - overhead[0]),
-        max(0.0, input_s - overhead[1] / 2),
-        max(0.0, weight_s - overhead[1] / 2),
-    )
-
-
 def _worker(rank, world, init_file, cases, args, out_queue):
     from core.pipeline_parallel.executor import ScheduleRecord
 
@@ -254,8 +259,6 @@ def _worker(rank, world, init_file, cases, args, out_queue):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from core import parallel_state as ps
 
-    overhead = stage_overhead() if args.calibrate else (0.0, 0.0)
-
     # The engines take turns step by step on the same case, so a noisy stretch of the machine hits
     # both alike (the comparison is within the run, as the ratios are).
     times: dict[tuple, list[float]] = {case: [] for case in cases}
@@ -264,9 +267,9 @@ def _worker(rank, world, init_file, cases, args, out_queue):
         engines = [e for e, s, v, mb in cases if (s, v, mb) == (schedule, vpp, m)]
         record = ScheduleRecord()  # filled by the warm-up step only: timed steps record nothing
         steps = {
-            e: _trident_schedule(schedule, vpp, m, rank, world, _sleeps(_costs(args, vpp), overhead))
+            e: _trident_schedule(schedule, vpp, m, rank, world, _costs(args, vpp))
             if e == "trident"
-            else _torch_schedule(schedule, vpp, m, rank, world, _sleeps(_costs(args, vpp), overhead))
+            else _torch_schedule(schedule, vpp, m, rank, world, _costs(args, vpp))
             for e in engines
         }
         for i in range(args.steps + 1):
@@ -287,7 +290,7 @@ def _worker(rank, world, init_file, cases, args, out_queue):
             peaks[(schedule, vpp, m)] = int(peak.item())
             ps.destroy_model_parallel()
     if rank == 0:
-        out_queue.put(([times[case] for case in cases], peaks, overhead))
+        out_queue.put(([times[case] for case in cases], peaks))
     dist.destroy_process_group()
 
 
@@ -375,13 +378,8 @@ def main(argv=None) -> dict:
         "--sleep",
         choices=["precise", "plain"],
         default="precise",
-        help="precise: sleep, then spin to the deadline; plain: time.sleep alone",
-    )
-    parser.add_argument(
-        "--no-calibrate",
-        dest="calibrate",
-        action="store_false",
-        help="sleep the full costs, without taking the synthetic stage's own overhead off",
+        help="precise: costs count from the stage's start (StageClock), a sleep then a spin to the "
+        "deadline; plain: time.sleep of each cost alone",
     )
     args = parser.parse_args(argv)
     pp = args.pipeline_model_parallel_size
@@ -394,16 +392,11 @@ def main(argv=None) -> dict:
         for e in engines
         if not (v > 1 and s != "zbv" and (m % pp or m < pp))
     ]
-    results, peaks, overhead = _run(args, cases)
+    results, peaks = _run(args, cases)
     print(
         f"PP={pp}, per microbatch and rank: forward {args.forward_ms} ms, input gradient {args.input_ms} ms, "
         f"weight gradient {args.weight_ms} ms; median of {args.steps} steps, {args.sleep} sleep"
     )
-    if args.calibrate:
-        print(
-            f"the synthetic stage's own overhead, taken off its sleeps (rank 0, cold): forward "
-            f"{overhead[0] * 1000:.2f} ms, backward {overhead[1] * 1000:.2f} ms"
-        )
     print(
         f"{'engine':<9}{'schedule':<22}{'m':>4}{'ideal ms':>10}{'median ms':>11}{'min ms':>9}"
         f"{'ratio':>8}{'peak':>6}"
@@ -441,7 +434,6 @@ def main(argv=None) -> dict:
         "input_ms": args.input_ms,
         "weight_ms": args.weight_ms,
         "steps": args.steps,
-        "stage_overhead_ms": [round(o * 1000, 3) for o in overhead],
         "load": os.getloadavg()[0],
         "results": rows,
     }
