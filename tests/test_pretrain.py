@@ -342,6 +342,39 @@ def test_nan_steps_are_counted_skipped_and_stop_the_run(cache, tmp_path):
     assert " iteration        4/" not in out  # no step after the third skip is logged
 
 
+def test_an_fp16_nan_loss_backs_the_loss_scale_off(cache, tmp_path):
+    """fp16: a NaN loss still reaches the optimizer step, whose overflow check backs the scale off
+    (Megatron's behaviour); the iteration is a NaN iteration and counts towards the limit."""
+    done = torchrun(
+        1,
+        SMALL
+        + [
+            "--fp16",
+            "--initial-loss-scale",
+            "4096",
+            "--hysteresis",
+            "1",
+            "--train-iters",
+            "30",
+            "--lr",
+            "1e30",
+            "--lr-warmup-iters",
+            "0",
+            "--max-consecutive-skipped-iterations",
+            "3",
+        ],
+        cache,
+        check=False,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    lines = [line for line in out.splitlines() if " iteration " in line and "loss scale:" in line]
+    scales = [float(line.split("loss scale:")[1].split("|")[0]) for line in lines]
+    assert scales == [4096.0, 2048.0, 1024.0], out[-3000:]
+    assert "number of skipped iterations:   2 | number of nan iterations:   2 |" in out
+    assert "RuntimeError: 3 consecutive iterations had a NaN/inf loss or gradient" in out
+
+
 # pretrain() in-process: it tears down the groups it set up (gloo aborts a process whose groups outlive
 # the interpreter: "terminate called without an active exception"), and keeps a world the caller started.
 IN_PROCESS = """

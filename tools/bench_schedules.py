@@ -7,9 +7,9 @@ evenly over its virtual chunks. The costs are sleeps inside autograd nodes place
 from a parameter), so the zero-bubble split runs each half where it belongs: no compute noise,
 tiny tensors. As in any model, the first stage's input needs no gradient, so its input-gradient
 half runs inside its W. A stage's costs count from the moment it starts (``StageClock``), so its
-own few operations are inside them. The ideal is the
-simulator's makespan of the same complete tables with those costs and free communication, so
-``measured / ideal`` is the engine's own overhead: communication latency, Python, waiting.
+own few operations are inside them. The ideal is the simulator's makespan of the same complete
+tables with those costs and free communication, so ``measured / ideal`` is the engine's own
+overhead: communication latency, Python, waiting.
 
 PyTorch's ``torch.distributed.pipelining`` runs the same stages with its own schedules (GPipe, 1F1B,
 interleaved 1F1B, ``ScheduleInterleavedZeroBubble`` for ZB-H1 and its interleaved form,

@@ -324,7 +324,9 @@ def _train_step(
 
     A step is skipped for a NaN/Inf loss or gradient norm (counted as a NaN iteration, and towards
     ``--max-consecutive-skipped-iterations``), or for an fp16 loss-scale overflow (a skipped
-    iteration only: the scaler backs off and training goes on, as in Megatron).
+    iteration only: the scaler backs off and training goes on, as in Megatron). Under fp16 a NaN/Inf
+    loss still goes through the optimizer step, whose overflow check finds the gradients it made
+    and backs the scale off, as Megatron's does; the iteration counts as a NaN iteration.
     ``record``: a ``ScheduleRecord`` the schedule fills (the timeline's iterations).
     """
     iteration = state.iteration + 1
@@ -345,7 +347,7 @@ def _train_step(
             f"loss is {losses} at iteration {state.iteration + 1} (--check-for-nan-in-loss-and-grad)"
         )
     applied, grad_norm, num_zeros, overflow = False, None, None, False
-    if not bad_loss:
+    if not bad_loss or optimizer.grad_scaler is not None:
         faults.phase("the optimizer step (gradient-norm all-reduce)", iteration)
         applied, grad_norm, num_zeros = optimizer.step()
         overflow = not applied and optimizer.last_step_overflowed
@@ -356,7 +358,7 @@ def _train_step(
             )
     if applied:
         state.consecutive_skipped = 0
-    elif overflow:
+    elif overflow and not bad_loss:
         state.skipped_iterations += 1
     else:
         state.skipped_iterations += 1

@@ -4,11 +4,11 @@ Zero-bubble schedules send the gradient of a stage's input upstream as soon as t
 compute the gradients of its weights whenever the rank would otherwise idle (``W``). Both halves
 run on the autograd graph the forward built; nothing is recomputed:
 
-* ``I`` runs ``torch.autograd.grad`` from the stage's output to its input only, graph retained.
+* ``I`` runs a ``torch.autograd.grad`` from the stage's output to its input only, graph retained.
   Autograd then evaluates just the input-gradient path. Where that path meets a weight's branch
   (the matmul node of a linear layer, the node of a layer norm...) a hook keeps the gradient
   arriving at that node: the *intermediate* gradients.
-* ``W`` runs ``torch.autograd.backward`` from those nodes, with the kept gradients, into the
+* ``W`` runs a ``torch.autograd.backward`` from those nodes, with the kept gradients, into the
   parameters only. Gradients accumulate into ``.grad`` as in any backward, and every
   ``register_post_accumulate_grad_hook`` fires, so a data-parallel wrapper that moves gradients
   into its buckets from those hooks sees a bucket become ready after its W, unchanged.
@@ -40,7 +40,14 @@ _ENGINE_RUN_BACKWARD = getattr(
 )
 
 
-def _run_engine(roots, grads, *, inputs=(), retain_graph: bool = False, accumulate: bool = True):
+def _run_engine(
+    roots: list[GradientEdge],
+    grads: list[torch.Tensor],
+    *,
+    inputs: list[torch.Tensor] = (),
+    retain_graph: bool = False,
+    accumulate: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
     """Autograd's engine from gradient edges ``roots`` with ``grads``; returns the ``inputs``' gradients
     when not ``accumulate`` (``torch.autograd.grad``), else accumulates into leaves (``backward``).
 
