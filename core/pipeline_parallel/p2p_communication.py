@@ -54,11 +54,8 @@ class PipelineLinks:
         self.pp_rank, self.global_ranks = pp_rank, list(global_ranks)
         self.groups = groups
         self.record: Callable[[Link, bool, int, object], None] | None = None
-        mine = {link: group for link, group in groups.items() if pp_rank in link}
-        self.batched = {link: dist.get_backend(group) == "nccl" for link, group in mine.items()}
-        self.group_peer = {  # the other end's rank within the link's own group
-            (src, dst): dist.get_group_rank(group, self.global_ranks[dst if src == pp_rank else src])
-            for (src, dst), group in mine.items()
+        self.batched = {
+            link: dist.get_backend(group) == "nccl" for link, group in groups.items() if pp_rank in link
         }
 
     @classmethod
@@ -98,13 +95,11 @@ class PipelineLinks:
                 file=sys.stderr,
                 flush=True,
             )
-        op, tag = (dist.isend if is_send else dist.irecv), _TAG[(kind, part)]
+        op, tag, other = (dist.isend if is_send else dist.irecv), _TAG[(kind, part)], self.global_ranks[peer]
         if self.batched[link]:
-            (work,) = dist.batch_isend_irecv([dist.P2POp(op, tensor, self.global_ranks[peer], group, tag)])
+            (work,) = dist.batch_isend_irecv([dist.P2POp(op, tensor, other, group, tag)])
             return work
-        if is_send:
-            return dist.isend(tensor, group=group, group_dst=self.group_peer[link], tag=tag)
-        return dist.irecv(tensor, group=group, group_src=self.group_peer[link], tag=tag)
+        return op(tensor, other, group=group, tag=tag)
 
 
 def is_single_shape(x) -> bool:
