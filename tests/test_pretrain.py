@@ -313,11 +313,13 @@ def test_bf16_tracks_fp32(cache, tmp_path):
     assert curves["bf16"][50] < curves["bf16"][1]
 
 
-def test_nan_steps_are_counted_skipped_and_stop_the_run(cache, tmp_path):
-    """An absurd learning rate blows the weights up after one step: later steps are NaN, skipped, then fatal."""
+def _blow_up(cache, flags: tuple[str, ...] = ()) -> str:
+    """Train with an absurd learning rate (the weights blow up after one step) until 3 consecutive
+    skipped steps stop the run; its output."""
     done = torchrun(
         1,
         SMALL
+        + list(flags)
         + [
             "--train-iters",
             "30",
@@ -331,8 +333,13 @@ def test_nan_steps_are_counted_skipped_and_stop_the_run(cache, tmp_path):
         cache,
         check=False,
     )
-    out = done.stdout + done.stderr
     assert done.returncode != 0
+    return done.stdout + done.stderr
+
+
+def test_nan_steps_are_counted_skipped_and_stop_the_run(cache, tmp_path):
+    """An absurd learning rate blows the weights up after one step: later steps are NaN, skipped, then fatal."""
+    out = _blow_up(cache)
     assert "number of skipped iterations:   1 | number of nan iterations:   1 |" in out, out[-3000:]
     assert "number of skipped iterations:   2 | number of nan iterations:   2 |" in out
     assert (
@@ -345,29 +352,7 @@ def test_nan_steps_are_counted_skipped_and_stop_the_run(cache, tmp_path):
 def test_an_fp16_nan_loss_backs_the_loss_scale_off(cache, tmp_path):
     """fp16: a NaN loss still reaches the optimizer step, whose overflow check backs the scale off
     (Megatron's behaviour); the iteration is a NaN iteration and counts towards the limit."""
-    done = torchrun(
-        1,
-        SMALL
-        + [
-            "--fp16",
-            "--initial-loss-scale",
-            "4096",
-            "--hysteresis",
-            "1",
-            "--train-iters",
-            "30",
-            "--lr",
-            "1e30",
-            "--lr-warmup-iters",
-            "0",
-            "--max-consecutive-skipped-iterations",
-            "3",
-        ],
-        cache,
-        check=False,
-    )
-    out = done.stdout + done.stderr
-    assert done.returncode != 0
+    out = _blow_up(cache, ("--fp16", "--initial-loss-scale", "4096", "--hysteresis", "1"))
     lines = [line for line in out.splitlines() if " iteration " in line and "loss scale:" in line]
     scales = [float(line.split("loss scale:")[1].split("|")[0]) for line in lines]
     assert scales == [4096.0, 2048.0, 1024.0], out[-3000:]

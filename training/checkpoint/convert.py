@@ -74,6 +74,20 @@ def parallelism_of(config, dp: int = 1) -> Parallelism:
     )
 
 
+def split_fields(
+    tensor_parallel: int, pipeline_parallel: int, virtual_stages: int | None, layout: str | None
+) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of a target split (one virtual stage per rank means none)."""
+    return {
+        "tensor_model_parallel_size": tensor_parallel,
+        "pipeline_model_parallel_size": pipeline_parallel,
+        "virtual_pipeline_model_parallel_size": virtual_stages
+        if virtual_stages and virtual_stages > 1
+        else None,
+        "pipeline_model_parallel_layout": layout,
+    }
+
+
 def target_split(
     ckpt: Checkpoint,
     *,
@@ -88,12 +102,7 @@ def target_split(
     try:
         config = TransformerConfig.from_dict(
             ckpt.manifest["model"]["config"],
-            tensor_model_parallel_size=tensor_parallel,
-            pipeline_model_parallel_size=pipeline_parallel,
-            virtual_pipeline_model_parallel_size=virtual_stages
-            if virtual_stages and virtual_stages > 1
-            else None,
-            pipeline_model_parallel_layout=layout,
+            **split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout),
         )
         if layout is not None and virtual_stages is None:
             from core.pipeline_parallel.layout import parse_layout

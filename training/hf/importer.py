@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from models.gpt.hf_mapping import hf_architecture, iter_from_hf
-from training.checkpoint.convert import parallelism_of
+from training.checkpoint.convert import parallelism_of, split_fields
 from training.checkpoint.files import read_header, read_piece
 from training.checkpoint.format import MANIFEST, CheckpointError, iteration_dir
 from training.checkpoint.specs import gpt_tensor_specs
@@ -137,12 +137,7 @@ def import_from_hf(
     config, vocab_size, max_positions = transformer_config_from_hf(
         hf_config,
         where=config_path,
-        tensor_model_parallel_size=tensor_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
-        virtual_pipeline_model_parallel_size=virtual_stages
-        if virtual_stages and virtual_stages > 1
-        else None,
-        pipeline_model_parallel_layout=layout,
+        **split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout),
     )
     weights = SafetensorsFolder(folder)
     dtype = weights[
