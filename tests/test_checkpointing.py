@@ -40,6 +40,7 @@ from training.checkpoint import (
     open_checkpoint,
     target_split,
 )
+from training.checkpoint import save as save_module
 from training.checkpoint.files import read_header
 from training.checkpointing import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
 from training.data.indexed_dataset import IndexedDatasetBuilder
@@ -208,16 +209,16 @@ def test_reshard_round_trip_is_bit_identical(saved, tmp_path):
 def _crash_then_load(rank, world_size, root):
     chunks, optimizer, _ = _build(1, 2, None, SEED)
     save_checkpoint(root, 1, model_chunks=chunks, optimizer=optimizer)
-    real = checkpointing.write_manifest
+    real = save_module.write_manifest
 
     def dies_before_the_tracker(root_, iteration, manifest, commit=True):
         return real(root_, iteration, manifest, commit=False)
 
-    checkpointing.write_manifest = dies_before_the_tracker
+    save_module.write_manifest = dies_before_the_tracker
     try:
         save_checkpoint(root, 2, model_chunks=chunks, optimizer=optimizer)
     finally:
-        checkpointing.write_manifest = real
+        save_module.write_manifest = real
     return load_checkpoint(root, model_chunks=chunks, optimizer=optimizer).iteration
 
 

@@ -452,6 +452,10 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     check_schedule(args)
     if args.save_interval is None:
         args.save_interval = args.train_iters  # --save-interval defaults to the run's length
+    _require(
+        not args.async_save or args.save,
+        "--async-save writes the --save checkpoints in the background, but no --save directory is given",
+    )
     _check_data(args)
     _check_precision_and_data_parallel(args)
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32

@@ -39,6 +39,7 @@ from training import checkpointing, faults
 from training.argument_checks import validate_args
 from training.arguments import config_from_args, parse_and_validate, startup_report
 from training.batches import BatchStream
+from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
 from training.errors import ConfigError
 from training.global_vars import get_tokenizer, set_global_variables
@@ -198,7 +199,11 @@ def _setup_and_train(
     collector = ManualGC(
         enabled=args.manual_gc, interval=args.manual_gc_interval, around_eval=args.manual_gc_eval
     )
-    with handler as signals, collector:
+    # On an error the write in flight (--async-save) finishes, and nothing more is committed.
+    saver = CheckpointSaver(
+        async_save=args.async_save, announce=lambda p: print_rank_0(f"saved checkpoint {p}")
+    )
+    with handler as signals, collector, saver:
         _train(
             args,
             chunks,
@@ -212,6 +217,7 @@ def _setup_and_train(
             signals,
             collector,
             iteration_hook,
+            saver,
         )
     for line in state.progress.summary(
         args, iteration=state.iteration, consumed_samples=state.consumed_samples, last=run.last, run=run
@@ -234,6 +240,7 @@ def _train(
     signals,
     collector,
     hook,
+    saver,
 ) -> None:
     forward_backward = get_forward_backward_func()
     device = current_device()
@@ -299,8 +306,10 @@ def _train(
         if args.exit_signal_handler and any(signals.signals_received()):
             print_rank_0(f"SIGTERM received: saving a checkpoint at iteration {state.iteration} and exiting")
             stop = True
+        if args.save:  # a save in flight commits once every rank has written it; a failure stops here
+            saver.poll()
         if args.save and (stop or state.iteration % args.save_interval == 0):
-            _save(args, chunks, optimizer, scheduler, state)
+            _save(args, chunks, optimizer, scheduler, state, saver)
             saved_at = state.iteration
         if hook is not None:
             hook(state)
@@ -311,7 +320,8 @@ def _train(
         chunk.finish_param_sync()
     profiler.stop()
     if args.save and saved_at != state.iteration:
-        _save(args, chunks, optimizer, scheduler, state)
+        _save(args, chunks, optimizer, scheduler, state, saver)
+    saver.wait()
     if timeline:
         timeline.write()
     faults.phase("finishing")
@@ -699,11 +709,11 @@ def _tokenizer_record(args) -> dict | None:
     return record
 
 
-def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
+def _save(args, chunks, optimizer, scheduler, state: TrainState, saver: CheckpointSaver) -> None:
     faults.phase("saving a checkpoint", state.iteration)
     for chunk in chunks:  # the weights must be whole before they are written
         chunk.finish_param_sync()
-    path = checkpointing.save_checkpoint(
+    path = saver.save(
         args.save,
         state.iteration,
         model_chunks=chunks,
@@ -718,7 +728,8 @@ def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
             "nan_iterations": state.nan_iterations,
         },
     )
-    print_rank_0(f"saved checkpoint {path}")
+    if args.async_save:
+        print_rank_0(f"writing checkpoint {path} in the background")
 
 
 def _load(args, chunks, optimizer, scheduler, state: TrainState) -> None:

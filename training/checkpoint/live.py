@@ -104,7 +104,7 @@ def optimizer_tensors(
     A TP-replicated parameter's state is written by TP rank 0 only; a scalar state by TP rank 0 and
     the DP rank whose range starts at element 0 (any, when unsharded: only DP rank 0 writes then).
     """
-    state = optimizer.param_state_by_name()
+    state = optimizer.param_state_by_name(copy=False)  # views: the caller writes or stages them
     out = OptimizerTensors({}, {}, {}, [], state.get("grad_scaler"))
     for name, entry in state["params"].items():
         if name not in params:
