@@ -31,10 +31,12 @@ from training.checkpoint import (
     flatten_state,
     gpt_tensor_specs,
     open_checkpoint,
+    read_tracker,
     remove_stale_temp_files,
     unflatten_state,
     write_checkpoint,
 )
+from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.files import TensorFileWriter, read_header
 from training.checkpoint.format import optimizer_tensor_name, shard_from_full
 from training.checkpointing import load_checkpoint
@@ -346,6 +348,53 @@ def test_fp32_master_weights_survive_a_change_of_precision(tmp_path):
     load_checkpoint(str(tmp_path / "fp32"), model_chunks=chunks, optimizer=optimizer)
     for name, param in checkpointing.model_parameters(chunks).items():
         assert torch.equal(optimizer.get_main_param(param), masters[name]), name
+
+
+def _state_of(optimizer, params) -> dict[str, list[torch.Tensor]]:
+    """Each parameter's weight, fp32 main copy and Adam moment (the live tensors)."""
+    out = {}
+    for name, param in params.items():
+        main = optimizer.get_main_param(param)
+        out[name] = [param, main, optimizer.optimizer.state[main]["exp_avg"]]
+    return out
+
+
+def test_saving_copies_nothing_synchronously_and_stages_once_asynchronously(tmp_path):
+    """bf16 on the CPU. The optimizer state is exported as views; a synchronous save writes the live
+    tensors (no host buffer); an asynchronous save copies into host buffers made at its first save and
+    reused by the next, so a change after save() returns does not reach the file, and it commits only
+    when asked. Loading into a trained optimizer overwrites its state in place."""
+    chunks, optimizer = _tiny_run(bf16=True)
+    params = checkpointing.model_parameters(chunks)
+    for param in params.values():
+        main = optimizer.get_main_param(param)
+        optimizer.optimizer.state[main] = {"exp_avg": torch.randn_like(main), "step": torch.tensor(2.0)}
+    live = _state_of(optimizer, params)
+    exported = optimizer.param_state_by_name(copy=False)["params"]
+    for name, (_, main, exp_avg) in live.items():
+        assert exported[name]["main_param"].data_ptr() == main.data_ptr()
+        assert exported[name]["exp_avg"].data_ptr() == exp_avg.data_ptr()
+    root = str(tmp_path)
+    synchronous = CheckpointSaver()
+    assert synchronous.save(root, 1, model_chunks=chunks, optimizer=optimizer).endswith("iter_0000001")
+    assert synchronous.staging.nbytes == 0 and read_tracker(root) == 1
+    saver = CheckpointSaver(async_save=True)
+    expected = {name: [t.detach().clone() for t in tensors] for name, tensors in live.items()}
+    saver.save(root, 2, model_chunks=chunks, optimizer=optimizer)
+    with torch.no_grad():
+        for tensors in live.values():
+            for t in tensors:
+                t.add_(1.0)  # training goes on while the copy is written
+    assert read_tracker(root) == 1  # written in the background, committed only by poll() or wait()
+    assert saver.wait() == os.path.join(root, "iter_0000002") and read_tracker(root) == 2
+    buffers = [b.data_ptr() for b in saver.staging._buffers.values()]
+    saver.save(root, 3, model_chunks=chunks, optimizer=optimizer)
+    saver.wait()
+    assert [b.data_ptr() for b in saver.staging._buffers.values()] == buffers
+    load_checkpoint(root, model_chunks=chunks, optimizer=optimizer, iteration=2)
+    for name, tensors in _state_of(optimizer, params).items():
+        assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in live[name]], name
+        assert all(torch.equal(a, b) for a, b in zip(tensors, expected[name])), name
 
 
 def test_finetune_loads_the_weights_only_and_starts_at_iteration_zero(tmp_path):

@@ -199,7 +199,8 @@ def test_zbv_trains_the_same_loss_curve_as_interleaved_1f1b(cache, tmp_path):
 
 
 def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
-    """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit)."""
+    """PP=2 x DP=2, dropout on: 20 iterations straight == 10 with --async-save (iterations 4 and 8 written
+    while training goes on), then a resume from iteration 8, then 12 more (bit for bit)."""
     flags = SMALL + [
         "--pipeline-model-parallel-size",
         "2",
@@ -210,22 +211,25 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
     ]
     straight, split = tmp_path / "straight", tmp_path / "split"
     torchrun(4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache)
+    background = ["--async-save", "--save-interval", "4", "--exit-interval", "10"]
     first = torchrun(
-        4,
-        flags + ["--save", str(split / "ckpt"), "--exit-interval", "10", "--wandb-save-dir", str(split)],
-        cache,
+        4, flags + ["--save", str(split / "ckpt"), "--wandb-save-dir", str(split), *background], cache
+    )
+    assert (
+        "writing checkpoint" in first.stdout and f"saved checkpoint {split}/ckpt/iter_0000008" in first.stdout
     )
     assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     second = torchrun(
         4,
         flags
-        + ["--load", str(split / "ckpt"), "--save", str(split / "ckpt"), "--wandb-save-dir", str(split)],
+        + ["--load", str(split / "ckpt"), "--ckpt-step", "8", "--save", str(split / "ckpt")]
+        + ["--wandb-save-dir", str(split)],
         cache,
     )
-    assert "loaded checkpoint" in second.stdout and "at iteration 10" in second.stdout, second.stdout[-2000:]
+    assert "loaded checkpoint" in second.stdout and "at iteration 8" in second.stdout, second.stdout[-2000:]
     expected, resumed = wandb_losses(straight), wandb_losses(split)
     assert sorted(expected) == list(range(1, 21))
-    assert resumed == expected  # exact float equality, iteration by iteration
+    assert resumed == expected  # exact float equality, iteration by iteration (9 and 10 logged twice)
     ids = run_ids(split)
     assert len(ids) == 2 and ids[0] == ids[1], ids  # the resumed run logs under the same W&B id
     manifest = json.loads((split / "ckpt" / "iter_0000020" / "manifest.json").read_text())

@@ -242,10 +242,15 @@ class TensorFileWriter:
         return {"bytes": self.nbytes, "checksum": checksum(self._header), "pieces": pieces}
 
     def abort(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
-        if os.path.exists(self._tmp):
-            os.unlink(self._tmp)
+        """Remove the unfinished file, even when closing it fails (a full disk fails the flush too)."""
+        try:
+            if not self._fh.closed:
+                self._fh.close()
+        except OSError:
+            pass
+        finally:
+            if os.path.exists(self._tmp):
+                os.unlink(self._tmp)
 
     def __enter__(self) -> Self:
         return self
