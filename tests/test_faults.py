@@ -352,8 +352,10 @@ def test_a_failed_background_write_stops_training_at_the_next_iteration(data, tm
 
 
 @pytest.mark.slow
-def test_kill_9_of_a_worker_during_saves_always_leaves_a_loadable_checkpoint(data, tmp_path):
-    """Four times: SIGKILL one worker at a random moment of a run that saves every iteration."""
+@pytest.mark.parametrize("saving", [[], ["--async-save"]], ids=["sync", "async"])
+def test_kill_9_of_a_worker_during_saves_always_leaves_a_loadable_checkpoint(data, tmp_path, saving):
+    """Four times: SIGKILL one worker at a random moment of a run that saves every iteration (with
+    --async-save: while a write is in flight, or being committed, most of the time)."""
     rng = random.Random(10)
     flags = TINY + [
         "--pipeline-model-parallel-size",
@@ -365,9 +367,9 @@ def test_kill_9_of_a_worker_during_saves_always_leaves_a_loadable_checkpoint(dat
     ]
     for attempt in range(4):
         ckpt = tmp_path / f"ckpt{attempt}"
-        job = Job(2, flags + ["--save", str(ckpt), "--save-interval", "1"], env=job_env())
+        job = Job(2, flags + ["--save", str(ckpt), "--save-interval", "1", *saving], env=job_env())
         try:
-            job.wait_for(f" iteration {rng.randint(2, 6):8d}/", timeout=240)
+            job.wait_for(f" iteration {rng.randint(3, 6):8d}/", timeout=240)  # 1 is committed
             time.sleep(rng.uniform(0, 0.15))
             victim = rng.choice(sorted(job.workers().values()))
             os.kill(victim, signal.SIGKILL)

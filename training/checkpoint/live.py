@@ -99,12 +99,13 @@ def optimizer_tensors(
     tp_rank: int,
     sharded: bool,
 ) -> OptimizerTensors:
-    """This rank's optimizer state to write: whole TP shards, or (``sharded``) its own flat ranges.
+    """This rank's optimizer state to write: whole TP shards, or (``sharded``) its own flat ranges,
+    as views of the live state (nothing is copied; see :mod:`training.checkpoint.staging`).
 
     A TP-replicated parameter's state is written by TP rank 0 only; a scalar state by TP rank 0 and
     the DP rank whose range starts at element 0 (any, when unsharded: only DP rank 0 writes then).
     """
-    state = optimizer.param_state_by_name(copy=False)  # views: the caller writes or stages them
+    state = optimizer.param_state_by_name(copy=False)
     out = OptimizerTensors({}, {}, {}, [], state.get("grad_scaler"))
     for name, entry in state["params"].items():
         if name not in params:

@@ -168,24 +168,34 @@ def describe(
         "groups": _frozen(groups),
         "grad_scaler": _frozen(grad_scaler),
     }
-    manifest = {
+    manifest = _manifest_content(module, p["dp"], iteration, consumed_samples, optimizer is not None)
+    manifest.update(
+        scheduler=_frozen(None if scheduler_state is None else dict(scheduler_state)),
+        args=_json_subset(args),
+        extra=_frozen(dict(extra or {})),
+    )
+    first = t == q == d == 0
+    return SaveRequest(root, iteration, files, local, tokenizer if first else None, manifest)
+
+
+def _manifest_content(
+    module: nn.Module, dp: int, iteration: int, consumed_samples: int, has_optimizer: bool
+) -> dict[str, Any]:
+    """What the manifest says of the model and the run at this save (see :func:`manifest_header`)."""
+    config = module.config
+    return {
         "header": {
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "parallelism": parallelism_of(config, p["dp"]),
+            "parallelism": parallelism_of(config, dp),
             "config": config.to_dict(),
             "vocab_size": module.vocab_size,
             "padded_vocab_size": module.padded_vocab_size,
             "max_sequence_length": module.max_sequence_length,
         },
         "tied": tied_tensors(config.untie_embeddings_and_output_weights),
-        "has_optimizer": optimizer is not None,
-        "scheduler": _frozen(None if scheduler_state is None else dict(scheduler_state)),
-        "args": _json_subset(args),
-        "extra": _frozen(dict(extra or {})),
+        "has_optimizer": has_optimizer,
     }
-    first = t == q == d == 0
-    return SaveRequest(root, iteration, files, local, tokenizer if first else None, manifest)
 
 
 def _write(path: str, spec: FileToWrite, to_host: Callable[[torch.Tensor], torch.Tensor]) -> dict:
