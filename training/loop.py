@@ -34,27 +34,48 @@ from training.timeline import Timeline
 
 def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None = None) -> None:
     """Train from ``session.state`` to ``--train-iters`` (or an earlier stop), saving as the flags say."""
-    flags = run.training
+    flags, state, parallel = run.training, session.state, run.parallel
+    print_rank_0(
+        f"training {flags.train_iters} iterations from iteration {state.iteration}: "
+        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}, "
+        f"{run.num_microbatches} microbatches of {flags.micro_batch_size} x {run.gpt.seq_length} tokens"
+    )
     # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.
     handler = SignalHandler() if flags.exit_signal_handler else contextlib.nullcontext()
     collector = ManualGC(
         enabled=flags.manual_gc, interval=flags.manual_gc_interval, around_eval=flags.manual_gc_eval
     )
     with handler as signals, collector:
-        _Loop(run, session, signals, collector, hook).iterate()
+        loop = _Loop(run, session, signals, collector, hook)
+        while state.iteration < flags.train_iters:
+            record = loop.timeline_record(state.iteration + 1)
+            start = time.perf_counter()
+            loop.profiler.before_step(state.iteration)
+            step = train_step(run, session, record)
+            loop.timeline_finish(state.iteration + 1, record)
+            state.iteration += 1
+            loop.profiler.after_step(state.iteration)
+            state.consumed_samples += flags.global_batch_size
+            if step.applied:
+                session.scheduler.step(increment=flags.global_batch_size)
+            if step.losses is not None:
+                state.losses.append(step.losses)
+            loop.report(step, start)
+            state.step_seconds.append(time.perf_counter() - start)
+            paused = time.perf_counter()
+            stop = loop.between_steps()
+            loop.window.pause(time.perf_counter() - paused)  # evaluation and saving are not step time
+            if stop:
+                break
+        loop.finish()
 
 
 class _Loop:
     """The loop's own state: timers, the log window, the profiler, the timeline, the last save."""
 
     def __init__(self, run: Run, session: Session, signals, collector: ManualGC, hook) -> None:
-        self.run, self.session, self.signals, self.collector, self.hook = (
-            run,
-            session,
-            signals,
-            collector,
-            hook,
-        )
+        self.run, self.session, self.hook = run, session, hook
+        self.signals, self.collector = signals, collector
         self.device = current_device()
         vocab = _padded_vocab_size(run, session)
         self.flops = num_floating_point_operations(run.args, run.training.global_batch_size, vocab)
@@ -73,45 +94,18 @@ class _Loop:
         )
         self.saved_at: int | None = None
 
-    def iterate(self) -> None:
-        state = self.session.state
-        timeline = self.timeline
-        while state.iteration < self.run.training.train_iters:
-            record = timeline.start() if timeline and timeline.wants(state.iteration + 1) else None
-            start = time.perf_counter()
-            step = self._step(record)
-            self._report(step, start)
-            state.step_seconds.append(time.perf_counter() - start)
-            paused = time.perf_counter()
-            stop = self._between_steps()
-            self.window.pause(time.perf_counter() - paused)  # evaluation and saving are not step time
-            if stop:
-                break
-        self._finish()
+    def timeline_record(self, iteration: int):
+        """The ``ScheduleRecord`` the schedule fills when the timeline records ``iteration``, else None."""
+        return self.timeline.start() if self.timeline and self.timeline.wants(iteration) else None
 
-    def _step(self, record) -> StepResult:
-        """One iteration and its bookkeeping: counters, the schedule, the losses kept.
-
-        ``record``: the timeline's ``ScheduleRecord`` when this iteration is recorded, else None.
-        """
-        run, session, state = self.run, self.session, self.session.state
-        self.profiler.before_step(state.iteration)
-        step = train_step(run, session, record)
+    def timeline_finish(self, iteration: int, record) -> None:
         if record is not None:
-            self.timeline.finish(state.iteration + 1, record)
-        state.iteration += 1
-        self.profiler.after_step(state.iteration)
-        state.consumed_samples += run.training.global_batch_size
-        if step.applied:
-            session.scheduler.step(increment=run.training.global_batch_size)
-        if step.losses is not None:
-            state.losses.append(step.losses)
-        self.window.add(step)
-        return step
+            self.timeline.finish(iteration, record)
 
-    def _report(self, step: StepResult, start: float) -> None:
+    def report(self, step: StepResult, start: float) -> None:
         """The W&B row of every iteration, and the log line every ``--log-interval``."""
         run, state, optimizer = self.run, self.session.state, self.session.model.optimizer
+        self.window.add(step)
         if run.logging.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
             step.params_norm = optimizer.get_params_norm()
         step.seconds = time.perf_counter() - start
@@ -123,7 +117,7 @@ class _Loop:
                 log_line(run, state, optimizer, step, self.window, self.flops, self.peak)
             )
 
-    def _between_steps(self) -> bool:
+    def between_steps(self) -> bool:
         """Evaluate, decide whether to stop, save, call the hook; True to stop."""
         run, session, state = self.run, self.session, self.session.state
         every = run.validation.eval_interval
@@ -159,7 +153,7 @@ class _Loop:
             stop = True
         return stop
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         """The last parameter gathers land, the profile and timeline are written, a final save if due."""
         for chunk in self.session.model.chunks:  # the last step's all-gathers (distributed optimizer)
             chunk.finish_param_sync()

@@ -22,9 +22,8 @@ from datetime import timedelta
 from core import parallel_state as ps
 from core.device import select_backend
 from training import faults
-from training.logging_utils import print_rank_0
 from training.loop import train
-from training.run import Run, build_run, parse_run
+from training.run import build_run, parse_run
 from training.setup import Providers, setup
 from training.state import TrainState
 
@@ -65,7 +64,13 @@ def pretrain(
     )
     try:
         faults.begin(run.distributed.distributed_timeout_minutes)
-        return _setup_and_train(run, providers, iteration_hook)
+        session = setup(run, providers)
+        train(run, session, iteration_hook)
+        if session.logs_loss:
+            for line in session.state.progress.summary(run, session.loggers):
+                print(line, flush=True)
+        session.loggers.finish()
+        return session.state
     except BaseException as err:
         faults.judge(err)  # who prints it: decided while the groups (and their store) still exist
         raise
@@ -76,19 +81,3 @@ def pretrain(
             ps.destroy_distributed()
         else:
             ps.destroy_model_parallel()
-
-
-def _setup_and_train(run: Run, providers: Providers, hook: Callable[[TrainState], None] | None) -> TrainState:
-    session = setup(run, providers)
-    state, parallel = session.state, run.parallel
-    print_rank_0(
-        f"training {run.training.train_iters} iterations from iteration {state.iteration}: "
-        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}, "
-        f"{run.num_microbatches} microbatches of {run.training.micro_batch_size} x {run.gpt.seq_length} tokens"
-    )
-    train(run, session, hook)
-    if session.logs_loss:
-        for line in state.progress.summary(run, session.loggers):
-            print(line, flush=True)
-    session.loggers.finish()
-    return state
