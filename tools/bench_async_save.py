@@ -100,7 +100,6 @@ MEASURED_SAVES = """
 import json, sys, time
 import torch
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
-from models.gpt import build_model_chunks
 from models.gpt.presets import llama_config
 from training import checkpointing
 
@@ -117,7 +116,12 @@ def measured(save):
 
 root, layers = sys.argv[1], int(sys.argv[2])
 config = llama_config(num_layers=layers, hidden_size=896, num_attention_heads=14, num_query_groups=2)
-chunks = build_model_chunks(config, 32000, 32)
+try:  # trees before the training-layer redesign build the chunks in one call
+    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
+    chunks = parallelize_gpt(gpt_provider(config, 32000, 32), layout=pipeline_layout(config)).modules
+except ImportError:
+    from models.gpt import build_model_chunks
+    chunks = build_model_chunks(config, 32000, 32)
 optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4), chunks)
 for param in checkpointing.model_parameters(chunks).values():
     main = optimizer.get_main_param(param)
