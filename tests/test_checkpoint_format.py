@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from training.checkpoint import (
     open_checkpoint,
     read_tracker,
     remove_stale_temp_files,
+    staging,
     unflatten_state,
     write_checkpoint,
 )
@@ -396,6 +398,26 @@ def test_saving_copies_nothing_synchronously_and_stages_once_asynchronously(tmp_
     for name, tensors in _state_of(optimizer, params).items():
         assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in live[name]], name
         assert all(torch.equal(a, b) for a, b in zip(tensors, expected[name])), name
+
+
+def test_async_save_refuses_a_copy_the_host_cannot_hold(tmp_path, monkeypatch):
+    """The staging buffers would not fit in the memory left for the node's ranks: the next check
+    stops the run with one line giving the numbers; nothing is written."""
+    chunks, optimizer = _tiny_run(bf16=False)
+    monkeypatch.setattr(staging, "available_host_memory", lambda: 1000)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    saver = CheckpointSaver(async_save=True)
+    path = saver.save(str(tmp_path), 1, model_chunks=chunks, optimizer=optimizer)
+    with pytest.raises(CheckpointError) as raised:
+        saver.poll()
+    assert re.fullmatch(
+        rf"--async-save: staging checkpoint {path} in host memory needs [0-9.]+ kB on this rank \(x 8 "
+        r"ranks on this node\), but only 1.0 kB is available; save without --async-save \(it writes the "
+        r"live tensors and needs no copy\), or split the state over more ranks \(TP, PP, "
+        r"--use-distributed-optimizer\)",
+        str(raised.value),
+    ), str(raised.value)
+    assert not saver.in_flight and os.listdir(tmp_path) == []
 
 
 def test_finetune_loads_the_weights_only_and_starts_at_iteration_zero(tmp_path):

@@ -23,6 +23,7 @@ buffers, the second reuses them).
 
     python tools/bench_async_save.py                           # 2 rounds, 3 saves per run
     python tools/bench_async_save.py --rounds 3 --num-layers 12 --dir /scratch/bench
+    python tools/bench_async_save.py --compare-priority      # and the writer at training's CPU priority
     python tools/bench_async_save.py --memory
 
 Prints a table, then one JSON line.
@@ -81,6 +82,8 @@ def timed(real):
 
 for name in ("save", "poll", "wait"):
     setattr(async_save.CheckpointSaver, name, timed(getattr(async_save.CheckpointSaver, name)))
+if os.environ.get("BENCH_WRITER_AT_TRAINING_PRIORITY"):
+    async_save._yield_the_cpu = lambda: None
 
 def hook(state):
     marks.append((time.perf_counter(), inside["seconds"], read_tracker(save) if os.path.isdir(save) else None))
@@ -155,9 +158,10 @@ def _write_data(prefix: str, samples: int) -> None:
     builder.finalize(f"{prefix}.idx")
 
 
-def _child(script: str, args: list[str], cwd: str) -> dict:
+def _child(script: str, args: list[str], cwd: str, **extra_env: str) -> dict:
     """Run ``script`` in a fresh interpreter that imports the tree on PYTHONPATH (default: this one)."""
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", ROOT)}
+    env.update(extra_env)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     done = subprocess.run(
@@ -193,32 +197,36 @@ def bench_stall(args, scratch: str) -> None:
     _write_data(data, iters + 10)
     flags = model_flags(args.num_layers) + ["--data-path", data, "--train-iters", str(iters)]
     flags += ["--save-interval", str(args.save_interval)]
-    modes = ("sync", "async")
+    modes = ("sync", "async", "async, writer at training's priority")[: 3 if args.compare_priority else 2]
     found: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
     steps: dict[str, list[float]] = {mode: [] for mode in modes}
     checkpoint_bytes = 0
     for r in range(args.rounds):
         for mode in modes:
-            save = os.path.join(scratch, f"{mode}{r}")
-            extra = ["--async-save"] if mode == "async" else []
-            run = _child(TIMED_RUN, [*flags, "--save", save, *extra], scratch)
+            save = os.path.join(scratch, f"run{r}-{modes.index(mode)}")
+            extra = ["--async-save"] if mode != "sync" else []
+            same = {"BENCH_WRITER_AT_TRAINING_PRIORITY": "1"} if "priority" in mode else {}
+            run = _child(TIMED_RUN, [*flags, "--save", save, *extra], scratch, **same)
             these, base = stalls(run, args.save_interval)
             found[mode] += these
             steps[mode].append(base)
             first = os.path.join(save, f"iter_{args.save_interval:07d}")
             checkpoint_bytes = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
             shown = ", ".join(f"{a:.2f} ({b:.2f})" for a, b in these)
-            print(f"round {r} {mode:>5}: stalls (inside the saver) {shown} s; step {base:.2f} s", flush=True)
+            print(f"round {r} {mode}: stalls (inside the saver) {shown} s; step {base:.2f} s", flush=True)
             shutil.rmtree(save)
     stall = {mode: statistics.median(a for a, _ in v) for mode, v in found.items()}
     inside = {mode: statistics.median(b for _, b in v) for mode, v in found.items()}
     step = {mode: statistics.median(v) for mode, v in steps.items()}
     ratio = stall["async"] / stall["sync"]
     print(f"\n{args.num_layers} layers, {checkpoint_bytes / 1e9:.2f} GB per checkpoint, {args.rounds} rounds")
-    print(f"{'':<8}{'median stall s':>16}{'inside saver s':>16}{'median step s':>15}{'saves':>7}")
+    width = max(map(len, modes)) + 2
+    print(f"{'':<{width}}{'median stall s':>16}{'inside saver s':>16}{'median step s':>15}{'saves':>7}")
     for mode in modes:
-        print(f"{mode:<8}{stall[mode]:>16.2f}{inside[mode]:>16.2f}{step[mode]:>15.2f}{len(found[mode]):>7}")
-    print(f"async stall / sync stall = {ratio:.3f} (goal <= 0.25)")
+        row = f"{stall[mode]:>16.2f}{inside[mode]:>16.2f}{step[mode]:>15.2f}{len(found[mode]):>7}"
+        print(f"{mode:<{width}}{row}")
+    for mode in modes[1:]:
+        print(f"{mode} stall / sync stall = {stall[mode] / stall['sync']:.3f} (goal <= 0.25)")
     summary = {
         "checkpoint_bytes": checkpoint_bytes,
         "median_stall_seconds": stall,
@@ -226,6 +234,8 @@ def bench_stall(args, scratch: str) -> None:
         "median_step_seconds": step,
         "stalls": {mode: [a for a, _ in v] for mode, v in found.items()},
         "async_over_sync": ratio,
+        "rounds": args.rounds,
+        "command": " ".join(sys.argv),
         "load_average": os.getloadavg()[0],
     }
     print(json.dumps(summary))
@@ -247,6 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-interval", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=24, help="24: about 1 GB of fp32 weights.")
     parser.add_argument("--memory", action="store_true", help="Peak memory of a save instead of the stall.")
+    parser.add_argument(
+        "--compare-priority",
+        action="store_true",
+        help="A third mode: --async-save with the writer thread at training's CPU priority.",
+    )
     parser.add_argument("--dir", default=None, help="Scratch directory (default: a temporary one).")
     args = parser.parse_args(argv)
     scratch = tempfile.mkdtemp(prefix="bench-async-save-", dir=args.dir)

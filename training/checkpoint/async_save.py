@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from training.checkpoint.agreement import agree, distributed, everyone
-from training.checkpoint.format import iteration_dir
+from training.checkpoint.format import CheckpointError, iteration_dir
 from training.checkpoint.save import (
     SaveRequest,
     check_json,
@@ -147,6 +147,9 @@ class CheckpointSaver:
         path = iteration_dir(save_dir, iteration)
         try:
             request = self.staging.stage(describe(save_dir, iteration, **state))
+        except CheckpointError as err:  # the host cannot hold the copy: reported by the next poll()
+            self._failed = str(err)
+            return path
         except Exception as err:  # noqa: BLE001 -- reported to every rank by the next poll()
             self._failed = failure(path, err)
             return path

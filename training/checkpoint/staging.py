@@ -48,6 +48,13 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape) * tensor.element_size()
 
 
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} bytes"
+
+
 class HostStaging:
     """Reused host buffers for one rank's checkpoint tensors (see the module docstring)."""
 
@@ -118,8 +125,8 @@ class HostStaging:
         if available is None or new * ranks <= available:
             return
         raise CheckpointError(
-            f"staging checkpoint {request.path} in host memory needs {new / 2**30:.2f} GiB on this rank "
-            f"(x {ranks} ranks on this node) for --async-save, but only {available / 2**30:.2f} GiB is "
-            "available; save without --async-save (it writes the live tensors and needs no copy), or "
-            "split the state over more ranks (TP, PP, --use-distributed-optimizer)"
+            f"--async-save: staging checkpoint {request.path} in host memory needs {_size(new)} on this "
+            f"rank (x {ranks} ranks on this node), but only {_size(available)} is available; save "
+            "without --async-save (it writes the live tensors and needs no copy), or split the state "
+            "over more ranks (TP, PP, --use-distributed-optimizer)"
         )
