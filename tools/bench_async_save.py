@@ -2,8 +2,11 @@
 
 Trains ``tools/bench_convert.py``'s LLaMA-style model of about 1 GB in fp32 (24 layers, hidden 896,
 vocabulary 32000, untied output layer; with Adam's moments a checkpoint is about 3.2 GB) through the
-real ``pretrain()`` in one process, saving every ``--save-interval`` iterations. The two modes take
-turns, a fresh process each: synchronous, asynchronous, synchronous, ... (``--rounds`` pairs).
+real ``pretrain()`` in one process, saving every ``--save-interval`` iterations. The saves of one run
+take turns: synchronous, asynchronous, synchronous, ... (``--saves`` of each), so the same model,
+page cache and machine load serve both; each of ``--rounds`` runs is a fresh process starting with
+the other mode. A first, untimed asynchronous save allocates the host buffers that every later one
+reuses (its time is printed).
 
 Each iteration is timed from one ``iteration_hook`` call to the next, so the time includes the save
 (or, asynchronously, the staging copy, the writer's competition for the CPU and the commit). The
@@ -12,7 +15,7 @@ iteration when synchronous; when asynchronous, up to the iteration whose check c
 many median iterations of the same run away from any save. Reported: median stall per mode, their
 ratio (the goal: asynchronous <= 0.25 x synchronous), the part of the stall the training thread spent
 inside the saver (a synchronous save's whole write; an asynchronous one's staging copy and commit:
-the rest is the writer competing for the CPU), median step time, and the load average.
+the rest is the writer competing for the CPU), the median step, and the load average.
 
 ``--memory`` measures instead how much resident memory one save adds at its peak (Linux's peak-RSS
 counter, reset just before the save), the same model's Adam state filled as a step fills it: a
@@ -21,7 +24,7 @@ too, so ``PYTHONPATH=<old tree> python tools/bench_async_save.py --memory`` give
 change; then, where the tree has it, two asynchronous saves in a row (the first allocates the host
 buffers, the second reuses them).
 
-    python tools/bench_async_save.py                           # 2 rounds, 3 saves per run
+    python tools/bench_async_save.py                           # 2 runs, 3 saves of each mode per run
     python tools/bench_async_save.py --rounds 3 --num-layers 12 --dir /scratch/bench
     python tools/bench_async_save.py --compare-priority      # and the writer at training's CPU priority
     python tools/bench_async_save.py --memory
@@ -57,16 +60,21 @@ def model_flags(num_layers: int) -> list[str]:
     return flags.split()
 
 
-# One timed run in a child process: every iteration's wall time (hook to hook), the part of it the
-# training thread spent inside the saver (save, poll, wait), and the tracker's iteration at its end.
+# One timed run in a child process whose saves take turns between the modes (one process: the same
+# model, page cache and machine load for all): every iteration's wall time (hook to hook), the part
+# of it the training thread spent inside the saver (save, poll, wait), the tracker's iteration at its
+# end, and the mode of each save. At world size 1 the saver needs no process group of its own, so
+# switching it between synchronous and asynchronous from one save to the next is safe.
 TIMED_RUN = """
 import json, os, sys, time
 import pretrain_gpt
 from training.checkpoint import async_save, read_tracker
 from training.training import pretrain
 
-argv, save = sys.argv[1:], sys.argv[sys.argv.index("--save") + 1]
+argv, save = sys.argv[2:], sys.argv[sys.argv.index("--save") + 1]
+modes, chosen = sys.argv[1].split(","), []
 marks, inside = [], {"depth": 0, "seconds": 0.0}
+yield_the_cpu = async_save._yield_the_cpu
 
 def timed(real):
     def call(self, *args, **kwargs):
@@ -80,10 +88,19 @@ def timed(real):
                 inside["seconds"] += time.perf_counter() - start
     return call
 
+def taking_turns(real):
+    def call(self, *args, **kwargs):
+        self.wait()  # the previous save's rest, if any, is not this save's cost
+        mode = modes[len(chosen)] if len(chosen) < len(modes) else "sync"
+        chosen.append(mode)
+        self.async_save = mode != "sync"
+        async_save._yield_the_cpu = (lambda: None) if mode == "async-same-priority" else yield_the_cpu
+        return real(self, *args, **kwargs)
+    return call
+
+async_save.CheckpointSaver.save = taking_turns(async_save.CheckpointSaver.save)
 for name in ("save", "poll", "wait"):
     setattr(async_save.CheckpointSaver, name, timed(getattr(async_save.CheckpointSaver, name)))
-if os.environ.get("BENCH_WRITER_AT_TRAINING_PRIORITY"):
-    async_save._yield_the_cpu = lambda: None
 
 def hook(state):
     marks.append((time.perf_counter(), inside["seconds"], read_tracker(save) if os.path.isdir(save) else None))
@@ -93,7 +110,8 @@ start = time.perf_counter()
 pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
          argv=argv, tokenizer_provider=pretrain_gpt.tokenizer_provider, iteration_hook=hook)
 times = [b[0] - a[0] for a, b in zip([(start,)] + marks, marks)]
-print(json.dumps({"seconds": times, "blocked": [m[1] for m in marks], "tracker": [m[2] for m in marks]}))
+out = {"seconds": times, "blocked": [m[1] for m in marks], "tracker": [m[2] for m in marks], "modes": chosen}
+print(json.dumps(out))
 """
 
 
@@ -172,69 +190,79 @@ def _child(script: str, args: list[str], cwd: str, **extra_env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def stalls(run: dict, interval: int) -> tuple[list[tuple[float, float]], float]:
-    """(stall, time inside the saver) of each save, and the run's median iteration time away from
-    saves (module docstring)."""
+MODES = {
+    "sync": "synchronous",
+    "async": "--async-save",
+    "async-same-priority": "--async-save, writer at training's CPU priority",
+}
+
+
+def stalls(run: dict, interval: int) -> tuple[list[tuple[str, float, float]], float]:
+    """(mode, stall, time inside the saver) of each timed save, and the run's median iteration time
+    away from saves (module docstring)."""
     seconds, blocked, tracker = run["seconds"], run["blocked"], run["tracker"]
     windows = []
-    for save in range(interval, len(seconds), interval):  # iteration numbers; the last save is not timed
+    for n, save in enumerate(range(interval, len(seconds), interval)):  # the final save is not timed
         end = save
         while end < len(seconds) and tracker[end - 1] != save:
             end += 1
-        windows.append(range(save, end + 1))
-    busy = {i for window in windows for i in window}
+        if end >= save + interval:
+            raise RuntimeError(f"the save at iteration {save} was not committed before the next one")
+        windows.append((run["modes"][n], range(save, end + 1)))
+    busy = {i for _, window in windows for i in window}
     base = statistics.median(s for i, s in enumerate(seconds, start=1) if i > 2 and i not in busy)
     out = []
-    for window in windows:
+    for mode, window in windows:
         stall = sum(seconds[i - 1] for i in window) - len(window) * base
-        out.append((stall, sum(blocked[i - 1] for i in window)))
+        out.append((mode, stall, sum(blocked[i - 1] for i in window)))
     return out, base
 
 
 def bench_stall(args, scratch: str) -> None:
+    modes = ["sync", "async"] + (["async-same-priority"] if args.compare_priority else [])
     data = os.path.join(scratch, "data")
-    iters = args.save_interval * args.saves + args.save_interval // 2
+    iters = args.save_interval * (1 + args.saves * len(modes)) + args.save_interval // 2
     _write_data(data, iters + 10)
     flags = model_flags(args.num_layers) + ["--data-path", data, "--train-iters", str(iters)]
-    flags += ["--save-interval", str(args.save_interval)]
-    modes = ("sync", "async", "async, writer at training's priority")[: 3 if args.compare_priority else 2]
+    flags += ["--save-interval", str(args.save_interval), "--async-save"]
     found: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
-    steps: dict[str, list[float]] = {mode: [] for mode in modes}
-    checkpoint_bytes = 0
+    steps: list[float] = []
     for r in range(args.rounds):
-        for mode in modes:
-            save = os.path.join(scratch, f"run{r}-{modes.index(mode)}")
-            extra = ["--async-save"] if mode != "sync" else []
-            same = {"BENCH_WRITER_AT_TRAINING_PRIORITY": "1"} if "priority" in mode else {}
-            run = _child(TIMED_RUN, [*flags, "--save", save, *extra], scratch, **same)
-            these, base = stalls(run, args.save_interval)
-            found[mode] += these
-            steps[mode].append(base)
-            first = os.path.join(save, f"iter_{args.save_interval:07d}")
-            checkpoint_bytes = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
-            shown = ", ".join(f"{a:.2f} ({b:.2f})" for a, b in these)
-            print(f"round {r} {mode}: stalls (inside the saver) {shown} s; step {base:.2f} s", flush=True)
-            shutil.rmtree(save)
+        save = os.path.join(scratch, f"run{r}")
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]  # each round starts with another mode
+        sequence = ["async"] + order * args.saves  # the first save allocates the host buffers: untimed
+        run = _child(TIMED_RUN, [",".join(sequence), *flags, "--save", save], scratch)
+        (warmup, *these), base = stalls(run, args.save_interval)
+        for mode, stall, inside in these:
+            found[mode].append((stall, inside))
+        steps.append(base)
+        first = os.path.join(save, f"iter_{args.save_interval:07d}")
+        checkpoint_bytes = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
+        shown = "; ".join(f"{m} {a:.2f} ({b:.2f})" for m, a, b in these)
+        print(
+            f"round {r}: step {base:.2f} s; first save (allocates the host buffers) {warmup[1]:.2f} "
+            f"({warmup[2]:.2f}); stall (inside the saver) per save: {shown}",
+            flush=True,
+        )
+        shutil.rmtree(save)
     stall = {mode: statistics.median(a for a, _ in v) for mode, v in found.items()}
     inside = {mode: statistics.median(b for _, b in v) for mode, v in found.items()}
-    step = {mode: statistics.median(v) for mode, v in steps.items()}
-    ratio = stall["async"] / stall["sync"]
-    print(f"\n{args.num_layers} layers, {checkpoint_bytes / 1e9:.2f} GB per checkpoint, {args.rounds} rounds")
-    width = max(map(len, modes)) + 2
-    print(f"{'':<{width}}{'median stall s':>16}{'inside saver s':>16}{'median step s':>15}{'saves':>7}")
+    print(
+        f"\n{args.num_layers} layers, {checkpoint_bytes / 1e9:.2f} GB per checkpoint, {args.rounds} runs, "
+        f"median step {statistics.median(steps):.2f} s away from saves"
+    )
+    width = max(len(MODES[m]) for m in modes) + 2
+    print(f"{'':<{width}}{'median stall s':>16}{'inside saver s':>16}{'stall / sync':>14}{'saves':>7}")
     for mode in modes:
-        row = f"{stall[mode]:>16.2f}{inside[mode]:>16.2f}{step[mode]:>15.2f}{len(found[mode]):>7}"
-        print(f"{mode:<{width}}{row}")
-    for mode in modes[1:]:
-        print(f"{mode} stall / sync stall = {stall[mode] / stall['sync']:.3f} (goal <= 0.25)")
+        row = f"{stall[mode]:>16.2f}{inside[mode]:>16.2f}{stall[mode] / stall['sync']:>14.3f}"
+        print(f"{MODES[mode]:<{width}}{row}{len(found[mode]):>7}")
     summary = {
         "checkpoint_bytes": checkpoint_bytes,
         "median_stall_seconds": stall,
         "median_inside_saver_seconds": inside,
-        "median_step_seconds": step,
+        "median_step_seconds": statistics.median(steps),
         "stalls": {mode: [a for a, _ in v] for mode, v in found.items()},
-        "async_over_sync": ratio,
-        "rounds": args.rounds,
+        "async_over_sync": stall["async"] / stall["sync"],
         "command": " ".join(sys.argv),
         "load_average": os.getloadavg()[0],
     }
@@ -252,15 +280,15 @@ def bench_memory(args, scratch: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="Pairs of runs (synchronous, asynchronous).")
-    parser.add_argument("--saves", type=int, default=3, help="Timed saves per run.")
+    parser.add_argument("--rounds", type=int, default=2, help="Runs, each a fresh process.")
+    parser.add_argument("--saves", type=int, default=3, help="Timed saves of each mode per run.")
     parser.add_argument("--save-interval", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=24, help="24: about 1 GB of fp32 weights.")
     parser.add_argument("--memory", action="store_true", help="Peak memory of a save instead of the stall.")
     parser.add_argument(
         "--compare-priority",
         action="store_true",
-        help="A third mode: --async-save with the writer thread at training's CPU priority.",
+        help="A third mode: --async-save with its writer thread at training's CPU priority.",
     )
     parser.add_argument("--dir", default=None, help="Scratch directory (default: a temporary one).")
     args = parser.parse_args(argv)
