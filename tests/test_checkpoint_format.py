@@ -364,9 +364,10 @@ def _state_of(optimizer, params) -> dict[str, list[torch.Tensor]]:
 
 def test_saving_copies_nothing_synchronously_and_stages_once_asynchronously(tmp_path):
     """bf16 on the CPU. The optimizer state is exported as views; a synchronous save writes the live
-    tensors (no host buffer); an asynchronous save copies into host buffers made at its first save and
-    reused by the next, so a change after save() returns does not reach the file, and it commits only
-    when asked. Loading into a trained optimizer overwrites its state in place."""
+    tensors (no host memory held); an asynchronous save of the same state writes the same bytes and
+    checksums from images of its files, made at its first save and reused by the next; a change after
+    save() returns does not reach the file, which commits only when asked. Loading into a trained
+    optimizer overwrites its state in place."""
     chunks, optimizer = _tiny_run(bf16=True)
     params = checkpointing.model_parameters(chunks)
     for param in params.values():
@@ -377,23 +378,29 @@ def test_saving_copies_nothing_synchronously_and_stages_once_asynchronously(tmp_
     for name, (_, main, exp_avg) in live.items():
         assert exported[name]["main_param"].data_ptr() == main.data_ptr()
         assert exported[name]["exp_avg"].data_ptr() == exp_avg.data_ptr()
-    root = str(tmp_path)
+    root, rng = str(tmp_path), checkpointing.get_rng_state()
     synchronous = CheckpointSaver()
-    assert synchronous.save(root, 1, model_chunks=chunks, optimizer=optimizer).endswith("iter_0000001")
+    assert synchronous.save(root, 1, model_chunks=chunks, optimizer=optimizer, rng_state=rng).endswith("1")
     assert synchronous.staging.nbytes == 0 and read_tracker(root) == 1
     saver = CheckpointSaver(async_save=True)
     expected = {name: [t.detach().clone() for t in tensors] for name, tensors in live.items()}
-    saver.save(root, 2, model_chunks=chunks, optimizer=optimizer)
+    saver.save(root, 2, model_chunks=chunks, optimizer=optimizer, rng_state=rng)
     with torch.no_grad():
         for tensors in live.values():
             for t in tensors:
                 t.add_(1.0)  # training goes on while the copy is written
     assert read_tracker(root) == 1  # written in the background, committed only by poll() or wait()
     assert saver.wait() == os.path.join(root, "iter_0000002") and read_tracker(root) == 2
-    buffers = [b.data_ptr() for b in saver.staging._buffers.values()]
+    one, two = open_checkpoint(root, iteration=1), open_checkpoint(root, iteration=2)
+    assert one.manifest["files"] == two.manifest["files"]  # the same sizes and checksums
+    for name in one.manifest["files"]:
+        assert (tmp_path / "iter_0000001" / name).read_bytes() == (
+            tmp_path / "iter_0000002" / name
+        ).read_bytes()
+    images = [image.buffer.data_ptr() for image in saver.staging._images.values()]
     saver.save(root, 3, model_chunks=chunks, optimizer=optimizer)
     saver.wait()
-    assert [b.data_ptr() for b in saver.staging._buffers.values()] == buffers
+    assert [image.buffer.data_ptr() for image in saver.staging._images.values()] == images
     load_checkpoint(root, model_chunks=chunks, optimizer=optimizer, iteration=2)
     for name, tensors in _state_of(optimizer, params).items():
         assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in live[name]], name

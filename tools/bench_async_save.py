@@ -26,7 +26,6 @@ buffers, the second reuses them).
 
     python tools/bench_async_save.py                           # 2 runs, 3 saves of each mode per run
     python tools/bench_async_save.py --rounds 3 --num-layers 12 --dir /scratch/bench
-    python tools/bench_async_save.py --compare-priority      # and the writer at training's CPU priority
     python tools/bench_async_save.py --memory
 
 Prints a table, then one JSON line.
@@ -74,7 +73,6 @@ from training.training import pretrain
 argv, save = sys.argv[2:], sys.argv[sys.argv.index("--save") + 1]
 modes, chosen = sys.argv[1].split(","), []
 marks, inside = [], {"depth": 0, "seconds": 0.0}
-yield_the_cpu = async_save._yield_the_cpu
 
 def timed(real):
     def call(self, *args, **kwargs):
@@ -94,7 +92,6 @@ def taking_turns(real):
         mode = modes[len(chosen)] if len(chosen) < len(modes) else "sync"
         chosen.append(mode)
         self.async_save = mode != "sync"
-        async_save._yield_the_cpu = (lambda: None) if mode == "async-same-priority" else yield_the_cpu
         return real(self, *args, **kwargs)
     return call
 
@@ -190,11 +187,7 @@ def _child(script: str, args: list[str], cwd: str, **extra_env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-MODES = {
-    "sync": "synchronous",
-    "async": "--async-save",
-    "async-same-priority": "--async-save, writer at training's CPU priority",
-}
+MODES = {"sync": "synchronous", "async": "--async-save"}
 
 
 def stalls(run: dict, interval: int) -> tuple[list[tuple[str, float, float]], float]:
@@ -219,7 +212,7 @@ def stalls(run: dict, interval: int) -> tuple[list[tuple[str, float, float]], fl
 
 
 def bench_stall(args, scratch: str) -> None:
-    modes = ["sync", "async"] + (["async-same-priority"] if args.compare_priority else [])
+    modes = ["sync", "async"]
     data = os.path.join(scratch, "data")
     iters = args.save_interval * (1 + args.saves * len(modes)) + args.save_interval // 2
     _write_data(data, iters + 10)
@@ -285,11 +278,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-interval", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=24, help="24: about 1 GB of fp32 weights.")
     parser.add_argument("--memory", action="store_true", help="Peak memory of a save instead of the stall.")
-    parser.add_argument(
-        "--compare-priority",
-        action="store_true",
-        help="A third mode: --async-save with its writer thread at training's CPU priority.",
-    )
     parser.add_argument("--dir", default=None, help="Scratch directory (default: a temporary one).")
     args = parser.parse_args(argv)
     scratch = tempfile.mkdtemp(prefix="bench-async-save-", dir=args.dir)

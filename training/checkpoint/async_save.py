@@ -30,13 +30,12 @@ tracker is written only after every rank has reported its files fsynced and rena
 goes over a gloo group (the default group when that is gloo already): CPU tensors that never wait
 for the GPU.
 
-Why a thread, not a process. The writer's work is ``write``, ``fsync`` and xxhash over large
-buffers, which all release the GIL; the GPU copies are done by the copy engine before it starts.
-The training thread loses the GIL only for the writer's brief Python steps between tensors. The
-writer's CPU work (the kernel's copies into the page cache, about a second per GB on a CPU host) is
-done at the lowest CPU priority, so it takes what training leaves idle rather than a share of
-training's cores; while training waits for it (the next save, the end) it has the CPU to itself. The
-stall is measured by ``tools/bench_async_save.py``. A forked process would inherit the process
+Why a thread, not a process. The writer's work is xxhash over the staged bytes, ``write`` with
+direct I/O and ``fsync`` (:mod:`training.checkpoint.images`), which all release the GIL and cost
+little CPU (about 0.15 s per GB, against a second per GB for a write through the page cache); the
+GPU copies are done by the copy engine before it starts. The training thread loses the GIL only for
+the writer's brief Python steps between files. The stall is measured by
+``tools/bench_async_save.py``. A forked process would inherit the process
 groups' and CUDA's threads and locks mid-flight (unsafe), and a spawned one would have to import
 torch and receive the staged tensors through shared memory, for no gain here.
 
@@ -46,7 +45,6 @@ checkpoint after its first file, for an hour: a test kills the job there.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -86,19 +84,11 @@ class _Write(threading.Thread):
         self.error: str | None = None
 
     def run(self) -> None:
-        _yield_the_cpu()
         try:
             self.staging.wait()  # the copies from the GPU have landed
             self.local = write_files(self.request, after_file=_stall_hook(self.request.iteration))
         except BaseException as err:  # noqa: BLE001 -- reported to every rank by the next poll()
             self.error = failure(self.request.path, err)
-
-
-def _yield_the_cpu() -> None:
-    """Give the calling thread the lowest CPU priority (Linux keeps a nice value per thread), so the
-    writer runs on what training leaves idle; elsewhere, or if refused, nothing changes."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _stall_hook(iteration: int) -> Callable[[str], None] | None:

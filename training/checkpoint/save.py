@@ -33,6 +33,7 @@ from training.checkpoint.format import (
     optim_file,
     rng_file,
 )
+from training.checkpoint.images import FileImage, write_image
 from training.checkpoint.live import (
     is_sharded,
     merge_param_groups,
@@ -66,6 +67,8 @@ class FileToWrite:
     metadata: dict[str, str]
     flat: dict[str, tuple[int, int]] = field(default_factory=dict)
     """``[start, end)`` of the TP shard that each 1-D piece holds (distributed optimizer)."""
+    image: FileImage | None = None
+    """The whole file in host memory, tensors copied in (an asynchronous save); None: write ``tensors``."""
 
 
 @dataclass
@@ -199,11 +202,14 @@ def _manifest_content(
 
 
 def _write(path: str, spec: FileToWrite, to_host: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    entries = [(key, t.dtype, tuple(t.shape)) for key, t in spec.tensors.items()]
-    with TensorFileWriter(path, entries, spec.metadata) as fh:
-        for key, tensor in spec.tensors.items():
-            fh.write(key, to_host(tensor))
-        record = fh.close(sync_dir=False)  # write_files syncs the directory once
+    if spec.image is not None:
+        record = write_image(path, spec.image)
+    else:
+        entries = [(key, t.dtype, tuple(t.shape)) for key, t in spec.tensors.items()]
+        with TensorFileWriter(path, entries, spec.metadata) as fh:
+            for key, tensor in spec.tensors.items():
+                fh.write(key, to_host(tensor))
+            record = fh.close(sync_dir=False)  # write_files syncs the directory once
     for key, piece in record["pieces"].items():
         piece["tp_rank"] = spec.tp_rank
         if key in spec.flat:

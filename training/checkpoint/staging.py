@@ -5,11 +5,12 @@ cost 12 bytes per parameter at once and ran large models out of memory) through 
 :class:`HostStaging` allocates once and reuses for every later save of the run, pinned when the
 tensors live on a GPU so the copies run at full bandwidth:
 
-* an asynchronous save (:meth:`HostStaging.stage`) copies every tensor into its own buffer, since
-  training changes the live tensors while the copies are written. GPU copies are queued on the
-  current stream and followed by an event that the writer, not the training thread, waits for
-  (:meth:`HostStaging.wait`); the next optimizer step, queued after them on the same stream,
-  cannot change the state before they have read it.
+* an asynchronous save (:meth:`HostStaging.stage`) copies every tensor, since training changes the
+  live tensors while the copies are written: straight to its place in an image of its file
+  (:class:`~training.checkpoint.images.FileImage`), which the writer hands to the disk with direct
+  I/O. GPU copies are queued on the current stream and followed by an event that the writer, not
+  the training thread, waits for (:meth:`HostStaging.wait`); the next optimizer step, queued after
+  them on the same stream, cannot change the state before they have read it.
 * a synchronous save (:meth:`HostStaging.to_host`) needs no copy of a CPU tensor: training waits
   while the live tensor is written, so resident memory does not grow. A GPU tensor goes through one
   pinned buffer the size of the largest tensor, one tensor at a time.
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from training.checkpoint.format import CheckpointError
+from training.checkpoint.images import ALIGN, FileImage, image_size
 
 if TYPE_CHECKING:
     from training.checkpoint.save import SaveRequest
@@ -55,19 +57,23 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} bytes"
 
 
+def _entries(tensors) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
+
+
 class HostStaging:
-    """Reused host buffers for one rank's checkpoint tensors (see the module docstring)."""
+    """Reused host memory for one rank's checkpoint tensors (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._images: dict[str, FileImage] = {}
         self._bounce: torch.Tensor | None = None
         self._event = None
 
     @property
     def nbytes(self) -> int:
-        """Host memory the buffers hold."""
+        """Host memory held."""
         bounce = 0 if self._bounce is None else self._bounce.numel()
-        return bounce + sum(_nbytes(b) for b in self._buffers.values())
+        return bounce + sum(image.capacity for image in self._images.values())
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` readable by the host until the next call: itself on the CPU, else a copy in the
@@ -82,18 +88,19 @@ class HostStaging:
         return host
 
     def stage(self, request: SaveRequest) -> SaveRequest:
-        """``request`` with every tensor replaced by its host copy (GPU copies still in flight: see
-        :meth:`wait`). Buffers are made at the first save, after checking the host can hold them."""
+        """``request`` with every file as a :class:`FileImage` holding copies of its tensors (GPU
+        copies still in flight: see :meth:`wait`). Images are made at the first save, after checking
+        the host can hold them, and reused."""
         self._check_room(request)
         files, cuda = {}, False
         for name, spec in request.files.items():
-            staged = {}
+            image = self._image(name, spec)
             for key, tensor in spec.tensors.items():
-                buffer = self._buffer(name, key, tensor)
-                buffer.copy_(tensor, non_blocking=tensor.is_cuda)
-                cuda = cuda or tensor.is_cuda
-                staged[key] = buffer
-            files[name] = dataclasses.replace(spec, tensors=staged)
+                source = tensor.detach()
+                source = source if source.is_contiguous() else source.contiguous()
+                image.slot(key).copy_(source.reshape(-1).view(torch.uint8), non_blocking=source.is_cuda)
+                cuda = cuda or source.is_cuda
+            files[name] = dataclasses.replace(spec, image=image)
         self._event = None
         if cuda:
             self._event = torch.cuda.Event()
@@ -105,21 +112,24 @@ class HostStaging:
         if self._event is not None:
             self._event.synchronize()
 
-    def _buffer(self, name: str, key: str, like: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get((name, key))
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
-            self._buffers[(name, key)] = buffer
-        return buffer
+    def _image(self, name: str, spec) -> FileImage:
+        entries = _entries(spec.tensors)
+        pin = any(t.is_cuda for t in spec.tensors.values())
+        image = self._images.get(name)
+        if image is None or image.capacity < image_size(entries, spec.metadata) or image.pinned != pin:
+            # room for a header that grows a little between saves (the RNG file's JSON skeleton)
+            image = FileImage(image_size(entries, spec.metadata) + ALIGN, pin)
+            self._images[name] = image
+        image.layout(entries, spec.metadata)
+        return image
 
     def _check_room(self, request: SaveRequest) -> None:
-        """Refuse, naming the numbers, buffers the host cannot hold alongside the node's other ranks."""
-        new = sum(
-            _nbytes(t)
-            for name, spec in request.files.items()
-            for key, t in spec.tensors.items()
-            if (name, key) not in self._buffers
-        )
+        """Refuse, naming the numbers, images the host cannot hold alongside the node's other ranks."""
+        new = 0
+        for name, spec in request.files.items():
+            size = image_size(_entries(spec.tensors), spec.metadata)
+            if name not in self._images or self._images[name].capacity < size:
+                new += size
         available = available_host_memory()
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if available is None or new * ranks <= available:
