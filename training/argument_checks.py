@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from training.logging_utils import print_line
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
@@ -38,7 +39,7 @@ def _require(ok: bool, message: str) -> None:
 
 def _rank0_note(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"NOTE: {message}", flush=True)
+        print_line(f"NOTE: {message}")
 
 
 _AT_LEAST = {

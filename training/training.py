@@ -718,7 +718,7 @@ def _save(args, chunks, optimizer, scheduler, state: TrainState) -> None:
             "nan_iterations": state.nan_iterations,
         },
     )
-    print_rank_0(f"saved checkpoint {path}")
+    print_rank_last(f"saved checkpoint {path}")  # the rank that prints the summary: one stream
 
 
 def _load(args, chunks, optimizer, scheduler, state: TrainState) -> None:
