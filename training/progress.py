@@ -4,17 +4,17 @@ The loop's log line keeps Megatron's form; ``Progress.line`` puts Megatron's ``[
 before it and an ``ETA: h:mm:ss |`` field after it, so a parser that reads
 ``iteration N/ M | ... | lm loss: X |`` reads it unchanged. The ETA is the mean wall time per
 iteration since this process started training (evaluations and checkpoints included) times the
-iterations left. ``Progress.summary`` says what the run did and what to try next.
+iterations left. ``Progress.summary`` says what the run did and what to try next (the command that
+resumes the run or trains it longer: ``training.launch_command``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import shlex
-import sys
 import time
 
+from training.launch_command import next_command
 from training.logging_utils import print_rank_last
 
 
@@ -64,12 +64,11 @@ class Progress:
             f"  final train lm loss: {'n/a' if train is None else f'{train:.4f}'} | final validation lm loss: "
             f"{'n/a (no evaluation ran)' if valid is None else f'{valid:.4f}'}"
         )
-        command = " ".join(shlex.quote(a) for a in [sys.argv[0], *_without(sys.argv[1:], "--load")])
         if args.save:
             lines.append(f"  checkpoint: {args.save} (iteration {iteration})")
-            lines.append(
-                f"  resume or train longer: {command} --load {args.save} --train-iters {2 * args.train_iters}"
-            )
+            after = next_command(args, iteration)
+            lines.append(f"  {after.label}: {after.command}")
+            lines += [f"    ({note})" for note in after.notes]
         else:
             lines.append("  checkpoint: none (give --save DIR to keep the model)")
         if run.dir:
@@ -78,16 +77,3 @@ class Progress:
         if args.tensorboard_dir:
             lines.append(f"  TensorBoard: tensorboard --logdir {args.tensorboard_dir}")
         return lines
-
-
-def _without(argv: list[str], option: str) -> list[str]:
-    """``argv`` without ``option`` and its value."""
-    out, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-        elif token == option:
-            skip = True
-        elif not token.startswith(option + "="):
-            out.append(token)
-    return out
