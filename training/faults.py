@@ -69,9 +69,10 @@ class Verdict:
 
 def one_line_errors() -> tuple[type[BaseException], ...]:
     """The errors the entry point prints as one line (``training.errors``), wherever they are raised."""
+    from core.device import DeviceError
     from training.checkpoint import CheckpointError
 
-    return (ConfigError, DataError, CheckpointError)
+    return (ConfigError, DataError, CheckpointError, DeviceError)
 
 
 def _prog() -> str:
