@@ -69,13 +69,6 @@ def _collate(samples: list):
     return failed if failed is not None else torch.utils.data.default_collate(samples)
 
 
-def _next_batch(batches: Iterator) -> dict[str, torch.Tensor]:
-    batch = next(batches)
-    if isinstance(batch, _Failed):
-        raise batch.error
-    return batch
-
-
 def _broadcast_in_tp_group(
     batch: dict[str, torch.Tensor] | None, micro_batch_size: int, seq_length: int
 ) -> dict[str, torch.Tensor]:
@@ -147,7 +140,7 @@ class BatchStream:
             self._batches = self._open(consumed_samples)
         batches = [
             _broadcast_in_tp_group(
-                _next_batch(self._batches) if reads else None, self.micro_batch_size, self.seq_length
+                self._next_batch() if reads else None, self.micro_batch_size, self.seq_length
             )
             for _ in range(num_microbatches)
         ]
@@ -155,6 +148,15 @@ class BatchStream:
             consumed_samples + num_microbatches * self.micro_batch_size * ps.get_data_parallel_world_size()
         )
         return batches
+
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        batch = next(self._batches)
+        if isinstance(batch, _Failed):
+            # Stop the workers now: left to the error's traceback, the loader would be collected late,
+            # and shutting down from the garbage collector waits out torch's 5 s join timeout.
+            self.close()
+            raise batch.error
+        return batch
 
     def close(self) -> None:
         """Stop the loader's worker processes."""

@@ -98,7 +98,9 @@ def _launcher(argv: list[str]) -> tuple[list[str], list[str]]:
     if parent is not None:
         notes = []
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
-            notes.append("run it on every node, as the original command was")
+            static = any(t.split("=", 1)[0] in ("--node-rank", "--node_rank") for t in parent)
+            each = " (each node with its own --node-rank)" if static else ""
+            notes.append(f"run it on every node, as the original command was{each}")
         return _short_torchrun(parent), notes
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = max(int(os.environ.get("WORLD_SIZE", str(per_node))) // per_node, 1)
