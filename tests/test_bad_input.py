@@ -301,7 +301,7 @@ def _tokenizer_model(content: bytes | None):
 def _null_tokenizer_on_a_checkpoint(tmp_path: Path, monkeypatch) -> None:
     """A 64-id model imported with its Hugging Face tokenizer, fine-tuned on token ids: --vocab-size 64."""
     from tests.test_checkpoint_format import _write
-    from training.arguments import parse_and_validate
+    from training.run import parse_run
 
     if not (tmp_path / "ck").exists():  # written once, for the first of the four ranks
         (tmp_path / "hf_tokenizer").mkdir()
@@ -309,7 +309,7 @@ def _null_tokenizer_on_a_checkpoint(tmp_path: Path, monkeypatch) -> None:
         _write(tmp_path / "ck", vocab=64, tokenizer_type="HuggingFaceTokenizer", tokenizer_files=files)
     model = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --openai-gelu"
     flags = f"{model} --micro-batch-size 2 --train-iters 3 --lr 1e-3 --tokenizer-type NullTokenizer"
-    parse_and_validate(f"{flags} --vocab-size 64 --load {tmp_path / 'ck'}".split(), 1)
+    parse_run(f"{flags} --vocab-size 64 --load {tmp_path / 'ck'}".split(), 1)
 
 
 def _empty_test_split(tmp_path: Path, monkeypatch) -> None:
