@@ -638,10 +638,14 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys, monkeypatch):
     summary = out[out.index("run summary: 3 iterations in ") :].splitlines()
     assert re.match(r"  final train lm loss: \d\.\d{4} \| final validation lm loss: \d\.\d{4}$", summary[1])
     assert summary[2] == f"  checkpoint: {checkpoints} (iteration 3)"
-    assert summary[3].startswith("  resume or train longer: ") and summary[3].endswith(
-        f"--load {checkpoints} --train-iters 6"
-    )
-    assert summary[4] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
+    assert summary[3].startswith("  train longer: ") and summary[3].endswith(
+        f"--save {checkpoints} --manual-gc --manual-gc-interval 2 --exit-duration-in-mins 1000 --distributed-backend "
+        f"gloo --tensorboard-dir {tmp_path / 'tb'} --profile --profile-step-start 1 --profile-step-end 2 --num-workers "
+        f"1 --data-cache-path {tmp_path / 'cache'} --decoupled-lr 2e-3 --dataloader-type cyclic --load {checkpoints} "
+        "--train-iters 6 --override-opt_param-scheduler"
+    )  # the flags as given, --load once (at the end), --train-iters replaced
+    assert summary[4] == "    (pretrain() was given these flags directly: pass them to it again)"
+    assert summary[5] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
 
 
 def test_exit_duration_saves_and_exits_after_the_step_that_ran_out(dataset, tmp_path, capsys):

@@ -15,6 +15,7 @@ import copy
 import os
 from typing import Any
 
+from training.logging_utils import print_line
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
@@ -60,7 +61,7 @@ def _require(ok: bool, message: str) -> None:
 
 def _rank0_note(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"NOTE: {message}", flush=True)
+        print_line(f"NOTE: {message}")
 
 
 _AT_LEAST = {
