@@ -118,6 +118,7 @@ def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token, schedule="1
         sequence_parallel=sp,
         calculate_per_token_loss=per_token,
         pipeline_schedule=schedule,
+        cross_entropy_loss_fusion=kind == "llama",  # the fused loss against the plain reference
     )
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]

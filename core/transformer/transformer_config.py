@@ -133,6 +133,11 @@ class TransformerConfig(ModelParallelConfig):
     attention_softmax_in_fp32: bool = flag(False, group="mixed precision")
     """With 16-bit activations, compute attention's masking and softmax in fp32 (Megatron's flag)."""
 
+    cross_entropy_loss_fusion: bool = flag(False, group="training")
+    """Compute the loss from the output layer's logits in their own dtype, a slice of tokens at a time,
+    never holding an fp32 copy of them, and write the gradient over them (Megatron's flag; see
+    ``core.tensor_parallel.fused_cross_entropy``). Same numbers as without."""
+
     init_method_std: float = flag(0.02, group="initialization")
     """Std of the normal initialisation; output projections get std / sqrt(2 * num_layers)."""
 

@@ -24,7 +24,12 @@ from torch import nn
 from core import parallel_state
 from core.device import current_device
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
-from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
+from core.tensor_parallel import (
+    ColumnParallelLinear,
+    fused_vocab_parallel_cross_entropy,
+    tp_rank,
+    vocab_parallel_cross_entropy,
+)
 from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, initialize_by_name, mark_init
 from core.transformer.rope import RotaryEmbedding
@@ -269,7 +274,11 @@ class GPTModel(nn.Module):
         logits = self._mask_padding(logits)
         if labels is None:
             return einops.rearrange(logits, "s b v -> b s v").contiguous()
-        loss = vocab_parallel_cross_entropy(logits.float(), einops.rearrange(labels, "b s -> s b"))
+        labels = einops.rearrange(labels, "b s -> s b")
+        if self.config.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(logits, labels)
+        else:
+            loss = vocab_parallel_cross_entropy(logits.float(), labels)
         return einops.rearrange(loss, "s b -> b s").contiguous()
 
     def _cached_positions(self, input_ids: torch.Tensor | None, context: InferenceContext) -> torch.Tensor:
