@@ -49,16 +49,19 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """``[s, b, h]`` -> ``[s, b, h]`` (sequence-sharded in and out under sequence parallelism)."""
+    """``[s, b, h]`` -> ``[s, b, h]`` (sequence-sharded in and out under sequence parallelism).
 
-    def __init__(self, config: TransformerConfig) -> None:
+    ``ffn_hidden_size`` overrides the config's inner size (an MoE layer's shared experts)."""
+
+    def __init__(self, config: TransformerConfig, ffn_hidden_size: int | None = None) -> None:
         super().__init__()
+        ffn_hidden_size = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         self.activation_func = config.activation_func
         self.gated = config.gated_linear_unit
         branches = 2 if self.gated else 1
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
-            branches * config.ffn_hidden_size,
+            branches * ffn_hidden_size,
             config=config,
             init_method=deferred_init,
             bias=config.add_bias_linear,
@@ -67,7 +70,7 @@ class MLP(nn.Module):
             perform_initialization=False,
         )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size,
+            ffn_hidden_size,
             config.hidden_size,
             config=config,
             init_method=deferred_init,
