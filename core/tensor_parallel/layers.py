@@ -80,6 +80,10 @@ class ColumnParallelLinear(nn.Module):
     layers pass the word embedding).
     """
 
+    keep_out_of_compile = True
+    """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
+    outside the compiled regions (see ``core.transformer.compile``)."""
+
     def __init__(
         self,
         input_size: int,
@@ -169,6 +173,10 @@ class RowParallelLinear(nn.Module):
     parallelism each rank's bias gradient covers only its sequence slice, so the bias is marked
     ``sequence_parallel = True`` for the gradient finaliser to all-reduce over TP (as in Megatron).
     """
+
+    keep_out_of_compile = True
+    """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
+    outside the compiled regions (see ``core.transformer.compile``)."""
 
     def __init__(
         self,
