@@ -42,41 +42,39 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "kind,recompute",
+    "kind,overrides",
     [
-        ("llama", {"recompute_granularity": "selective"}),
+        # Variable sequence lengths: the sequence dimension is dynamic from the first compile on.
+        ("llama", {"recompute_granularity": "selective", "variable_seq_lengths": True}),
         ("gpt", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
     ],
 )
-def test_compiled_model_computes_the_eager_loss_and_gradients(kind, recompute):
-    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for compiled in (False, True):
-        model = GPTModel(
-            _config(kind, compile=compiled, compile_backend="aot_eager", **recompute), VOCAB, SEQ
+def test_compiled_model_computes_the_eager_loss_and_gradients(kind, overrides):
+    lengths = (16, 24, 40) if overrides.get("variable_seq_lengths") else (SEQ,)
+    models = {
+        compiled: GPTModel(
+            _config(kind, compile=compiled, compile_backend="aot_eager", **overrides), VOCAB, 64
         )
-        before = compile_stats()
-        loss = model(tokens, labels=tokens.roll(1, 1)).mean()
-        loss.backward()
-        after = compile_stats()
-        results[compiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-    # Both layers share their graphs: 5 regions between the 4 linear layers (+ recompute's core
-    # attention, run eagerly) and the loss.
-    assert after["graphs"] - before["graphs"] <= 7 and after["graph_breaks"] > before["graph_breaks"]
-    assert _rel(results[True][0], results[False][0]) <= 1e-6
-    for name, grad in results[False][1].items():
-        assert _rel(results[True][1][name], grad) <= 1e-6, name
-
-
-def test_variable_sequence_lengths_compile_once():
-    config = _config("llama", compile=True, compile_backend="aot_eager", variable_seq_lengths=True)
-    model = GPTModel(config, VOCAB, 64)
-    graphs = []
-    for length in (16, 24, 40, 16):
+        for compiled in (False, True)
+    }
+    graphs, start = [], compile_stats()
+    for length in lengths:
         tokens = torch.randint(0, VOCAB, (MBS, length), generator=torch.Generator().manual_seed(length))
-        model(tokens, labels=tokens).mean().backward()
-        graphs.append(compile_stats()["graphs"])
-    assert graphs[1:] == graphs[:1] * 3, graphs  # the first length compiled dynamic graphs; no more
+        results = {}
+        for compiled, model in models.items():
+            model.zero_grad(set_to_none=True)
+            loss = model(tokens, labels=tokens.roll(1, 1)).mean()
+            loss.backward()
+            results[compiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        after = compile_stats()
+        graphs.append(after["graphs"])
+        assert _rel(results[True][0], results[False][0]) <= 1e-6, length
+        for name, grad in results[False][1].items():
+            assert _rel(results[True][1][name], grad) <= 1e-6, (length, name)
+    # Both layers share their graphs: 5 regions around the 4 linear layers (+ recompute's core
+    # attention, run eagerly) and the loss; a new sequence length compiles nothing.
+    assert graphs[0] - start["graphs"] <= 7 and after["graph_breaks"] > start["graph_breaks"]
+    assert graphs == graphs[:1] * len(lengths), graphs
 
 
 def test_zero_bubble_split_of_a_compiled_stage_repeats_no_compiled_backward():
