@@ -38,6 +38,18 @@ class ModelParallelConfig:
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence over the TP group."""
 
+    gradient_accumulation_fusion: bool = flag(
+        False,
+        name="--gradient-accumulation-fusion",
+        negation="--no-gradient-accumulation-fusion",
+        group="training",
+        help="The tensor-parallel linear layers accumulate their weight gradients straight into the fp32 "
+        "main_grad buffers (Megatron's fusion; Megatron's default is on where APEX is installed, "
+        "Trident's is off).",
+    )
+    """The TP linear layers' backward accumulates weight gradients into ``weight.main_grad`` (made by
+    ``DistributedDataParallel``) instead of handing autograd a new gradient for a hook to add."""
+
     hidden_size: int = flag(0, group="network size", cli_default=None)
     """Hidden size of the activations passed between stages."""
 

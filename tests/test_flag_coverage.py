@@ -89,9 +89,9 @@ ISSUE_FLAGS = {
     "--lr-wsd-decay-iters --lr-wsd-decay-samples --tensorboard-dir --profile --profile-step-start "
     "--profile-step-end --profile-ranks --dataloader-type --checkpoint-activations --recompute-activations "
     "--rotary-base --rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
-    "--use-rope-scaling --rope-scaling-factor",
+    "--use-rope-scaling --rope-scaling-factor --cross-entropy-loss-fusion",
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
-    "--cross-entropy-loss-fusion --no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
+    "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format",
     UNSUPPORTED: "--num-experts --moe-router-topk --moe-grouped-gemm --moe-aux-loss-coeff --fp8-format "
     "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "

@@ -100,8 +100,6 @@ class TrainingArgs:
         True, name="--no-masked-softmax-fusion", help="Megatron: do not fuse scaling, masking and softmax."
     )
     """Megatron: fuse attention-score scaling, masking and softmax in one kernel."""
-    cross_entropy_loss_fusion: bool = False
-    """Megatron: fused cross-entropy kernel."""
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Megatron: call torch.cuda.empty_cache() every iteration (0 off, 1 moderate, 2 aggressive)."""
     checkpoint_activations: bool = False
