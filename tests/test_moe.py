@@ -11,9 +11,10 @@ import torch
 
 from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.transformer.initialization import initialize_by_name
-from core.transformer.moe import MoELayer, TopKRouter
 from core.transformer.moe.experts import Experts
+from core.transformer.moe.moe_layer import MoELayer
 from core.transformer.moe.moe_utils import drop_tokens_over_capacity, get_capacity, topk_routing
+from core.transformer.moe.router import TopKRouter
 from tests.moe_reference import (
     expert_weights,
     moe_config,

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from core import parallel_state as ps
 from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.transformer.initialization import initialize_by_name
-from core.transformer.moe import MoEGroups, MoELayer
+from core.transformer.moe.groups import MoEGroups
+from core.transformer.moe.moe_layer import MoELayer
 from tests.moe_reference import moe_config
 
 WORLD, SEQ, BATCH, HIDDEN = 4, 8, 2, 16

@@ -92,6 +92,10 @@ class MoEConfig:
             return [i % self.moe_layer_freq == 0 for i in range(num_layers)]
         return [bool(v) for v in self.moe_layer_freq]
 
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether decoder layer ``layer_number`` (global, 0-based) has an MoE layer for its MLP."""
+        return self.moe_layer_pattern(self.num_layers)[layer_number]
+
     @property
     def expert_ffn_hidden_size(self) -> int:
         """Inner size of one routed expert."""
@@ -102,7 +106,12 @@ def moe_problems(config: Any) -> list[str]:
     """Every invalid MoE setting of ``config`` (a transformer config with the fields above)."""
     experts = config.num_moe_experts
     if experts is None:
-        return []
+        ep = getattr(config, "expert_model_parallel_size", 1)
+        return (
+            [f"expert_model_parallel_size {ep} needs num_moe_experts (a model with experts)"]
+            if ep > 1
+            else []
+        )
     if experts < 1:
         return [f"num_moe_experts must be >= 1, got {experts}"]
     out: list[str] = []
@@ -122,6 +131,12 @@ def moe_problems(config: Any) -> list[str]:
         value = getattr(config, name)
         if value is not None and value < 1:
             out.append(f"{name} must be >= 1 or None, got {value}")
+    shared, tp = config.moe_shared_expert_intermediate_size, config.tensor_model_parallel_size
+    if shared is not None and shared >= 1 and shared % tp:
+        out.append(
+            f"moe_shared_expert_intermediate_size ({shared}) must be divisible by "
+            f"tensor_model_parallel_size ({tp})"
+        )
     out += _choice_problems(config)
     factor = config.moe_expert_capacity_factor
     if factor is not None and factor <= 0:
