@@ -96,7 +96,7 @@ class GPTModel(nn.Module):
     """Megatron's GPTModel contract: ``forward(input_ids, position_ids, attention_mask, labels)``.
 
     ``shared_embedding_weight`` is only for a tied output layer whose embedding lives in an earlier
-    chunk of the same rank; :func:`build_model_chunks` passes it.
+    chunk of the same rank; :func:`models.gpt.parallelize.parallelize_gpt` passes it.
     """
 
     def __init__(
@@ -175,7 +175,7 @@ class GPTModel(nn.Module):
                 raise ValueError(
                     f"GPTModel({flag}={value}) disagrees with the pipeline layout: stage (pp_rank {self.pp_rank}, "
                     f"vp_stage {vp_stage}) {'holds' if expected else 'does not hold'} the {what}; pass "
-                    f"{flag}={expected} or use build_model_chunks"
+                    f"{flag}={expected} or use parallelize_gpt"
                 )
 
     def _tied_across_ranks(self) -> bool:
@@ -189,7 +189,7 @@ class GPTModel(nn.Module):
         if borrow and shared_weight is None:
             raise ValueError(
                 "tied embeddings: the embedding is in an earlier chunk of this rank; pass "
-                f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use build_model_chunks"
+                f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use parallelize_gpt"
             )
         layer = ColumnParallelLinear(
             config.hidden_size,
@@ -302,28 +302,3 @@ class GPTModel(nn.Module):
             return logits
         padding = torch.arange(start, start + local, device=logits.device) >= self.vocab_size
         return logits.masked_fill(padding, float("-inf"))
-
-
-def build_model_chunks(
-    config: TransformerConfig, vocab_size: int, max_sequence_length: int
-) -> list[GPTModel]:
-    """This rank's model chunk(s), one per virtual stage, with pre/post flags taken from the layout."""
-    layout = pipeline_layout(config)
-    rank = pipeline_rank(config)
-    chunks: list[GPTModel] = []
-    for v in range(layout.vpp_size):
-        vp_stage = v if layout.vpp_size > 1 else None
-        embedding_holder = next((c for c in chunks if c.pre_process), None)
-        shared = embedding_holder.embedding.word_embeddings.weight if embedding_holder is not None else None
-        chunks.append(
-            GPTModel(
-                config,
-                vocab_size,
-                max_sequence_length,
-                pre_process=layout.has_embedding(rank, vp_stage),
-                post_process=layout.has_loss(rank, vp_stage),
-                vp_stage=vp_stage,
-                shared_embedding_weight=shared,
-            )
-        )
-    return chunks
