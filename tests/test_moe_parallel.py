@@ -119,3 +119,184 @@ def test_expert_parallel_layer_equals_one_device(ranks, case):
         assert max(errors.values()) <= 1e-5, (rank, errors)
         ep_rank = rank % ep  # megatron-core's expert grid: rank = ep_rank + EP * (edp_rank + EDP * pp_rank)
         assert local == list(range(ep_rank * 8 // ep, (ep_rank + 1) * 8 // ep))
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole model: a training step split over TP / PP / DP / EP against one device
+# --------------------------------------------------------------------------------------------------
+
+VOCAB, MICROBATCHES = 60, 2
+PATTERN = [1, 1, 0, 1]  # layer 2 is dense: a pipeline stage may hold a dense layer among MoE ones
+
+
+def model_config(aux: bool, **overrides):
+    """A tiny Mixtral: LLaMA with 4 experts of 16 (top-2) on layers 0, 1 and 3; dropout off."""
+    from models.gpt import llama_config
+
+    values = {
+        "num_layers": 4,
+        "hidden_size": 16,
+        "num_attention_heads": 2,
+        "num_query_groups": 2,
+        "ffn_hidden_size": 24,
+        "num_moe_experts": 4,
+        "moe_ffn_hidden_size": 16,
+        "moe_router_topk": 2,
+        "moe_layer_freq": PATTERN,
+        "moe_aux_loss_coeff": 0.01 if aux else 0.0,
+        "moe_z_loss_coeff": 1e-3 if aux else None,
+        "make_vocab_size_divisible_by": 16,
+        "init_method_std": 0.1,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "seed": 7,
+    }
+    return llama_config(**(values | overrides))
+
+
+def _owned_grads(chunks, what: str = "grad") -> dict[str, torch.Tensor]:
+    """This rank's share of the full gradients (or parameters) by name: dense ones from the first
+    TP and DP rank, experts from the first of their expert-data-parallel replicas."""
+    from core.tensor_parallel import gather_full
+
+    first_dense = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    first_expert = ps.get_expert_data_parallel_rank() == 0
+    out = {}
+    for chunk in chunks:
+        module = getattr(chunk, "module", chunk)
+        for name, p in module.named_parameters():
+            source = (
+                p.main_grad if what == "grad" and hasattr(p, "main_grad") else p.grad if what == "grad" else p
+            )
+            full = gather_full(p, tensor=source)  # a TP collective for TP-split weights
+            if first_expert if ".local_experts." in name else first_dense:
+                out[name] = full
+    return out
+
+
+def _split_step(tp, pp, ep, aux, schedule, overrides):
+    from core.distributed import finalize_model_grads
+    from core.tensor_parallel import model_parallel_seed
+    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
+    from tests.test_gpt_model import _train_step, make_batches
+
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    model_parallel_seed(1234)
+    config = model_config(
+        aux,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1,
+        pipeline_schedule=schedule,
+        finalize_model_grads_func=finalize_model_grads,
+        **overrides,
+    )
+    chunks = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]
+    logs = _train_step(ps, chunks, batches)
+    losses = [float(d["lm loss"]) for d in logs] if ps.get_tensor_model_parallel_rank() == 0 else []
+    grads, params = _owned_grads(chunks), _owned_grads(chunks, "param")
+    ps.destroy_model_parallel()
+    return {"grads": grads, "params": params, "losses": losses}
+
+
+def _model_rank(rank, world_size, tp, pp, ep, schedule, overrides):
+    """The split with the auxiliary losses off, and with them on at EP = ep and at EP = 1."""
+    return {
+        "off": _split_step(tp, pp, ep, False, schedule, overrides),
+        "on": _split_step(tp, pp, ep, True, schedule, overrides),
+        "on_ep1": _split_step(tp, pp, 1, True, schedule, overrides),
+    }
+
+
+def reference_step(config, batches) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One device: every microbatch on its own (a router balances each microbatch's tokens), the mean
+    of their mean token losses, the auxiliary losses weighted 1 / microbatches."""
+    from models.gpt import GPTModel
+
+    model = GPTModel(config, VOCAB, SEQ)
+    set_auxiliary_loss_scale(1.0 / len(batches))
+    losses = [(model(t, labels=lab) * m).sum() / m.sum() for t, lab, m in batches]
+    torch.stack(losses).mean().backward()
+    set_auxiliary_loss_scale(1.0)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return [float(x.detach()) for x in losses], grads, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _union(results, run: str, key: str) -> dict[str, torch.Tensor]:
+    return {n: g for r in results for n, g in r[run][key].items()}
+
+
+MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes the rest
+    "ep2-dp4-alltoall-looped": (1, 1, 2, "1f1b", {"moe_token_dispatcher_type": "alltoall"}),
+    "ep4-allgather-grouped": (
+        1,
+        1,
+        4,
+        "1f1b",
+        {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True},
+    ),
+    "tp2-sp-ep2-alltoall-grouped": (
+        2,
+        1,
+        2,
+        "1f1b",
+        {"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True},
+    ),
+    "tp2-sp-ep2-allgather-looped": (2, 1, 2, "1f1b", {"moe_token_dispatcher_type": "allgather"}),
+    "pp2-ep2-1f1b-alltoall": (1, 2, 2, "1f1b", {"moe_token_dispatcher_type": "alltoall"}),
+    "pp2-ep2-zb-h1-alltoall-grouped": (
+        1,
+        2,
+        2,
+        "zb-h1",
+        {"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True},
+    ),
+    "pp2-ep2-zb-h1-allgather-recompute": (
+        1,
+        2,
+        2,
+        "zb-h1",
+        {
+            "moe_token_dispatcher_type": "allgather",
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        },
+    ),
+}
+MODEL_SLOW = {
+    "ep4-allgather-grouped",
+    "tp2-sp-ep2-allgather-looped",
+    "pp2-ep2-1f1b-alltoall",
+    "pp2-ep2-zb-h1-allgather-recompute",
+}
+
+
+@pytest.mark.parametrize(
+    "split", [pytest.param(s, marks=pytest.mark.slow) if s in MODEL_SLOW else s for s in MODEL_SPLITS]
+)
+def test_expert_parallel_model_step_equals_one_device_and_ep1(ranks, split):
+    from tests.test_gpt_model import make_batches
+
+    tp, pp, ep, schedule, overrides = MODEL_SPLITS[split]
+    results = ranks(WORLD).run(_model_rank, tp, pp, ep, schedule, overrides, timeout=TIMEOUT)
+    batches = make_batches(WORLD // (tp * pp) * MICROBATCHES)
+    ref_losses, ref_grads, ref_params = reference_step(model_config(False, **overrides), batches)
+    grads, params = _union(results, "off", "grads"), _union(results, "off", "params")
+    assert set(grads) == set(ref_grads)
+    for name, grad in grads.items():  # aux losses off: the split is one device on the same batch
+        assert torch.equal(params[name], ref_params[name]), f"{name} initialised differently"
+        assert grad.abs().sum() > 0 and _relative(grad, ref_grads[name]) <= 1e-5, name
+    logged = sorted(x for r in results for x in r["off"]["losses"])
+    assert (
+        len(logged) == len(ref_losses) and max(abs(a - b) for a, b in zip(logged, sorted(ref_losses))) <= 1e-5
+    )
+    on, on_ep1 = _union(results, "on", "grads"), _union(results, "on_ep1", "grads")
+    _, aux_grads, _ = reference_step(model_config(True, **overrides), batches)
+    for name, grad in on.items():  # aux losses on: each rank balances its own tokens, as at EP = 1
+        assert _relative(grad, on_ep1[name]) <= 1e-5 and _relative(grad, aux_grads[name]) <= 1e-5, name
+    router = "decoder.layers.0.mlp.router.weight"
+    assert _relative(aux_grads[router], ref_grads[router]) > 1e-3  # the losses did reach the router

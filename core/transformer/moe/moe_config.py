@@ -8,6 +8,7 @@ construction, before any rank builds a layer or joins a collective.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -100,6 +101,40 @@ class MoEConfig:
     def expert_ffn_hidden_size(self) -> int:
         """Inner size of one routed expert."""
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
+
+
+def parse_moe_layer_freq(value: int | str | list[int]) -> int | list[int]:
+    """Megatron's ``--moe-layer-freq``: an int N, or a list expression of 0/1 per layer built from list
+    literals, ``+`` and ``*`` (``"([0]+[1]*23)"``, ``"([1]*3+[0]*1)*3"``), evaluated without ``eval``."""
+    if isinstance(value, (int, list)):
+        return value
+    text = value.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        result = _pattern(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(
+            f"moe_layer_freq {value!r} is neither an integer nor a list expression such as '([0]+[1]*23)'"
+            f" ({err})"
+        ) from None
+    if not isinstance(result, list):
+        raise ValueError(f"moe_layer_freq {value!r} must give a list of 0/1 per layer")
+    return result
+
+
+def _pattern(node: ast.AST) -> int | list[int]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern(element) for element in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern(node.left), _pattern(node.right)
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
+            if len(left) * right > 1_000_000:  # a layer pattern, not a memory bomb
+                raise ValueError(f"{ast.unparse(node)!r} is longer than any model")
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"only list literals of integers, + and * are allowed, not {ast.unparse(node)!r}")
 
 
 def moe_problems(config: Any) -> list[str]:
