@@ -180,7 +180,8 @@ def _split_step(tp, pp, ep, aux, schedule, overrides):
     from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
     from tests.test_gpt_model import _train_step, make_batches
 
-    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    vpp = overrides.get("virtual_pipeline_model_parallel_size")
+    ps.initialize_model_parallel(tp, pp, vpp, expert_model_parallel_size=ep)
     model_parallel_seed(1234)
     config = model_config(
         aux,
@@ -266,8 +267,24 @@ MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes
             "recompute_num_layers": 1,
         },
     ),
+    "pp2-vpp2-layout-ep2-interleaved": (
+        1,
+        2,
+        2,
+        "1f1b",
+        {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t|t|tL"},
+    ),
+    "pp2-ep2-zbv-allgather": (
+        1,
+        2,
+        2,
+        "zbv",
+        {"virtual_pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
+    ),
 }
 MODEL_SLOW = {
+    "pp2-vpp2-layout-ep2-interleaved",
+    "pp2-ep2-zbv-allgather",
     "ep4-allgather-grouped",
     "tp2-sp-ep2-allgather-looped",
     "pp2-ep2-1f1b-alltoall",
@@ -284,6 +301,8 @@ def test_expert_parallel_model_step_equals_one_device_and_ep1(ranks, split):
     tp, pp, ep, schedule, overrides = MODEL_SPLITS[split]
     results = ranks(WORLD).run(_model_rank, tp, pp, ep, schedule, overrides, timeout=TIMEOUT)
     batches = make_batches(WORLD // (tp * pp) * MICROBATCHES)
+    pipeline = ("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout")
+    overrides = {k: v for k, v in overrides.items() if k not in pipeline}  # one device: one stage
     ref_losses, ref_grads, ref_params = reference_step(model_config(False, **overrides), batches)
     grads, params = _union(results, "off", "grads"), _union(results, "off", "params")
     assert set(grads) == set(ref_grads)
@@ -300,3 +319,73 @@ def test_expert_parallel_model_step_equals_one_device_and_ep1(ranks, split):
         assert _relative(grad, on_ep1[name]) <= 1e-5 and _relative(grad, aux_grads[name]) <= 1e-5, name
     router = "decoder.layers.0.mlp.router.weight"
     assert _relative(aux_grads[router], ref_grads[router]) > 1e-3  # the losses did reach the router
+
+
+# --------------------------------------------------------------------------------------------------
+# Data-parallel buckets, the distributed optimizer and clipping with experts
+# --------------------------------------------------------------------------------------------------
+
+CLIP, LR = 0.01, 1e4  # the step is clipped; a large rate keeps the update far above fp32's rounding
+
+
+def _optimizer_rank(rank, world_size, dispatcher):
+    """EP 2 x expert-DP 2 (dense DP 4): bucketed, overlapped reduction, distributed optimizer, one
+    clipped SGD step; returns the grad norm and each owned parameter's update."""
+    from core.distributed import DistributedDataParallelConfig
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.tensor_parallel import model_parallel_seed
+    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
+    from tests.test_gpt_model import _train_step, make_batches
+
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    model_parallel_seed(1234)
+    config = model_config(True, expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher)
+    ddp = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000
+    )
+    optimizer_config = OptimizerConfig(
+        optimizer="sgd",
+        sgd_momentum=0.0,
+        lr=LR,
+        weight_decay=0.0,
+        clip_grad=CLIP,
+        use_distributed_optimizer=True,
+    )
+    model = parallelize_gpt(
+        gpt_provider(config, VOCAB, SEQ),
+        layout=pipeline_layout(config),
+        ddp_config=ddp,
+        make_optimizer=lambda chunks: get_megatron_optimizer(optimizer_config, chunks),
+    )
+    before = _owned_grads(model.chunks, "param")
+    batches = make_batches(world_size * MICROBATCHES)[rank * MICROBATCHES : (rank + 1) * MICROBATCHES]
+    _train_step(ps, model.chunks, batches)
+    applied, grad_norm, _ = model.optimizer.step()
+    after = _owned_grads(model.chunks, "param")
+    expert_buckets = [
+        b for c in model.chunks for b in c.buckets if getattr(b.params[0], "allreduce", True) is False
+    ]
+    return {
+        "applied": applied,
+        "norm": grad_norm,
+        "updates": {n: after[n] - before[n] for n in after},
+        "expert_bucket_group": sorted(dist.get_process_group_ranks(expert_buckets[0].group)),
+    }
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", pytest.param("allgather", marks=pytest.mark.slow)])
+def test_distributed_optimizer_shards_experts_over_expert_data_parallel_and_clips_each_once(
+    ranks, dispatcher
+):
+    from tests.test_gpt_model import make_batches
+
+    results = ranks(WORLD).run(_optimizer_rank, dispatcher, timeout=TIMEOUT)
+    _, grads, _ = reference_step(model_config(True), make_batches(WORLD * MICROBATCHES))
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+    for rank, result in enumerate(results):
+        assert result["applied"] and abs(result["norm"] - norm) <= 1e-5 * norm, (result["norm"], norm)
+        assert result["expert_bucket_group"] == [rank % 2, rank % 2 + 2]  # expert-DP: [0, 2] and [1, 3]
+    updates = {n: u for r in results for n, u in r["updates"].items()}
+    assert set(updates) == set(grads)
+    for name, update in updates.items():  # plain SGD: the update is the clipped gradient times the rate
+        assert _relative(-update, grads[name] * LR * CLIP / (norm + 1e-6)) <= 1e-5, name

@@ -119,7 +119,7 @@ def parse_moe_layer_freq(value: int | str | list[int]) -> int | list[int]:
             f" ({err})"
         ) from None
     if not isinstance(result, list):
-        raise ValueError(f"moe_layer_freq {value!r} must give a list of 0/1 per layer")
+        raise ValueError(f"moe_layer_freq {value!r} must give a list of 0/1 per layer")  # noqa: TRY004
     return result
 
 
@@ -130,9 +130,9 @@ def _pattern(node: ast.AST) -> int | list[int]:
         return [_pattern(element) for element in node.elts]
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         left, right = _pattern(node.left), _pattern(node.right)
-        if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
-            if len(left) * right > 1_000_000:  # a layer pattern, not a memory bomb
-                raise ValueError(f"{ast.unparse(node)!r} is longer than any model")
+        too_long = isinstance(left, list) and isinstance(right, int) and len(left) * right > 1_000_000
+        if isinstance(node.op, ast.Mult) and too_long:  # a layer pattern, not a memory bomb
+            raise ValueError(f"{ast.unparse(node)!r} is longer than any model")
         return left + right if isinstance(node.op, ast.Add) else left * right
     raise ValueError(f"only list literals of integers, + and * are allowed, not {ast.unparse(node)!r}")
 
