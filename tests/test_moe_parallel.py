@@ -226,8 +226,9 @@ def reference_step(config, batches) -> tuple[list[float], dict[str, torch.Tensor
     return [float(x.detach()) for x in losses], grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _union(results, run: str, key: str) -> dict[str, torch.Tensor]:
-    return {n: g for r in results for n, g in r[run][key].items()}
+def _union(results, run: str, key: str | None) -> dict[str, torch.Tensor]:
+    """Every rank's share of one result, by parameter name."""
+    return {n: g for r in results for n, g in (r[run] if key is None else r[run][key]).items()}
 
 
 MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes the rest
@@ -389,3 +390,73 @@ def test_distributed_optimizer_shards_experts_over_expert_data_parallel_and_clip
     assert set(updates) == set(grads)
     for name, update in updates.items():  # plain SGD: the update is the clipped gradient times the rate
         assert _relative(-update, grads[name] * LR * CLIP / (norm + 1e-6)) <= 1e-5, name
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: experts by global index, loaded at another expert-parallel size
+# --------------------------------------------------------------------------------------------------
+
+
+def _step_and_snapshot(ep: int, batches, load: str | None = None, save: str | None = None):
+    """Build the tiny Mixtral at EP ``ep`` (dense DP 4) with SGD + momentum; optionally load ``load``;
+    take one step on ``batches``; optionally save; return the owned parameters before and after."""
+    from core.distributed import DistributedDataParallelConfig
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.tensor_parallel import model_parallel_seed
+    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
+    from tests.test_gpt_model import _train_step
+    from training.checkpointing import load_checkpoint, save_checkpoint
+
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_seed(1234)
+    config = model_config(True, expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall")
+    optimizer_config = OptimizerConfig(
+        optimizer="sgd",
+        sgd_momentum=0.9,
+        lr=1.0,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        use_distributed_optimizer=True,
+    )
+    model = parallelize_gpt(
+        gpt_provider(config, VOCAB, SEQ),
+        layout=pipeline_layout(config),
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+        make_optimizer=lambda chunks: get_megatron_optimizer(optimizer_config, chunks),
+    )
+    if load is not None:
+        load_checkpoint(load, model_chunks=model.chunks, optimizer=model.optimizer, load_rng=False)
+    before = _owned_grads(model.chunks, "param")
+    model.optimizer.zero_grad()
+    _train_step(ps, model.chunks, batches)
+    model.optimizer.step()
+    if save is not None:
+        save_checkpoint(save, 1, model_chunks=model.chunks, optimizer=model.optimizer)
+    after = _owned_grads(model.chunks, "param")
+    ps.destroy_model_parallel()
+    return before, after
+
+
+def _checkpoint_rank(rank, world_size, path):
+    from tests.test_gpt_model import make_batches
+
+    batches = make_batches(2 * world_size * MICROBATCHES, seed=5)
+    first, second = (
+        batches[i * world_size * MICROBATCHES :][rank * MICROBATCHES :][:MICROBATCHES] for i in (0, 1)
+    )
+    _, saved = _step_and_snapshot(2, first, save=path)  # EP 2: step 1, saved with its momentum
+    _, straight = _step_and_snapshot(2, second, load=path)  # EP 2 again: step 2
+    out = {"saved": saved, "straight": straight}
+    for ep in (1, 4):  # step 2 at other expert-parallel sizes, from the same checkpoint
+        out[f"loaded_ep{ep}"], out[f"ep{ep}"] = _step_and_snapshot(ep, second, load=path)
+    return out
+
+
+def test_experts_saved_at_ep2_load_at_ep1_and_ep4_and_take_the_same_next_step(ranks, tmp_path):
+    results = ranks(WORLD).run(_checkpoint_rank, str(tmp_path / "ckpt"), timeout=TIMEOUT)
+    saved, straight = _union(results, "saved", None), _union(results, "straight", None)
+    for ep in (1, 4):
+        loaded, stepped = _union(results, f"loaded_ep{ep}", None), _union(results, f"ep{ep}", None)
+        assert set(loaded) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in saved), ep
+        for name, value in stepped.items():  # the momentum came back too: the same second update
+            assert _relative(value - saved[name], straight[name] - saved[name]) <= 1e-5, (ep, name)
