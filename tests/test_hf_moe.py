@@ -208,11 +208,11 @@ def test_an_hf_moe_config_we_cannot_represent_is_one_error_naming_the_field(
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("case", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
-def test_greedy_generate_tool_equals_hugging_face_generate(case, spm, tmp_path):  # noqa: F811
+def _checkpoint_and_hf_model(case: str, spm_model: str, root) -> tuple[str, object, object]:
+    """A random Hugging Face MoE model and the same weights as a Trident checkpoint with our tokenizer."""
     from training.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer("Llama2Tokenizer", spm)
+    tokenizer = build_tokenizer("Llama2Tokenizer", spm_model)
     config = _config(case)
     hf_config = transformers.AutoConfig.for_model(
         **hf_config_json(config, tokenizer.vocab_size, 64, dtype=torch.float32)
@@ -225,7 +225,31 @@ def test_greedy_generate_tool_equals_hugging_face_generate(case, spm, tmp_path):
         for name, p in hf_model.named_parameters():
             scale = 0.3 if p.dim() > 1 else 0.1
             p.copy_(torch.randn(p.shape, generator=gen) * scale + (p.dim() == 1 and name.endswith("weight")))
-    root = _write(tmp_path / "ckpt", hf_model, config, tokenizer.vocab_size, "Llama2Tokenizer", spm)
+    return (
+        _write(root, hf_model, config, tokenizer.vocab_size, "Llama2Tokenizer", spm_model),
+        hf_model,
+        tokenizer,
+    )
+
+
+def test_greedy_generation_equals_hugging_face_generate(spm, tmp_path):  # noqa: F811
+    """In process: the checkpoint loaded for generation, greedy, 32 tokens (the tool runs it in the slow test)."""
+    from models.gpt.generation import generate
+    from training.inference import load_for_generation
+
+    root, hf_model, tokenizer = _checkpoint_and_hf_model("mixtral", spm, tmp_path / "ckpt")
+    loaded = load_for_generation(root)
+    prompt = tokenizer.tokenize(PROMPT)
+    ours = generate(
+        loaded.model, prompt, max_new_tokens=NEW_TOKENS, vocab_size=loaded.vocab_size, eos_id=None
+    )
+    assert ours.tokens == _hf_generate(hf_model, prompt, do_sample=False, eos_token_id=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe"])
+def test_greedy_generate_tool_equals_hugging_face_generate(case, spm, tmp_path):  # noqa: F811
+    root, hf_model, tokenizer = _checkpoint_and_hf_model(case, spm, tmp_path / "ckpt")
     flags = ["--load", root, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy", "--json"]
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "generate.py"), *flags],

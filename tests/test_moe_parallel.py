@@ -9,6 +9,10 @@ its experts' gradient, which gathers the contributions of every token of the exp
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,7 +57,13 @@ CASES = {
         },
     ),
 }
-SLOW = {"ep2-dp2-allgather-grouped", "ep4-allgather-looped", "ep2-alltoall-capacity-padded"}
+SLOW = {
+    "ep2-dp2-alltoall-looped",
+    "ep2-dp2-allgather-grouped",
+    "ep4-allgather-looped",
+    "tp2-sp-ep2-allgather-seq-aux",
+    "ep2-alltoall-capacity-padded",
+}
 
 
 def _sequence(group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,13 +213,15 @@ def _split_step(tp, pp, ep, aux, schedule, overrides):
     return {"grads": grads, "params": params, "losses": losses}
 
 
-def _model_rank(rank, world_size, tp, pp, ep, schedule, overrides):
-    """The split with the auxiliary losses off, and with them on at EP = ep and at EP = 1."""
-    return {
+def _model_rank(rank, world_size, tp, pp, ep, schedule, overrides, with_ep1):
+    """The split with the auxiliary losses off, and with them on at EP = ep (and at EP = 1)."""
+    out = {
         "off": _split_step(tp, pp, ep, False, schedule, overrides),
         "on": _split_step(tp, pp, ep, True, schedule, overrides),
-        "on_ep1": _split_step(tp, pp, 1, True, schedule, overrides),
     }
+    if with_ep1:
+        out["on_ep1"] = _split_step(tp, pp, 1, True, schedule, overrides)
+    return out
 
 
 def reference_step(config, batches) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -284,6 +296,7 @@ MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes
     ),
 }
 MODEL_SLOW = {
+    "ep2-dp4-alltoall-looped",
     "pp2-vpp2-layout-ep2-interleaved",
     "pp2-ep2-zbv-allgather",
     "ep4-allgather-grouped",
@@ -300,7 +313,8 @@ def test_expert_parallel_model_step_equals_one_device_and_ep1(ranks, split):
     from tests.test_gpt_model import make_batches
 
     tp, pp, ep, schedule, overrides = MODEL_SPLITS[split]
-    results = ranks(WORLD).run(_model_rank, tp, pp, ep, schedule, overrides, timeout=TIMEOUT)
+    with_ep1 = split in MODEL_SLOW  # CI: the one-device reference of "EP = 1 at the same DP" only
+    results = ranks(WORLD).run(_model_rank, tp, pp, ep, schedule, overrides, with_ep1, timeout=TIMEOUT)
     batches = make_batches(WORLD // (tp * pp) * MICROBATCHES)
     pipeline = ("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout")
     overrides = {k: v for k, v in overrides.items() if k not in pipeline}  # one device: one stage
@@ -314,7 +328,8 @@ def test_expert_parallel_model_step_equals_one_device_and_ep1(ranks, split):
     assert (
         len(logged) == len(ref_losses) and max(abs(a - b) for a, b in zip(logged, sorted(ref_losses))) <= 1e-5
     )
-    on, on_ep1 = _union(results, "on", "grads"), _union(results, "on_ep1", "grads")
+    on = _union(results, "on", "grads")
+    on_ep1 = _union(results, "on_ep1", "grads") if with_ep1 else on
     _, aux_grads, _ = reference_step(model_config(True, **overrides), batches)
     for name, grad in on.items():  # aux losses on: each rank balances its own tokens, as at EP = 1
         assert _relative(grad, on_ep1[name]) <= 1e-5 and _relative(grad, aux_grads[name]) <= 1e-5, name
@@ -460,3 +475,58 @@ def test_experts_saved_at_ep2_load_at_ep1_and_ep4_and_take_the_same_next_step(ra
         assert set(loaded) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in saved), ep
         for name, value in stepped.items():  # the momentum came back too: the same second update
             assert _relative(value - saved[name], straight[name] - saved[name]) <= 1e-5, (ep, name)
+
+
+# --------------------------------------------------------------------------------------------------
+# The auxiliary losses in the log line, W&B and TensorBoard
+# --------------------------------------------------------------------------------------------------
+
+
+def _logging_rank(rank, world_size, argv):
+    os.environ["WANDB_MODE"] = "offline"
+    from tests.test_checkpointing import _pretrain
+
+    return _pretrain(rank, world_size, argv)
+
+
+@pytest.mark.slow
+def test_auxiliary_losses_are_logged_per_layer_and_as_megatrons_mean(ranks, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from training.wandb_logging import read_offline_history
+
+    argv = [
+        *("--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"),
+        *("--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3"),
+        *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--log-interval", "1"),
+        *(
+            "--eval-iters",
+            "0",
+            "--num-experts",
+            "4",
+            "--moe-aux-loss-coeff",
+            "1e-2",
+            "--moe-z-loss-coeff",
+            "1e-3",
+        ),
+        *("--moe-layer-freq", "([1]*3+[0])", "--expert-model-parallel-size", "2", "--moe-per-layer-logging"),
+        *("--pipeline-model-parallel-size", "2", "--tensorboard-dir", str(tmp_path / "tb")),
+        *("--wandb-project", "moe", "--wandb-save-dir", str(tmp_path)),
+    ]
+    results = ranks(WORLD).run(_logging_rank, argv, timeout=TIMEOUT)
+    losses = next(state for state, _ in results if state)
+    out = "".join(text for _, text in results)
+    assert re.search(r"\| lm loss: \S+ \| load_balancing_loss: \S+ \| z_loss: \S+ \|", out), out[-2000:]
+    (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    rows = [row for row in read_offline_history(run_dir)["history"] if "load_balancing_loss" in row]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert len(rows) == len(losses) == 2
+    for row, logged in zip(rows, losses):
+        for name in ("load_balancing_loss", "z_loss"):
+            per_layer = [row[f"moe/{name}_layer_{i}"] for i in (0, 1, 2)]  # layer 3 is dense: not logged
+            assert f"moe/{name}_layer_3" not in row and all(v > 0 for v in per_layer)
+            assert row[name] == pytest.approx(sum(per_layer) / 3, rel=1e-6) == logged[name]
+            assert [e.value for e in events.Scalars(name)][rows.index(row)] == pytest.approx(
+                row[name], rel=1e-6
+            )
