@@ -35,6 +35,16 @@ class ModelParallelConfig:
     context_parallel_size: int = 1
     """Ranks the sequence is split over for attention (CP); groups only, no CP attention yet."""
 
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of each MoE layer are split over (EP); carved out of the data-parallel ranks
+    as in megatron-core (``core.parallel_state.generate_expert_groups``)."""
+
+    expert_tensor_parallel_size: int | None = flag(
+        None, help="Tensor parallelism inside each expert: only 1 (experts are never split here)."
+    )
+    """Tensor parallelism inside each expert. Trident's experts are never split (Megatron's
+    ``--expert-tensor-parallel-size 1``); None means 1 here, where megatron-core defaults to the TP size."""
+
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence over the TP group."""
 
@@ -106,9 +116,19 @@ class ModelParallelConfig:
     """Megatron's name for ``ScheduleHooks.timers``: times forward and backward compute."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_tensor_parallel_size not in (None, 1):
+            raise ValueError(
+                f"expert_tensor_parallel_size must be 1 (experts are not split over tensor parallelism "
+                f"here), got {self.expert_tensor_parallel_size}"
+            )
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp < 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 or None, got {vpp}")

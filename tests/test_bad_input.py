@@ -517,7 +517,55 @@ DEVICE = (
     ]
 )
 
-CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE
+MOE_FLAGS = FULL + "--num-experts 6 --moe-aux-loss-coeff 1e-2 "
+MOE = [
+    Case(
+        "experts over EP",
+        _flags(MOE_FLAGS + "--expert-model-parallel-size 4"),
+        "--num-experts (6) must be divisible by --expert-model-parallel-size (4)",
+    ),
+    Case(
+        "EP x PP over the world",
+        _flags(MOE_FLAGS + "--expert-model-parallel-size 3 --moe-token-dispatcher-type alltoall", world=4),
+        "--expert-model-parallel-size (3) x --pipeline-model-parallel-size (1) = 3 does not divide the world "
+        "size (4): the alltoall dispatcher's expert-parallel groups cannot be formed",
+    ),
+    Case(
+        "alltoall EP beyond the world",
+        _flags(MOE_FLAGS + "--expert-model-parallel-size 6 --moe-token-dispatcher-type alltoall", world=4),
+        "--expert-model-parallel-size (6) x --pipeline-model-parallel-size (1) = 6 does not divide the world "
+        "size (4): the alltoall dispatcher's expert-parallel groups cannot be formed",
+    ),
+    Case(
+        "top-k over experts",
+        _flags(MOE_FLAGS + "--moe-router-topk 7"),
+        "--moe-router-topk (7) must be between 1 and --num-experts (6)",
+    ),
+    Case(
+        "MoE TP without SP",
+        _flags(MOE_FLAGS + "--tensor-model-parallel-size 2"),
+        "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel: each tensor-parallel "
+        "rank routes its own sequence shard (as in Megatron)",
+    ),
+    Case(
+        "expert TP",
+        _flags(MOE_FLAGS + "--expert-tensor-parallel-size 2"),
+        "--expert-tensor-parallel-size 2: Trident supports only 1 (experts are never split over tensor "
+        "parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
+    ),
+    Case(
+        "EP without experts",
+        _flags("--expert-model-parallel-size 2"),
+        "--expert-model-parallel-size 2 needs --num-experts (a model with experts)",
+    ),
+    Case(
+        "layer pattern",
+        _flags(MOE_FLAGS + "--moe-layer-freq ([1]*3)"),
+        "--moe-layer-freq ([1]*3) must be an integer >= 1 or list 0 or 1 for each of the 2 layers (--num-layers)",
+    ),
+]
+
+CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE + MOE
 
 
 def test_there_are_at_least_forty_distinct_cases():

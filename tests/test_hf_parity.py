@@ -525,7 +525,7 @@ BAD_CONFIGS = [
     (
         "llama-tied",
         {"model_type": "mistral"},
-        "model_type 'mistral' is not supported: Trident imports 'llama' and 'gpt2' models",
+        "model_type 'mistral' is not supported: Trident imports 'llama', 'gpt2', 'mixtral' and 'qwen2_moe' models",
     ),
     (
         "llama-tied",

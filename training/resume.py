@@ -118,9 +118,10 @@ def _report(loaded, *, rng_wanted: bool) -> None:
     """Say what a resharded load changed, and which ranks kept fresh RNG states."""
     if loaded.resharded:
         saved = loaded.manifest["parallel"]
+        experts = f" EP={saved['ep']}" if saved.get("ep", 1) > 1 else ""
         print_rank_0(
             f"resharded checkpoint {loaded.path} from TP={saved['tp']} PP={saved['pp']} VPP={saved['vpp']} "
-            f"DP={saved['dp']} (layout '{saved['layout']}') to this run's split"
+            f"DP={saved['dp']}{experts} (layout '{saved['layout']}') to this run's split"
         )
     world = dist.get_world_size()
     if rng_wanted and loaded.rng_restored < world:

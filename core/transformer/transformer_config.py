@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from core.flags import flag, not_a_flag
 from core.model_parallel_config import ModelParallelConfig
+from core.transformer.moe.moe_config import MoEConfig, moe_problems
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
@@ -58,10 +59,11 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @dataclass(kw_only=True)
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(ModelParallelConfig, MoEConfig):
     """Sizes, layer choices, regularisation, initialisation and recomputation of a decoder-only model.
 
-    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``).
+    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``), and so
+    are mixtures of experts (Mixtral, Qwen2-MoE): the MoE fields come from :class:`MoEConfig`.
     """
 
     num_layers: int = flag(0, cli_default=None)
@@ -248,7 +250,7 @@ class TransformerConfig(ModelParallelConfig):
             out.append(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
         if self.layernorm_epsilon <= 0:
             out.append(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
-        return out + self._recompute_problems()
+        return out + self._recompute_problems() + moe_problems(self)
 
     def _rope_problems(self) -> list[str]:
         head = (

@@ -60,6 +60,19 @@ def layout_owner(name: str) -> str | int:
     raise ValueError(f"parameter {name!r} belongs to no pipeline-layout element (E, t or L)")
 
 
+def expert_of(name: str) -> int | None:
+    """The global index of the MoE expert that parameter ``name`` belongs to (None for any other).
+
+    Expert parameters are named ``decoder.layers.{layer}.mlp.experts.local_experts.{expert}....`` in
+    every expert-parallel split; checkpoints record the index to place each on its EP rank.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "local_experts" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
 def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
     """The layout the model is split by: ``config.pipeline_model_parallel_layout`` or an even split.
 
