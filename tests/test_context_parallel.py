@@ -165,3 +165,214 @@ def test_context_parallel_attention_matches_full_attention(ranks):
     results = ranks(4).run(_cp_attention_rank, CASES, timeout=60)
     for case, *per_rank in zip(CASES, *results):
         assert max(per_rank) <= TOL, f"{case}: relative differences per rank {per_rank}"
+
+
+# --------------------------------------------------------------------------------------------------
+# GPT and LLaMA under CP (and TP, PP, DP) against the single-device model
+# --------------------------------------------------------------------------------------------------
+
+MODEL_SEQ, MBS, MICROBATCHES, VOCAB = 16, 2, 2, 60
+
+
+def _model_config(kind: str, **overrides):
+    from tests.test_gpt_model import make_config
+
+    return make_config(kind, **overrides)
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(tokens, labels, loss_mask) microbatches; the masks drop a quarter of the tokens."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(count):
+        tokens, labels = (torch.randint(0, VOCAB, (MBS, MODEL_SEQ), generator=gen) for _ in range(2))
+        mask = (torch.rand(MBS, MODEL_SEQ, generator=gen) > 0.25).float()
+        out.append((tokens, labels, mask))
+    return out
+
+
+def _cp_loss_mean(loss_mask, per_token_loss):
+    """The 2-tuple contract with CP, as Megatron's legacy loss_func: the whole sequence's mean, whose
+    gradient flows through this rank's tokens only."""
+    import torch.distributed as dist
+
+    from core import parallel_state as ps
+
+    total = (per_token_loss * loss_mask).sum()
+    stats = torch.stack([total.detach(), loss_mask.sum()])
+    dist.all_reduce(stats, group=ps.get_context_parallel_group())
+    loss = (total + (stats[0] - total.detach())) / stats[1]
+    return loss, {"lm loss": loss.detach()}
+
+
+def _forward_step(form: str):
+    from tests.pipeline_toy import loss_sum
+
+    loss_func = _cp_loss_mean if form == "mean" else loss_sum
+
+    def forward_step(data_iterator, model):
+        tokens = labels = mask = None
+        if model.pre_process or model.post_process:
+            tokens, labels, mask = next(data_iterator)
+        return model(tokens, labels=labels), lambda output: loss_func(mask, output)
+
+    return forward_step
+
+
+def _cp_model_rank(rank, world_size, kind, split, form):
+    """One training step at ``split`` (see SPLITS); full gradients (and, with the distributed
+    optimizer, parameters after one SGD step) from the first TP and DP x CP rank of each stage."""
+    from core import parallel_state as ps
+    from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.pipeline_parallel.hooks import ScheduleHooks
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from core.tensor_parallel import model_parallel_seed
+    from core.transformer.context_parallel import get_batch_on_this_cp_rank
+    from models.gpt import build_model_chunks
+    from tests.test_gpt_model import _full
+
+    tp, pp, cp, options = SPLITS[split]
+    options = dict(options)
+    distributed_optimizer = options.pop("distributed_optimizer", False)
+    ps.initialize_model_parallel(tp, pp, None, cp)
+    model_parallel_seed(1234)
+    hooks = ScheduleHooks(finalize_model_grads=finalize_model_grads)
+    config = _model_config(
+        kind,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        calculate_per_token_loss=form == "per_token",
+        schedule_hooks=hooks,
+        **options,
+    )
+    chunks = build_model_chunks(config, VOCAB, MODEL_SEQ)
+    if distributed_optimizer:
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=3000)
+        chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
+        hooks.no_sync = chunks[0].no_sync
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0,
+                            use_distributed_optimizer=True),
+            chunks,
+        )  # fmt: skip
+    dp, dp_rank, cp_rank = (
+        ps.get_data_parallel_world_size(),
+        ps.get_data_parallel_rank(),
+        ps.get_context_parallel_rank(),
+    )
+    mine = _batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]
+    cut = []
+    for tokens, labels, mask in mine:
+        part = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "loss_mask": mask})
+        cut.append((part["tokens"], part["labels"], part["loss_mask"]))
+    logs = get_forward_backward_func()(
+        forward_step_func=_forward_step(form),
+        data_iterator=iter(cut),
+        model=chunks[0],
+        num_microbatches=MICROBATCHES,
+        seq_length=MODEL_SEQ,
+        micro_batch_size=MBS,
+    )
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if getattr(p, "main_grad", None) is not None:
+                p.grad = p.main_grad  # the data-parallel buffer (all-reduced in full on gloo)
+    grads = _full([c.module if distributed_optimizer else c for c in chunks], "grad")
+    params = None
+    if distributed_optimizer:  # the optimizer shards over DP x CP; each rank updates its shard
+        assert chunks[0].data_parallel_group is ps.get_data_parallel_group(with_context_parallel=True)
+        assert optimizer.step()[0]
+        chunks[0].finish_param_sync()
+        params = _full([c.module for c in chunks], "param")
+    first = (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+    return {
+        "grads": grads if first else None,
+        "params": params if first else None,
+        "logs": [(dp_rank, i, d["lm loss"].clone()) for i, d in enumerate(logs)]
+        if ps.get_tensor_model_parallel_rank() == 0
+        else [],
+        "cp_rank": cp_rank,
+    }
+
+
+SPLITS = {  # name: (tp, pp, cp, config options) on 4 ranks; DP takes the rest
+    "cp2_p2p": (1, 1, 2, {}),
+    "cp4_p2p": (1, 1, 4, {}),
+    "cp2_a2a": (1, 1, 2, {"cp_comm_type": "a2a"}),
+    "cp2_allgather": (1, 1, 2, {"cp_comm_type": "allgather"}),
+    "tp2_sp_cp2": (2, 1, 2, {"sequence_parallel": True}),
+    "pp2_cp2_1f1b": (1, 2, 2, {}),
+    "pp2_cp2_zb-h1": (1, 2, 2, {"pipeline_schedule": "zb-h1"}),
+    "dp2_cp2_distopt": (1, 1, 2, {"distributed_optimizer": True}),
+    "pp2_cp2_selective": (1, 2, 2, {"recompute_granularity": "selective", "cp_comm_type": "a2a"}),
+}
+CI = {  # one representative per composition; the rest of the grid is slow
+    ("llama", "cp4_p2p", "per_token"),
+    ("gpt", "cp2_a2a", "mean"),
+    ("llama", "tp2_sp_cp2", "per_token"),
+    ("gpt", "pp2_cp2_1f1b", "sum"),
+    ("llama", "pp2_cp2_zb-h1", "per_token"),
+    ("gpt", "dp2_cp2_distopt", "sum"),
+}
+FORMS = ("per_token", "sum", "mean")  # calculate_per_token_loss; 3-tuple per microbatch; 2-tuple
+
+
+def _reference(kind: str, batches, form: str):
+    """Loss and gradients of the same model on one device, and the parameters after one SGD step."""
+    from models.gpt import GPTModel
+    from tests.pipeline_toy import reference_loss_and_grads
+
+    model = GPTModel(_model_config(kind), VOCAB, MODEL_SEQ)
+    loss, grads = reference_loss_and_grads(model, batches, form == "per_token")
+    stepped = {n: (p - 0.5 * grads[n]).detach() for n, p in model.named_parameters()}
+    return loss, grads, stepped
+
+
+def _reported_loss(results, form: str) -> torch.Tensor:
+    """The step's loss from every last-stage rank's logs: per microbatch, CP ranks' parts combined."""
+    parts: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for result in results:
+        for dp_rank, index, value in result["logs"]:
+            parts.setdefault((dp_rank, index), []).append(value)
+    if form == "mean":  # every CP rank logs the whole sequence's mean
+        return torch.stack([values[0] for values in parts.values()]).mean()
+    sums = {key: torch.stack(values).sum(0) for key, values in parts.items()}
+    if form == "per_token":
+        total = torch.stack(list(sums.values())).sum(0)
+        return total[0] / total[1]
+    return torch.stack([s[0] / s[1] for s in sums.values()]).mean()
+
+
+@pytest.mark.parametrize(
+    "kind,split,form",
+    [
+        pytest.param(kind, split, form, marks=[] if (kind, split, form) in CI else [pytest.mark.slow])
+        for split in SPLITS
+        for kind in ("gpt", "llama")
+        for form in FORMS
+    ],
+)
+def test_model_under_context_parallelism_matches_single_device(ranks, kind, split, form):
+    tp, pp, cp, _ = SPLITS[split]
+    dp = 4 // (tp * pp * cp)
+    results = ranks(4).run(_cp_model_rank, kind, split, form, timeout=120)
+    ref_loss, ref_grads, ref_stepped = _reference(kind, _batches(dp * MICROBATCHES), form)
+    grads = {n: g for r in results if r["grads"] for n, g in r["grads"].items()}
+    worst = {}
+    for name, grad in grads.items():
+        twin = "embedding.word_embeddings.weight" if name not in ref_grads else name
+        assert grad is not None and grad.abs().sum() > 0, f"{name} received no gradient"
+        worst[name] = rel(grad, ref_grads[twin])
+    assert set(ref_grads) <= set(grads), f"missing: {set(ref_grads) - set(grads)}"
+    assert max(worst.values()) <= TOL, max(worst.items(), key=lambda kv: kv[1])
+    loss = _reported_loss(results, form)
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (loss, ref_loss)
+    stepped = {n: p for r in results if r["params"] for n, p in r["params"].items()}
+    for name, param in stepped.items():
+        assert rel(param, ref_stepped[name]) <= TOL, name
+    assert bool(stepped) == ("distopt" in split)

@@ -24,6 +24,7 @@ from torch import nn
 from core import parallel_state
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
 from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
+from core.transformer.context_parallel import positions_on_this_cp_rank
 from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, initialize_by_name, mark_init
 from core.transformer.rope import RotaryEmbedding
@@ -250,6 +251,8 @@ class GPTModel(nn.Module):
         """
         if inference_context is not None and position_ids is None:
             position_ids = self._cached_positions(input_ids, inference_context)
+        if self.pre_process and position_ids is None and self.config.context_parallel_size > 1:
+            position_ids = self._context_parallel_positions(input_ids.shape[1], input_ids.device).unsqueeze(0)
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         elif self.input_tensor is None:
@@ -291,8 +294,17 @@ class GPTModel(nn.Module):
             seq = hidden.shape[0] * (
                 self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
             )
-            position_ids = torch.arange(seq, device=hidden.device)
+            position_ids = self._context_parallel_positions(seq, hidden.device)
         return self.rotary_pos_emb(position_ids)
+
+    def _context_parallel_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """Positions ``[local_length]`` of this rank's tokens: ``0..s-1`` without context parallelism,
+        else those of the two chunks this CP rank holds."""
+        cp = self.config.context_parallel_size
+        if cp == 1:
+            return torch.arange(local_length, device=device)
+        rank = parallel_state.get_context_parallel_rank()
+        return positions_on_this_cp_rank(local_length * cp, cp, rank, device=device)
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padded vocabulary entries get -inf, so they take no probability mass and no gradient."""
