@@ -27,12 +27,14 @@ receive posted ahead of need would hold up every later send of that rank. One gr
 each link a first-in-first-out queue that nothing else waits behind (see
 ``core/pipeline_parallel/lowering.py``). That is ``2 * pp`` more groups per pipeline (2 at PP=2);
 two-rank groups are cheap, and PyTorch itself creates one per pair of ranks for unbatched NCCL
-send/recv.
+send/recv. Every link exchanges one message at startup (:func:`warm_up_pipeline_links`), in one
+global order, so NCCL's blocking communicator setup never happens inside a schedule.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import shutil
 import tempfile
@@ -41,10 +43,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from core.device import bind_local_device, default_backend
+from core.device import bind_local_device, current_device, default_backend, local_device
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _AXES = ("tp", "cp", "ep", "dp", "pp")
@@ -127,6 +130,50 @@ def pipeline_channels(pipeline_size: int) -> list[tuple[int, int]]:
     for r in range(pipeline_size if pipeline_size > 2 else pipeline_size - 1):
         channels += [(r, (r + 1) % pipeline_size), ((r + 1) % pipeline_size, r)]
     return channels
+
+
+def link_warm_up_order(pipelines: Sequence[Sequence[int]]) -> list[tuple[int, int, int, int]]:
+    """Every pipeline link of the job as ``(src, dst)`` in global ranks, with its pipeline's pp ranks
+    ``(src_pp, dst_pp)``: the one order in which all ranks warm their links up.
+
+    Pipelines in ``layout["pp"]`` order, each one's links in :func:`pipeline_channels` order. A rank
+    warms up only its own links, in this order. That cannot deadlock, whatever blocks: the first
+    link in the order that is not yet done has both its ranks done with every earlier link, so both
+    are at it, and it completes.
+    """
+    order = []
+    for members in pipelines:
+        for src, dst in pipeline_channels(len(members)):
+            order.append((members[src], members[dst], src, dst))
+    return order
+
+
+def warm_up_pipeline_links(
+    rank: int, pipelines: Sequence[Sequence[int]], channels: Mapping[tuple[int, int], ProcessGroup]
+) -> None:
+    """One exchange per pipeline link of this rank, in :func:`link_warm_up_order`: its communicator
+    exists before any schedule runs.
+
+    NCCL creates a group's communicator at the group's first operation, blocking both ranks until
+    both arrive. Left to the schedule, that first operation would come in schedule order, which the
+    rendezvous checker does not model (Megatron's interleaved schedule deadlocked in exactly this
+    way). Each end posts a send and a receive as one batch on NCCL (the form the schedule posts, so
+    the same communicator), plain isend/irecv elsewhere, and waits. It runs on gloo too: the code
+    path is the same and the cost is a few small messages at startup.
+    """
+    device = current_device()
+    for src, dst, src_pp, dst_pp in link_warm_up_order(pipelines):
+        if rank not in (src, dst) or src == dst:
+            continue
+        group, peer = channels[(src_pp, dst_pp)], dst if rank == src else src
+        out, into = torch.zeros(1, device=device), torch.empty(1, device=device)
+        if dist.get_backend(group) == "nccl":
+            ops = [dist.P2POp(dist.isend, out, peer, group), dist.P2POp(dist.irecv, into, peer, group)]
+            works = dist.batch_isend_irecv(ops)
+        else:
+            works = [dist.isend(out, peer, group=group), dist.irecv(into, peer, group=group)]
+        for work in works:
+            work.wait()
 
 
 def _check_size(name: str, value: int) -> None:
@@ -236,15 +283,21 @@ def initialize_distributed(timeout: timedelta | None = None) -> bool:
 
     Under torchrun the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) says where to meet;
     a plain ``python script.py`` becomes a world of one through a private file rendezvous, so the
-    same code path runs on a laptop without a launcher. The backend follows the hardware
-    (core.device): NCCL on GPUs, gloo on CPU. Whoever started it ends it with
-    :func:`destroy_distributed`.
+    same code path runs on a laptop without a launcher. The backend is core.device's choice (NCCL
+    where GPUs exist, gloo elsewhere). Under NCCL the process is bound to its own GPU first and the
+    group is told so (``device_id``), which makes NCCL create its communicators now rather than
+    inside the first collective. Whoever started it ends it with :func:`destroy_distributed`.
     """
     if dist.is_initialized():
         return False
-    bind_local_device()
+    backend = default_backend()
+    options: dict = {"backend": backend, "timeout": timeout}
+    if backend == "nccl":
+        bind_local_device()
+        if _ACCEPTS_DEVICE_ID:
+            options["device_id"] = local_device()
     if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
-        dist.init_process_group(backend=default_backend(), init_method="env://", timeout=timeout)
+        dist.init_process_group(init_method="env://", **options)
         return True
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != 1:
@@ -254,14 +307,12 @@ def initialize_distributed(timeout: timedelta | None = None) -> bool:
         )
     rendezvous_dir = tempfile.mkdtemp(prefix="trident-rendezvous-")
     atexit.register(shutil.rmtree, rendezvous_dir, ignore_errors=True)
-    dist.init_process_group(
-        backend=default_backend(),
-        init_method=f"file://{rendezvous_dir}/store",
-        rank=0,
-        world_size=1,
-        timeout=timeout,
-    )
+    dist.init_process_group(init_method=f"file://{rendezvous_dir}/store", rank=0, world_size=1, **options)
     return True
+
+
+# ``device_id`` (eager NCCL communicators) arrived in torch 2.3's init_process_group; pyproject allows 2.3.
+_ACCEPTS_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters
 
 
 def destroy_distributed() -> None:
@@ -309,6 +360,7 @@ def initialize_model_parallel(
     if virtual_pipeline_model_parallel_size is not None:
         _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
     initialize_distributed()
+    bind_local_device()  # also when someone else started torch.distributed: each rank on its own GPU
     layout = generate_parallel_groups(
         dist.get_world_size(),
         tensor_model_parallel_size,
@@ -333,6 +385,7 @@ def initialize_model_parallel(
             if rank in (members[src], members[dst]):
                 _CREATED.append(group)
                 channels[(src, dst)] = group
+    warm_up_pipeline_links(rank, layout["pp"], channels)
     _GROUPS = ParallelGroups(
         rank=rank, ranks=MappingProxyType(ranks), pp_channels=MappingProxyType(channels), **mine
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.torchrun_jobs import TINY, VOCAB, job_env, run, worker_tracebacks, write_tiny_dataset
 from training.data.builder import build_train_valid_test_datasets
@@ -406,7 +407,31 @@ SCHEDULER = [
     ),
 ]
 
-CASES = USAGE + CONFIG + DATA + SCHEDULER
+
+def _backend(forced: str):
+    def act(tmp_path: Path, monkeypatch) -> None:
+        from training.training import pretrain
+
+        monkeypatch.setenv("TRIDENT_BACKEND", forced)
+        pretrain(None, None, None, argv=f"{FULL} --mock-data".split())
+
+    return act
+
+
+# Where NCCL cannot work (CUDA hosts meet the GPU-count case instead: tests/test_device.py).
+DEVICE = (
+    []
+    if torch.cuda.is_available()
+    else [
+        Case(
+            "TRIDENT_BACKEND=nccl without CUDA",
+            _backend("nccl"),
+            "TRIDENT_BACKEND=nccl needs CUDA, and this machine has no usable GPU",
+        )
+    ]
+)
+
+CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE
 
 
 def test_there_are_at_least_forty_distinct_cases():

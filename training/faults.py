@@ -67,9 +67,10 @@ class Verdict:
 
 
 def _clean_errors() -> tuple[type[BaseException], ...]:
+    from core.device import DeviceError
     from training.checkpoint import CheckpointError
 
-    return (ConfigError, DataError, CheckpointError)
+    return (ConfigError, DataError, CheckpointError, DeviceError)
 
 
 def _prog() -> str:
