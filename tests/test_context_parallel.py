@@ -376,3 +376,52 @@ def test_model_under_context_parallelism_matches_single_device(ranks, kind, spli
     for name, param in stepped.items():
         assert rel(param, ref_stepped[name]) <= TOL, name
     assert bool(stepped) == ("distopt" in split)
+
+
+def test_pipeline_shape_check_names_the_context_parallel_split():
+    from core.pipeline_parallel.hooks import ScheduleSettings
+    from core.pipeline_parallel.mailbox import Mailbox, PipelineShapeError
+    from core.pipeline_parallel.placement import placement_for
+    from core.pipeline_parallel.schedule_tables import Action, ActionKind
+
+    settings = ScheduleSettings(hidden_size=64, context_parallel_size=2)
+    assert settings.tensor_shape(32, 2) == (16, 2, 64)
+    mailbox = Mailbox(
+        pp_rank=0,
+        placement=placement_for("1f1b", 2),
+        links=None,
+        shape=settings.tensor_shape(32, 2),
+        dtype=torch.float32,
+        variable_shapes=False,
+        record=None,
+        shape_origin=settings.describe_tensor_shape(32, 2),
+    )
+    mailbox.output_of(Action(ActionKind.F, 0), torch.zeros(32, 2, 64))  # the whole sequence: wrong
+    with pytest.raises(PipelineShapeError, match=r"expects shape \(16, 2, 64\) and dtype float32 \(\[seq_length "
+                       r"32 / context_parallel_size 2, micro_batch_size 2, hidden_size 64\]\)"):  # fmt: skip
+        mailbox.send(Action(ActionKind.SEND_F, 0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_blocks_with_lse_match_the_plain_computation(dtype):
+    """What one GPU can check of CP (which needs two): the per-block attention with its lse, forward
+    and the backward fed the final output and lse, on CUDA's kernels against fp64 on the CPU."""
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 256, 64, generator=gen).to(dtype).double() for _ in range(4))
+    cuda = [t.to("cuda", dtype) for t in (q, k, v, grad)]  # the same values: only the kernels differ
+    assert blocks.backend(cuda[0]) == ("cuda_efficient" if dtype == torch.float32 else "cuda_flash")
+    tol, lse_tol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1e-4)
+    for causal, keys in ((True, slice(None)), (False, slice(0, 128))):
+        args = {"causal": causal, "scale": 0.125}
+        ref = blocks._math_forward(q, k[:, :, keys], v[:, :, keys], causal, 0.125)
+        out, lse = blocks.attention_with_lse(cuda[0], cuda[1][:, :, keys], cuda[2][:, :, keys], **args)
+        assert lse.shape == (2, 4, 256) and lse.dtype == torch.float32
+        assert rel(out.double().cpu(), ref[0]) <= tol and rel(lse.double().cpu(), ref[1]) <= lse_tol
+        grads = blocks.attention_with_lse_backward(
+            cuda[3], cuda[0], cuda[1][:, :, keys], cuda[2][:, :, keys], out, lse, **args
+        )
+        expected = blocks._math_backward(grad, q, k[:, :, keys], v[:, :, keys], ref[0], ref[1], causal, 0.125)
+        for got, want in zip(grads, expected):
+            assert rel(got.double().cpu(), want) <= tol
