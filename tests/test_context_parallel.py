@@ -106,6 +106,43 @@ def test_blocks_with_the_final_lse_give_the_full_gradients(force_math, monkeypat
     assert dk_a.shape == (2, 3, 4, 16)
 
 
+def test_dropped_blocks_merge_and_differentiate_like_dropout_on_the_whole_row():
+    """Blocks with their own dropout masks, merged by lse, equal dropout applied to the full softmax row
+    with those masks side by side; each block's backward regenerates its mask."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, grad = (torch.randn(1, 2, 8, 4, generator=gen, dtype=torch.float64) for _ in range(4))
+    drop_a, drop_b, scale = (0.3, 11), (0.3, 12), 0.5
+    rows = slice(4, None)
+    out_a, lse_a = blocks.attention_with_lse(
+        q[:, :, rows], k[:, :, :4], v[:, :, :4], causal=False, scale=scale, dropout=drop_a
+    )
+    out_b, lse_b = blocks.attention_with_lse(
+        q[:, :, rows], k[:, :, 4:], v[:, :, 4:], causal=True, scale=scale, dropout=drop_b
+    )
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * (lse_a - lse).exp().unsqueeze(-1) + out_b * (lse_b - lse).exp().unsqueeze(-1)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    shape = torch.empty(1, 2, 4, 4, dtype=torch.float64)
+    keep = torch.cat([blocks._dropout_scale(shape, drop_a), blocks._dropout_scale(shape, drop_b)], dim=-1)
+    assert 0 < (keep == 0).float().mean() < 0.6
+    scores = (full[0][:, :, rows] @ full[1].transpose(-2, -1) * scale).masked_fill(
+        torch.ones(4, 8, dtype=torch.bool).tril(4).logical_not(), float("-inf")
+    )
+    reference = (scores.softmax(-1) * keep) @ full[2]
+    reference.backward(grad[:, :, rows])
+    assert rel(out, reference.detach()) <= 1e-12
+    backward = {"scale": scale, "grad_out": grad[:, :, rows], "query": q[:, :, rows], "out": out, "lse": lse}
+    dq_a, dk_a, dv_a = blocks.attention_with_lse_backward(
+        key=k[:, :, :4], value=v[:, :, :4], causal=False, dropout=drop_a, **backward
+    )
+    dq_b, dk_b, dv_b = blocks.attention_with_lse_backward(
+        key=k[:, :, 4:], value=v[:, :, 4:], causal=True, dropout=drop_b, **backward
+    )
+    assert rel(dq_a + dq_b, full[0].grad[:, :, rows]) <= 1e-12
+    assert rel(torch.cat([dk_a, dk_b], 2), full[1].grad) <= 1e-12
+    assert rel(torch.cat([dv_a, dv_b], 2), full[2].grad) <= 1e-12
+
+
 # --------------------------------------------------------------------------------------------------
 # CP attention on real ranks
 # --------------------------------------------------------------------------------------------------
@@ -151,6 +188,34 @@ def _cp_attention_rank(rank, world_size, cases):
     return results
 
 
+def _ring_dropout_rank(rank, world_size):
+    """Ring attention with dropout at CP = 4: recomputation (which replays the RNG streams) gives
+    bit-identical outputs and gradients, and dropout changes the output."""
+    from core import parallel_state as ps
+    from core.tensor_parallel import model_parallel_seed
+    from core.transformer.context_parallel import ring_attention
+    from core.transformer.recompute import checkpoint
+
+    ps.initialize_model_parallel(context_parallel_size=4)
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.randn(2, HEADS, SEQ, DIM, generator=gen) for _ in range(4)]
+    q, k, v, grad = (slice_sequence(t, 4, ps.get_context_parallel_rank(), seq_dim=2) for t in full)
+
+    def run(recompute: bool, p: float = 0.3):
+        model_parallel_seed(7)
+        mine = [t.clone().requires_grad_() for t in (q, k[:, :2], v[:, :2])]
+
+        def attend(*args):
+            return ring_attention(*args, ps.get_context_parallel_group(), dropout_p=p)
+
+        out = checkpoint(attend, *mine) if recompute else attend(*mine)
+        out.backward(grad)
+        return [out.detach(), *(m.grad for m in mine)]
+
+    plain, replayed, undropped = run(False), run(True), run(False, 0.0)
+    return all(torch.equal(a, b) for a, b in zip(plain, replayed)), rel(plain[0], undropped[0])
+
+
 CASES = [  # (comm_type, cp, key/value groups, plain-math blocks)
     ("p2p", 2, 2, False),
     ("p2p", 4, 4, False),
@@ -162,6 +227,8 @@ CASES = [  # (comm_type, cp, key/value groups, plain-math blocks)
 
 
 def test_context_parallel_attention_matches_full_attention(ranks):
+    for replayed, changed_by_dropout in ranks(4).run(_ring_dropout_rank, timeout=60):
+        assert replayed and changed_by_dropout > 0.1
     results = ranks(4).run(_cp_attention_rank, CASES, timeout=60)
     for case, *per_rank in zip(CASES, *results):
         assert max(per_rank) <= TOL, f"{case}: relative differences per rank {per_rank}"

@@ -199,6 +199,7 @@ class SelfAttention(nn.Module):
                 comm_type=self.cp_comm_type,
                 group=parallel_state.get_context_parallel_group(),
                 local_attention=local_attention,
+                dropout_p=dropout_p,
             )
 
         return checkpoint(attend, query, key, value) if self.recompute_core else attend(query, key, value)

@@ -257,11 +257,6 @@ class TransformerConfig(ModelParallelConfig):
                 f"num_query_groups ({self.num_query_groups}) per tensor-parallel rank (tp {tp}) divisible "
                 f"by context_parallel_size ({cp})"
             )
-        if "p2p" in types and self.attention_dropout > 0:
-            out.append(
-                f"cp_comm_type 'p2p' has no attention dropout; attention_dropout is {self.attention_dropout} "
-                f"with context_parallel_size {cp} (set it to 0, or use cp_comm_type 'a2a' or 'allgather')"
-            )
         return out
 
     def cp_comm_type_of(self, layer_number: int) -> str:

@@ -54,15 +54,17 @@ def context_parallel_attention(
     comm_type: str,
     group: dist.ProcessGroup,
     local_attention: LocalAttention,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the sequence the CP ``group`` holds.
 
     ``query`` ``[b, heads, s/N, d]``, ``key``/``value`` ``[b, groups, s/N, d]`` (not repeated for
     GQA), each rank's two load-balanced chunks. ``local_attention(q, k, v, mask)`` is the attention
-    ``a2a`` and ``allgather`` run on their gathered operands (``mask``: True where not allowed).
+    ``a2a`` and ``allgather`` run on their gathered operands (``mask``: True where not allowed), with
+    its own dropout; ``dropout_p`` is the ring's.
     """
     if comm_type == "p2p":
-        return ring_attention(query, key, value, group)
+        return ring_attention(query, key, value, group, dropout_p=dropout_p)
     if comm_type == "a2a":
         return a2a_attention(query, key, value, group, local_attention)
     if comm_type == "allgather":

@@ -15,7 +15,13 @@ and bf16 and ``aten._scaled_dot_product_efficient_attention`` otherwise (the mem
 kernel pads its ``lse`` to a multiple of 32 rows on some versions; only the first rows are used).
 Where an op is missing (older or other builds) or the dtype is not covered, :func:`_math_forward`
 and :func:`_math_backward` compute the same in plain PyTorch, in fp32. ``lse`` is
-``[b, heads, queries]`` in fp32 (fp64 for fp64 inputs). ``causal`` means the usual lower triangle with as many queries as keys.
+``[b, heads, queries]`` in fp32 (fp64 for fp64 inputs). ``causal`` means the usual lower triangle
+with as many queries as keys.
+
+Attention dropout takes the plain path: the kernels draw their masks from a generator state that
+the ring cannot replay block by block. A block's mask comes from its own generator seeded with
+``dropout_seed``, so its backward draws the same mask again. Dropping probabilities and then
+rescaling rows commutes, so blocks dropped separately still merge by their lse.
 """
 
 from __future__ import annotations
@@ -57,9 +63,20 @@ def backend(query: torch.Tensor) -> str:
 
 
 def attention_with_lse(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    dropout: tuple[float, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``softmax(q k^T * scale) v`` over ``[b, heads, s, d]`` (heads equal for q, k, v), and its fp32 lse."""
+    """``softmax(q k^T * scale) v`` over ``[b, heads, s, d]`` (heads equal for q, k, v), and its lse.
+
+    ``dropout``: (probability, seed) of this block's attention dropout, or None.
+    """
+    if dropout is not None:
+        return _math_forward(query, key, value, causal, scale, dropout)
     kind = backend(query)
     if kind == "cpu_flash":
         return _CPU_FLASH(query, key, value, 0.0, causal, scale=scale)
@@ -82,8 +99,14 @@ def attention_with_lse_backward(
     *,
     causal: bool,
     scale: float,
+    dropout: tuple[float, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the final ``out`` and ``lse`` of its query rows (module docstring)."""
+    """Gradients of one block given the final ``out`` and ``lse`` of its query rows (module docstring).
+
+    ``dropout``: the (probability, seed) its forward used, or None.
+    """
+    if dropout is not None:
+        return _math_backward(grad_out, query, key, value, out, lse, causal, scale, dropout)
     kind = backend(query)
     if kind == "cpu_flash":
         return _CPU_FLASH_BACKWARD(grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
@@ -129,19 +152,31 @@ def _scores(query, key, causal, scale) -> torch.Tensor:
     return scores
 
 
-def _math_forward(query, key, value, causal, scale):
+def _dropout_scale(probs: torch.Tensor, dropout: tuple[float, int] | None) -> torch.Tensor | float:
+    """This block's dropout mask with the survivors' ``1 / (1 - p)`` (1.0 without dropout)."""
+    if dropout is None:
+        return 1.0
+    p, seed = dropout
+    generator = torch.Generator(device=probs.device).manual_seed(seed)
+    keep = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype) >= p
+    return keep.to(probs.dtype) / (1.0 - p)
+
+
+def _math_forward(query, key, value, causal, scale, dropout=None):
     scores = _scores(query, key, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = probs * _dropout_scale(probs, dropout)
     return torch.matmul(probs, _wide(value)).to(query.dtype), lse
 
 
-def _math_backward(grad_out, query, key, value, out, lse, causal, scale):
+def _math_backward(grad_out, query, key, value, out, lse, causal, scale, dropout=None):
     scores = _scores(query, key, causal, scale)
     probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
+    kept = _dropout_scale(probs, dropout)
     grad_wide = _wide(grad_out)
-    grad_v = torch.matmul(probs.transpose(-2, -1), grad_wide)
-    grad_probs = torch.matmul(grad_wide, _wide(value).transpose(-2, -1))
+    grad_v = torch.matmul((probs * kept).transpose(-2, -1), grad_wide)
+    grad_probs = torch.matmul(grad_wide, _wide(value).transpose(-2, -1)) * kept
     row_dot = (grad_wide * _wide(out)).sum(-1, keepdim=True)
     grad_scores = probs * (grad_probs - row_dot) * scale
     grad_q = torch.matmul(grad_scores, _wide(key))

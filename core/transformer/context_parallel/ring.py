@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from core.transformer.context_parallel.block_attention import attention_with_lse, attention_with_lse_backward
+from core.transformer.dropout import sharded_rng
 
 
 @dataclass
@@ -151,7 +152,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence, by ring (module docstring)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, ring: RingExchange, heads_per_group: int, scale: float):
+    def forward(ctx, query, key, value, ring: RingExchange, heads_per_group: int, scale: float, dropout):
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         half = query.shape[-2] // 2
         kv = torch.stack((key, value))
@@ -161,7 +162,9 @@ class RingAttention(torch.autograd.Function):
             pending = ring.start(kv, _KV) if step < ring.size - 1 else None
             kind = _block(step, ring.rank, ring.size)
             q, k, v, rows = _operands(kind, query, kv, half, heads_per_group)
-            out, lse = attention_with_lse(q, k, v, causal=kind == "diagonal", scale=scale)
+            out, lse = attention_with_lse(
+                q, k, v, causal=kind == "diagonal", scale=scale, dropout=_step_dropout(dropout, ring, step)
+            )
             if merger is None:
                 merger = _Merger(out, lse)
             else:
@@ -172,7 +175,7 @@ class RingAttention(torch.autograd.Function):
                 clock.lap("waiting")
         out = merger.out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, merger.lse)
-        ctx.ring, ctx.heads_per_group, ctx.scale = ring, heads_per_group, scale
+        ctx.ring, ctx.heads_per_group, ctx.scale, ctx.dropout = ring, heads_per_group, scale, dropout
         return out
 
     @staticmethod
@@ -188,7 +191,7 @@ class RingAttention(torch.autograd.Function):
             q, k, v, rows = _operands(kind, query, kv, half, n)
             dq, dk, dv = attention_with_lse_backward(
                 grad_out[:, :, rows], q, k, v, out[:, :, rows], lse[:, :, rows],
-                causal=kind == "diagonal", scale=scale,
+                causal=kind == "diagonal", scale=scale, dropout=_step_dropout(ctx.dropout, ring, step),
             )  # fmt: skip
             grad_query[:, :, rows] += dq
             share = torch.zeros_like(kv, dtype=lse.dtype)
@@ -210,6 +213,7 @@ class RingAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -223,6 +227,16 @@ def _operands(kind: str, query: torch.Tensor, kv: torch.Tensor, half: int, heads
     return q, _expand(key, heads_per_group).contiguous(), _expand(value, heads_per_group).contiguous(), rows
 
 
+def _step_dropout(
+    dropout: tuple[float, int] | None, ring: RingExchange, step: int
+) -> tuple[float, int] | None:
+    """The (probability, seed) of one step's block: its own seed per rank and step, the same in backward."""
+    if dropout is None:
+        return None
+    p, seed = dropout
+    return p, (seed + 1_000_003 * ring.rank + step) % 2**62
+
+
 def ring_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -230,12 +244,19 @@ def ring_attention(
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention over the sequence held by ``group``'s ranks (each with its two chunks).
 
     ``query`` ``[b, heads, s/N, d]``; ``key`` and ``value`` ``[b, groups, s/N, d]`` with ``heads`` a
     multiple of ``groups`` (GQA: groups travel unrepeated). Returns ``[b, heads, s/N, d]``.
+    ``dropout_p``: attention dropout; the masks' seed is drawn from this TP rank's stream (so
+    recomputation, which replays that stream, draws the same masks).
     """
     heads, groups = query.shape[1], key.shape[1]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(query, key, value, RingExchange(group), heads // groups, scale)
+    dropout = None
+    if dropout_p > 0.0:
+        with sharded_rng():
+            dropout = (dropout_p, int(torch.randint(0, 2**62, (1,)).item()))
+    return RingAttention.apply(query, key, value, RingExchange(group), heads // groups, scale, dropout)
