@@ -290,13 +290,13 @@ def _cp_model_rank(rank, world_size, kind, split, form):
     """One training step at ``split`` (see SPLITS); full gradients (and, with the distributed
     optimizer, parameters after one SGD step) from the first TP and DP x CP rank of each stage."""
     from core import parallel_state as ps
-    from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.pipeline_parallel.hooks import ScheduleHooks
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from core.tensor_parallel import model_parallel_seed
     from core.transformer.context_parallel import get_batch_on_this_cp_rank
-    from models.gpt import build_model_chunks
+    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
     from tests.test_gpt_model import _full
 
     tp, pp, cp, options = SPLITS[split]
@@ -305,26 +305,32 @@ def _cp_model_rank(rank, world_size, kind, split, form):
     vpp = options.get("virtual_pipeline_model_parallel_size")
     ps.initialize_model_parallel(tp, pp, vpp, cp)
     model_parallel_seed(1234)
-    hooks = ScheduleHooks(finalize_model_grads=finalize_model_grads)
     config = _model_config(
         kind,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         calculate_per_token_loss=form == "per_token",
-        schedule_hooks=hooks,
+        schedule_hooks=ScheduleHooks(finalize_model_grads=finalize_model_grads),
         **options,
     )
-    chunks = build_model_chunks(config, VOCAB, MODEL_SEQ)
-    if distributed_optimizer:
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=3000)
-        chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
-        hooks.no_sync = chunks[0].no_sync
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0,
-                            use_distributed_optimizer=True),
-            chunks,
-        )  # fmt: skip
+    sgd = OptimizerConfig(
+        optimizer="sgd",
+        lr=0.5,
+        weight_decay=0.0,
+        sgd_momentum=0.0,
+        clip_grad=0.0,
+        use_distributed_optimizer=True,
+    )
+    model = parallelize_gpt(
+        gpt_provider(config, VOCAB, MODEL_SEQ),
+        layout=pipeline_layout(config),
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=3000)
+        if distributed_optimizer
+        else None,
+        make_optimizer=lambda chunks: get_megatron_optimizer(sgd, chunks),
+    )
+    chunks, optimizer = model.chunks, model.optimizer
     dp, dp_rank, cp_rank = (
         ps.get_data_parallel_world_size(),
         ps.get_data_parallel_rank(),

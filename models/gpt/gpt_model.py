@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from core import parallel_state
+from core.device import current_device
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
 from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
 from core.transformer.context_parallel import positions_on_this_cp_rank
@@ -97,7 +98,7 @@ class GPTModel(nn.Module):
     """Megatron's GPTModel contract: ``forward(input_ids, position_ids, attention_mask, labels)``.
 
     ``shared_embedding_weight`` is only for a tied output layer whose embedding lives in an earlier
-    chunk of the same rank; :func:`build_model_chunks` passes it.
+    chunk of the same rank; :func:`models.gpt.parallelize.parallelize_gpt` passes it.
     """
 
     def __init__(
@@ -144,6 +145,7 @@ class GPTModel(nn.Module):
                 config.rotary_dim,
                 config.rotary_base,
                 config.rope_scaling_factor if config.rope_scaling else None,
+                device=current_device(),
             )
             if config.position_embedding_type == "rope"
             else None
@@ -176,7 +178,7 @@ class GPTModel(nn.Module):
                 raise ValueError(
                     f"GPTModel({flag}={value}) disagrees with the pipeline layout: stage (pp_rank {self.pp_rank}, "
                     f"vp_stage {vp_stage}) {'holds' if expected else 'does not hold'} the {what}; pass "
-                    f"{flag}={expected} or use build_model_chunks"
+                    f"{flag}={expected} or use parallelize_gpt"
                 )
 
     def _tied_across_ranks(self) -> bool:
@@ -190,7 +192,7 @@ class GPTModel(nn.Module):
         if borrow and shared_weight is None:
             raise ValueError(
                 "tied embeddings: the embedding is in an earlier chunk of this rank; pass "
-                f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use build_model_chunks"
+                f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use parallelize_gpt"
             )
         layer = ColumnParallelLinear(
             config.hidden_size,
@@ -251,7 +253,8 @@ class GPTModel(nn.Module):
         """
         if inference_context is not None and position_ids is None:
             position_ids = self._cached_positions(input_ids, inference_context)
-        if self.pre_process and position_ids is None and self.config.context_parallel_size > 1:
+        learned_positions = self.pre_process and self.embedding.position_embeddings is not None
+        if learned_positions and position_ids is None and self.config.context_parallel_size > 1:
             position_ids = self._context_parallel_positions(input_ids.shape[1], input_ids.device).unsqueeze(0)
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
@@ -290,12 +293,18 @@ class GPTModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.rotary_pos_emb is None:
             return None
-        if position_ids is None:
+        if position_ids is None:  # the usual case: cached tables, in the activations' dtype
             seq = hidden.shape[0] * (
                 self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
             )
-            position_ids = self._context_parallel_positions(seq, hidden.device)
-        return self.rotary_pos_emb(position_ids)
+            cp = self.config.context_parallel_size
+            cos, sin = self.rotary_pos_emb.for_length(seq * cp, hidden.dtype, hidden.device)
+            if cp == 1:
+                return cos, sin
+            held = self._context_parallel_positions(seq, hidden.device)  # the chunks this CP rank holds
+            return cos.index_select(0, held), sin.index_select(0, held)
+        cos, sin = self.rotary_pos_emb(position_ids)
+        return cos.to(hidden.dtype), sin.to(hidden.dtype)
 
     def _context_parallel_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """Positions ``[local_length]`` of this rank's tokens: ``0..s-1`` without context parallelism,
@@ -314,28 +323,3 @@ class GPTModel(nn.Module):
             return logits
         padding = torch.arange(start, start + local, device=logits.device) >= self.vocab_size
         return logits.masked_fill(padding, float("-inf"))
-
-
-def build_model_chunks(
-    config: TransformerConfig, vocab_size: int, max_sequence_length: int
-) -> list[GPTModel]:
-    """This rank's model chunk(s), one per virtual stage, with pre/post flags taken from the layout."""
-    layout = pipeline_layout(config)
-    rank = pipeline_rank(config)
-    chunks: list[GPTModel] = []
-    for v in range(layout.vpp_size):
-        vp_stage = v if layout.vpp_size > 1 else None
-        embedding_holder = next((c for c in chunks if c.pre_process), None)
-        shared = embedding_holder.embedding.word_embeddings.weight if embedding_holder is not None else None
-        chunks.append(
-            GPTModel(
-                config,
-                vocab_size,
-                max_sequence_length,
-                pre_process=layout.has_embedding(rank, vp_stage),
-                post_process=layout.has_loss(rank, vp_stage),
-                vp_stage=vp_stage,
-                shared_embedding_weight=shared,
-            )
-        )
-    return chunks

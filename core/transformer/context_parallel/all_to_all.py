@@ -10,8 +10,8 @@ of q, k, v and the output per layer, whatever ``N``; heads and key/value groups 
 CP rank, and each rank attends its own queries to the whole sequence, masked by the positions its
 chunks hold. The backward reduces the key/value gradients back to their owners.
 
-Both hand the attention itself to ``local_attention(q, k, v, attention_mask)`` with as many key/value
-heads as query heads (the caller's attention, so dropout and softmax options work as without CP);
+Both hand the attention itself to ``local_attention(q, k, v, attention_mask)``, keys and values
+still in their groups (the caller's attention, so GQA, dropout and softmax options work as without CP);
 the gathered sequence is put back in natural order first (``sharding.gather_order_index``).
 """
 
@@ -73,12 +73,6 @@ class _SequenceToHeads(torch.autograd.Function):
         return heads_to_sequence(grad, ctx.group), None
 
 
-def _expand(tensor: torch.Tensor, heads_per_group: int) -> torch.Tensor:
-    if heads_per_group == 1:
-        return tensor
-    return tensor.repeat_interleave(heads_per_group, dim=1)
-
-
 def a2a_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -88,12 +82,11 @@ def a2a_attention(
 ) -> torch.Tensor:
     """Ulysses attention: ``query`` ``[b, heads, s/N, d]``, ``key``/``value`` ``[b, groups, s/N, d]``."""
     size = dist.get_world_size(group)
-    heads_per_group = query.shape[1] // key.shape[1]
     chunk = query.shape[2] // 2
     natural = gather_order_index(size, chunk, device=query.device)
     back = torch.argsort(natural)
     q, k, v = (_HeadsToSequence.apply(t, group).index_select(2, natural) for t in (query, key, value))
-    context = local_attention(q, _expand(k, heads_per_group), _expand(v, heads_per_group), None)
+    context = local_attention(q, k, v, None)
     return _SequenceToHeads.apply(context.index_select(2, back), group)
 
 
@@ -123,10 +116,9 @@ def allgather_attention(
 ) -> torch.Tensor:
     """Each rank's queries over every rank's keys and values, gathered (module docstring)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    heads_per_group = query.shape[1] // key.shape[1]
     local = query.shape[2]
     natural = gather_order_index(size, local // 2, device=query.device)
     k, v = (_GatherSequence.apply(t, group).index_select(2, natural) for t in (key, value))
     positions = positions_on_this_cp_rank(local * size, size, rank, device=query.device)
     masked = torch.arange(local * size, device=query.device)[None, :] > positions[:, None]
-    return local_attention(query, _expand(k, heads_per_group), _expand(v, heads_per_group), masked)
+    return local_attention(query, k, v, masked)
