@@ -33,7 +33,8 @@ class ModelParallelConfig:
     """Model chunks per pipeline rank; > 1 selects the interleaved 1F1B schedule."""
 
     context_parallel_size: int = 1
-    """Ranks the sequence is split over for attention (CP); groups only, no CP attention yet."""
+    """Ranks each sequence is split over (CP): every rank holds ``seq / CP`` tokens, two load-balanced
+    chunks, and attention reaches across the ranks (``cp_comm_type``)."""
 
     expert_model_parallel_size: int = 1
     """Ranks the experts of each MoE layer are split over (EP); carved out of the data-parallel ranks
@@ -145,6 +146,11 @@ class ModelParallelConfig:
             raise ValueError(
                 "pipeline_schedule='zbv' runs exactly 2 virtual stages per pipeline rank (a V); set "
                 f"virtual_pipeline_model_parallel_size=2 (got {vpp})"
+            )
+        if self.variable_seq_lengths and self.context_parallel_size > 1:
+            raise ValueError(
+                f"variable_seq_lengths is not supported with context_parallel_size "
+                f"{self.context_parallel_size}: every sequence is cut into 2 x CP equal chunks"
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron silently turns it off; so do we, it is a no-op at TP=1.

@@ -278,13 +278,23 @@ class Losses:
         self.non_loss_data = ctx.collect_non_loss_data and ctx.forward_only
         self.logs = LossLogs()
         self.num_tokens = torch.zeros((), dtype=torch.int64, device=current_device())
+        self.cp_group = None
+        if ctx.settings.context_parallel_size > 1:
+            from core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
 
     def apply(self, loss_func: Callable, output: torch.Tensor) -> torch.Tensor:
         result = loss_func(output)
         if self.non_loss_data:
             self.logs.append(result)
             return output
-        loss = parse_loss(result, num_microbatches=self.num_microbatches, per_token=self.per_token)
+        loss = parse_loss(
+            result,
+            num_microbatches=self.num_microbatches,
+            per_token=self.per_token,
+            context_parallel_group=self.cp_group,
+        )
         summed = loss.num_tokens is not None
         if self.logs.summed is not None and self.logs.summed != summed:
             raise TypeError("loss_func returned a 2-tuple for some microbatches and a 3-tuple for others")

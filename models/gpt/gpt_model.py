@@ -35,6 +35,7 @@ from core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from core.transformer.compile import compile_function, mark_sequence_dynamic
+from core.transformer.context_parallel import positions_on_this_cp_rank
 from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, initialize_by_name, mark_init
 from core.transformer.rope import RotaryEmbedding
@@ -288,6 +289,9 @@ class GPTModel(nn.Module):
         """
         if inference_context is not None and position_ids is None:
             position_ids = self._cached_positions(input_ids, inference_context)
+        learned_positions = self.pre_process and self.embedding.position_embeddings is not None
+        if learned_positions and position_ids is None and self.config.context_parallel_size > 1:
+            position_ids = self._context_parallel_positions(input_ids.shape[1], input_ids.device).unsqueeze(0)
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         elif self.input_tensor is None:
@@ -337,9 +341,23 @@ class GPTModel(nn.Module):
             seq = hidden.shape[0] * (
                 self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
             )
-            return self.rotary_pos_emb.for_length(seq, hidden.dtype, hidden.device)
+            cp = self.config.context_parallel_size
+            cos, sin = self.rotary_pos_emb.for_length(seq * cp, hidden.dtype, hidden.device)
+            if cp == 1:
+                return cos, sin
+            held = self._context_parallel_positions(seq, hidden.device)  # the chunks this CP rank holds
+            return cos.index_select(0, held), sin.index_select(0, held)
         cos, sin = self.rotary_pos_emb(position_ids)
         return cos.to(hidden.dtype), sin.to(hidden.dtype)
+
+    def _context_parallel_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """Positions ``[local_length]`` of this rank's tokens: ``0..s-1`` without context parallelism,
+        else those of the two chunks this CP rank holds."""
+        cp = self.config.context_parallel_size
+        if cp == 1:
+            return torch.arange(local_length, device=device)
+        rank = parallel_state.get_context_parallel_rank()
+        return positions_on_this_cp_rank(local_length * cp, cp, rank, device=device)
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padded vocabulary entries get -inf, so they take no probability mass and no gradient."""
