@@ -31,7 +31,7 @@ class Progress:
 
     def __init__(self, state, train_iters: int, *, prints: bool = True) -> None:
         self.state, self.train_iters, self.prints = state, train_iters, prints
-        self.start_iteration = state.iteration
+        self.start_iteration, self.start_samples = state.iteration, state.consumed_samples
         self.start = time.monotonic()
 
     def eta_seconds(self, iteration: int) -> float | None:
@@ -57,7 +57,7 @@ class Progress:
         elapsed = time.monotonic() - self.start
         ran = iteration - self.start_iteration
         seq_length, train_iters, save = run.gpt.seq_length, run.training.train_iters, run.checkpointing.save
-        tokens = ran * run.training.global_batch_size * seq_length
+        tokens = (consumed_samples - self.start_samples) * seq_length  # a batch ramp changes the batch
         head = (
             f"run summary: {ran} iterations in {_clock(elapsed)} (now at {iteration}/{train_iters}), "
             f"{tokens:,} tokens this run ({consumed_samples * seq_length:,} in all, "
