@@ -603,10 +603,10 @@ def test_resuming_with_new_scheduler_flags_needs_an_override(data, tmp_path):
 def test_a_stage_sending_another_shape_than_the_schedule_expects_is_named(sent, dtype, expected):
     import torch
 
+    from core.pipeline_parallel.actions import Action, ActionKind
     from core.pipeline_parallel.hooks import ScheduleSettings
     from core.pipeline_parallel.mailbox import Mailbox, PipelineShapeError
     from core.pipeline_parallel.placement import placement_for
-    from core.pipeline_parallel.schedule_tables import Action, ActionKind
 
     settings = ScheduleSettings(hidden_size=64, pipeline_dtype=torch.float32)
     mailbox = Mailbox(

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from core.pipeline_parallel.actions import ActionKind
 from core.pipeline_parallel.executor import ScheduleRecord
 from core.pipeline_parallel.placement import Placement
-from core.pipeline_parallel.schedule_tables import ActionKind
 from core.pipeline_parallel.simulator import simulate
 
 if TYPE_CHECKING:

@@ -22,14 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from core.device import current_device
-from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
-from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
-from core.pipeline_parallel.losses import LossLogs, parse_loss
-from core.pipeline_parallel.mailbox import Mailbox
-from core.pipeline_parallel.p2p_communication import PipelineLinks
-from core.pipeline_parallel.placement import Placement
-from core.pipeline_parallel.record import Event, ScheduleRecord
-from core.pipeline_parallel.schedule_tables import (
+from core.pipeline_parallel.actions import (
     COMPUTE,
     RECV_B,
     RECV_F,
@@ -42,6 +35,13 @@ from core.pipeline_parallel.schedule_tables import (
     I,
     W,
 )
+from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
+from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
+from core.pipeline_parallel.links import PipelineLinks
+from core.pipeline_parallel.losses import LossLogs, parse_loss
+from core.pipeline_parallel.mailbox import Mailbox
+from core.pipeline_parallel.placement import Placement
+from core.pipeline_parallel.record import Event, ScheduleRecord
 
 __all__ = ["Event", "ScheduleRecord", "StepContext", "deallocate_output", "run_table"]
 
@@ -184,10 +184,6 @@ class Stage:
         """Run ``forward_step_func`` on this chunk; returns (output, loss function)."""
         if received is not None and not self.forward_only:
             received.requires_grad_(True)
-        if self.num_chunks > 1:
-            from core import parallel_state
-
-            parallel_state.set_virtual_pipeline_model_parallel_rank(self.chunk)
         _set_input_tensor(self.module, [received])
         with torch.no_grad() if self.forward_only else torch.enable_grad():
             output, loss_func = self.forward_step_func(self.data, self.module)

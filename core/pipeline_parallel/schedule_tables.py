@@ -3,7 +3,7 @@
 A table is a pure function of ``(pp_size, vpp_size, num_microbatches, pp_rank)``. Nothing here
 talks to another process: :mod:`~core.pipeline_parallel.lowering` adds the sends and receives,
 the executor runs the result, the simulator times it and checks it for deadlocks, and the
-timeline draws it.
+timeline draws it. Actions and their text form (``0F3``) are :mod:`~core.pipeline_parallel.actions`'.
 
 Actions name a model chunk of this rank, not a stage; :mod:`~core.pipeline_parallel.placement`
 says which stage a chunk is (Megatron's loop for every schedule but ZBV, whose V puts the last
@@ -18,48 +18,8 @@ so can fill what would otherwise be idle time.
 from __future__ import annotations
 
 from collections import Counter
-from enum import Enum
-from typing import NamedTuple
 
-
-class ActionKind(str, Enum):
-    """What an action does. Compute: forward, fused backward, input-gradient, weight-gradient.
-    Communication (added by lowering): post a send or a receive of an activation (``_F``) or of a
-    gradient (``_B``)."""
-
-    F = "F"
-    B = "B"
-    I = "I"
-    W = "W"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# The members as module constants: attribute lookups on an Enum class are slow, and the simulator
-# and the lowering ask about kinds millions of times in the deadlock sweep.
-F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
-SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-COMPUTE = frozenset((F, B, I, W))
-
-
-class Action(NamedTuple):
-    """One step of a rank's table: ``kind`` on ``microbatch`` with this rank's model chunk ``chunk``.
-
-    Its text form is PyTorch's: ``1F3`` is chunk 1, forward, microbatch 3; ``0SEND_B2`` posts the
-    send of chunk 0's input gradient for microbatch 2.
-    """
-
-    kind: ActionKind
-    microbatch: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.chunk}{self.kind.value}{self.microbatch}"
+from core.pipeline_parallel.actions import Action, ActionKind, B, F, I, W
 
 
 def _check_sizes(pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int) -> None:
@@ -323,9 +283,3 @@ def build_tables(
 ) -> list[list[Action]]:
     """Every rank's table, index = pp_rank."""
     return [build_table(schedule, pp_size, vpp_size, num_microbatches, r, **kwargs) for r in range(pp_size)]
-
-
-def format_tables(tables: list[list[Action]]) -> str:
-    """A rank x step grid, one row per rank (``0F3`` = chunk 0, forward, microbatch 3)."""
-    width = max((len(str(a)) for t in tables for a in t), default=3)
-    return "\n".join(f"rank {r}: " + " ".join(str(a).rjust(width) for a in t) for r, t in enumerate(tables))
