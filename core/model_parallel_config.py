@@ -11,6 +11,7 @@ import torch
 
 from core.flags import flag, not_a_flag
 from core.pipeline_parallel.hooks import ScheduleHooks
+from core.pipeline_parallel.placement import chunks_problem
 
 PipelineSchedule = Literal["1f1b", "gpipe", "zb-h1", "zbv"]
 PIPELINE_SCHEDULES = get_args(PipelineSchedule)
@@ -104,15 +105,11 @@ class ModelParallelConfig:
             raise ValueError(
                 f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}"
             )
-        if self.pipeline_schedule == "gpipe" and vpp is not None and vpp > 1:
+        problem = chunks_problem(self.pipeline_schedule, vpp or 1)
+        if problem:
             raise ValueError(
-                "pipeline_schedule='gpipe' cannot run virtual stages "
-                f"(virtual_pipeline_model_parallel_size={vpp}); use '1f1b' for interleaving"
-            )
-        if self.pipeline_schedule == "zbv" and vpp != 2:
-            raise ValueError(
-                "pipeline_schedule='zbv' runs exactly 2 virtual stages per pipeline rank (a V); set "
-                f"virtual_pipeline_model_parallel_size=2 (got {vpp})"
+                f"pipeline_schedule={self.pipeline_schedule!r} {problem} "
+                f"(virtual_pipeline_model_parallel_size={vpp})"
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron silently turns it off; so do we, it is a no-op at TP=1.

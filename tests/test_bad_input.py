@@ -166,7 +166,7 @@ CONFIG = [
         _flags(
             "--pipeline-model-parallel-size 2 --pipeline-schedule gpipe --num-virtual-stages-per-pipeline-rank 2"
         ),
-        "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); use --pipeline-schedule 1f1b",
+        "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); the 1f1b schedule interleaves them",
     ),
     Case("micro batch", _flags("--micro-batch-size 0"), "--micro-batch-size must be >= 1, got 0"),
     Case("adam eps", _flags("--adam-eps 0"), "--adam-eps must be > 0, got 0.0"),

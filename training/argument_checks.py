@@ -15,6 +15,10 @@ import copy
 import os
 from typing import Any
 
+from core.pipeline_parallel.layout import parse_layout
+from core.pipeline_parallel.placement import chunks_needed, chunks_problem, placement_style
+from core.pipeline_parallel.schedule_tables import check_interleaving
+from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
@@ -259,15 +263,13 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
     _require(len(chosen) <= 1, f"{' and '.join(chosen)} are mutually exclusive: give at most one")
     vpp = args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout is not None:
-        from core.pipeline_parallel.layout import parse_layout
-
         try:
             vpp = parse_layout(
                 args.pipeline_model_parallel_layout,
                 pp,
                 num_layers=args.num_layers,
                 mtp_num_layers=0,
-                placement="v" if args.pipeline_schedule == "zbv" else "loop",
+                placement=placement_style(args.pipeline_schedule),
             ).vpp_size
         except ValueError as err:
             raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
@@ -286,22 +288,22 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
         vpp = per_rank // per_stage
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    schedule, needed = args.pipeline_schedule, chunks_needed(args.pipeline_schedule)
+    problem = chunks_problem(schedule, vpp or 1)
     _require(
-        args.pipeline_schedule != "zbv" or vpp == 2,
-        "--pipeline-schedule zbv runs two model chunks per pipeline rank, in a V: give "
-        "--num-virtual-stages-per-pipeline-rank 2 (or a --pipeline-model-parallel-layout with "
-        f"{2 * pp} stages)" + (f"; got {vpp} virtual stages per rank" if vpp else ""),
+        problem is None,
+        f"--pipeline-schedule {schedule} {problem}"
+        + (
+            f": give --num-virtual-stages-per-pipeline-rank {needed} (or a --pipeline-model-parallel-layout "
+            f"with {needed * pp} stages)"
+            if needed
+            else ""
+        ),
     )
     if vpp and vpp > 1:
         _require(
             pp > 1,
-            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs "
-            "--pipeline-model-parallel-size > 1",
-        )
-        _require(
-            args.pipeline_schedule != "gpipe",
-            f"--pipeline-schedule gpipe cannot run virtual pipeline "
-            f"stages ({vpp} per rank); use --pipeline-schedule 1f1b",
+            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs --pipeline-model-parallel-size > 1",
         )
 
 
@@ -325,8 +327,6 @@ def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
     args.num_microbatches = gbs // per_step
     vpp = args.virtual_pipeline_model_parallel_size
     if vpp and args.pipeline_schedule != "zbv":  # ZBV's V runs any number of microbatches
-        from core.pipeline_parallel.schedule_tables import check_interleaving
-
         try:
             check_interleaving(pp, vpp, args.num_microbatches, args.microbatch_group_size_per_vp_stage)
         except ValueError as err:
@@ -361,11 +361,7 @@ def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
 
 def _check_data(args: argparse.Namespace) -> None:
     """Data sources, tokenizer files, the split, profiling."""
-    sources = [
-        _flag(d)
-        for d in ("data_path", "mock_data", "train_data_path")
-        if getattr(args, d) not in (None, False)
-    ]
+    sources = [f for f in DATA_SOURCE_FLAGS if getattr(args, BY_OPTION[f].dest) not in (None, False)]
     _require(len(sources) <= 1, f"{' and '.join(sources)} are mutually exclusive: give one data source")
     per_split = [_flag(d) for d in ("valid_data_path", "test_data_path") if getattr(args, d) is not None]
     _require(
@@ -395,7 +391,7 @@ def _check_data(args: argparse.Namespace) -> None:
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{_flag(dest)}: {err}") from None
     if (args.data_path is not None or args.mock_data) and args.split is None:
-        args.split = "969,30,1"  # Megatron's legacy default when --data-path has no --split
+        args.split = DEFAULT_SPLIT
     if args.split is not None:
         from training.data.builder import parse_split
 

@@ -25,6 +25,7 @@ import sys
 import textwrap
 from typing import Any
 
+from training.config import DATA_SOURCE_FLAGS
 from training.config_file import REJECTED_DEST, load_config
 from training.errors import UsageError
 from training.schema import (
@@ -70,10 +71,10 @@ TINY_DEMO: dict[str, Any] = {
 }
 """The tiny demo's values (and --global-batch-size: the smallest multiple of micro-batch x DP >= 16)."""
 DEMO_OFF_MODEL_FLAGS = ("--hidden-size", "--num-attention-heads", "--seq-length", "--ffn-hidden-size")
-DATA_SOURCE_FLAGS = ("--data-path", "--mock-data", "--train-data-path")
 DEFAULT_TOKENIZER = "GPTSentencePieceTokenizer"
-SAME_AS: dict[str, str] = {"max_position_embeddings": "seq_length", "save_interval": "train_iters"}
-"""Flags that default to another flag's final value."""
+SAME_AS: dict[str, str] = {"max_position_embeddings": "seq_length"}
+"""Flags that default to another flag's value as given (``--save-interval``, which defaults to the run's
+length, is derived in validation: a sample-based run's length is known only then)."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 
 from core.pipeline_parallel.actions import Action, ActionKind, B, F, I, W
+from core.pipeline_parallel.placement import chunks_problem
 
 
 def _check_sizes(pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int) -> None:
@@ -253,23 +254,16 @@ def build_table(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
+    problem = chunks_problem(schedule, vpp_size)
+    if problem:
+        raise ValueError(f"the {schedule} schedule {problem}")
     if schedule == "zbv":
-        if vpp_size != 2:
-            raise ValueError(
-                f"the ZBV schedule runs exactly 2 virtual stages per pipeline rank (a V), got {vpp_size}; "
-                "set virtual_pipeline_model_parallel_size=2"
-            )
         return zbv_table(pp_size, num_microbatches, pp_rank, forward_only)
     if schedule == "zb-h1":
         return zero_bubble_table(
             pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only
         )
     if schedule == "interleaved" or vpp_size > 1:
-        if schedule == "gpipe":
-            raise ValueError(
-                f"the GPipe schedule cannot run virtual stages (vpp_size={vpp_size}); "
-                "use pipeline_schedule='1f1b', which interleaves them"
-            )
         return interleaved_table(
             pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only
         )

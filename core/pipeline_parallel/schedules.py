@@ -94,11 +94,6 @@ def forward_backward_pipelining_without_interleaving(
     """1F1B over the pipeline group; GPipe or ZB-H1 as ``config.pipeline_schedule`` says."""
     chunks = _single_chunk(model, "forward_backward_pipelining_without_interleaving")
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
-    if schedule == "zbv":
-        raise ValueError(
-            "pipeline_schedule='zbv' runs 2 model chunks per rank (a V); use "
-            "forward_backward_pipelining_with_interleaving with virtual_pipeline_model_parallel_size=2"
-        )
     return _run(
         schedule,
         forward_step_func,
@@ -130,10 +125,6 @@ def forward_backward_pipelining_with_interleaving(
     """
     chunks = _as_chunks(model)
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
-    if schedule == "gpipe":
-        raise ValueError(
-            "pipeline_schedule='gpipe' cannot run virtual stages; use '1f1b', which interleaves them"
-        )
     return _run(
         "interleaved" if schedule == "1f1b" else schedule,
         forward_step_func,

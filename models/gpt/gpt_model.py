@@ -17,12 +17,15 @@ group, so they take identical steps and stay bit-identical.
 
 from __future__ import annotations
 
+import functools
+
 import einops
 import torch
 from torch import nn
 
 from core import parallel_state
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
+from core.pipeline_parallel.placement import placement_style
 from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
 from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, initialize_by_name, mark_init
@@ -53,23 +56,27 @@ def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
     """The layout the model is split by: ``config.pipeline_model_parallel_layout`` or an even split.
 
     Under the ZBV schedule the stages are dealt to ranks in a V (stage ``s >= pp`` on rank
-    ``2 pp - 1 - s``), which puts the first and the last stage on rank 0.
+    ``2 pp - 1 - s``), which puts the first and the last stage on rank 0. A layout is a function
+    of five config fields and immutable: each one is built once and shared by every chunk asking.
     """
-    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    placement = "v" if config.pipeline_schedule == "zbv" else "loop"
-    if config.pipeline_model_parallel_layout is None:
-        return even_layout(config.num_layers, pp, vpp, placement=placement)
-    layout = parse_layout(
+    return _layout(
+        config.num_layers,
+        config.pipeline_model_parallel_size,
+        config.virtual_pipeline_model_parallel_size,
         config.pipeline_model_parallel_layout,
-        pp,
-        num_layers=config.num_layers,
-        mtp_num_layers=0,
-        placement=placement,
+        placement_style(config.pipeline_schedule),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(num_layers: int, pp: int, vpp: int | None, text: str | None, placement: str) -> PipelineLayout:
+    if text is None:
+        return even_layout(num_layers, pp, vpp, placement=placement)
+    layout = parse_layout(text, pp, num_layers=num_layers, mtp_num_layers=0, placement=placement)
     if layout.vpp_size != (vpp or 1):
         raise ValueError(
-            f"pipeline layout '{config.pipeline_model_parallel_layout}' has {layout.vpp_size} virtual "
-            f"stages per rank but virtual_pipeline_model_parallel_size is {vpp}"
+            f"pipeline layout '{text}' has {layout.vpp_size} virtual stages per rank but "
+            f"virtual_pipeline_model_parallel_size is {vpp}"
         )
     return layout
 
