@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from core import parallel_state
+from core.device import current_device
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
 from core.pipeline_parallel.placement import placement_style
 from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
@@ -150,6 +151,7 @@ class GPTModel(nn.Module):
                 config.rotary_dim,
                 config.rotary_base,
                 config.rope_scaling_factor if config.rope_scaling else None,
+                device=current_device(),
             )
             if config.position_embedding_type == "rope"
             else None
@@ -294,12 +296,13 @@ class GPTModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.rotary_pos_emb is None:
             return None
-        if position_ids is None:
+        if position_ids is None:  # the usual case: cached tables, in the activations' dtype
             seq = hidden.shape[0] * (
                 self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
             )
-            position_ids = torch.arange(seq, device=hidden.device)
-        return self.rotary_pos_emb(position_ids)
+            return self.rotary_pos_emb.for_length(seq, hidden.dtype, hidden.device)
+        cos, sin = self.rotary_pos_emb(position_ids)
+        return cos.to(hidden.dtype), sin.to(hidden.dtype)
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padded vocabulary entries get -inf, so they take no probability mass and no gradient."""
