@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
 from core.flags import flag, not_a_flag
-from core.pipeline_parallel.hooks import ScheduleHooks
 from core.pipeline_parallel.placement import chunks_problem
+
+if TYPE_CHECKING:  # the config carries the hooks; it does not need the schedule code to do so
+    from core.pipeline_parallel.hooks import ScheduleHooks
 
 PipelineSchedule = Literal["1f1b", "gpipe", "zb-h1", "zbv"]
 PIPELINE_SCHEDULES = get_args(PipelineSchedule)
