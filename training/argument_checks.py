@@ -169,41 +169,9 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 
 def _check_model(args: argparse.Namespace, tp: int) -> None:
-    heads = args.num_attention_heads
-    _require(
-        heads % tp == 0,
-        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
-    )
-    if args.group_query_attention:
-        groups = args.num_query_groups
-        _require(
-            heads % groups == 0,
-            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
-        )
-        _require(
-            groups % tp == 0,
-            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
-        )
-    if args.kv_channels is None:
-        _require(
-            args.hidden_size % heads == 0,
-            f"--hidden-size ({args.hidden_size}) must be divisible by "
-            f"--num-attention-heads ({heads}) unless --kv-channels is given",
-        )
-        args.kv_channels = args.hidden_size // heads
-    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
-        hidden = args.hidden_size
-        args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
-        _require(
-            args.ffn_hidden_size > 0,
-            f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
-            "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
-        )
-    _require(
-        args.ffn_hidden_size % tp == 0,
-        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
-        f"by --tensor-model-parallel-size ({tp})",
-    )
+    """The model's sizes against each other and the TP size, and the switches that must agree."""
+    _check_attention(args, tp)
+    _check_ffn(args, tp)
     _require(
         not (args.swiglu and args.openai_gelu),
         "--openai-gelu and --swiglu exclude each other: SwiGLU's gate uses SiLU, not GELU",
@@ -231,6 +199,54 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             f"--seq-length ({args.seq_length}) must be divisible by "
             f"--tensor-model-parallel-size ({tp}) with --sequence-parallel",
         )
+    _check_recompute(args)
+
+
+def _check_attention(args: argparse.Namespace, tp: int) -> None:
+    """Heads, query groups and head size: divisible as TP and grouped-query attention need."""
+    heads = args.num_attention_heads
+    _require(
+        heads % tp == 0,
+        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+    )
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(
+            heads % groups == 0,
+            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
+        )
+        _require(
+            groups % tp == 0,
+            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
+        )
+    if args.kv_channels is None:
+        _require(
+            args.hidden_size % heads == 0,
+            f"--hidden-size ({args.hidden_size}) must be divisible by "
+            f"--num-attention-heads ({heads}) unless --kv-channels is given",
+        )
+        args.kv_channels = args.hidden_size // heads
+
+
+def _check_ffn(args: argparse.Namespace, tp: int) -> None:
+    """The FFN size: Megatron's default (4h, or 2/3 of it rounded down to 64 with SwiGLU), split by TP."""
+    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
+        hidden = args.hidden_size
+        args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
+        _require(
+            args.ffn_hidden_size > 0,
+            f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
+            "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
+        )
+    _require(
+        args.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
+        f"by --tensor-model-parallel-size ({tp})",
+    )
+
+
+def _check_recompute(args: argparse.Namespace) -> None:
+    """Selective recomputation takes no method or layer count; full needs both."""
     if args.recompute_granularity == "selective":
         _require(
             args.recompute_method is None and args.recompute_num_layers is None,
