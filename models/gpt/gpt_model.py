@@ -129,18 +129,7 @@ class GPTModel(nn.Module):
         self._check_stage(pre_process, post_process, vp_stage)
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None
-        placement = (_rank_of(self.layout, EMBEDDING), _rank_of(self.layout, LOSS))
-        if (
-            self.share_embeddings_and_output_weights
-            and self._tied_across_ranks()
-            and placement != (0, self.layout.pp_size - 1)
-        ):
-            raise ValueError(
-                f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
-                f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
-                f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True"
-            )
-
+        self._check_tied_placement()
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size, max_sequence_length)
             if pre_process
@@ -168,6 +157,20 @@ class GPTModel(nn.Module):
                 layer.weight.is_embedding_or_output_parameter = True
         if config.perform_initialization:
             initialize_by_name(self, config)
+
+    def _check_tied_placement(self) -> None:
+        """Tied embeddings on two ranks stay in sync over the embedding group: first and last rank only."""
+        placement = (_rank_of(self.layout, EMBEDDING), _rank_of(self.layout, LOSS))
+        if (
+            self.share_embeddings_and_output_weights
+            and self._tied_across_ranks()
+            and placement != (0, self.layout.pp_size - 1)
+        ):
+            raise ValueError(
+                f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
+                f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
+                f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True"
+            )
 
     def _check_stage(self, pre_process: bool, post_process: bool, vp_stage: int | None) -> None:
         try:
