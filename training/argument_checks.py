@@ -19,6 +19,7 @@ from core.pipeline_parallel.layout import parse_layout
 from core.pipeline_parallel.placement import chunks_needed, chunks_problem, placement_style
 from core.pipeline_parallel.schedule_tables import check_interleaving
 from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
+from training.data.builder import parse_data_path, parse_split
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
@@ -398,8 +399,6 @@ def _check_data(args: argparse.Namespace) -> None:
             "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a local folder saved by "
             "transformers (tokenizer.json, tokenizer_config.json); nothing is downloaded",
         )
-    from training.data.builder import parse_data_path
-
     for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(args, dest) is not None:
             try:
@@ -409,8 +408,6 @@ def _check_data(args: argparse.Namespace) -> None:
     if (args.data_path is not None or args.mock_data) and args.split is None:
         args.split = DEFAULT_SPLIT
     if args.split is not None:
-        from training.data.builder import parse_split
-
         parse_split(args.split)  # its ValueError already names --split
     if args.profile:
         start, end = args.profile_step_start, args.profile_step_end

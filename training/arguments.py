@@ -25,6 +25,9 @@ import sys
 import textwrap
 from typing import Any
 
+import torch.nn.functional as F
+
+from core.transformer.transformer_config import TransformerConfig, openai_gelu
 from training.config import DATA_SOURCE_FLAGS
 from training.config_file import REJECTED_DEST, load_config
 from training.errors import UsageError
@@ -309,10 +312,6 @@ def transformer_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     Sequence length and position count are ``GPTModel`` arguments, not config fields: pass
     ``args.max_position_embeddings`` as its ``max_sequence_length``.
     """
-    import torch.nn.functional as F
-
-    from core.transformer.transformer_config import TransformerConfig, openai_gelu
-
     if not hasattr(args, "data_parallel_size"):
         raise ValueError("call validate_args(args, world_size) first")
     config = config_kwargs(TransformerConfig, args)

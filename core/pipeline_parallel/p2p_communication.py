@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from core import parallel_state as ps
 from core.device import current_device
 from core.model_parallel_config import ModelParallelConfig
 from core.pipeline_parallel.links import PipelineLinks
@@ -238,8 +239,6 @@ class P2PCommunicator:
 
 def _channels_of(pp_group: dist.ProcessGroup) -> Mapping[Link, dist.ProcessGroup]:
     """parallel_state's link groups of ``pp_group``, which must be its pipeline group."""
-    from core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_group() is not pp_group:
         raise ValueError(
             "P2PCommunicator posts on the pipeline links initialize_model_parallel creates (one group per "

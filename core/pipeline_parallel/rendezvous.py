@@ -10,6 +10,7 @@ NCCL's rules.
 
 from __future__ import annotations
 
+from core.parallel_state import link_warm_up_order
 from core.pipeline_parallel.actions import COMPUTE, SEND_B, SEND_F, Action, ScheduleDeadlock, W
 from core.pipeline_parallel.messages import ACTIVATION, input_message, is_remote, link_of, message_of
 from core.pipeline_parallel.placement import Placement
@@ -56,8 +57,6 @@ def warm_up_comm_logs(
     have posted, as NCCL's communicator setup does), followed by a wait. ``order`` defaults to
     ``parallel_state.link_warm_up_order(pipelines)``; tests pass others to show what deadlocks.
     """
-    from core.parallel_state import link_warm_up_order
-
     logs: list[list[tuple]] = [[] for _ in range(world_size)]
     for src, dst, _, _ in order if order is not None else link_warm_up_order(pipelines):
         if src == dst:

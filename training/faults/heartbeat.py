@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from core.watchdog import Watchdog
 from training.faults import reporting
 
 TEST_TIMEOUT_ENV = "TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS"
@@ -61,8 +62,6 @@ def begin(timeout_minutes: float) -> None:
     """
     global _generation
     from torch.distributed import PrefixStore, distributed_c10d
-
-    from core.watchdog import Watchdog
 
     _generation += 1
     dist = reporting.distributed()

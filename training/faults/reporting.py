@@ -15,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core.device import DeviceError
+from core.watchdog import claim_report, error_reported, is_communication_failure
+from training.checkpoint.format import CheckpointError
 from training.errors import ConfigError, DataError, PeerFailure, UsageError
 from training.faults.launcher import watch_launcher
 
@@ -30,11 +33,8 @@ class Verdict:
     message: str | None = None
 
 
-def _clean_errors() -> tuple[type[BaseException], ...]:
-    from core.device import DeviceError
-    from training.checkpoint import CheckpointError
-
-    return (ConfigError, DataError, CheckpointError, DeviceError)
+CLEAN_ERRORS = (ConfigError, DataError, CheckpointError, DeviceError)
+"""Errors said in one line, without a traceback: they name what to change."""
 
 
 def prog() -> str:
@@ -99,8 +99,6 @@ def _launcher_store() -> Any:
 def claim() -> bool:
     """True once, on the first rank of the job to ask (True as well when there is no store to ask)."""
     global _claimed
-    from core.watchdog import claim_report
-
     with _claim_lock:
         if _claimed is not None:
             return False
@@ -127,8 +125,6 @@ def wait_until_printed() -> None:
 
 
 def _reported_elsewhere() -> bool:
-    from core.watchdog import error_reported
-
     try:
         return _STORE is not None and error_reported(_STORE)
     except Exception:  # noqa: BLE001
@@ -143,8 +139,6 @@ def judge(err: BaseException) -> None:
     """
     if getattr(err, _VERDICT, None) is not None or isinstance(err, (KeyboardInterrupt, SystemExit)):
         return
-    from core.watchdog import is_communication_failure
-
     if isinstance(err, PeerFailure):
         verdict = Verdict(report=False)
     elif _STORE is None:
@@ -201,7 +195,7 @@ def report(err: BaseException) -> int:
         return code
     if verdict.message is not None:
         print_error(f"{prog()}: error: {verdict.message}")
-    elif isinstance(err, (UsageError, *_clean_errors())):
+    elif isinstance(err, (UsageError, *CLEAN_ERRORS)):
         print_error(f"{prog()}: error: {err}")
     else:
         sys.stdout.flush()
