@@ -45,6 +45,8 @@ class ActionKind(str, Enum):
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 COMPUTE = frozenset((F, B, I, W))
+SENDS = frozenset((SEND_F, SEND_B))
+RECEIVES = frozenset((RECV_F, RECV_B))
 
 
 class Action(NamedTuple):
@@ -113,4 +115,10 @@ class TableError(ValueError):
 
 
 class ScheduleDeadlock(RuntimeError):
-    """The tables (or the posts of a run) wait on each other in a cycle."""
+    """The tables (or the posts of a run) wait on each other in a cycle; with ``tables``, the message
+    ends with their grid, where each rank waits (``marks``: rank -> step) in brackets."""
+
+    def __init__(
+        self, message: str, tables: list[list[Action]] | None = None, marks: Mapping[int, int] | None = None
+    ) -> None:
+        super().__init__(message if tables is None else f"{message}\n{format_tables(tables, marks)}")

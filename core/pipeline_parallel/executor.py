@@ -22,19 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from core.device import current_device
-from core.pipeline_parallel.actions import (
-    COMPUTE,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    Action,
-    ActionKind,
-    B,
-    F,
-    I,
-    W,
-)
+from core.pipeline_parallel.actions import COMPUTE, Action, ActionKind, B, F, I, W
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
 from core.pipeline_parallel.links import PipelineLinks
@@ -91,10 +79,10 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         B: lambda i, a: _backward(a, stages[a.chunk], mailbox, sync.weight_step(i, a.chunk), count),
         I: lambda i, a: _backward_input(a, stages[a.chunk], mailbox),
         W: lambda i, a: _backward_weight(a, stages[a.chunk], sync.weight_step(i, a.chunk), count),
-        SEND_F: lambda i, a: mailbox.send(a),
-        SEND_B: lambda i, a: mailbox.send(a),
-        RECV_F: lambda i, a: mailbox.receive(a),
-        RECV_B: lambda i, a: mailbox.receive(a),
+        ActionKind.SEND_F: lambda i, a: mailbox.send(a),
+        ActionKind.SEND_B: lambda i, a: mailbox.send(a),
+        ActionKind.RECV_F: lambda i, a: mailbox.receive(a),
+        ActionKind.RECV_B: lambda i, a: mailbox.receive(a),
     }
     record, timers = ctx.record, ctx.hooks.timers
     if record is not None:

@@ -25,18 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from core.pipeline_parallel.actions import (
-    COMPUTE,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    Action,
-    B,
-    F,
-    I,
-    TableError,
-)
+from core.pipeline_parallel.actions import COMPUTE, SENDS, Action, ActionKind, B, F, I, TableError
 from core.pipeline_parallel.messages import (
     Link,
     Message,
@@ -48,8 +37,8 @@ from core.pipeline_parallel.messages import (
 )
 from core.pipeline_parallel.placement import Placement
 
-_SEND_OF = {F: SEND_F, B: SEND_B, I: SEND_B}
-_RECV_OF = {F: RECV_F, B: RECV_B, I: RECV_B}
+_SEND_OF = {F: ActionKind.SEND_F, B: ActionKind.SEND_B, I: ActionKind.SEND_B}
+_RECV_OF = {F: ActionKind.RECV_F, B: ActionKind.RECV_B, I: ActionKind.RECV_B}
 
 
 def lower(
@@ -88,7 +77,7 @@ def _link_order(tables: list[list[Action]], placement: Placement) -> dict[Link, 
     order: dict[Link, dict[Message, int]] = defaultdict(dict)
     for rank, table in enumerate(tables):
         for action in table:
-            if action.kind in (SEND_F, SEND_B):
+            if action.kind in SENDS:
                 message = message_of(action, rank, placement)
                 position = order[link_of(message, placement)]
                 position[message] = len(position)
@@ -155,7 +144,7 @@ def validate(tables: list[list[Action]], placement: Placement) -> None:
                 raise TableError(
                     f"rank {rank} step {step}: {action} has no message to another rank", tables, {rank: step}
                 )
-            if action.kind in (SEND_F, SEND_B):
+            if action.kind in SENDS:
                 sent[link_of(message, placement)].append(message)
             else:
                 received[link_of(message, placement)].append((message, step))

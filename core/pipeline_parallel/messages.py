@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from core.pipeline_parallel.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I
+from core.pipeline_parallel.actions import RECV_B, RECV_F, SEND_B, SEND_F, SENDS, Action, B, F, I
 from core.pipeline_parallel.placement import Placement
 
 ACTIVATION, GRADIENT = "activation", "gradient"  # the two kinds of pipeline message
@@ -54,7 +54,7 @@ def input_message(action: Action, pp_rank: int, placement: Placement) -> Message
 
 def message_of(action: Action, pp_rank: int, placement: Placement) -> Message:
     """The message a communication action sends or receives."""
-    if action.kind in (SEND_F, SEND_B):
+    if action.kind in SENDS:
         return output_message(action, pp_rank, placement)
     return input_message(action, pp_rank, placement)
 

@@ -56,11 +56,11 @@ class P2PCommunicator:
     def communicate(
         self,
         *,
-        tensor_send_next: torch.Tensor | None,
-        tensor_send_prev: torch.Tensor | None,
-        recv_prev: bool,
-        recv_next: bool,
-        tensor_shape: Shape | None,
+        tensor_send_next: torch.Tensor | None = None,
+        tensor_send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        tensor_shape: Shape | None = None,
         wait_on_reqs: bool = True,
     ):
         """Send/receive with both neighbours; returns (from_prev, from_next, requests).
@@ -128,25 +128,25 @@ class P2PCommunicator:
         """Receive the input activation from the previous stage (None on the first stage)."""
         if is_first_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._each(tensor_shapes, lambda s: self._talk(recv_prev=True, tensor_shape=s)[0])
+        return self._each(tensor_shapes, lambda s: self.communicate(recv_prev=True, tensor_shape=s)[0])
 
     def recv_backward(self, tensor_shapes, is_last_stage: bool):
         """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
         if is_last_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._each(tensor_shapes, lambda s: self._talk(recv_next=True, tensor_shape=s)[1])
+        return self._each(tensor_shapes, lambda s: self.communicate(recv_next=True, tensor_shape=s)[1])
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
         """Send this stage's output to the next stage (nothing on the last stage)."""
         if not is_last_stage:
             for t in _as_list(output_tensors):
-                self._talk(tensor_send_next=t)
+                self.communicate(tensor_send_next=t)
 
     def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
         """Send the gradient of this stage's input to the previous stage (nothing on the first stage)."""
         if not is_first_stage:
             for t in _as_list(input_tensor_grads):
-                self._talk(tensor_send_prev=t)
+                self.communicate(tensor_send_prev=t)
 
     def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
         """Send the output forward and receive its gradient back."""
@@ -155,7 +155,7 @@ class P2PCommunicator:
         return self._zip(
             output_tensors,
             tensor_shapes,
-            lambda t, s: self._talk(tensor_send_next=t, recv_next=True, tensor_shape=s)[1],
+            lambda t, s: self.communicate(tensor_send_next=t, recv_next=True, tensor_shape=s)[1],
         )
 
     def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
@@ -165,14 +165,14 @@ class P2PCommunicator:
         return self._zip(
             input_tensor_grads,
             tensor_shapes,
-            lambda t, s: self._talk(tensor_send_prev=t, recv_prev=True, tensor_shape=s)[0],
+            lambda t, s: self.communicate(tensor_send_prev=t, recv_prev=True, tensor_shape=s)[0],
         )
 
     def send_forward_recv_forward(
         self, output_tensor, recv_prev: bool, tensor_shape, overlap_p2p_comm: bool = False
     ):
         """Send to the next stage and receive from the previous one (interleaved schedules)."""
-        from_prev, _, reqs = self._talk(
+        from_prev, _, reqs = self.communicate(
             tensor_send_next=output_tensor,
             recv_prev=recv_prev,
             tensor_shape=tensor_shape,
@@ -184,7 +184,7 @@ class P2PCommunicator:
         self, input_tensor_grad, recv_next: bool, tensor_shape, overlap_p2p_comm: bool = False
     ):
         """Send a gradient to the previous stage and receive one from the next (interleaved schedules)."""
-        _, from_next, reqs = self._talk(
+        _, from_next, reqs = self.communicate(
             tensor_send_prev=input_tensor_grad,
             recv_next=recv_next,
             tensor_shape=tensor_shape,
@@ -196,7 +196,7 @@ class P2PCommunicator:
         self, output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool, tensor_shape
     ):
         """All four at once: returns (input from prev, output gradient from next)."""
-        from_prev, from_next, _ = self._talk(
+        from_prev, from_next, _ = self.communicate(
             tensor_send_next=output_tensor,
             tensor_send_prev=input_tensor_grad,
             recv_prev=recv_prev,
@@ -204,25 +204,6 @@ class P2PCommunicator:
             tensor_shape=tensor_shape,
         )
         return from_prev, from_next
-
-    def _talk(
-        self,
-        *,
-        tensor_send_next=None,
-        tensor_send_prev=None,
-        recv_prev=False,
-        recv_next=False,
-        tensor_shape=None,
-        wait_on_reqs=True,
-    ):
-        return self.communicate(
-            tensor_send_next=tensor_send_next,
-            tensor_send_prev=tensor_send_prev,
-            recv_prev=recv_prev,
-            recv_next=recv_next,
-            tensor_shape=tensor_shape,
-            wait_on_reqs=wait_on_reqs,
-        )
 
     @staticmethod
     def _each(tensor_shapes, fn):

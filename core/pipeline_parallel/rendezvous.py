@@ -11,7 +11,7 @@ NCCL's rules.
 from __future__ import annotations
 
 from core.parallel_state import link_warm_up_order
-from core.pipeline_parallel.actions import COMPUTE, SEND_B, SEND_F, Action, ScheduleDeadlock, W
+from core.pipeline_parallel.actions import COMPUTE, SENDS, Action, ScheduleDeadlock, W
 from core.pipeline_parallel.messages import ACTIVATION, input_message, is_remote, link_of, message_of
 from core.pipeline_parallel.placement import Placement
 
@@ -36,7 +36,7 @@ def comm_logs(
                 continue
             message = message_of(action, rank, placement)
             link = link_of(message, placement)
-            is_send = action.kind in (SEND_F, SEND_B)
+            is_send = action.kind in SENDS
             peer = link[1] if is_send else link[0]
             if variable_shapes and message.kind == ACTIVATION:
                 log.append(("post", link, [(is_send, peer, (message, "shape"))]))

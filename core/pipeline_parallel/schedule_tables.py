@@ -117,6 +117,16 @@ def interleaved_order(num_microbatches: int, vpp_size: int, group_size: int) -> 
     return order
 
 
+def _interleaved_forwards(
+    pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int, microbatch_group_size: int | None
+) -> tuple[int, list[tuple[int, int]], list[Action]]:
+    """The group size N, the (microbatch, chunk) order and its forwards, shared by the interleaved tables."""
+    _check_sizes(pp_size, vpp_size, num_microbatches, pp_rank)
+    n = check_interleaving(pp_size, vpp_size, num_microbatches, microbatch_group_size)
+    order = interleaved_order(num_microbatches, vpp_size, n)
+    return n, order, [Action(F, mb, chunk) for mb, chunk in order]
+
+
 def interleaved_table(
     pp_size: int,
     vpp_size: int,
@@ -131,10 +141,9 @@ def interleaved_table(
     Warm-up is ``2 (pp - r - 1) + (v - 1) N`` forwards; then one forward, one backward; then the
     remaining backwards. With exactly ``pp`` microbatches Megatron runs all forwards first.
     """
-    _check_sizes(pp_size, vpp_size, num_microbatches, pp_rank)
-    n = check_interleaving(pp_size, vpp_size, num_microbatches, microbatch_group_size)
-    order = interleaved_order(num_microbatches, vpp_size, n)
-    forwards = [Action(F, mb, chunk) for mb, chunk in order]
+    n, order, forwards = _interleaved_forwards(
+        pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size
+    )
     if forward_only:
         return forwards
     backwards = [Action(B, mb, vpp_size - 1 - chunk) for mb, chunk in order]
@@ -169,10 +178,9 @@ def zero_bubble_table(
     With ``vpp_size > 1`` the same recipe runs on Megatron's interleaved order (an interleaved
     zero-bubble schedule), with warm-up ``pp - r - 1 + (v - 1) N``.
     """
-    _check_sizes(pp_size, vpp_size, num_microbatches, pp_rank)
-    n = check_interleaving(pp_size, vpp_size, num_microbatches, microbatch_group_size)
-    order = interleaved_order(num_microbatches, vpp_size, n)
-    forwards = [Action(F, mb, chunk) for mb, chunk in order]
+    n, order, forwards = _interleaved_forwards(
+        pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size
+    )
     if forward_only:
         return forwards
     inputs = [Action(I, mb, vpp_size - 1 - chunk) for mb, chunk in order]

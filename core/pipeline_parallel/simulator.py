@@ -16,17 +16,15 @@ from dataclasses import dataclass
 
 from core.pipeline_parallel.actions import (
     COMPUTE,
-    RECV_B,
+    RECEIVES,
     RECV_F,
-    SEND_B,
-    SEND_F,
+    SENDS,
     Action,
     B,
     F,
     I,
     ScheduleDeadlock,
     W,
-    format_tables,
 )
 from core.pipeline_parallel.lowering import lower
 from core.pipeline_parallel.messages import input_message, is_remote, message_of, output_message
@@ -104,8 +102,7 @@ def simulate(
             waiting = {r: run.cursor[r] for r, t in enumerate(tables) if run.cursor[r] < len(t)}
             stuck = {r: str(tables[r][step]) for r, step in waiting.items()}
             raise ScheduleDeadlock(
-                f"schedule deadlocks: every rank waits (rank: next action) {stuck}\n"
-                + format_tables(tables, waiting)
+                f"schedule deadlocks: every rank waits (rank: next action) {stuck}", tables, waiting
             )
     return SimulationResult(max(run.clock), run.busy, run.peak, run.starts, run.ends, tables)
 
@@ -158,9 +155,9 @@ class _Run:
 def _step(action: Action, rank: int, place: Placement, costs: _Costs, variable: bool) -> tuple:
     """(waits for, makes ready, sends, duration, change of in-flight microbatches) of one action."""
     kind, mb = action.kind, action.microbatch
-    if kind in (SEND_F, SEND_B):
+    if kind in SENDS:
         return (), (), message_of(action, rank, place), 0.0, 0
-    if kind in (RECV_F, RECV_B):  # only a variable-length activation waits (for its shape)
+    if kind in RECEIVES:  # only a variable-length activation waits (for its shape)
         needs = (message_of(action, rank, place),) if variable and kind == RECV_F else ()
         return needs, (), None, 0.0, 0
     stage = place.stage(rank, action.chunk)
