@@ -73,7 +73,7 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         record=ctx.record,
         shape_origin=ctx.shape_origin,
     )
-    losses, sync, count = Losses(ctx), GradSync(ctx.hooks, ctx.chunks, table), InFlight()
+    losses, sync, count = Losses(ctx), ReductionWindow(ctx.hooks, ctx.chunks, table), InFlight()
     handlers: dict[ActionKind, Callable[[int, Action], None]] = {
         F: lambda i, a: _forward(a, stages[a.chunk], mailbox, losses, count),
         B: lambda i, a: _backward(a, stages[a.chunk], mailbox, sync.weight_step(i, a.chunk), count),
@@ -266,7 +266,7 @@ class Losses:
         return loss.loss
 
 
-class GradSync:
+class ReductionWindow:
     """Data-parallel reduction suspended (``no_sync``) until each chunk's last weight-gradient step.
 
     That step (a B, or under zero-bubble a W) runs with the suspension lifted, so buckets launch
@@ -306,7 +306,7 @@ class GradSync:
 class _LastStep:
     """A chunk's last weight-gradient step: reduction lifted while it runs, ``grad_sync`` after it."""
 
-    def __init__(self, sync: GradSync, chunk: int):
+    def __init__(self, sync: ReductionWindow, chunk: int):
         self.sync, self.chunk = sync, chunk
 
     def __enter__(self) -> None:

@@ -164,7 +164,7 @@ def _run(
     _check_keywords(unsupported, decoder_seq_length, seq_length)
     del first_val_step  # only meaningful for FP8 weight caching, which Trident does not do
     settings = ScheduleSettings.from_config(chunks[0].config)
-    _check_sizes(settings, num_microbatches, vpp := len(chunks))
+    _check_call(settings, num_microbatches, vpp := len(chunks))
     groups = pg_collection if pg_collection is not None else _initialized_groups()
     links = _links(p2p_communicator, pipelined, groups)
     pp_rank, pp_size = (links.pp_rank, links.pp_size) if links is not None else (0, 1)
@@ -242,7 +242,8 @@ def complete_tables(
     )
 
 
-def _check_sizes(settings: ScheduleSettings, num_microbatches: int, vpp: int) -> None:
+def _check_call(settings: ScheduleSettings, num_microbatches: int, vpp: int) -> None:
+    """The call against the model: at least one microbatch, as many chunks as the config says."""
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if vpp > 1 and settings.virtual_pipeline_size != vpp:
