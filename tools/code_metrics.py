@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         chain = frames()
         ours = [(f, name) for f, name in chain if os.path.abspath(f).startswith(str(ROOT))]
         for file, name in chain:
-          
+            print(f"  {os.path.relpath(file, ROOT) if (file, name) in ours else 'torch'}: {name}")
         print(
             f"frames from pretrain() to GPTModel.forward, both counted: {len(chain)} ({len(ours)} in project "
             f"code, {len(chain) - len(ours)} torch's Module.__call__); project files: {len({f for f, _ in ours})}"
