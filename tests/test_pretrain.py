@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.torchrun_jobs import broken_lines
 from training.wandb_logging import read_offline_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,14 +51,18 @@ def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("trident-cache"))
 
 
-def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
-    env = {
+def _env(cache: str) -> dict[str, str]:
+    return {
         **os.environ,
         "TRIDENT_CACHE": cache,
         "WANDB_MODE": "offline",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(ROOT),
     }
+
+
+def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
+    env = _env(cache)
     cmd = [
         sys.executable,
         "-m",
@@ -199,32 +205,53 @@ def test_zbv_trains_the_same_loss_curve_as_interleaved_1f1b(cache, tmp_path):
 
 
 def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
-    """PP=2 x DP=2, dropout on: a run resumed from the iteration-4 checkpoint of an 8-iteration run
-    (``--ckpt-step 4``) trains iterations 5-8 bit for bit as the run did, under its W&B id.
+    """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit).
 
-    Two launches, not three: the uninterrupted run saves along the way, and a checkpoint is all a
-    stopped run leaves behind (``--exit-interval`` stops are tested in tests/test_faults.py).
-    """
-    flags = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "8", "--wandb-project", "resume"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    checkpoints = str(straight / "ckpt")
-    torchrun(
-        4, flags + ["--save", checkpoints, "--save-interval", "4", "--wandb-save-dir", str(straight)], cache
+    The resume is the command the interrupted run printed, run as printed (torchrun included), and no
+    line of the three runs' output holds pieces of two ranks' lines."""
+    flags = SMALL + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--train-iters",
+        "20",
+        "--wandb-project",
+        "resume",
+    ]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    straight_run = torchrun(
+        4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache
     )
-    second = torchrun(
+    first = torchrun(
         4,
-        flags
-        + ["--load", checkpoints, "--ckpt-step", "4", "--save", str(resumed / "ckpt")]
-        + ["--wandb-save-dir", str(resumed)],
+        flags + ["--save", str(split / "ckpt"), "--exit-interval", "10", "--wandb-save-dir", str(split)],
         cache,
     )
-    assert "loaded checkpoint" in second.stdout and "at iteration 4" in second.stdout, second.stdout[-2000:]
-    expected, again = wandb_losses(straight), wandb_losses(resumed)
-    assert sorted(expected) == list(range(1, 9)) and sorted(again) == list(range(5, 9))
-    assert again == {i: expected[i] for i in range(5, 9)}  # exact float equality, iteration by iteration
-    assert run_ids(resumed) == run_ids(straight)  # the resumed run logs under the same W&B id
-    manifest = json.loads((resumed / "ckpt" / "iter_0000008" / "manifest.json").read_text())
-    assert manifest["consumed_samples"] == 8 * 8
+    assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    resume = re.findall(r"^  resume: (.*)$", first.stdout, re.MULTILINE)
+    assert len(resume) == 1 and "torch.distributed.run --standalone --nproc-per-node 4 " in resume[0], resume
+    second = subprocess.run(
+        resume[0],
+        shell=True,
+        env=_env(cache),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"loaded checkpoint {split / 'ckpt'} at iteration 10" in second.stdout, second.stdout[-2000:]
+    assert re.search(r"^ \[.*\] iteration +11/ +20 \|", second.stdout, re.MULTILINE), second.stdout[-2000:]
+    for done in (straight_run, first, second):
+        assert broken_lines(done.stdout) == broken_lines(done.stderr) == [], (done.stdout, done.stderr)
+    expected, resumed = wandb_losses(straight), wandb_losses(split)
+    assert sorted(expected) == list(range(1, 21))
+    assert resumed == expected  # exact float equality, iteration by iteration
+    ids = run_ids(split)
+    assert len(ids) == 2 and ids[0] == ids[1], ids  # the resumed run logs under the same W&B id
+    manifest = json.loads((split / "ckpt" / "iter_0000020" / "manifest.json").read_text())
+    assert manifest["consumed_samples"] == 20 * 8
+    assert first.returncode == 0
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(cache, tmp_path):

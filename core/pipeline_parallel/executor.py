@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from core.device import current_device
+from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.actions import COMPUTE, Action, ActionKind, B, F, I, W
+from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
 from core.pipeline_parallel.links import PipelineLinks
@@ -50,6 +52,8 @@ class StepContext:
     pp_rank: int
     placement: Placement
     links: PipelineLinks | None = None
+    groups: ParallelGroups | None = None
+    """This rank's process groups (None: one process); the loss reduces over its context-parallel group."""
     record: ScheduleRecord | None = None
     shape_origin: str = ""
     """How ``tensor_shape`` was derived (``seq_length``, ``micro_batch_size``, ...), for errors."""
@@ -89,6 +93,7 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         record.start = time.perf_counter()
     if not ctx.forward_only:
         sync.suspend()
+        set_auxiliary_loss_scale(_auxiliary_loss_scale(ctx))
     for index, action in enumerate(table):
         start = time.perf_counter() if record is not None else 0.0
         with _timer(timers, action.kind):
@@ -99,6 +104,17 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
     sync.resume()
     _finish_step(ctx, losses, count)
     return losses.logs
+
+
+def _auxiliary_loss_scale(ctx: StepContext) -> torch.Tensor:
+    """The weight of losses computed inside the model (MoE routers) in this step's objective: the main
+    loss's scale, over the microbatch count (times CP) unless the loss is per token (Megatron's)."""
+    scale = torch.ones((), device=current_device())
+    if ctx.hooks.grad_scale_func is not None:
+        scale = ctx.hooks.grad_scale_func(scale)
+    if not ctx.settings.calculate_per_token_loss:
+        scale = scale * ctx.settings.context_parallel_size / ctx.num_microbatches
+    return scale
 
 
 def _forward(action: Action, stage: Stage, mailbox: Mailbox, losses: Losses, count: InFlight) -> None:
@@ -249,13 +265,21 @@ class Losses:
         self.non_loss_data = ctx.collect_non_loss_data and ctx.forward_only
         self.logs = LossLogs()
         self.num_tokens = torch.zeros((), dtype=torch.int64, device=current_device())
+        self.cp_group = (
+            ctx.groups.cp if ctx.groups is not None and ctx.settings.context_parallel_size > 1 else None
+        )
 
     def apply(self, loss_func: Callable, output: torch.Tensor) -> torch.Tensor:
         result = loss_func(output)
         if self.non_loss_data:
             self.logs.append(result)
             return output
-        loss = parse_loss(result, num_microbatches=self.num_microbatches, per_token=self.per_token)
+        loss = parse_loss(
+            result,
+            num_microbatches=self.num_microbatches,
+            per_token=self.per_token,
+            context_parallel_group=self.cp_group,
+        )
         summed = loss.num_tokens is not None
         if self.logs.summed is not None and self.logs.summed != summed:
             raise TypeError("loss_func returned a 2-tuple for some microbatches and a 3-tuple for others")

@@ -194,6 +194,7 @@ def _run(
         pp_rank=pp_rank,
         placement=placement,
         links=links,
+        groups=groups,
         record=record,
     )
     return run_table(list(tables[pp_rank]), ctx)

@@ -28,7 +28,7 @@ seconds instead of ``--distributed-timeout-minutes``; the process groups keep th
 from training.faults.agreement import agree
 from training.faults.heartbeat import TEST_TIMEOUT_ENV, begin, distributed_timeout_seconds, end, phase
 from training.faults.launcher import watch_launcher
-from training.faults.reporting import judge, run_main
+from training.faults.reporting import judge, one_line_errors, run_main
 
 __all__ = [
     "TEST_TIMEOUT_ENV",
@@ -37,6 +37,7 @@ __all__ = [
     "distributed_timeout_seconds",
     "end",
     "judge",
+    "one_line_errors",
     "phase",
     "run_main",
     "watch_launcher",

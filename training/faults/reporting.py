@@ -20,6 +20,7 @@ from core.watchdog import claim_report, error_reported, is_communication_failure
 from training.checkpoint.format import CheckpointError
 from training.errors import ConfigError, DataError, PeerFailure, UsageError
 from training.faults.launcher import watch_launcher
+from training.logging_utils import print_line
 
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 _VERDICT = "_trident_verdict"
@@ -33,8 +34,9 @@ class Verdict:
     message: str | None = None
 
 
-CLEAN_ERRORS = (ConfigError, DataError, CheckpointError, DeviceError)
-"""Errors said in one line, without a traceback: they name what to change."""
+def one_line_errors() -> tuple[type[BaseException], ...]:
+    """The errors the entry point prints as one line (``training.errors``), wherever they are raised."""
+    return (ConfigError, DataError, CheckpointError, DeviceError)
 
 
 def prog() -> str:
@@ -179,7 +181,7 @@ def claimed() -> bool | None:
 
 def print_error(line: str) -> None:
     sys.stdout.flush()
-    print(line, file=sys.stderr, flush=True)
+    print_line(line, file=sys.stderr)
 
 
 def report(err: BaseException) -> int:
@@ -195,7 +197,7 @@ def report(err: BaseException) -> int:
         return code
     if verdict.message is not None:
         print_error(f"{prog()}: error: {verdict.message}")
-    elif isinstance(err, (UsageError, *CLEAN_ERRORS)):
+    elif isinstance(err, (UsageError, *one_line_errors())):
         print_error(f"{prog()}: error: {err}")
     else:
         sys.stdout.flush()

@@ -124,12 +124,13 @@ def import_from_hf(
     pipeline_parallel: int = 1,
     virtual_stages: int | None = None,
     layout: str | None = None,
+    expert_parallel: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> ImportSummary:
     """Write the Hugging Face model in ``folder`` as a Trident checkpoint (iteration 0) under ``save``."""
     started = time.perf_counter()
     hf_config, config, vocab_size, max_positions = _read_config(
-        folder, split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout)
+        folder, split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout, expert_parallel)
     )
     weights = SafetensorsFolder(folder)
     dtype = weights[
