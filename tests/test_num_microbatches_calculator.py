@@ -228,10 +228,7 @@ def test_a_run_along_the_ramp_steps_each_batch_and_builds_each_schedule_table_on
         lambda self, increment: increments.append(increment) or step(self, increment),
     )
     schedules._complete_tables.cache_clear()
-    argv = (
-        MODEL
-        + "--train-samples 46 --global-batch-size 8 --rampup-batch-size 2 2 12 --log-interval 1 --eval-iters 0"
-    )
+    argv = MODEL + "--train-samples 15 --global-batch-size 4 --rampup-batch-size 1 1 3 --log-interval 1"
     state = pretrain(
         pretrain_gpt.train_valid_test_datasets_provider,
         pretrain_gpt.model_provider,
@@ -240,15 +237,14 @@ def test_a_run_along_the_ramp_steps_each_batch_and_builds_each_schedule_table_on
         args=parse_args(argv.split()),
     )
     out = capsys.readouterr().out
-    batches = [2, 2, 4, 6, 8, 8, 8, 8]
+    batches = [1, 2, 4, 4, 4]  # the ramp up to 3 samples, then (15 - 7) // 4 full batches, as Megatron counts
     assert [int(b) for b in re.findall(r"\| global batch size: +(\d+) \|", out)] == batches
     assert increments == [0, *batches]  # 0: the scheduler's own first step, when it is built
-    assert state.consumed_samples == sum(batches) == 46 and state.iteration == 8
-    assert sorted(built) == [2, 4, 6, 8]  # microbatch counts at micro batch 1, DP 1: each table once
+    assert state.consumed_samples == sum(batches) == 15 and state.iteration == 5
+    assert sorted(built) == [1, 2, 4]  # microbatch counts at micro batch 1, DP 1: each table once
     assert (
-        "2 to 8 microbatches of 1 x 16 tokens (global batch 2 growing to 8: --rampup-batch-size 2 2 12)"
-        in out
+        "1 to 4 microbatches of 1 x 16 tokens (global batch 1 growing to 4: --rampup-batch-size 1 1 3)" in out
     )
     assert (
-        "ramping up batch size from 4 to 6 (6 microbatches) at iteration 4, after 8 consumed samples" in out
+        "ramping up batch size from 2 to 4 (4 microbatches) at iteration 3, after 3 consumed samples" in out
     )
