@@ -164,6 +164,13 @@ class BatchSizeSchedule:
             steps = min(-(-(self.thresholds[index + 1] - consumed_samples) // size), iterations - done)
             consumed_samples, done = consumed_samples + steps * size, done + steps
 
+    def consumed_after(self, consumed_samples: int, iterations: int) -> int:
+        """The consumed-sample count ``iterations`` steps after ``consumed_samples``."""
+        segments = list(self.segments(consumed_samples, iterations))
+        for (offset, at, size), end in zip(segments, [s[0] for s in segments[1:]] + [iterations]):
+            consumed_samples = at + (end - offset) * size
+        return consumed_samples
+
     def train_iters(self, train_samples: int) -> int:
         """Iterations of a ``--train-samples`` run, counted as Megatron's ``update_train_iters`` does."""
         if self.kind == "constant":

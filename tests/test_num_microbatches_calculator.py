@@ -142,6 +142,7 @@ def test_the_calculator_gives_microbatches_per_step_and_where_each_batch_begins(
     assert counts == [1] * 8 + [2] * 4 + [3] * 3 + [4] * 5 and consumed == 90
     assert list(calc.schedule.segments(0, 20)) == [(0, 0, 2), (8, 16, 4), (12, 32, 6), (15, 50, 8)]
     assert list(calc.schedule.segments(24, 4)) == [(0, 24, 4), (2, 32, 6)]  # resumed mid-ramp, 4 to go
+    assert [calc.schedule.consumed_after(24, n) for n in (0, 1, 2, 3, 4, 10)] == [24, 28, 32, 38, 44, 90]
     with pytest.raises(
         ValueError, match=r"^the global batch size 6 \(from 32 consumed samples\) is not divisible"
     ):
@@ -248,3 +249,30 @@ def test_a_run_along_the_ramp_steps_each_batch_and_builds_each_schedule_table_on
     assert (
         "ramping up batch size from 2 to 4 (4 microbatches) at iteration 3, after 3 consumed samples" in out
     )
+
+
+@pytest.mark.parametrize("dataloader_type", ["single", "cyclic"])
+def test_each_step_of_a_ramp_reads_the_same_samples_when_resumed_there(dataloader_type):
+    """Megatron's samplers under a growing batch: a step is its microbatch count of consecutive
+    ``micro batch x DP`` rounds from the consumed count, whether the sampler ran from the start or was
+    opened at that step (a resumed run); with ``single`` a step reads exactly the next global batch."""
+    import itertools
+
+    from training.batches import SAMPLERS
+
+    calc = NumMicroBatchesCalculator(
+        BatchSizeSchedule.rampup(2, 2, 48, 8), micro_batch_size=1, data_parallel_size=2
+    )
+    sampler = SAMPLERS[dataloader_type]
+    straight = [iter(sampler(1000, 0, 1, rank, 2)) for rank in range(2)]
+    consumed = 0
+    for _ in range(20):
+        count, size = calc.num_microbatches(consumed), calc.global_batch_size(consumed)
+        read = []
+        for rank in range(2):
+            step = list(itertools.islice(straight[rank], count))
+            assert step == list(itertools.islice(iter(sampler(1000, consumed, 1, rank, 2)), count))
+            read += itertools.chain(*step)
+        if dataloader_type == "single":
+            assert sorted(read) == list(range(consumed, consumed + size))
+        consumed += size

@@ -111,7 +111,12 @@ class _Loop:
         self.window = LogWindow()
         self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
         self.timeline = Timeline.for_run(run)
-        session.state.progress = Progress(session.state, run.training.train_iters, prints=session.logs_loss)
+        session.state.progress = Progress(
+            session.state,
+            run.training.train_iters,
+            prints=session.logs_loss,
+            batches=run.microbatches.schedule,
+        )
         self.profiler = StepProfiler(
             enabled=run.training.profile,
             start=run.training.profile_step_start,
