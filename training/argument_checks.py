@@ -3,7 +3,8 @@
 ``derive_args(args, world_size)`` checks the flags together and returns the values they imply
 (data-parallel size, microbatch count, virtual pipeline size, FFN size, ...) by name, leaving
 ``args`` as parsed; :mod:`training.run` puts them into the run's typed objects. It runs before
-``torch.distributed`` exists and is a pure function of its inputs, so every rank raises the same
+``torch.distributed`` exists and is a pure function of its inputs (with a batch ramp, also of the
+``--load`` checkpoint's consumed samples, read from its manifest), so every rank raises the same
 single ``ValueError`` naming the flags and numbers to change. ``validate_args`` is Megatron's name
 for the same check, returning a new namespace with the derived values (what ``get_args()`` gives).
 """
