@@ -1,0 +1,288 @@
+"""Build one rank of a planned run for real and count its memory through one full training step.
+
+    report = dry_run(args, world_size=1024, pp_rank=0, vocab_size=128256, forward_step_func=forward_step)
+
+``args`` are the ``pretrain_gpt.py`` flags a plan prints. They go through the real parser and
+``validate_args``; then this rank's model chunks are built as training builds them, wrapped for data
+parallelism, given the real optimizer, and one step runs: the pipeline schedule's complete table over
+every microbatch, then the optimizer step. :class:`~training.plan.live_bytes.LiveBytes` counts
+every tensor's storage on the way.
+
+With ``fake=True`` (the planner's ``--dry-run``) nothing is allocated: tensors are PyTorch's fake
+tensors (``FakeTensorMode``: shapes, dtypes and devices, no data) and the process group is PyTorch's
+fake backend with the full world size, so every collective and pipeline message is posted and
+returns at once. A 405B rank is checked on a laptop in seconds. With ``fake=False`` the same code
+runs on real tensors inside an already started process group, which is how the dry run itself is
+checked against a real run.
+
+Adam's moments are created at the first optimizer step, so the optimizer takes one step on zero
+gradients before the measured one; the report's peak is that of a step in steady state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from core import parallel_state as ps
+from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from core.optimizer import OptimizerConfig, get_megatron_optimizer
+from core.pipeline_parallel.hooks import ScheduleHooks
+from core.pipeline_parallel.schedules import get_forward_backward_func
+from core.tensor_parallel import model_parallel_seed
+from training.plan.live_bytes import LiveBytes
+
+__all__ = ["DryRunReport", "dry_run", "fake_backend_available"]
+
+
+@dataclass
+class DryRunReport:
+    """Bytes one rank holds, measured: after each build phase, and the peaks of one step."""
+
+    pp_rank: int
+    params: int
+    """Model parameters (after the data-parallel wrapper moved them into its buffers, if it did)."""
+    grads: int
+    """Gradient buffers (and, with the distributed optimizer, the parameter buffer's padding)."""
+    optimizer: int
+    """fp32 main parameters and Adam moments."""
+    schedule_peak: int
+    """Largest live total during the pipeline schedule (forward, backward, gradient reduction)."""
+    optimizer_peak: int
+    """Largest live total during the optimizer step."""
+
+    @property
+    def static(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        return max(self.schedule_peak, self.optimizer_peak)
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"peak": self.peak}
+
+
+def fake_backend_available() -> str | None:
+    """None if PyTorch's fake process group can be used here, else why not (one line)."""
+    try:
+        import torch.testing._internal.distributed.fake_pg
+    except ImportError as err:
+        return f"PyTorch {torch.__version__} has no fake process group ({err})"
+    if "fake" not in getattr(dist.Backend, "backend_list", ["fake"]):
+        return f"PyTorch {torch.__version__} did not register the 'fake' process-group backend"
+    return None
+
+
+def _fake_store():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def _parse(argv: list[str], world_size: int) -> argparse.Namespace:
+    from training.argument_checks import validate_args
+    from training.arguments import parse_args
+
+    with contextlib.redirect_stdout(None):  # validate_args' notes: the plan already said them
+        return validate_args(parse_args(argv), world_size)
+
+
+def _build_rank(args: argparse.Namespace, vocab_size: int, fake: bool):
+    """This rank's chunks (wrapped for data parallelism) and optimizer, as ``pretrain()`` builds them."""
+    from core.transformer import TransformerConfig
+    from models.gpt import GPTModel
+    from models.gpt.gpt_model import pipeline_layout
+    from training.arguments import config_from_args, transformer_config_from_args
+
+    config_fields = transformer_config_from_args(args)
+    if fake:
+        config_fields["perform_initialization"] = False  # fake weights hold no values to initialise
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    modules: list[GPTModel] = []
+    for vp_stage in range(vpp):
+        ps.set_virtual_pipeline_model_parallel_rank(vp_stage)
+        config = TransformerConfig(**config_fields)
+        layout = pipeline_layout(config)
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        post_process = layout.has_loss(pp_rank, vp_stage)
+        holder = next((m for m in modules if m.pre_process), None)
+        shared = holder.embedding.word_embeddings.weight if post_process and holder else None
+        modules.append(
+            GPTModel(
+                config,
+                vocab_size,
+                args.max_position_embeddings,
+                pre_process=layout.has_embedding(pp_rank, vp_stage),
+                post_process=post_process,
+                vp_stage=vp_stage if vpp > 1 else None,
+                shared_embedding_weight=shared,
+            )
+        )
+    ps.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
+    return modules, config_from_args
+
+
+def _wrap(args: argparse.Namespace, modules: list, config_from_args) -> list[DistributedDataParallel]:
+    ddp_config = config_from_args(DistributedDataParallelConfig, args)
+    chunks = [DistributedDataParallel(m.config, ddp_config, m) for m in modules]
+    hooks = ScheduleHooks(
+        no_sync=[c.no_sync for c in chunks],
+        grad_sync=[c.start_grad_sync for c in chunks] if args.overlap_grad_reduce else None,
+        finalize_model_grads=finalize_model_grads,
+    )
+    for module in modules:
+        module.config.schedule_hooks = hooks
+    return chunks
+
+
+def _batches(args: argparse.Namespace, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """One step's microbatches, shaped as ``training.batches`` delivers them (all read at the step's start)."""
+    shape = (args.micro_batch_size, args.seq_length)
+    return [
+        {
+            "tokens": torch.zeros(shape, dtype=torch.int64, device=device),
+            "labels": torch.zeros(shape, dtype=torch.int64, device=device),
+            "loss_mask": torch.ones(shape, dtype=torch.float32, device=device),
+            "position_ids": torch.arange(args.seq_length, device=device).repeat(args.micro_batch_size, 1),
+        }
+        for _ in range(args.num_microbatches)
+    ]
+
+
+def _iterators(chunks: list, batches: list) -> list[Iterator | None]:
+    return [iter(batches) if c.pre_process or c.post_process else None for c in chunks]
+
+
+def dry_run(
+    argv: list[str],
+    *,
+    world_size: int,
+    pp_rank: int,
+    vocab_size: int,
+    forward_step_func: Callable,
+    fake: bool = True,
+) -> DryRunReport:
+    """Measure one rank of the run ``argv`` describes through one training step (module docstring).
+
+    ``pp_rank``: the pipeline rank to build (with ``fake``; a real run builds its own rank).
+    ``vocab_size``: the tokenizer's vocabulary (the model pads it as training does).
+    """
+    args = _parse(argv, world_size)
+    if fake:
+        why = fake_backend_available()
+        if why is not None:
+            raise RuntimeError(f"--dry-run needs PyTorch's fake process group: {why}")
+        rank = pp_rank * (world_size // args.pipeline_model_parallel_size)  # tp = cp = dp rank 0
+        dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=world_size)
+    tracker = LiveBytes(answer_scalars=fake)
+    fake_mode = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        ps.initialize_model_parallel(
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size,
+            context_parallel_size=getattr(args, "context_parallel_size", 1),
+        )
+        with fake_mode, tracker:
+            return _measure(args, vocab_size, forward_step_func, tracker, fake)
+    finally:
+        ps.destroy_model_parallel()
+        if fake:
+            dist.destroy_process_group()
+
+
+def _measure(
+    args, vocab_size: int, forward_step_func: Callable, tracker: LiveBytes, fake: bool
+) -> DryRunReport:
+    from core.device import current_device
+    from training.arguments import config_from_args
+
+    model_parallel_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
+    modules, configure = _build_rank(args, vocab_size, fake)
+    params = tracker.live
+    chunks = _wrap(args, modules, configure)
+    grads = tracker.live - params
+    optimizer = get_megatron_optimizer(
+        config_from_args(OptimizerConfig, args),
+        chunks,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+    )
+    if optimizer.grad_scaler is not None:
+        modules[0].config.schedule_hooks.grad_scale_func = optimizer.scale_loss
+        if fake:  # fake gradients cannot overflow: take the step a healthy fp16 step takes
+            optimizer._unscale_and_check_for_inf = lambda: False
+    optimizer.zero_grad()
+    optimizer.step()  # Adam's moments exist from the first step on: measure a later one
+    optimizer.zero_grad()
+    state = tracker.live - params - grads
+    tracker.reset_peak()
+    with tracker.labelled("schedule"):
+        batches = _batches(args, current_device())
+        get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=_one_or_list(_iterators(chunks, batches)),
+            model=_one_or_list(chunks),
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+        )
+        del batches
+    schedule_peak = tracker.peak
+    tracker.reset_peak()
+    with tracker.labelled("optimizer"):
+        optimizer.step()
+    return DryRunReport(
+        ps.get_pipeline_model_parallel_rank(), params, grads, state, schedule_peak, tracker.peak
+    )
+
+
+def _one_or_list(items: list):
+    return items if len(items) > 1 else items[0]
+
+
+def compare(
+    planned, plan_input, forward_step_func: Callable, *, ranks: list[int] | None = None
+) -> list[dict]:
+    """Dry-run ``ranks`` of a planned candidate (default: the rank the model says peaks highest) and
+    put each next to the model's figures for the same kernels (the dry run's are the CPU's)."""
+    from training.plan.memory import rank_memory
+    from training.plan.report import candidate_args
+
+    cand, spec = planned.cand, plan_input.spec
+    argv = candidate_args(plan_input.base_flags, cand)
+    rows = []
+    for rank in ranks if ranks is not None else [planned.peak.pp_rank]:
+        measured = dry_run(
+            argv, world_size=cand.world_size, pp_rank=rank, vocab_size=spec.vocab_size,
+            forward_step_func=forward_step_func,
+        )  # fmt: skip
+        model = rank_memory(spec, cand, rank, device="cpu")
+        rows.append({"pp_rank": rank, "model": model.as_dict(), "dry_run": measured.as_dict(),
+                     "ratio": model.peak / measured.peak})  # fmt: skip
+    return rows
+
+
+def dry_run_report(candidates: list, plan_input, forward_step_func: Callable) -> str:
+    """Lines for ``--dry-run N``: each candidate's worst rank, measured under fake tensors, beside the model."""
+    lines = ["dry run (fake tensors, fake process group of the full world size; CPU kernels):"]
+    for i, planned in enumerate(candidates):
+        for row in compare(planned, plan_input, forward_step_func):
+            model, measured = row["model"], row["dry_run"]
+            lines.append(
+                f"  #{i + 1} {planned.cand.split()} pp rank {row['pp_rank']}: measured peak "
+                f"{measured['peak'] / 1e9:.2f} GB (params {measured['params'] / 1e9:.2f}, grads "
+                f"{measured['grads'] / 1e9:.2f}, optimizer {measured['optimizer'] / 1e9:.2f}), model "
+                f"{model['peak'] / 1e9:.2f} GB: {row['ratio'] - 1:+.1%}"
+            )
+    return "\n".join(lines)
