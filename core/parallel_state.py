@@ -1,4 +1,4 @@
-"""Tensor, pipeline, data and context parallel process groups, laid out exactly as Megatron-LM does.
+"""Tensor, pipeline, data, context and expert parallel process groups, laid out exactly as Megatron-LM does.
 
 Every global rank is a point on a grid whose axes are named by ``order`` (Megatron's default
 ``"tp-cp-ep-dp-pp"``), the first axis varying fastest::
@@ -27,12 +27,14 @@ receive posted ahead of need would hold up every later send of that rank. One gr
 each link a first-in-first-out queue that nothing else waits behind (see
 ``core/pipeline_parallel/lowering.py``). That is ``2 * pp`` more groups per pipeline (2 at PP=2);
 two-rank groups are cheap, and PyTorch itself creates one per pair of ranks for unbatched NCCL
-send/recv.
+send/recv. Every link exchanges one message at startup (:func:`warm_up_pipeline_links`), in one
+global order, so NCCL's blocking communicator setup never happens inside a schedule.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import shutil
 import tempfile
@@ -41,10 +43,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from core.device import bind_local_device, default_backend
+from core.device import bind_local_device, current_device, default_backend, local_device
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _AXES = ("tp", "cp", "ep", "dp", "pp")
@@ -63,6 +66,20 @@ _GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp_dp": ("tp", "dp"),
 }
 GROUP_NAMES: tuple[str, ...] = (*_GROUP_AXES, "embd", "pos_embd")
+
+# Expert groups (megatron-core's second decomposition of the same ranks, for MoE layers): the grid
+# axes are expert-tensor (tp), expert-model (ep), expert-data (dp) and pp, in the same ``order``, with
+# cp of size 1. Creation order follows megatron-core's initialize_model_parallel.
+_EXPERT_GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "ep": ("ep",),
+    "expt_tp": ("tp",),
+    "expt_tp_ep": ("tp", "ep"),
+    "expt_tp_ep_pp": ("tp", "ep", "pp"),
+    "expt_dp": ("dp",),
+}
+EXPERT_GROUP_NAMES: tuple[str, ...] = ("tp_cp", *_EXPERT_GROUP_AXES)
+"""The groups MoE layers need: ``tp_cp`` (the dense grid's tensor x context: ranks sharing one
+sequence, over which a router counts tokens per expert) and the expert groups."""
 
 _NOT_INITIALIZED = "model parallel groups are not initialized; call initialize_model_parallel(...)"
 
@@ -129,6 +146,50 @@ def pipeline_channels(pipeline_size: int) -> list[tuple[int, int]]:
     return channels
 
 
+def link_warm_up_order(pipelines: Sequence[Sequence[int]]) -> list[tuple[int, int, int, int]]:
+    """Every pipeline link of the job as ``(src, dst)`` in global ranks, with its pipeline's pp ranks
+    ``(src_pp, dst_pp)``: the one order in which all ranks warm their links up.
+
+    Pipelines in ``layout["pp"]`` order, each one's links in :func:`pipeline_channels` order. A rank
+    warms up only its own links, in this order. That cannot deadlock, whatever blocks: the first
+    link in the order that is not yet done has both its ranks done with every earlier link, so both
+    are at it, and it completes.
+    """
+    order = []
+    for members in pipelines:
+        for src, dst in pipeline_channels(len(members)):
+            order.append((members[src], members[dst], src, dst))
+    return order
+
+
+def warm_up_pipeline_links(
+    rank: int, pipelines: Sequence[Sequence[int]], channels: Mapping[tuple[int, int], ProcessGroup]
+) -> None:
+    """One exchange per pipeline link of this rank, in :func:`link_warm_up_order`: its communicator
+    exists before any schedule runs.
+
+    NCCL creates a group's communicator at the group's first operation, blocking both ranks until
+    both arrive. Left to the schedule, that first operation would come in schedule order, which the
+    rendezvous checker does not model (Megatron's interleaved schedule deadlocked in exactly this
+    way). Each end posts a send and a receive as one batch on NCCL (the form the schedule posts, so
+    the same communicator), plain isend/irecv elsewhere, and waits. It runs on gloo too: the code
+    path is the same and the cost is a few small messages at startup.
+    """
+    device = current_device()
+    for src, dst, src_pp, dst_pp in link_warm_up_order(pipelines):
+        if rank not in (src, dst) or src == dst:
+            continue
+        group, peer = channels[(src_pp, dst_pp)], dst if rank == src else src
+        out, into = torch.zeros(1, device=device), torch.empty(1, device=device)
+        if dist.get_backend(group) == "nccl":
+            ops = [dist.P2POp(dist.isend, out, peer, group), dist.P2POp(dist.irecv, into, peer, group)]
+            works = dist.batch_isend_irecv(ops)
+        else:
+            works = [dist.isend(out, peer, group=group), dist.irecv(into, peer, group=group)]
+        for work in works:
+            work.wait()
+
+
 def _check_size(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -180,6 +241,73 @@ def generate_parallel_groups(
     return groups
 
 
+def generate_expert_groups(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
+    order: str = DEFAULT_ORDER,
+) -> dict[str, list[list[int]]]:
+    """The expert groups of megatron-core for these sizes, as lists of global ranks.
+
+    megatron-core lays the same ranks out a second time for MoE layers: expert-tensor (etp) x
+    expert-model (ep) x expert-data (edp) x pp, in the same ``order`` with a cp axis of size 1, so
+    with the default order ``rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))``
+    and ``edp = world / (etp * ep * pp)``. Keys: ``tp_cp`` (from the dense grid, see
+    ``EXPERT_GROUP_NAMES``), ``ep`` (ranks holding different experts of one
+    layer: the all-to-all group), ``expt_tp``, ``expt_tp_ep``, ``expt_tp_ep_pp`` (one expert
+    replica: gradient norms over experts) and ``expt_dp`` (replicas of the same experts: expert
+    gradients are reduced over it). Raises ValueError, before anything is created, where
+    megatron-core would refuse: etp x ep x pp not dividing the world, or an order with pp before dp
+    whose expert and dense pipeline groups differ.
+    """
+    dense = generate_parallel_groups(
+        world_size, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size, order
+    )
+    for name, value in (
+        ("expert_model_parallel_size", expert_model_parallel_size),
+        ("expert_tensor_parallel_size", expert_tensor_parallel_size),
+    ):
+        _check_size(name, value)
+    expert_model_size = (
+        expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size
+    )
+    if world_size % expert_model_size:
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size "
+            f"({expert_tensor_parallel_size}) x expert_model_parallel_size ({expert_model_parallel_size}) "
+            f"x pipeline_model_parallel_size ({pipeline_model_parallel_size}) = {expert_model_size}"
+        )
+    sizes = {
+        "tp": expert_tensor_parallel_size,
+        "cp": 1,
+        "ep": expert_model_parallel_size,
+        "dp": world_size // expert_model_size,
+        "pp": pipeline_model_parallel_size,
+    }
+    axes = _parse_order(order)
+    dense_dp = len(dense["dp"][0])
+    if axes[-1] != "pp" and pipeline_model_parallel_size > 1 and sizes["dp"] != dense_dp:
+        raise ValueError(
+            f"with order {order!r} (pp not last) the expert data-parallel size ({sizes['dp']}) must "
+            f"equal the data-parallel size ({dense_dp}), as megatron-core requires"
+        )
+    dense_sizes = {"tp": tensor_model_parallel_size, "cp": context_parallel_size, "ep": 1, "dp": dense_dp}
+    dense_sizes["pp"] = pipeline_model_parallel_size
+    groups = {"tp_cp": _orthogonal_groups(dense_sizes, axes, ("tp", "cp"))}
+    groups |= {name: _orthogonal_groups(sizes, axes, members) for name, members in _EXPERT_GROUP_AXES.items()}
+    if _orthogonal_groups(sizes, axes, ("pp",)) != dense["pp"]:
+        raise ValueError(
+            f"with order {order!r} the expert layers' pipeline groups would differ from the dense "
+            f"layers' (tensor x context = {tensor_model_parallel_size * context_parallel_size}, expert "
+            f"tensor x expert model = {expert_tensor_parallel_size * expert_model_parallel_size}); put pp "
+            "last in the order or make the two products equal"
+        )
+    return groups
+
+
 # --------------------------------------------------------------------------------------------------
 # This rank's groups
 # --------------------------------------------------------------------------------------------------
@@ -212,6 +340,18 @@ class ParallelGroups:
         default_factory=lambda: MappingProxyType({}), repr=False
     )
     """(source pp rank, destination pp rank) -> two-rank group, for this rank's pipeline links."""
+    tp_cp: ProcessGroup | None = field(default=None, repr=False)
+    """Tensor x context parallel: the ranks sharing one sequence."""
+    ep: ProcessGroup | None = field(default=None, repr=False)
+    """Expert model parallel: ranks holding different experts of a layer (tokens travel over it)."""
+    expt_tp: ProcessGroup | None = field(default=None, repr=False)
+    """Expert tensor parallel (size 1: experts are never split over tensor parallelism here)."""
+    expt_tp_ep: ProcessGroup | None = field(default=None, repr=False)
+    """Expert tensor x expert model parallel."""
+    expt_tp_ep_pp: ProcessGroup | None = field(default=None, repr=False)
+    """Expert tensor x model x pipeline: one replica of every expert."""
+    expt_dp: ProcessGroup | None = field(default=None, repr=False)
+    """Expert data parallel: the replicas of this rank's experts (their gradients are reduced over it)."""
 
     def size(self, name: str) -> int:
         """Number of ranks in this rank's group ``name`` (e.g. ``"tp"``)."""
@@ -236,15 +376,21 @@ def initialize_distributed(timeout: timedelta | None = None) -> bool:
 
     Under torchrun the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) says where to meet;
     a plain ``python script.py`` becomes a world of one through a private file rendezvous, so the
-    same code path runs on a laptop without a launcher. The backend follows the hardware
-    (core.device): NCCL on GPUs, gloo on CPU. Whoever started it ends it with
-    :func:`destroy_distributed`.
+    same code path runs on a laptop without a launcher. The backend is core.device's choice (NCCL
+    where GPUs exist, gloo elsewhere). Under NCCL the process is bound to its own GPU first and the
+    group is told so (``device_id``), which makes NCCL create its communicators now rather than
+    inside the first collective. Whoever started it ends it with :func:`destroy_distributed`.
     """
     if dist.is_initialized():
         return False
-    bind_local_device()
+    backend = default_backend()
+    options: dict = {"backend": backend, "timeout": timeout}
+    if backend == "nccl":
+        bind_local_device()
+        if _ACCEPTS_DEVICE_ID:
+            options["device_id"] = local_device()
     if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
-        dist.init_process_group(backend=default_backend(), init_method="env://", timeout=timeout)
+        dist.init_process_group(init_method="env://", **options)
         return True
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != 1:
@@ -254,14 +400,12 @@ def initialize_distributed(timeout: timedelta | None = None) -> bool:
         )
     rendezvous_dir = tempfile.mkdtemp(prefix="trident-rendezvous-")
     atexit.register(shutil.rmtree, rendezvous_dir, ignore_errors=True)
-    dist.init_process_group(
-        backend=default_backend(),
-        init_method=f"file://{rendezvous_dir}/store",
-        rank=0,
-        world_size=1,
-        timeout=timeout,
-    )
+    dist.init_process_group(init_method=f"file://{rendezvous_dir}/store", rank=0, world_size=1, **options)
     return True
+
+
+# ``device_id`` (eager NCCL communicators) arrived in torch 2.3's init_process_group; pyproject allows 2.3.
+_ACCEPTS_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters
 
 
 def destroy_distributed() -> None:
@@ -283,6 +427,7 @@ def initialize_model_parallel(
     order: str = DEFAULT_ORDER,
     *,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     distributed_timeout_minutes: float | None = None,
 ) -> ParallelGroups:
     """Create Megatron's process groups on every rank and keep this rank's; return them.
@@ -290,8 +435,9 @@ def initialize_model_parallel(
     Must be called by every rank with the same arguments (each rank creates every group, in one
     order, as torch requires). Starts torch.distributed first if needed (:func:`initialize_distributed`).
     Sizes must divide the world size; bad sizes or ``order`` raise ValueError on every rank before
-    any group exists. Expert parallelism is not implemented: ``expert_model_parallel_size`` must be
-    1, and ``ep`` in ``order`` names a size-1 axis (so Megatron's pp-last rule for MoE never binds).
+    any group exists. The expert groups (:func:`generate_expert_groups`) are created too; experts
+    are never split over tensor parallelism here, so ``expert_tensor_parallel_size`` must be 1 (None
+    means 1, where megatron-core defaults to the tensor-parallel size).
     Unlike Megatron, a virtual pipeline size is accepted with a pipeline size of 1 (several chunks
     on one rank), which keeps single-rank runs on the same code path. ``distributed_timeout_minutes``
     bounds every collective on the new groups (torch's default when None), as in Megatron.
@@ -301,14 +447,15 @@ def initialize_model_parallel(
         raise RuntimeError(
             "model parallel groups are already initialized; call destroy_model_parallel() first"
         )
-    if expert_model_parallel_size != 1:
+    if expert_tensor_parallel_size not in (None, 1):
         raise ValueError(
-            f"expert_model_parallel_size must be 1 (Trident has no expert parallelism), "
-            f"got {expert_model_parallel_size!r}"
+            f"expert_tensor_parallel_size must be 1 (experts are not split over tensor parallelism), "
+            f"got {expert_tensor_parallel_size!r}"
         )
     if virtual_pipeline_model_parallel_size is not None:
         _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
     initialize_distributed()
+    bind_local_device()  # also when someone else started torch.distributed: each rank on its own GPU
     layout = generate_parallel_groups(
         dist.get_world_size(),
         tensor_model_parallel_size,
@@ -316,11 +463,20 @@ def initialize_model_parallel(
         context_parallel_size,
         order,
     )
+    layout |= generate_expert_groups(
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        1,
+        order,
+    )
     rank = dist.get_rank()
     timeout = None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes)
-    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES)
-    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES, ())
-    for name in GROUP_NAMES:
+    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES)
+    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
+    for name in GROUP_NAMES + EXPERT_GROUP_NAMES:
         for members in layout[name]:
             group = dist.new_group(ranks=members, timeout=timeout)
             if rank in members:
@@ -333,6 +489,7 @@ def initialize_model_parallel(
             if rank in (members[src], members[dst]):
                 _CREATED.append(group)
                 channels[(src, dst)] = group
+    warm_up_pipeline_links(rank, layout["pp"], channels)
     _GROUPS = ParallelGroups(
         rank=rank, ranks=MappingProxyType(ranks), pp_channels=MappingProxyType(channels), **mine
     )
@@ -565,3 +722,99 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
     if _GROUPS.rank == members[0] and is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage):
         return True
     return _GROUPS.rank == members[-1] and is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-named getters of the expert groups
+# --------------------------------------------------------------------------------------------------
+
+
+def _expert_group(name: str) -> ProcessGroup:
+    group = getattr(get_parallel_groups(), name)
+    if group is None:
+        raise RuntimeError(f"the group {name!r} was not created (groups built without the MoE groups)")
+    return group
+
+
+def _expert_size(name: str) -> int:
+    """Size of this rank's expert group ``name``; 1 in a process without torch.distributed."""
+    return get_parallel_groups().size(name) if dist.is_initialized() else 1
+
+
+def _expert_rank(name: str) -> int:
+    return get_parallel_groups().rank_in(name) if dist.is_initialized() else 0
+
+
+def get_tensor_and_context_parallel_group() -> ProcessGroup:
+    """TP x CP: the ranks sharing one sequence (a router's token counts are summed over it)."""
+    return _expert_group("tp_cp")
+
+
+def get_expert_model_parallel_group() -> ProcessGroup:
+    """Ranks holding different experts of one MoE layer: the token dispatcher's group."""
+    return _expert_group("ep")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """EP size (1 without torch.distributed)."""
+    return _expert_size("ep")
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's position in its EP group: it holds experts ``[rank * E / EP, (rank + 1) * E / EP)``."""
+    return _expert_rank("ep")
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """Global rank of the first member of my EP group."""
+    return get_parallel_groups().ranks["ep"][0]
+
+
+def get_expert_tensor_parallel_group() -> ProcessGroup:
+    """Ranks sharing one expert's weight shards (always one rank here: experts are not TP-split)."""
+    return _expert_group("expt_tp")
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Expert TP size (1)."""
+    return _expert_size("expt_tp")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """This rank's position in its expert TP group (0)."""
+    return _expert_rank("expt_tp")
+
+
+def get_expert_tensor_and_model_parallel_group() -> ProcessGroup:
+    """Expert TP x EP: the all-gather dispatcher's group."""
+    return _expert_group("expt_tp_ep")
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Expert TP x EP size."""
+    return _expert_size("expt_tp_ep")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """This rank's position in its expert TP x EP group."""
+    return _expert_rank("expt_tp_ep")
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> ProcessGroup:
+    """Expert TP x EP x PP: one replica of every expert of the model (expert gradient norms)."""
+    return _expert_group("expt_tp_ep_pp")
+
+
+def get_expert_data_parallel_group() -> ProcessGroup:
+    """Replicas of this rank's experts: expert gradients are reduced (and sharded) over it."""
+    return _expert_group("expt_dp")
+
+
+def get_expert_data_parallel_world_size() -> int:
+    """Expert DP size: world / (expert TP x EP x PP); 1 without torch.distributed."""
+    return _expert_size("expt_dp")
+
+
+def get_expert_data_parallel_rank() -> int:
+    """This rank's position in its expert DP group."""
+    return _expert_rank("expt_dp")

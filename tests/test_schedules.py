@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from core.model_parallel_config import ModelParallelConfig
+from core.parallel_state import generate_parallel_groups
 from core.pipeline_parallel.layout import even_layout, parse_layout
 from core.pipeline_parallel.losses import reduce_loss_logs
 from core.pipeline_parallel.lowering import lower, message_of
@@ -31,6 +32,7 @@ from core.pipeline_parallel.simulator import (
     comm_logs,
     ideal_bubble_fraction,
     simulate,
+    warm_up_comm_logs,
 )
 from tests.pipeline_toy import ToyStage, make_forward_step, make_microbatches, reference_loss_and_grads
 
@@ -335,6 +337,35 @@ def test_rendezvous_check_follows_nccls_rules():
         check_rendezvous(cyclic)
     with pytest.raises(ScheduleDeadlock, match="rank 0 posts .* but rank 1 never posts its half"):
         check_rendezvous([[("post", "a01", [(True, 1, act)])], []])
+
+
+def test_link_warm_up_order_cannot_deadlock_under_nccls_rules():
+    """The startup exchange on every pipeline link, in its one global order, completes for every PP
+    size up to 8 (wrap-around links included) with one and two pipelines, and then the schedules'
+    own posts complete after it; each rank taking its own outgoing links first would deadlock."""
+    for pp, dp in itertools.product(range(1, 9), (1, 2)):
+        pipelines = generate_parallel_groups(pp * dp, pipeline_model_parallel_size=pp)["pp"]
+        logs = warm_up_comm_logs(pipelines, pp * dp)
+        check_rendezvous(logs)
+        links = 2 * pp if pp > 2 else 2 * (pp - 1)  # each way between neighbours, wrap-around included
+        assert sum(len(log) for log in logs) == 4 * links * dp  # a post and a wait on both ends
+        if pp == 1:
+            continue
+        mine_first = [_outgoing_first(rank, log) for rank, log in enumerate(logs)]
+        with pytest.raises(ScheduleDeadlock, match="posted operations wait on each other"):
+            check_rendezvous(mine_first)
+        if dp == 1:
+            for schedule, v in (("interleaved", 2), ("zbv", 2), ("1f1b", 1)):
+                placement = placement_for(schedule, pp, v)
+                complete = lower(build_tables(schedule, pp, v, 2 * pp), placement)
+                check_rendezvous([w + c for w, c in zip(logs, comm_logs(complete, placement))])
+
+
+def _outgoing_first(rank: int, log: list[tuple]) -> list[tuple]:
+    """A rank's warm-up log with the links it sends on first (a per-rank order, not a global one)."""
+    pairs = [log[i : i + 2] for i in range(0, len(log), 2)]
+    pairs.sort(key=lambda pair: pair[0][1][0] != rank)  # stream (src, dst): src == rank first
+    return [entry for pair in pairs for entry in pair]
 
 
 def test_simulator_detects_a_deadlock():

@@ -219,6 +219,29 @@ def comm_logs(
     return logs
 
 
+def warm_up_comm_logs(
+    pipelines: list[list[int]], world_size: int, order: list[tuple[int, int, int, int]] | None = None
+) -> list[list[tuple]]:
+    """What every global rank posts and waits for when it warms its pipeline links up
+    (``parallel_state.warm_up_pipeline_links``), in :func:`check_rendezvous`'s format.
+
+    Each link is one batch on each end, a send and a receive (so it completes only when both ends
+    have posted, as NCCL's communicator setup does), followed by a wait. ``order`` defaults to
+    ``parallel_state.link_warm_up_order(pipelines)``; tests pass others to show what deadlocks.
+    """
+    from core.parallel_state import link_warm_up_order
+
+    logs: list[list[tuple]] = [[] for _ in range(world_size)]
+    for src, dst, _, _ in order if order is not None else link_warm_up_order(pipelines):
+        if src == dst:
+            continue
+        link = (src, dst)  # the stream: the link's group, as the schedule's posts name it
+        there, back = ("warm-up", src, dst, "there"), ("warm-up", src, dst, "back")
+        logs[src] += [("post", link, [(True, dst, there), (False, dst, back)]), ("wait", back)]
+        logs[dst] += [("post", link, [(False, src, there), (True, src, back)]), ("wait", there)]
+    return logs
+
+
 def check_rendezvous(comm_logs: list[list[tuple]]) -> None:
     """Would these posting orders finish under NCCL's rules? Raises ``ScheduleDeadlock`` if not.
 
