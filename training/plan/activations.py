@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from training.plan.model_spec import ModelSpec
 
 __all__ = ["Shape", "StageActivations", "layer_terms", "loss_terms", "stage_activations"]
@@ -73,20 +75,27 @@ class StageActivations:
 
 def _attention_kernel(spec: ModelSpec, shape: Shape) -> str:
     """ "flash" (fused, saves q/k/v/out/lse) or "math" (PyTorch's unfused kernel, saves s x s scores)."""
-    if spec.attention_softmax_in_fp32 and spec.precision != "fp32":
-        return "explicit"
+    if spec.attention_softmax_in_fp32 and spec.precision != "fp32" and torch.__version__ < "2.5":
+        return "explicit"  # only where SDPA's math kernel could reduce in 16 bits
     if shape.device == "cpu" and spec.attention_dropout > 0:
         return "math"
     return "flash"
 
 
 def _norm(spec: ModelSpec, shape: Shape) -> float:
+    """What one norm keeps: its input and per-token statistics (``F.rms_norm`` / ``F.layer_norm``).
+
+    A CPU has no fused RMSNorm: ``F.rms_norm`` runs as fp32 operations that keep the fp32 input and
+    the fp32 normalised values. A GPU's fused kernel keeps the input and the fp32 ``rsqrt``.
+    """
     tokens = shape.sharded_seq * shape.batch
     h, B = spec.hidden_size, spec.bytes_per_value
     if spec.normalization == "RMSNorm":
-        normed = B * tokens * h if B != 4 else 4 * tokens * h  # fp32: the normalised values are new too
-        return 4 * tokens * h + 4 * tokens + normed
-    return 4 * tokens * h + 8 * tokens + (8 * h if B != 4 else 0)
+        kept = 8 * tokens * h if shape.device == "cpu" else B * tokens * h
+        return kept + 4 * tokens
+    if spec.zero_centered_gamma:  # formed in fp32: the fp32 input copy and fp32 statistics
+        return 4 * tokens * h + 8 * tokens + 8 * h
+    return B * tokens * h + (2 * B if shape.device == "cpu" else 8) * tokens
 
 
 def _attention(spec: ModelSpec, shape: Shape) -> dict[str, float]:
@@ -107,28 +116,15 @@ def _attention(spec: ModelSpec, shape: Shape) -> dict[str, float]:
         return {"attention q/k/v": q_bytes + 2 * B * s * b * heads * d, "attention scores": scores,
                 "proj input": q_bytes}  # fmt: skip
     rope = spec.position_embedding_type == "rope"
-    repeat_copies = per_group > 1 and groups > 1  # repeating several groups' heads materialises them
     terms: dict[str, float] = {}
-    views_of_mixed = False
-    if rope:  # rotated query and key are new tensors
+    if rope:  # rotated query and key are new tensors; the value stays a view of the QKV output
         terms["attention q (rotated)"] = q_bytes
-    elif groups == 1 or per_group == 1:  # the query heads come out of the QKV output as a view
-        views_of_mixed = True
-    else:
+        terms["attention k (rotated)"] = kv_bytes
+    elif groups > 1 and per_group > 1:  # the query heads of several groups are gathered by a copy
         terms["attention q"] = q_bytes
-    if repeat_copies:
-        terms["attention k, v (repeated)"] = 2 * q_bytes
-    else:
-        views_of_mixed = True  # the value (and without RoPE the key) is a view
-        if rope:
-            terms["attention k (rotated)"] = kv_bytes
-    if views_of_mixed:
-        terms["qkv output (viewed)"] = mixed
+    terms["qkv output (viewed)"] = mixed
     terms["attention output"] = q_bytes  # the output projection's input is a view of it
     terms["attention lse"] = 4 * b * heads * s
-    if rope:
-        rotary = int(spec.kv_channels * spec.rotary_percent)
-        terms["rotary cos/sin"] = (4 * B if B != 4 else 0) * b * s * rotary
     return terms
 
 
@@ -157,7 +153,8 @@ def layer_terms(spec: ModelSpec, shape: Shape) -> dict[str, float]:
     f = ffn // t
     terms["fc1 input"] = B * s * b * h * (topk if spec.moe is not None else 1)
     terms["fc1 output"] = topk * B * s * b * f * (2 if spec.gated else 1)
-    terms["activation output"] = topk * B * s * b * f * (2 if spec.gated else 1)
+    # SwiGLU's own autograd function keeps only fc1's output; other activations keep theirs too
+    terms["fc2 input"] = topk * B * s * b * f * (1 if spec.swiglu else 2 if spec.gated else 1)
     if spec.hidden_dropout > 0:
         terms["dropout masks"] = 2 * _dropout_mask(spec, shape)
     return terms
@@ -220,6 +217,9 @@ def stage_activations(
         out.forward_transient, out.backward_transient = forward, backward
         if shape.recompute != "full" and not first:  # the first stage's input needs no gradient: no I
             out.kept_grads = layers * _layer_kept_grads(spec, shape)
+        if spec.position_embedding_type == "rope":  # the stage's cos and sin, shared by its layers
+            rotary = int(spec.kv_channels * spec.rotary_percent)
+            out.terms["rotary cos/sin"] = 2 * spec.bytes_per_value * shape.batch * shape.seq * rotary
     if not first:
         out.terms["received input"] = (
             spec.bytes_per_value * shape.sharded_seq * shape.batch * spec.hidden_size

@@ -21,8 +21,8 @@ gradients before the measured one; the report's peak is that of a step in steady
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -30,9 +30,7 @@ import torch
 import torch.distributed as dist
 
 from core import parallel_state as ps
-from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from core.optimizer import OptimizerConfig, get_megatron_optimizer
-from core.pipeline_parallel.hooks import ScheduleHooks
+from core.optimizer import get_megatron_optimizer
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from training.plan.live_bytes import LiveBytes
@@ -85,73 +83,41 @@ def _fake_store():
     return FakeStore()
 
 
-def _parse(argv: list[str], world_size: int) -> argparse.Namespace:
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
+def _run(argv: list[str], world_size: int):
+    from training.run import parse_run
 
-    with contextlib.redirect_stdout(None):  # validate_args' notes: the plan already said them
-        return validate_args(parse_args(argv), world_size)
-
-
-def _build_rank(args: argparse.Namespace, vocab_size: int, fake: bool):
-    """This rank's chunks (wrapped for data parallelism) and optimizer, as ``pretrain()`` builds them."""
-    from core.transformer import TransformerConfig
-    from models.gpt import GPTModel
-    from models.gpt.gpt_model import pipeline_layout
-    from training.arguments import config_from_args, transformer_config_from_args
-
-    config_fields = transformer_config_from_args(args)
-    if fake:
-        config_fields["perform_initialization"] = False  # fake weights hold no values to initialise
-    vpp = args.virtual_pipeline_model_parallel_size or 1
-    modules: list[GPTModel] = []
-    for vp_stage in range(vpp):
-        ps.set_virtual_pipeline_model_parallel_rank(vp_stage)
-        config = TransformerConfig(**config_fields)
-        layout = pipeline_layout(config)
-        pp_rank = ps.get_pipeline_model_parallel_rank()
-        post_process = layout.has_loss(pp_rank, vp_stage)
-        holder = next((m for m in modules if m.pre_process), None)
-        shared = holder.embedding.word_embeddings.weight if post_process and holder else None
-        modules.append(
-            GPTModel(
-                config,
-                vocab_size,
-                args.max_position_embeddings,
-                pre_process=layout.has_embedding(pp_rank, vp_stage),
-                post_process=post_process,
-                vp_stage=vp_stage if vpp > 1 else None,
-                shared_embedding_weight=shared,
-            )
-        )
-    ps.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
-    return modules, config_from_args
+    with contextlib.redirect_stdout(None):  # the flag checks' notes: the plan already said them
+        return parse_run(argv, world_size)
 
 
-def _wrap(args: argparse.Namespace, modules: list, config_from_args) -> list[DistributedDataParallel]:
-    ddp_config = config_from_args(DistributedDataParallelConfig, args)
-    chunks = [DistributedDataParallel(m.config, ddp_config, m) for m in modules]
-    hooks = ScheduleHooks(
-        no_sync=[c.no_sync for c in chunks],
-        grad_sync=[c.start_grad_sync for c in chunks] if args.overlap_grad_reduce else None,
-        finalize_model_grads=finalize_model_grads,
+def _build_rank(run, vocab_size: int, fake: bool):
+    """This rank's model (chunks wrapped for data parallelism) and optimizer, as ``setup`` builds them."""
+    from models.gpt.parallelize import gpt_provider, parallelize_gpt
+
+    config = dataclasses.replace(run.model, perform_initialization=False) if fake else run.model
+    provider = gpt_provider(config, vocab_size, run.gpt.max_position_embeddings)
+    return parallelize_gpt(
+        provider,
+        layout=run.layout,
+        groups=ps.get_parallel_groups(),
+        ddp_config=run.ddp,
+        make_optimizer=lambda chunks: get_megatron_optimizer(
+            run.optimizer, chunks, decoupled_lr=run.lr.decoupled_lr, decoupled_min_lr=run.lr.decoupled_min_lr
+        ),
     )
-    for module in modules:
-        module.config.schedule_hooks = hooks
-    return chunks
 
 
-def _batches(args: argparse.Namespace, device: torch.device) -> list[dict[str, torch.Tensor]]:
+def _batches(run, device: torch.device) -> list[dict[str, torch.Tensor]]:
     """One step's microbatches, shaped as ``training.batches`` delivers them (all read at the step's start)."""
-    shape = (args.micro_batch_size, args.seq_length)
+    batch, seq = run.training.micro_batch_size, run.gpt.seq_length
     return [
         {
-            "tokens": torch.zeros(shape, dtype=torch.int64, device=device),
-            "labels": torch.zeros(shape, dtype=torch.int64, device=device),
-            "loss_mask": torch.ones(shape, dtype=torch.float32, device=device),
-            "position_ids": torch.arange(args.seq_length, device=device).repeat(args.micro_batch_size, 1),
+            "tokens": torch.zeros((batch, seq), dtype=torch.int64, device=device),
+            "labels": torch.zeros((batch, seq), dtype=torch.int64, device=device),
+            "loss_mask": torch.ones((batch, seq), dtype=torch.float32, device=device),
+            "position_ids": torch.arange(seq, device=device).repeat(batch, 1),
         }
-        for _ in range(args.num_microbatches)
+        for _ in range(run.num_microbatches)
     ]
 
 
@@ -173,12 +139,12 @@ def dry_run(
     ``pp_rank``: the pipeline rank to build (with ``fake``; a real run builds its own rank).
     ``vocab_size``: the tokenizer's vocabulary (the model pads it as training does).
     """
-    args = _parse(argv, world_size)
+    run = _run(argv, world_size)
     if fake:
         why = fake_backend_available()
         if why is not None:
             raise RuntimeError(f"--dry-run needs PyTorch's fake process group: {why}")
-        rank = pp_rank * (world_size // args.pipeline_model_parallel_size)  # tp = cp = dp rank 0
+        rank = pp_rank * (world_size // run.parallel.pp)  # tp = cp = dp rank 0
         dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=world_size)
     tracker = LiveBytes(answer_scalars=fake)
     fake_mode = contextlib.nullcontext()
@@ -188,13 +154,10 @@ def dry_run(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         ps.initialize_model_parallel(
-            args.tensor_model_parallel_size,
-            args.pipeline_model_parallel_size,
-            args.virtual_pipeline_model_parallel_size,
-            context_parallel_size=getattr(args, "context_parallel_size", 1),
+            run.parallel.tp, run.parallel.pp, run.model.virtual_pipeline_model_parallel_size
         )
         with fake_mode, tracker:
-            return _measure(args, vocab_size, forward_step_func, tracker, fake)
+            return _measure(run, vocab_size, forward_step_func, tracker, fake)
     finally:
         ps.destroy_model_parallel()
         if fake:
@@ -202,40 +165,34 @@ def dry_run(
 
 
 def _measure(
-    args, vocab_size: int, forward_step_func: Callable, tracker: LiveBytes, fake: bool
+    run, vocab_size: int, forward_step_func: Callable, tracker: LiveBytes, fake: bool
 ) -> DryRunReport:
     from core.device import current_device
-    from training.arguments import config_from_args
 
-    model_parallel_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
-    modules, configure = _build_rank(args, vocab_size, fake)
-    params = tracker.live
-    chunks = _wrap(args, modules, configure)
-    grads = tracker.live - params
-    optimizer = get_megatron_optimizer(
-        config_from_args(OptimizerConfig, args),
-        chunks,
-        decoupled_lr=args.decoupled_lr,
-        decoupled_min_lr=args.decoupled_min_lr,
-    )
-    if optimizer.grad_scaler is not None:
-        modules[0].config.schedule_hooks.grad_scale_func = optimizer.scale_loss
-        if fake:  # fake gradients cannot overflow: take the step a healthy fp16 step takes
-            optimizer._unscale_and_check_for_inf = lambda: False
+    model_parallel_seed(run.model.seed + 100 * ps.get_pipeline_model_parallel_rank())
+    model = _build_rank(run, vocab_size, fake)
+    optimizer = model.optimizer
+    if optimizer.grad_scaler is not None and fake:  # fake gradients cannot overflow: take a healthy step
+        optimizer._unscale_and_check_for_inf = lambda: False
     optimizer.zero_grad()
     optimizer.step()  # Adam's moments exist from the first step on: measure a later one
     optimizer.zero_grad()
-    state = tracker.live - params - grads
+    grads = _storage_bytes(b.grad_data for c in model.chunks for b in c.buffers)
+    state = _storage_bytes(
+        [s.main_param for s in optimizer.shards if s.copy]
+        + [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+    )
+    params = tracker.live - grads - state
     tracker.reset_peak()
     with tracker.labelled("schedule"):
-        batches = _batches(args, current_device())
+        batches = _batches(run, current_device())
         get_forward_backward_func()(
             forward_step_func=forward_step_func,
-            data_iterator=_one_or_list(_iterators(chunks, batches)),
-            model=_one_or_list(chunks),
-            num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
+            data_iterator=_one_or_list(_iterators(model.chunks, batches)),
+            model=_one_or_list(model.chunks),
+            num_microbatches=run.num_microbatches,
+            seq_length=run.gpt.seq_length,
+            micro_batch_size=run.training.micro_batch_size,
         )
         del batches
     schedule_peak = tracker.peak
@@ -245,6 +202,12 @@ def _measure(
     return DryRunReport(
         ps.get_pipeline_model_parallel_rank(), params, grads, state, schedule_peak, tracker.peak
     )
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    storages = {id(s): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
+    return sum(storages.values())
 
 
 def _one_or_list(items: list):

@@ -196,9 +196,8 @@ def read_input(
     megatron_argv: list[str], *, preset: str | None = None, hf_config: str | None = None
 ) -> PlanInput:
     """The model and training shape of ``preset`` / ``hf_config`` / ``megatron_argv`` (later ones win)."""
-    from core.transformer import TransformerConfig
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args, transformer_config_from_args
+    from training.arguments import parse_args
+    from training.run import build_run
 
     argv = (preset_flags(preset) if preset else []) + (_hf_flags(hf_config) if hf_config else [])
     argv, moe = _take_moe(argv + list(megatron_argv))
@@ -210,18 +209,15 @@ def read_input(
     if given.global_batch_size is None:
         raise ValueError("--global-batch-size is needed to plan: it fixes the microbatches per step")
     base = _runnable(_strip(argv, set(PLANNED_DESTS) | set(_ALSO_PLANNED)), given, notes)
-    args = parse_args(base + ["--micro-batch-size", "1", "--global-batch-size", str(given.global_batch_size)])
-    with contextlib.redirect_stdout(None):
-        validate_args(args, 1)
-    config = TransformerConfig(**transformer_config_from_args(args))
-    name = preset or (hf_config or "")
+    with contextlib.redirect_stdout(None):  # the flag checks' notes, for one rank: not the plan's
+        run = build_run(parse_args(base + ["--micro-batch-size", "1", "--global-batch-size", "1"]), 1)
     spec = ModelSpec.from_config(
-        config,
-        vocab_size=_vocab(args),
-        seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings,
+        run.model,
+        vocab_size=_vocab(run.args),
+        seq_length=run.gpt.seq_length,
+        max_position_embeddings=run.gpt.max_position_embeddings,
         moe=moe,
-        name=name,
+        name=preset or hf_config or "",
     )
     if moe is not None:
         notes.append("MoE is not in this Trident yet: its figures come from formulas only")
@@ -232,5 +228,5 @@ def read_input(
         fixed=fixed,
         distributed_optimizer_allowed=given.use_distributed_optimizer,
         notes=notes,
-        args=args,
+        args=run.args,
     )

@@ -175,7 +175,10 @@ def rank_static(
         params, grads, state = total * B, total * grad_bytes, per_element_state * total + steps
     if spec.position_embedding_type == "rope":  # each chunk's RoPE frequencies (fp32, a buffer)
         params += cand.vpp * 2 * int(spec.kv_channels * spec.rotary_percent)
-    return params, grads, state, _optimizer_transient(stepped, device)
+    transient = _optimizer_transient(stepped, device)
+    if grad_bytes != 4:  # fp16 gradients: the optimizer steps on fp32 copies of them, all alive at once
+        transient += 4 * sum(abs(n) for n in stepped)
+    return params, grads, state, transient
 
 
 # --------------------------------------------------------------------------------------------------

@@ -51,7 +51,11 @@ class ModelSpec:
     seq_length: int
     max_position_embeddings: int
     gated: bool = False
-    """SwiGLU-style MLP (two fc1 branches)."""
+    """Gated MLP (two fc1 branches)."""
+    swiglu: bool = False
+    """The gated MLP is SwiGLU (SiLU gate), which Trident runs as one autograd function."""
+    zero_centered_gamma: bool = False
+    """Norm weights hold gamma - 1 (``--apply-layernorm-1p``): LayerNorm then works in fp32."""
     normalization: str = "LayerNorm"
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
@@ -97,6 +101,8 @@ class ModelSpec:
             seq_length=seq_length,
             max_position_embeddings=max_position_embeddings or seq_length,
             gated=config.gated_linear_unit,
+            swiglu=config.gated_linear_unit and config.activation_func is torch.nn.functional.silu,
+            zero_centered_gamma=config.layernorm_zero_centered_gamma,
             normalization=config.normalization,
             add_bias_linear=config.add_bias_linear,
             add_qkv_bias=config.add_qkv_bias,
