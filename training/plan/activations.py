@@ -177,8 +177,9 @@ def _layer_transients(spec: ModelSpec, shape: Shape) -> tuple[float, float]:
     branches = 2 if spec.gated else 1
     forward = B * s * b * h + 4 * shape.sharded_seq * b * h  # a row-parallel partial sum; a norm's square
     backward = B * s * b * (branches * f + 2 * f + h)  # gradients around the MLP
-    if shape.recompute == "full":  # the layer's activations come back for its backward
-        backward += sum(layer_terms(spec, Shape(**{**shape.__dict__, "recompute": "none"})).values())
+    if shape.recompute != "none":  # what recomputation left out comes back for the layer's backward
+        kept = sum(layer_terms(spec, shape).values())
+        backward += sum(layer_terms(spec, Shape(**{**shape.__dict__, "recompute": "none"})).values()) - kept
     return forward, backward
 
 

@@ -68,6 +68,19 @@ class Candidate:
         placement = "v" if self.schedule == "zbv" else "loop"
         return parse_layout(self.layout, self.pp, placement=placement)
 
+    @cached_property
+    def placement(self):
+        """Stage <-> (pp rank, chunk) of the layout (built once: the search asks often)."""
+        return self.stages.stage_placement
+
+    def stage_of(self, pp_rank: int, chunk: int) -> int:
+        """The stage a rank runs as its chunk ``chunk``."""
+        return self.placement.stage(pp_rank, chunk)
+
+    def symbols(self, pp_rank: int, chunk: int) -> tuple[str, ...]:
+        """The layers (``E``, ``t``, ``L``) of a rank's chunk."""
+        return self.stages.stages[self.stage_of(pp_rank, chunk)]
+
     def split(self) -> str:
         """``TP2 PP4 VPP2 CP1 EP1 DP8`` with the size-1 axes left out."""
         parts = [("TP", self.tp), ("CP", self.cp), ("EP", self.ep), ("PP", self.pp), ("VPP", self.vpp)]

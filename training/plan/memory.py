@@ -23,12 +23,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
+import numpy as np
+
 from core.pipeline_parallel.schedule_tables import B, F, I, W, build_table
 from training.plan.activations import Shape, StageActivations, stage_activations
 from training.plan.candidate import Candidate
 from training.plan.model_spec import ModelSpec
 
-__all__ = ["RankMemory", "candidate_memory", "rank_memory", "rank_static"]
+__all__ = ["RankMemory", "candidate_memory", "memory_microbatches", "rank_memory", "rank_static"]
 
 SHARD_ALIGNMENT = (
     128  # core.distributed.grad_buffer: buckets pad to lcm(dp, 128) under the distributed optimizer
@@ -155,7 +157,7 @@ def rank_static(
     spec: ModelSpec, cand: Candidate, pp_rank: int, device: str = "cuda"
 ) -> tuple[float, float, float, float]:
     """(params, grads, optimizer state, optimizer-step transient) of a pipeline rank, in bytes."""
-    chunks = [tuple(cand.stages.stage_layers(pp_rank, v if cand.vpp > 1 else None)) for v in range(cand.vpp)]
+    chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     embedding_here = any("E" in c for c in chunks)
     tensors = [_chunk_tensors(spec, cand, c, embedding_here) for c in chunks]
     elements = [sum(abs(n) for n in t) for t in tensors]
@@ -186,32 +188,42 @@ def rank_static(
 # --------------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=4096)
 def _states(schedule: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
-    """The distinct moments of a rank's table where a peak can occur, as
-    ``(saved microbatches per chunk, I-done microbatches per chunk, running chunk, running kind)``.
+    """The moments of a rank's table where a peak can occur: per running (chunk, kind), an array of
+    ``(saved microbatches per chunk, I-done microbatches per chunk)`` rows, one per distinct moment.
 
-    Memory at such a moment is linear in the chunks' byte counts, so a candidate's peak is a max over
-    this short list (cached per table) instead of a walk over every action.
+    Memory at such a moment is linear in the chunks' byte counts, so a candidate's peak is one
+    matrix-vector product per running (chunk, kind) instead of a walk over every action.
     """
     saved, kept = [0] * vpp, [0] * vpp
-    states = set()
+    moments: dict[tuple, set] = {}
     for action in build_table(schedule, pp, vpp, m, rank):
         c = action.chunk
         if action.kind == F:
             saved[c] += 1
-            states.add((tuple(saved), tuple(kept), c, F))
-        elif action.kind == B:
-            states.add((tuple(saved), tuple(kept), c, B))
-            saved[c] -= 1
         elif action.kind == I:
             kept[c] += 1
-            states.add((tuple(saved), tuple(kept), c, I))
+        moments.setdefault((c, action.kind), set()).add(tuple(saved) + tuple(kept))
+        if action.kind == B:
+            saved[c] -= 1
         elif action.kind == W:
-            states.add((tuple(saved), tuple(kept), c, W))
             saved[c] -= 1
             kept[c] -= 1
-    return tuple(states)
+    return tuple((chunk, kind, np.array(sorted(rows), dtype=np.float64)) for (chunk, kind), rows in moments.items())
+
+
+def memory_microbatches(cand: Candidate) -> int:
+    """A microbatch count with the same peaks as the candidate's, at most ``4 pp`` plus the remainder.
+
+    Past the warm-up every schedule here repeats a steady state whose in-flight counts do not grow
+    with more microbatches (GPipe's do, so it keeps its count); the remainder modulo ``pp`` is kept
+    so the interleaved schedules' last group is the same.
+    """
+    m, pp = cand.num_microbatches, cand.pp
+    if cand.schedule == "gpipe" or m <= 4 * pp:
+        return m
+    return 4 * pp + (m - 4 * pp) % pp
 
 
 def _transient(chunk: StageActivations, kind) -> float:
@@ -226,14 +238,15 @@ def _transient(chunk: StageActivations, kind) -> float:
 
 def _walk(states: tuple, chunks: list[StageActivations]) -> tuple[float, float, int]:
     """(saved bytes at the peak, transient at the peak, in-flight microbatch-chunks at the peak)."""
+    weights = np.array([c.saved for c in chunks] + [c.kept_grads for c in chunks])
+    vpp = len(chunks)
     best = (-1.0, 0.0, 0.0, 0)
-    for saved, kept, chunk, kind in states:
-        held = sum(n * c.saved for n, c in zip(saved, chunks)) + sum(
-            n * c.kept_grads for n, c in zip(kept, chunks)
-        )
+    for chunk, kind, rows in states:
+        held = rows @ weights
+        top = int(held.argmax())
         extra = _transient(chunks[chunk], kind)
-        if held + extra > best[0]:
-            best = (held + extra, held, extra, sum(saved))
+        if held[top] + extra > best[0]:
+            best = (held[top] + extra, float(held[top]), extra, int(rows[top, :vpp].sum()))
     return best[1], best[2], best[3]
 
 
@@ -250,9 +263,9 @@ def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str =
     )
     chunks = []
     for v in range(cand.vpp):
-        stage = cand.stages.stage_index(pp_rank, v if cand.vpp > 1 else None)
+        stage = cand.stage_of(pp_rank, v)
         chunks.append(stage_activations(spec, shape, cand.stages.stages[stage], first=stage == 0))
-    states = _states(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches, pp_rank)
+    states = _states(cand.schedule, cand.pp, cand.vpp, memory_microbatches(cand), pp_rank)
     held, transient, in_flight = _walk(states, chunks)
     reads_data = any(c.terms.get("embedding") or "loss final norm" in c.terms for c in chunks)
     buffers = 28 * spec.seq_length * cand.micro_batch_size * cand.num_microbatches if reads_data else 0

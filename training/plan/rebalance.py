@@ -88,7 +88,7 @@ def fit_costs(means: dict, cand: Candidate, prior: LayerProfile) -> LayerProfile
     """
     rows, forward, backward, input_shares = [], [], [], []
     for stage, symbols in enumerate(cand.stages.stages):
-        rank, chunk = cand.stages.stage_placement.rank_and_chunk(stage)
+        rank, chunk = cand.placement.rank_and_chunk(stage)
         got = {k: means.get((rank, chunk, k)) for k in _KINDS}
         if got["F"] is None:
             continue

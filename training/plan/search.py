@@ -31,9 +31,9 @@ from training.plan.candidate import RECOMPUTE, Candidate
 from training.plan.costs import LayerProfile, StageCostModel
 from training.plan.hardware import Cluster
 from training.plan.layouts import balanced_layout
-from training.plan.memory import RankMemory, candidate_memory
+from training.plan.memory import RankMemory, candidate_memory, rank_static
 from training.plan.model_spec import ModelSpec
-from training.plan.step_time import StepEstimate, estimate_step, lower_bound
+from training.plan.step_time import StepEstimate, estimate_step, quick_estimate
 from training.schema import BY_OPTION, coverage_of
 
 __all__ = [
@@ -51,6 +51,8 @@ FEW_MICROBATCHES = "fewer microbatches than stages"
 OUT_OF_MEMORY = "out of memory"
 UNSUPPORTED = "not supported by this Trident"
 REFUSED = "refused by Trident's flag checks"
+GUESS_MARGIN = 0.03
+"""Candidates whose guess is this much slower than the ``top``-th simulated step are not simulated."""
 EXAMPLES = 12
 """Rejected candidates listed per reason (all are counted)."""
 
@@ -61,7 +63,10 @@ class Planned:
 
     cand: Candidate
     memory: list[RankMemory]
-    bound: float
+    bound: float = 0.0
+    """No step of this candidate can be shorter."""
+    guess: float = 0.0
+    """The bound plus the schedule's textbook bubble: the order candidates are simulated in."""
     step: StepEstimate | None = None
 
     @property
@@ -230,6 +235,23 @@ def _describe(c: Candidate) -> str:
     return f"{c.split()} {c.schedule_label} mbs {c.micro_batch_size} m {c.num_microbatches}"
 
 
+def _microbatches(
+    pp: int, vpp: int, schedule: str, mbs: int, dp: int, global_batch: int
+) -> tuple[int, str | None]:
+    """The microbatch count, or 0 and why the candidate cannot run (reason, description)."""
+    if global_batch % (mbs * dp):
+        return 0, DOES_NOT_DIVIDE
+    m = global_batch // (mbs * dp)
+    if pp > 1 and m < pp:
+        return 0, FEW_MICROBATCHES
+    if vpp > 1 and schedule != "zbv":
+        try:
+            check_interleaving(pp, vpp, m)
+        except ValueError:
+            return 0, FEW_MICROBATCHES
+    return m, None
+
+
 def _fitting(
     spec: ModelSpec,
     cluster: Cluster,
@@ -240,55 +262,69 @@ def _fitting(
     rejected: _Rejections,
     device: str,
 ) -> Iterator[Planned]:
-    """Every candidate that fits in memory, with the least recomputation that makes it fit."""
+    """Every candidate that fits in memory, with the least recomputation that makes it fit.
+
+    Micro-batch sizes go up until one does not fit at all: larger ones hold more, so they cannot.
+    """
     for tp, cp, ep, pp, dp in _splits(spec, cluster, space, rejected):
         for vpp in space.vpps if pp > 1 else (1,):
             if pp * vpp > spec.num_layers + 2:
                 continue
             for schedule in _schedules(pp, vpp, space):
+                too_big = False
                 for mbs in space.micro_batch_sizes:
-                    what = f"TP{tp} CP{cp} EP{ep} PP{pp} VPP{vpp} DP{dp} mbs {mbs}"
-                    if global_batch % (mbs * dp):
+                    what = f"TP{tp} CP{cp} EP{ep} PP{pp} VPP{vpp} DP{dp} {schedule} mbs {mbs}"
+                    m, problem = _microbatches(pp, vpp, schedule, mbs, dp, global_batch)
+                    if problem is not None:
                         rejected.add(
-                            DOES_NOT_DIVIDE, f"{what}: --global-batch-size {global_batch} by mbs x DP"
+                            problem,
+                            f"{what}: --global-batch-size {global_batch}, {global_batch // mbs // dp} microbatches",
                         )
                         continue
-                    m = global_batch // (mbs * dp)
-                    if pp > 1 and m < pp:
-                        rejected.add(FEW_MICROBATCHES, f"{what}: {m} microbatches for {pp} stages")
+                    if too_big:
+                        rejected.add(OUT_OF_MEMORY, f"{what}: a smaller micro-batch does not fit either")
                         continue
-                    if vpp > 1 and schedule != "zbv":
-                        try:
-                            check_interleaving(pp, vpp, m)
-                        except ValueError:
-                            rejected.add(
-                                FEW_MICROBATCHES, f"{what}: {m} microbatches, not a multiple of PP {pp}"
-                            )
-                            continue
                     base = Candidate(
                         tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, micro_batch_size=mbs,
                         num_microbatches=m, distributed_optimizer=allow_distributed_optimizer and dp * cp > 1,
                     )  # fmt: skip
-                    yield from _fit_recompute(spec, cluster, space, base, profile, rejected, device)
+                    found = list(_fit_recompute(spec, cluster, space, base, profile, rejected, device))
+                    too_big = not found
+                    yield from found
 
 
 def _fit_recompute(spec, cluster, space, base: Candidate, profile, rejected: _Rejections, device: str):
+    """Per layout, the least recomputation that fits (none, else full, then selective if it fits too)."""
     for layout in _layouts(spec, base, cluster, profile, space.layout if base.pp > 1 else None):
+        cand = replace(base, layout=layout)
+        static = max(sum(rank_static(spec, cand, r, device)[:3]) for r in range(cand.pp))
+        if static > cluster.usable_bytes:
+            rejected.add(OUT_OF_MEMORY, f"{_describe(cand)}: parameters, gradients and optimizer state alone "
+                                        f"{static / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB")  # fmt: skip
+            continue
+        order = [r for r in ("none", "full", "selective") if r in space.recomputes]
+        fits: dict[str, Planned] = {}
         smallest = None
-        for recompute in space.recomputes:
-            cand = replace(base, layout=layout, recompute=recompute)
-            memory = candidate_memory(spec, cand, device=device)
+        for recompute in order:
+            if recompute == "selective" and "full" in order and "full" not in fits:
+                continue  # full recomputation keeps the least: if it does not fit, selective cannot
+            trial = replace(cand, recompute=recompute)
+            memory = candidate_memory(spec, trial, device=device)
             peak = max(m.peak for m in memory)
             if peak <= cluster.usable_bytes:
-                yield Planned(cand, memory, 0.0)
-                break
-            smallest = (cand, peak) if smallest is None or peak < smallest[1] else smallest
+                fits[recompute] = Planned(trial, memory, 0.0)
+                if recompute == "none":
+                    break
+            elif smallest is None or peak < smallest[1]:
+                smallest = (trial, peak)
+        if fits:
+            yield fits.get("none") or fits.get("selective") or fits["full"]
         else:
-            cand, peak = smallest
+            trial, peak = smallest
             rejected.add(
                 OUT_OF_MEMORY,
-                f"{_describe(cand)}: {peak / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB even with "
-                f"--recompute-granularity {cand.recompute}",
+                f"{_describe(trial)}: {peak / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB even with "
+                f"--recompute-granularity {trial.recompute}",
             )
 
 
@@ -313,14 +349,20 @@ def search(
         )
     )
     for planned in fitting:
-        planned.bound = lower_bound(spec, planned.cand, cluster, profile)
-    fitting.sort(key=lambda p: p.bound)
+        planned.bound, planned.guess = quick_estimate(spec, planned.cand, cluster, profile)
+    fitting.sort(key=lambda p: p.guess)
     best: list[Planned] = []
     simulated = 0
     for planned in fitting:
-        if len(best) >= top and planned.bound > best[-1].step.step_seconds:
-            break
-        planned.step = estimate_step(spec, planned.cand, cluster, profile)
+        if len(best) >= top:
+            kth = best[-1].step.step_seconds
+            if planned.bound > kth or planned.guess > kth * (1 + GUESS_MARGIN):
+                continue
+        planned.step = estimate_step(spec, planned.cand, cluster, profile, exact=False)
         simulated += 1
         best = sorted([*best, planned], key=lambda p: (p.step.step_seconds, p.peak.peak))[:top]
+    for planned in best:  # the shown figures: every microbatch of the real tables
+        if planned.step.extrapolated:
+            planned.step = estimate_step(spec, planned.cand, cluster, profile)
+    best.sort(key=lambda p: (p.step.step_seconds, p.peak.peak))
     return SearchResult(best, rejected.as_dict(), len(fitting), simulated, time.perf_counter() - started)

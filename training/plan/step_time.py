@@ -15,7 +15,7 @@ the gradient-norm all-reduce waits for the slowest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from core.pipeline_parallel.lowering import lower
@@ -28,7 +28,7 @@ from training.plan.hardware import Cluster
 from training.plan.memory import rank_static
 from training.plan.model_spec import ModelSpec
 
-__all__ = ["StepEstimate", "estimate_step", "lower_bound"]
+__all__ = ["StepEstimate", "estimate_step", "lower_bound", "quick_estimate"]
 
 
 @dataclass
@@ -45,6 +45,8 @@ class StepEstimate:
     optimizer_seconds: float
     tokens_per_second_per_gpu: float
     mfu: float
+    extrapolated: bool = False
+    """Simulated at fewer microbatches and extended along the steady state (the search's ranking)."""
 
 
 @lru_cache(maxsize=64)
@@ -60,7 +62,7 @@ def _stage_costs(model: StageCostModel, cand: Candidate) -> dict[tuple[int, int]
     costs = {}
     for rank in range(cand.pp):
         for chunk in range(cand.vpp):
-            stage = cand.stages.stage_index(rank, chunk if cand.vpp > 1 else None)
+            stage = cand.stage_of(rank, chunk)
             c = model.stage(cand.stages.stages[stage])
             if stage == 0:
                 c = ActionCosts(c.forward, 0.0, c.backward)
@@ -84,6 +86,24 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
     )
 
 
+_COST_OF = {F: "forward", B: "backward", I: "backward_input", W: "backward_weight"}
+_BUBBLE_SHARE = {"1f1b": 1.0, "gpipe": 1.0, "zb-h1": 1 / 3, "zbv": 1 / 6}
+"""The textbook bubble of each schedule relative to 1F1B's ``(pp - 1)(F + B)`` (Qi et al. 2024)."""
+
+
+def quick_estimate(
+    spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None = None
+) -> tuple[float, float]:
+    """(lower bound, guess) of the step without simulating: the guess adds the schedule's textbook
+    bubble, ``(pp - 1) / vpp`` slowest stages' F + B scaled by :data:`_BUBBLE_SHARE`."""
+    bound = lower_bound(spec, cand, cluster, profile)
+    if cand.pp == 1:
+        return bound, bound
+    model = StageCostModel(spec, cand, cluster, profile)
+    slowest = max((c := model.stage(symbols)).forward + c.backward for symbols in cand.stages.stages)
+    return bound, bound + (cand.pp - 1) * slowest * _BUBBLE_SHARE[cand.schedule]
+
+
 def lower_bound(
     spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None = None
 ) -> float:
@@ -94,8 +114,8 @@ def lower_bound(
     best = total = 0.0
     for rank in range(cand.pp):
         busy = sum(m * (c.forward + c.backward) for (r, _), c in costs.items() if r == rank)
-        first_stage = cand.stages.stage_index(rank, 0 if cand.vpp > 1 else None)
-        fill = sum(costs[cand.stages.stage_placement.rank_and_chunk(s)].forward for s in range(first_stage))
+        first_stage = cand.stage_of(rank, 0)
+        fill = sum(costs[cand.placement.rank_and_chunk(s)].forward for s in range(first_stage))
         optimizer = _tail(model, spec, cand, rank)[2]
         best = max(best, fill + busy + optimizer)
         total += busy
@@ -106,14 +126,60 @@ def lower_bound(
 
 
 def estimate_step(
-    spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None = None
+    spec: ModelSpec,
+    cand: Candidate,
+    cluster: Cluster,
+    profile: LayerProfile | None = None,
+    *,
+    exact: bool = True,
 ) -> StepEstimate:
     """Simulate the candidate's step (module docstring).
 
-    CPU ranks sharing fewer cores (``cluster.cores``) compute slower while more of them are busy:
-    compute is stretched by the busy ranks per core, which depends on the bubble, which depends on
-    the stretch; three rounds settle it.
+    ``exact=False`` (the search's ranking) simulates a long step at three shorter microbatch counts,
+    ``pp`` apart, and, when the step grows by the same time from each to the next (a steady state),
+    extends that line to the real count; otherwise, and with ``exact``, the real count is simulated.
     """
+    m, pp = cand.num_microbatches, cand.pp
+    if exact or pp == 1 or m <= 8 * pp:
+        return _stretched(spec, cand, cluster, profile)
+    base = 4 * pp + (m - 4 * pp) % pp
+    shorter = [
+        _stretched(spec, replace(cand, num_microbatches=base + k * pp), cluster, profile) for k in range(3)
+    ]
+    slope = shorter[2].pipeline_seconds - shorter[1].pipeline_seconds
+    if (
+        abs(slope - (shorter[1].pipeline_seconds - shorter[0].pipeline_seconds))
+        > 1e-9 * shorter[2].step_seconds
+    ):
+        return _stretched(spec, cand, cluster, profile)
+    last, counted = shorter[2], base + 2 * pp
+    more = slope * (m - counted) / pp
+    pipeline, step = last.pipeline_seconds + more, last.step_seconds + more
+    busy = (1.0 - last.bubble) * last.pipeline_seconds * m / counted
+    estimate = _estimate_for(spec, cand, cluster, step, pipeline, 1.0 - busy / pipeline, last)
+    estimate.extrapolated = True
+    return estimate
+
+
+def _estimate_for(spec, cand, cluster, step, pipeline, bubble, like: StepEstimate) -> StepEstimate:
+    tokens = cand.global_batch_size * spec.seq_length
+    return StepEstimate(
+        step_seconds=step,
+        pipeline_seconds=pipeline,
+        bubble=bubble,
+        exposed_comm_seconds=like.exposed_comm_seconds,
+        optimizer_seconds=like.optimizer_seconds,
+        tokens_per_second_per_gpu=tokens / step / cand.world_size,
+        mfu=_model_flops_per_step(spec, cand) / (step * cand.world_size * cluster.gpu.peak_tflops * 1e12),
+    )
+
+
+def _stretched(
+    spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None
+) -> StepEstimate:
+    """One simulation; CPU ranks sharing fewer cores (``cluster.cores``) compute slower while more of
+    them are busy: compute is stretched by the busy ranks per core, which depends on the bubble,
+    which depends on the stretch; three rounds settle it."""
     if not cluster.cores:
         return _estimate(spec, cand, cluster, profile, 1.0)
     ranks = min(cand.world_size, cluster.gpus_per_node)
@@ -132,12 +198,11 @@ def _estimate(
              for key, c in _stage_costs(model, cand).items()}  # fmt: skip
     tables = [list(t) for t in _complete_tables(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches)]
 
-    def of(kind):
-        def cost(action, rank: int) -> float:
-            c = costs[rank, action.chunk]
-            return {F: c.forward, B: c.backward, I: c.backward_input, W: c.backward_weight}[kind]
+    seconds = {kind: {key: getattr(c, name) for key, c in costs.items()} for kind, name in _COST_OF.items()}
 
-        return cost
+    def of(kind):
+        table = seconds[kind]
+        return lambda action, rank: table[rank, action.chunk]
 
     result = simulate(
         tables,
