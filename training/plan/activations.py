@@ -148,16 +148,32 @@ def layer_terms(spec: ModelSpec, shape: Shape) -> dict[str, float]:
             attention.pop("attention q/k/v fp32 copies")
             attention["attention q, k, v"] = 3 * B * s * b * heads * spec.kv_channels
     terms.update(attention)
-    ffn = spec.moe_ffn if spec.moe is not None else spec.ffn_hidden_size
-    topk = spec.moe.router_topk if spec.moe is not None else 1
-    f = ffn // t
-    terms["fc1 input"] = B * s * b * h * (topk if spec.moe is not None else 1)
-    terms["fc1 output"] = topk * B * s * b * f * (2 if spec.gated else 1)
-    # SwiGLU's own autograd function keeps only fc1's output; other activations keep theirs too
-    terms["fc2 input"] = topk * B * s * b * f * (1 if spec.swiglu else 2 if spec.gated else 1)
+    if spec.moe is not None:
+        terms.update(_moe_terms(spec, shape))
+    else:
+        f = spec.ffn_hidden_size // t
+        terms["fc1 input"] = B * s * b * h
+        terms["fc1 output"] = B * s * b * f * (2 if spec.gated else 1)
+        # SwiGLU's own autograd function keeps only fc1's output; other activations keep theirs too
+        terms["fc2 input"] = B * s * b * f * (1 if spec.swiglu else 2 if spec.gated else 1)
     if spec.hidden_dropout > 0:
         terms["dropout masks"] = 2 * _dropout_mask(spec, shape)
     return terms
+
+
+def _moe_terms(spec: ModelSpec, shape: Shape) -> dict[str, float]:
+    """An MoE layer's MLP, with tokens routed evenly: each tensor-parallel rank routes its sequence
+    shard, each token to ``topk`` experts, and the all-to-all brings a rank as many (token, expert)
+    pairs as it sends. Experts are whole on each rank (no expert tensor parallelism)."""
+    B, h, f = spec.bytes_per_value, spec.hidden_size, spec.moe_ffn
+    tokens = shape.sharded_seq * shape.batch
+    pairs = tokens * spec.moe.router_topk
+    return {
+        "router logits and probabilities (fp32)": 3 * 4 * tokens * spec.moe.num_experts,
+        "experts' tokens (dispatched and received)": 2 * B * pairs * h,
+        "experts' fc1 output": B * pairs * f * (2 if spec.gated else 1),
+        "experts' fc2 input": B * pairs * f * (1 if spec.swiglu else 2 if spec.gated else 1),
+    }
 
 
 def _layer_kept_grads(spec: ModelSpec, shape: Shape) -> float:

@@ -92,13 +92,13 @@ def _layer_tensors(spec: ModelSpec, cand: Candidate) -> list[int]:
         sizes.append(qkv)
     if spec.add_bias_linear:
         sizes.append(h)
-    ffn = spec.moe_ffn if spec.moe is not None else spec.ffn_hidden_size
     branches = 2 if spec.gated else 1
-    mlp = [branches * ffn // t * h, h * ffn // t]
-    if spec.add_bias_linear:
-        mlp += [branches * ffn // t, h]
-    if spec.moe is not None:
-        return sizes + mlp * (spec.moe.num_experts // cand.ep) + [h * spec.moe.num_experts]
+    if spec.moe is not None:  # whole experts (no expert tensor parallelism), this rank's share of them
+        f = spec.moe_ffn
+        expert = [branches * f * h, h * f] + ([branches * f, h] if spec.add_bias_linear else [])
+        return sizes + expert * (spec.moe.num_experts // cand.ep) + [h * spec.moe.num_experts]
+    f = spec.ffn_hidden_size // t
+    mlp = [branches * f * h, h * f] + ([branches * f, h] if spec.add_bias_linear else [])
     return sizes + mlp
 
 
@@ -120,6 +120,15 @@ def _chunk_tensors(
         elif not embedding_here:  # a tied copy: stepped, but left out of the gradient norm
             sizes.append(-spec.output_params(t))
     return sizes
+
+
+def _expert_elements(spec: ModelSpec, cand: Candidate, chunks: list[tuple[str, ...]]) -> int:
+    """Elements of this rank's experts (their own buffers, sharded over expert data parallelism)."""
+    if spec.moe is None:
+        return 0
+    per_expert = spec.mlp_params(1, spec.moe_ffn)
+    layers = sum(c.count("t") for c in chunks)
+    return layers * spec.moe.num_experts // cand.ep * per_expert
 
 
 NORM_CHUNK = 1 << 24  # core.optimizer.clip_grads: gradients go to float64 this many elements at a time
@@ -170,8 +179,10 @@ def rank_static(
     steps = 4 * len(stepped)  # Adam's step count, an fp32 scalar per stepped tensor
     if cand.distributed_optimizer:
         shards = cand.dp * cand.cp
+        experts = _expert_elements(spec, cand, chunks)  # sharded over expert data parallelism instead
+        expert_shards = cand.tp * cand.cp * cand.dp // cand.ep
         params, grads = padded * B, padded * grad_bytes
-        state = per_element_state * total / shards + steps / shards
+        state = per_element_state * ((total - experts) / shards + experts / expert_shards) + steps / shards
         stepped = [n / shards for n in stepped]  # roughly: each rank steps 1/shards of every bucket
     else:
         params, grads, state = total * B, total * grad_bytes, per_element_state * total + steps

@@ -42,7 +42,8 @@ PRESETS: dict[str, str] = {
         "--swiglu --normalization RMSNorm --position-embedding-type rope --rotary-base 1000000 "
         "--untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0.0 "
         "--hidden-dropout 0.0 --bf16 --vocab-size 31999 --global-batch-size 256 "
-        "--num-experts 8 --moe-router-topk 2"
+        "--num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+        "--moe-token-dispatcher-type alltoall"
     ),
 }
 """Preset name -> Megatron flags."""

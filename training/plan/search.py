@@ -120,9 +120,8 @@ def _split_problem(spec: ModelSpec, tp: int, cp: int, ep: int) -> str | None:
         return f"--num-attention-heads ({spec.num_attention_heads}) by TP {tp}"
     if spec.num_query_groups % tp:
         return f"--num-query-groups ({spec.num_query_groups}) by TP {tp}"
-    ffn = spec.moe_ffn if spec.moe is not None else spec.ffn_hidden_size
-    if ffn % tp:
-        return f"FFN size ({ffn}) by TP {tp}"
+    if spec.ffn_hidden_size % tp:
+        return f"--ffn-hidden-size ({spec.ffn_hidden_size}) by TP {tp}"
     if spec.seq_length % (2 * cp if cp > 1 else 1) or (spec.seq_length // cp) % tp:
         return f"--seq-length ({spec.seq_length}) by 2 x CP {cp} x TP {tp}"
     if spec.moe is not None and spec.moe.num_experts % ep:
@@ -192,8 +191,8 @@ def _splits(spec: ModelSpec, cluster: Cluster, space: _Space, rejected: _Rejecti
                     if pp > spec.num_layers or n % (tp * cp * pp):
                         continue
                     dp = n // (tp * cp * pp)
-                    if dp % ep:
-                        rejected.add(DOES_NOT_DIVIDE, f"TP{tp} CP{cp} PP{pp} DP{dp}: EP {ep} must divide DP")
+                    if (tp * cp * dp) % ep:  # experts are grouped over the ranks of one pipeline stage
+                        rejected.add(DOES_NOT_DIVIDE, f"TP{tp} CP{cp} PP{pp} DP{dp}: EP {ep} by TP x CP x DP")
                         continue
                     missing = [
                         f"{flag} {size}"
