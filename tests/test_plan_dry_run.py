@@ -63,6 +63,16 @@ def test_cli_dry_run_reports_the_worst_rank(capsys):
     ]
     assert main([*flags, "--dry-run", "1"], forward_step_func=forward_step) == 0
     out = capsys.readouterr().out
-    found = re.search(r"pp rank (\d): measured peak ([\d.]+) GB .* model ([\d.]+) GB: ([+-][\d.]+)%", out)
+    found = re.search(r"pp rank (\d): measured peak ([\d.]+) GB .* model ([\d.]+) GB .*: ([+-][\d.]+)%", out)
     assert found, out
     assert abs(float(found.group(4))) < 5.0
+
+
+@pytest.mark.slow
+def test_dry_run_matches_a_real_run_on_four_ranks():
+    """``pretrain_gpt.py`` on 4 gloo ranks with its live tensor bytes counted, against the dry run of the
+    same flags (``python tools/plan_check_memory.py real`` runs all three layouts)."""
+    from tools.plan_check_memory import REAL_LAYOUTS, check_real
+
+    rows = check_real({"PP4 1F1B": REAL_LAYOUTS["PP4 1F1B"]})
+    assert len(rows) == 4 and all(abs(r["ratio"] - 1) < 0.05 for r in rows), rows

@@ -146,14 +146,14 @@ def _worker(out_dir: str) -> None:
         json.dump(found, f)
 
 
-def check_real() -> list[dict]:
+def check_real(layouts: dict | None = None) -> list[dict]:
     from pretrain_gpt import forward_step
     from training.plan.dry_run import dry_run
     from training.plan.report import candidate_args
 
     plan_input = read_input(SMALL_GPT.split())
     rows = []
-    for name, fields in REAL_LAYOUTS.items():
+    for name, fields in (layouts or REAL_LAYOUTS).items():
         cand = _candidate(plan_input.spec, fields)
         argv = candidate_args(plan_input.base_flags, cand) + ["--train-iters", "3", "--eval-iters", "0",
                                                               "--num-workers", "0", "--log-interval", "1"]  # fmt: skip

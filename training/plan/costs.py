@@ -131,7 +131,13 @@ class StageCostModel:
         c, s = self.cand, self.spec
         if s.moe is None or c.ep == 1:
             return 0.0
-        routed = s.moe.router_topk * s.bytes_per_value * self.shape.sharded_seq * c.micro_batch_size * s.hidden_size
+        routed = (
+            s.moe.router_topk
+            * s.bytes_per_value
+            * self.shape.sharded_seq
+            * c.micro_batch_size
+            * s.hidden_size
+        )
         return 2 * (c.ep - 1) / c.ep * routed / self.ep_bw
 
     def _layer_costs(self) -> ActionCosts:

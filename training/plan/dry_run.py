@@ -246,6 +246,7 @@ def dry_run_report(candidates: list, plan_input, forward_step_func: Callable) ->
                 f"  #{i + 1} {planned.cand.split()} pp rank {row['pp_rank']}: measured peak "
                 f"{measured['peak'] / 1e9:.2f} GB (params {measured['params'] / 1e9:.2f}, grads "
                 f"{measured['grads'] / 1e9:.2f}, optimizer {measured['optimizer'] / 1e9:.2f}), model "
-                f"{model['peak'] / 1e9:.2f} GB: {row['ratio'] - 1:+.1%}"
+                f"{model['peak'] / 1e9:.2f} GB with the same (CPU) kernels: {row['ratio'] - 1:+.1%}; the plan's "
+                f"figure, with a GPU's kernels, {planned.memory[row['pp_rank']].peak / 1e9:.2f} GB"
             )
     return "\n".join(lines)

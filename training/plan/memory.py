@@ -221,7 +221,9 @@ def _states(schedule: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
         elif action.kind == W:
             saved[c] -= 1
             kept[c] -= 1
-    return tuple((chunk, kind, np.array(sorted(rows), dtype=np.float64)) for (chunk, kind), rows in moments.items())
+    return tuple(
+        (chunk, kind, np.array(sorted(rows), dtype=np.float64)) for (chunk, kind), rows in moments.items()
+    )
 
 
 def memory_microbatches(cand: Candidate) -> int:

@@ -76,7 +76,7 @@ def _row(rank: int, p: Planned) -> list[str]:
     ]
 
 
-def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], *, show_args: int = 3) -> str:
+def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], *, show_args: int = 1) -> str:
     """The ranked table, the layouts, and the flags of the first ``show_args`` candidates."""
     head = ["#", "split", "schedule", "mbs", "m", "recompute", "dist-opt", "peak GB", "step s", "tok/s/GPU",
             "MFU", "bubble"]  # fmt: skip
