@@ -166,7 +166,7 @@ CONFIG = [
         _flags(
             "--pipeline-model-parallel-size 2 --pipeline-schedule gpipe --num-virtual-stages-per-pipeline-rank 2"
         ),
-        "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); use --pipeline-schedule 1f1b",
+        "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); the 1f1b schedule interleaves them",
     ),
     Case("micro batch", _flags("--micro-batch-size 0"), "--micro-batch-size must be >= 1, got 0"),
     Case("adam eps", _flags("--adam-eps 0"), "--adam-eps must be > 0, got 0.0"),
@@ -733,10 +733,10 @@ def test_resuming_with_new_scheduler_flags_needs_an_override(data, tmp_path):
 def test_a_stage_sending_another_shape_than_the_schedule_expects_is_named(sent, dtype, expected):
     import torch
 
+    from core.pipeline_parallel.actions import Action, ActionKind
     from core.pipeline_parallel.hooks import ScheduleSettings
     from core.pipeline_parallel.mailbox import Mailbox, PipelineShapeError
     from core.pipeline_parallel.placement import placement_for
-    from core.pipeline_parallel.schedule_tables import Action, ActionKind
 
     settings = ScheduleSettings(hidden_size=64, pipeline_dtype=torch.float32)
     mailbox = Mailbox(
