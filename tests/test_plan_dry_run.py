@@ -32,11 +32,30 @@ def test_this_torch_has_a_fake_process_group():
     assert fake_backend_available() is None
 
 
-def test_dry_run_matches_the_memory_model_on_every_rank():
-    plan_input = read_input(TINY)
+_MOE = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "256",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "fields"),
+    [
+        ([], {"tp": 2, "pp": 2, "dp": 2, "schedule": "zb-h1"}),
+        (_MOE, {"tp": 1, "pp": 2, "dp": 2, "ep": 2}),  # experts over EP, their state over expert DP
+    ],
+    ids=["dense-TP2xPP2xDP2-zb", "moe-EP2xPP2xDP2"],
+)
+def test_dry_run_matches_the_memory_model_on_every_rank(extra, fields):
+    plan_input = read_input(TINY + extra)
     spec = plan_input.spec
-    cand = Candidate(tp=2, pp=2, dp=2, schedule="zb-h1", micro_batch_size=2, num_microbatches=2,
-                     distributed_optimizer=True)  # fmt: skip
+    cand = Candidate(**fields, micro_batch_size=2, num_microbatches=2, distributed_optimizer=True)
     cand = replace(cand, layout=even_layout(spec.num_layers, 2).to_string())
     planned = Planned(cand, candidate_memory(spec, cand, device="cpu"), 0.0)
     rows = compare(planned, plan_input, forward_step, ranks=[0, 1])

@@ -162,17 +162,26 @@ def layer_terms(spec: ModelSpec, shape: Shape) -> dict[str, float]:
 
 
 def _moe_terms(spec: ModelSpec, shape: Shape) -> dict[str, float]:
-    """An MoE layer's MLP, with tokens routed evenly: each tensor-parallel rank routes its sequence
-    shard, each token to ``topk`` experts, and the all-to-all brings a rank as many (token, expert)
-    pairs as it sends. Experts are whole on each rank (no expert tensor parallelism)."""
-    B, h, f = spec.bytes_per_value, spec.hidden_size, spec.moe_ffn
+    """An MoE layer's MLP (``core/transformer/moe``), tokens routed evenly: each tensor-parallel rank
+    routes its sequence shard, each token to ``topk`` experts, and the all-to-all brings a rank as
+    many (token, expert) pairs as it sends. Experts are whole on each rank (no expert tensor
+    parallelism). The router works in fp32: it keeps an fp32 copy of its input and weight, the top-k
+    softmax and indices (and the full softmax for the balancing loss); the dispatch keeps the pairs'
+    token indices; the experts their input, fc1 output and fc2 input; the combine the experts' output
+    come back, the probabilities in the model's dtype and their product."""
+    moe, B, h, f = spec.moe, spec.bytes_per_value, spec.hidden_size, spec.moe_ffn
     tokens = shape.sharded_seq * shape.batch
-    pairs = tokens * spec.moe.router_topk
+    pairs = tokens * moe.router_topk
+    router = 4 * tokens * h + 4 * moe.num_experts * h + (4 + 8) * pairs
+    if moe.aux_loss:
+        router += 4 * tokens * moe.num_experts + 8 * pairs
     return {
-        "router logits and probabilities (fp32)": 3 * 4 * tokens * spec.moe.num_experts,
-        "experts' tokens (dispatched and received)": 2 * B * pairs * h,
+        "router (fp32 input, weight, top-k)": router,
+        "dispatched pairs' token indices": 8 * pairs,
+        "experts' input": B * pairs * h,
         "experts' fc1 output": B * pairs * f * (2 if spec.gated else 1),
         "experts' fc2 input": B * pairs * f * (1 if spec.swiglu else 2 if spec.gated else 1),
+        "combine (experts' output, weighted, probabilities)": 2 * B * pairs * h + B * pairs,
     }
 
 

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from core import parallel_state as ps
 from core.optimizer import get_megatron_optimizer
@@ -154,9 +155,14 @@ def dry_run(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         ps.initialize_model_parallel(
-            run.parallel.tp, run.parallel.pp, run.model.virtual_pipeline_model_parallel_size
+            run.parallel.tp,
+            run.parallel.pp,
+            run.model.virtual_pipeline_model_parallel_size,
+            run.parallel.cp,
+            expert_model_parallel_size=run.parallel.ep,
         )
-        with fake_mode, tracker:
+        routing = balanced_routing() if fake else contextlib.nullcontext()
+        with fake_mode, tracker, routing:
             return _measure(run, vocab_size, forward_step_func, tracker, fake)
     finally:
         ps.destroy_model_parallel()
@@ -202,6 +208,31 @@ def _measure(
     return DryRunReport(
         ps.get_pipeline_model_parallel_rank(), params, grads, state, schedule_peak, tracker.peak
     )
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """MoE routers route evenly while inside: token ``t`` to experts ``t k, ..., t k + k - 1`` modulo
+    the expert count, as a real tensor. Fake logits cannot say where tokens go, and the experts'
+    shapes follow from it; the router still computes (and keeps) everything it does for real, only its
+    routing map is replaced by the even one the memory model assumes."""
+    from core.transformer.moe.router import TopKRouter
+
+    original = TopKRouter.forward
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, fake_map = original(self, hidden)
+        tokens, experts = fake_map.shape
+        with unset_fake_temporarily():
+            slots = torch.arange(tokens * self.topk).view(tokens, self.topk) % experts
+            routing_map = torch.zeros((tokens, experts), dtype=torch.bool).scatter(1, slots, True)
+        return probs, routing_map
+
+    TopKRouter.forward = forward
+    try:
+        yield
+    finally:
+        TopKRouter.forward = original
 
 
 def _storage_bytes(tensors) -> int:

@@ -10,9 +10,6 @@ The parallel layout is the planner's to choose, so its flags are taken out of th
 a size the user gave (``--tensor-model-parallel-size 8``) stays fixed in the search. What a runnable
 command needs and the user did not give (a data source, a tokenizer, ``--train-iters``, ``--lr``) is
 filled with mock data and placeholders, and said so.
-
-Mixture-of-experts flags are read here while the schema does not declare them yet, so MoE models can
-be planned (from formulas) before Trident can run them.
 """
 
 from __future__ import annotations
@@ -22,9 +19,9 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 
-from training.plan.model_spec import ModelSpec, MoeSpec
+from training.plan.model_spec import ModelSpec
 from training.plan.presets import preset_flags
-from training.schema import BY_DEST, BY_OPTION, coverage_of
+from training.schema import BY_DEST, BY_OPTION
 
 __all__ = ["PLANNED_DESTS", "PlanInput", "read_input"]
 
@@ -50,7 +47,6 @@ _ALSO_PLANNED = (
     "overlap_param_gather",
     "global_batch_size",
 )
-_MOE = {"--num-experts": "num_experts", "--moe-router-topk": "router_topk", "--moe-ffn-hidden-size": "ffn"}
 _PLACEHOLDERS = {"train_iters": ("--train-iters", "100"), "lr": ("--lr", "3e-4")}
 
 
@@ -97,34 +93,6 @@ def _strip(argv: list[str], dests: set[str]) -> list[str]:
             out += argv[i:end]
         i = end
     return out
-
-
-def _moe_supported() -> bool:
-    return "--num-experts" in BY_OPTION and not coverage_of("--num-experts").rejected
-
-
-def _take_moe(argv: list[str]) -> tuple[list[str], MoeSpec | None]:
-    """MoE flags out of ``argv`` while the schema cannot parse them (then the planner reads them)."""
-    if _moe_supported():
-        return argv, None
-    values: dict[str, int] = {}
-    out, i = [], 0
-    while i < len(argv):
-        option = argv[i].split("=", 1)[0]
-        if option.startswith("--moe-") or option in ("--num-experts", "--expert-model-parallel-size"):
-            value = argv[i].split("=", 1)[1] if "=" in argv[i] else None
-            j = i + 1
-            while value is None and j < len(argv) and not argv[j].startswith("--"):
-                value, j = argv[j], j + 1
-            if option in _MOE:
-                values[_MOE[option]] = int(value)
-            i = j
-            continue
-        out.append(argv[i])
-        i += 1
-    if "num_experts" not in values:
-        return out, None
-    return out, MoeSpec(values["num_experts"], values.get("router_topk", 2), values.get("ffn"))
 
 
 def _hf_flags(path: str) -> list[str]:
@@ -200,7 +168,7 @@ def read_input(
     from training.run import build_run
 
     argv = (preset_flags(preset) if preset else []) + (_hf_flags(hf_config) if hf_config else [])
-    argv, moe = _take_moe(argv + list(megatron_argv))
+    argv = argv + list(megatron_argv)
     notes: list[str] = []
     given = parse_args(argv)
     fixed = {key: getattr(given, dest) for dest, key in PLANNED_DESTS.items() if dest in given.explicit_args}
@@ -216,11 +184,8 @@ def read_input(
         vocab_size=_vocab(run.args),
         seq_length=run.gpt.seq_length,
         max_position_embeddings=run.gpt.max_position_embeddings,
-        moe=moe,
         name=preset or hf_config or "",
     )
-    if moe is not None:
-        notes.append("MoE is not in this Trident yet: its figures come from formulas only")
     return PlanInput(
         spec=spec,
         base_flags=base,

@@ -11,8 +11,10 @@ Under ``FakeTensorMode`` the storages are fake (no memory behind them) but their
 the same count runs for a 405B model on a laptop. A fake tensor cannot say what it holds, so with
 ``answer_scalars`` every ``.item()`` answers 1 (True for a boolean): a finite gradient norm, a token
 count, Adam's step count. The caller takes care of the one question where 1 means trouble (the fp16
-loss scaler's overflow check). The random generators' states are real tensors; copies of them stay
-real (the RNG tracker swaps them in and out around dropout and recomputation).
+loss scaler's overflow check). What is real stays real: an op whose inputs are all real tensors runs
+on them (the random generators' states, which the RNG tracker swaps around dropout and
+recomputation; the balanced routing the dry run gives MoE layers, whose token counts decide every
+expert's shapes), and an all-gather of real tensors gives every rank the same share.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["LiveBytes"]
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
-_CLONE = torch.ops.aten.clone.default
+_ALL_GATHER = getattr(getattr(torch.ops, "c10d", None), "_allgather_base_", None)
+_ALL_GATHER = _ALL_GATHER.default if _ALL_GATHER is not None else None
 
 
 class LiveBytes(TorchDispatchMode):
@@ -85,14 +88,31 @@ class LiveBytes(TorchDispatchMode):
             self.peak, self.peak_label = self.live, self.label
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if self.answer_scalars:
+            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+                out = _real(func, args, kwargs)
+                self._track_all(out)
+                return out
             if func is _SCALAR:
                 return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
-            if func is _CLONE and not isinstance(args[0], FakeTensor):  # a generator's state stays real
-                with _disable_current_modes():
-                    return func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        self._track_all(out)
+        return out
+
+    def _track_all(self, out) -> None:
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 self._track(value)
-        return out
+
+
+def _real(func, args, kwargs):
+    """An op on real tensors only, run for real; an all-gather over the fake process group (which
+    moves nothing) gives every rank's share as this rank's: the ranks are alike in a dry run."""
+    with _disable_current_modes():
+        out = func(*args, **kwargs)
+        if func is _ALL_GATHER:
+            gathered, mine = args[0], args[1]
+            gathered.view(-1, mine.numel()).copy_(mine.reshape(1, -1))
+    return out

@@ -34,6 +34,8 @@ class MoeSpec:
     router_topk: int = 2
     ffn_hidden_size: int | None = None
     """Each expert's FFN size (default: the dense --ffn-hidden-size)."""
+    aux_loss: bool = False
+    """A load-balancing loss is computed (``--moe-aux-loss-coeff`` > 0): the router keeps its scores."""
 
 
 @dataclass(frozen=True)
@@ -80,16 +82,16 @@ class ModelSpec:
         vocab_size: int,
         seq_length: int,
         max_position_embeddings: int | None = None,
-        moe: MoeSpec | None = None,
         name: str = "",
     ) -> ModelSpec:
         """From a ``TransformerConfig`` (its derived defaults already filled in by ``__post_init__``)."""
         import torch
 
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(config.params_dtype, "fp32")
-        experts = getattr(config, "num_moe_experts", None)
-        if moe is None and experts:
-            moe = MoeSpec(experts, config.moe_router_topk, getattr(config, "moe_ffn_hidden_size", None))
+        moe, experts = None, config.num_moe_experts
+        if experts:
+            balancing = config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0
+            moe = MoeSpec(experts, config.moe_router_topk, config.moe_ffn_hidden_size, balancing)
         return cls(
             num_layers=config.num_layers,
             hidden_size=config.hidden_size,
