@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.torchrun_jobs import broken_lines
 from training.wandb_logging import read_offline_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,14 +51,18 @@ def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("trident-cache"))
 
 
-def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
-    env = {
+def _env(cache: str) -> dict[str, str]:
+    return {
         **os.environ,
         "TRIDENT_CACHE": cache,
         "WANDB_MODE": "offline",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(ROOT),
     }
+
+
+def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
+    env = _env(cache)
     cmd = [
         sys.executable,
         "-m",
@@ -85,6 +91,15 @@ def wandb_losses(save_dir: Path) -> dict[int, float]:
             if "lm loss" in row:
                 losses[row["_step"]] = row["lm loss"]
     return losses
+
+
+def wandb_batch_sizes(save_dir: Path) -> list[int]:
+    """W&B's ``batch-size`` of every iteration, in order, over the runs under ``save_dir``."""
+    rows = {}
+    for run_dir in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*"))):
+        history = read_offline_history(run_dir)["history"]
+        rows |= {row["_step"]: row["batch-size"] for row in history if "batch-size" in row}
+    return [rows[step] for step in sorted(rows)]
 
 
 def run_ids(save_dir: Path) -> list[str]:
@@ -199,41 +214,66 @@ def test_zbv_trains_the_same_loss_curve_as_interleaved_1f1b(cache, tmp_path):
 
 
 def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
-    """PP=2 x DP=2, dropout on: 20 iterations straight == 10 with --async-save (iterations 4 and 8 written
-    while training goes on), then a resume from iteration 8, then 12 more (bit for bit)."""
-    flags = SMALL + [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--train-iters",
-        "20",
-        "--wandb-project",
-        "resume",
-    ]
+    """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit).
+
+    The global batch ramps up (Megatron's --rampup-batch-size 2 2 48: 1, 2, 3, then 4 microbatches
+    of 1 per DP rank), and the run stops in the middle of the ramp. The interrupted and resumed runs
+    save with --async-save (iterations 4 and 8 written while training goes on, 10 at the exit, 12 to
+    20 after the resume): their checkpoints hold the same bytes as the straight run's synchronous
+    ones. The resume is the command the interrupted run printed, run as printed (torchrun included),
+    and no line of the three runs' output holds pieces of two ranks' lines."""
+    flags = [*SMALL[: SMALL.index("--micro-batch-size")], *SMALL[SMALL.index("--global-batch-size") :]]
+    flags += ["--micro-batch-size", "1", "--rampup-batch-size", "2", "2", "48"]
+    flags += ["--pipeline-model-parallel-size", "2", "--train-iters", "20", "--wandb-project", "resume"]
+    flags += ["--save-interval", "4"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    torchrun(4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache)
-    background = ["--async-save", "--save-interval", "4", "--exit-interval", "10"]
+    straight_run = torchrun(
+        4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache
+    )
     first = torchrun(
-        4, flags + ["--save", str(split / "ckpt"), "--wandb-save-dir", str(split), *background], cache
-    )
-    assert (
-        "writing checkpoint" in first.stdout and f"saved checkpoint {split}/ckpt/iter_0000008" in first.stdout
-    )
-    assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-    second = torchrun(
         4,
         flags
-        + ["--load", str(split / "ckpt"), "--ckpt-step", "8", "--save", str(split / "ckpt")]
-        + ["--wandb-save-dir", str(split)],
+        + ["--save", str(split / "ckpt"), "--exit-interval", "10", "--wandb-save-dir", str(split)]
+        + ["--async-save"],
         cache,
     )
-    assert "loaded checkpoint" in second.stdout and "at iteration 8" in second.stdout, second.stdout[-2000:]
+    assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert f"writing checkpoint {split}/ckpt/iter_0000008 in the background" in first.stdout, first.stdout
+    resume = re.findall(r"^  resume: (.*)$", first.stdout, re.MULTILINE)
+    assert len(resume) == 1 and "torch.distributed.run --standalone --nproc-per-node 4 " in resume[0], resume
+    second = subprocess.run(
+        resume[0],
+        shell=True,
+        env=_env(cache),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"loaded checkpoint {split / 'ckpt'} at iteration 10" in second.stdout, second.stdout[-2000:]
+    assert re.search(r"^ \[.*\] iteration +11/ +20 \|", second.stdout, re.MULTILINE), second.stdout[-2000:]
+    for done in (straight_run, first, second):
+        assert broken_lines(done.stdout) == broken_lines(done.stderr) == [], (done.stdout, done.stderr)
     expected, resumed = wandb_losses(straight), wandb_losses(split)
     assert sorted(expected) == list(range(1, 21))
-    assert resumed == expected  # exact float equality, iteration by iteration (9 and 10 logged twice)
+    assert resumed == expected  # exact float equality, iteration by iteration
+    batches = [2] * 8 + [4] * 4 + [6] * 3 + [8] * 5  # the ramp: from 16, 32 and 50 consumed samples on
+    logged = re.findall(
+        r"\] iteration +\d+/ +20 \|.*\| global batch size: +(\d+) \|", first.stdout + second.stdout
+    )
+    assert [int(b) for b in logged] == batches and wandb_batch_sizes(split) == batches, logged
+    for iteration in (4, 8, 20):  # written in the background == written while training waited
+        files = [
+            json.loads((run / "ckpt" / f"iter_{iteration:07d}" / "manifest.json").read_text())["files"]
+            for run in (straight, split)
+        ]
+        assert files[0] == files[1], iteration
     ids = run_ids(split)
     assert len(ids) == 2 and ids[0] == ids[1], ids  # the resumed run logs under the same W&B id
     manifest = json.loads((split / "ckpt" / "iter_0000020" / "manifest.json").read_text())
-    assert manifest["consumed_samples"] == 20 * 8
+    assert manifest["consumed_samples"] == sum(batches) == 90
     assert first.returncode == 0
 
 

@@ -16,7 +16,9 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from core.device import current_device
+from core.transformer.compile import compile_stats
 from training import faults
+from training.batch_sizes import ramp_flag
 from training.evaluation import evaluate
 from training.iteration_log import LogWindow, log_line, wandb_row
 from training.logging_utils import print_rank_0
@@ -37,8 +39,9 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
     flags, state, parallel = run.training, session.state, run.parallel
     print_rank_0(
         f"training {flags.train_iters} iterations from iteration {state.iteration}: "
-        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}, "
-        f"{run.num_microbatches} microbatches of {flags.micro_batch_size} x {run.gpt.seq_length} tokens"
+        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}"
+        f"{f' EP={parallel.ep}' if parallel.ep > 1 else ''}, "
+        f"{_microbatches(run, state.consumed_samples)}"
     )
     # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.
     handler = SignalHandler() if flags.exit_signal_handler else contextlib.nullcontext()
@@ -56,9 +59,9 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
             loop.timeline_finish(state.iteration + 1, record)
             state.iteration += 1
             loop.profiler.after_step(state.iteration)
-            state.consumed_samples += flags.global_batch_size
+            state.consumed_samples += step.global_batch_size  # Megatron's count: skipped steps too
             if step.applied:
-                session.scheduler.step(increment=flags.global_batch_size)
+                session.scheduler.step(increment=step.global_batch_size)
             if step.losses is not None:
                 state.losses.append(step.losses)
             loop.report(step, start)
@@ -68,7 +71,32 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
             loop.window.pause(time.perf_counter() - paused)  # evaluation and saving are not step time
             if stop:
                 break
+            _report_ramp(run, state, step.global_batch_size)
         loop.finish()
+
+
+def _microbatches(run: Run, consumed_samples: int) -> str:
+    """The startup line's batch: "8 microbatches of 2 x 128 tokens", and a batch ramp's start and end."""
+    calc, flags = run.microbatches, run.training
+    shape = f"of {flags.micro_batch_size} x {run.gpt.seq_length} tokens"
+    if not calc.schedule.changes:
+        return f"{calc.num_microbatches(consumed_samples)} microbatches {shape}"
+    return (
+        f"{calc.num_microbatches(consumed_samples)} to {run.num_microbatches} microbatches {shape} (global "
+        f"batch {calc.global_batch_size(consumed_samples)} growing to {flags.global_batch_size}: "
+        f"{ramp_flag(flags)})"
+    )
+
+
+def _report_ramp(run: Run, state: TrainState, last: int) -> None:
+    """Megatron's line when the global batch changes for the next iteration."""
+    upcoming = run.microbatches.global_batch_size(state.consumed_samples)
+    if upcoming != last and state.iteration < run.training.train_iters:
+        print_rank_0(
+            f"ramping up batch size from {last} to {upcoming} "
+            f"({run.microbatches.num_microbatches(state.consumed_samples)} microbatches) at iteration "
+            f"{state.iteration + 1}, after {state.consumed_samples} consumed samples"
+        )
 
 
 class _Loop:
@@ -79,12 +107,17 @@ class _Loop:
         self.signals, self.collector = signals, collector
         self.device = current_device()
         vocab = _padded_vocab_size(run, session)
-        self.flops = num_floating_point_operations(run.args, run.training.global_batch_size, vocab)
+        self.flops = num_floating_point_operations(run.args, 1, vocab)  # per sample: the batch may grow
         self.peak = peak_tflops(self.device, run.logging.peak_tflops)
         self.window = LogWindow()
         self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
         self.timeline = Timeline.for_run(run)
-        session.state.progress = Progress(session.state, run.training.train_iters, prints=session.logs_loss)
+        session.state.progress = Progress(
+            session.state,
+            run.training.train_iters,
+            prints=session.logs_loss,
+            batches=run.microbatches.schedule,
+        )
         self.profiler = StepProfiler(
             enabled=run.training.profile,
             start=run.training.profile_step_start,
@@ -94,6 +127,8 @@ class _Loop:
             out_dir=run.logging.tensorboard_dir or "profile",
         )
         self.saved_at: int | None = None
+        self.compile_start = compile_stats() if run.model.compile else None
+        self.compile_warm: dict | None = None
 
     def timeline_record(self, iteration: int):
         """The ``ScheduleRecord`` the schedule fills when the timeline records ``iteration``, else None."""
@@ -110,6 +145,10 @@ class _Loop:
         if run.logging.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
             step.params_norm = optimizer.get_params_norm()
         step.seconds = time.perf_counter() - start
+        if self.compile_start is not None and self.compile_warm is None:
+            self.compile_warm = compile_stats()
+            line = _compile_line("warm-up (first iteration)", self.compile_start, self.compile_warm)
+            print_rank_0(f"{line}; the iteration took {step.seconds:.1f} s")
         row = wandb_row(run, state, optimizer, step, self.flops, self.peak, self.device)
         self.session.loggers.log(row, step=state.iteration)
         self.collector.after_step(state.iteration)
@@ -166,7 +205,18 @@ class _Loop:
         self.session.saver.wait()
         if self.timeline:
             self.timeline.write()
+        if self.compile_warm is not None:  # evaluation compiles its own graphs (eval mode, no grad)
+            print_rank_0(_compile_line("after the first iteration", self.compile_warm, compile_stats()))
         faults.phase("finishing")
+
+
+def _compile_line(when: str, before: dict, after: dict) -> str:
+    """What Dynamo compiled between two ``compile_stats()`` snapshots, as one log line."""
+    return (
+        f"--compile {when}: {after['graphs'] - before['graphs']} graphs compiled, "
+        f"{after['graph_breaks'] - before['graph_breaks']} graph breaks, "
+        f"{after['compile_seconds'] - before['compile_seconds']:.1f} s compiling"
+    )
 
 
 def _padded_vocab_size(run: Run, session: Session) -> int:

@@ -4,16 +4,18 @@ The loop's log line keeps Megatron's form; ``Progress.line`` puts Megatron's ``[
 before it and an ``ETA: h:mm:ss |`` field after it, so a parser that reads
 ``iteration N/ M | ... | lm loss: X |`` reads it unchanged. The ETA is the mean wall time per
 iteration since this process started training (evaluations and checkpoints included) times the
-iterations left. ``Progress.summary`` says what the run did and what to try next.
+iterations left. ``Progress.summary`` says what the run did and what to try next (the command that
+resumes the run or trains it longer: ``training.launch_command``).
 """
 
 from __future__ import annotations
 
 import datetime
-import shlex
-import sys
 import time
 from typing import TYPE_CHECKING
+
+from training.launch_command import next_command
+from training.logging_utils import print_line
 
 if TYPE_CHECKING:
     from training.run import Run
@@ -27,16 +29,23 @@ def _clock(seconds: float) -> str:
 class Progress:
     """Wall-clock bookkeeping of one ``pretrain`` call from its first training step."""
 
-    def __init__(self, state, train_iters: int, *, prints: bool = True) -> None:
+    def __init__(self, state, train_iters: int, *, prints: bool = True, batches=None) -> None:
+        """``batches``: a ``BatchSizeSchedule`` whose batch grows; the ETA then counts samples, not steps."""
         self.state, self.train_iters, self.prints = state, train_iters, prints
-        self.start_iteration = state.iteration
+        self.start_iteration, self.start_samples = state.iteration, state.consumed_samples
         self.start = time.monotonic()
+        self.batches = batches if batches is not None and batches.changes else None
 
     def eta_seconds(self, iteration: int) -> float | None:
         done = iteration - self.start_iteration
         if done <= 0:
             return None
-        return (time.monotonic() - self.start) / done * (self.train_iters - iteration)
+        elapsed = time.monotonic() - self.start
+        if self.batches is None:
+            return elapsed / done * (self.train_iters - iteration)
+        consumed = self.state.consumed_samples  # along a ramp, later steps take more samples, and time
+        left = self.batches.consumed_after(consumed, self.train_iters - iteration) - consumed
+        return elapsed / max(consumed - self.start_samples, 1) * left
 
     def line(self, text: str) -> str:
         """``text`` (a Megatron log line, starting with a space) with the time before it and the ETA after."""
@@ -47,7 +56,7 @@ class Progress:
     def print_log_line(self, text: str) -> None:
         """Print ``line(text)`` if this rank prints (the one that has the loss)."""
         if self.prints:
-            print(self.line(text), flush=True)
+            print_line(self.line(text))
 
     def summary(self, run: Run, loggers: RunLoggers) -> list[str]:
         """Lines for the end of the run: time, tokens, final losses, where things went, what next."""
@@ -55,7 +64,7 @@ class Progress:
         elapsed = time.monotonic() - self.start
         ran = iteration - self.start_iteration
         seq_length, train_iters, save = run.gpt.seq_length, run.training.train_iters, run.checkpointing.save
-        tokens = ran * run.training.global_batch_size * seq_length
+        tokens = (consumed_samples - self.start_samples) * seq_length  # a batch ramp changes the batch
         head = (
             f"run summary: {ran} iterations in {_clock(elapsed)} (now at {iteration}/{train_iters}), "
             f"{tokens:,} tokens this run ({consumed_samples * seq_length:,} in all, "
@@ -67,10 +76,11 @@ class Progress:
             f"  final train lm loss: {'n/a' if train is None else f'{train:.4f}'} | final validation lm loss: "
             f"{'n/a (no evaluation ran)' if valid is None else f'{valid:.4f}'}"
         )
-        command = " ".join(shlex.quote(a) for a in [sys.argv[0], *_without(sys.argv[1:], "--load")])
         if save:
             lines.append(f"  checkpoint: {save} (iteration {iteration})")
-            lines.append(f"  resume or train longer: {command} --load {save} --train-iters {2 * train_iters}")
+            after = next_command(run.args, iteration)
+            lines.append(f"  {after.label}: {after.command}")
+            lines += [f"    ({note})" for note in after.notes]
         else:
             lines.append("  checkpoint: none (give --save DIR to keep the model)")
         if loggers.dir:
@@ -79,16 +89,3 @@ class Progress:
         if run.logging.tensorboard_dir:
             lines.append(f"  TensorBoard: tensorboard --logdir {run.logging.tensorboard_dir}")
         return lines
-
-
-def _without(argv: list[str], option: str) -> list[str]:
-    """``argv`` without ``option`` and its value."""
-    out, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-        elif token == option:
-            skip = True
-        elif not token.startswith(option + "="):
-            out.append(token)
-    return out

@@ -90,7 +90,10 @@ def current_parallel() -> dict[str, int]:
     from core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        return {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "vpp": 1}
+        return {
+            "tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "vpp": 1,
+            "ep": 1, "ep_rank": 0, "edp": 1, "edp_rank": 0,
+        }  # fmt: skip
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -99,4 +102,8 @@ def current_parallel() -> dict[str, int]:
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
         "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "edp": ps.get_expert_data_parallel_world_size(),
+        "edp_rank": ps.get_expert_data_parallel_rank(),
     }

@@ -27,7 +27,9 @@ from training.checkpoint.convert import parallelism_of
 from training.checkpoint.files import TensorFileWriter, flatten_state, fsync_dir
 from training.checkpoint.format import (
     FORMAT,
+    TensorSpec,
     canonical_order,
+    expert_file,
     iteration_dir,
     model_file,
     optim_file,
@@ -122,6 +124,51 @@ def _frozen(value: Any) -> Any:
     return None if value is None else json.loads(json.dumps(value))
 
 
+def _ownership(specs: Mapping[str, TensorSpec], p: Mapping[str, int]) -> Callable[[str], str | None]:
+    """``owns(name)``: "dense" or "expert" if this rank writes parameter ``name`` (and, unsharded, its
+    optimizer state), else None. A dense weight is written by data-parallel rank 0, a TP-replicated
+    one by TP rank 0 of those; an MoE expert (never TP-split: other TP ranks hold other experts) by
+    the first of its expert-data-parallel replicas."""
+
+    def owns(name: str) -> str | None:
+        spec = specs[name]
+        if spec.expert is not None:
+            return "expert" if p["edp_rank"] == 0 else None
+        first = p["dp_rank"] == 0 and (spec.partition is not None or p["tp_rank"] == 0)
+        return "dense" if first else None
+
+    return owns
+
+
+def _tensor_files(
+    params: Mapping[str, torch.Tensor], specs: dict[str, TensorSpec], p: Mapping[str, int], optimizer
+) -> tuple[dict[str, FileToWrite], Any, Any]:
+    """This rank's weight and optimizer files (``specs`` gains the optimizer state's), with the
+    optimizer's parameter groups and loss-scaler state."""
+    t, q, d = p["tp_rank"], p["pp_rank"], p["dp_rank"]
+    meta = {"format": FORMAT}
+    files: dict[str, FileToWrite] = {}
+
+    def ordered(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: tensors[key] for key in canonical_order(tensors, lambda name: specs[name].owner)}
+
+    owns = _ownership(specs, p)
+    for name, tp_rank, keep in ((model_file(t, q), t, "dense"), (expert_file(q, p["ep_rank"]), 0, "expert")):
+        mine = {n: w.detach() for n, w in params.items() if owns(n) == keep}
+        if mine or (keep == "dense" and d == 0):  # replicated over DP (an expert over expert DP): one writer
+            files[name] = FileToWrite(ordered(mine), tp_rank, meta)
+    if optimizer is None:
+        return files, None, None
+    experts = any(spec.expert is not None for spec in specs.values())
+    sharded = is_sharded(optimizer, p["dp"], p["edp"] if experts else 1)
+    # unsharded state is replicated like its weights: the same writers
+    state = optimizer_tensors(optimizer, params, specs, tp_rank=t, sharded=sharded, owns=owns)
+    specs.update(state.specs)
+    if state.tensors or d == 0 or sharded:
+        files[optim_file(t, q, d)] = FileToWrite(ordered(state.tensors), t, meta, state.flat)
+    return files, state.param_groups, state.grad_scaler
+
+
 def describe(
     root: str,
     iteration: int,
@@ -147,24 +194,9 @@ def describe(
     config = module.config
     params = model_parameters(model_chunks)
     specs = specs_of_params(params.items(), p["tp"], config.make_vocab_size_divisible_by)
-    meta = {"format": FORMAT}
-    files: dict[str, FileToWrite] = {}
-
-    def ordered(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {key: tensors[key] for key in canonical_order(tensors, lambda name: specs[name].owner)}
-
-    if d == 0:  # the weights are replicated over DP
-        mine = {n: w.detach() for n, w in params.items() if specs[n].partition is not None or t == 0}
-        files[model_file(t, q)] = FileToWrite(ordered(mine), t, meta)
-    groups, grad_scaler = None, None
-    sharded = optimizer is not None and is_sharded(optimizer, p["dp"])
-    if optimizer is not None and (d == 0 or sharded):  # unsharded state is replicated over DP too
-        state = optimizer_tensors(optimizer, params, specs, tp_rank=t, sharded=sharded)
-        specs.update(state.specs)
-        groups, grad_scaler = state.param_groups, state.grad_scaler
-        files[optim_file(t, q, d)] = FileToWrite(ordered(state.tensors), t, meta, state.flat)
+    files, groups, grad_scaler = _tensor_files(params, specs, p, optimizer)
     rng_tensors, skeleton = flatten_state(get_rng_state() if rng_state is None else rng_state)
-    files[rng_file(t, q, d)] = FileToWrite(rng_tensors, 0, {**meta, "skeleton": skeleton})
+    files[rng_file(t, q, d)] = FileToWrite(rng_tensors, 0, {"format": FORMAT, "skeleton": skeleton})
     stored = {key for f in files.values() for key in f.tensors}
     local = {
         "tensors": {n: s.to_json() for n, s in specs.items() if n in stored},
