@@ -510,3 +510,59 @@ def test_cuda_blocks_with_lse_match_the_plain_computation(dtype):
         expected = blocks._math_backward(grad, q, k[:, :, keys], v[:, :, keys], ref[0], ref[1], causal, 0.125)
         for got, want in zip(grads, expected):
             assert rel(got.double().cpu(), want) <= tol
+
+
+# --------------------------------------------------------------------------------------------------
+# pretrain_gpt.py under CP: the loss curve, and a CP=2 checkpoint resumed at another CP
+# --------------------------------------------------------------------------------------------------
+
+PP2_CP2 = ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    from tests.test_distributed_optimizer import synthetic_corpus
+
+    return synthetic_corpus(tmp_path_factory.mktemp("cp_corpus"))
+
+
+def _pretrain_losses(pool, flags: list[str]) -> list[float]:
+    from tests.test_distributed_checkpoint import _run
+
+    return _run(pool, [*flags, "--num-workers", "0", "--eod-mask-loss"])[0]
+
+
+@pytest.fixture(scope="module")
+def cp2_run(ranks, corpus, tmp_path_factory):
+    """10 iterations at TP1 x PP2 x CP2 (GPT, 4 ranks), saved at iteration 5; and TP1 (DP 4) alone."""
+    from tests.test_distributed_optimizer import small_gpt
+
+    root = str(tmp_path_factory.mktemp("cp2_ckpt"))
+    losses = _pretrain_losses(
+        ranks(4), small_gpt(corpus, 10, *PP2_CP2, "--save", root, "--save-interval", "5")
+    )
+    plain = _pretrain_losses(ranks(4), small_gpt(corpus, 10))
+    return root, losses, plain
+
+
+def test_pretrain_at_pp2_cp2_has_the_loss_curve_of_tp1(cp2_run):
+    _, losses, plain = cp2_run
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    worst = max(abs(a - b) / b for a, b in zip(losses, plain, strict=True))
+    print(f"PP2xCP2 vs TP1 over 10 iterations: max relative loss difference {worst:.2e}")
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("cp", [pytest.param(1), pytest.param(4, marks=pytest.mark.slow)])
+def test_a_cp2_checkpoint_resumes_at_another_cp_with_the_same_next_losses(
+    ranks, corpus, cp2_run, cp, tmp_path
+):
+    from tests.test_distributed_optimizer import small_gpt
+
+    root, losses, _ = cp2_run
+    flags = ["--context-parallel-size", str(cp), "--load", root, "--ckpt-step", "5", "--save", str(tmp_path)]
+    resumed = _pretrain_losses(ranks(4), small_gpt(corpus, 10, *flags))
+    assert len(resumed) == 5
+    worst = max(abs(a - b) / b for a, b in zip(resumed, losses[5:], strict=True))
+    print(f"CP2 checkpoint resumed at CP{cp}: max relative difference of the next 5 losses {worst:.2e}")
+    assert worst <= TOL

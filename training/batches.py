@@ -11,7 +11,9 @@ the read-ahead changes what is read.
 ``BatchStream`` keeps one ``DataLoader`` iterator open across steps: ``--num-workers`` processes build
 the next microbatches (``prefetch_factor`` each) while the model computes, into pinned memory on a
 GPU. Only tensor-parallel rank 0 of a stage that reads data (the first and last pipeline stages)
-reads; it broadcasts each microbatch to its tensor-parallel group, as Megatron does. Asking for a
+reads; it broadcasts each microbatch to its tensor-parallel group, as Megatron does. With context
+parallelism every CP rank reads the same samples and keeps its two chunks of each sequence
+(``get_batch_on_this_cp_rank``, Megatron's function). Asking for a
 step at another position (an evaluation, which starts at its first sample) restarts the loader there.
 """
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from core import parallel_state as ps
 from core.device import current_device
+from core.transformer.context_parallel import get_batch_on_this_cp_rank
 from training.data.samplers import EndlessSequentialSampler, MegatronPretrainingRandomSampler
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -99,8 +102,10 @@ class BatchStream:
             self.close()
             self._batches = self._open(consumed_samples)
         batches = [
-            _broadcast_in_tp_group(
-                next(self._batches) if reads else None, self.micro_batch_size, self.seq_length
+            get_batch_on_this_cp_rank(
+                _broadcast_in_tp_group(
+                    next(self._batches) if reads else None, self.micro_batch_size, self.seq_length
+                )
             )
             for _ in range(num_microbatches)
         ]

@@ -9,13 +9,13 @@ from core.pipeline_parallel.layout import PipelineLayout
 
 
 def is_logging_rank(layout: PipelineLayout) -> bool:
-    """First TP and DP rank of the pipeline rank that has the loss: the last, or the first under ZBV."""
+    """First TP and DP x CP rank of the pipeline rank that has the loss: the last, or the first under ZBV."""
     if not ps.model_parallel_is_initialized():
         return True
     return (
         holds_loss(layout, ps.get_pipeline_model_parallel_rank())
         and ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_data_parallel_rank() == 0
+        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     )
 
 

@@ -357,9 +357,8 @@ COVERAGE: dict[str, Coverage] = {
     ),
     "--profile": works(),
     "--checkpoint-activations": works(),
-    "--context-parallel-size": works_only(
-        (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
-    ),
+    "--context-parallel-size": works(),
+    "--cp-comm-type": works(),
     "--expert-model-parallel-size": works_only((1,), _MOE),
     # (b) accepted, no effect on Trident's code paths
     "--use-mcore-models": no_effect("Trident has one model implementation, built like Megatron Core's"),

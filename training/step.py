@@ -114,7 +114,7 @@ def run_global_batch(
         raise ConfigError(
             f"{err} (--seq-length {seq_length}, --micro-batch-size {micro_batch_size})"
         ) from None
-    return reduce_loss_logs(logs, ps.get_data_parallel_group()) or None
+    return reduce_loss_logs(logs, ps.get_data_parallel_group(with_context_parallel=True)) or None
 
 
 def _iterators(chunks, stream: BatchStream, consumed_samples: int, num_microbatches: int) -> list:
