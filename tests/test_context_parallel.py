@@ -69,6 +69,27 @@ def test_batch_cut_per_rank_reassembles_the_sequence():
     )
 
 
+def test_core_configs_refuse_what_context_parallelism_cannot_run():
+    from core.model_parallel_config import ModelParallelConfig
+    from core.transformer import TransformerConfig
+
+    with pytest.raises(
+        ValueError, match=r"^variable_seq_lengths is not supported with context_parallel_size 2: "
+    ):
+        ModelParallelConfig(variable_seq_lengths=True, context_parallel_size=2)
+    sizes = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
+    with pytest.raises(
+        ValueError, match=r"cp_comm_type must be one of \('p2p', 'a2a', 'allgather'\), got 'ring'$"
+    ):
+        TransformerConfig(**sizes, cp_comm_type="ring")
+    with pytest.raises(
+        ValueError, match=r"cp_comm_type gives 3 types for 2 layers; give one or one per layer$"
+    ):
+        TransformerConfig(**sizes, cp_comm_type=["p2p", "a2a", "p2p"])
+    config = TransformerConfig(**sizes, context_parallel_size=2, cp_comm_type=["p2p", "a2a"])
+    assert [config.cp_comm_type_of(layer) for layer in (0, 1)] == ["p2p", "a2a"]
+
+
 # --------------------------------------------------------------------------------------------------
 # One block with its log-sum-exp (no processes)
 # --------------------------------------------------------------------------------------------------
