@@ -547,27 +547,58 @@ def corpus(tmp_path_factory) -> str:
     return synthetic_corpus(tmp_path_factory.mktemp("cp_corpus"))
 
 
-def _pretrain_losses(pool, flags: list[str]) -> list[float]:
-    from tests.test_distributed_checkpoint import _run
+def _offline_pretrain(rank, world_size, flags):
+    import os
 
-    return _run(pool, [*flags, "--num-workers", "0", "--eod-mask-loss"])[0]
+    from tests.test_distributed_checkpoint import _pretrain
+
+    os.environ["WANDB_MODE"] = "offline"
+    return _pretrain(rank, world_size, flags)
+
+
+def _pretrain_losses(pool, flags: list[str]) -> list[float]:
+    results = pool.run(_offline_pretrain, [*flags, "--num-workers", "0", "--eod-mask-loss"], timeout=240)
+    curves = [losses for losses, _ in results if losses]
+    assert curves and all(c == curves[0] for c in curves)  # every loss-stage rank reports the same
+    return curves[0]
 
 
 @pytest.fixture(scope="module")
 def cp2_run(ranks, corpus, tmp_path_factory):
-    """10 iterations at TP1 x PP2 x CP2 (GPT, 4 ranks), saved at iteration 5; and TP1 (DP 4) alone."""
+    """10 iterations at TP1 x PP2 x CP2 (GPT, 4 ranks), saved at iteration 5, logged to W&B (offline)
+    and TensorBoard; and TP1 (DP 4) alone."""
     from tests.test_distributed_optimizer import small_gpt
 
-    root = str(tmp_path_factory.mktemp("cp2_ckpt"))
-    losses = _pretrain_losses(
-        ranks(4), small_gpt(corpus, 10, *PP2_CP2, "--save", root, "--save-interval", "5")
-    )
+    root, logs = str(tmp_path_factory.mktemp("cp2_ckpt")), tmp_path_factory.mktemp("cp2_logs")
+    logging = ["--wandb-project", "cp", "--wandb-save-dir", str(logs), "--tensorboard-dir", str(logs / "tb")]
+    flags = small_gpt(corpus, 10, *PP2_CP2, "--save", root, "--save-interval", "5", *logging)
+    losses = _pretrain_losses(ranks(4), flags)
     plain = _pretrain_losses(ranks(4), small_gpt(corpus, 10))
-    return root, losses, plain
+    return root, losses, plain, logs
+
+
+def test_wandb_and_tensorboard_name_the_context_parallel_split(cp2_run):
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from training.wandb_logging import read_offline_history
+
+    *_, logs = cp2_run
+    (run_dir,) = glob.glob(str(logs / "wandb" / "offline-run-*"))
+    config = read_offline_history(run_dir)["config"]
+    assert (config["context_parallel_size"], config["cp_comm_type"], config["data_parallel_size"]) == (
+        2,
+        ["p2p"],
+        1,
+    )
+    events = EventAccumulator(str(logs / "tb"), size_guidance={"tensors": 0}).Reload()
+    text = events.Tensors("context_parallel_size/text_summary")[0].tensor_proto.string_val[0]
+    assert text == b"2"
 
 
 def test_pretrain_at_pp2_cp2_has_the_loss_curve_of_tp1(cp2_run):
-    _, losses, plain = cp2_run
+    _, losses, plain, _ = cp2_run
     assert len(losses) == 10 and losses[-1] < losses[0]
     worst = max(abs(a - b) / b for a, b in zip(losses, plain, strict=True))
     print(f"PP2xCP2 vs TP1 over 10 iterations: max relative loss difference {worst:.2e}")
@@ -580,7 +611,7 @@ def test_a_cp2_checkpoint_resumes_at_another_cp_with_the_same_next_losses(
 ):
     from tests.test_distributed_optimizer import small_gpt
 
-    root, losses, _ = cp2_run
+    root, losses, *_ = cp2_run
     flags = ["--context-parallel-size", str(cp), "--load", root, "--ckpt-step", "5", "--save", str(tmp_path)]
     resumed = _pretrain_losses(ranks(4), small_gpt(corpus, 10, *flags))
     assert len(resumed) == 5
