@@ -36,8 +36,30 @@ class ModelParallelConfig:
     """Ranks each sequence is split over (CP): every rank holds ``seq / CP`` tokens, two load-balanced
     chunks, and attention reaches across the ranks (``cp_comm_type``)."""
 
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of each MoE layer are split over (EP); carved out of the data-parallel ranks
+    as in megatron-core (``core.parallel_state.generate_expert_groups``)."""
+
+    expert_tensor_parallel_size: int | None = flag(
+        None, help="Tensor parallelism inside each expert: only 1 (experts are never split here)."
+    )
+    """Tensor parallelism inside each expert. Trident's experts are never split (Megatron's
+    ``--expert-tensor-parallel-size 1``); None means 1 here, where megatron-core defaults to the TP size."""
+
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence over the TP group."""
+
+    gradient_accumulation_fusion: bool = flag(
+        False,
+        name="--gradient-accumulation-fusion",
+        negation="--no-gradient-accumulation-fusion",
+        group="training",
+        help="The tensor-parallel linear layers accumulate their weight gradients straight into the fp32 "
+        "main_grad buffers (Megatron's fusion; Megatron's default is on where APEX is installed, "
+        "Trident's is off).",
+    )
+    """The TP linear layers' backward accumulates weight gradients into ``weight.main_grad`` (made by
+    ``DistributedDataParallel``) instead of handing autograd a new gradient for a hook to add."""
 
     hidden_size: int = flag(0, group="network size", cli_default=None)
     """Hidden size of the activations passed between stages."""
@@ -95,9 +117,19 @@ class ModelParallelConfig:
     """Megatron's name for ``ScheduleHooks.timers``: times forward and backward compute."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_tensor_parallel_size not in (None, 1):
+            raise ValueError(
+                f"expert_tensor_parallel_size must be 1 (experts are not split over tensor parallelism "
+                f"here), got {self.expert_tensor_parallel_size}"
+            )
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp < 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 or None, got {vpp}")

@@ -15,6 +15,7 @@ import copy
 import os
 from typing import Any
 
+from training.logging_utils import print_line
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
@@ -60,7 +61,7 @@ def _require(ok: bool, message: str) -> None:
 
 def _rank0_note(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"NOTE: {message}", flush=True)
+        print_line(f"NOTE: {message}")
 
 
 _AT_LEAST = {
@@ -243,6 +244,62 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             args.recompute_method is None and args.recompute_num_layers is None,
             "--recompute-method and --recompute-num-layers need --recompute-granularity full",
         )
+
+
+def _check_moe(args: argparse.Namespace, world_size: int, tp: int, pp: int) -> None:
+    """Experts, expert parallelism and routing (before any process group, as every check here)."""
+    from core.transformer.moe.moe_config import parse_moe_layer_freq
+
+    experts, ep, etp = args.num_moe_experts, args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    args.moe_layer_freq = 1
+    if experts is None:
+        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts (a model with experts)")
+        return
+    _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
+    _require(
+        etp in (None, 1),
+        f"--expert-tensor-parallel-size {etp}: Trident supports only 1 (experts are never split over tensor "
+        "parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
+    )
+    _require(
+        experts % ep == 0,
+        f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})",
+    )
+    _require(
+        world_size % (ep * pp) == 0,
+        f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {ep * pp} does not "
+        f"divide the world size ({world_size}): the {args.moe_token_dispatcher_type} dispatcher's "
+        "expert-parallel groups cannot be formed",
+    )
+    topk = args.moe_router_topk
+    _require(
+        1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})"
+    )
+    _require(
+        topk > 1 or args.moe_router_pre_softmax,
+        "--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over one logit gives the router no "
+        "gradient), as in Megatron",
+    )
+    _require(
+        tp == 1 or args.sequence_parallel,
+        f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel: each "
+        "tensor-parallel rank routes its own sequence shard (as in Megatron)",
+    )
+    try:
+        pattern = parse_moe_layer_freq(args.moe_layer_pattern)
+    except ValueError as err:
+        raise ValueError(f"--moe-layer-freq: {err}") from None
+    fits = pattern >= 1 if isinstance(pattern, int) else len(pattern) == args.num_layers
+    _require(
+        fits,
+        f"--moe-layer-freq {args.moe_layer_pattern} must be an integer >= 1 or list 0 or 1 for each of the "
+        f"{args.num_layers} layers (--num-layers)",
+    )
+    args.moe_layer_freq = pattern  # Megatron's args.moe_layer_freq: an int or a list; the config's field
+    _require(
+        not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
+        "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
+    )
 
 
 def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
@@ -515,6 +572,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     _apply_old_recompute_flags(flags)
     _check_model(flags, tp)
     _check_context_parallel(flags, tp, cp)
+    _check_moe(flags, world_size, tp, pp)
     _check_pipeline(flags, pp)
     _check_batch(flags, pp, flags.data_parallel_size)
     _require(flags.min_lr <= flags.lr, f"--min-lr ({flags.min_lr}) must be <= --lr ({flags.lr})")

@@ -15,6 +15,8 @@ reads; it broadcasts each microbatch to its tensor-parallel group, as Megatron d
 parallelism every CP rank reads the same samples and keeps its two chunks of each sequence
 (``get_batch_on_this_cp_rank``, Megatron's function). Asking for a
 step at another position (an evaluation, which starts at its first sample) restarts the loader there.
+A sample that fails with one of the run's one-line errors (a token id outside the vocabulary) fails
+the step with that same error, whether a worker or the training process read it (:class:`_Failed`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,46 @@ from core import parallel_state as ps
 from core.device import current_device
 from core.transformer.context_parallel import get_batch_on_this_cp_rank
 from training.data.samplers import EndlessSequentialSampler, MegatronPretrainingRandomSampler
+from training.faults import one_line_errors
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 SAMPLERS = {"single": EndlessSequentialSampler, "cyclic": MegatronPretrainingRandomSampler}
+
+
+class _Failed:
+    """A sample that raised one of the run's one-line errors, carried to the training process as a value.
+
+    Raised inside a DataLoader worker, such an error would come back re-raised by torch as ``Caught
+    DataError in DataLoader worker process 0.`` with the worker's traceback in its message, where the
+    same error read in the training process is one line. Carried as a value it is raised again, as it
+    was, in the training process, with or without workers.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Guarded(torch.utils.data.Dataset):
+    """``dataset`` whose samples that fail with a one-line error become :class:`_Failed` values."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+        self.errors = one_line_errors()
+
+    def __getitem__(self, index: int):
+        try:
+            return self.dataset[index]
+        except self.errors as err:
+            return _Failed(err)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _collate(samples: list):
+    """torch's default collation, or the first :class:`_Failed` sample of the microbatch."""
+    failed = next((s for s in samples if isinstance(s, _Failed)), None)
+    return failed if failed is not None else torch.utils.data.default_collate(samples)
 
 
 def _broadcast_in_tp_group(
@@ -84,8 +123,9 @@ class BatchStream:
             ps.get_data_parallel_world_size(),
         )
         loader = torch.utils.data.DataLoader(
-            self.dataset,
+            _Guarded(self.dataset),
             batch_sampler=sampler,
+            collate_fn=_collate,
             num_workers=self.num_workers,
             pin_memory=current_device().type == "cuda",
             persistent_workers=False,
@@ -104,7 +144,7 @@ class BatchStream:
         batches = [
             get_batch_on_this_cp_rank(
                 _broadcast_in_tp_group(
-                    next(self._batches) if reads else None, self.micro_batch_size, self.seq_length
+                    self._next_batch() if reads else None, self.micro_batch_size, self.seq_length
                 )
             )
             for _ in range(num_microbatches)
@@ -113,6 +153,15 @@ class BatchStream:
             consumed_samples + num_microbatches * self.micro_batch_size * ps.get_data_parallel_world_size()
         )
         return batches
+
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        batch = next(self._batches)
+        if isinstance(batch, _Failed):
+            # Stop the workers now: left to the error's traceback, the loader would be collected late,
+            # and shutting down from the garbage collector waits out torch's 5 s join timeout.
+            self.close()
+            raise batch.error
+        return batch
 
     def close(self) -> None:
         """Stop the loader's worker processes."""

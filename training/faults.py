@@ -47,6 +47,7 @@ __all__ = [
     "distributed_timeout_seconds",
     "end",
     "judge",
+    "one_line_errors",
     "phase",
     "run_main",
     "watch_launcher",
@@ -66,7 +67,8 @@ class Verdict:
     message: str | None = None
 
 
-def _clean_errors() -> tuple[type[BaseException], ...]:
+def one_line_errors() -> tuple[type[BaseException], ...]:
+    """The errors the entry point prints as one line (``training.errors``), wherever they are raised."""
     from core.device import DeviceError
     from training.checkpoint import CheckpointError
 
@@ -213,8 +215,10 @@ def _explain_communication_failure(err: BaseException) -> str:
 
 
 def _print_error(line: str) -> None:
+    from training.logging_utils import print_line
+
     sys.stdout.flush()
-    print(line, file=sys.stderr, flush=True)
+    print_line(line, file=sys.stderr)
 
 
 def report(err: BaseException) -> int:
@@ -230,7 +234,7 @@ def report(err: BaseException) -> int:
         return code
     if verdict.message is not None:
         _print_error(f"{_prog()}: error: {verdict.message}")
-    elif isinstance(err, (UsageError, *_clean_errors())):
+    elif isinstance(err, (UsageError, *one_line_errors())):
         _print_error(f"{_prog()}: error: {err}")
     else:
         sys.stdout.flush()

@@ -51,6 +51,7 @@ def setup(run: Run, providers: Providers) -> Session:
         run.parallel.pp,
         run.model.virtual_pipeline_model_parallel_size,
         run.parallel.cp,
+        expert_model_parallel_size=run.parallel.ep,
         distributed_timeout_minutes=run.distributed.distributed_timeout_minutes,
     )
     _seed_everything(run.model.seed)

@@ -42,6 +42,7 @@ class StepResult:
     peak_memory: float  # bytes, the largest of any rank
     params_norm: float | None = None
     seconds: float = 0.0
+    moe_layers: dict[str, float] = field(default_factory=dict)  # --moe-per-layer-logging, for W&B/TB
 
 
 @dataclass

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from core.device import current_device
+from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
 from core.pipeline_parallel.losses import LossLogs, parse_loss
@@ -101,6 +102,7 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         record.start = time.perf_counter()
     if not ctx.forward_only:
         sync.suspend()
+        set_auxiliary_loss_scale(_auxiliary_loss_scale(ctx))
     for index, action in enumerate(table):
         start = time.perf_counter() if record is not None else 0.0
         with _timer(timers, action.kind):
@@ -111,6 +113,17 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
     sync.resume()
     _finish_step(ctx, losses, count)
     return losses.logs
+
+
+def _auxiliary_loss_scale(ctx: StepContext) -> torch.Tensor:
+    """The weight of losses computed inside the model (MoE routers) in this step's objective: the main
+    loss's scale, over the microbatch count (times CP) unless the loss is per token (Megatron's)."""
+    scale = torch.ones((), device=current_device())
+    if ctx.hooks.grad_scale_func is not None:
+        scale = ctx.hooks.grad_scale_func(scale)
+    if not ctx.settings.calculate_per_token_loss:
+        scale = scale * ctx.settings.context_parallel_size / ctx.num_microbatches
+    return scale
 
 
 def _forward(action: Action, stage: Stage, mailbox: Mailbox, losses: Losses, count: InFlight) -> None:

@@ -89,12 +89,12 @@ class PipelineLinks:
         if self.record is not None:
             self.record(link, is_send, peer, key)
         if _VERBOSE:
-            print(
+            # One write per line, so that lines of ranks sharing the launcher's stderr never merge.
+            sys.stderr.write(
                 f"[p2p rank {dist.get_rank()}] {'send' if is_send else 'recv'} {kind}/{part} "
-                f"{'->' if is_send else '<-'} {self.global_ranks[peer]} {tuple(tensor.shape)} {key or ''}",
-                file=sys.stderr,
-                flush=True,
+                f"{'->' if is_send else '<-'} {self.global_ranks[peer]} {tuple(tensor.shape)} {key or ''}\n"
             )
+            sys.stderr.flush()
         op, tag, other = (dist.isend if is_send else dist.irecv), _TAG[(kind, part)], self.global_ranks[peer]
         if self.batched[link]:
             (work,) = dist.batch_isend_irecv([dist.P2POp(op, tensor, other, group, tag)])

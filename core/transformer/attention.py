@@ -182,6 +182,17 @@ class SelfAttention(nn.Module):
         n = self.heads_per_group
         return per_group[:, :, :n], per_group[:, :, n], per_group[:, :, n + 1]
 
+    def core(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:func:`core_attention` with this layer's dropout and softmax settings, checkpointed under
+        selective recomputation: ``[b, heads, s, d]`` queries, ``[b, groups, s, d]`` keys and values."""
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        fp32_softmax = self.config.attention_softmax_in_fp32
+        if self.recompute_core:
+            return checkpoint(core_attention, query, key, value, attention_mask, dropout_p, fp32_softmax)
+        return core_attention(query, key, value, attention_mask, dropout_p, fp32_softmax)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -203,14 +214,8 @@ class SelfAttention(nn.Module):
             key, value = inference_context.store(self.layer_number, key, value)
         if self.cp_comm_type is not None:
             context = self._context_parallel(query, key, value, attention_mask, inference_context)
-            output, _ = self.linear_proj(context.permute(2, 0, 1, 3).flatten(2))
-            return output
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        fp32_softmax = self.config.attention_softmax_in_fp32
-        if self.recompute_core:
-            context = checkpoint(core_attention, query, key, value, attention_mask, dropout_p, fp32_softmax)
         else:
-            context = core_attention(query, key, value, attention_mask, dropout_p, fp32_softmax)
+            context = self.core(query, key, value, attention_mask)
         # [b, h, s, d] -> [s, b, h * d]: a view of the fused kernels' [b, s, h, d] output (copied by the
         # projection's matmul only when b > 1).
         output, _ = self.linear_proj(context.permute(2, 0, 1, 3).flatten(2))

@@ -20,11 +20,13 @@ import torch.nn.functional as F
 from core.flags import flag, not_a_flag
 from core.model_parallel_config import ModelParallelConfig
 from core.transformer.context_parallel import CP_COMM_TYPES
+from core.transformer.moe.moe_config import MoEConfig, moe_problems
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
 NORMALIZATIONS = get_args(Normalization)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 RECOMPUTE_GRANULARITIES = get_args(RecomputeGranularity)
@@ -36,8 +38,11 @@ RUNTIME_FIELDS = (
     "finalize_model_grads_func",
     "grad_scale_func",
     "timers",
+    "compile",
+    "compile_backend",
 )
-"""Hooks the training loop installs at run time: not part of a model's description, never serialised."""
+"""Hooks the training loop installs at run time, and how a run executes the model (compilation): not
+part of a model's description, never serialised (a tool rebuilding a checkpoint's model runs it eagerly)."""
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +60,11 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @dataclass(kw_only=True)
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(ModelParallelConfig, MoEConfig):
     """Sizes, layer choices, regularisation, initialisation and recomputation of a decoder-only model.
 
-    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``).
+    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``), and so
+    are mixtures of experts (Mixtral, Qwen2-MoE): the MoE fields come from :class:`MoEConfig`.
     """
 
     num_layers: int = flag(0, cli_default=None)
@@ -139,6 +145,24 @@ class TransformerConfig(ModelParallelConfig):
 
     attention_softmax_in_fp32: bool = flag(False, group="mixed precision")
     """With 16-bit activations, compute attention's masking and softmax in fp32 (Megatron's flag)."""
+
+    compile: bool = flag(
+        False,
+        group="training",
+        help="torch.compile each transformer layer (its linear layers stay eager) and, at TP=1, the "
+        "loss. A Trident flag: Megatron has none.",
+    )
+    """Compile each decoder layer with ``torch.compile`` (see ``core.transformer.compile``), and at
+    TP=1 the loss; graphs, graph breaks and compile time are reported after the first iteration."""
+
+    compile_backend: CompileBackend = flag("inductor", group="training")
+    """The ``torch.compile`` backend of ``--compile``: "inductor" (fused kernels), or "aot_eager" /
+    "eager" (Dynamo and AOTAutograd without code generation: quick to start, for debugging)."""
+
+    cross_entropy_loss_fusion: bool = flag(False, group="training")
+    """Compute the loss from the output layer's logits in their own dtype, a slice of tokens at a time,
+    never holding an fp32 copy of them, and write the gradient over them (Megatron's flag; see
+    ``core.tensor_parallel.fused_cross_entropy``). Same numbers as without."""
 
     init_method_std: float = flag(0.02, group="initialization")
     """Std of the normal initialisation; output projections get std / sqrt(2 * num_layers)."""
@@ -235,7 +259,7 @@ class TransformerConfig(ModelParallelConfig):
             out.append(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
         if self.layernorm_epsilon <= 0:
             out.append(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
-        return out + self._recompute_problems() + self._context_parallel_problems()
+        return out + self._recompute_problems() + self._context_parallel_problems() + moe_problems(self)
 
     def _context_parallel_problems(self) -> list[str]:
         types, cp = self.cp_comm_type, self.context_parallel_size

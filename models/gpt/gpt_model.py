@@ -17,14 +17,24 @@ group, so they take identical steps and stay bit-identical.
 
 from __future__ import annotations
 
+import functools
+
 import einops
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from core import parallel_state
 from core.device import current_device
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
-from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
+from core.tensor_parallel import (
+    ColumnParallelLinear,
+    fused_vocab_parallel_cross_entropy,
+    tp_rank,
+    tp_world_size,
+    vocab_parallel_cross_entropy,
+)
+from core.transformer.compile import compile_function, mark_sequence_dynamic
 from core.transformer.context_parallel import positions_on_this_cp_rank
 from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, initialize_by_name, mark_init
@@ -49,6 +59,19 @@ def layout_owner(name: str) -> str | int:
     if name.startswith(("decoder.final_layernorm.", "output_layer.")):
         return LOSS
     raise ValueError(f"parameter {name!r} belongs to no pipeline-layout element (E, t or L)")
+
+
+def expert_of(name: str) -> int | None:
+    """The global index of the MoE expert that parameter ``name`` belongs to (None for any other).
+
+    Expert parameters are named ``decoder.layers.{layer}.mlp.experts.local_experts.{expert}....`` in
+    every expert-parallel split; checkpoints record the index to place each on its EP rank.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "local_experts" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
 
 
 def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
@@ -92,6 +115,19 @@ def pipeline_rank(config: TransformerConfig) -> int:
 def _rank_of(layout: PipelineLayout, symbol: str) -> int:
     stage = next(s for s, layers in enumerate(layout.stages) if symbol in layers)
     return layout.stage_placement.rank(stage)
+
+
+def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of whole-vocabulary logits ``[s, b, V]`` per token, in fp32: what ``--compile`` compiles
+    at TP=1, where inductor fuses the fp32 arithmetic into its kernels instead of keeping fp32 copies."""
+    flat = logits.float().flatten(0, -2)
+    return F.cross_entropy(flat, labels.flatten(), reduction="none").view(labels.shape)
+
+
+@functools.cache
+def compiled_cross_entropy(backend: str):
+    """:func:`per_token_cross_entropy` compiled with ``backend`` (one compiled function per process)."""
+    return compile_function(per_token_cross_entropy, backend)
 
 
 class GPTModel(nn.Module):
@@ -273,7 +309,15 @@ class GPTModel(nn.Module):
         logits = self._mask_padding(logits)
         if labels is None:
             return einops.rearrange(logits, "s b v -> b s v").contiguous()
-        loss = vocab_parallel_cross_entropy(logits.float(), einops.rearrange(labels, "b s -> s b"))
+        labels = einops.rearrange(labels, "b s -> s b")
+        if self.config.compile and tp_world_size() == 1:  # one rank holds the whole vocabulary
+            if self.config.variable_seq_lengths:
+                mark_sequence_dynamic(logits, labels)
+            loss = compiled_cross_entropy(self.config.compile_backend)(logits, labels)
+        elif self.config.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(logits, labels)
+        else:
+            loss = vocab_parallel_cross_entropy(logits.float(), labels)
         return einops.rearrange(loss, "s b -> b s").contiguous()
 
     def _cached_positions(self, input_ids: torch.Tensor | None, context: InferenceContext) -> torch.Tensor:

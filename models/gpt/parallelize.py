@@ -14,7 +14,10 @@
   (``post_process``). When one rank holds both ends (ZBV's V), the loss chunk borrows the
   embedding's Parameter, so a tied embedding is one weight.
 - **Data parallelism** wraps each chunk in ``DistributedDataParallel`` over the data-parallel group
-  (with context parallelism folded in), gradients in buckets.
+  (with context parallelism folded in), gradients in buckets; MoE experts' over the
+  expert-data-parallel group (their replicas).
+- **Expert parallelism** lives in the MoE layers: each builds the experts its expert-parallel rank
+  holds and sends tokens to the others (``core.transformer.moe``).
 - **Hooks**: reduction is suspended per chunk while microbatches accumulate and lifted for each
   chunk's own last weight-gradient step (so its buckets launch while that backward runs);
   ``finalize_model_grads`` ends the step; with loss scaling the last stage's backward starts from
@@ -132,7 +135,13 @@ def parallelize_gpt(
     if ddp_config is None:
         return ParallelGPT(modules, modules, None)
     dp_group = groups.dp_cp if groups is not None else None
-    chunks = [DistributedDataParallel(m.config, ddp_config, m, data_parallel_group=dp_group) for m in modules]
+    expert_dp_group = groups.expt_dp if groups is not None else None
+    chunks = [
+        DistributedDataParallel(
+            m.config, ddp_config, m, data_parallel_group=dp_group, expert_data_parallel_group=expert_dp_group
+        )
+        for m in modules
+    ]
     optimizer = make_optimizer(chunks) if make_optimizer is not None else None
     scaled = optimizer is not None and optimizer.grad_scaler is not None
     hooks = ScheduleHooks(

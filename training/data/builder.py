@@ -1,7 +1,8 @@
 """Train/valid/test GPT datasets from ``--data-path`` and ``--split``, with Megatron's semantics.
 
 * ``--data-path A`` or ``--data-path 0.3 A 0.7 B`` (weights optional, normalised; without
-  weights several prefixes are blended in proportion to their sizes).
+  weights several prefixes are blended in proportion to their sizes). Numbers among items that
+  are not such pairs (``0.5 A 0.5``: a prefix missing) are refused, not read as prefixes named ``0.5``.
 * ``--split 969,30,1``: the weights are normalised and each split gets the contiguous range
   ``[round(lo * N), round(hi * N))`` of every dataset's N documents (sequences); a zero-width
   split gets no dataset (None).
@@ -26,6 +27,7 @@ import numpy as np
 from training.data.blended_dataset import BlendedDataset, normalize
 from training.data.gpt_dataset import GPTDataset
 from training.data.indexed_dataset import IndexedDataset
+from training.logging_utils import print_line
 
 SPLIT_NAMES = ("train", "valid", "test")
 MID_LEVEL_DATASET_SURPLUS = 0.005
@@ -50,7 +52,24 @@ def parse_data_path(data_path: str | Sequence[str | float]) -> tuple[list[str], 
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
             raise TypeError(f"expected 'weight prefix' pairs or prefixes, got {items}")
+    numbers = [os.fspath(item) for item in items if _is_number(os.fspath(item))]
+    if numbers:  # not pairs (those returned above), yet with weights: not prefixes named "0.5" either
+        count = f"{len(items)} item" + ("s" if len(items) > 1 else "")
+        problem = f"one is missing ({count})" if len(items) % 2 else "a weight is out of place"
+        raise ValueError(
+            f"{' '.join(map(os.fspath, items))} looks like 'weight prefix' pairs with weights "
+            f"{', '.join(numbers)}, but {problem}; give a prefix after every weight (e.g. 0.3 A 0.7 B), "
+            "or prefixes only"
+        )
     return [os.fspath(p).strip() for p in items], None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_split(split: str) -> list[float]:
@@ -157,7 +176,7 @@ def build_train_valid_test_datasets(
     def warn_once() -> None:
         if unused_empty and os.environ.get("RANK", "0") == "0":
             where = "; ".join(f"{name} split of {', '.join(p)}" for name, p in unused_empty.items())
-            print(f"WARNING: --split {split} leaves no documents in the {where}; it is not used", flush=True)
+            print_line(f"WARNING: --split {split} leaves no documents in the {where}; it is not used")
 
     if len(prefixes) == 1:
         single = per_prefix(prefixes[0], sizes)

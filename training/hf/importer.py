@@ -124,6 +124,7 @@ def import_from_hf(
     pipeline_parallel: int = 1,
     virtual_stages: int | None = None,
     layout: str | None = None,
+    expert_parallel: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> ImportSummary:
     """Write the Hugging Face model in ``folder`` as a Trident checkpoint (iteration 0) under ``save``."""
@@ -137,7 +138,7 @@ def import_from_hf(
     config, vocab_size, max_positions = transformer_config_from_hf(
         hf_config,
         where=config_path,
-        **split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout),
+        **split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout, expert_parallel),
     )
     weights = SafetensorsFolder(folder)
     dtype = weights[
