@@ -415,12 +415,23 @@ SPLITS = {  # name: (tp, pp, cp, config options) on 4 ranks; DP takes the rest
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
     ),
     "tp2_sp_cp2_a2a": (2, 1, 2, {"sequence_parallel": True, "cp_comm_type": "a2a"}),
+    "pp2_cp2_compile": (1, 2, 2, {"compile": True, "compile_backend": "aot_eager"}),
+    "pp2_cp2_a2a_compile_zb-h1": (
+        1,
+        2,
+        2,
+        {
+            "compile": True,
+            "compile_backend": "aot_eager",
+            "cp_comm_type": "a2a",
+            "pipeline_schedule": "zb-h1",
+        },
+    ),
 }
-CI = {  # one representative per composition; the rest of the grid is slow
+CI = {  # one representative per composition (PP2 x CP2 under 1F1B: the pretrain_gpt.py test); the rest is slow
     ("llama", "cp4_p2p", "per_token"),
     ("gpt", "cp2_a2a", "mean"),
     ("llama", "tp2_sp_cp2", "per_token"),
-    ("gpt", "pp2_cp2_1f1b", "sum"),
     ("llama", "pp2_cp2_zb-h1", "per_token"),
     ("gpt", "dp2_cp2_distopt", "sum"),
 }
