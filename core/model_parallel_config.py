@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
 from core.flags import flag, not_a_flag
-from core.pipeline_parallel.hooks import ScheduleHooks
+from core.pipeline_parallel.placement import chunks_problem
+
+if TYPE_CHECKING:  # the config carries the hooks; it does not need the schedule code to do so
+    from core.pipeline_parallel.hooks import ScheduleHooks
 
 PipelineSchedule = Literal["1f1b", "gpipe", "zb-h1", "zbv"]
 PIPELINE_SCHEDULES = get_args(PipelineSchedule)
@@ -137,15 +140,11 @@ class ModelParallelConfig:
             raise ValueError(
                 f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}"
             )
-        if self.pipeline_schedule == "gpipe" and vpp is not None and vpp > 1:
+        problem = chunks_problem(self.pipeline_schedule, vpp or 1)
+        if problem:
             raise ValueError(
-                "pipeline_schedule='gpipe' cannot run virtual stages "
-                f"(virtual_pipeline_model_parallel_size={vpp}); use '1f1b' for interleaving"
-            )
-        if self.pipeline_schedule == "zbv" and vpp != 2:
-            raise ValueError(
-                "pipeline_schedule='zbv' runs exactly 2 virtual stages per pipeline rank (a V); set "
-                f"virtual_pipeline_model_parallel_size=2 (got {vpp})"
+                f"pipeline_schedule={self.pipeline_schedule!r} {problem} "
+                f"(virtual_pipeline_model_parallel_size={vpp})"
             )
         if self.variable_seq_lengths and self.context_parallel_size > 1:
             raise ValueError(

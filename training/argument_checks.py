@@ -3,7 +3,8 @@
 ``derive_args(args, world_size)`` checks the flags together and returns the values they imply
 (data-parallel size, microbatch count, virtual pipeline size, FFN size, ...) by name, leaving
 ``args`` as parsed; :mod:`training.run` puts them into the run's typed objects. It runs before
-``torch.distributed`` exists and is a pure function of its inputs, so every rank raises the same
+``torch.distributed`` exists and is a pure function of its inputs (with a batch ramp, also of the
+``--load`` checkpoint's consumed samples, read from its manifest), so every rank raises the same
 single ``ValueError`` naming the flags and numbers to change. ``validate_args`` is Megatron's name
 for the same check, returning a new namespace with the derived values (what ``get_args()`` gives).
 """
@@ -15,6 +16,13 @@ import copy
 import os
 from typing import Any
 
+from core.pipeline_parallel.layout import parse_layout
+from core.pipeline_parallel.placement import chunks_needed, chunks_problem, placement_style
+from core.transformer.context_parallel import CP_COMM_TYPES
+from core.transformer.moe.moe_config import parse_moe_layer_freq
+from training.batch_sizes import check_run_batches, derive_batch_sizes
+from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
+from training.data.builder import parse_data_path, parse_split
 from training.logging_utils import print_line
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
@@ -22,8 +30,6 @@ from training.schema import flag_name as _flag
 
 __all__ = ["derive_args", "megatron_namespace", "validate_args"]
 
-DEMO_MIN_GLOBAL_BATCH = 16
-"""The tiny demo's --global-batch-size: the smallest multiple of micro-batch x DP that is >= this."""
 REQUIRED = (
     "num_layers",
     "hidden_size",
@@ -166,41 +172,9 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 
 def _check_model(args: argparse.Namespace, tp: int) -> None:
-    heads = args.num_attention_heads
-    _require(
-        heads % tp == 0,
-        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
-    )
-    if args.group_query_attention:
-        groups = args.num_query_groups
-        _require(
-            heads % groups == 0,
-            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
-        )
-        _require(
-            groups % tp == 0,
-            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
-        )
-    if args.kv_channels is None:
-        _require(
-            args.hidden_size % heads == 0,
-            f"--hidden-size ({args.hidden_size}) must be divisible by "
-            f"--num-attention-heads ({heads}) unless --kv-channels is given",
-        )
-        args.kv_channels = args.hidden_size // heads
-    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
-        hidden = args.hidden_size
-        args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
-        _require(
-            args.ffn_hidden_size > 0,
-            f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
-            "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
-        )
-    _require(
-        args.ffn_hidden_size % tp == 0,
-        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
-        f"by --tensor-model-parallel-size ({tp})",
-    )
+    """The model's sizes against each other and the TP size, and the switches that must agree."""
+    _check_attention(args, tp)
+    _check_ffn(args, tp)
     _require(
         not (args.swiglu and args.openai_gelu),
         "--openai-gelu and --swiglu exclude each other: SwiGLU's gate uses SiLU, not GELU",
@@ -228,6 +202,54 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             f"--seq-length ({args.seq_length}) must be divisible by "
             f"--tensor-model-parallel-size ({tp}) with --sequence-parallel",
         )
+    _check_recompute(args)
+
+
+def _check_attention(args: argparse.Namespace, tp: int) -> None:
+    """Heads, query groups and head size: divisible as TP and grouped-query attention need."""
+    heads = args.num_attention_heads
+    _require(
+        heads % tp == 0,
+        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+    )
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(
+            heads % groups == 0,
+            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
+        )
+        _require(
+            groups % tp == 0,
+            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
+        )
+    if args.kv_channels is None:
+        _require(
+            args.hidden_size % heads == 0,
+            f"--hidden-size ({args.hidden_size}) must be divisible by "
+            f"--num-attention-heads ({heads}) unless --kv-channels is given",
+        )
+        args.kv_channels = args.hidden_size // heads
+
+
+def _check_ffn(args: argparse.Namespace, tp: int) -> None:
+    """The FFN size: Megatron's default (4h, or 2/3 of it rounded down to 64 with SwiGLU), split by TP."""
+    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
+        hidden = args.hidden_size
+        args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
+        _require(
+            args.ffn_hidden_size > 0,
+            f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
+            "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
+        )
+    _require(
+        args.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
+        f"by --tensor-model-parallel-size ({tp})",
+    )
+
+
+def _check_recompute(args: argparse.Namespace) -> None:
+    """Selective recomputation takes no method or layer count; full needs both."""
     if args.recompute_granularity == "selective":
         _require(
             args.recompute_method is None and args.recompute_num_layers is None,
@@ -248,8 +270,6 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
 
 def _check_moe(args: argparse.Namespace, world_size: int, tp: int, pp: int) -> None:
     """Experts, expert parallelism and routing (before any process group, as every check here)."""
-    from core.transformer.moe.moe_config import parse_moe_layer_freq
-
     experts, ep, etp = args.num_moe_experts, args.expert_model_parallel_size, args.expert_tensor_parallel_size
     args.moe_layer_freq = 1
     if experts is None:
@@ -316,15 +336,13 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
     _require(len(chosen) <= 1, f"{' and '.join(chosen)} are mutually exclusive: give at most one")
     vpp = args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout is not None:
-        from core.pipeline_parallel.layout import parse_layout
-
         try:
             vpp = parse_layout(
                 args.pipeline_model_parallel_layout,
                 pp,
                 num_layers=args.num_layers,
                 mtp_num_layers=0,
-                placement="v" if args.pipeline_schedule == "zbv" else "loop",
+                placement=placement_style(args.pipeline_schedule),
             ).vpp_size
         except ValueError as err:
             raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
@@ -343,29 +361,27 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
         vpp = per_rank // per_stage
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    schedule, needed = args.pipeline_schedule, chunks_needed(args.pipeline_schedule)
+    problem = chunks_problem(schedule, vpp or 1)
     _require(
-        args.pipeline_schedule != "zbv" or vpp == 2,
-        "--pipeline-schedule zbv runs two model chunks per pipeline rank, in a V: give "
-        "--num-virtual-stages-per-pipeline-rank 2 (or a --pipeline-model-parallel-layout with "
-        f"{2 * pp} stages)" + (f"; got {vpp} virtual stages per rank" if vpp else ""),
+        problem is None,
+        f"--pipeline-schedule {schedule} {problem}"
+        + (
+            f": give --num-virtual-stages-per-pipeline-rank {needed} (or a --pipeline-model-parallel-layout "
+            f"with {needed * pp} stages)"
+            if needed
+            else ""
+        ),
     )
     if vpp and vpp > 1:
         _require(
             pp > 1,
-            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs "
-            "--pipeline-model-parallel-size > 1",
-        )
-        _require(
-            args.pipeline_schedule != "gpipe",
-            f"--pipeline-schedule gpipe cannot run virtual pipeline "
-            f"stages ({vpp} per rank); use --pipeline-schedule 1f1b",
+            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs --pipeline-model-parallel-size > 1",
         )
 
 
 def _check_context_parallel(args: argparse.Namespace, tp: int, cp: int) -> None:
     """``--cp-comm-type`` and the sizes context parallelism must divide."""
-    from core.transformer.context_parallel import CP_COMM_TYPES
-
     types = args.cp_comm_type
     _require(
         "a2a+p2p" not in types,
@@ -405,38 +421,6 @@ def _check_context_parallel(args: argparse.Namespace, tp: int, cp: int) -> None:
     )
 
 
-def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
-    mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp
-    if args.global_batch_size is None and args.using_default_model:
-        args.global_batch_size = per_step * max(1, -(-DEMO_MIN_GLOBAL_BATCH // per_step))
-        filled = list(args.tiny_demo_filled.items())
-        at = next((i + 1 for i, (k, _) in enumerate(filled) if k == "micro_batch_size"), len(filled))
-        args.tiny_demo_filled = dict(
-            filled[:at] + [("global_batch_size", args.global_batch_size)] + filled[at:]
-        )
-    elif args.global_batch_size is None:
-        args.global_batch_size = per_step  # Megatron's default: one microbatch per data-parallel rank
-    gbs = args.global_batch_size
-    _require(
-        gbs % per_step == 0,
-        f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
-        f"({mbs}) x data-parallel size ({dp}) = {per_step}",
-    )
-    args.num_microbatches = gbs // per_step
-    vpp = args.virtual_pipeline_model_parallel_size
-    if vpp and args.pipeline_schedule != "zbv":  # ZBV's V runs any number of microbatches
-        from core.pipeline_parallel.schedule_tables import check_interleaving
-
-        try:
-            check_interleaving(pp, vpp, args.num_microbatches, args.microbatch_group_size_per_vp_stage)
-        except ValueError as err:
-            raise ValueError(
-                f"{err} (interleaved schedule, {vpp} virtual stages per rank; microbatches = "
-                f"--global-batch-size ({gbs}) / (--micro-batch-size ({mbs}) x data-parallel "
-                f"size ({dp})) = {args.num_microbatches})"
-            ) from None
-
-
 def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
     """``--checkpoint-activations`` (Megatron's old full recompute) and ``--recompute-activations``
     (selective) set the recompute flags, which must then not be given too."""
@@ -461,11 +445,7 @@ def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
 
 def _check_data(args: argparse.Namespace) -> None:
     """Data sources, tokenizer files, the split, profiling."""
-    sources = [
-        _flag(d)
-        for d in ("data_path", "mock_data", "train_data_path")
-        if getattr(args, d) not in (None, False)
-    ]
+    sources = [f for f in DATA_SOURCE_FLAGS if getattr(args, BY_OPTION[f].dest) not in (None, False)]
     _require(len(sources) <= 1, f"{' and '.join(sources)} are mutually exclusive: give one data source")
     per_split = [_flag(d) for d in ("valid_data_path", "test_data_path") if getattr(args, d) is not None]
     _require(
@@ -486,8 +466,6 @@ def _check_data(args: argparse.Namespace) -> None:
             "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a local folder saved by "
             "transformers (tokenizer.json, tokenizer_config.json); nothing is downloaded",
         )
-    from training.data.builder import parse_data_path
-
     for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(args, dest) is not None:
             try:
@@ -495,10 +473,8 @@ def _check_data(args: argparse.Namespace) -> None:
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{_flag(dest)}: {err}") from None
     if (args.data_path is not None or args.mock_data) and args.split is None:
-        args.split = "969,30,1"  # Megatron's legacy default when --data-path has no --split
+        args.split = DEFAULT_SPLIT
     if args.split is not None:
-        from training.data.builder import parse_split
-
         parse_split(args.split)  # its ValueError already names --split
     if args.profile:
         start, end = args.profile_step_start, args.profile_step_end
@@ -574,7 +550,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     _check_context_parallel(flags, tp, cp)
     _check_moe(flags, world_size, tp, pp)
     _check_pipeline(flags, pp)
-    _check_batch(flags, pp, flags.data_parallel_size)
+    derive_batch_sizes(flags, pp, flags.data_parallel_size)
     _require(flags.min_lr <= flags.lr, f"--min-lr ({flags.min_lr}) must be <= --lr ({flags.lr})")
     _require(
         not (flags.override_opt_param_scheduler and flags.use_checkpoint_opt_param_scheduler),
@@ -582,6 +558,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
         "give at most one",
     )
     check_schedule(flags)
+    check_run_batches(flags, pp, flags.data_parallel_size)
     if flags.save_interval is None:
         flags.save_interval = flags.train_iters  # --save-interval defaults to the run's length
     _check_data(flags)

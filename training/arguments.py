@@ -25,6 +25,10 @@ import sys
 import textwrap
 from typing import Any
 
+import torch.nn.functional as F
+
+from core.transformer.transformer_config import TransformerConfig, openai_gelu
+from training.config import DATA_SOURCE_FLAGS
 from training.config_file import REJECTED_DEST, load_config
 from training.errors import UsageError
 from training.schema import (
@@ -70,10 +74,10 @@ TINY_DEMO: dict[str, Any] = {
 }
 """The tiny demo's values (and --global-batch-size: the smallest multiple of micro-batch x DP >= 16)."""
 DEMO_OFF_MODEL_FLAGS = ("--hidden-size", "--num-attention-heads", "--seq-length", "--ffn-hidden-size")
-DATA_SOURCE_FLAGS = ("--data-path", "--mock-data", "--train-data-path")
 DEFAULT_TOKENIZER = "GPTSentencePieceTokenizer"
-SAME_AS: dict[str, str] = {"max_position_embeddings": "seq_length", "save_interval": "train_iters"}
-"""Flags that default to another flag's final value."""
+SAME_AS: dict[str, str] = {"max_position_embeddings": "seq_length"}
+"""Flags that default to another flag's value as given (``--save-interval``, which defaults to the run's
+length, is derived in validation: a sample-based run's length is known only then)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,10 +314,6 @@ def transformer_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     Sequence length and position count are ``GPTModel`` arguments, not config fields: pass
     ``args.max_position_embeddings`` as its ``max_sequence_length``.
     """
-    import torch.nn.functional as F
-
-    from core.transformer.transformer_config import TransformerConfig, openai_gelu
-
     if not hasattr(args, "data_parallel_size"):
         raise ValueError("call validate_args(args, world_size) first")
     config = config_kwargs(TransformerConfig, args)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from core import parallel_state as ps
 from core.device import current_device
+from core.parallel_state import ParallelGroups
 from core.transformer.context_parallel import get_batch_on_this_cp_rank
 from training.data.samplers import EndlessSequentialSampler, MegatronPretrainingRandomSampler
 from training.faults import one_line_errors
@@ -73,13 +74,13 @@ def _collate(samples: list):
 
 
 def _broadcast_in_tp_group(
-    batch: dict[str, torch.Tensor] | None, micro_batch_size: int, seq_length: int
+    batch: dict[str, torch.Tensor] | None, micro_batch_size: int, seq_length: int, groups: ParallelGroups
 ) -> dict[str, torch.Tensor]:
     """TP rank 0's batch on every rank of its tensor-parallel group."""
     device = current_device()
-    if ps.get_tensor_model_parallel_world_size() == 1:
+    if groups.size("tp") == 1:
         return {k: batch[k].to(device, non_blocking=True) for k in FIELDS}
-    src, group = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_group()
+    src, group = groups.ranks["tp"][0], groups.tp
     out = {}
     for field in FIELDS:
         dtype = torch.float32 if field == "loss_mask" else torch.int64
@@ -97,6 +98,7 @@ class BatchStream:
     """One dataset's microbatches for this rank, step after step (see the module docstring).
 
     ``num_workers=0`` reads in the training process; ``dataloader_type`` is ``single`` or ``cyclic``.
+    ``groups``: the process groups to read for (default: ``parallel_state``'s).
     """
 
     def __init__(
@@ -107,8 +109,9 @@ class BatchStream:
         seq_length: int,
         num_workers: int = 0,
         dataloader_type: str = "single",
+        groups: ParallelGroups | None = None,
     ) -> None:
-        self.dataset = dataset
+        self.dataset, self.groups = dataset, groups if groups is not None else ps.get_parallel_groups()
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.num_workers, self.dataloader_type = num_workers, dataloader_type
         self.position: int | None = None
@@ -119,8 +122,8 @@ class BatchStream:
             len(self.dataset),
             consumed_samples,
             self.micro_batch_size,
-            ps.get_data_parallel_rank(),
-            ps.get_data_parallel_world_size(),
+            self.groups.rank_in("dp"),
+            self.groups.size("dp"),
         )
         loader = torch.utils.data.DataLoader(
             _Guarded(self.dataset),
@@ -137,21 +140,21 @@ class BatchStream:
 
     def step(self, consumed_samples: int, num_microbatches: int) -> list[dict[str, torch.Tensor]]:
         """The ``num_microbatches`` microbatches of the step that starts at ``consumed_samples``."""
-        reads = ps.get_tensor_model_parallel_rank() == 0
+        reads = self.groups.rank_in("tp") == 0
         if reads and consumed_samples != self.position:
             self.close()
             self._batches = self._open(consumed_samples)
         batches = [
             get_batch_on_this_cp_rank(
                 _broadcast_in_tp_group(
-                    self._next_batch() if reads else None, self.micro_batch_size, self.seq_length
-                )
+                    self._next_batch() if reads else None, self.micro_batch_size, self.seq_length, self.groups
+                ),
+                cp_size=self.groups.size("cp"),
+                cp_rank=self.groups.rank_in("cp"),
             )
             for _ in range(num_microbatches)
         ]
-        self.position = (
-            consumed_samples + num_microbatches * self.micro_batch_size * ps.get_data_parallel_world_size()
-        )
+        self.position = consumed_samples + num_microbatches * self.micro_batch_size * self.groups.size("dp")
         return batches
 
     def _next_batch(self) -> dict[str, torch.Tensor]:

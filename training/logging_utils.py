@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
+    from core.parallel_state import ParallelGroups
     from core.pipeline_parallel.layout import PipelineLayout
 
 
@@ -25,16 +26,16 @@ def print_line(message: str, *, file: TextIO | None = None) -> None:
     out.flush()
 
 
-def is_logging_rank(layout: PipelineLayout) -> bool:
-    """First TP and DP x CP rank of the pipeline rank that has the loss: the last, or the first under ZBV."""
-    from core import parallel_state as ps
+def is_logging_rank(layout: PipelineLayout, groups: ParallelGroups | None) -> bool:
+    """First TP and DP x CP rank of the pipeline rank that has the loss: the last, or the first under ZBV.
 
-    if not ps.model_parallel_is_initialized():
+    ``groups`` None: one process, which logs."""
+    if groups is None:
         return True
     return (
-        holds_loss(layout, ps.get_pipeline_model_parallel_rank())
-        and ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        holds_loss(layout, groups.rank_in("pp"))
+        and groups.rank_in("tp") == 0
+        and groups.rank_in("dp_cp") == 0
     )
 
 

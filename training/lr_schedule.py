@@ -2,7 +2,7 @@
 
 Megatron's scheduler counts samples. A run is either iteration-based (``--train-iters``, with
 ``--lr-decay-iters``, ``--lr-warmup-iters``, ``--lr-wsd-decay-iters``, each multiplied by the global
-batch size) or sample-based (``--train-samples``, with ``--lr-decay-samples``, ``--lr-warmup-samples``,
+batch size: the full one, after any batch ramp, as Megatron multiplies) or sample-based (``--train-samples``, with ``--lr-decay-samples``, ``--lr-warmup-samples``,
 ``--lr-wsd-decay-samples``); the two families do not mix. ``--lr-warmup-fraction`` is a fraction of
 the decay samples in either. Weight decay goes from ``--start-weight-decay`` to ``--end-weight-decay``
 over the whole run (``--weight-decay-incr-style``), or stays at ``--weight-decay``.
@@ -18,6 +18,7 @@ import argparse
 from typing import Any
 
 from core.optimizer.lr_scheduler import OptimizerParamScheduler
+from training.batch_sizes import batch_size_schedule
 
 __all__ = ["build_scheduler", "check_schedule", "scheduler_kwargs"]
 
@@ -47,12 +48,13 @@ def _check_run_length(args: argparse.Namespace) -> None:
             f"{', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} for iteration-based training; with "
             "--train-samples use --lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples"
         )
-    if args.train_samples < args.global_batch_size:
+    schedule = batch_size_schedule(args)
+    if not schedule.changes and args.train_samples < args.global_batch_size:
         raise ValueError(
             f"--train-samples ({args.train_samples}) is less than one global batch (--global-batch-size "
             f"{args.global_batch_size})"
         )
-    args.train_iters = args.train_samples // args.global_batch_size  # Megatron's count (no batch ramp)
+    args.train_iters = schedule.train_iters(args.train_samples)  # Megatron's count, along a ramp too
 
 
 def scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,6 +95,13 @@ def scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def check_schedule(args: argparse.Namespace) -> None:
     """Megatron's rules for the schedule flags; one ``ValueError`` naming the flags and numbers."""
     _check_run_length(args)
+    _check_warmup_and_wsd(args)
+    _check_weight_decay_and_decoupled_lr(args)
+    _check_lengths(args)
+
+
+def _check_warmup_and_wsd(args: argparse.Namespace) -> None:
+    """One way to give the warm-up; the WSD flags only with WSD, and its anneal's length given."""
     warmups = [
         f
         for f, set_ in (
@@ -122,6 +131,10 @@ def check_schedule(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the length of the final anneal)"
             )
+
+
+def _check_weight_decay_and_decoupled_lr(args: argparse.Namespace) -> None:
+    """A weight-decay ramp names both ends (a constant one neither); a decoupled floor needs its peak."""
     if args.weight_decay_incr_style == "constant":
         given = [f for f in ("start_weight_decay", "end_weight_decay") if getattr(args, f) is not None]
         if given:
@@ -140,6 +153,10 @@ def check_schedule(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--decoupled-min-lr ({args.decoupled_min_lr}) must be <= --decoupled-lr ({args.decoupled_lr})"
         )
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    """Warm-up shorter than the decay, and a WSD anneal within it, in the run's own unit."""
     kwargs = scheduler_kwargs(args)
     sample_based = args.train_samples is not None
     unit, flag = ("samples", "samples") if sample_based else ("iterations", "iters")

@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from core import parallel_state as ps
+from core.pipeline_parallel.actions import ActionKind
 from core.pipeline_parallel.executor import ScheduleRecord
 from core.pipeline_parallel.placement import Placement
-from core.pipeline_parallel.schedule_tables import ActionKind
 from core.pipeline_parallel.simulator import simulate
 from training.logging_utils import print_line
 
@@ -132,8 +133,6 @@ class Timeline:
 
     def finish(self, iteration: int, record: ScheduleRecord) -> None:
         """Gather the iteration's events on rank 0 (a collective: every rank calls it)."""
-        from core import parallel_state as ps
-
         mine = RankEvents(
             dist.get_rank(),
             ps.get_pipeline_model_parallel_rank(),

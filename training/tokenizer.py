@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import math
 import os
+import typing
 
+from training.config import TokenizerType
 from training.errors import DataError
 
 
@@ -345,14 +347,9 @@ Tokenizer = (
     | HuggingFaceTokenizer
     | NullTokenizer
 )
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "GPTSentencePieceTokenizer",
-    "SentencePieceTokenizer",
-    "Llama2Tokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-)
+TOKENIZER_TYPES = typing.get_args(TokenizerType)
+SENTENCEPIECE_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer")
+"""The --tokenizer-type values read from a SentencePiece model (Trident's own, given no --tokenizer-model)."""
 
 
 def build_tokenizer(
@@ -365,7 +362,7 @@ def build_tokenizer(
     merge_file: str | os.PathLike | None = None,
 ) -> Tokenizer:
     """Build a tokenizer by its Megatron ``--tokenizer-type`` name."""
-    if tokenizer_type in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"):
+    if tokenizer_type in SENTENCEPIECE_TYPES:
         if tokenizer_model is None:
             raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
         if tokenizer_type == "SentencePieceTokenizer":

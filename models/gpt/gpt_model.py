@@ -27,6 +27,7 @@ from torch import nn
 from core import parallel_state
 from core.device import current_device
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
+from core.pipeline_parallel.placement import placement_style
 from core.tensor_parallel import (
     ColumnParallelLinear,
     fused_vocab_parallel_cross_entropy,
@@ -78,23 +79,27 @@ def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
     """The layout the model is split by: ``config.pipeline_model_parallel_layout`` or an even split.
 
     Under the ZBV schedule the stages are dealt to ranks in a V (stage ``s >= pp`` on rank
-    ``2 pp - 1 - s``), which puts the first and the last stage on rank 0.
+    ``2 pp - 1 - s``), which puts the first and the last stage on rank 0. A layout is a function
+    of five config fields and immutable: each one is built once and shared by every chunk asking.
     """
-    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    placement = "v" if config.pipeline_schedule == "zbv" else "loop"
-    if config.pipeline_model_parallel_layout is None:
-        return even_layout(config.num_layers, pp, vpp, placement=placement)
-    layout = parse_layout(
+    return _layout(
+        config.num_layers,
+        config.pipeline_model_parallel_size,
+        config.virtual_pipeline_model_parallel_size,
         config.pipeline_model_parallel_layout,
-        pp,
-        num_layers=config.num_layers,
-        mtp_num_layers=0,
-        placement=placement,
+        placement_style(config.pipeline_schedule),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(num_layers: int, pp: int, vpp: int | None, text: str | None, placement: str) -> PipelineLayout:
+    if text is None:
+        return even_layout(num_layers, pp, vpp, placement=placement)
+    layout = parse_layout(text, pp, num_layers=num_layers, mtp_num_layers=0, placement=placement)
     if layout.vpp_size != (vpp or 1):
         raise ValueError(
-            f"pipeline layout '{config.pipeline_model_parallel_layout}' has {layout.vpp_size} virtual "
-            f"stages per rank but virtual_pipeline_model_parallel_size is {vpp}"
+            f"pipeline layout '{text}' has {layout.vpp_size} virtual stages per rank but "
+            f"virtual_pipeline_model_parallel_size is {vpp}"
         )
     return layout
 
@@ -159,18 +164,7 @@ class GPTModel(nn.Module):
         self._check_stage(pre_process, post_process, vp_stage)
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None
-        placement = (_rank_of(self.layout, EMBEDDING), _rank_of(self.layout, LOSS))
-        if (
-            self.share_embeddings_and_output_weights
-            and self._tied_across_ranks()
-            and placement != (0, self.layout.pp_size - 1)
-        ):
-            raise ValueError(
-                f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
-                f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
-                f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True"
-            )
-
+        self._check_tied_placement()
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size, max_sequence_length)
             if pre_process
@@ -198,6 +192,20 @@ class GPTModel(nn.Module):
                 layer.weight.is_embedding_or_output_parameter = True
         if config.perform_initialization:
             initialize_by_name(self, config)
+
+    def _check_tied_placement(self) -> None:
+        """Tied embeddings on two ranks stay in sync over the embedding group: first and last rank only."""
+        placement = (_rank_of(self.layout, EMBEDDING), _rank_of(self.layout, LOSS))
+        if (
+            self.share_embeddings_and_output_weights
+            and self._tied_across_ranks()
+            and placement != (0, self.layout.pp_size - 1)
+        ):
+            raise ValueError(
+                f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
+                f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
+                f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True"
+            )
 
     def _check_stage(self, pre_process: bool, post_process: bool, vp_stage: int | None) -> None:
         try:

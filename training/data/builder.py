@@ -147,42 +147,13 @@ def build_train_valid_test_datasets(
     sizes = list(num_samples)
     if len(sizes) != 3:
         raise ValueError(f"num_samples needs one entry per split (train, valid, test), got {sizes}")
-    common = {
-        "seq_length": seq_length,
-        "seed": seed,
-        "eod_token": eod_token,
-        "eod_mask_loss": eod_mask_loss,
-        "vocab_size": vocab_size,
-    }
-
-    unused_empty: dict[str, list[str]] = {}
-
-    def per_prefix(prefix: str, counts: Sequence[int | None]) -> list[GPTDataset | None]:
-        indexed = open_dataset(prefix)
-        datasets = []
-        for name, docs, count, asked in zip(
-            SPLIT_NAMES, split_document_indices(len(indexed), split), counts, sizes
-        ):
-            if docs is not None and len(docs) == 0 and asked == 0:
-                unused_empty.setdefault(name, []).append(f"{prefix} ({len(indexed)} documents)")
-                docs = None
-            datasets.append(
-                None
-                if docs is None
-                else GPTDataset(indexed, docs, count, split_name=name, cache_dir=cache_dir, **common)
-            )
-        return datasets
-
-    def warn_once() -> None:
-        if unused_empty and os.environ.get("RANK", "0") == "0":
-            where = "; ".join(f"{name} split of {', '.join(p)}" for name, p in unused_empty.items())
-            print_line(f"WARNING: --split {split} leaves no documents in the {where}; it is not used")
-
+    common = {"seq_length": seq_length, "seed": seed, "eod_token": eod_token, "vocab_size": vocab_size}
+    splits = _Splits(split, sizes, open_dataset, cache_dir, dict(common, eod_mask_loss=eod_mask_loss))
     if len(prefixes) == 1:
-        single = per_prefix(prefixes[0], sizes)
-        warn_once()
+        single = splits.of_prefix(prefixes[0], sizes)
+        splits.warn_unused()
         return single
-
+    targets = None
     if weights is not None:
         weights = normalize(weights)
         for name, size in zip(SPLIT_NAMES, sizes):
@@ -192,29 +163,58 @@ def build_train_valid_test_datasets(
         buffers = [[math.ceil(t * (1 + MID_LEVEL_DATASET_SURPLUS)) for t in row] for row in targets]
     else:
         buffers = [[None, None, None] for _ in prefixes]
-    parts = [per_prefix(prefix, counts) for prefix, counts in zip(prefixes, buffers)]
-    warn_once()
+    parts = [splits.of_prefix(prefix, counts) for prefix, counts in zip(prefixes, buffers)]
+    splits.warn_unused()
+    return [_blend([p[i] for p in parts], i, weights, targets, sizes[i], cache_dir) for i in range(3)]
 
-    blends: list[BlendedDataset | None] = []
-    for i, name in enumerate(SPLIT_NAMES):
-        members = [p[i] for p in parts]
-        if any(m is None for m in members):
-            blends.append(None)
-            continue
-        if weights is not None:
-            split_weights, size = weights, sum(row[i] for row in targets)
-        else:
-            split_weights = [len(m) for m in members]
-            size = None if sizes[i] is None else min(sizes[i], sum(split_weights))
-        description = {
-            "datasets": [m.cache_files[0].name for m in members],
-            "split_name": name,
-        }
-        blend_cache = cache_dir if cache_dir is not None else members[0].cache_files[0].parent
-        blends.append(
-            BlendedDataset(members, split_weights, size, cache_dir=blend_cache, description=description)
-        )
-    return blends
+
+class _Splits:
+    """Cuts one prefix's documents into the three splits, and remembers the empty splits nobody reads."""
+
+    def __init__(
+        self, split: str, sizes: list[int | None], open_dataset: Callable, cache_dir, common: dict
+    ) -> None:
+        self.split, self.sizes, self.open_dataset, self.cache_dir = split, sizes, open_dataset, cache_dir
+        self.common = common  # GPTDataset's keyword arguments
+        self.unused_empty: dict[str, list[str]] = {}
+
+    def of_prefix(self, prefix: str, counts: Sequence[int | None]) -> list[GPTDataset | None]:
+        indexed = self.open_dataset(prefix)
+        datasets = []
+        for name, docs, count, asked in zip(
+            SPLIT_NAMES, split_document_indices(len(indexed), self.split), counts, self.sizes
+        ):
+            if docs is not None and len(docs) == 0 and asked == 0:
+                self.unused_empty.setdefault(name, []).append(f"{prefix} ({len(indexed)} documents)")
+                docs = None
+            datasets.append(
+                None
+                if docs is None
+                else GPTDataset(
+                    indexed, docs, count, split_name=name, cache_dir=self.cache_dir, **self.common
+                )
+            )
+        return datasets
+
+    def warn_unused(self) -> None:
+        """One warning (rank 0) for the empty splits that are never read."""
+        if self.unused_empty and os.environ.get("RANK", "0") == "0":
+            where = "; ".join(f"{name} split of {', '.join(p)}" for name, p in self.unused_empty.items())
+            print_line(f"WARNING: --split {self.split} leaves no documents in the {where}; it is not used")
+
+
+def _blend(members: list, i: int, weights, targets, asked: int | None, cache_dir) -> BlendedDataset | None:
+    """Split ``i`` of every prefix blended: by the given weights, else by the members' sizes."""
+    if any(m is None for m in members):
+        return None
+    if weights is not None:
+        split_weights, size = weights, sum(row[i] for row in targets)
+    else:
+        split_weights = [len(m) for m in members]
+        size = None if asked is None else min(asked, sum(split_weights))
+    description = {"datasets": [m.cache_files[0].name for m in members], "split_name": SPLIT_NAMES[i]}
+    blend_cache = cache_dir if cache_dir is not None else members[0].cache_files[0].parent
+    return BlendedDataset(members, split_weights, size, cache_dir=blend_cache, description=description)
 
 
 def build_per_split_datasets(

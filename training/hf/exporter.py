@@ -157,23 +157,8 @@ def export_to_hf(
         else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     )
     _check_empty(out)
-    writers = {}
     file_of = {name: file for file, shard in zip(files, shards) for name, _, _ in shard}
-    total = 0
-    try:
-        for file, shard in zip(files, shards):
-            writers[file] = TensorFileWriter(os.path.join(out, file), shard, {"format": "pt"})
-        for name, tensor in iter_to_hf(_CheckpointTensors(ckpt), config, vocab, tied_head=False):
-            writers[file_of[name]].write(name, tensor)
-            total += tensor.numel() * tensor.element_size()
-            if progress is not None:
-                progress(tensor.numel() * tensor.element_size())
-        for writer in writers.values():
-            writer.close(sync_dir=False)
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
+    total = _write_shards(ckpt, out, files, shards, file_of, progress)
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
         _write(os.path.join(out, INDEX_FILE), index)
@@ -204,6 +189,37 @@ def export_to_hf(
         seconds=time.perf_counter() - started,
         eos_token_id=tokenizer["eos_token_id"],
     )
+
+
+def _write_shards(
+    ckpt: Checkpoint,
+    out: str,
+    files: list[str],
+    shards: list[list],
+    file_of: dict[str, str],
+    progress: Callable[[int], None] | None,
+) -> int:
+    """Stream every tensor, in Hugging Face's names, into its shard file; the bytes written.
+
+    A failure leaves no partial file behind."""
+    writers, total = {}, 0
+    try:
+        for file, shard in zip(files, shards):
+            writers[file] = TensorFileWriter(os.path.join(out, file), shard, {"format": "pt"})
+        for name, tensor in iter_to_hf(
+            _CheckpointTensors(ckpt), ckpt.config, ckpt.vocab_size, tied_head=False
+        ):
+            writers[file_of[name]].write(name, tensor)
+            total += tensor.numel() * tensor.element_size()
+            if progress is not None:
+                progress(tensor.numel() * tensor.element_size())
+        for writer in writers.values():
+            writer.close(sync_dir=False)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    return total
 
 
 def generation_config(tokenizer: Mapping[str, int | None]) -> dict:

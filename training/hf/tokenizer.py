@@ -27,6 +27,8 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from training.tokenizer import HuggingFaceTokenizer
+
 __all__ = ["TOKENIZER_FILES", "export_tokenizer", "hf_tokenizer_files"]
 
 TOKENIZER_FILES = (
@@ -231,8 +233,6 @@ def _copy_hf_folder(folder: str, out: str) -> dict[str, Any]:
         raise ValueError(f"the checkpoint's Hugging Face tokenizer folder {folder} holds no tokenizer files")
     for name in names:
         shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
-    from training.tokenizer import HuggingFaceTokenizer
-
     tokenizer = HuggingFaceTokenizer(folder)
     return {
         "bos_token_id": None if tokenizer.bos < 0 else tokenizer.bos,
