@@ -358,9 +358,8 @@ COVERAGE: dict[str, Coverage] = {
     ),
     "--profile": works(),
     "--checkpoint-activations": works(),
-    "--context-parallel-size": works_only(
-        (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
-    ),
+    "--context-parallel-size": works(),
+    "--cp-comm-type": works(),
     "--expert-model-parallel-size": works(),
     "--rampup-batch-size": works(),
     "--step-batch-size-schedule": works(),
