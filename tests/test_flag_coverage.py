@@ -93,11 +93,11 @@ ISSUE_FLAGS = {
     "--lr-wsd-decay-iters --lr-wsd-decay-samples --tensorboard-dir --profile --profile-step-start "
     "--profile-step-end --profile-ranks --dataloader-type --checkpoint-activations --recompute-activations "
     "--rotary-base --rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
-    "--use-rope-scaling --rope-scaling-factor --num-experts --moe-router-topk --moe-grouped-gemm "
+    "--use-rope-scaling --rope-scaling-factor --cross-entropy-loss-fusion --num-experts --moe-router-topk --moe-grouped-gemm "
     "--moe-aux-loss-coeff --moe-layer-freq --moe-token-dispatcher-type=alltoall --moe-ffn-hidden-size "
     "--moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-router-pre-softmax",
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
-    "--cross-entropy-loss-fusion --no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
+    "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn --fp8-format "
     "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
@@ -652,10 +652,14 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys, monkeypatch):
     summary = out[out.index("run summary: 3 iterations in ") :].splitlines()
     assert re.match(r"  final train lm loss: \d\.\d{4} \| final validation lm loss: \d\.\d{4}$", summary[1])
     assert summary[2] == f"  checkpoint: {checkpoints} (iteration 3)"
-    assert summary[3].startswith("  resume or train longer: ") and summary[3].endswith(
-        f"--load {checkpoints} --train-iters 6"
-    )
-    assert summary[4] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
+    assert summary[3].startswith("  train longer: ") and summary[3].endswith(
+        f"--save {checkpoints} --manual-gc --manual-gc-interval 2 --exit-duration-in-mins 1000 --distributed-backend "
+        f"gloo --tensorboard-dir {tmp_path / 'tb'} --profile --profile-step-start 1 --profile-step-end 2 --num-workers "
+        f"1 --data-cache-path {tmp_path / 'cache'} --decoupled-lr 2e-3 --dataloader-type cyclic --load {checkpoints} "
+        "--train-iters 6 --override-opt_param-scheduler"
+    )  # the flags as given, --load once (at the end), --train-iters replaced
+    assert summary[4] == "    (pretrain() was given these flags directly: pass them to it again)"
+    assert summary[5] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
 
 
 def test_exit_duration_saves_and_exits_after_the_step_that_ran_out(dataset, tmp_path, capsys):

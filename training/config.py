@@ -104,8 +104,6 @@ class TrainingArgs:
         True, name="--no-masked-softmax-fusion", help="Megatron: do not fuse scaling, masking and softmax."
     )
     """Megatron: fuse attention-score scaling, masking and softmax in one kernel."""
-    cross_entropy_loss_fusion: bool = False
-    """Megatron: fused cross-entropy kernel."""
     moe_router_dtype: Literal["fp32"] | None = flag(None, group="mixture of experts")
     """Megatron: the dtype the router's gate is computed in (Trident's always computes in fp32)."""
     moe_router_score_function: Literal["softmax"] = flag("softmax", group="mixture of experts")
@@ -218,6 +216,12 @@ class ValidationArgs:
     """Global batches per evaluation (0: no evaluation)."""
 
 
+DATA_SOURCE_FLAGS = ("--data-path", "--mock-data", "--train-data-path")
+"""The flags that each give the training data; at most one, and any of them turns the tiny demo off."""
+DEFAULT_SPLIT = "969,30,1"
+"""Megatron's legacy --split when a --data-path (or the built-in corpus) has none."""
+
+
 @dataclass(kw_only=True)
 class DataArgs:
     """The training data: indexed datasets, their split and the loss mask."""
@@ -225,7 +229,7 @@ class DataArgs:
     data_path: list[str] | None = None
     """Dataset prefixes, or 'weight prefix weight prefix ...' (default: the built-in corpus)."""
     split: str | None = None
-    """Train,valid,test weights, e.g. 969,30,1 (default with --data-path: 969,30,1)."""
+    """Train,valid,test weights, e.g. 969,30,1 (default with --data-path or --mock-data: 969,30,1)."""
     eod_mask_loss: bool = False
     """Mask the loss on end-of-document tokens."""
     train_data_path: list[str] | None = None

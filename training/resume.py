@@ -13,7 +13,7 @@ import torch.distributed as dist
 from training import checkpointing, faults
 from training.config import LearningRateArgs
 from training.errors import ConfigError
-from training.logging_utils import print_rank_0
+from training.logging_utils import print_line, print_rank_0
 from training.state import Session
 
 if TYPE_CHECKING:
@@ -72,7 +72,8 @@ def save(run: Run, session: Session) -> None:
             "nan_iterations": state.nan_iterations,
         },
     )
-    print_rank_0(f"saved checkpoint {path}")
+    if session.logs_loss:  # the rank that prints the log lines and the summary: one stream of lines
+        print_line(f"saved checkpoint {path}")
 
 
 def load(run: Run, session: Session) -> None:

@@ -377,7 +377,6 @@ COVERAGE: dict[str, Coverage] = {
     "--use-mcore-models": no_effect("Trident has one model implementation, built like Megatron Core's"),
     "--no-masked-softmax-fusion": no_effect("softmax is one PyTorch call, never a fused kernel"),
     "--attention-backend": no_effect("attention is PyTorch's scaled_dot_product_attention"),
-    "--cross-entropy-loss-fusion": no_effect("the vocabulary-parallel cross-entropy is not fused"),
     "--empty-unused-memory-level": no_effect("the CUDA cache is left to PyTorch"),
     "--no-create-attention-mask-in-dataloader": no_effect("attention is causal without a mask tensor"),
     "--log-throughput": no_effect("TFLOP/s per GPU and tokens/s are always in the log line"),

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from core import parallel_state as ps
 from core.device import current_device
 from core.pipeline_parallel.losses import reduce_loss_logs
 from core.pipeline_parallel.mailbox import PipelineShapeError
@@ -133,7 +132,7 @@ def run_global_batch(
         raise ConfigError(
             f"{err} (--seq-length {seq_length}, --micro-batch-size {micro_batch_size})"
         ) from None
-    return reduce_loss_logs(logs, ps.get_data_parallel_group()) or None
+    return reduce_loss_logs(logs, session.groups.dp) or None
 
 
 def _iterators(chunks, stream: BatchStream, consumed_samples: int, num_microbatches: int) -> list:

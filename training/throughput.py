@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from core.transformer.moe.moe_config import parse_moe_layer_freq
+
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, TFLOP/s, from the vendors' data sheets. Checked in
 # order: the first name that occurs in torch.cuda.get_device_name() wins, so variants come first.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -64,8 +66,6 @@ def _mlp_width(args) -> int:
     layers = args.num_layers
     if getattr(args, "num_moe_experts", None) is None:
         return layers * args.ffn_hidden_size
-    from core.transformer.moe.moe_config import parse_moe_layer_freq
-
     freq = parse_moe_layer_freq(args.moe_layer_freq)
     pattern = [i % freq == 0 for i in range(layers)] if isinstance(freq, int) else [bool(v) for v in freq]
     expert = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else args.ffn_hidden_size

@@ -156,10 +156,16 @@ class DistributedDataParallel(nn.Module):
         self._grad_is_main_grad = [p for p in self.param_to_bucket if p.main_grad.dtype == p.dtype]
         for param in self._grad_is_main_grad:
             param.grad = param.main_grad
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(self._make_grad_hook(bucket))
-            for p, bucket in self.param_to_bucket.items()
-        ]
+        self._hook_handles = []
+        for param, bucket in self.param_to_bucket.items():
+            ready = self._make_ready(bucket)
+            # For layers that accumulate into main_grad themselves (gradient_accumulation_fusion): they
+            # call grad_accumulated and set grad_added_to_main_grad (Megatron's name), so that the
+            # hook, which autograd may still run for the parameter, does nothing more.
+            param.grad_accumulated = ready
+            param.grad_added_to_main_grad = False
+            hook = self._make_grad_hook(bucket, ready)
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
         if ddp_config.overlap_param_gather:
             self._hook_handles += [
                 module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
@@ -191,21 +197,34 @@ class DistributedDataParallel(nn.Module):
         """All buckets, in the order their reductions are launched when backward runs in order."""
         return [bucket for buffer in getattr(self, "buffers", []) for bucket in buffer.buckets]
 
-    def _make_grad_hook(self, bucket: Bucket):
+    def _make_ready(self, bucket: Bucket):
+        """``ready(param)``: ``param``'s gradient of this microbatch is in ``main_grad``."""
         overlap = self.ddp_config.overlap_grad_reduce
 
+        def ready(param: nn.Parameter) -> None:
+            if bucket.state != IDLE:
+                bucket.check_accumulation_allowed(param)  # raises
+            if overlap:
+                bucket.register_grad_ready(param)
+
+        return ready
+
+    @staticmethod
+    def _make_grad_hook(bucket: Bucket, ready):
         def hook(param: nn.Parameter) -> None:
             # Runs right after autograd accumulated into param.grad; it runs for every parameter of
             # every microbatch, so it does no more than this. If param.grad is main_grad, autograd has
             # just accumulated into the buffer in place; otherwise add it there and let it go.
+            if param.grad_added_to_main_grad:  # a fused layer accumulated and reported it already
+                param.grad_added_to_main_grad = False
+                return
             if bucket.state != IDLE:
-                bucket.check_accumulation_allowed(param)  # raises
+                bucket.check_accumulation_allowed(param)  # raises before the buffer is touched
             grad, main_grad = param.grad, param.main_grad
             if grad is not None and grad.data_ptr() != main_grad.data_ptr():
                 main_grad.add_(grad)
                 param.grad = main_grad if main_grad.dtype == param.dtype else None
-            if overlap:
-                bucket.register_grad_ready(param)
+            ready(param)
 
         return hook
 

@@ -86,14 +86,13 @@ def gpt_provider(config: TransformerConfig, vocab_size: int, max_sequence_length
 def _build_modules(model_provider: ModelProvider, layout: PipelineLayout, pp_rank: int) -> list[nn.Module]:
     """One chunk per virtual stage of ``pp_rank``, with the embedding and loss flags the layout gives.
 
-    Megatron's virtual-pipeline rank is set while each chunk is built, for providers that ask
-    ``parallel_state`` which stage they build.
+    Each provider call gets its ``vp_stage`` explicitly (None without virtual stages), as Megatron
+    Core passes it; no global virtual-pipeline rank is set.
     """
     vpp = layout.vpp_size
     modules: list[nn.Module] = []
     for v in range(vpp):
         vp_stage = v if vpp > 1 else None
-        ps.set_virtual_pipeline_model_parallel_rank(vp_stage)
         post_process = layout.has_loss(pp_rank, vp_stage)
         holder = next((m for m in modules if m.pre_process), None)  # the embedding, on this rank
         shared = (
@@ -109,7 +108,6 @@ def _build_modules(model_provider: ModelProvider, layout: PipelineLayout, pp_ran
                 **shared,
             )
         )
-    ps.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
     return modules
 
 

@@ -169,7 +169,20 @@ def check_spec(ckpt: Checkpoint, name: str, ours: TensorSpec) -> None:
         raise CheckpointError(
             f"checkpoint {ckpt.path}: tensor '{name}' has full shape {saved.shape} split {saved.partition} "
             f"in the checkpoint but {ours.shape} split {ours.partition} in the model"
+            + _vocabulary_hint(name, saved, ours)
         )
+
+
+def _vocabulary_hint(name: str, saved: TensorSpec, ours: TensorSpec) -> str:
+    """For a word embedding or output layer that differs in its rows only: the tokenizers differ."""
+    vocabulary = name.endswith(("word_embeddings.weight", "output_layer.weight"))
+    if not vocabulary or saved.shape[1:] != ours.shape[1:]:
+        return ""
+    return (
+        f": the checkpoint's vocabulary has {saved.shape[0]} token ids and this run's tokenizer "
+        f"{ours.shape[0]}; use the checkpoint's tokenizer (--use-checkpoint-args takes it), or with "
+        f"--tokenizer-type NullTokenizer (N + 1 ids) --vocab-size {saved.shape[0] - 1}"
+    )
 
 
 def read_optimizer_state(
