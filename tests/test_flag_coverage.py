@@ -95,12 +95,13 @@ ISSUE_FLAGS = {
     "--rotary-base --rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
     "--use-rope-scaling --rope-scaling-factor --cross-entropy-loss-fusion --num-experts --moe-router-topk --moe-grouped-gemm "
     "--moe-aux-loss-coeff --moe-layer-freq --moe-token-dispatcher-type=alltoall --moe-ffn-hidden-size "
-    "--moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-router-pre-softmax",
+    "--moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-router-pre-softmax "
+    "--rampup-batch-size --step-batch-size-schedule",
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn --fp8-format "
-    "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
+    "--fp8-amax-history-len --fp8-param-gather "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp",
 }
 
@@ -178,14 +179,6 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
             (
                 "Trident does not support --tokenizer-type TikTokenizer: Trident has no tiktoken tokenizer; save the "
                 "tokenizer as a Hugging Face tokenizer folder and use --tokenizer-type HuggingFaceTokenizer"
-            ),
-        ),
-        (
-            "--rampup-batch-size 16 16 5859375",
-            (
-                "Trident does not support --rampup-batch-size: a global batch size that changes during the run is "
-                "out of scope (the microbatch count and the pipeline schedule are fixed per run); give a fixed "
-                "--global-batch-size"
             ),
         ),
     ],

@@ -320,10 +320,6 @@ _MOE = (
     "dispatch, experts whole on each expert-parallel rank)"
 )
 _FP8 = "FP8 training needs Transformer Engine on FP8 GPUs, which are out of scope; use --bf16"
-_RAMP = (
-    "a global batch size that changes during the run is out of scope (the microbatch count and the "
-    "pipeline schedule are fixed per run); give a fixed --global-batch-size"
-)
 _ONE_FORMAT = (
     "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
     "--ckpt-format torch and torch_dist both mean it"
@@ -366,6 +362,8 @@ COVERAGE: dict[str, Coverage] = {
         (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
     ),
     "--expert-model-parallel-size": works(),
+    "--rampup-batch-size": works(),
+    "--step-batch-size-schedule": works(),
     "--moe-router-load-balancing-type sinkhorn": unsupported(_MOE),
     "--moe-router-load-balancing-type global_aux_loss": unsupported(_MOE),
     "--moe-router-load-balancing-type quantile_balancing": unsupported(_MOE),
@@ -391,8 +389,6 @@ COVERAGE: dict[str, Coverage] = {
     "--moe-shared-expert-overlap": no_effect("the shared experts run before the router, on the same stream"),
     # (c) not supported: out of scope
     "--tokenizer-type TikTokenizer": unsupported(_TIKTOKEN),
-    "--rampup-batch-size": unsupported(_RAMP),
-    "--step-batch-size-schedule": unsupported(_RAMP),
     **dict.fromkeys(
         ("--ckpt-format zarr", "--ckpt-format torch_dcp", "--ckpt-format fsdp_dtensor"),
         unsupported(_ONE_FORMAT),
