@@ -38,7 +38,8 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
     flags, state, parallel = run.training, session.state, run.parallel
     print_rank_0(
         f"training {flags.train_iters} iterations from iteration {state.iteration}: "
-        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}, "
+        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}"
+        f"{f' EP={parallel.ep}' if parallel.ep > 1 else ''}, "
         f"{run.num_microbatches} microbatches of {flags.micro_batch_size} x {run.gpt.seq_length} tokens"
     )
     # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.

@@ -44,6 +44,20 @@ def _default_group() -> ProcessGroup | None:
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
+def _default_expert_group() -> ProcessGroup | None:
+    """The group expert gradients are reduced over: the replicas of this rank's experts."""
+    from core import parallel_state as ps
+
+    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_parallel_groups().expt_dp
+
+
+def is_expert_param(param: nn.Parameter) -> bool:
+    """An MoE expert's parameter (Megatron's ``allreduce = False``): reduced over expert data parallelism."""
+    return not getattr(param, "allreduce", True)
+
+
 def _pipeline_rank() -> int:
     from core import parallel_state as ps
 
@@ -56,8 +70,13 @@ class DistributedDataParallel(nn.Module):
     Attributes it does not have itself (``set_input_tensor``, ``pre_process``, ``vp_stage``...)
     are looked up on the wrapped ``module``, so schedules and user code treat it as the model.
     ``state_dict`` is the module's, without a ``module.`` prefix, so checkpoints do not depend on
-    the wrapper. ``disable_bucketing`` (and, as in Megatron, any pipeline rank but the first,
-    where reduction is off the critical path) puts each buffer in a single bucket.
+    the wrapper. ``disable_bucketing`` (and, as in Megatron, any pipeline rank but the first, where
+    reduction is off the critical path) puts each buffer in a single bucket.
+
+    MoE expert parameters (``allreduce = False``) live in buffers of their own, reduced over
+    ``expert_data_parallel_group`` (the replicas of this rank's experts) but scaled by 1/dp like the
+    others, as Megatron does: the tokens of every data-parallel rank reached them through the
+    expert-parallel dispatcher, so their sum over the expert replicas covers all dp replicas' losses.
     """
 
     def __init__(
@@ -68,6 +87,7 @@ class DistributedDataParallel(nn.Module):
         disable_bucketing: bool = False,
         *,
         data_parallel_group: ProcessGroup | None = None,
+        expert_data_parallel_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -75,6 +95,9 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.data_parallel_group = (
             data_parallel_group if data_parallel_group is not None else _default_group()
+        )
+        self.expert_data_parallel_group = (
+            expert_data_parallel_group if expert_data_parallel_group is not None else _default_expert_group()
         )
         dp_size = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
         per_token = bool(getattr(config, "calculate_per_token_loss", False))
@@ -103,22 +126,24 @@ class DistributedDataParallel(nn.Module):
             check_for_nan=ddp_config.check_for_nan_in_grad,
             shard=ddp_config.use_distributed_optimizer,
         )
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[tuple[nn.Parameter, str]]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], list[tuple[nn.Parameter, str]]] = {}
         for name, param in module.named_parameters():
             if param.requires_grad:
                 grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-                by_dtype.setdefault((param.dtype, grad_dtype), []).append((param, name))
+                by_dtype.setdefault((param.dtype, grad_dtype, is_expert_param(param)), []).append(
+                    (param, name)
+                )
         self.buffers: list[GradBuffer] = []
-        for (_, grad_dtype), members in by_dtype.items():
+        for (_, grad_dtype, expert), members in by_dtype.items():
             self.buffers.append(
                 GradBuffer(
                     [p for p, _ in members],
                     [n for _, n in members],
                     grad_dtype,
                     self.bucket_size,
-                    self.data_parallel_group,
+                    self.expert_data_parallel_group if expert else self.data_parallel_group,
                     first_bucket_index=len(self.buckets),
-                    options=options,
+                    options=options,  # 1/dp for experts too: see the class docstring
                 )
             )
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
@@ -277,13 +302,12 @@ class DistributedDataParallel(nn.Module):
             bucket.finish_param_sync()
 
     def broadcast_params(self) -> None:
-        """Copy the first data-parallel rank's parameters to the others (identical replicas)."""
-        group = self.data_parallel_group
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        src = dist.get_global_rank(group, 0)
+        """Copy the first data-parallel rank's parameters to the others (identical replicas); an
+        expert's, the first of its expert-data-parallel replicas'."""
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=group)
+            group = self.expert_data_parallel_group if is_expert_param(param) else self.data_parallel_group
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
 def multi_no_sync(chunks: list[nn.Module]):

@@ -74,6 +74,9 @@ def compile_layer(
         getattr(attention, "recompute_core", False) or getattr(config, "context_parallel_size", 1) > 1
     ):
         attention.core = _eager(attention.core, 2 if dynamic_sequence else None)
+    if attention is not None and getattr(attention, "cp_comm_type", None) is not None:
+        # Context-parallel attention talks to the other CP ranks (ring or all-to-all): kept eager.
+        attention._context_parallel = _eager(attention._context_parallel, 2 if dynamic_sequence else None)
     layer.compile(backend=backend)
 
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from core.flags import flag, not_a_flag
 from core.model_parallel_config import ModelParallelConfig
+from core.transformer.context_parallel import CP_COMM_TYPES
+from core.transformer.moe.moe_config import MoEConfig, moe_problems
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
@@ -58,10 +60,11 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @dataclass(kw_only=True)
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(ModelParallelConfig, MoEConfig):
     """Sizes, layer choices, regularisation, initialisation and recomputation of a decoder-only model.
 
-    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``).
+    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``), and so
+    are mixtures of experts (Mixtral, Qwen2-MoE): the MoE fields come from :class:`MoEConfig`.
     """
 
     num_layers: int = flag(0, cli_default=None)
@@ -134,6 +137,12 @@ class TransformerConfig(ModelParallelConfig):
     hidden_dropout: float = flag(0.1, group="regularization")
     """Dropout on the embedding output and on each residual branch."""
 
+    cp_comm_type: list[str] = flag(default_factory=lambda: ["p2p"], group="distributed")
+    """How attention reaches across the context-parallel ranks: "p2p" (ring attention, key/value
+    blocks passed round the ranks behind each block's attention), "a2a" (Ulysses all-to-all: heads
+    split instead of the sequence; heads and query groups per TP rank must divide by CP) or
+    "allgather" (keys and values gathered). One value for every layer, or one per layer."""
+
     attention_softmax_in_fp32: bool = flag(False, group="mixed precision")
     """With 16-bit activations, compute attention's masking and softmax in fp32 (Megatron's flag)."""
 
@@ -186,6 +195,8 @@ class TransformerConfig(ModelParallelConfig):
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if isinstance(self.cp_comm_type, str):
+            self.cp_comm_type = [self.cp_comm_type]
         problems = self._problems()
         if problems:
             raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
@@ -248,7 +259,34 @@ class TransformerConfig(ModelParallelConfig):
             out.append(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
         if self.layernorm_epsilon <= 0:
             out.append(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
-        return out + self._recompute_problems()
+        return out + self._recompute_problems() + self._context_parallel_problems() + moe_problems(self)
+
+    def _context_parallel_problems(self) -> list[str]:
+        types, cp = self.cp_comm_type, self.context_parallel_size
+        unknown = sorted(set(types) - set(CP_COMM_TYPES))
+        if unknown:
+            return [f"cp_comm_type must be one of {CP_COMM_TYPES}, got {unknown[0]!r}"]
+        if len(types) not in (1, self.num_layers):
+            return [
+                f"cp_comm_type gives {len(types)} types for {self.num_layers} layers; give one or one per layer"
+            ]
+        if cp == 1:
+            return []
+        out = []
+        tp = self.tensor_model_parallel_size
+        heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
+        if "a2a" in types and (heads % cp or groups % cp):
+            out.append(
+                f"cp_comm_type 'a2a' needs num_attention_heads ({self.num_attention_heads}) and "
+                f"num_query_groups ({self.num_query_groups}) per tensor-parallel rank (tp {tp}) divisible "
+                f"by context_parallel_size ({cp})"
+            )
+        return out
+
+    def cp_comm_type_of(self, layer_number: int) -> str:
+        """The context-parallel attention form of decoder layer ``layer_number`` (0-based, global)."""
+        types = self.cp_comm_type
+        return types[0] if len(types) == 1 else types[layer_number]
 
     def _rope_problems(self) -> list[str]:
         head = (
