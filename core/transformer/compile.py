@@ -14,7 +14,8 @@ breaks a layer, five compiled regions). That one choice gives the rest:
 * ``--gradient-accumulation-fusion`` works unchanged (the linear layers' own backward);
 * recomputation: full recompute checkpoints around the compiled layer (the recomputation calls
   it again), selective recompute keeps core attention's checkpoint eager;
-* context parallelism: core attention (``SelfAttention.core``, where the ring runs) stays eager.
+* context parallelism: ``SelfAttention._context_parallel`` (where the ring or all-to-all runs) stays
+  eager.
 
 A module can ask to stay eager the same way (``keep_out_of_compile = True`` on its class), which is
 what parts with data-dependent shapes or communication (an MoE dispatcher) want. Variable sequence
@@ -66,13 +67,8 @@ def compile_layer(
     # The zero-bubble split back-propagates through a region twice (I keeps the graph for W);
     # AOTAutograd's donated buffers would forbid that.
     functorch_config.donated_buffer = False
-    # Core attention stays eager where it checkpoints (selective recompute) or communicates
-    # (context parallelism): ``[b, h, s, d]`` out.
     attention = getattr(layer, "self_attention", None)
-    config = getattr(layer, "config", None)
-    if attention is not None and (
-        getattr(attention, "recompute_core", False) or getattr(config, "context_parallel_size", 1) > 1
-    ):
+    if attention is not None and getattr(attention, "recompute_core", False):  # [b, h, s, d] out
         attention.core = _eager(attention.core, 2 if dynamic_sequence else None)
     if attention is not None and getattr(attention, "cp_comm_type", None) is not None:
         # Context-parallel attention talks to the other CP ranks (ring or all-to-all): kept eager.
