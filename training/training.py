@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import time
@@ -125,6 +126,11 @@ def pretrain(
         raise
     finally:
         faults.end()
+        # The run's model, gradient buffers and their pending communication handles sit in reference
+        # cycles. Free them now, while their groups exist: left to a later collection they may be freed
+        # in a forked DataLoader worker of the next run in this process, whose copies of the groups'
+        # threads do not exist, and crash it.
+        gc.collect()
         # Tear down what this call set up: gloo aborts a process whose groups outlive the interpreter.
         if started:
             ps.destroy_distributed()
