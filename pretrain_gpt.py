@@ -36,10 +36,10 @@ def _verbose() -> bool:
 
 
 def tokenizer_provider(args):
+    """The tokenizer the flags name; SentencePiece without a model file is Trident's own (built once)."""
     model = args.tokenizer_model
     if model is None and args.tokenizer_type in SENTENCEPIECE_TYPES:
         model = str(default_tokenizer(verbose=_verbose()))
-        args.tokenizer_model = model
     return build_tokenizer(
         args.tokenizer_type,
         model,

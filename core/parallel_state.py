@@ -1,4 +1,4 @@
-"""Tensor, pipeline, data and context parallel process groups, laid out exactly as Megatron-LM does.
+"""Tensor, pipeline, data, context and expert parallel process groups, laid out exactly as Megatron-LM does.
 
 Every global rank is a point on a grid whose axes are named by ``order`` (Megatron's default
 ``"tp-cp-ep-dp-pp"``), the first axis varying fastest::
@@ -66,6 +66,20 @@ _GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp_dp": ("tp", "dp"),
 }
 GROUP_NAMES: tuple[str, ...] = (*_GROUP_AXES, "embd", "pos_embd")
+
+# Expert groups (megatron-core's second decomposition of the same ranks, for MoE layers): the grid
+# axes are expert-tensor (tp), expert-model (ep), expert-data (dp) and pp, in the same ``order``, with
+# cp of size 1. Creation order follows megatron-core's initialize_model_parallel.
+_EXPERT_GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "ep": ("ep",),
+    "expt_tp": ("tp",),
+    "expt_tp_ep": ("tp", "ep"),
+    "expt_tp_ep_pp": ("tp", "ep", "pp"),
+    "expt_dp": ("dp",),
+}
+EXPERT_GROUP_NAMES: tuple[str, ...] = ("tp_cp", *_EXPERT_GROUP_AXES)
+"""The groups MoE layers need: ``tp_cp`` (the dense grid's tensor x context: ranks sharing one
+sequence, over which a router counts tokens per expert) and the expert groups."""
 
 _NOT_INITIALIZED = "model parallel groups are not initialized; call initialize_model_parallel(...)"
 
@@ -227,6 +241,73 @@ def generate_parallel_groups(
     return groups
 
 
+def generate_expert_groups(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
+    order: str = DEFAULT_ORDER,
+) -> dict[str, list[list[int]]]:
+    """The expert groups of megatron-core for these sizes, as lists of global ranks.
+
+    megatron-core lays the same ranks out a second time for MoE layers: expert-tensor (etp) x
+    expert-model (ep) x expert-data (edp) x pp, in the same ``order`` with a cp axis of size 1, so
+    with the default order ``rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))``
+    and ``edp = world / (etp * ep * pp)``. Keys: ``tp_cp`` (from the dense grid, see
+    ``EXPERT_GROUP_NAMES``), ``ep`` (ranks holding different experts of one
+    layer: the all-to-all group), ``expt_tp``, ``expt_tp_ep``, ``expt_tp_ep_pp`` (one expert
+    replica: gradient norms over experts) and ``expt_dp`` (replicas of the same experts: expert
+    gradients are reduced over it). Raises ValueError, before anything is created, where
+    megatron-core would refuse: etp x ep x pp not dividing the world, or an order with pp before dp
+    whose expert and dense pipeline groups differ.
+    """
+    dense = generate_parallel_groups(
+        world_size, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size, order
+    )
+    for name, value in (
+        ("expert_model_parallel_size", expert_model_parallel_size),
+        ("expert_tensor_parallel_size", expert_tensor_parallel_size),
+    ):
+        _check_size(name, value)
+    expert_model_size = (
+        expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size
+    )
+    if world_size % expert_model_size:
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size "
+            f"({expert_tensor_parallel_size}) x expert_model_parallel_size ({expert_model_parallel_size}) "
+            f"x pipeline_model_parallel_size ({pipeline_model_parallel_size}) = {expert_model_size}"
+        )
+    sizes = {
+        "tp": expert_tensor_parallel_size,
+        "cp": 1,
+        "ep": expert_model_parallel_size,
+        "dp": world_size // expert_model_size,
+        "pp": pipeline_model_parallel_size,
+    }
+    axes = _parse_order(order)
+    dense_dp = len(dense["dp"][0])
+    if axes[-1] != "pp" and pipeline_model_parallel_size > 1 and sizes["dp"] != dense_dp:
+        raise ValueError(
+            f"with order {order!r} (pp not last) the expert data-parallel size ({sizes['dp']}) must "
+            f"equal the data-parallel size ({dense_dp}), as megatron-core requires"
+        )
+    dense_sizes = {"tp": tensor_model_parallel_size, "cp": context_parallel_size, "ep": 1, "dp": dense_dp}
+    dense_sizes["pp"] = pipeline_model_parallel_size
+    groups = {"tp_cp": _orthogonal_groups(dense_sizes, axes, ("tp", "cp"))}
+    groups |= {name: _orthogonal_groups(sizes, axes, members) for name, members in _EXPERT_GROUP_AXES.items()}
+    if _orthogonal_groups(sizes, axes, ("pp",)) != dense["pp"]:
+        raise ValueError(
+            f"with order {order!r} the expert layers' pipeline groups would differ from the dense "
+            f"layers' (tensor x context = {tensor_model_parallel_size * context_parallel_size}, expert "
+            f"tensor x expert model = {expert_tensor_parallel_size * expert_model_parallel_size}); put pp "
+            "last in the order or make the two products equal"
+        )
+    return groups
+
+
 # --------------------------------------------------------------------------------------------------
 # This rank's groups
 # --------------------------------------------------------------------------------------------------
@@ -259,6 +340,18 @@ class ParallelGroups:
         default_factory=lambda: MappingProxyType({}), repr=False
     )
     """(source pp rank, destination pp rank) -> two-rank group, for this rank's pipeline links."""
+    tp_cp: ProcessGroup | None = field(default=None, repr=False)
+    """Tensor x context parallel: the ranks sharing one sequence."""
+    ep: ProcessGroup | None = field(default=None, repr=False)
+    """Expert model parallel: ranks holding different experts of a layer (tokens travel over it)."""
+    expt_tp: ProcessGroup | None = field(default=None, repr=False)
+    """Expert tensor parallel (size 1: experts are never split over tensor parallelism here)."""
+    expt_tp_ep: ProcessGroup | None = field(default=None, repr=False)
+    """Expert tensor x expert model parallel."""
+    expt_tp_ep_pp: ProcessGroup | None = field(default=None, repr=False)
+    """Expert tensor x model x pipeline: one replica of every expert."""
+    expt_dp: ProcessGroup | None = field(default=None, repr=False)
+    """Expert data parallel: the replicas of this rank's experts (their gradients are reduced over it)."""
 
     def size(self, name: str) -> int:
         """Number of ranks in this rank's group ``name`` (e.g. ``"tp"``)."""
@@ -334,6 +427,7 @@ def initialize_model_parallel(
     order: str = DEFAULT_ORDER,
     *,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     distributed_timeout_minutes: float | None = None,
 ) -> ParallelGroups:
     """Create Megatron's process groups on every rank and keep this rank's; return them.
@@ -341,8 +435,9 @@ def initialize_model_parallel(
     Must be called by every rank with the same arguments (each rank creates every group, in one
     order, as torch requires). Starts torch.distributed first if needed (:func:`initialize_distributed`).
     Sizes must divide the world size; bad sizes or ``order`` raise ValueError on every rank before
-    any group exists. Expert parallelism is not implemented: ``expert_model_parallel_size`` must be
-    1, and ``ep`` in ``order`` names a size-1 axis (so Megatron's pp-last rule for MoE never binds).
+    any group exists. The expert groups (:func:`generate_expert_groups`) are created too; experts
+    are never split over tensor parallelism here, so ``expert_tensor_parallel_size`` must be 1 (None
+    means 1, where megatron-core defaults to the tensor-parallel size).
     Unlike Megatron, a virtual pipeline size is accepted with a pipeline size of 1 (several chunks
     on one rank), which keeps single-rank runs on the same code path. ``distributed_timeout_minutes``
     bounds every collective on the new groups (torch's default when None), as in Megatron.
@@ -352,10 +447,10 @@ def initialize_model_parallel(
         raise RuntimeError(
             "model parallel groups are already initialized; call destroy_model_parallel() first"
         )
-    if expert_model_parallel_size != 1:
+    if expert_tensor_parallel_size not in (None, 1):
         raise ValueError(
-            f"expert_model_parallel_size must be 1 (Trident has no expert parallelism), "
-            f"got {expert_model_parallel_size!r}"
+            f"expert_tensor_parallel_size must be 1 (experts are not split over tensor parallelism), "
+            f"got {expert_tensor_parallel_size!r}"
         )
     if virtual_pipeline_model_parallel_size is not None:
         _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
@@ -368,11 +463,20 @@ def initialize_model_parallel(
         context_parallel_size,
         order,
     )
+    layout |= generate_expert_groups(
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        1,
+        order,
+    )
     rank = dist.get_rank()
     timeout = None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes)
-    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES)
-    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES, ())
-    for name in GROUP_NAMES:
+    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES)
+    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
+    for name in GROUP_NAMES + EXPERT_GROUP_NAMES:
         for members in layout[name]:
             group = dist.new_group(ranks=members, timeout=timeout)
             if rank in members:
@@ -618,3 +722,99 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
     if _GROUPS.rank == members[0] and is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage):
         return True
     return _GROUPS.rank == members[-1] and is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-named getters of the expert groups
+# --------------------------------------------------------------------------------------------------
+
+
+def _expert_group(name: str) -> ProcessGroup:
+    group = getattr(get_parallel_groups(), name)
+    if group is None:
+        raise RuntimeError(f"the group {name!r} was not created (groups built without the MoE groups)")
+    return group
+
+
+def _expert_size(name: str) -> int:
+    """Size of this rank's expert group ``name``; 1 in a process without torch.distributed."""
+    return get_parallel_groups().size(name) if dist.is_initialized() else 1
+
+
+def _expert_rank(name: str) -> int:
+    return get_parallel_groups().rank_in(name) if dist.is_initialized() else 0
+
+
+def get_tensor_and_context_parallel_group() -> ProcessGroup:
+    """TP x CP: the ranks sharing one sequence (a router's token counts are summed over it)."""
+    return _expert_group("tp_cp")
+
+
+def get_expert_model_parallel_group() -> ProcessGroup:
+    """Ranks holding different experts of one MoE layer: the token dispatcher's group."""
+    return _expert_group("ep")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """EP size (1 without torch.distributed)."""
+    return _expert_size("ep")
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's position in its EP group: it holds experts ``[rank * E / EP, (rank + 1) * E / EP)``."""
+    return _expert_rank("ep")
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """Global rank of the first member of my EP group."""
+    return get_parallel_groups().ranks["ep"][0]
+
+
+def get_expert_tensor_parallel_group() -> ProcessGroup:
+    """Ranks sharing one expert's weight shards (always one rank here: experts are not TP-split)."""
+    return _expert_group("expt_tp")
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Expert TP size (1)."""
+    return _expert_size("expt_tp")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """This rank's position in its expert TP group (0)."""
+    return _expert_rank("expt_tp")
+
+
+def get_expert_tensor_and_model_parallel_group() -> ProcessGroup:
+    """Expert TP x EP: the all-gather dispatcher's group."""
+    return _expert_group("expt_tp_ep")
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Expert TP x EP size."""
+    return _expert_size("expt_tp_ep")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """This rank's position in its expert TP x EP group."""
+    return _expert_rank("expt_tp_ep")
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> ProcessGroup:
+    """Expert TP x EP x PP: one replica of every expert of the model (expert gradient norms)."""
+    return _expert_group("expt_tp_ep_pp")
+
+
+def get_expert_data_parallel_group() -> ProcessGroup:
+    """Replicas of this rank's experts: expert gradients are reduced (and sharded) over it."""
+    return _expert_group("expt_dp")
+
+
+def get_expert_data_parallel_world_size() -> int:
+    """Expert DP size: world / (expert TP x EP x PP); 1 without torch.distributed."""
+    return _expert_size("expt_dp")
+
+
+def get_expert_data_parallel_rank() -> int:
+    """This rank's position in its expert DP group."""
+    return _expert_rank("expt_dp")

@@ -18,7 +18,7 @@ def checkpoint_logits(rank: int, world_size: int, roots, tokens: torch.Tensor, p
     from core import parallel_state as ps
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_seed
-    from models.gpt import build_model_chunks
+    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
     from training.checkpoint import open_checkpoint
     from training.checkpointing import load_checkpoint
 
@@ -33,7 +33,9 @@ def checkpoint_logits(rank: int, world_size: int, roots, tokens: torch.Tensor, p
             pipeline_model_parallel_size=2,
             perform_initialization=False,
         )
-        chunks = build_model_chunks(config, ckpt.vocab_size, ckpt.max_sequence_length)
+        chunks = parallelize_gpt(
+            gpt_provider(config, ckpt.vocab_size, ckpt.max_sequence_length), layout=pipeline_layout(config)
+        ).modules
         load_checkpoint(root, model_chunks=chunks, finetune=True)
         chunks[0].eval()
         logits = []

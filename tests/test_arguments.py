@@ -141,7 +141,7 @@ def test_the_bare_command_is_the_tiny_demo():
     assert (args.max_position_embeddings, args.save_interval) == (128, 100)
     assert args.using_default_model and args.using_default_data and args.explicit_args == []
     assert args.tokenizer_type == "GPTSentencePieceTokenizer"
-    validate_args(args, 1)
+    args = validate_args(args, 1)
     assert (args.global_batch_size, args.num_microbatches, args.data_parallel_size) == (16, 4, 1)
     assert (args.ffn_hidden_size, args.kv_channels, args.params_dtype) == (512, 32, torch.float32)
     assert args.lr_warmup_iters == 0 and args.lr_warmup_fraction == 0.1  # 10 of the 100 iterations

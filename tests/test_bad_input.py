@@ -45,10 +45,10 @@ class Case:
 
 def _flags(argv: str, world: int = 4):
     def act(tmp_path: Path, monkeypatch) -> None:
-        from training.arguments import parse_and_validate
+        from training.run import parse_run
 
         monkeypatch.setenv("WORLD_SIZE", str(world))
-        parse_and_validate(argv.split(), world)
+        parse_run(argv.split(), world)
 
     return act
 
@@ -372,20 +372,24 @@ def _scheduler_case(flags: str, message: str) -> Case:
         import torch
 
         from core.optimizer.lr_scheduler import OptimizerParamScheduler
-        from training.arguments import parse_args
-        from training.lr_schedule import build_scheduler
-        from training.training import _check_scheduler
+        from training.arguments import config_from_args, parse_args
+        from training.config import LearningRateArgs
+        from training.lr_schedule import build_scheduler, scheduler_kwargs
+        from training.resume import check_scheduler
 
         def schedule(argv: str):
             args = parse_args(argv.split())
-            args.global_batch_size, args.load = 8, "ck"
+            args.global_batch_size = 8
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-            return args, build_scheduler(optimizer, args)
+            return args, build_scheduler(optimizer, scheduler_kwargs(args))
 
         _, saved = schedule("--train-iters 4 --lr 1e-3 --lr-warmup-iters 0 --lr-decay-style linear")
         args, scheduler = schedule(flags)
         assert isinstance(scheduler, OptimizerParamScheduler)
-        _check_scheduler(args, scheduler, saved.state_dict(), {"global_batch_size": 8})
+        lr = config_from_args(LearningRateArgs, args)
+        check_scheduler(
+            scheduler, saved.state_dict(), {"global_batch_size": 8}, lr=lr, global_batch_size=8, load="ck"
+        )
 
     return Case(f"scheduler: {flags}", act, message)
 

@@ -19,7 +19,7 @@ import torch
 
 from core.tensor_parallel import shard_of
 from core.transformer.transformer_config import TransformerConfig
-from models.gpt import build_model_chunks
+from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
 from models.gpt.presets import gpt2_config
 from training import checkpointing
 from training.checkpoint import (
@@ -294,7 +294,8 @@ def test_flat_pieces_from_a_sharded_optimizer_are_assembled(tmp_path):
 
 
 def test_missing_empty_and_broken_load_directories(tmp_path):
-    chunks = build_model_chunks(gpt2_config(num_layers=2, hidden_size=8, num_attention_heads=2), VOCAB, SEQ)
+    config = gpt2_config(num_layers=2, hidden_size=8, num_attention_heads=2)
+    chunks = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
     for where in (tmp_path / "missing", tmp_path):  # Megatron starts from scratch; so do we
         assert load_checkpoint(str(where), model_chunks=chunks) is None
     with pytest.raises(
@@ -321,7 +322,7 @@ def _tiny_run(bf16: bool):
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = gpt2_config(num_layers=2, hidden_size=8, num_attention_heads=2, bf16=bf16, seed=5)
-    chunks = build_model_chunks(config, VOCAB, SEQ)
+    chunks = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
     return chunks, get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=bf16), chunks)
 
 

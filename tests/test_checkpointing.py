@@ -32,7 +32,7 @@ from core import parallel_state
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.tensor_parallel import get_rng_tracker, shard_of
 from core.transformer.transformer_config import TransformerConfig
-from models.gpt import build_model_chunks
+from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
 from training import checkpointing
 from training.checkpoint import (
     CheckpointError,
@@ -96,7 +96,8 @@ def _expected_adam(name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
 def _build(tp: int, pp: int, vpp: int | None, seed: int):
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, pp, vpp)
-    chunks = build_model_chunks(make_config(tp, pp, vpp, seed), VOCAB, SEQ)
+    config = make_config(tp, pp, vpp, seed)
+    chunks = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3), chunks)
     return chunks, optimizer, checkpointing.model_parameters(chunks)
 

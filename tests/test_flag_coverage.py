@@ -30,6 +30,7 @@ from training.arguments import (
     startup_report,
     transformer_config_from_args,
 )
+from training.run import build_run
 from training.run_control import ExitTimer, ManualGC
 from training.schema import (
     BY_OPTION,
@@ -520,7 +521,7 @@ def test_nccl_without_cuda_falls_back_to_gloo_with_one_warning(capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# Every accepted flag is read: a recording namespace through a real one-rank run
+# Every accepted flag is read: a recording namespace and recording configs through a real one-rank run
 # --------------------------------------------------------------------------------------------------
 
 
@@ -536,6 +537,25 @@ class RecordingNamespace(argparse.Namespace):
         if not name.startswith("_"):
             super().__getattribute__("__dict__")["_reads"].add(name)
         return value
+
+
+def _record_config_reads(monkeypatch, reads: set[str]) -> None:
+    """Record every field read on any instance of the dataclasses that declare flags: after validation
+    the run is described by those typed objects (``training.run.Run``), and the loop reads them."""
+    for cls in {flag.owner for flag in FLAGS}:
+
+        def getattribute(self, name: str, _original=cls.__getattribute__):
+            if not name.startswith("_"):
+                reads.add(name)
+            return _original(self, name)
+
+        monkeypatch.setattr(cls, "__getattribute__", getattribute)
+
+
+READ_ON_OTHER_PATHS = {
+    "--sgd-momentum": "read by get_megatron_optimizer with --optimizer sgd (tests/test_distributed_optimizer.py)",
+}
+"""Flags the run below does not read because they belong to another path, and where they are read."""
 
 
 def _unread(reads: set[str]) -> set[str]:
@@ -575,7 +595,7 @@ def _pretrain(argv: list[str], forward_step=pretrain_gpt.forward_step, namespace
     )
 
 
-def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
+def test_every_accepted_flag_is_read(dataset, tmp_path, capsys, monkeypatch):
     checkpoints = str(tmp_path / "ckpt")
     argv = [
         *f"{MODEL} --data-path {dataset} {DATA} --split 90,10,0 --eval-interval 1 --eval-iters 1".split(),
@@ -585,10 +605,10 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
         *("--profile-step-end", "2", "--num-workers", "1", "--data-cache-path", str(tmp_path / "cache")),
         *("--decoupled-lr", "2e-3", "--dataloader-type", "cyclic"),
     ]
-    namespace = RecordingNamespace()
+    namespace, typed_reads = RecordingNamespace(), set()
+    _record_config_reads(monkeypatch, typed_reads)
     _, state = _pretrain(argv, _nan_on_first_call(pretrain_gpt.forward_step), namespace)
-    reads = namespace._reads
-    assert _unread(reads) == set()
+    assert _unread(namespace._reads | typed_reads) == set(READ_ON_OTHER_PATHS)
     assert state.iteration == 3 and state.skipped_iterations == 1 and len(state.losses) == 3
     assert (tmp_path / "ckpt" / "iter_0000003").is_dir() and gc.isenabled()
     assert list((tmp_path / "cache").glob("*GPTDataset-train-shuffle_index.npy"))  # --data-cache-path
@@ -604,16 +624,15 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys):
     )  # 1 was NaN
     assert [e.step for e in events.Scalars("validation/lm loss")] == [1, 2, 3]
     # The check can fail: before the run, the flags only the training loop reads are unread.
-    partial = RecordingNamespace()
-    validate_args(parse_args(argv, namespace=partial), 1)
-    transformer_config_from_args(partial)
+    partial, typed_reads = RecordingNamespace(), set()
+    build_run(parse_args(argv, namespace=partial), 1)
     assert {
         "--wandb-project",
         "--exit-signal-handler",
         "--manual-gc",
         "--finetune",
         "--eod-mask-loss",
-    } <= _unread(partial._reads)
+    } <= _unread(partial._reads | typed_reads)
     out = capsys.readouterr().out
     assert "validation loss at iteration 3" in out
     summary = out[out.index("run summary: 3 iterations in ") :].splitlines()

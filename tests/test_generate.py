@@ -157,7 +157,7 @@ def test_gpt2_bpe_and_hugging_face_tokenizers_travel_with_the_checkpoint(tokeniz
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from training.training import _tokenizer_record
+    from training.resume import tokenizer_record
 
     trainer = ByteLevelBPETokenizer()
     trainer.train_from_iterator([PROMPT] * 3 + WORDS, vocab_size=300, special_tokens=["<|endoftext|>"])
@@ -174,7 +174,7 @@ def test_gpt2_bpe_and_hugging_face_tokenizers_travel_with_the_checkpoint(tokeniz
         "merge_file": None,
     }
     flags.update(bpe if tokenizer_type == "GPT2BPETokenizer" else {"tokenizer_model": hf_folder})
-    record = _tokenizer_record(Namespace(**flags))  # what pretrain() copies into its checkpoints
+    record = tokenizer_record(Namespace(**flags))  # what pretrain() copies into its checkpoints
     tokenizer = build_tokenizer(
         tokenizer_type, record["files"].get("tokenizer_model"), **{k: record["files"].get(k) for k in bpe}
     )

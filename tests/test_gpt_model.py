@@ -14,7 +14,7 @@ import torch
 
 from core.distributed import finalize_model_grads
 from core.transformer.transformer_config import TransformerConfig
-from models.gpt import GPTModel, build_model_chunks, gpt2_config, llama_config
+from models.gpt import GPTModel, gpt2_config, gpt_provider, llama_config, parallelize_gpt, pipeline_layout
 from tests.pipeline_toy import make_forward_step, reference_loss_and_grads
 
 VOCAB, SEQ, MBS, MICROBATCHES = 60, 8, 2, 2  # VOCAB pads to 64: padding is exercised in every split
@@ -76,7 +76,11 @@ def _setup(kind: str, tp: int, pp: int, vpp: int | None, **overrides):
         finalize_model_grads_func=finalize_model_grads,
         **overrides,
     )
-    return ps, config, build_model_chunks(config, VOCAB, SEQ)
+    return (
+        ps,
+        config,
+        parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules,
+    )
 
 
 def _train_step(ps, chunks, batches, seq_length=SEQ):
@@ -323,7 +327,7 @@ def test_stage_flags_must_agree_with_the_layout():
     assert str(err.value) == (
         "GPTModel(post_process=True) disagrees with the pipeline layout: stage (pp_rank 0, "
         "vp_stage None) does not hold the loss; pass post_process=False or use "
-        "build_model_chunks"
+        "parallelize_gpt"
     )
     config = make_config("gpt", pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)
     with pytest.raises(ValueError) as err:
@@ -354,7 +358,7 @@ def test_layout_string_places_global_layer_numbers():
         virtual_pipeline_model_parallel_size=2,
         pipeline_model_parallel_layout="Ettt|tL",
     )
-    first, last = build_model_chunks(config, VOCAB, SEQ)
+    first, last = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
     assert list(first.decoder.layers) == ["0", "1", "2"] and list(last.decoder.layers) == ["3"]
     assert (first.pre_process, first.post_process, last.pre_process, last.post_process) == (
         True,
@@ -369,7 +373,7 @@ def test_layout_string_places_global_layer_numbers():
 
 def test_tied_chunks_on_one_rank_share_one_parameter():
     config = make_config("gpt", virtual_pipeline_model_parallel_size=2)
-    first, last = build_model_chunks(config, VOCAB, SEQ)
+    first, last = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
     assert last.output_layer.weight is None and "output_layer.weight" not in dict(last.named_parameters())
     assert last.shared_embedding_or_output_weight() is first.embedding.word_embeddings.weight
     with pytest.raises(

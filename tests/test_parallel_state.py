@@ -345,3 +345,167 @@ def test_virtual_pipeline_first_and_last_stage(ranks):
         assert by_state == expected, f"rank {rank}"
         assert ignoring == (first, last, first or last)
         assert vpp == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert groups: megatron-core's second decomposition (etp x ep x edp x pp, same order, cp of size 1)
+# ----------------------------------------------------------------------------------------------
+
+SINGLETONS_16 = [[r] for r in range(16)]
+
+# (world, tp, pp, cp, ep, etp, order) -> expert groups, written out from megatron-core's rule: with the
+# default order, expert rank = etp_rank + ETP*(ep_rank + EP*(edp_rank + EDP*pp_rank)), EDP = world/(ETP*EP*PP).
+EXPERT_LAYOUTS = {
+    (8, 1, 1, 1, 2, 1, DEFAULT := ps.DEFAULT_ORDER): {  # EDP 4; rank = ep + 2*edp
+        "tp_cp": SINGLETONS_8,
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp": SINGLETONS_8,
+        "expt_tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp_ep_pp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_dp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    },
+    (8, 2, 2, 1, 2, 1, DEFAULT): {  # TP 2 x PP 2 x DP 2; experts: EDP 2, rank = ep + 2*(edp + 2*pp)
+        "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp": SINGLETONS_8,
+        "expt_tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp_ep_pp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+        "expt_dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    },
+    (8, 1, 2, 1, 4, 1, DEFAULT): {  # EDP 1; rank = ep + 4*pp
+        "tp_cp": SINGLETONS_8,
+        "ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expt_tp": SINGLETONS_8,
+        "expt_tp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expt_tp_ep_pp": [[0, 1, 2, 3, 4, 5, 6, 7]],
+        "expt_dp": SINGLETONS_8,
+    },
+    (8, 2, 1, 1, 4, 1, DEFAULT): {  # EP spans TP and DP: dense rank = tp + 2*dp, expert rank = ep + 4*edp
+        "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expt_tp": SINGLETONS_8,
+        "expt_tp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expt_tp_ep_pp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expt_dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    },
+    (8, 1, 1, 2, 2, 1, DEFAULT): {  # CP 2: the expert grid has no cp axis, EP takes the cp ranks
+        "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp": SINGLETONS_8,
+        "expt_tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp_ep_pp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_dp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    },
+    (8, 2, 2, 1, 2, 1, "tp-cp-ep-pp-dp"): {  # pp before dp: rank = ep + 2*(pp + 2*edp), EDP = DP = 2
+        "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp": SINGLETONS_8,
+        "expt_tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp_ep_pp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expt_dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    },
+    (8, 2, 1, 1, 2, 2, DEFAULT): {  # expert TP 2 (group maths only): rank = etp + 2*(ep + 2*edp)
+        "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "expt_tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "expt_tp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expt_tp_ep_pp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "expt_dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    },
+    (16, 2, 2, 1, 4, 1, DEFAULT): {  # EDP 2; rank = ep + 4*(edp + 2*pp)
+        "tp_cp": [[2 * i, 2 * i + 1] for i in range(8)],
+        "ep": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+        "expt_tp": SINGLETONS_16,
+        "expt_tp_ep": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+        "expt_tp_ep_pp": [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]],
+        "expt_dp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "key", list(EXPERT_LAYOUTS), ids=lambda k: "w{}-tp{}-pp{}-cp{}-ep{}-etp{}-{}".format(*k)
+)
+def test_expert_groups_match_megatron_core(key):
+    world, tp, pp, cp, ep, etp, order = key
+    assert ps.generate_expert_groups(world, tp, pp, cp, ep, etp, order) == EXPERT_LAYOUTS[key]
+
+
+def test_without_expert_parallelism_the_expert_data_group_is_the_dense_one_folded_over_tp_and_cp():
+    groups = ps.generate_parallel_groups(8, 2, 2)
+    experts = ps.generate_expert_groups(8, 2, 2)
+    assert experts["ep"] == SINGLETONS_8
+    assert experts["expt_dp"] == groups["tp_dp"]  # expert weights are whole on every TP rank
+    assert experts["expt_tp_ep_pp"] == groups["pp"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            (6, 1, 1, 1, 4),
+            (
+                "world size 6 is not divisible by expert_tensor_parallel_size (1) x "
+                "expert_model_parallel_size (4) x pipeline_model_parallel_size (1) = 4"
+            ),
+        ),
+        (
+            (8, 1, 2, 1, 2, 1, "tp-cp-ep-pp-dp"),
+            (
+                "with order 'tp-cp-ep-pp-dp' (pp not last) the expert data-parallel size (2) must equal "
+                "the data-parallel size (4), as megatron-core requires"
+            ),
+        ),
+        ((8, 1, 1, 1, 0), "expert_model_parallel_size must be an integer >= 1, got 0"),
+    ],
+)
+def test_expert_sizes_megatron_core_refuses_fail_in_one_line(args, message):
+    with pytest.raises(ValueError) as err:
+        ps.generate_expert_groups(*args)
+    assert str(err.value) == message
+
+
+def _report_expert_groups(rank, world_size):
+    ps.initialize_model_parallel(2, 2, expert_model_parallel_size=2)
+    members = {
+        name: dist.get_process_group_ranks(getattr(ps.get_parallel_groups(), name))
+        for name in ps.EXPERT_GROUP_NAMES
+    }
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=ps.get_expert_model_parallel_group())
+    getters = {
+        "ep": (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()),
+        "expt_tp": (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()),
+        "expt_tp_ep": (
+            ps.get_expert_tensor_and_model_parallel_rank(),
+            ps.get_expert_tensor_and_model_parallel_world_size(),
+        ),
+        "expt_dp": (ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size()),
+    }
+    same = {
+        "expt_tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group()
+        is ps.get_parallel_groups().expt_tp_ep_pp,
+        "expt_dp": ps.get_expert_data_parallel_group() is ps.get_parallel_groups().expt_dp,
+    }
+    try:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(expert_model_parallel_size=3)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return members, t.item(), getters, same, refused, ps.get_expert_model_parallel_src_rank.__name__
+
+
+def test_real_expert_groups_on_eight_ranks(ranks):
+    expected = EXPERT_LAYOUTS[(8, 2, 2, 1, 2, 1, ps.DEFAULT_ORDER)]
+    for rank, (members, ep_sum, getters, same, refused, _) in enumerate(ranks(8).run(_report_expert_groups)):
+        mine = {name: _group_of(rank, expected[name]) for name in ps.EXPERT_GROUP_NAMES}
+        assert members == mine, f"rank {rank}"
+        assert ep_sum == sum(mine["ep"])
+        for name, (position, size) in getters.items():
+            assert (position, size) == (mine[name].index(rank), len(mine[name])), f"rank {rank} {name}"
+        assert all(same.values())
+        assert refused == (
+            "world size 8 is not divisible by expert_tensor_parallel_size (1) x "
+            "expert_model_parallel_size (3) x pipeline_model_parallel_size (1) = 3"
+        )

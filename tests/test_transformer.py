@@ -126,15 +126,19 @@ def test_grouped_query_attention_matches_an_explicit_softmax():
     initialize_by_name(layer, config)
     attn = layer.self_attention
     x = torch.randn(SEQ, 2, 32)
-    q, k, v = attn.split_qkv(attn.linear_qkv(x)[0])
-    assert q.shape == (2, 4, SEQ, 8) and k.shape == v.shape == (2, 2, SEQ, 8)
-    k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # query heads 0,1 -> group 0; 2,3 -> group 1
-    scores = q @ k.transpose(-1, -2) / 8**0.5
+    mixed = attn.linear_qkv(x)[0]
+    q, k, v = attn.split_qkv(mixed)
+    assert q.shape == (2, 2, 2, SEQ, 8) and k.shape == v.shape == (2, 2, SEQ, 8)
+    assert all(t.untyped_storage().data_ptr() == mixed.untyped_storage().data_ptr() for t in (q, k, v))
+    q = q.flatten(1, 2)
+    k_rep, v_rep = (t.repeat_interleave(2, dim=1) for t in (k, v))  # heads 0,1 -> group 0; 2,3 -> group 1
+    scores = q @ k_rep.transpose(-1, -2) / 8**0.5
     scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
-    expected = scores.softmax(-1) @ v
-    assert torch.allclose(core_attention(q, k, v, None, 0.0), expected, atol=1e-6)
+    expected = scores.softmax(-1) @ v_rep
     padding = torch.zeros(1, 1, SEQ, SEQ, dtype=torch.bool)  # Megatron's mask: True = masked
-    assert torch.allclose(core_attention(q, k, v, padding, 0.0), expected, atol=1e-6)
+    for keys, values in ((k, v), (k_rep, v_rep)):  # grouped (SDPA shares the heads) or repeated
+        assert torch.allclose(core_attention(q, keys, values, None, 0.0), expected, atol=1e-6)
+        assert torch.allclose(core_attention(q, keys, values, padding, 0.0), expected, atol=1e-6)
 
 
 def test_no_position_embedding_builds_neither_table_nor_rope():

@@ -38,11 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core import parallel_state
 from core.device import current_device
-from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from core.distributed import DistributedDataParallelConfig
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
-from models.gpt import GPTModel, preset
+from models.gpt import GPTModel, parallelize_gpt, pipeline_layout, preset
 
 CONFIGS = {
     "plain": {},
@@ -66,15 +66,17 @@ def _build(name: str, args: argparse.Namespace):
         attention_dropout=0.0,
     )
     config.deallocate_pipeline_outputs = False
-    model = GPTModel(config, args.vocab, args.seq).to(current_device())
     ddp_config = DistributedDataParallelConfig(bucket_size=args.bucket_size, **CONFIGS[name])
-    ddp = DistributedDataParallel(config, ddp_config, model)
-    config.no_sync_func = ddp.no_sync  # bucket hooks launch reductions during the last backward
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(lr=1e-4, use_distributed_optimizer=ddp_config.use_distributed_optimizer), [ddp]
+    optimizer_config = OptimizerConfig(
+        lr=1e-4, use_distributed_optimizer=ddp_config.use_distributed_optimizer
     )
-    return ddp, optimizer
+    model = parallelize_gpt(  # as training does: bucket hooks launch reductions during the last backward
+        lambda **stage: GPTModel(config, args.vocab, args.seq, **stage).to(current_device()),
+        layout=pipeline_layout(config),
+        ddp_config=ddp_config,
+        make_optimizer=lambda chunks: get_megatron_optimizer(optimizer_config, chunks),
+    )
+    return model.chunks[0], model.optimizer
 
 
 def _forward_step(data_iterator, model):

@@ -1,21 +1,25 @@
-"""Joint validation of the parsed flags, before any process group: ``validate_args``.
+"""Joint validation of the parsed flags, before any process group: ``derive_args``.
 
-``validate_args(args, world_size)`` checks the flags together and fills the derived values
-(data-parallel size, microbatch count, virtual pipeline size, FFN size, ...). It runs before
+``derive_args(args, world_size)`` checks the flags together and returns the values they imply
+(data-parallel size, microbatch count, virtual pipeline size, FFN size, ...) by name, leaving
+``args`` as parsed; :mod:`training.run` puts them into the run's typed objects. It runs before
 ``torch.distributed`` exists and is a pure function of its inputs, so every rank raises the same
-single ``ValueError`` naming the flags and numbers to change.
+single ``ValueError`` naming the flags and numbers to change. ``validate_args`` is Megatron's name
+for the same check, returning a new namespace with the derived values (what ``get_args()`` gives).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+from typing import Any
 
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
 
-__all__ = ["validate_args"]
+__all__ = ["derive_args", "megatron_namespace", "validate_args"]
 
 DEMO_MIN_GLOBAL_BATCH = 16
 """The tiny demo's --global-batch-size: the smallest multiple of micro-batch x DP that is >= this."""
@@ -29,6 +33,24 @@ REQUIRED = (
     "lr",
 )
 """Flags Megatron has no default for (the tiny demo fills them in when it is on)."""
+
+
+class _Resolving:
+    """The flags as parsed, with the values validation derives kept apart in ``derived``.
+
+    Reads see a derived value first, then the parsed flag; writes go to ``derived`` only, so the
+    checks below read as if they filled in a namespace while the parsed ``args`` is never changed.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        object.__setattr__(self, "_args", args)
+        object.__setattr__(self, "derived", {})
+
+    def __getattr__(self, name: str) -> Any:
+        return self.derived[name] if name in self.derived else getattr(self._args, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.derived[name] = value
 
 
 def _require(ok: bool, message: str) -> None:
@@ -418,42 +440,60 @@ def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
         )
 
 
-def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
-    """Check the flags together and fill derived values; one ``ValueError`` naming flags and numbers.
+def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict[str, Any]:
+    """Check the flags together; the values they imply, by name. One ``ValueError`` naming flags and numbers.
 
     Call it before creating any process group with ``world_size`` (default ``$WORLD_SIZE`` or 1).
-    Sets ``world_size``, ``data_parallel_size``, ``num_microbatches``,
-    ``virtual_pipeline_model_parallel_size``, ``global_batch_size`` (if not given), ``kv_channels``,
-    ``ffn_hidden_size``, ``params_dtype`` and ``pipeline_dtype``.
+    Derives ``world_size``, ``data_parallel_size``, ``num_microbatches``,
+    ``virtual_pipeline_model_parallel_size``, ``params_dtype`` and ``pipeline_dtype``, and the flags
+    whose default depends on others (``global_batch_size``, ``kv_channels``, ``ffn_hidden_size``,
+    ``save_interval``, ``split``, ``train_iters`` of a sample-based run, ...). ``args`` is not changed.
     """
     import torch
 
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    _check_required(args)
-    _check_supported_values(args)
-    _check_ranges(args)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    flags = _Resolving(args)  # reads see derived values first; writes go to flags.derived
+    _check_required(flags)
+    _check_supported_values(flags)
+    _check_ranges(flags)
+    tp, pp = flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size
     _require(
         world_size % (tp * pp) == 0,
         f"world size ({world_size}) must be divisible by "
         f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp}",
     )
-    args.world_size, args.data_parallel_size = world_size, world_size // (tp * pp)
-    _apply_old_recompute_flags(args)
-    _check_model(args, tp)
-    _check_pipeline(args, pp)
-    _check_batch(args, pp, args.data_parallel_size)
-    _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    flags.world_size, flags.data_parallel_size = world_size, world_size // (tp * pp)
+    _apply_old_recompute_flags(flags)
+    _check_model(flags, tp)
+    _check_pipeline(flags, pp)
+    _check_batch(flags, pp, flags.data_parallel_size)
+    _require(flags.min_lr <= flags.lr, f"--min-lr ({flags.min_lr}) must be <= --lr ({flags.lr})")
     _require(
-        not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+        not (flags.override_opt_param_scheduler and flags.use_checkpoint_opt_param_scheduler),
         "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive: "
         "give at most one",
     )
-    check_schedule(args)
-    if args.save_interval is None:
-        args.save_interval = args.train_iters  # --save-interval defaults to the run's length
-    _check_data(args)
-    _check_precision_and_data_parallel(args)
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    args.pipeline_dtype = args.params_dtype
-    return args
+    check_schedule(flags)
+    if flags.save_interval is None:
+        flags.save_interval = flags.train_iters  # --save-interval defaults to the run's length
+    _check_data(flags)
+    _check_precision_and_data_parallel(flags)
+    flags.params_dtype = torch.bfloat16 if flags.bf16 else torch.float16 if flags.fp16 else torch.float32
+    flags.pipeline_dtype = flags.params_dtype
+    return flags.derived
+
+
+def megatron_namespace(args: argparse.Namespace, derived: dict[str, Any]) -> argparse.Namespace:
+    """Megatron's view of a validated run: a copy of ``args`` with the derived values set on it.
+
+    This is what ``get_args()`` returns to user code (model and dataset providers); Trident's own
+    code reads the typed objects of :class:`training.run.Run` instead.
+    """
+    namespace = copy.copy(args)
+    vars(namespace).update(derived)
+    return namespace
+
+
+def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
+    """Megatron's ``validate_args``: :func:`derive_args`, returned as a new namespace (``args`` unchanged)."""
+    return megatron_namespace(args, derive_args(args, world_size))

@@ -2,9 +2,9 @@
 
 ``parse_args`` reads ``--config FILE`` (YAML or TOML; keys are flag names with dashes or
 underscores) and then the command line, which overrides the file; it returns Megatron's flat
-namespace (``args.num_layers``, ``args.lr``, ...). ``validate_args(args, world_size)`` (in
-:mod:`training.argument_checks`) checks the flags together and fills the derived values, and
-``config_from_args`` builds any typed config from the namespace. The flags themselves, their types,
+namespace (``args.num_layers``, ``args.lr``, ...). :func:`training.run.build_run` then checks the
+flags together and describes the run by typed objects; ``config_from_args`` builds any typed config
+from a validated namespace (``get_args()``). The flags themselves, their types,
 defaults and help, and which Megatron flags are rejected, live in :mod:`training.schema`.
 
 Defaults are Megatron's. Only the bare command is different: while no model-size flag other than
@@ -26,6 +26,7 @@ import textwrap
 from typing import Any
 
 from training.config_file import REJECTED_DEST, load_config
+from training.errors import UsageError
 from training.schema import (
     BY_DEST,
     BY_OPTION,
@@ -46,8 +47,8 @@ __all__ = [
     "config_from_args",
     "config_kwargs",
     "load_config",
-    "parse_and_validate",
     "parse_args",
+    "parse_args_or_usage_error",
     "startup_report",
     "transformer_config_from_args",
 ]
@@ -256,26 +257,20 @@ def parse_args(
     return args
 
 
-def parse_and_validate(argv: list[str] | None, world_size: int) -> argparse.Namespace:
-    """``parse_args`` then ``validate_args``, with errors the entry point prints once as one line.
+def parse_args_or_usage_error(argv: list[str] | None) -> argparse.Namespace:
+    """``parse_args``, with the errors the entry point prints once as one line.
 
     A command line that cannot be parsed, or names a flag Trident rejects, raises
-    :class:`~training.errors.UsageError` (exit status 2); flags that parse but do not fit together
-    raise :class:`~training.errors.ConfigError` (exit status 1). argparse's own message is captured
-    rather than printed, and only rank 0 prints ``--help``. With ``--load``, the checkpoint's model
-    description takes part: ``--use-checkpoint-args`` fills the model flags from it before
-    validation, and a model flag contradicting it is a ``ConfigError`` after.
+    :class:`~training.errors.UsageError` (exit status 2). argparse's own message is captured rather
+    than printed, and only rank 0 prints ``--help``. Checking the flags together is
+    :func:`training.run.build_run`'s job.
     """
-    from training.argument_checks import validate_args
-    from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
-    from training.errors import ConfigError, UsageError
-
     rank0 = os.environ.get("RANK", "0") == "0"
     captured = io.StringIO()
     quiet_stdout = contextlib.nullcontext() if rank0 else contextlib.redirect_stdout(io.StringIO())
     try:
         with contextlib.redirect_stderr(captured), quiet_stdout:
-            args = parse_args(argv)
+            return parse_args(argv)
     except SystemExit as exit_:
         if exit_.code in (0, None):  # --help
             raise
@@ -283,11 +278,6 @@ def parse_and_validate(argv: list[str] | None, world_size: int) -> argparse.Name
         raise UsageError(lines[-1].split(": error: ", 1)[-1] + " (see --help)") from None
     except ValueError as err:  # a rejected flag, or a --config file that cannot be used
         raise UsageError(str(err)) from None
-    try:
-        load_checkpoint_args(args)
-        return check_checkpoint_args(validate_args(args, world_size))
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -294,17 +294,16 @@ def agree(step: Callable[[], T] | None) -> T | None:
 _WATCHDOG: Any = None
 
 
-def distributed_timeout_seconds(args: Any) -> float:
+def distributed_timeout_seconds(minutes: float) -> float:
     """``--distributed-timeout-minutes`` in seconds."""
-    return float(args.distributed_timeout_minutes) * 60.0
+    return float(minutes) * 60.0
 
 
-def _watchdog_timeout(args: Any) -> tuple[float, str]:
+def _watchdog_timeout(minutes: float) -> tuple[float, str]:
     override = os.environ.get(TEST_TIMEOUT_ENV)
     if override:
         return float(override), f"{TEST_TIMEOUT_ENV}={override}"
-    minutes = args.distributed_timeout_minutes
-    return distributed_timeout_seconds(args), f"--distributed-timeout-minutes {minutes}"
+    return distributed_timeout_seconds(minutes), f"--distributed-timeout-minutes {minutes}"
 
 
 def _end_silently_or_report(message: str) -> None:
@@ -334,8 +333,11 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def begin(args: Any) -> None:
-    """A run starts (torch.distributed is up): a fresh report claim, and the watchdog for a world > 1."""
+def begin(timeout_minutes: float) -> None:
+    """A run starts (torch.distributed is up): a fresh report claim, and the watchdog for a world > 1.
+
+    ``timeout_minutes``: ``--distributed-timeout-minutes``, how long a silent rank may stay silent.
+    """
     global _WATCHDOG, _generation
     from torch.distributed import PrefixStore, distributed_c10d
 
@@ -348,7 +350,7 @@ def begin(args: Any) -> None:
         return
     store = PrefixStore(f"trident/run{_generation}", distributed_c10d._get_default_store())
     _use_store(store, dist.get_rank())
-    timeout, setting = _watchdog_timeout(args)
+    timeout, setting = _watchdog_timeout(timeout_minutes)
     _WATCHDOG = Watchdog(
         store,
         dist.get_rank(),

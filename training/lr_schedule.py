@@ -7,8 +7,9 @@ batch size) or sample-based (``--train-samples``, with ``--lr-decay-samples``, `
 the decay samples in either. Weight decay goes from ``--start-weight-decay`` to ``--end-weight-decay``
 over the whole run (``--weight-decay-incr-style``), or stays at ``--weight-decay``.
 
-``check_schedule(args)`` runs inside ``validate_args`` (it sets ``args.train_iters`` for sample-based
-runs); ``build_scheduler(optimizer, args)`` makes the ``OptimizerParamScheduler``.
+``check_schedule(args)`` runs inside ``derive_args`` (it derives ``train_iters`` for sample-based
+runs); ``scheduler_kwargs(args)`` gives the schedule in samples, which the run keeps
+(``Run.lr_schedule``), and ``build_scheduler(optimizer, settings)`` makes the ``OptimizerParamScheduler``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def _count(samples: float, args: argparse.Namespace) -> str:
     return f"{value:g}"
 
 
-def build_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
-    """The run's ``OptimizerParamScheduler``: warm-up, decay and weight-decay ramp, in samples."""
-    return OptimizerParamScheduler(optimizer, **scheduler_kwargs(args))
+def build_scheduler(optimizer: Any, settings: dict[str, Any]) -> OptimizerParamScheduler:
+    """The run's ``OptimizerParamScheduler`` from :func:`scheduler_kwargs` (``Run.lr_schedule``):
+    warm-up, decay and weight-decay ramp, in samples."""
+    return OptimizerParamScheduler(optimizer, **settings)

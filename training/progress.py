@@ -9,13 +9,15 @@ iterations left. ``Progress.summary`` says what the run did and what to try next
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import shlex
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from training.logging_utils import print_rank_last
+if TYPE_CHECKING:
+    from training.run import Run
+    from training.run_logging import RunLoggers
 
 
 def _clock(seconds: float) -> str:
@@ -25,8 +27,8 @@ def _clock(seconds: float) -> str:
 class Progress:
     """Wall-clock bookkeeping of one ``pretrain`` call from its first training step."""
 
-    def __init__(self, state, train_iters: int) -> None:
-        self.state, self.train_iters = state, train_iters
+    def __init__(self, state, train_iters: int, *, prints: bool = True) -> None:
+        self.state, self.train_iters, self.prints = state, train_iters, prints
         self.start_iteration = state.iteration
         self.start = time.monotonic()
 
@@ -43,40 +45,39 @@ class Progress:
         return f" [{now}]{text} ETA: {'?' if eta is None else _clock(eta)} |"
 
     def print_log_line(self, text: str) -> None:
-        """Print ``line(text)`` from the rank that has the loss."""
-        print_rank_last(self.line(text))
+        """Print ``line(text)`` if this rank prints (the one that has the loss)."""
+        if self.prints:
+            print(self.line(text), flush=True)
 
-    def summary(
-        self, args: argparse.Namespace, *, iteration: int, consumed_samples: int, last: dict, run
-    ) -> list[str]:
+    def summary(self, run: Run, loggers: RunLoggers) -> list[str]:
         """Lines for the end of the run: time, tokens, final losses, where things went, what next."""
+        iteration, consumed_samples = self.state.iteration, self.state.consumed_samples
         elapsed = time.monotonic() - self.start
         ran = iteration - self.start_iteration
-        tokens = ran * args.global_batch_size * args.seq_length
+        seq_length, train_iters, save = run.gpt.seq_length, run.training.train_iters, run.checkpointing.save
+        tokens = ran * run.training.global_batch_size * seq_length
         head = (
-            f"run summary: {ran} iterations in {_clock(elapsed)} (now at {iteration}/{args.train_iters}), "
-            f"{tokens:,} tokens this run ({consumed_samples * args.seq_length:,} in all, "
+            f"run summary: {ran} iterations in {_clock(elapsed)} (now at {iteration}/{train_iters}), "
+            f"{tokens:,} tokens this run ({consumed_samples * seq_length:,} in all, "
             f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s)"
         )
         lines = [head]
-        train, valid = last.get("lm loss"), last.get("validation/lm loss")
+        train, valid = loggers.last.get("lm loss"), loggers.last.get("validation/lm loss")
         lines.append(
             f"  final train lm loss: {'n/a' if train is None else f'{train:.4f}'} | final validation lm loss: "
             f"{'n/a (no evaluation ran)' if valid is None else f'{valid:.4f}'}"
         )
         command = " ".join(shlex.quote(a) for a in [sys.argv[0], *_without(sys.argv[1:], "--load")])
-        if args.save:
-            lines.append(f"  checkpoint: {args.save} (iteration {iteration})")
-            lines.append(
-                f"  resume or train longer: {command} --load {args.save} --train-iters {2 * args.train_iters}"
-            )
+        if save:
+            lines.append(f"  checkpoint: {save} (iteration {iteration})")
+            lines.append(f"  resume or train longer: {command} --load {save} --train-iters {2 * train_iters}")
         else:
             lines.append("  checkpoint: none (give --save DIR to keep the model)")
-        if run.dir:
-            lines.append(f"  W&B run: {run.dir}" + ("" if run.id is None else f" (id {run.id})"))
-            lines.append(f"  upload an offline W&B run: wandb sync {run.dir.rsplit('/files', 1)[0]}")
-        if args.tensorboard_dir:
-            lines.append(f"  TensorBoard: tensorboard --logdir {args.tensorboard_dir}")
+        if loggers.dir:
+            lines.append(f"  W&B run: {loggers.dir}" + ("" if loggers.id is None else f" (id {loggers.id})"))
+            lines.append(f"  upload an offline W&B run: wandb sync {loggers.dir.rsplit('/files', 1)[0]}")
+        if run.logging.tensorboard_dir:
+            lines.append(f"  TensorBoard: tensorboard --logdir {run.logging.tensorboard_dir}")
         return lines
 
 

@@ -19,11 +19,12 @@ Declare a new flag: add a field, with a docstring, to the dataclass that uses it
         \"\"\"Write the step timers to TensorBoard.\"\"\"
 
 That is all: ``--log-timers-to-tensorboard`` exists, ``--help`` lists it under the class's section,
-``--config`` files accept it, ``args.log_timers_to_tensorboard`` holds it, and a core config with
-a field of that name receives it from ``config_from_args``. Code must read it: the test
-``test_every_accepted_flag_is_read`` (tests/test_flag_coverage.py) records every attribute read
-during a short real run and fails on a flag nobody read; if yours is read only on a path that run
-does not take, add the flag to that test's command line. Megatron's odd spellings and other
+``--config`` files accept it, the validated run holds it (``run.training.log_timers_to_tensorboard``
+of :class:`training.run.Run`, and ``get_args().log_timers_to_tensorboard`` for Megatron-style code),
+and a core config with a field of that name receives it. Code must read it: the test
+``test_every_accepted_flag_is_read`` (tests/test_flag_coverage.py) records every field read, on the
+namespace and on the typed configs, during a short real run and fails on a flag nobody read; if
+yours is read only on a path that run does not take, add the flag to that test's command line. Megatron's odd spellings and other
 exceptions go in the field's metadata, through ``core.flags``::
 
     add_bias_linear: bool = flag(True, name="--disable-bias-linear", help="No biases ...")

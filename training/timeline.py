@@ -26,6 +26,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -33,6 +34,9 @@ from core.pipeline_parallel.executor import ScheduleRecord
 from core.pipeline_parallel.placement import Placement
 from core.pipeline_parallel.schedule_tables import ActionKind
 from core.pipeline_parallel.simulator import simulate
+
+if TYPE_CHECKING:
+    from training.run import Run
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -104,14 +108,15 @@ class Timeline:
         self._start = 0.0
 
     @classmethod
-    def from_args(cls, args) -> Timeline | None:
-        iterations = args.timeline_iters  # read either way: it is meaningless without --timeline-dir
-        if not args.timeline_dir:
+    def for_run(cls, run: Run) -> Timeline | None:
+        """The timeline ``--timeline-dir`` asks for, or None."""
+        iterations = run.logging.timeline_iters  # read either way: it is meaningless without --timeline-dir
+        if not run.logging.timeline_dir:
             return None
-        schedule = args.pipeline_schedule
-        if schedule == "1f1b" and args.virtual_pipeline_model_parallel_size:
+        schedule = run.model.pipeline_schedule
+        if schedule == "1f1b" and run.parallel.vpp > 1:
             schedule = "interleaved 1f1b"
-        return cls(args.timeline_dir, iterations or [args.train_iters], schedule)
+        return cls(run.logging.timeline_dir, iterations or [run.training.train_iters], schedule)
 
     def wants(self, iteration: int) -> bool:
         return iteration in self.iterations

@@ -186,6 +186,7 @@ class RowParallelLinear(nn.Module):
         rank = tp_rank(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, world_size, "RowParallelLinear input_size")
+        self.tp_size = world_size
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel and world_size > 1
@@ -213,6 +214,10 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, tp_group=self.tp_group)
+        if self.tp_size == 1:
+            # Nothing to sum over: the bias goes into the matmul (one addmm instead of a second pass).
+            bias = None if self.skip_bias_add else self.bias
+            return F.linear(input_parallel, self.weight, bias), (self.bias if self.skip_bias_add else None)
         partial = F.linear(input_parallel, self.weight)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, tp_group=self.tp_group)

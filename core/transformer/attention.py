@@ -14,7 +14,6 @@ parallelism) sums the heads' contributions.
 
 from __future__ import annotations
 
-import einops
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +29,17 @@ from core.transformer.transformer_config import TransformerConfig
 Rotary = tuple[torch.Tensor, torch.Tensor] | None
 
 
+_SDPA_HAS_GQA = torch.__version__ >= "2.5"
+"""torch >= 2.5: SDPA shares key/value heads among query heads itself (``enable_gqa``)."""
+
+
+def _math_sdpa_reduces_in_fp32() -> bool:
+    """Whether SDPA's unfused (math) fallback computes a 16-bit softmax in fp32: torch >= 2.5 does
+    unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` was called."""
+    allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
+    return allowed is not None and not allowed()
+
+
 def core_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -38,14 +48,24 @@ def core_attention(
     dropout_p: float,
     softmax_in_fp32: bool = False,
 ) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(d)) v`` over ``[b, heads, s, d]``, causal, with dropout on the probabilities.
+    """``softmax(q k^T / sqrt(d)) v``, causal, with dropout on the probabilities.
+
+    ``query`` is ``[b, heads, s, d]``; ``key`` and ``value`` are ``[b, groups, s_k, d]`` with
+    ``groups`` dividing ``heads`` (grouped-query attention: query head ``i`` reads group
+    ``i // (heads / groups)``). Any strides with a contiguous last dimension are fine (views of the
+    fused QKV projection), and the result's memory is laid out ``[b, s, heads, d]`` by the fused
+    kernels, so ``[s, b, heads * d]`` is a view of it when ``b == 1``.
 
     ``attention_mask`` is Megatron's: boolean, True where attention is NOT allowed, broadcastable to
-    ``[b, heads, s, s]``; it is combined with the causal mask. With fewer queries than keys (cached
+    ``[b, heads, s, s_k]``; it is combined with the causal mask. With fewer queries than keys (cached
     decoding) the queries are the last positions: query ``i`` sees keys up to ``i + keys - queries``.
-    The probabilities are sharded by head,
-    so their dropout draws from this TP rank's own stream. ``softmax_in_fp32`` (Megatron's
-    ``--attention-softmax-in-fp32``) takes 16-bit inputs through :func:`_attention_softmax_in_fp32`.
+    The probabilities are sharded by head, so their dropout draws from this TP rank's own stream.
+
+    ``softmax_in_fp32`` (Megatron's ``--attention-softmax-in-fp32``) matters only where scores are
+    written out: SDPA's fused kernels (flash, memory-efficient) and its fp32-reducing math fallback
+    already compute the softmax in fp32, so the flag keeps them; only where SDPA could reduce in
+    16 bits (torch < 2.5, or reduced-precision math allowed) do 16-bit inputs take
+    :func:`_attention_softmax_in_fp32`, as Megatron's flag only changes its unfused kernel.
     """
     queries, keys = query.shape[-2], key.shape[-2]
     if attention_mask is None and queries == keys:
@@ -55,14 +75,31 @@ def core_attention(
         if attention_mask is not None:
             mask = mask & ~attention_mask.bool()
         causal = False
-    if softmax_in_fp32 and query.dtype in (torch.float16, torch.bfloat16):
-        return _attention_softmax_in_fp32(query, key, value, mask, dropout_p)
+    sixteen_bit = query.dtype in (torch.float16, torch.bfloat16)
+    if softmax_in_fp32 and sixteen_bit and not _math_sdpa_reduces_in_fp32():
+        return _attention_softmax_in_fp32(query, *_shared_heads(query, key, value), mask, dropout_p)
+    gqa: dict = {}
+    if query.shape[-3] != key.shape[-3]:
+        if _SDPA_HAS_GQA:
+            gqa = {"enable_gqa": True}
+        else:
+            key, value = _shared_heads(query, key, value)
     if dropout_p == 0.0:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, **gqa)
     with sharded_rng():
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
+            query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, **gqa
         )
+
+
+def _shared_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value with each group repeated for its query heads (for paths without ``enable_gqa``)."""
+    repeats = query.shape[-3] // key.shape[-3]
+    if repeats == 1:
+        return key, value
+    return key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
 
 
 def _attention_softmax_in_fp32(
@@ -134,13 +171,13 @@ class SelfAttention(nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[s, b, local qkv]`` -> q ``[b, local heads, s, d]``, k and v ``[b, local groups, s, d]``."""
-        per_group = einops.rearrange(
-            mixed, "s b (g m d) -> b g m s d", g=self.groups_per_rank, d=self.kv_channels
-        )
+        """``[s, b, local qkv]`` -> query ``[b, local groups, heads per group, s, d]``, key and value
+        ``[b, local groups, s, d]``: all three are views of ``mixed``, nothing is copied."""
+        s, b = mixed.shape[:2]
+        per_group = mixed.view(s, b, self.groups_per_rank, self.heads_per_group + 2, self.kv_channels)
+        per_group = per_group.permute(1, 2, 3, 0, 4)  # [b, g, m, s, d]
         n = self.heads_per_group
-        query = einops.rearrange(per_group[:, :, :n], "b g n s d -> b (g n) s d")
-        return query, per_group[:, :, n], per_group[:, :, n + 1]
+        return per_group[:, :, :n], per_group[:, :, n], per_group[:, :, n + 1]
 
     def forward(
         self,
@@ -156,16 +193,18 @@ class SelfAttention(nn.Module):
         query, key, value = self.split_qkv(mixed)
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        # [b, heads, s, d]: a view of RoPE's fresh output, or of ``mixed`` with one head per group;
+        # only grouped-query attention without RoPE copies the queries out of the fused layout here.
+        query = query.flatten(1, 2)
         if inference_context is not None:
             key, value = inference_context.store(self.layer_number, key, value)
-        if self.heads_per_group > 1:  # each key/value head serves its group's query heads
-            key = einops.repeat(key, "b g s d -> b (g n) s d", n=self.heads_per_group)
-            value = einops.repeat(value, "b g s d -> b (g n) s d", n=self.heads_per_group)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         fp32_softmax = self.config.attention_softmax_in_fp32
         if self.recompute_core:
             context = checkpoint(core_attention, query, key, value, attention_mask, dropout_p, fp32_softmax)
         else:
             context = core_attention(query, key, value, attention_mask, dropout_p, fp32_softmax)
-        output, _ = self.linear_proj(einops.rearrange(context, "b h s d -> s b (h d)"))
+        # [b, h, s, d] -> [s, b, h * d]: a view of the fused kernels' [b, s, h, d] output (copied by the
+        # projection's matmul only when b > 1).
+        output, _ = self.linear_proj(context.permute(2, 0, 1, 3).flatten(2))
         return output

@@ -5,11 +5,17 @@ gated unit the gate and up projections are one ColumnParallelLinear of ``2 * ffn
 rows whose full weight is ``[W_gate; W_up]`` and whose ``partition_stride`` is 2: rank ``r`` holds
 ``[W_gate shard r; W_up shard r]`` (``shard_of`` cuts exactly that), so the gate and up rows that
 multiply each other are always on the same rank. Megatron lays out its SwiGLU fc1 the same way.
+
+SwiGLU runs as one autograd function (:class:`SwiGLU`), as Megatron's fused ``bias_swiglu`` does: it
+keeps only fc1's output for backward (not also ``silu(gate)``) and writes the gate's and the up
+branch's gradients straight into the two halves of one tensor, where autograd would compute them
+apart and then concatenate them (a copy of fc1's whole output gradient).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -17,17 +23,45 @@ from core.transformer.initialization import deferred_init, mark_init
 from core.transformer.transformer_config import TransformerConfig
 
 
-class MLP(nn.Module):
-    """``[s, b, h]`` -> ``[s, b, h]`` (sequence-sharded in and out under sequence parallelism)."""
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` for ``x = [gate, up]`` along the last dimension; the same numbers as autograd."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.chunk(x, 2, dim=-1)
+        ctx.save_for_backward(x)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        gate, up = torch.chunk(x, 2, dim=-1)
+        grad_x = torch.empty_like(x)
+        grad_gate, grad_up = torch.chunk(grad_x, 2, dim=-1)
+        torch.mul(grad, F.silu(gate), out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_x
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of fc1's output ``[..., 2 * ffn]`` (gate first, then up): ``[..., ffn]``."""
+    return SwiGLU.apply(x)
+
+
+class MLP(nn.Module):
+    """``[s, b, h]`` -> ``[s, b, h]`` (sequence-sharded in and out under sequence parallelism).
+
+    ``ffn_hidden_size`` overrides the config's inner size (an MoE layer's shared experts)."""
+
+    def __init__(self, config: TransformerConfig, ffn_hidden_size: int | None = None) -> None:
         super().__init__()
+        ffn_hidden_size = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         self.activation_func = config.activation_func
         self.gated = config.gated_linear_unit
         branches = 2 if self.gated else 1
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
-            branches * config.ffn_hidden_size,
+            branches * ffn_hidden_size,
             config=config,
             init_method=deferred_init,
             bias=config.add_bias_linear,
@@ -36,7 +70,7 @@ class MLP(nn.Module):
             perform_initialization=False,
         )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size,
+            ffn_hidden_size,
             config.hidden_size,
             config=config,
             init_method=deferred_init,
@@ -51,7 +85,9 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         intermediate, _ = self.linear_fc1(hidden)
-        if self.gated:
+        if self.gated and self.activation_func is F.silu:
+            intermediate = swiglu(intermediate)
+        elif self.gated:
             gate, up = torch.chunk(intermediate, 2, dim=-1)
             intermediate = self.activation_func(gate) * up
         else:

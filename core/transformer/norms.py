@@ -3,7 +3,9 @@
 The norms are replicated on every TP rank. Under sequence parallelism each rank normalises only
 its slice of the sequence, so its weight gradient is a partial sum: the parameters are marked
 ``sequence_parallel`` for ``finalize_model_grads`` to all-reduce them over the TP group. Both
-norms compute in fp32 and cast back (as Hugging Face's LLaMA does), so bf16 runs stay stable.
+norms compute their statistics in fp32 whatever the activations' dtype, so bf16 runs stay stable:
+``F.layer_norm`` and ``F.rms_norm`` (torch >= 2.4) accumulate in fp32 internally, so 16-bit
+activations are not copied to fp32 and back around them.
 
 With ``layernorm_zero_centered_gamma`` (Megatron's ``--apply-layernorm-1p``) the weight holds
 gamma - 1: it starts at zero and the norm scales by ``1 + weight``.
@@ -18,6 +20,9 @@ from torch import nn
 from core.device import current_device
 from core.transformer.initialization import mark_init
 from core.transformer.transformer_config import TransformerConfig
+
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+"""torch >= 2.4 has ``F.rms_norm`` (one fused kernel on GPUs); older versions write it out."""
 
 
 def _norm_param(size: int, config: TransformerConfig, fill: float) -> nn.Parameter:
@@ -38,9 +43,11 @@ class LayerNorm(nn.Module):
         self.bias = _norm_param(hidden_size, config, 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gamma = self.weight.float() + 1 if self.zero_centered_gamma else self.weight.float()
-        out = F.layer_norm(x.float(), x.shape[-1:], gamma, self.bias.float(), self.eps)
-        return out.to(x.dtype)
+        if not self.zero_centered_gamma:
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        # 1 + a small 16-bit weight would round in 16 bits: form gamma, and normalise, in fp32.
+        gamma = self.weight.float() + 1
+        return F.layer_norm(x.float(), x.shape[-1:], gamma, self.bias.float(), self.eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -53,9 +60,11 @@ class RMSNorm(nn.Module):
         self.weight = _norm_param(hidden_size, config, 0.0 if self.zero_centered_gamma else 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gamma = self.weight + 1 if self.zero_centered_gamma else self.weight
+        if _HAS_RMS_NORM:
+            return F.rms_norm(x, x.shape[-1:], gamma, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        gamma = self.weight + 1 if self.zero_centered_gamma else self.weight
         return gamma * normed.to(x.dtype)
 
 

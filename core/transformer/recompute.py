@@ -27,6 +27,15 @@ def _remember_tracker(store: dict) -> Iterator[None]:
     yield
 
 
+_RECOMPUTING = [0]  # recomputations under way (nested checkpoints count each)
+
+
+def is_recomputing() -> bool:
+    """Whether the forward now running is a recomputation inside backward (its side effects, such as
+    recording a router's auxiliary losses for the log, already happened in the first forward)."""
+    return _RECOMPUTING[0] > 0
+
+
 class _ReplayTracker:
     """Swaps the forward's tracker states in for a recomputation. Re-enterable: a second backward over
     the same graph (the zero-bubble weight-gradient pass) recomputes again."""
@@ -38,8 +47,10 @@ class _ReplayTracker:
         tracker = get_rng_tracker()
         self.saved.append(tracker.get_states())
         tracker.set_states(self.store["states"])
+        _RECOMPUTING[0] += 1
 
     def __exit__(self, *exc: object) -> None:
+        _RECOMPUTING[0] -= 1
         get_rng_tracker().set_states(self.saved.pop())
 
 

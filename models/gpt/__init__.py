@@ -1,6 +1,16 @@
 """GPT-style decoder models: GPT-2 and LLaMA are configurations of one GPTModel."""
 
-from models.gpt.gpt_model import GPTModel, build_model_chunks, pipeline_layout
+from models.gpt.gpt_model import GPTModel, pipeline_layout
+from models.gpt.parallelize import ParallelGPT, gpt_provider, parallelize_gpt
 from models.gpt.presets import gpt2_config, llama_config, preset
 
-__all__ = ["GPTModel", "build_model_chunks", "gpt2_config", "llama_config", "pipeline_layout", "preset"]
+__all__ = [
+    "GPTModel",
+    "ParallelGPT",
+    "gpt2_config",
+    "gpt_provider",
+    "llama_config",
+    "parallelize_gpt",
+    "pipeline_layout",
+    "preset",
+]

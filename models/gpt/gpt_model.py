@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from core import parallel_state
+from core.device import current_device
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
 from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
 from core.transformer.inference_context import InferenceContext
@@ -96,7 +97,7 @@ class GPTModel(nn.Module):
     """Megatron's GPTModel contract: ``forward(input_ids, position_ids, attention_mask, labels)``.
 
     ``shared_embedding_weight`` is only for a tied output layer whose embedding lives in an earlier
-    chunk of the same rank; :func:`build_model_chunks` passes it.
+    chunk of the same rank; :func:`models.gpt.parallelize.parallelize_gpt` passes it.
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class GPTModel(nn.Module):
                 config.rotary_dim,
                 config.rotary_base,
                 config.rope_scaling_factor if config.rope_scaling else None,
+                device=current_device(),
             )
             if config.position_embedding_type == "rope"
             else None
@@ -175,7 +177,7 @@ class GPTModel(nn.Module):
                 raise ValueError(
                     f"GPTModel({flag}={value}) disagrees with the pipeline layout: stage (pp_rank {self.pp_rank}, "
                     f"vp_stage {vp_stage}) {'holds' if expected else 'does not hold'} the {what}; pass "
-                    f"{flag}={expected} or use build_model_chunks"
+                    f"{flag}={expected} or use parallelize_gpt"
                 )
 
     def _tied_across_ranks(self) -> bool:
@@ -189,7 +191,7 @@ class GPTModel(nn.Module):
         if borrow and shared_weight is None:
             raise ValueError(
                 "tied embeddings: the embedding is in an earlier chunk of this rank; pass "
-                f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use build_model_chunks"
+                f"shared_embedding_weight=<that chunk>.{WORD_EMBEDDINGS} or use parallelize_gpt"
             )
         layer = ColumnParallelLinear(
             config.hidden_size,
@@ -287,12 +289,13 @@ class GPTModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.rotary_pos_emb is None:
             return None
-        if position_ids is None:
+        if position_ids is None:  # the usual case: cached tables, in the activations' dtype
             seq = hidden.shape[0] * (
                 self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
             )
-            position_ids = torch.arange(seq, device=hidden.device)
-        return self.rotary_pos_emb(position_ids)
+            return self.rotary_pos_emb.for_length(seq, hidden.dtype, hidden.device)
+        cos, sin = self.rotary_pos_emb(position_ids)
+        return cos.to(hidden.dtype), sin.to(hidden.dtype)
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padded vocabulary entries get -inf, so they take no probability mass and no gradient."""
@@ -302,28 +305,3 @@ class GPTModel(nn.Module):
             return logits
         padding = torch.arange(start, start + local, device=logits.device) >= self.vocab_size
         return logits.masked_fill(padding, float("-inf"))
-
-
-def build_model_chunks(
-    config: TransformerConfig, vocab_size: int, max_sequence_length: int
-) -> list[GPTModel]:
-    """This rank's model chunk(s), one per virtual stage, with pre/post flags taken from the layout."""
-    layout = pipeline_layout(config)
-    rank = pipeline_rank(config)
-    chunks: list[GPTModel] = []
-    for v in range(layout.vpp_size):
-        vp_stage = v if layout.vpp_size > 1 else None
-        embedding_holder = next((c for c in chunks if c.pre_process), None)
-        shared = embedding_holder.embedding.word_embeddings.weight if embedding_holder is not None else None
-        chunks.append(
-            GPTModel(
-                config,
-                vocab_size,
-                max_sequence_length,
-                pre_process=layout.has_embedding(rank, vp_stage),
-                post_process=layout.has_loss(rank, vp_stage),
-                vp_stage=vp_stage,
-                shared_embedding_weight=shared,
-            )
-        )
-    return chunks

@@ -1,0 +1,41 @@
+"""The process groups an MoE layer talks over, given explicitly or read from parallel_state once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class MoEGroups:
+    """``None`` means a group of one (a plain process, or a size-1 group): nothing is communicated."""
+
+    ep: ProcessGroup | None = None
+    """Expert model parallel: the ranks holding the layer's experts, in order (tokens travel over it)."""
+    tp_cp: ProcessGroup | None = None
+    """Tensor x context parallel: the ranks whose tokens make up one sequence (token counts per
+    expert are summed over it for the load-balancing loss)."""
+
+    @classmethod
+    def from_parallel_state(cls) -> MoEGroups:
+        """This rank's groups from ``core.parallel_state``; all ``None`` in a process without groups."""
+        from core import parallel_state as ps
+
+        if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+            return cls()
+        groups = ps.get_parallel_groups()
+        return cls(ep=_or_none(groups.ep), tp_cp=_or_none(groups.tp_cp))
+
+    @staticmethod
+    def size(group: ProcessGroup | None) -> int:
+        return 1 if group is None else dist.get_world_size(group)
+
+    @staticmethod
+    def rank(group: ProcessGroup | None) -> int:
+        return 0 if group is None else dist.get_rank(group)
+
+
+def _or_none(group: ProcessGroup | None) -> ProcessGroup | None:
+    return None if group is None or dist.get_world_size(group) == 1 else group

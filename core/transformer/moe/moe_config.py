@@ -1,0 +1,155 @@
+"""The mixture-of-experts fields of a transformer config (Megatron's ``TransformerConfig`` names).
+
+A model with ``num_moe_experts`` set replaces the MLP of its MoE layers (every layer, or those
+``moe_layer_freq`` picks) by a router, a token dispatcher and ``num_moe_experts`` expert MLPs, split
+over ``expert_model_parallel_size`` ranks. :func:`moe_problems` checks every combination at
+construction, before any rank builds a layer or joins a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from core.flags import flag
+
+LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "none"]
+TokenDispatcherType = Literal["alltoall", "allgather"]
+TokenDropPolicy = Literal["probs", "position"]
+LOAD_BALANCING_TYPES = get_args(LoadBalancingType)
+TOKEN_DISPATCHER_TYPES = get_args(TokenDispatcherType)
+TOKEN_DROP_POLICIES = get_args(TokenDropPolicy)
+_MOE = "mixture of experts"
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """Router, experts, dispatch and load balancing of the MoE layers (all off when no experts)."""
+
+    num_moe_experts: int | None = flag(None, name="--num-experts", group=_MOE)
+    """Experts per MoE layer; None means a dense model (no MoE layer)."""
+
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE layers: N means every N-th (layers 0, N, 2N, ...), a list of 0/1 per
+    layer gives the pattern (Megatron's ``--moe-layer-freq``, e.g. ``([0]+[1]*23)``)."""
+
+    moe_ffn_hidden_size: int | None = flag(None, group=_MOE)
+    """Inner size of each expert (per branch of a gated unit); None means ffn_hidden_size."""
+
+    moe_router_topk: int = flag(2, group=_MOE)
+    """Experts each token is routed to."""
+
+    moe_router_pre_softmax: bool = flag(False, group=_MOE)
+    """Softmax over all experts before the top-k (probabilities not renormalised, as Qwen2-MoE and
+    DeepSeek); by default the top-k logits are picked first and their softmax taken (Mixtral)."""
+
+    moe_router_topk_scaling_factor: float | None = flag(None, group=_MOE)
+    """Multiply the routing probabilities by this (DeepSeek-V2/V3); None leaves them."""
+
+    moe_router_load_balancing_type: LoadBalancingType = flag("aux_loss", group=_MOE)
+    """Load balancing: "aux_loss" (GShard/Switch, over each microbatch's tokens), "seq_aux_loss"
+    (DeepSeek-V2, per sequence, averaged) or "none"."""
+
+    moe_aux_loss_coeff: float = flag(0.0, group=_MOE)
+    """Coefficient of the load-balancing loss (1e-2 is a usual start); 0 turns it off."""
+
+    moe_z_loss_coeff: float | None = flag(None, group=_MOE)
+    """Coefficient of the router z-loss (ST-MoE: mean squared log-sum-exp of the logits); None is off."""
+
+    moe_token_dispatcher_type: TokenDispatcherType = flag("allgather", group=_MOE)
+    """How tokens reach the experts of other ranks: "alltoall" (each token goes to the ranks of its
+    experts) or "allgather" (every rank sees every token of its expert-parallel group)."""
+
+    moe_grouped_gemm: bool = flag(False, group=_MOE)
+    """Run a rank's experts as one grouped matrix multiply where torch offers one for the device and
+    dtype (torch._grouped_mm), a loop over experts otherwise; the same numbers either way."""
+
+    moe_expert_capacity_factor: float | None = flag(None, group=_MOE)
+    """Each expert takes at most ceil(tokens x topk / experts x factor) of a rank's tokens, the
+    rest are dropped; None is dropless."""
+
+    moe_pad_expert_input_to_capacity: bool = flag(False, group=_MOE)
+    """With a capacity factor: every expert gets exactly its capacity of tokens (padding tokens
+    carry probability 0)."""
+
+    moe_token_drop_policy: TokenDropPolicy = flag("probs", group=_MOE)
+    """Which tokens an expert over capacity keeps: the highest "probs", or the first by "position"."""
+
+    moe_shared_expert_intermediate_size: int | None = flag(None, group=_MOE)
+    """Inner size of the shared experts every token goes through (Qwen2-MoE, DeepSeek); None: none."""
+
+    moe_shared_expert_gate: bool = flag(False, group=_MOE)
+    """Scale the shared experts' output by sigmoid(x . w) with a learned w (Qwen2-MoE)."""
+
+    moe_per_layer_logging: bool = flag(False, group=_MOE)
+    """Also log each layer's auxiliary losses (moe/<name>_layer_<i>) to TensorBoard and W&B."""
+
+    def moe_layer_pattern(self, num_layers: int) -> list[bool]:
+        """For each of the model's layers, whether it is an MoE layer."""
+        if self.num_moe_experts is None:
+            return [False] * num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return [i % self.moe_layer_freq == 0 for i in range(num_layers)]
+        return [bool(v) for v in self.moe_layer_freq]
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Inner size of one routed expert."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
+
+
+def moe_problems(config: Any) -> list[str]:
+    """Every invalid MoE setting of ``config`` (a transformer config with the fields above)."""
+    experts = config.num_moe_experts
+    if experts is None:
+        return []
+    if experts < 1:
+        return [f"num_moe_experts must be >= 1, got {experts}"]
+    out: list[str] = []
+    ep = getattr(config, "expert_model_parallel_size", 1)
+    if experts % ep:
+        out.append(f"num_moe_experts ({experts}) must be divisible by expert_model_parallel_size ({ep})")
+    topk = config.moe_router_topk
+    if not 1 <= topk <= experts:
+        out.append(f"moe_router_topk ({topk}) must be between 1 and num_moe_experts ({experts})")
+    elif topk == 1 and not config.moe_router_pre_softmax:
+        out.append(
+            "moe_router_topk 1 needs moe_router_pre_softmax: a softmax over one logit is 1 and gives "
+            "the router no gradient"
+        )
+    out += _layer_freq_problems(config.moe_layer_freq, config.num_layers)
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            out.append(f"{name} must be >= 1 or None, got {value}")
+    out += _choice_problems(config)
+    factor = config.moe_expert_capacity_factor
+    if factor is not None and factor <= 0:
+        out.append(f"moe_expert_capacity_factor must be > 0 or None, got {factor}")
+    if config.moe_pad_expert_input_to_capacity and factor is None:
+        out.append("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        value = getattr(config, name)
+        if value is not None and value < 0:
+            out.append(f"{name} must be >= 0, got {value}")
+    return out
+
+
+def _layer_freq_problems(freq: int | list[int], num_layers: int) -> list[str]:
+    if isinstance(freq, int):
+        return [] if freq >= 1 else [f"moe_layer_freq must be >= 1 or a 0/1 list per layer, got {freq}"]
+    if len(freq) != num_layers or any(v not in (0, 1) for v in freq):
+        return [f"moe_layer_freq {list(freq)} must list 0 or 1 for each of the {num_layers} layers"]
+    return []
+
+
+def _choice_problems(config: Any) -> list[str]:
+    out = []
+    for name, choices in (
+        ("moe_router_load_balancing_type", LOAD_BALANCING_TYPES),
+        ("moe_token_dispatcher_type", TOKEN_DISPATCHER_TYPES),
+        ("moe_token_drop_policy", TOKEN_DROP_POLICIES),
+    ):
+        if getattr(config, name) not in choices:
+            out.append(f"{name} must be one of {choices}, got {getattr(config, name)!r}")
+    return out

@@ -1,0 +1,223 @@
+"""MoE without processes: router and losses against a direct reference, experts looped and grouped,
+the layer against Hugging Face's Mixtral-style loop, token dropping, config validation.
+
+The multi-rank checks (expert parallelism, both dispatchers) are in test_moe_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
+from core.transformer.initialization import initialize_by_name
+from core.transformer.moe import MoELayer, TopKRouter
+from core.transformer.moe.experts import Experts
+from core.transformer.moe.moe_utils import drop_tokens_over_capacity, get_capacity, topk_routing
+from tests.moe_reference import (
+    expert_weights,
+    moe_config,
+    reference_aux_loss,
+    reference_moe,
+    reference_router,
+    reference_z_loss,
+)
+
+SEQ, BATCH = 6, 3
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def _router(**overrides) -> TopKRouter:
+    config = moe_config(**overrides)
+    router = TopKRouter(config, layer_number=0)
+    initialize_by_name(router, config)
+    return router
+
+
+# --------------------------------------------------------------------------------------------------
+# Router and losses
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_router_choices_and_weights_match_a_token_by_token_reference(pre_softmax):
+    router = _router(moe_router_pre_softmax=pre_softmax, moe_router_load_balancing_type="none")
+    hidden = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(0))
+    probs, routing_map = router(hidden)
+    indices, weights = reference_router(
+        hidden.reshape(-1, 16) @ router.weight.t(), 2, pre_softmax=pre_softmax
+    )
+    expected = torch.zeros_like(probs).scatter(1, indices, weights)
+    assert torch.equal(routing_map, expected > 0)
+    torch.testing.assert_close(probs, expected, rtol=1e-6, atol=1e-7)
+    if not pre_softmax:
+        torch.testing.assert_close(probs.sum(dim=1), torch.ones(SEQ * BATCH))
+
+
+def test_top_k_ties_are_broken_as_torch_topk_breaks_them():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 2.0, 2.0, 2.0], [3.0, 3.0, 3.0, 3.0]])
+    for pre_softmax in (False, True):
+        _, routing_map = topk_routing(logits, 2, pre_softmax=pre_softmax)
+        source = torch.softmax(logits, dim=-1) if pre_softmax else logits
+        expected = torch.zeros_like(routing_map).scatter(1, torch.topk(source, 2, dim=1).indices, True)
+        assert torch.equal(routing_map, expected)
+        assert routing_map.sum(dim=1).tolist() == [2, 2, 2]
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_balancing_and_z_losses_and_their_gradients_match_the_reference(kind):
+    coeff, z_coeff = 0.01, 0.001
+    router = _router(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z_coeff)
+    hidden = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(1))
+    upstream = torch.randn(SEQ * BATCH, 4, generator=torch.Generator().manual_seed(2))
+    set_auxiliary_loss_scale(1.0)
+    probs, _ = router(hidden)
+    (probs * upstream).sum().backward()  # the main loss; the attached losses join its backward
+
+    weight = router.weight.detach().clone().requires_grad_(True)
+    logits = hidden.reshape(-1, 16) @ weight.t()
+    indices, weights = reference_router(logits, 2)
+    main = (torch.zeros_like(logits).scatter(1, indices, weights) * upstream).sum()
+    if kind == "aux_loss":
+        aux = reference_aux_loss(logits, 2, coeff)
+    else:  # one loss per sequence (column b of [s, b]), averaged
+        per_token = logits.reshape(SEQ, BATCH, 4)
+        aux = torch.stack([reference_aux_loss(per_token[:, b], 2, coeff) for b in range(BATCH)]).mean()
+    z = reference_z_loss(logits, z_coeff)
+    (main + aux + z).backward()
+    name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
+    torch.testing.assert_close(router.metrics[name], (aux / coeff).detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(router.metrics["z_loss"], (z / z_coeff).detach(), rtol=1e-6, atol=0)
+    assert _relative(router.weight.grad, weight.grad) < 1e-6
+    assert _relative(router.weight.grad, weight.grad.clone().zero_() + 1) > 0.5  # the losses moved it
+
+
+def test_auxiliary_loss_gradient_takes_the_schedule_scale_and_nothing_in_evaluation():
+    router = _router(moe_aux_loss_coeff=0.5)
+    hidden = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for scale in (1.0, 0.25):
+        router.weight.grad = None
+        set_auxiliary_loss_scale(scale)
+        probs, _ = router(hidden)
+        (probs * 0).sum().backward()  # only the balancing loss reaches the weight
+        grads.append(router.weight.grad.clone())
+    set_auxiliary_loss_scale(1.0)
+    torch.testing.assert_close(grads[1], grads[0] * 0.25)
+    router.eval()
+    router.metrics.clear()
+    router(hidden)
+    assert router.metrics == {}
+
+
+def test_capacity_keeps_each_experts_most_probable_tokens_or_pads_to_capacity():
+    assert get_capacity(num_tokens=18 * 2, num_experts=4, capacity_factor=1.0) == 9
+    logits = torch.randn(18, 4, generator=torch.Generator().manual_seed(4))
+    probs, routing_map = topk_routing(logits, 2)
+    kept_probs, kept = drop_tokens_over_capacity(probs, routing_map, 2, 0.5)  # capacity 5
+    for e in range(4):
+        routed = routing_map[:, e].nonzero().flatten()
+        best = routed[torch.argsort(probs[routed, e], descending=True)][:5]
+        assert set(kept[:, e].nonzero().flatten().tolist()) == set(best.tolist())
+    assert torch.equal(kept_probs, probs * kept)
+    padded_probs, padded = drop_tokens_over_capacity(probs, routing_map, 2, 0.5, pad_to_capacity=True)
+    assert padded.sum(dim=0).tolist() == [5, 5, 5, 5]
+    assert torch.equal(padded_probs, probs * padded)
+
+
+# --------------------------------------------------------------------------------------------------
+# Experts and the layer
+# --------------------------------------------------------------------------------------------------
+
+
+def _experts_output(grouped: bool, dtype: torch.dtype):
+    config = moe_config(moe_grouped_gemm=grouped, params_dtype=dtype)
+    experts = Experts(config, first=0, count=4)
+    initialize_by_name(experts, config)
+    tokens = torch.randn(13, 16, generator=torch.Generator().manual_seed(5)).to(dtype).requires_grad_(True)
+    counts = [4, 0, 6, 3]  # an expert without tokens too
+    out = experts(tokens, counts)
+    out.backward(torch.ones_like(out))
+    grads = [p.grad for p in experts.parameters()]
+    return out, tokens.grad, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_and_looped_experts_give_the_same_numbers(dtype):
+    looped, grouped = _experts_output(False, dtype), _experts_output(True, dtype)
+    assert torch.equal(looped[0], grouped[0]) and torch.equal(looped[1], grouped[1])  # bit-identical on CPU
+    assert all(torch.equal(a, b) for a, b in zip(looped[2], grouped[2]))
+    assert looped[2][2].abs().sum() == 0 and looped[2][0].abs().sum() > 0  # expert 1 got no token
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_layer_matches_a_mixtral_style_loop(dispatcher, pre_softmax):
+    config = moe_config(moe_token_dispatcher_type=dispatcher, moe_router_pre_softmax=pre_softmax)
+    layer = MoELayer(config, layer_number=0)
+    initialize_by_name(layer, config)
+    hidden = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(6))
+    out = layer(hidden)
+    expected = reference_moe(
+        hidden.reshape(-1, 16), layer.router.weight, expert_weights(layer, 4), 2, pre_softmax=pre_softmax
+    )
+    assert _relative(out.reshape(-1, 16), expected) < 1e-6
+
+
+def test_shared_expert_gate_scales_a_dense_mlp_by_a_sigmoid():
+    config = moe_config(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True)
+    layer = MoELayer(config, layer_number=0)
+    initialize_by_name(layer, config)
+    hidden = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(7))
+    tokens = hidden.reshape(-1, 16)
+    shared = layer.shared_experts
+    gate, up = (tokens @ shared.linear_fc1.weight.t()).chunk(2, dim=-1)
+    dense = (torch.nn.functional.silu(gate) * up) @ shared.linear_fc2.weight.t()
+    expected = reference_moe(tokens, layer.router.weight, expert_weights(layer, 4), 2)
+    expected = expected + torch.sigmoid(tokens @ shared.gate_weight.t()) * dense
+    assert _relative(layer(hidden).reshape(-1, 16), expected) < 1e-6
+    names = {n for n, _ in layer.named_parameters()}
+    assert {
+        "shared_experts.gate_weight",
+        "experts.local_experts.3.linear_fc2.weight",
+        "router.weight",
+    } <= names
+    assert all(
+        getattr(p, "allreduce", True) is False for n, p in layer.named_parameters() if ".local_experts." in n
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Config validation
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"moe_router_topk": 5}, "moe_router_topk (5) must be between 1 and num_moe_experts (4)"),
+        (
+            {"moe_router_topk": 1},
+            (
+                "moe_router_topk 1 needs moe_router_pre_softmax: a softmax over one logit is 1 and gives "
+                "the router no gradient"
+            ),
+        ),
+        ({"moe_layer_freq": [1, 0, 1]}, "moe_layer_freq [1, 0, 1] must list 0 or 1 for each of the 2 layers"),
+        (
+            {"moe_pad_expert_input_to_capacity": True},
+            "moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor",
+        ),
+        (
+            {"moe_token_dispatcher_type": "flex"},
+            "moe_token_dispatcher_type must be one of ('alltoall', 'allgather'), got 'flex'",
+        ),
+    ],
+)
+def test_bad_moe_settings_fail_in_one_line(overrides, message):
+    with pytest.raises(ValueError) as err:
+        moe_config(**overrides)
+    assert str(err.value) == "invalid TransformerConfig: " + message

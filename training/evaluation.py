@@ -1,0 +1,47 @@
+"""Validation loss over ``--eval-iters`` global batches, in eval mode (no dropout), as Megatron does."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from training import faults
+from training.iteration_log import mean_per_key
+from training.state import Session
+from training.step import run_global_batch
+
+if TYPE_CHECKING:
+    from training.run import Run
+
+
+def evaluate(run: Run, session: Session) -> None:
+    """Run the validation batches (each evaluation reads the same ones) and report their mean loss."""
+    chunks, state, gbs = session.model.chunks, session.state, run.training.global_batch_size
+    losses = []
+    for chunk in chunks:
+        chunk.eval()
+    faults.phase("evaluation (pipeline send/recv)", state.iteration)
+    try:
+        for k in range(run.validation.eval_iters):
+            with torch.no_grad():
+                reported = run_global_batch(
+                    run, session, session.valid_data, k * gbs, run.num_microbatches, forward_only=True
+                )
+            if reported is not None:
+                losses.append(reported)
+    finally:
+        for chunk in chunks:
+            chunk.train()
+    if losses:
+        values = mean_per_key(losses)
+        if session.logs_loss:
+            print(
+                f" validation loss at iteration {state.iteration} |"
+                + "".join(
+                    f" {k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E} |" for k, v in values.items()
+                ),
+                flush=True,
+            )
+        session.loggers.log({f"validation/{k}": v for k, v in values.items()}, step=state.iteration)

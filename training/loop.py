@@ -1,0 +1,178 @@
+"""The training loop: steps until ``--train-iters``, reporting each, evaluating, saving and stopping.
+
+One iteration: the step (:mod:`training.step`), the learning-rate schedule, the W&B row and, every
+``--log-interval``, the log line (:mod:`training.iteration_log`); then, outside the measured time,
+evaluation, the stop checks (``--exit-interval``, ``--exit-duration-in-mins``, SIGTERM with
+``--exit-signal-handler``), a checkpoint every ``--save-interval`` and the caller's
+``iteration_hook``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from core.device import current_device
+from training import faults
+from training.evaluation import evaluate
+from training.iteration_log import LogWindow, log_line, wandb_row
+from training.logging_utils import print_rank_0
+from training.profiling import StepProfiler
+from training.progress import Progress
+from training.resume import save
+from training.run import Run
+from training.run_control import ExitTimer, ManualGC
+from training.signal_handler import SignalHandler
+from training.state import Session, StepResult, TrainState
+from training.step import any_rank, train_step
+from training.throughput import num_floating_point_operations, peak_tflops
+from training.timeline import Timeline
+
+
+def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None = None) -> None:
+    """Train from ``session.state`` to ``--train-iters`` (or an earlier stop), saving as the flags say."""
+    flags, state, parallel = run.training, session.state, run.parallel
+    print_rank_0(
+        f"training {flags.train_iters} iterations from iteration {state.iteration}: "
+        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}, "
+        f"{run.num_microbatches} microbatches of {flags.micro_batch_size} x {run.gpt.seq_length} tokens"
+    )
+    # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.
+    handler = SignalHandler() if flags.exit_signal_handler else contextlib.nullcontext()
+    collector = ManualGC(
+        enabled=flags.manual_gc, interval=flags.manual_gc_interval, around_eval=flags.manual_gc_eval
+    )
+    with handler as signals, collector:
+        loop = _Loop(run, session, signals, collector, hook)
+        while state.iteration < flags.train_iters:
+            record = loop.timeline_record(state.iteration + 1)
+            start = time.perf_counter()
+            loop.profiler.before_step(state.iteration)
+            step = train_step(run, session, record)
+            loop.timeline_finish(state.iteration + 1, record)
+            state.iteration += 1
+            loop.profiler.after_step(state.iteration)
+            state.consumed_samples += flags.global_batch_size
+            if step.applied:
+                session.scheduler.step(increment=flags.global_batch_size)
+            if step.losses is not None:
+                state.losses.append(step.losses)
+            loop.report(step, start)
+            state.step_seconds.append(time.perf_counter() - start)
+            paused = time.perf_counter()
+            stop = loop.between_steps()
+            loop.window.pause(time.perf_counter() - paused)  # evaluation and saving are not step time
+            if stop:
+                break
+        loop.finish()
+
+
+class _Loop:
+    """The loop's own state: timers, the log window, the profiler, the timeline, the last save."""
+
+    def __init__(self, run: Run, session: Session, signals, collector: ManualGC, hook) -> None:
+        self.run, self.session, self.hook = run, session, hook
+        self.signals, self.collector = signals, collector
+        self.device = current_device()
+        vocab = _padded_vocab_size(run, session)
+        self.flops = num_floating_point_operations(run.args, run.training.global_batch_size, vocab)
+        self.peak = peak_tflops(self.device, run.logging.peak_tflops)
+        self.window = LogWindow()
+        self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
+        self.timeline = Timeline.for_run(run)
+        session.state.progress = Progress(session.state, run.training.train_iters, prints=session.logs_loss)
+        self.profiler = StepProfiler(
+            enabled=run.training.profile,
+            start=run.training.profile_step_start,
+            end=run.training.profile_step_end,
+            rank=dist.get_rank(),
+            ranks=run.training.profile_ranks,
+            out_dir=run.logging.tensorboard_dir or "profile",
+        )
+        self.saved_at: int | None = None
+
+    def timeline_record(self, iteration: int):
+        """The ``ScheduleRecord`` the schedule fills when the timeline records ``iteration``, else None."""
+        return self.timeline.start() if self.timeline and self.timeline.wants(iteration) else None
+
+    def timeline_finish(self, iteration: int, record) -> None:
+        if record is not None:
+            self.timeline.finish(iteration, record)
+
+    def report(self, step: StepResult, start: float) -> None:
+        """The W&B row of every iteration, and the log line every ``--log-interval``."""
+        run, state, optimizer = self.run, self.session.state, self.session.model.optimizer
+        self.window.add(step)
+        if run.logging.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
+            step.params_norm = optimizer.get_params_norm()
+        step.seconds = time.perf_counter() - start
+        row = wandb_row(run, state, optimizer, step, self.flops, self.peak, self.device)
+        self.session.loggers.log(row, step=state.iteration)
+        self.collector.after_step(state.iteration)
+        if state.iteration % run.training.log_interval == 0 or state.iteration == run.training.train_iters:
+            state.progress.print_log_line(
+                log_line(run, state, optimizer, step, self.window, self.flops, self.peak)
+            )
+
+    def between_steps(self) -> bool:
+        """Evaluate, decide whether to stop, save, call the hook; True to stop."""
+        run, session, state = self.run, self.session, self.session.state
+        every = run.validation.eval_interval
+        if (
+            session.valid_data is not None
+            and every
+            and state.iteration % every == 0
+            and run.validation.eval_iters > 0
+        ):
+            with self.collector.evaluation():
+                evaluate(run, session)
+        stop = self._should_stop()
+        if run.checkpointing.save and (stop or state.iteration % run.checkpointing.save_interval == 0):
+            save(run, session)
+            self.saved_at = state.iteration
+        if self.hook is not None:
+            self.hook(state)
+        return stop
+
+    def _should_stop(self) -> bool:
+        """``--exit-interval``, ``--exit-duration-in-mins`` (agreed by all ranks) or SIGTERM."""
+        flags, iteration = self.run.training, self.session.state.iteration
+        stop = bool(flags.exit_interval and iteration % flags.exit_interval == 0)
+        faults.phase("run-control checks (exit timer, SIGTERM)", iteration)
+        if self.timer.expired():
+            print_rank_0(
+                f"--exit-duration-in-mins {flags.exit_duration_in_mins} reached: saving a checkpoint at "
+                f"iteration {iteration} and exiting"
+            )
+            stop = True
+        if flags.exit_signal_handler and any(self.signals.signals_received()):
+            print_rank_0(f"SIGTERM received: saving a checkpoint at iteration {iteration} and exiting")
+            stop = True
+        return stop
+
+    def finish(self) -> None:
+        """The last parameter gathers land, the profile and timeline are written, a final save if due."""
+        for chunk in self.session.model.chunks:  # the last step's all-gathers (distributed optimizer)
+            chunk.finish_param_sync()
+        self.profiler.stop()
+        if self.run.checkpointing.save and self.saved_at != self.session.state.iteration:
+            save(self.run, self.session)
+        if self.timeline:
+            self.timeline.write()
+        faults.phase("finishing")
+
+
+def _padded_vocab_size(run: Run, session: Session) -> int:
+    """The output layer's (padded) vocabulary, for the FLOP count: the model's, else Megatron's rule."""
+    for module in session.model.modules:
+        size = getattr(module, "padded_vocab_size", None)
+        if size is not None:
+            return int(size)
+    if session.tokenizer is None:  # no tokenizer: the FLOP count leaves the output layer out
+        return 0
+    vocab = session.tokenizer.vocab_size
+    multiple = run.model.make_vocab_size_divisible_by * run.parallel.tp
+    return -(-vocab // multiple) * multiple

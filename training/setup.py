@@ -1,0 +1,145 @@
+"""Everything a run builds before its first step, in order: groups, seeds, tokenizer, model and
+optimizer, resume, data, loggers. ``setup(run, providers)`` returns them as one :class:`Session`.
+
+Building the tokenizer and the datasets may write caches: global rank 0 builds first, the others
+after it (``_rank0_first``), and a failure on any rank fails every rank at once (``faults.agree``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch.distributed as dist
+
+from core import parallel_state as ps
+from core.device import bind_local_device
+from core.optimizer import get_megatron_optimizer
+from core.pipeline_parallel.schedules import get_forward_backward_func
+from core.tensor_parallel import model_parallel_seed
+from models.gpt.parallelize import parallelize_gpt
+from training import checkpointing, faults
+from training.arguments import startup_report
+from training.batches import BatchStream
+from training.global_vars import set_global_variables
+from training.logging_utils import is_logging_rank, print_rank_0
+from training.lr_schedule import build_scheduler
+from training.resume import load
+from training.run import Run
+from training.run_logging import RunLoggers
+from training.state import Session, TrainState
+from training.wandb_logging import start_run
+
+
+@dataclass
+class Providers:
+    """The user's functions, Megatron's contract: datasets, model chunks, forward step (and a tokenizer)."""
+
+    datasets: Callable
+    model: Callable
+    forward_step: Callable
+    tokenizer: Callable | None = None
+
+
+def setup(run: Run, providers: Providers) -> Session:
+    """Build the run's pieces (the process groups of ``torch.distributed`` already exist)."""
+    bind_local_device()
+    ps.initialize_model_parallel(
+        run.parallel.tp,
+        run.parallel.pp,
+        run.model.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=run.distributed.distributed_timeout_minutes,
+    )
+    _seed_everything(run.model.seed)
+    faults.phase("building the tokenizer")
+    tokenizer = _rank0_first(lambda: providers.tokenizer(run.args)) if providers.tokenizer else None
+    set_global_variables(run.args, tokenizer)  # Megatron's get_args() / get_tokenizer() for the providers
+    for line in startup_report(run.args):
+        print_rank_0(line)
+    if run.checkpointing.save:  # a bad --save fails now, not after the first save_interval of training
+        removed = checkpointing.prepare_save_dir(run.checkpointing.save)
+        if removed:
+            print_rank_0(
+                f"removed {len(removed)} temporary file(s) of interrupted saves from {run.checkpointing.save}"
+            )
+    faults.phase("building the model and optimizer")
+    model = parallelize_gpt(
+        providers.model,
+        layout=run.layout,
+        groups=ps.get_parallel_groups(),
+        ddp_config=run.ddp,
+        make_optimizer=lambda chunks: get_megatron_optimizer(
+            run.optimizer, chunks, decoupled_lr=run.lr.decoupled_lr, decoupled_min_lr=run.lr.decoupled_min_lr
+        ),
+    )
+    session = Session(
+        model=model,
+        scheduler=build_scheduler(model.optimizer, run.lr_schedule),
+        forward_step_func=providers.forward_step,
+        forward_backward=get_forward_backward_func(),
+        state=TrainState(),
+        logs_loss=is_logging_rank(run.layout),
+        tokenizer=tokenizer,
+    )
+    if run.checkpointing.load:
+        faults.phase("loading the checkpoint")
+        load(run, session)
+    faults.phase("building the datasets")
+    train_ds, valid_ds, _ = _rank0_first(lambda: providers.datasets(run.args))
+    session.train_data, session.valid_data = (_batch_stream(ds, run) for ds in (train_ds, valid_ds))
+    faults.phase("starting the W&B run")
+    session.loggers = _start_loggers(run, session)
+    return session
+
+
+def _seed_everything(seed: int) -> None:
+    """Megatron's seeding: a different stream per pipeline stage, the TP tracker for dropout in TP regions."""
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    model_parallel_seed(stage_seed)
+
+
+def _rank0_first(build: Callable):
+    """Global rank 0 builds (and caches) first, the others after it; cache files are written atomically.
+
+    A failure on any rank (a data file rank 0 cannot read) fails every rank at once: the rank that
+    failed reports it, the others end quietly instead of waiting for it (``faults.agree``).
+    """
+    first = dist.get_rank() == 0
+    result = faults.agree(build if first else None)
+    later = faults.agree(None if first else build)
+    return result if first else later
+
+
+def _batch_stream(dataset, run: Run) -> BatchStream | None:
+    if dataset is None:
+        return None
+    return BatchStream(
+        dataset,
+        micro_batch_size=run.training.micro_batch_size,
+        seq_length=run.gpt.seq_length,
+        num_workers=run.data.num_workers,
+        dataloader_type=run.data.dataloader_type,
+    )
+
+
+def _start_loggers(run: Run, session: Session) -> RunLoggers:
+    """W&B (and TensorBoard) on the rank that logs the loss; the same W&B run id on every rank."""
+    flags, state = run.logging, session.state
+    wandb_run = start_run(
+        project=flags.wandb_project,
+        name=flags.wandb_exp_name or None,
+        save_dir=flags.wandb_save_dir,
+        config=vars(run.args),
+        run_id=state.wandb_run_id,
+        is_logging_rank=session.logs_loss,
+    )
+    loggers = RunLoggers(wandb_run, tensorboard_dir=flags.tensorboard_dir if session.logs_loss else None)
+    # The logging rank's W&B run id on every rank (rank 0 writes it into the checkpoint manifest).
+    ids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, getattr(loggers, "id", None) or state.wandb_run_id)
+    state.wandb_run_id = next((i for i in ids if i), None)
+    return loggers
