@@ -20,15 +20,13 @@ from core.transformer import TransformerConfig
 from models.gpt import GPTModel
 from training import get_args, get_tokenizer, pretrain
 from training.arguments import transformer_config_from_args
+from training.config import DEFAULT_SPLIT
 from training.data import IndexedDataset, build_train_valid_test_datasets, default_tokenizer
 from training.data.builder import build_per_split_datasets
 from training.data.defaults import default_data_prefix
 from training.data.mock_dataset import MockIndexedDataset
 from training.faults import run_main
-from training.tokenizer import build_tokenizer
-
-SENTENCEPIECE_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer")
-"""Tokenizers that, given no --tokenizer-model, use Trident's own SentencePiece model."""
+from training.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer
 
 
 def _verbose() -> bool:
@@ -116,7 +114,7 @@ def train_valid_test_datasets_provider(args):
     else:
         prefixes = args.data_path or [default_data_prefix(tokenizer, verbose=_verbose())]
     return build_train_valid_test_datasets(
-        prefixes, args.split or "969,30,1", args.seq_length, args.seed, num_samples, **common
+        prefixes, args.split or DEFAULT_SPLIT, args.seq_length, args.seed, num_samples, **common
     )
 
 

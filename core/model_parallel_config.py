@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
 from core.flags import flag, not_a_flag
-from core.pipeline_parallel.hooks import ScheduleHooks
+from core.pipeline_parallel.placement import chunks_problem
+
+if TYPE_CHECKING:  # the config carries the hooks; it does not need the schedule code to do so
+    from core.pipeline_parallel.hooks import ScheduleHooks
 
 PipelineSchedule = Literal["1f1b", "gpipe", "zb-h1", "zbv"]
 PIPELINE_SCHEDULES = get_args(PipelineSchedule)
@@ -33,10 +36,33 @@ class ModelParallelConfig:
     """Model chunks per pipeline rank; > 1 selects the interleaved 1F1B schedule."""
 
     context_parallel_size: int = 1
-    """Ranks the sequence is split over for attention (CP); groups only, no CP attention yet."""
+    """Ranks each sequence is split over (CP): every rank holds ``seq / CP`` tokens, two load-balanced
+    chunks, and attention reaches across the ranks (``cp_comm_type``)."""
+
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of each MoE layer are split over (EP); carved out of the data-parallel ranks
+    as in megatron-core (``core.parallel_state.generate_expert_groups``)."""
+
+    expert_tensor_parallel_size: int | None = flag(
+        None, help="Tensor parallelism inside each expert: only 1 (experts are never split here)."
+    )
+    """Tensor parallelism inside each expert. Trident's experts are never split (Megatron's
+    ``--expert-tensor-parallel-size 1``); None means 1 here, where megatron-core defaults to the TP size."""
 
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence over the TP group."""
+
+    gradient_accumulation_fusion: bool = flag(
+        False,
+        name="--gradient-accumulation-fusion",
+        negation="--no-gradient-accumulation-fusion",
+        group="training",
+        help="The tensor-parallel linear layers accumulate their weight gradients straight into the fp32 "
+        "main_grad buffers (Megatron's fusion; Megatron's default is on where APEX is installed, "
+        "Trident's is off).",
+    )
+    """The TP linear layers' backward accumulates weight gradients into ``weight.main_grad`` (made by
+    ``DistributedDataParallel``) instead of handing autograd a new gradient for a hook to add."""
 
     hidden_size: int = flag(0, group="network size", cli_default=None)
     """Hidden size of the activations passed between stages."""
@@ -94,9 +120,19 @@ class ModelParallelConfig:
     """Megatron's name for ``ScheduleHooks.timers``: times forward and backward compute."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_tensor_parallel_size not in (None, 1):
+            raise ValueError(
+                f"expert_tensor_parallel_size must be 1 (experts are not split over tensor parallelism "
+                f"here), got {self.expert_tensor_parallel_size}"
+            )
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp < 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 or None, got {vpp}")
@@ -104,15 +140,16 @@ class ModelParallelConfig:
             raise ValueError(
                 f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}"
             )
-        if self.pipeline_schedule == "gpipe" and vpp is not None and vpp > 1:
+        problem = chunks_problem(self.pipeline_schedule, vpp or 1)
+        if problem:
             raise ValueError(
-                "pipeline_schedule='gpipe' cannot run virtual stages "
-                f"(virtual_pipeline_model_parallel_size={vpp}); use '1f1b' for interleaving"
+                f"pipeline_schedule={self.pipeline_schedule!r} {problem} "
+                f"(virtual_pipeline_model_parallel_size={vpp})"
             )
-        if self.pipeline_schedule == "zbv" and vpp != 2:
+        if self.variable_seq_lengths and self.context_parallel_size > 1:
             raise ValueError(
-                "pipeline_schedule='zbv' runs exactly 2 virtual stages per pipeline rank (a V); set "
-                f"virtual_pipeline_model_parallel_size=2 (got {vpp})"
+                f"variable_seq_lengths is not supported with context_parallel_size "
+                f"{self.context_parallel_size}: every sequence is cut into 2 x CP equal chunks"
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron silently turns it off; so do we, it is a no-op at TP=1.

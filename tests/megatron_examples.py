@@ -59,10 +59,10 @@ SCRIPTS: dict[str, str] = {
         --swiglu --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2
         --no-masked-softmax-fusion --no-position-embedding --rotary-base 1000000
         --num-experts 2 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
-        --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
+        --moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
         --tokenizer-type Llama2Tokenizer --tokenizer-model {spm} --mock-data --split 99990,8,2
         --micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 3 --min-lr 1.0e-5 --weight-decay 0.1
-        --clip-grad 1.0
+        --clip-grad 1.0 --bf16
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 2
         --use-distributed-optimizer --sequence-parallel
         --eval-iters 1 --no-load-optim --no-load-rng

@@ -7,27 +7,13 @@ does (a loop over experts, ``index_add`` of weighted outputs). Both take plain w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from core.transformer import TransformerConfig
-from core.transformer.moe import MoEConfig, moe_problems
 
 
-@dataclass(kw_only=True)
-class MoETransformerConfig(MoEConfig, TransformerConfig):
-    """A transformer config with the MoE fields, validated (the model's config once MoE is wired in)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        problems = moe_problems(self)
-        if problems:
-            raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
-
-
-def moe_config(**overrides) -> MoETransformerConfig:
+def moe_config(**overrides) -> TransformerConfig:
     """A tiny SwiGLU MoE config: 4 experts of 16, top-2, fp32, no dropout."""
     values = {
         "num_layers": 2,
@@ -43,7 +29,7 @@ def moe_config(**overrides) -> MoETransformerConfig:
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
     }
-    return MoETransformerConfig(**(values | overrides))
+    return TransformerConfig(**(values | overrides))
 
 
 def reference_router(logits: torch.Tensor, topk: int, *, pre_softmax: bool = False):

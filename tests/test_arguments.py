@@ -138,11 +138,12 @@ def test_flags_not_in_the_tiny_demo_keep_megatron_defaults():
 def test_the_bare_command_is_the_tiny_demo():
     args = parse_args([])
     assert {k: getattr(args, k) for k in TINY_DEMO} == TINY_DEMO
-    assert (args.max_position_embeddings, args.save_interval) == (128, 100)
+    assert (args.max_position_embeddings, args.save_interval) == (128, None)  # validation derives it
     assert args.using_default_model and args.using_default_data and args.explicit_args == []
     assert args.tokenizer_type == "GPTSentencePieceTokenizer"
     args = validate_args(args, 1)
     assert (args.global_batch_size, args.num_microbatches, args.data_parallel_size) == (16, 4, 1)
+    assert args.save_interval == 100  # --train-iters
     assert (args.ffn_hidden_size, args.kv_channels, args.params_dtype) == (512, 32, torch.float32)
     assert args.lr_warmup_iters == 0 and args.lr_warmup_fraction == 0.1  # 10 of the 100 iterations
 
@@ -408,10 +409,7 @@ LAYOUT = "--pipeline-model-parallel-layout: pipeline layout"
         ),
         (
             "--num-virtual-stages-per-pipeline-rank 2 --pipeline-schedule gpipe",
-            (
-                "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); use "
-                "--pipeline-schedule 1f1b"
-            ),
+            "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); the 1f1b schedule interleaves them",
         ),
         (
             "--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 12",

@@ -166,7 +166,7 @@ CONFIG = [
         _flags(
             "--pipeline-model-parallel-size 2 --pipeline-schedule gpipe --num-virtual-stages-per-pipeline-rank 2"
         ),
-        "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); use --pipeline-schedule 1f1b",
+        "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); the 1f1b schedule interleaves them",
     ),
     Case("micro batch", _flags("--micro-batch-size 0"), "--micro-batch-size must be >= 1, got 0"),
     Case("adam eps", _flags("--adam-eps 0"), "--adam-eps must be > 0, got 0.0"),
@@ -260,6 +260,56 @@ def _out_of_vocabulary(token: int, dtype):
             dataset[k]
 
     return act
+
+
+def _out_of_vocabulary_in_a_worker(token: int):
+    """The same bad id, found by a DataLoader worker process (``--num-workers``) instead."""
+
+    def act(tmp_path: Path, monkeypatch) -> None:
+        from core import parallel_state as ps
+        from training.batches import BatchStream
+
+        prefix = _one_document_dataset(tmp_path, [3] * 40 + [token] + [3] * 59, np.uint16)
+        dataset = GPTDataset(
+            IndexedDataset(prefix), np.arange(1), None, seq_length=50, seed=1, vocab_size=VOCAB
+        )
+        ps.initialize_distributed()  # a world of one, as pretrain() makes without torchrun
+        try:
+            ps.initialize_model_parallel(1, 1)
+            BatchStream(dataset, micro_batch_size=1, seq_length=50, num_workers=1).step(0, 1)
+        finally:
+            ps.destroy_distributed()
+
+    return act
+
+
+def _tokenizer_model(content: bytes | None):
+    """A SentencePiece ``--tokenizer-model`` that is missing (None) or holds ``content``."""
+
+    def act(tmp_path: Path, monkeypatch) -> None:
+        from training.tokenizer import build_tokenizer
+
+        model = tmp_path / "d" / ("missing.model" if content is None else "bad.model")
+        model.parent.mkdir(exist_ok=True)
+        if content is not None:
+            model.write_bytes(content)
+        build_tokenizer("GPTSentencePieceTokenizer", model)  # as pretrain_gpt.tokenizer_provider calls it
+
+    return act
+
+
+def _null_tokenizer_on_a_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A 64-id model imported with its Hugging Face tokenizer, fine-tuned on token ids: --vocab-size 64."""
+    from tests.test_checkpoint_format import _write
+    from training.run import parse_run
+
+    if not (tmp_path / "ck").exists():  # written once, for the first of the four ranks
+        (tmp_path / "hf_tokenizer").mkdir()
+        files = {"tokenizer_model": str(tmp_path / "hf_tokenizer")}
+        _write(tmp_path / "ck", vocab=64, tokenizer_type="HuggingFaceTokenizer", tokenizer_files=files)
+    model = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --openai-gelu"
+    flags = f"{model} --micro-batch-size 2 --train-iters 3 --lr 1e-3 --tokenizer-type NullTokenizer"
+    parse_run(f"{flags} --vocab-size 64 --load {tmp_path / 'ck'}".split(), 1)
 
 
 def _empty_test_split(tmp_path: Path, monkeypatch) -> None:
@@ -358,6 +408,38 @@ DATA = [
         "--tokenizer-model (or --vocab-size)",
     ),
     Case(
+        "id beyond the vocabulary, in a DataLoader worker",
+        _out_of_vocabulary_in_a_worker(VOCAB + 60),
+        f"token id {VOCAB + 60} in {{t}}/one.bin (sequence 0, train sample 0) is outside the tokenizer's {VOCAB} "
+        "ids: the data was preprocessed with another tokenizer; rerun tools/preprocess_data.py with this run's "
+        "--tokenizer-model (or --vocab-size)",
+    ),
+    Case(
+        "tokenizer model missing",
+        _tokenizer_model(None),
+        "--tokenizer-model {p}/missing.model: no such file; give a SentencePiece model (.model)",
+    ),
+    Case(
+        "tokenizer model not SentencePiece",
+        _tokenizer_model(b"not a model\n"),
+        "--tokenizer-model {p}/bad.model is not a SentencePiece model: sentencepiece cannot parse it (give the "
+        ".model file written by tools/train_tokenizer.py or spm_train)",
+    ),
+    Case(
+        "NullTokenizer vocabulary of a checkpoint",
+        _null_tokenizer_on_a_checkpoint,
+        "--load {t}/ck/iter_0000000 holds a model with 64 token ids, but --tokenizer-type NullTokenizer "
+        "--vocab-size 64 has 65 (ids 0-63 and the end-of-document id 64): pass --vocab-size 63, or the "
+        "checkpoint's tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+        "{t}/ck/iter_0000000/tokenizer/hf_tokenizer)",
+    ),
+    Case(
+        "blend with a prefix missing",
+        _flags(FULL + "--data-path 0.5 PREFIX 0.5"),
+        "--data-path: 0.5 PREFIX 0.5 looks like 'weight prefix' pairs with weights 0.5, 0.5, but one is missing "
+        "(3 items); give a prefix after every weight (e.g. 0.3 A 0.7 B), or prefixes only",
+    ),
+    Case(
         "split with no documents",
         _empty_test_split,
         "the test split of {p} has 0 documents and 0 tokens: too few to draw samples from (adjust --split)",
@@ -435,7 +517,55 @@ DEVICE = (
     ]
 )
 
-CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE
+MOE_FLAGS = FULL + "--num-experts 6 --moe-aux-loss-coeff 1e-2 "
+MOE = [
+    Case(
+        "experts over EP",
+        _flags(MOE_FLAGS + "--expert-model-parallel-size 4"),
+        "--num-experts (6) must be divisible by --expert-model-parallel-size (4)",
+    ),
+    Case(
+        "EP x PP over the world",
+        _flags(MOE_FLAGS + "--expert-model-parallel-size 3 --moe-token-dispatcher-type alltoall", world=4),
+        "--expert-model-parallel-size (3) x --pipeline-model-parallel-size (1) = 3 does not divide the world "
+        "size (4): the alltoall dispatcher's expert-parallel groups cannot be formed",
+    ),
+    Case(
+        "alltoall EP beyond the world",
+        _flags(MOE_FLAGS + "--expert-model-parallel-size 6 --moe-token-dispatcher-type alltoall", world=4),
+        "--expert-model-parallel-size (6) x --pipeline-model-parallel-size (1) = 6 does not divide the world "
+        "size (4): the alltoall dispatcher's expert-parallel groups cannot be formed",
+    ),
+    Case(
+        "top-k over experts",
+        _flags(MOE_FLAGS + "--moe-router-topk 7"),
+        "--moe-router-topk (7) must be between 1 and --num-experts (6)",
+    ),
+    Case(
+        "MoE TP without SP",
+        _flags(MOE_FLAGS + "--tensor-model-parallel-size 2"),
+        "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel: each tensor-parallel "
+        "rank routes its own sequence shard (as in Megatron)",
+    ),
+    Case(
+        "expert TP",
+        _flags(MOE_FLAGS + "--expert-tensor-parallel-size 2"),
+        "--expert-tensor-parallel-size 2: Trident supports only 1 (experts are never split over tensor "
+        "parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
+    ),
+    Case(
+        "EP without experts",
+        _flags("--expert-model-parallel-size 2"),
+        "--expert-model-parallel-size 2 needs --num-experts (a model with experts)",
+    ),
+    Case(
+        "layer pattern",
+        _flags(MOE_FLAGS + "--moe-layer-freq ([1]*3)"),
+        "--moe-layer-freq ([1]*3) must be an integer >= 1 or list 0 or 1 for each of the 2 layers (--num-layers)",
+    ),
+]
+
+CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE + MOE
 
 
 def test_there_are_at_least_forty_distinct_cases():
@@ -603,10 +733,10 @@ def test_resuming_with_new_scheduler_flags_needs_an_override(data, tmp_path):
 def test_a_stage_sending_another_shape_than_the_schedule_expects_is_named(sent, dtype, expected):
     import torch
 
+    from core.pipeline_parallel.actions import Action, ActionKind
     from core.pipeline_parallel.hooks import ScheduleSettings
     from core.pipeline_parallel.mailbox import Mailbox, PipelineShapeError
     from core.pipeline_parallel.placement import placement_for
-    from core.pipeline_parallel.schedule_tables import Action, ActionKind
 
     settings = ScheduleSettings(hidden_size=64, pipeline_dtype=torch.float32)
     mailbox = Mailbox(

@@ -420,7 +420,8 @@ def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):
     from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
 
     _write(tmp_path, tokenizer_type="NullTokenizer")
-    base = ["--load", str(tmp_path), "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+    # VOCAB ids: NullTokenizer's N + 1 convention (ids 0..N-1 and the end-of-document id N)
+    base = ["--load", str(tmp_path), "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
     base += ["--train-iters", "20", "--micro-batch-size", "2", "--lr", "1e-3"]
     args = parse_args(base + ["--use-checkpoint-args"])
     load_checkpoint_args(args)
@@ -443,6 +444,47 @@ def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):
     )
     model = f"--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length {SEQ} --openai-gelu"
     check_checkpoint_args(validate_args(parse_args(base + model.split()), 1))
+
+
+def test_use_checkpoint_args_takes_the_vocabulary_and_the_dropout_and_says_so(tmp_path):
+    """An imported model (dropout 0, a Hugging Face tokenizer) fine-tuned on token ids: the NullTokenizer's
+    --vocab-size comes from the checkpoint's VOCAB ids, the dropout from its config, unless given."""
+    from training.argument_checks import validate_args
+    from training.arguments import parse_args, startup_report
+    from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
+
+    (tmp_path / "hf_tokenizer").mkdir()
+    (tmp_path / "hf_tokenizer" / "tokenizer.json").write_text("{}")
+    config = gpt2_config(
+        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0
+    )
+    files = {"tokenizer_model": str(tmp_path / "hf_tokenizer")}
+    _write(tmp_path / "ck", config=config, tokenizer_type="HuggingFaceTokenizer", tokenizer_files=files)
+    base = f"--load {tmp_path / 'ck'} --use-checkpoint-args --tokenizer-type NullTokenizer --train-iters 2 "
+    base += "--micro-batch-size 2 --lr 1e-3"
+
+    def taken(extra: str):
+        args = parse_args([*base.split(), *extra.split()])
+        load_checkpoint_args(args)
+        check_checkpoint_args(validate_args(args, 1))
+        reported = [line for line in startup_report(args) if line.startswith("--use-checkpoint-args")]
+        return args, reported
+
+    args, reported = taken("")
+    assert (args.vocab_size, args.tokenizer_model) == (VOCAB - 1, None)  # not the Hugging Face folder
+    assert (args.hidden_dropout, args.attention_dropout) == (0.0, 0.0)
+    assert reported == [
+        (
+            f"--use-checkpoint-args: the model flags not given come from {tmp_path}/ck/iter_0000000: "
+            f"--num-layers 2 --hidden-size 32 --ffn-hidden-size 128 --num-attention-heads 4 --kv-channels 8 "
+            f"--openai-gelu --max-position-embeddings {SEQ} --seq-length {SEQ} --hidden-dropout 0.0 "
+            f"--attention-dropout 0.0 --vocab-size {VOCAB - 1} (the others equal their defaults); give a "
+            "flag to override the checkpoint's value"
+        )
+    ]
+    args, reported = taken("--hidden-dropout 0.2")  # a dropout flag given wins
+    assert (args.hidden_dropout, args.attention_dropout) == (0.2, 0.0)
+    assert "--hidden-dropout" not in reported[0] and "--attention-dropout 0.0" in reported[0]
 
 
 def test_ckpt_format_accepts_megatrons_names_only():

@@ -50,7 +50,11 @@ MODEL = (
     "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-3"
 )
 DATA = "--tokenizer-type NullTokenizer --vocab-size 1000"
-MOE = "mixture-of-experts (MoE) layers are out of scope; Trident trains dense GPT and LLaMA models"
+MOE = (
+    "this MoE option is not implemented (Trident's MoE: top-k softmax routing, aux_loss/seq_aux_loss "
+    "and z-loss balancing, capacity with dropping or padding, shared experts, alltoall or allgather "
+    "dispatch, experts whole on each expert-parallel rank)"
+)
 
 
 def _args(argv: str, world_size: int = 1) -> argparse.Namespace:
@@ -89,11 +93,13 @@ ISSUE_FLAGS = {
     "--lr-wsd-decay-iters --lr-wsd-decay-samples --tensorboard-dir --profile --profile-step-start "
     "--profile-step-end --profile-ranks --dataloader-type --checkpoint-activations --recompute-activations "
     "--rotary-base --rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
-    "--use-rope-scaling --rope-scaling-factor",
+    "--use-rope-scaling --rope-scaling-factor --cross-entropy-loss-fusion --num-experts --moe-router-topk --moe-grouped-gemm "
+    "--moe-aux-loss-coeff --moe-layer-freq --moe-token-dispatcher-type=alltoall --moe-ffn-hidden-size "
+    "--moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-router-pre-softmax",
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
-    "--cross-entropy-loss-fusion --no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
+    "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format",
-    UNSUPPORTED: "--num-experts --moe-router-topk --moe-grouped-gemm --moe-aux-loss-coeff --fp8-format "
+    UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn --fp8-format "
     "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp",
 }
@@ -153,15 +159,19 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
     "argv, message",
     [
         (
-            "--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff=0.01",
-            f"Trident does not support --num-experts, --moe-router-topk, --moe-grouped-gemm, --moe-aux-loss-coeff: {MOE}",
+            "--num-experts 8 --moe-enable-deepep --moe-router-score-function sigmoid --moe-grouped-gemm",
+            f"Trident does not support --moe-enable-deepep, --moe-router-score-function: {MOE}",
         ),
         (
-            "--fp8-format hybrid --norm-epsilon 1e-6 --openai-gelu --num-experts 2",
+            "--fp8-format hybrid --norm-epsilon 1e-6 --openai-gelu --moe-use-upcycling",
             (
                 "Trident does not support --fp8-format: FP8 training needs Transformer Engine on FP8 GPUs, which are "
-                f"out of scope; use --bf16; Trident does not support --num-experts: {MOE}"
+                f"out of scope; use --bf16; Trident does not support --moe-use-upcycling: {MOE}"
             ),
+        ),
+        (
+            "--num-experts 8 --moe-router-load-balancing-type sinkhorn",
+            f"Trident does not support --moe-router-load-balancing-type sinkhorn: {MOE}",
         ),
         (
             "--tokenizer-type TikTokenizer --tiktoken-pattern v2",
@@ -190,19 +200,21 @@ def test_a_not_yet_flag_says_yet_and_why(monkeypatch):
     monkeypatch.setitem(COVERAGE, "--rotary-base", not_yet("a test entry"))
     monkeypatch.setitem(COVERAGE, "--openai-gelu", not_yet("a test entry"))
     with pytest.raises(ValueError) as err:
-        parse_args(["--openai-gelu", "--num-experts", "2", "--rotary-base", "1e6", "--tensorboard-dir", "tb"])
+        parse_args(
+            ["--openai-gelu", "--moe-enable-deepep", "--rotary-base", "1e6", "--tensorboard-dir", "tb"]
+        )
     assert str(err.value) == (
         f"Trident does not support --openai-gelu, --rotary-base yet: a test entry; "
-        f"Trident does not support --num-experts: {MOE}"
+        f"Trident does not support --moe-enable-deepep: {MOE}"
     )
     assert "--rotary-base" in build_parser().format_help().split("rejects")[1].split()
 
 
 def test_rejected_keys_in_a_config_file_are_rejected_too(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("fp16: true\nmoe-router-topk: 2\n")
+    path.write_text("fp16: true\nmoe-use-upcycling: true\n")
     with pytest.raises(
-        ValueError, match=f"^{re.escape(f'Trident does not support --moe-router-topk: {MOE}')}"
+        ValueError, match=f"^{re.escape(f'Trident does not support --moe-use-upcycling: {MOE}')}"
     ):
         parse_args(["--config", str(path)])
 
@@ -219,7 +231,7 @@ def test_rejected_keys_in_a_config_file_are_rejected_too(tmp_path):
         ),
         (
             "--expert-model-parallel-size 4",
-            f"--expert-model-parallel-size 4: Trident supports only 1, because {MOE}",
+            "--expert-model-parallel-size 4 needs --num-experts (a model with experts)",
         ),
     ],
 )
@@ -235,10 +247,12 @@ def test_pretrain_exits_with_one_line_on_a_rejected_flag(capsys):
     from training.training import pretrain
 
     with pytest.raises(SystemExit) as exit_info:
-        run_main(lambda: pretrain(None, None, None, argv=["--num-experts", "2"]))
+        run_main(lambda: pretrain(None, None, None, argv=["--moe-enable-deepep"]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].endswith(f": error: Trident does not support --num-experts: {MOE}"), err
+    assert len(err) == 1 and err[0].endswith(
+        f": error: Trident does not support --moe-enable-deepep: {MOE}"
+    ), err
 
 
 def test_model_flags_reach_the_transformer_config_with_megatrons_defaults():
@@ -638,10 +652,14 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys, monkeypatch):
     summary = out[out.index("run summary: 3 iterations in ") :].splitlines()
     assert re.match(r"  final train lm loss: \d\.\d{4} \| final validation lm loss: \d\.\d{4}$", summary[1])
     assert summary[2] == f"  checkpoint: {checkpoints} (iteration 3)"
-    assert summary[3].startswith("  resume or train longer: ") and summary[3].endswith(
-        f"--load {checkpoints} --train-iters 6"
-    )
-    assert summary[4] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
+    assert summary[3].startswith("  train longer: ") and summary[3].endswith(
+        f"--save {checkpoints} --manual-gc --manual-gc-interval 2 --exit-duration-in-mins 1000 --distributed-backend "
+        f"gloo --tensorboard-dir {tmp_path / 'tb'} --profile --profile-step-start 1 --profile-step-end 2 --num-workers "
+        f"1 --data-cache-path {tmp_path / 'cache'} --decoupled-lr 2e-3 --dataloader-type cyclic --load {checkpoints} "
+        "--train-iters 6 --override-opt_param-scheduler"
+    )  # the flags as given, --load once (at the end), --train-iters replaced
+    assert summary[4] == "    (pretrain() was given these flags directly: pass them to it again)"
+    assert summary[5] == f"  TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
 
 
 def test_exit_duration_saves_and_exits_after_the_step_that_ran_out(dataset, tmp_path, capsys):

@@ -122,6 +122,9 @@ def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token, schedule="1
         sequence_parallel=sp,
         calculate_per_token_loss=per_token,
         pipeline_schedule=schedule,
+        cross_entropy_loss_fusion=kind == "llama",  # the fused loss against the plain reference
+        compile=kind == "llama" and schedule == "zb-h1",  # compiled layers (tests/test_compile.py)
+        compile_backend="aot_eager",
     )
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]

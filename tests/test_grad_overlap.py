@@ -31,6 +31,9 @@ RUNS = {  # name: extra flags (4 ranks: the rest is data parallelism)
     "interleaved": "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
     "zb-h1": "--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1",
     "zbv": "--pipeline-model-parallel-size 2 --pipeline-schedule zbv --num-virtual-stages-per-pipeline-rank 2",
+    # Weight gradients accumulated into main_grad by the linear layers themselves, in W.
+    "zb-h1 fused accumulation": "--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1 "
+    "--gradient-accumulation-fusion",
 }
 
 SCRIPT = """

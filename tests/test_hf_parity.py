@@ -317,6 +317,31 @@ def _write_trident_checkpoint(root, config, vocab: int, tokenizer_type: str, fil
     )
 
 
+def test_a_null_tokenizer_model_exports_its_end_of_document_id_and_no_text_tokenizer(tmp_path):
+    """--vocab-size N: ids 0..N-1 and the end-of-document id N, so VOCAB = N + 1 ids and eos N."""
+    from training.checkpoint import open_checkpoint
+    from training.hf.exporter import export_to_hf
+    from training.hf.tokenizer import TOKENIZER_FILES
+
+    _write_trident_checkpoint(tmp_path / "A", CASES["gpt2"][0](), VOCAB, "NullTokenizer", {})
+    out = tmp_path / "out"
+    summary = export_to_hf(open_checkpoint(str(tmp_path / "A")), str(out))
+    eod = VOCAB - 1
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (None, eod, VOCAB)
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "_from_model_config": True,
+        "eos_token_id": eod,
+    }
+    assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == eod
+    assert transformers.AutoConfig.from_pretrained(str(out)).eos_token_id == eod
+    assert not [name for name in TOKENIZER_FILES if (out / name).exists()]
+    assert (
+        f"config.json, generation_config.json, no tokenizer files (a NullTokenizer model reads token ids: it has "
+        f"no text tokenizer; its end-of-document id {eod} is eos_token_id), in "
+    ) in summary.line()
+
+
 def test_export_gives_the_logits_of_a_tp2_pp2_run_and_our_tokenizers_ids(ranks, tmp_path, tokenizer_files):
     from tools import convert_checkpoint
     from training.checkpoint import open_checkpoint
@@ -500,7 +525,7 @@ BAD_CONFIGS = [
     (
         "llama-tied",
         {"model_type": "mistral"},
-        "model_type 'mistral' is not supported: Trident imports 'llama' and 'gpt2' models",
+        "model_type 'mistral' is not supported: Trident imports 'llama', 'gpt2', 'mixtral' and 'qwen2_moe' models",
     ),
     (
         "llama-tied",
@@ -575,22 +600,12 @@ def test_a_missing_or_truncated_shard_is_one_error_naming_the_file(tmp_path, hf_
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_folders, capsys):
-    """--finetune --use-checkpoint-args: sizes, RoPE theta and scaling, GQA, norm epsilon and the tokenizer
-    all come from the imported checkpoint; at --lr 0 the weights it saves are the Hugging Face ones."""
+def _pretrain(argv: list[str]):
     import pretrain_gpt
     from training.arguments import parse_args
-    from training.checkpoint import open_checkpoint
     from training.training import pretrain
 
-    assert _convert("--from-hf", hf_folders["llama-gqa-scaled"], "--save", tmp_path / "imported")[0] == 0
-    argv = (
-        f"--load {tmp_path / 'imported'} --finetune --use-checkpoint-args --mock-data --micro-batch-size 2 "
-    )
-    argv += (
-        f"--train-iters 2 --lr 0 --eval-iters 0 --log-interval 1 --num-workers 0 --save {tmp_path / 'run'}"
-    )
-    args = parse_args(argv.split())
+    args = parse_args(argv)
     state = pretrain(
         pretrain_gpt.train_valid_test_datasets_provider,
         pretrain_gpt.model_provider,
@@ -598,16 +613,49 @@ def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_fold
         tokenizer_provider=pretrain_gpt.tokenizer_provider,
         args=args,
     )
+    return args, state
+
+
+def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_folders, capsys):
+    """--finetune --use-checkpoint-args: sizes, RoPE theta and scaling, GQA, norm epsilon, the dropout (0)
+    and the tokenizer all come from the imported checkpoint; at --lr 0 the weights it saves are the
+    Hugging Face ones. The summary's command then continues the run from its checkpoint."""
+    import shlex
+
+    from training.checkpoint import open_checkpoint
+
+    assert _convert("--from-hf", hf_folders["llama-gqa-scaled"], "--save", tmp_path / "imported")[0] == 0
+    argv = (
+        f"--load {tmp_path / 'imported'} --finetune --use-checkpoint-args --mock-data --micro-batch-size 2 "
+        "--train-iters 2 --lr 0 --eval-iters 0 --log-interval 1 --num-workers 0"
+    ).split()
+    args, state = _pretrain([*argv, "--save", str(tmp_path / "run")])
     assert state.iteration == 2 and all(
         torch.isfinite(torch.tensor(s["lm loss"])).all() for s in state.losses
     )
     assert (args.rotary_base, args.rope_scaling, args.rope_scaling_factor) == (500000.0, True, 32.0)
     assert (args.num_layers, args.num_query_groups, args.layernorm_epsilon) == (2, 2, 1e-6)
     assert (args.tokenizer_type, args.seq_length) == ("HuggingFaceTokenizer", 64)
+    assert (args.hidden_dropout, args.attention_dropout) == (0.0, 0.0)
     imported, trained = open_checkpoint(str(tmp_path / "imported")), open_checkpoint(str(tmp_path / "run"))
     assert trained.iteration == 2
     assert all(torch.equal(t, trained.full_tensor(n)) for n, t in imported.iter_full_tensors())
-    assert re.search(r"iteration +2/ +2 \|", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"iteration +2/ +2 \|", out)
+    assert "--hidden-dropout 0.0 --attention-dropout 0.0" in next(
+        line for line in out.splitlines() if line.startswith("--use-checkpoint-args: ")
+    )
+    # The first loss is the model's own: no dropout, as with the flags set to 0 by hand.
+    _, no_dropout = _pretrain([*argv, "--hidden-dropout", "0", "--attention-dropout", "0"])
+    assert state.losses[0]["lm loss"] == no_dropout.losses[0]["lm loss"]
+    # Train longer as the summary says (flags only: pretrain() was given them directly): no --finetune,
+    # one --train-iters, from iteration 2 of the run's own checkpoint.
+    command = shlex.split(re.search(r"^  train longer: (.*)$", out, re.MULTILINE).group(1))
+    assert command.count("--train-iters") == 1 and "--finetune" not in command
+    capsys.readouterr()
+    args, state = _pretrain(command[1:])
+    assert (state.iteration, [s["lm loss"] > 0 for s in state.losses]) == (4, [True, True])
+    assert f"loaded checkpoint {tmp_path / 'run'} at iteration 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

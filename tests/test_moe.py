@@ -11,9 +11,10 @@ import torch
 
 from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.transformer.initialization import initialize_by_name
-from core.transformer.moe import MoELayer, TopKRouter
 from core.transformer.moe.experts import Experts
+from core.transformer.moe.moe_layer import MoELayer
 from core.transformer.moe.moe_utils import drop_tokens_over_capacity, get_capacity, topk_routing
+from core.transformer.moe.router import TopKRouter
 from tests.moe_reference import (
     expert_weights,
     moe_config,
@@ -221,3 +222,56 @@ def test_bad_moe_settings_fail_in_one_line(overrides, message):
     with pytest.raises(ValueError) as err:
         moe_config(**overrides)
     assert str(err.value) == "invalid TransformerConfig: " + message
+
+
+# --------------------------------------------------------------------------------------------------
+# The losses for the log: per layer, mean over microbatches, mean over MoE layers; recomputation
+# does not count twice
+# --------------------------------------------------------------------------------------------------
+
+
+def _logged_losses(**recompute):
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from core.transformer.moe.moe_logging import reduce_moe_metrics
+    from models.gpt import GPTModel
+    from tests.pipeline_toy import make_forward_step
+
+    config = moe_config(
+        num_layers=3, moe_layer_freq=[1, 0, 1], moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3, **recompute
+    )
+    model = GPTModel(config, 64, SEQ)
+    gen = torch.Generator().manual_seed(8)
+    batches = [
+        (t, t, torch.ones(2, SEQ)) for t in (torch.randint(0, 64, (2, SEQ), generator=gen) for _ in range(2))
+    ]
+    recorded = []
+    get_forward_backward_func()(
+        forward_step_func=make_forward_step(False),
+        data_iterator=iter(batches),
+        model=model,
+        num_microbatches=2,
+        seq_length=SEQ,
+        micro_batch_size=2,
+    )
+    for layer in (0, 2):
+        recorded.append(
+            {k: v.clone() for k, v in model.decoder.layers[str(layer)].mlp.router.metrics.items()}
+        )
+    summary, per_layer = reduce_moe_metrics([model], config, num_microbatches=2)
+    assert all(not model.decoder.layers[str(i)].mlp.router.metrics for i in (0, 2))  # reset for the next step
+    return summary, per_layer, recorded
+
+
+def test_logged_losses_are_per_layer_means_over_microbatches_and_their_mean_over_moe_layers():
+    summary, per_layer, recorded = _logged_losses()
+    for name in ("load_balancing_loss", "z_loss"):
+        assert per_layer[name][1] == 0.0  # the dense layer
+        for value, router in zip((per_layer[name][0], per_layer[name][2]), recorded):
+            assert value == pytest.approx(float(router[name]) / 2, rel=1e-6)
+        assert summary[name] == pytest.approx((per_layer[name][0] + per_layer[name][2]) / 2, rel=1e-6)
+    recomputed, _, _ = _logged_losses(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    assert recomputed == pytest.approx(
+        summary, rel=1e-6
+    )  # the forward replayed in backward is not logged again

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.torchrun_jobs import broken_lines
 from training.wandb_logging import read_offline_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,14 +51,18 @@ def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("trident-cache"))
 
 
-def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
-    env = {
+def _env(cache: str) -> dict[str, str]:
+    return {
         **os.environ,
         "TRIDENT_CACHE": cache,
         "WANDB_MODE": "offline",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(ROOT),
     }
+
+
+def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
+    env = _env(cache)
     cmd = [
         sys.executable,
         "-m",
@@ -199,7 +205,10 @@ def test_zbv_trains_the_same_loss_curve_as_interleaved_1f1b(cache, tmp_path):
 
 
 def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
-    """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit)."""
+    """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit).
+
+    The resume is the command the interrupted run printed, run as printed (torchrun included), and no
+    line of the three runs' output holds pieces of two ranks' lines."""
     flags = SMALL + [
         "--pipeline-model-parallel-size",
         "2",
@@ -209,20 +218,32 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
         "resume",
     ]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    torchrun(4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache)
+    straight_run = torchrun(
+        4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache
+    )
     first = torchrun(
         4,
         flags + ["--save", str(split / "ckpt"), "--exit-interval", "10", "--wandb-save-dir", str(split)],
         cache,
     )
     assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-    second = torchrun(
-        4,
-        flags
-        + ["--load", str(split / "ckpt"), "--save", str(split / "ckpt"), "--wandb-save-dir", str(split)],
-        cache,
+    resume = re.findall(r"^  resume: (.*)$", first.stdout, re.MULTILINE)
+    assert len(resume) == 1 and "torch.distributed.run --standalone --nproc-per-node 4 " in resume[0], resume
+    second = subprocess.run(
+        resume[0],
+        shell=True,
+        env=_env(cache),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
-    assert "loaded checkpoint" in second.stdout and "at iteration 10" in second.stdout, second.stdout[-2000:]
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"loaded checkpoint {split / 'ckpt'} at iteration 10" in second.stdout, second.stdout[-2000:]
+    assert re.search(r"^ \[.*\] iteration +11/ +20 \|", second.stdout, re.MULTILINE), second.stdout[-2000:]
+    for done in (straight_run, first, second):
+        assert broken_lines(done.stdout) == broken_lines(done.stderr) == [], (done.stdout, done.stderr)
     expected, resumed = wandb_losses(straight), wandb_losses(split)
     assert sorted(expected) == list(range(1, 21))
     assert resumed == expected  # exact float equality, iteration by iteration

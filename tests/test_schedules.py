@@ -10,36 +10,32 @@ import torch.distributed as dist
 
 from core.model_parallel_config import ModelParallelConfig
 from core.parallel_state import generate_parallel_groups
-from core.pipeline_parallel.layout import even_layout, parse_layout
-from core.pipeline_parallel.losses import reduce_loss_logs
-from core.pipeline_parallel.lowering import lower, message_of
-from core.pipeline_parallel.placement import placement_for
-from core.pipeline_parallel.schedule_tables import (
+from core.pipeline_parallel.actions import (
     COMPUTE,
     Action,
     ActionKind,
     B,
     F,
+    TableError,
+    format_tables,
+    parse_action,
+    parse_tables,
+)
+from core.pipeline_parallel.layout import even_layout, parse_layout
+from core.pipeline_parallel.losses import reduce_loss_logs
+from core.pipeline_parallel.lowering import lower, validate
+from core.pipeline_parallel.messages import message_of
+from core.pipeline_parallel.placement import placement_for
+from core.pipeline_parallel.rendezvous import check_rendezvous, comm_logs, warm_up_comm_logs
+from core.pipeline_parallel.schedule_tables import (
     build_table,
     build_tables,
     check_interleaving,
     interleaved_order,
     one_f_one_b_table,
 )
-from core.pipeline_parallel.simulator import (
-    ScheduleDeadlock,
-    check_rendezvous,
-    comm_logs,
-    ideal_bubble_fraction,
-    simulate,
-    warm_up_comm_logs,
-)
+from core.pipeline_parallel.simulator import ScheduleDeadlock, ideal_bubble_fraction, simulate
 from tests.pipeline_toy import ToyStage, make_forward_step, make_microbatches, reference_loss_and_grads
-
-
-def _strs(table):
-    return [str(a) for a in table]
-
 
 # --------------------------------------------------------------------------------------------------
 # Tables and simulator (no processes)
@@ -47,44 +43,41 @@ def _strs(table):
 
 
 def test_1f1b_table_has_warmup_steady_cooldown():
-    assert _strs(one_f_one_b_table(4, 6, 0)) == [
-        "0F0",
-        "0F1",
-        "0F2",
-        "0F3",
-        "0B0",
-        "0F4",
-        "0B1",
-        "0F5",
-        "0B2",
-        "0B3",
-        "0B4",
-        "0B5",
-    ]
-    assert _strs(one_f_one_b_table(4, 6, 3)) == [
-        "0F0",
-        "0B0",
-        "0F1",
-        "0B1",
-        "0F2",
-        "0B2",
-        "0F3",
-        "0B3",
-        "0F4",
-        "0B4",
-        "0F5",
-        "0B5",
-    ]
-    assert _strs(one_f_one_b_table(4, 2, 1)) == [
-        "0F0",
-        "0F1",
-        "0B0",
-        "0B1",
-    ]  # fewer microbatches than warm-up
+    assert [one_f_one_b_table(4, 6, rank) for rank in (0, 3)] == parse_tables("""
+        0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0B3 0B4 0B5
+        0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3 0F4 0B4 0F5 0B5
+    """)
+    assert one_f_one_b_table(4, 2, 1) == parse_tables("0F0 0F1 0B0 0B1")[0]  # fewer microbatches than warm-up
 
 
 def test_gpipe_table_is_all_forward_then_all_backward():
-    assert _strs(build_table("gpipe", 2, 1, 3, 1)) == ["0F0", "0F1", "0F2", "0B0", "0B1", "0B2"]
+    assert build_table("gpipe", 2, 1, 3, 1) == parse_tables("0F0 0F1 0F2 0B0 0B1 0B2")[0]
+
+
+def test_actions_read_and_print_in_pytorchs_text_form():
+    tables = lower(build_tables("zbv", 2, 2, 3), placement_for("zbv", 2, 2))  # F I W, sends, receives
+    assert parse_tables(format_tables(tables, marks={0: 3})) == tables
+    assert parse_action("1SEND_F3") == Action(ActionKind.SEND_F, 3, 1) and str(Action(F, 0, 2)) == "2F0"
+    with pytest.raises(ValueError, match="'0X1' is not an action: write chunk, kind, microbatch"):
+        parse_action("0X1")
+
+
+def test_a_table_that_breaks_a_rule_prints_the_grid_with_the_bad_step_marked():
+    placement = placement_for("1f1b", 2, 1)
+    tables = parse_tables("""
+        0F0 0SEND_F0 0RECV_B0 0B0
+        0F0 0RECV_F0 0B0 0SEND_B0
+    """)
+    with pytest.raises(TableError) as err:
+        validate(tables, placement)
+    assert str(err.value) == (
+        "rank 1 step 0: 0F0 runs before its receive of Message(kind='activation', microbatch=0, "
+        "src_stage=0, dst_stage=1)\n"
+        "step:          0         1         2         3\n"
+        "rank 0:      0F0  0SEND_F0  0RECV_B0       0B0\n"
+        "rank 1:     [0F0] 0RECV_F0       0B0  0SEND_B0"
+    )
+    assert err.value.marks == {1: 0}
 
 
 def test_interleaved_order_matches_megatrons_documented_table():
@@ -150,9 +143,12 @@ def test_interleaving_rules_raise_clear_errors(pp, m, group, message):
 
 
 def test_gpipe_with_virtual_stages_is_rejected():
-    with pytest.raises(ValueError, match="GPipe schedule cannot run virtual stages"):
+    # One rule (core/pipeline_parallel/placement.py), asked by the tables and the config alike.
+    with pytest.raises(
+        ValueError, match=r"^the gpipe schedule cannot run virtual pipeline stages \(2 per rank\)"
+    ):
         build_table("gpipe", 2, 2, 4, 0)
-    with pytest.raises(ValueError, match="pipeline_schedule='gpipe' cannot run virtual stages"):
+    with pytest.raises(ValueError, match="^pipeline_schedule='gpipe' cannot run virtual pipeline stages"):
         ModelParallelConfig(
             pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="gpipe"
         )
@@ -177,14 +173,11 @@ def test_simulated_peak_in_flight():
 
 
 def test_zb_h1_table_runs_each_weight_gradient_rank_steps_late():
-    assert _strs(build_table("zb-h1", 4, 1, 4, 0)) == [
-        *("0F0", "0F1", "0F2"),  # warm-up as in 1F1B
-        *("0F3", "0I0", "0W0", "0I1", "0W1", "0I2", "0W2", "0I3", "0W3"),
-    ]
-    assert _strs(build_table("zb-h1", 4, 1, 4, 2)) == [
-        *("0F0", "0F1", "0I0", "0F2", "0I1", "0F3", "0I2", "0W0", "0I3", "0W1"),
-        *("0W2", "0W3"),  # the late weight gradients fill the cool-down
-    ]
+    # Rank 0: warm-up as in 1F1B, then F I W; rank 2: the late weight gradients fill the cool-down.
+    assert [build_table("zb-h1", 4, 1, 4, rank) for rank in (0, 2)] == parse_tables("""
+        0F0 0F1 0F2 0F3 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3
+        0F0 0F1 0I0 0F2 0I1 0F3 0I2 0W0 0I3 0W1 0W2 0W3
+    """)
 
 
 @pytest.mark.parametrize("pp,m", [(4, 8), (4, 16), (8, 32)])
@@ -215,14 +208,14 @@ def test_zbv_fills_the_bubble_with_two_chunks_per_rank_in_a_v():
 
 
 def test_lowering_adds_every_message_on_its_link_in_the_senders_order():
-    from core.pipeline_parallel.lowering import Message, validate
-    from core.pipeline_parallel.schedule_tables import RECV_B, RECV_F, SEND_B, SEND_F
+    from core.pipeline_parallel.actions import RECV_B, RECV_F, SEND_B, SEND_F
+    from core.pipeline_parallel.messages import Message
 
     placement = placement_for("zbv", 2, 2)
     complete = lower(build_tables("zbv", 2, 2, 3), placement)
     validate(complete, placement)  # each receive before its consumer, link orders equal
     # Rank 1's chunk 0 hands its output to its own chunk 1 (the bottom of the V) without a message.
-    assert _strs(complete[1])[:5] == ["0RECV_F0", "0F0", "0RECV_F1", "1F0", "1SEND_F0"]
+    assert complete[1][:5] == parse_tables("0RECV_F0 0F0 0RECV_F1 1F0 1SEND_F0")[0]
     kinds = {a.kind for t in complete for a in t}
     assert kinds == {F, ActionKind.I, ActionKind.W, SEND_F, RECV_F, SEND_B, RECV_B}
     assert Message("activation", 0, 1, 2) not in {
@@ -240,11 +233,11 @@ def test_lookahead_is_a_lowering_parameter():
     placement = placement_for("1f1b", 2, 1)
     right_before = lower(tables, placement, lookahead=1)[1]
     two_ahead = lower(tables, placement, lookahead=2)[1]
-    assert _strs(right_before) == [
-        *("0RECV_F0", "0F0", "0B0", "0SEND_B0", "0RECV_F1", "0F1", "0B1", "0SEND_B1"),
-        *("0RECV_F2", "0F2", "0B2", "0SEND_B2"),
-    ]
-    assert _strs(two_ahead)[:5] == ["0RECV_F0", "0F0", "0RECV_F1", "0B0", "0SEND_B0"]
+    assert (
+        right_before
+        == parse_tables("0RECV_F0 0F0 0B0 0SEND_B0 0RECV_F1 0F1 0B1 0SEND_B1 0RECV_F2 0F2 0B2 0SEND_B2")[0]
+    )
+    assert two_ahead[:5] == parse_tables("0RECV_F0 0F0 0RECV_F1 0B0 0SEND_B0")[0]
     with pytest.raises(ValueError, match="lookahead must be >= 1"):
         lower(tables, placement, lookahead=0)
 
@@ -368,12 +361,17 @@ def _outgoing_first(rank: int, log: list[tuple]) -> list[tuple]:
     return [entry for pair in pairs for entry in pair]
 
 
-def test_simulator_detects_a_deadlock():
-    tables = build_tables("1f1b", 2, 1, 2)
-    tables[0] = [Action(F, 0), Action(B, 0), Action(F, 1), Action(B, 1)]
-    tables[1] = [Action(F, 1), Action(B, 1), Action(F, 0), Action(B, 0)]
-    with pytest.raises(ScheduleDeadlock, match=r"every rank waits"):
+def test_simulator_detects_a_deadlock_and_marks_where_each_rank_waits():
+    tables = parse_tables("""
+        0F0 0B0 0F1 0B1
+        0F1 0B1 0F0 0B0
+    """)
+    with pytest.raises(ScheduleDeadlock) as err:
         simulate(tables)
+    assert str(err.value).startswith(
+        "schedule deadlocks: every rank waits (rank: next action) {0: '0B0', 1: '0F1'}"
+    )
+    assert "\nrank 0: " in str(err.value) and "[0B0]" in str(err.value) and "[0F1]" in str(err.value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -389,7 +387,9 @@ class CheckedStage(ToyStage):
 
         assert isinstance(tensors, list) and len(tensors) == 1, tensors
         first = (
-            ps.is_pipeline_first_stage(ignore_virtual=False) if ps.model_parallel_is_initialized() else True
+            ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=self.vp_stage)
+            if ps.model_parallel_is_initialized()
+            else True
         )
         assert (tensors[0] is None) == first, "set_input_tensor must get [None] exactly on the first stage"
         super().set_input_tensor(tensors)
@@ -398,8 +398,8 @@ class CheckedStage(ToyStage):
         from core import parallel_state as ps
 
         if ps.model_parallel_is_initialized() and ps.get_virtual_pipeline_model_parallel_world_size():
-            assert ps.get_virtual_pipeline_model_parallel_rank() == self.vp_stage
-            assert ps.is_pipeline_first_stage(ignore_virtual=False) == (
+            # vp_stage travels with the chunk (Megatron Core's convention); nothing global is set.
+            assert ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=self.vp_stage) == (
                 ps.is_pipeline_first_stage() and self.vp_stage == 0
             )
         return super().forward(tokens, labels)
@@ -945,21 +945,20 @@ def test_loss_func_forms_are_checked_and_any_keys_are_reported():
         (
             "--pipeline-model-parallel-size 2 --pipeline-schedule zbv",
             (
-                "--pipeline-schedule zbv runs two model chunks per pipeline rank, in a V: give "
+                "--pipeline-schedule zbv runs exactly 2 model chunks per pipeline rank (a V), got 1: give "
                 "--num-virtual-stages-per-pipeline-rank 2 (or a --pipeline-model-parallel-layout with 4 stages)"
             ),
         ),
         (
             "--pipeline-model-parallel-size 2 --pipeline-schedule zbv --num-virtual-stages-per-pipeline-rank 4",
             (
-                "--pipeline-schedule zbv runs two model chunks per pipeline rank, in a V: give "
-                "--num-virtual-stages-per-pipeline-rank 2 (or a --pipeline-model-parallel-layout with 4 "
-                "stages); got 4 virtual stages per rank"
+                "--pipeline-schedule zbv runs exactly 2 model chunks per pipeline rank (a V), got 4: give "
+                "--num-virtual-stages-per-pipeline-rank 2 (or a --pipeline-model-parallel-layout with 4 stages)"
             ),
         ),
         (
             "--pipeline-model-parallel-size 2 --pipeline-schedule gpipe --num-virtual-stages-per-pipeline-rank 2",
-            "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); use --pipeline-schedule 1f1b",
+            "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); the 1f1b schedule interleaves them",
         ),
     ],
 )

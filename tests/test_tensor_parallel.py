@@ -20,6 +20,7 @@ from core.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
+    fused_vocab_parallel_cross_entropy,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     gather_full,
@@ -226,6 +227,25 @@ def _check_cross_entropy(rank, world_size, label_smoothing):
     assert torch.equal(local.detach(), untouched), "the caller's logits were modified"
     with pytest.raises(RuntimeError, match="cannot be back-propagated twice"):
         loss.backward(dloss)
+
+    # The fused version (3 tokens per 48-byte slice: two slices), fp32: the same numbers.
+    fused_local = logits.chunk(TP, dim=-1)[rank].clone().requires_grad_()
+    fused = fused_vocab_parallel_cross_entropy(
+        fused_local * 1.0, target, label_smoothing=label_smoothing, tp_group=group, slice_bytes=48
+    )
+    _close(fused, loss_ref, "fused loss")
+    fused.backward(dloss, retain_graph=True)
+    _close(fused_local.grad, logits_ref.grad.chunk(TP, dim=-1)[rank], "fused logits grad")
+    with pytest.raises(RuntimeError, match="cannot be back-propagated twice"):
+        fused.backward(dloss)
+    # bf16 logits: what the plain function computes from their fp32 copy, without the copy.
+    half = logits.chunk(TP, dim=-1)[rank].bfloat16().requires_grad_()
+    plain = vocab_parallel_cross_entropy(half.float(), target, label_smoothing, group)
+    (plain_grad,) = torch.autograd.grad(plain, half, dloss)
+    fused = fused_vocab_parallel_cross_entropy(half * 1.0, target, label_smoothing, group, slice_bytes=48)
+    (fused_grad,) = torch.autograd.grad(fused, half, dloss)
+    _close(fused, plain, "bf16 fused loss")
+    _close(fused_grad.float(), plain_grad.float(), "bf16 fused logits grad")
 
 
 def _run(fn, x, grad):

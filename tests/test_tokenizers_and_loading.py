@@ -22,6 +22,7 @@ from training.data.samplers import (
     MegatronPretrainingRandomSampler,
     dp_microbatch_indices,
 )
+from training.errors import DataError
 from training.tokenizer import GPT2BPETokenizer, HuggingFaceTokenizer, Llama2Tokenizer, build_tokenizer
 
 TEXTS = [
@@ -69,7 +70,9 @@ def test_hugging_face_tokenizer_reads_a_local_folder_only(bpe, tmp_path):
     gpt2 = GPT2BPETokenizer(bpe["vocab"], bpe["merges"])
     assert [tokenizer.tokenize(t) for t in TEXTS] == [gpt2.tokenize(t) for t in TEXTS]
     assert (tokenizer.vocab_size, tokenizer.eod) == (gpt2.vocab_size, gpt2.eod)
-    with pytest.raises(FileNotFoundError, match="Trident never downloads one"):
+    with pytest.raises(
+        DataError, match="^--tokenizer-model gpt2: no such Hugging Face .* never downloads one$"
+    ):
         build_tokenizer("HuggingFaceTokenizer", "gpt2")  # a hub name, not a folder
 
 

@@ -79,6 +79,23 @@ def worker_tracebacks(output: str) -> list[str]:
     return re.findall(rf'File "{re.escape(str(ROOT))}/(?!tests/).*', output)
 
 
+LINE_STARTS = re.compile(
+    r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] (iteration|validation)|saved checkpoint |loaded checkpoint |run summary: "
+    r"|training \d+ iterations from |  checkpoint: |  (resume|train longer): |  final train lm loss: "
+)
+"""How the lines a run prints start (the log line with its timestamp, the summary, the checkpoints)."""
+
+
+def broken_lines(output: str) -> list[str]:
+    """Lines that are not one rank's whole line: empty ones (a newline whose text went elsewhere), and
+    ones with another line's start inside them (``...(iteration 100)saved checkpoint ...``)."""
+    return [
+        line
+        for line in output.splitlines()
+        if not line.strip() or any(m.start() > 0 for m in LINE_STARTS.finditer(line))
+    ]
+
+
 def losses(output: str) -> dict[int, float]:
     """Iteration -> ``lm loss`` from Megatron-style log lines."""
     found = re.findall(r" iteration +(\d+)/ *\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", output)

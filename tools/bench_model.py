@@ -1,12 +1,34 @@
-"""Tokens/s of one forward+backward step of a small GPTModel at several tensor-parallel sizes.
+"""Tokens/s and MFU of Trident's model trained by ``pretrain()`` at one rank, against a plain PyTorch loop.
 
-Each TP size runs in its own group of spawned gloo ranks (CPU); every rank computes with
-``cores // tp`` threads so the runs share the machine's cores alike. A step is forward, per-token
-loss, backward; the time is the median of ``--steps`` steps after ``--warmup`` untimed ones.
+The plain loop trains the same architecture built from Hugging Face ``transformers``
+(``GPT2LMHeadModel`` / ``LlamaForCausalLM``, SDPA attention) from the same initial weights on the same
+tokens: forward, fp32 cross-entropy, backward, gradient clipping, AdamW (``fused=True`` on a GPU,
+``foreach`` on a CPU), bf16 by autocast over fp32 weights. It runs eagerly and under ``torch.compile``
+(the loss inside the compiled function). Trident runs ``pretrain()`` with
+``--cross-entropy-loss-fusion --gradient-accumulation-fusion``, eagerly, then again with ``--compile``.
 
-    python tools/bench_model.py                          # GPT-2 style, hidden 256, 4 layers, seq 256, mbs 4
-    python tools/bench_model.py --tp 1 2 --steps 10 --model llama
+The contestants take turns: after each ``pretrain()`` iteration, its ``iteration_hook`` runs one step
+of each plain loop on the microbatch Trident just trained on. The first ``--warmup`` iterations
+(compilation) are dropped; figures are medians. A ``pretrain()`` iteration is timed from the end of
+one hook call to the start of the next, so it includes the loop's own work. On a CPU the time is the
+process's CPU time with ``--threads`` threads (1 by default: machine noise barely moves it); on a GPU
+wall time between synchronisations. Trident's eager run and its compiled run are two phases; their
+ratio is also given against the transformers eager loop, which runs in both.
 
+FLOPs per step, two ways, both stated: Megatron's count (``training/throughput.py``: every matmul
+3x, causal attention halved, the output layer included) and torchtitan's (``6 N + 12 L H Q T`` per
+token: N the parameters but the input embedding, attention not halved). MFU needs the device's peak
+(the GPU table of ``training/throughput.py``, or ``--peak-tflops``). Peak memory is the most a step
+allocated above what was allocated when it started (activations, gradients, temporaries): CUDA's
+allocator on a GPU, the profiler's allocation records on a CPU, measured on one extra step.
+
+    python tools/bench_model.py                                   # CPU: GPT-2-small shape, fp32 and bf16
+    python tools/bench_model.py --layers 4 --iters 6              # a quicker CPU run
+    python tools/bench_model.py --device cuda                     # GPU: GPT-2 124M seq 1024, LLaMA ~1B seq 4096, bf16
+
+Configurations (``--config``): ``gpt2-small`` (12 x 768, 12 heads, vocabulary 50304, seq 512, one
+microbatch of 1, the CPU default), ``gpt2-124m`` (the same at seq 1024, microbatch 8) and ``llama-1b``
+(16 x 2048, 32 heads, GQA 8, FFN 8192, vocabulary 128256, seq 4096, microbatch 1), the GPU defaults.
 Prints a table, then one JSON line.
 """
 
@@ -17,133 +39,422 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core import parallel_state
-from core.tensor_parallel import model_parallel_seed
-from models.gpt import GPTModel, preset
+import pretrain_gpt
+from models.gpt.hf_mapping import hf_architecture, hf_config_kwargs, to_hf
+from tools.bench_cross_entropy import peak_bytes
+from training.throughput import num_floating_point_operations, peak_tflops
+from training.training import pretrain
+
+CONFIGS = {
+    "gpt2-small": {
+        "arch": "gpt2",
+        "layers": 12,
+        "hidden": 768,
+        "heads": 12,
+        "vocab": 50304,
+        "seq": 512,
+        "mbs": 1,
+    },
+    "gpt2-124m": {
+        "arch": "gpt2",
+        "layers": 12,
+        "hidden": 768,
+        "heads": 12,
+        "vocab": 50304,
+        "seq": 1024,
+        "mbs": 8,
+    },
+    "llama-1b": {
+        "arch": "llama",
+        "layers": 16,
+        "hidden": 2048,
+        "heads": 32,
+        "groups": 8,
+        "ffn": 8192,
+        "vocab": 128256,
+        "seq": 4096,
+        "mbs": 1,
+    },
+}
 
 
-def _rank(rank: int, tp: int, args: argparse.Namespace, init_file: str, results) -> None:
-    threads = max(1, (os.cpu_count() or 1) // tp)
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model_parallel_seed(1234)
-    config = preset(
-        args.model,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=args.sequence_parallel and tp > 1,
-        **(
-            {}
-            if args.dropout is None
-            else {"hidden_dropout": args.dropout, "attention_dropout": args.dropout}
-        ),
+def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, compiled: bool) -> list[str]:
+    """``pretrain()``'s command line: the model, mock data of the whole vocabulary, one microbatch a step."""
+    flags = (
+        f"--num-layers {spec['layers']} --hidden-size {spec['hidden']} --num-attention-heads {spec['heads']} "
+        f"--seq-length {spec['seq']} --max-position-embeddings {spec['seq']} --micro-batch-size {spec['mbs']} "
+        f"--global-batch-size {spec['mbs']} --train-iters {args.warmup + args.iters + 1} --lr 1e-4 "
+        f"--lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --mock-data --tokenizer-type NullTokenizer "
+        f"--vocab-size {spec['vocab'] - 1} --eval-iters 0 --eval-interval {10**6} --log-interval {10**6} "
+        f"--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --cross-entropy-loss-fusion "
+        f"--gradient-accumulation-fusion --seed 1234"
+    ).split()
+    if spec["arch"] == "llama":
+        flags += [
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--position-embedding-type",
+            "rope",
+            "--disable-bias-linear",
+        ]
+        flags += f"--untie-embeddings-and-output-weights --ffn-hidden-size {spec['ffn']}".split()
+        flags += f"--group-query-attention --num-query-groups {spec['groups']}".split()
+    else:
+        flags += ["--openai-gelu"]
+    if dtype == "bf16":
+        flags += ["--bf16"]
+    if compiled:
+        flags += ["--compile", "--compile-backend", args.backend]
+    return flags
+
+
+class PlainLoop:
+    """The hand-written transformers loop: one step = forward, loss, backward, clip, AdamW."""
+
+    def __init__(self, model, dtype: str, device: torch.device, compiled: bool, backend: str) -> None:
+        self.model, self.device = model, device
+        self.autocast = dtype == "bf16"
+        decay = [p for p in model.parameters() if p.ndim > 1]
+        rest = [p for p in model.parameters() if p.ndim <= 1]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, **kind)
+        self.loss = torch.compile(self._loss, backend=backend) if compiled else self._loss
+
+    def _loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model(input_ids=tokens).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(tokens, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        self.optimizer.step()
+        return loss.detach()
+
+
+def hf_model(config, vocab: int, seq: int, state: dict, device: torch.device):
+    """The transformers model of ``config`` with Trident's initial weights (fp32, SDPA attention)."""
+    import transformers
+
+    llama = hf_architecture(config) == "llama"
+    kwargs = hf_config_kwargs(config, vocab, seq)
+    cls_config = transformers.LlamaConfig if llama else transformers.GPT2Config
+    hf_config = cls_config(**kwargs, bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    model = (transformers.LlamaForCausalLM if llama else transformers.GPT2LMHeadModel)(hf_config)
+    missing, unexpected = model.load_state_dict(to_hf(state, config, vocab), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(
+            f"weights do not map onto transformers: missing {missing}, unexpected {unexpected}"
+        )
+    return model.to(device=device, dtype=torch.float32).train()
+
+
+class Clock:
+    """CPU time on a CPU, wall time between synchronisations on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter()
+        return time.process_time()
+
+
+def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch.device) -> dict:
+    """One ``pretrain()`` (eager or ``--compile``) with the plain loops taking turns after each iteration."""
+    clock = Clock(device)
+    captured: dict = {}
+    times: dict[str, list[float]] = {"trident": []}
+    losses: dict[str, list[float]] = {"trident": []}
+    last: list[float] = []
+    batches: list[dict] = []
+
+    def model_provider(*a, **k):
+        model = pretrain_gpt.model_provider(*a, **k)
+        captured.setdefault("model", model)
+        captured.setdefault(
+            "state", {n: t.detach().float().cpu().clone() for n, t in model.state_dict().items()}
+        )
+        return model
+
+    def forward_step(data_iterator, model):
+        return pretrain_gpt.forward_step(_Recorder(data_iterator, batches), model)
+
+    def hook(state) -> None:
+        now = clock()
+        final = state.iteration == args.warmup + args.iters + 1
+        if final:  # the extra iteration measured memory only
+            times["trident peak"] = [captured["memory"].stop()]
+        else:
+            losses["trident"].append(float(state.losses[-1]["lm loss"]) if state.losses else float("nan"))
+            if last:
+                times["trident"].append(now - last[0])
+        if not plain:  # the plain loops start from Trident's initial weights
+            config = captured["model"].config
+            for name, comp in (("transformers", False), ("transformers+compile", True)):
+                if comp and args.no_compile:
+                    continue
+                model = hf_model(config, spec["vocab"], spec["seq"], captured["state"], device)
+                plain[name] = PlainLoop(model, dtype, device, comp, args.backend)
+        batch = batches[-1]
+        tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+        for name, loop in plain.items():
+            if final:  # the extra step measures memory only
+                times.setdefault(f"{name} peak", []).append(
+                    peak_memory(lambda loop=loop: loop.step(tokens, labels), device)
+                )
+                continue
+            start = clock()
+            loss = loop.step(tokens, labels)
+            times.setdefault(name, []).append(clock() - start)
+            losses.setdefault(name, []).append(float(loss))
+        if state.iteration == args.warmup + args.iters:  # Trident's next (extra) iteration: memory
+            captured["memory"] = MemoryProbe(device)
+        last[:] = [clock()]
+
+    flags = trident_flags(spec, args, dtype, compiled)
+    pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        model_provider,
+        forward_step,
+        argv=flags,
+        tokenizer_provider=pretrain_gpt.tokenizer_provider,
+        iteration_hook=hook,
     )
-    model = GPTModel(config, args.vocab, args.seq)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.mbs, args.seq), generator=gen)
-    labels = torch.randint(0, args.vocab, (args.mbs, args.seq), generator=gen)
-    times = []
-    for step in range(args.warmup + args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        model(tokens, labels=labels).mean().backward()
-        dist.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    if rank == 0:
-        results.put(
-            {
-                "times": times,
-                "threads": threads,
-                "params_per_rank": sum(p.numel() for p in model.parameters()),
+    return {"times": times, "losses": losses, "model": captured["model"]}
+
+
+class _Recorder:
+    """The data iterator, remembering each microbatch it hands out (the plain loops train on them)."""
+
+    def __init__(self, iterator, sink: list) -> None:
+        self.iterator, self.sink = iterator, sink
+
+    def __next__(self):
+        batch = next(self.iterator)
+        self.sink[:] = [batch]
+        return batch
+
+
+def peak_memory(step, device: torch.device) -> int:
+    """Bytes one call of ``step`` allocated at most above what was allocated when it started."""
+    return peak_bytes(step, device)
+
+
+class MemoryProbe:
+    """The allocation peak of whatever runs between its creation and ``stop()`` (one pretrain() iteration)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self.before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.profile.__enter__()
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.before
+        from torch._C._profiler import _EventType
+
+        self.profile.__exit__(None, None, None)
+        allocations, stack = [], list(self.profile.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == _EventType.Allocation:
+                allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+        current = peak = 0
+        for _, size in sorted(allocations):
+            current += size
+            peak = max(peak, current)
+        return peak
+
+
+def flops_per_step(spec: dict, model) -> dict[str, float]:
+    """FLOPs of one training step, Megatron's way and torchtitan's way."""
+    config = model.config
+    tokens = spec["mbs"] * spec["seq"]
+    megatron_args = SimpleNamespace(
+        seq_length=spec["seq"],
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_query_groups=config.num_query_groups,
+        group_query_attention=config.num_query_groups != config.num_attention_heads,
+        num_attention_heads=config.num_attention_heads,
+        kv_channels=config.kv_channels,
+        ffn_hidden_size=config.ffn_hidden_size,
+        swiglu=config.gated_linear_unit,
+    )
+    megatron = num_floating_point_operations(megatron_args, spec["mbs"], spec["vocab"])
+    # torchtitan: parameters but the input embedding (a tied output layer still multiplies once).
+    params = sum(p.numel() for n, p in model.named_parameters() if "embedding" not in n)
+    if not config.untie_embeddings_and_output_weights:
+        params += model.embedding.word_embeddings.weight.numel()
+    heads, head_dim = config.num_attention_heads, config.kv_channels
+    torchtitan = tokens * (6 * params + 12 * config.num_layers * heads * head_dim * spec["seq"])
+    return {"megatron": float(megatron), "torchtitan": float(torchtitan)}
+
+
+def summarise(spec, args, dtype: str, phases: dict, device: torch.device) -> list[dict]:
+    """One row per contestant: median step time, tokens/s, TFLOP/s and MFU both ways, peak memory."""
+    flops = flops_per_step(spec, phases["eager"]["model"])
+    peak = peak_tflops(device, args.peak_tflops)
+    tokens = spec["mbs"] * spec["seq"]
+    rows = []
+    for phase_name, phase in phases.items():
+        for name, series in phase["times"].items():
+            if name.endswith(" peak"):
+                continue
+            if name != "trident" and phase_name != "eager":  # the plain loops' figures come from phase 1
+                continue
+            label = f"trident{' --compile' if phase_name == 'compile' else ''}" if name == "trident" else name
+            seconds = statistics.median(series[args.warmup :])
+            row = {
+                "contestant": label,
+                "dtype": dtype,
+                "step_ms": seconds * 1e3,
+                "tokens_per_s": tokens / seconds,
+                "peak_step_mib": phase["times"][f"{name} peak"][0] / 2**20,
+                "first_loss": phase["losses"][name][0] if phase["losses"][name] else float("nan"),
             }
-        )
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+            for way, count in flops.items():
+                row[f"tflops_{way}"] = count / seconds / 1e12
+                row[f"mfu_{way}"] = None if peak is None else count / seconds / 1e12 / peak
+            rows.append(row)
+    return rows
 
 
-def run(tp: int, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="trident-bench-") as tmp:
-        mp.start_processes(
-            _rank, args=(tp, args, os.path.join(tmp, "rendezvous"), results), nprocs=tp, start_method="spawn"
-        )
-        out = results.get(timeout=5)
-    median = statistics.median(out["times"])
-    return {
-        "tp": tp,
-        "threads_per_rank": out["threads"],
-        "median_step_ms": median * 1000,
-        "min_step_ms": min(out["times"]) * 1000,
-        "tokens_per_s": args.mbs * args.seq / median,
-        "params_per_rank": out["params_per_rank"],
-    }
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--mbs", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument(
-        "--dropout",
-        type=float,
-        default=None,
-        help="hidden and attention dropout (default: the preset's, 0.1 for gpt2, 0 for llama)",
-    )
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--config", nargs="+", default=None, choices=sorted(CONFIGS))
+    parser.add_argument("--dtype", nargs="+", default=None, choices=["fp32", "bf16"])
+    parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per phase")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first iterations per phase")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of both sides")
+    parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    names = args.config or (["gpt2-small"] if device.type == "cpu" else ["gpt2-124m", "llama-1b"])
+    dtypes = args.dtype or (["fp32", "bf16"] if device.type == "cpu" else ["bf16"])
+    load = os.getloadavg()[0]
+    rows = []
+    for name in names:
+        spec = dict(CONFIGS[name], name=name)
+        if args.layers:
+            spec["layers"] = args.layers
+        for dtype in dtypes:
+            plain: dict = {}
+            phases = {"eager": run_phase(spec, args, dtype, False, plain, device)}
+            if not args.no_compile:
+                phases["compile"] = run_phase(spec, args, dtype, True, plain, device)
+            rows += [
+                dict(r, config=name, layers=spec["layers"])
+                for r in summarise(spec, args, dtype, phases, device)
+            ]
+            rows += ratios(phases, args, dtype, name)
+    print_table(rows, args, device, load)
+    result = {
+        "benchmark": "bench_model",
+        "device": str(device),
+        "load": [load, os.getloadavg()[0]],
+        "rows": rows,
+    }
+    print(json.dumps(result))
+    return result
 
-    rows = [run(tp, args) for tp in args.tp]
-    dropout = "preset" if args.dropout is None else args.dropout
-    print(
-        f"{args.model}: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, seq {args.seq}, "
-        f"mbs {args.mbs}, vocab {args.vocab}, dropout {dropout}, sequence parallel {args.sequence_parallel}, "
-        f"{os.cpu_count()} cores, median of {args.steps} steps"
-    )
-    print(f"{'TP':>3}{'threads/rank':>14}{'params/rank':>13}{'median ms':>11}{'min ms':>9}{'tokens/s':>11}")
-    for row in rows:
-        print(
-            f"{row['tp']:>3}{row['threads_per_rank']:>14}{row['params_per_rank']:>13,}"
-            f"{row['median_step_ms']:>11.1f}{row['min_step_ms']:>9.1f}{row['tokens_per_s']:>11.0f}"
-        )
-    print(
-        json.dumps(
+
+def ratios(phases: dict, args, dtype: str, name: str) -> list[dict]:
+    """Trident against each plain loop in the same phase, and compiled against eager (also normalised
+    by the transformers eager loop, which runs in both phases)."""
+
+    def median(phase: str, who: str) -> float:
+        return statistics.median(phases[phase]["times"][who][args.warmup :])
+
+    out = [
+        {
+            "config": name,
+            "dtype": dtype,
+            "ratio": "trident eager / transformers eager (tokens/s)",
+            "value": median("eager", "transformers") / median("eager", "trident"),
+        }
+    ]
+    if "compile" in phases:
+        out += [
             {
-                "benchmark": "bench_model",
-                "model": args.model,
-                "hidden": args.hidden,
-                "layers": args.layers,
-                "seq": args.seq,
-                "mbs": args.mbs,
-                "vocab": args.vocab,
-                "dropout": dropout,
-                "sequence_parallel": args.sequence_parallel,
-                "results": rows,
-            }
-        )
+                "config": name,
+                "dtype": dtype,
+                "ratio": "trident --compile / transformers+compile (tokens/s)",
+                "value": median("compile", "transformers+compile") / median("compile", "trident"),
+            },
+            {
+                "config": name,
+                "dtype": dtype,
+                "ratio": "trident --compile / trident eager (tokens/s)",
+                "value": median("eager", "trident") / median("compile", "trident"),
+            },
+            {
+                "config": name,
+                "dtype": dtype,
+                "ratio": "trident --compile / trident eager, each against transformers eager in its phase",
+                "value": (median("eager", "trident") / median("eager", "transformers"))
+                / (median("compile", "trident") / median("compile", "transformers")),
+            },
+        ]
+    return out
+
+
+def print_table(rows: list[dict], args, device: torch.device, load: float) -> None:
+    clock = "wall time" if device.type == "cuda" else f"CPU time, {args.threads} thread(s)"
+    print(
+        f"one rank on {device.type}; {args.iters} timed steps after {args.warmup}, medians of {clock}; "
+        f"load {load:.1f} -> {os.getloadavg()[0]:.1f}"
     )
+    print(
+        "FLOPs: megatron = training/throughput.py (matmuls x3, causal attention halved); "
+        "torchtitan = 6 N + 12 L H Q T per token (N without the input embedding)"
+    )
+    head = f"{'config':<11}{'layers':>7}{'dtype':>6} {'contestant':<22}{'step ms':>9}{'tokens/s':>10}"
+    head += f"{'TF/s mg':>9}{'TF/s tt':>9}{'MFU mg':>8}{'MFU tt':>8}{'peak MiB':>10}{'loss 1':>8}"
+    print(head)
+    for r in rows:
+        if "contestant" not in r:
+            continue
+        mfu = [f"{r[k]:.1%}" if r[k] is not None else "n/a" for k in ("mfu_megatron", "mfu_torchtitan")]
+        print(
+            f"{r['config']:<11}{r['layers']:>7}{r['dtype']:>6} {r['contestant']:<22}{r['step_ms']:>9.0f}"
+            f"{r['tokens_per_s']:>10.0f}{r['tflops_megatron']:>9.3f}{r['tflops_torchtitan']:>9.3f}"
+            f"{mfu[0]:>8}{mfu[1]:>8}{r['peak_step_mib']:>10.0f}{r['first_loss']:>8.3f}"
+        )
+    for r in rows:
+        if "ratio" in r:
+            print(f"{r['config']} {r['dtype']}: {r['ratio']}: {r['value']:.3f}")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.model_parallel_config import ModelParallelConfig
+from core.pipeline_parallel.actions import B, F, I, W
 from core.pipeline_parallel.placement import placement_for
-from core.pipeline_parallel.schedule_tables import B, F, I, W, build_tables
+from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 
 SEQ, BATCH, HIDDEN = 16, 1, 16

@@ -1,6 +1,6 @@
 """Convert checkpoints offline: reshard a Trident checkpoint, or export it to / import it from Hugging Face.
 
-    # another TP x PP (x VPP, layout) split, optimizer state included
+    # another TP x PP (x VPP, layout, EP) split, optimizer state included
     python tools/convert_checkpoint.py --load runs/ckpt --save runs/ckpt_tp1pp4 \\
         --target-tensor-parallel-size 1 --target-pipeline-model-parallel-size 4
     # a Hugging Face folder (config.json, safetensors, tokenizer) for AutoModelForCausalLM / AutoTokenizer
@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Virtual stages per rank.",
     )
     parser.add_argument("--target-pipeline-model-parallel-layout", default=None, help="Layout string.")
+    parser.add_argument(
+        "--target-expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="EP size of the new checkpoint (MoE: experts per file = experts / EP; default 1).",
+    )
     parser.add_argument("--no-verify-checkpoint", action="store_true", help="Skip checksum verification.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
     return parser
@@ -117,7 +123,11 @@ def _check_mode(args: argparse.Namespace) -> str:
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
-    for flag in ("target_tensor_parallel_size", "target_pipeline_model_parallel_size"):
+    for flag in (
+        "target_tensor_parallel_size",
+        "target_pipeline_model_parallel_size",
+        "target_expert_model_parallel_size",
+    ):
         if getattr(args, flag) < 1:
             raise CheckpointError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     vpp = args.target_num_virtual_stages_per_pipeline_rank
@@ -142,6 +152,8 @@ def _describe_target(args: argparse.Namespace) -> str:
         text += f" --target-num-virtual-stages-per-pipeline-rank {args.target_num_virtual_stages_per_pipeline_rank}"
     if args.target_pipeline_model_parallel_layout:
         text += f" --target-pipeline-model-parallel-layout '{args.target_pipeline_model_parallel_layout}'"
+    if args.target_expert_model_parallel_size != 1:
+        text += f" --target-expert-model-parallel-size {args.target_expert_model_parallel_size}"
     return text
 
 
@@ -154,6 +166,7 @@ def _reshard(args: argparse.Namespace, bar) -> str:
             pipeline_parallel=args.target_pipeline_model_parallel_size,
             virtual_stages=args.target_num_virtual_stages_per_pipeline_rank,
             layout=args.target_pipeline_model_parallel_layout,
+            expert_parallel=args.target_expert_model_parallel_size,
         )
     except CheckpointError as err:
         raise CheckpointError(f"{_describe_target(args)}: {err}") from None
@@ -184,6 +197,7 @@ def _from_hf(args: argparse.Namespace, bar) -> str:
             pipeline_parallel=args.target_pipeline_model_parallel_size,
             virtual_stages=args.target_num_virtual_stages_per_pipeline_rank,
             layout=args.target_pipeline_model_parallel_layout,
+            expert_parallel=args.target_expert_model_parallel_size,
             progress=bar.update,
         )
     except CheckpointError as err:

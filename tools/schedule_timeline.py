@@ -23,8 +23,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from core.pipeline_parallel.actions import COMPUTE
 from core.pipeline_parallel.placement import placement_for
-from core.pipeline_parallel.schedule_tables import COMPUTE, build_tables
+from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 
 Events = list[list[tuple[str, float, float]]]  # per rank: (action, start, end)

@@ -15,6 +15,13 @@ import copy
 import os
 from typing import Any
 
+from core.pipeline_parallel.layout import parse_layout
+from core.pipeline_parallel.placement import chunks_needed, chunks_problem, placement_style
+from core.pipeline_parallel.schedule_tables import check_interleaving
+from core.transformer.moe.moe_config import parse_moe_layer_freq
+from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
+from training.data.builder import parse_data_path, parse_split
+from training.logging_utils import print_line
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
@@ -60,7 +67,7 @@ def _require(ok: bool, message: str) -> None:
 
 def _rank0_note(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"NOTE: {message}", flush=True)
+        print_line(f"NOTE: {message}")
 
 
 _AT_LEAST = {
@@ -165,41 +172,9 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 
 def _check_model(args: argparse.Namespace, tp: int) -> None:
-    heads = args.num_attention_heads
-    _require(
-        heads % tp == 0,
-        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
-    )
-    if args.group_query_attention:
-        groups = args.num_query_groups
-        _require(
-            heads % groups == 0,
-            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
-        )
-        _require(
-            groups % tp == 0,
-            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
-        )
-    if args.kv_channels is None:
-        _require(
-            args.hidden_size % heads == 0,
-            f"--hidden-size ({args.hidden_size}) must be divisible by "
-            f"--num-attention-heads ({heads}) unless --kv-channels is given",
-        )
-        args.kv_channels = args.hidden_size // heads
-    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
-        hidden = args.hidden_size
-        args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
-        _require(
-            args.ffn_hidden_size > 0,
-            f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
-            "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
-        )
-    _require(
-        args.ffn_hidden_size % tp == 0,
-        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
-        f"by --tensor-model-parallel-size ({tp})",
-    )
+    """The model's sizes against each other and the TP size, and the switches that must agree."""
+    _check_attention(args, tp)
+    _check_ffn(args, tp)
     _require(
         not (args.swiglu and args.openai_gelu),
         "--openai-gelu and --swiglu exclude each other: SwiGLU's gate uses SiLU, not GELU",
@@ -227,6 +202,54 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             f"--seq-length ({args.seq_length}) must be divisible by "
             f"--tensor-model-parallel-size ({tp}) with --sequence-parallel",
         )
+    _check_recompute(args)
+
+
+def _check_attention(args: argparse.Namespace, tp: int) -> None:
+    """Heads, query groups and head size: divisible as TP and grouped-query attention need."""
+    heads = args.num_attention_heads
+    _require(
+        heads % tp == 0,
+        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+    )
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(
+            heads % groups == 0,
+            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
+        )
+        _require(
+            groups % tp == 0,
+            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
+        )
+    if args.kv_channels is None:
+        _require(
+            args.hidden_size % heads == 0,
+            f"--hidden-size ({args.hidden_size}) must be divisible by "
+            f"--num-attention-heads ({heads}) unless --kv-channels is given",
+        )
+        args.kv_channels = args.hidden_size // heads
+
+
+def _check_ffn(args: argparse.Namespace, tp: int) -> None:
+    """The FFN size: Megatron's default (4h, or 2/3 of it rounded down to 64 with SwiGLU), split by TP."""
+    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
+        hidden = args.hidden_size
+        args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
+        _require(
+            args.ffn_hidden_size > 0,
+            f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
+            "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
+        )
+    _require(
+        args.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
+        f"by --tensor-model-parallel-size ({tp})",
+    )
+
+
+def _check_recompute(args: argparse.Namespace) -> None:
+    """Selective recomputation takes no method or layer count; full needs both."""
     if args.recompute_granularity == "selective":
         _require(
             args.recompute_method is None and args.recompute_num_layers is None,
@@ -245,6 +268,60 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
         )
 
 
+def _check_moe(args: argparse.Namespace, world_size: int, tp: int, pp: int) -> None:
+    """Experts, expert parallelism and routing (before any process group, as every check here)."""
+    experts, ep, etp = args.num_moe_experts, args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    args.moe_layer_freq = 1
+    if experts is None:
+        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts (a model with experts)")
+        return
+    _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
+    _require(
+        etp in (None, 1),
+        f"--expert-tensor-parallel-size {etp}: Trident supports only 1 (experts are never split over tensor "
+        "parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
+    )
+    _require(
+        experts % ep == 0,
+        f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})",
+    )
+    _require(
+        world_size % (ep * pp) == 0,
+        f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {ep * pp} does not "
+        f"divide the world size ({world_size}): the {args.moe_token_dispatcher_type} dispatcher's "
+        "expert-parallel groups cannot be formed",
+    )
+    topk = args.moe_router_topk
+    _require(
+        1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})"
+    )
+    _require(
+        topk > 1 or args.moe_router_pre_softmax,
+        "--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over one logit gives the router no "
+        "gradient), as in Megatron",
+    )
+    _require(
+        tp == 1 or args.sequence_parallel,
+        f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel: each "
+        "tensor-parallel rank routes its own sequence shard (as in Megatron)",
+    )
+    try:
+        pattern = parse_moe_layer_freq(args.moe_layer_pattern)
+    except ValueError as err:
+        raise ValueError(f"--moe-layer-freq: {err}") from None
+    fits = pattern >= 1 if isinstance(pattern, int) else len(pattern) == args.num_layers
+    _require(
+        fits,
+        f"--moe-layer-freq {args.moe_layer_pattern} must be an integer >= 1 or list 0 or 1 for each of the "
+        f"{args.num_layers} layers (--num-layers)",
+    )
+    args.moe_layer_freq = pattern  # Megatron's args.moe_layer_freq: an int or a list; the config's field
+    _require(
+        not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
+        "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
+    )
+
+
 def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
     """Virtual pipeline size from one of the three flags that may set it (Megatron allows at most one)."""
     chosen = [
@@ -259,15 +336,13 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
     _require(len(chosen) <= 1, f"{' and '.join(chosen)} are mutually exclusive: give at most one")
     vpp = args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout is not None:
-        from core.pipeline_parallel.layout import parse_layout
-
         try:
             vpp = parse_layout(
                 args.pipeline_model_parallel_layout,
                 pp,
                 num_layers=args.num_layers,
                 mtp_num_layers=0,
-                placement="v" if args.pipeline_schedule == "zbv" else "loop",
+                placement=placement_style(args.pipeline_schedule),
             ).vpp_size
         except ValueError as err:
             raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
@@ -286,22 +361,22 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
         vpp = per_rank // per_stage
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    schedule, needed = args.pipeline_schedule, chunks_needed(args.pipeline_schedule)
+    problem = chunks_problem(schedule, vpp or 1)
     _require(
-        args.pipeline_schedule != "zbv" or vpp == 2,
-        "--pipeline-schedule zbv runs two model chunks per pipeline rank, in a V: give "
-        "--num-virtual-stages-per-pipeline-rank 2 (or a --pipeline-model-parallel-layout with "
-        f"{2 * pp} stages)" + (f"; got {vpp} virtual stages per rank" if vpp else ""),
+        problem is None,
+        f"--pipeline-schedule {schedule} {problem}"
+        + (
+            f": give --num-virtual-stages-per-pipeline-rank {needed} (or a --pipeline-model-parallel-layout "
+            f"with {needed * pp} stages)"
+            if needed
+            else ""
+        ),
     )
     if vpp and vpp > 1:
         _require(
             pp > 1,
-            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs "
-            "--pipeline-model-parallel-size > 1",
-        )
-        _require(
-            args.pipeline_schedule != "gpipe",
-            f"--pipeline-schedule gpipe cannot run virtual pipeline "
-            f"stages ({vpp} per rank); use --pipeline-schedule 1f1b",
+            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs --pipeline-model-parallel-size > 1",
         )
 
 
@@ -325,8 +400,6 @@ def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
     args.num_microbatches = gbs // per_step
     vpp = args.virtual_pipeline_model_parallel_size
     if vpp and args.pipeline_schedule != "zbv":  # ZBV's V runs any number of microbatches
-        from core.pipeline_parallel.schedule_tables import check_interleaving
-
         try:
             check_interleaving(pp, vpp, args.num_microbatches, args.microbatch_group_size_per_vp_stage)
         except ValueError as err:
@@ -361,11 +434,7 @@ def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
 
 def _check_data(args: argparse.Namespace) -> None:
     """Data sources, tokenizer files, the split, profiling."""
-    sources = [
-        _flag(d)
-        for d in ("data_path", "mock_data", "train_data_path")
-        if getattr(args, d) not in (None, False)
-    ]
+    sources = [f for f in DATA_SOURCE_FLAGS if getattr(args, BY_OPTION[f].dest) not in (None, False)]
     _require(len(sources) <= 1, f"{' and '.join(sources)} are mutually exclusive: give one data source")
     per_split = [_flag(d) for d in ("valid_data_path", "test_data_path") if getattr(args, d) is not None]
     _require(
@@ -386,8 +455,6 @@ def _check_data(args: argparse.Namespace) -> None:
             "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a local folder saved by "
             "transformers (tokenizer.json, tokenizer_config.json); nothing is downloaded",
         )
-    from training.data.builder import parse_data_path
-
     for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(args, dest) is not None:
             try:
@@ -395,10 +462,8 @@ def _check_data(args: argparse.Namespace) -> None:
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{_flag(dest)}: {err}") from None
     if (args.data_path is not None or args.mock_data) and args.split is None:
-        args.split = "969,30,1"  # Megatron's legacy default when --data-path has no --split
+        args.split = DEFAULT_SPLIT
     if args.split is not None:
-        from training.data.builder import parse_split
-
         parse_split(args.split)  # its ValueError already names --split
     if args.profile:
         start, end = args.profile_step_start, args.profile_step_end
@@ -465,6 +530,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     flags.world_size, flags.data_parallel_size = world_size, world_size // (tp * pp)
     _apply_old_recompute_flags(flags)
     _check_model(flags, tp)
+    _check_moe(flags, world_size, tp, pp)
     _check_pipeline(flags, pp)
     _check_batch(flags, pp, flags.data_parallel_size)
     _require(flags.min_lr <= flags.lr, f"--min-lr ({flags.min_lr}) must be <= --lr ({flags.lr})")

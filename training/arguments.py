@@ -25,6 +25,10 @@ import sys
 import textwrap
 from typing import Any
 
+import torch.nn.functional as F
+
+from core.transformer.transformer_config import TransformerConfig, openai_gelu
+from training.config import DATA_SOURCE_FLAGS
 from training.config_file import REJECTED_DEST, load_config
 from training.errors import UsageError
 from training.schema import (
@@ -70,10 +74,10 @@ TINY_DEMO: dict[str, Any] = {
 }
 """The tiny demo's values (and --global-batch-size: the smallest multiple of micro-batch x DP >= 16)."""
 DEMO_OFF_MODEL_FLAGS = ("--hidden-size", "--num-attention-heads", "--seq-length", "--ffn-hidden-size")
-DATA_SOURCE_FLAGS = ("--data-path", "--mock-data", "--train-data-path")
 DEFAULT_TOKENIZER = "GPTSentencePieceTokenizer"
-SAME_AS: dict[str, str] = {"max_position_embeddings": "seq_length", "save_interval": "train_iters"}
-"""Flags that default to another flag's final value."""
+SAME_AS: dict[str, str] = {"max_position_embeddings": "seq_length"}
+"""Flags that default to another flag's value as given (``--save-interval``, which defaults to the run's
+length, is derived in validation: a sample-based run's length is known only then)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -222,7 +226,8 @@ def parse_args(
     Besides one attribute per flag, sets ``using_default_model`` (the tiny demo is on),
     ``using_default_data`` (no data source: the built-in corpus), ``tiny_demo_filled`` (dest ->
     value the demo filled in), ``tiny_demo_off_by`` (the flags that turned it off) and
-    ``explicit_args`` (the dests given). A rejected flag raises one ``ValueError`` saying why.
+    ``explicit_args`` (the dests given) and ``command_line`` (the tokens parsed, from which the
+    end-of-run summary builds its resume command). A rejected flag raises one ``ValueError`` saying why.
     ``namespace``: the object to fill (as argparse's), a new ``Namespace`` by default.
     """
     given = _given(argv)
@@ -254,6 +259,7 @@ def parse_args(
     args.tiny_demo_filled = filled
     args.tiny_demo_off_by = off_by
     args.explicit_args = sorted(given)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)
     return args
 
 
@@ -308,10 +314,6 @@ def transformer_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     Sequence length and position count are ``GPTModel`` arguments, not config fields: pass
     ``args.max_position_embeddings`` as its ``max_sequence_length``.
     """
-    import torch.nn.functional as F
-
-    from core.transformer.transformer_config import TransformerConfig, openai_gelu
-
     if not hasattr(args, "data_parallel_size"):
         raise ValueError("call validate_args(args, world_size) first")
     config = config_kwargs(TransformerConfig, args)
@@ -338,14 +340,21 @@ def _spelled(dest: str, value: Any) -> str:
 
 
 def startup_report(args: argparse.Namespace) -> list[str]:
-    """Lines the run prints once at start: what the tiny demo filled in, the default data, and the
-    flags accepted with no effect here."""
+    """Lines the run prints once at start: what the tiny demo filled in, what ``--use-checkpoint-args``
+    took from the checkpoint, the default data, and the flags accepted with no effect here."""
     lines = []
     if args.using_default_model:
         filled = " ".join(_spelled(k, v) for k, v in args.tiny_demo_filled.items())
         line = f"tiny demo (no model-size flag but --num-layers, no data source): filled in {filled}"
         kept = [_spelled(k, getattr(args, k)) for k in TINY_DEMO if k in args.explicit_args]
         lines.append(line + (f"; as given: {' '.join(kept)}" if kept else ""))
+    taken = getattr(args, "checkpoint_args_taken", None)
+    if taken:
+        values = " ".join(_spelled(k, v) for k, v in taken["values"].items())
+        lines.append(
+            f"--use-checkpoint-args: the model flags not given come from {taken['path']}: {values} "
+            "(the others equal their defaults); give a flag to override the checkpoint's value"
+        )
     if args.using_default_data:
         tokenizer = (
             "Trident's own SentencePiece tokenizer"

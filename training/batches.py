@@ -13,6 +13,8 @@ the next microbatches (``prefetch_factor`` each) while the model computes, into 
 GPU. Only tensor-parallel rank 0 of a stage that reads data (the first and last pipeline stages)
 reads; it broadcasts each microbatch to its tensor-parallel group, as Megatron does. Asking for a
 step at another position (an evaluation, which starts at its first sample) restarts the loader there.
+A sample that fails with one of the run's one-line errors (a token id outside the vocabulary) fails
+the step with that same error, whether a worker or the training process read it (:class:`_Failed`).
 """
 
 from __future__ import annotations
@@ -24,20 +26,58 @@ import torch.distributed as dist
 
 from core import parallel_state as ps
 from core.device import current_device
+from core.parallel_state import ParallelGroups
 from training.data.samplers import EndlessSequentialSampler, MegatronPretrainingRandomSampler
+from training.faults import one_line_errors
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 SAMPLERS = {"single": EndlessSequentialSampler, "cyclic": MegatronPretrainingRandomSampler}
 
 
+class _Failed:
+    """A sample that raised one of the run's one-line errors, carried to the training process as a value.
+
+    Raised inside a DataLoader worker, such an error would come back re-raised by torch as ``Caught
+    DataError in DataLoader worker process 0.`` with the worker's traceback in its message, where the
+    same error read in the training process is one line. Carried as a value it is raised again, as it
+    was, in the training process, with or without workers.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Guarded(torch.utils.data.Dataset):
+    """``dataset`` whose samples that fail with a one-line error become :class:`_Failed` values."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+        self.errors = one_line_errors()
+
+    def __getitem__(self, index: int):
+        try:
+            return self.dataset[index]
+        except self.errors as err:
+            return _Failed(err)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _collate(samples: list):
+    """torch's default collation, or the first :class:`_Failed` sample of the microbatch."""
+    failed = next((s for s in samples if isinstance(s, _Failed)), None)
+    return failed if failed is not None else torch.utils.data.default_collate(samples)
+
+
 def _broadcast_in_tp_group(
-    batch: dict[str, torch.Tensor] | None, micro_batch_size: int, seq_length: int
+    batch: dict[str, torch.Tensor] | None, micro_batch_size: int, seq_length: int, groups: ParallelGroups
 ) -> dict[str, torch.Tensor]:
     """TP rank 0's batch on every rank of its tensor-parallel group."""
     device = current_device()
-    if ps.get_tensor_model_parallel_world_size() == 1:
+    if groups.size("tp") == 1:
         return {k: batch[k].to(device, non_blocking=True) for k in FIELDS}
-    src, group = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_group()
+    src, group = groups.ranks["tp"][0], groups.tp
     out = {}
     for field in FIELDS:
         dtype = torch.float32 if field == "loss_mask" else torch.int64
@@ -55,6 +95,7 @@ class BatchStream:
     """One dataset's microbatches for this rank, step after step (see the module docstring).
 
     ``num_workers=0`` reads in the training process; ``dataloader_type`` is ``single`` or ``cyclic``.
+    ``groups``: the process groups to read for (default: ``parallel_state``'s).
     """
 
     def __init__(
@@ -65,8 +106,9 @@ class BatchStream:
         seq_length: int,
         num_workers: int = 0,
         dataloader_type: str = "single",
+        groups: ParallelGroups | None = None,
     ) -> None:
-        self.dataset = dataset
+        self.dataset, self.groups = dataset, groups if groups is not None else ps.get_parallel_groups()
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.num_workers, self.dataloader_type = num_workers, dataloader_type
         self.position: int | None = None
@@ -77,12 +119,13 @@ class BatchStream:
             len(self.dataset),
             consumed_samples,
             self.micro_batch_size,
-            ps.get_data_parallel_rank(),
-            ps.get_data_parallel_world_size(),
+            self.groups.rank_in("dp"),
+            self.groups.size("dp"),
         )
         loader = torch.utils.data.DataLoader(
-            self.dataset,
+            _Guarded(self.dataset),
             batch_sampler=sampler,
+            collate_fn=_collate,
             num_workers=self.num_workers,
             pin_memory=current_device().type == "cuda",
             persistent_workers=False,
@@ -94,20 +137,27 @@ class BatchStream:
 
     def step(self, consumed_samples: int, num_microbatches: int) -> list[dict[str, torch.Tensor]]:
         """The ``num_microbatches`` microbatches of the step that starts at ``consumed_samples``."""
-        reads = ps.get_tensor_model_parallel_rank() == 0
+        reads = self.groups.rank_in("tp") == 0
         if reads and consumed_samples != self.position:
             self.close()
             self._batches = self._open(consumed_samples)
         batches = [
             _broadcast_in_tp_group(
-                next(self._batches) if reads else None, self.micro_batch_size, self.seq_length
+                self._next_batch() if reads else None, self.micro_batch_size, self.seq_length, self.groups
             )
             for _ in range(num_microbatches)
         ]
-        self.position = (
-            consumed_samples + num_microbatches * self.micro_batch_size * ps.get_data_parallel_world_size()
-        )
+        self.position = consumed_samples + num_microbatches * self.micro_batch_size * self.groups.size("dp")
         return batches
+
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        batch = next(self._batches)
+        if isinstance(batch, _Failed):
+            # Stop the workers now: left to the error's traceback, the loader would be collected late,
+            # and shutting down from the garbage collector waits out torch's 5 s join timeout.
+            self.close()
+            raise batch.error
+        return batch
 
     def close(self) -> None:
         """Stop the loader's worker processes."""

@@ -62,25 +62,36 @@ def checkpoint_model_args(manifest: dict[str, Any], args: argparse.Namespace) ->
     return {dest: value for dest, value in values.items() if hasattr(args, dest)}
 
 
-def _tokenizer_args(manifest: dict[str, Any], path: str) -> dict[str, Any]:
+def _tokenizer_args(manifest: dict[str, Any], path: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's tokenizer flags; a ``--tokenizer-type`` given takes none of another type's files.
+
+    A NullTokenizer has N + 1 ids (the end-of-document id is N), so a checkpoint of V ids means
+    ``--vocab-size V - 1``, whatever tokenizer it was trained with.
+    """
     record = manifest.get("tokenizer") or {}
+    kind = given.get("tokenizer_type", record.get("type"))
     values: dict[str, Any] = {}
-    if record.get("type"):
+    if record.get("type") and kind == record["type"]:
         values["tokenizer_type"] = record["type"]
-    if "tokenizer_model" in record.get("files", {}):
-        values["tokenizer_model"] = os.path.join(path, record["files"]["tokenizer_model"])
-    if record.get("vocab_size") is not None:
-        values["vocab_size"] = record["vocab_size"]
+        values |= {role: os.path.join(path, rel) for role, rel in record.get("files", {}).items()}
+    if kind == "NullTokenizer":
+        values["vocab_size"] = manifest["model"]["vocab_size"] - 1
     return values
 
 
+_DROPOUT = ("hidden_dropout", "attention_dropout")
+"""Taken from the checkpoint too: an imported LLaMA records 0, which the flags' 0.1 would change."""
+
+
 def load_checkpoint_args(args: argparse.Namespace) -> None:
-    """With ``--use-checkpoint-args``: set every model and tokenizer flag not given from the checkpoint.
+    """With ``--use-checkpoint-args``: set every model, dropout and tokenizer flag not given from the checkpoint.
 
     The checkpoint then stands for the model-size flags, so the tiny demo is off, as it would be had
     the user typed them: the values it filled in go back to Megatron's defaults, and the flags Megatron
     requires (``--micro-batch-size``, ``--train-iters``, ``--lr``) must be given. Call before
-    ``validate_args``, so that derived values come from the checkpoint's sizes.
+    ``validate_args``, so that derived values come from the checkpoint's sizes. What was taken (the
+    dropout always, the rest where it differs from the flag's default) is left in
+    ``args.checkpoint_args_taken`` for the startup report's one line.
     """
     if not getattr(args, "use_checkpoint_args", False):
         return
@@ -98,10 +109,14 @@ def load_checkpoint_args(args: argparse.Namespace) -> None:
             setattr(args, dest, BY_DEST[dest].default)
         args.using_default_model, args.tiny_demo_filled = False, {}
         args.tiny_demo_off_by = [flag_name("use_checkpoint_args")]
-    values = checkpoint_model_args(manifest, args) | _tokenizer_args(manifest, path)
-    for dest, value in values.items():
-        if dest not in given:
-            setattr(args, dest, value)
+    values = checkpoint_model_args(manifest, args)
+    values |= {d: manifest["model"]["config"][d] for d in _DROPOUT if d in manifest["model"]["config"]}
+    values |= _tokenizer_args(manifest, path, {d: getattr(args, d) for d in given})
+    taken = {dest: value for dest, value in values.items() if dest not in given and hasattr(args, dest)}
+    for dest, value in taken.items():
+        setattr(args, dest, value)
+    shown = {d: v for d, v in taken.items() if d in _DROPOUT or v != BY_DEST[d].default}
+    args.checkpoint_args_taken = {"path": path, "values": shown}
 
 
 def check_checkpoint_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -128,6 +143,7 @@ def check_checkpoint_args(args: argparse.Namespace) -> argparse.Namespace:
         if ours != saved:
             how = "" if dest in given else " (default)"
             conflicts.append(f"{flag_name(dest)} {ours}{how} but the checkpoint has {saved}")
+    vocabulary = _vocabulary_conflict(args, manifest, path)
     if conflicts:
         hint = (
             "drop the flag(s) to use the checkpoint's values"
@@ -135,4 +151,30 @@ def check_checkpoint_args(args: argparse.Namespace) -> argparse.Namespace:
             else "pass the checkpoint's values, or --use-checkpoint-args to take every model flag from it"
         )
         raise ValueError(f"--load {path} holds another model: " + "; ".join(conflicts) + f"; {hint}")
+    if vocabulary:
+        raise ValueError(vocabulary)
     return args
+
+
+def _vocabulary_conflict(args: argparse.Namespace, manifest: dict[str, Any], path: str) -> str | None:
+    """A NullTokenizer whose N + 1 ids are not the checkpoint's vocabulary, said with the fix."""
+    if args.tokenizer_type != "NullTokenizer" or args.vocab_size is None:
+        return None
+    saved, size = manifest["model"]["vocab_size"], args.vocab_size
+    if size + 1 == saved:
+        return None
+    fixes = [f"pass --vocab-size {saved - 1}"]
+    record = manifest.get("tokenizer") or {}
+    if record.get("type") not in (None, "NullTokenizer"):
+        files = " ".join(
+            f"{flag_name(r)} {os.path.join(path, f)}" for r, f in record.get("files", {}).items()
+        )
+        fixes.append(
+            f"the checkpoint's tokenizer ({flag_name('tokenizer_type')} {record['type']} {files})".strip()
+        )
+    if args.use_checkpoint_args:
+        fixes.append("leave --vocab-size out to take it from the checkpoint")
+    return (
+        f"--load {path} holds a model with {saved} token ids, but --tokenizer-type NullTokenizer --vocab-size "
+        f"{size} has {size + 1} (ids 0-{size - 1} and the end-of-document id {size}): " + ", or ".join(fixes)
+    )

@@ -40,7 +40,9 @@ from training.checkpoint import (
 from training.checkpoint.files import TensorFileWriter, fsync_dir, probe_writable
 from training.checkpoint.format import (
     FORMAT,
+    TensorSpec,
     canonical_order,
+    expert_file,
     iteration_dir,
     model_file,
     optim_file,
@@ -175,7 +177,10 @@ def current_parallel() -> dict[str, int]:
     from core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        return {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "vpp": 1}
+        return {
+            "tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "vpp": 1,
+            "ep": 1, "ep_rank": 0, "edp": 1, "edp_rank": 0,
+        }  # fmt: skip
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -184,6 +189,10 @@ def current_parallel() -> dict[str, int]:
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
         "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "edp": ps.get_expert_data_parallel_world_size(),
+        "edp_rank": ps.get_expert_data_parallel_rank(),
     }
 
 
@@ -256,6 +265,22 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
+def _ownership(specs: Mapping[str, TensorSpec], p: Mapping[str, int]):
+    """``owns(name)``: "dense" or "expert" if this rank writes parameter ``name`` (and, unsharded, its
+    optimizer state), else None. A dense weight is written by data-parallel rank 0, a TP-replicated
+    one by TP rank 0 of those; an MoE expert (never TP-split: other TP ranks hold other experts) by
+    the first of its expert-data-parallel replicas."""
+
+    def owns(name: str) -> str | None:
+        spec = specs[name]
+        if spec.expert is not None:
+            return "expert" if p["edp_rank"] == 0 else None
+        first = p["dp_rank"] == 0 and (spec.partition is not None or p["tp_rank"] == 0)
+        return "dense" if first else None
+
+    return owns
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
@@ -292,22 +317,29 @@ def save_checkpoint(
         os.makedirs(path, exist_ok=True)
         files, groups, grad_scaler = {}, None, None
         owner = lambda name: specs[name].owner
-        if d == 0:  # the weights are replicated over DP
-            mine = {n: w for n, w in params.items() if specs[n].partition is not None or t == 0}
-            files[model_file(t, q)] = _write(
-                os.path.join(path, model_file(t, q)), mine, t, {"format": FORMAT}, owner
-            )
-        sharded = optimizer is not None and is_sharded(optimizer, p["dp"])
-        if optimizer is not None and (d == 0 or sharded):  # unsharded state is replicated over DP too
-            state = optimizer_tensors(optimizer, params, specs, tp_rank=t, sharded=sharded)
+        owns = _ownership(specs, p)
+        for file, tp_rank, keep in (
+            (model_file(t, q), t, "dense"),
+            (expert_file(q, p["ep_rank"]), 0, "expert"),
+        ):
+            mine = {n: w for n, w in params.items() if owns(n) == keep}
+            if mine or (
+                keep == "dense" and d == 0
+            ):  # replicated over DP (an expert over expert DP): one writer
+                files[file] = _write(os.path.join(path, file), mine, tp_rank, {"format": FORMAT}, owner)
+        experts = any(spec.expert is not None for spec in specs.values())
+        sharded = optimizer is not None and is_sharded(optimizer, p["dp"], p["edp"] if experts else 1)
+        if optimizer is not None:  # unsharded state is replicated like its weights: the same writers
+            state = optimizer_tensors(optimizer, params, specs, tp_rank=t, sharded=sharded, owns=owns)
             specs.update(state.specs)
             groups, grad_scaler = state.param_groups, state.grad_scaler
-            record = _write(
-                os.path.join(path, optim_file(t, q, d)), state.tensors, t, {"format": FORMAT}, owner
-            )
-            for key, (start, end) in state.flat.items():
-                record["pieces"][key]["flat"] = [start, end]
-            files[optim_file(t, q, d)] = record
+            if state.tensors or d == 0 or sharded:
+                record = _write(
+                    os.path.join(path, optim_file(t, q, d)), state.tensors, t, {"format": FORMAT}, owner
+                )
+                for key, (start, end) in state.flat.items():
+                    record["pieces"][key]["flat"] = [start, end]
+                files[optim_file(t, q, d)] = record
         tensors, skeleton = flatten_state(rng_state if rng_state is not None else get_rng_state())
         meta = {"format": FORMAT, "skeleton": skeleton}
         files[rng_file(t, q, d)] = _write(os.path.join(path, rng_file(t, q, d)), tensors, 0, meta)

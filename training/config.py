@@ -56,6 +56,10 @@ class ModelArgs:
     """Add a learned absolute position embedding to the word embedding (with learned_absolute)."""
     attention_backend: AttentionBackend = "auto"
     """Megatron's attention kernel choice (flash, fused, unfused, local, auto)."""
+    moe_layer_pattern: str = flag("1", name="--moe-layer-freq", group="mixture of experts")
+    """Which layers are MoE layers: N is every N-th (layers 0, N, 2N, ...); a Python-style list
+    expression of 0/1 per layer gives the pattern, e.g. "([0]+[1]*23)" or "([1]*3+[0]*1)*3". The
+    parsed value is ``args.moe_layer_freq`` (an int or a list, as in Megatron) and the config's field."""
 
 
 @dataclass(kw_only=True)
@@ -100,8 +104,6 @@ class TrainingArgs:
         True, name="--no-masked-softmax-fusion", help="Megatron: do not fuse scaling, masking and softmax."
     )
     """Megatron: fuse attention-score scaling, masking and softmax in one kernel."""
-    cross_entropy_loss_fusion: bool = False
-    """Megatron: fused cross-entropy kernel."""
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Megatron: call torch.cuda.empty_cache() every iteration (0 off, 1 moderate, 2 aggressive)."""
     checkpoint_activations: bool = False
@@ -204,6 +206,12 @@ class ValidationArgs:
     """Global batches per evaluation (0: no evaluation)."""
 
 
+DATA_SOURCE_FLAGS = ("--data-path", "--mock-data", "--train-data-path")
+"""The flags that each give the training data; at most one, and any of them turns the tiny demo off."""
+DEFAULT_SPLIT = "969,30,1"
+"""Megatron's legacy --split when a --data-path (or the built-in corpus) has none."""
+
+
 @dataclass(kw_only=True)
 class DataArgs:
     """The training data: indexed datasets, their split and the loss mask."""
@@ -211,7 +219,7 @@ class DataArgs:
     data_path: list[str] | None = None
     """Dataset prefixes, or 'weight prefix weight prefix ...' (default: the built-in corpus)."""
     split: str | None = None
-    """Train,valid,test weights, e.g. 969,30,1 (default with --data-path: 969,30,1)."""
+    """Train,valid,test weights, e.g. 969,30,1 (default with --data-path or --mock-data: 969,30,1)."""
     eod_mask_loss: bool = False
     """Mask the loss on end-of-document tokens."""
     train_data_path: list[str] | None = None
@@ -301,8 +309,6 @@ class DistributedArgs:
     """Virtual stages (model chunks) per pipeline rank (interleaved 1F1B)."""
     distributed_backend: Literal["nccl", "gloo"] | None = None
     """Process-group backend (default: nccl with GPUs, gloo without; nccl without CUDA falls back to gloo)."""
-    expert_model_parallel_size: int = 1
-    """Ranks the experts of a mixture-of-experts layer are split over."""
     distributed_timeout_minutes: int = 10
     """Timeout of every collective; a rank silent this long ends the job, named in the error."""
 

@@ -9,6 +9,7 @@ import torch
 
 from training import faults
 from training.iteration_log import mean_per_key
+from training.logging_utils import print_line
 from training.state import Session
 from training.step import run_global_batch
 
@@ -37,11 +38,10 @@ def evaluate(run: Run, session: Session) -> None:
     if losses:
         values = mean_per_key(losses)
         if session.logs_loss:
-            print(
+            print_line(
                 f" validation loss at iteration {state.iteration} |"
                 + "".join(
                     f" {k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E} |" for k, v in values.items()
-                ),
-                flush=True,
+                )
             )
         session.loggers.log({f"validation/{k}": v for k, v in values.items()}, step=state.iteration)

@@ -69,7 +69,8 @@ def wandb_row(
         "skipped-iterations": state.skipped_iterations,
         "nan-iterations": state.nan_iterations,
     }
-    row.update(step.losses or {})  # "lm loss" and whatever else loss_func reports
+    row.update(step.losses or {})  # "lm loss", whatever else loss_func reports, MoE's auxiliary losses
+    row.update(step.moe_layers)
     optional = {"grad-norm": step.grad_norm, "num-zeros": step.num_zeros, "params-norm": step.params_norm}
     row.update({key: value for key, value in optional.items() if value is not None})
     if peak is not None:

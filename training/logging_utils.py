@@ -1,21 +1,39 @@
-"""Rank-aware printing: rank 0 says what is happening, the loss stage's first rank reports losses."""
+"""Rank-aware printing: rank 0 says what is happening, the loss stage's first rank reports losses.
+
+Every line goes out through :func:`print_line`: one ``write`` of the text and its newline, then a
+flush. torchrun starts its workers with ``python -u``, where ``print`` writes the text and the
+newline separately, unbuffered; two ranks sharing the launcher's output then end up on one line
+(``...(iteration 100)saved checkpoint ...``). One write per line keeps lines whole: a pipe or
+terminal write of up to ``PIPE_BUF`` (4 KiB) bytes is never split by another process's.
+
+This module imports torch only when a rank is asked for, so tools without torch can print with it.
+"""
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import sys
+from typing import TYPE_CHECKING, TextIO
 
-from core import parallel_state as ps
-from core.pipeline_parallel.layout import PipelineLayout
+if TYPE_CHECKING:
+    from core.parallel_state import ParallelGroups
+    from core.pipeline_parallel.layout import PipelineLayout
 
 
-def is_logging_rank(layout: PipelineLayout) -> bool:
-    """First TP and DP rank of the pipeline rank that has the loss: the last, or the first under ZBV."""
-    if not ps.model_parallel_is_initialized():
+def print_line(message: str, *, file: TextIO | None = None) -> None:
+    """``message`` and a newline in one write, flushed (``file``: stdout by default)."""
+    out = sys.stdout if file is None else file
+    out.write(f"{message}\n")
+    out.flush()
+
+
+def is_logging_rank(layout: PipelineLayout, groups: ParallelGroups | None) -> bool:
+    """First TP and DP rank of the pipeline rank that has the loss: the last, or the first under ZBV.
+
+    ``groups`` None: one process, which logs."""
+    if groups is None:
         return True
     return (
-        holds_loss(layout, ps.get_pipeline_model_parallel_rank())
-        and ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_data_parallel_rank() == 0
+        holds_loss(layout, groups.rank_in("pp")) and groups.rank_in("tp") == 0 and groups.rank_in("dp") == 0
     )
 
 
@@ -25,5 +43,8 @@ def holds_loss(layout: PipelineLayout, pp_rank: int) -> bool:
 
 
 def print_rank_0(message: str) -> None:
+    """Print from global rank 0 (every process when torch.distributed is not running)."""
+    import torch.distributed as dist
+
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
+        print_line(message)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from core.device import current_device
+from core.transformer.compile import compile_stats
 from training import faults
 from training.evaluation import evaluate
 from training.iteration_log import LogWindow, log_line, wandb_row
@@ -37,7 +38,8 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
     flags, state, parallel = run.training, session.state, run.parallel
     print_rank_0(
         f"training {flags.train_iters} iterations from iteration {state.iteration}: "
-        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}, "
+        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}"
+        f"{f' EP={parallel.ep}' if parallel.ep > 1 else ''}, "
         f"{run.num_microbatches} microbatches of {flags.micro_batch_size} x {run.gpt.seq_length} tokens"
     )
     # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.
@@ -93,6 +95,8 @@ class _Loop:
             out_dir=run.logging.tensorboard_dir or "profile",
         )
         self.saved_at: int | None = None
+        self.compile_start = compile_stats() if run.model.compile else None
+        self.compile_warm: dict | None = None
 
     def timeline_record(self, iteration: int):
         """The ``ScheduleRecord`` the schedule fills when the timeline records ``iteration``, else None."""
@@ -109,6 +113,10 @@ class _Loop:
         if run.logging.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
             step.params_norm = optimizer.get_params_norm()
         step.seconds = time.perf_counter() - start
+        if self.compile_start is not None and self.compile_warm is None:
+            self.compile_warm = compile_stats()
+            line = _compile_line("warm-up (first iteration)", self.compile_start, self.compile_warm)
+            print_rank_0(f"{line}; the iteration took {step.seconds:.1f} s")
         row = wandb_row(run, state, optimizer, step, self.flops, self.peak, self.device)
         self.session.loggers.log(row, step=state.iteration)
         self.collector.after_step(state.iteration)
@@ -162,7 +170,18 @@ class _Loop:
             save(self.run, self.session)
         if self.timeline:
             self.timeline.write()
+        if self.compile_warm is not None:  # evaluation compiles its own graphs (eval mode, no grad)
+            print_rank_0(_compile_line("after the first iteration", self.compile_warm, compile_stats()))
         faults.phase("finishing")
+
+
+def _compile_line(when: str, before: dict, after: dict) -> str:
+    """What Dynamo compiled between two ``compile_stats()`` snapshots, as one log line."""
+    return (
+        f"--compile {when}: {after['graphs'] - before['graphs']} graphs compiled, "
+        f"{after['graph_breaks'] - before['graph_breaks']} graph breaks, "
+        f"{after['compile_seconds'] - before['compile_seconds']:.1f} s compiling"
+    )
 
 
 def _padded_vocab_size(run: Run, session: Session) -> int:

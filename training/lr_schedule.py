@@ -93,6 +93,13 @@ def scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def check_schedule(args: argparse.Namespace) -> None:
     """Megatron's rules for the schedule flags; one ``ValueError`` naming the flags and numbers."""
     _check_run_length(args)
+    _check_warmup_and_wsd(args)
+    _check_weight_decay_and_decoupled_lr(args)
+    _check_lengths(args)
+
+
+def _check_warmup_and_wsd(args: argparse.Namespace) -> None:
+    """One way to give the warm-up; the WSD flags only with WSD, and its anneal's length given."""
     warmups = [
         f
         for f, set_ in (
@@ -122,6 +129,10 @@ def check_schedule(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the length of the final anneal)"
             )
+
+
+def _check_weight_decay_and_decoupled_lr(args: argparse.Namespace) -> None:
+    """A weight-decay ramp names both ends (a constant one neither); a decoupled floor needs its peak."""
     if args.weight_decay_incr_style == "constant":
         given = [f for f in ("start_weight_decay", "end_weight_decay") if getattr(args, f) is not None]
         if given:
@@ -140,6 +151,10 @@ def check_schedule(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--decoupled-min-lr ({args.decoupled_min_lr}) must be <= --decoupled-lr ({args.decoupled_lr})"
         )
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    """Warm-up shorter than the decay, and a WSD anneal within it, in the run's own unit."""
     kwargs = scheduler_kwargs(args)
     sample_based = args.train_samples is not None
     unit, flag = ("samples", "samples") if sample_based else ("iterations", "iters")

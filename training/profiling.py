@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from training.logging_utils import print_line
+
 
 class StepProfiler:
     """Starts torch.profiler before iteration ``start + 1`` and writes the trace after iteration ``end``."""
@@ -47,4 +49,4 @@ class StepProfiler:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._profiler.export_chrome_trace(self.path)
         self._profiler = None
-        print(f"rank {self.rank}: profiled iterations {self.start + 1}-{self.end}: {self.path}", flush=True)
+        print_line(f"rank {self.rank}: profiled iterations {self.start + 1}-{self.end}: {self.path}")

@@ -4,16 +4,18 @@ The loop's log line keeps Megatron's form; ``Progress.line`` puts Megatron's ``[
 before it and an ``ETA: h:mm:ss |`` field after it, so a parser that reads
 ``iteration N/ M | ... | lm loss: X |`` reads it unchanged. The ETA is the mean wall time per
 iteration since this process started training (evaluations and checkpoints included) times the
-iterations left. ``Progress.summary`` says what the run did and what to try next.
+iterations left. ``Progress.summary`` says what the run did and what to try next (the command that
+resumes the run or trains it longer: ``training.launch_command``).
 """
 
 from __future__ import annotations
 
 import datetime
-import shlex
-import sys
 import time
 from typing import TYPE_CHECKING
+
+from training.launch_command import next_command
+from training.logging_utils import print_line
 
 if TYPE_CHECKING:
     from training.run import Run
@@ -47,7 +49,7 @@ class Progress:
     def print_log_line(self, text: str) -> None:
         """Print ``line(text)`` if this rank prints (the one that has the loss)."""
         if self.prints:
-            print(self.line(text), flush=True)
+            print_line(self.line(text))
 
     def summary(self, run: Run, loggers: RunLoggers) -> list[str]:
         """Lines for the end of the run: time, tokens, final losses, where things went, what next."""
@@ -67,10 +69,11 @@ class Progress:
             f"  final train lm loss: {'n/a' if train is None else f'{train:.4f}'} | final validation lm loss: "
             f"{'n/a (no evaluation ran)' if valid is None else f'{valid:.4f}'}"
         )
-        command = " ".join(shlex.quote(a) for a in [sys.argv[0], *_without(sys.argv[1:], "--load")])
         if save:
             lines.append(f"  checkpoint: {save} (iteration {iteration})")
-            lines.append(f"  resume or train longer: {command} --load {save} --train-iters {2 * train_iters}")
+            after = next_command(run.args, iteration)
+            lines.append(f"  {after.label}: {after.command}")
+            lines += [f"    ({note})" for note in after.notes]
         else:
             lines.append("  checkpoint: none (give --save DIR to keep the model)")
         if loggers.dir:
@@ -79,16 +82,3 @@ class Progress:
         if run.logging.tensorboard_dir:
             lines.append(f"  TensorBoard: tensorboard --logdir {run.logging.tensorboard_dir}")
         return lines
-
-
-def _without(argv: list[str], option: str) -> list[str]:
-    """``argv`` without ``option`` and its value."""
-    out, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-        elif token == option:
-            skip = True
-        elif not token.startswith(option + "="):
-            out.append(token)
-    return out

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from training import checkpointing, faults
 from training.config import LearningRateArgs
 from training.errors import ConfigError
-from training.logging_utils import print_rank_0
+from training.logging_utils import print_line, print_rank_0
 from training.state import Session
 
 if TYPE_CHECKING:
@@ -72,7 +72,8 @@ def save(run: Run, session: Session) -> None:
             "nan_iterations": state.nan_iterations,
         },
     )
-    print_rank_0(f"saved checkpoint {path}")
+    if session.logs_loss:  # the rank that prints the log lines and the summary: one stream of lines
+        print_line(f"saved checkpoint {path}")
 
 
 def load(run: Run, session: Session) -> None:
@@ -117,9 +118,10 @@ def _report(loaded, *, rng_wanted: bool) -> None:
     """Say what a resharded load changed, and which ranks kept fresh RNG states."""
     if loaded.resharded:
         saved = loaded.manifest["parallel"]
+        experts = f" EP={saved['ep']}" if saved.get("ep", 1) > 1 else ""
         print_rank_0(
             f"resharded checkpoint {loaded.path} from TP={saved['tp']} PP={saved['pp']} VPP={saved['vpp']} "
-            f"DP={saved['dp']} (layout '{saved['layout']}') to this run's split"
+            f"DP={saved['dp']}{experts} (layout '{saved['layout']}') to this run's split"
         )
     world = dist.get_world_size()
     if rng_wanted and loaded.rng_restored < world:

@@ -86,6 +86,7 @@ __all__ = [
 
 GROUPS = (
     "network size",
+    "mixture of experts",
     "regularization",
     "training",
     "initialization",
@@ -313,7 +314,11 @@ def unsupported(reason: str) -> Coverage:
     return Coverage(UNSUPPORTED, reason)
 
 
-_MOE = "mixture-of-experts (MoE) layers are out of scope; Trident trains dense GPT and LLaMA models"
+_MOE = (
+    "this MoE option is not implemented (Trident's MoE: top-k softmax routing, aux_loss/seq_aux_loss "
+    "and z-loss balancing, capacity with dropping or padding, shared experts, alltoall or allgather "
+    "dispatch, experts whole on each expert-parallel rank)"
+)
 _FP8 = "FP8 training needs Transformer Engine on FP8 GPUs, which are out of scope; use --bf16"
 _RAMP = (
     "a global batch size that changes during the run is out of scope (the microbatch count and the "
@@ -360,12 +365,15 @@ COVERAGE: dict[str, Coverage] = {
     "--context-parallel-size": works_only(
         (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
     ),
-    "--expert-model-parallel-size": works_only((1,), _MOE),
+    "--expert-model-parallel-size": works(),
+    "--moe-router-load-balancing-type sinkhorn": unsupported(_MOE),
+    "--moe-router-load-balancing-type global_aux_loss": unsupported(_MOE),
+    "--moe-router-load-balancing-type quantile_balancing": unsupported(_MOE),
+    "--moe-token-dispatcher-type flex": unsupported(_MOE),
     # (b) accepted, no effect on Trident's code paths
     "--use-mcore-models": no_effect("Trident has one model implementation, built like Megatron Core's"),
     "--no-masked-softmax-fusion": no_effect("softmax is one PyTorch call, never a fused kernel"),
     "--attention-backend": no_effect("attention is PyTorch's scaled_dot_product_attention"),
-    "--cross-entropy-loss-fusion": no_effect("the vocabulary-parallel cross-entropy is not fused"),
     "--empty-unused-memory-level": no_effect("the CUDA cache is left to PyTorch"),
     "--no-create-attention-mask-in-dataloader": no_effect("attention is causal without a mask tensor"),
     "--log-throughput": no_effect("TFLOP/s per GPU and tokens/s are always in the log line"),
@@ -375,7 +383,6 @@ COVERAGE: dict[str, Coverage] = {
     "--ckpt-format": no_effect("torch and torch_dist both mean Trident's one checkpoint format"),
     # (c) not supported: out of scope
     "--tokenizer-type TikTokenizer": unsupported(_TIKTOKEN),
-    "--num-experts": unsupported(_MOE),
     "--rampup-batch-size": unsupported(_RAMP),
     "--step-batch-size-schedule": unsupported(_RAMP),
     **dict.fromkeys(
@@ -396,9 +403,12 @@ def rejected_values(option: str) -> tuple[str, ...]:
 
 
 def coverage_of(option: str) -> Coverage:
-    """The coverage of a flag (or of "--flag value"); a declared flag not in the table simply works."""
+    """The coverage of a flag (or of "--flag value"); a declared flag not in the table simply works,
+    whatever family it belongs to (``--moe-router-topk`` works, an undeclared ``--moe-*`` does not)."""
     if option in COVERAGE:
         return COVERAGE[option]
+    if option.split(" ")[0] in BY_OPTION:  # a declared flag, or a value of it the table does not reject
+        return works()
     for prefix, entry in REJECTED_PREFIXES.items():
         if option.startswith(prefix):
             return entry

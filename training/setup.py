@@ -17,6 +17,7 @@ import torch.distributed as dist
 from core import parallel_state as ps
 from core.device import bind_local_device
 from core.optimizer import get_megatron_optimizer
+from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from models.gpt.parallelize import parallelize_gpt
@@ -50,9 +51,10 @@ def setup(run: Run, providers: Providers) -> Session:
         run.parallel.tp,
         run.parallel.pp,
         run.model.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=run.parallel.ep,
         distributed_timeout_minutes=run.distributed.distributed_timeout_minutes,
     )
-    _seed_everything(run.model.seed)
+    _seed_everything(run.model.seed, ps.get_pipeline_model_parallel_rank())
     faults.phase("building the tokenizer")
     tokenizer = _rank0_first(lambda: providers.tokenizer(run.args)) if providers.tokenizer else None
     set_global_variables(run.args, tokenizer)  # Megatron's get_args() / get_tokenizer() for the providers
@@ -65,22 +67,24 @@ def setup(run: Run, providers: Providers) -> Session:
                 f"removed {len(removed)} temporary file(s) of interrupted saves from {run.checkpointing.save}"
             )
     faults.phase("building the model and optimizer")
+    groups = ps.get_parallel_groups()
     model = parallelize_gpt(
         providers.model,
         layout=run.layout,
-        groups=ps.get_parallel_groups(),
+        groups=groups,
         ddp_config=run.ddp,
         make_optimizer=lambda chunks: get_megatron_optimizer(
             run.optimizer, chunks, decoupled_lr=run.lr.decoupled_lr, decoupled_min_lr=run.lr.decoupled_min_lr
         ),
     )
     session = Session(
+        groups=groups,
         model=model,
         scheduler=build_scheduler(model.optimizer, run.lr_schedule),
         forward_step_func=providers.forward_step,
         forward_backward=get_forward_backward_func(),
         state=TrainState(),
-        logs_loss=is_logging_rank(run.layout),
+        logs_loss=is_logging_rank(run.layout, groups),
         tokenizer=tokenizer,
     )
     if run.checkpointing.load:
@@ -88,15 +92,15 @@ def setup(run: Run, providers: Providers) -> Session:
         load(run, session)
     faults.phase("building the datasets")
     train_ds, valid_ds, _ = _rank0_first(lambda: providers.datasets(run.args))
-    session.train_data, session.valid_data = (_batch_stream(ds, run) for ds in (train_ds, valid_ds))
+    session.train_data, session.valid_data = (_batch_stream(ds, run, groups) for ds in (train_ds, valid_ds))
     faults.phase("starting the W&B run")
     session.loggers = _start_loggers(run, session)
     return session
 
 
-def _seed_everything(seed: int) -> None:
+def _seed_everything(seed: int, pp_rank: int) -> None:
     """Megatron's seeding: a different stream per pipeline stage, the TP tracker for dropout in TP regions."""
-    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    stage_seed = seed + 100 * pp_rank
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     model_parallel_seed(stage_seed)
@@ -114,7 +118,7 @@ def _rank0_first(build: Callable):
     return result if first else later
 
 
-def _batch_stream(dataset, run: Run) -> BatchStream | None:
+def _batch_stream(dataset, run: Run, groups: ParallelGroups) -> BatchStream | None:
     if dataset is None:
         return None
     return BatchStream(
@@ -123,6 +127,7 @@ def _batch_stream(dataset, run: Run) -> BatchStream | None:
         seq_length=run.gpt.seq_length,
         num_workers=run.data.num_workers,
         dataloader_type=run.data.dataloader_type,
+        groups=groups,
     )
 
 

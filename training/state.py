@@ -11,6 +11,7 @@ from training.progress import Progress
 
 if TYPE_CHECKING:
     from core.optimizer.lr_scheduler import OptimizerParamScheduler
+    from core.parallel_state import ParallelGroups
     from models.gpt.parallelize import ParallelGPT
     from training.batches import BatchStream
     from training.run_logging import RunLoggers
@@ -42,12 +43,15 @@ class StepResult:
     peak_memory: float  # bytes, the largest of any rank
     params_norm: float | None = None
     seconds: float = 0.0
+    moe_layers: dict[str, float] = field(default_factory=dict)  # --moe-per-layer-logging, for W&B/TB
 
 
 @dataclass
 class Session:
     """What the loop works with: the parallel model and its optimizer, the schedule, data and loggers."""
 
+    groups: ParallelGroups
+    """This rank's process groups, handed to whatever communicates (model, data, loss reduction)."""
     model: ParallelGPT
     scheduler: OptimizerParamScheduler
     forward_step_func: Callable

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from core import parallel_state as ps
 from core.device import current_device
 from core.pipeline_parallel.losses import reduce_loss_logs
 from core.pipeline_parallel.mailbox import PipelineShapeError
+from core.transformer.moe.moe_logging import reduce_moe_metrics
 from training import faults
 from training.batches import BatchStream
 from training.errors import ConfigError
@@ -41,6 +41,9 @@ def train_step(run: Run, session: Session, record=None) -> StepResult:
     losses = run_global_batch(
         run, session, session.train_data, state.consumed_samples, run.num_microbatches, record=record
     )
+    moe_losses, moe_layers = moe_metrics(run, session)
+    if losses is not None:
+        losses |= moe_losses
     faults.phase("the loss check (all-reduce)", iteration)
     bad_loss, peak_memory = max_over_ranks(
         [
@@ -62,7 +65,22 @@ def train_step(run: Run, session: Session, record=None) -> StepResult:
                 f"gradient norm is {grad_norm} at iteration {iteration} (--check-for-nan-in-loss-and-grad)"
             )
     _count_skips(run, state, applied=applied, overflow=overflow, bad_loss=bool(bad_loss))
-    return StepResult(losses, grad_norm, num_zeros, applied, peak_memory)
+    return StepResult(losses, grad_norm, num_zeros, applied, peak_memory, moe_layers=moe_layers)
+
+
+def moe_metrics(run: Run, session: Session) -> tuple[dict[str, float], dict[str, float]]:
+    """The step's MoE auxiliary losses as Megatron logs them (``load_balancing_loss``, ``z_loss``: the
+    mean over MoE layers), and with ``--moe-per-layer-logging`` each layer's (``moe/<name>_layer_<i>``,
+    for W&B and TensorBoard). A collective on every rank; nothing without experts."""
+    if run.model.num_moe_experts is None:
+        return {}, {}
+    summary, per_layer = reduce_moe_metrics(session.model.modules, run.model, run.num_microbatches)
+    if not run.model.moe_per_layer_logging:
+        return summary, {}
+    moe_layers = [i for i in range(run.model.num_layers) if run.model.is_moe_layer(i)]
+    return summary, {
+        f"moe/{name}_layer_{i}": values[i] for name, values in per_layer.items() for i in moe_layers
+    }
 
 
 def _count_skips(run: Run, state: TrainState, *, applied: bool, overflow: bool, bad_loss: bool) -> None:
@@ -114,7 +132,7 @@ def run_global_batch(
         raise ConfigError(
             f"{err} (--seq-length {seq_length}, --micro-batch-size {micro_batch_size})"
         ) from None
-    return reduce_loss_logs(logs, ps.get_data_parallel_group()) or None
+    return reduce_loss_logs(logs, session.groups.dp) or None
 
 
 def _iterators(chunks, stream: BatchStream, consumed_samples: int, num_microbatches: int) -> list:

@@ -3,7 +3,8 @@
 FLOPs are counted as Megatron's ``num_floating_point_operations`` counts them for a dense GPT: every
 matrix multiply once forward and twice backward (3x), two FLOPs per multiply-add, attention scores
 included with the causal half only, GQA's smaller key/value projections and SwiGLU's third matrix
-accounted for. Embedding lookups, norms, activations and the softmax are left out, as there.
+accounted for. Embedding lookups, norms, activations and the softmax are left out, as there. An
+MoE layer counts the experts a token is routed to (top-k) and the shared experts: active parameters.
 
 MFU is achieved TFLOP/s per rank over the device's peak: ``--peak-tflops``, or the dense 16-bit
 tensor-core peak of a known GPU (:data:`PEAK_TFLOPS`). On a CPU there is no honest default, so MFU
@@ -16,6 +17,8 @@ import resource
 import sys
 
 import torch
+
+from core.transformer.moe.moe_config import parse_moe_layer_freq
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, TFLOP/s, from the vendors' data sheets. Checked in
 # order: the first name that occurs in torch.cuda.get_device_name() wins, so variants come first.
@@ -51,9 +54,23 @@ def num_floating_point_operations(args, batch_size: int, padded_vocab_size: int)
         + query * seq / 2 * 2  # QK^T and (QK^T)V, causal half only
         + query * hidden  # output projection
     )
-    mlp = matrix_factor * hidden * args.ffn_hidden_size * (3 if args.swiglu else 2)
+    mlp = matrix_factor * hidden * _mlp_width(args) * (3 if args.swiglu else 2)
     logits = matrix_factor * hidden * padded_vocab_size
-    return float(batch_size * seq * (layers * (attention + mlp) + logits))
+    return float(batch_size * seq * (layers * attention + mlp + logits))
+
+
+def _mlp_width(args) -> int:
+    """The MLP inner width summed over the layers, counting what a token goes through (its active
+    parameters): a dense layer's FFN, or an MoE layer's top-k experts plus its shared experts
+    (Megatron's count; the router's small GEMM is left out, as there)."""
+    layers = args.num_layers
+    if getattr(args, "num_moe_experts", None) is None:
+        return layers * args.ffn_hidden_size
+    freq = parse_moe_layer_freq(args.moe_layer_freq)
+    pattern = [i % freq == 0 for i in range(layers)] if isinstance(freq, int) else [bool(v) for v in freq]
+    expert = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else args.ffn_hidden_size
+    moe = expert * args.moe_router_topk + (args.moe_shared_expert_intermediate_size or 0)
+    return sum(moe if is_moe else args.ffn_hidden_size for is_moe in pattern)
 
 
 def peak_tflops(device: torch.device, given: float | None) -> float | None:

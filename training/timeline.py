@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from core import parallel_state as ps
+from core.pipeline_parallel.actions import ActionKind
 from core.pipeline_parallel.executor import ScheduleRecord
 from core.pipeline_parallel.placement import Placement
-from core.pipeline_parallel.schedule_tables import ActionKind
 from core.pipeline_parallel.simulator import simulate
+from training.logging_utils import print_line
 
 if TYPE_CHECKING:
     from training.run import Run
@@ -131,8 +133,6 @@ class Timeline:
 
     def finish(self, iteration: int, record: ScheduleRecord) -> None:
         """Gather the iteration's events on rank 0 (a collective: every rank calls it)."""
-        from core import parallel_state as ps
-
         mine = RankEvents(
             dist.get_rank(),
             ps.get_pipeline_model_parallel_rank(),
@@ -156,10 +156,9 @@ class Timeline:
         step.measured_bubble = measured_bubble(ranks)
         step.simulated_bubble = simulated_bubble(record.tables, record.placement, ranks)
         self.data.iterations.append(step)
-        print(
+        print_line(
             f" timeline of iteration {iteration}: measured bubble {step.measured_bubble:.3f}, "
-            f"simulated bubble of the same table {step.simulated_bubble:.3f}",
-            flush=True,
+            f"simulated bubble of the same table {step.simulated_bubble:.3f}"
         )
 
     def write(self) -> list[str]:
@@ -174,8 +173,8 @@ class Timeline:
         try:
             written.append(draw(self.data, os.path.join(self.directory, "timeline.png")))
         except ImportError:
-            print(" timeline.png needs matplotlib (pip install trident[plot]); wrote the trace only")
-        print(f" timeline written: {', '.join(written)}", flush=True)
+            print_line(" timeline.png needs matplotlib (pip install trident[plot]); wrote the trace only")
+        print_line(f" timeline written: {', '.join(written)}")
         return written
 
 

@@ -30,6 +30,18 @@ from __future__ import annotations
 
 import math
 import os
+import typing
+
+from training.config import TokenizerType
+from training.errors import DataError
+
+
+def _require_file(path: str | os.PathLike, flag: str, what: str) -> None:
+    """One line naming ``flag`` for a tokenizer file that is missing or is a folder."""
+    if os.path.isdir(path):
+        raise DataError(f"{flag} {path} is a folder; give {what}")
+    if not os.path.isfile(path):
+        raise DataError(f"{flag} {path}: no such file; give {what}")
 
 
 class _VocabTable:
@@ -59,10 +71,15 @@ class GPTSentencePieceTokenizer(_VocabTable):
     def __init__(self, model_file: str | os.PathLike) -> None:
         import sentencepiece
 
-        if not os.path.isfile(model_file):
-            raise FileNotFoundError(f"SentencePiece model {model_file} not found (--tokenizer-model)")
+        _require_file(model_file, "--tokenizer-model", "a SentencePiece model (.model)")
         self.model_file = os.fspath(model_file)
-        self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=self.model_file)
+        try:
+            self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=self.model_file)
+        except (RuntimeError, OSError):  # sentencepiece's "could not parse ModelProto from ..."
+            raise DataError(
+                f"--tokenizer-model {model_file} is not a SentencePiece model: sentencepiece cannot parse it "
+                "(give the .model file written by tools/train_tokenizer.py or spm_train)"
+            ) from None
         self._set_vocab({self.tokenizer.id_to_piece(i): i for i in range(len(self.tokenizer))})
         self._pad_id = self.tokenizer.pad_id()
         self._bos_id = self.tokenizer.bos_id()
@@ -233,15 +250,24 @@ class GPT2BPETokenizer(_VocabTable):
 
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-        for path, flag in ((vocab_file, "--vocab-file"), (merge_file, "--merge-file")):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"GPT-2 BPE file {path} not found ({flag})")
+        _require_file(vocab_file, "--vocab-file", "GPT-2's vocab.json")
+        _require_file(merge_file, "--merge-file", "GPT-2's merges.txt")
         self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
-        with open(vocab_file, encoding="utf-8") as f:
-            vocab: dict[str, int] = json.load(f)
-        if "<|endoftext|>" not in vocab:
-            raise ValueError(f"{vocab_file} has no '<|endoftext|>' token, GPT-2's end of document")
-        self.tokenizer = Tokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                vocab: dict[str, int] = json.load(f)
+        except (UnicodeDecodeError, ValueError):
+            raise DataError(f"--vocab-file {vocab_file} is not GPT-2's vocab.json: it is not JSON") from None
+        if not isinstance(vocab, dict) or "<|endoftext|>" not in vocab:
+            raise DataError(
+                f"--vocab-file {vocab_file} has no '<|endoftext|>' token, GPT-2's end of document"
+            )
+        try:
+            self.tokenizer = Tokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
+        except Exception as err:  # noqa: BLE001 -- the tokenizers library raises plain Exception
+            raise DataError(
+                f"--vocab-file {vocab_file} and --merge-file {merge_file} do not make a BPE model: {err}"
+            ) from None
         self.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self.tokenizer.decoder = decoders.ByteLevel()
         self._set_vocab(vocab)
@@ -266,8 +292,8 @@ class HuggingFaceTokenizer(_VocabTable):
 
     def __init__(self, folder: str | os.PathLike) -> None:
         if not os.path.isdir(folder):
-            raise FileNotFoundError(
-                f"Hugging Face tokenizer folder {folder} not found (--tokenizer-model): give a local folder "
+            raise DataError(
+                f"--tokenizer-model {folder}: no such Hugging Face tokenizer folder: give a local folder "
                 "written by tokenizer.save_pretrained(); Trident never downloads one"
             )
         try:
@@ -321,14 +347,9 @@ Tokenizer = (
     | HuggingFaceTokenizer
     | NullTokenizer
 )
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "GPTSentencePieceTokenizer",
-    "SentencePieceTokenizer",
-    "Llama2Tokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-)
+TOKENIZER_TYPES = typing.get_args(TokenizerType)
+SENTENCEPIECE_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer")
+"""The --tokenizer-type values read from a SentencePiece model (Trident's own, given no --tokenizer-model)."""
 
 
 def build_tokenizer(
@@ -341,7 +362,7 @@ def build_tokenizer(
     merge_file: str | os.PathLike | None = None,
 ) -> Tokenizer:
     """Build a tokenizer by its Megatron ``--tokenizer-type`` name."""
-    if tokenizer_type in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"):
+    if tokenizer_type in SENTENCEPIECE_TYPES:
         if tokenizer_model is None:
             raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
         if tokenizer_type == "SentencePieceTokenizer":

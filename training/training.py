@@ -23,6 +23,7 @@ from datetime import timedelta
 from core import parallel_state as ps
 from core.device import select_backend
 from training import faults
+from training.logging_utils import print_line
 from training.loop import train
 from training.run import build_run, parse_run
 from training.setup import Providers, setup
@@ -89,6 +90,6 @@ def _train_session(run, providers: Providers, iteration_hook) -> TrainState:
     train(run, session, iteration_hook)
     if session.logs_loss:
         for line in session.state.progress.summary(run, session.loggers):
-            print(line, flush=True)
+            print_line(line)
     session.loggers.finish()
     return session.state

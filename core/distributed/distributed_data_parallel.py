@@ -44,6 +44,20 @@ def _default_group() -> ProcessGroup | None:
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
+def _default_expert_group() -> ProcessGroup | None:
+    """The group expert gradients are reduced over: the replicas of this rank's experts."""
+    from core import parallel_state as ps
+
+    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_parallel_groups().expt_dp
+
+
+def is_expert_param(param: nn.Parameter) -> bool:
+    """An MoE expert's parameter (Megatron's ``allreduce = False``): reduced over expert data parallelism."""
+    return not getattr(param, "allreduce", True)
+
+
 def _pipeline_rank() -> int:
     from core import parallel_state as ps
 
@@ -56,8 +70,13 @@ class DistributedDataParallel(nn.Module):
     Attributes it does not have itself (``set_input_tensor``, ``pre_process``, ``vp_stage``...)
     are looked up on the wrapped ``module``, so schedules and user code treat it as the model.
     ``state_dict`` is the module's, without a ``module.`` prefix, so checkpoints do not depend on
-    the wrapper. ``disable_bucketing`` (and, as in Megatron, any pipeline rank but the first,
-    where reduction is off the critical path) puts each buffer in a single bucket.
+    the wrapper. ``disable_bucketing`` (and, as in Megatron, any pipeline rank but the first, where
+    reduction is off the critical path) puts each buffer in a single bucket.
+
+    MoE expert parameters (``allreduce = False``) live in buffers of their own, reduced over
+    ``expert_data_parallel_group`` (the replicas of this rank's experts) but scaled by 1/dp like the
+    others, as Megatron does: the tokens of every data-parallel rank reached them through the
+    expert-parallel dispatcher, so their sum over the expert replicas covers all dp replicas' losses.
     """
 
     def __init__(
@@ -68,6 +87,7 @@ class DistributedDataParallel(nn.Module):
         disable_bucketing: bool = False,
         *,
         data_parallel_group: ProcessGroup | None = None,
+        expert_data_parallel_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -75,6 +95,9 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.data_parallel_group = (
             data_parallel_group if data_parallel_group is not None else _default_group()
+        )
+        self.expert_data_parallel_group = (
+            expert_data_parallel_group if expert_data_parallel_group is not None else _default_expert_group()
         )
         dp_size = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
         per_token = bool(getattr(config, "calculate_per_token_loss", False))
@@ -103,22 +126,24 @@ class DistributedDataParallel(nn.Module):
             check_for_nan=ddp_config.check_for_nan_in_grad,
             shard=ddp_config.use_distributed_optimizer,
         )
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[tuple[nn.Parameter, str]]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], list[tuple[nn.Parameter, str]]] = {}
         for name, param in module.named_parameters():
             if param.requires_grad:
                 grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-                by_dtype.setdefault((param.dtype, grad_dtype), []).append((param, name))
+                by_dtype.setdefault((param.dtype, grad_dtype, is_expert_param(param)), []).append(
+                    (param, name)
+                )
         self.buffers: list[GradBuffer] = []
-        for (_, grad_dtype), members in by_dtype.items():
+        for (_, grad_dtype, expert), members in by_dtype.items():
             self.buffers.append(
                 GradBuffer(
                     [p for p, _ in members],
                     [n for _, n in members],
                     grad_dtype,
                     self.bucket_size,
-                    self.data_parallel_group,
+                    self.expert_data_parallel_group if expert else self.data_parallel_group,
                     first_bucket_index=len(self.buckets),
-                    options=options,
+                    options=options,  # 1/dp for experts too: see the class docstring
                 )
             )
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
@@ -131,10 +156,16 @@ class DistributedDataParallel(nn.Module):
         self._grad_is_main_grad = [p for p in self.param_to_bucket if p.main_grad.dtype == p.dtype]
         for param in self._grad_is_main_grad:
             param.grad = param.main_grad
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(self._make_grad_hook(bucket))
-            for p, bucket in self.param_to_bucket.items()
-        ]
+        self._hook_handles = []
+        for param, bucket in self.param_to_bucket.items():
+            ready = self._make_ready(bucket)
+            # For layers that accumulate into main_grad themselves (gradient_accumulation_fusion): they
+            # call grad_accumulated and set grad_added_to_main_grad (Megatron's name), so that the
+            # hook, which autograd may still run for the parameter, does nothing more.
+            param.grad_accumulated = ready
+            param.grad_added_to_main_grad = False
+            hook = self._make_grad_hook(bucket, ready)
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
         if ddp_config.overlap_param_gather:
             self._hook_handles += [
                 module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
@@ -166,21 +197,34 @@ class DistributedDataParallel(nn.Module):
         """All buckets, in the order their reductions are launched when backward runs in order."""
         return [bucket for buffer in getattr(self, "buffers", []) for bucket in buffer.buckets]
 
-    def _make_grad_hook(self, bucket: Bucket):
+    def _make_ready(self, bucket: Bucket):
+        """``ready(param)``: ``param``'s gradient of this microbatch is in ``main_grad``."""
         overlap = self.ddp_config.overlap_grad_reduce
 
+        def ready(param: nn.Parameter) -> None:
+            if bucket.state != IDLE:
+                bucket.check_accumulation_allowed(param)  # raises
+            if overlap:
+                bucket.register_grad_ready(param)
+
+        return ready
+
+    @staticmethod
+    def _make_grad_hook(bucket: Bucket, ready):
         def hook(param: nn.Parameter) -> None:
             # Runs right after autograd accumulated into param.grad; it runs for every parameter of
             # every microbatch, so it does no more than this. If param.grad is main_grad, autograd has
             # just accumulated into the buffer in place; otherwise add it there and let it go.
+            if param.grad_added_to_main_grad:  # a fused layer accumulated and reported it already
+                param.grad_added_to_main_grad = False
+                return
             if bucket.state != IDLE:
-                bucket.check_accumulation_allowed(param)  # raises
+                bucket.check_accumulation_allowed(param)  # raises before the buffer is touched
             grad, main_grad = param.grad, param.main_grad
             if grad is not None and grad.data_ptr() != main_grad.data_ptr():
                 main_grad.add_(grad)
                 param.grad = main_grad if main_grad.dtype == param.dtype else None
-            if overlap:
-                bucket.register_grad_ready(param)
+            ready(param)
 
         return hook
 
@@ -258,13 +302,12 @@ class DistributedDataParallel(nn.Module):
             bucket.finish_param_sync()
 
     def broadcast_params(self) -> None:
-        """Copy the first data-parallel rank's parameters to the others (identical replicas)."""
-        group = self.data_parallel_group
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        src = dist.get_global_rank(group, 0)
+        """Copy the first data-parallel rank's parameters to the others (identical replicas); an
+        expert's, the first of its expert-data-parallel replicas'."""
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=group)
+            group = self.expert_data_parallel_group if is_expert_param(param) else self.data_parallel_group
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
 def multi_no_sync(chunks: list[nn.Module]):

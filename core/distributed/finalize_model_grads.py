@@ -1,7 +1,8 @@
 """The end-of-step gradient reductions every parallel layout needs (Megatron's ``finalize_model_grads``).
 
 1. Data parallel: chunks wrapped in a data-parallel module finish their (possibly overlapped)
-   bucket reductions; plain chunks get their gradients all-reduced over the DP group here.
+   bucket reductions; plain chunks get their gradients all-reduced over the DP group here (an MoE
+   expert's over the expert-data-parallel group, still divided by the DP size).
    Every step below works on ``param.main_grad`` (the wrapper's buffer) when a parameter has one,
    else on ``param.grad``.
 2. Sequence parallel: norm weights see only this rank's sequence shard, so their gradients are
@@ -28,12 +29,17 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
     return main_grad if main_grad is not None else param.grad
 
 
-def _grads(chunks: Iterable[torch.nn.Module], attribute: str | None = None) -> list[torch.Tensor]:
+def _grads(
+    chunks: Iterable[torch.nn.Module], attribute: str | None = None, *, expert: bool | None = None
+) -> list[torch.Tensor]:
+    """Gradients of the chunks' parameters (marked ``attribute``; only experts' or only others')."""
     grads = []
     for chunk in chunks:
         for p in chunk.parameters():
             g = _grad_of(p)
-            if g is not None and (attribute is None or getattr(p, attribute, False)):
+            if g is None or (attribute is not None and not getattr(p, attribute, False)):
+                continue
+            if expert is None or expert == (not getattr(p, "allreduce", True)):
                 grads.append(g)
     return grads
 
@@ -64,12 +70,16 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.
     for chunk in wrapped:
         chunk.finish_grad_sync()
     plain = [c for c in chunks if not hasattr(c, "finish_grad_sync")]
-    if plain and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        grads = _grads(plain)
-        if not per_token:  # average over replicas, as data-parallel training does
-            for g in grads:
-                g.div_(ps.get_data_parallel_world_size(with_context_parallel=True))
-        _all_reduce_coalesced(grads, ps.get_data_parallel_group(with_context_parallel=True))
+    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+    if plain:
+        if not per_token and dp_size > 1:  # average over replicas, as data-parallel training does
+            for g in _grads(plain):
+                g.div_(dp_size)
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        _all_reduce_coalesced(_grads(plain, expert=False), dp_group)
+        # An MoE expert's replicas are the expert-data-parallel group (see DistributedDataParallel),
+        # which includes the tensor-parallel ranks: each routed its own sequence shard to it.
+        _all_reduce_coalesced(_grads(plain, expert=True), ps.get_expert_data_parallel_group())
     if ps.get_tensor_model_parallel_world_size() > 1:
         _all_reduce_coalesced(_grads(chunks, "sequence_parallel"), ps.get_tensor_model_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group(ignore_virtual=True):

@@ -1,4 +1,4 @@
-"""The global gradient norm of a model split over TP x PP ranks, and clipping by it.
+"""The global gradient norm of a model split over TP x PP x DP (x EP) ranks, and clipping by it.
 
 The norm must be the single-device model's norm, so every weight is counted exactly once:
 
@@ -6,8 +6,14 @@ The norm must be the single-device model's norm, so every weight is counted exac
   counted; a replicated one (biases of row-parallel layers, norms) is counted on TP rank 0 only;
 * a tied word embedding held by the first and the last pipeline stage is counted on the first;
   the last stage's copy is marked ``shared`` (Megatron) or ``shared_embedding`` with PP > 1;
-* gradients are already reduced over data parallelism, so the squared sums are added up over
-  the model-parallel group (TP x PP) alone, as Megatron does.
+* gradients are already reduced over data parallelism, so a replica counts on data-parallel rank 0
+  only; an MoE expert (``allreduce = False``, never TP-split) counts on the first rank of its
+  expert-data-parallel group, whatever its tensor-parallel rank (expert parallelism puts other
+  experts on the other TP ranks). With the distributed optimizer each rank counts its own shard
+  of the reduced gradients instead;
+* the squared sums are then added up over every rank (one all-reduce), which counts each weight
+  once however the experts and the dense layers are laid out (Megatron reduces the dense part over
+  TP x PP and the experts over expert TP x EP x PP; the sum is the same).
 """
 
 from __future__ import annotations
@@ -40,19 +46,23 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
     return True
 
 
-def param_counts_for_norm(param: torch.Tensor) -> bool:
-    """Whether this rank counts ``param`` in global norms: not a tied copy, not a TP duplicate."""
+def param_counts_for_norm(param: torch.Tensor, *, sharded: bool = False) -> bool:
+    """Whether this rank counts ``param`` in global norms: not a tied copy, not a TP duplicate, not a
+    data-parallel replica (``sharded``: the distributed optimizer, whose ranks hold disjoint shards)."""
     if not param_is_not_shared(param):
         return False
     ps = _parallel_state()
-    tp_rank = ps.get_tensor_model_parallel_rank() if ps is not None else 0
-    return param_is_tensor_parallel(param) or tp_rank == 0
+    if ps is None:
+        return True
+    if not getattr(param, "allreduce", True):  # an MoE expert
+        return sharded or ps.get_expert_data_parallel_rank() == 0
+    owned = param_is_tensor_parallel(param) or ps.get_tensor_model_parallel_rank() == 0
+    return owned and (sharded or ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
 def grad_stats_group() -> ProcessGroup | None:
-    """The group norm statistics are summed over: the model-parallel group, or None alone."""
-    ps = _parallel_state()
-    return ps.get_model_parallel_group() if ps is not None else None
+    """The group norm statistics are summed over: every rank, or None alone."""
+    return dist.group.WORLD if _parallel_state() is not None else None
 
 
 def get_grad_norm_fp32(

@@ -40,6 +40,8 @@ class DistributedOptimizer(MegatronOptimizer):
     owns none.
     """
 
+    shards_data_parallel = True
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

@@ -149,6 +149,9 @@ class MegatronOptimizer:
     names the parameters in ``param_state_by_name``.
     """
 
+    shards_data_parallel = False
+    """Whether data-parallel ranks hold disjoint shards (each then counts its own in norms)."""
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -239,7 +242,8 @@ class MegatronOptimizer:
     def _counted_shards(self) -> list[ParamShard]:
         """The shards this rank counts in global norms (which never changes, so it is kept)."""
         if self._counted is None:
-            self._counted = [s for s in self._shards if param_counts_for_norm(s.model_param)]
+            sharded = self.shards_data_parallel
+            self._counted = [s for s in self._shards if param_counts_for_norm(s.model_param, sharded=sharded)]
         return self._counted
 
     def _main_grads(self, for_norm: bool) -> list[torch.Tensor]:

@@ -22,26 +22,16 @@ from dataclasses import dataclass
 import torch
 
 from core.device import current_device
+from core.parallel_state import ParallelGroups
+from core.pipeline_parallel.actions import COMPUTE, Action, ActionKind, B, F, I, W
+from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
+from core.pipeline_parallel.links import PipelineLinks
 from core.pipeline_parallel.losses import LossLogs, parse_loss
 from core.pipeline_parallel.mailbox import Mailbox
-from core.pipeline_parallel.p2p_communication import PipelineLinks
 from core.pipeline_parallel.placement import Placement
 from core.pipeline_parallel.record import Event, ScheduleRecord
-from core.pipeline_parallel.schedule_tables import (
-    COMPUTE,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    Action,
-    ActionKind,
-    B,
-    F,
-    I,
-    W,
-)
 
 __all__ = ["Event", "ScheduleRecord", "StepContext", "deallocate_output", "run_table"]
 
@@ -62,6 +52,8 @@ class StepContext:
     pp_rank: int
     placement: Placement
     links: PipelineLinks | None = None
+    groups: ParallelGroups | None = None
+    """This rank's process groups (None: one process); the loss reduces over its context-parallel group."""
     record: ScheduleRecord | None = None
     shape_origin: str = ""
     """How ``tensor_shape`` was derived (``seq_length``, ``micro_batch_size``, ...), for errors."""
@@ -85,22 +77,23 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         record=ctx.record,
         shape_origin=ctx.shape_origin,
     )
-    losses, sync, count = Losses(ctx), GradSync(ctx.hooks, ctx.chunks, table), InFlight()
+    losses, sync, count = Losses(ctx), ReductionWindow(ctx.hooks, ctx.chunks, table), InFlight()
     handlers: dict[ActionKind, Callable[[int, Action], None]] = {
         F: lambda i, a: _forward(a, stages[a.chunk], mailbox, losses, count),
         B: lambda i, a: _backward(a, stages[a.chunk], mailbox, sync.weight_step(i, a.chunk), count),
         I: lambda i, a: _backward_input(a, stages[a.chunk], mailbox),
         W: lambda i, a: _backward_weight(a, stages[a.chunk], sync.weight_step(i, a.chunk), count),
-        SEND_F: lambda i, a: mailbox.send(a),
-        SEND_B: lambda i, a: mailbox.send(a),
-        RECV_F: lambda i, a: mailbox.receive(a),
-        RECV_B: lambda i, a: mailbox.receive(a),
+        ActionKind.SEND_F: lambda i, a: mailbox.send(a),
+        ActionKind.SEND_B: lambda i, a: mailbox.send(a),
+        ActionKind.RECV_F: lambda i, a: mailbox.receive(a),
+        ActionKind.RECV_B: lambda i, a: mailbox.receive(a),
     }
     record, timers = ctx.record, ctx.hooks.timers
     if record is not None:
         record.start = time.perf_counter()
     if not ctx.forward_only:
         sync.suspend()
+        set_auxiliary_loss_scale(_auxiliary_loss_scale(ctx))
     for index, action in enumerate(table):
         start = time.perf_counter() if record is not None else 0.0
         with _timer(timers, action.kind):
@@ -111,6 +104,17 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
     sync.resume()
     _finish_step(ctx, losses, count)
     return losses.logs
+
+
+def _auxiliary_loss_scale(ctx: StepContext) -> torch.Tensor:
+    """The weight of losses computed inside the model (MoE routers) in this step's objective: the main
+    loss's scale, over the microbatch count (times CP) unless the loss is per token (Megatron's)."""
+    scale = torch.ones((), device=current_device())
+    if ctx.hooks.grad_scale_func is not None:
+        scale = ctx.hooks.grad_scale_func(scale)
+    if not ctx.settings.calculate_per_token_loss:
+        scale = scale * ctx.settings.context_parallel_size / ctx.num_microbatches
+    return scale
 
 
 def _forward(action: Action, stage: Stage, mailbox: Mailbox, losses: Losses, count: InFlight) -> None:
@@ -184,10 +188,6 @@ class Stage:
         """Run ``forward_step_func`` on this chunk; returns (output, loss function)."""
         if received is not None and not self.forward_only:
             received.requires_grad_(True)
-        if self.num_chunks > 1:
-            from core import parallel_state
-
-            parallel_state.set_virtual_pipeline_model_parallel_rank(self.chunk)
         _set_input_tensor(self.module, [received])
         with torch.no_grad() if self.forward_only else torch.enable_grad():
             output, loss_func = self.forward_step_func(self.data, self.module)
@@ -265,13 +265,21 @@ class Losses:
         self.non_loss_data = ctx.collect_non_loss_data and ctx.forward_only
         self.logs = LossLogs()
         self.num_tokens = torch.zeros((), dtype=torch.int64, device=current_device())
+        self.cp_group = (
+            ctx.groups.cp if ctx.groups is not None and ctx.settings.context_parallel_size > 1 else None
+        )
 
     def apply(self, loss_func: Callable, output: torch.Tensor) -> torch.Tensor:
         result = loss_func(output)
         if self.non_loss_data:
             self.logs.append(result)
             return output
-        loss = parse_loss(result, num_microbatches=self.num_microbatches, per_token=self.per_token)
+        loss = parse_loss(
+            result,
+            num_microbatches=self.num_microbatches,
+            per_token=self.per_token,
+            context_parallel_group=self.cp_group,
+        )
         summed = loss.num_tokens is not None
         if self.logs.summed is not None and self.logs.summed != summed:
             raise TypeError("loss_func returned a 2-tuple for some microbatches and a 3-tuple for others")
@@ -282,7 +290,7 @@ class Losses:
         return loss.loss
 
 
-class GradSync:
+class ReductionWindow:
     """Data-parallel reduction suspended (``no_sync``) until each chunk's last weight-gradient step.
 
     That step (a B, or under zero-bubble a W) runs with the suspension lifted, so buckets launch
@@ -322,7 +330,7 @@ class GradSync:
 class _LastStep:
     """A chunk's last weight-gradient step: reduction lifted while it runs, ``grad_sync`` after it."""
 
-    def __init__(self, sync: GradSync, chunk: int):
+    def __init__(self, sync: ReductionWindow, chunk: int):
         self.sync, self.chunk = sync, chunk
 
     def __enter__(self) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from core.pipeline_parallel.placement import Placement
+from core.pipeline_parallel.placement import V_CHUNKS, Placement
 
 __all__ = ["PipelineLayout", "even_layout", "parse_layout", "parse_stages"]
 
@@ -424,10 +424,10 @@ def parse_layout(
             f"{len(stages)} stages on pipeline-model-parallel size {pp_size} make {detected} virtual "
             f"stages per rank, but virtual pipeline size {vpp_size} was given"
         )
-    if placement == "v" and detected != 2:
+    if placement == "v" and detected != V_CHUNKS:
         parser.fail(
-            f"the V placement (ZBV) needs 2 stages per pipeline rank, i.e. {2 * pp_size} stages, "
-            f"got {len(stages)}"
+            f"the V placement (ZBV) needs {V_CHUNKS} stages per pipeline rank, i.e. {V_CHUNKS * pp_size} "
+            f"stages, got {len(stages)}"
         )
     _check_rules(stages, pp_size, num_layers, mtp_num_layers, parser.fail)
     return PipelineLayout(tuple(tuple(sym for sym, _ in stage) for stage in stages), pp_size, placement)

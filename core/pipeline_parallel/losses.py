@@ -10,6 +10,14 @@
   the step's total token count at the end; otherwise ``loss_sum / num_tokens / microbatches``.
   Every value in ``log`` is a ``(sum, count)`` pair, reported as ``sum(sums) / sum(counts)``.
 
+With context parallelism each CP rank's ``loss_func`` sees its part of the sequence, and data-parallel
+gradient averaging runs over DP x CP. So that the step is still the mean over whole sequences, as
+Megatron does: a 2-tuple loss (which Megatron's contract makes the whole sequence's mean, reduced over
+CP by ``loss_func``) is multiplied by the CP size, and a 3-tuple's ``loss_sum`` is divided by the
+token count of the whole sequence (summed over the CP group) and multiplied by the CP size. With
+``calculate_per_token_loss`` nothing changes: gradients are summed over DP x CP and divided by the
+token count over DP x CP (``finalize_model_grads``).
+
 ``log`` may hold any keys ("lm loss" is only a convention). The schedules return the microbatches'
 logs as :class:`LossLogs`, a list that also says which form produced them, and
 :func:`reduce_loss_logs` turns them into one number per key.
@@ -41,8 +49,19 @@ class LossLogs(list):
     summed: bool | None = None
 
 
-def parse_loss(result: object, *, num_microbatches: int, per_token: bool) -> MicrobatchLoss:
-    """Check ``loss_func``'s result and scale the loss as the contract above says."""
+def parse_loss(
+    result: object,
+    *,
+    num_microbatches: int,
+    per_token: bool,
+    context_parallel_group: dist.ProcessGroup | None = None,
+) -> MicrobatchLoss:
+    """Check ``loss_func``'s result and scale the loss as the contract above says.
+
+    ``context_parallel_group``: the CP group when its size is above 1 (the 3-tuple form's token
+    count is then summed over it, one small all-reduce per microbatch).
+    """
+    cp = 1 if context_parallel_group is None else dist.get_world_size(context_parallel_group)
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise TypeError(
             "loss_func must return (loss, log_dict) or (loss_sum, num_tokens, log_dict), got "
@@ -59,11 +78,22 @@ def parse_loss(result: object, *, num_microbatches: int, per_token: bool) -> Mic
                 "config.calculate_per_token_loss needs loss_func to return "
                 "(loss_sum, num_tokens, log_dict), got a 2-tuple"
             )
-        return MicrobatchLoss(result[0] / num_microbatches, None, log)
+        return MicrobatchLoss(
+            result[0] * cp / num_microbatches if cp > 1 else result[0] / num_microbatches, None, log
+        )
     loss, num_tokens = result[0], result[1]
     if not per_token:  # never in place: the caller may share this tensor with its logs
-        loss = loss / num_tokens / num_microbatches
+        loss = loss / _sequence_tokens(num_tokens, loss, context_parallel_group) * cp / num_microbatches
     return MicrobatchLoss(loss, torch.as_tensor(num_tokens), log)
+
+
+def _sequence_tokens(num_tokens, loss: torch.Tensor, group: dist.ProcessGroup | None):
+    """The microbatch's token count over its whole sequences: summed over the CP group, if any."""
+    if group is None:
+        return num_tokens
+    total = torch.as_tensor(num_tokens, device=loss.device).detach().to(torch.float64).clone().reshape(())
+    dist.all_reduce(total, group=group)
+    return total.to(loss.dtype)
 
 
 def reduce_loss_logs(

@@ -24,77 +24,21 @@ V) need no action: the executor hands them over locally.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple
 
-from core.pipeline_parallel.placement import Placement
-from core.pipeline_parallel.schedule_tables import (
-    COMPUTE,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    Action,
-    B,
-    F,
-    I,
+from core.pipeline_parallel.actions import COMPUTE, SENDS, Action, ActionKind, B, F, I, TableError
+from core.pipeline_parallel.messages import (
+    Link,
+    Message,
+    input_message,
+    is_remote,
+    link_of,
+    message_of,
+    output_message,
 )
+from core.pipeline_parallel.placement import Placement
 
-ACTIVATION, GRADIENT = "activation", "gradient"  # the two kinds of pipeline message
-
-_SEND_OF = {F: SEND_F, B: SEND_B, I: SEND_B}
-_RECV_OF = {F: RECV_F, B: RECV_B, I: RECV_B}
-
-
-class Message(NamedTuple):
-    """One tensor between two stages: an activation going forward or a gradient coming back."""
-
-    kind: str
-    microbatch: int
-    src_stage: int
-    dst_stage: int
-
-
-Link = tuple[int, int]  # (source pp rank, destination pp rank)
-
-
-_FORWARD = frozenset((F, SEND_F, RECV_F))
-_BACKWARD = frozenset((B, I, SEND_B, RECV_B))
-
-
-def output_message(action: Action, pp_rank: int, placement: Placement) -> Message | None:
-    """What ``action`` produces for another stage (an F's activation, a B's or I's input gradient)."""
-    kind, stage = action.kind, placement.stage(pp_rank, action.chunk)
-    if kind in _FORWARD and stage < placement.num_stages - 1 and kind != RECV_F:
-        return Message(ACTIVATION, action.microbatch, stage, stage + 1)
-    if kind in _BACKWARD and stage > 0 and kind != RECV_B:
-        return Message(GRADIENT, action.microbatch, stage, stage - 1)
-    return None
-
-
-def input_message(action: Action, pp_rank: int, placement: Placement) -> Message | None:
-    """What ``action`` needs from another stage (an F's input, a B's or I's output gradient)."""
-    kind, stage = action.kind, placement.stage(pp_rank, action.chunk)
-    if kind in _FORWARD and stage > 0 and kind != SEND_F:
-        return Message(ACTIVATION, action.microbatch, stage - 1, stage)
-    if kind in _BACKWARD and stage < placement.num_stages - 1 and kind != SEND_B:
-        return Message(GRADIENT, action.microbatch, stage + 1, stage)
-    return None
-
-
-def message_of(action: Action, pp_rank: int, placement: Placement) -> Message:
-    """The message a communication action sends or receives."""
-    if action.kind in (SEND_F, SEND_B):
-        return output_message(action, pp_rank, placement)
-    return input_message(action, pp_rank, placement)
-
-
-def link_of(message: Message, placement: Placement) -> Link:
-    return placement.rank(message.src_stage), placement.rank(message.dst_stage)
-
-
-def is_remote(message: Message | None, placement: Placement) -> bool:
-    """Whether the message goes to another rank (messages between chunks of one rank stay local)."""
-    return message is not None and placement.rank(message.src_stage) != placement.rank(message.dst_stage)
+_SEND_OF = {F: ActionKind.SEND_F, B: ActionKind.SEND_B, I: ActionKind.SEND_B}
+_RECV_OF = {F: ActionKind.RECV_F, B: ActionKind.RECV_B, I: ActionKind.RECV_B}
 
 
 def lower(
@@ -133,7 +77,7 @@ def _link_order(tables: list[list[Action]], placement: Placement) -> dict[Link, 
     order: dict[Link, dict[Message, int]] = defaultdict(dict)
     for rank, table in enumerate(tables):
         for action in table:
-            if action.kind in (SEND_F, SEND_B):
+            if action.kind in SENDS:
                 message = message_of(action, rank, placement)
                 position = order[link_of(message, placement)]
                 position[message] = len(position)
@@ -179,29 +123,41 @@ def _with_receives(
 
 
 def validate(tables: list[list[Action]], placement: Placement) -> None:
-    """Check complete tables; raises ``ValueError`` naming the first problem.
+    """Check complete tables; raises :class:`TableError` naming the first problem, the grid below it.
 
     Every remote input has its receive earlier on the consumer's rank; every message is sent once
     and received once; on every link the receives come in the order of the sends.
     """
     sent: dict[Link, list[Message]] = defaultdict(list)
-    received: dict[Link, list[Message]] = defaultdict(list)
+    received: dict[Link, list[tuple[Message, int]]] = defaultdict(list)  # (message, step of its receive)
     for rank, table in enumerate(tables):
         posted: set[Message] = set()
         for step, action in enumerate(table):
             if action.kind in COMPUTE:
                 needed = input_message(action, rank, placement) if action.kind in _RECV_OF else None
                 if is_remote(needed, placement) and needed not in posted:
-                    raise ValueError(f"rank {rank} step {step}: {action} runs before its receive of {needed}")
+                    problem = f"rank {rank} step {step}: {action} runs before its receive of {needed}"
+                    raise TableError(problem, tables, {rank: step})
                 continue
             message = message_of(action, rank, placement)
             if message is None or not is_remote(message, placement):
-                raise ValueError(f"rank {rank} step {step}: {action} has no message to another rank")
-            is_send = action.kind in (SEND_F, SEND_B)
-            (sent if is_send else received)[link_of(message, placement)].append(message)
+                raise TableError(
+                    f"rank {rank} step {step}: {action} has no message to another rank", tables, {rank: step}
+                )
+            if action.kind in SENDS:
+                sent[link_of(message, placement)].append(message)
+            else:
+                received[link_of(message, placement)].append((message, step))
             posted.add(message)
     for link in sent.keys() | received.keys():
-        if sent[link] != received[link]:
-            raise ValueError(
-                f"link {link[0]} -> {link[1]}: receives {received[link]} do not match the sends {sent[link]}"
+        receives = [message for message, _ in received[link]]
+        if sent[link] != receives:
+            first = next(
+                (step for (message, step), want in zip(received[link], sent[link]) if message != want),
+                received[link][-1][1] if received[link] else None,
+            )
+            raise TableError(
+                f"link {link[0]} -> {link[1]}: receives {receives} do not match the sends {sent[link]}",
+                tables,
+                {} if first is None else {link[1]: first},
             )

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from core.device import current_device
-from core.pipeline_parallel.lowering import ACTIVATION, GRADIENT, Message, input_message, output_message
-from core.pipeline_parallel.p2p_communication import PipelineLinks
+from core.pipeline_parallel.actions import Action
+from core.pipeline_parallel.links import PipelineLinks
+from core.pipeline_parallel.messages import ACTIVATION, GRADIENT, Message, input_message, output_message
 from core.pipeline_parallel.placement import Placement
 from core.pipeline_parallel.record import Event, ScheduleRecord
-from core.pipeline_parallel.schedule_tables import Action
 
 
 class PipelineShapeError(ValueError):

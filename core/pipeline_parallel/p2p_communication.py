@@ -1,105 +1,24 @@
-"""Point-to-point messages between pipeline stages: the links, and Megatron's ``P2PCommunicator`` on them.
+"""Megatron's ``P2PCommunicator``: its pipeline point-to-point API, posting on Trident's links.
 
-``PipelineLinks`` is this rank's end of every directed link to a pipeline neighbour. Each link has
-its own two-rank process group (:func:`core.parallel_state.initialize_model_parallel` creates
-them), and every message is its own non-blocking operation on its link, never a bare blocking
-send/recv. NCCL runs one group's operations in order and a send completes only once its receive is
-posted; on its own link a message waits only for the messages before it on that link, which the
-two ends post in the same order. The executor and ``P2PCommunicator`` both post through here.
-
-On NCCL each message is a one-operation ``batch_isend_irecv`` (a group call, as Megatron posts
-them). On other backends that call would only wrap the same ``isend``/``irecv``, so it is called
-directly: posting is on the critical path of every pipeline hop, and on a 2-core gloo machine the
-wrapper took about 80 of the 330 microseconds a post costs between compute actions.
-
-The message kind and part also travel as the gloo tag (activation/gradient x shape/data), so even
-if two messages between the same ranks were ever posted in different orders gloo could not swap
-them. ``TRIDENT_P2P_VERBOSE=1`` logs every operation with rank, peer, kind and shape: the cheapest
-hang debugger there is.
+Trident's own schedules post through :class:`~core.pipeline_parallel.links.PipelineLinks`
+directly; this module keeps Megatron's API (``recv_forward``, ``send_forward_recv_backward``, ...)
+for code written against it, and a schedule accepts one as ``p2p_communicator=``.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from core import parallel_state as ps
 from core.device import current_device
 from core.model_parallel_config import ModelParallelConfig
-from core.pipeline_parallel.lowering import ACTIVATION, GRADIENT
-
-_TAG = {(ACTIVATION, "shape"): 1, (ACTIVATION, "data"): 2, (GRADIENT, "shape"): 3, (GRADIENT, "data"): 4}
-_VERBOSE = os.environ.get("TRIDENT_P2P_VERBOSE", "0") not in ("", "0")
+from core.pipeline_parallel.links import PipelineLinks
+from core.pipeline_parallel.messages import ACTIVATION, GRADIENT, Link
 
 Shape = Sequence[int] | torch.Size
-Link = tuple[int, int]  # (source pp rank, destination pp rank)
-
-
-class PipelineLinks:
-    """This rank's directed links: ``groups[(src, dst)]`` is the two-rank group of pp ranks src -> dst.
-
-    ``record(link, is_send, peer, key)`` is called for every post, in posting order (for tests and
-    timelines).
-    """
-
-    def __init__(
-        self,
-        pp_rank: int,
-        global_ranks: Sequence[int],
-        groups: Mapping[Link, dist.ProcessGroup],
-    ) -> None:
-        self.pp_rank, self.global_ranks = pp_rank, list(global_ranks)
-        self.groups = groups
-        self.record: Callable[[Link, bool, int, object], None] | None = None
-        self.batched = {
-            link: dist.get_backend(group) == "nccl" for link, group in groups.items() if pp_rank in link
-        }
-
-    @classmethod
-    def from_parallel_state(cls) -> PipelineLinks:
-        """The links of this rank's pipeline, as ``initialize_model_parallel`` set them up."""
-        from core import parallel_state as ps
-
-        group = ps.get_pipeline_model_parallel_group()
-        return cls(
-            ps.get_pipeline_model_parallel_rank(),
-            dist.get_process_group_ranks(group),
-            ps.get_pipeline_model_parallel_channel_groups(),
-        )
-
-    @property
-    def pp_size(self) -> int:
-        return len(self.global_ranks)
-
-    def post(
-        self,
-        is_send: bool,
-        peer: int,
-        tensor: torch.Tensor,
-        kind: str,
-        part: str = "data",
-        key: object = None,
-    ) -> dist.Work:
-        """Post one send to, or receive from, pipeline rank ``peer`` on their link; returns its request."""
-        link = (self.pp_rank, peer) if is_send else (peer, self.pp_rank)
-        group = self.groups[link]
-        if self.record is not None:
-            self.record(link, is_send, peer, key)
-        if _VERBOSE:
-            print(
-                f"[p2p rank {dist.get_rank()}] {'send' if is_send else 'recv'} {kind}/{part} "
-                f"{'->' if is_send else '<-'} {self.global_ranks[peer]} {tuple(tensor.shape)} {key or ''}",
-                file=sys.stderr,
-                flush=True,
-            )
-        op, tag, other = (dist.isend if is_send else dist.irecv), _TAG[(kind, part)], self.global_ranks[peer]
-        if self.batched[link]:
-            (work,) = dist.batch_isend_irecv([dist.P2POp(op, tensor, other, group, tag)])
-            return work
-        return op(tensor, other, group=group, tag=tag)
 
 
 def is_single_shape(x) -> bool:
@@ -137,11 +56,11 @@ class P2PCommunicator:
     def communicate(
         self,
         *,
-        tensor_send_next: torch.Tensor | None,
-        tensor_send_prev: torch.Tensor | None,
-        recv_prev: bool,
-        recv_next: bool,
-        tensor_shape: Shape | None,
+        tensor_send_next: torch.Tensor | None = None,
+        tensor_send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        tensor_shape: Shape | None = None,
         wait_on_reqs: bool = True,
     ):
         """Send/receive with both neighbours; returns (from_prev, from_next, requests).
@@ -209,25 +128,25 @@ class P2PCommunicator:
         """Receive the input activation from the previous stage (None on the first stage)."""
         if is_first_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._each(tensor_shapes, lambda s: self._talk(recv_prev=True, tensor_shape=s)[0])
+        return self._each(tensor_shapes, lambda s: self.communicate(recv_prev=True, tensor_shape=s)[0])
 
     def recv_backward(self, tensor_shapes, is_last_stage: bool):
         """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
         if is_last_stage:
             return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._each(tensor_shapes, lambda s: self._talk(recv_next=True, tensor_shape=s)[1])
+        return self._each(tensor_shapes, lambda s: self.communicate(recv_next=True, tensor_shape=s)[1])
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
         """Send this stage's output to the next stage (nothing on the last stage)."""
         if not is_last_stage:
             for t in _as_list(output_tensors):
-                self._talk(tensor_send_next=t)
+                self.communicate(tensor_send_next=t)
 
     def send_backward(self, input_tensor_grads, is_first_stage: bool) -> None:
         """Send the gradient of this stage's input to the previous stage (nothing on the first stage)."""
         if not is_first_stage:
             for t in _as_list(input_tensor_grads):
-                self._talk(tensor_send_prev=t)
+                self.communicate(tensor_send_prev=t)
 
     def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
         """Send the output forward and receive its gradient back."""
@@ -236,7 +155,7 @@ class P2PCommunicator:
         return self._zip(
             output_tensors,
             tensor_shapes,
-            lambda t, s: self._talk(tensor_send_next=t, recv_next=True, tensor_shape=s)[1],
+            lambda t, s: self.communicate(tensor_send_next=t, recv_next=True, tensor_shape=s)[1],
         )
 
     def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
@@ -246,14 +165,14 @@ class P2PCommunicator:
         return self._zip(
             input_tensor_grads,
             tensor_shapes,
-            lambda t, s: self._talk(tensor_send_prev=t, recv_prev=True, tensor_shape=s)[0],
+            lambda t, s: self.communicate(tensor_send_prev=t, recv_prev=True, tensor_shape=s)[0],
         )
 
     def send_forward_recv_forward(
         self, output_tensor, recv_prev: bool, tensor_shape, overlap_p2p_comm: bool = False
     ):
         """Send to the next stage and receive from the previous one (interleaved schedules)."""
-        from_prev, _, reqs = self._talk(
+        from_prev, _, reqs = self.communicate(
             tensor_send_next=output_tensor,
             recv_prev=recv_prev,
             tensor_shape=tensor_shape,
@@ -265,7 +184,7 @@ class P2PCommunicator:
         self, input_tensor_grad, recv_next: bool, tensor_shape, overlap_p2p_comm: bool = False
     ):
         """Send a gradient to the previous stage and receive one from the next (interleaved schedules)."""
-        _, from_next, reqs = self._talk(
+        _, from_next, reqs = self.communicate(
             tensor_send_prev=input_tensor_grad,
             recv_next=recv_next,
             tensor_shape=tensor_shape,
@@ -277,7 +196,7 @@ class P2PCommunicator:
         self, output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool, tensor_shape
     ):
         """All four at once: returns (input from prev, output gradient from next)."""
-        from_prev, from_next, _ = self._talk(
+        from_prev, from_next, _ = self.communicate(
             tensor_send_next=output_tensor,
             tensor_send_prev=input_tensor_grad,
             recv_prev=recv_prev,
@@ -285,25 +204,6 @@ class P2PCommunicator:
             tensor_shape=tensor_shape,
         )
         return from_prev, from_next
-
-    def _talk(
-        self,
-        *,
-        tensor_send_next=None,
-        tensor_send_prev=None,
-        recv_prev=False,
-        recv_next=False,
-        tensor_shape=None,
-        wait_on_reqs=True,
-    ):
-        return self.communicate(
-            tensor_send_next=tensor_send_next,
-            tensor_send_prev=tensor_send_prev,
-            recv_prev=recv_prev,
-            recv_next=recv_next,
-            tensor_shape=tensor_shape,
-            wait_on_reqs=wait_on_reqs,
-        )
 
     @staticmethod
     def _each(tensor_shapes, fn):
@@ -320,8 +220,6 @@ class P2PCommunicator:
 
 def _channels_of(pp_group: dist.ProcessGroup) -> Mapping[Link, dist.ProcessGroup]:
     """parallel_state's link groups of ``pp_group``, which must be its pipeline group."""
-    from core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_group() is not pp_group:
         raise ValueError(
             "P2PCommunicator posts on the pipeline links initialize_model_parallel creates (one group per "

@@ -16,6 +16,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PLACEMENTS = ("loop", "v")
+V_CHUNKS = 2
+"""Model chunks per pipeline rank in the V: one on the way down the ranks, one on the way back up."""
+
+
+def placement_style(schedule: str) -> str:
+    """The stage placement a schedule needs: the V for ZBV, Megatron's loop for every other schedule."""
+    return "v" if schedule == "zbv" else "loop"
+
+
+def chunks_needed(schedule: str) -> int | None:
+    """The model chunks per pipeline rank ``schedule`` requires, if it fixes the number (ZBV: 2)."""
+    return V_CHUNKS if placement_style(schedule) == "v" else None
+
+
+def chunks_problem(schedule: str, vpp_size: int) -> str | None:
+    """Why ``schedule`` cannot run ``vpp_size`` model chunks per pipeline rank, or None if it can.
+
+    The rules: ZBV runs exactly two chunks per rank (its V); GPipe runs one (interleaving is
+    1F1B's). The config, the tables and the argument checks all ask here and phrase the answer
+    with their own names.
+    """
+    needed = chunks_needed(schedule)
+    if needed is not None and vpp_size != needed:
+        return f"runs exactly {needed} model chunks per pipeline rank (a V), got {vpp_size}"
+    if schedule == "gpipe" and vpp_size > 1:
+        return f"cannot run virtual pipeline stages ({vpp_size} per rank); the 1f1b schedule interleaves them"
+    return None
 
 
 @dataclass(frozen=True)
@@ -33,9 +60,9 @@ class Placement:
             )
         if self.style not in PLACEMENTS:
             raise ValueError(f"stage placement must be one of {PLACEMENTS}, got {self.style!r}")
-        if self.style == "v" and self.vpp_size != 2:
+        if self.style == "v" and self.vpp_size != V_CHUNKS:
             raise ValueError(
-                f"the V placement (ZBV) runs exactly 2 model chunks per pipeline rank, got {self.vpp_size}"
+                f"the V placement (ZBV) runs exactly {V_CHUNKS} model chunks per pipeline rank, got {self.vpp_size}"
             )
         # Lookup tables: schedules ask these questions hundreds of thousands of times.
         where = [self._rank_and_chunk(s) for s in range(self.num_stages)]
@@ -74,4 +101,4 @@ class Placement:
 
 def placement_for(schedule: str, pp_size: int, vpp_size: int = 1) -> Placement:
     """The placement a schedule needs: the V for ZBV, Megatron's loop for every other schedule."""
-    return Placement(pp_size, vpp_size, "v" if schedule == "zbv" else "loop")
+    return Placement(pp_size, vpp_size, placement_style(schedule))

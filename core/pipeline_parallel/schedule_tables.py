@@ -3,7 +3,7 @@
 A table is a pure function of ``(pp_size, vpp_size, num_microbatches, pp_rank)``. Nothing here
 talks to another process: :mod:`~core.pipeline_parallel.lowering` adds the sends and receives,
 the executor runs the result, the simulator times it and checks it for deadlocks, and the
-timeline draws it.
+timeline draws it. Actions and their text form (``0F3``) are :mod:`~core.pipeline_parallel.actions`'.
 
 Actions name a model chunk of this rank, not a stage; :mod:`~core.pipeline_parallel.placement`
 says which stage a chunk is (Megatron's loop for every schedule but ZBV, whose V puts the last
@@ -18,48 +18,9 @@ so can fill what would otherwise be idle time.
 from __future__ import annotations
 
 from collections import Counter
-from enum import Enum
-from typing import NamedTuple
 
-
-class ActionKind(str, Enum):
-    """What an action does. Compute: forward, fused backward, input-gradient, weight-gradient.
-    Communication (added by lowering): post a send or a receive of an activation (``_F``) or of a
-    gradient (``_B``)."""
-
-    F = "F"
-    B = "B"
-    I = "I"
-    W = "W"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# The members as module constants: attribute lookups on an Enum class are slow, and the simulator
-# and the lowering ask about kinds millions of times in the deadlock sweep.
-F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
-SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-COMPUTE = frozenset((F, B, I, W))
-
-
-class Action(NamedTuple):
-    """One step of a rank's table: ``kind`` on ``microbatch`` with this rank's model chunk ``chunk``.
-
-    Its text form is PyTorch's: ``1F3`` is chunk 1, forward, microbatch 3; ``0SEND_B2`` posts the
-    send of chunk 0's input gradient for microbatch 2.
-    """
-
-    kind: ActionKind
-    microbatch: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.chunk}{self.kind.value}{self.microbatch}"
+from core.pipeline_parallel.actions import Action, ActionKind, B, F, I, W
+from core.pipeline_parallel.placement import chunks_problem
 
 
 def _check_sizes(pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int) -> None:
@@ -156,6 +117,16 @@ def interleaved_order(num_microbatches: int, vpp_size: int, group_size: int) -> 
     return order
 
 
+def _interleaved_forwards(
+    pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int, microbatch_group_size: int | None
+) -> tuple[int, list[tuple[int, int]], list[Action]]:
+    """The group size N, the (microbatch, chunk) order and its forwards, shared by the interleaved tables."""
+    _check_sizes(pp_size, vpp_size, num_microbatches, pp_rank)
+    n = check_interleaving(pp_size, vpp_size, num_microbatches, microbatch_group_size)
+    order = interleaved_order(num_microbatches, vpp_size, n)
+    return n, order, [Action(F, mb, chunk) for mb, chunk in order]
+
+
 def interleaved_table(
     pp_size: int,
     vpp_size: int,
@@ -170,10 +141,9 @@ def interleaved_table(
     Warm-up is ``2 (pp - r - 1) + (v - 1) N`` forwards; then one forward, one backward; then the
     remaining backwards. With exactly ``pp`` microbatches Megatron runs all forwards first.
     """
-    _check_sizes(pp_size, vpp_size, num_microbatches, pp_rank)
-    n = check_interleaving(pp_size, vpp_size, num_microbatches, microbatch_group_size)
-    order = interleaved_order(num_microbatches, vpp_size, n)
-    forwards = [Action(F, mb, chunk) for mb, chunk in order]
+    n, order, forwards = _interleaved_forwards(
+        pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size
+    )
     if forward_only:
         return forwards
     backwards = [Action(B, mb, vpp_size - 1 - chunk) for mb, chunk in order]
@@ -208,10 +178,9 @@ def zero_bubble_table(
     With ``vpp_size > 1`` the same recipe runs on Megatron's interleaved order (an interleaved
     zero-bubble schedule), with warm-up ``pp - r - 1 + (v - 1) N``.
     """
-    _check_sizes(pp_size, vpp_size, num_microbatches, pp_rank)
-    n = check_interleaving(pp_size, vpp_size, num_microbatches, microbatch_group_size)
-    order = interleaved_order(num_microbatches, vpp_size, n)
-    forwards = [Action(F, mb, chunk) for mb, chunk in order]
+    n, order, forwards = _interleaved_forwards(
+        pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size
+    )
     if forward_only:
         return forwards
     inputs = [Action(I, mb, vpp_size - 1 - chunk) for mb, chunk in order]
@@ -293,23 +262,16 @@ def build_table(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
+    problem = chunks_problem(schedule, vpp_size)
+    if problem:
+        raise ValueError(f"the {schedule} schedule {problem}")
     if schedule == "zbv":
-        if vpp_size != 2:
-            raise ValueError(
-                f"the ZBV schedule runs exactly 2 virtual stages per pipeline rank (a V), got {vpp_size}; "
-                "set virtual_pipeline_model_parallel_size=2"
-            )
         return zbv_table(pp_size, num_microbatches, pp_rank, forward_only)
     if schedule == "zb-h1":
         return zero_bubble_table(
             pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only
         )
     if schedule == "interleaved" or vpp_size > 1:
-        if schedule == "gpipe":
-            raise ValueError(
-                f"the GPipe schedule cannot run virtual stages (vpp_size={vpp_size}); "
-                "use pipeline_schedule='1f1b', which interleaves them"
-            )
         return interleaved_table(
             pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only
         )
@@ -323,9 +285,3 @@ def build_tables(
 ) -> list[list[Action]]:
     """Every rank's table, index = pp_rank."""
     return [build_table(schedule, pp_size, vpp_size, num_microbatches, r, **kwargs) for r in range(pp_size)]
-
-
-def format_tables(tables: list[list[Action]]) -> str:
-    """A rank x step grid, one row per rank (``0F3`` = chunk 0, forward, microbatch 3)."""
-    width = max((len(str(a)) for t in tables for a in t), default=3)
-    return "\n".join(f"rank {r}: " + " ".join(str(a).rjust(width) for a in t) for r, t in enumerate(tables))

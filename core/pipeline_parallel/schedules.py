@@ -18,14 +18,18 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from core import parallel_state as ps
+from core.parallel_state import ParallelGroups
+from core.pipeline_parallel.actions import Action
 from core.pipeline_parallel.executor import ScheduleRecord, StepContext, run_table
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
+from core.pipeline_parallel.links import PipelineLinks
 from core.pipeline_parallel.losses import LossLogs
 from core.pipeline_parallel.lowering import lower, validate
-from core.pipeline_parallel.p2p_communication import P2PCommunicator, PipelineLinks
+from core.pipeline_parallel.p2p_communication import P2PCommunicator
 from core.pipeline_parallel.placement import placement_for
-from core.pipeline_parallel.schedule_tables import Action, build_tables
-from core.pipeline_parallel.simulator import check_rendezvous, comm_logs
+from core.pipeline_parallel.rendezvous import check_rendezvous, comm_logs
+from core.pipeline_parallel.schedule_tables import build_tables
 
 Model = torch.nn.Module | list[torch.nn.Module]
 DataIterator = Iterator | None | list[Iterator | None]
@@ -39,14 +43,12 @@ def get_forward_backward_func() -> Callable:
     model's ``config.pipeline_schedule`` says; otherwise PP = 1: no pipelining; PP > 1: 1F1B, GPipe
     or ZB-H1.
     """
-    from core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
+    if not ps.model_parallel_is_initialized():
         return forward_backward_no_pipelining
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     if vpp is not None and vpp > 1:
         return forward_backward_pipelining_with_interleaving
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+    if ps.get_pipeline_model_parallel_world_size() == 1:
         return forward_backward_no_pipelining
     return forward_backward_pipelining_without_interleaving
 
@@ -92,11 +94,6 @@ def forward_backward_pipelining_without_interleaving(
     """1F1B over the pipeline group; GPipe or ZB-H1 as ``config.pipeline_schedule`` says."""
     chunks = _single_chunk(model, "forward_backward_pipelining_without_interleaving")
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
-    if schedule == "zbv":
-        raise ValueError(
-            "pipeline_schedule='zbv' runs 2 model chunks per rank (a V); use "
-            "forward_backward_pipelining_with_interleaving with virtual_pipeline_model_parallel_size=2"
-        )
     return _run(
         schedule,
         forward_step_func,
@@ -128,10 +125,6 @@ def forward_backward_pipelining_with_interleaving(
     """
     chunks = _as_chunks(model)
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
-    if schedule == "gpipe":
-        raise ValueError(
-            "pipeline_schedule='gpipe' cannot run virtual stages; use '1f1b', which interleaves them"
-        )
     return _run(
         "interleaved" if schedule == "1f1b" else schedule,
         forward_step_func,
@@ -145,7 +138,7 @@ def forward_backward_pipelining_with_interleaving(
     )
 
 
-_ACCEPTED_DEFAULTS = {"adjust_tensor_shapes_fn": None, "pg_collection": None}
+_ACCEPTED_DEFAULTS = {"adjust_tensor_shapes_fn": None}
 
 
 def _run(
@@ -165,13 +158,15 @@ def _run(
     p2p_communicator: P2PCommunicator | None = None,
     record: ScheduleRecord | None = None,
     schedule_hooks: ScheduleHooks | None = None,
+    pg_collection: ParallelGroups | None = None,
     **unsupported,
 ) -> LossLogs:
     _check_keywords(unsupported, decoder_seq_length, seq_length)
     del first_val_step  # only meaningful for FP8 weight caching, which Trident does not do
     settings = ScheduleSettings.from_config(chunks[0].config)
-    _check_sizes(settings, num_microbatches, vpp := len(chunks))
-    links = _links(p2p_communicator, pipelined)
+    _check_call(settings, num_microbatches, vpp := len(chunks))
+    groups = pg_collection if pg_collection is not None else _initialized_groups()
+    links = _links(p2p_communicator, pipelined, groups)
     pp_rank, pp_size = (links.pp_rank, links.pp_size) if links is not None else (0, 1)
     tables = complete_tables(
         schedule,
@@ -199,6 +194,7 @@ def _run(
         pp_rank=pp_rank,
         placement=placement,
         links=links,
+        groups=groups,
         record=record,
     )
     return run_table(list(tables[pp_rank]), ctx)
@@ -247,7 +243,8 @@ def complete_tables(
     )
 
 
-def _check_sizes(settings: ScheduleSettings, num_microbatches: int, vpp: int) -> None:
+def _check_call(settings: ScheduleSettings, num_microbatches: int, vpp: int) -> None:
+    """The call against the model: at least one microbatch, as many chunks as the config says."""
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if vpp > 1 and settings.virtual_pipeline_size != vpp:
@@ -316,16 +313,17 @@ def _as_iterators(data_iterator: DataIterator, num_chunks: int) -> list:
     return [data_iterator] * num_chunks
 
 
-def _links(p2p_communicator: P2PCommunicator | None, pipelined: bool) -> PipelineLinks | None:
-    """This rank's pipeline links: the caller's communicator's, parallel_state's, or None (one rank)."""
+def _initialized_groups() -> ParallelGroups | None:
+    """parallel_state's groups when they exist (Megatron's default), else None: one process."""
+    return ps.get_parallel_groups() if ps.model_parallel_is_initialized() else None
+
+
+def _links(
+    p2p_communicator: P2PCommunicator | None, pipelined: bool, groups: ParallelGroups | None
+) -> PipelineLinks | None:
+    """This rank's pipeline links: the caller's communicator's, the groups', or None (one rank)."""
     if p2p_communicator is not None:
         return p2p_communicator.links
-    if not pipelined:
+    if not pipelined or groups is None or groups.size("pp") == 1:
         return None
-    from core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return None
-    return PipelineLinks.from_parallel_state()
+    return PipelineLinks.from_groups(groups)

@@ -5,8 +5,8 @@ costs nothing and never waits; its message arrives ``comm_latency`` later. A rec
 posted, except that with variable shapes it waits for the shape. A compute action starts when its
 rank is free and its inputs are there: ``F`` needs its stage's input, ``B``/``I`` the output
 gradient and its own forward, ``W`` its own ``I``. If no rank can take its next action, the tables
-deadlock. :func:`check_rendezvous` checks the same tables' posting order against NCCL's stricter
-rules, and :func:`comm_logs` says what that order is.
+deadlock. :mod:`~core.pipeline_parallel.rendezvous` checks the same tables' posting order against
+NCCL's stricter rules.
 """
 
 from __future__ import annotations
@@ -14,34 +14,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core.pipeline_parallel.lowering import (
-    ACTIVATION,
-    input_message,
-    is_remote,
-    link_of,
-    lower,
-    message_of,
-    output_message,
-)
-from core.pipeline_parallel.placement import Placement
-from core.pipeline_parallel.schedule_tables import (
+from core.pipeline_parallel.actions import (
     COMPUTE,
-    RECV_B,
+    RECEIVES,
     RECV_F,
-    SEND_B,
-    SEND_F,
+    SENDS,
     Action,
     B,
     F,
     I,
+    ScheduleDeadlock,
     W,
 )
+from core.pipeline_parallel.lowering import lower
+from core.pipeline_parallel.messages import input_message, is_remote, message_of, output_message
+from core.pipeline_parallel.placement import Placement
 
 Cost = float | Callable[[Action, int], float]
-
-
-class ScheduleDeadlock(RuntimeError):
-    """The tables wait on each other in a cycle."""
 
 
 @dataclass
@@ -110,8 +99,11 @@ def simulate(
     while run.remaining:
         moved = [run.advance(rank, comm_latency) for rank in range(len(tables))]  # every rank, each round
         if not any(moved):
-            stuck = {r: str(t[run.cursor[r]]) for r, t in enumerate(tables) if run.cursor[r] < len(t)}
-            raise ScheduleDeadlock(f"schedule deadlocks: every rank waits (rank: next action) {stuck}")
+            waiting = {r: run.cursor[r] for r, t in enumerate(tables) if run.cursor[r] < len(t)}
+            stuck = {r: str(tables[r][step]) for r, step in waiting.items()}
+            raise ScheduleDeadlock(
+                f"schedule deadlocks: every rank waits (rank: next action) {stuck}", tables, waiting
+            )
     return SimulationResult(max(run.clock), run.busy, run.peak, run.starts, run.ends, tables)
 
 
@@ -163,9 +155,9 @@ class _Run:
 def _step(action: Action, rank: int, place: Placement, costs: _Costs, variable: bool) -> tuple:
     """(waits for, makes ready, sends, duration, change of in-flight microbatches) of one action."""
     kind, mb = action.kind, action.microbatch
-    if kind in (SEND_F, SEND_B):
+    if kind in SENDS:
         return (), (), message_of(action, rank, place), 0.0, 0
-    if kind in (RECV_F, RECV_B):  # only a variable-length activation waits (for its shape)
+    if kind in RECEIVES:  # only a variable-length activation waits (for its shape)
         needs = (message_of(action, rank, place),) if variable and kind == RECV_F else ()
         return needs, (), None, 0.0, 0
     stage = place.stage(rank, action.chunk)
@@ -186,163 +178,3 @@ def ideal_bubble_fraction(schedule: str, pp_size: int, num_microbatches: int, vp
     """The textbook bubble with equal forward and backward costs: (p-1)/(v m + p-1)."""
     v = vpp_size if schedule == "interleaved" else 1
     return (pp_size - 1) / (v * num_microbatches + pp_size - 1)
-
-
-def comm_logs(
-    tables: list[list[Action]], placement: Placement, *, variable_shapes: bool = False
-) -> list[list[tuple]]:
-    """What each rank posts and waits for when it runs these complete tables, in
-    :func:`check_rendezvous`'s format; the executor records exactly this (``ScheduleRecord.comm_log``).
-
-    Keys are ``(message, part)``; a variable-length activation sends its ``"shape"`` before its
-    ``"data"``, and its receive waits for the shape before posting the data receive.
-    """
-    logs = []
-    for rank, table in enumerate(tables):
-        log: list[tuple] = []
-        for action in table:
-            if action.kind in COMPUTE:
-                message = input_message(action, rank, placement) if action.kind != W else None
-                if is_remote(message, placement):
-                    log.append(("wait", (message, "data")))
-                continue
-            message = message_of(action, rank, placement)
-            link = link_of(message, placement)
-            is_send = action.kind in (SEND_F, SEND_B)
-            peer = link[1] if is_send else link[0]
-            if variable_shapes and message.kind == ACTIVATION:
-                log.append(("post", link, [(is_send, peer, (message, "shape"))]))
-                if not is_send:
-                    log.append(("wait", (message, "shape")))
-            log.append(("post", link, [(is_send, peer, (message, "data"))]))
-        logs.append(log)
-    return logs
-
-
-def warm_up_comm_logs(
-    pipelines: list[list[int]], world_size: int, order: list[tuple[int, int, int, int]] | None = None
-) -> list[list[tuple]]:
-    """What every global rank posts and waits for when it warms its pipeline links up
-    (``parallel_state.warm_up_pipeline_links``), in :func:`check_rendezvous`'s format.
-
-    Each link is one batch on each end, a send and a receive (so it completes only when both ends
-    have posted, as NCCL's communicator setup does), followed by a wait. ``order`` defaults to
-    ``parallel_state.link_warm_up_order(pipelines)``; tests pass others to show what deadlocks.
-    """
-    from core.parallel_state import link_warm_up_order
-
-    logs: list[list[tuple]] = [[] for _ in range(world_size)]
-    for src, dst, _, _ in order if order is not None else link_warm_up_order(pipelines):
-        if src == dst:
-            continue
-        link = (src, dst)  # the stream: the link's group, as the schedule's posts name it
-        there, back = ("warm-up", src, dst, "there"), ("warm-up", src, dst, "back")
-        logs[src] += [("post", link, [(True, dst, there), (False, dst, back)]), ("wait", back)]
-        logs[dst] += [("post", link, [(False, src, there), (True, src, back)]), ("wait", there)]
-    return logs
-
-
-def check_rendezvous(comm_logs: list[list[tuple]]) -> None:
-    """Would these posting orders finish under NCCL's rules? Raises ``ScheduleDeadlock`` if not.
-
-    ``comm_logs[r]`` is rank r's posting order (:func:`comm_logs` of complete tables, or a run's
-    ``ScheduleRecord.comm_log``): ``("post", stream, ops)`` for one posted batch (``ops``
-    are ``(is_send, peer, message key)``) and ``("wait", key)`` where the rank blocks until the
-    batch receiving ``key`` is done. The rules are the strictest a backend may apply: batches with
-    the same ``stream`` run one after another; a batch starts only after the rank's earlier waits
-    are satisfied (the data it sends is computed after them); and a batch is done only when every
-    one of its operations has its counterpart in a started batch of the peer (a send completes only
-    against a posted receive, as large NCCL messages do).
-    """
-    check = _Rendezvous(comm_logs)
-    for rank in range(len(comm_logs)):
-        check.tasks.append(("advance", rank))
-    check.run()
-    stuck = {}
-    for rank, log in enumerate(comm_logs):
-        first = next((i for i, e in enumerate(log) if e[0] == "post" and (rank, i) not in check.done), None)
-        if first is not None:
-            stuck[rank] = log[first][2]
-    if stuck:
-        raise ScheduleDeadlock(f"posted operations wait on each other (rank: first unfinished batch) {stuck}")
-
-
-class _Rendezvous:
-    """Event-driven replay for :func:`check_rendezvous`: each post is started and finished once."""
-
-    def __init__(self, logs: list[list[tuple]]):
-        self.logs = logs
-        self.where: dict[tuple[int, bool, object], tuple[int, int]] = {}  # (rank, is_send, key) -> post
-        self.next_on_stream: dict[tuple[int, int], tuple[int, int]] = {}
-        self.previous: dict[tuple[int, int], tuple[int, int]] = {}
-        for rank, log in enumerate(logs):
-            last: dict[object, tuple[int, int]] = {}
-            for index, entry in enumerate(log):
-                if entry[0] != "post":
-                    continue
-                post = (rank, index)
-                if entry[1] in last:
-                    self.previous[post] = last[entry[1]]
-                    self.next_on_stream[last[entry[1]]] = post
-                last[entry[1]] = post
-                for is_send, _peer, key in entry[2]:
-                    self.where[(rank, is_send, key)] = post
-        for rank, log in enumerate(logs):
-            for entry in log:
-                for is_send, peer, key in entry[2] if entry[0] == "post" else ():
-                    if (peer, not is_send, key) not in self.where:
-                        raise ScheduleDeadlock(
-                            f"rank {rank} posts {key} but rank {peer} never posts its half"
-                        )
-        self.cursor = [0] * len(logs)
-        self.issued: set[tuple[int, int]] = set()
-        self.started: set[tuple[int, int]] = set()
-        self.done: set[tuple[int, int]] = set()
-        self.tasks: list[tuple[str, object]] = []
-
-        self.peers = {
-            (rank, i): [self.where[(peer, not s, key)] for s, peer, key in entry[2]]
-            for rank, log in enumerate(logs)
-            for i, entry in enumerate(log)
-            if entry[0] == "post"
-        }
-
-    def run(self) -> None:
-        steps = {"advance": self.advance, "start": self.start, "finish": self.finish}
-        while self.tasks:
-            what, item = self.tasks.pop()
-            steps[what](item)
-
-    def advance(self, rank: int) -> None:
-        """Walk the rank's log: issue posts, stop at a wait whose batch is not done."""
-        log = self.logs[rank]
-        while self.cursor[rank] < len(log):
-            entry = log[self.cursor[rank]]
-            if entry[0] == "wait":
-                if self.where[(rank, False, entry[1])] not in self.done:
-                    return
-            else:
-                self.issued.add((rank, self.cursor[rank]))
-                self.tasks.append(("start", (rank, self.cursor[rank])))
-            self.cursor[rank] += 1
-
-    def start(self, post: tuple[int, int]) -> None:
-        before = self.previous.get(post)
-        if (
-            post in self.started
-            or post not in self.issued
-            or (before is not None and before not in self.done)
-        ):
-            return
-        self.started.add(post)
-        self.tasks += [("finish", p) for p in [post, *self.peers[post]]]
-
-    def finish(self, post: tuple[int, int]) -> None:
-        if post in self.done or post not in self.started:
-            return
-        if not all(p in self.started for p in self.peers[post]):
-            return
-        self.done.add(post)
-        if post in self.next_on_stream:
-            self.tasks.append(("start", self.next_on_stream[post]))
-        self.tasks.append(("advance", post[0]))

@@ -6,6 +6,7 @@ it behaves as a tensor-parallel world of one.
 """
 
 from core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from core.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -48,6 +49,7 @@ __all__ = [
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
     "divide",
+    "fused_vocab_parallel_cross_entropy",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "gather_full",

@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 
 from core.device import current_device
 from core.model_parallel_config import ModelParallelConfig
+from core.tensor_parallel.grad_accumulation import linear_with_grad_accumulation
 from core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -79,6 +80,10 @@ class ColumnParallelLinear(nn.Module):
     layers pass the word embedding).
     """
 
+    keep_out_of_compile = True
+    """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
+    outside the compiled regions (see ``core.transformer.compile``)."""
+
     def __init__(
         self,
         input_size: int,
@@ -104,6 +109,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel and world_size > 1
+        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
         init = _should_init(perform_initialization, config)
 
         if skip_weight_param_allocation:
@@ -147,7 +153,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             total_input = copy_to_tensor_model_parallel_region(input_, tp_group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(total_input, weight, bias)
+        if self.gradient_accumulation_fusion and weight is self.weight:
+            output = linear_with_grad_accumulation(total_input, weight, bias)
+        else:  # a borrowed weight (a tied output layer) gets its gradient through autograd
+            output = F.linear(total_input, weight, bias)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             output = gather_from_tensor_model_parallel_region(output, tp_group=self.tp_group)
@@ -164,6 +173,10 @@ class RowParallelLinear(nn.Module):
     parallelism each rank's bias gradient covers only its sequence slice, so the bias is marked
     ``sequence_parallel = True`` for the gradient finaliser to all-reduce over TP (as in Megatron).
     """
+
+    keep_out_of_compile = True
+    """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
+    outside the compiled regions (see ``core.transformer.compile``)."""
 
     def __init__(
         self,
@@ -190,6 +203,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel and world_size > 1
+        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel=True needs input_is_parallel=True")
         init = _should_init(perform_initialization, config)
@@ -217,8 +231,8 @@ class RowParallelLinear(nn.Module):
         if self.tp_size == 1:
             # Nothing to sum over: the bias goes into the matmul (one addmm instead of a second pass).
             bias = None if self.skip_bias_add else self.bias
-            return F.linear(input_parallel, self.weight, bias), (self.bias if self.skip_bias_add else None)
-        partial = F.linear(input_parallel, self.weight)
+            return self._linear(input_parallel, bias), (self.bias if self.skip_bias_add else None)
+        partial = self._linear(input_parallel, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, tp_group=self.tp_group)
         else:
@@ -228,6 +242,11 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             output = output + self.bias
         return output, None
+
+    def _linear(self, input_: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gradient_accumulation_fusion:
+            return linear_with_grad_accumulation(input_, self.weight, bias)
+        return F.linear(input_, self.weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core import parallel_state
+
 _TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (>= 2.3) have the old names.
@@ -36,8 +38,6 @@ def resolve_tp_group(tp_group: ProcessGroup | None = None) -> ProcessGroup | Non
         return tp_group
     if not dist.is_initialized():
         return None
-    from core import parallel_state
-
     return parallel_state.get_tensor_model_parallel_group()
 
 

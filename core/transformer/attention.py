@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core import parallel_state
 from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_world_size
+from core.transformer.context_parallel import context_parallel_attention
 from core.transformer.dropout import sharded_rng
 from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, mark_init
@@ -169,6 +171,7 @@ class SelfAttention(nn.Module):
         mark_init(self.linear_proj.weight, "scaled_normal")
         mark_init(self.linear_proj.bias, "zeros")
         self.recompute_core = config.recompute_granularity == "selective"
+        self.cp_comm_type = _cp_comm_type(config, layer_number)
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, local qkv]`` -> query ``[b, local groups, heads per group, s, d]``, key and value
@@ -178,6 +181,17 @@ class SelfAttention(nn.Module):
         per_group = per_group.permute(1, 2, 3, 0, 4)  # [b, g, m, s, d]
         n = self.heads_per_group
         return per_group[:, :, :n], per_group[:, :, n], per_group[:, :, n + 1]
+
+    def core(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:func:`core_attention` with this layer's dropout and softmax settings, checkpointed under
+        selective recomputation: ``[b, heads, s, d]`` queries, ``[b, groups, s, d]`` keys and values."""
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        fp32_softmax = self.config.attention_softmax_in_fp32
+        if self.recompute_core:
+            return checkpoint(core_attention, query, key, value, attention_mask, dropout_p, fp32_softmax)
+        return core_attention(query, key, value, attention_mask, dropout_p, fp32_softmax)
 
     def forward(
         self,
@@ -198,13 +212,51 @@ class SelfAttention(nn.Module):
         query = query.flatten(1, 2)
         if inference_context is not None:
             key, value = inference_context.store(self.layer_number, key, value)
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        fp32_softmax = self.config.attention_softmax_in_fp32
-        if self.recompute_core:
-            context = checkpoint(core_attention, query, key, value, attention_mask, dropout_p, fp32_softmax)
+        if self.cp_comm_type is not None:
+            context = self._context_parallel(query, key, value, attention_mask, inference_context)
         else:
-            context = core_attention(query, key, value, attention_mask, dropout_p, fp32_softmax)
+            context = self.core(query, key, value, attention_mask)
         # [b, h, s, d] -> [s, b, h * d]: a view of the fused kernels' [b, s, h, d] output (copied by the
         # projection's matmul only when b > 1).
         output, _ = self.linear_proj(context.permute(2, 0, 1, 3).flatten(2))
         return output
+
+    def _context_parallel(self, query, key, value, attention_mask, inference_context) -> torch.Tensor:
+        """Attention over the whole sequence, of which this rank holds ``seq / CP`` tokens (key and
+        value heads unrepeated: the ring sends them so)."""
+        if attention_mask is not None or inference_context is not None:
+            raise ValueError(
+                "context parallelism runs causal attention without an attention_mask or an "
+                "inference_context; generate at context_parallel_size 1"
+            )
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        fp32_softmax = self.config.attention_softmax_in_fp32
+
+        def local_attention(q, k, v, mask):
+            return core_attention(q, k, v, mask, dropout_p, fp32_softmax)
+
+        def attend(q, k, v):
+            return context_parallel_attention(
+                q,
+                k,
+                v,
+                comm_type=self.cp_comm_type,
+                group=parallel_state.get_context_parallel_group(),
+                local_attention=local_attention,
+                dropout_p=dropout_p,
+            )
+
+        return checkpoint(attend, query, key, value) if self.recompute_core else attend(query, key, value)
+
+
+def _cp_comm_type(config: TransformerConfig, layer_number: int) -> str | None:
+    """The layer's context-parallel attention form, or None without context parallelism."""
+    cp = config.context_parallel_size
+    if cp == 1:
+        return None
+    group_size = parallel_state.get_context_parallel_world_size()
+    if group_size != cp:
+        raise ValueError(
+            f"the context-parallel group has {group_size} ranks but config.context_parallel_size is {cp}"
+        )
+    return config.cp_comm_type_of(layer_number)

@@ -85,12 +85,16 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         intermediate, _ = self.linear_fc1(hidden)
-        if self.gated and self.activation_func is F.silu:
-            intermediate = swiglu(intermediate)
-        elif self.gated:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)
-            intermediate = self.activation_func(gate) * up
-        else:
-            intermediate = self.activation_func(intermediate)
-        output, _ = self.linear_fc2(intermediate)
+        output, _ = self.linear_fc2(activate(intermediate, self.activation_func, self.gated))
         return output
+
+
+def activate(intermediate: torch.Tensor, activation_func, gated: bool) -> torch.Tensor:
+    """fc1's output through the activation: ``act(x)``, or ``act(gate) * up`` for a gated unit (SwiGLU
+    as one function). Shared by the MLP and the MoE experts."""
+    if gated and activation_func is F.silu:
+        return swiglu(intermediate)
+    if gated:
+        gate, up = torch.chunk(intermediate, 2, dim=-1)
+        return activation_func(gate) * up
+    return activation_func(intermediate)

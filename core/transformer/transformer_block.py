@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from core.transformer.attention import Rotary
+from core.transformer.compile import ZERO_BUBBLE_SCHEDULES, compile_layer, mark_sequence_dynamic
 from core.transformer.inference_context import InferenceContext
 from core.transformer.norms import build_norm
 from core.transformer.recompute import checkpoint
@@ -27,6 +28,15 @@ class TransformerBlock(nn.Module):
         self.config = config
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in layer_numbers})
         self.final_layernorm = build_norm(config.hidden_size, config) if post_process else None
+        self.dynamic_sequence = config.compile and config.variable_seq_lengths
+        if config.compile:
+            for layer in self.layers.values():
+                compile_layer(
+                    layer,
+                    config.compile_backend,
+                    split_backward=config.pipeline_schedule in ZERO_BUBBLE_SCHEDULES,
+                    dynamic_sequence=self.dynamic_sequence,
+                )
 
     def _segments(self) -> list[tuple[list[nn.Module], bool]]:
         """Consecutive layer runs and whether each is checkpointed as one unit (Megatron's full recompute).
@@ -62,6 +72,8 @@ class TransformerBlock(nn.Module):
 
             def run(x: torch.Tensor, rot: Rotary, mask: torch.Tensor | None, layers=layers) -> torch.Tensor:
                 for layer in layers:
+                    if self.dynamic_sequence:  # each layer's input is a new tensor: mark every one
+                        mark_sequence_dynamic(x, *(rot or ()))
                     x = layer(x, rot, mask)
                 return x
 

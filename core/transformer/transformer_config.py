@@ -19,11 +19,14 @@ import torch.nn.functional as F
 
 from core.flags import flag, not_a_flag
 from core.model_parallel_config import ModelParallelConfig
+from core.transformer.context_parallel import CP_COMM_TYPES
+from core.transformer.moe.moe_config import MoEConfig, moe_problems
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
 NORMALIZATIONS = get_args(Normalization)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 RECOMPUTE_GRANULARITIES = get_args(RecomputeGranularity)
@@ -35,8 +38,11 @@ RUNTIME_FIELDS = (
     "finalize_model_grads_func",
     "grad_scale_func",
     "timers",
+    "compile",
+    "compile_backend",
 )
-"""Hooks the training loop installs at run time: not part of a model's description, never serialised."""
+"""Hooks the training loop installs at run time, and how a run executes the model (compilation): not
+part of a model's description, never serialised (a tool rebuilding a checkpoint's model runs it eagerly)."""
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -54,10 +60,11 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @dataclass(kw_only=True)
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(ModelParallelConfig, MoEConfig):
     """Sizes, layer choices, regularisation, initialisation and recomputation of a decoder-only model.
 
-    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``).
+    LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``), and so
+    are mixtures of experts (Mixtral, Qwen2-MoE): the MoE fields come from :class:`MoEConfig`.
     """
 
     num_layers: int = flag(0, cli_default=None)
@@ -130,8 +137,32 @@ class TransformerConfig(ModelParallelConfig):
     hidden_dropout: float = flag(0.1, group="regularization")
     """Dropout on the embedding output and on each residual branch."""
 
+    cp_comm_type: list[str] = flag(default_factory=lambda: ["p2p"], group="distributed")
+    """How attention reaches across the context-parallel ranks: "p2p" (ring attention, key/value
+    blocks passed round the ranks behind each block's attention), "a2a" (Ulysses all-to-all: heads
+    split instead of the sequence; heads and query groups per TP rank must divide by CP) or
+    "allgather" (keys and values gathered). One value for every layer, or one per layer."""
+
     attention_softmax_in_fp32: bool = flag(False, group="mixed precision")
     """With 16-bit activations, compute attention's masking and softmax in fp32 (Megatron's flag)."""
+
+    compile: bool = flag(
+        False,
+        group="training",
+        help="torch.compile each transformer layer (its linear layers stay eager) and, at TP=1, the "
+        "loss. A Trident flag: Megatron has none.",
+    )
+    """Compile each decoder layer with ``torch.compile`` (see ``core.transformer.compile``), and at
+    TP=1 the loss; graphs, graph breaks and compile time are reported after the first iteration."""
+
+    compile_backend: CompileBackend = flag("inductor", group="training")
+    """The ``torch.compile`` backend of ``--compile``: "inductor" (fused kernels), or "aot_eager" /
+    "eager" (Dynamo and AOTAutograd without code generation: quick to start, for debugging)."""
+
+    cross_entropy_loss_fusion: bool = flag(False, group="training")
+    """Compute the loss from the output layer's logits in their own dtype, a slice of tokens at a time,
+    never holding an fp32 copy of them, and write the gradient over them (Megatron's flag; see
+    ``core.tensor_parallel.fused_cross_entropy``). Same numbers as without."""
 
     init_method_std: float = flag(0.02, group="initialization")
     """Std of the normal initialisation; output projections get std / sqrt(2 * num_layers)."""
@@ -164,6 +195,8 @@ class TransformerConfig(ModelParallelConfig):
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if isinstance(self.cp_comm_type, str):
+            self.cp_comm_type = [self.cp_comm_type]
         problems = self._problems()
         if problems:
             raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
@@ -226,7 +259,34 @@ class TransformerConfig(ModelParallelConfig):
             out.append(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
         if self.layernorm_epsilon <= 0:
             out.append(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
-        return out + self._recompute_problems()
+        return out + self._recompute_problems() + self._context_parallel_problems() + moe_problems(self)
+
+    def _context_parallel_problems(self) -> list[str]:
+        types, cp = self.cp_comm_type, self.context_parallel_size
+        unknown = sorted(set(types) - set(CP_COMM_TYPES))
+        if unknown:
+            return [f"cp_comm_type must be one of {CP_COMM_TYPES}, got {unknown[0]!r}"]
+        if len(types) not in (1, self.num_layers):
+            return [
+                f"cp_comm_type gives {len(types)} types for {self.num_layers} layers; give one or one per layer"
+            ]
+        if cp == 1:
+            return []
+        out = []
+        tp = self.tensor_model_parallel_size
+        heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
+        if "a2a" in types and (heads % cp or groups % cp):
+            out.append(
+                f"cp_comm_type 'a2a' needs num_attention_heads ({self.num_attention_heads}) and "
+                f"num_query_groups ({self.num_query_groups}) per tensor-parallel rank (tp {tp}) divisible "
+                f"by context_parallel_size ({cp})"
+            )
+        return out
+
+    def cp_comm_type_of(self, layer_number: int) -> str:
+        """The context-parallel attention form of decoder layer ``layer_number`` (0-based, global)."""
+        types = self.cp_comm_type
+        return types[0] if len(types) == 1 else types[layer_number]
 
     def _rope_problems(self) -> list[str]:
         head = (

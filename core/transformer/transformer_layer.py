@@ -9,12 +9,15 @@ from core.transformer.attention import Rotary, SelfAttention
 from core.transformer.dropout import dropout
 from core.transformer.inference_context import InferenceContext
 from core.transformer.mlp import MLP
+from core.transformer.moe.moe_layer import MoELayer
 from core.transformer.norms import build_norm
 from core.transformer.transformer_config import TransformerConfig
 
 
 class TransformerLayer(nn.Module):
     """Megatron's submodule names (``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm``, ``mlp``).
+
+    ``mlp`` is an :class:`~core.transformer.moe.moe_layer.MoELayer` on the config's MoE layers.
 
     ``layer_number`` is the layer's global 0-based index in the whole model, whatever stage builds it.
     """
@@ -26,7 +29,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config.hidden_size, config)
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config.hidden_size, config)
-        self.mlp = MLP(config)
+        self.mlp = MoELayer(config, layer_number) if config.is_moe_layer(layer_number) else MLP(config)
 
     def _residual_dropout(self, branch: torch.Tensor) -> torch.Tensor:
         # Under sequence parallelism each rank holds other tokens: independent masks (private stream).

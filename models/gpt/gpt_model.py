@@ -17,14 +17,26 @@ group, so they take identical steps and stay bit-identical.
 
 from __future__ import annotations
 
+import functools
+
 import einops
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from core import parallel_state
 from core.device import current_device
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
-from core.tensor_parallel import ColumnParallelLinear, tp_rank, vocab_parallel_cross_entropy
+from core.pipeline_parallel.placement import placement_style
+from core.tensor_parallel import (
+    ColumnParallelLinear,
+    fused_vocab_parallel_cross_entropy,
+    tp_rank,
+    tp_world_size,
+    vocab_parallel_cross_entropy,
+)
+from core.transformer.compile import compile_function, mark_sequence_dynamic
+from core.transformer.context_parallel import positions_on_this_cp_rank
 from core.transformer.inference_context import InferenceContext
 from core.transformer.initialization import deferred_init, initialize_by_name, mark_init
 from core.transformer.rope import RotaryEmbedding
@@ -50,27 +62,44 @@ def layout_owner(name: str) -> str | int:
     raise ValueError(f"parameter {name!r} belongs to no pipeline-layout element (E, t or L)")
 
 
+def expert_of(name: str) -> int | None:
+    """The global index of the MoE expert that parameter ``name`` belongs to (None for any other).
+
+    Expert parameters are named ``decoder.layers.{layer}.mlp.experts.local_experts.{expert}....`` in
+    every expert-parallel split; checkpoints record the index to place each on its EP rank.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "local_experts" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
 def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
     """The layout the model is split by: ``config.pipeline_model_parallel_layout`` or an even split.
 
     Under the ZBV schedule the stages are dealt to ranks in a V (stage ``s >= pp`` on rank
-    ``2 pp - 1 - s``), which puts the first and the last stage on rank 0.
+    ``2 pp - 1 - s``), which puts the first and the last stage on rank 0. A layout is a function
+    of five config fields and immutable: each one is built once and shared by every chunk asking.
     """
-    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    placement = "v" if config.pipeline_schedule == "zbv" else "loop"
-    if config.pipeline_model_parallel_layout is None:
-        return even_layout(config.num_layers, pp, vpp, placement=placement)
-    layout = parse_layout(
+    return _layout(
+        config.num_layers,
+        config.pipeline_model_parallel_size,
+        config.virtual_pipeline_model_parallel_size,
         config.pipeline_model_parallel_layout,
-        pp,
-        num_layers=config.num_layers,
-        mtp_num_layers=0,
-        placement=placement,
+        placement_style(config.pipeline_schedule),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(num_layers: int, pp: int, vpp: int | None, text: str | None, placement: str) -> PipelineLayout:
+    if text is None:
+        return even_layout(num_layers, pp, vpp, placement=placement)
+    layout = parse_layout(text, pp, num_layers=num_layers, mtp_num_layers=0, placement=placement)
     if layout.vpp_size != (vpp or 1):
         raise ValueError(
-            f"pipeline layout '{config.pipeline_model_parallel_layout}' has {layout.vpp_size} virtual "
-            f"stages per rank but virtual_pipeline_model_parallel_size is {vpp}"
+            f"pipeline layout '{text}' has {layout.vpp_size} virtual stages per rank but "
+            f"virtual_pipeline_model_parallel_size is {vpp}"
         )
     return layout
 
@@ -91,6 +120,19 @@ def pipeline_rank(config: TransformerConfig) -> int:
 def _rank_of(layout: PipelineLayout, symbol: str) -> int:
     stage = next(s for s, layers in enumerate(layout.stages) if symbol in layers)
     return layout.stage_placement.rank(stage)
+
+
+def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of whole-vocabulary logits ``[s, b, V]`` per token, in fp32: what ``--compile`` compiles
+    at TP=1, where inductor fuses the fp32 arithmetic into its kernels instead of keeping fp32 copies."""
+    flat = logits.float().flatten(0, -2)
+    return F.cross_entropy(flat, labels.flatten(), reduction="none").view(labels.shape)
+
+
+@functools.cache
+def compiled_cross_entropy(backend: str):
+    """:func:`per_token_cross_entropy` compiled with ``backend`` (one compiled function per process)."""
+    return compile_function(per_token_cross_entropy, backend)
 
 
 class GPTModel(nn.Module):
@@ -122,18 +164,7 @@ class GPTModel(nn.Module):
         self._check_stage(pre_process, post_process, vp_stage)
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None
-        placement = (_rank_of(self.layout, EMBEDDING), _rank_of(self.layout, LOSS))
-        if (
-            self.share_embeddings_and_output_weights
-            and self._tied_across_ranks()
-            and placement != (0, self.layout.pp_size - 1)
-        ):
-            raise ValueError(
-                f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
-                f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
-                f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True"
-            )
-
+        self._check_tied_placement()
         self.embedding = (
             LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size, max_sequence_length)
             if pre_process
@@ -161,6 +192,20 @@ class GPTModel(nn.Module):
                 layer.weight.is_embedding_or_output_parameter = True
         if config.perform_initialization:
             initialize_by_name(self, config)
+
+    def _check_tied_placement(self) -> None:
+        """Tied embeddings on two ranks stay in sync over the embedding group: first and last rank only."""
+        placement = (_rank_of(self.layout, EMBEDDING), _rank_of(self.layout, LOSS))
+        if (
+            self.share_embeddings_and_output_weights
+            and self._tied_across_ranks()
+            and placement != (0, self.layout.pp_size - 1)
+        ):
+            raise ValueError(
+                f"tied embeddings need the embedding on the first pipeline rank and the loss on the "
+                f"last (the embedding group keeps them in sync), but the layout puts them on ranks "
+                f"{placement}; fix the pipeline layout or set untie_embeddings_and_output_weights=True"
+            )
 
     def _check_stage(self, pre_process: bool, post_process: bool, vp_stage: int | None) -> None:
         try:
@@ -252,6 +297,9 @@ class GPTModel(nn.Module):
         """
         if inference_context is not None and position_ids is None:
             position_ids = self._cached_positions(input_ids, inference_context)
+        learned_positions = self.pre_process and self.embedding.position_embeddings is not None
+        if learned_positions and position_ids is None and self.config.context_parallel_size > 1:
+            position_ids = self._context_parallel_positions(input_ids.shape[1], input_ids.device).unsqueeze(0)
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         elif self.input_tensor is None:
@@ -269,7 +317,15 @@ class GPTModel(nn.Module):
         logits = self._mask_padding(logits)
         if labels is None:
             return einops.rearrange(logits, "s b v -> b s v").contiguous()
-        loss = vocab_parallel_cross_entropy(logits.float(), einops.rearrange(labels, "b s -> s b"))
+        labels = einops.rearrange(labels, "b s -> s b")
+        if self.config.compile and tp_world_size() == 1:  # one rank holds the whole vocabulary
+            if self.config.variable_seq_lengths:
+                mark_sequence_dynamic(logits, labels)
+            loss = compiled_cross_entropy(self.config.compile_backend)(logits, labels)
+        elif self.config.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(logits, labels)
+        else:
+            loss = vocab_parallel_cross_entropy(logits.float(), labels)
         return einops.rearrange(loss, "s b -> b s").contiguous()
 
     def _cached_positions(self, input_ids: torch.Tensor | None, context: InferenceContext) -> torch.Tensor:
@@ -293,9 +349,23 @@ class GPTModel(nn.Module):
             seq = hidden.shape[0] * (
                 self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
             )
-            return self.rotary_pos_emb.for_length(seq, hidden.dtype, hidden.device)
+            cp = self.config.context_parallel_size
+            cos, sin = self.rotary_pos_emb.for_length(seq * cp, hidden.dtype, hidden.device)
+            if cp == 1:
+                return cos, sin
+            held = self._context_parallel_positions(seq, hidden.device)  # the chunks this CP rank holds
+            return cos.index_select(0, held), sin.index_select(0, held)
         cos, sin = self.rotary_pos_emb(position_ids)
         return cos.to(hidden.dtype), sin.to(hidden.dtype)
+
+    def _context_parallel_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """Positions ``[local_length]`` of this rank's tokens: ``0..s-1`` without context parallelism,
+        else those of the two chunks this CP rank holds."""
+        cp = self.config.context_parallel_size
+        if cp == 1:
+            return torch.arange(local_length, device=device)
+        rank = parallel_state.get_context_parallel_rank()
+        return positions_on_this_cp_rank(local_length * cp, cp, rank, device=device)
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padded vocabulary entries get -inf, so they take no probability mass and no gradient."""

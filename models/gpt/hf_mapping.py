@@ -1,4 +1,5 @@
-"""State-dict conversion between a TP=PP=1 GPTModel and Hugging Face LLaMA / GPT-2 checkpoints.
+"""State-dict conversion between a TP=PP=1 GPTModel and Hugging Face LLaMA / GPT-2 checkpoints (and the
+MoE families built on LLaMA, Mixtral and Qwen2-MoE, with :mod:`models.gpt.hf_moe_mapping`).
 
 Pure tensor mapping (no ``transformers`` import), shared by the parity tests and the checkpoint
 tools. Three layouts differ from Hugging Face's:
@@ -29,12 +30,25 @@ from core.transformer.rope import (
     LLAMA3_ORIGINAL_MAX_POSITIONS,
 )
 from core.transformer.transformer_config import TransformerConfig, openai_gelu
+from models.gpt.hf_moe_mapping import (
+    moe_architecture,
+    moe_hf_config_kwargs,
+    moe_layer_from_hf,
+    moe_layer_to_hf,
+)
 
 StateDict = Mapping[str, torch.Tensor]
 
 
+LLAMA_LIKE = ("llama", "mixtral", "qwen2_moe")
+"""The families whose attention, norms and (dense) MLP are LLaMA's; the MoE ones add
+:mod:`models.gpt.hf_moe_mapping`."""
+
+
 def hf_architecture(config: TransformerConfig) -> str:
-    """ "llama" or "gpt2": which Hugging Face model class ``config`` is exactly equivalent to."""
+    """ "llama", "gpt2", "mixtral" or "qwen2_moe": which Hugging Face model class ``config`` is exactly equivalent to."""
+    if config.num_moe_experts is not None:
+        return moe_architecture(config)
     llama = (
         config.normalization == "RMSNorm"
         and config.gated_linear_unit
@@ -64,35 +78,15 @@ def hf_architecture(config: TransformerConfig) -> str:
 
 
 def hf_config_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> dict:
-    """Keyword arguments for ``LlamaConfig`` / ``GPT2Config`` describing the same model."""
-    if hf_architecture(config) == "llama":
-        rope_scaling = None
-        if config.rope_scaling:
-            rope_scaling = {
-                "rope_type": "llama3",
-                "factor": config.rope_scaling_factor,
-                "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
-                "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
-                "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS,
-            }
-        return {
-            "vocab_size": vocab_size,
-            "hidden_size": config.hidden_size,
-            "intermediate_size": config.ffn_hidden_size,
-            "num_hidden_layers": config.num_layers,
-            "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_query_groups,
-            "head_dim": config.kv_channels,
-            "max_position_embeddings": max_sequence_length,
-            "rms_norm_eps": config.layernorm_epsilon,
-            "rope_theta": config.rotary_base,
-            "rope_scaling": rope_scaling,
-            "hidden_act": "silu",
-            "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-            "attention_bias": config.add_bias_linear,
-            "mlp_bias": config.add_bias_linear,
-            "attention_dropout": config.attention_dropout,
-        }
+    """Keyword arguments for ``LlamaConfig`` / ``GPT2Config`` / ``MixtralConfig`` / ``Qwen2MoeConfig``."""
+    arch = hf_architecture(config)
+    if arch in ("mixtral", "qwen2_moe"):
+        llama = _llama_kwargs(config, vocab_size, max_sequence_length)
+        for name in ("attention_bias", "mlp_bias", "rope_scaling"):
+            del llama[name]
+        return llama | moe_hf_config_kwargs(config, arch)
+    if arch == "llama":
+        return _llama_kwargs(config, vocab_size, max_sequence_length)
     return {
         "vocab_size": vocab_size,
         "n_positions": max_sequence_length,
@@ -106,6 +100,37 @@ def hf_config_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_le
         "embd_pdrop": config.hidden_dropout,
         "attn_pdrop": config.attention_dropout,
         "tie_word_embeddings": True,
+    }
+
+
+def _llama_kwargs(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> dict:
+    """``LlamaConfig``'s fields (the MoE families share them)."""
+    rope_scaling = None
+    if config.rope_scaling:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": config.rope_scaling_factor,
+            "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+            "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS,
+        }
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups,
+        "head_dim": config.kv_channels,
+        "max_position_embeddings": max_sequence_length,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "rope_theta": config.rotary_base,
+        "rope_scaling": rope_scaling,
+        "hidden_act": "silu",
+        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+        "attention_bias": config.add_bias_linear,
+        "mlp_bias": config.add_bias_linear,
+        "attention_dropout": config.attention_dropout,
     }
 
 
@@ -148,14 +173,15 @@ def iter_to_hf(
     is converted, so memory stays near one layer. ``lm_head.weight`` comes last; with tied
     embeddings only if ``tied_head`` (a state dict has it, a saved Hugging Face model does not).
     """
-    llama = hf_architecture(config) == "llama"
+    arch = hf_architecture(config)
+    llama = arch in LLAMA_LIKE
     prefix = "model." if llama else "transformer."
     word = "embedding.word_embeddings.weight"
     yield prefix + ("embed_tokens.weight" if llama else "wte.weight"), source[word][:vocab_size].contiguous()
     if not llama:
         yield "transformer.wpe.weight", source["embedding.position_embeddings.weight"].contiguous()
     for i in range(config.num_layers):
-        yield from _layer_to_hf(source, config, i, llama)
+        yield from _layer_to_hf(source, config, i, arch)
     final = "decoder.final_layernorm."
     yield prefix + ("norm.weight" if llama else "ln_f.weight"), _gamma_to_hf(source[final + "weight"], config)
     if not llama:
@@ -176,11 +202,14 @@ def _gamma_from_hf(weight: torch.Tensor, config: TransformerConfig) -> torch.Ten
 
 
 def _layer_to_hf(
-    sd: StateDict, config: TransformerConfig, i: int, llama: bool
+    sd: StateDict, config: TransformerConfig, i: int, arch: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    llama = arch in LLAMA_LIKE
     src = f"decoder.layers.{i}."
     dst = f"model.layers.{i}." if llama else f"transformer.h.{i}."
     out: dict[str, torch.Tensor] = {}
+    if config.num_moe_experts is not None and config.is_moe_layer(i):
+        out.update(moe_layer_to_hf(sd, config, i, arch))
     for ours, theirs in _per_layer_names(llama):
         for suffix in ("weight", "bias"):
             if src + ours + "." + suffix in sd:
@@ -189,7 +218,7 @@ def _layer_to_hf(
                     value = _gamma_to_hf(value, config)
                 out[dst + theirs + "." + suffix] = value
     q, k, v = _split_qkv(sd[src + "self_attention.linear_qkv.weight"], config)
-    fc1 = sd[src + "mlp.linear_fc1.weight"]
+    fc1 = sd.get(src + "mlp.linear_fc1.weight")  # None in an MoE layer
     if llama:
         out.update(
             {
@@ -201,8 +230,9 @@ def _layer_to_hf(
         if src + "self_attention.linear_qkv.bias" in sd:
             biases = _split_qkv(sd[src + "self_attention.linear_qkv.bias"], config)
             out.update({dst + f"self_attn.{p}_proj.bias": b for p, b in zip("qkv", biases)})
-        gate, up = torch.chunk(fc1, 2, dim=0)
-        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+        if fc1 is not None:
+            gate, up = torch.chunk(fc1, 2, dim=0)
+            out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
         if src + "mlp.linear_fc1.bias" in sd:
             gate_b, up_b = torch.chunk(sd[src + "mlp.linear_fc1.bias"], 2)
             out.update({dst + "mlp.gate_proj.bias": gate_b, dst + "mlp.up_proj.bias": up_b})
@@ -253,14 +283,15 @@ def iter_from_hf(source: StateDict, config: TransformerConfig) -> Iterator[tuple
     ``tie_word_embeddings``) needs no ``lm_head.weight``; an untied one takes it, or the embedding
     when the checkpoint leaves it out.
     """
-    llama = hf_architecture(config) == "llama"
+    arch = hf_architecture(config)
+    llama = arch in LLAMA_LIKE
     prefix = "model." if llama else "transformer."
     embedding_name = prefix + ("embed_tokens.weight" if llama else "wte.weight")
     yield "embedding.word_embeddings.weight", source[embedding_name].contiguous()
     if not llama:
         yield "embedding.position_embeddings.weight", source["transformer.wpe.weight"].contiguous()
     for i in range(config.num_layers):
-        yield from _layer_from_hf(source, config, i, llama)
+        yield from _layer_from_hf(source, config, i, arch)
     norm = source[prefix + ("norm.weight" if llama else "ln_f.weight")]
     yield "decoder.final_layernorm.weight", _gamma_from_hf(norm, config)
     if not llama:
@@ -271,11 +302,15 @@ def iter_from_hf(source: StateDict, config: TransformerConfig) -> Iterator[tuple
 
 
 def _layer_from_hf(
-    hf: StateDict, config: TransformerConfig, i: int, llama: bool
+    hf: StateDict, config: TransformerConfig, i: int, arch: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    llama = arch in LLAMA_LIKE
     src = f"model.layers.{i}." if llama else f"transformer.h.{i}."
     dst = f"decoder.layers.{i}."
     out: dict[str, torch.Tensor] = {}
+    moe = config.num_moe_experts is not None and config.is_moe_layer(i)
+    if moe:
+        out.update(moe_layer_from_hf(hf, config, i, arch))
     for ours, theirs in _per_layer_names(llama):
         for suffix in ("weight", "bias"):
             if src + theirs + "." + suffix in hf:
@@ -293,9 +328,10 @@ def _layer_from_hf(
             out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
                 *(hf[attn + f"{p}_proj.bias"] for p in "qkv"), config
             )
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-        )
+        if not moe:
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+            )
         if src + "mlp.gate_proj.bias" in hf:
             out[dst + "mlp.linear_fc1.bias"] = torch.cat(
                 [hf[src + "mlp.gate_proj.bias"], hf[src + "mlp.up_proj.bias"]]

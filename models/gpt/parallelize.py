@@ -14,7 +14,10 @@
   (``post_process``). When one rank holds both ends (ZBV's V), the loss chunk borrows the
   embedding's Parameter, so a tied embedding is one weight.
 - **Data parallelism** wraps each chunk in ``DistributedDataParallel`` over the data-parallel group
-  (with context parallelism folded in), gradients in buckets.
+  (with context parallelism folded in), gradients in buckets; MoE experts' over the
+  expert-data-parallel group (their replicas).
+- **Expert parallelism** lives in the MoE layers: each builds the experts its expert-parallel rank
+  holds and sends tokens to the others (``core.transformer.moe``).
 - **Hooks**: reduction is suspended per chunk while microbatches accumulate and lifted for each
   chunk's own last weight-gradient step (so its buckets launch while that backward runs);
   ``finalize_model_grads`` ends the step; with loss scaling the last stage's backward starts from
@@ -83,14 +86,13 @@ def gpt_provider(config: TransformerConfig, vocab_size: int, max_sequence_length
 def _build_modules(model_provider: ModelProvider, layout: PipelineLayout, pp_rank: int) -> list[nn.Module]:
     """One chunk per virtual stage of ``pp_rank``, with the embedding and loss flags the layout gives.
 
-    Megatron's virtual-pipeline rank is set while each chunk is built, for providers that ask
-    ``parallel_state`` which stage they build.
+    Each provider call gets its ``vp_stage`` explicitly (None without virtual stages), as Megatron
+    Core passes it; no global virtual-pipeline rank is set.
     """
     vpp = layout.vpp_size
     modules: list[nn.Module] = []
     for v in range(vpp):
         vp_stage = v if vpp > 1 else None
-        ps.set_virtual_pipeline_model_parallel_rank(vp_stage)
         post_process = layout.has_loss(pp_rank, vp_stage)
         holder = next((m for m in modules if m.pre_process), None)  # the embedding, on this rank
         shared = (
@@ -106,7 +108,6 @@ def _build_modules(model_provider: ModelProvider, layout: PipelineLayout, pp_ran
                 **shared,
             )
         )
-    ps.set_virtual_pipeline_model_parallel_rank(0 if vpp > 1 else None)
     return modules
 
 
@@ -132,7 +133,13 @@ def parallelize_gpt(
     if ddp_config is None:
         return ParallelGPT(modules, modules, None)
     dp_group = groups.dp_cp if groups is not None else None
-    chunks = [DistributedDataParallel(m.config, ddp_config, m, data_parallel_group=dp_group) for m in modules]
+    expert_dp_group = groups.expt_dp if groups is not None else None
+    chunks = [
+        DistributedDataParallel(
+            m.config, ddp_config, m, data_parallel_group=dp_group, expert_data_parallel_group=expert_dp_group
+        )
+        for m in modules
+    ]
     optimizer = make_optimizer(chunks) if make_optimizer is not None else None
     scaled = optimizer is not None and optimizer.grad_scaler is not None
     hooks = ScheduleHooks(

@@ -1,4 +1,5 @@
-"""Offline resharding: one checkpoint to another split, tensor by tensor, with no process group.
+"""Offline resharding: one checkpoint to another split (TP, PP, VPP, layout, EP), tensor by tensor,
+with no process group.
 
 :func:`target_split` checks the target against the model (heads, query groups, FFN size, the layout
 and its layer count) before anything is written;
@@ -71,11 +72,16 @@ def parallelism_of(config, dp: int = 1) -> Parallelism:
         layout.vpp_size,
         layout.to_string(),
         dp,
+        config.expert_model_parallel_size,
     )
 
 
 def split_fields(
-    tensor_parallel: int, pipeline_parallel: int, virtual_stages: int | None, layout: str | None
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    virtual_stages: int | None,
+    layout: str | None,
+    expert_parallel: int = 1,
 ) -> dict[str, Any]:
     """The ``TransformerConfig`` fields of a target split (one virtual stage per rank means none)."""
     return {
@@ -85,6 +91,7 @@ def split_fields(
         if virtual_stages and virtual_stages > 1
         else None,
         "pipeline_model_parallel_layout": layout,
+        "expert_model_parallel_size": expert_parallel,
     }
 
 
@@ -95,6 +102,7 @@ def target_split(
     pipeline_parallel: int,
     virtual_stages: int | None = None,
     layout: str | None = None,
+    expert_parallel: int = 1,
 ) -> tuple[Parallelism, dict[str, Any]]:
     """The target :class:`Parallelism` and model config, or a CheckpointError saying what does not fit."""
     from core.transformer.transformer_config import TransformerConfig
@@ -102,7 +110,7 @@ def target_split(
     try:
         config = TransformerConfig.from_dict(
             ckpt.manifest["model"]["config"],
-            **split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout),
+            **split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout, expert_parallel),
         )
         if layout is not None and virtual_stages is None:
             from core.pipeline_parallel.layout import parse_layout

@@ -20,6 +20,11 @@ parallel split, and stored in *pieces* inside safetensors files:
   end]``; readers assemble a shard, or any range of it, from whatever pieces overlap it, so loading
   at another DP size, or without the distributed optimizer, needs nothing else.
 
+MoE experts are logical tensors under their global names too (``...mlp.experts.local_experts.5...``,
+their spec recording the expert index), never TP-split, and are written by the first rank of each
+expert's expert-data-parallel replicas into ``model_experts_pp{p}_ep{e}``: resharding expert
+parallelism, like pipeline parallelism, only moves whole tensors between files.
+
 The manifest's ``files`` section is the index of pieces: ``{file: {"bytes": n, "checksum": h,
 "pieces": {tensor name: {"tp_rank": t, "flat": [s, e] (optional), "checksum": h}}}}``. Checksums
 are xxh3-64 of the file's safetensors header and of each piece's bytes: together they cover every
@@ -49,6 +54,8 @@ __all__ = [
     "canonical_order",
     "dtype_from_name",
     "dtype_name",
+    "expert_file",
+    "expert_optim_file",
     "iteration_dir",
     "model_file",
     "optim_file",
@@ -75,6 +82,16 @@ def iteration_dir(root: str, iteration: int | str) -> str:
 
 def model_file(tp_rank: int, pp_rank: int) -> str:
     return f"model_tp{tp_rank}_pp{pp_rank}.safetensors"
+
+
+def expert_file(pp_rank: int, ep_rank: int) -> str:
+    """The MoE experts that expert-parallel rank ``ep_rank`` of pipeline rank ``pp_rank`` holds (never TP-split)."""
+    return f"model_experts_pp{pp_rank}_ep{ep_rank}.safetensors"
+
+
+def expert_optim_file(pp_rank: int, ep_rank: int) -> str:
+    """Those experts' optimizer state, as a conversion writes it (a live save keeps it in its rank's optim file)."""
+    return f"optim_experts_pp{pp_rank}_ep{ep_rank}.safetensors"
 
 
 def optim_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
@@ -201,6 +218,9 @@ class TensorSpec:
     partition: Partition | None
     owner: str | int
     """Layout element holding it: "E" (embedding), "L" (final norm, output layer) or a decoder layer."""
+    expert: int | None = None
+    """The global index of the MoE expert it belongs to: its expert-parallel rank at EP size ``ep``
+    is ``expert // (experts / ep)``. Experts are never TP-split."""
 
     def shard_shape(self, tp: int) -> tuple[int, ...]:
         """Shape of one TP shard at TP size ``tp`` (padding included)."""
@@ -216,12 +236,13 @@ class TensorSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "shape": list(self.shape),
             "dtype": dtype_name(self.dtype),
             "partition": None if self.partition is None else self.partition.to_json(),
             "owner": self.owner,
         }
+        return out if self.expert is None else out | {"expert": self.expert}
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> TensorSpec:
@@ -231,6 +252,7 @@ class TensorSpec:
             dtype_from_name(value["dtype"]),
             None if partition is None else Partition.from_json(partition),
             value["owner"],
+            value.get("expert"),
         )
 
 
@@ -256,7 +278,7 @@ def shard_from_full(full: torch.Tensor, spec: TensorSpec, tp_rank: int, tp: int)
 
 @dataclass(frozen=True)
 class Parallelism:
-    """TP, PP and virtual-pipeline sizes with the pipeline layout string (always explicit)."""
+    """TP, PP and virtual-pipeline sizes with the pipeline layout string (always explicit), DP and EP."""
 
     tp: int
     pp: int
@@ -265,16 +287,31 @@ class Parallelism:
     dp: int = 1
     """Data-parallel size of the run that wrote it: the number of RNG (and, with the distributed
     optimizer, optimizer) files per (TP, PP) rank."""
+    ep: int = 1
+    """Expert-parallel size: the number of expert files per pipeline rank of an MoE model."""
 
     def describe(self) -> str:
-        return f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "") + f" DP={self.dp}"
+        return (
+            f"TP={self.tp} PP={self.pp}"
+            + (f" VPP={self.vpp}" if self.vpp > 1 else "")
+            + f" DP={self.dp}"
+            + (f" EP={self.ep}" if self.ep > 1 else "")
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "dp": self.dp, "layout": self.layout}
+        out = {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "dp": self.dp, "layout": self.layout}
+        return out if self.ep == 1 else out | {"ep": self.ep}
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Parallelism:
-        return cls(int(value["tp"]), int(value["pp"]), int(value["vpp"]), value["layout"], int(value["dp"]))
+        return cls(
+            int(value["tp"]),
+            int(value["pp"]),
+            int(value["vpp"]),
+            value["layout"],
+            int(value["dp"]),
+            int(value.get("ep", 1)),
+        )
 
 
 def read_json(path: str, what: str) -> dict[str, Any]:

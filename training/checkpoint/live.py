@@ -27,7 +27,7 @@ state (fp16) is saved in the manifest beside the parameter groups.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +74,11 @@ PARAM_STATE_FIELDS = ("start", "end", "numel", "shape")
 """Keys of a ``param_state_by_name`` entry that describe its range rather than hold state."""
 
 
-def is_sharded(optimizer, dp_size: int) -> bool:
-    """Whether each data-parallel rank holds only its own part of the optimizer state."""
-    return dp_size > 1 and bool(getattr(optimizer.config, "use_distributed_optimizer", False))
+def is_sharded(optimizer, dp_size: int, expert_dp_size: int = 1) -> bool:
+    """Whether each data-parallel rank holds only its own part of the optimizer state (the distributed
+    optimizer shards dense parameters over DP and MoE experts over expert DP)."""
+    distributed = bool(getattr(optimizer.config, "use_distributed_optimizer", False))
+    return distributed and max(dp_size, expert_dp_size) > 1
 
 
 @dataclass
@@ -98,11 +100,16 @@ def optimizer_tensors(
     *,
     tp_rank: int,
     sharded: bool,
+    owns: Callable[[str], object] | None = None,
 ) -> OptimizerTensors:
     """This rank's optimizer state to write: whole TP shards, or (``sharded``) its own flat ranges.
 
-    A TP-replicated parameter's state is written by TP rank 0 only; a scalar state by TP rank 0 and
-    the DP rank whose range starts at element 0 (any, when unsharded: only DP rank 0 writes then).
+    Unsharded, the state follows the weights: ``owns(name)`` says whether this rank writes them
+    (default: TP rank 0 for a TP-replicated parameter; the caller picks the data-parallel rank).
+    Sharded, every data-parallel rank writes its own ranges, a TP-replicated parameter's on TP rank
+    0 only; an MoE expert (never TP-split: other TP ranks hold other experts) on every rank holding a
+    range of it. A scalar state goes once: from the rank whose range starts at element 0, on TP rank
+    0 unless it is an expert's.
     """
     state = optimizer.param_state_by_name()
     out = OptimizerTensors({}, {}, {}, [], state.get("grad_scaler"))
@@ -112,16 +119,20 @@ def optimizer_tensors(
                 f"the optimizer steps a parameter '{name}' that the model chunks do not hold"
             )
         spec, start, end = specs[name], entry["start"], entry["end"]
-        if spec.partition is None and tp_rank != 0:
+        whole_on_every_tp_rank = spec.partition is None and spec.expert is None
+        if owns is not None and not sharded:
+            if not owns(name):
+                continue
+        elif whole_on_every_tp_rank and tp_rank != 0:
             continue
         for key, value in entry.items():
             if key in PARAM_STATE_FIELDS or not isinstance(value, torch.Tensor):
                 continue
             logical = optimizer_tensor_name(key, name)
             if value.dim() == 0:  # replicated over TP and DP: written once
-                if start == 0 and tp_rank == 0:
+                if start == 0 and (tp_rank == 0 or spec.expert is not None):
                     out.tensors[logical] = value
-                    out.specs[logical] = TensorSpec((), value.dtype, None, spec.owner)
+                    out.specs[logical] = TensorSpec((), value.dtype, None, spec.owner, spec.expert)
                 continue
             if value.dim() != 1 or value.numel() != end - start:
                 raise CheckpointError(
@@ -158,7 +169,20 @@ def check_spec(ckpt: Checkpoint, name: str, ours: TensorSpec) -> None:
         raise CheckpointError(
             f"checkpoint {ckpt.path}: tensor '{name}' has full shape {saved.shape} split {saved.partition} "
             f"in the checkpoint but {ours.shape} split {ours.partition} in the model"
+            + _vocabulary_hint(name, saved, ours)
         )
+
+
+def _vocabulary_hint(name: str, saved: TensorSpec, ours: TensorSpec) -> str:
+    """For a word embedding or output layer that differs in its rows only: the tokenizers differ."""
+    vocabulary = name.endswith(("word_embeddings.weight", "output_layer.weight"))
+    if not vocabulary or saved.shape[1:] != ours.shape[1:]:
+        return ""
+    return (
+        f": the checkpoint's vocabulary has {saved.shape[0]} token ids and this run's tokenizer "
+        f"{ours.shape[0]}; use the checkpoint's tokenizer (--use-checkpoint-args takes it), or with "
+        f"--tokenizer-type NullTokenizer (N + 1 ids) --vocab-size {saved.shape[0] - 1}"
+    )
 
 
 def read_optimizer_state(

@@ -4,7 +4,8 @@ A parameter's TP split comes from Megatron's attributes on it (``tensor_model_pa
 ``partition_dim``, ``partition_stride``); a vocabulary-padded weight is recognised by
 ``init_valid_rows`` (only the first rows are real, see ``core.transformer.initialization``) and
 recorded with its unpadded size and the padding rule; its place in the pipeline comes from its
-name (``models.gpt.gpt_model.layout_owner``).
+name (``models.gpt.gpt_model.layout_owner``), and so does an MoE expert's global index
+(``expert_of``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from core.tensor_parallel import param_is_tensor_parallel
-from models.gpt.gpt_model import OUTPUT_WEIGHT, WORD_EMBEDDINGS, layout_owner
+from models.gpt.gpt_model import OUTPUT_WEIGHT, WORD_EMBEDDINGS, expert_of, layout_owner
 from training.checkpoint.format import (
     CheckpointError,
     Partition,
@@ -46,7 +47,7 @@ def param_spec(name: str, param: torch.Tensor, tp_size: int, pad_multiple: int) 
         else:
             partition = Partition(dim, getattr(param, "partition_stride", 1))
             shape[dim] *= tp_size
-    return TensorSpec(tuple(shape), param.dtype, partition, layout_owner(name))
+    return TensorSpec(tuple(shape), param.dtype, partition, layout_owner(name), expert_of(name))
 
 
 def tied_tensors(untie_embeddings_and_output_weights: bool) -> dict[str, dict[str, Any]]:
@@ -109,6 +110,11 @@ def check_same_model(saved: Mapping[str, Any], ours: Mapping[str, Any], where: s
         "rope_scaling_factor",
         "layernorm_zero_centered_gamma",
         "untie_embeddings_and_output_weights",
+        "num_moe_experts",
+        "moe_layer_freq",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_gate",
     )
     diffs = [
         f"{f} is {saved[f]!r} in the checkpoint but {ours[f]!r} here"

@@ -2,7 +2,8 @@
 
 :func:`plan_files` decides which file holds which TP shard of every tensor at a target
 :class:`Parallelism` (the pipeline layout places each tensor by its owner; replicated tensors go to
-TP rank 0 only; optimizer state goes to the DP-rank-0 optimizer files). :class:`CheckpointWriter`
+TP rank 0 only; optimizer state goes to the DP-rank-0 optimizer files; MoE experts go whole to the
+file of the expert-parallel rank that holds them). :class:`CheckpointWriter`
 then opens every target file at once, with its header already written, and takes full tensors in
 any order, writing each shard at its place in its file, so memory stays near one full tensor however
 large the model. :func:`write_manifest` commits: the manifest, then the tracker, last.
@@ -28,6 +29,8 @@ from training.checkpoint.format import (
     Parallelism,
     TensorSpec,
     canonical_order,
+    expert_file,
+    expert_optim_file,
     iteration_dir,
     model_file,
     optim_file,
@@ -93,11 +96,21 @@ def plan_files(
         entries += [(name, copy, ranks[owner], owner) for copy, owner in copies if ranks[owner] != pp_rank]
     owner_of = {key: owner for _, key, _, owner in entries}
     order = {key: i for i, key in enumerate(canonical_order(owner_of, owner_of.__getitem__))}
+    experts = 1 + max((s.expert for s in specs.values() if s.expert is not None), default=-1)
+    if experts % parallelism.ep:
+        raise CheckpointError(
+            f"{experts} experts per layer cannot be split over {parallelism.ep} expert-parallel ranks"
+        )
     files: dict[str, list[tuple[str, str, int]]] = {}
     for name, key, pp_rank, _ in sorted(entries, key=lambda e: order[e[1]]):
         optimizer = split_optimizer_tensor_name(name) is not None
+        expert = specs[name].expert
         for t in range(tp) if specs[name].partition is not None else [0]:
-            file = optim_file(t, pp_rank, 0) if optimizer else model_file(t, pp_rank)
+            if expert is not None:  # whole experts, in the file of the EP rank holding them
+                ep_rank = expert // (experts // parallelism.ep)
+                file = expert_optim_file(pp_rank, ep_rank) if optimizer else expert_file(pp_rank, ep_rank)
+            else:
+                file = optim_file(t, pp_rank, 0) if optimizer else model_file(t, pp_rank)
             files.setdefault(file, []).append((name, key, t))
     return files
 

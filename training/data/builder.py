@@ -1,7 +1,8 @@
 """Train/valid/test GPT datasets from ``--data-path`` and ``--split``, with Megatron's semantics.
 
 * ``--data-path A`` or ``--data-path 0.3 A 0.7 B`` (weights optional, normalised; without
-  weights several prefixes are blended in proportion to their sizes).
+  weights several prefixes are blended in proportion to their sizes). Numbers among items that
+  are not such pairs (``0.5 A 0.5``: a prefix missing) are refused, not read as prefixes named ``0.5``.
 * ``--split 969,30,1``: the weights are normalised and each split gets the contiguous range
   ``[round(lo * N), round(hi * N))`` of every dataset's N documents (sequences); a zero-width
   split gets no dataset (None).
@@ -26,6 +27,7 @@ import numpy as np
 from training.data.blended_dataset import BlendedDataset, normalize
 from training.data.gpt_dataset import GPTDataset
 from training.data.indexed_dataset import IndexedDataset
+from training.logging_utils import print_line
 
 SPLIT_NAMES = ("train", "valid", "test")
 MID_LEVEL_DATASET_SURPLUS = 0.005
@@ -50,7 +52,24 @@ def parse_data_path(data_path: str | Sequence[str | float]) -> tuple[list[str], 
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
             raise TypeError(f"expected 'weight prefix' pairs or prefixes, got {items}")
+    numbers = [os.fspath(item) for item in items if _is_number(os.fspath(item))]
+    if numbers:  # not pairs (those returned above), yet with weights: not prefixes named "0.5" either
+        count = f"{len(items)} item" + ("s" if len(items) > 1 else "")
+        problem = f"one is missing ({count})" if len(items) % 2 else "a weight is out of place"
+        raise ValueError(
+            f"{' '.join(map(os.fspath, items))} looks like 'weight prefix' pairs with weights "
+            f"{', '.join(numbers)}, but {problem}; give a prefix after every weight (e.g. 0.3 A 0.7 B), "
+            "or prefixes only"
+        )
     return [os.fspath(p).strip() for p in items], None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_split(split: str) -> list[float]:
@@ -128,42 +147,13 @@ def build_train_valid_test_datasets(
     sizes = list(num_samples)
     if len(sizes) != 3:
         raise ValueError(f"num_samples needs one entry per split (train, valid, test), got {sizes}")
-    common = {
-        "seq_length": seq_length,
-        "seed": seed,
-        "eod_token": eod_token,
-        "eod_mask_loss": eod_mask_loss,
-        "vocab_size": vocab_size,
-    }
-
-    unused_empty: dict[str, list[str]] = {}
-
-    def per_prefix(prefix: str, counts: Sequence[int | None]) -> list[GPTDataset | None]:
-        indexed = open_dataset(prefix)
-        datasets = []
-        for name, docs, count, asked in zip(
-            SPLIT_NAMES, split_document_indices(len(indexed), split), counts, sizes
-        ):
-            if docs is not None and len(docs) == 0 and asked == 0:
-                unused_empty.setdefault(name, []).append(f"{prefix} ({len(indexed)} documents)")
-                docs = None
-            datasets.append(
-                None
-                if docs is None
-                else GPTDataset(indexed, docs, count, split_name=name, cache_dir=cache_dir, **common)
-            )
-        return datasets
-
-    def warn_once() -> None:
-        if unused_empty and os.environ.get("RANK", "0") == "0":
-            where = "; ".join(f"{name} split of {', '.join(p)}" for name, p in unused_empty.items())
-            print(f"WARNING: --split {split} leaves no documents in the {where}; it is not used", flush=True)
-
+    common = {"seq_length": seq_length, "seed": seed, "eod_token": eod_token, "vocab_size": vocab_size}
+    splits = _Splits(split, sizes, open_dataset, cache_dir, dict(common, eod_mask_loss=eod_mask_loss))
     if len(prefixes) == 1:
-        single = per_prefix(prefixes[0], sizes)
-        warn_once()
+        single = splits.of_prefix(prefixes[0], sizes)
+        splits.warn_unused()
         return single
-
+    targets = None
     if weights is not None:
         weights = normalize(weights)
         for name, size in zip(SPLIT_NAMES, sizes):
@@ -173,29 +163,58 @@ def build_train_valid_test_datasets(
         buffers = [[math.ceil(t * (1 + MID_LEVEL_DATASET_SURPLUS)) for t in row] for row in targets]
     else:
         buffers = [[None, None, None] for _ in prefixes]
-    parts = [per_prefix(prefix, counts) for prefix, counts in zip(prefixes, buffers)]
-    warn_once()
+    parts = [splits.of_prefix(prefix, counts) for prefix, counts in zip(prefixes, buffers)]
+    splits.warn_unused()
+    return [_blend([p[i] for p in parts], i, weights, targets, sizes[i], cache_dir) for i in range(3)]
 
-    blends: list[BlendedDataset | None] = []
-    for i, name in enumerate(SPLIT_NAMES):
-        members = [p[i] for p in parts]
-        if any(m is None for m in members):
-            blends.append(None)
-            continue
-        if weights is not None:
-            split_weights, size = weights, sum(row[i] for row in targets)
-        else:
-            split_weights = [len(m) for m in members]
-            size = None if sizes[i] is None else min(sizes[i], sum(split_weights))
-        description = {
-            "datasets": [m.cache_files[0].name for m in members],
-            "split_name": name,
-        }
-        blend_cache = cache_dir if cache_dir is not None else members[0].cache_files[0].parent
-        blends.append(
-            BlendedDataset(members, split_weights, size, cache_dir=blend_cache, description=description)
-        )
-    return blends
+
+class _Splits:
+    """Cuts one prefix's documents into the three splits, and remembers the empty splits nobody reads."""
+
+    def __init__(
+        self, split: str, sizes: list[int | None], open_dataset: Callable, cache_dir, common: dict
+    ) -> None:
+        self.split, self.sizes, self.open_dataset, self.cache_dir = split, sizes, open_dataset, cache_dir
+        self.common = common  # GPTDataset's keyword arguments
+        self.unused_empty: dict[str, list[str]] = {}
+
+    def of_prefix(self, prefix: str, counts: Sequence[int | None]) -> list[GPTDataset | None]:
+        indexed = self.open_dataset(prefix)
+        datasets = []
+        for name, docs, count, asked in zip(
+            SPLIT_NAMES, split_document_indices(len(indexed), self.split), counts, self.sizes
+        ):
+            if docs is not None and len(docs) == 0 and asked == 0:
+                self.unused_empty.setdefault(name, []).append(f"{prefix} ({len(indexed)} documents)")
+                docs = None
+            datasets.append(
+                None
+                if docs is None
+                else GPTDataset(
+                    indexed, docs, count, split_name=name, cache_dir=self.cache_dir, **self.common
+                )
+            )
+        return datasets
+
+    def warn_unused(self) -> None:
+        """One warning (rank 0) for the empty splits that are never read."""
+        if self.unused_empty and os.environ.get("RANK", "0") == "0":
+            where = "; ".join(f"{name} split of {', '.join(p)}" for name, p in self.unused_empty.items())
+            print_line(f"WARNING: --split {self.split} leaves no documents in the {where}; it is not used")
+
+
+def _blend(members: list, i: int, weights, targets, asked: int | None, cache_dir) -> BlendedDataset | None:
+    """Split ``i`` of every prefix blended: by the given weights, else by the members' sizes."""
+    if any(m is None for m in members):
+        return None
+    if weights is not None:
+        split_weights, size = weights, sum(row[i] for row in targets)
+    else:
+        split_weights = [len(m) for m in members]
+        size = None if asked is None else min(asked, sum(split_weights))
+    description = {"datasets": [m.cache_files[0].name for m in members], "split_name": SPLIT_NAMES[i]}
+    blend_cache = cache_dir if cache_dir is not None else members[0].cache_files[0].parent
+    return BlendedDataset(members, split_weights, size, cache_dir=blend_cache, description=description)
 
 
 def build_per_split_datasets(

@@ -25,6 +25,8 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
+from training.logging_utils import print_line
+
 # Directory names never descended into: tests (low-value, sometimes deliberately broken
 # source), third-party packages, generated codec tables, and byte-code caches.
 _SKIP_DIRS = frozenset(
@@ -169,7 +171,7 @@ def build_default_corpus(
     if path.is_file() and meta_path.is_file() and not force:
         if verbose:
             meta = json.loads(meta_path.read_text())
-            print(f"default corpus: {path} (cached; {_describe(meta)})", flush=True)
+            print_line(f"default corpus: {path} (cached; {_describe(meta)})")
         return path
 
     start = time.perf_counter()
@@ -190,7 +192,7 @@ def build_default_corpus(
     atomic_write_bytes(path, data)
     atomic_write_bytes(meta_path, json.dumps(meta, indent=2).encode())
     if verbose:
-        print(f"default corpus: built {path} ({_describe(meta)})", flush=True)
+        print_line(f"default corpus: built {path} ({_describe(meta)})")
     return path
 
 

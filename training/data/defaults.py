@@ -15,6 +15,7 @@ from training.data.indexed_dataset import (
     optimal_dtype,
 )
 from training.data.tokenizer_training import iter_jsonl_texts
+from training.logging_utils import print_line
 from training.tokenizer import tokenizer_files
 
 
@@ -38,7 +39,7 @@ def default_data_prefix(
     prefix = str(cache / f"{corpus.stem}-{type(tokenizer).__name__}-{digest}_text_document")
     if os.path.exists(index_file_path(prefix)) and os.path.exists(data_file_path(prefix)):
         if verbose:
-            print(f"default data: {prefix}.bin/.idx (cached)", flush=True)
+            print_line(f"default data: {prefix}.bin/.idx (cached)")
         return prefix
     start = time.perf_counter()
     tmp = f"{prefix}.tmp{os.getpid()}"
@@ -54,9 +55,8 @@ def default_data_prefix(
     os.replace(data_file_path(tmp), data_file_path(prefix))
     os.replace(index_file_path(tmp), index_file_path(prefix))
     if verbose:
-        print(
+        print_line(
             f"default data: tokenized {corpus.name} into {tokens:,} tokens in {time.perf_counter() - start:.1f} s "
-            f"-> {prefix}.bin/.idx",
-            flush=True,
+            f"-> {prefix}.bin/.idx"
         )
     return prefix

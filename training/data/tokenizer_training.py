@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from training.data.corpus import atomic_write_bytes, build_default_corpus, default_cache_dir
+from training.logging_utils import print_line
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 DEFAULT_VOCAB_SIZE = 4096
@@ -118,14 +119,13 @@ def default_tokenizer(cache_dir: str | os.PathLike | None = None, *, verbose: bo
     path = cache / f"{corpus.stem}-spm-bpe{DEFAULT_VOCAB_SIZE}.model"
     if path.is_file():
         if verbose:
-            print(f"default tokenizer: {path} (cached)", flush=True)
+            print_line(f"default tokenizer: {path} (cached)")
         return path
     start = time.perf_counter()
     train_sentencepiece(iter_jsonl_texts(corpus), path)
     if verbose:
-        print(
+        print_line(
             f"default tokenizer: trained {path} (BPE, vocab {DEFAULT_VOCAB_SIZE}, "
-            f"{time.perf_counter() - start:.1f} s)",
-            flush=True,
+            f"{time.perf_counter() - start:.1f} s)"
         )
     return path

@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` and ``TransformerConfig``, both ways, for the LLaMA and GPT-2 families.
+"""Hugging Face ``config.json`` and ``TransformerConfig``, both ways, for the LLaMA, GPT-2, Mixtral and
+Qwen2-MoE families.
 
 Export writes the classic field names (``rope_theta``, ``rope_scaling``, ``torch_dtype``) that every
 ``transformers`` release reads. Import reads those and the newer ``rope_parameters`` / ``dtype``,
@@ -26,7 +27,12 @@ from models.gpt.presets import gpt2_config, llama_config
 
 __all__ = ["HFConfigError", "hf_config_json", "transformer_config_from_hf"]
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 GPT2_ACTIVATIONS = {"gelu_new": openai_gelu, "gelu_pytorch_tanh": openai_gelu, "gelu": F.gelu}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -133,6 +139,54 @@ def _llama(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     }
 
 
+def _moe_common(hf: Mapping[str, Any], where: str, experts: str) -> dict[str, Any]:
+    """What Mixtral and Qwen2-MoE share: LLaMA's attention and norms (no linear biases), top-k routing."""
+    if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
+        raise _refuse(where, "attention_bias", True, f"{hf['model_type']} has no linear biases")
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", hf["model_type"] == "mixtral"):
+        raise _refuse(where, "sliding_window", hf["sliding_window"], "Trident's attention is fully causal")
+    if hf.get("router_jitter_noise", 0.0):
+        raise _refuse(
+            where, "router_jitter_noise", hf["router_jitter_noise"], "Trident's router multiplies no noise"
+        )
+    fields = _llama(hf | {"attention_bias": False, "mlp_bias": False}, where)
+    return fields | {
+        "num_moe_experts": hf[experts],
+        "moe_router_topk": hf.get("num_experts_per_tok", 2),
+        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0)),
+        "moe_router_load_balancing_type": "aux_loss",
+    }
+
+
+def _mixtral(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    fields = _moe_common(hf, where, "num_local_experts")
+    return fields | {
+        "moe_ffn_hidden_size": hf["intermediate_size"],
+        "ffn_hidden_size": hf["intermediate_size"],
+    }
+
+
+def _qwen2_moe(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    fields = _moe_common(hf, where, "num_experts")
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    if step < 1:
+        raise _refuse(where, "decoder_sparse_step", step, "it must be >= 1")
+    shared = hf.get("shared_expert_intermediate_size", 0)
+    if not shared:
+        raise _refuse(
+            where, "shared_expert_intermediate_size", shared, "Qwen2-MoE's shared expert needs a size"
+        )
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
+    return fields | {
+        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+        "moe_shared_expert_intermediate_size": shared,
+        "moe_shared_expert_gate": True,
+        "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+        "moe_layer_freq": pattern if not all(pattern) else 1,
+        "add_qkv_bias": bool(hf.get("qkv_bias", True)),
+    }
+
+
 def _gpt2(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     activation = hf.get("activation_function", "gelu_new")
     if activation not in GPT2_ACTIVATIONS:
@@ -171,10 +225,15 @@ def transformer_config_from_hf(
     """
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise _refuse(where, "model_type", model_type, "Trident imports 'llama' and 'gpt2' models")
+        raise _refuse(
+            where,
+            "model_type",
+            model_type,
+            "Trident imports 'llama', 'gpt2', 'mixtral' and 'qwen2_moe' models",
+        )
     try:
-        if model_type == "llama":
-            fields = _llama(hf, where)
+        if model_type in ("llama", "mixtral", "qwen2_moe"):
+            fields = {"llama": _llama, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe}[model_type](hf, where)
             max_positions = hf.get("max_position_embeddings", 2048)
             build = llama_config
         else:

@@ -1,6 +1,6 @@
 """A Trident checkpoint (any split) -> a Hugging Face model folder, one layer at a time.
 
-Writes ``config.json``, the weights as ``model.safetensors`` (or, above ``max_shard_size``, as
+Writes ``config.json`` and ``generation_config.json`` (the BOS and EOS ids), the weights as ``model.safetensors`` (or, above ``max_shard_size``, as
 ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, as ``save_pretrained``
 does) and the tokenizer (:mod:`training.hf.tokenizer`). The shard plan is made first from the
 tensors' shapes alone (the mapping run on meta tensors, no data read); every shard file is then
@@ -30,6 +30,7 @@ __all__ = ["ExportSummary", "export_to_hf", "parse_size"]
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 
 
 def parse_size(text: str | int) -> int:
@@ -57,13 +58,20 @@ class ExportSummary:
     shards: int
     tokenizer: str | None
     seconds: float
+    eos_token_id: int | None = None
 
     def line(self) -> str:
         files = SINGLE_FILE if self.shards == 1 else f"{self.shards} shards + {INDEX_FILE}"
         tokenizer = f"tokenizer from {self.tokenizer}" if self.tokenizer else "no tokenizer"
+        if self.tokenizer == "NullTokenizer":
+            tokenizer = (
+                "no tokenizer files (a NullTokenizer model reads token ids: it has no text tokenizer; "
+                f"its end-of-document id {self.eos_token_id} is eos_token_id)"
+            )
         return (
             f"exported to Hugging Face {self.architecture}: {self.tensors} tensors, {self.bytes / 1e6:.1f} MB "
-            f"({files}), config.json, {tokenizer}, in {self.seconds:.1f} s into {self.path}"
+            f"({files}), config.json, generation_config.json, {tokenizer}, in {self.seconds:.1f} s into "
+            f"{self.path}"
         )
 
 
@@ -149,27 +157,12 @@ def export_to_hf(
         else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     )
     _check_empty(out)
-    writers = {}
     file_of = {name: file for file, shard in zip(files, shards) for name, _, _ in shard}
-    total = 0
-    try:
-        for file, shard in zip(files, shards):
-            writers[file] = TensorFileWriter(os.path.join(out, file), shard, {"format": "pt"})
-        for name, tensor in iter_to_hf(_CheckpointTensors(ckpt), config, vocab, tied_head=False):
-            writers[file_of[name]].write(name, tensor)
-            total += tensor.numel() * tensor.element_size()
-            if progress is not None:
-                progress(tensor.numel() * tensor.element_size())
-        for writer in writers.values():
-            writer.close(sync_dir=False)
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
+    total = _write_shards(ckpt, out, files, shards, file_of, progress)
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
         _write(os.path.join(out, INDEX_FILE), index)
-    tokenizer = export_tokenizer(ckpt.tokenizer, out, max_length=ckpt.max_sequence_length)
+    tokenizer = export_tokenizer(ckpt.tokenizer, out, max_length=ckpt.max_sequence_length, vocab_size=vocab)
     imported = ckpt.manifest.get("extra", {}).get("imported_from", {})  # ids when no tokenizer says them
     for key in ("bos_token_id", "eos_token_id"):
         if tokenizer[key] is None:
@@ -184,6 +177,7 @@ def export_to_hf(
         eos_token_id=tokenizer["eos_token_id"],
     )
     _write(os.path.join(out, "config.json"), hf_config)
+    _write(os.path.join(out, GENERATION_CONFIG), generation_config(tokenizer))
     fsync_dir(out)
     return ExportSummary(
         path=out,
@@ -193,7 +187,46 @@ def export_to_hf(
         shards=len(files),
         tokenizer=tokenizer["type"],
         seconds=time.perf_counter() - started,
+        eos_token_id=tokenizer["eos_token_id"],
     )
+
+
+def _write_shards(
+    ckpt: Checkpoint,
+    out: str,
+    files: list[str],
+    shards: list[list],
+    file_of: dict[str, str],
+    progress: Callable[[int], None] | None,
+) -> int:
+    """Stream every tensor, in Hugging Face's names, into its shard file; the bytes written.
+
+    A failure leaves no partial file behind."""
+    writers, total = {}, 0
+    try:
+        for file, shard in zip(files, shards):
+            writers[file] = TensorFileWriter(os.path.join(out, file), shard, {"format": "pt"})
+        for name, tensor in iter_to_hf(
+            _CheckpointTensors(ckpt), ckpt.config, ckpt.vocab_size, tied_head=False
+        ):
+            writers[file_of[name]].write(name, tensor)
+            total += tensor.numel() * tensor.element_size()
+            if progress is not None:
+                progress(tensor.numel() * tensor.element_size())
+        for writer in writers.values():
+            writer.close(sync_dir=False)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    return total
+
+
+def generation_config(tokenizer: Mapping[str, int | None]) -> dict:
+    """``generation_config.json``: the ids ``generate()`` starts and stops at, as ``save_pretrained`` writes
+    them (null ids left out)."""
+    ids = {key: tokenizer[key] for key in ("bos_token_id", "eos_token_id") if tokenizer[key] is not None}
+    return {"_from_model_config": True, **ids}
 
 
 def _write(path: str, value) -> None:

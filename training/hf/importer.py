@@ -124,20 +124,13 @@ def import_from_hf(
     pipeline_parallel: int = 1,
     virtual_stages: int | None = None,
     layout: str | None = None,
+    expert_parallel: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> ImportSummary:
     """Write the Hugging Face model in ``folder`` as a Trident checkpoint (iteration 0) under ``save``."""
     started = time.perf_counter()
-    config_path = os.path.join(folder, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as fh:
-            hf_config = json.load(fh)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read {config_path}: {err}") from None
-    config, vocab_size, max_positions = transformer_config_from_hf(
-        hf_config,
-        where=config_path,
-        **split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout),
+    hf_config, config, vocab_size, max_positions = _read_config(
+        folder, split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout, expert_parallel)
     )
     weights = SafetensorsFolder(folder)
     dtype = weights[
@@ -154,27 +147,7 @@ def import_from_hf(
     except ValueError as err:
         raise CheckpointError(f"the target split does not fit the model: {err}") from None
     specs, tied = gpt_tensor_specs(config, vocab_size, max_positions)
-    total = 0
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal total
-        for name, tensor in iter_from_hf(weights, config):
-            if tuple(tensor.shape) != specs[name].shape:
-                raise CheckpointError(
-                    f"{folder}: tensor for '{name}' has shape {tuple(tensor.shape)}, but config.json "
-                    f"describes {specs[name].shape}"
-                )
-            total += tensor.numel() * tensor.element_size()
-            if progress is not None:
-                progress(tensor.numel() * tensor.element_size())
-            yield name, tensor
-        unused = sorted(set(weights) - weights.read - ({"lm_head.weight"} if tied else set()))
-        if unused:
-            raise CheckpointError(
-                f"{folder}: {len(unused)} tensors would be dropped, e.g. {unused[:3]}: config.json describes "
-                "a model without them"
-            )
-
+    total = [0]  # bytes read, counted as the writer pulls the tensors
     names = hf_tokenizer_files(folder)
     with tempfile.TemporaryDirectory() as staging:
         tokenizer_dir = os.path.join(staging, "hf_tokenizer")
@@ -183,7 +156,7 @@ def import_from_hf(
             shutil.copyfile(os.path.join(folder, name), os.path.join(tokenizer_dir, name))
         path = write_checkpoint(
             save,
-            tensors(),
+            _checked_tensors(folder, weights, config, specs, tied, total, progress),
             specs=specs,
             tied=tied,
             parallelism=parallelism,
@@ -192,20 +165,63 @@ def import_from_hf(
             max_sequence_length=max_positions,
             tokenizer_type="HuggingFaceTokenizer" if names else None,
             tokenizer_files={"tokenizer_model": tokenizer_dir} if names else None,
-            extra={
-                "imported_from": {
-                    "hugging_face": os.path.abspath(folder),
-                    "model_type": hf_config["model_type"],
-                    **{k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id")},
-                }
-            },
+            extra={"imported_from": _origin(folder, hf_config)},
         )
     return ImportSummary(
         path=path,
         architecture=hf_architecture(config),
         split=parallelism.describe(),
         tensors=len(specs),
-        bytes=total,
+        bytes=total[0],
         tokenizer=bool(names),
         seconds=time.perf_counter() - started,
     )
+
+
+def _read_config(folder: str, split: dict[str, Any]) -> tuple[dict, Any, int, int]:
+    """``config.json`` and the Trident config, vocabulary and positions it describes at ``split``."""
+    config_path = os.path.join(folder, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as fh:
+            hf_config = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {config_path}: {err}") from None
+    config, vocab_size, max_positions = transformer_config_from_hf(hf_config, where=config_path, **split)
+    return hf_config, config, vocab_size, max_positions
+
+
+def _checked_tensors(
+    folder: str,
+    weights: SafetensorsFolder,
+    config,
+    specs: Mapping,
+    tied: bool,
+    total: list[int],
+    progress: Callable[[int], None] | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor under its Trident name, its shape checked; at the end, none left unread."""
+    for name, tensor in iter_from_hf(weights, config):
+        if tuple(tensor.shape) != specs[name].shape:
+            raise CheckpointError(
+                f"{folder}: tensor for '{name}' has shape {tuple(tensor.shape)}, but config.json "
+                f"describes {specs[name].shape}"
+            )
+        total[0] += tensor.numel() * tensor.element_size()
+        if progress is not None:
+            progress(tensor.numel() * tensor.element_size())
+        yield name, tensor
+    unused = sorted(set(weights) - weights.read - ({"lm_head.weight"} if tied else set()))
+    if unused:
+        raise CheckpointError(
+            f"{folder}: {len(unused)} tensors would be dropped, e.g. {unused[:3]}: config.json describes "
+            "a model without them"
+        )
+
+
+def _origin(folder: str, hf_config: dict) -> dict[str, Any]:
+    """Where an imported checkpoint came from, for its manifest."""
+    return {
+        "hugging_face": os.path.abspath(folder),
+        "model_type": hf_config["model_type"],
+        **{k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id")},
+    }

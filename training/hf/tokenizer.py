@@ -27,6 +27,8 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from training.tokenizer import HuggingFaceTokenizer
+
 __all__ = ["TOKENIZER_FILES", "export_tokenizer", "hf_tokenizer_files"]
 
 TOKENIZER_FILES = (
@@ -50,11 +52,15 @@ def hf_tokenizer_files(folder: str) -> list[str]:
     return [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))]
 
 
-def export_tokenizer(record: Mapping[str, Any] | None, out: str, *, max_length: int) -> dict[str, Any]:
+def export_tokenizer(
+    record: Mapping[str, Any] | None, out: str, *, max_length: int, vocab_size: int
+) -> dict[str, Any]:
     """Write the checkpoint's tokenizer (``Checkpoint.tokenizer``) into ``out`` for ``AutoTokenizer``.
 
     Returns ``{"type": ..., "bos_token_id": ..., "eos_token_id": ...}`` (None ids where there are
-    none); a checkpoint without a tokenizer, or with a ``NullTokenizer``, exports none.
+    none); a checkpoint without a tokenizer, or with a ``NullTokenizer``, exports no files. A
+    NullTokenizer model reads token ids and has no text tokenizer, but its end-of-document id is
+    known: the last of its ``vocab_size`` ids (N + 1 ids for ``--vocab-size N``), written as ``eos_token_id``.
     """
     kind = None if record is None else record["type"]
     files = {} if record is None else record["files"]
@@ -66,7 +72,9 @@ def export_tokenizer(record: Mapping[str, Any] | None, out: str, *, max_length: 
         ids = _export_gpt2(files["vocab_file"], files["merge_file"], out, max_length=max_length)
     elif kind == "HuggingFaceTokenizer":
         ids = _copy_hf_folder(files["tokenizer_model"], out)
-    elif kind in (None, "NullTokenizer"):
+    elif kind == "NullTokenizer":
+        return {"type": kind, "bos_token_id": None, "eos_token_id": vocab_size - 1}
+    elif kind is None:
         return {"type": kind, "bos_token_id": None, "eos_token_id": None}
     else:
         raise ValueError(f"tokenizer type {kind!r} cannot be exported to a Hugging Face folder")
@@ -225,8 +233,6 @@ def _copy_hf_folder(folder: str, out: str) -> dict[str, Any]:
         raise ValueError(f"the checkpoint's Hugging Face tokenizer folder {folder} holds no tokenizer files")
     for name in names:
         shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
-    from training.tokenizer import HuggingFaceTokenizer
-
     tokenizer = HuggingFaceTokenizer(folder)
     return {
         "bos_token_id": None if tokenizer.bos < 0 else tokenizer.bos,

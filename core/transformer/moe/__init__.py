@@ -1,29 +1,7 @@
-"""Mixture of experts (Megatron's ``megatron.core.transformer.moe``): router, dispatchers, experts, layer."""
+"""Mixture of experts (Megatron's ``megatron.core.transformer.moe``).
 
-from core.transformer.moe.experts import ExpertMLP, Experts
-from core.transformer.moe.groups import MoEGroups
-from core.transformer.moe.moe_config import MoEConfig, moe_problems
-from core.transformer.moe.moe_layer import MoELayer, SharedExpertMLP
-from core.transformer.moe.moe_logging import moe_loss_names, reduce_moe_metrics
-from core.transformer.moe.router import TopKRouter
-from core.transformer.moe.token_dispatcher import (
-    AllGatherTokenDispatcher,
-    AllToAllTokenDispatcher,
-    build_token_dispatcher,
-)
-
-__all__ = [
-    "AllGatherTokenDispatcher",
-    "AllToAllTokenDispatcher",
-    "ExpertMLP",
-    "Experts",
-    "MoEConfig",
-    "MoEGroups",
-    "MoELayer",
-    "SharedExpertMLP",
-    "TopKRouter",
-    "build_token_dispatcher",
-    "moe_loss_names",
-    "moe_problems",
-    "reduce_moe_metrics",
-]
+``moe_config`` (the config fields), ``router`` (top-k gate and balancing losses), ``token_dispatcher``
+(alltoall, allgather), ``experts`` (looped or grouped), ``moe_layer`` (the layer), ``moe_logging``
+(the losses for the log), ``groups`` (its process groups). Import from those modules: this package
+is imported by the transformer config itself, before the layers exist.
+"""

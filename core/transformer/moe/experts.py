@@ -24,6 +24,7 @@ from torch import nn
 
 from core.device import current_device
 from core.transformer.initialization import mark_init
+from core.transformer.mlp import activate
 
 
 def _param(shape: tuple[int, ...], config, rule: str) -> nn.Parameter:
@@ -56,10 +57,7 @@ class ExpertMLP(nn.Module):
         self.linear_fc2 = ExpertLinear(ffn_hidden_size, config.hidden_size, config, "scaled_normal")
 
     def activate(self, intermediate: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)
-            return self.activation_func(gate) * up
-        return self.activation_func(intermediate)
+        return activate(intermediate, self.activation_func, self.gated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.activate(self.linear_fc1(x)))

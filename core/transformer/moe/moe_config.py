@@ -8,6 +8,7 @@ construction, before any rank builds a layer or joins a collective.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -92,17 +93,60 @@ class MoEConfig:
             return [i % self.moe_layer_freq == 0 for i in range(num_layers)]
         return [bool(v) for v in self.moe_layer_freq]
 
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether decoder layer ``layer_number`` (global, 0-based) has an MoE layer for its MLP."""
+        return self.moe_layer_pattern(self.num_layers)[layer_number]
+
     @property
     def expert_ffn_hidden_size(self) -> int:
         """Inner size of one routed expert."""
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
 
 
+def parse_moe_layer_freq(value: int | str | list[int]) -> int | list[int]:
+    """Megatron's ``--moe-layer-freq``: an int N, or a list expression of 0/1 per layer built from list
+    literals, ``+`` and ``*`` (``"([0]+[1]*23)"``, ``"([1]*3+[0]*1)*3"``), evaluated without ``eval``."""
+    if isinstance(value, (int, list)):
+        return value
+    text = value.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        result = _pattern(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(
+            f"moe_layer_freq {value!r} is neither an integer nor a list expression such as '([0]+[1]*23)'"
+            f" ({err})"
+        ) from None
+    if not isinstance(result, list):
+        raise ValueError(f"moe_layer_freq {value!r} must give a list of 0/1 per layer")  # noqa: TRY004
+    return result
+
+
+def _pattern(node: ast.AST) -> int | list[int]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern(element) for element in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern(node.left), _pattern(node.right)
+        too_long = isinstance(left, list) and isinstance(right, int) and len(left) * right > 1_000_000
+        if isinstance(node.op, ast.Mult) and too_long:  # a layer pattern, not a memory bomb
+            raise ValueError(f"{ast.unparse(node)!r} is longer than any model")
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"only list literals of integers, + and * are allowed, not {ast.unparse(node)!r}")
+
+
 def moe_problems(config: Any) -> list[str]:
     """Every invalid MoE setting of ``config`` (a transformer config with the fields above)."""
     experts = config.num_moe_experts
     if experts is None:
-        return []
+        ep = getattr(config, "expert_model_parallel_size", 1)
+        return (
+            [f"expert_model_parallel_size {ep} needs num_moe_experts (a model with experts)"]
+            if ep > 1
+            else []
+        )
     if experts < 1:
         return [f"num_moe_experts must be >= 1, got {experts}"]
     out: list[str] = []
@@ -122,6 +166,12 @@ def moe_problems(config: Any) -> list[str]:
         value = getattr(config, name)
         if value is not None and value < 1:
             out.append(f"{name} must be >= 1 or None, got {value}")
+    shared, tp = config.moe_shared_expert_intermediate_size, config.tensor_model_parallel_size
+    if shared is not None and shared >= 1 and shared % tp:
+        out.append(
+            f"moe_shared_expert_intermediate_size ({shared}) must be divisible by "
+            f"tensor_model_parallel_size ({tp})"
+        )
     out += _choice_problems(config)
     factor = config.moe_expert_capacity_factor
     if factor is not None and factor <= 0:

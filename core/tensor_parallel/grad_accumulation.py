@@ -1,0 +1,85 @@
+"""A linear layer whose weight gradient goes straight into ``weight.main_grad`` (``--gradient-accumulation-fusion``).
+
+Without it, backward makes each microbatch's weight gradient as a new tensor in the weight's dtype
+(bf16 for a bf16 model), autograd hands it to the parameter, and the data-parallel wrapper's hook adds
+it into the fp32 ``main_grad`` buffer: a weight-sized temporary and a second pass over it. Here the
+weight-gradient matmul accumulates into ``main_grad`` itself (``main_grad += grad_out^T @ input``), as
+Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` does with its fused CUDA kernel:
+
+* same dtypes (an fp32 model, or 16-bit gradients): ``addmm_`` into ``main_grad``;
+* a 16-bit model with fp32 ``main_grad`` on a GPU: ``addmm`` with an fp32 output (torch's
+  ``out_dtype``, cuBLAS accumulating 16-bit products into fp32); elsewhere (CPU, torch without it)
+  the 16-bit product is formed first and added, the same numbers as the hook path.
+
+Autograd then receives no gradient for the weight; the function tells the wrapper instead, through
+``weight.grad_accumulated(weight)`` (set by ``DistributedDataParallel``), which checks the bucket
+and, with overlapped reduction, counts the weight as ready, and marks
+``weight.grad_added_to_main_grad`` (Megatron's name) so that the wrapper's post-accumulate hook,
+which autograd may still run with no gradient, does nothing more. Under a zero-bubble split the function computes only what the engine will use:
+the input gradient in ``I``, the weight gradient in ``W`` (``torch._C._will_engine_execute_node``),
+so nothing is computed twice and the bucket becomes ready after the weight's ``W``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
+
+_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _engine_will_use(tensor: torch.Tensor) -> bool:
+    """Whether the running backward needs ``tensor``'s gradient (always True where torch cannot say)."""
+    if not tensor.requires_grad:
+        return False
+    if _will_engine_execute_node is None:
+        return True
+    return _will_engine_execute_node(get_gradient_edge(tensor).node)
+
+
+def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
+    """``main_grad += grad_output^T @ input_`` over 2-D ``[tokens, out]`` and ``[tokens, in]``."""
+    if main_grad.dtype == grad_output.dtype:
+        main_grad.addmm_(grad_output.t(), input_)
+    elif main_grad.is_cuda and _HAS_ADDMM_OUT_DTYPE:
+        torch.addmm(main_grad, grad_output.t(), input_, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.add_(grad_output.t() @ input_)
+
+
+class LinearWithGradAccumulation(torch.autograd.Function):
+    """``F.linear(input, weight, bias)``; backward accumulates the weight's gradient into ``main_grad``."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias):
+        ctx.save_for_backward(input_, weight, bias)
+        return F.linear(input_, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight, bias = ctx.saved_tensors
+        grad_input = grad_bias = None
+        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+        if _engine_will_use(input_):
+            grad_input = grad_output.matmul(weight)
+        if _engine_will_use(weight):
+            accumulate_weight_grad(weight.main_grad, flat_grad, input_.reshape(-1, input_.shape[-1]))
+            weight.grad_accumulated(weight)
+            weight.grad_added_to_main_grad = True
+        if bias is not None and _engine_will_use(bias):
+            grad_bias = flat_grad.sum(0)
+        return grad_input, None, grad_bias
+
+
+def linear_with_grad_accumulation(
+    input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` whose weight gradient accumulates into ``weight.main_grad`` (see the module docstring)."""
+    if not hasattr(weight, "main_grad") or not hasattr(weight, "grad_accumulated"):
+        raise ValueError(
+            "gradient_accumulation_fusion=True needs the weights' main_grad buffers, which "
+            "DistributedDataParallel creates: wrap the model before its first forward"
+        )
+    return LinearWithGradAccumulation.apply(input_, weight, bias)

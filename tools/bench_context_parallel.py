@@ -1,0 +1,189 @@
+"""Context parallelism: saved activations per rank, and how well the ring hides its transfers.
+
+Four spawned ranks (gloo on CPU, NCCL on GPUs) train a small LLaMA (RoPE, GQA) on one long sequence.
+
+* **Memory.** The bytes autograd saves for backward during one forward (``saved_tensors_hooks``,
+  each storage counted once, parameters left out), per rank, at CP = 1 (every rank holds the whole
+  sequence) and at CP = ``--cp`` (each holds ``seq / CP`` tokens). The goal at CP = 4 is <= 0.3x.
+* **Overlap.** With ``--cp-comm-type p2p`` each attention layer runs a ring: while a block's
+  attention is computed, the next key/value block is already on its way. Per training step (forward
+  and backward), the seconds spent computing attention blocks against the seconds spent waiting for
+  a block that had not arrived yet (``ring_timings``), medians over ``--steps`` steps, the slowest
+  rank each step. A ratio near 0 means the transfers hide behind the computation.
+
+    python tools/bench_context_parallel.py
+    python tools/bench_context_parallel.py --seq 8192 --hidden 256 --layers 2 --steps 5
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core import parallel_state
+from core.device import current_device
+from core.tensor_parallel import model_parallel_seed
+from core.transformer.context_parallel import get_batch_on_this_cp_rank, ring_timings
+from models.gpt import GPTModel, llama_config
+
+WORLD = 4
+
+
+def _model(args: argparse.Namespace, cp: int) -> GPTModel:
+    config = llama_config(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.groups,
+        ffn_hidden_size=args.hidden * 3,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        context_parallel_size=cp,
+        cp_comm_type=args.cp_comm_type,
+    )
+    return GPTModel(config, args.vocab, args.seq).to(current_device())
+
+
+def _batch(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (1, args.seq + 1), generator=gen)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    return {k: v.to(current_device()) for k, v in get_batch_on_this_cp_rank(batch).items()}
+
+
+def saved_activation_bytes(model: GPTModel, batch: dict[str, torch.Tensor]) -> int:
+    """Bytes autograd keeps for backward during one forward: each storage once, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(batch["tokens"], labels=batch["labels"]).sum()
+    loss.backward()
+    return sum(seen.values())
+
+
+def _timed_steps(
+    model: GPTModel, batch: dict[str, torch.Tensor], steps: int
+) -> list[tuple[float, float, float]]:
+    """(step, attention, waiting) seconds per step, the slowest rank's of each."""
+    out = []
+    for _ in range(steps):
+        dist.barrier()
+        with ring_timings() as timings:
+            start = time.perf_counter()
+            model(batch["tokens"], labels=batch["labels"]).sum().backward()
+            elapsed = time.perf_counter() - start
+        row = torch.tensor([elapsed, timings.attention, timings.waiting], dtype=torch.float64)
+        dist.all_reduce(row, op=dist.ReduceOp.MAX)
+        out.append(tuple(row.tolist()))
+    return out
+
+
+def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
+    torch.set_num_threads(1)
+    from core.device import bind_local_device, default_backend
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    bind_local_device()
+    dist.init_process_group(default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    report = {"memory": {}, "overlap": {}}
+    for cp in sorted({1, 2, args.cp}):
+        parallel_state.initialize_model_parallel(context_parallel_size=cp)
+        model_parallel_seed(1234)
+        model, batch = _model(args, cp), _batch(args)
+        nbytes = torch.tensor([saved_activation_bytes(model, batch)], dtype=torch.float64)
+        dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
+        report["memory"][cp] = nbytes.item()
+        if cp > 1 and args.cp_comm_type == "p2p":
+            _timed_steps(model, batch, args.warmup)
+            report["overlap"][cp] = _timed_steps(model, batch, args.steps)
+        parallel_state.destroy_model_parallel()
+    if rank == 0:
+        results.put(report)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--cp", type=int, default=4, choices=(2, 4))
+    parser.add_argument("--cp-comm-type", default="p2p", choices=("p2p", "a2a", "allgather"))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_rank, args=(r, args, init_file, results)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        report = results.get(timeout=3600)
+        for p in procs:
+            p.join(timeout=60)
+    memory = report["memory"]
+    ratio = memory[args.cp] / memory[1]
+    print(
+        f"LLaMA {args.layers} layers x hidden {args.hidden}, {args.heads} heads / {args.groups} groups, one "
+        f"sequence of {args.seq} tokens, {WORLD} ranks, cp_comm_type {args.cp_comm_type}"
+    )
+    print(f"{'saved activations per rank':<28}{'MiB':>10}{'vs CP=1':>10}")
+    for cp, nbytes in memory.items():
+        print(f"{f'CP={cp}':<28}{nbytes / 2**20:>10.1f}{nbytes / memory[1]:>10.3f}")
+    overlap = {}
+    if report["overlap"]:
+        print(
+            f"{'ring, per step (medians)':<28}{'step ms':>10}{'attn ms':>10}{'wait ms':>10}{'wait/attn':>11}"
+        )
+    for cp, rows in report["overlap"].items():
+        step, attention, waiting = (statistics.median(column) for column in zip(*rows))
+        overlap[cp] = {
+            "step_ms": round(step * 1000, 1),
+            "attention_ms": round(attention * 1000, 1),
+            "waiting_ms": round(waiting * 1000, 1),
+            "waiting_over_attention": round(waiting / attention, 4),
+        }
+        print(
+            f"{f'CP={cp}':<28}{step * 1000:>10.1f}{attention * 1000:>10.1f}{waiting * 1000:>10.1f}"
+            f"{waiting / attention:>11.3f}"
+        )
+    summary = {
+        "benchmark": "bench_context_parallel",
+        "seq": args.seq,
+        "saved_activation_mib": {cp: round(b / 2**20, 2) for cp, b in memory.items()},
+        f"cp{args.cp}_vs_cp1_saved_activations": round(ratio, 4),
+        "ring": overlap,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Peak memory and time of the loss: the plain vocabulary-parallel cross-entropy against the fused one.
+
+What is measured is the output layer and the loss together, forward and backward, from the final
+hidden states ``[tokens, hidden]`` to their gradient and the output weight's: the logits, every fp32
+copy, what autograd keeps for backward and every temporary. The plain path is Trident's without
+``--cross-entropy-loss-fusion`` (``vocab_parallel_cross_entropy(logits.float(), ...)``), the fused one
+``fused_vocab_parallel_cross_entropy(logits, ...)``.
+
+Peak bytes are counted from the allocator's own records: on a CPU, every allocation and free the
+profiler sees (``profile_memory=True``), summed in time order; on a GPU, ``max_memory_allocated``
+above what was allocated before. Times are medians of ``--steps`` runs taking turns: on a GPU wall
+time, on a CPU the process's CPU time with ``--threads`` threads (default 1), which other processes
+on a shared machine disturb far less than wall time.
+
+    python tools/bench_cross_entropy.py                          # vocab 32K x 4K tokens, bf16 and fp32
+    python tools/bench_cross_entropy.py --device cuda --vocab 128256 --tokens 8192
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core.tensor_parallel import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """The most bytes ``fn`` held at once beyond what was allocated when it started."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+    current = peak = 0
+    for _, size in sorted(allocations):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+def loss_step(fused: bool, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> Callable:
+    """One forward and backward of the output layer and the loss, gradients left in ``.grad``."""
+
+    def step() -> None:
+        logits = hidden @ weight.t()
+        if fused:
+            loss = fused_vocab_parallel_cross_entropy(logits, target)
+        else:
+            loss = vocab_parallel_cross_entropy(logits.float(), target)
+        loss.sum().backward()
+        hidden.grad = weight.grad = None
+
+    return step
+
+
+def _seconds(step: Callable[[], None], device: torch.device) -> float:
+    if device.type != "cuda":
+        start = time.process_time()
+        step()
+        return time.process_time() - start
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen) * 0.02).to(device, dtype).requires_grad_()
+    target = torch.randint(0, args.vocab, (args.tokens,), generator=gen).to(device)
+    steps = {name: loss_step(name == "fused", hidden, weight, target) for name in ("plain", "fused")}
+    peaks = {name: peak_bytes(step, device) for name, step in steps.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            times[name].append(_seconds(step, device))
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "logits_mib": args.tokens * args.vocab * dtype.itemsize / 2**20,
+        "plain_peak_mib": peaks["plain"] / 2**20,
+        "fused_peak_mib": peaks["fused"] / 2**20,
+        "peak_ratio": peaks["fused"] / peaks["plain"],
+        "plain_ms": ms["plain"],
+        "fused_ms": ms["fused"],
+        "time_ratio": ms["fused"] / ms["plain"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (on a CPU)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    rows = [measure(args, getattr(torch, name), device) for name in args.dtypes]
+    print(
+        f"output layer + loss, forward and backward: vocab {args.vocab}, {args.tokens} tokens, hidden "
+        f"{args.hidden}, {device.type}, peak bytes above the start, median of {args.steps} runs "
+        f"({'wall' if device.type == 'cuda' else f'CPU time, {args.threads} thread(s)'})"
+    )
+    print(
+        f"{'dtype':>9}{'logits MiB':>12}{'plain MiB':>11}{'fused MiB':>11}{'ratio':>7}{'plain ms':>10}{'fused ms':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['dtype']:>9}{r['logits_mib']:>12.0f}{r['plain_peak_mib']:>11.0f}{r['fused_peak_mib']:>11.0f}"
+            f"{r['peak_ratio']:>7.2f}{r['plain_ms']:>10.0f}{r['fused_ms']:>10.0f}"
+        )
+    result = {"benchmark": "bench_cross_entropy", "vocab": args.vocab, "tokens": args.tokens, "results": rows}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""How the code reads, counted: long functions, function-local imports, import circles, call depth.
+
+The figures issue 21 asks for, from the source alone (``ast``, nothing imported) except the call
+depth, which a short real run measures:
+
+    python tools/code_metrics.py                 # functions over 60 lines, local imports, circles
+    python tools/code_metrics.py --list          # ... with every function-local import named
+    python tools/code_metrics.py --frames        # frames and files from pretrain() to GPTModel.forward
+
+Counted in ``core/``, ``models/`` and ``training/``. A function-local import is an import of those
+packages inside a function (``TYPE_CHECKING`` blocks excluded). Circles are strongly connected
+components of the import graph counting every import (module level, ``TYPE_CHECKING`` and
+function-local), a submodule importing its own package excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "models", "training")
+LONG = 60
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom, is_package: bool) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")[: None if is_package else -1]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([base] if base else []))
+    return [f"{base}.{alias.name}" for alias in node.names]
+
+
+class Tree:
+    """The project's modules and, per module, its imports and its function-local imports."""
+
+    def __init__(self) -> None:
+        self.files = sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+        self.modules = {_module(p) for p in self.files}
+        self.edges: dict[str, set[str]] = {}
+        self.local_imports: list[str] = []
+        self.long_functions: list[tuple[int, str]] = []
+        for path in self.files:
+            self._read(path)
+
+    def _resolve(self, name: str) -> str | None:
+        while name and name not in self.modules:
+            if "." not in name:
+                return None
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    def _read(self, path: Path) -> None:
+        module, tree = _module(path), ast.parse(path.read_text())
+        is_package, where = path.name == "__init__.py", path.relative_to(ROOT)
+        edges = self.edges.setdefault(module, set())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found = {self._resolve(t) for t in _targets(module, node, is_package)}
+                edges |= {m for m in found if m and m != module and not module.startswith(m + ".")}
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONG:
+                    self.long_functions.append((length, f"{where}:{node.lineno} {node.name}"))
+                for inner in ast.walk(node):
+                    if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                        found = [self._resolve(t) for t in _targets(module, inner, is_package)]
+                        target = next((m for m in found if m), None)
+                        if target:
+                            self.local_imports.append(f"{where}:{inner.lineno} {node.name} -> {target}")
+
+    def circles(self) -> list[list[str]]:
+        """Strongly connected components with more than one module (Tarjan)."""
+        index: dict[str, int] = {}
+        low: dict[str, int] = {}
+        stack: list[str] = []
+        on_stack: set[str] = set()
+        found: list[list[str]] = []
+
+        def visit(v: str) -> None:
+            index[v] = low[v] = len(index)
+            stack.append(v)
+            on_stack.add(v)
+            for w in self.edges.get(v, ()):
+                if w not in index:
+                    visit(w)
+                    low[v] = min(low[v], low[w])
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+
+        sys.setrecursionlimit(10_000)
+        for v in sorted(self.edges):
+            if v not in index:
+                visit(v)
+        return found
+
+
+def frames() -> list[tuple[str, str]]:
+    """(file, function) of every frame from ``pretrain`` to ``GPTModel.forward``, in a one-rank run."""
+    sys.path.insert(0, str(ROOT))
+    import pretrain_gpt
+    from models.gpt import gpt_model
+    from training import pretrain
+
+    chain: list[tuple[str, str]] = []
+    original = gpt_model.GPTModel.forward
+
+    def forward(self, *args, **kwargs):
+        if not chain:
+            callers = [(f.filename, f.function) for f in inspect.stack()[1:]]
+            top = next(i for i, (_, name) in enumerate(callers) if name == "pretrain")
+            chain.extend(
+                [*reversed(callers[: top + 1]), (inspect.getsourcefile(original), "GPTModel.forward")]
+            )
+        return original(self, *args, **kwargs)
+
+    gpt_model.GPTModel.forward = forward
+    argv = (
+        "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+        "--global-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 100 --num-workers 0 --eval-iters 0"
+    )
+    pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        pretrain_gpt.model_provider,
+        pretrain_gpt.forward_step,
+        argv=argv.split(),
+        tokenizer_provider=pretrain_gpt.tokenizer_provider,
+    )
+    return chain
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--list", action="store_true", help="name every function-local import")
+    parser.add_argument("--frames", action="store_true", help="measure the call depth of a real step")
+    args = parser.parse_args(argv)
+    if args.frames:
+        chain = frames()
+        ours = [(f, name) for f, name in chain if os.path.abspath(f).startswith(str(ROOT))]
+        for file, name in chain:
+            print(f"  {os.path.relpath(file, ROOT) if (file, name) in ours else 'torch'}: {name}")
+        print(
+            f"frames from pretrain() to GPTModel.forward, both counted: {len(chain)} ({len(ours)} in project "
+            f"code, {len(chain) - len(ours)} torch's Module.__call__); project files: {len({f for f, _ in ours})}"
+        )
+        return
+    tree = Tree()
+    print(f"functions over {LONG} lines in {', '.join(PACKAGES)}: {len(tree.long_functions)}")
+    for length, where in sorted(tree.long_functions, reverse=True):
+        print(f"  {length:4d} {where}")
+    print(f"function-local project imports: {len(tree.local_imports)}")
+    for line in tree.local_imports if args.list else ():
+        print(f"  {line}")
+    circles = tree.circles()
+    print(f"import circles (every import counted): {len(circles)}")
+    for circle in circles:
+        print("  " + " <-> ".join(circle))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""How a run ends when something goes wrong: one message, printed once, the right exit code, no orphans.
+
+* :func:`run_main` wraps the entry point (``pretrain_gpt.py``). Errors listed in
+  :mod:`training.errors` print one line, ``pretrain_gpt.py: error: ...``, and exit 2 (usage) or 1;
+  anything else prints its traceback and exits 1. Exactly one rank prints: the first to claim the
+  report in the job's store (:func:`judge`; before the process groups exist, torchrun's own store,
+  or rank 0 without torchrun). Every other rank exits with the same code without a word, so a
+  problem one rank sees is not buried under the others' "Connection closed by peer" tracebacks.
+  torchrun ends all workers once one has exited with an error, so the quiet ranks wait until the
+  report is printed before they exit. Nothing is written to torchrun's error file
+  (``TORCHELASTIC_ERROR_FILE``, used by ``@record``), so torchrun's summary does not repeat the
+  message; it lists the exit codes only.
+* :func:`begin` starts :class:`core.watchdog.Watchdog`: a rank that stops answering ends the
+  job within ``--distributed-timeout-minutes``, with a message naming it (``rank N``) and what the
+  others were waiting in. The training loop names its phases with :func:`phase`.
+* :func:`watch_launcher` ends a torchrun worker whose torchrun is gone (``kill -9`` of torchrun
+  otherwise leaves the workers training): the parent-death signal on Linux, and a thread that
+  watches the parent pid everywhere. The signal is SIGTERM: it ends the worker at once, or, with
+  ``--exit-signal-handler``, after saving a checkpoint. Checkpoints are written atomically with the
+  tracker last, so a worker ended mid-save leaves the last complete checkpoint as it was.
+* :func:`agree` runs a step on some ranks and fails every rank if it failed on any, before anyone
+  waits in a collective for a rank that has given up.
+
+``TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS`` (for tests only) sets the watchdog's timeout in
+seconds instead of ``--distributed-timeout-minutes``; the process groups keep the flag's timeout.
+"""
+
+from training.faults.agreement import agree
+from training.faults.heartbeat import TEST_TIMEOUT_ENV, begin, distributed_timeout_seconds, end, phase
+from training.faults.launcher import watch_launcher
+from training.faults.reporting import judge, one_line_errors, run_main
+
+__all__ = [
+    "TEST_TIMEOUT_ENV",
+    "agree",
+    "begin",
+    "distributed_timeout_seconds",
+    "end",
+    "judge",
+    "one_line_errors",
+    "phase",
+    "run_main",
+    "watch_launcher",
+]

@@ -1,0 +1,95 @@
+"""The heartbeat watchdog around a run: a rank that stops answering ends the job, named.
+
+:func:`begin` starts :class:`core.watchdog.Watchdog` once ``torch.distributed`` is up, :func:`phase`
+tells it what the main thread is doing, :func:`end` stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from core.watchdog import Watchdog
+from training.faults import reporting
+
+TEST_TIMEOUT_ENV = "TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS"
+_generation = 0  # pretrain() calls so far; every rank counts the same, so their store keys match
+
+
+def distributed_timeout_seconds(minutes: float) -> float:
+    """``--distributed-timeout-minutes`` in seconds."""
+    return float(minutes) * 60.0
+
+
+def _watchdog_timeout(minutes: float) -> tuple[float, str]:
+    override = os.environ.get(TEST_TIMEOUT_ENV)
+    if override:
+        return float(override), f"{TEST_TIMEOUT_ENV}={override}"
+    return distributed_timeout_seconds(minutes), f"--distributed-timeout-minutes {minutes}"
+
+
+def _end_silently_or_report(message: str) -> None:
+    """The watchdog found a silent rank: the job's one report, then this process ends at once.
+
+    The main thread is blocked inside a collective that will not return, so the process cannot
+    unwind; ``os._exit`` ends it without waiting for it.
+    """
+    if reporting.claim():
+        reporting.print_error(f"{reporting.prog()}: error: {message}")
+        reporting.announce_printed()
+    else:
+        reporting.wait_until_printed()
+    _exit_now(reporting.EXIT_FAILURE)
+
+
+def _end_quietly() -> None:
+    """Another rank reported the job's error while this one waits for it: nothing will come."""
+    if not reporting.claimed():
+        reporting.wait_until_printed()
+        _exit_now(reporting.EXIT_FAILURE)
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def begin(timeout_minutes: float) -> None:
+    """A run starts (torch.distributed is up): a fresh report claim, and the watchdog for a world > 1.
+
+    ``timeout_minutes``: ``--distributed-timeout-minutes``, how long a silent rank may stay silent.
+    """
+    global _generation
+    from torch.distributed import PrefixStore, distributed_c10d
+
+    _generation += 1
+    dist = reporting.distributed()
+    if dist is None:
+        reporting.use_store(None, 0)
+        return
+    store = PrefixStore(f"trident/run{_generation}", distributed_c10d._get_default_store())
+    reporting.use_store(store, dist.get_rank())
+    timeout, setting = _watchdog_timeout(timeout_minutes)
+    reporting.watchdog = Watchdog(
+        store,
+        dist.get_rank(),
+        dist.get_world_size(),
+        timeout,
+        on_silent=_end_silently_or_report,
+        on_reported_elsewhere=_end_quietly,
+        timeout_setting=setting,
+    ).start()
+
+
+def end() -> None:
+    """The run is over (successfully or not): stop the watchdog, leaving a ``done`` heartbeat."""
+    if reporting.watchdog is not None:
+        reporting.watchdog.stop()
+        reporting.watchdog = None
+
+
+def phase(what: str, iteration: int | None = None) -> None:
+    """The main thread starts ``what`` (of ``iteration``); the watchdog's measure of progress."""
+    if reporting.watchdog is not None:
+        reporting.watchdog.enter(what, iteration)
