@@ -106,6 +106,47 @@ CONFIG = [
         "(1) = 3",
     ),
     Case(
+        "world size over CP",
+        _flags("--context-parallel-size 3"),
+        "world size (4) must be divisible by --tensor-model-parallel-size (1) x --pipeline-model-parallel-size "
+        "(1) x --context-parallel-size (3) = 3",
+    ),
+    Case(
+        "sequence over CP",
+        _flags(FULL + "--context-parallel-size 2 --seq-length 18 --max-position-embeddings 18"),
+        "--seq-length (18) must be divisible by 2 x --context-parallel-size (2) = 4: each sequence is cut "
+        "into that many equal chunks",
+    ),
+    Case(
+        "sequence over CP x TP",
+        _flags(
+            FULL
+            + "--context-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel --seq-length 20 "
+            "--max-position-embeddings 20",
+            world=8,
+        ),
+        "--seq-length (20) must be divisible by --context-parallel-size (2) x --tensor-model-parallel-size (4) "
+        "= 8 with --sequence-parallel",
+    ),
+    Case(
+        "a2a heads over CP",
+        _flags(FULL + "--context-parallel-size 4 --cp-comm-type a2a --num-attention-heads 2"),
+        "--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads (2) and the "
+        "query groups (2) per --tensor-model-parallel-size (1) rank must be divisible by "
+        "--context-parallel-size (4)",
+    ),
+    Case(
+        "cp comm type",
+        _flags("--context-parallel-size 2 --cp-comm-type ring"),
+        "--cp-comm-type ring: must be one of p2p, a2a, allgather",
+    ),
+    Case(
+        "hierarchical cp",
+        _flags("--context-parallel-size 2 --cp-comm-type a2a+p2p"),
+        "--cp-comm-type a2a+p2p: Trident does not support hierarchical context parallelism (all-to-all "
+        "inside a node, ring across nodes); use p2p, a2a or allgather",
+    ),
+    Case(
         "heads over TP",
         _flags(FULL + "--tensor-model-parallel-size 2 --num-attention-heads 3"),
         "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)",

@@ -121,3 +121,19 @@ def test_each_script_runs_three_iterations_on_four_ranks_or_exits_at_once(name, 
         batches = re.findall(r"\] iteration +\d+/ +3 \|.*\| global batch size: +(\d+) \|", done.stdout)
         assert [int(b) for b in batches] == [2, 4, 8], done.stdout[-3000:]
     print(f"{name}: trained 3 iterations without {' '.join(refused) or 'nothing'}")
+
+
+@pytest.mark.slow
+def test_llama3_8b_script_trains_three_iterations_with_context_parallel_size_2(files, tmp_path):
+    """The LLaMA-3 8B script as Megatron runs it with ``--context-parallel-size 2`` (CP 2 x DP 2)."""
+    paths = {"ckpt": str(tmp_path / "ckpt"), "tb": str(tmp_path / "tb"), "cache": str(tmp_path / "cache")}
+    argv = in_scope(tokens("llama3_8b", **paths))
+    at = argv.index("--context-parallel-size")
+    argv[at + 1] = "2"
+    done = _torchrun(argv, tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "TP=1 PP=1 VPP=1 CP=2 DP=2" in done.stdout
+    logged = re.findall(r"\] iteration +(\d+)/ +3 \|.*\| lm loss: (\S+) \|", done.stdout)
+    assert [int(i) for i, _ in logged][-1] == 3 and all(float(loss) > 0 for _, loss in logged), done.stdout[
+        -3000:
+    ]

@@ -18,6 +18,7 @@ from typing import Any
 
 from core.pipeline_parallel.layout import parse_layout
 from core.pipeline_parallel.placement import chunks_needed, chunks_problem, placement_style
+from core.transformer.context_parallel import CP_COMM_TYPES
 from core.transformer.moe.moe_config import parse_moe_layer_freq
 from training.batch_sizes import check_run_batches, derive_batch_sizes
 from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
@@ -379,6 +380,47 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
 
 
+def _check_context_parallel(args: argparse.Namespace, tp: int, cp: int) -> None:
+    """``--cp-comm-type`` and the sizes context parallelism must divide."""
+    types = args.cp_comm_type
+    _require(
+        "a2a+p2p" not in types,
+        "--cp-comm-type a2a+p2p: Trident does not support hierarchical context parallelism "
+        "(all-to-all inside a node, ring across nodes); use p2p, a2a or allgather",
+    )
+    unknown = [t for t in types if t not in CP_COMM_TYPES]
+    _require(
+        not unknown,
+        f"--cp-comm-type {unknown[0] if unknown else ''}: must be one of {', '.join(CP_COMM_TYPES)}",
+    )
+    _require(
+        len(types) in (1, args.num_layers),
+        f"--cp-comm-type gives {len(types)} values for --num-layers {args.num_layers}: give one, or one per layer",
+    )
+    if cp == 1:
+        return
+    seq = args.seq_length
+    _require(
+        seq % (2 * cp) == 0,
+        f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}: "
+        "each sequence is cut into that many equal chunks",
+    )
+    if args.sequence_parallel:
+        _require(
+            seq % (cp * tp) == 0,
+            f"--seq-length ({seq}) must be divisible by --context-parallel-size ({cp}) x "
+            f"--tensor-model-parallel-size ({tp}) = {cp * tp} with --sequence-parallel",
+        )
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    _require(
+        "a2a" not in types or (heads // tp) % cp == 0 and (groups // tp) % cp == 0,
+        f"--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads ({heads}) "
+        f"and the query groups ({groups}) per --tensor-model-parallel-size ({tp}) rank must be divisible "
+        f"by --context-parallel-size ({cp})",
+    )
+
+
 def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
     """``--checkpoint-activations`` (Megatron's old full recompute) and ``--recompute-activations``
     (selective) set the recompute flags, which must then not be given too."""
@@ -490,15 +532,22 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     _check_required(flags)
     _check_supported_values(flags)
     _check_ranges(flags)
-    tp, pp = flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size
-    _require(
-        world_size % (tp * pp) == 0,
-        f"world size ({world_size}) must be divisible by "
-        f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp}",
+    tp, pp, cp = (
+        flags.tensor_model_parallel_size,
+        flags.pipeline_model_parallel_size,
+        flags.context_parallel_size,
     )
-    flags.world_size, flags.data_parallel_size = world_size, world_size // (tp * pp)
+    _require(
+        world_size % (tp * pp * cp) == 0,
+        f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
+        f"--pipeline-model-parallel-size ({pp})"
+        + (f" x --context-parallel-size ({cp})" if cp > 1 else "")
+        + f" = {tp * pp * cp}",
+    )
+    flags.world_size, flags.data_parallel_size = world_size, world_size // (tp * pp * cp)
     _apply_old_recompute_flags(flags)
     _check_model(flags, tp)
+    _check_context_parallel(flags, tp, cp)
     _check_moe(flags, world_size, tp, pp)
     _check_pipeline(flags, pp)
     derive_batch_sizes(flags, pp, flags.data_parallel_size)

@@ -39,7 +39,7 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
     flags, state, parallel = run.training, session.state, run.parallel
     print_rank_0(
         f"training {flags.train_iters} iterations from iteration {state.iteration}: "
-        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}"
+        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} CP={parallel.cp} DP={parallel.dp}"
         f"{f' EP={parallel.ep}' if parallel.ep > 1 else ''}, "
         f"{_microbatches(run, state.consumed_samples)}"
     )

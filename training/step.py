@@ -138,7 +138,7 @@ def run_global_batch(
         raise ConfigError(
             f"{err} (--seq-length {seq_length}, --micro-batch-size {micro_batch_size})"
         ) from None
-    return reduce_loss_logs(logs, session.groups.dp) or None
+    return reduce_loss_logs(logs, session.groups.dp_cp) or None
 
 
 def _iterators(chunks, stream: BatchStream, consumed_samples: int, num_microbatches: int) -> list:

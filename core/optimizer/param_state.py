@@ -105,6 +105,7 @@ def import_param_state(optimizer: MegatronOptimizer, state: dict) -> None:
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     inner_state = optimizer.optimizer.state
+    fused = optimizer.fused  # torch's fused kernels keep the step count on the device, foreach on the host
     with torch.no_grad():
         for shard, per_param in loaded:
             main = shard.main_param
@@ -115,7 +116,7 @@ def import_param_state(optimizer: MegatronOptimizer, state: dict) -> None:
                 continue
             old = inner_state.get(main, {})
             inner_state[main] = {
-                key: _into(old.get(key), value, main.device) for key, value in per_param.items()
+                key: _into(old.get(key), value, main.device, fused) for key, value in per_param.items()
             }
     if optimizer.grad_scaler is not None and state.get("grad_scaler") is not None:
         optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
@@ -144,12 +145,13 @@ def _slices(shard, entry: dict | None) -> dict[str, torch.Tensor]:
     return out
 
 
-def _into(old, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _into(old, value: torch.Tensor, device: torch.device, fused: bool) -> torch.Tensor:
     """``value`` as optimizer state on ``device``: copied into ``old`` when it fits, else a new tensor.
 
-    A scalar (Adam's ``step``) stays where it is, as the inner optimizer keeps it.
+    A scalar (Adam's ``step``) stays on the host for the foreach kernels; torch's fused kernels keep
+    it on the device.
     """
-    if value.dim() == 0:
+    if value.dim() == 0 and not fused:
         return value.clone()
     if isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (
         value.shape,

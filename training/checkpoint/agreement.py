@@ -86,7 +86,11 @@ def sum_over_ranks(value: int) -> int:
 
 
 def current_parallel() -> dict[str, int]:
-    """This rank's ``parallel`` dict from ``core.parallel_state`` (a world of one when it is not set up)."""
+    """This rank's ``parallel`` dict from ``core.parallel_state`` (a world of one when it is not set up).
+
+    Its data-parallel size and rank count DP x CP: context-parallel ranks hold the same weights, the
+    distributed optimizer shards over all of them, and a checkpoint records no CP split.
+    """
     from core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -97,10 +101,10 @@ def current_parallel() -> dict[str, int]:
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
         "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         "ep": ps.get_expert_model_parallel_world_size(),
         "ep_rank": ps.get_expert_model_parallel_rank(),

@@ -223,7 +223,7 @@ def _manifest_content(
             "iteration": iteration,
             "consumed_samples": consumed_samples,
             "parallelism": parallelism_of(config, dp),
-            "config": config.to_dict(),
+            "config": {**config.to_dict(), "context_parallel_size": 1},  # a checkpoint records no CP split
             "vocab_size": module.vocab_size,
             "padded_vocab_size": module.padded_vocab_size,
             "max_sequence_length": module.max_sequence_length,
