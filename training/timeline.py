@@ -73,6 +73,7 @@ class TimelineData:
     vpp_size: int
     num_microbatches: int
     iterations: list[IterationTimeline] = field(default_factory=list)
+    clock: str = "host"  # "cuda": CUDA events, when the GPU ran each action
 
 
 def measured_bubble(ranks: list[RankEvents]) -> float:
@@ -151,7 +152,7 @@ class Timeline:
             vpp = len({e[2] for r in ranks for e in r.events if e[0] in COMPUTE})
             forwards = {e[1] for r in ranks for e in r.events if e[0] == "F"}
             pp = record.placement.pp_size
-            self.data = TimelineData(self.schedule, pp, vpp, len(forwards))
+            self.data = TimelineData(self.schedule, pp, vpp, len(forwards), clock=self.clock.name)
         step = IterationTimeline(iteration, self.clock.seconds(self._first_start, self._start) * 1e3, ranks)
         step.measured_bubble = measured_bubble(ranks)
         step.simulated_bubble = simulated_bubble(record.tables, record.placement, ranks)
@@ -213,6 +214,7 @@ def chrome_trace(data: TimelineData) -> dict:
         "pp_size": data.pp_size,
         "vpp_size": data.vpp_size,
         "num_microbatches": data.num_microbatches,
+        "clock": data.clock,
         "iterations": [
             {
                 "iteration": s.iteration,
@@ -232,7 +234,13 @@ def load_trace(path: str) -> TimelineData:
     with open(path) as f:
         trace = json.load(f)
     meta = trace["trident"]
-    data = TimelineData(meta["schedule"], meta["pp_size"], meta["vpp_size"], meta["num_microbatches"])
+    data = TimelineData(
+        meta["schedule"],
+        meta["pp_size"],
+        meta["vpp_size"],
+        meta["num_microbatches"],
+        clock=meta.get("clock", "host"),
+    )
     per_step: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     offsets = {s["iteration"]: s["offset_ms"] for s in meta["iterations"]}
     for e in trace["traceEvents"]:

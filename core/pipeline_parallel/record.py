@@ -32,6 +32,8 @@ class Event(NamedTuple):
 class HostClock:
     """The host's time in seconds: when the work ran, on a CPU."""
 
+    name = "host"
+
     def now(self) -> float:
         return time.perf_counter()
 
@@ -41,6 +43,8 @@ class HostClock:
 
 class CudaClock:
     """CUDA events on the current stream: when the GPU got to that point, not when the host queued it."""
+
+    name = "cuda"
 
     def now(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
