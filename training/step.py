@@ -47,10 +47,11 @@ def train_step(
     iteration = state.iteration + 1
     faults.phase("forward-backward (pipeline send/recv, data-parallel gradient all-reduce)", iteration)
     optimizer.zero_grad()  # and the chunks' gradient buffers
+    num_microbatches = run.microbatches.num_microbatches(state.consumed_samples)  # a ramp grows it
     losses = run_global_batch(
-        run, session, session.train_data, state.consumed_samples, run.num_microbatches, record=record
+        run, session, session.train_data, state.consumed_samples, num_microbatches, record=record
     )
-    moe_losses, moe_layers = moe_metrics(run, session)
+    moe_losses, moe_layers = moe_metrics(run, session, num_microbatches)
     if losses is not None:
         losses |= moe_losses
     faults.phase("the loss check (all-reduce)", iteration)
@@ -82,13 +83,15 @@ def _bad_loss_on_any_rank(losses: dict[str, torch.Tensor] | None) -> torch.Tenso
     return bad > 0
 
 
-def moe_metrics(run: Run, session: Session) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def moe_metrics(
+    run: Run, session: Session, num_microbatches: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The step's MoE auxiliary losses as Megatron logs them (``load_balancing_loss``, ``z_loss``: the
     mean over MoE layers), and with ``--moe-per-layer-logging`` each layer's (``moe/<name>_layer_<i>``,
     for W&B and TensorBoard), as device tensors. A collective on every rank; nothing without experts."""
     if run.model.num_moe_experts is None:
         return {}, {}
-    summary, per_layer = reduce_moe_metrics_on_device(session.model.modules, run.model, run.num_microbatches)
+    summary, per_layer = reduce_moe_metrics_on_device(session.model.modules, run.model, num_microbatches)
     if not run.model.moe_per_layer_logging:
         return summary, {}
     moe_layers = [i for i in range(run.model.num_layers) if run.model.is_moe_layer(i)]
@@ -128,7 +131,7 @@ def run_global_batch(
         raise ConfigError(
             f"{err} (--seq-length {seq_length}, --micro-batch-size {micro_batch_size})"
         ) from None
-    return reduce_loss_logs_on_device(logs, session.groups.dp) or None
+    return reduce_loss_logs_on_device(logs, session.groups.dp_cp) or None
 
 
 def _iterators(chunks, stream: BatchStream, consumed_samples: int, num_microbatches: int) -> list:

@@ -154,6 +154,7 @@ class StepLedger:
             int(zeros) if zeros is not None and applied else None,
             applied,
             peak,
+            step.increment,
             params_norm=values.get("params_norm"),
             seconds=step.seconds,
             moe_layers={k.split("\0", 1)[1]: v for k, v in values.items() if k.startswith("moe\0")},

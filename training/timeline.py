@@ -140,7 +140,8 @@ class Timeline:
         mine = RankEvents(
             dist.get_rank(),
             ps.get_pipeline_model_parallel_rank(),
-            ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank(with_context_parallel=True) == 0,
             [(e.kind, e.microbatch, e.chunk, e.start * 1e3, e.end * 1e3) for e in record.timed(self._start)],
         )
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
