@@ -71,7 +71,7 @@ PACKAGES = {  # import name -> (pip name, needed for the check)
 WHEELS = ["pytest", "pluggy", "iniconfig", "packaging", "xxhash"]
 """What ``--download-wheels`` fetches: the needed packages the GPU machine is known to lack."""
 
-QUICK_BENCH = ["--config", "tiny", "--dtype", "fp32", "--iters", "2", "--warmup", "0", "--no-compile"]
+QUICK_BENCH = ["--config", "tiny", "--dtype", "fp32", "--iters", "1", "--warmup", "1", "--no-compile"]
 
 
 def missing_packages() -> tuple[list[str], list[str]]:
