@@ -210,6 +210,11 @@ CONFIG = [
         "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); the 1f1b schedule interleaves them",
     ),
     Case("micro batch", _flags("--micro-batch-size 0"), "--micro-batch-size must be >= 1, got 0"),
+    Case(
+        "async save without save",
+        _flags("--async-save"),
+        "--async-save writes the --save checkpoints in the background, but no --save directory is given",
+    ),
     Case("adam eps", _flags("--adam-eps 0"), "--adam-eps must be > 0, got 0.0"),
     Case(
         "sequence parallel",
