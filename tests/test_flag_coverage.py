@@ -161,7 +161,7 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
     [
         (
             "--num-experts 8 --moe-enable-deepep --moe-router-score-function sigmoid --moe-grouped-gemm",
-            f"Trident does not support --moe-enable-deepep, --moe-router-score-function: {MOE}",
+            f"Trident does not support --moe-enable-deepep, --moe-router-score-function sigmoid: {MOE}",
         ),
         (
             "--fp8-format hybrid --norm-epsilon 1e-6 --openai-gelu --moe-use-upcycling",

@@ -151,7 +151,7 @@ def test_balanced_layout_moves_layers_off_an_expensive_loss_stage():
 
 def test_simulated_step_is_the_pipelines_ideal_with_free_communication(small):
     spec = small.spec
-    free = Cluster(4, 4, Gpu("ideal", 1.0, 80, 1e12, 1e12, 1e12))
+    free = Cluster(4, 4, Gpu("ideal", 1.0, 80, 1e12, 1e12, 1e12, intra_node_latency_us=0.0))
     profile = LayerProfile(layer=(0.5, 0.5, 0.5))
     cand = _candidate(spec, tp=1, pp=4, dp=1, num_microbatches=8)  # 2 layers a stage: F = 1, B = 2
     step = estimate_step(spec, cand, free, profile)

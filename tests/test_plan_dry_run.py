@@ -95,3 +95,69 @@ def test_dry_run_matches_a_real_run_on_four_ranks():
 
     rows = check_real({"PP4 1F1B": REAL_LAYOUTS["PP4 1F1B"]})
     assert len(rows) == 4 and all(abs(r["ratio"] - 1) < 0.05 for r in rows), rows
+
+
+def test_a_context_parallel_layer_saves_what_the_model_says():
+    """Ring attention (CP 2) with TP 2 and sequence parallelism: the bytes autograd keeps for one decoder
+    layer and its RoPE tables, counted as stored, equal the model's terms (training refuses CP > 1 so far:
+    the layer is what there is to check)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from core import parallel_state as ps
+    from core.transformer import TransformerConfig
+    from core.transformer.rope import RotaryEmbedding
+    from core.transformer.transformer_layer import TransformerLayer
+    from training.argument_checks import validate_args
+    from training.arguments import parse_args, transformer_config_from_args
+    from training.plan.activations import Shape, stage_activations
+    from training.plan.live_bytes import LiveBytes
+
+    cp, tp, batch = 2, 2, 2
+    args = validate_args(
+        parse_args(
+            [
+                *TINY,
+                *[
+                    "--micro-batch-size",
+                    "2",
+                    "--train-iters",
+                    "1",
+                    "--lr",
+                    "1e-4",
+                    "--tensor-model-parallel-size",
+                    "2",
+                    "--sequence-parallel",
+                ],
+            ]
+        ),
+        2,
+    )
+    fields = transformer_config_from_args(args) | {"num_layers": 1, "context_parallel_size": cp}
+    spec = read_input(TINY).spec
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp * tp)
+    saved: dict[int, int] = {}
+    try:
+        ps.initialize_model_parallel(tp, 1, None, cp)
+        with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(answer_scalars=True):
+            layer = TransformerLayer(TransformerConfig(**fields), 0)
+            weights = {id(p.untyped_storage()) for p in layer.parameters()}
+            local = spec.seq_length // cp
+            table = RotaryEmbedding(spec.kv_channels, 10000.0).for_length(spec.seq_length, torch.bfloat16)
+            rotary = tuple(t.index_select(0, torch.arange(local)) for t in table)  # this rank's positions
+            x = torch.randn(local // tp, batch, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+
+            def keep(t):
+                if id(t.untyped_storage()) not in weights:
+                    saved[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                layer(x, rotary)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    shape = Shape(seq=local, batch=batch, tp=tp, sequence_parallel=True, device="cpu", cp=cp)
+    assert sum(saved.values()) == stage_activations(spec, shape, ("t",), first=True).saved

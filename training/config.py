@@ -113,6 +113,16 @@ class TrainingArgs:
         True, name="--no-masked-softmax-fusion", help="Megatron: do not fuse scaling, masking and softmax."
     )
     """Megatron: fuse attention-score scaling, masking and softmax in one kernel."""
+    moe_router_dtype: Literal["fp32"] | None = flag(None, group="mixture of experts")
+    """Megatron: the dtype the router's gate is computed in (Trident's always computes in fp32)."""
+    moe_router_score_function: Literal["softmax"] = flag("softmax", group="mixture of experts")
+    """Megatron: the router's score function (Trident's is the softmax)."""
+    moe_permute_fusion: bool = flag(False, group="mixture of experts")
+    """Megatron: fused token permutation kernels (Transformer Engine)."""
+    moe_router_fusion: bool = flag(False, group="mixture of experts")
+    """Megatron: fused router top-k and loss kernels (Transformer Engine)."""
+    moe_shared_expert_overlap: bool = flag(False, group="mixture of experts")
+    """Megatron: run the shared experts on a side stream, overlapped with the token dispatch."""
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Megatron: call torch.cuda.empty_cache() every iteration (0 off, 1 moderate, 2 aggressive)."""
     checkpoint_activations: bool = False

@@ -367,6 +367,9 @@ COVERAGE: dict[str, Coverage] = {
     "--moe-router-load-balancing-type global_aux_loss": unsupported(_MOE),
     "--moe-router-load-balancing-type quantile_balancing": unsupported(_MOE),
     "--moe-token-dispatcher-type flex": unsupported(_MOE),
+    "--moe-router-dtype fp64": unsupported(_MOE),
+    "--moe-router-score-function sigmoid": unsupported(_MOE),
+    "--moe-router-score-function sqrtsoftplus": unsupported(_MOE),
     # (b) accepted, no effect on Trident's code paths
     "--use-mcore-models": no_effect("Trident has one model implementation, built like Megatron Core's"),
     "--no-masked-softmax-fusion": no_effect("softmax is one PyTorch call, never a fused kernel"),
@@ -378,6 +381,11 @@ COVERAGE: dict[str, Coverage] = {
     "--tiktoken-pattern": no_effect("only a TikTokenizer reads it, and Trident has none"),
     "--data-impl": no_effect("indexed datasets are always memory-mapped (Megatron-LM has dropped the flag)"),
     "--ckpt-format": no_effect("torch and torch_dist both mean Trident's one checkpoint format"),
+    "--moe-router-dtype": no_effect("the router's gate is always computed in fp32"),
+    "--moe-router-score-function": no_effect("the router's score function is the softmax"),
+    "--moe-permute-fusion": no_effect("tokens are permuted with index operations, never a fused kernel"),
+    "--moe-router-fusion": no_effect("routing and its losses are plain PyTorch, never a fused kernel"),
+    "--moe-shared-expert-overlap": no_effect("the shared experts run before the router, on the same stream"),
     # (c) not supported: out of scope
     "--tokenizer-type TikTokenizer": unsupported(_TIKTOKEN),
     **dict.fromkeys(

@@ -17,7 +17,9 @@ What saves what in a decoder layer (``core/transformer``):
   value inputs, output and log-sum-exp, where a key or value that is a view of the QKV projection's
   output keeps that whole output alive, and grouped-query heads repeated for more than one group
   per rank are copies; with PyTorch's math kernel (a CPU with attention dropout) fp32 copies of
-  query, key and value and three ``s x s`` score tensors;
+  query, key and value and three ``s x s`` score tensors; under context parallelism the ring
+  (``core/transformer/context_parallel/ring.py``) keeps contiguous copies of this rank's query, key
+  and value, its output and log-sum-exp, and the output projection gets a copy;
 * the MLP keeps its fc1 output (the gate's input), the activation's output and the fc2 input;
 * dropout keeps its mask (one byte on a GPU, ``B`` on a CPU);
 * the stage keeps its received input, while its sent output's storage is freed (Megatron's
@@ -51,6 +53,8 @@ class Shape:
     recompute: str = "none"
     device: str = "cuda"
     """Whose kernels: "cuda" (fused attention with dropout, bool dropout masks) or "cpu"."""
+    cp: int = 1
+    """Context-parallel size (``seq`` is already this rank's share)."""
 
     @property
     def sharded_seq(self) -> int:
@@ -115,16 +119,21 @@ def _attention(spec: ModelSpec, shape: Shape) -> dict[str, float]:
         scores = b * heads * s * s * (2 + 4 + B + (B if spec.attention_dropout > 0 else 0))
         return {"attention q/k/v": q_bytes + 2 * B * s * b * heads * d, "attention scores": scores,
                 "proj input": q_bytes}  # fmt: skip
+    lse = 4 * b * heads * s
+    if shape.cp > 1:  # ring attention keeps contiguous copies of its q, k, v; RoPE's outputs are not kept
+        return {"attention q, k, v (ring's copies)": q_bytes + 2 * kv_bytes, "attention output": q_bytes,
+                "proj input (copied)": q_bytes, "attention lse": lse}  # fmt: skip
     rope = spec.position_embedding_type == "rope"
     terms: dict[str, float] = {}
     if rope:  # rotated query and key are new tensors; the value stays a view of the QKV output
         terms["attention q (rotated)"] = q_bytes
         terms["attention k (rotated)"] = kv_bytes
-    elif groups > 1 and per_group > 1:  # the query heads of several groups are gathered by a copy
-        terms["attention q"] = q_bytes
+    elif groups > 1 and per_group > 1:  # the query heads of several groups are gathered by a copy,
+        terms["attention q"] = q_bytes  # after which the kernel's output is laid out [b, h, s, d]
+        terms["proj input (copied)"] = q_bytes
     terms["qkv output (viewed)"] = mixed
     terms["attention output"] = q_bytes  # the output projection's input is a view of it
-    terms["attention lse"] = 4 * b * heads * s
+    terms["attention lse"] = lse
     return terms
 
 
@@ -243,9 +252,9 @@ def stage_activations(
         out.forward_transient, out.backward_transient = forward, backward
         if shape.recompute != "full" and not first:  # the first stage's input needs no gradient: no I
             out.kept_grads = layers * _layer_kept_grads(spec, shape)
-        if spec.position_embedding_type == "rope":  # the stage's cos and sin, shared by its layers
-            rotary = int(spec.kv_channels * spec.rotary_percent)
-            out.terms["rotary cos/sin"] = 2 * spec.bytes_per_value * shape.batch * shape.seq * rotary
+        if spec.position_embedding_type == "rope" and shape.cp > 1:  # this rank's positions of the
+            rotary = int(spec.kv_channels * spec.rotary_percent)  # cached table, picked per microbatch
+            out.terms["rotary cos/sin"] = 2 * spec.bytes_per_value * shape.seq * rotary
     if not first:
         out.terms["received input"] = (
             spec.bytes_per_value * shape.sharded_seq * shape.batch * spec.hidden_size
@@ -255,6 +264,10 @@ def stage_activations(
         if spec.hidden_dropout > 0:
             out.terms["embedding dropout mask"] = _dropout_mask(spec, shape)
     if "L" in symbols:
+        if not first:  # I keeps the logits' gradient for the output layer's W, and the final norm's
+            norm = (2 if spec.normalization == "LayerNorm" else 1) * shape.sharded_seq * spec.hidden_size
+            vocab = spec.padded_vocab(shape.tp) // shape.tp
+            out.kept_grads += spec.bytes_per_value * shape.batch * (shape.seq * vocab + norm)
         saved, forward, backward = loss_terms(spec, shape)
         out.terms.update({f"loss {k}": v for k, v in saved.items()})
         out.forward_transient = max(out.forward_transient, forward)

@@ -47,6 +47,10 @@ def planner_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--inter-node-bandwidth-gb-s", type=float, help="achieved per-GPU bandwidth across nodes"
     )
+    cluster.add_argument("--intra-node-latency-us", type=float, help="seconds per message in a node, in µs")
+    cluster.add_argument(
+        "--inter-node-latency-us", type=float, help="seconds per message across nodes, in µs"
+    )
     cluster.add_argument("--memory-headroom", type=float, default=0.9, help="share of memory a plan may use")
     run = parser.add_argument_group("what to do")
     run.add_argument("--top", type=int, default=10, help="candidates to rank and show")
@@ -77,6 +81,8 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
         "hbm_tb_s": opts.hbm_tb_s,
         "intra_node_gb_s": opts.intra_node_bandwidth_gb_s,
         "inter_node_gb_s": opts.inter_node_bandwidth_gb_s,
+        "intra_node_latency_us": opts.intra_node_latency_us,
+        "inter_node_latency_us": opts.inter_node_latency_us,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     return cluster.with_gpu(**given) if given else cluster
@@ -106,7 +112,8 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     print(
         f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), "
         f"{cluster.gpu.peak_tflops:g} TFLOP/s peak at {cluster.gpu.compute_efficiency:.0%} achievable, "
-        f"{cluster.gpu.intra_node_gb_s:g} GB/s in a node, {cluster.gpu.inter_node_gb_s:g} GB/s across nodes"
+        f"{cluster.gpu.intra_node_gb_s:.3g} GB/s and {cluster.gpu.intra_node_latency_us:.3g} µs a message in a "
+        f"node, {cluster.gpu.inter_node_gb_s:.3g} GB/s and {cluster.gpu.inter_node_latency_us:.3g} µs across nodes"
     )
     for note in plan_input.notes:
         print(f"note: {note}")

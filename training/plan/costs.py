@@ -5,12 +5,13 @@ plus the memory-bound work around the matrix multiplies (norms, activations, sof
 the bytes a layer saves moved twice through device memory. A measured profile (``--profile-local``,
 ``--from-timeline``) replaces both with seconds per layer.
 
-Communication uses ring formulas at the group's achieved bandwidth (inside a node or across nodes,
-from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`` order):
+Communication uses ring formulas at the group's achieved bandwidth and per-message latency (inside
+a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`` order):
 
 * tensor parallelism: per layer two all-gathers and two reduce-scatters of the layer's ``[s, b, h]``
   activations each way under sequence parallelism (two all-reduces without it), on the critical path
-  (Trident does not overlap them);
+  (Trident does not overlap them); the loss adds the vocabulary-parallel cross-entropy's three
+  all-reduces of per-token values;
 * context parallelism: ring attention passes key/value blocks ``cp - 1`` times each way, overlapped
   with the blocks' attention, so only what exceeds the attention's time shows;
 * expert parallelism: two all-to-alls of the routed tokens each way per MoE layer, not overlapped;
@@ -68,13 +69,6 @@ class LayerProfile:
         return self.layer, self.embedding, self.loss
 
 
-def _ring(size: int, nbytes: float, bandwidth: float, *, all_reduce: bool = False) -> float:
-    """Seconds of a ring all-gather / reduce-scatter (or all-reduce, twice the traffic) of ``nbytes``."""
-    if size <= 1:
-        return 0.0
-    return (2.0 if all_reduce else 1.0) * (size - 1) / size * nbytes / bandwidth
-
-
 class StageCostModel:
     """Per-stage action costs and the step's collectives for one candidate on one cluster."""
 
@@ -90,14 +84,15 @@ class StageCostModel:
             sequence_parallel=cand.sequence_parallel,
             recompute=cand.recompute,
             device="cuda",
+            cp=cand.cp,
         )
         tp_stride, cp_stride = 1, cand.tp
         self.dp_stride, self.pp_stride = cand.tp * cand.cp, cand.tp * cand.cp * cand.dp
-        self.tp_bw = cluster.bandwidth(tp_stride, cand.tp)
-        self.cp_bw = cluster.bandwidth(cp_stride, cand.cp)
-        self.ep_bw = cluster.bandwidth(self.dp_stride, cand.ep)
-        self.dp_bw = cluster.bandwidth(self.dp_stride, cand.dp * cand.cp)
-        self.pp_bw = cluster.bandwidth(self.pp_stride, 2)
+        self.tp_link = cluster.link(tp_stride, cand.tp)
+        self.cp_link = cluster.link(cp_stride, cand.cp)
+        self.ep_link = cluster.link(self.dp_stride, cand.ep)
+        self.dp_link = cluster.link(self.dp_stride, cand.dp * cand.cp)
+        self.pp_link = cluster.link(self.pp_stride, 2)
         self._layer = self._layer_costs()
         self._embedding = self._embedding_costs()
         self._loss = self._loss_costs()
@@ -116,8 +111,8 @@ class StageCostModel:
         if c.tp == 1:
             return 0.0
         if c.sequence_parallel:
-            return 4 * _ring(c.tp, activation, self.tp_bw)
-        return 2 * _ring(c.tp, activation, self.tp_bw, all_reduce=True)
+            return 4 * self.tp_link.ring(c.tp, activation)
+        return 2 * self.tp_link.ring(c.tp, activation, all_reduce=True)
 
     def _cp_layer_seconds(self, attention_seconds: float) -> float:
         """Ring attention's exposed key/value traffic of a layer, one direction."""
@@ -125,7 +120,7 @@ class StageCostModel:
         if c.cp == 1:
             return 0.0
         block = 2 * s.bytes_per_value * self.tokens * s.kv_size // c.tp
-        return max(0.0, (c.cp - 1) * block / self.cp_bw - attention_seconds)
+        return max(0.0, (c.cp - 1) * self.cp_link.message(block) - attention_seconds)
 
     def _ep_layer_seconds(self) -> float:
         c, s = self.cand, self.spec
@@ -138,58 +133,63 @@ class StageCostModel:
             * c.micro_batch_size
             * s.hidden_size
         )
-        return 2 * (c.ep - 1) / c.ep * routed / self.ep_bw
+        return 2 * self.ep_link.ring(c.ep, routed)  # an all-to-all moves what a ring all-gather does
+
+    def _measured(self, part: int) -> ActionCosts | None:
+        """The profile's compute seconds of the layer (0), embedding (1) or loss (2), if measured."""
+        if self.profile is None:
+            return None
+        c = self.cand
+        return ActionCosts(*self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
 
     def _layer_costs(self) -> ActionCosts:
-        if self.profile is not None:
-            layer, _, _ = self.profile.for_shape(
-                self.cand.tp, self.cand.micro_batch_size, self.cand.recompute
-            )
-            return ActionCosts(*layer)
+        """A decoder layer's compute (measured, or FLOPs and bytes) plus its collectives, each way."""
         s, c = self.spec, self.cand
-        linear = self._flops_seconds(s.layer_linear_flops(self.tokens))
         core = self._flops_seconds(s.attention_core_flops(self.tokens) / c.cp)
-        saved = sum(stage_activations(s, self.shape.__class__(**{**self.shape.__dict__, "recompute": "none"}),
-                                      ("t",), first=True).terms.values())  # fmt: skip
-        elementwise = self._memory_seconds(2 * saved)
         comm = self._tp_layer_seconds() + self._cp_layer_seconds(core) + self._ep_layer_seconds()
-        forward = linear + core + elementwise + comm
-        backward_input = linear + 2 * core + elementwise + comm
-        backward_weight = linear
+        recomputed = comm if c.recompute == "full" else 0.0  # the replayed forward's collectives
+        measured = self._measured(0)
+        if measured is not None:
+            return ActionCosts(measured.forward + comm, measured.backward_input + comm + recomputed,
+                               measured.backward_weight)  # fmt: skip
+        linear = self._flops_seconds(s.layer_linear_flops(self.tokens))
+        plain = Shape(**{**self.shape.__dict__, "recompute": "none"})
+        elementwise = self._memory_seconds(
+            2 * sum(stage_activations(s, plain, ("t",), first=True).terms.values())
+        )
+        forward = linear + core + elementwise
+        backward_input = linear + 2 * core + elementwise
         if c.recompute == "full":
             backward_input += forward
         elif c.recompute == "selective":
             backward_input += core
-        return ActionCosts(forward, backward_input, backward_weight)
+        return ActionCosts(forward + comm, backward_input + comm + recomputed, linear)
 
     def _embedding_costs(self) -> ActionCosts:
-        if self.profile is not None:
-            _, embedding, _ = self.profile.for_shape(
-                self.cand.tp, self.cand.micro_batch_size, self.cand.recompute
-            )
-            return ActionCosts(*embedding)
         s, c = self.spec, self.cand
-        lookup = self._memory_seconds(2 * s.bytes_per_value * self.tokens * s.hidden_size)
-        comm = _ring(
-            c.tp,
-            s.bytes_per_value * self.tokens * s.hidden_size,
-            self.tp_bw,
-            all_reduce=not c.sequence_parallel,
-        )
+        activation = s.bytes_per_value * self.tokens * s.hidden_size
+        comm = self.tp_link.ring(c.tp, activation, all_reduce=not c.sequence_parallel)
+        measured = self._measured(1)
+        if measured is not None:
+            return ActionCosts(
+                measured.forward + comm, measured.backward_input, measured.backward_weight + comm
+            )
+        lookup = self._memory_seconds(2 * activation)
         return ActionCosts(lookup + comm, 0.0, lookup + comm)
 
     def _loss_costs(self) -> ActionCosts:
-        if self.profile is not None:
-            _, _, loss = self.profile.for_shape(self.cand.tp, self.cand.micro_batch_size, self.cand.recompute)
-            return ActionCosts(*loss)
         s, c = self.spec, self.cand
+        gather = self.tp_link.ring(c.tp, s.bytes_per_value * self.tokens * s.hidden_size)
+        reductions = 3 * self.tp_link.ring(c.tp, 4 * self.tokens, all_reduce=True)  # max, sum of exp, target
+        measured = self._measured(2)
+        if measured is not None:
+            return ActionCosts(measured.forward + gather + reductions, measured.backward_input + gather,
+                               measured.backward_weight)  # fmt: skip
         logits = self._flops_seconds(s.logits_flops(self.tokens, c.tp))
         vocab_bytes = 4 * self.tokens * s.padded_vocab(c.tp) // c.tp
         softmax = self._memory_seconds(6 * vocab_bytes)  # copy, max, shift, exp, sum, divide
-        gather = _ring(c.tp, s.bytes_per_value * self.tokens * s.hidden_size, self.tp_bw)
-        return ActionCosts(
-            logits + softmax + gather, logits + self._memory_seconds(3 * vocab_bytes) + gather, logits
-        )
+        backward = logits + self._memory_seconds(3 * vocab_bytes) + gather
+        return ActionCosts(logits + softmax + gather + reductions, backward, logits)
 
     def stage(self, symbols: tuple[str, ...]) -> ActionCosts:
         """Seconds of one microbatch in a stage holding ``symbols``."""
@@ -210,19 +210,19 @@ class StageCostModel:
         """One pipeline message (an activation or its gradient)."""
         s = self.spec
         message = s.bytes_per_value * self.shape.sharded_seq * self.cand.micro_batch_size * s.hidden_size
-        return message / self.pp_bw
+        return self.pp_link.message(message)
 
     def grad_sync_seconds(self, grad_bytes: float, param_bytes: float) -> float:
         """A rank's data-parallel gradient reduction (and parameter all-gather with the distributed optimizer)."""
         size = self.cand.dp * self.cand.cp
         if self.cand.distributed_optimizer:
-            return _ring(size, grad_bytes, self.dp_bw)
-        return _ring(size, grad_bytes, self.dp_bw, all_reduce=True)
+            return self.dp_link.ring(size, grad_bytes)
+        return self.dp_link.ring(size, grad_bytes, all_reduce=True)
 
     def param_gather_seconds(self, param_bytes: float) -> float:
         if not self.cand.distributed_optimizer:
             return 0.0
-        return _ring(self.cand.dp * self.cand.cp, param_bytes, self.dp_bw)
+        return self.dp_link.ring(self.cand.dp * self.cand.cp, param_bytes)
 
     def optimizer_seconds(self, stepped_elements: float) -> float:
         """Adam over this rank's elements: memory-bound, ~36 bytes read or written per element."""

@@ -5,6 +5,9 @@ are what a collective achieves, not the data sheet's: NCCL's bus bandwidth on NV
 and per GPU over the network between nodes, each about 80-90% of the link's rate. The compute
 efficiency is the fraction of peak a transformer layer's matrix multiplies reach on that GPU once
 kernels are launched back to back; measured costs (``--profile-local``) replace it where they exist.
+Every message also pays a fixed latency (a ring collective one per step): a few microseconds on
+NVLink, more across nodes, milliseconds between CPU processes sharing cores, which is what makes
+many small tensor-parallel collectives expensive there.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from training.throughput import PEAK_TFLOPS
 
-__all__ = ["GPUS", "Cluster", "Gpu"]
+__all__ = ["GPUS", "Cluster", "Gpu", "Link"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,28 @@ class Gpu:
     """Achieved per-GPU bandwidth between nodes (InfiniBand / RoCE)."""
     compute_efficiency: float = 0.6
     """Fraction of ``peak_tflops`` a layer's matrix multiplies reach (a stated assumption)."""
+    intra_node_latency_us: float = 10.0
+    """Fixed cost of one message (one ring step) inside a node."""
+    inter_node_latency_us: float = 25.0
+    """Fixed cost of one message between nodes."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a group's messages cost: achieved bytes/s per GPU and seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+    def ring(self, size: int, nbytes: float, *, all_reduce: bool = False) -> float:
+        """Seconds of a ring all-gather / reduce-scatter of ``nbytes`` (all-reduce: both, twice the steps)."""
+        if size <= 1:
+            return 0.0
+        return (2.0 if all_reduce else 1.0) * (size - 1) * (self.latency + nbytes / size / self.bandwidth)
+
+    def message(self, nbytes: float) -> float:
+        """Seconds of one point-to-point message."""
+        return self.latency + nbytes / self.bandwidth
 
 
 def _peak(name: str) -> float:
@@ -75,10 +100,12 @@ class Cluster:
     def achievable_flops(self) -> float:
         return self.gpu.peak_tflops * 1e12 * self.gpu.compute_efficiency
 
-    def bandwidth(self, group_stride: int, group_size: int) -> float:
-        """Bytes/s per GPU of a collective over ``group_size`` ranks ``group_stride`` apart."""
-        within_node = group_stride * (group_size - 1) < self.gpus_per_node
-        return (self.gpu.intra_node_gb_s if within_node else self.gpu.inter_node_gb_s) * 1e9
+    def link(self, group_stride: int, group_size: int) -> Link:
+        """The link of a group of ``group_size`` ranks ``group_stride`` apart (in a node or across)."""
+        g = self.gpu
+        if group_stride * (group_size - 1) < self.gpus_per_node:
+            return Link(g.intra_node_gb_s * 1e9, g.intra_node_latency_us * 1e-6)
+        return Link(g.inter_node_gb_s * 1e9, g.inter_node_latency_us * 1e-6)
 
     def with_gpu(self, **changes) -> Cluster:
         return replace(self, gpu=replace(self.gpu, **changes))

@@ -51,7 +51,7 @@ class RankMemory:
     transient: float
     """What the action running at the peak adds on top (logits, gradients, recomputation)."""
     buffers: float
-    """The step's microbatches (token ids, labels, masks, positions)."""
+    """The step's microbatches (token ids, labels, masks, positions) and RoPE's cached tables."""
     optimizer_transient: float
     peak_in_flight: int = 0
     """Microbatch-chunks forwarded and not yet through their backward at the peak."""
@@ -273,6 +273,7 @@ def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str =
         sequence_parallel=cand.sequence_parallel,
         recompute=cand.recompute,
         device=device,
+        cp=cand.cp,
     )
     chunks = []
     for v in range(cand.vpp):
@@ -282,6 +283,9 @@ def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str =
     held, transient, in_flight = _walk(states, chunks)
     reads_data = any(c.terms.get("embedding") or "loss final norm" in c.terms for c in chunks)
     buffers = 28 * spec.seq_length * cand.micro_batch_size * cand.num_microbatches if reads_data else 0
+    if spec.position_embedding_type == "rope":  # each chunk's cos/sin table, cached at its first forward
+        table = 1 << max(spec.seq_length - 1, 0).bit_length()
+        buffers += cand.vpp * 2 * spec.bytes_per_value * table * int(spec.kv_channels * spec.rotary_percent)
     terms: dict[str, float] = {}
     for chunk in chunks:
         for name, value in chunk.terms.items():

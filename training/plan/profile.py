@@ -13,7 +13,8 @@ A shape too large to run here in a fraction of a second is measured at fewer tok
 weights would not fit, at a narrower width, head size kept) and scaled back by the ratio of FLOPs.
 
 The local cluster (:func:`local_cluster`) is this machine: its ranks share its cores, and the
-bandwidth of its process groups (gloo over loopback) is measured with two real ranks.
+latency and bandwidth of its process groups (gloo over loopback) are measured with as many real
+ranks as the plan has, all-reducing together.
 """
 
 from __future__ import annotations
@@ -189,39 +190,46 @@ class LocalProfile(LayerProfile):
 # --------------------------------------------------------------------------------------------------
 
 
-def _bandwidth_rank(rank: int, init_file: str, nbytes: int, queue) -> None:
+def _link_rank(rank: int, world: int, init_file: str, nbytes: int, queue) -> None:
+    """One rank of :func:`measure_gloo`: tiny all-reduces (latency), then large ones (bandwidth)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    buffer = torch.ones(nbytes // 4)
-    for _ in range(2):
-        dist.all_reduce(buffer)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(5):
-        dist.all_reduce(buffer)
-    seconds = (time.perf_counter() - start) / 5
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    timings = []
+    for numel, repeats in ((1, 50), (nbytes // 4, 5)):
+        buffer = torch.ones(numel)
+        for _ in range(2):
+            dist.all_reduce(buffer)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(buffer)
+        timings.append((time.perf_counter() - start) / repeats)
     if rank == 0:
-        queue.put(nbytes / seconds)  # an all-reduce of 2 ranks moves (2 (n-1)/n) x bytes = bytes each way
+        queue.put(timings)
     dist.destroy_process_group()
 
 
-def measure_gloo_bandwidth(nbytes: int = 32 << 20) -> float:
-    """Bytes/s of a two-rank gloo all-reduce here, as the ring formulas count it."""
+def measure_gloo(world: int, nbytes: int = 16 << 20) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of gloo here, ``world`` ranks all-reducing together.
+
+    A ring all-reduce over ``n`` ranks takes ``2 (n - 1)`` steps of ``latency + bytes / n / bandwidth``:
+    the tiny one gives the latency, the large one the bandwidth, as :class:`Link` counts them."""
     import torch.multiprocessing as mp
 
+    world = max(world, 2)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_bandwidth_rank, args=(r, os.path.join(tmp, "rdzv"), nbytes, queue))
-            for r in range(2)
-        ]
+        init = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=_link_rank, args=(r, world, init, nbytes, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        value = queue.get(timeout=300)
+        tiny, large = queue.get(timeout=300)
         for p in procs:
             p.join()
-    return value
+    steps = 2 * (world - 1)
+    latency = tiny / steps
+    return nbytes / world / max(large / steps - latency, 1e-12), latency
 
 
 def _matmul_tflops() -> float:
@@ -238,15 +246,17 @@ def _matmul_tflops() -> float:
 
 def local_cluster(num_ranks: int) -> Cluster:
     """This machine with ``num_ranks`` ranks on its cores (one thread each, as under torchrun)."""
-    bandwidth = measure_gloo_bandwidth() / 1e9
+    bandwidth, latency = measure_gloo(num_ranks)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     gpu = Gpu(
         name=f"CPU rank ({os.cpu_count()} cores shared)",
         peak_tflops=_matmul_tflops(),
         memory_gb=memory / num_ranks,
         hbm_tb_s=0.01,
-        intra_node_gb_s=bandwidth,
-        inter_node_gb_s=bandwidth,
+        intra_node_gb_s=bandwidth / 1e9,
+        inter_node_gb_s=bandwidth / 1e9,
         compute_efficiency=1.0,
+        intra_node_latency_us=latency * 1e6,
+        inter_node_latency_us=latency * 1e6,
     )
     return Cluster(num_ranks, num_ranks, gpu, cores=os.cpu_count() or 1)
