@@ -8,10 +8,14 @@ Four spawned ranks (gloo on CPU, NCCL on GPUs) train a small LLaMA (RoPE, GQA) o
 * **Overlap.** With ``--cp-comm-type p2p`` each attention layer runs a ring: while a block's
   attention is computed, the next key/value block is already on its way. Per training step (forward
   and backward), the seconds spent computing attention blocks against the seconds spent waiting for
-  a block that had not arrived yet (``ring_timings``), medians over ``--steps`` steps, the slowest
-  rank each step. A ratio near 0 means the transfers hide behind the computation.
+  a block that had not arrived yet (``ring_timings``; each the largest over the ranks), and their
+  ratio per step; the table gives medians over ``--steps`` steps, the JSON line every step's ratio
+  too. A ratio near 0 means the transfers hide behind the computation. ``--measure`` picks one half:
+  the bytes are exact whatever the load, the times need a quiet machine.
 
     python tools/bench_context_parallel.py
+    python tools/bench_context_parallel.py --measure memory          # exact bytes: needs no quiet machine
+    flock /work/coord/bench.lock python tools/bench_context_parallel.py --measure overlap --steps 7
     python tools/bench_context_parallel.py --seq 8192 --hidden 256 --layers 2 --steps 5
 
 Prints a table, then one JSON line.
@@ -84,7 +88,7 @@ def saved_activation_bytes(model: GPTModel, batch: dict[str, torch.Tensor]) -> i
 def _timed_steps(
     model: GPTModel, batch: dict[str, torch.Tensor], steps: int
 ) -> list[tuple[float, float, float]]:
-    """(step, attention, waiting) seconds per step, the slowest rank's of each."""
+    """(step, attention, waiting) seconds per step, each the largest over the ranks."""
     out = []
     for _ in range(steps):
         dist.barrier()
@@ -106,20 +110,48 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     bind_local_device()
     dist.init_process_group(default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     report = {"memory": {}, "overlap": {}}
-    for cp in sorted({1, 2, args.cp}):
+    for cp in sorted({1, 2, args.cp} if args.measure != "overlap" else {2, args.cp}):
         parallel_state.initialize_model_parallel(context_parallel_size=cp)
         model_parallel_seed(1234)
         model, batch = _model(args, cp), _batch(args)
-        nbytes = torch.tensor([saved_activation_bytes(model, batch)], dtype=torch.float64)
-        dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
-        report["memory"][cp] = nbytes.item()
-        if cp > 1 and args.cp_comm_type == "p2p":
+        if args.measure in ("memory", "both"):
+            nbytes = torch.tensor([saved_activation_bytes(model, batch)], dtype=torch.float64)
+            dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
+            report["memory"][cp] = nbytes.item()
+        if cp > 1 and args.cp_comm_type == "p2p" and args.measure in ("overlap", "both"):
             _timed_steps(model, batch, args.warmup)
             report["overlap"][cp] = _timed_steps(model, batch, args.steps)
         parallel_state.destroy_model_parallel()
     if rank == 0:
         results.put(report)
     dist.destroy_process_group()
+
+
+def _print_memory(memory: dict[int, float]) -> None:
+    print(f"{'saved activations per rank':<28}{'MiB':>10}{'vs CP=1':>10}")
+    for cp, nbytes in memory.items():
+        print(f"{f'CP={cp}':<28}{nbytes / 2**20:>10.1f}{nbytes / memory[1]:>10.3f}")
+
+
+def _print_overlap(per_cp: dict[int, list[tuple[float, float, float]]]) -> dict[int, dict[str, float]]:
+    """The ring's table (medians over the steps) and its JSON form."""
+    print(f"{'ring, per step (medians)':<28}{'step ms':>10}{'attn ms':>10}{'wait ms':>10}{'wait/attn':>11}")
+    overlap = {}
+    for cp, rows in per_cp.items():
+        step, attention, waiting = (statistics.median(column) for column in zip(*rows))
+        ratios = [w / a for _, a, w in rows]
+        overlap[cp] = {
+            "step_ms": round(step * 1000, 1),
+            "attention_ms": round(attention * 1000, 1),
+            "waiting_ms": round(waiting * 1000, 1),
+            "waiting_over_attention": round(statistics.median(ratios), 4),
+            "waiting_over_attention_per_step": [round(r, 4) for r in ratios],
+        }
+        print(
+            f"{f'CP={cp}':<28}{step * 1000:>10.1f}{attention * 1000:>10.1f}{waiting * 1000:>10.1f}"
+            f"{overlap[cp]['waiting_over_attention']:>11.3f}"
+        )
+    return overlap
 
 
 def main(argv=None) -> dict:
@@ -136,6 +168,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--cp-comm-type", default="p2p", choices=("p2p", "a2a", "allgather"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--measure",
+        default="both",
+        choices=("memory", "overlap", "both"),
+        help="saved activations (exact, load does not matter), the ring's timings (needs a quiet machine), or both",
+    )
     args = parser.parse_args(argv)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -147,40 +185,19 @@ def main(argv=None) -> dict:
         report = results.get(timeout=3600)
         for p in procs:
             p.join(timeout=60)
-    memory = report["memory"]
-    ratio = memory[args.cp] / memory[1]
     print(
         f"LLaMA {args.layers} layers x hidden {args.hidden}, {args.heads} heads / {args.groups} groups, one "
         f"sequence of {args.seq} tokens, {WORLD} ranks, cp_comm_type {args.cp_comm_type}"
     )
-    print(f"{'saved activations per rank':<28}{'MiB':>10}{'vs CP=1':>10}")
-    for cp, nbytes in memory.items():
-        print(f"{f'CP={cp}':<28}{nbytes / 2**20:>10.1f}{nbytes / memory[1]:>10.3f}")
-    overlap = {}
+    memory = report["memory"]
+    summary = {"benchmark": "bench_context_parallel", "seq": args.seq}
+    if memory:
+        _print_memory(memory)
+        summary["saved_activation_mib"] = {cp: round(b / 2**20, 2) for cp, b in memory.items()}
+        summary[f"cp{args.cp}_vs_cp1_saved_activations"] = round(memory[args.cp] / memory[1], 4)
     if report["overlap"]:
-        print(
-            f"{'ring, per step (medians)':<28}{'step ms':>10}{'attn ms':>10}{'wait ms':>10}{'wait/attn':>11}"
-        )
-    for cp, rows in report["overlap"].items():
-        step, attention, waiting = (statistics.median(column) for column in zip(*rows))
-        overlap[cp] = {
-            "step_ms": round(step * 1000, 1),
-            "attention_ms": round(attention * 1000, 1),
-            "waiting_ms": round(waiting * 1000, 1),
-            "waiting_over_attention": round(waiting / attention, 4),
-        }
-        print(
-            f"{f'CP={cp}':<28}{step * 1000:>10.1f}{attention * 1000:>10.1f}{waiting * 1000:>10.1f}"
-            f"{waiting / attention:>11.3f}"
-        )
-    summary = {
-        "benchmark": "bench_context_parallel",
-        "seq": args.seq,
-        "saved_activation_mib": {cp: round(b / 2**20, 2) for cp, b in memory.items()},
-        f"cp{args.cp}_vs_cp1_saved_activations": round(ratio, 4),
-        "ring": overlap,
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-    }
+        summary["ring"] = _print_overlap(report["overlap"])
+    summary["load_average"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(summary))
     return summary
 
