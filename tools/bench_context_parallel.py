@@ -1,6 +1,6 @@
 """Context parallelism: saved activations per rank, and how well the ring hides its transfers.
 
-Four spawned ranks (gloo on CPU, NCCL on GPUs) train a small LLaMA (RoPE, GQA) on one long sequence.
+``--world`` spawned ranks (4; gloo on CPU, NCCL on GPUs) train a small LLaMA (RoPE, GQA) on one long sequence.
 
 * **Memory.** The bytes autograd saves for backward during one forward (``saved_tensors_hooks``,
   each storage counted once, parameters left out), per rank, at CP = 1 (every rank holds the whole
@@ -16,6 +16,7 @@ Four spawned ranks (gloo on CPU, NCCL on GPUs) train a small LLaMA (RoPE, GQA) o
     python tools/bench_context_parallel.py
     python tools/bench_context_parallel.py --measure memory          # exact bytes: needs no quiet machine
     flock /work/coord/bench.lock python tools/bench_context_parallel.py --measure overlap --steps 7
+    flock /work/coord/bench.lock python tools/bench_context_parallel.py --measure overlap --world 2 --cp 2
     python tools/bench_context_parallel.py --seq 8192 --hidden 256 --layers 2 --steps 5
 
 Prints a table, then one JSON line.
@@ -42,8 +43,6 @@ from core.device import current_device
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.context_parallel import get_batch_on_this_cp_rank, ring_timings
 from models.gpt import GPTModel, llama_config
-
-WORLD = 4
 
 
 def _model(args: argparse.Namespace, cp: int) -> GPTModel:
@@ -108,9 +107,13 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
 
     os.environ["LOCAL_RANK"] = str(rank)
     bind_local_device()
-    dist.init_process_group(default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=args.world
+    )
     report = {"memory": {}, "overlap": {}}
     for cp in sorted({1, 2, args.cp} if args.measure != "overlap" else {2, args.cp}):
+        if args.world % cp:
+            continue
         parallel_state.initialize_model_parallel(context_parallel_size=cp)
         model_parallel_seed(1234)
         model, batch = _model(args, cp), _batch(args)
@@ -165,6 +168,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--cp", type=int, default=4, choices=(2, 4))
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=4,
+        choices=(2, 4),
+        help="ranks (spawned processes); on a 2-core machine --world 2 --cp 2 gives each rank a core",
+    )
     parser.add_argument("--cp-comm-type", default="p2p", choices=("p2p", "a2a", "allgather"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -175,11 +185,13 @@ def main(argv=None) -> dict:
         help="saved activations (exact, load does not matter), the ring's timings (needs a quiet machine), or both",
     )
     args = parser.parse_args(argv)
+    if args.world % args.cp:
+        parser.error(f"--cp ({args.cp}) must divide --world ({args.world})")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank, args=(r, args, init_file, results)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_rank, args=(r, args, init_file, results)) for r in range(args.world)]
         for p in procs:
             p.start()
         report = results.get(timeout=3600)
@@ -187,7 +199,7 @@ def main(argv=None) -> dict:
             p.join(timeout=60)
     print(
         f"LLaMA {args.layers} layers x hidden {args.hidden}, {args.heads} heads / {args.groups} groups, one "
-        f"sequence of {args.seq} tokens, {WORLD} ranks, cp_comm_type {args.cp_comm_type}"
+        f"sequence of {args.seq} tokens, {args.world} ranks, cp_comm_type {args.cp_comm_type}"
     )
     memory = report["memory"]
     summary = {"benchmark": "bench_context_parallel", "seq": args.seq}
