@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
         f"sequence of {args.seq} tokens, {args.world} ranks, cp_comm_type {args.cp_comm_type}"
     )
     memory = report["memory"]
-    summary = {"benchmark": "bench_context_parallel", "seq": args.seq}
+    summary = {"benchmark": "bench_context_parallel", "seq": args.seq, "world": args.world}
     if memory:
         _print_memory(memory)
         summary["saved_activation_mib"] = {cp: round(b / 2**20, 2) for cp, b in memory.items()}
