@@ -275,3 +275,45 @@ def test_logged_losses_are_per_layer_means_over_microbatches_and_their_mean_over
     assert recomputed == pytest.approx(
         summary, rel=1e-6
     )  # the forward replayed in backward is not logged again
+
+
+# --------------------------------------------------------------------------------------------------
+# --compile: the layer compiled, routing and dispatch eager
+# --------------------------------------------------------------------------------------------------
+
+
+def test_compiled_moe_layer_computes_the_eager_numbers_and_new_routings_compile_nothing():
+    from core.transformer.compile import compile_stats
+    from models.gpt import GPTModel
+
+    set_auxiliary_loss_scale(1.0)
+    models = {}
+    for compiled in (False, True):
+        config = moe_config(
+            num_layers=1,
+            moe_aux_loss_coeff=0.01,
+            moe_z_loss_coeff=1e-3,
+            init_method_std=0.2,
+            compile=compiled,
+            compile_backend="aot_eager",
+        )
+        models[compiled] = GPTModel(config, 64, 16)
+    models[True].load_state_dict(models[False].state_dict())
+    counts, graphs = [], []
+    models[False].decoder.layers["0"].mlp.router.register_forward_hook(
+        lambda module, args, out: counts.append(out[1].sum(dim=0).tolist())
+    )
+    for step in range(2):  # two batches: other token counts per expert, so other dispatch shapes
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        results = {}
+        for compiled, model in models.items():
+            model.zero_grad(set_to_none=True)
+            loss = model(tokens, labels=tokens.roll(1, 1)).mean()
+            loss.backward()
+            results[compiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        assert _relative(results[True][0], results[False][0]) <= 1e-6
+        for name, grad in results[False][1].items():
+            assert _relative(results[True][1][name], grad) <= 1e-6, (step, name)
+        graphs.append(compile_stats()["graphs"])
+    assert counts[0] != counts[1]
+    assert graphs[1] == graphs[0]  # the new routing compiled nothing: router, dispatch and experts eager
