@@ -355,6 +355,7 @@ MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes
     ),
 }
 MODEL_SLOW = {
+    "tp2-sp-ep2-alltoall-grouped",
     "ep2-dp4-alltoall-looped",
     "pp2-vpp2-layout-ep2-interleaved",
     "pp2-ep2-zbv-allgather",
