@@ -592,6 +592,16 @@ MOE = [
         "size (4): the alltoall dispatcher's expert-parallel groups cannot be formed",
     ),
     Case(
+        "EP x TP x PP over the world",
+        _flags(
+            FULL + "--num-experts 8 --expert-model-parallel-size 4 --tensor-model-parallel-size 2 "
+            "--sequence-parallel --pipeline-model-parallel-size 2",
+            world=4,
+        ),
+        "--expert-model-parallel-size (4) x --pipeline-model-parallel-size (2) = 8 does not divide the world "
+        "size (4): the allgather dispatcher's expert-parallel groups cannot be formed",
+    ),
+    Case(
         "top-k over experts",
         _flags(MOE_FLAGS + "--moe-router-topk 7"),
         "--moe-router-topk (7) must be between 1 and --num-experts (6)",
