@@ -31,14 +31,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
 
 
 def _default_group() -> ProcessGroup | None:
     """The group gradients are reduced over: data parallel with context parallel folded in."""
-    from core import parallel_state as ps
-
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return None
     return ps.get_data_parallel_group(with_context_parallel=True)
@@ -46,8 +45,6 @@ def _default_group() -> ProcessGroup | None:
 
 def _default_expert_group() -> ProcessGroup | None:
     """The group expert gradients are reduced over: the replicas of this rank's experts."""
-    from core import parallel_state as ps
-
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return None
     return ps.get_parallel_groups().expt_dp
@@ -59,8 +56,6 @@ def is_expert_param(param: nn.Parameter) -> bool:
 
 
 def _pipeline_rank() -> int:
-    from core import parallel_state as ps
-
     return ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
 
 
