@@ -215,8 +215,9 @@ class DistributedDataParallel(nn.Module):
                 return
             if bucket.state != IDLE:
                 bucket.check_accumulation_allowed(param)  # raises before the buffer is touched
+            # Identity, not data pointers: fake tensors (the planner's dry run) have none.
             grad, main_grad = param.grad, param.main_grad
-            if grad is not None and grad.data_ptr() != main_grad.data_ptr():
+            if grad is not None and grad is not main_grad:
                 main_grad.add_(grad)
                 param.grad = main_grad if main_grad.dtype == param.dtype else None
             ready(param)

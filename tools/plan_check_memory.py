@@ -1,0 +1,205 @@
+"""Check the planner's memory model: against the fake-tensor dry run, and the dry run against a real run.
+
+    python tools/plan_check_memory.py model            # LLaMA-3 8B TP2xPP4xDP8, 70B TP8xPP8 VPP2 + dist-opt,
+                                                       # GPT-3 175B TP8xPP16: every pipeline rank, model vs
+                                                       # dry run, with Megatron's theoretical formula beside them
+    python tools/plan_check_memory.py model --config llama3-8b --ranks 0 3
+    python tools/plan_check_memory.py real             # 4 gloo ranks, a small GPT, three layouts: the real
+                                                       # run's tracked live tensor bytes vs the dry run, per rank
+
+``model`` compares per pipeline rank the model's peak (with the CPU's attention kernels, which the dry
+run runs) with the dry run's; ``real`` runs ``pretrain_gpt.py`` under ``torchrun`` with every rank's
+tensors counted by the same :class:`~training.plan.live_bytes.LiveBytes` the dry run uses, takes the
+peak of the third iteration, and dry-runs the same flags. Each prints a table and a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from core.pipeline_parallel.layout import even_layout
+from training.plan.candidate import Candidate
+from training.plan.inputs import read_input
+
+GB = 1e9
+
+CONFIGS = {
+    # preset, flags, candidate. Global batches are cut to a few microbatches per stage: peaks do not
+    # depend on the count once every schedule's warm-up is full, and fake steps cost time per op.
+    "llama3-8b": (
+        "llama3-8b",
+        ["--global-batch-size", "128"],
+        {"tp": 2, "pp": 4, "dp": 8, "num_microbatches": 16},
+    ),
+    "llama3-70b": (
+        "llama3-70b",
+        ["--global-batch-size", "128"],
+        {"tp": 8, "pp": 8, "dp": 8, "vpp": 2, "num_microbatches": 16, "distributed_optimizer": True},
+    ),
+    "gpt3-175b": (
+        "gpt3-175b",
+        ["--global-batch-size", "256"],
+        {"tp": 8, "pp": 16, "dp": 8, "num_microbatches": 32},
+    ),
+}
+
+SMALL_GPT = (
+    "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
+    "--vocab-size 8191 --global-batch-size 16 --hidden-dropout 0.1 --attention-dropout 0.1 --bf16"
+)
+REAL_LAYOUTS = {
+    "PP4 1F1B": {"tp": 1, "pp": 4, "dp": 1, "micro_batch_size": 2, "num_microbatches": 8},
+    "TP2xPP2 zb-h1, selective": {
+        "tp": 2, "pp": 2, "dp": 1, "schedule": "zb-h1", "recompute": "selective", "micro_batch_size": 2,
+        "num_microbatches": 8,
+    },
+    "PP2xVPP2xDP2 dist-opt": {
+        "tp": 1, "pp": 2, "dp": 2, "vpp": 2, "micro_batch_size": 2, "num_microbatches": 4,
+        "distributed_optimizer": True,
+    },
+}  # fmt: skip
+
+
+def _candidate(spec, fields: dict) -> Candidate:
+    cand = Candidate(**{"micro_batch_size": 1, **fields})
+    placement = "v" if cand.schedule == "zbv" else "loop"
+    return replace(cand, layout=even_layout(spec.num_layers, cand.pp, cand.vpp, placement).to_string())
+
+
+def check_model(names: list[str], ranks: list[int] | None) -> list[dict]:
+    from pretrain_gpt import forward_step
+    from training.plan.dry_run import dry_run
+    from training.plan.megatron_formula import megatron_memory
+    from training.plan.memory import rank_memory
+    from training.plan.report import candidate_args
+
+    rows = []
+    for name in names:
+        preset, flags, fields = CONFIGS[name]
+        plan_input = read_input(flags, preset=preset)
+        spec, cand = plan_input.spec, _candidate(plan_input.spec, fields)
+        argv = candidate_args(plan_input.base_flags, cand)
+        megatron = megatron_memory(spec, cand)
+        print(f"{name} {cand.split()} {cand.schedule_label}: Megatron's formula {megatron['total'] / GB:.2f} GB "
+              f"(weights+optimizer {megatron['weights_and_optimizer'] / GB:.2f}, activations "
+              f"{megatron['activations'] / GB:.2f}) for its first stage", flush=True)  # fmt: skip
+        for rank in ranks if ranks is not None else range(cand.pp):
+            started = time.perf_counter()
+            model = rank_memory(spec, cand, rank, device="cpu")
+            gpu = rank_memory(spec, cand, rank, device="cuda")
+            measured = dry_run(argv, world_size=cand.world_size, pp_rank=rank, vocab_size=spec.vocab_size,
+                               forward_step_func=forward_step)  # fmt: skip
+            row = {
+                "config": name, "split": cand.split(), "pp_rank": rank, "dry_run_peak": measured.peak,
+                "model_peak": model.peak, "model_peak_gpu_kernels": gpu.peak, "ratio": model.peak / measured.peak,
+                "dry_run": measured.as_dict(), "megatron_total": megatron["total"],
+                "seconds": time.perf_counter() - started,
+            }  # fmt: skip
+            rows.append(row)
+            print(f"  pp rank {rank:2d}: dry run {measured.peak / GB:7.2f} GB  model {model.peak / GB:7.2f} GB "
+                  f"({row['ratio'] - 1:+.2%})  static {measured.static / GB:.2f} GB  "
+                  f"[{row['seconds']:.0f} s]", flush=True)  # fmt: skip
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# The dry run against a real run
+# --------------------------------------------------------------------------------------------------
+
+
+def _worker(out_dir: str) -> None:
+    """One ``torchrun`` rank: ``pretrain_gpt`` with its tensors counted; the third iteration's peak."""
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from training import pretrain
+    from training.plan.live_bytes import LiveBytes
+
+    tracker = LiveBytes()
+    found: dict = {}
+
+    def hook(state) -> None:
+        if state.iteration == 2:
+            tracker.reset_peak()
+        elif state.iteration == 3:
+            found["peak"] = tracker.peak
+            found["rank"] = dist.get_rank()
+            from core import parallel_state as ps
+
+            found["pp_rank"] = ps.get_pipeline_model_parallel_rank()
+
+    argv = sys.argv[sys.argv.index("--") + 1 :]
+    with tracker:
+        pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                 pretrain_gpt.forward_step, argv=argv, tokenizer_provider=pretrain_gpt.tokenizer_provider,
+                 iteration_hook=hook)  # fmt: skip
+    with open(os.path.join(out_dir, f"rank{found['rank']}.json"), "w") as f:
+        json.dump(found, f)
+
+
+def check_real(layouts: dict | None = None) -> list[dict]:
+    from pretrain_gpt import forward_step
+    from training.plan.dry_run import dry_run
+    from training.plan.report import candidate_args
+
+    plan_input = read_input(SMALL_GPT.split())
+    rows = []
+    for name, fields in (layouts or REAL_LAYOUTS).items():
+        cand = _candidate(plan_input.spec, fields)
+        argv = candidate_args(plan_input.base_flags, cand) + ["--train-iters", "3", "--eval-iters", "0",
+                                                              "--num-workers", "0", "--log-interval", "1"]  # fmt: skip
+        with tempfile.TemporaryDirectory() as out:
+            command = ["torchrun", "--nproc-per-node", "4", __file__, "--worker", out, "--", *argv]
+            subprocess.run(
+                command, check=True, env={**os.environ, "PYTHONPATH": _root()}, capture_output=True
+            )
+            real = []
+            for r in range(4):
+                with open(os.path.join(out, f"rank{r}.json")) as f:
+                    real.append(json.load(f))
+        dry = {}
+        for pp_rank in sorted({r["pp_rank"] for r in real}):
+            dry[pp_rank] = dry_run(argv, world_size=4, pp_rank=pp_rank, vocab_size=plan_input.spec.vocab_size,
+                                   forward_step_func=forward_step).peak  # fmt: skip
+        print(f"{name} ({cand.split()} {cand.schedule_label}):", flush=True)
+        for r in real:
+            ratio = dry[r["pp_rank"]] / r["peak"]
+            rows.append({"layout": name, "rank": r["rank"], "pp_rank": r["pp_rank"], "real_peak": r["peak"],
+                         "dry_run_peak": dry[r["pp_rank"]], "ratio": ratio})  # fmt: skip
+            print(f"  rank {r['rank']} (pp {r['pp_rank']}): real {r['peak'] / 1e6:8.2f} MB  dry run "
+                  f"{dry[r['pp_rank']] / 1e6:8.2f} MB  ({ratio - 1:+.2%})", flush=True)  # fmt: skip
+    return rows
+
+
+def _root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        _worker(sys.argv[sys.argv.index("--worker") + 1])
+        return
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("what", choices=["model", "real"])
+    parser.add_argument("--config", nargs="*", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--ranks", nargs="*", type=int, help="pipeline ranks (default: all)")
+    args = parser.parse_args()
+    rows = check_model(args.config, args.ranks) if args.what == "model" else check_real()
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    print(f"largest difference: {worst:.2%} over {len(rows)} ranks; load average {os.getloadavg()[0]:.1f}")
+    print(json.dumps({"check": args.what, "rows": rows, "largest_difference": worst}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Check the planner's step times against real runs on this machine, and its rebalancer.
+
+    python tools/plan_check_time.py layouts    # plan a 4-rank, 8-layer GPT with --profile-local, run 8+
+                                               # of its layouts for real (turns, medians): Spearman rank
+                                               # correlation, and the top pick's step over the best's
+    python tools/plan_check_time.py rebalance  # a PP=4 GPT with a large vocabulary on its last stage: run it
+                                               # with --timeline-dir, plan --from-timeline, then run both
+                                               # layouts in turns: the measured step-time ratio
+
+Runs are ``torchrun --nproc-per-node 4 pretrain_gpt.py <the plan's flags>`` with mock data; a run's
+step time is the median of its iterations after the first two (``--log-interval 1``), and each
+candidate runs ``--rounds`` times, in turns with the others, so that load from elsewhere falls on all
+alike; the median over rounds is kept. The load average is printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = (
+    "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
+    "--vocab-size 8191 --global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0"
+)
+UNBALANCED = (
+    "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
+    "--vocab-size 32767 --global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0 "
+    "--pipeline-model-parallel-size 4 --micro-batch-size 2"
+)
+_ITERATION = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run_steps(args: list[str], iterations: int, extra: list[str] = ()) -> list[float]:
+    """Seconds of each iteration after the first two of a real 4-rank run of ``args``."""
+    command = ["torchrun", "--nproc-per-node", "4", os.path.join(ROOT, "pretrain_gpt.py"), *args,
+               "--train-iters", str(iterations), "--log-interval", "1", "--eval-iters", "0",
+               "--num-workers", "0", *extra]  # fmt: skip
+    done = subprocess.run(
+        command, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, check=False
+    )
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    times = [float(t) / 1e3 for t in _ITERATION.findall(done.stdout)]
+    return times[2:]
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            out[index] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def _strip(args: list[str]) -> list[str]:
+    """A plan's flags without the placeholders this script sets itself."""
+    out, skip = [], False
+    for token in args:
+        if skip:
+            skip = False
+            continue
+        if token in ("--train-iters",):
+            skip = True
+            continue
+        out.append(token)
+    return out
+
+
+def choose(planned: list, count: int) -> list:
+    """The top pick and ``count - 1`` more spread over the predicted range, one per split and schedule."""
+    seen, distinct = set(), []
+    for p in planned:
+        key = (p["split"], p["schedule"], p["micro_batch_size"])
+        if key not in seen:
+            seen.add(key)
+            distinct.append(p)
+    if len(distinct) <= count:
+        return distinct
+    step = (len(distinct) - 1) / (count - 1)
+    return [distinct[round(i * step)] for i in range(count)]
+
+
+def check_layouts(count: int, rounds: int, iterations: int) -> dict:
+    from training.plan.cli import main as plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "plan.out")
+        with open(out, "w") as f, contextlib.redirect_stdout(f):
+            plan([*MODEL.split(), "--num-gpus", "4", "--profile-local", "--top", "1000", "--json"])
+        with open(out) as f:
+            payload = json.loads(f.read().strip().splitlines()[-1])
+    planned = [
+        {"split": _split(c), "schedule": c["schedule"], "micro_batch_size": c["micro_batch_size"],
+         "predicted": c["step_seconds"], "args": _strip(c["args"]), "recompute": c["recompute"]}
+        for c in payload["candidates"]
+    ]  # fmt: skip
+    chosen = choose(planned, count)
+    print(
+        f"{len(planned)} candidates planned; running {len(chosen)} in {rounds} rounds ({_load()})", flush=True
+    )
+    measured: dict[int, list[float]] = {i: [] for i in range(len(chosen))}
+    for round_ in range(rounds):
+        for i, c in enumerate(chosen):
+            times = run_steps(c["args"], iterations)
+            measured[i].append(statistics.median(times))
+            print(f"  round {round_ + 1} #{i + 1} {c['split']} {c['schedule']} mbs {c['micro_batch_size']}: "
+                  f"{statistics.median(times):.3f} s ({_load()})", flush=True)  # fmt: skip
+    rows = []
+    for i, c in enumerate(chosen):
+        rows.append({**{k: v for k, v in c.items() if k != "args"}, "measured": statistics.median(measured[i]),
+                     "rounds": measured[i], "args": c["args"]})  # fmt: skip
+    predicted, actual = [r["predicted"] for r in rows], [r["measured"] for r in rows]
+    result = {
+        "rows": rows,
+        "spearman": _spearman(predicted, actual),
+        "top_pick_over_best": actual[0] / min(actual),
+        "load": _load(),
+    }
+    print(f"{'candidate':45s} {'predicted s':>12s} {'measured s':>11s}")
+    for r in rows:
+        print(f"{r['split'] + ' ' + r['schedule'] + ' mbs ' + str(r['micro_batch_size']):45s} "
+              f"{r['predicted']:12.3f} {r['measured']:11.3f}")  # fmt: skip
+    print(f"Spearman {result['spearman']:.3f}; top pick {result['top_pick_over_best']:.3f}x the best measured; "
+          f"{result['load']}")  # fmt: skip
+    return result
+
+
+def _split(c: dict) -> str:
+    parts = [("TP", c["tp"]), ("CP", c["cp"]), ("PP", c["pp"]), ("VPP", c["vpp"])]
+    return "x".join([f"{n}{s}" for n, s in parts if s > 1] + [f"DP{c['dp']}"])
+
+
+def check_rebalance(rounds: int, iterations: int) -> dict:
+    from training.plan.cli import main as plan
+
+    base = UNBALANCED.split() + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1e-4"]
+    with tempfile.TemporaryDirectory() as tmp:
+        timeline = os.path.join(tmp, "timeline")
+        run_steps(base, iterations, ["--timeline-dir", timeline, "--timeline-iters", str(iterations - 1),
+                                     str(iterations)])  # fmt: skip
+        out = os.path.join(tmp, "plan.out")
+        with open(out, "w") as f, contextlib.redirect_stdout(f):
+            plan([*UNBALANCED.split(), "--num-gpus", "4", "--profile-local", "--from-timeline", timeline])
+        with open(out) as f:
+            report = f.read()
+    print(report, flush=True)
+    proposed = re.search(r"--pipeline-model-parallel-layout '([^']+)'", report).group(1)
+    gain = float(re.search(r"predicted gain: ([\d.]+)x", report).group(1))
+    layouts = {"even": [], "proposed": []}
+    for round_ in range(rounds):
+        for name, taken in layouts.items():
+            extra = [] if name == "even" else ["--pipeline-model-parallel-layout", proposed]
+            times = run_steps(base + extra, iterations)
+            taken.append(statistics.median(times))
+            print(f"  round {round_ + 1} {name}: {statistics.median(times):.3f} s ({_load()})", flush=True)
+    even, new = statistics.median(layouts["even"]), statistics.median(layouts["proposed"])
+    result = {"proposed_layout": proposed, "predicted_gain": gain, "even_seconds": even, "proposed_seconds": new,
+              "measured_ratio": new / even, "rounds": layouts, "load": _load()}  # fmt: skip
+    print(f"measured: proposed {new:.3f} s / even {even:.3f} s = {new / even:.3f} "
+          f"(predicted {1 / gain:.3f}); {result['load']}")  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("what", choices=["layouts", "rebalance"])
+    parser.add_argument("--count", type=int, default=8, help="layouts to run (layouts)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=6, help="per run; the first two are not timed")
+    args = parser.parse_args()
+    if args.what == "layouts":
+        result = check_layouts(args.count, args.rounds, args.iterations)
+    else:
+        result = check_rebalance(args.rounds, args.iterations)
+    print(json.dumps({"check": args.what, **result}))
+
+
+if __name__ == "__main__":
+    main()

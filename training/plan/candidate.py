@@ -1,0 +1,123 @@
+"""One way to run a model: the split, the schedule, the microbatch, recomputation and the layout.
+
+A :class:`Candidate` is what the search enumerates, the memory and time models evaluate, and the
+report prints; :meth:`Candidate.flags` turns it into the ``pretrain_gpt.py`` flags that run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import cached_property
+
+from core.pipeline_parallel.layout import PipelineLayout, parse_layout
+
+__all__ = ["RECOMPUTE", "Candidate", "schedule_name"]
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recomputation: none; the attention core (Megatron's selective); every layer (full,
+uniform, one layer per checkpoint)."""
+
+
+def schedule_name(schedule: str, vpp: int) -> str:
+    """The schedule a ``--pipeline-schedule`` value runs at this virtual size, as the report names it."""
+    if schedule == "1f1b" and vpp > 1:
+        return "interleaved-1f1b"
+    if schedule == "zb-h1" and vpp > 1:
+        return "interleaved-zb"
+    return schedule
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A complete choice of how to train; every field maps onto a ``pretrain_gpt.py`` flag."""
+
+    tp: int
+    pp: int
+    dp: int
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    """``--pipeline-schedule``: 1f1b, gpipe, zb-h1 or zbv (1f1b and zb-h1 interleave with vpp > 1)."""
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    recompute: str = "none"
+    layout: str = ""
+    """``--pipeline-model-parallel-layout``: which layers each of the pp x vpp stages holds."""
+    distributed_optimizer: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.dp
+
+    @property
+    def schedule_label(self) -> str:
+        return schedule_name(self.schedule, self.vpp)
+
+    @cached_property
+    def stages(self) -> PipelineLayout:
+        """The parsed layout (stage ``s`` on rank ``s % pp``, or in a V under ZBV)."""
+        placement = "v" if self.schedule == "zbv" else "loop"
+        return parse_layout(self.layout, self.pp, placement=placement)
+
+    @cached_property
+    def placement(self):
+        """Stage <-> (pp rank, chunk) of the layout (built once: the search asks often)."""
+        return self.stages.stage_placement
+
+    def stage_of(self, pp_rank: int, chunk: int) -> int:
+        """The stage a rank runs as its chunk ``chunk``."""
+        return self.placement.stage(pp_rank, chunk)
+
+    def symbols(self, pp_rank: int, chunk: int) -> tuple[str, ...]:
+        """The layers (``E``, ``t``, ``L``) of a rank's chunk."""
+        return self.stages.stages[self.stage_of(pp_rank, chunk)]
+
+    def split(self) -> str:
+        """``TP2 PP4 VPP2 CP1 EP1 DP8`` with the size-1 axes left out."""
+        parts = [("TP", self.tp), ("CP", self.cp), ("EP", self.ep), ("PP", self.pp), ("VPP", self.vpp)]
+        shown = [f"{name}{size}" for name, size in parts if size > 1]
+        return "x".join(shown + [f"DP{self.dp}"])
+
+    def flags(self) -> list[str]:
+        """The parallel, batch, schedule, recompute and optimizer flags of ``pretrain_gpt.py``."""
+        out = [
+            "--tensor-model-parallel-size", str(self.tp),
+            "--pipeline-model-parallel-size", str(self.pp),
+        ]  # fmt: skip
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp)]
+        if self.ep > 1:
+            out += ["--expert-model-parallel-size", str(self.ep)]
+        if self.pp > 1:
+            out += ["--pipeline-model-parallel-layout", self.layout]
+        if self.schedule != "1f1b":
+            out += ["--pipeline-schedule", self.schedule]
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        out += ["--micro-batch-size", str(self.micro_batch_size)]
+        out += ["--global-batch-size", str(self.global_batch_size)]
+        if self.recompute == "selective":
+            out += ["--recompute-granularity", "selective"]
+        elif self.recompute == "full":
+            out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+            out += ["--recompute-num-layers", "1"]
+        out.append("--overlap-grad-reduce")
+        if self.distributed_optimizer:
+            out += ["--use-distributed-optimizer", "--overlap-param-gather"]
+        return out
+
+    def as_dict(self) -> dict:
+        fields = asdict(self)
+        fields["schedule"] = self.schedule_label
+        fields["pipeline_schedule"] = self.schedule
+        fields["sequence_parallel"] = self.sequence_parallel
+        return fields

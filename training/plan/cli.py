@@ -1,0 +1,144 @@
+"""``tools/plan.py``: the planner's command line. Its own flags say what cluster to plan for and what to
+do; every other flag is a Megatron flag, read by the project's parser (``training/arguments.py``).
+
+    python tools/plan.py --preset llama3-8b --num-gpus 64
+    python tools/plan.py --preset llama3-70b --num-gpus 512 --use-distributed-optimizer --dry-run 2
+    python tools/plan.py --hf-config config.json --seq-length 4096 --global-batch-size 256 --num-gpus 32
+    python tools/plan.py --num-layers 8 --hidden-size 512 ... --num-gpus 4 --profile-local
+    python tools/plan.py --preset llama3-8b --num-gpus 64 --from-timeline runs/timeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from training.plan.hardware import GPUS, Cluster
+
+__all__ = ["main", "planner_parser"]
+
+
+def planner_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tools/plan.py",
+        description="Plan a Trident run: every split, schedule, micro-batch size, recomputation and layout "
+        "that fits, ranked by simulated step time. Megatron's model and training flags (as "
+        "pretrain_gpt.py takes them) describe the model; the flags below describe the cluster.",
+        allow_abbrev=False,
+    )
+    model = parser.add_argument_group("model (or Megatron's model flags)")
+    model.add_argument(
+        "--preset", help="a named model: gpt3-175b, llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b"
+    )
+    model.add_argument("--hf-config", help="a Hugging Face config.json (LLaMA or GPT-2 family)")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--num-gpus", type=int, required=True, help="GPUs (ranks) in the run")
+    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)} (peak, memory, bandwidths)")
+    cluster.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory")
+    cluster.add_argument("--peak-tflops", type=float, help="override the GPU's dense 16-bit peak")
+    cluster.add_argument(
+        "--compute-efficiency", type=float, help="fraction of peak a layer reaches (default 0.6)"
+    )
+    cluster.add_argument("--hbm-tb-s", type=float, help="override the device memory bandwidth")
+    cluster.add_argument(
+        "--intra-node-bandwidth-gb-s", type=float, help="achieved per-GPU bandwidth in a node"
+    )
+    cluster.add_argument(
+        "--inter-node-bandwidth-gb-s", type=float, help="achieved per-GPU bandwidth across nodes"
+    )
+    cluster.add_argument("--intra-node-latency-us", type=float, help="seconds per message in a node, in µs")
+    cluster.add_argument(
+        "--inter-node-latency-us", type=float, help="seconds per message across nodes, in µs"
+    )
+    cluster.add_argument("--memory-headroom", type=float, default=0.9, help="share of memory a plan may use")
+    run = parser.add_argument_group("what to do")
+    run.add_argument("--top", type=int, default=10, help="candidates to rank and show")
+    run.add_argument(
+        "--json", action="store_true", help="end with one JSON line of candidates and rejections"
+    )
+    run.add_argument("--dry-run", type=int, default=0, metavar="N",
+                     help="build the real stages of the top N under fake tensors and measure their peak")  # fmt: skip
+    run.add_argument("--profile-local", action="store_true",
+                     help="measure per-layer costs on this machine and plan with them (this machine's ranks)")  # fmt: skip
+    run.add_argument("--from-timeline", metavar="DIR",
+                     help="a real run's --timeline-dir: propose a rebalanced layout for its split")  # fmt: skip
+    return parser
+
+
+def _cluster(opts: argparse.Namespace) -> Cluster:
+    if opts.gpu not in GPUS:
+        raise SystemExit(
+            f"tools/plan.py: error: --gpu {opts.gpu!r} is not known; use one of {', '.join(GPUS)}"
+        )
+    cluster = Cluster(
+        opts.num_gpus, min(opts.gpus_per_node, opts.num_gpus), GPUS[opts.gpu], opts.memory_headroom
+    )
+    overrides = {
+        "memory_gb": opts.gpu_memory_gb,
+        "peak_tflops": opts.peak_tflops,
+        "compute_efficiency": opts.compute_efficiency,
+        "hbm_tb_s": opts.hbm_tb_s,
+        "intra_node_gb_s": opts.intra_node_bandwidth_gb_s,
+        "inter_node_gb_s": opts.inter_node_bandwidth_gb_s,
+        "intra_node_latency_us": opts.intra_node_latency_us,
+        "inter_node_latency_us": opts.inter_node_latency_us,
+    }
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return cluster.with_gpu(**given) if given else cluster
+
+
+def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
+    """Run the planner; ``forward_step_func`` (``pretrain_gpt.forward_step``) is what ``--dry-run`` steps."""
+    from training.plan.inputs import read_input
+    from training.plan.model_spec import describe
+    from training.plan.report import format_table, result_json
+    from training.plan.search import search
+
+    opts, megatron_argv = planner_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        plan_input = read_input(megatron_argv, preset=opts.preset, hf_config=opts.hf_config)
+    except ValueError as err:
+        print(f"tools/plan.py: error: {err}", file=sys.stderr)
+        return 2
+    cluster = _cluster(opts)
+    profile, device = None, "cuda"
+    if opts.profile_local:
+        from training.plan.profile import LocalProfile, local_cluster
+
+        cluster = local_cluster(opts.num_gpus)
+        profile, device = LocalProfile(plan_input.spec, plan_input.args), "cpu"
+    print(describe(plan_input.spec))
+    print(
+        f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), "
+        f"{cluster.gpu.peak_tflops:g} TFLOP/s peak at {cluster.gpu.compute_efficiency:.0%} achievable, "
+        f"{cluster.gpu.intra_node_gb_s:.3g} GB/s and {cluster.gpu.intra_node_latency_us:.3g} µs a message in a "
+        f"node, {cluster.gpu.inter_node_gb_s:.3g} GB/s and {cluster.gpu.inter_node_latency_us:.3g} µs across nodes"
+    )
+    for note in plan_input.notes:
+        print(f"note: {note}")
+    if opts.from_timeline:
+        from training.plan.rebalance import rebalance_report
+
+        print(rebalance_report(plan_input, cluster, opts.from_timeline))
+        return 0
+    result = search(
+        plan_input.spec,
+        cluster,
+        global_batch_size=plan_input.global_batch_size,
+        fixed=plan_input.fixed,
+        allow_distributed_optimizer=plan_input.distributed_optimizer_allowed,
+        top=opts.top,
+        profile=profile,
+        device=device,
+    )
+    print(format_table(result, cluster, plan_input.base_flags))
+    if opts.dry_run and result.candidates:
+        from training.plan.dry_run import dry_run_report
+
+        if forward_step_func is None:
+            raise ValueError("--dry-run needs the forward step: run it as tools/plan.py")
+        print(dry_run_report(result.candidates[: opts.dry_run], plan_input, forward_step_func))
+    if opts.json:
+        print(result_json(result, plan_input.base_flags))
+    return 0

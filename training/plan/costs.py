@@ -1,0 +1,229 @@
+"""Seconds per pipeline action and per collective: the inputs of the step-time simulation.
+
+Compute comes from FLOPs at an achievable fraction of the GPU's peak (``Cluster.achievable_flops``),
+plus the memory-bound work around the matrix multiplies (norms, activations, softmax), counted as
+the bytes a layer saves moved twice through device memory. A measured profile (``--profile-local``,
+``--from-timeline``) replaces both with seconds per layer.
+
+Communication uses ring formulas at the group's achieved bandwidth and per-message latency (inside
+a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`` order):
+
+* tensor parallelism: per layer two all-gathers and two reduce-scatters of the layer's ``[s, b, h]``
+  activations each way under sequence parallelism (two all-reduces without it), on the critical path
+  (Trident does not overlap them); the loss adds the vocabulary-parallel cross-entropy's three
+  all-reduces of per-token values;
+* context parallelism: ring attention passes key/value blocks ``cp - 1`` times each way, overlapped
+  with the blocks' attention, so only what exceeds the attention's time shows;
+* expert parallelism: two all-to-alls of the routed tokens each way per MoE layer, not overlapped;
+* pipeline: one ``[s / cp (/ tp), b, h]`` message per boundary per microbatch;
+* data parallelism: the gradient all-reduce (reduce-scatter plus parameter all-gather with the
+  distributed optimizer) of each chunk, launched at its last backward (``--overlap-grad-reduce``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from training.plan.activations import Shape, stage_activations
+from training.plan.candidate import Candidate
+from training.plan.hardware import Cluster
+from training.plan.model_spec import ModelSpec
+
+__all__ = ["ActionCosts", "LayerProfile", "StageCostModel"]
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """Seconds one microbatch spends in a stage: forward, input gradient, weight gradient."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+
+    @property
+    def backward(self) -> float:
+        return self.backward_input + self.backward_weight
+
+
+@dataclass
+class LayerProfile:
+    """Measured seconds per microbatch, for one shape (``--profile-local``, ``--from-timeline``).
+
+    ``layer``, ``embedding`` and ``loss`` are (forward, input gradient, weight gradient) of one
+    decoder layer, the embedding and the loss (final norm, output layer, cross-entropy), at
+    ``tokens`` tokens per microbatch and the candidate's tensor-parallel size; ``scale`` multiplies
+    them (to reach the planned shape from a smaller measured one).
+    """
+
+    layer: tuple[float, float, float]
+    embedding: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    loss: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    source: str = "measured"
+    by_shape: dict = field(default_factory=dict)
+    """(tp, micro_batch_size, recompute) -> (layer, embedding, loss), when measured per shape."""
+
+    def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
+        key = (tp, micro_batch_size, recompute)
+        if key in self.by_shape:
+            return self.by_shape[key]
+        return self.layer, self.embedding, self.loss
+
+
+class StageCostModel:
+    """Per-stage action costs and the step's collectives for one candidate on one cluster."""
+
+    def __init__(
+        self, spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None = None
+    ):
+        self.spec, self.cand, self.cluster, self.profile = spec, cand, cluster, profile
+        self.tokens = cand.micro_batch_size * spec.seq_length // cand.cp
+        self.shape = Shape(
+            seq=spec.seq_length // cand.cp,
+            batch=cand.micro_batch_size,
+            tp=cand.tp,
+            sequence_parallel=cand.sequence_parallel,
+            recompute=cand.recompute,
+            device="cuda",
+            cp=cand.cp,
+        )
+        tp_stride, cp_stride = 1, cand.tp
+        self.dp_stride, self.pp_stride = cand.tp * cand.cp, cand.tp * cand.cp * cand.dp
+        self.tp_link = cluster.link(tp_stride, cand.tp)
+        self.cp_link = cluster.link(cp_stride, cand.cp)
+        self.ep_link = cluster.link(self.dp_stride, cand.ep)
+        self.dp_link = cluster.link(self.dp_stride, cand.dp * cand.cp)
+        self.pp_link = cluster.link(self.pp_stride, 2)
+        self._layer = self._layer_costs()
+        self._embedding = self._embedding_costs()
+        self._loss = self._loss_costs()
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _flops_seconds(self, flops: float) -> float:
+        return flops / (self.cand.tp * self.cluster.achievable_flops)
+
+    def _memory_seconds(self, nbytes: float) -> float:
+        return nbytes / (self.cluster.gpu.hbm_tb_s * 1e12)
+
+    def _tp_layer_seconds(self) -> float:
+        """One direction's tensor-parallel traffic of a layer (forward, or the input gradient)."""
+        c, s = self.cand, self.spec
+        activation = s.bytes_per_value * self.tokens * s.hidden_size
+        if c.tp == 1:
+            return 0.0
+        if c.sequence_parallel:
+            return 4 * self.tp_link.ring(c.tp, activation)
+        return 2 * self.tp_link.ring(c.tp, activation, all_reduce=True)
+
+    def _cp_layer_seconds(self, attention_seconds: float) -> float:
+        """Ring attention's exposed key/value traffic of a layer, one direction."""
+        c, s = self.cand, self.spec
+        if c.cp == 1:
+            return 0.0
+        block = 2 * s.bytes_per_value * self.tokens * s.kv_size // c.tp
+        return max(0.0, (c.cp - 1) * self.cp_link.message(block) - attention_seconds)
+
+    def _ep_layer_seconds(self) -> float:
+        c, s = self.cand, self.spec
+        if s.moe is None or c.ep == 1:
+            return 0.0
+        routed = (
+            s.moe.router_topk
+            * s.bytes_per_value
+            * self.shape.sharded_seq
+            * c.micro_batch_size
+            * s.hidden_size
+        )
+        return 2 * self.ep_link.ring(c.ep, routed)  # an all-to-all moves what a ring all-gather does
+
+    def _measured(self, part: int) -> ActionCosts | None:
+        """The profile's compute seconds of the layer (0), embedding (1) or loss (2), if measured."""
+        if self.profile is None:
+            return None
+        c = self.cand
+        return ActionCosts(*self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
+
+    def _layer_costs(self) -> ActionCosts:
+        """A decoder layer's compute (measured, or FLOPs and bytes) plus its collectives, each way."""
+        s, c = self.spec, self.cand
+        core = self._flops_seconds(s.attention_core_flops(self.tokens) / c.cp)
+        comm = self._tp_layer_seconds() + self._cp_layer_seconds(core) + self._ep_layer_seconds()
+        recomputed = comm if c.recompute == "full" else 0.0  # the replayed forward's collectives
+        measured = self._measured(0)
+        if measured is not None:
+            return ActionCosts(measured.forward + comm, measured.backward_input + comm + recomputed,
+                               measured.backward_weight)  # fmt: skip
+        linear = self._flops_seconds(s.layer_linear_flops(self.tokens))
+        plain = Shape(**{**self.shape.__dict__, "recompute": "none"})
+        elementwise = self._memory_seconds(
+            2 * sum(stage_activations(s, plain, ("t",), first=True).terms.values())
+        )
+        forward = linear + core + elementwise
+        backward_input = linear + 2 * core + elementwise
+        if c.recompute == "full":
+            backward_input += forward
+        elif c.recompute == "selective":
+            backward_input += core
+        return ActionCosts(forward + comm, backward_input + comm + recomputed, linear)
+
+    def _embedding_costs(self) -> ActionCosts:
+        s, c = self.spec, self.cand
+        activation = s.bytes_per_value * self.tokens * s.hidden_size
+        comm = self.tp_link.ring(c.tp, activation, all_reduce=not c.sequence_parallel)
+        measured = self._measured(1)
+        if measured is not None:
+            return ActionCosts(
+                measured.forward + comm, measured.backward_input, measured.backward_weight + comm
+            )
+        lookup = self._memory_seconds(2 * activation)
+        return ActionCosts(lookup + comm, 0.0, lookup + comm)
+
+    def _loss_costs(self) -> ActionCosts:
+        s, c = self.spec, self.cand
+        gather = self.tp_link.ring(c.tp, s.bytes_per_value * self.tokens * s.hidden_size)
+        reductions = 3 * self.tp_link.ring(c.tp, 4 * self.tokens, all_reduce=True)  # max, sum of exp, target
+        measured = self._measured(2)
+        if measured is not None:
+            return ActionCosts(measured.forward + gather + reductions, measured.backward_input + gather,
+                               measured.backward_weight)  # fmt: skip
+        logits = self._flops_seconds(s.logits_flops(self.tokens, c.tp))
+        vocab_bytes = 4 * self.tokens * s.padded_vocab(c.tp) // c.tp
+        softmax = self._memory_seconds(6 * vocab_bytes)  # copy, max, shift, exp, sum, divide
+        backward = logits + self._memory_seconds(3 * vocab_bytes) + gather
+        return ActionCosts(logits + softmax + gather + reductions, backward, logits)
+
+    def stage(self, symbols: tuple[str, ...]) -> ActionCosts:
+        """Seconds of one microbatch in a stage holding ``symbols``."""
+        layers = symbols.count("t")
+        parts = [
+            (layers, self._layer),
+            (int("E" in symbols), self._embedding),
+            (int("L" in symbols), self._loss),
+        ]
+        return ActionCosts(
+            sum(n * p.forward for n, p in parts),
+            sum(n * p.backward_input for n, p in parts),
+            sum(n * p.backward_weight for n, p in parts),
+        )
+
+    # -- communication between stages and at the step's end ---------------------------------------
+    def p2p_seconds(self) -> float:
+        """One pipeline message (an activation or its gradient)."""
+        s = self.spec
+        message = s.bytes_per_value * self.shape.sharded_seq * self.cand.micro_batch_size * s.hidden_size
+        return self.pp_link.message(message)
+
+    def grad_sync_seconds(self, grad_bytes: float, param_bytes: float) -> float:
+        """A rank's data-parallel gradient reduction (and parameter all-gather with the distributed optimizer)."""
+        size = self.cand.dp * self.cand.cp
+        if self.cand.distributed_optimizer:
+            return self.dp_link.ring(size, grad_bytes)
+        return self.dp_link.ring(size, grad_bytes, all_reduce=True)
+
+    def param_gather_seconds(self, param_bytes: float) -> float:
+        if not self.cand.distributed_optimizer:
+            return 0.0
+        return self.dp_link.ring(self.cand.dp * self.cand.cp, param_bytes)
+
+    def optimizer_seconds(self, stepped_elements: float) -> float:
+        """Adam over this rank's elements: memory-bound, ~36 bytes read or written per element."""
+        return self._memory_seconds(36 * stepped_elements)

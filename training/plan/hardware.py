@@ -1,0 +1,111 @@
+"""The cluster a plan is for: GPU peak, memory and bandwidths, every number overridable.
+
+Peaks are the dense 16-bit tensor-core figures ``training/throughput.py`` uses for MFU. Bandwidths
+are what a collective achieves, not the data sheet's: NCCL's bus bandwidth on NVLink within a node
+and per GPU over the network between nodes, each about 80-90% of the link's rate. The compute
+efficiency is the fraction of peak a transformer layer's matrix multiplies reach on that GPU once
+kernels are launched back to back; measured costs (``--profile-local``) replace it where they exist.
+Every message also pays a fixed latency (a ring collective one per step): a few microseconds on
+NVLink, more across nodes, milliseconds between CPU processes sharing cores, which is what makes
+many small tensor-parallel collectives expensive there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from training.throughput import PEAK_TFLOPS
+
+__all__ = ["GPUS", "Cluster", "Gpu", "Link"]
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One accelerator kind."""
+
+    name: str
+    peak_tflops: float
+    """Dense bf16/fp16 tensor-core peak."""
+    memory_gb: float
+    """Usable device memory (GiB as the vendor counts it, 1e9 bytes)."""
+    hbm_tb_s: float
+    """Device memory bandwidth, for the memory-bound parts of a step (optimizer, softmax)."""
+    intra_node_gb_s: float
+    """Achieved per-GPU collective bandwidth inside a node (NVLink / xGMI)."""
+    inter_node_gb_s: float
+    """Achieved per-GPU bandwidth between nodes (InfiniBand / RoCE)."""
+    compute_efficiency: float = 0.6
+    """Fraction of ``peak_tflops`` a layer's matrix multiplies reach (a stated assumption)."""
+    intra_node_latency_us: float = 10.0
+    """Fixed cost of one message (one ring step) inside a node."""
+    inter_node_latency_us: float = 25.0
+    """Fixed cost of one message between nodes."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a group's messages cost: achieved bytes/s per GPU and seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+    def ring(self, size: int, nbytes: float, *, all_reduce: bool = False) -> float:
+        """Seconds of a ring all-gather / reduce-scatter of ``nbytes`` (all-reduce: both, twice the steps)."""
+        if size <= 1:
+            return 0.0
+        return (2.0 if all_reduce else 1.0) * (size - 1) * (self.latency + nbytes / size / self.bandwidth)
+
+    def message(self, nbytes: float) -> float:
+        """Seconds of one point-to-point message."""
+        return self.latency + nbytes / self.bandwidth
+
+
+def _peak(name: str) -> float:
+    return dict(PEAK_TFLOPS)[name]
+
+
+GPUS: dict[str, Gpu] = {
+    "h100": Gpu("H100 SXM 80GB", _peak("H100"), 80, 3.35, 360, 45),
+    "h200": Gpu("H200 SXM 141GB", _peak("H200"), 141, 4.8, 360, 45),
+    "a100": Gpu("A100 SXM 80GB", _peak("A100"), 80, 2.0, 230, 22),
+    "a100-40gb": Gpu("A100 SXM 40GB", _peak("A100"), 40, 1.55, 230, 22),
+    "b200": Gpu("B200 180GB", _peak("B200"), 180, 8.0, 720, 45),
+    "mi300x": Gpu("MI300X 192GB", _peak("MI300X"), 192, 5.3, 300, 45),
+}
+"""Known GPUs (``--gpu``); a name not here needs ``--peak-tflops`` and ``--gpu-memory-gb``."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """How many GPUs, how they sit in nodes, and what each can do."""
+
+    num_gpus: int
+    gpus_per_node: int
+    gpu: Gpu
+    memory_headroom: float = 0.9
+    """Share of device memory a plan may fill: the rest is the allocator's fragmentation, CUDA
+    context and NCCL buffers."""
+    cores: int | None = None
+    """CPU ranks only: the cores a node's ranks share (None: each rank has its own device)."""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.gpu.memory_gb * 1e9
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes * self.memory_headroom
+
+    @property
+    def achievable_flops(self) -> float:
+        return self.gpu.peak_tflops * 1e12 * self.gpu.compute_efficiency
+
+    def link(self, group_stride: int, group_size: int) -> Link:
+        """The link of a group of ``group_size`` ranks ``group_stride`` apart (in a node or across)."""
+        g = self.gpu
+        if group_stride * (group_size - 1) < self.gpus_per_node:
+            return Link(g.intra_node_gb_s * 1e9, g.intra_node_latency_us * 1e-6)
+        return Link(g.inter_node_gb_s * 1e9, g.inter_node_latency_us * 1e-6)
+
+    def with_gpu(self, **changes) -> Cluster:
+        return replace(self, gpu=replace(self.gpu, **changes))

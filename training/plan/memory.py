@@ -1,0 +1,300 @@
+"""Memory of one rank of a candidate: parameters, gradients, optimizer state, activations, buffers.
+
+Static memory follows the data-parallel wrapper and the optimizer (``core/distributed``,
+``core/optimizer``): parameters in their dtype; one flat gradient buffer per model chunk (fp32 for
+bf16 and fp32 models, fp16 for fp16), padded per bucket under the distributed optimizer; Adam's two
+fp32 moments and, for 16-bit models, an fp32 main copy, all sharded over data parallelism (times
+context parallelism) with the distributed optimizer.
+
+Activations are walked along the rank's real compute table (``schedule_tables.build_table``): every
+forward adds its stage's saved bytes (:mod:`training.plan.activations`), every backward (or W) takes
+them off, and the peak is the largest total plus the transient of the action running at that moment.
+So 1F1B's ``pp - rank`` in-flight microbatches, GPipe's all of them, an interleaved schedule's
+warm-up and the deferred W of zero-bubble schedules all come out of the table itself.
+
+The optimizer step has a peak of its own: static memory plus Adam's temporaries, which depend on the
+implementation ``torch.optim.AdamW`` picks: per tensor on a CPU, ``foreach`` over a whole parameter
+group on a GPU (one fp32 temporary per element).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from core.pipeline_parallel.schedule_tables import B, F, I, W, build_table
+from training.plan.activations import Shape, StageActivations, stage_activations
+from training.plan.candidate import Candidate
+from training.plan.model_spec import ModelSpec
+
+__all__ = ["RankMemory", "candidate_memory", "memory_microbatches", "rank_memory", "rank_static"]
+
+SHARD_ALIGNMENT = (
+    128  # core.distributed.grad_buffer: buckets pad to lcm(dp, 128) under the distributed optimizer
+)
+DEFAULT_BUCKET = 40_000_000  # elements; max(this, 1e6 * dp) with overlap_grad_reduce on pipeline rank 0
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds: the breakdown and the peaks (the report's columns)."""
+
+    pp_rank: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    """Saved activations alive at the schedule's peak."""
+    transient: float
+    """What the action running at the peak adds on top (logits, gradients, recomputation)."""
+    buffers: float
+    """The step's microbatches (token ids, labels, masks, positions) and RoPE's cached tables."""
+    optimizer_transient: float
+    peak_in_flight: int = 0
+    """Microbatch-chunks forwarded and not yet through their backward at the peak."""
+    activation_terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def static(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def schedule_peak(self) -> float:
+        return self.static + self.activations + self.transient + self.buffers
+
+    @property
+    def optimizer_peak(self) -> float:
+        return self.static + self.optimizer_transient
+
+    @property
+    def peak(self) -> float:
+        return max(self.schedule_peak, self.optimizer_peak)
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"peak": self.peak, "schedule_peak": self.schedule_peak}
+
+
+# --------------------------------------------------------------------------------------------------
+# Static memory
+# --------------------------------------------------------------------------------------------------
+
+
+def _layer_tensors(spec: ModelSpec, cand: Candidate) -> list[int]:
+    """Sizes of one decoder layer's parameter tensors on one rank."""
+    t, h = cand.tp, spec.hidden_size
+    norm = [h, h] if spec.normalization == "LayerNorm" else [h]
+    qkv = (spec.query_size + 2 * spec.kv_size) // t
+    sizes = norm * 2 + [qkv * h, h * spec.query_size // t]
+    if spec.add_bias_linear or spec.add_qkv_bias:
+        sizes.append(qkv)
+    if spec.add_bias_linear:
+        sizes.append(h)
+    branches = 2 if spec.gated else 1
+    if spec.moe is not None:  # whole experts (no expert tensor parallelism), this rank's share of them
+        f = spec.moe_ffn
+        expert = [branches * f * h, h * f] + ([branches * f, h] if spec.add_bias_linear else [])
+        return sizes + expert * (spec.moe.num_experts // cand.ep) + [h * spec.moe.num_experts]
+    f = spec.ffn_hidden_size // t
+    mlp = [branches * f * h, h * f] + ([branches * f, h] if spec.add_bias_linear else [])
+    return sizes + mlp
+
+
+def _chunk_tensors(
+    spec: ModelSpec, cand: Candidate, symbols: tuple[str, ...], embedding_here: bool
+) -> list[int]:
+    """Parameter tensors' sizes of one chunk (they set bucket padding and the optimizer's temporaries)."""
+    t, h = cand.tp, spec.hidden_size
+    sizes: list[int] = []
+    if "E" in symbols:
+        sizes.append(spec.padded_vocab(t) // t * h)
+        if spec.position_embedding_type == "learned_absolute":
+            sizes.append(spec.max_position_embeddings * h)
+    sizes += _layer_tensors(spec, cand) * symbols.count("t")
+    if "L" in symbols:
+        sizes += [h, h] if spec.normalization == "LayerNorm" else [h]
+        if spec.untie_embeddings:
+            sizes.append(spec.output_params(t))
+        elif not embedding_here:  # a tied copy: stepped, but left out of the gradient norm
+            sizes.append(-spec.output_params(t))
+    return sizes
+
+
+def _expert_elements(spec: ModelSpec, cand: Candidate, chunks: list[tuple[str, ...]]) -> int:
+    """Elements of this rank's experts (their own buffers, sharded over expert data parallelism)."""
+    if spec.moe is None:
+        return 0
+    per_expert = spec.mlp_params(1, spec.moe_ffn)
+    layers = sum(c.count("t") for c in chunks)
+    return layers * spec.moe.num_experts // cand.ep * per_expert
+
+
+NORM_CHUNK = 1 << 24  # core.optimizer.clip_grads: gradients go to float64 this many elements at a time
+
+
+def _optimizer_transient(tensors: list[float], device: str) -> float:
+    """The optimizer step's largest temporary: the float64 gradient norm, or Adam's ``sqrt(v)``.
+
+    The norm joins small gradients into one fp32 buffer of up to 2^24 elements and converts it to
+    float64 (12 bytes an element), a large one 2^24 elements at a time (8). AdamW runs per tensor
+    on a CPU (``sqrt(v)`` and its quotient: 8 bytes an element of the largest tensor) and ``foreach``
+    over the whole parameter group on a GPU (4 bytes an element of every tensor).
+    """
+    counted = [n for n in tensors if n > 0]  # negative: a tied copy, which the norm skips
+    small = sum(n for n in counted if n < NORM_CHUNK)
+    large = any(n >= NORM_CHUNK for n in counted)
+    norm = max(12 * min(small, NORM_CHUNK), 8 * NORM_CHUNK if large else 0)
+    sizes = [abs(n) for n in tensors]
+    adam = 8 * max(sizes, default=0) if device == "cpu" else 4 * sum(sizes)
+    return max(norm, adam)
+
+
+def _padded(elements: int, cand: Candidate, pp_rank: int) -> float:
+    """A chunk's gradient buffer: buckets padded to lcm(dp, 128) under the distributed optimizer."""
+    if not cand.distributed_optimizer:
+        return elements
+    shards = cand.dp * cand.cp
+    pad = math.lcm(shards, SHARD_ALIGNMENT)
+    bucket = max(DEFAULT_BUCKET, 1_000_000 * shards) if pp_rank == 0 else elements or 1
+    buckets = max(1, math.ceil(elements / bucket))
+    return math.ceil(elements / pad) * pad + (buckets - 1) * pad / 2
+
+
+def rank_static(
+    spec: ModelSpec, cand: Candidate, pp_rank: int, device: str = "cuda"
+) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer state, optimizer-step transient) of a pipeline rank, in bytes."""
+    chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
+    embedding_here = any("E" in c for c in chunks)
+    tensors = [_chunk_tensors(spec, cand, c, embedding_here) for c in chunks]
+    elements = [sum(abs(n) for n in t) for t in tensors]
+    total = sum(elements)
+    padded = sum(_padded(e, cand, pp_rank) for e in elements)
+    B = spec.bytes_per_value
+    grad_bytes = 2 if spec.precision == "fp16" else 4
+    per_element_state = 12 if spec.precision != "fp32" else 8  # fp32 main copy + Adam's m and v
+    stepped = [n for chunk in tensors for n in chunk]
+    steps = 4 * len(stepped)  # Adam's step count, an fp32 scalar per stepped tensor
+    if cand.distributed_optimizer:
+        shards = cand.dp * cand.cp
+        experts = _expert_elements(spec, cand, chunks)  # sharded over expert data parallelism instead
+        expert_shards = cand.tp * cand.cp * cand.dp // cand.ep
+        params, grads = padded * B, padded * grad_bytes
+        state = per_element_state * ((total - experts) / shards + experts / expert_shards) + steps / shards
+        stepped = [n / shards for n in stepped]  # roughly: each rank steps 1/shards of every bucket
+    else:
+        params, grads, state = total * B, total * grad_bytes, per_element_state * total + steps
+    if spec.position_embedding_type == "rope":  # each chunk's RoPE frequencies (fp32, a buffer)
+        params += cand.vpp * 2 * int(spec.kv_channels * spec.rotary_percent)
+    transient = _optimizer_transient(stepped, device)
+    if grad_bytes != 4:  # fp16 gradients: the optimizer steps on fp32 copies of them, all alive at once
+        transient += 4 * sum(abs(n) for n in stepped)
+    return params, grads, state, transient
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations along the schedule
+# --------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def _states(schedule: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
+    """The moments of a rank's table where a peak can occur: per running (chunk, kind), an array of
+    ``(saved microbatches per chunk, I-done microbatches per chunk)`` rows, one per distinct moment.
+
+    Memory at such a moment is linear in the chunks' byte counts, so a candidate's peak is one
+    matrix-vector product per running (chunk, kind) instead of a walk over every action.
+    """
+    saved, kept = [0] * vpp, [0] * vpp
+    moments: dict[tuple, set] = {}
+    for action in build_table(schedule, pp, vpp, m, rank):
+        c = action.chunk
+        if action.kind == F:
+            saved[c] += 1
+        elif action.kind == I:
+            kept[c] += 1
+        moments.setdefault((c, action.kind), set()).add(tuple(saved) + tuple(kept))
+        if action.kind == B:
+            saved[c] -= 1
+        elif action.kind == W:
+            saved[c] -= 1
+            kept[c] -= 1
+    return tuple(
+        (chunk, kind, np.array(sorted(rows), dtype=np.float64)) for (chunk, kind), rows in moments.items()
+    )
+
+
+def memory_microbatches(cand: Candidate) -> int:
+    """A microbatch count with the same peaks as the candidate's, at most ``4 pp`` plus the remainder.
+
+    Past the warm-up every schedule here repeats a steady state whose in-flight counts do not grow
+    with more microbatches (GPipe's do, so it keeps its count); the remainder modulo ``pp`` is kept
+    so the interleaved schedules' last group is the same.
+    """
+    m, pp = cand.num_microbatches, cand.pp
+    if cand.schedule == "gpipe" or m <= 4 * pp:
+        return m
+    return 4 * pp + (m - 4 * pp) % pp
+
+
+def _transient(chunk: StageActivations, kind) -> float:
+    if kind == F:
+        return chunk.forward_transient
+    if kind == B:
+        return chunk.backward_transient
+    if kind == I:  # a stage whose input needs no gradient does its whole backward in W
+        return chunk.backward_transient if chunk.kept_grads else 0.0
+    return chunk.backward_transient / 2 if chunk.kept_grads else chunk.backward_transient
+
+
+def _walk(states: tuple, chunks: list[StageActivations]) -> tuple[float, float, int]:
+    """(saved bytes at the peak, transient at the peak, in-flight microbatch-chunks at the peak)."""
+    weights = np.array([c.saved for c in chunks] + [c.kept_grads for c in chunks])
+    vpp = len(chunks)
+    best = (-1.0, 0.0, 0.0, 0)
+    for chunk, kind, rows in states:
+        held = rows @ weights
+        top = int(held.argmax())
+        extra = _transient(chunks[chunk], kind)
+        if held[top] + extra > best[0]:
+            best = (held[top] + extra, float(held[top]), extra, int(rows[top, :vpp].sum()))
+    return best[1], best[2], best[3]
+
+
+def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str = "cuda") -> RankMemory:
+    """Predicted bytes of pipeline rank ``pp_rank`` (every TP/CP/DP rank of it holds the same)."""
+    params, grads, state, opt_transient = rank_static(spec, cand, pp_rank, device)
+    shape = Shape(
+        seq=spec.seq_length // cand.cp,
+        batch=cand.micro_batch_size,
+        tp=cand.tp,
+        sequence_parallel=cand.sequence_parallel,
+        recompute=cand.recompute,
+        device=device,
+        cp=cand.cp,
+    )
+    chunks = []
+    for v in range(cand.vpp):
+        stage = cand.stage_of(pp_rank, v)
+        chunks.append(stage_activations(spec, shape, cand.stages.stages[stage], first=stage == 0))
+    states = _states(cand.schedule, cand.pp, cand.vpp, memory_microbatches(cand), pp_rank)
+    held, transient, in_flight = _walk(states, chunks)
+    reads_data = any(c.terms.get("embedding") or "loss final norm" in c.terms for c in chunks)
+    buffers = 28 * spec.seq_length * cand.micro_batch_size * cand.num_microbatches if reads_data else 0
+    if spec.position_embedding_type == "rope":  # each chunk's cos/sin table, cached at its first forward
+        table = 1 << max(spec.seq_length - 1, 0).bit_length()
+        buffers += cand.vpp * 2 * spec.bytes_per_value * table * int(spec.kv_channels * spec.rotary_percent)
+    terms: dict[str, float] = {}
+    for chunk in chunks:
+        for name, value in chunk.terms.items():
+            terms[name] = terms.get(name, 0.0) + value
+    return RankMemory(
+        pp_rank, params, grads, state, held, transient, buffers, opt_transient, in_flight, terms
+    )
+
+
+def candidate_memory(spec: ModelSpec, cand: Candidate, *, device: str = "cuda") -> list[RankMemory]:
+    """Every pipeline rank's memory; the candidate's peak is the largest of them."""
+    return [rank_memory(spec, cand, r, device=device) for r in range(cand.pp)]

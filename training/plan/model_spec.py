@@ -1,0 +1,235 @@
+"""What the planner knows about a model: its sizes, and from them parameter counts and FLOPs.
+
+A :class:`ModelSpec` is read from a validated ``TransformerConfig`` (whichever way the model was
+given: Megatron flags, a preset, or a Hugging Face ``config.json``) plus the vocabulary and sequence
+length, so the planner sees exactly what training would build. Counts are per tensor-parallel rank
+where the layer is split, and whole where it is replicated (norms, biases after a row-parallel
+layer, learned positions), because that is what one rank holds.
+
+FLOPs follow Megatron's ``num_floating_point_operations`` (``training/throughput.py``): every matrix
+multiply counts 2 FLOPs per multiply-add, attention scores count the causal half, and a backward is
+twice its forward. The planner splits that backward as the zero-bubble schedules do: the input
+gradient ``I`` (one pass over every weight, plus the attention core's backward) and the weight
+gradient ``W`` (one pass over every weight).
+
+Mixture of experts: a layer's MLP is ``num_experts`` expert MLPs of ``moe_ffn_hidden_size`` and a
+router; each token visits ``moe_router_topk`` experts, so FLOPs count the active experts only, while
+parameters count every expert (split over expert parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["BYTES", "ModelSpec", "MoeSpec"]
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """Megatron's MoE sizes: ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``."""
+
+    num_experts: int
+    router_topk: int = 2
+    ffn_hidden_size: int | None = None
+    """Each expert's FFN size (default: the dense --ffn-hidden-size)."""
+    aux_loss: bool = False
+    """A load-balancing loss is computed (``--moe-aux-loss-coeff`` > 0): the router keeps its scores."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only GPT/LLaMA (optionally MoE) as the planner sees it."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    """The tokenizer's vocabulary; the model pads it to ``make_vocab_size_divisible_by`` x TP."""
+    seq_length: int
+    max_position_embeddings: int
+    gated: bool = False
+    """Gated MLP (two fc1 branches)."""
+    swiglu: bool = False
+    """The gated MLP is SwiGLU (SiLU gate), which Trident runs as one autograd function."""
+    zero_centered_gamma: bool = False
+    """Norm weights hold gamma - 1 (``--apply-layernorm-1p``): LayerNorm then works in fp32."""
+    normalization: str = "LayerNorm"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    position_embedding_type: str = "learned_absolute"
+    rotary_percent: float = 1.0
+    untie_embeddings: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    attention_softmax_in_fp32: bool = False
+    make_vocab_size_divisible_by: int = 128
+    precision: str = "fp32"
+    """"bf16", "fp16" or "fp32": the parameters' and activations' dtype."""
+    moe: MoeSpec | None = None
+    name: str = ""
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_config(
+        cls,
+        config,
+        *,
+        vocab_size: int,
+        seq_length: int,
+        max_position_embeddings: int | None = None,
+        name: str = "",
+    ) -> ModelSpec:
+        """From a ``TransformerConfig`` (its derived defaults already filled in by ``__post_init__``)."""
+        import torch
+
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(config.params_dtype, "fp32")
+        moe, experts = None, config.num_moe_experts
+        if experts:
+            balancing = config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0
+            moe = MoeSpec(experts, config.moe_router_topk, config.moe_ffn_hidden_size, balancing)
+        return cls(
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups,
+            kv_channels=config.kv_channels,
+            ffn_hidden_size=config.ffn_hidden_size,
+            vocab_size=vocab_size,
+            seq_length=seq_length,
+            max_position_embeddings=max_position_embeddings or seq_length,
+            gated=config.gated_linear_unit,
+            swiglu=config.gated_linear_unit and config.activation_func is torch.nn.functional.silu,
+            zero_centered_gamma=config.layernorm_zero_centered_gamma,
+            normalization=config.normalization,
+            add_bias_linear=config.add_bias_linear,
+            add_qkv_bias=config.add_qkv_bias,
+            position_embedding_type=config.position_embedding_type,
+            rotary_percent=config.rotary_percent,
+            untie_embeddings=config.untie_embeddings_and_output_weights,
+            attention_dropout=config.attention_dropout,
+            hidden_dropout=config.hidden_dropout,
+            attention_softmax_in_fp32=config.attention_softmax_in_fp32,
+            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+            precision=precision,
+            moe=moe,
+            name=name,
+        )
+
+    def with_(self, **changes) -> ModelSpec:
+        return replace(self, **changes)
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def bytes_per_value(self) -> int:
+        return BYTES[self.precision]
+
+    @property
+    def query_size(self) -> int:
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_query_groups * self.kv_channels
+
+    @property
+    def moe_ffn(self) -> int:
+        return (self.moe.ffn_hidden_size or self.ffn_hidden_size) if self.moe else 0
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    # -- parameters (per tensor-parallel rank) ------------------------------------------------------
+    def norm_params(self) -> int:
+        return self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
+
+    def attention_params(self, tp: int) -> int:
+        h, qkv = self.hidden_size, self.query_size + 2 * self.kv_size
+        bias_qkv = qkv // tp if (self.add_bias_linear or self.add_qkv_bias) else 0
+        bias_proj = h if self.add_bias_linear else 0
+        return qkv // tp * h + bias_qkv + h * self.query_size // tp + bias_proj
+
+    def mlp_params(self, tp: int, ffn: int | None = None) -> int:
+        h, f = self.hidden_size, ffn or self.ffn_hidden_size
+        branches = 2 if self.gated else 1
+        bias = (branches * f // tp + h) if self.add_bias_linear else 0
+        return branches * f // tp * h + h * f // tp + bias
+
+    def layer_params(self, tp: int, ep: int = 1) -> int:
+        """One decoder layer on one rank: norms, attention, and the MLP (or this rank's experts)."""
+        dense = 2 * self.norm_params() + self.attention_params(tp)
+        if self.moe is None:
+            return dense + self.mlp_params(tp)
+        experts = self.moe.num_experts // ep * self.mlp_params(tp, self.moe_ffn)
+        return dense + experts + self.hidden_size * self.moe.num_experts  # + the router
+
+    def embedding_params(self, tp: int) -> int:
+        positions = self.max_position_embeddings * self.hidden_size
+        learned = self.position_embedding_type == "learned_absolute"
+        return self.padded_vocab(tp) // tp * self.hidden_size + (positions if learned else 0)
+
+    def output_params(self, tp: int) -> int:
+        """The output layer's own weight (a tied one on another stage holds a copy of the embedding)."""
+        return self.padded_vocab(tp) // tp * self.hidden_size
+
+    def total_params(self) -> int:
+        """Every parameter of the model once (TP = 1), the output layer counted only when untied."""
+        layers = self.num_layers * self.layer_params(1)
+        output = self.output_params(1) if self.untie_embeddings else 0
+        return layers + self.embedding_params(1) + self.norm_params() + output
+
+    def active_params(self) -> int:
+        """Parameters a token passes through: MoE counts its top-k experts only."""
+        if self.moe is None:
+            return self.total_params()
+        inactive = (self.moe.num_experts - self.moe.router_topk) * self.mlp_params(1, self.moe_ffn)
+        return self.total_params() - self.num_layers * inactive
+
+    # -- FLOPs (per microbatch of ``tokens`` tokens, TP = 1; divide by TP for one rank) ------------
+    def layer_linear_flops(self, tokens: int) -> float:
+        """Forward FLOPs of a layer's weight multiplies (the MoE counts its active experts)."""
+        h = self.hidden_size
+        attention = h * (self.query_size + 2 * self.kv_size) + self.query_size * h
+        branches = 2 if self.gated else 1
+        if self.moe is None:
+            mlp = (branches + 1) * h * self.ffn_hidden_size
+        else:
+            mlp = self.moe.router_topk * (branches + 1) * h * self.moe_ffn + h * self.moe.num_experts
+        return 2.0 * tokens * (attention + mlp)
+
+    def attention_core_flops(self, tokens: int, seq: int | None = None) -> float:
+        """Forward FLOPs of ``QK^T`` and ``(QK^T) V`` over the causal half (Megatron's count)."""
+        seq = seq or self.seq_length
+        return 2.0 * tokens * self.query_size * seq  # 2 matmuls x 2 FLOPs x (seq / 2) keys
+
+    def logits_flops(self, tokens: int, tp: int = 1) -> float:
+        return 2.0 * tokens * self.hidden_size * self.padded_vocab(tp)
+
+    def training_flops(self, tokens: int) -> float:
+        """One forward and backward of ``tokens`` tokens through the whole model (Megatron's count)."""
+        layer = self.layer_linear_flops(tokens) + self.attention_core_flops(tokens)
+        return 3.0 * (self.num_layers * layer + self.logits_flops(tokens))
+
+
+def describe(spec: ModelSpec) -> str:
+    """One line: the model's shape and size."""
+    parts = [
+        f"{spec.num_layers} layers",
+        f"hidden {spec.hidden_size}",
+        f"{spec.num_attention_heads} heads"
+        + (f" / {spec.num_query_groups} groups" if spec.num_query_groups != spec.num_attention_heads else ""),
+        f"FFN {spec.ffn_hidden_size}" + (" (SwiGLU)" if spec.gated else ""),
+        f"vocabulary {spec.vocab_size}",
+        f"sequence {spec.seq_length}",
+        spec.precision,
+    ]
+    if spec.moe is not None:
+        parts.append(f"{spec.moe.num_experts} experts, top-{spec.moe.router_topk}")
+    total, active = spec.total_params(), spec.active_params()
+    size = f"{total / 1e9:.1f}B parameters" + (f" ({active / 1e9:.1f}B active)" if active != total else "")
+    return f"{spec.name + ': ' if spec.name else ''}{', '.join(parts)}; {size}"

@@ -1,0 +1,262 @@
+"""``--profile-local``: per-layer costs measured on this machine, for the shapes the search costs.
+
+Each shape (tensor-parallel size, micro-batch size, recomputation) is measured once, when the search
+first asks for it. Three real stages of the model are built, as a three-stage pipeline ``E|t|L``
+would build them, on one rank of a fake process group of that size (so tensor-parallel layers
+have one rank's shapes and their collectives cost nothing: communication is modelled separately):
+the embedding, one decoder layer and the loss stage (final norm, output layer, cross-entropy). Each
+runs forward, input gradient (I) and weight gradient (W) with the executor's own backward halves
+(:mod:`core.pipeline_parallel.backward_split`), one thread, as a ``torchrun`` rank does; the median
+of a few repeats is kept.
+
+A shape too large to run here in a fraction of a second is measured at fewer tokens (and, if its
+weights would not fit, at a narrower width, head size kept) and scaled back by the ratio of FLOPs.
+
+The local cluster (:func:`local_cluster`) is this machine: its ranks share its cores, and the
+latency and bandwidth of its process groups (gloo over loopback) are measured with as many real
+ranks as the plan has, all-reducing together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from training.plan.costs import LayerProfile
+from training.plan.hardware import Cluster, Gpu
+from training.plan.model_spec import ModelSpec
+
+__all__ = ["LocalProfile", "local_cluster", "measure_shape"]
+
+FLOPS_BUDGET = 2e10
+"""Largest forward (FLOPs) measured as is; beyond it tokens are cut and times scaled back."""
+PARAM_BUDGET = 1e9
+"""Largest decoder layer (bytes of parameters) built as is; beyond it the layer is made narrower."""
+
+
+def _time(fn, repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+@contextlib.contextmanager
+def _one_rank_of(world: int, rank: int, tp: int):
+    """Parallel state of one rank of a fake group (pipeline ``E|t|L``, tensor parallel ``tp``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from core import parallel_state as ps
+    from core.tensor_parallel import model_parallel_seed
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        ps.initialize_model_parallel(tp, world // tp)
+        model_parallel_seed(1234)
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _stage_seconds(args, vocab: int, tp: int, stage: int, batch: int, seq: int, repeats: int):
+    """(F, I, W) seconds of stage ``stage`` of the pipeline ``E|t|L`` at ``batch x seq`` tokens."""
+    from core.pipeline_parallel.backward_split import backward_input, backward_weight
+    from core.transformer import TransformerConfig
+    from models.gpt import GPTModel
+    from training.arguments import transformer_config_from_args
+
+    fields = transformer_config_from_args(args) | {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": 3,
+        "pipeline_model_parallel_layout": "E|t|L",
+        "num_layers": 1,
+        "sequence_parallel": tp > 1,
+    }
+    with _one_rank_of(3 * tp, stage * tp, tp):
+        config = TransformerConfig(**fields)
+        model = GPTModel(config, vocab, max(seq, args.max_position_embeddings), pre_process=stage == 0,
+                         post_process=stage == 2)  # fmt: skip
+        dtype = config.params_dtype
+        tokens = torch.randint(0, vocab, (batch, seq))
+        positions = torch.arange(seq).repeat(batch, 1)
+        shard = seq // tp if tp > 1 else seq
+
+        def forward():
+            if stage == 0:
+                return None, model(tokens, positions)
+            x = torch.randn(shard, batch, config.hidden_size, dtype=dtype, requires_grad=True)
+            model.set_input_tensor([x])
+            if stage == 1:
+                return x, model(None, positions)
+            return x, model(None, positions, labels=tokens).sum()
+
+        pairs = [forward() for _ in range(repeats + 1)]  # one for warm-up
+        f, _ = _time(forward, repeats)
+        grads = []
+
+        def input_grad():
+            x, out = pairs.pop()
+            grad = None if stage == 2 else torch.ones_like(out)
+            input_gradient, weights = backward_input(out, grad, x)
+            grads.append(weights)
+            return input_gradient
+
+        input_grad()
+        i, _ = _time(input_grad, repeats)
+        grads.pop(0)
+        w, _ = _time(lambda: backward_weight(grads.pop()), repeats)
+    return f, i, w
+
+
+def measure_shape(args, spec: ModelSpec, tp: int, micro_batch_size: int, recompute: str, repeats: int = 3):
+    """(layer, embedding, loss) (F, I, W) seconds for one shape, scaled to it where measured smaller."""
+    import copy
+
+    seq = spec.seq_length
+    layer_flops = spec.layer_linear_flops(micro_batch_size * seq) / tp
+    scale_tokens = max(1.0, layer_flops / FLOPS_BUDGET)
+    batch, run_seq = micro_batch_size, seq
+    while scale_tokens > 1 and batch > 1:
+        batch //= 2
+        scale_tokens /= 2
+    while scale_tokens > 1 and run_seq >= 256 and (run_seq // 2) % (2 * tp) == 0:
+        run_seq //= 2
+        scale_tokens /= 2
+    local = copy.copy(args)
+    local.recompute_granularity = None if recompute == "none" else recompute
+    local.recompute_method = "uniform" if recompute == "full" else None
+    local.recompute_num_layers = 1 if recompute == "full" else None
+    width = 1
+    while (
+        spec.layer_params(tp) / width**2 * spec.bytes_per_value > PARAM_BUDGET
+        and local.num_query_groups % (2 * width * tp) == 0
+    ):
+        width *= 2
+    if width > 1:
+        local.hidden_size //= width
+        local.num_attention_heads //= width
+        local.num_query_groups //= width
+        local.ffn_hidden_size //= width
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        measured = [
+            _stage_seconds(local, spec.vocab_size, tp, stage, batch, run_seq, repeats) for stage in range(3)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    small = spec.with_(hidden_size=local.hidden_size, num_attention_heads=local.num_attention_heads,
+                       num_query_groups=local.num_query_groups, ffn_hidden_size=local.ffn_hidden_size,
+                       seq_length=run_seq)  # fmt: skip
+    full_tokens, run_tokens = micro_batch_size * seq, batch * run_seq
+    layer_ratio = (spec.layer_linear_flops(full_tokens) + spec.attention_core_flops(full_tokens)) / (
+        small.layer_linear_flops(run_tokens) + small.attention_core_flops(run_tokens)
+    )
+    token_ratio = full_tokens / run_tokens
+    ratios = (
+        token_ratio * width,
+        layer_ratio,
+        spec.logits_flops(full_tokens) / small.logits_flops(run_tokens),
+    )
+    embedding, layer, loss = ([t * r for t in times] for times, r in zip(measured, ratios))
+    return tuple(layer), tuple(embedding), tuple(loss)
+
+
+class LocalProfile(LayerProfile):
+    """Per-layer costs measured here, shape by shape as the search asks (module docstring)."""
+
+    def __init__(self, spec: ModelSpec, args) -> None:
+        super().__init__(layer=(0.0, 0.0, 0.0), source="--profile-local")
+        self.spec, self.args = spec, args
+
+    def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
+        key = (tp, micro_batch_size, recompute)
+        if key not in self.by_shape:
+            self.by_shape[key] = measure_shape(self.args, self.spec, tp, micro_batch_size, recompute)
+        return self.by_shape[key]
+
+
+# --------------------------------------------------------------------------------------------------
+# This machine as a cluster
+# --------------------------------------------------------------------------------------------------
+
+
+def _link_rank(rank: int, world: int, init_file: str, nbytes: int, queue) -> None:
+    """One rank of :func:`measure_gloo`: tiny all-reduces (latency), then large ones (bandwidth)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    timings = []
+    for numel, repeats in ((1, 50), (nbytes // 4, 5)):
+        buffer = torch.ones(numel)
+        for _ in range(2):
+            dist.all_reduce(buffer)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(buffer)
+        timings.append((time.perf_counter() - start) / repeats)
+    if rank == 0:
+        queue.put(timings)
+    dist.destroy_process_group()
+
+
+def measure_gloo(world: int, nbytes: int = 16 << 20) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of gloo here, ``world`` ranks all-reducing together.
+
+    A ring all-reduce over ``n`` ranks takes ``2 (n - 1)`` steps of ``latency + bytes / n / bandwidth``:
+    the tiny one gives the latency, the large one the bandwidth, as :class:`Link` counts them."""
+    import torch.multiprocessing as mp
+
+    world = max(world, 2)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=_link_rank, args=(r, world, init, nbytes, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        tiny, large = queue.get(timeout=300)
+        for p in procs:
+            p.join()
+    steps = 2 * (world - 1)
+    latency = tiny / steps
+    return nbytes / world / max(large / steps - latency, 1e-12), latency
+
+
+def _matmul_tflops() -> float:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(1024, 1024)
+        a @ a
+        seconds, _ = _time(lambda: a @ a, 5)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * 1024**3 / seconds / 1e12
+
+
+def local_cluster(num_ranks: int) -> Cluster:
+    """This machine with ``num_ranks`` ranks on its cores (one thread each, as under torchrun)."""
+    bandwidth, latency = measure_gloo(num_ranks)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    gpu = Gpu(
+        name=f"CPU rank ({os.cpu_count()} cores shared)",
+        peak_tflops=_matmul_tflops(),
+        memory_gb=memory / num_ranks,
+        hbm_tb_s=0.01,
+        intra_node_gb_s=bandwidth / 1e9,
+        inter_node_gb_s=bandwidth / 1e9,
+        compute_efficiency=1.0,
+        intra_node_latency_us=latency * 1e6,
+        inter_node_latency_us=latency * 1e6,
+    )
+    return Cluster(num_ranks, num_ranks, gpu, cores=os.cpu_count() or 1)

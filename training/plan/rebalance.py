@@ -1,0 +1,178 @@
+"""``--from-timeline DIR``: a real run's measured stage costs in, a rebalanced layout for its split out.
+
+A run with ``--timeline-dir`` records every forward, backward (or I and W) of every stage. From the
+first pipeline's events the mean cost of each action on each stage is taken; each stage is a known
+mix of decoder layers, embedding and loss (the run's layout), so the cost of one layer, of the
+embedding and of the loss follow by least squares (the planner's FLOP model fills in what the layout
+cannot tell apart, e.g. the embedding when every stage holds layers). The balanced layout for those
+costs is proposed, and both layouts are simulated on the run's own tables with the measured costs:
+the ratio is the predicted gain.
+
+CPU ranks sharing cores (this machine) measure each action stretched by the ranks busy beside it;
+each event is first brought back to the time it would take on a core of its own: a stretch of
+``busy ranks / cores`` wherever more ranks computed than there are cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import defaultdict
+from dataclasses import replace
+
+import numpy as np
+
+from core.pipeline_parallel.layout import even_layout, parse_layout
+from training.plan.candidate import Candidate
+from training.plan.costs import LayerProfile, StageCostModel
+from training.plan.hardware import Cluster
+from training.plan.layouts import balanced_layout
+from training.plan.step_time import estimate_step
+
+__all__ = ["fit_costs", "rebalance", "rebalance_report", "stage_means"]
+
+_KINDS = ("F", "B", "I", "W")
+
+
+def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], cores: int | None) -> list[tuple]:
+    """Events with each duration replaced by the time it would take on a core of its own."""
+    if not cores:
+        return events
+    edges = sorted({t for s, e in busy for t in (s, e)})
+    out = []
+    for kind, mb, chunk, start, end in events:
+        own = 0.0
+        for a, b in itertools.pairwise(edges):
+            lo, hi = max(a, start), min(b, end)
+            if hi <= lo:
+                continue
+            running = sum(1 for s, e in busy if s <= lo and e >= hi)
+            own += (hi - lo) * min(1.0, cores / max(running, 1))
+        out.append((kind, mb, chunk, start, start + own))
+    return out
+
+
+def stage_means(path: str, cores: int | None = None) -> tuple[dict[tuple[int, int, str], float], object]:
+    """Mean seconds per (pp rank, chunk, action kind) over the first pipeline's recorded iterations."""
+    from training.timeline import load_trace
+
+    data = load_trace(os.path.join(path, "timeline.json") if os.path.isdir(path) else path)
+    durations: dict[tuple[int, int, str], list[float]] = defaultdict(list)
+    for step in data.iterations:
+        pipeline = [r for r in step.ranks if r.in_first_pipeline]
+        busy = [(e[3], e[4]) for r in step.ranks for e in r.events if e[0] in _KINDS]
+        for rank in pipeline:
+            compute = [e for e in rank.events if e[0] in _KINDS]
+            for kind, _, chunk, start, end in _own_core_seconds(compute, busy, cores):
+                durations[rank.pp_rank, chunk, kind].append((end - start) / 1e3)
+    return {key: float(np.mean(v)) for key, v in durations.items()}, data
+
+
+def _solve(rows: np.ndarray, targets: list[float], anchor: np.ndarray) -> np.ndarray:
+    """Non-negative per-element costs explaining ``targets``; ``anchor`` (scaled) fills what they cannot."""
+    b = np.array(targets, dtype=float)
+    weight = 1e-3
+    scaled = anchor * (float(np.abs(b).max()) / max(float(anchor.max()), 1e-12))
+    lhs = np.vstack([rows, weight * np.eye(3)])
+    solution, *_ = np.linalg.lstsq(lhs, np.concatenate([b, weight * scaled]), rcond=None)
+    return np.clip(solution, 0.0, None)
+
+
+def fit_costs(means: dict, cand: Candidate, prior: LayerProfile) -> LayerProfile:
+    """Seconds of one decoder layer, the embedding and the loss (F, I, W) that explain the stage means.
+
+    Forward and whole backward (B, or I + W) are fitted per stage mix; the backward is then split as
+    the run split it (the mean I share of the stages that have one), or as ``prior`` splits it.
+    ``prior`` (the FLOP model's costs) also anchors, with a small weight, what the layout cannot
+    separate.
+    """
+    rows, forward, backward, input_shares = [], [], [], []
+    for stage, symbols in enumerate(cand.stages.stages):
+        rank, chunk = cand.placement.rank_and_chunk(stage)
+        got = {k: means.get((rank, chunk, k)) for k in _KINDS}
+        if got["F"] is None:
+            continue
+        whole = got["B"] if got["B"] is not None else (got["I"] or 0.0) + (got["W"] or 0.0)
+        if got["I"] and stage > 0 and whole:  # the first stage's I has no input gradient to compute
+            input_shares.append(got["I"] / whole)
+        rows.append([symbols.count("t"), int("E" in symbols), int("L" in symbols)])
+        forward.append(got["F"])
+        backward.append(whole)
+    a = np.array(rows, dtype=float)
+    parts = (prior.layer, prior.embedding, prior.loss)
+    f = _solve(a, forward, np.array([p[0] for p in parts]))
+    b = _solve(a, backward, np.array([p[1] + p[2] for p in parts]))
+    prior_share = prior.layer[1] / max(prior.layer[1] + prior.layer[2], 1e-12)
+    share = float(np.mean(input_shares)) if input_shares else prior_share
+    costs = [(f[i], b[i] * share, b[i] * (1 - share)) for i in range(3)]
+    return LayerProfile(costs[0], costs[1], costs[2], source="timeline")
+
+
+def _run_candidate(plan_input, data) -> Candidate:
+    """The recorded run's candidate: its split, schedule, microbatches and layout, from its flags."""
+    fixed = plan_input.fixed
+    pp, vpp = data.pp_size, data.vpp_size
+    schedule = fixed.get("schedule") or (
+        "zbv" if "zbv" in data.schedule else "zb-h1" if "zb" in data.schedule else "1f1b"
+    )
+    placement = "v" if schedule == "zbv" else "loop"
+    layout = fixed.get("layout") or even_layout(plan_input.spec.num_layers, pp, vpp, placement).to_string()
+    parse_layout(layout, pp, vpp, num_layers=plan_input.spec.num_layers, placement=placement)
+    tp, mbs = fixed.get("tp") or 1, fixed.get("micro_batch_size") or 1
+    m = data.num_microbatches
+    dp = plan_input.global_batch_size // (mbs * m)
+    return Candidate(tp=tp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch_size=mbs,
+                     num_microbatches=m, recompute=fixed.get("recompute") or "none", layout=layout)  # fmt: skip
+
+
+def rebalance(plan_input, cluster: Cluster, path: str) -> dict:
+    """The run's layout, the proposed one, and both simulated with the measured costs."""
+    means, data = stage_means(path, cluster.cores)
+    cand = _run_candidate(plan_input, data)
+    spec = plan_input.spec
+    model = StageCostModel(spec, cand, cluster)
+    prior = LayerProfile(*(
+        (c.forward, c.backward_input, c.backward_weight) for c in (model.stage(s) for s in (("t",), ("E",), ("L",)))
+    ))  # fmt: skip
+    fitted = fit_costs(means, cand, prior)
+    layer, embedding, loss = (sum(c) for c in (fitted.layer, fitted.embedding, fitted.loss))
+    placement = "v" if cand.schedule == "zbv" else "loop"
+    proposed = balanced_layout(spec.num_layers, cand.pp, cand.vpp, layer=layer, embedding=embedding,
+                               loss=loss, placement=placement).to_string()  # fmt: skip
+    before = estimate_step(spec, cand, cluster, fitted)
+    after = estimate_step(spec, replace(cand, layout=proposed), cluster, fitted)
+    measured = [s for s in data.iterations]
+    return {
+        "layout": cand.layout,
+        "proposed_layout": proposed,
+        "layer_seconds": fitted.layer,
+        "embedding_seconds": fitted.embedding,
+        "loss_seconds": fitted.loss,
+        "predicted_step_seconds": before.step_seconds,
+        "proposed_step_seconds": after.step_seconds,
+        "predicted_gain": before.step_seconds / after.step_seconds,
+        "measured_bubble": float(np.mean([s.measured_bubble for s in measured])),
+        "candidate": cand,
+    }
+
+
+def rebalance_report(plan_input, cluster: Cluster, path: str) -> str:
+    r = rebalance(plan_input, cluster, path)
+    ms = lambda costs: f"{1e3 * costs[0]:.2f}/{1e3 * (costs[1] + costs[2]):.2f}"
+    cand = r["candidate"]
+    lines = [
+        (
+            f"timeline {path}: {cand.split()} {cand.schedule_label}, {cand.num_microbatches} microbatches, "
+            f"measured bubble {r['measured_bubble']:.1%}"
+        ),
+        (
+            f"measured costs (forward/backward ms): decoder layer {ms(r['layer_seconds'])}, embedding "
+            f"{ms(r['embedding_seconds'])}, loss {ms(r['loss_seconds'])}"
+        ),
+        f"current layout:  {r['layout']}  (simulated step {r['predicted_step_seconds'] * 1e3:.1f} ms)",
+        f"proposed layout: {r['proposed_layout']}  (simulated step {r['proposed_step_seconds'] * 1e3:.1f} ms)",
+        f"predicted gain: {r['predicted_gain']:.3f}x"
+        + ("" if r["proposed_layout"] != r["layout"] else " (the run is already balanced)"),
+        f"--pipeline-model-parallel-layout '{r['proposed_layout']}'",
+    ]
+    return "\n".join(lines)

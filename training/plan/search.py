@@ -1,0 +1,367 @@
+"""Every way Trident can run the model on the cluster, the ones that fit, ranked by simulated step time.
+
+The search walks the splits (TP, CP, EP, PP, DP), then per split the virtual sizes and the schedules
+that apply, the micro-batch sizes, two layouts (Megatron's even split and the cost-balanced one of
+:mod:`training.plan.layouts`) and recomputation. What cannot run is rejected with its reason:
+
+* ``does not divide``: heads, query groups, FFN, sequence or global batch by the sizes;
+* ``fewer microbatches than stages``: a pipeline would idle most of the step (interleaving needs
+  at least ``pp``, and Megatron's group rule);
+* ``out of memory``: the largest rank's peak (:mod:`training.plan.memory`) above the usable memory;
+* ``not supported by this Trident``: sizes its flags refuse (context or expert parallelism before
+  they exist), read from the flag coverage table, so they open up when the features land.
+
+Dominated choices are not costed: recomputation is tried from none to full and the first that fits
+is kept (recomputing more only adds time), and where the distributed optimizer is allowed it is used
+(the same traffic as an all-reduce, a fraction of the state). The rest is timed by branch and bound:
+candidates in order of a lower bound on their step (the busiest rank's compute), simulated until the
+next bound exceeds the ``top``-th best simulated step, so only a few schedules are simulated in full.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from core.pipeline_parallel.layout import even_layout
+from core.pipeline_parallel.schedule_tables import check_interleaving
+from training.plan.candidate import RECOMPUTE, Candidate
+from training.plan.costs import LayerProfile, StageCostModel
+from training.plan.hardware import Cluster
+from training.plan.layouts import balanced_layout
+from training.plan.memory import RankMemory, candidate_memory, rank_static
+from training.plan.model_spec import ModelSpec
+from training.plan.step_time import StepEstimate, estimate_step, quick_estimate
+from training.schema import BY_OPTION, coverage_of
+
+__all__ = [
+    "DOES_NOT_DIVIDE",
+    "FEW_MICROBATCHES",
+    "OUT_OF_MEMORY",
+    "UNSUPPORTED",
+    "Planned",
+    "SearchResult",
+    "search",
+]
+
+DOES_NOT_DIVIDE = "does not divide"
+FEW_MICROBATCHES = "fewer microbatches than stages"
+OUT_OF_MEMORY = "out of memory"
+UNSUPPORTED = "not supported by this Trident"
+REFUSED = "refused by Trident's flag checks"
+GUESS_MARGIN = 0.03
+"""Candidates whose guess is this much slower than the ``top``-th simulated step are not simulated."""
+EXAMPLES = 12
+"""Rejected candidates listed per reason (all are counted)."""
+
+
+@dataclass
+class Planned:
+    """A candidate with its memory per rank and (once simulated) its step."""
+
+    cand: Candidate
+    memory: list[RankMemory]
+    bound: float = 0.0
+    """No step of this candidate can be shorter."""
+    guess: float = 0.0
+    """The bound plus the schedule's textbook bubble: the order candidates are simulated in."""
+    step: StepEstimate | None = None
+
+    @property
+    def peak(self) -> RankMemory:
+        return max(self.memory, key=lambda m: m.peak)
+
+
+@dataclass
+class SearchResult:
+    candidates: list[Planned]
+    """Simulated and ranked, fastest first."""
+    rejected: dict[str, dict] = field(default_factory=dict)
+    """Reason -> {"count": n, "examples": [...]}."""
+    fitting: int = 0
+    """Candidates that fit in memory (only the best of them are simulated)."""
+    simulated: int = 0
+    seconds: float = 0.0
+
+
+class _Rejections:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = defaultdict(int)
+        self.examples: dict[str, list[str]] = defaultdict(list)
+
+    def add(self, reason: str, what: str, count: int = 1) -> None:
+        self.counts[reason] += count
+        if len(self.examples[reason]) < EXAMPLES:
+            self.examples[reason].append(what)
+
+    def as_dict(self) -> dict[str, dict]:
+        return {r: {"count": n, "examples": self.examples[r]} for r, n in sorted(self.counts.items())}
+
+
+def _supports(option: str, value: int) -> bool:
+    """Whether this Trident's flags accept ``option value`` (the coverage table decides)."""
+    if value == 1:
+        return True
+    entry = coverage_of(option)
+    if option not in BY_OPTION or entry.rejected:
+        return False
+    return not entry.only or value in entry.only
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _split_problem(spec: ModelSpec, tp: int, cp: int, ep: int) -> str | None:
+    """Why TP/CP/EP cannot split this model, or None."""
+    if spec.num_attention_heads % tp:
+        return f"--num-attention-heads ({spec.num_attention_heads}) by TP {tp}"
+    if spec.num_query_groups % tp:
+        return f"--num-query-groups ({spec.num_query_groups}) by TP {tp}"
+    if spec.ffn_hidden_size % tp:
+        return f"--ffn-hidden-size ({spec.ffn_hidden_size}) by TP {tp}"
+    if spec.seq_length % (2 * cp if cp > 1 else 1) or (spec.seq_length // cp) % tp:
+        return f"--seq-length ({spec.seq_length}) by 2 x CP {cp} x TP {tp}"
+    if spec.moe is not None and spec.moe.num_experts % ep:
+        return f"--num-experts ({spec.moe.num_experts}) by EP {ep}"
+    return None
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What the search may choose, after the user's fixed values."""
+
+    tps: tuple[int, ...]
+    cps: tuple[int, ...]
+    eps: tuple[int, ...]
+    vpps: tuple[int, ...]
+    micro_batch_sizes: tuple[int, ...]
+    recomputes: tuple[str, ...]
+    schedules: tuple[str, ...] | None
+    pps: tuple[int, ...] | None
+    layout: str | None
+
+
+def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
+    def pick(key: str, default: tuple) -> tuple:
+        return (fixed[key],) if fixed.get(key) is not None else default
+
+    powers = tuple(2**k for k in range(12))
+    tps = tuple(t for t in powers if t <= cluster.gpus_per_node)
+    cps = tuple(c for c in powers if c <= 32)
+    eps = tuple(_divisors(spec.moe.num_experts)) if spec.moe is not None else (1,)
+    recompute = fixed.get("recompute")
+    return _Space(
+        tps=pick("tp", tps),
+        cps=pick("cp", cps),
+        eps=pick("ep", eps),
+        vpps=pick("vpp", (1, 2, 3, 4, 6, 8)),
+        micro_batch_sizes=pick("micro_batch_size", (1, 2, 4, 8)),
+        recomputes=(recompute,) if recompute else RECOMPUTE,
+        schedules=(fixed["schedule"],) if fixed.get("schedule") not in (None, "1f1b") else None,
+        pps=pick("pp", ()) or None,
+        layout=fixed.get("layout"),
+    )
+
+
+def _schedules(pp: int, vpp: int, space: _Space) -> list[str]:
+    if pp == 1:
+        return ["1f1b"] if vpp == 1 else []
+    options = ["1f1b", "zb-h1"] + (["zbv"] if vpp == 2 else [])
+    if space.schedules is not None:
+        options = [s for s in space.schedules if s in options + (["gpipe"] if vpp == 1 else [])]
+    return options
+
+
+def _splits(spec: ModelSpec, cluster: Cluster, space: _Space, rejected: _Rejections) -> Iterator[tuple]:
+    """(tp, cp, ep, pp, dp) that divide the model and the cluster and that Trident runs."""
+    n = cluster.num_gpus
+    for tp in space.tps:
+        for cp in space.cps:
+            if n % (tp * cp):
+                continue
+            for ep in space.eps:
+                problem = _split_problem(spec, tp, cp, ep)
+                if problem is not None:
+                    rejected.add(DOES_NOT_DIVIDE, f"TP{tp} CP{cp} EP{ep}: {problem}")
+                    continue
+                for pp in space.pps or tuple(_divisors(n // (tp * cp))):
+                    if pp > spec.num_layers or n % (tp * cp * pp):
+                        continue
+                    dp = n // (tp * cp * pp)
+                    if (tp * cp * dp) % ep:  # experts are grouped over the ranks of one pipeline stage
+                        rejected.add(DOES_NOT_DIVIDE, f"TP{tp} CP{cp} PP{pp} DP{dp}: EP {ep} by TP x CP x DP")
+                        continue
+                    missing = [
+                        f"{flag} {size}"
+                        for flag, size in (
+                            ("--context-parallel-size", cp),
+                            ("--expert-model-parallel-size", ep),
+                        )
+                        if not _supports(flag, size)
+                    ]
+                    if missing:
+                        rejected.add(UNSUPPORTED, f"TP{tp} CP{cp} EP{ep} PP{pp} DP{dp}: {', '.join(missing)}")
+                        continue
+                    yield tp, cp, ep, pp, dp
+
+
+def _layouts(
+    spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None, fixed: str | None
+):
+    """The layouts to try: the user's, else the even split and the cost-balanced one (if different)."""
+    placement = "v" if cand.schedule == "zbv" else "loop"
+    if fixed is not None:
+        return [fixed]
+    even = even_layout(spec.num_layers, cand.pp, cand.vpp, placement=placement).to_string()
+    model = StageCostModel(spec, replace(cand, layout=even), cluster, profile)
+    layer, embedding, loss = (model.stage(s) for s in (("t",), ("E",), ("L",)))
+    balanced = balanced_layout(
+        spec.num_layers,
+        cand.pp,
+        cand.vpp,
+        layer=layer.forward + layer.backward,
+        embedding=embedding.forward + embedding.backward,
+        loss=loss.forward + loss.backward,
+        placement=placement,
+    ).to_string()
+    return [even] if balanced == even else [even, balanced]
+
+
+def _describe(c: Candidate) -> str:
+    return f"{c.split()} {c.schedule_label} mbs {c.micro_batch_size} m {c.num_microbatches}"
+
+
+def _microbatches(
+    pp: int, vpp: int, schedule: str, mbs: int, dp: int, global_batch: int
+) -> tuple[int, str | None]:
+    """The microbatch count, or 0 and why the candidate cannot run (reason, description)."""
+    if global_batch % (mbs * dp):
+        return 0, DOES_NOT_DIVIDE
+    m = global_batch // (mbs * dp)
+    if pp > 1 and m < pp:
+        return 0, FEW_MICROBATCHES
+    if vpp > 1 and schedule != "zbv":
+        try:
+            check_interleaving(pp, vpp, m)
+        except ValueError:
+            return 0, FEW_MICROBATCHES
+    return m, None
+
+
+def _fitting(
+    spec: ModelSpec,
+    cluster: Cluster,
+    space: _Space,
+    global_batch: int,
+    allow_distributed_optimizer: bool,
+    profile: LayerProfile | None,
+    rejected: _Rejections,
+    device: str,
+) -> Iterator[Planned]:
+    """Every candidate that fits in memory, with the least recomputation that makes it fit.
+
+    Micro-batch sizes go up until one does not fit at all: larger ones hold more, so they cannot.
+    """
+    for tp, cp, ep, pp, dp in _splits(spec, cluster, space, rejected):
+        for vpp in space.vpps if pp > 1 else (1,):
+            if pp * vpp > spec.num_layers + 2:
+                continue
+            for schedule in _schedules(pp, vpp, space):
+                too_big = False
+                for mbs in space.micro_batch_sizes:
+                    what = f"TP{tp} CP{cp} EP{ep} PP{pp} VPP{vpp} DP{dp} {schedule} mbs {mbs}"
+                    m, problem = _microbatches(pp, vpp, schedule, mbs, dp, global_batch)
+                    if problem is not None:
+                        rejected.add(
+                            problem,
+                            f"{what}: --global-batch-size {global_batch}, {global_batch // mbs // dp} microbatches",
+                        )
+                        continue
+                    if too_big:
+                        rejected.add(OUT_OF_MEMORY, f"{what}: a smaller micro-batch does not fit either")
+                        continue
+                    base = Candidate(
+                        tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, micro_batch_size=mbs,
+                        num_microbatches=m, distributed_optimizer=allow_distributed_optimizer and dp * cp > 1,
+                    )  # fmt: skip
+                    found = list(_fit_recompute(spec, cluster, space, base, profile, rejected, device))
+                    too_big = not found
+                    yield from found
+
+
+def _fit_recompute(spec, cluster, space, base: Candidate, profile, rejected: _Rejections, device: str):
+    """Per layout, the least recomputation that fits (none, else full, then selective if it fits too)."""
+    for layout in _layouts(spec, base, cluster, profile, space.layout if base.pp > 1 else None):
+        cand = replace(base, layout=layout)
+        static = max(sum(rank_static(spec, cand, r, device)[:3]) for r in range(cand.pp))
+        if static > cluster.usable_bytes:
+            rejected.add(OUT_OF_MEMORY, f"{_describe(cand)}: parameters, gradients and optimizer state alone "
+                                        f"{static / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB")  # fmt: skip
+            continue
+        order = [r for r in ("none", "full", "selective") if r in space.recomputes]
+        fits: dict[str, Planned] = {}
+        smallest = None
+        for recompute in order:
+            if recompute == "selective" and "full" in order and "full" not in fits:
+                continue  # full recomputation keeps the least: if it does not fit, selective cannot
+            trial = replace(cand, recompute=recompute)
+            memory = candidate_memory(spec, trial, device=device)
+            peak = max(m.peak for m in memory)
+            if peak <= cluster.usable_bytes:
+                fits[recompute] = Planned(trial, memory, 0.0)
+                if recompute == "none":
+                    break
+            elif smallest is None or peak < smallest[1]:
+                smallest = (trial, peak)
+        if fits:
+            yield fits.get("none") or fits.get("selective") or fits["full"]
+        else:
+            trial, peak = smallest
+            rejected.add(
+                OUT_OF_MEMORY,
+                f"{_describe(trial)}: {peak / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB even with "
+                f"--recompute-granularity {trial.recompute}",
+            )
+
+
+def search(
+    spec: ModelSpec,
+    cluster: Cluster,
+    *,
+    global_batch_size: int,
+    fixed: dict | None = None,
+    allow_distributed_optimizer: bool = False,
+    top: int = 10,
+    profile: LayerProfile | None = None,
+    device: str = "cuda",
+) -> SearchResult:
+    """Rank the ways to train ``spec`` on ``cluster`` (module docstring)."""
+    started = time.perf_counter()
+    rejected = _Rejections()
+    space = _space(spec, cluster, fixed or {})
+    fitting = list(
+        _fitting(
+            spec, cluster, space, global_batch_size, allow_distributed_optimizer, profile, rejected, device
+        )
+    )
+    for planned in fitting:
+        planned.bound, planned.guess = quick_estimate(spec, planned.cand, cluster, profile)
+    fitting.sort(key=lambda p: p.guess)
+    best: list[Planned] = []
+    simulated = 0
+    for planned in fitting:
+        if len(best) >= top:
+            kth = best[-1].step.step_seconds
+            if planned.bound > kth or planned.guess > kth * (1 + GUESS_MARGIN):
+                continue
+        planned.step = estimate_step(spec, planned.cand, cluster, profile, exact=False)
+        simulated += 1
+        best = sorted([*best, planned], key=lambda p: (p.step.step_seconds, p.peak.peak))[:top]
+    for planned in best:  # the shown figures: every microbatch of the real tables
+        if planned.step.extrapolated:
+            planned.step = estimate_step(spec, planned.cand, cluster, profile)
+    best.sort(key=lambda p: (p.step.step_seconds, p.peak.peak))
+    return SearchResult(best, rejected.as_dict(), len(fitting), simulated, time.perf_counter() - started)
