@@ -95,7 +95,12 @@ def finalize_model_grads(
         _all_reduce_coalesced(_grads(plain, expert=False), groups.dp_cp)
         # An MoE expert's replicas are the expert-data-parallel group (see DistributedDataParallel),
         # which includes the tensor-parallel ranks: each routed its own sequence shard to it.
-        _all_reduce_coalesced(_grads(plain, expert=True), groups.expt_dp)
+        expert_grads = _grads(plain, expert=True)
+        if expert_grads and groups.expt_dp is None:
+            raise RuntimeError(
+                "expert gradients but no expert data-parallel group (groups built without MoE)"
+            )
+        _all_reduce_coalesced(expert_grads, groups.expt_dp)
     if groups.size("tp") > 1:
         _all_reduce_coalesced(_grads(chunks, "sequence_parallel"), groups.tp)
     if groups.size("pp") > 1 and groups.embd is not None:
