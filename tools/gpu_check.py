@@ -23,6 +23,7 @@ It prints one table, then one JSON line (``{"gpu_check": ...}``).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -223,10 +224,14 @@ def print_table(env: dict, rows: list[dict]) -> None:
 
 
 def environment(device: str) -> dict:
-    import torch
+    """The device's name and torch's version (torch is imported only for a GPU's name: the steps'
+    children import it themselves)."""
+    name = "cpu"
+    if device == "cuda":
+        import torch
 
-    name = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else "cpu"
-    return {"device": name, "torch": torch.__version__}
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    return {"device": name, "torch": importlib.metadata.version("torch")}
 
 
 def main(argv: list[str] | None = None) -> dict:
