@@ -2,10 +2,11 @@
 
 The plain loop trains the same architecture built from Hugging Face ``transformers``
 (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, SDPA attention) from the same initial weights on the same
-tokens: forward, fp32 cross-entropy, backward, gradient clipping, AdamW (``fused=True`` on a GPU,
-``foreach`` on a CPU), bf16 by autocast over fp32 weights. It runs eagerly and under ``torch.compile``
-(the loss inside the compiled function); the two share one model and optimizer and take turns, so
-only the eager loop's first loss equals Trident's (a check that the architectures are the same). Trident runs ``pretrain()`` with
+tokens: forward, fp32 cross-entropy, backward, gradient clipping, AdamW (``fused=True`` where the
+device has the kernel, ``foreach`` elsewhere, as Trident's optimizer), bf16 by autocast over fp32 weights.
+It runs eagerly and under ``torch.compile`` (the loss inside the compiled function); the two share one
+model and optimizer and take turns, so only the eager loop's first loss equals Trident's (a check that
+the architectures are the same). Trident runs ``pretrain()`` with
 ``--cross-entropy-loss-fusion --gradient-accumulation-fusion``, eagerly, then again with ``--compile``.
 
 The contestants take turns: after each ``pretrain()`` iteration, its ``iteration_hook`` runs one step
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt
+from core.optimizer import has_fused_kernel
 from models.gpt.hf_mapping import hf_architecture, hf_config_kwargs, to_hf
 from tools.bench_cross_entropy import peak_bytes
 from training.throughput import num_floating_point_operations, peak_tflops
@@ -147,11 +149,12 @@ class PlainLoop:
 
 
 def adamw(model, device: torch.device) -> torch.optim.AdamW:
-    """AdamW as Trident's flags set it (weight decay on matrices only): fused on a GPU, foreach elsewhere."""
+    """AdamW as Trident's flags set it (weight decay on matrices only), with the kernel Trident's
+    optimizer picks: torch's fused one where the device has it (CUDA; CPU from torch 2.4), else foreach."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     rest = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    kind = {"fused": True} if has_fused_kernel(torch.optim.AdamW, device) else {"foreach": True}
     return torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, **kind)
 
 
