@@ -142,9 +142,22 @@ def test_bf16_model_steps_fp32_main_params_like_an_fp32_adamw(grad_source):
 
 
 def _roundtrip(optimizer, model, tmp_path, tag):
+    """The optimizer's state through files: its tensors to safetensors (``name/key``), the rest to JSON."""
     state = optimizer.state_dict()
-    save_file(state["state"], str(tmp_path / f"{tag}.safetensors"))
-    (tmp_path / f"{tag}.json").write_text(json.dumps(state["param_groups"]))
+    tensors = {
+        f"{name}/{key}": value.contiguous()
+        for name, entry in state["params"].items()
+        for key, value in entry.items()
+        if isinstance(value, torch.Tensor)
+    }
+    ranges = {
+        name: {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
+        for name, entry in state["params"].items()
+    }
+    save_file(tensors, str(tmp_path / f"{tag}.safetensors"))
+    (tmp_path / f"{tag}.json").write_text(
+        json.dumps({"param_groups": state["param_groups"], "ranges": ranges})
+    )
     save_file(
         {k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / f"{tag}-model.safetensors")
     )
@@ -153,6 +166,14 @@ def _roundtrip(optimizer, model, tmp_path, tag):
         json.loads((tmp_path / f"{tag}.json").read_text()),
         load_file(str(tmp_path / f"{tag}-model.safetensors")),
     )
+
+
+def _from_files(tensors: dict, meta: dict) -> dict:
+    params = {name: dict(entry) for name, entry in meta["ranges"].items()}
+    for key, value in tensors.items():
+        name, field = key.rsplit("/", 1)
+        params[name][field] = value
+    return {"param_groups": meta["param_groups"], "params": params}
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -171,16 +192,16 @@ def test_state_dict_round_trip_through_safetensors_and_json_continues_bit_identi
             scheduler.step(1)
 
     train(model, optimizer, scheduler, range(3))
-    tensors, groups, weights = _roundtrip(optimizer, model, tmp_path, "ckpt")
+    tensors, meta, weights = _roundtrip(optimizer, model, tmp_path, "ckpt")
     sched_state = json.loads(json.dumps(scheduler.state_dict()))
     assert all(isinstance(v, torch.Tensor) for v in tensors.values())
-    if bf16:
-        assert "0.main_param" in tensors
+    assert any(key.endswith("/exp_avg") for key in tensors)
+    assert any(key.endswith("/main_param") for key in tensors) == bf16
 
     resumed = _Net(seed=1).to(dtype)
     resumed.load_state_dict(weights)
     resumed_opt = get_megatron_optimizer(config, [resumed])
-    resumed_opt.load_state_dict({"param_groups": groups, "state": tensors})
+    resumed_opt.load_state_dict(_from_files(tensors, meta))
     resumed_sched = OptimizerParamScheduler(resumed_opt, 0.0, 1e-2, 1e-3, 2, 10, "cosine")
     resumed_sched.load_state_dict(sched_state)
 
