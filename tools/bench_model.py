@@ -33,7 +33,8 @@ loop's (``tools/op_profile.py``): where the eager layers differ, named op by op.
 
 Configurations (``--config``): ``gpt2-small`` (12 x 768, 12 heads, vocabulary 50304, seq 512, one
 microbatch of 1, the CPU default), ``gpt2-124m`` (the same at seq 1024, microbatch 8) and ``llama-1b``
-(16 x 2048, 32 heads, GQA 8, FFN 8192, vocabulary 128256, seq 4096, microbatch 1), the GPU defaults.
+(16 x 2048, 32 heads, GQA 8, FFN 8192, vocabulary 128256, seq 4096, microbatch 1), the GPU defaults;
+``tiny`` (2 x 64) proves the path in seconds (``tools/gpu_check.py --device cpu --quick``).
 Prints a table, then one JSON line.
 """
 
@@ -60,6 +61,15 @@ from training.throughput import num_floating_point_operations, peak_tflops
 from training.training import pretrain
 
 CONFIGS = {
+    "tiny": {  # tools/gpu_check.py --device cpu --quick: the path end to end, in seconds
+        "arch": "gpt2",
+        "layers": 2,
+        "hidden": 64,
+        "heads": 4,
+        "vocab": 512,
+        "seq": 64,
+        "mbs": 2,
+    },
     "gpt2-small": {
         "arch": "gpt2",
         "layers": 12,
