@@ -230,7 +230,6 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
             times["trident peak"] = [captured["memory"].stop()]
             ops["trident"] = captured["memory"].ops
         else:
-            losses["trident"].append(float(state.losses[-1]["lm loss"]) if state.losses else float("nan"))
             # Iteration 1 has no start mark (it is never timed: the warm-up drops it anyway).
             times["trident"].append(now - last[0] if last else float("nan"))
         if not plain:  # the plain loops start from Trident's initial weights
@@ -255,7 +254,7 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
         last[:] = [clock()]
 
     flags = trident_flags(spec, args, dtype, compiled)
-    pretrain(
+    state = pretrain(
         pretrain_gpt.train_valid_test_datasets_provider,
         model_provider,
         forward_step,
@@ -263,6 +262,8 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
         tokenizer_provider=pretrain_gpt.tokenizer_provider,
         iteration_hook=hook,
     )
+    # The losses are read from the device at log steps (training/step_ledger.py): all are there at the end.
+    losses["trident"] = [float(step["lm loss"]) for step in state.losses[: args.warmup + args.iters]]
     return {"times": times, "losses": losses, "flops": captured["flops"], "ops": ops}
 
 
