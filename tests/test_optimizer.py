@@ -571,18 +571,17 @@ def test_a_step_decided_on_the_device_takes_per_group_learning_rate_tensors():
         get_megatron_optimizer(config, [_Net()], fused=False).step_on_device(lrs=[torch.tensor(1.0)] * 2)
 
 
-def test_the_fp64_sum_of_squares_is_the_same_with_and_without_foreach_norms_dtype(monkeypatch):
-    """torch >= 2.4 accumulates each tensor in float64 in one kernel; older torch converts in chunks."""
+def test_the_fp64_sum_of_squares_is_the_same_by_foreach_norm_and_in_pieces():
+    """A GPU on torch >= 2.4 accumulates each tensor in float64 in one kernel; a CPU or an older torch
+    converts pieces (on a CPU, cache-sized ones: torch's CPU norm would copy each tensor whole)."""
     from core.optimizer import clip_grads
 
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=gen) * 10.0**k for k, n in enumerate((7, 30, 1, 55))]
     exact = sum(float(t.double().square().sum()) for t in tensors)
-    native = clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))
-    monkeypatch.setattr(clip_grads, "_FOREACH_NORM_DTYPE", False)
-    monkeypatch.setattr(clip_grads, "_CHUNK", 16)  # pieces of tensors, and several tensors joined
-    chunked = clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))
-    assert native.dtype == chunked.dtype == torch.float64
-    assert float(native) == pytest.approx(exact, rel=1e-14) and float(chunked) == pytest.approx(
-        exact, rel=1e-14
-    )
+    sums = [clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))]
+    sums.append(clip_grads._sum_of_squares_in_pieces(tensors, torch.device("cpu"), 16))  # pieces, joined
+    if clip_grads._FOREACH_NORM_DTYPE:
+        sums.append(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)).square().sum())
+    assert all(s.dtype == torch.float64 for s in sums)
+    assert all(float(s) == pytest.approx(exact, rel=1e-14) for s in sums)
