@@ -241,6 +241,31 @@ def generate_parallel_groups(
     return groups
 
 
+def _expert_sizes(
+    world_size: int, expert_tensor_parallel_size: int, expert_model_parallel_size: int, pipeline_size: int
+) -> dict[str, int]:
+    """The expert grid's axis sizes (etp, cp=1, ep, edp, pp); ValueError where they do not divide the world."""
+    for name, value in (
+        ("expert_model_parallel_size", expert_model_parallel_size),
+        ("expert_tensor_parallel_size", expert_tensor_parallel_size),
+    ):
+        _check_size(name, value)
+    expert_model_size = expert_tensor_parallel_size * expert_model_parallel_size * pipeline_size
+    if world_size % expert_model_size:
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size "
+            f"({expert_tensor_parallel_size}) x expert_model_parallel_size ({expert_model_parallel_size}) "
+            f"x pipeline_model_parallel_size ({pipeline_size}) = {expert_model_size}"
+        )
+    return {
+        "tp": expert_tensor_parallel_size,
+        "cp": 1,
+        "ep": expert_model_parallel_size,
+        "dp": world_size // expert_model_size,
+        "pp": pipeline_size,
+    }
+
+
 def generate_expert_groups(
     world_size: int,
     tensor_model_parallel_size: int = 1,
@@ -266,27 +291,9 @@ def generate_expert_groups(
     dense = generate_parallel_groups(
         world_size, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size, order
     )
-    for name, value in (
-        ("expert_model_parallel_size", expert_model_parallel_size),
-        ("expert_tensor_parallel_size", expert_tensor_parallel_size),
-    ):
-        _check_size(name, value)
-    expert_model_size = (
-        expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size
+    sizes = _expert_sizes(
+        world_size, expert_tensor_parallel_size, expert_model_parallel_size, pipeline_model_parallel_size
     )
-    if world_size % expert_model_size:
-        raise ValueError(
-            f"world size {world_size} is not divisible by expert_tensor_parallel_size "
-            f"({expert_tensor_parallel_size}) x expert_model_parallel_size ({expert_model_parallel_size}) "
-            f"x pipeline_model_parallel_size ({pipeline_model_parallel_size}) = {expert_model_size}"
-        )
-    sizes = {
-        "tp": expert_tensor_parallel_size,
-        "cp": 1,
-        "ep": expert_model_parallel_size,
-        "dp": world_size // expert_model_size,
-        "pp": pipeline_model_parallel_size,
-    }
     axes = _parse_order(order)
     dense_dp = len(dense["dp"][0])
     if axes[-1] != "pp" and pipeline_model_parallel_size > 1 and sizes["dp"] != dense_dp:
@@ -419,6 +426,35 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _create_groups(
+    rank: int, layout: dict[str, list[list[int]]], timeout: timedelta | None
+) -> tuple[dict[str, ProcessGroup | None], dict[str, tuple[int, ...]]]:
+    """Create every group of ``layout`` (every rank creates all, in one order); this rank's and their members."""
+    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES)
+    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
+    for name in GROUP_NAMES + EXPERT_GROUP_NAMES:
+        for members in layout[name]:
+            group = dist.new_group(ranks=members, timeout=timeout)
+            if rank in members:
+                _CREATED.append(group)
+                mine[name], ranks[name] = group, tuple(members)
+    return mine, ranks
+
+
+def _create_pipeline_channels(
+    rank: int, pipeline_groups: list[list[int]], timeout: timedelta | None
+) -> dict[tuple[int, int], ProcessGroup]:
+    """The two-rank groups between pipeline stages (see :func:`pipeline_channels`) that hold this rank."""
+    channels: dict[tuple[int, int], ProcessGroup] = {}
+    for members in pipeline_groups:
+        for src, dst in pipeline_channels(len(members)):
+            group = dist.new_group(ranks=[members[src], members[dst]], timeout=timeout)
+            if rank in (members[src], members[dst]):
+                _CREATED.append(group)
+                channels[(src, dst)] = group
+    return channels
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -456,39 +492,14 @@ def initialize_model_parallel(
         _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
     initialize_distributed()
     bind_local_device()  # also when someone else started torch.distributed: each rank on its own GPU
-    layout = generate_parallel_groups(
-        dist.get_world_size(),
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        order,
-    )
-    layout |= generate_expert_groups(
-        dist.get_world_size(),
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        expert_model_parallel_size,
-        1,
-        order,
-    )
+    world = dist.get_world_size()
+    sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+    layout = generate_parallel_groups(world, *sizes, order)
+    layout |= generate_expert_groups(world, *sizes, expert_model_parallel_size, 1, order)
     rank = dist.get_rank()
     timeout = None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes)
-    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES)
-    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
-    for name in GROUP_NAMES + EXPERT_GROUP_NAMES:
-        for members in layout[name]:
-            group = dist.new_group(ranks=members, timeout=timeout)
-            if rank in members:
-                _CREATED.append(group)
-                mine[name], ranks[name] = group, tuple(members)
-    channels: dict[tuple[int, int], ProcessGroup] = {}
-    for members in layout["pp"]:
-        for src, dst in pipeline_channels(len(members)):
-            group = dist.new_group(ranks=[members[src], members[dst]], timeout=timeout)
-            if rank in (members[src], members[dst]):
-                _CREATED.append(group)
-                channels[(src, dst)] = group
+    mine, ranks = _create_groups(rank, layout, timeout)
+    channels = _create_pipeline_channels(rank, layout["pp"], timeout)
     warm_up_pipeline_links(rank, layout["pp"], channels)
     _GROUPS = ParallelGroups(
         rank=rank, ranks=MappingProxyType(ranks), pp_channels=MappingProxyType(channels), **mine

@@ -48,7 +48,8 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
     collector = ManualGC(
         enabled=flags.manual_gc, interval=flags.manual_gc_interval, around_eval=flags.manual_gc_eval
     )
-    with handler as signals, collector:
+    # On an error the write in flight (--async-save) finishes, and nothing more is committed.
+    with handler as signals, collector, session.saver:
         loop = _Loop(run, session, signals, collector, hook)
         while state.iteration < flags.train_iters:
             record = loop.timeline_record(state.iteration + 1)
@@ -169,6 +170,8 @@ class _Loop:
             with self.collector.evaluation():
                 evaluate(run, session)
         stop = self._should_stop()
+        if run.checkpointing.save:  # a save in flight commits once every rank wrote it; a failure stops here
+            session.saver.poll()
         if run.checkpointing.save and (stop or state.iteration % run.checkpointing.save_interval == 0):
             save(run, session)
             self.saved_at = state.iteration
@@ -199,6 +202,7 @@ class _Loop:
         self.profiler.stop()
         if self.run.checkpointing.save and self.saved_at != self.session.state.iteration:
             save(self.run, self.session)
+        self.session.saver.wait()
         if self.timeline:
             self.timeline.write()
         if self.compile_warm is not None:  # evaluation compiles its own graphs (eval mode, no grad)

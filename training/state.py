@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from core.parallel_state import ParallelGroups
     from models.gpt.parallelize import ParallelGPT
     from training.batches import BatchStream
+    from training.checkpoint.async_save import CheckpointSaver
     from training.run_logging import RunLoggers
 
 
@@ -65,3 +66,5 @@ class Session:
     train_data: BatchStream | None = None
     valid_data: BatchStream | None = None
     loggers: RunLoggers | None = None
+    saver: CheckpointSaver | None = None
+    """Writes the ``--save`` checkpoints (in the background with ``--async-save``)."""

@@ -25,13 +25,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core import parallel_state as ps
 from core.device import current_device
 from core.tensor_parallel.utils import param_is_tensor_parallel
 
 
 def _parallel_state():
-    from core import parallel_state as ps
-
     return ps if ps.model_parallel_is_initialized() else None
 
 

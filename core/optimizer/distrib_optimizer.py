@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core import parallel_state as ps
 from core.optimizer.optimizer import _HALF, MegatronOptimizer, OptimizerConfig, ParamShard
 
 
@@ -85,7 +86,6 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _grad_stats_group(self):
         """Every rank: each DP rank counts only its shard, so the sums run over DP as well as TP x PP."""
-        from core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
             return dist.group.WORLD

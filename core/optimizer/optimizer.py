@@ -446,14 +446,15 @@ class MegatronOptimizer:
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
-    def param_state_by_name(self) -> dict:
+    def param_state_by_name(self, *, copy: bool = True) -> dict:
         """This rank's optimizer state per parameter name, as flat ranges of each TP-local tensor.
 
         ``{"param_groups": [...], "params": {name: {"start", "end", "numel", "shape", "exp_avg", ...}},
         "grad_scaler": {...}}``: see :func:`core.optimizer.param_state.export_param_state`. The same
         form for every flavour, so state moves between DP sizes by cutting or joining ranges.
+        ``copy=False`` gives views of the live state (no memory allocated), for checkpoints.
         """
-        return export_param_state(self)
+        return export_param_state(self, copy=copy)
 
     def load_param_state_by_name(self, state: dict) -> None:
         """Load :meth:`param_state_by_name` output; each entry may cover more than this rank's range."""

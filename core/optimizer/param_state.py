@@ -18,6 +18,11 @@ is exported in::
       "grad_scaler": {"scale": ..., ...},   # with loss scaling only
     }
 
+Exporting with ``copy=False`` gives views of the live state instead of copies: a checkpoint stages
+them into host memory itself, so saving allocates no device memory (cloning the state on the
+device cost 12 bytes per parameter, an out-of-memory at the first save of a large model). Loading
+copies into the state tensors the optimizer already holds, for the same reason.
+
 A non-distributed optimizer exports every parameter whole (``start = 0, end = numel``); the
 distributed optimizer exports this data-parallel rank's ranges. Loading takes entries whose range
 *covers* this rank's (equal, or larger, e.g. the ranges of several ranks joined), so state saved
@@ -46,8 +51,9 @@ def _check_unique(optimizer: MegatronOptimizer) -> None:
         seen.add(shard.name)
 
 
-def export_param_state(optimizer: MegatronOptimizer) -> dict:
-    """``optimizer``'s state per parameter name (see the module docstring); tensors are copies."""
+def export_param_state(optimizer: MegatronOptimizer, *, copy: bool = True) -> dict:
+    """``optimizer``'s state per parameter name (see the module docstring); tensors are copies, or
+    (``copy=False``) views of the live state that the next optimizer step changes."""
     _check_unique(optimizer)
     by_main = {id(s.main_param): s for s in optimizer._shards}
     groups = []
@@ -66,9 +72,9 @@ def export_param_state(optimizer: MegatronOptimizer) -> dict:
         for key, value in optimizer.optimizer.state.get(main, {}).items():
             if isinstance(value, torch.Tensor):
                 per_element = value.numel() == main.numel() and value.dim() > 0
-                entry[key] = value.detach().reshape(-1).clone() if per_element else value.detach().clone()
+                entry[key] = _export(value.detach().reshape(-1) if per_element else value.detach(), copy)
         if shard.copy:
-            entry["main_param"] = main.detach().reshape(-1).clone()
+            entry["main_param"] = _export(main.detach().reshape(-1), copy)
         params[shard.name] = entry
     out = {"param_groups": groups, "params": params}
     if optimizer.grad_scaler is not None:
@@ -76,54 +82,81 @@ def export_param_state(optimizer: MegatronOptimizer) -> dict:
     return out
 
 
+def _export(value: torch.Tensor, copy: bool) -> torch.Tensor:
+    return value.clone() if copy else value
+
+
 def import_param_state(optimizer: MegatronOptimizer, state: dict) -> None:
-    """Load :func:`export_param_state` output into ``optimizer``: each of its shards takes its range."""
+    """Load :func:`export_param_state` output into ``optimizer``: each of its shards takes its range.
+
+    Everything is checked before anything changes. A state tensor the optimizer already holds with
+    the same shape and dtype is overwritten in place, so loading into a trained optimizer needs no
+    second copy of its state on the device.
+    """
     _check_unique(optimizer)
     saved_groups, groups = state["param_groups"], optimizer.optimizer.param_groups
     if len(saved_groups) != len(groups):
         raise ValueError(
             f"optimizer state has {len(saved_groups)} parameter groups, this optimizer {len(groups)}"
         )
-    loaded: dict[int, dict[str, torch.Tensor]] = {}
-    for shard in optimizer._shards:
-        entry = state["params"].get(shard.name)
-        if entry is None:
-            raise ValueError(f"optimizer state has no entry for parameter {shard.name!r}")
-        if entry["numel"] != shard.model_param.numel() or not (
-            entry["start"] <= shard.start and shard.end <= entry["end"]
-        ):
-            raise ValueError(
-                f"optimizer state for {shard.name!r} covers [{entry['start']}, {entry['end']}) of "
-                f"{entry['numel']} elements; this rank needs [{shard.start}, {shard.end}) of "
-                f"{shard.model_param.numel()}"
-            )
-        lo, hi = shard.start - entry["start"], shard.end - entry["start"]
-        main = shard.main_param
-        per_param = {}
-        for key, value in entry.items():
-            if key in ("start", "end", "numel", "shape") or not isinstance(value, torch.Tensor):
-                continue
-            if value.dim() == 1 and value.numel() == entry["end"] - entry["start"]:
-                value = value[lo:hi].reshape(main.shape)
-                value = value.to(device=main.device, dtype=main.dtype if key == "main_param" else value.dtype)
-            per_param[key] = value.clone()
-        if "main_param" in per_param:
-            with torch.no_grad():
-                main.copy_(per_param.pop("main_param"))
-        loaded[id(main)] = per_param
+    loaded = [(shard, _slices(shard, state["params"].get(shard.name))) for shard in optimizer._shards]
     for group, saved in zip(groups, saved_groups):
         for key, value in saved.items():
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     inner_state = optimizer.optimizer.state
     fused = optimizer.fused  # torch's fused kernels keep the step count on the device, foreach on the host
-    for shard in optimizer._shards:
-        per_param = loaded[id(shard.main_param)]
-        if per_param:
-            inner_state[shard.main_param] = {
-                k: v.to(shard.main_param.device) if v.dim() or fused else v for k, v in per_param.items()
+    with torch.no_grad():
+        for shard, per_param in loaded:
+            main = shard.main_param
+            if "main_param" in per_param:
+                main.copy_(per_param.pop("main_param"))
+            if not per_param:
+                inner_state.pop(main, None)
+                continue
+            old = inner_state.get(main, {})
+            inner_state[main] = {
+                key: _into(old.get(key), value, main.device, fused) for key, value in per_param.items()
             }
-        else:
-            inner_state.pop(shard.main_param, None)
     if optimizer.grad_scaler is not None and state.get("grad_scaler") is not None:
         optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def _slices(shard, entry: dict | None) -> dict[str, torch.Tensor]:
+    """The parts of ``entry`` that ``shard`` steps, shaped like its main parameter (views, no copies)."""
+    if entry is None:
+        raise ValueError(f"optimizer state has no entry for parameter {shard.name!r}")
+    if entry["numel"] != shard.model_param.numel() or not (
+        entry["start"] <= shard.start and shard.end <= entry["end"]
+    ):
+        raise ValueError(
+            f"optimizer state for {shard.name!r} covers [{entry['start']}, {entry['end']}) of "
+            f"{entry['numel']} elements; this rank needs [{shard.start}, {shard.end}) of "
+            f"{shard.model_param.numel()}"
+        )
+    lo, hi = shard.start - entry["start"], shard.end - entry["start"]
+    out = {}
+    for key, value in entry.items():
+        if key in ("start", "end", "numel", "shape") or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() == 1 and value.numel() == entry["end"] - entry["start"]:
+            value = value[lo:hi].reshape(shard.main_param.shape)
+        out[key] = value
+    return out
+
+
+def _into(old, value: torch.Tensor, device: torch.device, fused: bool) -> torch.Tensor:
+    """``value`` as optimizer state on ``device``: copied into ``old`` when it fits, else a new tensor.
+
+    A scalar (Adam's ``step``) stays on the host for the foreach kernels; torch's fused kernels keep
+    it on the device.
+    """
+    if value.dim() == 0 and not fused:
+        return value.clone()
+    if isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (
+        value.shape,
+        value.dtype,
+        device,
+    ):
+        return old.copy_(value)
+    return value.to(device=device, copy=True)
