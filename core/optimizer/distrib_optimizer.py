@@ -8,7 +8,7 @@ keeps them for its own shard of the data-parallel buffers only, so the bytes per
 The data-parallel wrapper (``DistributedDataParallel`` with ``use_distributed_optimizer``) cuts
 each bucket into DP equal shards and reduce-scatters the gradients, so rank ``r`` holds the
 reduced gradient of shard ``r``. A parameter can straddle shards; the part of it in this rank's
-shard is a :class:`~core.optimizer.optimizer.ParamShard` ``[start, end)``. The step:
+shard is a :class:`~core.optimizer.param_state.ParamShard` ``[start, end)``. The step:
 
 1. each shard's main parameter takes its gradient: a view of the gradient buffer (fp32), or an
    fp32 copy of it (16-bit gradients);
@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from core import parallel_state as ps
-from core.optimizer.optimizer import _HALF, MegatronOptimizer, OptimizerConfig, ParamShard
+from core.optimizer.optimizer import _HALF, MegatronOptimizer, OptimizerConfig
+from core.optimizer.param_state import ParamShard
 
 
 class DistributedOptimizer(MegatronOptimizer):
