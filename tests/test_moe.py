@@ -1,7 +1,8 @@
 """MoE without processes: router and losses against a direct reference, experts looped and grouped,
 the layer against Hugging Face's Mixtral-style loop, token dropping, config validation.
 
-The multi-rank checks (expert parallelism, both dispatchers) are in test_moe_parallel.py.
+The multi-rank checks (expert parallelism, both dispatchers) are in test_moe_parallel.py. Slow here:
+the --compile check (``python -m pytest -q -m slow tests/test_moe.py``).
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ def test_logged_losses_are_per_layer_means_over_microbatches_and_their_mean_over
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~10 s of Dynamo tracing; tests/test_compile.py keeps --compile itself in CI
 def test_compiled_moe_layer_computes_the_eager_numbers_and_new_routings_compile_nothing():
     from core.transformer.compile import compile_stats
     from models.gpt import GPTModel

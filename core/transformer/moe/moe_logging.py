@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core import parallel_state as ps
 from core.device import current_device
 from core.transformer.moe.router import AUX_LOSS_NAMES, TopKRouter
 
@@ -87,8 +88,6 @@ def reduce_moe_metrics_on_device(
 
 
 def _reduce_over_ranks(table: torch.Tensor, names: list[str]) -> None:
-    from core import parallel_state as ps
-
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return
     groups = ps.get_parallel_groups()
