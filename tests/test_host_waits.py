@@ -26,7 +26,7 @@ LLAMA_FP16 = (
     "--swiglu --normalization RMSNorm --position-embedding-type rope --group-query-attention "
     "--num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear --fp16 "
     "--use-distributed-optimizer --overlap-grad-reduce --clip-grad 0.5 --log-params-norm "
-    "--log-num-zeros-in-grad"
+    "--log-num-zeros-in-grad --calculate-per-token-loss"
 )
 OVERFLOWS = "--initial-loss-scale 1048576 --hysteresis 1 --lr-warmup-iters 4 --train-iters 6"
 """fp16 from a loss scale that overflows: the first steps are skipped on the device and the warm-up
@@ -45,10 +45,10 @@ def _pretrain(flags: str, hook=None):
 
 
 def test_only_log_steps_wait_and_steps_decided_on_the_device_match_steps_read_at_once():
-    """LLaMA-style fp16 with the distributed optimizer, grad overlap, clipping and the norms logged,
-    6 iterations logging every 3rd: iterations 2, 4 and 5 make no host wait, 3 and 6 one each
-    (iteration 1 also counts setup). The losses, counters and learning rates equal those of a run
-    that logs (and so reads) every step."""
+    """LLaMA-style fp16 with the distributed optimizer, grad overlap, clipping, the norms logged and
+    per-token loss normalisation, 6 iterations logging every 3rd: iterations 2, 4 and 5 make no host
+    wait, 3 and 6 one each (iteration 1 also counts setup). The losses, counters and learning rates
+    equal those of a run that logs (and so reads) every step."""
     with HostWaitCounter() as counter:
         every_third = _pretrain(f"{LLAMA_FP16} {OVERFLOWS} --log-interval 3", counter.next_iteration)
     waits = {i: counter.count(i) for i in range(2, 7)}

@@ -115,7 +115,9 @@ def scale_by_num_tokens(
     """Divide every gradient by the step's token count (all stages, all data-parallel ranks).
 
     ``num_tokens`` is the count on the rank holding the loss stage and 0 (or the same count) on the
-    other pipeline ranks; its maximum over the pipeline works whichever rank holds the loss.
+    other pipeline ranks; its maximum over the pipeline works whichever rank holds the loss. The
+    count stays on the device (no host wait): a step whose loss covers no token gets NaN gradients,
+    which the optimizer's finite check skips, as in Megatron.
     """
     tokens = num_tokens.detach().clone().to(torch.float64).reshape(())
     groups = _groups_or_initialized(groups)
@@ -123,7 +125,5 @@ def scale_by_num_tokens(
         dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=groups.pp)
     if groups is not None and groups.size("dp_cp") > 1:
         dist.all_reduce(tokens, group=groups.dp_cp)
-    if tokens.item() <= 0:
-        raise ValueError(f"the step's loss covers {tokens.item():.0f} tokens; cannot normalise per token")
     for g in _grads(chunks):
         g.div_(tokens.to(g.dtype))
