@@ -1,6 +1,7 @@
 """Four of Megatron-LM's example scripts, transcribed: every flag name kept, sizes scaled to 4 CPU ranks.
 
-Sources (Megatron-LM ``examples/``): ``gpt3/train_gpt3_175b_distributed.sh``,
+Sources (Megatron-LM ``examples/``): ``gpt3/train_gpt3_175b_distributed.sh`` (twice: with the
+``--rampup-batch-size`` it had before Megatron-LM#4411 and the ``--step-batch-size-schedule`` it has now),
 ``llama/train_llama3_8b_h100_fp8.sh`` (its mock-data branch), ``mixtral/train_mixtral_8x7b_distributed.sh``
 and the classic ``pretrain_gpt_distributed_with_mp.sh``. Paths are placeholders filled by the test:
 ``{data}`` (a corpus preprocessed with the GPT-2 BPE files the test builds), ``{vocab}``, ``{merges}``,
@@ -13,14 +14,30 @@ without them. ``python -m tests.megatron_examples`` prints the table of the repo
 
 from __future__ import annotations
 
+import shlex
+
 from training.schema import BY_OPTION, COVERAGE, NO_EFFECT, REJECTED_PREFIXES, coverage_of
 
 SCRIPTS: dict[str, str] = {
-    # 175B: TP 8 x PP 16, 96 layers of 12288 -> TP 2 x PP 2, 4 layers of 64; 500000 iterations -> 3.
+    # 175B: TP 8 x PP 16, 96 layers of 12288 -> TP 2 x PP 2, 4 layers of 64; 500000 iterations -> 3. The
+    # batch ramp (the script before Megatron-LM#4411: 16 16 5859375 up to 1536) -> 2, 4 and 8 in 3 iterations.
     "gpt3_175b": """
         --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
         --attention-backend auto
-        --micro-batch-size 1 --global-batch-size 8 --rampup-batch-size 4 4 64 --train-iters 3
+        --micro-batch-size 1 --global-batch-size 8 --rampup-batch-size 2 2 6 --train-iters 3
+        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16
+        --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 3
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+        --data-path {data} --vocab-file {vocab} --merge-file {merges} --split 949,50,1
+        --log-interval 1 --save-interval 3 --eval-interval 3 --save {ckpt} --load {ckpt} --eval-iters 1
+        --tensorboard-dir {tb}
+    """,
+    # The same script as Megatron-LM has it now: its step schedule ("0:16 2.4B:320 ... 12B:1536" tokens at
+    # 2048 a sample, with --global-batch-size 1536) -> 2, 4 and 8 from 0, 2 and 6 samples of 32 tokens.
+    "gpt3_175b_step": """
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
+        --attention-backend auto
+        --micro-batch-size 1 --global-batch-size 8 --step-batch-size-schedule "0:2 64:4 192:8" --train-iters 3
         --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16
         --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 3
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
@@ -79,7 +96,8 @@ SCRIPTS: dict[str, str] = {
     """,
 }
 SOURCES = {
-    "gpt3_175b": "examples/gpt3/train_gpt3_175b_distributed.sh",
+    "gpt3_175b": "examples/gpt3/train_gpt3_175b_distributed.sh (before Megatron-LM#4411)",
+    "gpt3_175b_step": "examples/gpt3/train_gpt3_175b_distributed.sh",
     "llama3_8b": "examples/llama/train_llama3_8b_h100_fp8.sh",
     "mixtral_8x7b": "examples/mixtral/train_mixtral_8x7b_distributed.sh",
     "gpt_345m_mp": "examples/pretrain_gpt_distributed_with_mp.sh",
@@ -90,7 +108,7 @@ NPROC = 4
 def tokens(name: str, **paths: str) -> list[str]:
     """The script's command line, placeholders filled (``x`` where a path is not given)."""
     fill = {k: paths.get(k, "x") for k in ("data", "vocab", "merges", "spm", "ckpt", "tb", "cache")}
-    return SCRIPTS[name].format(**fill).split()
+    return shlex.split(SCRIPTS[name].format(**fill))
 
 
 def _flags_with_values(argv: list[str]) -> list[tuple[str, list[str]]]:

@@ -106,6 +106,47 @@ CONFIG = [
         "(1) = 3",
     ),
     Case(
+        "world size over CP",
+        _flags("--context-parallel-size 3"),
+        "world size (4) must be divisible by --tensor-model-parallel-size (1) x --pipeline-model-parallel-size "
+        "(1) x --context-parallel-size (3) = 3",
+    ),
+    Case(
+        "sequence over CP",
+        _flags(FULL + "--context-parallel-size 2 --seq-length 18 --max-position-embeddings 18"),
+        "--seq-length (18) must be divisible by 2 x --context-parallel-size (2) = 4: each sequence is cut "
+        "into that many equal chunks",
+    ),
+    Case(
+        "sequence over CP x TP",
+        _flags(
+            FULL
+            + "--context-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel --seq-length 20 "
+            "--max-position-embeddings 20",
+            world=8,
+        ),
+        "--seq-length (20) must be divisible by --context-parallel-size (2) x --tensor-model-parallel-size (4) "
+        "= 8 with --sequence-parallel",
+    ),
+    Case(
+        "a2a heads over CP",
+        _flags(FULL + "--context-parallel-size 4 --cp-comm-type a2a --num-attention-heads 2"),
+        "--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads (2) and the "
+        "query groups (2) per --tensor-model-parallel-size (1) rank must be divisible by "
+        "--context-parallel-size (4)",
+    ),
+    Case(
+        "cp comm type",
+        _flags("--context-parallel-size 2 --cp-comm-type ring"),
+        "--cp-comm-type ring: must be one of p2p, a2a, allgather",
+    ),
+    Case(
+        "hierarchical cp",
+        _flags("--context-parallel-size 2 --cp-comm-type a2a+p2p"),
+        "--cp-comm-type a2a+p2p: Trident does not support hierarchical context parallelism (all-to-all "
+        "inside a node, ring across nodes); use p2p, a2a or allgather",
+    ),
+    Case(
         "heads over TP",
         _flags(FULL + "--tensor-model-parallel-size 2 --num-attention-heads 3"),
         "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)",
@@ -565,7 +606,60 @@ MOE = [
     ),
 ]
 
-CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE + MOE
+RAMP = [  # FULL on 4 ranks: micro batch 2 x DP 4 = 8 samples a round
+    Case(
+        "ramp and step schedule",
+        _flags(FULL + "--global-batch-size 16 --rampup-batch-size 8 8 64 --step-batch-size-schedule 0:16"),
+        "--rampup-batch-size and --step-batch-size-schedule are mutually exclusive: give one",
+    ),
+    Case(
+        "ramp values",
+        _flags(FULL + "--rampup-batch-size 8 8"),
+        "--rampup-batch-size takes three values, START INCR SAMPLES (the start batch size, the increment and "
+        "the samples to ramp over, e.g. --rampup-batch-size 16 16 5859375), got 2",
+    ),
+    Case(
+        "ramp increments",
+        _flags(FULL + "--global-batch-size 32 --rampup-batch-size 8 16 64"),
+        "--rampup-batch-size 8 16 64 with --global-batch-size 32: the ramp from 8 to the global batch size 32 "
+        "is not a whole number of increments: 32 - 8 = 24 is not divisible by 16",
+    ),
+    Case(
+        "ramp batch",
+        _flags(FULL + "--global-batch-size 32 --rampup-batch-size 8 4 64"),
+        "--rampup-batch-size 8 4 64: the global batch size 12 of iteration 3 (from 16 consumed samples on) is "
+        "not divisible by --micro-batch-size (2) x data-parallel size (4) = 8",
+    ),
+    Case(
+        "ramp interleaved",
+        _flags(
+            FULL + "--global-batch-size 16 --rampup-batch-size 4 4 64 --pipeline-model-parallel-size 2 "
+            "--num-virtual-stages-per-pipeline-rank 2"
+        ),
+        "--rampup-batch-size 4 4 64: the global batch size 4 of iteration 1 (from 0 consumed samples on) makes 1 "
+        "microbatch: interleaved pipeline schedule needs at least pipeline_model_parallel_size (2) microbatches, "
+        "got 1; raise the global batch size or lower --pipeline-model-parallel-size (interleaved schedule, 2 "
+        "virtual stages per rank)",
+    ),
+    Case(
+        "step schedule entry",
+        _flags(FULL + "--step-batch-size-schedule 0:8,16"),
+        "--step-batch-size-schedule '0:8,16': entry '16' is not THRESHOLD:BATCH_SIZE",
+    ),
+    Case(
+        "step schedule start",
+        _flags(FULL + "--step-batch-size-schedule 1K:8"),
+        "--step-batch-size-schedule '1K:8': the first threshold must be 0, got '1K:8' (62 samples of 16 tokens)",
+    ),
+    Case(
+        "step schedule and global batch",
+        _flags(FULL + "--global-batch-size 16 --step-batch-size-schedule 0:8,48:32"),
+        "--global-batch-size (16) differs from the last batch size of --step-batch-size-schedule '0:8,48:32' "
+        "(32); leave --global-batch-size out, or make them equal",
+    ),
+]
+
+CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE + MOE + RAMP
 
 
 def test_there_are_at_least_forty_distinct_cases():

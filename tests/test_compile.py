@@ -5,8 +5,9 @@ graphs, graph breaks and autograd nodes, no C++ compiler) here, single-process: 
 full and selective recomputation, variable sequence lengths without recompiles, the zero-bubble
 split of a compiled stage. tests/test_gpt_model.py trains one step of a compiled LLaMA at
 TP2 x SP x PP2 x DP2 with ZB-H1 against the single-device eager model. Marked slow: 20 iterations
-of ``pretrain()`` at TP1, TP2 (+SP), PP2 1F1B and PP2 ZB-H1, compiled against eager, once with
-aot_eager and once with inductor:
+of ``pretrain()`` at TP1, TP2 (+SP), PP2 with 1F1B, ZB-H1, interleaved and ZBV, and DP2 with the
+distributed optimizer and full recompute, compiled against eager, once with aot_eager and once with
+inductor:
 
     python -m pytest -q -m slow tests/test_compile.py
 """
@@ -148,6 +149,10 @@ SPLITS = {
     "TP2 SP": "--tensor-model-parallel-size 2 --sequence-parallel",
     "PP2 1F1B": "--pipeline-model-parallel-size 2",
     "PP2 ZB-H1": "--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1",
+    "PP2 interleaved": "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+    "PP2 ZBV": "--pipeline-model-parallel-size 2 --pipeline-schedule zbv --num-virtual-stages-per-pipeline-rank 2",
+    "DP2 distributed optimizer, full recompute": "--use-distributed-optimizer --recompute-granularity full "
+    "--recompute-method uniform --recompute-num-layers 1",
 }
 
 

@@ -69,6 +69,27 @@ def test_batch_cut_per_rank_reassembles_the_sequence():
     )
 
 
+def test_core_configs_refuse_what_context_parallelism_cannot_run():
+    from core.model_parallel_config import ModelParallelConfig
+    from core.transformer import TransformerConfig
+
+    with pytest.raises(
+        ValueError, match=r"^variable_seq_lengths is not supported with context_parallel_size 2: "
+    ):
+        ModelParallelConfig(variable_seq_lengths=True, context_parallel_size=2)
+    sizes = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
+    with pytest.raises(
+        ValueError, match=r"cp_comm_type must be one of \('p2p', 'a2a', 'allgather'\), got 'ring'$"
+    ):
+        TransformerConfig(**sizes, cp_comm_type="ring")
+    with pytest.raises(
+        ValueError, match=r"cp_comm_type gives 3 types for 2 layers; give one or one per layer$"
+    ):
+        TransformerConfig(**sizes, cp_comm_type=["p2p", "a2a", "p2p"])
+    config = TransformerConfig(**sizes, context_parallel_size=2, cp_comm_type=["p2p", "a2a"])
+    assert [config.cp_comm_type_of(layer) for layer in (0, 1)] == ["p2p", "a2a"]
+
+
 # --------------------------------------------------------------------------------------------------
 # One block with its log-sum-exp (no processes)
 # --------------------------------------------------------------------------------------------------
@@ -394,12 +415,23 @@ SPLITS = {  # name: (tp, pp, cp, config options) on 4 ranks; DP takes the rest
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
     ),
     "tp2_sp_cp2_a2a": (2, 1, 2, {"sequence_parallel": True, "cp_comm_type": "a2a"}),
+    "pp2_cp2_compile": (1, 2, 2, {"compile": True, "compile_backend": "aot_eager"}),
+    "pp2_cp2_a2a_compile_zb-h1": (
+        1,
+        2,
+        2,
+        {
+            "compile": True,
+            "compile_backend": "aot_eager",
+            "cp_comm_type": "a2a",
+            "pipeline_schedule": "zb-h1",
+        },
+    ),
 }
-CI = {  # one representative per composition; the rest of the grid is slow
+CI = {  # one representative per composition (PP2 x CP2 under 1F1B: the pretrain_gpt.py test); the rest is slow
     ("llama", "cp4_p2p", "per_token"),
     ("gpt", "cp2_a2a", "mean"),
     ("llama", "tp2_sp_cp2", "per_token"),
-    ("gpt", "pp2_cp2_1f1b", "sum"),
     ("llama", "pp2_cp2_zb-h1", "per_token"),
     ("gpt", "dp2_cp2_distopt", "sum"),
 }
@@ -510,3 +542,90 @@ def test_cuda_blocks_with_lse_match_the_plain_computation(dtype):
         expected = blocks._math_backward(grad, q, k[:, :, keys], v[:, :, keys], ref[0], ref[1], causal, 0.125)
         for got, want in zip(grads, expected):
             assert rel(got.double().cpu(), want) <= tol
+
+
+# --------------------------------------------------------------------------------------------------
+# pretrain_gpt.py under CP: the loss curve, and a CP=2 checkpoint resumed at another CP
+# --------------------------------------------------------------------------------------------------
+
+PP2_CP2 = ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    from tests.test_distributed_optimizer import synthetic_corpus
+
+    return synthetic_corpus(tmp_path_factory.mktemp("cp_corpus"))
+
+
+def _offline_pretrain(rank, world_size, flags):
+    import os
+
+    from tests.test_distributed_checkpoint import _pretrain
+
+    os.environ["WANDB_MODE"] = "offline"
+    return _pretrain(rank, world_size, flags)
+
+
+def _pretrain_losses(pool, flags: list[str]) -> list[float]:
+    results = pool.run(_offline_pretrain, [*flags, "--num-workers", "0", "--eod-mask-loss"], timeout=240)
+    curves = [losses for losses, _ in results if losses]
+    assert curves and all(c == curves[0] for c in curves)  # every loss-stage rank reports the same
+    return curves[0]
+
+
+@pytest.fixture(scope="module")
+def cp2_run(ranks, corpus, tmp_path_factory):
+    """10 iterations at TP1 x PP2 x CP2 (GPT, 4 ranks), saved at iteration 5, logged to W&B (offline)
+    and TensorBoard; and TP1 (DP 4) alone."""
+    from tests.test_distributed_optimizer import small_gpt
+
+    root, logs = str(tmp_path_factory.mktemp("cp2_ckpt")), tmp_path_factory.mktemp("cp2_logs")
+    logging = ["--wandb-project", "cp", "--wandb-save-dir", str(logs), "--tensorboard-dir", str(logs / "tb")]
+    flags = small_gpt(corpus, 10, *PP2_CP2, "--save", root, "--save-interval", "5", *logging)
+    losses = _pretrain_losses(ranks(4), flags)
+    plain = _pretrain_losses(ranks(4), small_gpt(corpus, 10))
+    return root, losses, plain, logs
+
+
+def test_wandb_and_tensorboard_name_the_context_parallel_split(cp2_run):
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from training.wandb_logging import read_offline_history
+
+    *_, logs = cp2_run
+    (run_dir,) = glob.glob(str(logs / "wandb" / "offline-run-*"))
+    config = read_offline_history(run_dir)["config"]
+    assert (config["context_parallel_size"], config["cp_comm_type"], config["data_parallel_size"]) == (
+        2,
+        ["p2p"],
+        1,
+    )
+    events = EventAccumulator(str(logs / "tb"), size_guidance={"tensors": 0}).Reload()
+    text = events.Tensors("context_parallel_size/text_summary")[0].tensor_proto.string_val[0]
+    assert text == b"2"
+
+
+def test_pretrain_at_pp2_cp2_has_the_loss_curve_of_tp1(cp2_run):
+    _, losses, plain, _ = cp2_run
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    worst = max(abs(a - b) / b for a, b in zip(losses, plain, strict=True))
+    print(f"PP2xCP2 vs TP1 over 10 iterations: max relative loss difference {worst:.2e}")
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("cp", [pytest.param(1), pytest.param(4, marks=pytest.mark.slow)])
+def test_a_cp2_checkpoint_resumes_at_another_cp_with_the_same_next_losses(
+    ranks, corpus, cp2_run, cp, tmp_path
+):
+    from tests.test_distributed_optimizer import small_gpt
+
+    root, losses, *_ = cp2_run
+    flags = ["--context-parallel-size", str(cp), "--load", root, "--ckpt-step", "5", "--save", str(tmp_path)]
+    resumed = _pretrain_losses(ranks(4), small_gpt(corpus, 10, *flags))
+    assert len(resumed) == 5
+    worst = max(abs(a - b) / b for a, b in zip(resumed, losses[5:], strict=True))
+    print(f"CP2 checkpoint resumed at CP{cp}: max relative difference of the next 5 losses {worst:.2e}")
+    assert worst <= TOL

@@ -95,12 +95,13 @@ ISSUE_FLAGS = {
     "--rotary-base --rotary-percent --apply-layernorm-1p --no-position-embedding --norm-epsilon --openai-gelu "
     "--use-rope-scaling --rope-scaling-factor --cross-entropy-loss-fusion --num-experts --moe-router-topk --moe-grouped-gemm "
     "--moe-aux-loss-coeff --moe-layer-freq --moe-token-dispatcher-type=alltoall --moe-ffn-hidden-size "
-    "--moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-router-pre-softmax",
+    "--moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-router-pre-softmax "
+    "--rampup-batch-size --step-batch-size-schedule",
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn --fp8-format "
-    "--fp8-amax-history-len --fp8-param-gather --rampup-batch-size --step-batch-size-schedule "
+    "--fp8-amax-history-len --fp8-param-gather "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp",
 }
 
@@ -160,7 +161,7 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
     [
         (
             "--num-experts 8 --moe-enable-deepep --moe-router-score-function sigmoid --moe-grouped-gemm",
-            f"Trident does not support --moe-enable-deepep, --moe-router-score-function: {MOE}",
+            f"Trident does not support --moe-enable-deepep, --moe-router-score-function sigmoid: {MOE}",
         ),
         (
             "--fp8-format hybrid --norm-epsilon 1e-6 --openai-gelu --moe-use-upcycling",
@@ -178,14 +179,6 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
             (
                 "Trident does not support --tokenizer-type TikTokenizer: Trident has no tiktoken tokenizer; save the "
                 "tokenizer as a Hugging Face tokenizer folder and use --tokenizer-type HuggingFaceTokenizer"
-            ),
-        ),
-        (
-            "--rampup-batch-size 16 16 5859375",
-            (
-                "Trident does not support --rampup-batch-size: a global batch size that changes during the run is "
-                "out of scope (the microbatch count and the pipeline schedule are fixed per run); give a fixed "
-                "--global-batch-size"
             ),
         ),
     ],
@@ -223,13 +216,6 @@ def test_rejected_keys_in_a_config_file_are_rejected_too(tmp_path):
     "argv, message",
     [
         (
-            "--context-parallel-size 2",
-            (
-                "--context-parallel-size 2: Trident supports only 1, because context parallelism above 1 (the "
-                "sequence split over ranks) is not implemented"
-            ),
-        ),
-        (
             "--expert-model-parallel-size 4",
             "--expert-model-parallel-size 4 needs --num-experts (a model with experts)",
         ),
@@ -240,6 +226,11 @@ def test_parallel_sizes_above_one_are_rejected_and_one_is_accepted(argv, message
         _args(argv, 4)
     args = _args("--context-parallel-size 1 --expert-model-parallel-size 1")
     assert (args.context_parallel_size, args.expert_model_parallel_size) == (1, 1)
+
+
+def test_context_parallel_sizes_above_one_work_and_take_their_ranks_from_data_parallelism():
+    args = _args("--context-parallel-size 2 --cp-comm-type a2a", 8)
+    assert (args.context_parallel_size, args.cp_comm_type, args.data_parallel_size) == (2, ["a2a"], 4)
 
 
 def test_pretrain_exits_with_one_line_on_a_rejected_flag(capsys):

@@ -158,10 +158,37 @@ def test_import_at_ep2_then_export_gives_the_hugging_face_files_back(tmp_path, h
         for e in (0, 1)
         if case == "mixtral" or p == 0
     }
+    _model_flags_come_from_the_checkpoint(str(tmp_path / "ckpt"), case)
     assert _convert("--load", tmp_path / "ckpt", "--to-hf", tmp_path / "out") == (0, "")
     original, exported = _safetensors(folder), _safetensors(tmp_path / "out")
     assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
     assert any(".experts.3." in k for k in original)  # the Hub's per-expert names
+
+
+def _model_flags_come_from_the_checkpoint(ckpt: str, case: str) -> None:
+    """--use-checkpoint-args takes the MoE flags too; a dense command line is refused, naming them."""
+    from training.errors import ConfigError
+    from training.run import parse_run
+
+    run_flags = (
+        "--mock-data --tokenizer-type NullTokenizer --vocab-size 63 --micro-batch-size 1 --train-iters 1"
+    )
+    run_flags += f" --lr 1e-4 --seq-length 16 --load {ckpt} --expert-model-parallel-size 2"
+    run = parse_run([*run_flags.split(), "--use-checkpoint-args", "--finetune"], 2)
+    assert _architecture(run.model) == _architecture(_config(case))
+    with pytest.raises(ConfigError, match=r"--num-experts None \(default\) but the checkpoint has 4"):
+        parse_run(
+            [
+                *run_flags.split()[:-2],
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "32",
+                "--num-attention-heads",
+                "4",
+            ],
+            1,
+        )
 
 
 BAD = [

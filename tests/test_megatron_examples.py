@@ -2,7 +2,7 @@
 
 What is expected of each flag comes from the coverage table, so these tests pass today and tighten
 by themselves as "not supported yet" flags land: a script whose refused flags are all out of scope
-(FP8, the batch-size ramp) must exit at once with one line naming them, and everything else in
+(FP8) must exit at once with one line naming them, and everything else in
 it must train. The CI part parses and validates every script in process; the torchrun part is slow:
 
     python -m pytest -q -m slow tests/test_megatron_examples.py
@@ -26,7 +26,8 @@ from training.schema import NOT_YET, UNSUPPORTED, coverage_of
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_SCOPE = {
-    "gpt3_175b": ["--rampup-batch-size"],
+    "gpt3_175b": [],
+    "gpt3_175b_step": [],
     "llama3_8b": ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"],
     "mixtral_8x7b": [],
     "gpt_345m_mp": [],
@@ -116,4 +117,23 @@ def test_each_script_runs_three_iterations_on_four_ranks_or_exits_at_once(name, 
     assert [int(i) for i, _ in logged][-1] == 3 and all(float(loss) > 0 for _, loss in logged), done.stdout[
         -3000:
     ]
+    if name.startswith("gpt3_175b"):  # the batch ramp, scaled: 2, 4, then 8 samples
+        batches = re.findall(r"\] iteration +\d+/ +3 \|.*\| global batch size: +(\d+) \|", done.stdout)
+        assert [int(b) for b in batches] == [2, 4, 8], done.stdout[-3000:]
     print(f"{name}: trained 3 iterations without {' '.join(refused) or 'nothing'}")
+
+
+@pytest.mark.slow
+def test_llama3_8b_script_trains_three_iterations_with_context_parallel_size_2(files, tmp_path):
+    """The LLaMA-3 8B script as Megatron runs it with ``--context-parallel-size 2`` (CP 2 x DP 2)."""
+    paths = {"ckpt": str(tmp_path / "ckpt"), "tb": str(tmp_path / "tb"), "cache": str(tmp_path / "cache")}
+    argv = in_scope(tokens("llama3_8b", **paths))
+    at = argv.index("--context-parallel-size")
+    argv[at + 1] = "2"
+    done = _torchrun(argv, tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "TP=1 PP=1 VPP=1 CP=2 DP=2" in done.stdout
+    logged = re.findall(r"\] iteration +(\d+)/ +3 \|.*\| lm loss: (\S+) \|", done.stdout)
+    assert [int(i) for i, _ in logged][-1] == 3 and all(float(loss) > 0 for _, loss in logged), done.stdout[
+        -3000:
+    ]

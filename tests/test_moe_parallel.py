@@ -94,7 +94,13 @@ def _run(rank, world_size, tp, ep, overrides):
     reference = _reference(moe_config(**COMMON, **overrides), world_size // tp)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, expert_model_parallel_size=ep)
-    config = moe_config(**COMMON, **overrides, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    config = moe_config(
+        **COMMON,
+        **overrides,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        expert_model_parallel_size=ep,
+    )
     layer = MoELayer(config, layer_number=0)
     initialize_by_name(layer, config)
     group, tp_rank = rank // tp, rank % tp

@@ -21,6 +21,7 @@ from core.optimizer import (
     get_grad_norm_fp32,
     get_megatron_optimizer,
     get_param_groups,
+    has_fused_kernel,
 )
 from core.tensor_parallel.utils import set_tensor_model_parallel_attributes, shard_of
 
@@ -38,13 +39,18 @@ class _Net(nn.Module):
         return self.out(self.norm(torch.tanh(self.fc(self.embedding(tokens))))).square().mean()
 
 
+# The kernel get_megatron_optimizer picks on this machine (fused where torch has it, else foreach):
+# the bit-identity tests compare against torch's AdamW running that same kernel.
+KERNEL = {"fused": True} if has_fused_kernel(torch.optim.AdamW, torch.device("cpu")) else {"foreach": True}
+
+
 def _reference_adamw(model, lr=1e-2, weight_decay=0.1, **kw):
     decay = [model.embedding.weight, model.fc.weight, model.out.weight]
     no_decay = [model.fc.bias, model.norm.weight, model.norm.bias, model.out.bias]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
-        **kw,
+        **(KERNEL | kw),
     )
 
 
@@ -335,8 +341,16 @@ def _clip_case(rank, world_size, nan_rank):
         inf_norm,
         local_max,
         max(g.abs().max().item() for g in grads.values()),
-        len(optimizer.state),
+        _state_sum(optimizer),
     )
+
+
+def _state_sum(optimizer) -> float:
+    """Sum of |every Adam moment and step count|: 0 when no update ever reached the state.
+
+    A skip is decided on the device, so the fused kernel may create the (zero) moments without
+    touching them; zero moments at step 0 are what a fresh state is."""
+    return sum(float(t.abs().sum()) for state in optimizer.state.values() for t in state.values())
 
 
 def test_global_norm_over_tp_and_pp_counts_each_weight_once_and_clips(ranks):
@@ -351,9 +365,9 @@ def test_global_norm_over_tp_and_pp_counts_each_weight_once_and_clips(ranks):
 
 def test_nan_on_one_rank_skips_the_step_everywhere(ranks):
     results = ranks(4).run(_clip_case, 3, timeout=60)
-    for ok, grad_norm, _, zeros, unchanged, _, _, _, _, num_states in results:
+    for ok, grad_norm, _, zeros, unchanged, _, _, _, _, state_sum in results:
         assert not ok and math.isnan(grad_norm) and zeros is None
-        assert unchanged and num_states == 0  # parameters and optimizer state untouched
+        assert unchanged and state_sum == 0  # parameters and optimizer state untouched
 
 
 def test_plain_process_norm_needs_no_groups():
@@ -412,7 +426,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_leaves_parameters_unt
     assert optimizer.grad_scaler.scale == 2.0**19
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert all(torch.equal(a, m) for a, m in zip(mains, optimizer.get_parameters()))
-    assert len(optimizer.state) == 0  # no Adam moments were created by the skipped step
+    assert _state_sum(optimizer) == 0  # the skipped step left Adam's moments and step count at zero
 
 
 def test_fp16_step_unscales_gradients_to_those_of_fp32_main_params():
@@ -461,3 +475,93 @@ def test_param_state_by_name_round_trips_and_continues_bit_identically(bf16):
         ValueError, match=r"'fc.weight' covers \[1, 24\) of 24 elements; this rank needs \[0, 24\)"
     ):
         restored.load_param_state_by_name(state)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused against foreach, and a step decided on the device
+# --------------------------------------------------------------------------------------------------
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@pytest.mark.skipif(not KERNEL.get("fused"), reason="this torch has no fused AdamW on the CPU")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_fused_adamw_steps_like_foreach_within_1e_6(dtype):
+    """Six steps, clipping active, one of them with a NaN gradient (skipped on the device by the fused
+    kernel, on the host by the foreach path): the same parameters, moments and norms within 1e-6."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    config = OptimizerConfig(
+        lr=1e-2, weight_decay=0.1, clip_grad=0.05, bf16=dtype == "bf16", fp16=dtype == "fp16"
+    )
+    config.initial_loss_scale = 1024.0
+    runs = []
+    for fused in (True, False):
+        model = _Net().to(torch_dtype)
+        optimizer = get_megatron_optimizer(config, [model], fused=fused)
+        assert optimizer.fused is fused
+        norms = []
+        for step in range(6):
+            optimizer.zero_grad()
+            optimizer.scale_loss(model(_tokens(step)).float()).backward()
+            if step == 2:
+                model.fc.weight.grad.view(-1)[0] = float("nan")
+            outcome = optimizer.step_on_device()
+            norms.append(float(outcome.grad_norm))
+            assert bool(outcome.applied) is (step != 2)
+        runs.append((optimizer, model, norms))
+    (fused_opt, fused_model, fused_norms), (foreach_opt, foreach_model, foreach_norms) = runs
+    assert fused_norms[:2] + fused_norms[3:] == pytest.approx(foreach_norms[:2] + foreach_norms[3:], rel=1e-6)
+    assert math.isnan(fused_norms[2]) and math.isnan(foreach_norms[2])
+    for p, q in zip(fused_model.parameters(), foreach_model.parameters()):
+        main_p, main_q = fused_opt.get_main_param(p), foreach_opt.get_main_param(q)
+        assert _relative(main_p, main_q) <= 1e-6
+        state_p, state_q = fused_opt.state[main_p], foreach_opt.state[main_q]
+        assert float(state_p["step"]) == float(state_q["step"]) == 5  # the skipped step did not count
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _relative(state_p[key], state_q[key]) <= 1e-6
+
+
+def test_a_step_decided_on_the_device_takes_per_group_learning_rate_tensors():
+    """``lrs``: the learning rates the training loop picks on the device give the same update as the
+    same numbers written into the groups."""
+    if not KERNEL.get("fused"):
+        pytest.skip("this torch has no fused AdamW on the CPU")
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
+    rates = [3e-3, 7e-4]
+    models = []
+    for as_tensors in (True, False):
+        model = _Net()
+        optimizer = get_megatron_optimizer(config, [model])
+        model(_tokens(0)).backward()
+        if as_tensors:
+            lrs = [torch.tensor(r, dtype=torch.float32) for r in rates]
+            optimizer.step_on_device(lrs=lrs)
+            assert [g["lr"] for g in optimizer.param_groups] == [1e-2, 1e-2]  # the numbers are kept
+        else:
+            for group, rate in zip(optimizer.param_groups, rates):
+                group["lr"] = float(torch.tensor(rate, dtype=torch.float32))
+            optimizer.step_on_device()
+        models.append(model)
+    assert all(torch.equal(p, q) for p, q in zip(*(m.parameters() for m in models)))
+    with pytest.raises(ValueError, match="per-step learning-rate tensors need a fused optimizer"):
+        get_megatron_optimizer(config, [_Net()], fused=False).step_on_device(lrs=[torch.tensor(1.0)] * 2)
+
+
+def test_the_fp64_sum_of_squares_is_the_same_with_and_without_foreach_norms_dtype(monkeypatch):
+    """torch >= 2.4 accumulates each tensor in float64 in one kernel; older torch converts in chunks."""
+    from core.optimizer import clip_grads
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen) * 10.0**k for k, n in enumerate((7, 30, 1, 55))]
+    exact = sum(float(t.double().square().sum()) for t in tensors)
+    native = clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))
+    monkeypatch.setattr(clip_grads, "_FOREACH_NORM_DTYPE", False)
+    monkeypatch.setattr(clip_grads, "_CHUNK", 16)  # pieces of tensors, and several tensors joined
+    chunked = clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))
+    assert native.dtype == chunked.dtype == torch.float64
+    assert float(native) == pytest.approx(exact, rel=1e-14) and float(chunked) == pytest.approx(
+        exact, rel=1e-14
+    )

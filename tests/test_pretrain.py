@@ -93,6 +93,15 @@ def wandb_losses(save_dir: Path) -> dict[int, float]:
     return losses
 
 
+def wandb_batch_sizes(save_dir: Path) -> list[int]:
+    """W&B's ``batch-size`` of every iteration, in order, over the runs under ``save_dir``."""
+    rows = {}
+    for run_dir in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*"))):
+        history = read_offline_history(run_dir)["history"]
+        rows |= {row["_step"]: row["batch-size"] for row in history if "batch-size" in row}
+    return [rows[step] for step in sorted(rows)]
+
+
 def run_ids(save_dir: Path) -> list[str]:
     return [
         read_offline_history(d)["id"] for d in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*")))
@@ -207,16 +216,13 @@ def test_zbv_trains_the_same_loss_curve_as_interleaved_1f1b(cache, tmp_path):
 def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
     """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit).
 
-    The resume is the command the interrupted run printed, run as printed (torchrun included), and no
-    line of the three runs' output holds pieces of two ranks' lines."""
-    flags = SMALL + [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--train-iters",
-        "20",
-        "--wandb-project",
-        "resume",
-    ]
+    The global batch ramps up (Megatron's --rampup-batch-size 2 2 48: 1, 2, 3, then 4 microbatches
+    of 1 per DP rank), and the run stops in the middle of the ramp. The resume is the command the
+    interrupted run printed, run as printed (torchrun included), and no line of the three runs'
+    output holds pieces of two ranks' lines."""
+    flags = [*SMALL[: SMALL.index("--micro-batch-size")], *SMALL[SMALL.index("--global-batch-size") :]]
+    flags += ["--micro-batch-size", "1", "--rampup-batch-size", "2", "2", "48"]
+    flags += ["--pipeline-model-parallel-size", "2", "--train-iters", "20", "--wandb-project", "resume"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     straight_run = torchrun(
         4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache
@@ -247,10 +253,15 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
     expected, resumed = wandb_losses(straight), wandb_losses(split)
     assert sorted(expected) == list(range(1, 21))
     assert resumed == expected  # exact float equality, iteration by iteration
+    batches = [2] * 8 + [4] * 4 + [6] * 3 + [8] * 5  # the ramp: from 16, 32 and 50 consumed samples on
+    logged = re.findall(
+        r"\] iteration +\d+/ +20 \|.*\| global batch size: +(\d+) \|", first.stdout + second.stdout
+    )
+    assert [int(b) for b in logged] == batches and wandb_batch_sizes(split) == batches, logged
     ids = run_ids(split)
     assert len(ids) == 2 and ids[0] == ids[1], ids  # the resumed run logs under the same W&B id
     manifest = json.loads((split / "ckpt" / "iter_0000020" / "manifest.json").read_text())
-    assert manifest["consumed_samples"] == 20 * 8
+    assert manifest["consumed_samples"] == sum(batches) == 90
     assert first.returncode == 0
 
 

@@ -62,13 +62,20 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     return peak
 
 
-def loss_step(fused: bool, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> Callable:
-    """One forward and backward of the output layer and the loss, gradients left in ``.grad``."""
+def loss_step(
+    fused: bool,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    slice_bytes: int | None = None,
+) -> Callable:
+    """One forward and backward of the output layer and the loss, gradients left in ``.grad``
+    (``slice_bytes``: the fused loss's fp32 working memory, default its device's)."""
 
     def step() -> None:
         logits = hidden @ weight.t()
         if fused:
-            loss = fused_vocab_parallel_cross_entropy(logits, target)
+            loss = fused_vocab_parallel_cross_entropy(logits, target, slice_bytes=slice_bytes)
         else:
             loss = vocab_parallel_cross_entropy(logits.float(), target)
         loss.sum().backward()

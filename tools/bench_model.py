@@ -4,7 +4,8 @@ The plain loop trains the same architecture built from Hugging Face ``transforme
 (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, SDPA attention) from the same initial weights on the same
 tokens: forward, fp32 cross-entropy, backward, gradient clipping, AdamW (``fused=True`` on a GPU,
 ``foreach`` on a CPU), bf16 by autocast over fp32 weights. It runs eagerly and under ``torch.compile``
-(the loss inside the compiled function). Trident runs ``pretrain()`` with
+(the loss inside the compiled function); the two share one model and optimizer and take turns, so
+only the eager loop's first loss equals Trident's (a check that the architectures are the same). Trident runs ``pretrain()`` with
 ``--cross-entropy-loss-fusion --gradient-accumulation-fusion``, eagerly, then again with ``--compile``.
 
 The contestants take turns: after each ``pretrain()`` iteration, its ``iteration_hook`` runs one step
@@ -118,16 +119,17 @@ def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, compiled: bo
 
 
 class PlainLoop:
-    """The hand-written transformers loop: one step = forward, loss, backward, clip, AdamW."""
+    """The hand-written transformers loop: one step = forward, loss, backward, clip, AdamW.
 
-    def __init__(self, model, dtype: str, device: torch.device, compiled: bool, backend: str) -> None:
-        self.model, self.device = model, device
+    The eager and the compiled loop share one model and one optimizer (on a GPU two 1B models with
+    their Adam states would not fit next to Trident's); they take turns training it.
+    """
+
+    def __init__(
+        self, model, optimizer, dtype: str, device: torch.device, compiled: bool, backend: str
+    ) -> None:
+        self.model, self.optimizer, self.device = model, optimizer, device
         self.autocast = dtype == "bf16"
-        decay = [p for p in model.parameters() if p.ndim > 1]
-        rest = [p for p in model.parameters() if p.ndim <= 1]
-        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-        kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, **kind)
         self.loss = torch.compile(self._loss, backend=backend) if compiled else self._loss
 
     def _loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -142,6 +144,15 @@ class PlainLoop:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
         self.optimizer.step()
         return loss.detach()
+
+
+def adamw(model, device: torch.device) -> torch.optim.AdamW:
+    """AdamW as Trident's flags set it (weight decay on matrices only): fused on a GPU, foreach elsewhere."""
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    rest = [p for p in model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, **kind)
 
 
 def hf_model(config, vocab: int, seq: int, state: dict, device: torch.device):
@@ -185,7 +196,8 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
 
     def model_provider(*a, **k):
         model = pretrain_gpt.model_provider(*a, **k)
-        captured.setdefault("model", model)
+        captured.setdefault("config", model.config)
+        captured.setdefault("flops", flops_per_step(spec, model))
         captured.setdefault(
             "state", {n: t.detach().float().cpu().clone() for n, t in model.state_dict().items()}
         )
@@ -201,15 +213,14 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
             times["trident peak"] = [captured["memory"].stop()]
         else:
             losses["trident"].append(float(state.losses[-1]["lm loss"]) if state.losses else float("nan"))
-            if last:
-                times["trident"].append(now - last[0])
+            # Iteration 1 has no start mark (it is never timed: the warm-up drops it anyway).
+            times["trident"].append(now - last[0] if last else float("nan"))
         if not plain:  # the plain loops start from Trident's initial weights
-            config = captured["model"].config
+            model = hf_model(captured["config"], spec["vocab"], spec["seq"], captured["state"], device)
+            optimizer = adamw(model, device)
             for name, comp in (("transformers", False), ("transformers+compile", True)):
-                if comp and args.no_compile:
-                    continue
-                model = hf_model(config, spec["vocab"], spec["seq"], captured["state"], device)
-                plain[name] = PlainLoop(model, dtype, device, comp, args.backend)
+                if not (comp and args.no_compile):
+                    plain[name] = PlainLoop(model, optimizer, dtype, device, comp, args.backend)
         batch = batches[-1]
         tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
         for name, loop in plain.items():
@@ -235,7 +246,7 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
         tokenizer_provider=pretrain_gpt.tokenizer_provider,
         iteration_hook=hook,
     )
-    return {"times": times, "losses": losses, "model": captured["model"]}
+    return {"times": times, "losses": losses, "flops": captured["flops"]}
 
 
 class _Recorder:
@@ -317,7 +328,7 @@ def flops_per_step(spec: dict, model) -> dict[str, float]:
 
 def summarise(spec, args, dtype: str, phases: dict, device: torch.device) -> list[dict]:
     """One row per contestant: median step time, tokens/s, TFLOP/s and MFU both ways, peak memory."""
-    flops = flops_per_step(spec, phases["eager"]["model"])
+    flops = phases["eager"]["flops"]
     peak = peak_tflops(device, args.peak_tflops)
     tokens = spec["mbs"] * spec["seq"]
     rows = []
@@ -351,12 +362,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", nargs="+", default=None, choices=["fp32", "bf16"])
     parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per phase")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed first iterations per phase")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first iterations per phase (>= 1)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of both sides")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
     args = parser.parse_args(argv)
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1: pretrain()'s first iteration cannot be timed")
     device = torch.device(args.device)
     os.environ.setdefault("WANDB_MODE", "disabled")
     if device.type == "cpu":

@@ -3,7 +3,8 @@
 ``derive_args(args, world_size)`` checks the flags together and returns the values they imply
 (data-parallel size, microbatch count, virtual pipeline size, FFN size, ...) by name, leaving
 ``args`` as parsed; :mod:`training.run` puts them into the run's typed objects. It runs before
-``torch.distributed`` exists and is a pure function of its inputs, so every rank raises the same
+``torch.distributed`` exists and is a pure function of its inputs (with a batch ramp, also of the
+``--load`` checkpoint's consumed samples, read from its manifest), so every rank raises the same
 single ``ValueError`` naming the flags and numbers to change. ``validate_args`` is Megatron's name
 for the same check, returning a new namespace with the derived values (what ``get_args()`` gives).
 """
@@ -17,8 +18,9 @@ from typing import Any
 
 from core.pipeline_parallel.layout import parse_layout
 from core.pipeline_parallel.placement import chunks_needed, chunks_problem, placement_style
-from core.pipeline_parallel.schedule_tables import check_interleaving
+from core.transformer.context_parallel import CP_COMM_TYPES
 from core.transformer.moe.moe_config import parse_moe_layer_freq
+from training.batch_sizes import check_run_batches, derive_batch_sizes
 from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
 from training.data.builder import parse_data_path, parse_split
 from training.logging_utils import print_line
@@ -28,8 +30,6 @@ from training.schema import flag_name as _flag
 
 __all__ = ["derive_args", "megatron_namespace", "validate_args"]
 
-DEMO_MIN_GLOBAL_BATCH = 16
-"""The tiny demo's --global-batch-size: the smallest multiple of micro-batch x DP that is >= this."""
 REQUIRED = (
     "num_layers",
     "hidden_size",
@@ -380,34 +380,45 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
 
 
-def _check_batch(args: argparse.Namespace, pp: int, dp: int) -> None:
-    mbs, per_step = args.micro_batch_size, args.micro_batch_size * dp
-    if args.global_batch_size is None and args.using_default_model:
-        args.global_batch_size = per_step * max(1, -(-DEMO_MIN_GLOBAL_BATCH // per_step))
-        filled = list(args.tiny_demo_filled.items())
-        at = next((i + 1 for i, (k, _) in enumerate(filled) if k == "micro_batch_size"), len(filled))
-        args.tiny_demo_filled = dict(
-            filled[:at] + [("global_batch_size", args.global_batch_size)] + filled[at:]
-        )
-    elif args.global_batch_size is None:
-        args.global_batch_size = per_step  # Megatron's default: one microbatch per data-parallel rank
-    gbs = args.global_batch_size
+def _check_context_parallel(args: argparse.Namespace, tp: int, cp: int) -> None:
+    """``--cp-comm-type`` and the sizes context parallelism must divide."""
+    types = args.cp_comm_type
     _require(
-        gbs % per_step == 0,
-        f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
-        f"({mbs}) x data-parallel size ({dp}) = {per_step}",
+        "a2a+p2p" not in types,
+        "--cp-comm-type a2a+p2p: Trident does not support hierarchical context parallelism "
+        "(all-to-all inside a node, ring across nodes); use p2p, a2a or allgather",
     )
-    args.num_microbatches = gbs // per_step
-    vpp = args.virtual_pipeline_model_parallel_size
-    if vpp and args.pipeline_schedule != "zbv":  # ZBV's V runs any number of microbatches
-        try:
-            check_interleaving(pp, vpp, args.num_microbatches, args.microbatch_group_size_per_vp_stage)
-        except ValueError as err:
-            raise ValueError(
-                f"{err} (interleaved schedule, {vpp} virtual stages per rank; microbatches = "
-                f"--global-batch-size ({gbs}) / (--micro-batch-size ({mbs}) x data-parallel "
-                f"size ({dp})) = {args.num_microbatches})"
-            ) from None
+    unknown = [t for t in types if t not in CP_COMM_TYPES]
+    _require(
+        not unknown,
+        f"--cp-comm-type {unknown[0] if unknown else ''}: must be one of {', '.join(CP_COMM_TYPES)}",
+    )
+    _require(
+        len(types) in (1, args.num_layers),
+        f"--cp-comm-type gives {len(types)} values for --num-layers {args.num_layers}: give one, or one per layer",
+    )
+    if cp == 1:
+        return
+    seq = args.seq_length
+    _require(
+        seq % (2 * cp) == 0,
+        f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}: "
+        "each sequence is cut into that many equal chunks",
+    )
+    if args.sequence_parallel:
+        _require(
+            seq % (cp * tp) == 0,
+            f"--seq-length ({seq}) must be divisible by --context-parallel-size ({cp}) x "
+            f"--tensor-model-parallel-size ({tp}) = {cp * tp} with --sequence-parallel",
+        )
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    _require(
+        "a2a" not in types or (heads // tp) % cp == 0 and (groups // tp) % cp == 0,
+        f"--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads ({heads}) "
+        f"and the query groups ({groups}) per --tensor-model-parallel-size ({tp}) rank must be divisible "
+        f"by --context-parallel-size ({cp})",
+    )
 
 
 def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
@@ -521,18 +532,25 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     _check_required(flags)
     _check_supported_values(flags)
     _check_ranges(flags)
-    tp, pp = flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size
-    _require(
-        world_size % (tp * pp) == 0,
-        f"world size ({world_size}) must be divisible by "
-        f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp}) = {tp * pp}",
+    tp, pp, cp = (
+        flags.tensor_model_parallel_size,
+        flags.pipeline_model_parallel_size,
+        flags.context_parallel_size,
     )
-    flags.world_size, flags.data_parallel_size = world_size, world_size // (tp * pp)
+    _require(
+        world_size % (tp * pp * cp) == 0,
+        f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) x "
+        f"--pipeline-model-parallel-size ({pp})"
+        + (f" x --context-parallel-size ({cp})" if cp > 1 else "")
+        + f" = {tp * pp * cp}",
+    )
+    flags.world_size, flags.data_parallel_size = world_size, world_size // (tp * pp * cp)
     _apply_old_recompute_flags(flags)
     _check_model(flags, tp)
+    _check_context_parallel(flags, tp, cp)
     _check_moe(flags, world_size, tp, pp)
     _check_pipeline(flags, pp)
-    _check_batch(flags, pp, flags.data_parallel_size)
+    derive_batch_sizes(flags, pp, flags.data_parallel_size)
     _require(flags.min_lr <= flags.lr, f"--min-lr ({flags.min_lr}) must be <= --lr ({flags.lr})")
     _require(
         not (flags.override_opt_param_scheduler and flags.use_checkpoint_opt_param_scheduler),
@@ -540,6 +558,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
         "give at most one",
     )
     check_schedule(flags)
+    check_run_batches(flags, pp, flags.data_parallel_size)
     if flags.save_interval is None:
         flags.save_interval = flags.train_iters  # --save-interval defaults to the run's length
     _check_data(flags)

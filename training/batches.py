@@ -11,7 +11,9 @@ the read-ahead changes what is read.
 ``BatchStream`` keeps one ``DataLoader`` iterator open across steps: ``--num-workers`` processes build
 the next microbatches (``prefetch_factor`` each) while the model computes, into pinned memory on a
 GPU. Only tensor-parallel rank 0 of a stage that reads data (the first and last pipeline stages)
-reads; it broadcasts each microbatch to its tensor-parallel group, as Megatron does. Asking for a
+reads; it broadcasts each microbatch to its tensor-parallel group, as Megatron does. With context
+parallelism every CP rank reads the same samples and keeps its two chunks of each sequence
+(``get_batch_on_this_cp_rank``, Megatron's function). Asking for a
 step at another position (an evaluation, which starts at its first sample) restarts the loader there.
 A sample that fails with one of the run's one-line errors (a token id outside the vocabulary) fails
 the step with that same error, whether a worker or the training process read it (:class:`_Failed`).
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from core import parallel_state as ps
 from core.device import current_device
 from core.parallel_state import ParallelGroups
+from core.transformer.context_parallel import get_batch_on_this_cp_rank
 from training.data.samplers import EndlessSequentialSampler, MegatronPretrainingRandomSampler
 from training.faults import one_line_errors
 
@@ -142,8 +145,12 @@ class BatchStream:
             self.close()
             self._batches = self._open(consumed_samples)
         batches = [
-            _broadcast_in_tp_group(
-                self._next_batch() if reads else None, self.micro_batch_size, self.seq_length, self.groups
+            get_batch_on_this_cp_rank(
+                _broadcast_in_tp_group(
+                    self._next_batch() if reads else None, self.micro_batch_size, self.seq_length, self.groups
+                ),
+                cp_size=self.groups.size("cp"),
+                cp_rank=self.groups.rank_in("cp"),
             )
             for _ in range(num_microbatches)
         ]

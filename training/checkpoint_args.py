@@ -57,9 +57,39 @@ def checkpoint_model_args(manifest: dict[str, Any], args: argparse.Namespace) ->
     }
     if groups != heads:
         values["num_query_groups"] = groups
+    values |= _moe_args(config)
     saved_args = manifest.get("args") or {}  # a run's flags; a converted or imported model has none
     values["seq_length"] = saved_args.get("seq_length") or manifest["model"]["max_sequence_length"]
     return {dest: value for dest, value in values.items() if hasattr(args, dest)}
+
+
+def _moe_args(config: dict[str, Any]) -> dict[str, Any]:
+    """The MoE model flags of a checkpoint's config (a dense model: no experts)."""
+    freq = config.get("moe_layer_freq", 1)
+    return {
+        "num_moe_experts": config.get("num_moe_experts"),
+        "moe_ffn_hidden_size": config.get("moe_ffn_hidden_size")
+        or (config["ffn_hidden_size"] if config.get("num_moe_experts") else None),  # the expert's width
+        "moe_layer_pattern": str(freq) if isinstance(freq, int) else "[" + ",".join(map(str, freq)) + "]",
+        "moe_router_topk": config.get("moe_router_topk", 2),
+        "moe_router_pre_softmax": config.get("moe_router_pre_softmax", False),
+        "moe_router_topk_scaling_factor": config.get("moe_router_topk_scaling_factor"),
+        "moe_shared_expert_intermediate_size": config.get("moe_shared_expert_intermediate_size"),
+        "moe_shared_expert_gate": config.get("moe_shared_expert_gate", False),
+    }
+
+
+def _same_layer_pattern(ours: str, saved: str, num_layers: int) -> bool:
+    """``--moe-layer-freq`` values that pick the same layers ("2" and "[1,0,1,0]" for 4 layers)."""
+    from core.transformer.moe.moe_config import parse_moe_layer_freq
+
+    def layers(text: str) -> list[bool]:
+        freq = parse_moe_layer_freq(text)
+        return (
+            [i % freq == 0 for i in range(num_layers)] if isinstance(freq, int) else [bool(v) for v in freq]
+        )
+
+    return layers(ours) == layers(saved)
 
 
 def _tokenizer_args(manifest: dict[str, Any], path: str, given: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +170,10 @@ def check_checkpoint_args(args: argparse.Namespace) -> argparse.Namespace:
             continue  # free to change: they shape no tensor
         if dest == "num_query_groups" and not args.group_query_attention:
             continue
+        if dest == "moe_layer_pattern" and _same_layer_pattern(ours, saved, args.num_layers):
+            continue
+        if dest == "moe_ffn_hidden_size" and ours is None and args.num_moe_experts:
+            ours = args.ffn_hidden_size  # the expert's width defaults to the MLP's
         if ours != saved:
             how = "" if dest in given else " (default)"
             conflicts.append(f"{flag_name(dest)} {ours}{how} but the checkpoint has {saved}")

@@ -173,7 +173,11 @@ def _sum_over_ranks(value: int) -> int:
 
 
 def current_parallel() -> dict[str, int]:
-    """This rank's ``parallel`` dict from ``core.parallel_state`` (a world of one when it is not set up)."""
+    """This rank's ``parallel`` dict from ``core.parallel_state`` (a world of one when it is not set up).
+
+    Its data-parallel size and rank count DP x CP: context-parallel ranks hold the same weights, the
+    distributed optimizer shards over all of them, and a checkpoint records no CP split.
+    """
     from core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -184,10 +188,10 @@ def current_parallel() -> dict[str, int]:
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
         "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         "ep": ps.get_expert_model_parallel_world_size(),
         "ep_rank": ps.get_expert_model_parallel_rank(),
@@ -365,7 +369,7 @@ def save_checkpoint(
                 iteration=iteration,
                 consumed_samples=consumed_samples,
                 parallelism=parallelism_of(config, p["dp"]),
-                config=config.to_dict(),
+                config={**config.to_dict(), "context_parallel_size": 1},  # a checkpoint records no CP split
                 vocab_size=module.vocab_size,
                 padded_vocab_size=module.padded_vocab_size,
                 max_sequence_length=module.max_sequence_length,

@@ -69,12 +69,21 @@ class TrainingArgs:
     micro_batch_size: int | None = None
     """Samples per microbatch per data-parallel rank."""
     global_batch_size: int | None = None
-    """Samples per step over all data-parallel ranks (default: --micro-batch-size x data-parallel size)."""
+    """Samples per step over all data-parallel ranks (default: --micro-batch-size x data-parallel size,
+    or the last batch of --step-batch-size-schedule); with a ramp, the full batch it grows to."""
+    rampup_batch_size: list[int] | None = None
+    """Megatron's batch-size ramp, START INCR SAMPLES: the global batch starts at START and grows by INCR
+    up to --global-batch-size, one increment every SAMPLES / ((global - START) / INCR) samples, then
+    stays there (e.g. 16 16 5859375 with --global-batch-size 1536)."""
+    step_batch_size_schedule: str | None = None
+    """The global batch by tokens consumed, as Megatron: THRESHOLD:BATCH pairs such as "0:768 250B:1536
+    500B:3072" (K/M/B/T suffixes; a threshold in tokens is divided by --seq-length into samples; the
+    first is 0). Not with --rampup-batch-size."""
     train_iters: int | None = None
     """Training iterations."""
     train_samples: int | None = None
-    """Training samples, instead of --train-iters (iterations = samples / --global-batch-size); the
-    learning-rate schedule is then given in samples too."""
+    """Training samples, instead of --train-iters (iterations = samples / --global-batch-size, or as
+    Megatron counts them along a batch ramp); the learning-rate schedule is then given in samples too."""
     log_interval: int = 100
     """Iterations between log lines."""
     exit_interval: int | None = None
@@ -104,6 +113,16 @@ class TrainingArgs:
         True, name="--no-masked-softmax-fusion", help="Megatron: do not fuse scaling, masking and softmax."
     )
     """Megatron: fuse attention-score scaling, masking and softmax in one kernel."""
+    moe_router_dtype: Literal["fp32"] | None = flag(None, group="mixture of experts")
+    """Megatron: the dtype the router's gate is computed in (Trident's always computes in fp32)."""
+    moe_router_score_function: Literal["softmax"] = flag("softmax", group="mixture of experts")
+    """Megatron: the router's score function (Trident's is the softmax)."""
+    moe_permute_fusion: bool = flag(False, group="mixture of experts")
+    """Megatron: fused token permutation kernels (Transformer Engine)."""
+    moe_router_fusion: bool = flag(False, group="mixture of experts")
+    """Megatron: fused router top-k and loss kernels (Transformer Engine)."""
+    moe_shared_expert_overlap: bool = flag(False, group="mixture of experts")
+    """Megatron: run the shared experts on a side stream, overlapped with the token dispatch."""
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Megatron: call torch.cuda.empty_cache() every iteration (0 off, 1 moderate, 2 aggressive)."""
     checkpoint_activations: bool = False

@@ -28,6 +28,7 @@ __all__ = ["LoadedModel", "checkpoint_tokenizer", "inference_config", "load_for_
 
 INFERENCE_OVERRIDES: dict[str, Any] = {
     "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
     "expert_model_parallel_size": 1,  # every rank holds every expert (MoE)
     "virtual_pipeline_model_parallel_size": None,
     "pipeline_model_parallel_layout": None,

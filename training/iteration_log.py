@@ -31,7 +31,7 @@ class LogWindow:
         self.reset(time.perf_counter())
 
     def reset(self, now: float) -> None:
-        self.start, self.paused, self.iterations = now, 0.0, 0
+        self.start, self.paused, self.iterations, self.samples = now, 0.0, 0, 0
         self.losses: list[dict[str, float]] = []  # of the iterations that stepped
         self.skipped_losses: list[dict[str, float]] = []  # of the others
 
@@ -39,6 +39,7 @@ class LogWindow:
         if step.losses is not None:
             (self.losses if step.applied else self.skipped_losses).append(step.losses)
         self.iterations += 1
+        self.samples += step.global_batch_size
 
     def pause(self, seconds: float) -> None:
         """Time that is not step time (evaluation, saving)."""
@@ -55,9 +56,12 @@ class LogWindow:
 def wandb_row(
     run: Run, state: TrainState, optimizer, step: StepResult, flops: float, peak: float | None, device
 ) -> dict:
-    """This iteration's numbers under Megatron's W&B keys (plus a few of Trident's), every iteration."""
-    gbs = run.training.global_batch_size
-    tflops = flops / (step.seconds * 1e12 * run.parallel.world_size)
+    """This iteration's numbers under Megatron's W&B keys (plus a few of Trident's), every iteration.
+
+    ``flops``: model FLOPs per sample; ``batch-size`` is this iteration's global batch (a ramp grows it).
+    """
+    gbs = step.global_batch_size
+    tflops = flops * gbs / (step.seconds * 1e12 * run.parallel.world_size)
     row: dict[str, Any] = {
         "learning-rate": optimizer.param_groups[0]["lr"],
         "batch-size": gbs,
@@ -90,11 +94,15 @@ def log_line(
     flops: float,
     peak: float | None,
 ) -> str:
-    """Megatron's log line, averaged over ``window``; starts the next window."""
+    """Megatron's log line, averaged over ``window``; starts the next window.
+
+    ``flops``: model FLOPs per sample. Throughput counts the window's samples (a ramp changes the batch
+    within it); "global batch size" is the last iteration's, as Megatron prints it.
+    """
     now = time.perf_counter()
     seconds = window.seconds_per_iteration(now)
-    gbs = run.training.global_batch_size
-    tflops = flops / (seconds * 1e12 * run.parallel.world_size)
+    samples_per_iteration = window.samples / max(window.iterations, 1)
+    tflops = flops * samples_per_iteration / (seconds * 1e12 * run.parallel.world_size)
     fields = [
         f"iteration {state.iteration:8d}/{run.training.train_iters:8d}",
         f"consumed samples: {state.consumed_samples:12d}",
@@ -105,7 +113,7 @@ def log_line(
         fields.append(f"MFU: {100 * tflops / peak:.1f}%")
     fields += [
         f"learning rate: {optimizer.param_groups[0]['lr']:.6E}",
-        f"global batch size: {gbs:5d}",
+        f"global batch size: {step.global_batch_size:5d}",
         *(f"{key}: {value:.6E}" for key, value in window.mean_losses().items()),
         f"loss scale: {loss_scale(optimizer):.1f}",
         f"grad norm: {float('nan') if step.grad_norm is None else step.grad_norm:.3f}",
@@ -115,7 +123,7 @@ def log_line(
     if step.params_norm is not None:
         fields.append(f"params norm: {step.params_norm:.3f}")
     fields += [
-        f"tokens/s: {gbs * run.gpt.seq_length / seconds:.0f}",
+        f"tokens/s: {samples_per_iteration * run.gpt.seq_length / seconds:.0f}",
         f"peak memory per rank (MB): {step.peak_memory / 2**20:.0f}",
         f"number of skipped iterations: {state.skipped_iterations:3d}",
         f"number of nan iterations: {state.nan_iterations:3d}",

@@ -27,13 +27,15 @@ def print_line(message: str, *, file: TextIO | None = None) -> None:
 
 
 def is_logging_rank(layout: PipelineLayout, groups: ParallelGroups | None) -> bool:
-    """First TP and DP rank of the pipeline rank that has the loss: the last, or the first under ZBV.
+    """First TP and DP x CP rank of the pipeline rank that has the loss: the last, or the first under ZBV.
 
     ``groups`` None: one process, which logs."""
     if groups is None:
         return True
     return (
-        holds_loss(layout, groups.rank_in("pp")) and groups.rank_in("tp") == 0 and groups.rank_in("dp") == 0
+        holds_loss(layout, groups.rank_in("pp"))
+        and groups.rank_in("tp") == 0
+        and groups.rank_in("dp_cp") == 0
     )
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from core.device import current_device
 from core.transformer.compile import compile_stats
 from training import faults
+from training.batch_sizes import ramp_flag
 from training.evaluation import evaluate
 from training.iteration_log import LogWindow, log_line, wandb_row
 from training.logging_utils import print_rank_0
@@ -38,9 +39,9 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
     flags, state, parallel = run.training, session.state, run.parallel
     print_rank_0(
         f"training {flags.train_iters} iterations from iteration {state.iteration}: "
-        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} DP={parallel.dp}"
+        f"TP={parallel.tp} PP={parallel.pp} VPP={parallel.vpp} CP={parallel.cp} DP={parallel.dp}"
         f"{f' EP={parallel.ep}' if parallel.ep > 1 else ''}, "
-        f"{run.num_microbatches} microbatches of {flags.micro_batch_size} x {run.gpt.seq_length} tokens"
+        f"{_microbatches(run, state.consumed_samples)}"
     )
     # Only with --exit-signal-handler is SIGTERM caught (to save first); otherwise it ends the run as usual.
     handler = SignalHandler() if flags.exit_signal_handler else contextlib.nullcontext()
@@ -57,9 +58,9 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
             loop.timeline_finish(state.iteration + 1, record)
             state.iteration += 1
             loop.profiler.after_step(state.iteration)
-            state.consumed_samples += flags.global_batch_size
+            state.consumed_samples += step.global_batch_size  # Megatron's count: skipped steps too
             if step.applied:
-                session.scheduler.step(increment=flags.global_batch_size)
+                session.scheduler.step(increment=step.global_batch_size)
             if step.losses is not None:
                 state.losses.append(step.losses)
             loop.report(step, start)
@@ -69,7 +70,32 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
             loop.window.pause(time.perf_counter() - paused)  # evaluation and saving are not step time
             if stop:
                 break
+            _report_ramp(run, state, step.global_batch_size)
         loop.finish()
+
+
+def _microbatches(run: Run, consumed_samples: int) -> str:
+    """The startup line's batch: "8 microbatches of 2 x 128 tokens", and a batch ramp's start and end."""
+    calc, flags = run.microbatches, run.training
+    shape = f"of {flags.micro_batch_size} x {run.gpt.seq_length} tokens"
+    if not calc.schedule.changes:
+        return f"{calc.num_microbatches(consumed_samples)} microbatches {shape}"
+    return (
+        f"{calc.num_microbatches(consumed_samples)} to {run.num_microbatches} microbatches {shape} (global "
+        f"batch {calc.global_batch_size(consumed_samples)} growing to {flags.global_batch_size}: "
+        f"{ramp_flag(flags)})"
+    )
+
+
+def _report_ramp(run: Run, state: TrainState, last: int) -> None:
+    """Megatron's line when the global batch changes for the next iteration."""
+    upcoming = run.microbatches.global_batch_size(state.consumed_samples)
+    if upcoming != last and state.iteration < run.training.train_iters:
+        print_rank_0(
+            f"ramping up batch size from {last} to {upcoming} "
+            f"({run.microbatches.num_microbatches(state.consumed_samples)} microbatches) at iteration "
+            f"{state.iteration + 1}, after {state.consumed_samples} consumed samples"
+        )
 
 
 class _Loop:
@@ -80,12 +106,17 @@ class _Loop:
         self.signals, self.collector = signals, collector
         self.device = current_device()
         vocab = _padded_vocab_size(run, session)
-        self.flops = num_floating_point_operations(run.args, run.training.global_batch_size, vocab)
+        self.flops = num_floating_point_operations(run.args, 1, vocab)  # per sample: the batch may grow
         self.peak = peak_tflops(self.device, run.logging.peak_tflops)
         self.window = LogWindow()
         self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
         self.timeline = Timeline.for_run(run)
-        session.state.progress = Progress(session.state, run.training.train_iters, prints=session.logs_loss)
+        session.state.progress = Progress(
+            session.state,
+            run.training.train_iters,
+            prints=session.logs_loss,
+            batches=run.microbatches.schedule,
+        )
         self.profiler = StepProfiler(
             enabled=run.training.profile,
             start=run.training.profile_step_start,

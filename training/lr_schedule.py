@@ -2,7 +2,7 @@
 
 Megatron's scheduler counts samples. A run is either iteration-based (``--train-iters``, with
 ``--lr-decay-iters``, ``--lr-warmup-iters``, ``--lr-wsd-decay-iters``, each multiplied by the global
-batch size) or sample-based (``--train-samples``, with ``--lr-decay-samples``, ``--lr-warmup-samples``,
+batch size: the full one, after any batch ramp, as Megatron multiplies) or sample-based (``--train-samples``, with ``--lr-decay-samples``, ``--lr-warmup-samples``,
 ``--lr-wsd-decay-samples``); the two families do not mix. ``--lr-warmup-fraction`` is a fraction of
 the decay samples in either. Weight decay goes from ``--start-weight-decay`` to ``--end-weight-decay``
 over the whole run (``--weight-decay-incr-style``), or stays at ``--weight-decay``.
@@ -18,6 +18,7 @@ import argparse
 from typing import Any
 
 from core.optimizer.lr_scheduler import OptimizerParamScheduler
+from training.batch_sizes import batch_size_schedule
 
 __all__ = ["build_scheduler", "check_schedule", "scheduler_kwargs"]
 
@@ -47,12 +48,13 @@ def _check_run_length(args: argparse.Namespace) -> None:
             f"{', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} for iteration-based training; with "
             "--train-samples use --lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples"
         )
-    if args.train_samples < args.global_batch_size:
+    schedule = batch_size_schedule(args)
+    if not schedule.changes and args.train_samples < args.global_batch_size:
         raise ValueError(
             f"--train-samples ({args.train_samples}) is less than one global batch (--global-batch-size "
             f"{args.global_batch_size})"
         )
-    args.train_iters = args.train_samples // args.global_batch_size  # Megatron's count (no batch ramp)
+    args.train_iters = schedule.train_iters(args.train_samples)  # Megatron's count, along a ramp too
 
 
 def scheduler_kwargs(args: argparse.Namespace) -> dict[str, Any]:

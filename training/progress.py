@@ -29,16 +29,23 @@ def _clock(seconds: float) -> str:
 class Progress:
     """Wall-clock bookkeeping of one ``pretrain`` call from its first training step."""
 
-    def __init__(self, state, train_iters: int, *, prints: bool = True) -> None:
+    def __init__(self, state, train_iters: int, *, prints: bool = True, batches=None) -> None:
+        """``batches``: a ``BatchSizeSchedule`` whose batch grows; the ETA then counts samples, not steps."""
         self.state, self.train_iters, self.prints = state, train_iters, prints
-        self.start_iteration = state.iteration
+        self.start_iteration, self.start_samples = state.iteration, state.consumed_samples
         self.start = time.monotonic()
+        self.batches = batches if batches is not None and batches.changes else None
 
     def eta_seconds(self, iteration: int) -> float | None:
         done = iteration - self.start_iteration
         if done <= 0:
             return None
-        return (time.monotonic() - self.start) / done * (self.train_iters - iteration)
+        elapsed = time.monotonic() - self.start
+        if self.batches is None:
+            return elapsed / done * (self.train_iters - iteration)
+        consumed = self.state.consumed_samples  # along a ramp, later steps take more samples, and time
+        left = self.batches.consumed_after(consumed, self.train_iters - iteration) - consumed
+        return elapsed / max(consumed - self.start_samples, 1) * left
 
     def line(self, text: str) -> str:
         """``text`` (a Megatron log line, starting with a space) with the time before it and the ETA after."""
@@ -57,7 +64,7 @@ class Progress:
         elapsed = time.monotonic() - self.start
         ran = iteration - self.start_iteration
         seq_length, train_iters, save = run.gpt.seq_length, run.training.train_iters, run.checkpointing.save
-        tokens = ran * run.training.global_batch_size * seq_length
+        tokens = (consumed_samples - self.start_samples) * seq_length  # a batch ramp changes the batch
         head = (
             f"run summary: {ran} iterations in {_clock(elapsed)} (now at {iteration}/{train_iters}), "
             f"{tokens:,} tokens this run ({consumed_samples * seq_length:,} in all, "

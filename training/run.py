@@ -2,6 +2,7 @@
 
     run = build_run(parse_args(argv), world_size)        # every check, before any process group
     run.parallel.dp, run.num_microbatches, run.layout     # what was derived
+    run.microbatches.num_microbatches(consumed_samples)   # a step's count (it follows a batch ramp)
     run.model.num_layers, run.optimizer.lr, run.training.train_iters, run.checkpointing.save
 
 ``build_run`` is the one sequence after parsing: ``--use-checkpoint-args`` fills the model flags
@@ -33,12 +34,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.num_microbatches_calculator import NumMicroBatchesCalculator
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.pipeline_parallel.layout import PipelineLayout
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt.gpt_model import pipeline_layout
 from training.argument_checks import derive_args, megatron_namespace
 from training.arguments import parse_args_or_usage_error, transformer_config_from_args
+from training.batch_sizes import microbatch_calculator
 from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
 from training.config import (
     CheckpointingArgs,
@@ -82,7 +85,11 @@ class Run:
 
     parallel: ParallelSizes
     num_microbatches: int
-    """Microbatches per global batch on each data-parallel rank."""
+    """Microbatches of the full ``--global-batch-size`` on each data-parallel rank (evaluation's); a
+    training step's count comes from ``microbatches``, which follows a batch ramp."""
+    microbatches: NumMicroBatchesCalculator
+    """The global batch and microbatch count of each training step, by consumed samples (Megatron's
+    calculator: constant, ``--rampup-batch-size`` or ``--step-batch-size-schedule``)."""
     layout: PipelineLayout
     """Which stages hold which layers, and which pipeline rank runs each stage."""
     model: TransformerConfig
@@ -126,6 +133,7 @@ def _typed(namespace: argparse.Namespace) -> Run:
     return Run(
         parallel=parallel,
         num_microbatches=values["num_microbatches"],
+        microbatches=microbatch_calculator(namespace),
         layout=pipeline_layout(model),
         model=model,
         gpt=_section(ModelArgs, values),

@@ -15,7 +15,9 @@ from typing import Any
 class RunLoggers:
     """A W&B run (or ``NullRun``) plus an optional TensorBoard writer, with the last value of each metric."""
 
-    def __init__(self, run: Any, *, tensorboard_dir: str | None = None) -> None:
+    def __init__(
+        self, run: Any, *, tensorboard_dir: str | None = None, config: dict[str, Any] | None = None
+    ) -> None:
         self.run = run
         self.tensorboard_dir = tensorboard_dir
         self.last: dict[str, float] = {}
@@ -24,6 +26,8 @@ class RunLoggers:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+            for key, value in sorted((config or {}).items()):  # the run's flags, as Megatron writes them
+                self._writer.add_text(key, str(value), global_step=0)
 
     @property
     def id(self) -> str | None:

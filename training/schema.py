@@ -320,10 +320,6 @@ _MOE = (
     "dispatch, experts whole on each expert-parallel rank)"
 )
 _FP8 = "FP8 training needs Transformer Engine on FP8 GPUs, which are out of scope; use --bf16"
-_RAMP = (
-    "a global batch size that changes during the run is out of scope (the microbatch count and the "
-    "pipeline schedule are fixed per run); give a fixed --global-batch-size"
-)
 _ONE_FORMAT = (
     "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
     "--ckpt-format torch and torch_dist both mean it"
@@ -362,14 +358,18 @@ COVERAGE: dict[str, Coverage] = {
     ),
     "--profile": works(),
     "--checkpoint-activations": works(),
-    "--context-parallel-size": works_only(
-        (1,), "context parallelism above 1 (the sequence split over ranks) is not implemented"
-    ),
+    "--context-parallel-size": works(),
+    "--cp-comm-type": works(),
     "--expert-model-parallel-size": works(),
+    "--rampup-batch-size": works(),
+    "--step-batch-size-schedule": works(),
     "--moe-router-load-balancing-type sinkhorn": unsupported(_MOE),
     "--moe-router-load-balancing-type global_aux_loss": unsupported(_MOE),
     "--moe-router-load-balancing-type quantile_balancing": unsupported(_MOE),
     "--moe-token-dispatcher-type flex": unsupported(_MOE),
+    "--moe-router-dtype fp64": unsupported(_MOE),
+    "--moe-router-score-function sigmoid": unsupported(_MOE),
+    "--moe-router-score-function sqrtsoftplus": unsupported(_MOE),
     # (b) accepted, no effect on Trident's code paths
     "--use-mcore-models": no_effect("Trident has one model implementation, built like Megatron Core's"),
     "--no-masked-softmax-fusion": no_effect("softmax is one PyTorch call, never a fused kernel"),
@@ -381,10 +381,13 @@ COVERAGE: dict[str, Coverage] = {
     "--tiktoken-pattern": no_effect("only a TikTokenizer reads it, and Trident has none"),
     "--data-impl": no_effect("indexed datasets are always memory-mapped (Megatron-LM has dropped the flag)"),
     "--ckpt-format": no_effect("torch and torch_dist both mean Trident's one checkpoint format"),
+    "--moe-router-dtype": no_effect("the router's gate is always computed in fp32"),
+    "--moe-router-score-function": no_effect("the router's score function is the softmax"),
+    "--moe-permute-fusion": no_effect("tokens are permuted with index operations, never a fused kernel"),
+    "--moe-router-fusion": no_effect("routing and its losses are plain PyTorch, never a fused kernel"),
+    "--moe-shared-expert-overlap": no_effect("the shared experts run before the router, on the same stream"),
     # (c) not supported: out of scope
     "--tokenizer-type TikTokenizer": unsupported(_TIKTOKEN),
-    "--rampup-batch-size": unsupported(_RAMP),
-    "--step-batch-size-schedule": unsupported(_RAMP),
     **dict.fromkeys(
         ("--ckpt-format zarr", "--ckpt-format torch_dcp", "--ckpt-format fsdp_dtensor"),
         unsupported(_ONE_FORMAT),

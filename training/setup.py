@@ -51,6 +51,7 @@ def setup(run: Run, providers: Providers) -> Session:
         run.parallel.tp,
         run.parallel.pp,
         run.model.virtual_pipeline_model_parallel_size,
+        run.parallel.cp,
         expert_model_parallel_size=run.parallel.ep,
         distributed_timeout_minutes=run.distributed.distributed_timeout_minutes,
     )
@@ -142,7 +143,9 @@ def _start_loggers(run: Run, session: Session) -> RunLoggers:
         run_id=state.wandb_run_id,
         is_logging_rank=session.logs_loss,
     )
-    loggers = RunLoggers(wandb_run, tensorboard_dir=flags.tensorboard_dir if session.logs_loss else None)
+    loggers = RunLoggers(
+        wandb_run, tensorboard_dir=flags.tensorboard_dir if session.logs_loss else None, config=vars(run.args)
+    )
     # The logging rank's W&B run id on every rank (rank 0 writes it into the checkpoint manifest).
     ids: list = [None] * dist.get_world_size()
     dist.all_gather_object(ids, getattr(loggers, "id", None) or state.wandb_run_id)

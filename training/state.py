@@ -41,6 +41,7 @@ class StepResult:
     num_zeros: int | None
     applied: bool
     peak_memory: float  # bytes, the largest of any rank
+    global_batch_size: int  # samples of this step (all data-parallel ranks): it grows along a batch ramp
     params_norm: float | None = None
     seconds: float = 0.0
     moe_layers: dict[str, float] = field(default_factory=dict)  # --moe-per-layer-logging, for W&B/TB

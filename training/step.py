@@ -38,10 +38,11 @@ def train_step(run: Run, session: Session, record=None) -> StepResult:
     iteration = state.iteration + 1
     faults.phase("forward-backward (pipeline send/recv, data-parallel gradient all-reduce)", iteration)
     optimizer.zero_grad()  # and the chunks' gradient buffers
+    num_microbatches = run.microbatches.num_microbatches(state.consumed_samples)  # a ramp grows it
     losses = run_global_batch(
-        run, session, session.train_data, state.consumed_samples, run.num_microbatches, record=record
+        run, session, session.train_data, state.consumed_samples, num_microbatches, record=record
     )
-    moe_losses, moe_layers = moe_metrics(run, session)
+    moe_losses, moe_layers = moe_metrics(run, session, num_microbatches)
     if losses is not None:
         losses |= moe_losses
     faults.phase("the loss check (all-reduce)", iteration)
@@ -65,16 +66,21 @@ def train_step(run: Run, session: Session, record=None) -> StepResult:
                 f"gradient norm is {grad_norm} at iteration {iteration} (--check-for-nan-in-loss-and-grad)"
             )
     _count_skips(run, state, applied=applied, overflow=overflow, bad_loss=bool(bad_loss))
-    return StepResult(losses, grad_norm, num_zeros, applied, peak_memory, moe_layers=moe_layers)
+    global_batch_size = run.microbatches.global_batch_size(state.consumed_samples)
+    return StepResult(
+        losses, grad_norm, num_zeros, applied, peak_memory, global_batch_size, moe_layers=moe_layers
+    )
 
 
-def moe_metrics(run: Run, session: Session) -> tuple[dict[str, float], dict[str, float]]:
+def moe_metrics(
+    run: Run, session: Session, num_microbatches: int
+) -> tuple[dict[str, float], dict[str, float]]:
     """The step's MoE auxiliary losses as Megatron logs them (``load_balancing_loss``, ``z_loss``: the
     mean over MoE layers), and with ``--moe-per-layer-logging`` each layer's (``moe/<name>_layer_<i>``,
     for W&B and TensorBoard). A collective on every rank; nothing without experts."""
     if run.model.num_moe_experts is None:
         return {}, {}
-    summary, per_layer = reduce_moe_metrics(session.model.modules, run.model, run.num_microbatches)
+    summary, per_layer = reduce_moe_metrics(session.model.modules, run.model, num_microbatches)
     if not run.model.moe_per_layer_logging:
         return summary, {}
     moe_layers = [i for i in range(run.model.num_layers) if run.model.is_moe_layer(i)]
@@ -132,7 +138,7 @@ def run_global_batch(
         raise ConfigError(
             f"{err} (--seq-length {seq_length}, --micro-batch-size {micro_batch_size})"
         ) from None
-    return reduce_loss_logs(logs, session.groups.dp) or None
+    return reduce_loss_logs(logs, session.groups.dp_cp) or None
 
 
 def _iterators(chunks, stream: BatchStream, consumed_samples: int, num_microbatches: int) -> list:

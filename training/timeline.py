@@ -136,7 +136,8 @@ class Timeline:
         mine = RankEvents(
             dist.get_rank(),
             ps.get_pipeline_model_parallel_rank(),
-            ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank(with_context_parallel=True) == 0,
             [
                 (e.kind, e.microbatch, e.chunk, (e.start - self._start) * 1e3, (e.end - self._start) * 1e3)
                 for e in record.events

@@ -15,6 +15,7 @@ reports the error is decided here, while the process groups still exist (``fault
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -65,20 +66,30 @@ def pretrain(
     )
     try:
         faults.begin(run.distributed.distributed_timeout_minutes)
-        session = setup(run, providers)
-        train(run, session, iteration_hook)
-        if session.logs_loss:
-            for line in session.state.progress.summary(run, session.loggers):
-                print_line(line)
-        session.loggers.finish()
-        return session.state
+        return _train_session(run, providers, iteration_hook)
     except BaseException as err:
         faults.judge(err)  # who prints it: decided while the groups (and their store) still exist
         raise
     finally:
         faults.end()
+        # The run's model, gradient buffers and their pending communication handles sit in reference
+        # cycles. Free them now, while their groups exist: left to a later collection they may be freed
+        # in a forked DataLoader worker of the next run in this process, where the groups' threads do
+        # not exist, and crash it.
+        gc.collect()
         # Tear down what this call set up: gloo aborts a process whose groups outlive the interpreter.
         if started:
             ps.destroy_distributed()
         else:
             ps.destroy_model_parallel()
+
+
+def _train_session(run, providers: Providers, iteration_hook) -> TrainState:
+    """Set up, train and summarise; the session (model, optimizer, data) is garbage once this returns."""
+    session = setup(run, providers)
+    train(run, session, iteration_hook)
+    if session.logs_loss:
+        for line in session.state.progress.summary(run, session.loggers):
+            print_line(line)
+    session.loggers.finish()
+    return session.state

@@ -70,35 +70,54 @@ def get_grad_norm_fp32(
     norm_type: float = 2.0,
     grad_stats_parallel_group: ProcessGroup | None = None,
 ) -> float:
-    """The ``norm_type`` norm of all these gradients together, over every rank of the group.
+    """The ``norm_type`` norm of all these gradients together, over every rank of the group, as a
+    Python number (Megatron's API: one read from the device; :func:`get_grad_norm_tensor` keeps it there)."""
+    return float(get_grad_norm_tensor(grads_for_norm, norm_type, grad_stats_parallel_group))
+
+
+def get_grad_norm_tensor(
+    grads_for_norm: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    grad_stats_parallel_group: ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The global norm as a 0-dim float64 tensor on the gradients' device, never read by the host.
 
     Each rank passes only the gradients it counts (see :func:`param_counts_for_norm`). The L2 norm
     accumulates squares in float64, so the answer does not depend on how the model is split. Every rank of
-    the group must call this (it is a collective), even one with no gradients.
+    the group must call this (it is a collective), even one with no gradients. A NaN or Inf in any
+    gradient makes the norm non-finite, which is how the optimizer finds a step to skip.
     """
-    grads = [g for g in grads_for_norm if g is not None]
+    grads = [g.detach() for g in grads_for_norm if g is not None and g.numel()]
     group = grad_stats_parallel_group
     communicate = group is not None and dist.get_world_size(group) > 1
     device = grads[0].device if grads else current_device()
+    total = torch.zeros((), dtype=torch.float64, device=device)
     if math.isinf(norm_type):
-        local = max((g.detach().abs().max().double() for g in grads if g.numel()), default=None)
-        total = torch.zeros((), dtype=torch.float64, device=device) if local is None else local.reshape(())
+        if grads:
+            total = torch.stack(torch._foreach_norm(grads, math.inf)).max().double()
         if communicate:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        return float(total.item())
+        return total
     if norm_type == 2.0:
         total = _sum_of_squares_fp64(grads, device)
-    else:
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        if grads:
-            norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
-            total += torch.stack(norms).double().pow(norm_type).sum()
+    elif grads:
+        norms = torch._foreach_norm([g.float() for g in grads], norm_type)
+        total = torch.stack(norms).double().pow(norm_type).sum()
     if communicate:
         dist.all_reduce(total, group=group)
-    return float(total.item() ** (1.0 / norm_type))
+    return total.pow(1.0 / norm_type)
 
 
-_CHUNK = 1 << 24  # elements converted to float64 at a time (a 128 MiB temporary at most)
+def _foreach_norm_takes_dtype() -> bool:
+    try:  # the dtype argument arrived in torch 2.4; pyproject allows 2.3
+        torch._foreach_norm([torch.zeros(1)], 2.0, dtype=torch.float64)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+_FOREACH_NORM_DTYPE = _foreach_norm_takes_dtype()
+_CHUNK = 1 << 24  # elements converted to float64 at a time without it (a 128 MiB temporary at most)
 
 
 def _sum_of_squares_fp64(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -107,41 +126,51 @@ def _sum_of_squares_fp64(tensors: list[torch.Tensor], device: torch.device) -> t
     fp32 accumulation is off by ~1e-5 relative for a million elements, and differently for a tensor
     and for its pieces. In float64 the sum no longer depends on how the elements are cut (a whole
     parameter, or data-parallel shards of it: the distributed optimizer), so the clipping factor
-    and hence every step are the same either way.
+    and hence every step are the same either way. ``torch._foreach_norm`` accumulates each tensor
+    in float64 in one multi-tensor kernel, with no float64 copies; older torch converts in chunks.
     """
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    if _FOREACH_NORM_DTYPE:
+        return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)).square().sum()
     total = torch.zeros((), dtype=torch.float64, device=device)
-    small: list[torch.Tensor] = []  # tensors below a chunk are joined: one conversion for many
-    small_numel = 0
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() >= _CHUNK:
-            for start in range(0, flat.numel(), _CHUNK):
-                chunk = flat[start : start + _CHUNK].double()
-                total += torch.dot(chunk, chunk)
-            continue
-        if small_numel + flat.numel() > _CHUNK:
-            chunk = torch.cat(small).double()
+    pieces = [t.reshape(-1)[i : i + _CHUNK] for t in tensors for i in range(0, t.numel(), _CHUNK)]
+    batch: list[torch.Tensor] = []  # small pieces are joined: one conversion for many
+    size = 0
+    for piece in [*pieces, None]:
+        if batch and (piece is None or size + piece.numel() > _CHUNK):
+            chunk = torch.cat(batch).double()
             total += torch.dot(chunk, chunk)
-            small, small_numel = [], 0
-        small.append(flat)
-        small_numel += flat.numel()
-    if small:
-        chunk = torch.cat(small).double()
-        total += torch.dot(chunk, chunk)
+            batch, size = [], 0
+        if piece is not None:
+            batch.append(piece)
+            size += piece.numel()
     return total
 
 
-def clip_grad_by_total_norm_fp32(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """Megatron's factor ``min(max_norm / (total_norm + 1e-6), 1)`` as a float64 device tensor."""
+    return (max_norm / (total_norm + 1.0e-6)).clamp(max=1.0)
+
+
+def clip_grad_by_total_norm_fp32(
+    grads: Iterable[torch.Tensor], max_norm: float, total_norm: float | torch.Tensor
+) -> float | torch.Tensor:
     """Scale ``grads`` in place so that their global norm is at most ``max_norm``; return the factor.
 
-    Megatron's rule: ``coeff = max_norm / (total_norm + 1e-6)``, applied only when below 1.
+    Megatron's rule: ``coeff = max_norm / (total_norm + 1e-6)``, applied only when below 1. With a
+    tensor ``total_norm`` the factor stays on the device (a multiply by 1 when nothing is clipped).
     Every rank clips all its gradients, duplicates included, with the same global norm.
     """
-    coeff = max_norm / (total_norm + 1.0e-6)
-    if coeff < 1.0:
-        grads = [g for g in grads if g is not None]
+    grads = [g for g in grads if g is not None]
+    if isinstance(total_norm, torch.Tensor):
+        coeff = clip_coefficient(max_norm, total_norm)
         if grads:
-            torch._foreach_mul_(grads, coeff)
+            torch._foreach_mul_(grads, coeff.to(grads[0].dtype))
+        return coeff
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, coeff)
     return min(coeff, 1.0)
 
 
@@ -149,11 +178,18 @@ def count_zeros_fp32(
     grads_for_norm: Iterable[torch.Tensor], grad_stats_parallel_group: ProcessGroup | None = None
 ) -> int:
     """How many gradient elements are exactly zero across the model (each weight counted once)."""
+    return int(count_zeros_tensor(grads_for_norm, grad_stats_parallel_group))
+
+
+def count_zeros_tensor(
+    grads_for_norm: Iterable[torch.Tensor], grad_stats_parallel_group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """:func:`count_zeros_fp32` as a 0-dim float64 device tensor (read it when logging)."""
     grads = [g for g in grads_for_norm if g is not None]
     zeros = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else current_device())
     for g in grads:
-        zeros += (g.numel() - torch.count_nonzero(g)).double()
+        zeros += g.numel() - torch.count_nonzero(g)
     group = grad_stats_parallel_group
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(zeros, group=group)
-    return int(zeros.item())
+    return zeros

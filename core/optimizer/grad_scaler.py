@@ -16,37 +16,65 @@ from __future__ import annotations
 
 import torch
 
+from core.device import current_device
+
+
+def _flag(found_inf: bool | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``found_inf`` as a 0-dim bool tensor on ``device``, without a host-to-device copy."""
+    if isinstance(found_inf, torch.Tensor):
+        return found_inf.reshape(()) > 0
+    return torch.full((), bool(found_inf), dtype=torch.bool, device=device)
+
 
 class ConstantGradScaler:
-    """A fixed loss scale (``--loss-scale``)."""
+    """A fixed loss scale (``--loss-scale``).
 
-    def __init__(self, initial_scale: float) -> None:
+    The scale lives on the device (``scale_tensor``), where the loss is multiplied by it and the
+    gradients divided by it; ``scale`` reads it as a number (for the log line and checkpoints).
+    """
+
+    def __init__(self, initial_scale: float, device: torch.device | None = None) -> None:
         if initial_scale <= 0:
             raise ValueError(f"the loss scale must be > 0, got {initial_scale}")
-        self._scale = float(initial_scale)
+        self.device = device if device is not None else current_device()
+        self._scale = torch.full((), float(initial_scale), dtype=torch.float32, device=self.device)
 
     @property
     def scale(self) -> float:
-        """The current loss scale."""
-        return self._scale
+        """The current loss scale (a read from the device)."""
+        return float(self._scale)
 
     @property
     def inv_scale(self) -> float:
-        """What gradients are multiplied by to undo the scale."""
-        return 1.0 / self._scale
+        """What gradients are multiplied by to undo the scale (a read from the device)."""
+        return float(self.inv_scale_tensor)
 
-    def update(self, found_inf: bool) -> None:
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The loss scale as a 0-dim float32 tensor on the device."""
+        return self._scale
+
+    @property
+    def inv_scale_tensor(self) -> torch.Tensor:
+        """``1 / scale`` as a 0-dim float32 tensor on the device."""
+        return self._scale.reciprocal()
+
+    def update(self, found_inf: bool | torch.Tensor) -> None:
         """A constant scale ignores overflows (the step is still skipped by the optimizer)."""
 
     def state_dict(self) -> dict:
-        return {"scale": self._scale}
+        return {"scale": self.scale}
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to restore: a constant scale comes from ``--loss-scale``, not the checkpoint (Megatron)."""
 
 
 class DynamicGradScaler(ConstantGradScaler):
-    """Megatron's dynamic loss scale: back off on overflow (after ``hysteresis`` of them), grow when quiet."""
+    """Megatron's dynamic loss scale: back off on overflow (after ``hysteresis`` of them), grow when quiet.
+
+    Scale and trackers are device tensors and :meth:`update` takes the overflow flag as a device
+    tensor, so a step never waits for the host to learn whether it overflowed.
+    """
 
     def __init__(
         self,
@@ -57,8 +85,9 @@ class DynamicGradScaler(ConstantGradScaler):
         backoff_factor: float = 0.5,
         growth_interval: int,
         hysteresis: int,
+        device: torch.device | None = None,
     ) -> None:
-        super().__init__(initial_scale)
+        super().__init__(initial_scale, device)
         if not 0 < min_scale <= initial_scale:
             raise ValueError(f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}")
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
@@ -72,41 +101,49 @@ class DynamicGradScaler(ConstantGradScaler):
         self.min_scale = float(min_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
-        self._growth_tracker = 0
-        self._hysteresis_tracker = hysteresis
+        self._growth_tracker = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._hysteresis_tracker = torch.full((), hysteresis, dtype=torch.int64, device=self.device)
 
-    def update(self, found_inf: bool) -> None:
-        """Record one step's outcome and adjust the scale."""
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
-            return
-        self._growth_tracker += 1
-        if self._growth_tracker == self.growth_interval:
-            self._growth_tracker = 0
-            self._hysteresis_tracker = self.hysteresis
-            self._scale *= self.growth_factor
+    def update(self, found_inf: bool | torch.Tensor) -> None:
+        """Record one step's outcome and adjust the scale, on the device.
+
+        An overflow resets the growth count and uses up one unit of hysteresis; with none left the
+        scale backs off (never below ``min_scale``). ``growth_interval`` clean steps in a row grow it
+        and restore the hysteresis.
+        """
+        found = _flag(found_inf, self.device)
+        growth = torch.where(found, 0, self._growth_tracker + 1)
+        hysteresis = torch.where(found, self._hysteresis_tracker - 1, self._hysteresis_tracker)
+        back_off = found & (hysteresis <= 0)
+        grow = ~found & (growth == self.growth_interval)
+        scale = torch.where(
+            back_off, (self._scale * self.backoff_factor).clamp(min=self.min_scale), self._scale
+        )
+        self._scale.copy_(torch.where(grow, scale * self.growth_factor, scale))
+        self._growth_tracker.copy_(torch.where(grow, 0, growth))
+        self._hysteresis_tracker.copy_(torch.where(grow, self.hysteresis, hysteresis))
 
     def state_dict(self) -> dict:
         return {
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
+            "scale": self.scale,
+            "growth_tracker": int(self._growth_tracker),
+            "hysteresis_tracker": int(self._hysteresis_tracker),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where the saved scaler stopped; a constant scale's state (``{"scale"}``) starts
         the trackers afresh from its scale."""
-        self._scale = float(state["scale"])
-        self._growth_tracker = int(state.get("growth_tracker", 0))
-        self._hysteresis_tracker = int(state.get("hysteresis_tracker", self.hysteresis))
+        self._scale.fill_(float(state["scale"]))
+        self._growth_tracker.fill_(int(state.get("growth_tracker", 0)))
+        self._hysteresis_tracker.fill_(int(state.get("hysteresis_tracker", self.hysteresis)))
 
 
-def unscale_and_check(grads: list[torch.Tensor], inv_scale: float, found_inf: torch.Tensor) -> None:
+def unscale_and_check(
+    grads: list[torch.Tensor], inv_scale: float | torch.Tensor, found_inf: torch.Tensor
+) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place; set ``found_inf`` to 1 if any holds Inf or NaN."""
     grads = [g for g in grads if g.numel()]
     if grads:
-        inv = torch.full((), inv_scale, dtype=torch.float32, device=found_inf.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+        if not isinstance(inv_scale, torch.Tensor):
+            inv_scale = torch.full((), inv_scale, dtype=torch.float32, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale.reshape(1))

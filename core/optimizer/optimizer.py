@@ -20,12 +20,18 @@ the distributed optimizer). ``param_state_by_name`` exports the state in those t
 agree) and leaves parameters and optimizer state untouched. With loss scaling (fp16, or
 ``loss_scale``) the gradients are unscaled first; an overflow skips the step, sets
 ``last_step_overflowed`` and lets the scaler back off (see :mod:`core.optimizer.grad_scaler`).
+
+The step is decided on the device. :meth:`MegatronOptimizer.step_on_device` computes the norm, the
+clipping factor and the skip flag as device tensors and never waits for the host: a fused optimizer
+(torch's fused AdamW or SGD, on CUDA and on CPUs with torch >= 2.4) takes the skip flag as
+``found_inf`` and the clipping factor as ``grad_scale``, exactly as torch's ``GradScaler`` drives it,
+and skips or clips inside its one kernel. Without a fused kernel (torch 2.3 on a CPU) the foreach
+optimizer steps after one read of the flag. ``step()`` is the same step with its results read.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +40,12 @@ from torch import nn
 
 from core.device import current_device
 from core.optimizer.clip_grads import (
+    clip_coefficient,
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
+    count_zeros_tensor,
     get_grad_norm_fp32,
+    get_grad_norm_tensor,
     grad_stats_group,
     param_counts_for_norm,
 )
@@ -79,6 +88,34 @@ class ParamShard:
         return self.model_param.detach().reshape(-1)[self.start : self.end].view_as(self.main_param)
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one optimizer step decided, as 0-dim device tensors (read them when logging).
+
+    ``applied``: bool, the update was made. ``grad_norm``: float64, the global norm before clipping
+    (non-finite when the step was skipped for it). ``num_zeros``: float64 zero-gradient count, only
+    with ``log_num_zeros_in_grad``. ``overflow``: bool, the loss-scaled gradients overflowed (only
+    with loss scaling).
+    """
+
+    applied: torch.Tensor
+    grad_norm: torch.Tensor
+    num_zeros: torch.Tensor | None = None
+    overflow: torch.Tensor | None = None
+
+    def read(self) -> tuple[bool, float | None, int | None]:
+        """Megatron's ``step()`` result from these tensors, in one read from the device."""
+        flags = [self.applied, self.overflow if self.overflow is not None else torch.zeros_like(self.applied)]
+        values = [self.grad_norm, self.num_zeros if self.num_zeros is not None else self.grad_norm]
+        applied, overflow = torch.stack(flags).tolist()
+        norm, zeros = torch.stack(values).tolist()
+        if overflow:
+            return False, None, None
+        if not applied:
+            return False, norm, None
+        return True, norm, None if self.num_zeros is None else int(zeros)
+
+
 def model_named_parameters(chunks: Iterable[nn.Module]) -> dict[int, str]:
     """id(parameter) -> its name in its chunk (a data-parallel wrapper adds no prefix)."""
     names: dict[int, str] = {}
@@ -93,6 +130,15 @@ def _jsonable(value):
     if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]
     return value
+
+
+def _foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for all i, casting dtypes, in one multi-tensor op where torch has it."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(targets, sources)
+    else:
+        for target, source in zip(targets, sources):
+            target.copy_(source)
 
 
 class MegatronOptimizer:
@@ -138,22 +184,25 @@ class MegatronOptimizer:
 
     # -- loss scaling -------------------------------------------------------------------------------
     def get_loss_scale(self) -> torch.Tensor:
-        """The current loss scale (1 without loss scaling)."""
-        return torch.tensor(1.0 if self.grad_scaler is None else self.grad_scaler.scale)
+        """The current loss scale as a device tensor (1 without loss scaling)."""
+        if self.grad_scaler is None:
+            return torch.ones((), dtype=torch.float32, device=current_device())
+        return self.grad_scaler.scale_tensor
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to backpropagate: ``loss`` times the loss scale (``config.grad_scale_func``)."""
-        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale_tensor
 
-    def _unscale_and_check_for_inf(self) -> bool:
-        """Divide the main gradients by the loss scale; True if any rank found an Inf or NaN."""
+    def _unscale_and_check_for_inf(self) -> torch.Tensor:
+        """Divide the main gradients by the loss scale; a bool device tensor, True if any rank found an
+        Inf or NaN."""
         grads = self._main_grads(for_norm=False)
         found_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else current_device())
-        unscale_and_check(grads, self.grad_scaler.inv_scale, found_inf)
+        unscale_and_check(grads, self.grad_scaler.inv_scale_tensor, found_inf)
         group = self._grad_stats_group()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
-        return bool(found_inf.item() > 0)
+        return found_inf.reshape(()) > 0
 
     # -- parameters -----------------------------------------------------------------------------------
     @property
@@ -217,42 +266,106 @@ class MegatronOptimizer:
 
     def get_params_norm(self) -> float:
         """Global L2 norm of the (main) parameters, each weight counted once (``--log-params-norm``)."""
+        return float(self.get_params_norm_tensor())
+
+    def get_params_norm_tensor(self) -> torch.Tensor:
+        """:meth:`get_params_norm` as a 0-dim float64 device tensor (a collective, not read by the host)."""
         params = [s.main_param for s in self._counted_shards()]
-        return get_grad_norm_fp32(params, 2.0, self._grad_stats_group())
+        return get_grad_norm_tensor(params, 2.0, self._grad_stats_group())
 
     # -- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
-        """Unscale, clip, step and copy back; skipped (False) on overflow or a non-finite grad norm."""
+        """Unscale, clip, step and copy back; skipped (False) on overflow or a non-finite grad norm.
+
+        Megatron's API: the results as Python values, so the host waits for the step. The training
+        loop calls :meth:`step_on_device` instead and reads the results only when it logs.
+        """
+        outcome = self.step_on_device()
+        applied, grad_norm, num_zeros = outcome.read()
+        self.last_step_overflowed = outcome.overflow is not None and not applied and grad_norm is None
+        return applied, grad_norm, num_zeros
+
+    @torch.no_grad()
+    def step_on_device(
+        self, skip: torch.Tensor | None = None, lrs: Sequence[torch.Tensor] | None = None
+    ) -> StepOutcome:
+        """One step decided on the device: unscale (with loss scaling), global norm, clip, skip, update.
+
+        ``skip``: a bool device tensor that also skips the update (a NaN loss, found by the caller).
+        ``lrs``: one 0-dim device tensor per parameter group to use as this step's learning rate
+        instead of the groups' numbers (fused optimizers only; see ``training`` for why). Every rank
+        of the model-parallel group must call this: the norm and overflow checks are collectives.
+        """
         self.prepare_grads()
-        self.last_step_overflowed = False
+        overflow = None
         if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check_for_inf()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                self.last_step_overflowed = True
-                return False, None, None
-        grad_norm = self.get_grad_norm()
-        if not math.isfinite(grad_norm):
-            return False, grad_norm, None
-        if self.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(self._main_grads(for_norm=False), self.config.clip_grad, grad_norm)
-        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-        self.optimizer.step()
+            overflow = self._unscale_and_check_for_inf()
+            self.grad_scaler.update(overflow)
+        grad_norm = get_grad_norm_tensor(self._main_grads(for_norm=True), 2.0, self._grad_stats_group())
+        bad = ~torch.isfinite(grad_norm)
+        for flag in (overflow, skip):
+            if flag is not None:
+                bad = bad | flag.reshape(())
+        coeff = clip_coefficient(self.config.clip_grad, grad_norm) if self.config.clip_grad > 0.0 else None
+        num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            num_zeros = count_zeros_tensor(self._main_grads(for_norm=True), self._grad_stats_group())
+        if self.fused:
+            self._fused_step(bad, coeff, lrs)
+        else:
+            self._host_decided_step(bad, coeff, lrs)
         self._copy_main_params_to_model_params()
-        return True, grad_norm, num_zeros
+        return StepOutcome(~bad, grad_norm, num_zeros, overflow)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the inner optimizer is torch's fused kernel, which skips and clips on the device."""
+        return bool(self.optimizer.defaults.get("fused"))
+
+    def _fused_step(self, bad: torch.Tensor, coeff: torch.Tensor | None, lrs) -> None:
+        """The fused kernel skips on ``found_inf`` and divides gradients by ``grad_scale``: the clip."""
+        inner = self.optimizer
+        inner.found_inf = bad.to(torch.float32)
+        inner.grad_scale = None if coeff is None else coeff.reciprocal().to(torch.float32)
+        saved = [group["lr"] for group in inner.param_groups]
+        try:
+            if lrs is not None:
+                for group, lr in zip(inner.param_groups, lrs, strict=True):
+                    group["lr"] = lr
+            inner.step()
+        finally:
+            for group, lr in zip(inner.param_groups, saved):
+                group["lr"] = lr
+            del inner.found_inf, inner.grad_scale
+
+    def _host_decided_step(self, bad: torch.Tensor, coeff: torch.Tensor | None, lrs) -> None:
+        """Without a fused kernel: read the skip flag and the factor (one read), clip, step."""
+        if lrs is not None:
+            raise ValueError("per-step learning-rate tensors need a fused optimizer")
+        one = torch.ones((), dtype=torch.float64, device=bad.device)
+        skipped, factor = torch.stack([bad.double(), one if coeff is None else coeff]).tolist()
+        if skipped:
+            return
+        grads = self._main_grads(for_norm=False)
+        if factor < 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
+        self.optimizer.step()
 
     def _copy_main_params_to_model_params(self) -> None:
-        for s in self._shards:
-            if s.copy:
-                s.model_view().copy_(s.main_param)
+        """Updated fp32 main parameters into the 16-bit model, all tensors in one multi-tensor copy."""
+        pairs = [(s.model_view(), s.main_param) for s in self._shards if s.copy]
+        if pairs:
+            models, mains = zip(*pairs)
+            _foreach_copy(list(models), list(mains))
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 main copies from the model (after loading model weights only)."""
-        with torch.no_grad():
-            for s in self._shards:
-                if s.copy:
-                    s.main_param.copy_(s.model_view())
+        pairs = [(s.main_param, s.model_view()) for s in self._shards if s.copy]
+        if pairs:
+            with torch.no_grad():
+                mains, models = zip(*pairs)
+                _foreach_copy(list(mains), list(models))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all ``.grad`` tensors and zero the data-parallel ``main_grad`` buffers."""

@@ -116,11 +116,12 @@ def import_param_state(optimizer: MegatronOptimizer, state: dict) -> None:
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     inner_state = optimizer.optimizer.state
+    fused = optimizer.fused  # torch's fused kernels keep the step count on the device, foreach on the host
     for shard in optimizer._shards:
         per_param = loaded[id(shard.main_param)]
         if per_param:
             inner_state[shard.main_param] = {
-                k: v.to(shard.main_param.device) if v.dim() else v for k, v in per_param.items()
+                k: v.to(shard.main_param.device) if v.dim() or fused else v for k, v in per_param.items()
             }
         else:
             inner_state.pop(shard.main_param, None)

@@ -14,6 +14,8 @@ parallelism) sums the heads' contributions.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -185,13 +187,32 @@ class SelfAttention(nn.Module):
     def core(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """:func:`core_attention` with this layer's dropout and softmax settings, checkpointed under
-        selective recomputation: ``[b, heads, s, d]`` queries, ``[b, groups, s, d]`` keys and values."""
+        """The layer's one call of core attention: ``[b, heads, s, d]`` queries, ``[b, groups, s, d]``
+        keys and values (unrepeated), with its dropout and softmax settings, checkpointed under
+        selective recomputation. With context parallelism the rank holds ``s / CP`` tokens and this
+        attends over the whole sequence through the CP group (``attention_mask`` then None); that
+        communicates, so ``--compile`` keeps this method eager (``core/transformer/compile.py``).
+        """
         dropout_p = self.config.attention_dropout if self.training else 0.0
         fp32_softmax = self.config.attention_softmax_in_fp32
-        if self.recompute_core:
-            return checkpoint(core_attention, query, key, value, attention_mask, dropout_p, fp32_softmax)
-        return core_attention(query, key, value, attention_mask, dropout_p, fp32_softmax)
+
+        def local(q, k, v, mask):
+            return core_attention(q, k, v, mask, dropout_p, fp32_softmax)
+
+        if self.cp_comm_type is None:
+            attend, args = local, (query, key, value, attention_mask)
+        else:
+            attend, args = (
+                partial(
+                    context_parallel_attention,
+                    comm_type=self.cp_comm_type,
+                    group=parallel_state.get_context_parallel_group(),
+                    local_attention=local,
+                    dropout_p=dropout_p,
+                ),
+                (query, key, value),
+            )
+        return checkpoint(attend, *args) if self.recompute_core else attend(*args)
 
     def forward(
         self,
@@ -203,6 +224,11 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """``inference_context`` (generation only): cache this call's keys and values and attend over
         every cached position; ``hidden`` then holds only the new tokens."""
+        if self.cp_comm_type is not None and (attention_mask is not None or inference_context is not None):
+            raise ValueError(
+                "context parallelism runs causal attention without an attention_mask or an "
+                "inference_context; generate at context_parallel_size 1"
+            )
         mixed, _ = self.linear_qkv(hidden)
         query, key, value = self.split_qkv(mixed)
         if rotary is not None:
@@ -212,41 +238,11 @@ class SelfAttention(nn.Module):
         query = query.flatten(1, 2)
         if inference_context is not None:
             key, value = inference_context.store(self.layer_number, key, value)
-        if self.cp_comm_type is not None:
-            context = self._context_parallel(query, key, value, attention_mask, inference_context)
-        else:
-            context = self.core(query, key, value, attention_mask)
+        context = self.core(query, key, value, attention_mask)
         # [b, h, s, d] -> [s, b, h * d]: a view of the fused kernels' [b, s, h, d] output (copied by the
         # projection's matmul only when b > 1).
         output, _ = self.linear_proj(context.permute(2, 0, 1, 3).flatten(2))
         return output
-
-    def _context_parallel(self, query, key, value, attention_mask, inference_context) -> torch.Tensor:
-        """Attention over the whole sequence, of which this rank holds ``seq / CP`` tokens (key and
-        value heads unrepeated: the ring sends them so)."""
-        if attention_mask is not None or inference_context is not None:
-            raise ValueError(
-                "context parallelism runs causal attention without an attention_mask or an "
-                "inference_context; generate at context_parallel_size 1"
-            )
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        fp32_softmax = self.config.attention_softmax_in_fp32
-
-        def local_attention(q, k, v, mask):
-            return core_attention(q, k, v, mask, dropout_p, fp32_softmax)
-
-        def attend(q, k, v):
-            return context_parallel_attention(
-                q,
-                k,
-                v,
-                comm_type=self.cp_comm_type,
-                group=parallel_state.get_context_parallel_group(),
-                local_attention=local_attention,
-                dropout_p=dropout_p,
-            )
-
-        return checkpoint(attend, query, key, value) if self.recompute_core else attend(query, key, value)
 
 
 def _cp_comm_type(config: TransformerConfig, layer_number: int) -> str | None:

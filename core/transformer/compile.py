@@ -13,7 +13,9 @@ breaks a layer, five compiled regions). That one choice gives the rest:
   nodes; the regions that hold parameters hold only norms, whose backward is all that W repeats;
 * ``--gradient-accumulation-fusion`` works unchanged (the linear layers' own backward);
 * recomputation: full recompute checkpoints around the compiled layer (the recomputation calls
-  it again), selective recompute keeps core attention's checkpoint eager.
+  it again), selective recompute keeps core attention's checkpoint eager;
+* context parallelism: core attention (``SelfAttention.core``, where the ring or the all-to-all
+  runs) stays eager, so no compiled region communicates.
 
 A module can ask to stay eager the same way (``keep_out_of_compile = True`` on its class), which is
 what parts with data-dependent shapes or communication (an MoE dispatcher) want. Variable sequence
@@ -66,11 +68,12 @@ def compile_layer(
     # AOTAutograd's donated buffers would forbid that.
     functorch_config.donated_buffer = False
     attention = getattr(layer, "self_attention", None)
-    if attention is not None and getattr(attention, "recompute_core", False):  # [b, h, s, d] out
+    # Core attention stays eager under selective recompute (its checkpoint) and under context
+    # parallelism (it talks to the other CP ranks: ring or all-to-all). [b, h, s, d] out.
+    if attention is not None and (
+        getattr(attention, "recompute_core", False) or getattr(attention, "cp_comm_type", None) is not None
+    ):
         attention.core = _eager(attention.core, 2 if dynamic_sequence else None)
-    if attention is not None and getattr(attention, "cp_comm_type", None) is not None:
-        # Context-parallel attention talks to the other CP ranks (ring or all-to-all): kept eager.
-        attention._context_parallel = _eager(attention._context_parallel, 2 if dynamic_sequence else None)
     layer.compile(backend=backend)
 
 

@@ -1,4 +1,4 @@
-"""GPT-2 and LLaMA as configurations of one TransformerConfig, plus a few named sizes.
+"""GPT-2, LLaMA and Mixtral as configurations of one TransformerConfig, plus a few named sizes.
 
     config = llama_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                           ffn_hidden_size=64, tensor_model_parallel_size=2)
@@ -60,7 +60,25 @@ def llama_config(**overrides: Any) -> TransformerConfig:
     return TransformerConfig(**fields)
 
 
-STYLES: dict[str, Callable[..., TransformerConfig]] = {"gpt2": gpt2_config, "llama": llama_config}
+def mixtral_config(**overrides: Any) -> TransformerConfig:
+    """Mixtral: LLaMA with every MLP an MoE layer of 8 experts, top-2 (softmax over the chosen two),
+    the GShard/Switch balancing loss at 1e-2 as in Megatron's Mixtral script, tokens sent by all-to-all."""
+    fields: dict[str, Any] = {
+        "num_moe_experts": 8,
+        "moe_router_topk": 2,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 1e-2,
+        "moe_token_dispatcher_type": "alltoall",
+        **overrides,
+    }
+    return llama_config(**fields)
+
+
+STYLES: dict[str, Callable[..., TransformerConfig]] = {
+    "gpt2": gpt2_config,
+    "llama": llama_config,
+    "mixtral": mixtral_config,
+}
 
 NAMED_SIZES: dict[str, tuple[str, dict[str, int]]] = {
     "gpt2-tiny": ("gpt2", {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}),
@@ -74,6 +92,16 @@ NAMED_SIZES: dict[str, tuple[str, dict[str, int]]] = {
             "num_attention_heads": 4,
             "num_query_groups": 2,
             "ffn_hidden_size": 64,
+        },
+    ),
+    "mixtral-tiny": (
+        "mixtral",
+        {
+            "num_layers": 2,
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 32,
         },
     ),
     "tinyllama-1.1b": (
@@ -90,7 +118,7 @@ NAMED_SIZES: dict[str, tuple[str, dict[str, int]]] = {
 
 
 def preset(name: str, **overrides: Any) -> TransformerConfig:
-    """A style ("gpt2", "llama") or a named size ("gpt2-small", "llama-tiny", ...), with overrides."""
+    """A style ("gpt2", "llama", "mixtral") or a named size ("gpt2-small", "llama-tiny", ...), with overrides."""
     if name in STYLES:
         return STYLES[name](**overrides)
     if name not in NAMED_SIZES:

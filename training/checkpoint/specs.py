@@ -77,6 +77,7 @@ def gpt_tensor_specs(
         config,
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None,
         pipeline_model_parallel_layout=None,
         perform_initialization=False,

@@ -17,6 +17,7 @@ experts. On CPU in fp32 both give bit-identical results.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,11 @@ from core.device import current_device
 from core.transformer.initialization import mark_init
 from core.transformer.mlp import activate
 
+if TYPE_CHECKING:
+    from core.transformer.transformer_config import TransformerConfig
 
-def _param(shape: tuple[int, ...], config, rule: str) -> nn.Parameter:
+
+def _param(shape: tuple[int, ...], config: TransformerConfig, rule: str) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, device=current_device(), dtype=config.params_dtype))
     param.allreduce = False
     mark_init(param, rule)
@@ -37,7 +41,7 @@ def _param(shape: tuple[int, ...], config, rule: str) -> nn.Parameter:
 class ExpertLinear(nn.Module):
     """``y = x W^T (+ b)`` for one expert (plain parameters: no tensor parallelism)."""
 
-    def __init__(self, in_features: int, out_features: int, config, rule: str) -> None:
+    def __init__(self, in_features: int, out_features: int, config: TransformerConfig, rule: str) -> None:
         super().__init__()
         self.weight = _param((out_features, in_features), config, rule)
         self.bias = _param((out_features,), config, "zeros") if config.add_bias_linear else None
@@ -49,7 +53,7 @@ class ExpertLinear(nn.Module):
 class ExpertMLP(nn.Module):
     """One expert: ``fc2(act(fc1(x)))``, or the gated ``fc2(act(x W_gate) * (x W_up))``."""
 
-    def __init__(self, config, ffn_hidden_size: int) -> None:
+    def __init__(self, config: TransformerConfig, ffn_hidden_size: int) -> None:
         super().__init__()
         self.activation_func, self.gated = config.activation_func, config.gated_linear_unit
         branches = 2 if self.gated else 1
@@ -66,7 +70,7 @@ class ExpertMLP(nn.Module):
 class Experts(nn.Module):
     """Experts ``first, ..., first + count - 1`` of a layer; ``forward(tokens sorted by expert, counts)``."""
 
-    def __init__(self, config, first: int, count: int) -> None:
+    def __init__(self, config: TransformerConfig, first: int, count: int) -> None:
         super().__init__()
         self.grouped = config.moe_grouped_gemm
         size = config.expert_ffn_hidden_size

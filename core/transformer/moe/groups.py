@@ -19,13 +19,19 @@ class MoEGroups:
     expert are summed over it for the load-balancing loss)."""
 
     @classmethod
-    def from_parallel_state(cls) -> MoEGroups:
-        """This rank's groups from ``core.parallel_state``; all ``None`` in a process without groups."""
+    def from_parallel_state(cls, expert_model_parallel_size: int = 1) -> MoEGroups:
+        """This rank's groups from ``core.parallel_state``; all ``None`` in a process without groups
+        (where every expert is local). With groups, their expert-parallel size must be the config's."""
         from core import parallel_state as ps
 
         if not dist.is_initialized() or not ps.model_parallel_is_initialized():
             return cls()
         groups = ps.get_parallel_groups()
+        if groups.size("ep") != expert_model_parallel_size:
+            raise ValueError(
+                f"the model config says expert_model_parallel_size {expert_model_parallel_size} but the "
+                f"process groups were initialised with {groups.size('ep')}"
+            )
         return cls(ep=_or_none(groups.ep), tp_cp=_or_none(groups.tp_cp))
 
     @staticmethod

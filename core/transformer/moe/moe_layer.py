@@ -11,6 +11,8 @@ token goes through, optionally scaled by a learned sigmoid gate (Qwen2-MoE).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,11 +25,14 @@ from core.transformer.moe.groups import MoEGroups
 from core.transformer.moe.router import TopKRouter
 from core.transformer.moe.token_dispatcher import build_token_dispatcher
 
+if TYPE_CHECKING:
+    from core.transformer.transformer_config import TransformerConfig
+
 
 class SharedExpertMLP(MLP):
     """The shared experts: a dense (tensor-parallel) MLP; with a gate, ``sigmoid(x . gate_weight) * mlp(x)``."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: TransformerConfig) -> None:
         super().__init__(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
         self.gate_weight = None
         if config.moe_shared_expert_gate:
@@ -51,11 +56,12 @@ class MoELayer(nn.Module):
     ``groups`` defaults to this rank's from ``core.parallel_state`` (none in a plain process).
     """
 
-    def __init__(self, config, layer_number: int, groups: MoEGroups | None = None) -> None:
+    def __init__(self, config: TransformerConfig, layer_number: int, groups: MoEGroups | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        groups = MoEGroups.from_parallel_state() if groups is None else groups
+        if groups is None:
+            groups = MoEGroups.from_parallel_state(config.expert_model_parallel_size)
         ep_size, ep_rank = MoEGroups.size(groups.ep), MoEGroups.rank(groups.ep)
         if config.num_moe_experts % ep_size:
             raise ValueError(

@@ -15,6 +15,8 @@ For the log, each loss is also accumulated here, without its coefficient, per st
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,6 +35,9 @@ from core.transformer.moe.moe_utils import (
 )
 from core.transformer.recompute import is_recomputing
 
+if TYPE_CHECKING:
+    from core.transformer.transformer_config import TransformerConfig
+
 AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 """The name each balancing loss is logged under (Megatron's)."""
 
@@ -44,7 +49,9 @@ class TopKRouter(nn.Module):
     its own tokens, so it is marked ``sequence_parallel`` and its gradient summed over TP.
     """
 
-    def __init__(self, config, layer_number: int, tp_cp_group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self, config: TransformerConfig, layer_number: int, tp_cp_group: ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_number = layer_number
