@@ -106,7 +106,7 @@ def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], 
     rejected = "; ".join(f"{reason}: {v['count']}" for reason, v in result.rejected.items())
     lines.append(
         f"{result.fitting} candidates fit in {cluster.usable_bytes / GB:.0f} of {cluster.memory_bytes / GB:.0f} GB "
-        f"per GPU, {result.simulated} simulated in {result.seconds:.1f} s; rejected: {rejected or 'none'}"
+        f"per GPU, {result.simulated} simulated in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s of CPU); rejected: {rejected or 'none'}"
     )
     if cluster.num_gpus > cluster.gpus_per_node and result.candidates[:show_args]:
         lines.append(f"on each of the {cluster.num_gpus // cluster.gpus_per_node} nodes, with MASTER_ADDR set to "

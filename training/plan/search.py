@@ -84,6 +84,8 @@ class SearchResult:
     """Candidates that fit in memory (only the best of them are simulated)."""
     simulated: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    """This process's CPU time for the search: the wall time's share of it shows how loaded the machine was."""
 
 
 class _Rejections:
@@ -339,7 +341,7 @@ def search(
     device: str = "cuda",
 ) -> SearchResult:
     """Rank the ways to train ``spec`` on ``cluster`` (module docstring)."""
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     rejected = _Rejections()
     space = _space(spec, cluster, fixed or {})
     fitting = list(
@@ -364,4 +366,11 @@ def search(
         if planned.step.extrapolated:
             planned.step = estimate_step(spec, planned.cand, cluster, profile)
     best.sort(key=lambda p: (p.step.step_seconds, p.peak.peak))
-    return SearchResult(best, rejected.as_dict(), len(fitting), simulated, time.perf_counter() - started)
+    return SearchResult(
+        best,
+        rejected.as_dict(),
+        len(fitting),
+        simulated,
+        time.perf_counter() - started,
+        time.process_time() - started_cpu,
+    )
