@@ -162,10 +162,27 @@ def _padded(elements: int, cand: Candidate, pp_rank: int) -> float:
     return math.ceil(elements / pad) * pad + (buckets - 1) * pad / 2
 
 
+_STATIC: dict[tuple, tuple[float, float, float, float]] = {}
+"""rank_static's answers: the search asks for every rank of every candidate, and the recomputation
+and microbatch choices share them."""
+
+
 def rank_static(
     spec: ModelSpec, cand: Candidate, pp_rank: int, device: str = "cuda"
 ) -> tuple[float, float, float, float]:
     """(params, grads, optimizer state, optimizer-step transient) of a pipeline rank, in bytes."""
+    key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
+           cand.distributed_optimizer, pp_rank, device)  # fmt: skip
+    if key not in _STATIC:
+        if len(_STATIC) > 1 << 16:
+            _STATIC.clear()
+        _STATIC[key] = _rank_static(spec, cand, pp_rank, device)
+    return _STATIC[key]
+
+
+def _rank_static(
+    spec: ModelSpec, cand: Candidate, pp_rank: int, device: str
+) -> tuple[float, float, float, float]:
     chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     embedding_here = any("E" in c for c in chunks)
     tensors = [_chunk_tensors(spec, cand, c, embedding_here) for c in chunks]
@@ -201,11 +218,12 @@ def rank_static(
 
 @lru_cache(maxsize=4096)
 def _states(schedule: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
-    """The moments of a rank's table where a peak can occur: per running (chunk, kind), an array of
-    ``(saved microbatches per chunk, I-done microbatches per chunk)`` rows, one per distinct moment.
+    """The moments of a rank's table where a peak can occur: ``(rows, group of each row, groups)``.
 
-    Memory at such a moment is linear in the chunks' byte counts, so a candidate's peak is one
-    matrix-vector product per running (chunk, kind) instead of a walk over every action.
+    A row is ``(saved microbatches per chunk, I-done microbatches per chunk)`` at one distinct moment
+    while a (chunk, kind) action runs; ``groups`` lists those (chunk, kind) in table order. Memory at
+    such a moment is linear in the chunks' byte counts, so a candidate's peak is one matrix-vector
+    product per rank instead of a walk over every action.
     """
     saved, kept = [0] * vpp, [0] * vpp
     moments: dict[tuple, set] = {}
@@ -221,9 +239,9 @@ def _states(schedule: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
         elif action.kind == W:
             saved[c] -= 1
             kept[c] -= 1
-    return tuple(
-        (chunk, kind, np.array(sorted(rows), dtype=np.float64)) for (chunk, kind), rows in moments.items()
-    )
+    rows = [sorted(moment) for moment in moments.values()]
+    group = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    return np.array([row for r in rows for row in r], dtype=np.float64), group, tuple(moments)
 
 
 def memory_microbatches(cand: Candidate) -> int:
@@ -251,16 +269,12 @@ def _transient(chunk: StageActivations, kind) -> float:
 
 def _walk(states: tuple, chunks: list[StageActivations]) -> tuple[float, float, int]:
     """(saved bytes at the peak, transient at the peak, in-flight microbatch-chunks at the peak)."""
+    rows, group, groups = states
     weights = np.array([c.saved for c in chunks] + [c.kept_grads for c in chunks])
-    vpp = len(chunks)
-    best = (-1.0, 0.0, 0.0, 0)
-    for chunk, kind, rows in states:
-        held = rows @ weights
-        top = int(held.argmax())
-        extra = _transient(chunks[chunk], kind)
-        if held[top] + extra > best[0]:
-            best = (held[top] + extra, float(held[top]), extra, int(rows[top, :vpp].sum()))
-    return best[1], best[2], best[3]
+    extras = np.array([_transient(chunks[chunk], kind) for chunk, kind in groups])
+    held = rows @ weights
+    top = int((held + extras[group]).argmax())  # the first of equal peaks, in table order
+    return float(held[top]), float(extras[group[top]]), int(rows[top, : len(chunks)].sum())
 
 
 def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str = "cuda") -> RankMemory:
