@@ -239,9 +239,18 @@ def _states(schedule: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
         elif action.kind == W:
             saved[c] -= 1
             kept[c] -= 1
-    rows = [sorted(moment) for moment in moments.values()]
+    rows = [_undominated(sorted(moment)) for moment in moments.values()]
     group = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
     return np.array([row for r in rows for row in r], dtype=np.float64), group, tuple(moments)
+
+
+def _undominated(rows: list[tuple]) -> list[tuple]:
+    """The rows that no other row covers in every count: byte counts are never negative, so only these
+    can hold the peak (a covering row holds as much; zero-bubble tables have many covered moments)."""
+    table = np.array(rows, dtype=np.int32)
+    covers = (table[:, None, :] >= table[None, :, :]).all(axis=2)  # [i, j]: row i covers row j
+    np.fill_diagonal(covers, False)  # the rows are distinct: covering is strict
+    return [row for row, covered in zip(rows, covers.any(axis=0)) if not covered]
 
 
 def memory_microbatches(cand: Candidate) -> int:

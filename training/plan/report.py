@@ -50,6 +50,7 @@ def candidate_json(planned: Planned, base_flags: list[str]) -> dict:
         "mfu": step.mfu,
         "bubble": step.bubble,
         "exposed_comm_seconds": step.exposed_comm_seconds,
+        "step_extrapolated": step.extrapolated,
         "memory_per_pp_rank": [
             {
                 k: (round(v) if isinstance(v, float) else v)
