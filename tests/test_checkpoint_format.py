@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -31,10 +32,13 @@ from training.checkpoint import (
     flatten_state,
     gpt_tensor_specs,
     open_checkpoint,
+    read_tracker,
     remove_stale_temp_files,
+    staging,
     unflatten_state,
     write_checkpoint,
 )
+from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.files import TensorFileWriter, read_header
 from training.checkpoint.format import optimizer_tensor_name, shard_from_full
 from training.checkpointing import load_checkpoint
@@ -347,6 +351,80 @@ def test_fp32_master_weights_survive_a_change_of_precision(tmp_path):
     load_checkpoint(str(tmp_path / "fp32"), model_chunks=chunks, optimizer=optimizer)
     for name, param in checkpointing.model_parameters(chunks).items():
         assert torch.equal(optimizer.get_main_param(param), masters[name]), name
+
+
+def _state_of(optimizer, params) -> dict[str, list[torch.Tensor]]:
+    """Each parameter's weight, fp32 main copy and Adam moment (the live tensors)."""
+    out = {}
+    for name, param in params.items():
+        main = optimizer.get_main_param(param)
+        out[name] = [param, main, optimizer.optimizer.state[main]["exp_avg"]]
+    return out
+
+
+def test_saving_copies_nothing_synchronously_and_stages_once_asynchronously(tmp_path):
+    """bf16 on the CPU. The optimizer state is exported as views; a synchronous save writes the live
+    tensors (no host memory held); an asynchronous save of the same state writes the same bytes and
+    checksums from images of its files, made at its first save and reused by the next; a change after
+    save() returns does not reach the file, which commits only when asked. Loading into a trained
+    optimizer overwrites its state in place."""
+    chunks, optimizer = _tiny_run(bf16=True)
+    params = checkpointing.model_parameters(chunks)
+    for param in params.values():
+        main = optimizer.get_main_param(param)
+        optimizer.optimizer.state[main] = {"exp_avg": torch.randn_like(main), "step": torch.tensor(2.0)}
+    live = _state_of(optimizer, params)
+    exported = optimizer.param_state_by_name(copy=False)["params"]
+    for name, (_, main, exp_avg) in live.items():
+        assert exported[name]["main_param"].data_ptr() == main.data_ptr()
+        assert exported[name]["exp_avg"].data_ptr() == exp_avg.data_ptr()
+    root, rng = str(tmp_path), checkpointing.get_rng_state()
+    synchronous = CheckpointSaver()
+    assert synchronous.save(root, 1, model_chunks=chunks, optimizer=optimizer, rng_state=rng).endswith("1")
+    assert synchronous.staging.nbytes == 0 and read_tracker(root) == 1
+    saver = CheckpointSaver(async_save=True)
+    expected = {name: [t.detach().clone() for t in tensors] for name, tensors in live.items()}
+    saver.save(root, 2, model_chunks=chunks, optimizer=optimizer, rng_state=rng)
+    with torch.no_grad():
+        for tensors in live.values():
+            for t in tensors:
+                t.add_(1.0)  # training goes on while the copy is written
+    assert read_tracker(root) == 1  # written in the background, committed only by poll() or wait()
+    assert saver.wait() == os.path.join(root, "iter_0000002") and read_tracker(root) == 2
+    one, two = open_checkpoint(root, iteration=1), open_checkpoint(root, iteration=2)
+    assert one.manifest["files"] == two.manifest["files"]  # the same sizes and checksums
+    for name in one.manifest["files"]:
+        assert (tmp_path / "iter_0000001" / name).read_bytes() == (
+            tmp_path / "iter_0000002" / name
+        ).read_bytes()
+    images = [image.buffer.data_ptr() for image in saver.staging._images.values()]
+    saver.save(root, 3, model_chunks=chunks, optimizer=optimizer)
+    saver.wait()
+    assert [image.buffer.data_ptr() for image in saver.staging._images.values()] == images
+    load_checkpoint(root, model_chunks=chunks, optimizer=optimizer, iteration=2)
+    for name, tensors in _state_of(optimizer, params).items():
+        assert [t.data_ptr() for t in tensors] == [t.data_ptr() for t in live[name]], name
+        assert all(torch.equal(a, b) for a, b in zip(tensors, expected[name])), name
+
+
+def test_async_save_refuses_a_copy_the_host_cannot_hold(tmp_path, monkeypatch):
+    """The staging buffers would not fit in the memory left for the node's ranks: the next check
+    stops the run with one line giving the numbers; nothing is written."""
+    chunks, optimizer = _tiny_run(bf16=False)
+    monkeypatch.setattr(staging, "available_host_memory", lambda: 1000)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    saver = CheckpointSaver(async_save=True)
+    path = saver.save(str(tmp_path), 1, model_chunks=chunks, optimizer=optimizer)
+    with pytest.raises(CheckpointError) as raised:
+        saver.poll()
+    assert re.fullmatch(
+        rf"--async-save: staging checkpoint {path} in host memory needs [0-9.]+ kB on this rank \(x 8 "
+        r"ranks on this node\), but only 1.0 kB is available; save without --async-save \(it writes the "
+        r"live tensors and needs no copy\), or split the state over more ranks \(TP, PP, "
+        r"--use-distributed-optimizer\)",
+        str(raised.value),
+    ), str(raised.value)
+    assert not saver.in_flight and os.listdir(tmp_path) == []
 
 
 def test_finetune_loads_the_weights_only_and_starts_at_iteration_zero(tmp_path):

@@ -17,7 +17,9 @@ import contextlib
 import io
 import os
 import random
+import resource
 import signal
+import threading
 import zlib
 from pathlib import Path
 
@@ -40,6 +42,8 @@ from training.checkpoint import (
     open_checkpoint,
     target_split,
 )
+from training.checkpoint import save as save_module
+from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.files import read_header
 from training.checkpointing import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
 from training.data.indexed_dataset import IndexedDatasetBuilder
@@ -209,16 +213,16 @@ def test_reshard_round_trip_is_bit_identical(saved, tmp_path):
 def _crash_then_load(rank, world_size, root):
     chunks, optimizer, _ = _build(1, 2, None, SEED)
     save_checkpoint(root, 1, model_chunks=chunks, optimizer=optimizer)
-    real = checkpointing.write_manifest
+    real = save_module.write_manifest
 
     def dies_before_the_tracker(root_, iteration, manifest, commit=True):
         return real(root_, iteration, manifest, commit=False)
 
-    checkpointing.write_manifest = dies_before_the_tracker
+    save_module.write_manifest = dies_before_the_tracker
     try:
         save_checkpoint(root, 2, model_chunks=chunks, optimizer=optimizer)
     finally:
-        checkpointing.write_manifest = real
+        save_module.write_manifest = real
     return load_checkpoint(root, model_chunks=chunks, optimizer=optimizer).iteration
 
 
@@ -250,6 +254,44 @@ def test_a_save_failing_on_one_rank_fails_on_all_and_keeps_the_previous_checkpoi
         "without pickle; use tensors, numbers, strings, lists and dicts"
     )
     assert results == [(f"rank 2: {own}", 1)] * 2 + [(own, 1)] + [(f"rank 2: {own}", 1)]
+
+
+def _async_save_whose_disk_fills_on_rank_2(rank, world_size, root):
+    """Iteration 1 saved in the background and committed; then rank 2's writes fail (a file size limit,
+    as a full disk) while the others' succeed. Every writer has ended when the ranks first poll."""
+    chunks, optimizer, _ = _build(1, 2, None, SEED)
+    saver = CheckpointSaver(async_save=True)
+    saver.save(root, 1, model_chunks=chunks, optimizer=optimizer)
+    assert saver.wait() == os.path.join(root, "iter_0000001")
+    polls, message, limits = 0, None, resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 2:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
+    try:
+        saver.save(root, 2, model_chunks=chunks, optimizer=optimizer)
+        for thread in threading.enumerate():  # each rank's write ends before the next "iteration"
+            if thread.name.startswith("checkpoint-writer"):
+                thread.join()
+        while polls < 3:
+            polls += 1
+            saver.poll()
+    except CheckpointError as err:
+        message = str(err)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    temporary = [f for f in os.listdir(os.path.join(root, "iter_0000002")) if f.endswith(".tmp")]
+    iteration = load_checkpoint(root, model_chunks=chunks, optimizer=optimizer).iteration
+    return message, polls, temporary, iteration
+
+
+def test_an_async_save_failing_on_one_rank_stops_every_rank_at_the_same_poll(ranks, tmp_path):
+    """The background write fails on rank 2 only: every rank raises at the first poll after the
+    failure, naming the path; no temporary file is left; the previous checkpoint loads."""
+    results = ranks(4).run(_async_save_whose_disk_fills_on_rank_2, str(tmp_path), timeout=120)
+    own = f"saving checkpoint {tmp_path}/iter_0000002 failed: OSError: [Errno 27] File too large"
+    assert [r[0] for r in results] == [f"rank 2: {own}"] * 2 + [own] + [f"rank 2: {own}"]
+    assert [r[1:] for r in results] == [(1, [], 1)] * 4  # the first check raised, on every rank
 
 
 def _corrupt_then_load(rank, world_size, root, victim):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from core.watchdog import Watchdog, claim_report, is_communication_failure
 from tests.torchrun_jobs import TINY, Job, alive, job_env, losses, worker_tracebacks, write_tiny_dataset
 from training.checkpoint import open_checkpoint, read_tracker
+from training.checkpoint.async_save import STALL_ENV
 
 
 class FreezableStore:
@@ -282,14 +283,86 @@ def test_killing_torchrun_ends_its_workers_and_keeps_the_last_checkpoint(data, t
     assert _load_every_rank(ckpt, 2) >= 3
 
 
+def test_kill_9_during_an_asynchronous_write_keeps_the_previous_checkpoint(data, tmp_path):
+    """--async-save: iteration 2's checkpoint commits while training goes on; iteration 4's write stops
+    after its first file (a test hook) while training goes on again; kill -9 of the whole job there
+    leaves checkpoint 2 the tracker's, loadable on every rank."""
+    ckpt = tmp_path / "ckpt"
+    flags = TINY + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--train-iters",
+        "100000",
+        "--data-path",
+        str(data),
+    ]
+    flags += ["--save", str(ckpt), "--save-interval", "2", "--async-save"]
+    job = Job(2, flags, env=job_env(**{STALL_ENV: "4"}))
+    first_files = [ckpt / "iter_0000004" / f"model_tp0_pp{p}.safetensors" for p in (0, 1)]
+    try:
+        job.wait_for(" iteration        5/", timeout=240)  # training went on while iteration 4 is written
+        deadline = time.monotonic() + 60
+        while not all(f.is_file() for f in first_files) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = job.workers()
+        for pid in [*workers.values(), job.proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        job.kill()
+    output = job.output
+    assert f"saved checkpoint {ckpt}/iter_0000002" in output, output[-3000:]
+    assert all(f.is_file() for f in first_files), sorted(os.listdir(ckpt / "iter_0000004"))
+    assert not (ckpt / "iter_0000004" / "manifest.json").exists()
+    assert _load_every_rank(ckpt, 2) == 2
+
+
+def test_a_failed_background_write_stops_training_at_the_next_iteration(data, tmp_path):
+    """--async-save where iteration 2's directory cannot be made (a file holds its name): the run stops
+    at iteration 3 with one CheckpointError naming the path; checkpoint 1 stays the tracker's."""
+    import pretrain_gpt
+    from training.checkpoint import CheckpointError
+    from training.training import pretrain
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "iter_0000002").write_text("not a directory")
+    seen: list[int] = []
+
+    def hook(state) -> None:  # the background write ends before the next iteration's check
+        seen.append(state.iteration)
+        for thread in threading.enumerate():
+            if thread.name.startswith("checkpoint-writer"):
+                thread.join()
+
+    argv = TINY + ["--train-iters", "6", "--data-path", str(data), "--save", str(ckpt)]
+    with pytest.raises(CheckpointError) as raised:
+        pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            pretrain_gpt.forward_step,
+            argv=argv + ["--save-interval", "1", "--async-save"],
+            tokenizer_provider=pretrain_gpt.tokenizer_provider,
+            iteration_hook=hook,
+        )
+    path = ckpt / "iter_0000002"
+    assert (
+        str(raised.value)
+        == f"saving checkpoint {path} failed: FileExistsError: [Errno 17] File exists: '{path}'"
+    )
+    assert seen == [1, 2]  # iteration 3's check raised, before its hook
+    assert _load_every_rank(ckpt, 1) == 1
+
+
 # --------------------------------------------------------------------------------------------------
 # What held before these changes, checked again (slow: pytest -m slow tests/test_faults.py)
 # --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_kill_9_of_a_worker_during_saves_always_leaves_a_loadable_checkpoint(data, tmp_path):
-    """Four times: SIGKILL one worker at a random moment of a run that saves every iteration."""
+@pytest.mark.parametrize("saving", [[], ["--async-save"]], ids=["sync", "async"])
+def test_kill_9_of_a_worker_during_saves_always_leaves_a_loadable_checkpoint(data, tmp_path, saving):
+    """Four times: SIGKILL one worker at a random moment of a run that saves every iteration (with
+    --async-save: while a write is in flight, or being committed, most of the time)."""
     rng = random.Random(10)
     flags = TINY + [
         "--pipeline-model-parallel-size",
@@ -301,9 +374,9 @@ def test_kill_9_of_a_worker_during_saves_always_leaves_a_loadable_checkpoint(dat
     ]
     for attempt in range(4):
         ckpt = tmp_path / f"ckpt{attempt}"
-        job = Job(2, flags + ["--save", str(ckpt), "--save-interval", "1"], env=job_env())
+        job = Job(2, flags + ["--save", str(ckpt), "--save-interval", "1", *saving], env=job_env())
         try:
-            job.wait_for(f" iteration {rng.randint(2, 6):8d}/", timeout=240)
+            job.wait_for(f" iteration {rng.randint(3, 6):8d}/", timeout=240)  # 1 is committed
             time.sleep(rng.uniform(0, 0.15))
             victim = rng.choice(sorted(job.workers().values()))
             os.kill(victim, signal.SIGKILL)

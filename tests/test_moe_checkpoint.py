@@ -1,5 +1,6 @@
 """MoE checkpoints reshard expert parallelism: a run saved at EP2 x PP2 resumes at EP1 x PP1 and at EP4
-with the same next losses, directly (``--load``) and through the converter.
+with the same next losses, directly (``--load``) and through the converter; ``--async-save`` writes
+the same bytes.
 
 Experts are stored whole under their global names (``...local_experts.{e}...``); a rank reads the
 experts it holds from whichever file has them, and the converter moves them between expert files.
@@ -25,6 +26,11 @@ EP2PP2 = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
 EP4 = ["--expert-model-parallel-size", "4"]
 
 
+def _manifest(root: str, iteration: int) -> dict:
+    with open(os.path.join(root, f"iter_{iteration:07d}", "manifest.json")) as fh:
+        return json.load(fh)
+
+
 @pytest.mark.slow
 def test_a_checkpoint_saved_at_ep2_pp2_resumes_at_ep1_pp1_and_ep4(ranks, data, tmp_path):  # noqa: F811
     from tools import convert_checkpoint
@@ -32,11 +38,15 @@ def test_a_checkpoint_saved_at_ep2_pp2_resumes_at_ep1_pp1_and_ep4(ranks, data, t
     pool, ckpt = ranks(4), str(tmp_path / "ep2pp2")
     common = [*MOE_MODEL, *RUN, "--data-path", data]
     straight, _ = _losses(pool, *common, *EP2PP2, "--save", ckpt, "--save-interval", "2")
+    background = str(tmp_path / "async")
+    again, _ = _losses(pool, *common, *EP2PP2, "--save", background, "--save-interval", "2", "--async-save")
+    assert again == straight
+    for iteration in (2, 4, 5):  # written in the background: the same bytes, expert files included
+        files = [_manifest(root, iteration)["files"] for root in (ckpt, background)]
+        assert files[0] == files[1], iteration
     resumed, _ = _losses(pool, *common, *EP2PP2, "--load", ckpt, "--ckpt-step", "2")
     assert resumed == straight[2:]  # the same split repeats the uninterrupted run bit for bit
-    with open(os.path.join(ckpt, "iter_0000002", "manifest.json")) as fh:
-        manifest = json.load(fh)
-    expert_files = sorted(f for f in manifest["files"] if f.startswith("model_experts_"))
+    expert_files = sorted(f for f in _manifest(ckpt, 2)["files"] if f.startswith("model_experts_"))
     assert expert_files == [f"model_experts_pp{p}_ep{e}.safetensors" for p in (0, 1) for e in (0, 1)]
     ep1, _ = _losses(pool, *common, "--load", ckpt, "--ckpt-step", "2")
     ep4, out = _losses(pool, *common, *EP4, "--load", ckpt, "--ckpt-step", "2")

@@ -217,22 +217,28 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
     """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit).
 
     The global batch ramps up (Megatron's --rampup-batch-size 2 2 48: 1, 2, 3, then 4 microbatches
-    of 1 per DP rank), and the run stops in the middle of the ramp. The resume is the command the
-    interrupted run printed, run as printed (torchrun included), and no line of the three runs'
-    output holds pieces of two ranks' lines."""
+    of 1 per DP rank), and the run stops in the middle of the ramp. The interrupted and resumed runs
+    save with --async-save (iterations 4 and 8 written while training goes on, 10 at the exit, 12 to
+    20 after the resume): their checkpoints hold the same bytes as the straight run's synchronous
+    ones. The resume is the command the interrupted run printed, run as printed (torchrun included),
+    and no line of the three runs' output holds pieces of two ranks' lines."""
     flags = [*SMALL[: SMALL.index("--micro-batch-size")], *SMALL[SMALL.index("--global-batch-size") :]]
     flags += ["--micro-batch-size", "1", "--rampup-batch-size", "2", "2", "48"]
     flags += ["--pipeline-model-parallel-size", "2", "--train-iters", "20", "--wandb-project", "resume"]
+    flags += ["--save-interval", "4"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     straight_run = torchrun(
         4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache
     )
     first = torchrun(
         4,
-        flags + ["--save", str(split / "ckpt"), "--exit-interval", "10", "--wandb-save-dir", str(split)],
+        flags
+        + ["--save", str(split / "ckpt"), "--exit-interval", "10", "--wandb-save-dir", str(split)]
+        + ["--async-save"],
         cache,
     )
     assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert f"writing checkpoint {split}/ckpt/iter_0000008 in the background" in first.stdout, first.stdout
     resume = re.findall(r"^  resume: (.*)$", first.stdout, re.MULTILINE)
     assert len(resume) == 1 and "torch.distributed.run --standalone --nproc-per-node 4 " in resume[0], resume
     second = subprocess.run(
@@ -258,6 +264,12 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
         r"\] iteration +\d+/ +20 \|.*\| global batch size: +(\d+) \|", first.stdout + second.stdout
     )
     assert [int(b) for b in logged] == batches and wandb_batch_sizes(split) == batches, logged
+    for iteration in (4, 8, 20):  # written in the background == written while training waited
+        files = [
+            json.loads((run / "ckpt" / f"iter_{iteration:07d}" / "manifest.json").read_text())["files"]
+            for run in (straight, split)
+        ]
+        assert files[0] == files[1], iteration
     ids = run_ids(split)
     assert len(ids) == 2 and ids[0] == ids[1], ids  # the resumed run logs under the same W&B id
     manifest = json.loads((split / "ckpt" / "iter_0000020" / "manifest.json").read_text())

@@ -561,6 +561,10 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     check_run_batches(flags, pp, flags.data_parallel_size)
     if flags.save_interval is None:
         flags.save_interval = flags.train_iters  # --save-interval defaults to the run's length
+    _require(
+        not flags.async_save or flags.save,
+        "--async-save writes the --save checkpoints in the background, but no --save directory is given",
+    )
     _check_data(flags)
     _check_precision_and_data_parallel(flags)
     flags.params_dtype = torch.bfloat16 if flags.bf16 else torch.float16 if flags.fp16 else torch.float32

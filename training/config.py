@@ -191,6 +191,11 @@ class CheckpointingArgs:
     """Checkpoint directory to resume from."""
     save_interval: int | None = flag(None, aliases=("--persistent-save-interval",))
     """Iterations between checkpoints (default: --train-iters, i.e. once at the end)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on: the state is copied into host
+    memory (allocated at the first save, reused) and a thread writes it. One save is in flight at a
+    time; the next save and the end of training wait for it; the tracker is written last, once every
+    rank's files are whole. A failed background write stops training at the next iteration."""
     no_load_optim: bool | None = None
     """Do not load the optimizer and scheduler state."""
     no_load_rng: bool | None = None

@@ -52,12 +52,12 @@ def tokenizer_record(settings: Any, tokenizer: Any = None) -> dict | None:
 
 
 def save(run: Run, session: Session) -> None:
-    """Write a checkpoint of the current iteration into ``--save``."""
+    """Write a checkpoint of the current iteration into ``--save`` (start writing it, with ``--async-save``)."""
     state = session.state
     faults.phase("saving a checkpoint", state.iteration)
     for chunk in session.model.chunks:  # the weights must be whole before they are written
         chunk.finish_param_sync()
-    path = checkpointing.save_checkpoint(
+    path = session.saver.save(
         run.checkpointing.save,
         state.iteration,
         model_chunks=session.model.chunks,
@@ -72,8 +72,8 @@ def save(run: Run, session: Session) -> None:
             "nan_iterations": state.nan_iterations,
         },
     )
-    if session.logs_loss:  # the rank that prints the log lines and the summary: one stream of lines
-        print_line(f"saved checkpoint {path}")
+    if run.checkpointing.async_save and session.logs_loss:  # "saved checkpoint" follows at the commit
+        print_line(f"writing checkpoint {path} in the background")
 
 
 def load(run: Run, session: Session) -> None:

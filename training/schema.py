@@ -340,6 +340,7 @@ COVERAGE: dict[str, Coverage] = {
     "--ckpt-step": works(),
     "--use-checkpoint-args": works(),
     "--exit-on-missing-checkpoint": works(),
+    "--async-save": works(),
     **dict.fromkeys(
         (
             "--fp16",

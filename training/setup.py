@@ -24,8 +24,9 @@ from models.gpt.parallelize import parallelize_gpt
 from training import checkpointing, faults
 from training.arguments import startup_report
 from training.batches import BatchStream
+from training.checkpoint.async_save import CheckpointSaver
 from training.global_vars import set_global_variables
-from training.logging_utils import is_logging_rank, print_rank_0
+from training.logging_utils import is_logging_rank, print_line, print_rank_0
 from training.lr_schedule import build_scheduler
 from training.resume import load
 from training.run import Run
@@ -78,6 +79,7 @@ def setup(run: Run, providers: Providers) -> Session:
             run.optimizer, chunks, decoupled_lr=run.lr.decoupled_lr, decoupled_min_lr=run.lr.decoupled_min_lr
         ),
     )
+    logs_loss = is_logging_rank(run.layout, groups)
     session = Session(
         groups=groups,
         model=model,
@@ -85,8 +87,9 @@ def setup(run: Run, providers: Providers) -> Session:
         forward_step_func=providers.forward_step,
         forward_backward=get_forward_backward_func(),
         state=TrainState(),
-        logs_loss=is_logging_rank(run.layout, groups),
+        logs_loss=logs_loss,
         tokenizer=tokenizer,
+        saver=CheckpointSaver(async_save=run.checkpointing.async_save, announce=_announcer(logs_loss)),
     )
     if run.checkpointing.load:
         faults.phase("loading the checkpoint")
@@ -97,6 +100,16 @@ def setup(run: Run, providers: Providers) -> Session:
     faults.phase("starting the W&B run")
     session.loggers = _start_loggers(run, session)
     return session
+
+
+def _announcer(logs_loss: bool) -> Callable[[str], None]:
+    """What a committed save prints: one whole line, from the rank that prints the log lines."""
+
+    def announce(path: str) -> None:
+        if logs_loss:
+            print_line(f"saved checkpoint {path}")
+
+    return announce
 
 
 def _seed_everything(seed: int, pp_rank: int) -> None:

@@ -1,5 +1,9 @@
 """Optimizer state per parameter name, as flat ranges of each TP-local parameter: independent of DP.
 
+What an optimizer steps is a list of :class:`ParamShard` records (a range of a parameter and the
+tensor stepped for it); the functions here take those records, the inner torch optimizer and the
+grad scaler as arguments, so they need nothing private of :mod:`core.optimizer.optimizer`.
+
 A checkpoint should not care how data parallelism cut the optimizer state, so this is the form it
 is exported in::
 
@@ -18,6 +22,11 @@ is exported in::
       "grad_scaler": {"scale": ..., ...},   # with loss scaling only
     }
 
+Exporting with ``copy=False`` gives views of the live state instead of copies: a checkpoint stages
+them into host memory itself, so saving allocates no device memory (cloning the state on the
+device cost 12 bytes per parameter, an out-of-memory at the first save of a large model). Loading
+copies into the state tensors the optimizer already holds, for the same reason.
+
 A non-distributed optimizer exports every parameter whole (``start = 0, end = numel``); the
 distributed optimizer exports this data-parallel rank's ranges. Loading takes entries whose range
 *covers* this rank's (equal, or larger, e.g. the ranges of several ranks joined), so state saved
@@ -27,17 +36,47 @@ they take the main parameter's shape again on load.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from core.optimizer.optimizer import MegatronOptimizer
+from torch import nn
 
 
-def _check_unique(optimizer: MegatronOptimizer) -> None:
+@dataclass(eq=False)
+class ParamShard:
+    """The part ``[start, end)`` of a flattened model parameter that an optimizer steps, and how.
+
+    ``main_param`` is the fp32 tensor the inner optimizer steps on: the model parameter itself
+    (fp32 models), an fp32 copy (``copy=True``: 16-bit models), or a view of the parameter's range
+    (fp32 parameters under the distributed optimizer).
+    """
+
+    name: str
+    model_param: nn.Parameter
+    main_param: torch.Tensor
+    start: int
+    end: int
+    copy: bool
+
+    def model_grad(self) -> torch.Tensor | None:
+        """The model's reduced gradient of this range (``main_grad`` if any, else ``.grad``), shaped as main."""
+        grad = getattr(self.model_param, "main_grad", None)
+        if grad is None:
+            grad = self.model_param.grad
+        if grad is None or grad.shape == self.main_param.shape:  # the whole parameter
+            return grad
+        return grad.reshape(-1)[self.start : self.end].view_as(self.main_param)
+
+    def model_view(self) -> torch.Tensor:
+        """The model parameter's values of this range, shaped as main (writes go to the model)."""
+        return self.model_param.detach().reshape(-1)[self.start : self.end].view_as(self.main_param)
+
+
+def _check_unique(shards: Sequence[ParamShard]) -> None:
     seen: set[str] = set()
-    for shard in optimizer._shards:
+    for shard in shards:
         if shard.name in seen:
             raise ValueError(
                 f"two parameters are both named {shard.name!r}: per-name optimizer state needs unique "
@@ -46,16 +85,20 @@ def _check_unique(optimizer: MegatronOptimizer) -> None:
         seen.add(shard.name)
 
 
-def export_param_state(optimizer: MegatronOptimizer) -> dict:
-    """``optimizer``'s state per parameter name (see the module docstring); tensors are copies."""
-    _check_unique(optimizer)
-    by_main = {id(s.main_param): s for s in optimizer._shards}
+def export_param_state(
+    shards: Sequence[ParamShard], inner: torch.optim.Optimizer, grad_scaler: Any = None, *, copy: bool = True
+) -> dict:
+    """The state ``inner`` (the torch optimizer stepping the shards' main parameters) keeps, per
+    parameter name (see the module docstring), with ``grad_scaler``'s numbers if given; tensors are
+    copies, or (``copy=False``) views of the live state that the next optimizer step changes."""
+    _check_unique(shards)
+    by_main = {id(s.main_param): s for s in shards}
     groups = []
-    for group in optimizer.optimizer.param_groups:
+    for group in inner.param_groups:
         hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
         groups.append(hyper | {"params": [by_main[id(p)].name for p in group["params"]]})
     params = {}
-    for shard in optimizer._shards:
+    for shard in shards:
         main = shard.main_param
         entry: dict = {
             "start": shard.start,
@@ -63,67 +106,101 @@ def export_param_state(optimizer: MegatronOptimizer) -> dict:
             "numel": shard.model_param.numel(),
             "shape": list(shard.model_param.shape),
         }
-        for key, value in optimizer.optimizer.state.get(main, {}).items():
+        for key, value in inner.state.get(main, {}).items():
             if isinstance(value, torch.Tensor):
                 per_element = value.numel() == main.numel() and value.dim() > 0
-                entry[key] = value.detach().reshape(-1).clone() if per_element else value.detach().clone()
+                entry[key] = _export(value.detach().reshape(-1) if per_element else value.detach(), copy)
         if shard.copy:
-            entry["main_param"] = main.detach().reshape(-1).clone()
+            entry["main_param"] = _export(main.detach().reshape(-1), copy)
         params[shard.name] = entry
     out = {"param_groups": groups, "params": params}
-    if optimizer.grad_scaler is not None:
-        out["grad_scaler"] = optimizer.grad_scaler.state_dict()
+    if grad_scaler is not None:
+        out["grad_scaler"] = grad_scaler.state_dict()
     return out
 
 
-def import_param_state(optimizer: MegatronOptimizer, state: dict) -> None:
-    """Load :func:`export_param_state` output into ``optimizer``: each of its shards takes its range."""
-    _check_unique(optimizer)
-    saved_groups, groups = state["param_groups"], optimizer.optimizer.param_groups
+def _export(value: torch.Tensor, copy: bool) -> torch.Tensor:
+    return value.clone() if copy else value
+
+
+def import_param_state(
+    shards: Sequence[ParamShard],
+    inner: torch.optim.Optimizer,
+    state: dict,
+    *,
+    grad_scaler: Any = None,
+    fused: bool = False,
+) -> None:
+    """Load :func:`export_param_state` output into ``inner`` (and ``grad_scaler``): each shard takes
+    its range. ``fused``: ``inner`` is one of torch's fused optimizers (step counts on the device).
+
+    Everything is checked before anything changes. A state tensor the optimizer already holds with
+    the same shape and dtype is overwritten in place, so loading into a trained optimizer needs no
+    second copy of its state on the device.
+    """
+    _check_unique(shards)
+    saved_groups, groups = state["param_groups"], inner.param_groups
     if len(saved_groups) != len(groups):
         raise ValueError(
             f"optimizer state has {len(saved_groups)} parameter groups, this optimizer {len(groups)}"
         )
-    loaded: dict[int, dict[str, torch.Tensor]] = {}
-    for shard in optimizer._shards:
-        entry = state["params"].get(shard.name)
-        if entry is None:
-            raise ValueError(f"optimizer state has no entry for parameter {shard.name!r}")
-        if entry["numel"] != shard.model_param.numel() or not (
-            entry["start"] <= shard.start and shard.end <= entry["end"]
-        ):
-            raise ValueError(
-                f"optimizer state for {shard.name!r} covers [{entry['start']}, {entry['end']}) of "
-                f"{entry['numel']} elements; this rank needs [{shard.start}, {shard.end}) of "
-                f"{shard.model_param.numel()}"
-            )
-        lo, hi = shard.start - entry["start"], shard.end - entry["start"]
-        main = shard.main_param
-        per_param = {}
-        for key, value in entry.items():
-            if key in ("start", "end", "numel", "shape") or not isinstance(value, torch.Tensor):
-                continue
-            if value.dim() == 1 and value.numel() == entry["end"] - entry["start"]:
-                value = value[lo:hi].reshape(main.shape)
-                value = value.to(device=main.device, dtype=main.dtype if key == "main_param" else value.dtype)
-            per_param[key] = value.clone()
-        if "main_param" in per_param:
-            with torch.no_grad():
-                main.copy_(per_param.pop("main_param"))
-        loaded[id(main)] = per_param
+    loaded = [(shard, _slices(shard, state["params"].get(shard.name))) for shard in shards]
     for group, saved in zip(groups, saved_groups):
         for key, value in saved.items():
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-    inner_state = optimizer.optimizer.state
-    fused = optimizer.fused  # torch's fused kernels keep the step count on the device, foreach on the host
-    for shard in optimizer._shards:
-        per_param = loaded[id(shard.main_param)]
-        if per_param:
-            inner_state[shard.main_param] = {
-                k: v.to(shard.main_param.device) if v.dim() or fused else v for k, v in per_param.items()
+    inner_state = inner.state  # torch's fused kernels keep the step count on the device, foreach on the host
+    with torch.no_grad():
+        for shard, per_param in loaded:
+            main = shard.main_param
+            if "main_param" in per_param:
+                main.copy_(per_param.pop("main_param"))
+            if not per_param:
+                inner_state.pop(main, None)
+                continue
+            old = inner_state.get(main, {})
+            inner_state[main] = {
+                key: _into(old.get(key), value, main.device, fused) for key, value in per_param.items()
             }
-        else:
-            inner_state.pop(shard.main_param, None)
-    if optimizer.grad_scaler is not None and state.get("grad_scaler") is not None:
-        optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
+    if grad_scaler is not None and state.get("grad_scaler") is not None:
+        grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def _slices(shard: ParamShard, entry: dict | None) -> dict[str, torch.Tensor]:
+    """The parts of ``entry`` that ``shard`` steps, shaped like its main parameter (views, no copies)."""
+    if entry is None:
+        raise ValueError(f"optimizer state has no entry for parameter {shard.name!r}")
+    if entry["numel"] != shard.model_param.numel() or not (
+        entry["start"] <= shard.start and shard.end <= entry["end"]
+    ):
+        raise ValueError(
+            f"optimizer state for {shard.name!r} covers [{entry['start']}, {entry['end']}) of "
+            f"{entry['numel']} elements; this rank needs [{shard.start}, {shard.end}) of "
+            f"{shard.model_param.numel()}"
+        )
+    lo, hi = shard.start - entry["start"], shard.end - entry["start"]
+    out = {}
+    for key, value in entry.items():
+        if key in ("start", "end", "numel", "shape") or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() == 1 and value.numel() == entry["end"] - entry["start"]:
+            value = value[lo:hi].reshape(shard.main_param.shape)
+        out[key] = value
+    return out
+
+
+def _into(old, value: torch.Tensor, device: torch.device, fused: bool) -> torch.Tensor:
+    """``value`` as optimizer state on ``device``: copied into ``old`` when it fits, else a new tensor.
+
+    A scalar (Adam's ``step``) stays on the host for the foreach kernels; torch's fused kernels keep
+    it on the device.
+    """
+    if value.dim() == 0 and not fused:
+        return value.clone()
+    if isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (
+        value.shape,
+        value.dtype,
+        device,
+    ):
+        return old.copy_(value)
+    return value.to(device=device, copy=True)

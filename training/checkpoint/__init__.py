@@ -28,7 +28,9 @@ Writing from full tensors at a chosen split::
                      vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                      tokenizer_type="GPTSentencePieceTokenizer", tokenizer_files={"tokenizer_model": path})
 
-See :mod:`training.checkpoint.format` for what the manifest holds.
+See :mod:`training.checkpoint.format` for what the manifest holds. A live run saves through
+:class:`training.checkpoint.async_save.CheckpointSaver` (synchronously, or written in the background
+with ``--async-save``; :mod:`training.checkpoint.save` and :mod:`training.checkpoint.staging`).
 """
 
 from training.checkpoint.convert import ConversionSummary, convert_checkpoint, parallelism_of, target_split

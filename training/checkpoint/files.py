@@ -34,12 +34,14 @@ __all__ = [
     "TensorFileWriter",
     "atomic_write",
     "checksum",
+    "file_layout",
     "flatten_state",
     "fsync_dir",
     "probe_writable",
     "read_header",
     "read_piece",
     "remove_stale_temp_files",
+    "temp_path",
     "unflatten_state",
     "write_text",
 ]
@@ -81,7 +83,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 # --------------------------------------------------------------------------------------------------
 
 
-def _temp_path(path: str) -> str:
+def temp_path(path: str) -> str:
+    """A fresh temporary name next to ``path`` (``.<name>.<8 hex>.tmp``, which startup cleans)."""
     directory, name = os.path.split(path)
     return os.path.join(directory, f".{name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
 
@@ -102,7 +105,7 @@ def fsync_dir(path: str) -> None:
 
 def atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
     """``write(fh)`` into a temporary file next to ``path``, fsync it, rename it over ``path``."""
-    tmp = _temp_path(path)
+    tmp = temp_path(path)
     try:
         with _open_new(tmp, mode) as fh:
             write(fh)
@@ -152,7 +155,7 @@ def probe_writable(directory: str, flag: str = "--save") -> None:
         raise CheckpointError(f"{flag} {directory} is not a directory: it is a regular file")
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = _temp_path(os.path.join(directory, ".write_probe"))
+        probe = temp_path(os.path.join(directory, ".write_probe"))
         with _open_new(probe) as fh:
             fh.write(b"ok")
             fh.flush()
@@ -165,6 +168,29 @@ def probe_writable(directory: str, flag: str = "--save") -> None:
 # --------------------------------------------------------------------------------------------------
 # Writing safetensors files tensor by tensor
 # --------------------------------------------------------------------------------------------------
+
+
+def file_layout(
+    entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[torch.dtype, tuple[int, ...], int]], int]:
+    """A safetensors file's header bytes, ``{key: (dtype, shape, data offset)}`` and total size, for
+    tensors declared as ``(key, dtype, shape)`` in file order (offsets count from the end of the header)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
+    slots: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+    offset = 0
+    for key, dtype, shape in entries:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        slots[key] = (dtype, tuple(shape), offset)
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
+    head = len(text).to_bytes(8, "little") + text
+    return head, slots, len(head) + offset
 
 
 class TensorFileWriter:
@@ -185,24 +211,9 @@ class TensorFileWriter:
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         self.path = path
-        header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
-        self._slots: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
-        offset = 0
-        for key, dtype, shape in entries:
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[key] = {
-                "dtype": SAFETENSORS_DTYPES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            self._slots[key] = (dtype, tuple(shape), offset)
-            offset += size
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
-        self._header = len(text).to_bytes(8, "little") + text
-        self.nbytes = len(self._header) + offset
+        self._header, self._slots, self.nbytes = file_layout(entries, metadata)
         self._pieces: dict[str, dict[str, str]] = {}
-        self._tmp = _temp_path(path)
+        self._tmp = temp_path(path)
         self._fh = _open_new(self._tmp)
         self._fh.write(self._header)
 
@@ -242,10 +253,15 @@ class TensorFileWriter:
         return {"bytes": self.nbytes, "checksum": checksum(self._header), "pieces": pieces}
 
     def abort(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
-        if os.path.exists(self._tmp):
-            os.unlink(self._tmp)
+        """Remove the unfinished file, even when closing it fails (a full disk fails the flush too)."""
+        try:
+            if not self._fh.closed:
+                self._fh.close()
+        except OSError:
+            pass
+        finally:
+            if os.path.exists(self._tmp):
+                os.unlink(self._tmp)
 
     def __enter__(self) -> Self:
         return self

@@ -102,7 +102,8 @@ def optimizer_tensors(
     sharded: bool,
     owns: Callable[[str], object] | None = None,
 ) -> OptimizerTensors:
-    """This rank's optimizer state to write: whole TP shards, or (``sharded``) its own flat ranges.
+    """This rank's optimizer state to write: whole TP shards, or (``sharded``) its own flat ranges,
+    as views of the live state (nothing is copied; see :mod:`training.checkpoint.staging`).
 
     Unsharded, the state follows the weights: ``owns(name)`` says whether this rank writes them
     (default: TP rank 0 for a TP-replicated parameter; the caller picks the data-parallel rank).
@@ -111,7 +112,7 @@ def optimizer_tensors(
     range of it. A scalar state goes once: from the rank whose range starts at element 0, on TP rank
     0 unless it is an expert's.
     """
-    state = optimizer.param_state_by_name()
+    state = optimizer.param_state_by_name(copy=False)
     out = OptimizerTensors({}, {}, {}, [], state.get("grad_scaler"))
     for name, entry in state["params"].items():
         if name not in params:
