@@ -78,6 +78,11 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
         raise SystemExit(
             f"tools/plan.py: error: --gpu {opts.gpu!r} is not known; use one of {', '.join(GPUS)}"
         )
+    if opts.num_gpus > opts.gpus_per_node and opts.num_gpus % opts.gpus_per_node:
+        raise SystemExit(
+            f"tools/plan.py: error: --num-gpus {opts.num_gpus} is not a whole number of nodes of "
+            f"--gpus-per-node {opts.gpus_per_node}"
+        )
     cluster = Cluster(
         opts.num_gpus, min(opts.gpus_per_node, opts.num_gpus), GPUS[opts.gpu], opts.memory_headroom
     )

@@ -180,7 +180,8 @@ def _measure(
     model = _build_rank(run, vocab_size, fake)
     optimizer = model.optimizer
     if optimizer.grad_scaler is not None and fake:  # fake gradients cannot overflow: take a healthy step
-        optimizer._unscale_and_check_for_inf = lambda: False
+        unscale = optimizer._unscale_and_check_for_inf
+        optimizer._unscale_and_check_for_inf = lambda: unscale().zero_()
     optimizer.zero_grad()
     optimizer.step()  # Adam's moments exist from the first step on: measure a later one
     optimizer.zero_grad()
