@@ -11,7 +11,8 @@ pipeline parallelism outermost sends only activations between nodes. Megatron's 
 16 ranks with TP=2 and PP=4, gives TP groups [0,1] [2,3] ... [14,15], PP groups [0,4,8,12]
 [1,5,9,13] [2,6,10,14] [3,7,11,15] and DP groups [0,2] [1,3] [4,6] ... [13,15].
 
-The group maths is the pure function :func:`generate_parallel_groups` (tested without processes).
+The group maths is pure and lives in :mod:`core.rank_groups` (:func:`generate_parallel_groups`,
+tested without processes; importable from here too).
 :func:`initialize_model_parallel` creates those groups and keeps this rank's in one
 :class:`ParallelGroups` object, which the engine may be handed directly; the Megatron-named getters
 below read that object, so code written against ``megatron.core.parallel_state`` reads naturally here.
@@ -48,118 +49,18 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from core.device import bind_local_device, current_device, default_backend, local_device
-
-DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-_AXES = ("tp", "cp", "ep", "dp", "pp")
-
-# Group name -> the grid axes its members differ along. The dict order is the order in which every
-# rank creates the groups (torch requires all ranks to create all groups in one order); it follows
-# Megatron's initialize_model_parallel. The embedding groups are derived from the pp groups.
-_GROUP_AXES: dict[str, tuple[str, ...]] = {
-    "dp_cp": ("dp", "cp"),
-    "dp": ("dp",),
-    "cp": ("cp",),
-    "mp": ("tp", "pp"),
-    "tp": ("tp",),
-    "pp": ("pp",),
-    "tp_dp_cp": ("tp", "dp", "cp"),
-    "tp_dp": ("tp", "dp"),
-}
-GROUP_NAMES: tuple[str, ...] = (*_GROUP_AXES, "embd", "pos_embd")
-
-# Expert groups (megatron-core's second decomposition of the same ranks, for MoE layers): the grid
-# axes are expert-tensor (tp), expert-model (ep), expert-data (dp) and pp, in the same ``order``, with
-# cp of size 1. Creation order follows megatron-core's initialize_model_parallel.
-_EXPERT_GROUP_AXES: dict[str, tuple[str, ...]] = {
-    "ep": ("ep",),
-    "expt_tp": ("tp",),
-    "expt_tp_ep": ("tp", "ep"),
-    "expt_tp_ep_pp": ("tp", "ep", "pp"),
-    "expt_dp": ("dp",),
-}
-EXPERT_GROUP_NAMES: tuple[str, ...] = ("tp_cp", *_EXPERT_GROUP_AXES)
-"""The groups MoE layers need: ``tp_cp`` (the dense grid's tensor x context: ranks sharing one
-sequence, over which a router counts tokens per expert) and the expert groups."""
+from core.rank_groups import (  # the group maths, kept importable from here as in Megatron
+    DEFAULT_ORDER,
+    EXPERT_GROUP_NAMES,
+    GROUP_NAMES,
+    _check_size,
+    generate_expert_groups,
+    generate_parallel_groups,
+    link_warm_up_order,
+    pipeline_channels,
+)
 
 _NOT_INITIALIZED = "model parallel groups are not initialized; call initialize_model_parallel(...)"
-
-
-# --------------------------------------------------------------------------------------------------
-# Pure group maths
-# --------------------------------------------------------------------------------------------------
-
-
-def _parse_order(order: str) -> tuple[str, ...]:
-    """Split and check ``order``: all five axes, once each, so every rank maps to one grid point."""
-    names = tuple(order.lower().split("-"))
-    if sorted(names) != sorted(_AXES):
-        raise ValueError(
-            f"order {order!r} must name each of tp, cp, ep, dp, pp exactly once, "
-            f"joined by '-' (Megatron's default is {DEFAULT_ORDER!r})"
-        )
-    return names
-
-
-def _offsets(axes: Sequence[tuple[int, int]]) -> list[int]:
-    """Every rank offset reachable along ``axes`` ((size, stride) pairs), the first axis fastest."""
-    offsets = [0]
-    for size, stride in axes:
-        offsets = [offset + index * stride for index in range(size) for offset in offsets]
-    return offsets
-
-
-def _orthogonal_groups(
-    sizes: Mapping[str, int], order: Sequence[str], members: Sequence[str]
-) -> list[list[int]]:
-    """Partition the grid into groups whose ranks differ only along the ``members`` axes.
-
-    Same enumeration as Megatron's generate_masked_orthogonal_rank_groups: groups are numbered by
-    the other axes and ranks within a group by the member axes, in ``order`` with the first fastest.
-    """
-    inside, outside, stride = [], [], 1
-    for axis in order:
-        (inside if axis in members else outside).append((sizes[axis], stride))
-        stride *= sizes[axis]
-    within = _offsets(inside)
-    return [[base + offset for offset in within] for base in _offsets(outside)]
-
-
-def embedding_ranks(pipeline_ranks: Sequence[int]) -> list[int]:
-    """Ranks holding a copy of the word embedding: the first and the last pipeline stage."""
-    return [pipeline_ranks[0]] if len(pipeline_ranks) == 1 else [pipeline_ranks[0], pipeline_ranks[-1]]
-
-
-def position_embedding_ranks(pipeline_ranks: Sequence[int]) -> list[int]:
-    """Ranks holding the learned position embedding: the first pipeline stage only."""
-    return [pipeline_ranks[0]]
-
-
-def pipeline_channels(pipeline_size: int) -> list[tuple[int, int]]:
-    """The directed links of one pipeline group as (source pp rank, destination pp rank), in creation order.
-
-    Each rank and the next, both ways, including the wrap-around pair of the last rank and the
-    first that virtual stages use.
-    """
-    channels: list[tuple[int, int]] = []
-    for r in range(pipeline_size if pipeline_size > 2 else pipeline_size - 1):
-        channels += [(r, (r + 1) % pipeline_size), ((r + 1) % pipeline_size, r)]
-    return channels
-
-
-def link_warm_up_order(pipelines: Sequence[Sequence[int]]) -> list[tuple[int, int, int, int]]:
-    """Every pipeline link of the job as ``(src, dst)`` in global ranks, with its pipeline's pp ranks
-    ``(src_pp, dst_pp)``: the one order in which all ranks warm their links up.
-
-    Pipelines in ``layout["pp"]`` order, each one's links in :func:`pipeline_channels` order. A rank
-    warms up only its own links, in this order. That cannot deadlock, whatever blocks: the first
-    link in the order that is not yet done has both its ranks done with every earlier link, so both
-    are at it, and it completes.
-    """
-    order = []
-    for members in pipelines:
-        for src, dst in pipeline_channels(len(members)):
-            order.append((members[src], members[dst], src, dst))
-    return order
 
 
 def warm_up_pipeline_links(
@@ -188,124 +89,6 @@ def warm_up_pipeline_links(
             works = [dist.isend(out, peer, group=group), dist.irecv(into, peer, group=group)]
         for work in works:
             work.wait()
-
-
-def _check_size(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def generate_parallel_groups(
-    world_size: int,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-    order: str = DEFAULT_ORDER,
-) -> dict[str, list[list[int]]]:
-    """All groups of every kind for these sizes, as lists of global ranks (Megatron's layout).
-
-    Keys: ``tp``, ``cp``, ``dp``, ``pp``, ``dp_cp`` (data parallel with context parallel folded
-    in: what gradients are reduced over), ``mp`` (tp x pp: one model replica), ``tp_dp``,
-    ``tp_dp_cp`` (tensor-and-data), ``embd`` (first and last rank of each pipeline group) and
-    ``pos_embd`` (first rank of each pipeline group). The data-parallel size is what the other
-    sizes leave of ``world_size``; expert parallelism is a size-1 axis of ``order``.
-
-    Raises ValueError, before anything is created, for sizes < 1, a malformed ``order`` or a world
-    size the sizes do not divide: the same inputs fail the same way on every rank.
-    """
-    for name, value in (
-        ("world_size", world_size),
-        ("tensor_model_parallel_size", tensor_model_parallel_size),
-        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
-        ("context_parallel_size", context_parallel_size),
-    ):
-        _check_size(name, value)
-    axes = _parse_order(order)
-    model_size = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    if world_size % model_size:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size "
-            f"({tensor_model_parallel_size}) x pipeline_model_parallel_size ({pipeline_model_parallel_size}) "
-            f"x context_parallel_size ({context_parallel_size}) = {model_size}"
-        )
-    sizes = {
-        "tp": tensor_model_parallel_size,
-        "cp": context_parallel_size,
-        "ep": 1,
-        "dp": world_size // model_size,
-        "pp": pipeline_model_parallel_size,
-    }
-    groups = {name: _orthogonal_groups(sizes, axes, members) for name, members in _GROUP_AXES.items()}
-    groups["embd"] = [embedding_ranks(ranks) for ranks in groups["pp"]]
-    groups["pos_embd"] = [position_embedding_ranks(ranks) for ranks in groups["pp"]]
-    return groups
-
-
-def generate_expert_groups(
-    world_size: int,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-    expert_model_parallel_size: int = 1,
-    expert_tensor_parallel_size: int = 1,
-    order: str = DEFAULT_ORDER,
-) -> dict[str, list[list[int]]]:
-    """The expert groups of megatron-core for these sizes, as lists of global ranks.
-
-    megatron-core lays the same ranks out a second time for MoE layers: expert-tensor (etp) x
-    expert-model (ep) x expert-data (edp) x pp, in the same ``order`` with a cp axis of size 1, so
-    with the default order ``rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))``
-    and ``edp = world / (etp * ep * pp)``. Keys: ``tp_cp`` (from the dense grid, see
-    ``EXPERT_GROUP_NAMES``), ``ep`` (ranks holding different experts of one
-    layer: the all-to-all group), ``expt_tp``, ``expt_tp_ep``, ``expt_tp_ep_pp`` (one expert
-    replica: gradient norms over experts) and ``expt_dp`` (replicas of the same experts: expert
-    gradients are reduced over it). Raises ValueError, before anything is created, where
-    megatron-core would refuse: etp x ep x pp not dividing the world, or an order with pp before dp
-    whose expert and dense pipeline groups differ.
-    """
-    dense = generate_parallel_groups(
-        world_size, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size, order
-    )
-    for name, value in (
-        ("expert_model_parallel_size", expert_model_parallel_size),
-        ("expert_tensor_parallel_size", expert_tensor_parallel_size),
-    ):
-        _check_size(name, value)
-    expert_model_size = (
-        expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size
-    )
-    if world_size % expert_model_size:
-        raise ValueError(
-            f"world size {world_size} is not divisible by expert_tensor_parallel_size "
-            f"({expert_tensor_parallel_size}) x expert_model_parallel_size ({expert_model_parallel_size}) "
-            f"x pipeline_model_parallel_size ({pipeline_model_parallel_size}) = {expert_model_size}"
-        )
-    sizes = {
-        "tp": expert_tensor_parallel_size,
-        "cp": 1,
-        "ep": expert_model_parallel_size,
-        "dp": world_size // expert_model_size,
-        "pp": pipeline_model_parallel_size,
-    }
-    axes = _parse_order(order)
-    dense_dp = len(dense["dp"][0])
-    if axes[-1] != "pp" and pipeline_model_parallel_size > 1 and sizes["dp"] != dense_dp:
-        raise ValueError(
-            f"with order {order!r} (pp not last) the expert data-parallel size ({sizes['dp']}) must "
-            f"equal the data-parallel size ({dense_dp}), as megatron-core requires"
-        )
-    dense_sizes = {"tp": tensor_model_parallel_size, "cp": context_parallel_size, "ep": 1, "dp": dense_dp}
-    dense_sizes["pp"] = pipeline_model_parallel_size
-    groups = {"tp_cp": _orthogonal_groups(dense_sizes, axes, ("tp", "cp"))}
-    groups |= {name: _orthogonal_groups(sizes, axes, members) for name, members in _EXPERT_GROUP_AXES.items()}
-    if _orthogonal_groups(sizes, axes, ("pp",)) != dense["pp"]:
-        raise ValueError(
-            f"with order {order!r} the expert layers' pipeline groups would differ from the dense "
-            f"layers' (tensor x context = {tensor_model_parallel_size * context_parallel_size}, expert "
-            f"tensor x expert model = {expert_tensor_parallel_size * expert_model_parallel_size}); put pp "
-            "last in the order or make the two products equal"
-        )
-    return groups
 
 
 # --------------------------------------------------------------------------------------------------
@@ -419,6 +202,35 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _create_groups(
+    rank: int, layout: dict[str, list[list[int]]], timeout: timedelta | None
+) -> tuple[dict[str, ProcessGroup | None], dict[str, tuple[int, ...]]]:
+    """Create every group of ``layout`` (every rank creates all, in one order); this rank's and their members."""
+    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES)
+    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
+    for name in GROUP_NAMES + EXPERT_GROUP_NAMES:
+        for members in layout[name]:
+            group = dist.new_group(ranks=members, timeout=timeout)
+            if rank in members:
+                _CREATED.append(group)
+                mine[name], ranks[name] = group, tuple(members)
+    return mine, ranks
+
+
+def _create_pipeline_channels(
+    rank: int, pipeline_groups: list[list[int]], timeout: timedelta | None
+) -> dict[tuple[int, int], ProcessGroup]:
+    """The two-rank groups between pipeline stages (see :func:`pipeline_channels`) that hold this rank."""
+    channels: dict[tuple[int, int], ProcessGroup] = {}
+    for members in pipeline_groups:
+        for src, dst in pipeline_channels(len(members)):
+            group = dist.new_group(ranks=[members[src], members[dst]], timeout=timeout)
+            if rank in (members[src], members[dst]):
+                _CREATED.append(group)
+                channels[(src, dst)] = group
+    return channels
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -456,39 +268,14 @@ def initialize_model_parallel(
         _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
     initialize_distributed()
     bind_local_device()  # also when someone else started torch.distributed: each rank on its own GPU
-    layout = generate_parallel_groups(
-        dist.get_world_size(),
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        order,
-    )
-    layout |= generate_expert_groups(
-        dist.get_world_size(),
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        expert_model_parallel_size,
-        1,
-        order,
-    )
+    world = dist.get_world_size()
+    sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+    layout = generate_parallel_groups(world, *sizes, order)
+    layout |= generate_expert_groups(world, *sizes, expert_model_parallel_size, 1, order)
     rank = dist.get_rank()
     timeout = None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes)
-    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES)
-    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
-    for name in GROUP_NAMES + EXPERT_GROUP_NAMES:
-        for members in layout[name]:
-            group = dist.new_group(ranks=members, timeout=timeout)
-            if rank in members:
-                _CREATED.append(group)
-                mine[name], ranks[name] = group, tuple(members)
-    channels: dict[tuple[int, int], ProcessGroup] = {}
-    for members in layout["pp"]:
-        for src, dst in pipeline_channels(len(members)):
-            group = dist.new_group(ranks=[members[src], members[dst]], timeout=timeout)
-            if rank in (members[src], members[dst]):
-                _CREATED.append(group)
-                channels[(src, dst)] = group
+    mine, ranks = _create_groups(rank, layout, timeout)
+    channels = _create_pipeline_channels(rank, layout["pp"], timeout)
     warm_up_pipeline_links(rank, layout["pp"], channels)
     _GROUPS = ParallelGroups(
         rank=rank, ranks=MappingProxyType(ranks), pp_channels=MappingProxyType(channels), **mine

@@ -1,6 +1,17 @@
 import pytest
+import torch
 
 from tests.multirank import RankPool
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a GPU: skipped where there is none (tools/gpu_check.py runs them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run tools/gpu_check.py on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

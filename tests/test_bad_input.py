@@ -136,6 +136,15 @@ CONFIG = [
         "--context-parallel-size (4)",
     ),
     Case(
+        "a2a query groups over CP",
+        _flags(
+            FULL + "--context-parallel-size 2 --cp-comm-type a2a --group-query-attention --num-query-groups 1"
+        ),
+        "--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads (4) and the "
+        "query groups (1) per --tensor-model-parallel-size (1) rank must be divisible by "
+        "--context-parallel-size (2)",
+    ),
+    Case(
         "cp comm type",
         _flags("--context-parallel-size 2 --cp-comm-type ring"),
         "--cp-comm-type ring: must be one of p2p, a2a, allgather",
@@ -581,6 +590,16 @@ MOE = [
         _flags(MOE_FLAGS + "--expert-model-parallel-size 6 --moe-token-dispatcher-type alltoall", world=4),
         "--expert-model-parallel-size (6) x --pipeline-model-parallel-size (1) = 6 does not divide the world "
         "size (4): the alltoall dispatcher's expert-parallel groups cannot be formed",
+    ),
+    Case(
+        "EP x TP x PP over the world",
+        _flags(
+            FULL + "--num-experts 8 --expert-model-parallel-size 4 --tensor-model-parallel-size 2 "
+            "--sequence-parallel --pipeline-model-parallel-size 2",
+            world=4,
+        ),
+        "--expert-model-parallel-size (4) x --pipeline-model-parallel-size (2) = 8 does not divide the world "
+        "size (4): the allgather dispatcher's expert-parallel groups cannot be formed",
     ),
     Case(
         "top-k over experts",

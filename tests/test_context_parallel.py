@@ -7,6 +7,9 @@ gradients of its chunks with full causal attention computed on one rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -559,61 +562,142 @@ def corpus(tmp_path_factory) -> str:
 
 
 def _offline_pretrain(rank, world_size, flags):
+    """One pretrain() on this rank, W&B offline: (losses on the loss stage, what rank 0 printed)."""
+    import contextlib
+    import io
     import os
 
-    from tests.test_distributed_checkpoint import _pretrain
+    import pretrain_gpt
+    from training.training import pretrain
 
     os.environ["WANDB_MODE"] = "offline"
-    return _pretrain(rank, world_size, flags)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        state = pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            pretrain_gpt.forward_step,
+            argv=flags,
+            tokenizer_provider=pretrain_gpt.tokenizer_provider,
+        )
+    return [losses["lm loss"] for losses in state.losses], out.getvalue() if rank == 0 else ""
 
 
-def _pretrain_losses(pool, flags: list[str]) -> list[float]:
+def _pretrain_losses(pool, flags: list[str]) -> tuple[list[float], str]:
+    """The loss stage's losses (its ranks agree) and rank 0's output."""
     results = pool.run(_offline_pretrain, [*flags, "--num-workers", "0", "--eod-mask-loss"], timeout=240)
     curves = [losses for losses, _ in results if losses]
     assert curves and all(c == curves[0] for c in curves)  # every loss-stage rank reports the same
-    return curves[0]
+    return curves[0], results[0][1]
+
+
+@dataclass
+class Cp2Run:
+    root: str
+    losses: list[float]
+    printed: str
+    logs: Path
+    plain_root: str
+    plain: list[float]
 
 
 @pytest.fixture(scope="module")
-def cp2_run(ranks, corpus, tmp_path_factory):
+def cp2_run(ranks, corpus, tmp_path_factory) -> Cp2Run:
     """10 iterations at TP1 x PP2 x CP2 (GPT, 4 ranks), saved at iteration 5, logged to W&B (offline)
-    and TensorBoard; and TP1 (DP 4) alone."""
+    and TensorBoard; and TP1 (DP 4) alone, saved at iteration 5 too."""
     from tests.test_distributed_optimizer import small_gpt
 
-    root, logs = str(tmp_path_factory.mktemp("cp2_ckpt")), tmp_path_factory.mktemp("cp2_logs")
+    root, plain_root = str(tmp_path_factory.mktemp("cp2_ckpt")), str(tmp_path_factory.mktemp("tp1_ckpt"))
+    logs = tmp_path_factory.mktemp("cp2_logs")
     logging = ["--wandb-project", "cp", "--wandb-save-dir", str(logs), "--tensorboard-dir", str(logs / "tb")]
     flags = small_gpt(corpus, 10, *PP2_CP2, "--save", root, "--save-interval", "5", *logging)
-    losses = _pretrain_losses(ranks(4), flags)
-    plain = _pretrain_losses(ranks(4), small_gpt(corpus, 10))
-    return root, losses, plain, logs
+    losses, printed = _pretrain_losses(ranks(4), flags)
+    plain, _ = _pretrain_losses(ranks(4), small_gpt(corpus, 10, "--save", plain_root, "--save-interval", "5"))
+    return Cp2Run(root, losses, printed, logs, plain_root, plain)
 
 
-def test_wandb_and_tensorboard_name_the_context_parallel_split(cp2_run):
+def test_wandb_tensorboard_and_the_log_name_the_context_parallel_split(cp2_run):
+    """W&B's config and TensorBoard's text name CP; the startup line names it; throughput (and so
+    MFU) is per GPU: the whole sequences' FLOPs over all four ranks."""
+    import argparse
     import glob
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from training.checkpoint.reader import open_checkpoint
+    from training.throughput import num_floating_point_operations
     from training.wandb_logging import read_offline_history
 
-    *_, logs = cp2_run
-    (run_dir,) = glob.glob(str(logs / "wandb" / "offline-run-*"))
-    config = read_offline_history(run_dir)["config"]
+    assert "TP=1 PP=2 VPP=1 CP=2 DP=1" in cp2_run.printed
+    (run_dir,) = glob.glob(str(cp2_run.logs / "wandb" / "offline-run-*"))
+    history = read_offline_history(run_dir)
+    config = history["config"]
     assert (config["context_parallel_size"], config["cp_comm_type"], config["data_parallel_size"]) == (
         2,
         ["p2p"],
         1,
     )
-    events = EventAccumulator(str(logs / "tb"), size_guidance={"tensors": 0}).Reload()
+    events = EventAccumulator(str(cp2_run.logs / "tb"), size_guidance={"tensors": 0}).Reload()
     text = events.Tensors("context_parallel_size/text_summary")[0].tensor_proto.string_val[0]
     assert text == b"2"
+    vocab = open_checkpoint(cp2_run.root, 5).padded_vocab_size
+    flops = num_floating_point_operations(argparse.Namespace(**config), 1, vocab)  # seq 16, not 16 / CP
+    rows = [row for row in history["history"] if "throughput" in row]
+    assert len(rows) == 10
+    for row in rows:
+        per_gpu = flops * row["batch-size"] / (row["iteration-time"] * 1e12 * 4)
+        assert row["throughput"] == pytest.approx(per_gpu, rel=1e-6)
 
 
 def test_pretrain_at_pp2_cp2_has_the_loss_curve_of_tp1(cp2_run):
-    _, losses, plain, _ = cp2_run
+    losses, plain = cp2_run.losses, cp2_run.plain
     assert len(losses) == 10 and losses[-1] < losses[0]
     worst = max(abs(a - b) / b for a, b in zip(losses, plain, strict=True))
     print(f"PP2xCP2 vs TP1 over 10 iterations: max relative loss difference {worst:.2e}")
     assert worst <= TOL
+
+
+def test_a_cp2_checkpoint_converts_exports_and_generates_as_the_tp1_one(cp2_run, tmp_path):
+    """Saved at PP2 x CP2 the checkpoint records no CP split: its tensors are those of the TP1 run's
+    checkpoint (within 1e-5), the converter reshards it exactly, its Hugging Face export equals the TP1
+    one's, and it loads for generation at CP 1 with the TP1 checkpoint's logits."""
+    from safetensors.torch import load_file
+
+    from models.gpt.generation import generate
+    from training.checkpoint.convert import convert_checkpoint, target_split
+    from training.checkpoint.reader import open_checkpoint
+    from training.hf.exporter import export_to_hf
+    from training.inference import load_for_generation
+
+    ckpt, plain = open_checkpoint(cp2_run.root, 5), open_checkpoint(cp2_run.plain_root, 5)
+    assert ckpt.config.context_parallel_size == 1
+    assert (ckpt.manifest["parallel"]["pp"], ckpt.manifest["parallel"]["dp"]) == (2, 2)  # DP x CP
+    assert ckpt.tensor_names() == plain.tensor_names()
+    for name in ckpt.tensor_names():  # Adam's steps: elements with gradients near 0 differ by ~lr x 1e-3
+        assert (ckpt.full_tensor(name) - plain.full_tensor(name)).abs().max() <= TOL, name
+    convert_checkpoint(
+        ckpt, str(tmp_path / "tp2"), *target_split(ckpt, tensor_parallel=2, pipeline_parallel=1)
+    )
+    converted = open_checkpoint(str(tmp_path / "tp2"), 5)
+    assert converted.manifest["parallel"]["tp"] == 2
+    for name in ckpt.tensor_names():
+        assert torch.equal(converted.full_tensor(name), ckpt.full_tensor(name)), name
+    exported = {}
+    for which, source in (("cp2", ckpt), ("tp1", plain)):
+        export_to_hf(source, str(tmp_path / which))
+        exported[which] = load_file(str(tmp_path / which / "model.safetensors"))
+    assert exported["cp2"].keys() == exported["tp1"].keys()
+    for name, tensor in exported["cp2"].items():
+        assert (tensor - exported["tp1"][name]).abs().max() <= TOL, name
+    prompt = [5, 9, 2, 7, 11, 3]
+    logits = []
+    for root in (cp2_run.root, cp2_run.plain_root):
+        loaded = load_for_generation(root, 5)
+        assert loaded.model.config.context_parallel_size == 1
+        out = generate(loaded.model, prompt, max_new_tokens=4, vocab_size=loaded.vocab_size, eos_id=None)
+        assert len(out.tokens) == len(prompt) + 4
+        logits.append(loaded.model(torch.tensor([prompt]))[..., : loaded.vocab_size])  # padding: -inf
+    print(f"max |logit difference| CP2 vs TP1 checkpoint: {(logits[0] - logits[1]).abs().max():.2e}")
+    assert (logits[0] - logits[1]).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("cp", [pytest.param(1), pytest.param(4, marks=pytest.mark.slow)])
@@ -622,10 +706,9 @@ def test_a_cp2_checkpoint_resumes_at_another_cp_with_the_same_next_losses(
 ):
     from tests.test_distributed_optimizer import small_gpt
 
-    root, losses, *_ = cp2_run
-    flags = ["--context-parallel-size", str(cp), "--load", root, "--ckpt-step", "5", "--save", str(tmp_path)]
-    resumed = _pretrain_losses(ranks(4), small_gpt(corpus, 10, *flags))
+    flags = ["--context-parallel-size", str(cp), "--load", cp2_run.root, "--ckpt-step", "5"]
+    resumed, _ = _pretrain_losses(ranks(4), small_gpt(corpus, 10, *flags, "--save", str(tmp_path)))
     assert len(resumed) == 5
-    worst = max(abs(a - b) / b for a, b in zip(resumed, losses[5:], strict=True))
+    worst = max(abs(a - b) / b for a, b in zip(resumed, cp2_run.losses[5:], strict=True))
     print(f"CP2 checkpoint resumed at CP{cp}: max relative difference of the next 5 losses {worst:.2e}")
     assert worst <= TOL

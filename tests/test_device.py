@@ -68,3 +68,35 @@ def test_forced_nccl_without_cuda_stops_pretrain_before_any_process_group(monkey
     with pytest.raises(DeviceError, match="^TRIDENT_BACKEND=nccl needs CUDA"):
         pretrain(None, None, None, argv=argv.split())
     assert not dist.is_initialized()
+
+
+def test_the_hf_importer_learns_a_model_s_tensors_without_allocating_them():
+    """``gpt_tensor_specs`` (what an import must write) builds the model on the meta device: on a GPU
+    host the whole model used to land on ``cuda:0``. Every tensor made while it runs is counted by a
+    dispatch mode; 4 layers of LLaMA-3-8B's shape (1.9 B parameters) make none with memory beyond
+    the RoPE table's few bytes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.gpt import llama_config
+    from training.checkpoint.specs import gpt_tensor_specs
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    self.bytes += t.untyped_storage().nbytes()
+            return out
+
+    config = llama_config(
+        num_layers=4, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336
+    )
+    with Allocations() as allocations:
+        specs, _ = gpt_tensor_specs(config, 128256, 8192)
+    numel = sum(torch.Size(spec.shape).numel() for spec in specs.values())
+    assert numel == 2 * 128256 * 4096 + 4 * 218112000 + 4096  # the whole model is described ...
+    assert allocations.bytes < 2**20, allocations.bytes  # ... and none of it allocated

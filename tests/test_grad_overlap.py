@@ -152,6 +152,7 @@ def test_timeline_of_real_training_is_written_and_reports_the_bubble(overlap_run
     assert "timeline of iteration 1: measured bubble" in stdout
     data = load_trace(str(directory / "timeline.json"))
     assert (data.schedule, data.pp_size, data.vpp_size, data.num_microbatches) == ("zb-h1", 2, 1, 4)
+    assert data.clock == "host"  # a CPU run's times are the host's (CUDA events on a GPU: tests/test_cuda.py)
     (step,) = data.iterations
     assert step.iteration == 1 and len(step.ranks) == 4
     for rank in step.ranks:  # every compute action of the table is there once, in the table's kinds

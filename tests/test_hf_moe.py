@@ -259,8 +259,10 @@ def _checkpoint_and_hf_model(case: str, spm_model: str, root) -> tuple[str, obje
     )
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_hugging_face_generate(spm, tmp_path):  # noqa: F811
-    """In process: the checkpoint loaded for generation, greedy, 32 tokens (the tool runs it in the slow test)."""
+    """In process: the checkpoint loaded for generation, greedy, 32 tokens (slow: the tool's test below
+    runs the same for both families through tools/generate.py)."""
     from models.gpt.generation import generate
     from training.inference import load_for_generation
 

@@ -1,7 +1,8 @@
 """MoE without processes: router and losses against a direct reference, experts looped and grouped,
 the layer against Hugging Face's Mixtral-style loop, token dropping, config validation.
 
-The multi-rank checks (expert parallelism, both dispatchers) are in test_moe_parallel.py.
+The multi-rank checks (expert parallelism, both dispatchers) are in test_moe_parallel.py. Slow here:
+the --compile check (``python -m pytest -q -m slow tests/test_moe.py``).
 """
 
 from __future__ import annotations
@@ -275,3 +276,81 @@ def test_logged_losses_are_per_layer_means_over_microbatches_and_their_mean_over
     assert recomputed == pytest.approx(
         summary, rel=1e-6
     )  # the forward replayed in backward is not logged again
+
+
+# --------------------------------------------------------------------------------------------------
+# --compile: the layer compiled, routing and dispatch eager
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # ~10 s of Dynamo tracing; tests/test_compile.py keeps --compile itself in CI
+def test_compiled_moe_layer_computes_the_eager_numbers_and_new_routings_compile_nothing():
+    from core.transformer.compile import compile_stats
+    from models.gpt import GPTModel
+
+    set_auxiliary_loss_scale(1.0)
+    models = {}
+    for compiled in (False, True):
+        config = moe_config(
+            num_layers=1,
+            moe_aux_loss_coeff=0.01,
+            moe_z_loss_coeff=1e-3,
+            init_method_std=0.2,
+            compile=compiled,
+            compile_backend="aot_eager",
+        )
+        models[compiled] = GPTModel(config, 64, 16)
+    models[True].load_state_dict(models[False].state_dict())
+    counts, graphs = [], []
+    models[False].decoder.layers["0"].mlp.router.register_forward_hook(
+        lambda module, args, out: counts.append(out[1].sum(dim=0).tolist())
+    )
+    for step in range(2):  # two batches: other token counts per expert, so other dispatch shapes
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        results = {}
+        for compiled, model in models.items():
+            model.zero_grad(set_to_none=True)
+            loss = model(tokens, labels=tokens.roll(1, 1)).mean()
+            loss.backward()
+            results[compiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        assert _relative(results[True][0], results[False][0]) <= 1e-6
+        for name, grad in results[False][1].items():
+            assert _relative(results[True][1][name], grad) <= 1e-6, (step, name)
+        graphs.append(compile_stats()["graphs"])
+    assert counts[0] != counts[1]
+    assert graphs[1] == graphs[0]  # the new routing compiled nothing: router, dispatch and experts eager
+
+
+# --------------------------------------------------------------------------------------------------
+# bf16 and fp16: the router in fp32, the balancing loss scaled with fp16's loss scale
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_models_route_in_fp32_and_scale_the_balancing_loss_with_the_loss_scale(dtype):
+    from core.pipeline_parallel.hooks import ScheduleHooks
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from models.gpt import GPTModel
+    from tests.pipeline_toy import make_forward_step
+
+    gen = torch.Generator().manual_seed(9)
+    batches = [(t, t.roll(1, 1), torch.ones(2, SEQ)) for t in [torch.randint(0, 64, (2, SEQ), generator=gen)]]
+    scale = 1024.0 if dtype == torch.float16 else 1.0
+    grads, probs = {}, {}
+    for low in (False, True):  # the balancing loss weighs as much as the main loss on the router
+        config = moe_config(num_layers=1, moe_aux_loss_coeff=1.0, init_method_std=0.5)
+        model = GPTModel(config, 64, SEQ).to(dtype if low else torch.float32)
+        config.schedule_hooks = ScheduleHooks(grad_scale_func=(lambda x: x * scale) if low else None)
+        router = model.decoder.layers["0"].mlp.router
+        router.register_forward_hook(lambda module, args, out, low=low: probs.__setitem__(low, out[0]))
+        get_forward_backward_func()(
+            forward_step_func=make_forward_step(False),
+            data_iterator=iter(batches),
+            model=model,
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=2,
+        )
+        grads[low] = router.weight.grad.float() / (scale if low else 1.0)
+    assert probs[True].dtype == torch.float32  # the gate and its softmax in fp32 whatever the model's dtype
+    assert _relative(grads[True], grads[False]) < 3e-2, _relative(grads[True], grads[False])

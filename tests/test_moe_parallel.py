@@ -193,11 +193,15 @@ def _owned_grads(chunks, what: str = "grad") -> dict[str, torch.Tensor]:
 def _split_step(tp, pp, ep, aux, schedule, overrides):
     from core.distributed import finalize_model_grads
     from core.tensor_parallel import model_parallel_seed
+    from core.transformer.context_parallel import get_batch_on_this_cp_rank
     from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
-    from tests.test_gpt_model import _train_step, make_batches
+    from tests.pipeline_toy import make_forward_step
+    from tests.test_context_parallel import _forward_step
+    from tests.test_gpt_model import make_batches
 
     vpp = overrides.get("virtual_pipeline_model_parallel_size")
-    ps.initialize_model_parallel(tp, pp, vpp, expert_model_parallel_size=ep)
+    cp = overrides.get("context_parallel_size", 1)
+    ps.initialize_model_parallel(tp, pp, vpp, cp, expert_model_parallel_size=ep)
     model_parallel_seed(1234)
     config = model_config(
         aux,
@@ -212,11 +216,32 @@ def _split_step(tp, pp, ep, aux, schedule, overrides):
     chunks = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]
-    logs = _train_step(ps, chunks, batches)
-    losses = [float(d["lm loss"]) for d in logs] if ps.get_tensor_model_parallel_rank() == 0 else []
+    if cp > 1:  # this rank's two sequence chunks; the loss is each sequence's mean over all CP ranks
+        cut = [
+            get_batch_on_this_cp_rank({"tokens": t, "labels": lab, "loss_mask": m}) for t, lab, m in batches
+        ]
+        batches = [(c["tokens"], c["labels"], c["loss_mask"]) for c in cut]
+    logs = _schedule(chunks, batches, _forward_step("mean") if cp > 1 else make_forward_step(False))
+    first_logger = ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    losses = [float(d["lm loss"]) for d in logs] if first_logger else []
     grads, params = _owned_grads(chunks), _owned_grads(chunks, "param")
     ps.destroy_model_parallel()
     return {"grads": grads, "params": params, "losses": losses}
+
+
+def _schedule(chunks, batches, forward_step):
+    """One forward/backward over ``batches`` with the configured schedule."""
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+
+    iterators = [iter(batches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=SEQ,
+        micro_batch_size=batches[0][0].shape[0],
+    )
 
 
 def _model_rank(rank, world_size, tp, pp, ep, schedule, overrides, with_ep1):
@@ -300,8 +325,38 @@ MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes
         "zbv",
         {"virtual_pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
     ),
+    "pp2-ep2-gpipe-allgather-grouped": (
+        1,
+        2,
+        2,
+        "gpipe",
+        {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True},
+    ),
+    "pp2-vpp2-ep2-zb-h1-interleaved": (
+        1,
+        2,
+        2,
+        "zb-h1",
+        {"virtual_pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
+    ),
+    "cp2-ep2-alltoall": (
+        1,
+        1,
+        2,
+        "1f1b",
+        {"context_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
+    ),
+    "cp2-ep2-allgather-a2a": (
+        1,
+        1,
+        2,
+        "1f1b",
+        {"context_parallel_size": 2, "cp_comm_type": "a2a", "moe_token_dispatcher_type": "allgather"},
+    ),
 }
-MODEL_SLOW = {
+MODEL_SLOW = {  # CI keeps PP2 x EP2 under zb-h1 (TP x SP and the router's TP x CP group: the layer cases)
+    "tp2-sp-ep2-alltoall-grouped",
+    "cp2-ep2-alltoall",
     "ep2-dp4-alltoall-looped",
     "pp2-vpp2-layout-ep2-interleaved",
     "pp2-ep2-zbv-allgather",
@@ -309,6 +364,9 @@ MODEL_SLOW = {
     "tp2-sp-ep2-allgather-looped",
     "pp2-ep2-1f1b-alltoall",
     "pp2-ep2-zb-h1-allgather-recompute",
+    "pp2-ep2-gpipe-allgather-grouped",
+    "pp2-vpp2-ep2-zb-h1-interleaved",
+    "cp2-ep2-allgather-a2a",
 }
 
 
@@ -321,8 +379,13 @@ def test_expert_parallel_model_step_equals_one_device_and_ep1(ranks, split):
     tp, pp, ep, schedule, overrides = MODEL_SPLITS[split]
     with_ep1 = split in MODEL_SLOW  # CI: the one-device reference of "EP = 1 at the same DP" only
     results = ranks(WORLD).run(_model_rank, tp, pp, ep, schedule, overrides, with_ep1, timeout=TIMEOUT)
-    batches = make_batches(WORLD // (tp * pp) * MICROBATCHES)
-    pipeline = ("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout")
+    batches = make_batches(WORLD // (tp * pp * overrides.get("context_parallel_size", 1)) * MICROBATCHES)
+    pipeline = (
+        "virtual_pipeline_model_parallel_size",
+        "pipeline_model_parallel_layout",
+        "context_parallel_size",
+        "cp_comm_type",
+    )
     overrides = {k: v for k, v in overrides.items() if k not in pipeline}  # one device: one stage
     ref_losses, ref_grads, ref_params = reference_step(model_config(False, **overrides), batches)
     grads, params = _union(results, "off", "grads"), _union(results, "off", "params")

@@ -142,9 +142,22 @@ def test_bf16_model_steps_fp32_main_params_like_an_fp32_adamw(grad_source):
 
 
 def _roundtrip(optimizer, model, tmp_path, tag):
+    """The optimizer's state through files: its tensors to safetensors (``name/key``), the rest to JSON."""
     state = optimizer.state_dict()
-    save_file(state["state"], str(tmp_path / f"{tag}.safetensors"))
-    (tmp_path / f"{tag}.json").write_text(json.dumps(state["param_groups"]))
+    tensors = {
+        f"{name}/{key}": value.contiguous()
+        for name, entry in state["params"].items()
+        for key, value in entry.items()
+        if isinstance(value, torch.Tensor)
+    }
+    ranges = {
+        name: {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
+        for name, entry in state["params"].items()
+    }
+    save_file(tensors, str(tmp_path / f"{tag}.safetensors"))
+    (tmp_path / f"{tag}.json").write_text(
+        json.dumps({"param_groups": state["param_groups"], "ranges": ranges})
+    )
     save_file(
         {k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / f"{tag}-model.safetensors")
     )
@@ -153,6 +166,14 @@ def _roundtrip(optimizer, model, tmp_path, tag):
         json.loads((tmp_path / f"{tag}.json").read_text()),
         load_file(str(tmp_path / f"{tag}-model.safetensors")),
     )
+
+
+def _from_files(tensors: dict, meta: dict) -> dict:
+    params = {name: dict(entry) for name, entry in meta["ranges"].items()}
+    for key, value in tensors.items():
+        name, field = key.rsplit("/", 1)
+        params[name][field] = value
+    return {"param_groups": meta["param_groups"], "params": params}
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -171,16 +192,16 @@ def test_state_dict_round_trip_through_safetensors_and_json_continues_bit_identi
             scheduler.step(1)
 
     train(model, optimizer, scheduler, range(3))
-    tensors, groups, weights = _roundtrip(optimizer, model, tmp_path, "ckpt")
+    tensors, meta, weights = _roundtrip(optimizer, model, tmp_path, "ckpt")
     sched_state = json.loads(json.dumps(scheduler.state_dict()))
     assert all(isinstance(v, torch.Tensor) for v in tensors.values())
-    if bf16:
-        assert "0.main_param" in tensors
+    assert any(key.endswith("/exp_avg") for key in tensors)
+    assert any(key.endswith("/main_param") for key in tensors) == bf16
 
     resumed = _Net(seed=1).to(dtype)
     resumed.load_state_dict(weights)
     resumed_opt = get_megatron_optimizer(config, [resumed])
-    resumed_opt.load_state_dict({"param_groups": groups, "state": tensors})
+    resumed_opt.load_state_dict(_from_files(tensors, meta))
     resumed_sched = OptimizerParamScheduler(resumed_opt, 0.0, 1e-2, 1e-3, 2, 10, "cosine")
     resumed_sched.load_state_dict(sched_state)
 
@@ -550,18 +571,17 @@ def test_a_step_decided_on_the_device_takes_per_group_learning_rate_tensors():
         get_megatron_optimizer(config, [_Net()], fused=False).step_on_device(lrs=[torch.tensor(1.0)] * 2)
 
 
-def test_the_fp64_sum_of_squares_is_the_same_with_and_without_foreach_norms_dtype(monkeypatch):
-    """torch >= 2.4 accumulates each tensor in float64 in one kernel; older torch converts in chunks."""
+def test_the_fp64_sum_of_squares_is_the_same_by_foreach_norm_and_in_pieces():
+    """A GPU on torch >= 2.4 accumulates each tensor in float64 in one kernel; a CPU or an older torch
+    converts pieces (on a CPU, cache-sized ones: torch's CPU norm would copy each tensor whole)."""
     from core.optimizer import clip_grads
 
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=gen) * 10.0**k for k, n in enumerate((7, 30, 1, 55))]
     exact = sum(float(t.double().square().sum()) for t in tensors)
-    native = clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))
-    monkeypatch.setattr(clip_grads, "_FOREACH_NORM_DTYPE", False)
-    monkeypatch.setattr(clip_grads, "_CHUNK", 16)  # pieces of tensors, and several tensors joined
-    chunked = clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))
-    assert native.dtype == chunked.dtype == torch.float64
-    assert float(native) == pytest.approx(exact, rel=1e-14) and float(chunked) == pytest.approx(
-        exact, rel=1e-14
-    )
+    sums = [clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))]
+    sums.append(clip_grads._sum_of_squares_in_pieces(tensors, torch.device("cpu"), 16))  # pieces, joined
+    if clip_grads._FOREACH_NORM_DTYPE:
+        sums.append(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)).square().sum())
+    assert all(s.dtype == torch.float64 for s in sums)
+    assert all(float(s) == pytest.approx(exact, rel=1e-14) for s in sums)

@@ -5,6 +5,7 @@ DP*pp)) for the default order "tp-cp-ep-dp-pp"; a group varies only its own axes
 with the code under test.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -429,6 +430,48 @@ EXPERT_LAYOUTS = {
 def test_expert_groups_match_megatron_core(key):
     world, tp, pp, cp, ep, etp, order = key
     assert ps.generate_expert_groups(world, tp, pp, cp, ep, etp, order) == EXPERT_LAYOUTS[key]
+
+
+def _groups_by(world: int, coords, varying: set[str]) -> list[list[int]]:
+    """Ranks that share every coordinate outside ``varying``, ascending; groups by first member."""
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(world):
+        key = tuple(v for axis, v in coords(rank).items() if axis not in varying)
+        groups.setdefault(key, []).append(rank)
+    return sorted(groups.values())
+
+
+def _megatron_expert_groups(world, tp, pp, cp, ep) -> dict[str, list[list[int]]]:
+    """megatron-core's rule with the default order and expert TP 1, written independently of ours:
+    dense rank = tp + TP*(cp + CP*(dp + DP*pp)), expert rank = ep + EP*(edp + EDP*pp)."""
+    dp, edp = world // (tp * cp * pp), world // (ep * pp)
+
+    def dense(r):
+        return {"tp": r % tp, "cp": r // tp % cp, "dp": r // (tp * cp) % dp, "pp": r // (tp * cp * dp)}
+
+    def expert(r):
+        return {"ep": r % ep, "edp": r // ep % edp, "pp": r // (ep * edp)}
+
+    return {
+        "tp_cp": _groups_by(world, dense, {"tp", "cp"}),
+        "ep": _groups_by(world, expert, {"ep"}),
+        "expt_tp": [[r] for r in range(world)],
+        "expt_tp_ep": _groups_by(world, expert, {"ep"}),
+        "expt_tp_ep_pp": _groups_by(world, expert, {"ep", "pp"}),
+        "expt_dp": _groups_by(world, expert, {"edp"}),
+    }
+
+
+def test_expert_groups_match_megatron_core_for_every_legal_split_up_to_16_ranks():
+    checked = 0
+    for world in range(1, 17):
+        for tp, pp, cp, ep in itertools.product(*[[d for d in range(1, world + 1) if world % d == 0]] * 4):
+            if world % (tp * pp * cp) or world % (ep * pp):
+                continue
+            expected = _megatron_expert_groups(world, tp, pp, cp, ep)
+            assert ps.generate_expert_groups(world, tp, pp, cp, ep) == expected, (world, tp, pp, cp, ep)
+            checked += 1
+    assert checked > 500
 
 
 def test_without_expert_parallelism_the_expert_data_group_is_the_dense_one_folded_over_tp_and_cp():

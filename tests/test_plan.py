@@ -195,6 +195,34 @@ def test_cli_prints_a_table_and_a_json_line(capsys):
     assert "--tensor-model-parallel-size" in first["args"]
 
 
+def test_a_multi_node_plan_prints_a_command_that_runs_on_every_node(capsys):
+    """The printed line goes through torchrun's own parser (README's c10d rendezvous, one line for every
+    node) and its flags through ``pretrain_gpt.py``'s, for the planned world size."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    from training.arguments import parse_args
+    from training.plan.cli import main
+    from training.run import build_run
+
+    flags = ["--num-gpus", "16", "--gpus-per-node", "4", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--top", "1"]  # fmt: skip
+    assert main([*SMALL, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "on each of the 4 nodes, with MASTER_ADDR set to one node's address:" in out
+    line = next(line for line in out.splitlines() if line.startswith("#1: torchrun "))
+    tokens = shlex.split(line.removeprefix("#1: torchrun ").replace("$MASTER_ADDR", "node0"))
+    launch = get_args_parser().parse_args(tokens)
+    assert (launch.nnodes, launch.nproc_per_node) == ("4", "4")
+    assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.training_script) == (
+        "c10d", "node0:29500", "pretrain_gpt.py")  # fmt: skip
+    run = build_run(parse_args(launch.training_script_args), world_size=16)
+    assert (run.parallel.world_size, run.parallel.tp, run.parallel.pp) == (16, 2, 2)
+    with pytest.raises(SystemExit, match="--num-gpus 12 is not a whole number of nodes of --gpus-per-node 8"):
+        main([*SMALL, "--num-gpus", "12"])
+
+
 # --------------------------------------------------------------------------------------------------
 # Rebalancing from a timeline
 # --------------------------------------------------------------------------------------------------

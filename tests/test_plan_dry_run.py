@@ -48,7 +48,8 @@ _MOE = [
     ("extra", "fields"),
     [
         ([], {"tp": 2, "pp": 2, "dp": 2, "schedule": "zb-h1"}),
-        (_MOE, {"tp": 1, "pp": 2, "dp": 2, "ep": 2}),  # experts over EP, their state over expert DP
+        # experts over EP, their state over expert DP; the fused loss keeps the logits, not a softmax
+        ([*_MOE, "--cross-entropy-loss-fusion"], {"tp": 1, "pp": 2, "dp": 2, "ep": 2}),
     ],
     ids=["dense-TP2xPP2xDP2-zb", "moe-EP2xPP2xDP2"],
 )

@@ -39,6 +39,18 @@ def test_flops_count_fewer_key_value_heads_and_swiglus_third_matrix():
     assert extra == 64 * 2 * 6 * 256 * 512
 
 
+def test_moe_flops_count_the_active_experts_and_shared_experts_only():
+    base = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 64 --micro-batch-size 1"
+    base = [*base.split(), "--train-iters", "1", "--lr", "1e-3", "--ffn-hidden-size", "512", "--swiglu"]
+    dense = num_floating_point_operations(validate_args(parse_args(base), 1), 1, 0)
+    moe = [*base, "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128"]
+    moe += ["--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "[1,1,0,1]"]
+    flops = num_floating_point_operations(validate_args(parse_args(moe), 1), 1, 0)
+    # Three MoE layers: each token goes through 2 experts of 128 and the shared 64 (SwiGLU: 3 matrices)
+    # instead of the dense 512; the other 6 experts and the router are not counted.
+    assert dense - flops == 64 * 3 * 6 * 256 * 3 * (512 - (2 * 128 + 64))
+
+
 def test_peak_tflops_is_stated_or_known_and_blank_on_a_cpu():
     assert peak_tflops(torch.device("cpu"), None) is None
     assert peak_tflops(torch.device("cpu"), 2.5) == 2.5

@@ -1,6 +1,6 @@
 """Context parallelism: saved activations per rank, and how well the ring hides its transfers.
 
-Four spawned ranks (gloo on CPU, NCCL on GPUs) train a small LLaMA (RoPE, GQA) on one long sequence.
+``--world`` spawned ranks (4; gloo on CPU, NCCL on GPUs) train a small LLaMA (RoPE, GQA) on one long sequence.
 
 * **Memory.** The bytes autograd saves for backward during one forward (``saved_tensors_hooks``,
   each storage counted once, parameters left out), per rank, at CP = 1 (every rank holds the whole
@@ -8,10 +8,15 @@ Four spawned ranks (gloo on CPU, NCCL on GPUs) train a small LLaMA (RoPE, GQA) o
 * **Overlap.** With ``--cp-comm-type p2p`` each attention layer runs a ring: while a block's
   attention is computed, the next key/value block is already on its way. Per training step (forward
   and backward), the seconds spent computing attention blocks against the seconds spent waiting for
-  a block that had not arrived yet (``ring_timings``), medians over ``--steps`` steps, the slowest
-  rank each step. A ratio near 0 means the transfers hide behind the computation.
+  a block that had not arrived yet (``ring_timings``; each the largest over the ranks), and their
+  ratio per step; the table gives medians over ``--steps`` steps, the JSON line every step's ratio
+  too. A ratio near 0 means the transfers hide behind the computation. ``--measure`` picks one half:
+  the bytes are exact whatever the load, the times need a quiet machine.
 
     python tools/bench_context_parallel.py
+    python tools/bench_context_parallel.py --measure memory          # exact bytes: needs no quiet machine
+    flock /work/coord/bench.lock python tools/bench_context_parallel.py --measure overlap --steps 7
+    flock /work/coord/bench.lock python tools/bench_context_parallel.py --measure overlap --world 2 --cp 2
     python tools/bench_context_parallel.py --seq 8192 --hidden 256 --layers 2 --steps 5
 
 Prints a table, then one JSON line.
@@ -38,8 +43,6 @@ from core.device import current_device
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.context_parallel import get_batch_on_this_cp_rank, ring_timings
 from models.gpt import GPTModel, llama_config
-
-WORLD = 4
 
 
 def _model(args: argparse.Namespace, cp: int) -> GPTModel:
@@ -84,7 +87,7 @@ def saved_activation_bytes(model: GPTModel, batch: dict[str, torch.Tensor]) -> i
 def _timed_steps(
     model: GPTModel, batch: dict[str, torch.Tensor], steps: int
 ) -> list[tuple[float, float, float]]:
-    """(step, attention, waiting) seconds per step, the slowest rank's of each."""
+    """(step, attention, waiting) seconds per step, each the largest over the ranks."""
     out = []
     for _ in range(steps):
         dist.barrier()
@@ -104,22 +107,54 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
 
     os.environ["LOCAL_RANK"] = str(rank)
     bind_local_device()
-    dist.init_process_group(default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=args.world
+    )
     report = {"memory": {}, "overlap": {}}
-    for cp in sorted({1, 2, args.cp}):
+    for cp in sorted({1, 2, args.cp} if args.measure != "overlap" else {2, args.cp}):
+        if args.world % cp:
+            continue
         parallel_state.initialize_model_parallel(context_parallel_size=cp)
         model_parallel_seed(1234)
         model, batch = _model(args, cp), _batch(args)
-        nbytes = torch.tensor([saved_activation_bytes(model, batch)], dtype=torch.float64)
-        dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
-        report["memory"][cp] = nbytes.item()
-        if cp > 1 and args.cp_comm_type == "p2p":
+        if args.measure in ("memory", "both"):
+            nbytes = torch.tensor([saved_activation_bytes(model, batch)], dtype=torch.float64)
+            dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
+            report["memory"][cp] = nbytes.item()
+        if cp > 1 and args.cp_comm_type == "p2p" and args.measure in ("overlap", "both"):
             _timed_steps(model, batch, args.warmup)
             report["overlap"][cp] = _timed_steps(model, batch, args.steps)
         parallel_state.destroy_model_parallel()
     if rank == 0:
         results.put(report)
     dist.destroy_process_group()
+
+
+def _print_memory(memory: dict[int, float]) -> None:
+    print(f"{'saved activations per rank':<28}{'MiB':>10}{'vs CP=1':>10}")
+    for cp, nbytes in memory.items():
+        print(f"{f'CP={cp}':<28}{nbytes / 2**20:>10.1f}{nbytes / memory[1]:>10.3f}")
+
+
+def _print_overlap(per_cp: dict[int, list[tuple[float, float, float]]]) -> dict[int, dict[str, float]]:
+    """The ring's table (medians over the steps) and its JSON form."""
+    print(f"{'ring, per step (medians)':<28}{'step ms':>10}{'attn ms':>10}{'wait ms':>10}{'wait/attn':>11}")
+    overlap = {}
+    for cp, rows in per_cp.items():
+        step, attention, waiting = (statistics.median(column) for column in zip(*rows))
+        ratios = [w / a for _, a, w in rows]
+        overlap[cp] = {
+            "step_ms": round(step * 1000, 1),
+            "attention_ms": round(attention * 1000, 1),
+            "waiting_ms": round(waiting * 1000, 1),
+            "waiting_over_attention": round(statistics.median(ratios), 4),
+            "waiting_over_attention_per_step": [round(r, 4) for r in ratios],
+        }
+        print(
+            f"{f'CP={cp}':<28}{step * 1000:>10.1f}{attention * 1000:>10.1f}{waiting * 1000:>10.1f}"
+            f"{overlap[cp]['waiting_over_attention']:>11.3f}"
+        )
+    return overlap
 
 
 def main(argv=None) -> dict:
@@ -133,54 +168,48 @@ def main(argv=None) -> dict:
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--cp", type=int, default=4, choices=(2, 4))
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=4,
+        choices=(2, 4),
+        help="ranks (spawned processes); on a 2-core machine --world 2 --cp 2 gives each rank a core",
+    )
     parser.add_argument("--cp-comm-type", default="p2p", choices=("p2p", "a2a", "allgather"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--measure",
+        default="both",
+        choices=("memory", "overlap", "both"),
+        help="saved activations (exact, load does not matter), the ring's timings (needs a quiet machine), or both",
+    )
     args = parser.parse_args(argv)
+    if args.world % args.cp:
+        parser.error(f"--cp ({args.cp}) must divide --world ({args.world})")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank, args=(r, args, init_file, results)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_rank, args=(r, args, init_file, results)) for r in range(args.world)]
         for p in procs:
             p.start()
         report = results.get(timeout=3600)
         for p in procs:
             p.join(timeout=60)
-    memory = report["memory"]
-    ratio = memory[args.cp] / memory[1]
     print(
         f"LLaMA {args.layers} layers x hidden {args.hidden}, {args.heads} heads / {args.groups} groups, one "
-        f"sequence of {args.seq} tokens, {WORLD} ranks, cp_comm_type {args.cp_comm_type}"
+        f"sequence of {args.seq} tokens, {args.world} ranks, cp_comm_type {args.cp_comm_type}"
     )
-    print(f"{'saved activations per rank':<28}{'MiB':>10}{'vs CP=1':>10}")
-    for cp, nbytes in memory.items():
-        print(f"{f'CP={cp}':<28}{nbytes / 2**20:>10.1f}{nbytes / memory[1]:>10.3f}")
-    overlap = {}
+    memory = report["memory"]
+    summary = {"benchmark": "bench_context_parallel", "seq": args.seq, "world": args.world}
+    if memory:
+        _print_memory(memory)
+        summary["saved_activation_mib"] = {cp: round(b / 2**20, 2) for cp, b in memory.items()}
+        summary[f"cp{args.cp}_vs_cp1_saved_activations"] = round(memory[args.cp] / memory[1], 4)
     if report["overlap"]:
-        print(
-            f"{'ring, per step (medians)':<28}{'step ms':>10}{'attn ms':>10}{'wait ms':>10}{'wait/attn':>11}"
-        )
-    for cp, rows in report["overlap"].items():
-        step, attention, waiting = (statistics.median(column) for column in zip(*rows))
-        overlap[cp] = {
-            "step_ms": round(step * 1000, 1),
-            "attention_ms": round(attention * 1000, 1),
-            "waiting_ms": round(waiting * 1000, 1),
-            "waiting_over_attention": round(waiting / attention, 4),
-        }
-        print(
-            f"{f'CP={cp}':<28}{step * 1000:>10.1f}{attention * 1000:>10.1f}{waiting * 1000:>10.1f}"
-            f"{waiting / attention:>11.3f}"
-        )
-    summary = {
-        "benchmark": "bench_context_parallel",
-        "seq": args.seq,
-        "saved_activation_mib": {cp: round(b / 2**20, 2) for cp, b in memory.items()},
-        f"cp{args.cp}_vs_cp1_saved_activations": round(ratio, 4),
-        "ring": overlap,
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-    }
+        summary["ring"] = _print_overlap(report["overlap"])
+    summary["load_average"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(summary))
     return summary
 

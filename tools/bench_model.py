@@ -2,10 +2,11 @@
 
 The plain loop trains the same architecture built from Hugging Face ``transformers``
 (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, SDPA attention) from the same initial weights on the same
-tokens: forward, fp32 cross-entropy, backward, gradient clipping, AdamW (``fused=True`` on a GPU,
-``foreach`` on a CPU), bf16 by autocast over fp32 weights. It runs eagerly and under ``torch.compile``
-(the loss inside the compiled function); the two share one model and optimizer and take turns, so
-only the eager loop's first loss equals Trident's (a check that the architectures are the same). Trident runs ``pretrain()`` with
+tokens: forward, fp32 cross-entropy, backward, gradient clipping, AdamW (``fused=True`` where the
+device has the kernel, ``foreach`` elsewhere, as Trident's optimizer), bf16 by autocast over fp32 weights.
+It runs eagerly and under ``torch.compile`` (the loss inside the compiled function); the two share one
+model and optimizer and take turns, so only the eager loop's first loss equals Trident's (a check that
+the architectures are the same). Trident runs ``pretrain()`` with
 ``--cross-entropy-loss-fusion --gradient-accumulation-fusion``, eagerly, then again with ``--compile``.
 
 The contestants take turns: after each ``pretrain()`` iteration, its ``iteration_hook`` runs one step
@@ -21,15 +22,19 @@ FLOPs per step, two ways, both stated: Megatron's count (``training/throughput.p
 token: N the parameters but the input embedding, attention not halved). MFU needs the device's peak
 (the GPU table of ``training/throughput.py``, or ``--peak-tflops``). Peak memory is the most a step
 allocated above what was allocated when it started (activations, gradients, temporaries): CUDA's
-allocator on a GPU, the profiler's allocation records on a CPU, measured on one extra step.
+allocator on a GPU, the profiler's allocation records on a CPU, measured on one extra step. With
+``--profile`` that step's operators are printed side by side, Trident's against the transformers
+loop's (``tools/op_profile.py``): where the eager layers differ, named op by op.
 
     python tools/bench_model.py                                   # CPU: GPT-2-small shape, fp32 and bf16
     python tools/bench_model.py --layers 4 --iters 6              # a quicker CPU run
+    python tools/bench_model.py --no-compile --profile            # eager only, with the op-by-op profile
     python tools/bench_model.py --device cuda                     # GPU: GPT-2 124M seq 1024, LLaMA ~1B seq 4096, bf16
 
 Configurations (``--config``): ``gpt2-small`` (12 x 768, 12 heads, vocabulary 50304, seq 512, one
 microbatch of 1, the CPU default), ``gpt2-124m`` (the same at seq 1024, microbatch 8) and ``llama-1b``
-(16 x 2048, 32 heads, GQA 8, FFN 8192, vocabulary 128256, seq 4096, microbatch 1), the GPU defaults.
+(16 x 2048, 32 heads, GQA 8, FFN 8192, vocabulary 128256, seq 4096, microbatch 1), the GPU defaults;
+``tiny`` (2 x 64) proves the path in seconds (``tools/gpu_check.py --device cpu --quick``).
 Prints a table, then one JSON line.
 """
 
@@ -49,12 +54,22 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt
+from core.optimizer import has_fused_kernel
 from models.gpt.hf_mapping import hf_architecture, hf_config_kwargs, to_hf
-from tools.bench_cross_entropy import peak_bytes
+from tools.op_profile import StepProbe, measure, print_comparison
 from training.throughput import num_floating_point_operations, peak_tflops
 from training.training import pretrain
 
 CONFIGS = {
+    "tiny": {  # tools/gpu_check.py --device cpu --quick: the path end to end, in seconds
+        "arch": "gpt2",
+        "layers": 2,
+        "hidden": 64,
+        "heads": 4,
+        "vocab": 512,
+        "seq": 64,
+        "mbs": 2,
+    },
     "gpt2-small": {
         "arch": "gpt2",
         "layers": 12,
@@ -147,11 +162,12 @@ class PlainLoop:
 
 
 def adamw(model, device: torch.device) -> torch.optim.AdamW:
-    """AdamW as Trident's flags set it (weight decay on matrices only): fused on a GPU, foreach elsewhere."""
+    """AdamW as Trident's flags set it (weight decay on matrices only), with the kernel Trident's
+    optimizer picks: torch's fused one where the device has it (CUDA; CPU from torch 2.4), else foreach."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     rest = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    kind = {"fused": True} if has_fused_kernel(torch.optim.AdamW, device) else {"foreach": True}
     return torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, **kind)
 
 
@@ -191,6 +207,7 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
     captured: dict = {}
     times: dict[str, list[float]] = {"trident": []}
     losses: dict[str, list[float]] = {"trident": []}
+    ops: dict[str, dict] = {}
     last: list[float] = []
     batches: list[dict] = []
 
@@ -211,8 +228,8 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
         final = state.iteration == args.warmup + args.iters + 1
         if final:  # the extra iteration measured memory only
             times["trident peak"] = [captured["memory"].stop()]
+            ops["trident"] = captured["memory"].ops
         else:
-            losses["trident"].append(float(state.losses[-1]["lm loss"]) if state.losses else float("nan"))
             # Iteration 1 has no start mark (it is never timed: the warm-up drops it anyway).
             times["trident"].append(now - last[0] if last else float("nan"))
         if not plain:  # the plain loops start from Trident's initial weights
@@ -225,20 +242,19 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
         tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
         for name, loop in plain.items():
             if final:  # the extra step measures memory only
-                times.setdefault(f"{name} peak", []).append(
-                    peak_memory(lambda loop=loop: loop.step(tokens, labels), device)
-                )
+                probe = measure(lambda loop=loop: loop.step(tokens, labels), device, args.profile)
+                times[f"{name} peak"], ops[name] = [probe.peak], probe.ops
                 continue
             start = clock()
             loss = loop.step(tokens, labels)
             times.setdefault(name, []).append(clock() - start)
             losses.setdefault(name, []).append(float(loss))
         if state.iteration == args.warmup + args.iters:  # Trident's next (extra) iteration: memory
-            captured["memory"] = MemoryProbe(device)
+            captured["memory"] = StepProbe(device, args.profile)
         last[:] = [clock()]
 
     flags = trident_flags(spec, args, dtype, compiled)
-    pretrain(
+    state = pretrain(
         pretrain_gpt.train_valid_test_datasets_provider,
         model_provider,
         forward_step,
@@ -246,7 +262,9 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
         tokenizer_provider=pretrain_gpt.tokenizer_provider,
         iteration_hook=hook,
     )
-    return {"times": times, "losses": losses, "flops": captured["flops"]}
+    # The losses are read from the device at log steps (training/step_ledger.py): all are there at the end.
+    losses["trident"] = [float(step["lm loss"]) for step in state.losses[: args.warmup + args.iters]]
+    return {"times": times, "losses": losses, "flops": captured["flops"], "ops": ops}
 
 
 class _Recorder:
@@ -259,46 +277,6 @@ class _Recorder:
         batch = next(self.iterator)
         self.sink[:] = [batch]
         return batch
-
-
-def peak_memory(step, device: torch.device) -> int:
-    """Bytes one call of ``step`` allocated at most above what was allocated when it started."""
-    return peak_bytes(step, device)
-
-
-class MemoryProbe:
-    """The allocation peak of whatever runs between its creation and ``stop()`` (one pretrain() iteration)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            self.before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self.profile.__enter__()
-
-    def stop(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - self.before
-        from torch._C._profiler import _EventType
-
-        self.profile.__exit__(None, None, None)
-        allocations, stack = [], list(self.profile.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children)
-            if node.tag == _EventType.Allocation:
-                allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
-        current = peak = 0
-        for _, size in sorted(allocations):
-            current += size
-            peak = max(peak, current)
-        return peak
 
 
 def flops_per_step(spec: dict, model) -> dict[str, float]:
@@ -366,6 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of both sides")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument(
+        "--profile", action="store_true", help="print the operators of one step, Trident against transformers"
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
     args = parser.parse_args(argv)
     if args.warmup < 1:
@@ -392,6 +373,8 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in summarise(spec, args, dtype, phases, device)
             ]
             rows += ratios(phases, args, dtype, name)
+            if args.profile:
+                print_profiles(phases, f"{name} {spec['layers']} layers {dtype}")
     print_table(rows, args, device, load)
     result = {
         "benchmark": "bench_model",
@@ -441,6 +424,16 @@ def ratios(phases: dict, args, dtype: str, name: str) -> list[dict]:
             },
         ]
     return out
+
+
+def print_profiles(phases: dict, title: str) -> None:
+    """Trident's step against the transformers loop's, op by op, eager and (if run) compiled."""
+    pairs = {"eager": ("trident", "transformers"), "compile": ("trident", "transformers+compile")}
+    for phase_name, (ours, theirs) in pairs.items():
+        if phase_name in phases:
+            ops = phases[phase_name]["ops"]
+            label = "trident --compile" if phase_name == "compile" else "trident"
+            print_comparison(f"{title}, {label} vs {theirs}", (label, theirs), ops[ours], ops[theirs])
 
 
 def print_table(rows: list[dict], args, device: torch.device, load: float) -> None:

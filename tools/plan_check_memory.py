@@ -4,6 +4,8 @@
                                                        # GPT-3 175B TP8xPP16: every pipeline rank, model vs
                                                        # dry run, with Megatron's theoretical formula beside them
     python tools/plan_check_memory.py model --config llama3-8b --ranks 0 3
+    python tools/plan_check_memory.py model --config llama3-8b-selective  # where Megatron's formula
+                                                       # reports activations (sequence parallel + selective)
     python tools/plan_check_memory.py real             # 4 gloo ranks, a small GPT, three layouts: the real
                                                        # run's tracked live tensor bytes vs the dry run, per rank
 
@@ -50,7 +52,14 @@ CONFIGS = {
         ["--global-batch-size", "256"],
         {"tp": 8, "pp": 16, "dp": 8, "num_microbatches": 32},
     ),
+    # the one setting Megatron's formula reports activations for: sequence parallel + selective
+    "llama3-8b-selective": (
+        "llama3-8b",
+        ["--global-batch-size", "128"],
+        {"tp": 2, "pp": 4, "dp": 8, "num_microbatches": 16, "recompute": "selective"},
+    ),
 }
+DEFAULT = ["llama3-8b", "llama3-70b", "gpt3-175b"]
 
 SMALL_GPT = (
     "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
@@ -89,9 +98,12 @@ def check_model(names: list[str], ranks: list[int] | None) -> list[dict]:
         spec, cand = plan_input.spec, _candidate(plan_input.spec, fields)
         argv = candidate_args(plan_input.base_flags, cand)
         megatron = megatron_memory(spec, cand)
-        print(f"{name} {cand.split()} {cand.schedule_label}: Megatron's formula {megatron['total'] / GB:.2f} GB "
-              f"(weights+optimizer {megatron['weights_and_optimizer'] / GB:.2f}, activations "
-              f"{megatron['activations'] / GB:.2f}) for its first stage", flush=True)  # fmt: skip
+        first = rank_memory(spec, cand, 0)
+        print(f"{name} {cand.split()} {cand.schedule_label} mbs {cand.micro_batch_size} {cand.recompute}: first stage, "
+              f"Megatron's formula {megatron['weights_and_optimizer'] / GB:.2f} GB weights+optimizer + "
+              f"{megatron['activations'] / GB:.2f} GB activations; the model (GPU kernels) {first.static / GB:.2f} + "
+              f"{(first.activations + first.transient + first.buffers) / GB:.2f} GB at the schedule's peak, "
+              f"{first.peak / GB:.2f} GB in all", flush=True)  # fmt: skip
         for rank in ranks if ranks is not None else range(cand.pp):
             started = time.perf_counter()
             model = rank_memory(spec, cand, rank, device="cpu")
@@ -101,7 +113,7 @@ def check_model(names: list[str], ranks: list[int] | None) -> list[dict]:
             row = {
                 "config": name, "split": cand.split(), "pp_rank": rank, "dry_run_peak": measured.peak,
                 "model_peak": model.peak, "model_peak_gpu_kernels": gpu.peak, "ratio": model.peak / measured.peak,
-                "dry_run": measured.as_dict(), "megatron_total": megatron["total"],
+                "dry_run": measured.as_dict(), "megatron": megatron,
                 "seconds": time.perf_counter() - started,
             }  # fmt: skip
             rows.append(row)
@@ -192,7 +204,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("what", choices=["model", "real"])
-    parser.add_argument("--config", nargs="*", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--config", nargs="*", choices=list(CONFIGS), default=DEFAULT)
     parser.add_argument("--ranks", nargs="*", type=int, help="pipeline ranks (default: all)")
     args = parser.parse_args()
     rows = check_model(args.config, args.ranks) if args.what == "model" else check_real()

@@ -90,7 +90,6 @@ def from_trace(path: str, iteration: int | None = None) -> tuple[Events, str]:
 
 
 def _measure(rank, world, init_file, schedule, vpp, m, forward_ms, backward_ms, queue):
-    import time
 
     import torch
     import torch.distributed as dist
@@ -108,10 +107,11 @@ def _measure(rank, world, init_file, schedule, vpp, m, forward_ms, backward_ms, 
     step()  # warm-up
     record.events.clear()
     dist.barrier()
-    t0 = time.perf_counter()
+    t0 = record.clock.now()
     step()
-    events = [(f"{e.chunk}{e.kind}{e.microbatch}", e.start, e.end) for e in record.events if e.kind in "FBIW"]
-    queue.put((rank, [(a, (s - t0) * 1000, (e - t0) * 1000) for a, s, e in events]))
+    timed = record.timed(t0)
+    events = [(f"{e.chunk}{e.kind}{e.microbatch}", e.start, e.end) for e in timed if e.kind in "FBIW"]
+    queue.put((rank, [(a, s * 1000, e * 1000) for a, s, e in events]))
     dist.destroy_process_group()
 
 

@@ -85,7 +85,7 @@ def _broadcast_in_tp_group(
     for field in FIELDS:
         dtype = torch.float32 if field == "loss_mask" else torch.int64
         tensor = (
-            batch[field].to(device, dtype)
+            batch[field].to(device, dtype, non_blocking=True)  # pinned on a GPU: the host does not wait
             if batch is not None
             else torch.empty(micro_batch_size, seq_length, dtype=dtype, device=device)
         )

@@ -13,6 +13,7 @@ import argparse
 import os
 from typing import Any
 
+from core.transformer.moe.moe_config import parse_moe_layer_freq
 from training.checkpoint import CheckpointError, find_checkpoint
 from training.checkpoint.reader import load_manifest
 from training.schema import BY_DEST, flag_name
@@ -81,7 +82,6 @@ def _moe_args(config: dict[str, Any]) -> dict[str, Any]:
 
 def _same_layer_pattern(ours: str, saved: str, num_layers: int) -> bool:
     """``--moe-layer-freq`` values that pick the same layers ("2" and "[1,0,1,0]" for 4 layers)."""
-    from core.transformer.moe.moe_config import parse_moe_layer_freq
 
     def layers(text: str) -> list[bool]:
         freq = parse_moe_layer_freq(text)

@@ -36,7 +36,9 @@ def evaluate(run: Run, session: Session) -> None:
         for chunk in chunks:
             chunk.train()
     if losses:
-        values = mean_per_key(losses)
+        keys = list(losses[0])
+        read = torch.stack([torch.stack([reported[k] for k in keys]) for reported in losses]).tolist()
+        values = mean_per_key([dict(zip(keys, row)) for row in read])  # one read from the device
         if session.logs_loss:
             print_line(
                 f" validation loss at iteration {state.iteration} |"

@@ -10,7 +10,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from training.state import StepResult, TrainState
-from training.throughput import memory_stats
 
 if TYPE_CHECKING:
     from training.run import Run
@@ -18,10 +17,6 @@ if TYPE_CHECKING:
 
 def mean_per_key(values: list[dict[str, float]]) -> dict[str, float]:
     return {key: sum(v[key] for v in values) / len(values) for key in values[0]} if values else {}
-
-
-def loss_scale(optimizer) -> float:
-    return 1.0 if optimizer.grad_scaler is None else optimizer.grad_scaler.scale
 
 
 class LogWindow:
@@ -53,25 +48,23 @@ class LogWindow:
         return mean_per_key(self.losses or self.skipped_losses) or {"lm loss": float("nan")}
 
 
-def wandb_row(
-    run: Run, state: TrainState, optimizer, step: StepResult, flops: float, peak: float | None, device
-) -> dict:
-    """This iteration's numbers under Megatron's W&B keys (plus a few of Trident's), every iteration.
+def wandb_row(run: Run, step: StepResult, flops: float, peak: float | None) -> dict:
+    """One iteration's numbers under Megatron's W&B keys (plus a few of Trident's), every iteration.
 
     ``flops``: model FLOPs per sample; ``batch-size`` is this iteration's global batch (a ramp grows it).
     """
     gbs = step.global_batch_size
     tflops = flops * gbs / (step.seconds * 1e12 * run.parallel.world_size)
     row: dict[str, Any] = {
-        "learning-rate": optimizer.param_groups[0]["lr"],
+        "learning-rate": step.learning_rate,
         "batch-size": gbs,
-        "samples vs steps": state.consumed_samples,
-        "loss-scale": loss_scale(optimizer),
+        "samples vs steps": step.consumed_samples,
+        "loss-scale": step.loss_scale,
         "iteration-time": step.seconds,
         "throughput": tflops,
         "tokens-per-second": gbs * run.gpt.seq_length / step.seconds,
-        "skipped-iterations": state.skipped_iterations,
-        "nan-iterations": state.nan_iterations,
+        "skipped-iterations": step.skipped_iterations,
+        "nan-iterations": step.nan_iterations,
     }
     row.update(step.losses or {})  # "lm loss", whatever else loss_func reports, MoE's auxiliary losses
     row.update(step.moe_layers)
@@ -80,7 +73,7 @@ def wandb_row(
     if peak is not None:
         row["mfu"] = tflops / peak
     if run.logging.log_memory_to_tensorboard:
-        row.update(memory_stats(device))
+        row.update(step.memory)
         row["mem-max-allocated-bytes"] = step.peak_memory  # the largest of any rank
     return row
 
@@ -88,7 +81,6 @@ def wandb_row(
 def log_line(
     run: Run,
     state: TrainState,
-    optimizer,
     step: StepResult,
     window: LogWindow,
     flops: float,
@@ -112,10 +104,10 @@ def log_line(
     if peak is not None:
         fields.append(f"MFU: {100 * tflops / peak:.1f}%")
     fields += [
-        f"learning rate: {optimizer.param_groups[0]['lr']:.6E}",
+        f"learning rate: {step.learning_rate:.6E}",
         f"global batch size: {step.global_batch_size:5d}",
         *(f"{key}: {value:.6E}" for key, value in window.mean_losses().items()),
-        f"loss scale: {loss_scale(optimizer):.1f}",
+        f"loss scale: {step.loss_scale:.1f}",
         f"grad norm: {float('nan') if step.grad_norm is None else step.grad_norm:.3f}",
     ]
     if step.num_zeros is not None:

@@ -30,7 +30,8 @@ from training.run_control import ExitTimer, ManualGC
 from training.signal_handler import SignalHandler
 from training.state import Session, StepResult, TrainState
 from training.step import any_rank, train_step
-from training.throughput import num_floating_point_operations, peak_tflops
+from training.step_ledger import PendingStep, StepLedger
+from training.throughput import memory_stats, num_floating_point_operations, peak_tflops
 from training.timeline import Timeline
 
 
@@ -52,18 +53,18 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
     with handler as signals, collector, session.saver:
         loop = _Loop(run, session, signals, collector, hook)
         while state.iteration < flags.train_iters:
+            increment = run.microbatches.global_batch_size(state.consumed_samples)  # a ramp grows it
+            if loop.ledger.must_settle_before(increment):
+                loop.settle()
             record = loop.timeline_record(state.iteration + 1)
             start = time.perf_counter()
             loop.profiler.before_step(state.iteration)
-            step = train_step(run, session, record)
+            step = train_step(run, session, record, loop.ledger.learning_rates(increment))
             loop.timeline_finish(state.iteration + 1, record)
             state.iteration += 1
             loop.profiler.after_step(state.iteration)
-            state.consumed_samples += step.global_batch_size  # Megatron's count: skipped steps too
-            if step.applied:
-                session.scheduler.step(increment=step.global_batch_size)
-            if step.losses is not None:
-                state.losses.append(step.losses)
+            state.consumed_samples += increment  # Megatron's count: skipped steps too
+            step.consumed_samples, step.increment = state.consumed_samples, increment
             loop.report(step, start)
             state.step_seconds.append(time.perf_counter() - start)
             paused = time.perf_counter()
@@ -71,7 +72,7 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
             loop.window.pause(time.perf_counter() - paused)  # evaluation and saving are not step time
             if stop:
                 break
-            _report_ramp(run, state, step.global_batch_size)
+            _report_ramp(run, state, increment)
         loop.finish()
 
 
@@ -110,6 +111,8 @@ class _Loop:
         self.flops = num_floating_point_operations(run.args, 1, vocab)  # per sample: the batch may grow
         self.peak = peak_tflops(self.device, run.logging.peak_tflops)
         self.window = LogWindow()
+        self.ledger = StepLedger(run, session.model.optimizer, session.scheduler, self.device)
+        self.last: StepResult | None = None  # the latest settled step
         self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
         self.timeline = Timeline.for_run(run)
         session.state.progress = Progress(
@@ -138,24 +141,34 @@ class _Loop:
         if record is not None:
             self.timeline.finish(iteration, record)
 
-    def report(self, step: StepResult, start: float) -> None:
-        """The W&B row of every iteration, and the log line every ``--log-interval``."""
+    def report(self, step: PendingStep, start: float) -> None:
+        """Hand the step to the ledger; at a log step settle it (the W&B rows, then the log line)."""
         run, state, optimizer = self.run, self.session.state, self.session.model.optimizer
-        self.window.add(step)
         if run.logging.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
-            step.params_norm = optimizer.get_params_norm()
+            step.params_norm = optimizer.get_params_norm_tensor()
+        if run.logging.log_memory_to_tensorboard:
+            step.memory = memory_stats(self.device)
         step.seconds = time.perf_counter() - start
+        self.ledger.add(step)
         if self.compile_start is not None and self.compile_warm is None:
             self.compile_warm = compile_stats()
             line = _compile_line("warm-up (first iteration)", self.compile_start, self.compile_warm)
             print_rank_0(f"{line}; the iteration took {step.seconds:.1f} s")
-        row = wandb_row(run, state, optimizer, step, self.flops, self.peak, self.device)
-        self.session.loggers.log(row, step=state.iteration)
         self.collector.after_step(state.iteration)
-        if state.iteration % run.training.log_interval == 0 or state.iteration == run.training.train_iters:
-            state.progress.print_log_line(
-                log_line(run, state, optimizer, step, self.window, self.flops, self.peak)
-            )
+        logs = state.iteration % run.training.log_interval == 0 or state.iteration == run.training.train_iters
+        if logs or self.ledger.settle_every_step:
+            self.settle()
+        if logs:
+            state.progress.print_log_line(log_line(run, state, self.last, self.window, self.flops, self.peak))
+
+    def settle(self) -> None:
+        """Read the pending steps from the device (one wait) and write their W&B rows."""
+        self.ledger.settle(self.session.state, self._settled)
+
+    def _settled(self, step: StepResult) -> None:
+        self.window.add(step)
+        self.last = step
+        self.session.loggers.log(wandb_row(self.run, step, self.flops, self.peak), step=step.iteration)
 
     def between_steps(self) -> bool:
         """Evaluate, decide whether to stop, save, call the hook; True to stop."""
@@ -167,12 +180,14 @@ class _Loop:
             and state.iteration % every == 0
             and run.validation.eval_iters > 0
         ):
+            self.settle()  # its W&B rows go before the validation row
             with self.collector.evaluation():
                 evaluate(run, session)
         stop = self._should_stop()
         if run.checkpointing.save:  # a save in flight commits once every rank wrote it; a failure stops here
             session.saver.poll()
         if run.checkpointing.save and (stop or state.iteration % run.checkpointing.save_interval == 0):
+            self.settle()  # the counters, the scheduler and the losses the checkpoint holds
             save(run, session)
             self.saved_at = state.iteration
         if self.hook is not None:
@@ -196,7 +211,9 @@ class _Loop:
         return stop
 
     def finish(self) -> None:
-        """The last parameter gathers land, the profile and timeline are written, a final save if due."""
+        """The last steps settle, the last parameter gathers land, the profile and timeline are written,
+        a final save if due."""
+        self.settle()
         for chunk in self.session.model.chunks:  # the last step's all-gathers (distributed optimizer)
             chunk.finish_param_sync()
         self.profiler.stop()

@@ -35,7 +35,8 @@ class TrainState:
 
 @dataclass
 class StepResult:
-    """What one iteration measured, for the log line and W&B."""
+    """What one iteration measured, read from the device (see :mod:`training.step_ledger`), for the log
+    line and W&B."""
 
     losses: dict[str, float] | None  # loss_func's reported values, on the loss stage
     grad_norm: float | None
@@ -44,8 +45,15 @@ class StepResult:
     peak_memory: float  # bytes, the largest of any rank
     global_batch_size: int  # samples of this step (all data-parallel ranks): it grows along a batch ramp
     params_norm: float | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the host's time for the step (on a GPU, until it queued the next)
     moe_layers: dict[str, float] = field(default_factory=dict)  # --moe-per-layer-logging, for W&B/TB
+    iteration: int = 0
+    learning_rate: float = 0.0  # the first group's, after this step (as Megatron logs it)
+    loss_scale: float = 1.0  # after this step's update
+    consumed_samples: int = 0
+    skipped_iterations: int = 0  # the run's counters after this step
+    nan_iterations: int = 0
+    memory: dict[str, int] = field(default_factory=dict)  # allocator statistics (--log-memory-to-tensorboard)
 
 
 @dataclass

@@ -5,34 +5,43 @@ A step is skipped for a NaN/Inf loss or gradient norm (counted as a NaN iteratio
 only: the scaler backs off and training goes on, as in Megatron). Under fp16 a NaN/Inf loss still
 goes through the optimizer step, whose overflow check finds the gradients it made and backs the
 scale off, as Megatron's does; the iteration counts as a NaN iteration.
+
+All of it is decided on the device: the losses stay there, a NaN/Inf loss on any rank is found by
+one small all-reduce, and the optimizer skips on the device (``step_on_device``). The host reads
+the outcome later, when :mod:`training.step_ledger` settles the steps; on a GPU nothing in a step
+waits for the device.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from core.device import current_device
-from core.pipeline_parallel.losses import reduce_loss_logs
+from core.pipeline_parallel.losses import reduce_loss_logs_on_device
 from core.pipeline_parallel.mailbox import PipelineShapeError
-from core.transformer.moe.moe_logging import reduce_moe_metrics
+from core.transformer.moe.moe_logging import reduce_moe_metrics_on_device
 from training import faults
 from training.batches import BatchStream
 from training.errors import ConfigError
-from training.state import Session, StepResult, TrainState
+from training.state import Session
+from training.step_ledger import PendingStep
 from training.throughput import peak_memory_bytes
 
 if TYPE_CHECKING:
     from training.run import Run
 
 
-def train_step(run: Run, session: Session, record=None) -> StepResult:
+def train_step(
+    run: Run, session: Session, record=None, learning_rates: list[torch.Tensor] | None = None
+) -> PendingStep:
     """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip).
 
     ``record``: a ``ScheduleRecord`` the schedule fills (the timeline's iterations).
+    ``learning_rates``: per parameter group, this step's learning rate as a device tensor (see
+    :mod:`training.step_ledger`), else the groups' own.
     """
     state, optimizer = session.state, session.model.optimizer
     iteration = state.iteration + 1
@@ -46,66 +55,49 @@ def train_step(run: Run, session: Session, record=None) -> StepResult:
     if losses is not None:
         losses |= moe_losses
     faults.phase("the loss check (all-reduce)", iteration)
-    bad_loss, peak_memory = max_over_ranks(
-        [
-            1.0 if losses is not None and not all(math.isfinite(v) for v in losses.values()) else 0.0,
-            float(peak_memory_bytes(current_device())),
-        ]
+    bad_loss = _bad_loss_on_any_rank(losses)
+    faults.phase("the optimizer step (gradient-norm all-reduce)", iteration)
+    outcome = optimizer.step_on_device(skip=bad_loss, lrs=learning_rates)
+    device = current_device()
+    return PendingStep(
+        iteration,
+        losses,
+        applied=outcome.applied,
+        bad_loss=bad_loss,
+        grad_norm=outcome.grad_norm,
+        overflow=outcome.overflow,
+        num_zeros=outcome.num_zeros,
+        loss_scale=None if optimizer.grad_scaler is None else optimizer.get_loss_scale().clone(),
+        moe_layers=moe_layers,
+        peak_memory=torch.full((), float(peak_memory_bytes(device)), dtype=torch.float64, device=device),
     )
-    if bad_loss and run.training.check_for_nan_in_loss_and_grad:
-        raise FloatingPointError(
-            f"loss is {losses} at iteration {iteration} (--check-for-nan-in-loss-and-grad)"
-        )
-    applied, grad_norm, num_zeros, overflow = False, None, None, False
-    if not bad_loss or optimizer.grad_scaler is not None:
-        faults.phase("the optimizer step (gradient-norm all-reduce)", iteration)
-        applied, grad_norm, num_zeros = optimizer.step()
-        overflow = not applied and optimizer.last_step_overflowed
-        if not applied and not overflow and run.training.check_for_nan_in_loss_and_grad:
-            raise FloatingPointError(
-                f"gradient norm is {grad_norm} at iteration {iteration} (--check-for-nan-in-loss-and-grad)"
-            )
-    _count_skips(run, state, applied=applied, overflow=overflow, bad_loss=bool(bad_loss))
-    global_batch_size = run.microbatches.global_batch_size(state.consumed_samples)
-    return StepResult(
-        losses, grad_norm, num_zeros, applied, peak_memory, global_batch_size, moe_layers=moe_layers
-    )
+
+
+def _bad_loss_on_any_rank(losses: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """A bool device tensor: some rank's reported losses hold a NaN or Inf (one MAX all-reduce)."""
+    bad = torch.zeros((), dtype=torch.float64, device=current_device())
+    if losses:
+        bad = (~torch.isfinite(torch.stack([v.to(torch.float64) for v in losses.values()]))).any().double()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad > 0
 
 
 def moe_metrics(
     run: Run, session: Session, num_microbatches: int
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The step's MoE auxiliary losses as Megatron logs them (``load_balancing_loss``, ``z_loss``: the
     mean over MoE layers), and with ``--moe-per-layer-logging`` each layer's (``moe/<name>_layer_<i>``,
-    for W&B and TensorBoard). A collective on every rank; nothing without experts."""
+    for W&B and TensorBoard), as device tensors. A collective on every rank; nothing without experts."""
     if run.model.num_moe_experts is None:
         return {}, {}
-    summary, per_layer = reduce_moe_metrics(session.model.modules, run.model, num_microbatches)
+    summary, per_layer = reduce_moe_metrics_on_device(session.model.modules, run.model, num_microbatches)
     if not run.model.moe_per_layer_logging:
         return summary, {}
     moe_layers = [i for i in range(run.model.num_layers) if run.model.is_moe_layer(i)]
     return summary, {
         f"moe/{name}_layer_{i}": values[i] for name, values in per_layer.items() for i in moe_layers
     }
-
-
-def _count_skips(run: Run, state: TrainState, *, applied: bool, overflow: bool, bad_loss: bool) -> None:
-    """A loss-scale overflow is a skipped iteration; a NaN/Inf one is also a NaN iteration, and too
-    many of those in a row end the run."""
-    if applied:
-        state.consecutive_skipped = 0
-    elif overflow and not bad_loss:
-        state.skipped_iterations += 1
-    else:
-        state.skipped_iterations += 1
-        state.nan_iterations += 1
-        state.consecutive_skipped += 1
-        if state.consecutive_skipped >= run.training.max_consecutive_skipped_iterations:
-            raise RuntimeError(
-                f"{state.consecutive_skipped} consecutive iterations had a NaN/inf loss or gradient "
-                f"and were skipped (iteration {state.iteration + 1}); stopping. Lower --lr or "
-                "check the data; --max-consecutive-skipped-iterations sets the limit"
-            )
 
 
 def run_global_batch(
@@ -117,9 +109,10 @@ def run_global_batch(
     *,
     forward_only: bool = False,
     record=None,
-) -> dict[str, float] | None:
+) -> dict[str, torch.Tensor] | None:
     """One global batch through the pipeline schedule; returns the reported losses (``loss_func``'s log
-    dict, each key reduced over microbatches and data-parallel ranks) on the loss stage, else None."""
+    dict, each key reduced over microbatches and data-parallel ranks, as 0-dim device tensors) on the
+    loss stage, else None."""
     chunks = session.model.chunks
     iterators = _iterators(chunks, data, consumed_samples, num_microbatches)
     micro_batch_size, seq_length = run.training.micro_batch_size, run.gpt.seq_length
@@ -138,7 +131,7 @@ def run_global_batch(
         raise ConfigError(
             f"{err} (--seq-length {seq_length}, --micro-batch-size {micro_batch_size})"
         ) from None
-    return reduce_loss_logs(logs, session.groups.dp_cp) or None
+    return reduce_loss_logs_on_device(logs, session.groups.dp_cp) or None
 
 
 def _iterators(chunks, stream: BatchStream, consumed_samples: int, num_microbatches: int) -> list:

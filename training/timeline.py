@@ -5,7 +5,8 @@
 
 For each recorded iteration every rank keeps the executor's events (``ScheduleRecord``): each
 forward ``F``, backward ``B`` (or its halves ``I`` and ``W``), each posted send and receive, each wait
-for a message, with microbatch and model chunk. Rank 0 gathers them and writes
+for a message, with microbatch and model chunk. On a GPU they are CUDA events, so the times say when
+the GPU ran each action (the host only queues it); on a CPU, host times. Rank 0 gathers them and writes
 
 * ``timeline.json``: a Chrome trace (``chrome://tracing``, https://ui.perfetto.dev), one process per
   rank. Its ``trident`` entry holds the run's schedule and the bubble figures; ``load_trace`` reads
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from core import parallel_state as ps
+from core.device import current_device
 from core.pipeline_parallel.actions import ActionKind
 from core.pipeline_parallel.executor import ScheduleRecord
 from core.pipeline_parallel.placement import Placement
+from core.pipeline_parallel.record import clock_for
 from core.pipeline_parallel.simulator import simulate
 from training.logging_utils import print_line
 
@@ -71,6 +73,7 @@ class TimelineData:
     vpp_size: int
     num_microbatches: int
     iterations: list[IterationTimeline] = field(default_factory=list)
+    clock: str = "host"  # "cuda": CUDA events, when the GPU ran each action
 
 
 def measured_bubble(ranks: list[RankEvents]) -> float:
@@ -103,11 +106,12 @@ def simulated_bubble(tables, placement: Placement, ranks: list[RankEvents]) -> f
 class Timeline:
     """Records the chosen iterations on every rank; rank 0 writes the trace and the picture."""
 
-    def __init__(self, directory: str, iterations: list[int], schedule: str):
+    def __init__(self, directory: str, iterations: list[int], schedule: str, clock=None):
         self.directory, self.iterations, self.schedule = directory, set(iterations), schedule
+        self.clock = clock if clock is not None else clock_for(current_device())
         self.data: TimelineData | None = None
-        self._first_start: float | None = None
-        self._start = 0.0
+        self._first_start = None  # the clock's stamps
+        self._start = None
 
     @classmethod
     def for_run(cls, run: Run) -> Timeline | None:
@@ -126,10 +130,10 @@ class Timeline:
     def start(self) -> ScheduleRecord:
         """Call on every rank right before the recorded iteration's schedule runs."""
         dist.barrier()  # every rank's clock starts together (to the barrier's skew, well under 1 ms)
-        self._start = time.perf_counter()
+        self._start = self.clock.now()
         if self._first_start is None:
             self._first_start = self._start
-        return ScheduleRecord()
+        return ScheduleRecord(clock=self.clock)
 
     def finish(self, iteration: int, record: ScheduleRecord) -> None:
         """Gather the iteration's events on rank 0 (a collective: every rank calls it)."""
@@ -138,10 +142,7 @@ class Timeline:
             ps.get_pipeline_model_parallel_rank(),
             ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank(with_context_parallel=True) == 0,
-            [
-                (e.kind, e.microbatch, e.chunk, (e.start - self._start) * 1e3, (e.end - self._start) * 1e3)
-                for e in record.events
-            ],
+            [(e.kind, e.microbatch, e.chunk, e.start * 1e3, e.end * 1e3) for e in record.timed(self._start)],
         )
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -152,8 +153,8 @@ class Timeline:
             vpp = len({e[2] for r in ranks for e in r.events if e[0] in COMPUTE})
             forwards = {e[1] for r in ranks for e in r.events if e[0] == "F"}
             pp = record.placement.pp_size
-            self.data = TimelineData(self.schedule, pp, vpp, len(forwards))
-        step = IterationTimeline(iteration, (self._start - self._first_start) * 1e3, ranks)
+            self.data = TimelineData(self.schedule, pp, vpp, len(forwards), clock=self.clock.name)
+        step = IterationTimeline(iteration, self.clock.seconds(self._first_start, self._start) * 1e3, ranks)
         step.measured_bubble = measured_bubble(ranks)
         step.simulated_bubble = simulated_bubble(record.tables, record.placement, ranks)
         self.data.iterations.append(step)
@@ -214,6 +215,7 @@ def chrome_trace(data: TimelineData) -> dict:
         "pp_size": data.pp_size,
         "vpp_size": data.vpp_size,
         "num_microbatches": data.num_microbatches,
+        "clock": data.clock,
         "iterations": [
             {
                 "iteration": s.iteration,
@@ -233,7 +235,13 @@ def load_trace(path: str) -> TimelineData:
     with open(path) as f:
         trace = json.load(f)
     meta = trace["trident"]
-    data = TimelineData(meta["schedule"], meta["pp_size"], meta["vpp_size"], meta["num_microbatches"])
+    data = TimelineData(
+        meta["schedule"],
+        meta["pp_size"],
+        meta["vpp_size"],
+        meta["num_microbatches"],
+        clock=meta.get("clock", "host"),
+    )
     per_step: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     offsets = {s["iteration"]: s["offset_ms"] for s in meta["iterations"]}
     for e in trace["traceEvents"]:

@@ -31,14 +31,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
 
 
 def _default_group() -> ProcessGroup | None:
     """The group gradients are reduced over: data parallel with context parallel folded in."""
-    from core import parallel_state as ps
-
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return None
     return ps.get_data_parallel_group(with_context_parallel=True)
@@ -46,8 +45,6 @@ def _default_group() -> ProcessGroup | None:
 
 def _default_expert_group() -> ProcessGroup | None:
     """The group expert gradients are reduced over: the replicas of this rank's experts."""
-    from core import parallel_state as ps
-
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return None
     return ps.get_parallel_groups().expt_dp
@@ -59,9 +56,31 @@ def is_expert_param(param: nn.Parameter) -> bool:
 
 
 def _pipeline_rank() -> int:
-    from core import parallel_state as ps
-
     return ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+
+
+def _reduce_options(config: Any, ddp_config: DistributedDataParallelConfig, dp_size: int) -> ReduceOptions:
+    """How buckets reduce: averaging over replicas by 1/dp before the sum, or (average_in_collective)
+    after it. A per-token loss is normalised later by the global token count, so the sum is kept."""
+    per_token = bool(getattr(config, "calculate_per_token_loss", False))
+    if per_token and ddp_config.average_in_collective:
+        raise ValueError(
+            "average_in_collective=True cannot be combined with calculate_per_token_loss: a "
+            "per-token loss needs gradients summed over data-parallel ranks, not averaged"
+        )
+    pre_scale = post_scale = 1.0
+    if not per_token:
+        if ddp_config.average_in_collective:
+            post_scale = 1.0 / dp_size
+        else:
+            pre_scale = 1.0 / dp_size
+    return ReduceOptions(
+        pre_scale=pre_scale,
+        post_scale=post_scale,
+        async_op=ddp_config.overlap_grad_reduce,
+        check_for_nan=ddp_config.check_for_nan_in_grad,
+        shard=ddp_config.use_distributed_optimizer,
+    )
 
 
 class DistributedDataParallel(nn.Module):
@@ -100,40 +119,26 @@ class DistributedDataParallel(nn.Module):
             expert_data_parallel_group if expert_data_parallel_group is not None else _default_expert_group()
         )
         dp_size = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
-        per_token = bool(getattr(config, "calculate_per_token_loss", False))
-        if per_token and ddp_config.average_in_collective:
-            raise ValueError(
-                "average_in_collective=True cannot be combined with calculate_per_token_loss: a "
-                "per-token loss needs gradients summed over data-parallel ranks, not averaged"
-            )
-
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing or _pipeline_rank() > 0:
             self.bucket_size = None
-        # Averaging over replicas: scale by 1/dp before the sum, or (average_in_collective) after it.
-        # A per-token loss is normalised later by the global token count, so the sum is kept.
-        pre_scale = post_scale = 1.0
-        if not per_token:
-            if ddp_config.average_in_collective:
-                post_scale = 1.0 / dp_size
-            else:
-                pre_scale = 1.0 / dp_size
+        self.buffers: list[GradBuffer] = []
+        self._build_buffers(_reduce_options(config, ddp_config, dp_size))
+        self.param_to_bucket: dict[nn.Parameter, Bucket] = {
+            p: bucket for bucket in self.buckets for p in bucket.params
+        }
+        self._register_hooks()
 
-        options = ReduceOptions(
-            pre_scale=pre_scale,
-            post_scale=post_scale,
-            async_op=ddp_config.overlap_grad_reduce,
-            check_for_nan=ddp_config.check_for_nan_in_grad,
-            shard=ddp_config.use_distributed_optimizer,
-        )
+    def _build_buffers(self, options: ReduceOptions) -> None:
+        """One gradient buffer per (parameter dtype, gradient dtype, expert or not)."""
+        grad_in_fp32 = self.ddp_config.grad_reduce_in_fp32
         by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], list[tuple[nn.Parameter, str]]] = {}
-        for name, param in module.named_parameters():
+        for name, param in self.module.named_parameters():
             if param.requires_grad:
-                grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+                grad_dtype = torch.float32 if grad_in_fp32 else param.dtype
                 by_dtype.setdefault((param.dtype, grad_dtype, is_expert_param(param)), []).append(
                     (param, name)
                 )
-        self.buffers: list[GradBuffer] = []
         for (_, grad_dtype, expert), members in by_dtype.items():
             self.buffers.append(
                 GradBuffer(
@@ -146,9 +151,9 @@ class DistributedDataParallel(nn.Module):
                     options=options,  # 1/dp for experts too: see the class docstring
                 )
             )
-        self.param_to_bucket: dict[nn.Parameter, Bucket] = {
-            p: bucket for bucket in self.buckets for p in bucket.params
-        }
+
+    def _register_hooks(self) -> None:
+        """Gradient hooks on every parameter; forward pre-hooks when parameter gathers overlap."""
         # Where the gradient has the parameter's dtype, ``param.grad`` is ``main_grad`` itself (as
         # torch DDP's gradient_as_bucket_view): autograd accumulates every microbatch straight into
         # the buffer, and the hook below has nothing to copy. Otherwise the hook adds each
@@ -166,7 +171,7 @@ class DistributedDataParallel(nn.Module):
             param.grad_added_to_main_grad = False
             hook = self._make_grad_hook(bucket, ready)
             self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
-        if ddp_config.overlap_param_gather:
+        if self.ddp_config.overlap_param_gather:
             self._hook_handles += [
                 module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
                 for module, buckets in self._buckets_by_module().items()

@@ -22,6 +22,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from core import parallel_state as ps
+from core.parallel_state import ParallelGroups
+
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
     """Where ``param``'s gradient lives: the data-parallel buffer view ``main_grad`` if it has one."""
@@ -56,13 +59,27 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
         offset += g.numel()
 
 
-def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None = None) -> None:
-    """Reduce gradients across DP, TP (sequence-parallel norms) and the embedding group; scale by tokens."""
-    from core import parallel_state as ps
+def _groups_or_initialized(groups: ParallelGroups | None) -> ParallelGroups | None:
+    """The groups handed in, else parallel_state's when initialised (Megatron's way), else None."""
+    if groups is not None:
+        return groups
+    return ps.get_parallel_groups() if ps.model_parallel_is_initialized() else None
 
+
+def finalize_model_grads(
+    model_chunks: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    *,
+    groups: ParallelGroups | None = None,
+) -> None:
+    """Reduce gradients across DP, TP (sequence-parallel norms) and the embedding group; scale by tokens.
+
+    ``groups``: the process groups to reduce over (default: ``parallel_state``'s).
+    """
     chunks = list(model_chunks)
     per_token = num_tokens is not None
-    if not ps.model_parallel_is_initialized():  # one process, nothing to reduce
+    groups = _groups_or_initialized(groups)
+    if groups is None:  # one process, nothing to reduce
         if per_token:
             scale_by_num_tokens(chunks, num_tokens)
         return
@@ -70,39 +87,43 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.
     for chunk in wrapped:
         chunk.finish_grad_sync()
     plain = [c for c in chunks if not hasattr(c, "finish_grad_sync")]
-    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+    dp_size = groups.size("dp_cp")
     if plain:
         if not per_token and dp_size > 1:  # average over replicas, as data-parallel training does
             for g in _grads(plain):
                 g.div_(dp_size)
-        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        _all_reduce_coalesced(_grads(plain, expert=False), dp_group)
+        _all_reduce_coalesced(_grads(plain, expert=False), groups.dp_cp)
         # An MoE expert's replicas are the expert-data-parallel group (see DistributedDataParallel),
         # which includes the tensor-parallel ranks: each routed its own sequence shard to it.
-        _all_reduce_coalesced(_grads(plain, expert=True), ps.get_expert_data_parallel_group())
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        _all_reduce_coalesced(_grads(chunks, "sequence_parallel"), ps.get_tensor_model_parallel_group())
-    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group(ignore_virtual=True):
-        _all_reduce_coalesced(_grads(chunks, "shared_embedding"), ps.get_embedding_group())
+        expert_grads = _grads(plain, expert=True)
+        if expert_grads and groups.expt_dp is None:
+            raise RuntimeError(
+                "expert gradients but no expert data-parallel group (groups built without MoE)"
+            )
+        _all_reduce_coalesced(expert_grads, groups.expt_dp)
+    if groups.size("tp") > 1:
+        _all_reduce_coalesced(_grads(chunks, "sequence_parallel"), groups.tp)
+    if groups.size("pp") > 1 and groups.embd is not None:
+        _all_reduce_coalesced(_grads(chunks, "shared_embedding"), groups.embd)
     if per_token:
-        scale_by_num_tokens(chunks, num_tokens)
+        scale_by_num_tokens(chunks, num_tokens, groups=groups)
 
 
-def scale_by_num_tokens(chunks: list[torch.nn.Module], num_tokens: torch.Tensor) -> None:
+def scale_by_num_tokens(
+    chunks: list[torch.nn.Module], num_tokens: torch.Tensor, *, groups: ParallelGroups | None = None
+) -> None:
     """Divide every gradient by the step's token count (all stages, all data-parallel ranks).
 
     ``num_tokens`` is the count on the rank holding the loss stage and 0 (or the same count) on the
-    other pipeline ranks; its maximum over the pipeline works whichever rank holds the loss.
+    other pipeline ranks; its maximum over the pipeline works whichever rank holds the loss. The
+    count stays on the device (no host wait): a step whose loss covers no token gets NaN gradients,
+    which the optimizer's finite check skips, as in Megatron.
     """
-    from core import parallel_state as ps
-
     tokens = num_tokens.detach().clone().to(torch.float64).reshape(())
-    initialized = ps.model_parallel_is_initialized()
-    if initialized and ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group())
-    if initialized and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        dist.all_reduce(tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
-    if tokens.item() <= 0:
-        raise ValueError(f"the step's loss covers {tokens.item():.0f} tokens; cannot normalise per token")
+    groups = _groups_or_initialized(groups)
+    if groups is not None and groups.size("pp") > 1:
+        dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=groups.pp)
+    if groups is not None and groups.size("dp_cp") > 1:
+        dist.all_reduce(tokens, group=groups.dp_cp)
     for g in _grads(chunks):
         g.div_(tokens.to(g.dtype))

@@ -32,9 +32,9 @@ from core.optimizer.optimizer import (
     FP32Optimizer,
     MegatronOptimizer,
     OptimizerConfig,
-    ParamShard,
     StepOutcome,
 )
+from core.optimizer.param_state import ParamShard
 
 __all__ = [
     "ConstantGradScaler",

@@ -8,7 +8,7 @@ keeps them for its own shard of the data-parallel buffers only, so the bytes per
 The data-parallel wrapper (``DistributedDataParallel`` with ``use_distributed_optimizer``) cuts
 each bucket into DP equal shards and reduce-scatters the gradients, so rank ``r`` holds the
 reduced gradient of shard ``r``. A parameter can straddle shards; the part of it in this rank's
-shard is a :class:`~core.optimizer.optimizer.ParamShard` ``[start, end)``. The step:
+shard is a :class:`~core.optimizer.param_state.ParamShard` ``[start, end)``. The step:
 
 1. each shard's main parameter takes its gradient: a view of the gradient buffer (fp32), or an
    fp32 copy of it (16-bit gradients);
@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.optimizer.optimizer import _HALF, MegatronOptimizer, OptimizerConfig, ParamShard
+from core import parallel_state as ps
+from core.optimizer.optimizer import _HALF, MegatronOptimizer, OptimizerConfig
+from core.optimizer.param_state import ParamShard
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -85,7 +87,6 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _grad_stats_group(self):
         """Every rank: each DP rank counts only its shard, so the sums run over DP as well as TP x PP."""
-        from core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
             return dist.group.WORLD

@@ -110,38 +110,46 @@ class OptimizerParamScheduler:
         coeff = ratio if self.wd_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
         return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
-    def get_lr(self, param_group: dict | None = None) -> float:
-        """Learning rate at the current step for ``param_group`` (its own max/min lr if it has them)."""
+    def get_lr(self, param_group: dict | None = None, num_steps: int | None = None) -> float:
+        """Learning rate for ``param_group`` (its own max/min lr if it has them) at the current step,
+        or at ``num_steps``."""
         group = param_group or {}
+        n = self.num_steps if num_steps is None else num_steps
         max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
-        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(
-                self.lr_warmup_steps
-            )
+        if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
+            return self.init_lr + (max_lr - self.init_lr) * float(n) / float(self.lr_warmup_steps)
         if self.lr_decay_style == "constant":
             return max_lr
-        if self.num_steps > self.lr_decay_steps:
+        if n > self.lr_decay_steps:
             return min_lr
         if self.lr_decay_style == "inverse-square-root":
-            lr = max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(self.num_steps, 1) ** 0.5
+            lr = max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(n, 1) ** 0.5
             return max(min_lr, lr)
-        ratio = float(self.num_steps - self.lr_warmup_steps) / float(
-            self.lr_decay_steps - self.lr_warmup_steps
-        )
+        ratio = float(n - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         elif self.lr_decay_style == "cosine":
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         else:
-            coeff = self._wsd_coeff()
+            coeff = self._wsd_coeff(n)
         return min_lr + coeff * (max_lr - min_lr)
 
-    def _wsd_coeff(self) -> float:
+    def group_lrs_at(self, num_steps: int) -> list[float]:
+        """Each parameter group's learning rate (times its ``lr_mult``) at ``num_steps``, as ``step``
+        would set it; the scheduler does not move."""
+        return [self.get_lr(g, num_steps) * g.get("lr_mult", 1.0) for g in self.optimizer.param_groups]
+
+    @property
+    def schedules_weight_decay(self) -> bool:
+        """Whether the weight decay changes from step to step (a ramp, not a constant)."""
+        return self.start_wd is not None and self.wd_incr_style != "constant"
+
+    def _wsd_coeff(self, num_steps: int) -> float:
         """Warm-up, stable, decay: flat until the last ``wsd_decay_steps``, then anneal."""
         anneal_start = self.lr_decay_steps - self.wsd_decay_steps
-        if self.num_steps <= anneal_start:
+        if num_steps <= anneal_start:
             return 1.0
-        ratio = float(self.num_steps - anneal_start) / float(self.wsd_decay_steps)
+        ratio = float(num_steps - anneal_start) / float(self.wsd_decay_steps)
         style = self.lr_wsd_decay_style
         if style == "linear":
             return 1.0 - ratio

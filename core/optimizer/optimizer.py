@@ -51,41 +51,11 @@ from core.optimizer.clip_grads import (
 )
 from core.optimizer.grad_scaler import unscale_and_check
 from core.optimizer.optimizer_config import OptimizerConfig, make_grad_scaler
-from core.optimizer.param_state import export_param_state, import_param_state
+from core.optimizer.param_state import ParamShard, export_param_state, import_param_state
 from core.tensor_parallel.utils import copy_tensor_model_parallel_attributes
 
 _HALF = (torch.bfloat16, torch.float16)
 _COPIED_ATTRIBUTES = ("shared", "shared_embedding", "sequence_parallel")
-
-
-@dataclass(eq=False)
-class ParamShard:
-    """The part ``[start, end)`` of a flattened model parameter that an optimizer steps, and how.
-
-    ``main_param`` is the fp32 tensor the inner optimizer steps on: the model parameter itself
-    (fp32 models), an fp32 copy (``copy=True``: 16-bit models), or a view of the parameter's range
-    (fp32 parameters under the distributed optimizer).
-    """
-
-    name: str
-    model_param: nn.Parameter
-    main_param: torch.Tensor
-    start: int
-    end: int
-    copy: bool
-
-    def model_grad(self) -> torch.Tensor | None:
-        """The model's reduced gradient of this range (``main_grad`` if any, else ``.grad``), shaped as main."""
-        grad = getattr(self.model_param, "main_grad", None)
-        if grad is None:
-            grad = self.model_param.grad
-        if grad is None or grad.shape == self.main_param.shape:  # the whole parameter
-            return grad
-        return grad.reshape(-1)[self.start : self.end].view_as(self.main_param)
-
-    def model_view(self) -> torch.Tensor:
-        """The model parameter's values of this range, shaped as main (writes go to the model)."""
-        return self.model_param.detach().reshape(-1)[self.start : self.end].view_as(self.main_param)
 
 
 @dataclass(frozen=True)
@@ -124,12 +94,6 @@ def model_named_parameters(chunks: Iterable[nn.Module]) -> dict[int, str]:
         for name, param in module.named_parameters():
             names.setdefault(id(param), name)
     return names
-
-
-def _jsonable(value):
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 def _foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -387,64 +351,12 @@ class MegatronOptimizer:
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """``{"param_groups": [JSON-ready dicts], "state": {"<index>.<name>": tensor}}``.
-
-        Parameters are numbered in group order, as torch does; ``<index>.main_param`` holds the fp32
-        main copy of a 16-bit parameter, so resuming loses no precision. No pickled objects: the
-        tensors go to safetensors, the rest to JSON. With loss scaling, ``"grad_scaler"`` holds the
-        scaler's numbers.
-        """
-        inner = self.optimizer.state_dict()
-        groups = [
-            {k: _jsonable(v) for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])}
-            for g in inner["param_groups"]
-        ]
-        tensors = {
-            f"{i}.{name}": torch.as_tensor(value).detach().clone()
-            for i, per_param in inner["state"].items()
-            for name, value in per_param.items()
-            if value is not None
-        }
-        for i, s in enumerate(self._ordered_shards()):
-            if s.copy:
-                tensors[f"{i}.main_param"] = s.main_param.detach().clone()
-        out = {"param_groups": groups, "state": tensors}
-        if self.grad_scaler is not None:
-            out["grad_scaler"] = self.grad_scaler.state_dict()
-        return out
+        """Megatron's name for :meth:`param_state_by_name` (copies): the one form of the state."""
+        return self.param_state_by_name()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore from :meth:`state_dict`'s output (possibly read back from safetensors + JSON)."""
-        current = self.optimizer.param_groups
-        saved = state_dict["param_groups"]
-        if [len(g["params"]) for g in current] != [g["num_params"] for g in saved]:
-            raise ValueError(
-                f"optimizer state has groups of {[g['num_params'] for g in saved]} parameters, this "
-                f"optimizer {[len(g['params']) for g in current]}: the model or its groups differ"
-            )
-        groups, start = [], 0
-        for now, old in zip(current, saved):
-            group = {
-                k: (tuple(v) if isinstance(now.get(k), tuple) else v)
-                for k, v in old.items()
-                if k != "num_params"
-            }
-            groups.append(group | {"params": list(range(start, start + len(now["params"])))})
-            start += len(now["params"])
-        per_param: dict[int, dict[str, torch.Tensor]] = {}
-        for key, tensor in state_dict["state"].items():
-            index, name = key.split(".", 1)
-            per_param.setdefault(int(index), {})[name] = tensor
-        mains = {i: per_param[i].pop("main_param") for i in list(per_param) if "main_param" in per_param[i]}
-        self.optimizer.load_state_dict(
-            {"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups}
-        )
-        with torch.no_grad():
-            for i, s in enumerate(self._ordered_shards()):
-                if i in mains and s.copy:
-                    s.main_param.copy_(mains[i])
-        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        """Megatron's name for :meth:`load_param_state_by_name`."""
+        self.load_param_state_by_name(state_dict)
 
     def param_state_by_name(self, *, copy: bool = True) -> dict:
         """This rank's optimizer state per parameter name, as flat ranges of each TP-local tensor.
@@ -454,16 +366,13 @@ class MegatronOptimizer:
         form for every flavour, so state moves between DP sizes by cutting or joining ranges.
         ``copy=False`` gives views of the live state (no memory allocated), for checkpoints.
         """
-        return export_param_state(self, copy=copy)
+        return export_param_state(self._shards, self.optimizer, self.grad_scaler, copy=copy)
 
     def load_param_state_by_name(self, state: dict) -> None:
         """Load :meth:`param_state_by_name` output; each entry may cover more than this rank's range."""
-        import_param_state(self, state)
-
-    def _ordered_shards(self) -> list[ParamShard]:
-        """Shards in the inner optimizer's parameter numbering."""
-        by_main = {id(s.main_param): s for s in self._shards}
-        return [by_main[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        import_param_state(
+            self._shards, self.optimizer, state, grad_scaler=self.grad_scaler, fused=self.fused
+        )
 
 
 class FP32Optimizer(MegatronOptimizer):

@@ -1,5 +1,9 @@
 """Optimizer state per parameter name, as flat ranges of each TP-local parameter: independent of DP.
 
+What an optimizer steps is a list of :class:`ParamShard` records (a range of a parameter and the
+tensor stepped for it); the functions here take those records, the inner torch optimizer and the
+grad scaler as arguments, so they need nothing private of :mod:`core.optimizer.optimizer`.
+
 A checkpoint should not care how data parallelism cut the optimizer state, so this is the form it
 is exported in::
 
@@ -32,17 +36,47 @@ they take the main parameter's shape again on load.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from core.optimizer.optimizer import MegatronOptimizer
+from torch import nn
 
 
-def _check_unique(optimizer: MegatronOptimizer) -> None:
+@dataclass(eq=False)
+class ParamShard:
+    """The part ``[start, end)`` of a flattened model parameter that an optimizer steps, and how.
+
+    ``main_param`` is the fp32 tensor the inner optimizer steps on: the model parameter itself
+    (fp32 models), an fp32 copy (``copy=True``: 16-bit models), or a view of the parameter's range
+    (fp32 parameters under the distributed optimizer).
+    """
+
+    name: str
+    model_param: nn.Parameter
+    main_param: torch.Tensor
+    start: int
+    end: int
+    copy: bool
+
+    def model_grad(self) -> torch.Tensor | None:
+        """The model's reduced gradient of this range (``main_grad`` if any, else ``.grad``), shaped as main."""
+        grad = getattr(self.model_param, "main_grad", None)
+        if grad is None:
+            grad = self.model_param.grad
+        if grad is None or grad.shape == self.main_param.shape:  # the whole parameter
+            return grad
+        return grad.reshape(-1)[self.start : self.end].view_as(self.main_param)
+
+    def model_view(self) -> torch.Tensor:
+        """The model parameter's values of this range, shaped as main (writes go to the model)."""
+        return self.model_param.detach().reshape(-1)[self.start : self.end].view_as(self.main_param)
+
+
+def _check_unique(shards: Sequence[ParamShard]) -> None:
     seen: set[str] = set()
-    for shard in optimizer._shards:
+    for shard in shards:
         if shard.name in seen:
             raise ValueError(
                 f"two parameters are both named {shard.name!r}: per-name optimizer state needs unique "
@@ -51,17 +85,20 @@ def _check_unique(optimizer: MegatronOptimizer) -> None:
         seen.add(shard.name)
 
 
-def export_param_state(optimizer: MegatronOptimizer, *, copy: bool = True) -> dict:
-    """``optimizer``'s state per parameter name (see the module docstring); tensors are copies, or
-    (``copy=False``) views of the live state that the next optimizer step changes."""
-    _check_unique(optimizer)
-    by_main = {id(s.main_param): s for s in optimizer._shards}
+def export_param_state(
+    shards: Sequence[ParamShard], inner: torch.optim.Optimizer, grad_scaler: Any = None, *, copy: bool = True
+) -> dict:
+    """The state ``inner`` (the torch optimizer stepping the shards' main parameters) keeps, per
+    parameter name (see the module docstring), with ``grad_scaler``'s numbers if given; tensors are
+    copies, or (``copy=False``) views of the live state that the next optimizer step changes."""
+    _check_unique(shards)
+    by_main = {id(s.main_param): s for s in shards}
     groups = []
-    for group in optimizer.optimizer.param_groups:
+    for group in inner.param_groups:
         hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
         groups.append(hyper | {"params": [by_main[id(p)].name for p in group["params"]]})
     params = {}
-    for shard in optimizer._shards:
+    for shard in shards:
         main = shard.main_param
         entry: dict = {
             "start": shard.start,
@@ -69,7 +106,7 @@ def export_param_state(optimizer: MegatronOptimizer, *, copy: bool = True) -> di
             "numel": shard.model_param.numel(),
             "shape": list(shard.model_param.shape),
         }
-        for key, value in optimizer.optimizer.state.get(main, {}).items():
+        for key, value in inner.state.get(main, {}).items():
             if isinstance(value, torch.Tensor):
                 per_element = value.numel() == main.numel() and value.dim() > 0
                 entry[key] = _export(value.detach().reshape(-1) if per_element else value.detach(), copy)
@@ -77,8 +114,8 @@ def export_param_state(optimizer: MegatronOptimizer, *, copy: bool = True) -> di
             entry["main_param"] = _export(main.detach().reshape(-1), copy)
         params[shard.name] = entry
     out = {"param_groups": groups, "params": params}
-    if optimizer.grad_scaler is not None:
-        out["grad_scaler"] = optimizer.grad_scaler.state_dict()
+    if grad_scaler is not None:
+        out["grad_scaler"] = grad_scaler.state_dict()
     return out
 
 
@@ -86,26 +123,33 @@ def _export(value: torch.Tensor, copy: bool) -> torch.Tensor:
     return value.clone() if copy else value
 
 
-def import_param_state(optimizer: MegatronOptimizer, state: dict) -> None:
-    """Load :func:`export_param_state` output into ``optimizer``: each of its shards takes its range.
+def import_param_state(
+    shards: Sequence[ParamShard],
+    inner: torch.optim.Optimizer,
+    state: dict,
+    *,
+    grad_scaler: Any = None,
+    fused: bool = False,
+) -> None:
+    """Load :func:`export_param_state` output into ``inner`` (and ``grad_scaler``): each shard takes
+    its range. ``fused``: ``inner`` is one of torch's fused optimizers (step counts on the device).
 
     Everything is checked before anything changes. A state tensor the optimizer already holds with
     the same shape and dtype is overwritten in place, so loading into a trained optimizer needs no
     second copy of its state on the device.
     """
-    _check_unique(optimizer)
-    saved_groups, groups = state["param_groups"], optimizer.optimizer.param_groups
+    _check_unique(shards)
+    saved_groups, groups = state["param_groups"], inner.param_groups
     if len(saved_groups) != len(groups):
         raise ValueError(
             f"optimizer state has {len(saved_groups)} parameter groups, this optimizer {len(groups)}"
         )
-    loaded = [(shard, _slices(shard, state["params"].get(shard.name))) for shard in optimizer._shards]
+    loaded = [(shard, _slices(shard, state["params"].get(shard.name))) for shard in shards]
     for group, saved in zip(groups, saved_groups):
         for key, value in saved.items():
             if key != "params":
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-    inner_state = optimizer.optimizer.state
-    fused = optimizer.fused  # torch's fused kernels keep the step count on the device, foreach on the host
+    inner_state = inner.state  # torch's fused kernels keep the step count on the device, foreach on the host
     with torch.no_grad():
         for shard, per_param in loaded:
             main = shard.main_param
@@ -118,11 +162,11 @@ def import_param_state(optimizer: MegatronOptimizer, state: dict) -> None:
             inner_state[main] = {
                 key: _into(old.get(key), value, main.device, fused) for key, value in per_param.items()
             }
-    if optimizer.grad_scaler is not None and state.get("grad_scaler") is not None:
-        optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
+    if grad_scaler is not None and state.get("grad_scaler") is not None:
+        grad_scaler.load_state_dict(state["grad_scaler"])
 
 
-def _slices(shard, entry: dict | None) -> dict[str, torch.Tensor]:
+def _slices(shard: ParamShard, entry: dict | None) -> dict[str, torch.Tensor]:
     """The parts of ``entry`` that ``shard`` steps, shaped like its main parameter (views, no copies)."""
     if entry is None:
         raise ValueError(f"optimizer state has no entry for parameter {shard.name!r}")

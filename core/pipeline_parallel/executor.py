@@ -14,7 +14,6 @@ posts it. Receives are posted where the table says and waited for by the action 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -90,12 +89,12 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
     }
     record, timers = ctx.record, ctx.hooks.timers
     if record is not None:
-        record.start = time.perf_counter()
+        record.start = record.clock.now()
     if not ctx.forward_only:
         sync.suspend()
         set_auxiliary_loss_scale(_auxiliary_loss_scale(ctx))
     for index, action in enumerate(table):
-        start = time.perf_counter() if record is not None else 0.0
+        start = record.clock.now() if record is not None else 0.0
         with _timer(timers, action.kind):
             handlers[action.kind](index, action)
         if record is not None:
@@ -147,17 +146,14 @@ def _backward_weight(action: Action, stage: Stage, weight_step, count: InFlight)
     count.add(-1)
 
 
-def _record(record: ScheduleRecord, action: Action, start: float) -> None:
-    """The action's event; a compute action starts once the wait for its input (its own event) ended."""
-    end = time.perf_counter()
-    if record.events and record.events[-1].kind.startswith("WAIT") and record.events[-1].end >= start:
-        start = record.events[-1].end
-    record.events.append(Event(action.kind.value, action.microbatch, action.chunk, start, end))
+def _record(record: ScheduleRecord, action: Action, start) -> None:
+    """The action's event (its start is moved past a wait for its input by ``ScheduleRecord.timed``)."""
+    record.events.append(Event(action.kind.value, action.microbatch, action.chunk, start, record.clock.now()))
 
 
 def _finish_step(ctx: StepContext, losses: Losses, count: InFlight) -> None:
     if ctx.record is not None:
-        ctx.record.end = time.perf_counter()
+        ctx.record.end = ctx.record.clock.now()
         ctx.record.peak_in_flight = count.peak
         ctx.record.num_tokens = losses.num_tokens
     finalize = ctx.hooks.finalize_model_grads
@@ -286,7 +282,10 @@ class Losses:
         self.logs.summed = summed
         self.logs.append(loss.log)
         if summed:
-            self.num_tokens += loss.num_tokens.to(self.num_tokens.device, torch.int64)
+            tokens = loss.num_tokens.to(torch.int64)
+            if tokens.device != self.num_tokens.device:  # a copy waits for the device: only when needed
+                tokens = tokens.to(self.num_tokens.device)
+            self.num_tokens += tokens
         return loss.loss
 
 

@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from core.device import current_device
+
 
 class MicrobatchLoss(NamedTuple):
     """One microbatch's ``loss_func`` result, checked: what to backpropagate, its tokens and its log."""
@@ -102,16 +104,32 @@ def reduce_loss_logs(
     """One number per logged key over the step's microbatches and the ranks of ``group`` (data parallel).
 
     ``summed`` says whether values are ``(sum, count)`` pairs; it defaults to what a
-    :class:`LossLogs` knows. Ranks holding no logs (not the last stage) return ``{}``.
+    :class:`LossLogs` knows. Ranks holding no logs (not the last stage) return ``{}``. The numbers
+    are read from the device once (:func:`reduce_loss_logs_on_device` keeps them there).
+    """
+    reduced = reduce_loss_logs_on_device(logs, group, summed=summed)
+    if not reduced:
+        return {}
+    return dict(zip(reduced, torch.stack(list(reduced.values())).tolist()))
+
+
+def reduce_loss_logs_on_device(
+    logs: list[Mapping], group: dist.ProcessGroup | None = None, *, summed: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """:func:`reduce_loss_logs` as 0-dim float64 tensors on the backend's device, never read by the host.
+
+    Logged values may be tensors (wherever they are) or Python numbers; all are gathered on the
+    device the process group communicates on (a Python number is written there, not copied).
     """
     if not logs:
         return {}
     summed = getattr(logs, "summed", None) if summed is None else summed
     if summed is None:
         raise ValueError("say whether the logged values are (sum, count) pairs: pass summed=")
+    device = current_device()
     totals = []
     for key in logs[0]:
-        values = [torch.as_tensor(log[key]).detach().reshape(-1).double() for log in logs]
+        values = [_logged(log[key], device) for log in logs]
         for v in values:
             if v.numel() != (2 if summed else 1):
                 form = "(loss_sum, num_tokens, log)" if summed else "(loss, log)"
@@ -124,4 +142,16 @@ def reduce_loss_logs(
     total = torch.stack(totals)  # [keys, 2]: (sum, count) per key
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
-    return {key: (total[i, 0] / total[i, 1]).item() for i, key in enumerate(logs[0])}
+    means = total[:, 0] / total[:, 1]
+    return {key: means[i] for i, key in enumerate(logs[0])}
+
+
+def _logged(value, device: torch.device) -> torch.Tensor:
+    """A logged value as a flat float64 tensor on ``device``: tensors moved only if elsewhere, numbers
+    written in place (``torch.full``: no copy from host memory, which would wait for the device)."""
+    if isinstance(value, (tuple, list)):
+        return torch.cat([_logged(v, device) for v in value]) if value else torch.zeros(0, device=device)
+    if isinstance(value, torch.Tensor):
+        value = value.detach().reshape(-1).to(torch.float64)
+        return value if value.device == device else value.to(device)
+    return torch.full((1,), float(value), dtype=torch.float64, device=device)

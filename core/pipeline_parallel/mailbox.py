@@ -14,8 +14,6 @@ this rank sent for the same microbatch.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -138,12 +136,12 @@ class Mailbox:
             work.wait()
             return
         self.record.comm_log.append(("wait", key))
-        start = time.perf_counter()
+        start = self.record.clock.now()
         work.wait()
         message = key[0]
         kind = "WAIT_F" if message.kind == ACTIVATION else "WAIT_B"
         chunk = self.placement.rank_and_chunk(message.dst_stage)[1]
-        self.record.events.append(Event(kind, message.microbatch, chunk, start, time.perf_counter()))
+        self.record.events.append(Event(kind, message.microbatch, chunk, start, self.record.clock.now()))
 
     def _log_post(self, link, is_send, peer, key) -> None:
         self.record.comm_log.append(("post", link, [(is_send, peer, key)]))

@@ -17,8 +17,9 @@ breaks a layer, five compiled regions). That one choice gives the rest:
 * context parallelism: core attention (``SelfAttention.core``, where the ring or the all-to-all
   runs) stays eager, so no compiled region communicates.
 
-A module can ask to stay eager the same way (``keep_out_of_compile = True`` on its class), which is
-what parts with data-dependent shapes or communication (an MoE dispatcher) want. Variable sequence
+A module can ask to stay eager the same way (``keep_out_of_compile = True`` on its class), or name
+some of its methods (``eager_methods``), which is what parts with data-dependent shapes or
+communication want: an MoE layer's router and its dispatch, experts and combine. Variable sequence
 lengths: the caller marks the sequence dimension dynamic (:func:`mark_sequence_dynamic`), so a new
 length does not recompile.
 """
@@ -64,6 +65,8 @@ def compile_layer(
         owns_parameters = any(True for _ in module.parameters(recurse=False))
         if getattr(module, "keep_out_of_compile", False) or (split_backward and owns_parameters):
             module.forward = _eager(module.forward, 0 if dynamic_sequence else None)
+        for name in getattr(module, "eager_methods", ()):
+            setattr(module, name, _eager(getattr(module, name), 0 if dynamic_sequence else None))
     # The zero-bubble split back-propagates through a region twice (I keeps the graph for W);
     # AOTAutograd's donated buffers would forbid that.
     functorch_config.donated_buffer = False

@@ -73,7 +73,10 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``[s]`` or ``[b, s]`` -> fp32 cos, sin of shape ``[s, rotary_dim]`` / ``[b, s, rotary_dim]``."""
-        angles = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq
+        if inv_freq.device != positions.device:  # a copy between devices waits: only when needed
+            inv_freq = inv_freq.to(positions.device)
+        angles = positions.float().unsqueeze(-1) * inv_freq
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
 

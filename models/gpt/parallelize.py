@@ -29,6 +29,7 @@ contract; :func:`gpt_provider` makes one from a config for tools and tests.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -145,7 +146,7 @@ def parallelize_gpt(
     hooks = ScheduleHooks(
         no_sync=[c.no_sync for c in chunks],
         grad_sync=[c.start_grad_sync for c in chunks] if ddp_config.overlap_grad_reduce else None,
-        finalize_model_grads=finalize_model_grads,
+        finalize_model_grads=functools.partial(finalize_model_grads, groups=groups),
         grad_scale_func=optimizer.scale_loss if scaled else None,
     )
     for module in modules:

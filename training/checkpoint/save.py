@@ -16,7 +16,6 @@ import json
 import os
 from argparse import Namespace
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from training.checkpoint.format import (
     optim_file,
     rng_file,
 )
-from training.checkpoint.images import FileImage, write_image
+from training.checkpoint.images import write_image
 from training.checkpoint.live import (
     is_sharded,
     merge_param_groups,
@@ -45,7 +44,7 @@ from training.checkpoint.live import (
 )
 from training.checkpoint.rng import get_rng_state
 from training.checkpoint.specs import specs_of_params, tied_tensors
-from training.checkpoint.staging import HostStaging
+from training.checkpoint.staging import FileToWrite, HostStaging, SaveRequest
 from training.checkpoint.writer import copy_tokenizer, manifest_header, write_manifest
 
 __all__ = [
@@ -58,38 +57,6 @@ __all__ = [
     "save_checkpoint",
     "write_files",
 ]
-
-
-@dataclass
-class FileToWrite:
-    """One safetensors file of this rank: its tensors in file order and what the manifest says of them."""
-
-    tensors: dict[str, torch.Tensor]
-    tp_rank: int
-    metadata: dict[str, str]
-    flat: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """``[start, end)`` of the TP shard that each 1-D piece holds (distributed optimizer)."""
-    image: FileImage | None = None
-    """The whole file in host memory, tensors copied in (an asynchronous save); None: write ``tensors``."""
-
-
-@dataclass
-class SaveRequest:
-    """This rank's part of one checkpoint, as :func:`describe` captured it at the save."""
-
-    root: str
-    iteration: int
-    files: dict[str, FileToWrite]
-    local: dict[str, Any]
-    """What this rank tells rank 0 for the manifest, less the files' records (known once written)."""
-    tokenizer: Mapping[str, Any] | None
-    """``{"type", "files"}`` for rank 0 to copy in; None on the other ranks."""
-    manifest: dict[str, Any]
-    """Everything the manifest says of the run, frozen at the save (JSON values)."""
-
-    @property
-    def path(self) -> str:
-        return iteration_dir(self.root, self.iteration)
 
 
 def check_json(scheduler_state: Mapping | None, extra: Mapping | None) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from core.device import building_on
 from core.tensor_parallel import param_is_tensor_parallel
 from models.gpt.gpt_model import OUTPUT_WEIGHT, WORD_EMBEDDINGS, expert_of, layout_owner
 from training.checkpoint.format import (
@@ -68,8 +69,9 @@ def gpt_tensor_specs(
 ) -> tuple[dict[str, TensorSpec], dict[str, dict[str, Any]]]:
     """Specs (in the order files store them, :func:`canonical_order`) and tied map of a GPTModel, without a process group.
 
-    Builds the single-device model uninitialised (its memory is allocated but never touched) and
-    reads its parameters; this is how an importer learns every tensor a checkpoint must hold.
+    Builds the single-device model on the meta device (shapes and dtypes, no memory: on a GPU host
+    an 8B model would otherwise land on ``cuda:0``) and reads its parameters; this is how an importer
+    learns every tensor a checkpoint must hold.
     """
     from models.gpt.gpt_model import GPTModel
 
@@ -83,7 +85,8 @@ def gpt_tensor_specs(
         perform_initialization=False,
         sequence_parallel=False,
     )
-    model = GPTModel(single, vocab_size, max_sequence_length)
+    with building_on("meta"):
+        model = GPTModel(single, vocab_size, max_sequence_length)
     specs = specs_of_params(model.named_parameters(), 1, config.make_vocab_size_divisible_by)
     order = canonical_order(specs, lambda name: specs[name].owner)
     return {name: specs[name] for name in order}, tied_tensors(config.untie_embeddings_and_output_weights)

@@ -26,18 +26,49 @@ import dataclasses
 import math
 import os
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from training.checkpoint.format import CheckpointError
+from training.checkpoint.format import CheckpointError, iteration_dir
 from training.checkpoint.images import ALIGN, FileImage, image_size
 
-if TYPE_CHECKING:
-    from training.checkpoint.save import SaveRequest
+__all__ = ["FileToWrite", "HostStaging", "SaveRequest", "available_host_memory"]
 
-__all__ = ["HostStaging", "available_host_memory"]
+
+@dataclass
+class FileToWrite:
+    """One safetensors file of this rank: its tensors in file order and what the manifest says of them."""
+
+    tensors: dict[str, torch.Tensor]
+    tp_rank: int
+    metadata: dict[str, str]
+    flat: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """``[start, end)`` of the TP shard that each 1-D piece holds (distributed optimizer)."""
+    image: FileImage | None = None
+    """The whole file in host memory, tensors copied in (an asynchronous save); None: write ``tensors``."""
+
+
+@dataclass
+class SaveRequest:
+    """This rank's part of one checkpoint, as ``save.describe`` captured it at the save."""
+
+    root: str
+    iteration: int
+    files: dict[str, FileToWrite]
+    local: dict[str, Any]
+    """What this rank tells rank 0 for the manifest, less the files' records (known once written)."""
+    tokenizer: Mapping[str, Any] | None
+    """``{"type", "files"}`` for rank 0 to copy in; None on the other ranks."""
+    manifest: dict[str, Any]
+    """Everything the manifest says of the run, frozen at the save (JSON values)."""
+
+    @property
+    def path(self) -> str:
+        return iteration_dir(self.root, self.iteration)
 
 
 def available_host_memory() -> int | None:

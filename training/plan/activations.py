@@ -222,20 +222,27 @@ def loss_terms(spec: ModelSpec, shape: Shape) -> tuple[dict[str, float], float, 
 
     Forward: the 16-bit logits, their fp32 copy and the shifted copy cross-entropy turns into the
     softmax, which it keeps; backward: the softmax becomes the gradient in place and is cast back.
+    With ``--cross-entropy-loss-fusion`` (``core/tensor_parallel/fused_cross_entropy.py``) the loss
+    keeps the logits themselves and per-token statistics, works through an fp32 slice of tokens at a
+    time and writes the gradient over the logits; each transient is gone before the next one comes.
     """
     s, b, t, B, h = shape.seq, shape.batch, shape.tp, spec.bytes_per_value, spec.hidden_size
     vocab = spec.padded_vocab(t) // t
     logits = s * b * vocab
-    saved = {
-        "final norm": _norm(spec, shape),
-        "output layer input": B * s * b * h,
-        "cross-entropy softmax (fp32)": 4 * logits,
-        "cross-entropy targets": 9 * s * b,
-    }
+    saved = {"final norm": _norm(spec, shape), "output layer input": B * s * b * h}
     padded = spec.padded_vocab(t) != spec.vocab_size
-    forward = logits * ((B if B != 4 else 0) * (2 if padded else 1) + 4)  # logits, masked copy, fp32 shift
-    backward = logits * (B if B != 4 else 0) * (2 if padded else 1) + B * s * b * h
-    return saved, forward, backward
+    copies = (B if B != 4 else 0) * (2 if padded else 1)  # the logits, and their masked copy
+    if spec.cross_entropy_fusion:
+        from core.tensor_parallel.fused_cross_entropy import SLICE_BYTES
+
+        piece = min(SLICE_BYTES["cpu" if shape.device == "cpu" else "cuda"] // (4 * vocab), s * b) * 4 * vocab
+        saved["cross-entropy logits (kept)"] = B * logits
+        saved["cross-entropy statistics and targets"] = 21 * s * b  # max, sum of exp; padding, target
+        masked = B * logits if padded else 0  # the padding mask's copy, and its gradient's
+        return saved, max(piece, masked), max(piece, masked, B * s * b * h)
+    saved["cross-entropy softmax (fp32)"] = 4 * logits
+    saved["cross-entropy targets"] = 9 * s * b
+    return saved, logits * (copies + 4), logits * copies + B * s * b * h
 
 
 def stage_activations(

@@ -13,7 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from training.plan.dry_run import dry_run_report
 from training.plan.hardware import GPUS, Cluster
+from training.plan.inputs import read_input
+from training.plan.model_spec import describe
+from training.plan.profile import LocalProfile, local_cluster
+from training.plan.rebalance import rebalance_report
+from training.plan.report import format_table, result_json
+from training.plan.search import search
 
 __all__ = ["main", "planner_parser"]
 
@@ -71,6 +78,11 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
         raise SystemExit(
             f"tools/plan.py: error: --gpu {opts.gpu!r} is not known; use one of {', '.join(GPUS)}"
         )
+    if opts.num_gpus > opts.gpus_per_node and opts.num_gpus % opts.gpus_per_node:
+        raise SystemExit(
+            f"tools/plan.py: error: --num-gpus {opts.num_gpus} is not a whole number of nodes of "
+            f"--gpus-per-node {opts.gpus_per_node}"
+        )
     cluster = Cluster(
         opts.num_gpus, min(opts.gpus_per_node, opts.num_gpus), GPUS[opts.gpu], opts.memory_headroom
     )
@@ -90,10 +102,6 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
 
 def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     """Run the planner; ``forward_step_func`` (``pretrain_gpt.forward_step``) is what ``--dry-run`` steps."""
-    from training.plan.inputs import read_input
-    from training.plan.model_spec import describe
-    from training.plan.report import format_table, result_json
-    from training.plan.search import search
 
     opts, megatron_argv = planner_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -104,8 +112,6 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     cluster = _cluster(opts)
     profile, device = None, "cuda"
     if opts.profile_local:
-        from training.plan.profile import LocalProfile, local_cluster
-
         cluster = local_cluster(opts.num_gpus)
         profile, device = LocalProfile(plan_input.spec, plan_input.args), "cpu"
     print(describe(plan_input.spec))
@@ -118,8 +124,6 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     for note in plan_input.notes:
         print(f"note: {note}")
     if opts.from_timeline:
-        from training.plan.rebalance import rebalance_report
-
         print(rebalance_report(plan_input, cluster, opts.from_timeline))
         return 0
     result = search(
@@ -134,8 +138,6 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     )
     print(format_table(result, cluster, plan_input.base_flags))
     if opts.dry_run and result.candidates:
-        from training.plan.dry_run import dry_run_report
-
         if forward_step_func is None:
             raise ValueError("--dry-run needs the forward step: run it as tools/plan.py")
         print(dry_run_report(result.candidates[: opts.dry_run], plan_input, forward_step_func))

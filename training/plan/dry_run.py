@@ -31,10 +31,16 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from core import parallel_state as ps
+from core.device import current_device
 from core.optimizer import get_megatron_optimizer
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
+from core.transformer.moe.router import TopKRouter
+from models.gpt.parallelize import gpt_provider, parallelize_gpt
 from training.plan.live_bytes import LiveBytes
+from training.plan.memory import rank_memory
+from training.plan.report import candidate_args
+from training.run import parse_run
 
 __all__ = ["DryRunReport", "dry_run", "fake_backend_available"]
 
@@ -85,15 +91,12 @@ def _fake_store():
 
 
 def _run(argv: list[str], world_size: int):
-    from training.run import parse_run
-
     with contextlib.redirect_stdout(None):  # the flag checks' notes: the plan already said them
         return parse_run(argv, world_size)
 
 
 def _build_rank(run, vocab_size: int, fake: bool):
     """This rank's model (chunks wrapped for data parallelism) and optimizer, as ``setup`` builds them."""
-    from models.gpt.parallelize import gpt_provider, parallelize_gpt
 
     config = dataclasses.replace(run.model, perform_initialization=False) if fake else run.model
     provider = gpt_provider(config, vocab_size, run.gpt.max_position_embeddings)
@@ -173,13 +176,12 @@ def dry_run(
 def _measure(
     run, vocab_size: int, forward_step_func: Callable, tracker: LiveBytes, fake: bool
 ) -> DryRunReport:
-    from core.device import current_device
-
     model_parallel_seed(run.model.seed + 100 * ps.get_pipeline_model_parallel_rank())
     model = _build_rank(run, vocab_size, fake)
     optimizer = model.optimizer
     if optimizer.grad_scaler is not None and fake:  # fake gradients cannot overflow: take a healthy step
-        optimizer._unscale_and_check_for_inf = lambda: False
+        unscale = optimizer._unscale_and_check_for_inf
+        optimizer._unscale_and_check_for_inf = lambda: unscale().zero_()
     optimizer.zero_grad()
     optimizer.step()  # Adam's moments exist from the first step on: measure a later one
     optimizer.zero_grad()
@@ -216,7 +218,6 @@ def balanced_routing() -> Iterator[None]:
     the expert count, as a real tensor. Fake logits cannot say where tokens go, and the experts'
     shapes follow from it; the router still computes (and keeps) everything it does for real, only its
     routing map is replaced by the even one the memory model assumes."""
-    from core.transformer.moe.router import TopKRouter
 
     original = TopKRouter.forward
 
@@ -250,8 +251,6 @@ def compare(
 ) -> list[dict]:
     """Dry-run ``ranks`` of a planned candidate (default: the rank the model says peaks highest) and
     put each next to the model's figures for the same kernels (the dry run's are the CPU's)."""
-    from training.plan.memory import rank_memory
-    from training.plan.report import candidate_args
 
     cand, spec = planned.cand, plan_input.spec
     argv = candidate_args(plan_input.base_flags, cand)

@@ -19,9 +19,14 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 
+from training.arguments import parse_args
+from training.checkpoint_args import checkpoint_model_args
+from training.hf.config import transformer_config_from_hf
 from training.plan.model_spec import ModelSpec
 from training.plan.presets import preset_flags
+from training.run import build_run
 from training.schema import BY_DEST, BY_OPTION
+from training.tokenizer import build_tokenizer
 
 __all__ = ["PLANNED_DESTS", "PlanInput", "read_input"]
 
@@ -97,8 +102,6 @@ def _strip(argv: list[str], dests: set[str]) -> list[str]:
 
 def _hf_flags(path: str) -> list[str]:
     """Megatron flags describing a Hugging Face ``config.json``'s model (its vocabulary included)."""
-    from training.checkpoint_args import checkpoint_model_args
-    from training.hf.config import transformer_config_from_hf
 
     with open(path) as f:
         hf = json.load(f)
@@ -149,7 +152,6 @@ def _vocab(args: argparse.Namespace) -> int:
                 "--vocab-size is needed to plan with NullTokenizer (the ids before end-of-document)"
             )
         return args.vocab_size + 1
-    from training.tokenizer import build_tokenizer
 
     return build_tokenizer(
         args.tokenizer_type,
@@ -164,8 +166,6 @@ def read_input(
     megatron_argv: list[str], *, preset: str | None = None, hf_config: str | None = None
 ) -> PlanInput:
     """The model and training shape of ``preset`` / ``hf_config`` / ``megatron_argv`` (later ones win)."""
-    from training.arguments import parse_args
-    from training.run import build_run
 
     argv = (preset_flags(preset) if preset else []) + (_hf_flags(hf_config) if hf_config else [])
     argv = argv + list(megatron_argv)

@@ -162,10 +162,27 @@ def _padded(elements: int, cand: Candidate, pp_rank: int) -> float:
     return math.ceil(elements / pad) * pad + (buckets - 1) * pad / 2
 
 
+_STATIC: dict[tuple, tuple[float, float, float, float]] = {}
+"""rank_static's answers: the search asks for every rank of every candidate, and the recomputation
+and microbatch choices share them."""
+
+
 def rank_static(
     spec: ModelSpec, cand: Candidate, pp_rank: int, device: str = "cuda"
 ) -> tuple[float, float, float, float]:
     """(params, grads, optimizer state, optimizer-step transient) of a pipeline rank, in bytes."""
+    key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
+           cand.distributed_optimizer, pp_rank, device)  # fmt: skip
+    if key not in _STATIC:
+        if len(_STATIC) > 1 << 16:
+            _STATIC.clear()
+        _STATIC[key] = _rank_static(spec, cand, pp_rank, device)
+    return _STATIC[key]
+
+
+def _rank_static(
+    spec: ModelSpec, cand: Candidate, pp_rank: int, device: str
+) -> tuple[float, float, float, float]:
     chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     embedding_here = any("E" in c for c in chunks)
     tensors = [_chunk_tensors(spec, cand, c, embedding_here) for c in chunks]
@@ -201,11 +218,12 @@ def rank_static(
 
 @lru_cache(maxsize=4096)
 def _states(schedule: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
-    """The moments of a rank's table where a peak can occur: per running (chunk, kind), an array of
-    ``(saved microbatches per chunk, I-done microbatches per chunk)`` rows, one per distinct moment.
+    """The moments of a rank's table where a peak can occur: ``(rows, group of each row, groups)``.
 
-    Memory at such a moment is linear in the chunks' byte counts, so a candidate's peak is one
-    matrix-vector product per running (chunk, kind) instead of a walk over every action.
+    A row is ``(saved microbatches per chunk, I-done microbatches per chunk)`` at one distinct moment
+    while a (chunk, kind) action runs; ``groups`` lists those (chunk, kind) in table order. Memory at
+    such a moment is linear in the chunks' byte counts, so a candidate's peak is one matrix-vector
+    product per rank instead of a walk over every action.
     """
     saved, kept = [0] * vpp, [0] * vpp
     moments: dict[tuple, set] = {}
@@ -221,9 +239,18 @@ def _states(schedule: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
         elif action.kind == W:
             saved[c] -= 1
             kept[c] -= 1
-    return tuple(
-        (chunk, kind, np.array(sorted(rows), dtype=np.float64)) for (chunk, kind), rows in moments.items()
-    )
+    rows = [_undominated(sorted(moment)) for moment in moments.values()]
+    group = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    return np.array([row for r in rows for row in r], dtype=np.float64), group, tuple(moments)
+
+
+def _undominated(rows: list[tuple]) -> list[tuple]:
+    """The rows that no other row covers in every count: byte counts are never negative, so only these
+    can hold the peak (a covering row holds as much; zero-bubble tables have many covered moments)."""
+    table = np.array(rows, dtype=np.int32)
+    covers = (table[:, None, :] >= table[None, :, :]).all(axis=2)  # [i, j]: row i covers row j
+    np.fill_diagonal(covers, False)  # the rows are distinct: covering is strict
+    return [row for row, covered in zip(rows, covers.any(axis=0)) if not covered]
 
 
 def memory_microbatches(cand: Candidate) -> int:
@@ -249,23 +276,43 @@ def _transient(chunk: StageActivations, kind) -> float:
     return chunk.backward_transient / 2 if chunk.kept_grads else chunk.backward_transient
 
 
-def _walk(states: tuple, chunks: list[StageActivations]) -> tuple[float, float, int]:
-    """(saved bytes at the peak, transient at the peak, in-flight microbatch-chunks at the peak)."""
-    weights = np.array([c.saved for c in chunks] + [c.kept_grads for c in chunks])
-    vpp = len(chunks)
-    best = (-1.0, 0.0, 0.0, 0)
-    for chunk, kind, rows in states:
-        held = rows @ weights
-        top = int(held.argmax())
-        extra = _transient(chunks[chunk], kind)
-        if held[top] + extra > best[0]:
-            best = (held[top] + extra, float(held[top]), extra, int(rows[top, :vpp].sum()))
-    return best[1], best[2], best[3]
+@lru_cache(maxsize=1024)
+def _all_states(schedule: str, pp: int, vpp: int, m: int) -> tuple:
+    """Every rank's :func:`_states` stacked: ``(rows, group of each row, (rank, chunk, kind) of each
+    group, first row of each rank, rank of each row)``, so a candidate's ranks are walked at once."""
+    per_rank = [_states(schedule, pp, vpp, m, rank) for rank in range(pp)]
+    rows = np.concatenate([r[0] for r in per_rank])
+    offsets = np.cumsum([0] + [len(r[2]) for r in per_rank[:-1]])
+    group = np.concatenate([r[1] + offset for r, offset in zip(per_rank, offsets)])
+    groups = tuple((rank, chunk, kind) for rank, r in enumerate(per_rank) for chunk, kind in r[2])
+    sizes = [len(r[0]) for r in per_rank]
+    starts = np.cumsum([0] + sizes[:-1])
+    return rows, group, groups, starts, np.repeat(np.arange(pp), sizes)
+
+
+def _walk(states: tuple, chunks: list[list[StageActivations]]) -> list[tuple[float, float, int]]:
+    """Per rank: (saved bytes at the peak, transient at the peak, in-flight microbatch-chunks there).
+
+    The peak of a rank is the first of its largest moments in table order."""
+    rows, group, groups, starts, rank_of_row = states
+    weights = np.array([[c.saved for c in ch] + [c.kept_grads for c in ch] for ch in chunks])
+    extras = np.array([_transient(chunks[rank][chunk], kind) for rank, chunk, kind in groups])
+    held = (rows * weights[rank_of_row]).sum(axis=1)
+    total = held + extras[group]
+    largest = np.maximum.reduceat(total, starts)[rank_of_row]
+    index = np.arange(len(total))
+    tops = np.minimum.reduceat(np.where(total == largest, index, len(total)), starts)
+    in_flight = rows[tops, : len(chunks[0])].sum(axis=1)
+    return [(float(held[t]), float(extras[group[t]]), int(n)) for t, n in zip(tops, in_flight)]
 
 
 def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str = "cuda") -> RankMemory:
     """Predicted bytes of pipeline rank ``pp_rank`` (every TP/CP/DP rank of it holds the same)."""
-    params, grads, state, opt_transient = rank_static(spec, cand, pp_rank, device)
+    return candidate_memory(spec, cand, device=device)[pp_rank]
+
+
+def candidate_memory(spec: ModelSpec, cand: Candidate, *, device: str = "cuda") -> list[RankMemory]:
+    """Every pipeline rank's memory; the candidate's peak is the largest of them."""
     shape = Shape(
         seq=spec.seq_length // cand.cp,
         batch=cand.micro_batch_size,
@@ -276,11 +323,21 @@ def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str =
         cp=cand.cp,
     )
     chunks = []
-    for v in range(cand.vpp):
-        stage = cand.stage_of(pp_rank, v)
-        chunks.append(stage_activations(spec, shape, cand.stages.stages[stage], first=stage == 0))
-    states = _states(cand.schedule, cand.pp, cand.vpp, memory_microbatches(cand), pp_rank)
-    held, transient, in_flight = _walk(states, chunks)
+    for rank in range(cand.pp):
+        stages = [cand.stage_of(rank, v) for v in range(cand.vpp)]
+        chunks.append([_stage(spec, shape, cand.stages.stages[s], s == 0) for s in stages])
+    walks = _walk(_all_states(cand.schedule, cand.pp, cand.vpp, memory_microbatches(cand)), chunks)
+    return [_rank(spec, cand, rank, device, chunks[rank], *walks[rank]) for rank in range(cand.pp)]
+
+
+@lru_cache(maxsize=4096)
+def _stage(spec: ModelSpec, shape: Shape, symbols: tuple[str, ...], first: bool) -> StageActivations:
+    """:func:`stage_activations`, once per stage kind (most stages of a candidate are alike)."""
+    return stage_activations(spec, shape, symbols, first=first)
+
+
+def _rank(spec, cand, pp_rank, device, chunks, held, transient, in_flight) -> RankMemory:
+    params, grads, state, opt_transient = rank_static(spec, cand, pp_rank, device)
     reads_data = any(c.terms.get("embedding") or "loss final norm" in c.terms for c in chunks)
     buffers = 28 * spec.seq_length * cand.micro_batch_size * cand.num_microbatches if reads_data else 0
     if spec.position_embedding_type == "rope":  # each chunk's cos/sin table, cached at its first forward
@@ -293,8 +350,3 @@ def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str =
     return RankMemory(
         pp_rank, params, grads, state, held, transient, buffers, opt_transient, in_flight, terms
     )
-
-
-def candidate_memory(spec: ModelSpec, cand: Candidate, *, device: str = "cuda") -> list[RankMemory]:
-    """Every pipeline rank's memory; the candidate's peak is the largest of them."""
-    return [rank_memory(spec, cand, r, device=device) for r in range(cand.pp)]

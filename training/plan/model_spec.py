@@ -67,6 +67,8 @@ class ModelSpec:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     attention_softmax_in_fp32: bool = False
+    cross_entropy_fusion: bool = False
+    """``--cross-entropy-loss-fusion``: the loss keeps the logits, not an fp32 softmax."""
     make_vocab_size_divisible_by: int = 128
     precision: str = "fp32"
     """"bf16", "fp16" or "fp32": the parameters' and activations' dtype."""
@@ -114,6 +116,7 @@ class ModelSpec:
             attention_dropout=config.attention_dropout,
             hidden_dropout=config.hidden_dropout,
             attention_softmax_in_fp32=config.attention_softmax_in_fp32,
+            cross_entropy_fusion=config.cross_entropy_loss_fusion,
             make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
             precision=precision,
             moe=moe,

@@ -28,6 +28,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from core import parallel_state as ps
+from core.pipeline_parallel.backward_split import backward_input, backward_weight
+from core.tensor_parallel import model_parallel_seed
+from core.transformer import TransformerConfig
+from models.gpt import GPTModel
+from training.arguments import transformer_config_from_args
 from training.plan.costs import LayerProfile
 from training.plan.hardware import Cluster, Gpu
 from training.plan.model_spec import ModelSpec
@@ -54,9 +60,6 @@ def _one_rank_of(world: int, rank: int, tp: int):
     """Parallel state of one rank of a fake group (pipeline ``E|t|L``, tensor parallel ``tp``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from core import parallel_state as ps
-    from core.tensor_parallel import model_parallel_seed
-
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         ps.initialize_model_parallel(tp, world // tp)
@@ -69,10 +72,6 @@ def _one_rank_of(world: int, rank: int, tp: int):
 
 def _stage_seconds(args, vocab: int, tp: int, stage: int, batch: int, seq: int, repeats: int):
     """(F, I, W) seconds of stage ``stage`` of the pipeline ``E|t|L`` at ``batch x seq`` tokens."""
-    from core.pipeline_parallel.backward_split import backward_input, backward_weight
-    from core.transformer import TransformerConfig
-    from models.gpt import GPTModel
-    from training.arguments import transformer_config_from_args
 
     fields = transformer_config_from_args(args) | {
         "tensor_model_parallel_size": tp,

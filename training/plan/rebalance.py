@@ -28,6 +28,7 @@ from training.plan.costs import LayerProfile, StageCostModel
 from training.plan.hardware import Cluster
 from training.plan.layouts import balanced_layout
 from training.plan.step_time import estimate_step
+from training.timeline import load_trace
 
 __all__ = ["fit_costs", "rebalance", "rebalance_report", "stage_means"]
 
@@ -54,7 +55,6 @@ def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], core
 
 def stage_means(path: str, cores: int | None = None) -> tuple[dict[tuple[int, int, str], float], object]:
     """Mean seconds per (pp rank, chunk, action kind) over the first pipeline's recorded iterations."""
-    from training.timeline import load_trace
 
     data = load_trace(os.path.join(path, "timeline.json") if os.path.isdir(path) else path)
     durations: dict[tuple[int, int, str], list[float]] = defaultdict(list)

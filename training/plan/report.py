@@ -16,7 +16,7 @@ from training.plan.candidate import Candidate
 from training.plan.hardware import Cluster
 from training.plan.search import Planned, SearchResult
 
-__all__ = ["candidate_json", "format_table", "result_json"]
+__all__ = ["candidate_json", "format_table", "launch_command", "result_json"]
 
 GB = 1e9
 
@@ -24,6 +24,19 @@ GB = 1e9
 def candidate_args(base_flags: list[str], cand: Candidate) -> list[str]:
     """The full ``pretrain_gpt.py`` command line of a candidate."""
     return list(base_flags) + cand.flags()
+
+
+def launch_command(cluster: Cluster, argv: list[str]) -> str:
+    """The ``torchrun`` line that runs ``argv``: on one node as is; over several, the same line on every
+    node, meeting through torchrun's c10d rendezvous at ``$MASTER_ADDR`` (README's multi-node form)."""
+    script = "pretrain_gpt.py " + shlex.join(argv)
+    if cluster.num_gpus <= cluster.gpus_per_node:
+        return f"torchrun --nproc-per-node {cluster.num_gpus} {script}"
+    nodes = cluster.num_gpus // cluster.gpus_per_node
+    return (
+        f"torchrun --nnodes {nodes} --nproc-per-node {cluster.gpus_per_node} --rdzv-backend c10d "
+        f"--rdzv-endpoint $MASTER_ADDR:29500 {script}"
+    )
 
 
 def candidate_json(planned: Planned, base_flags: list[str]) -> dict:
@@ -37,6 +50,7 @@ def candidate_json(planned: Planned, base_flags: list[str]) -> dict:
         "mfu": step.mfu,
         "bubble": step.bubble,
         "exposed_comm_seconds": step.exposed_comm_seconds,
+        "step_extrapolated": step.extrapolated,
         "memory_per_pp_rank": [
             {
                 k: (round(v) if isinstance(v, float) else v)
@@ -93,9 +107,11 @@ def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], 
     rejected = "; ".join(f"{reason}: {v['count']}" for reason, v in result.rejected.items())
     lines.append(
         f"{result.fitting} candidates fit in {cluster.usable_bytes / GB:.0f} of {cluster.memory_bytes / GB:.0f} GB "
-        f"per GPU, {result.simulated} simulated in {result.seconds:.1f} s; rejected: {rejected or 'none'}"
+        f"per GPU, {result.simulated} simulated in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s of CPU); rejected: {rejected or 'none'}"
     )
+    if cluster.num_gpus > cluster.gpus_per_node and result.candidates[:show_args]:
+        lines.append(f"on each of the {cluster.num_gpus // cluster.gpus_per_node} nodes, with MASTER_ADDR set to "
+                     "one node's address:")  # fmt: skip
     for i, p in enumerate(result.candidates[:show_args]):
-        lines.append(f"#{i + 1}: torchrun --nproc-per-node {cluster.gpus_per_node} pretrain_gpt.py "
-                     + shlex.join(candidate_args(base_flags, p.cand)))  # fmt: skip
+        lines.append(f"#{i + 1}: {launch_command(cluster, candidate_args(base_flags, p.cand))}")
     return "\n".join(lines)

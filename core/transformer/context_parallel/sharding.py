@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 import torch
 
+from core import parallel_state as ps
+
 
 def held_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     """The two of the sequence's ``2 * cp_size`` chunks that CP rank ``cp_rank`` holds, in its order."""
@@ -73,8 +75,6 @@ def get_batch_on_this_cp_rank(
     default to this process's CP group; with ``cp_size == 1`` the batch is returned as it is.
     """
     if cp_size is None or cp_rank is None:
-        from core import parallel_state as ps
-
         cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     if cp_size == 1:
         return dict(batch)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core import parallel_state as ps
+
 
 @dataclass(frozen=True)
 class MoEGroups:
@@ -22,7 +24,6 @@ class MoEGroups:
     def from_parallel_state(cls, expert_model_parallel_size: int = 1) -> MoEGroups:
         """This rank's groups from ``core.parallel_state``; all ``None`` in a process without groups
         (where every expert is local). With groups, their expert-parallel size must be the config's."""
-        from core import parallel_state as ps
 
         if not dist.is_initialized() or not ps.model_parallel_is_initialized():
             return cls()

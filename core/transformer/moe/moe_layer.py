@@ -54,7 +54,14 @@ class MoELayer(nn.Module):
     """Megatron's submodule names: ``router``, ``experts``, ``shared_experts`` (and ``token_dispatcher``).
 
     ``groups`` defaults to this rank's from ``core.parallel_state`` (none in a plain process).
+    Under ``--compile`` the shared experts and the layer's element-wise work are compiled; the
+    router (its balancing loss talks over TP x CP, and the loss's gradient scale changes per step)
+    and :meth:`routed_experts` (host-side splits, an all-to-all or all-gather, token counts that
+    change every step) stay eager, so routing never recompiles a graph.
     """
+
+    eager_methods = ("routed_experts",)
+    """Methods ``core.transformer.compile.compile_layer`` keeps out of the compiled regions."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, groups: MoEGroups | None = None) -> None:
         super().__init__()
@@ -91,8 +98,13 @@ class MoELayer(nn.Module):
             )
         shared = self.shared_experts(hidden) if self.shared_experts is not None else None
         probs, routing_map = self.router(hidden)
-        tokens = hidden.reshape(-1, hidden.shape[-1])
+        output = self.routed_experts(hidden.reshape(-1, hidden.shape[-1]), probs, routing_map).view_as(hidden)
+        return output if shared is None else output + shared
+
+    def routed_experts(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> torch.Tensor:
+        """``[t, h]`` tokens to their experts and back, weighted by ``probs``: ``[t, h]``."""
         expert_input, tokens_per_expert, plan = self.token_dispatcher.dispatch(tokens, probs, routing_map)
         expert_output = self.experts(expert_input, tokens_per_expert)
-        output = self.token_dispatcher.combine(expert_output, plan).view_as(hidden)
-        return output if shared is None else output + shared
+        return self.token_dispatcher.combine(expert_output, plan)

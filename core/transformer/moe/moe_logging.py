@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core import parallel_state as ps
 from core.device import current_device
 from core.transformer.moe.router import AUX_LOSS_NAMES, TopKRouter
 
@@ -45,8 +46,27 @@ def reduce_moe_metrics(
 
     A collective over the pipeline, tensor x context and data-parallel groups: every rank calls it,
     including pipeline stages without an MoE layer. ``num_microbatches`` counts the microbatches the
-    accumulated values cover.
+    accumulated values cover. One read from the device (:func:`reduce_moe_metrics_on_device` makes none).
     """
+    summary, per_layer = reduce_moe_metrics_on_device(chunks, config, num_microbatches)
+    if not summary:
+        return {}, {}
+    names = list(summary)
+    values = torch.cat([torch.stack(list(summary.values())), *per_layer.values()]).tolist()
+    layers = config.num_layers
+    return (
+        dict(zip(names, values[: len(names)])),
+        {
+            name: values[len(names) + i * layers : len(names) + (i + 1) * layers]
+            for i, name in enumerate(names)
+        },
+    )
+
+
+def reduce_moe_metrics_on_device(
+    chunks: Iterable[nn.Module], config, num_microbatches: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`reduce_moe_metrics` as device tensors: a 0-dim mean per name, a ``[num_layers]`` row per name."""
     names = moe_loss_names(config)
     if not names:
         return {}, {}
@@ -54,19 +74,20 @@ def reduce_moe_metrics(
     for router in _routers(chunks):
         for row, name in enumerate(names):
             if name in router.metrics:
-                table[row, router.layer_number] += router.metrics[name].to(table.device)
+                value = router.metrics[name]
+                table[row, router.layer_number] += (
+                    value if value.device == table.device else value.to(table.device)
+                )
         router.metrics.clear()
     _reduce_over_ranks(table, names)
     table /= num_microbatches
     moe_layers = sum(config.moe_layer_pattern(config.num_layers))
-    summary = {name: float(table[row].sum() / moe_layers) for row, name in enumerate(names)}
-    per_layer = {name: table[row].tolist() for row, name in enumerate(names)}
+    summary = {name: table[row].sum() / moe_layers for row, name in enumerate(names)}
+    per_layer = {name: table[row] for row, name in enumerate(names)}
     return summary, per_layer
 
 
 def _reduce_over_ranks(table: torch.Tensor, names: list[str]) -> None:
-    from core import parallel_state as ps
-
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return
     groups = ps.get_parallel_groups()

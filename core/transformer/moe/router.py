@@ -47,7 +47,11 @@ class TopKRouter(nn.Module):
 
     The weight is replicated on every tensor-parallel rank; under sequence parallelism each sees
     its own tokens, so it is marked ``sequence_parallel`` and its gradient summed over TP.
+    Stays eager under ``--compile`` (``keep_out_of_compile``): its balancing loss all-reduces over
+    TP x CP and takes a gradient scale that the schedule sets each step.
     """
+
+    keep_out_of_compile = True
 
     def __init__(
         self, config: TransformerConfig, layer_number: int, tp_cp_group: ProcessGroup | None = None

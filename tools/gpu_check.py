@@ -1,0 +1,299 @@
+"""The one prepared command for a machine with a GPU: Trident's CUDA tests and its throughput, one table.
+
+    python tools/gpu_check.py                      # on the GPU machine: about 5-7 minutes on one H100/H200
+    python tools/gpu_check.py --device cpu --quick # here: the same steps, tiny sizes, CUDA tests skipped
+
+Steps, each a child process with its own time limit (a hang or a crash is a row of the table, not
+the end of the check):
+
+1. Packages: what Trident imports that this machine lacks. A machine without internet gets them as
+   wheels: ``--wheels DIR`` installs the missing ones from ``DIR`` first (``pip install --no-index``).
+2. ``pytest -m cuda tests/test_cuda.py`` at world size 1 on NCCL: CUDA-vs-CPU parity (fp32 with TF32
+   off within 1e-5, bf16 within 1e-2), flash attention with GQA, 20 steps under
+   ``torch.cuda.set_sync_debug_mode("error")``, the distributed optimizer with overlap and the CUDA
+   timeline, the peak device memory of a save and a load. Each test's result and its printed figures.
+3. ``tools/bench_model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
+   against the same model in a plain transformers loop, GPT-2 124M at seq 1024 and LLaMA ~1B at seq
+   4096, bf16. Each configuration is its own process; one that would not finish before
+   ``--deadline`` is skipped and says so.
+
+It prints one table, then one JSON line (``{"gpu_check": ...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+HOW_TO_RUN = """\
+Through the device tool (the `run` tool; its command runs in a copy of this repository):
+
+  1. `status` says whether this session is lent a GPU (can_start_another) and how much device time
+     is left (15 minutes per task, all tries together; a start takes a few of them).
+  2. Wheels: the GPU machine has torch 2.11, transformers, safetensors, sentencepiece, einops and
+     tensorboard, and no internet. What else Trident imports travels as wheels: here, run
+       python tools/gpu_check.py --download-wheels wheels
+     (pytest, pluggy, iniconfig, xxhash for Python 3.10-3.13; wandb and numba are not needed: W&B
+     stays off and the check trains on mock data), then pass carry=["wheels"] to `run`.
+  3. run(command="python tools/gpu_check.py --wheels wheels", timeout_s=540, carry=["wheels"])
+     The check stops starting new steps after --deadline seconds (default 480), so a 540 s limit
+     leaves room for one rerun of a failed step within the 15 minutes:
+       run(command="python tools/gpu_check.py --wheels wheels --only tests", timeout_s=240, ...)
+  4. Put the printed table in the note; the last line is the JSON. Call `give_back` when done.
+"""
+
+PACKAGES = {  # import name -> (pip name, needed for the check)
+    "pytest": ("pytest", True),
+    "xxhash": ("xxhash", True),
+    "safetensors": ("safetensors", True),
+    "sentencepiece": ("sentencepiece", True),
+    "einops": ("einops", True),
+    "numpy": ("numpy", True),
+    "yaml": ("pyyaml", True),
+    "tqdm": ("tqdm", True),
+    "tokenizers": ("tokenizers", True),
+    "transformers": ("transformers", True),
+    "tensorboard": ("tensorboard", False),
+    "wandb": ("wandb", False),
+    "numba": ("numba", False),
+    "pytest_timeout": ("pytest-timeout", False),
+    "matplotlib": ("matplotlib", False),
+}
+WHEELS = ["pytest", "pluggy", "iniconfig", "packaging", "xxhash"]
+"""What ``--download-wheels`` fetches: the needed packages the GPU machine is known to lack."""
+
+QUICK_BENCH = ["--config", "tiny", "--dtype", "fp32", "--iters", "1", "--warmup", "1", "--no-compile"]
+
+
+def missing_packages() -> tuple[list[str], list[str]]:
+    """(needed, optional) pip names of the packages this interpreter cannot import."""
+    needed, optional = [], []
+    for module, (pip_name, required) in PACKAGES.items():
+        if importlib.util.find_spec(module) is None:
+            (needed if required else optional).append(pip_name)
+    return needed, optional
+
+
+def install_wheels(directory: str, names: list[str]) -> str:
+    """``pip install --no-index --find-links DIR`` the ``names``; returns pip's last line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", directory, *names],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return lines[-1] if lines else f"pip exited {done.returncode}"
+
+
+def download_wheels(directory: str) -> None:
+    """Fetch :data:`WHEELS` for CPython 3.10-3.13 on x86-64 Linux into ``directory`` (run it here)."""
+    for version in ("3.10", "3.11", "3.12", "3.13"):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", version]
+            + ["--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64"]
+            + ["-d", directory, *WHEELS],
+            check=True,
+        )
+
+
+def run_tests(device: str, limit: float) -> list[dict]:
+    """``pytest -m cuda tests/test_cuda.py`` in a child; one row per test with its printed lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "cuda.xml")
+        command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py"]
+        command += ["-p", "no:cacheprovider", f"--junitxml={report}", "-o", "junit_logging=system-out"]
+        env = dict(os.environ, PYTHONPATH=ROOT, WANDB_MODE="disabled")
+        if device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU mode proves the path: every test skips
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(
+                command, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=limit
+            )
+        except subprocess.TimeoutExpired:
+            return [{"step": "tests", "name": "tests/test_cuda.py", "result": f"timeout after {limit:.0f} s"}]
+        if not os.path.exists(report):
+            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            return [
+                {"step": "tests", "name": "tests/test_cuda.py", "result": "error", "detail": " | ".join(tail)}
+            ]
+        rows = _junit_rows(report)
+        rows.append(
+            {
+                "step": "tests",
+                "name": "(all)",
+                "result": f"exit {done.returncode}",
+                "seconds": time.perf_counter() - start,
+            }
+        )
+        return rows
+
+
+def _junit_rows(path: str) -> list[dict]:
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        result, detail = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            node = case.find(kind)
+            if node is not None:
+                result, detail = (
+                    {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[kind],
+                    node.get("message", ""),
+                )
+        out = case.find("system-out")
+        printed = (
+            [line for line in (out.text or "").splitlines() if line and not line.startswith(("-", " ["))]
+            if out is not None
+            else []
+        )
+        rows.append(
+            {
+                "step": "tests",
+                "name": case.get("name"),
+                "result": result,
+                "seconds": float(case.get("time", 0.0)),
+                "detail": (detail.splitlines() or [""])[0][:160],
+                "figures": [line for line in printed if ":" in line and "iteration" not in line][:3],
+            }
+        )
+    return rows
+
+
+def run_bench(device: str, configs: list[str], quick: bool, deadline: float, started: float) -> list[dict]:
+    """``tools/bench_model.py`` once per configuration, each in a child, while time is left."""
+    rows = []
+    for config in configs:
+        left = deadline - (time.perf_counter() - started)
+        if left < 30:
+            rows.append({"step": "bench", "config": config, "result": f"skipped: {deadline:.0f} s deadline"})
+            continue
+        command = [sys.executable, "tools/bench_model.py", "--device", device]
+        command += QUICK_BENCH if quick else ["--config", config, "--dtype", "bf16"]
+        env = dict(os.environ, PYTHONPATH=ROOT, WANDB_MODE="disabled")
+        try:
+            done = subprocess.run(
+                command, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=left
+            )
+        except subprocess.TimeoutExpired:
+            rows.append({"step": "bench", "config": config, "result": f"timeout after {left:.0f} s"})
+            continue
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+            tail = (done.stdout + done.stderr).strip().splitlines()[-2:]
+            rows.append({"step": "bench", "config": config, "result": "error", "detail": " | ".join(tail)})
+            continue
+        for row in json.loads(lines[-1])["rows"]:
+            if "contestant" in row:
+                rows.append({"step": "bench", "result": "ok", **row})
+    return rows
+
+
+def print_table(env: dict, rows: list[dict]) -> None:
+    print(f"gpu_check on {env['device']} | torch {env['torch']} | {env['packages']}")
+    print(f"{'step':<6} {'test / configuration':<72} {'result':<9} {'s':>6}  figures")
+    for r in rows:
+        if r["step"] == "tests":
+            figures = "; ".join(r.get("figures") or []) or r.get("detail", "")
+            print(f"{'test':<6} {r['name']:<72} {r['result']:<9} {r.get('seconds', 0.0):>6.1f}  {figures}")
+    print(
+        f"{'bench':<6} {'config dtype contestant':<40}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
+    )
+    for r in rows:
+        if r["step"] != "bench":
+            continue
+        if r["result"] != "ok":
+            print(f"{'bench':<6} {r['config']:<40} {r['result']} {r.get('detail', '')}")
+            continue
+        mfu = [f"{r[k]:.1%}" if r.get(k) is not None else "n/a" for k in ("mfu_megatron", "mfu_torchtitan")]
+        label = f"{r['config']} {r['dtype']} {r['contestant']}"
+        print(
+            f"{'bench':<6} {label:<40}{r['tokens_per_s']:>10.0f}{mfu[0]:>8}{mfu[1]:>8}"
+            f"{r['step_ms']:>9.1f}{r['peak_step_mib']:>10.0f}"
+        )
+
+
+def environment(device: str) -> dict:
+    """The device's name and torch's version (torch is imported only for a GPU's name: the steps'
+    children import it themselves)."""
+    name = "cpu"
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    return {"device": name, "torch": importlib.metadata.version("torch")}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=HOW_TO_RUN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="tiny benchmark sizes (the CPU mode CI runs)")
+    parser.add_argument("--only", choices=["tests", "bench"], default=None, help="run one step only")
+    parser.add_argument(
+        "--config", nargs="+", default=["gpt2-124m", "llama-1b"], help="bench_model configurations"
+    )
+    parser.add_argument(
+        "--deadline", type=float, default=480.0, help="seconds after which no new step starts"
+    )
+    parser.add_argument("--wheels", default=None, help="install missing packages from this wheel directory")
+    parser.add_argument(
+        "--download-wheels", default=None, metavar="DIR", help="fetch the wheels (with internet)"
+    )
+    args = parser.parse_args(argv)
+    if args.download_wheels:
+        download_wheels(args.download_wheels)
+        return {}
+    started = time.perf_counter()
+    needed, optional = missing_packages()
+    installed = install_wheels(args.wheels, needed) if args.wheels and needed else ""
+    if installed:
+        needed, optional = missing_packages()
+    env = environment(args.device)
+    env["packages"] = (
+        f"missing: {', '.join(needed) or 'none'} (optional absent: {', '.join(optional) or 'none'})"
+    )
+    rows: list[dict] = []
+    if needed:
+        rows.append(
+            {
+                "step": "tests",
+                "name": "packages",
+                "result": "error",
+                "detail": f"pip install {' '.join(needed)}",
+            }
+        )
+    if args.only in (None, "tests") and not needed:
+        rows += run_tests(args.device, max(args.deadline - (time.perf_counter() - started), 30.0))
+    if args.only in (None, "bench") and not needed:
+        configs = ["tiny"] if args.quick else args.config
+        rows += run_bench(args.device, configs, args.quick, args.deadline, started)
+    print_table(env, rows)
+    bad = [
+        r for r in rows if r["result"] in ("FAILED", "ERROR", "error") or r["result"].startswith("timeout")
+    ]
+    result = {
+        "gpu_check": env,
+        "ok": not bad,
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": rows,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main().get("ok", True) else 1)
