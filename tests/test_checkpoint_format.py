@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -362,17 +363,21 @@ def _state_of(optimizer, params) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-def test_saving_copies_nothing_synchronously_and_stages_once_asynchronously(tmp_path):
+def test_saving_copies_nothing_synchronously_and_stages_once_asynchronously(tmp_path, monkeypatch):
     """bf16 on the CPU. The optimizer state is exported as views; a synchronous save writes the live
     tensors (no host memory held); an asynchronous save of the same state writes the same bytes and
-    checksums from images of its files, made at its first save and reused by the next; a change after
-    save() returns does not reach the file, which commits only when asked. Loading into a trained
-    optimizer overwrites its state in place."""
+    checksums from images of its files, made at its first save and reused by the next; an optimizer
+    step right after save() returns waits for the writer's copy (slowed here, so the step would
+    otherwise win), so it does not reach the file, which commits only when asked. Loading into a
+    trained optimizer overwrites its state in place."""
     chunks, optimizer = _tiny_run(bf16=True)
     params = checkpointing.model_parameters(chunks)
     for param in params.values():
         main = optimizer.get_main_param(param)
-        optimizer.optimizer.state[main] = {"exp_avg": torch.randn_like(main), "step": torch.tensor(2.0)}
+        main.grad = torch.randn_like(main)
+        optimizer.optimizer.state[main] = {
+            "exp_avg": torch.randn_like(main), "exp_avg_sq": torch.rand_like(main), "step": torch.tensor(2.0)
+        }  # fmt: skip
     live = _state_of(optimizer, params)
     exported = optimizer.param_state_by_name(copy=False)["params"]
     for name, (_, main, exp_avg) in live.items():
@@ -384,11 +389,14 @@ def test_saving_copies_nothing_synchronously_and_stages_once_asynchronously(tmp_
     assert synchronous.staging.nbytes == 0 and read_tracker(root) == 1
     saver = CheckpointSaver(async_save=True)
     expected = {name: [t.detach().clone() for t in tensors] for name, tensors in live.items()}
+    copy_in = staging.HostStaging.copy_in
+    monkeypatch.setattr(staging.HostStaging, "copy_in", lambda self: (time.sleep(0.3), copy_in(self)))
     saver.save(root, 2, model_chunks=chunks, optimizer=optimizer, rng_state=rng)
-    with torch.no_grad():
-        for tensors in live.values():
-            for t in tensors:
-                t.add_(1.0)  # training goes on while the copy is written
+    optimizer.optimizer.step()  # training goes on while the copy is written
+    optimizer._copy_main_params_to_model_params()
+    changed = {name: [not torch.equal(a, b) for a, b in zip(live[name], expected[name])] for name in live}
+    assert all(main and moment for _, main, moment in changed.values())  # bf16 weights: most of them
+    assert sum(weight for weight, _, _ in changed.values()) > len(changed) // 2
     assert read_tracker(root) == 1  # written in the background, committed only by poll() or wait()
     assert saver.wait() == os.path.join(root, "iter_0000002") and read_tracker(root) == 2
     one, two = open_checkpoint(root, iteration=1), open_checkpoint(root, iteration=2)

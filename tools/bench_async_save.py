@@ -26,6 +26,7 @@ buffers, the second reuses them).
 
     python tools/bench_async_save.py                           # 2 runs, 3 saves of each mode per run
     python tools/bench_async_save.py --rounds 3 --num-layers 12 --dir /scratch/bench
+    python tools/bench_async_save.py --threads 1 --saves 2   # training leaves a core to the writer
     python tools/bench_async_save.py --memory
 
 Prints a table, then one JSON line.
@@ -224,7 +225,8 @@ def bench_stall(args, scratch: str) -> None:
         save = os.path.join(scratch, f"run{r}")
         order = modes[r % len(modes) :] + modes[: r % len(modes)]  # each round starts with another mode
         sequence = ["async"] + order * args.saves  # the first save allocates the host buffers: untimed
-        run = _child(TIMED_RUN, [",".join(sequence), *flags, "--save", save], scratch)
+        threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+        run = _child(TIMED_RUN, [",".join(sequence), *flags, "--save", save], scratch, **threads)
         (warmup, *these), base = stalls(run, args.save_interval)
         for mode, stall, inside in these:
             found[mode].append((stall, inside))
@@ -258,6 +260,7 @@ def bench_stall(args, scratch: str) -> None:
         "async_over_sync": stall["async"] / stall["sync"],
         "command": " ".join(sys.argv),
         "load_average": os.getloadavg()[0],
+        "training_threads": args.threads,
     }
     print(json.dumps(summary))
 
@@ -278,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-interval", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=24, help="24: about 1 GB of fp32 weights.")
     parser.add_argument("--memory", action="store_true", help="Peak memory of a save instead of the stall.")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="Training's CPU threads (default: torch's, every core)."
+    )
     parser.add_argument("--dir", default=None, help="Scratch directory (default: a temporary one).")
     args = parser.parse_args(argv)
     scratch = tempfile.mkdtemp(prefix="bench-async-save-", dir=args.dir)

@@ -5,8 +5,9 @@ writes and commits while training waits (:func:`~training.checkpoint.save.save_c
 ``async_save`` a save goes like this, on every rank at the same iterations:
 
 1. ``save()`` on the training thread: the save still in flight, if any, is waited for and committed
-   (at most one in flight); this rank's tensors are copied into host buffers allocated at the
-   first save and reused (:mod:`training.checkpoint.staging`); a thread starts writing them.
+   (at most one in flight); a thread starts copying this rank's tensors into host buffers allocated
+   at the first save and reused (:mod:`training.checkpoint.staging`; GPU copies are queued on the
+   stream), then writing them. The next optimizer step waits until the copies are made.
 2. Training goes on. The loop calls ``poll()`` at the same point of every iteration; while a save is
    in flight it asks every rank, in one small all-reduce, whether its writer has finished, or failed.
 3. Once every writer has finished, the same ``poll()`` commits on every rank: the files' records
@@ -30,11 +31,11 @@ tracker is written only after every rank has reported its files fsynced and rena
 goes over a gloo group (the default group when that is gloo already): CPU tensors that never wait
 for the GPU.
 
-Why a thread, not a process. The writer's work is xxhash over the staged bytes, ``write`` with
-direct I/O and ``fsync`` (:mod:`training.checkpoint.images`), which all release the GIL and cost
-little CPU (about 0.15 s per GB, against a second per GB for a write through the page cache); the
-GPU copies are done by the copy engine before it starts. The training thread loses the GIL only for
-the writer's brief Python steps between files. The stall is measured by
+Why a thread, not a process. The writer's work is the copy of CPU tensors (a memcpy), xxhash over
+the staged bytes, ``write`` with direct I/O and ``fsync`` (:mod:`training.checkpoint.images`), which
+all release the GIL; the writing costs little CPU (about 0.15 s per GB, against a second per GB for
+a write through the page cache); GPU copies are done by the copy engine. The training thread loses
+the GIL only for the writer's brief Python steps between files. The stall is measured by
 ``tools/bench_async_save.py``. A forked process would inherit the process
 groups' and CUDA's threads and locks mid-flight (unsafe), and a spawned one would have to import
 torch and receive the staged tensors through shared memory, for no gain here.
@@ -85,7 +86,7 @@ class _Write(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.staging.wait()  # the copies from the GPU have landed
+            self.staging.copy_in()  # the state as it was at the save, in host memory
             self.local = write_files(self.request, after_file=_stall_hook(self.request.iteration))
         except BaseException as err:  # noqa: BLE001 -- reported to every rank by the next poll()
             self.error = failure(self.request.path, err)
@@ -117,6 +118,8 @@ class CheckpointSaver:
         self._announce = announce or (lambda path: None)
         self._group = _agreement_group() if async_save else None
         self._write: _Write | None = None
+        self._guarded: dict[int, Any] = {}
+        """Step pre-hooks installed on optimizers (:meth:`_guard`), by the inner optimizer's id."""
         self._failed: str | None = None
         """Why the save in flight failed before its writer started (describing or staging it)."""
 
@@ -135,6 +138,7 @@ class CheckpointSaver:
             return path
         check_json(state.get("scheduler_state"), state.get("extra"))
         path = iteration_dir(save_dir, iteration)
+        self._guard(state.get("optimizer"))
         try:
             request = self.staging.stage(describe(save_dir, iteration, **state))
         except CheckpointError as err:  # the host cannot hold the copy: reported by the next poll()
@@ -146,6 +150,13 @@ class CheckpointSaver:
         self._write = _Write(request, self.staging)
         self._write.start()
         return path
+
+    def _guard(self, optimizer) -> None:
+        """Make ``optimizer``'s steps wait until the writer has copied the state it would change."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if inner is None or id(inner) in self._guarded:
+            return
+        self._guarded[id(inner)] = inner.register_step_pre_hook(lambda *_: self.staging.wait_copied())
 
     def poll(self) -> str | None:
         """Commit the save in flight if every rank has written its part; raise on every rank if any

@@ -9,8 +9,12 @@ tensors live on a GPU so the copies run at full bandwidth:
   live tensors while the copies are written: straight to its place in an image of its file
   (:class:`~training.checkpoint.images.FileImage`), which the writer hands to the disk with direct
   I/O. GPU copies are queued on the current stream and followed by an event that the writer, not
-  the training thread, waits for (:meth:`HostStaging.wait`); the next optimizer step, queued after
-  them on the same stream, cannot change the state before they have read it.
+  the training thread, waits for; the next optimizer step, queued after them on the same stream,
+  cannot change the state before they have read it. CPU tensors are copied by the writer thread
+  (:meth:`HostStaging.copy_in`, a memcpy that releases the GIL) while the next iteration's forward
+  and backward run, which only read them; the next optimizer step, the first thing to change them,
+  waits for those copies (:meth:`HostStaging.wait_copied`, from a step pre-hook the saver installs).
+  Copying on the training thread instead was most of an asynchronous save's stall on a CPU host.
 * a synchronous save (:meth:`HostStaging.to_host`) needs no copy of a CPU tensor: training waits
   while the live tensor is written, so resident memory does not grow. A GPU tensor goes through one
   pinned buffer the size of the largest tensor, one tensor at a time.
@@ -21,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from training.checkpoint.format import CheckpointError, iteration_dir
@@ -99,6 +105,9 @@ class HostStaging:
         self._images: dict[str, FileImage] = {}
         self._bounce: torch.Tensor | None = None
         self._event = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copied = threading.Event()
+        self._copied.set()
 
     @property
     def nbytes(self) -> int:
@@ -119,29 +128,47 @@ class HostStaging:
         return host
 
     def stage(self, request: SaveRequest) -> SaveRequest:
-        """``request`` with every file as a :class:`FileImage` holding copies of its tensors (GPU
-        copies still in flight: see :meth:`wait`). Images are made at the first save, after checking
-        the host can hold them, and reused."""
+        """``request`` with every file as a :class:`FileImage` that will hold copies of its tensors:
+        GPU copies are queued now, CPU ones left to :meth:`copy_in`. Images are made at the first
+        save, after checking the host can hold them, and reused."""
         self._check_room(request)
-        files, cuda = {}, False
+        files, cuda, pending = {}, False, []
         for name, spec in request.files.items():
             image = self._image(name, spec)
             for key, tensor in spec.tensors.items():
                 source = tensor.detach()
                 source = source if source.is_contiguous() else source.contiguous()
-                image.slot(key).copy_(source.reshape(-1).view(torch.uint8), non_blocking=source.is_cuda)
-                cuda = cuda or source.is_cuda
+                source = source.reshape(-1).view(torch.uint8)
+                if source.is_cuda:
+                    image.slot(key).copy_(source, non_blocking=True)
+                    cuda = True
+                else:
+                    pending.append((image.slot(key), source))
             files[name] = dataclasses.replace(spec, image=image)
         self._event = None
         if cuda:
             self._event = torch.cuda.Event()
             self._event.record()
+        self._pending = pending
+        if pending:
+            self._copied.clear()
         return dataclasses.replace(request, files=files)
 
-    def wait(self) -> None:
-        """Block until the copies of the last :meth:`stage` have landed (GPU copies run in the background)."""
+    def copy_in(self) -> None:
+        """The writer's first step: copy the CPU tensors of the last :meth:`stage` into their images
+        (releasing the GIL) and wait for its GPU copies. Whatever happens, :meth:`wait_copied` returns."""
+        try:
+            pending, self._pending = self._pending, []
+            for slot, source in pending:
+                np.copyto(slot.numpy(), source.numpy())
+        finally:
+            self._copied.set()
         if self._event is not None:
             self._event.synchronize()
+
+    def wait_copied(self) -> None:
+        """Block until :meth:`copy_in` has copied the CPU tensors (before anything changes them)."""
+        self._copied.wait()
 
     def _image(self, name: str, spec) -> FileImage:
         entries = _entries(spec.tensors)
