@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.multirank import RankPool
+from tests.support.multirank import RankPool
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,7 @@ the end of the check):
 
 1. Packages: what Trident imports that this machine lacks. A machine without internet gets them as
    wheels: ``--wheels DIR`` installs the missing ones from ``DIR`` first (``pip install --no-index``).
-2. ``pytest -m cuda tests/test_cuda.py`` at world size 1 on NCCL: CUDA-vs-CPU parity (fp32 with TF32
+2. ``pytest -m cuda tests/unit/test_cuda.py`` at world size 1 on NCCL: CUDA-vs-CPU parity (fp32 with TF32
    off within 1e-5, bf16 within 1e-2), flash attention with GQA, 20 steps under
    ``torch.cuda.set_sync_debug_mode("error")``, the distributed optimizer with overlap and the CUDA
    timeline, the peak device memory of a save and a load. Each test's result and its printed figures.
@@ -108,10 +108,10 @@ def download_wheels(directory: str) -> None:
 
 
 def run_tests(device: str, limit: float) -> list[dict]:
-    """``pytest -m cuda tests/test_cuda.py`` in a child; one row per test with its printed lines."""
+    """``pytest -m cuda tests/unit/test_cuda.py`` in a child; one row per test with its printed lines."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "cuda.xml")
-        command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py"]
+        command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/unit/test_cuda.py"]
         command += ["-p", "no:cacheprovider", f"--junitxml={report}", "-o", "junit_logging=system-out"]
         env = dict(os.environ, PYTHONPATH=ROOT, WANDB_MODE="disabled")
         if device == "cpu":
@@ -122,11 +122,18 @@ def run_tests(device: str, limit: float) -> list[dict]:
                 command, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=limit
             )
         except subprocess.TimeoutExpired:
-            return [{"step": "tests", "name": "tests/test_cuda.py", "result": f"timeout after {limit:.0f} s"}]
+            return [
+                {"step": "tests", "name": "tests/unit/test_cuda.py", "result": f"timeout after {limit:.0f} s"}
+            ]
         if not os.path.exists(report):
             tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
             return [
-                {"step": "tests", "name": "tests/test_cuda.py", "result": "error", "detail": " | ".join(tail)}
+                {
+                    "step": "tests",
+                    "name": "tests/unit/test_cuda.py",
+                    "result": "error",
+                    "detail": " | ".join(tail),
+                }
             ]
         rows = _junit_rows(report)
         rows.append(

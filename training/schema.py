@@ -22,7 +22,7 @@ That is all: ``--log-timers-to-tensorboard`` exists, ``--help`` lists it under t
 ``--config`` files accept it, the validated run holds it (``run.training.log_timers_to_tensorboard``
 of :class:`training.run.Run`, and ``get_args().log_timers_to_tensorboard`` for Megatron-style code),
 and a core config with a field of that name receives it. Code must read it: the test
-``test_every_accepted_flag_is_read`` (tests/test_flag_coverage.py) records every field read, on the
+``test_every_accepted_flag_is_read`` (tests/e2e/test_flag_coverage.py) records every field read, on the
 namespace and on the typed configs, during a short real run and fails on a flag nobody read; if
 yours is read only on a path that run does not take, add the flag to that test's command line. Megatron's odd spellings and other
 exceptions go in the field's metadata, through ``core.flags``::

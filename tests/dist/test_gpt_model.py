@@ -1,0 +1,399 @@
+"""GPTModel under TP / SP / PP / VPP / DP on real gloo ranks, against the single-device model.
+
+Each split runs one training step through ``get_forward_backward_func()`` with
+``finalize_model_grads``; ranks gather their TP shards with ``gather_full`` and hand full
+parameters and gradients back, and this (non-distributed) process builds the same GPTModel at
+TP=PP=1 from the same seed and computes the loss over every data-parallel rank's microbatches.
+One name means one weight in every split, so the comparison is per parameter, by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.distributed import finalize_model_grads
+from core.transformer.transformer_config import TransformerConfig
+from models.gpt import GPTModel, gpt2_config, gpt_provider, llama_config, parallelize_gpt, pipeline_layout
+from tests.support.pipeline_toy import make_forward_step, reference_loss_and_grads
+
+VOCAB, SEQ, MBS, MICROBATCHES = 60, 8, 2, 2  # VOCAB pads to 64: padding is exercised in every split
+TOL = 1e-5
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+def make_config(kind: str, **overrides) -> TransformerConfig:
+    """The tiny GPT-2 or LLaMA (GQA: 4 heads, 2 groups) every test here uses; dropout off."""
+    common = {
+        "num_layers": 4,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "make_vocab_size_divisible_by": 16,
+        "init_method_std": 0.1,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "seed": 7,
+        **overrides,
+    }
+    if kind == "gpt":
+        return gpt2_config(**common)
+    return llama_config(num_query_groups=2, ffn_hidden_size=48, **common)
+
+
+def make_batches(count: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(tokens, labels, loss_mask) microbatches; the masks drop a quarter of the tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=gen)
+        labels = torch.randint(0, VOCAB, (MBS, SEQ), generator=gen)
+        mask = (torch.rand(MBS, SEQ, generator=gen) > 0.25).float()
+        mask[0, 0] = 1.0
+        batches.append((tokens, labels, mask))
+    return batches
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank functions
+# --------------------------------------------------------------------------------------------------
+
+
+def _setup(kind: str, tp: int, pp: int, vpp: int | None, *, ddp: bool = False, **overrides):
+    """``ddp``: the chunks wrapped in DistributedDataParallel (``main_grad`` buffers; ``param.grad`` is
+    ``main_grad`` in fp32), as training wraps them; else plain modules reduced by finalize_model_grads."""
+    from core import parallel_state as ps
+    from core.distributed import DistributedDataParallelConfig
+    from core.tensor_parallel import model_parallel_seed
+
+    ps.initialize_model_parallel(tp, pp, vpp)
+    model_parallel_seed(1234)
+    config = make_config(
+        kind,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        # parallelize_gpt hands the wrapped chunks' hooks (finalize_model_grads among them) in
+        finalize_model_grads_func=None if ddp else finalize_model_grads,
+        **overrides,
+    )
+    ddp_config = DistributedDataParallelConfig() if ddp else None
+    model = parallelize_gpt(
+        gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config), ddp_config=ddp_config
+    )
+    return ps, config, model.chunks
+
+
+def _train_step(ps, chunks, batches, seq_length=SEQ):
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+
+    vpp = len(chunks)
+    config = chunks[0].config
+    iterators = [iter(batches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=make_forward_step(config.calculate_per_token_loss),
+        data_iterator=iterators if vpp > 1 else iterators[0],
+        model=chunks if vpp > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=MBS,
+    )
+
+
+def _full(chunks, what: str) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient) of this rank's chunks, TP shards gathered into full tensors."""
+    from core.tensor_parallel import gather_full
+
+    out = {}
+    for chunk in chunks:
+        for name, p in getattr(chunk, "module", chunk).named_parameters():
+            if what == "grad" and p.grad is None:
+                out[name] = None
+                continue
+            out[name] = gather_full(p, tensor=p.grad if what == "grad" else p)
+    return out
+
+
+def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token, schedule="1f1b"):
+    """LLaMA runs the fast paths against the plain single-device reference: the fused loss and
+    gradients accumulated into ``main_grad`` by the linear layers (DDP-wrapped chunks); under ZB-H1
+    also compiled layers (tests/e2e/test_compile.py), on data-parallel replica 0 only (8 ranks compiling
+    on a 2-core CI machine cost 25 s; the other replica runs eagerly, so the averaged gradients and
+    the compiled replica's losses must both equal the reference's)."""
+    fast = kind == "llama"
+    compiled = fast and schedule == "zb-h1" and rank // tp % (8 // (tp * pp)) == 0  # DP rank 0
+    ps, _, chunks = _setup(
+        kind,
+        tp,
+        pp,
+        vpp,
+        ddp=fast,
+        sequence_parallel=sp,
+        calculate_per_token_loss=per_token,
+        pipeline_schedule=schedule,
+        cross_entropy_loss_fusion=fast,
+        gradient_accumulation_fusion=fast,
+        compile=compiled,
+        compile_backend="aot_eager",
+    )
+    assert not compiled or ps.get_data_parallel_rank() == 0
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    batches = make_batches(dp * MICROBATCHES)[dp_rank * MICROBATCHES : (dp_rank + 1) * MICROBATCHES]
+    logs = _train_step(ps, chunks, batches)
+    grads, params = _full(chunks, "grad"), _full(chunks, "param")
+    first = ps.get_tensor_model_parallel_rank() == 0
+    return {
+        "grads": grads if first and dp_rank == 0 else None,
+        "params": params if first and dp_rank == 0 else None,
+        "logs": [{k: v.clone() for k, v in d.items()} for d in logs] if first else [],
+    }
+
+
+def _tied_rank(rank, world_size, steps):
+    ps, _, chunks = _setup("gpt", 2, 4, None, calculate_per_token_loss=True)
+    (model,) = chunks
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = make_batches(4 * steps, seed=11)
+    copies = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        _train_step(ps, chunks, batches[4 * step : 4 * step + 4])
+        optimizer.step()
+        tied = model.shared_embedding_or_output_weight()
+        copies.append(None if tied is None else _full_one(tied))
+    first = ps.get_tensor_model_parallel_rank() == 0
+    params = _full(chunks, "param")  # a TP collective: every rank gathers
+    return {
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "copies": copies if first else None,
+        "params": params if first else None,
+        "shared": sorted(n for n, p in model.named_parameters() if getattr(p, "shared_embedding", False)),
+    }
+
+
+RECOMPUTE = {
+    "none": {},
+    "full-uniform": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 2,
+    },
+    "full-block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective"},
+    "dropout-off": {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+}
+
+
+def _recompute_rank(rank, world_size, kind):
+    """TP=2 (sequence parallel) x PP=2 x DP=2 with dropout: every recompute variant against none."""
+    from core.tensor_parallel import model_parallel_seed
+
+    outcome = {}
+    for name, variant in RECOMPUTE.items():
+        options = {"hidden_dropout": 0.1, "attention_dropout": 0.1, **variant}
+        ps, _, chunks = _setup(
+            kind, 2, 2, None, sequence_parallel=True, calculate_per_token_loss=True, **options
+        )
+        model_parallel_seed(4321 + ps.get_data_parallel_rank())  # same streams in every variant
+        batches = make_batches(MICROBATCHES * 2)[ps.get_data_parallel_rank() :: 2]
+        logs = _train_step(ps, chunks, batches)
+        outcome[name] = ([d["lm loss"] for d in logs], {n: p.grad for n, p in chunks[0].named_parameters()})
+        ps.destroy_model_parallel()
+    base_logs, base_grads = outcome.pop("none")
+    off_logs, _ = outcome.pop("dropout-off")
+    diffs = {
+        name: max(rel(grads[n], g) for n, g in base_grads.items()) for name, (_, grads) in outcome.items()
+    }
+    same_loss = all(all(torch.equal(a, b) for a, b in zip(logs, base_logs)) for logs, _ in outcome.values())
+    dropout_mattered = any(not torch.equal(a, b) for a, b in zip(off_logs, base_logs)) or not base_logs
+    return diffs, same_loss, dropout_mattered
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_recompute_replays_dropout_under_tp_and_pp(ranks, kind):
+    results = ranks(8).run(_recompute_rank, kind, timeout=120)
+    for diffs, same_loss, dropout_mattered in results:
+        assert same_loss and dropout_mattered
+        assert max(diffs.values()) == 0.0, diffs
+
+
+def _full_one(param):
+    from core.tensor_parallel import gather_full
+
+    return gather_full(param)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------------
+
+SPLITS = {  # name: (tp, pp, vpp, sequence_parallel[, schedule]) on 8 ranks; DP takes the rest
+    "tp2": (2, 1, None, False),
+    "tp2_sp": (2, 1, None, True),
+    "pp2_vpp2": (1, 2, 2, False),
+    "tp2_pp2_dp2": (2, 2, None, False),
+    # Zero bubble: the B/W split through TP/SP layers; ZBV's V puts the tied embedding and output
+    # layer on one rank as one Parameter.
+    "tp2_sp_pp2_zb-h1": (2, 2, None, True, "zb-h1"),
+    "tp2_sp_pp2_zbv": (2, 2, 2, True, "zbv"),
+}
+
+
+# The zero-bubble splits run once per schedule in CI (ZB-H1 on LLaMA, ZBV on GPT); the other pairs are slow.
+SLOW = {("gpt", "tp2_sp_pp2_zb-h1"), ("llama", "tp2_sp_pp2_zbv")}
+
+
+@pytest.mark.parametrize(
+    "kind,split",
+    [
+        pytest.param(kind, split, marks=[pytest.mark.slow] if (kind, split) in SLOW else [])
+        for split in SPLITS
+        for kind in ("gpt", "llama")
+    ],
+)
+def test_split_matches_single_device_model(ranks, kind, split):
+    tp, pp, vpp, sp, *schedule = SPLITS[split]
+    per_token = not (kind == "gpt" and split in ("tp2", "pp2_vpp2", "tp2_sp_pp2_zbv"))  # 2-tuple path too
+    results = ranks(8).run(_parity_rank, kind, tp, pp, vpp, sp, per_token, *schedule, timeout=120)
+    dp = 8 // (tp * pp)
+
+    reference = GPTModel(make_config(kind), VOCAB, SEQ)
+    ref_loss, ref_grads = reference_loss_and_grads(reference, make_batches(dp * MICROBATCHES), per_token)
+    ref_params = dict(reference.named_parameters())
+    grads = {n: g for r in results if r["grads"] for n, g in r["grads"].items()}
+    params = {n: p for r in results if r["params"] for n, p in r["params"].items()}
+    assert set(ref_grads) <= set(grads), f"missing parameters: {set(ref_grads) - set(grads)}"
+    worst = 0.0
+    for name, grad in grads.items():
+        twin = WORD_EMBEDDINGS if name == "output_layer.weight" and name not in ref_grads else name
+        assert grad is not None and grad.abs().sum() > 0, f"{name} received no gradient"
+        assert torch.equal(params[name], ref_params[twin].detach()), f"{name} initialised differently"
+        worst = max(worst, rel(grad, ref_grads[twin]))
+        assert rel(grad, ref_grads[twin]) <= TOL, (
+            f"{name}: relative gradient difference {rel(grad, ref_grads[twin])}"
+        )
+
+    logs = [d["lm loss"] for r in results for d in r["logs"]]
+    assert len(logs) == dp * MICROBATCHES
+    loss = torch.stack(logs).sum(0) if per_token else torch.stack(logs).mean()
+    loss = loss[0] / loss[1] if per_token else loss
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    print(
+        f"{kind} {split}: max relative grad difference {worst:.2e}, loss difference "
+        f"{abs(loss - ref_loss).item() / ref_loss.item():.2e}"
+    )
+
+
+def test_tied_embeddings_stay_identical_across_four_stages(ranks):
+    steps = 3
+    results = ranks(8).run(_tied_rank, steps, timeout=120)
+    by_stage = {r["pp_rank"]: r for r in results if r["copies"] is not None}
+    first, last = by_stage[0], by_stage[3]
+    assert results[0]["shared"] == [WORD_EMBEDDINGS] and by_stage[3]["shared"] == ["output_layer.weight"]
+    for step, (a, b) in enumerate(zip(first["copies"], last["copies"])):
+        assert torch.equal(a, b), f"tied copies differ after step {step + 1}"
+
+    reference = GPTModel(make_config("gpt", calculate_per_token_loss=True), VOCAB, SEQ)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batches = make_batches(4 * steps, seed=11)
+    for step in range(steps):
+        reference_loss_and_grads(reference, batches[4 * step : 4 * step + 4], per_token=True)
+        optimizer.step()
+    ref = dict(reference.named_parameters())
+    assert rel(last["copies"][-1], ref[WORD_EMBEDDINGS].detach()) <= TOL
+    assert rel(ref[WORD_EMBEDDINGS].detach(), make_start_embedding()) > 1e-3  # the steps really moved it
+    params = {n: p for r in by_stage.values() for n, p in r["params"].items()}
+    worst = 0.0
+    for name, value in params.items():
+        twin = WORD_EMBEDDINGS if name == "output_layer.weight" else name
+        worst = max(worst, rel(value, ref[twin].detach()))
+        assert rel(value, ref[twin].detach()) <= TOL, name
+    print(f"tied pp4 x tp2: max relative weight difference after {steps} SGD steps {worst:.2e}")
+
+
+def make_start_embedding() -> torch.Tensor:
+    return GPTModel(make_config("gpt"), VOCAB, SEQ).embedding.word_embeddings.weight.detach()
+
+
+def test_vocab_padding_does_not_change_the_loss():
+    batches = make_batches(2)
+    unpadded = GPTModel(make_config("llama", make_vocab_size_divisible_by=1), VOCAB, SEQ)
+    padded = GPTModel(make_config("llama", make_vocab_size_divisible_by=128), VOCAB, SEQ)
+    assert unpadded.padded_vocab_size == VOCAB and padded.padded_vocab_size == 128
+    with torch.no_grad():  # whatever the padding rows hold, they must not matter
+        for name in (WORD_EMBEDDINGS, "output_layer.weight"):
+            dict(padded.named_parameters())[name][VOCAB:].normal_(0.0, 10.0)
+    loss_a, grads_a = reference_loss_and_grads(unpadded, batches, per_token=True)
+    loss_b, grads_b = reference_loss_and_grads(padded, batches, per_token=True)
+    assert abs(loss_a - loss_b) <= 1e-6 * loss_a
+    print(f"vocab padding: relative loss difference {abs(loss_a - loss_b).item() / loss_a.item():.2e}")
+    for name, grad in grads_a.items():
+        assert rel(grads_b[name][: grad.shape[0]], grad) <= 1e-6, name
+        assert not grads_b[name][grad.shape[0] :].any(), f"{name}: padding rows got a gradient"
+    logits = padded(batches[0][0])
+    assert logits.shape == (MBS, SEQ, 128) and torch.isneginf(logits[..., VOCAB:]).all()
+
+
+def test_stage_flags_must_agree_with_the_layout():
+    config = make_config("gpt", pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError) as err:
+        GPTModel(config, VOCAB, SEQ, pre_process=True, post_process=True)
+    assert str(err.value) == (
+        "GPTModel(post_process=True) disagrees with the pipeline layout: stage (pp_rank 0, "
+        "vp_stage None) does not hold the loss; pass post_process=False or use "
+        "parallelize_gpt"
+    )
+    config = make_config("gpt", pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError) as err:
+        GPTModel(config, VOCAB, SEQ)
+    assert str(err.value) == (
+        "GPTModel(vp_stage=None) on pipeline rank 0: vpp_rank is required: the layout has 2 "
+        "virtual stages per rank"
+    )
+    config = make_config(
+        "gpt",
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_model_parallel_layout="|Et|tttL|",
+    )
+    with pytest.raises(ValueError) as err:
+        GPTModel(config, VOCAB, SEQ, pre_process=False, post_process=False, vp_stage=0)
+    assert str(err.value) == (
+        "tied embeddings need the embedding on the first pipeline rank and the loss on the last "
+        "(the embedding group keeps them in sync), but the layout puts them on ranks (1, 0); "
+        "fix the pipeline layout or set untie_embeddings_and_output_weights=True"
+    )
+
+
+def test_layout_string_places_global_layer_numbers():
+    config = make_config(
+        "llama",
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_model_parallel_layout="Ettt|tL",
+    )
+    first, last = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
+    assert list(first.decoder.layers) == ["0", "1", "2"] and list(last.decoder.layers) == ["3"]
+    assert (first.pre_process, first.post_process, last.pre_process, last.post_process) == (
+        True,
+        False,
+        False,
+        True,
+    )
+    whole = GPTModel(make_config("llama"), VOCAB, SEQ)
+    for name, p in [*first.named_parameters(), *last.named_parameters()]:
+        assert torch.equal(p, dict(whole.named_parameters())[name]), name
+
+
+def test_tied_chunks_on_one_rank_share_one_parameter():
+    config = make_config("gpt", virtual_pipeline_model_parallel_size=2)
+    first, last = parallelize_gpt(gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config)).modules
+    assert last.output_layer.weight is None and "output_layer.weight" not in dict(last.named_parameters())
+    assert last.shared_embedding_or_output_weight() is first.embedding.word_embeddings.weight
+    with pytest.raises(
+        ValueError, match="tied embeddings: the embedding is in an earlier chunk of this rank"
+    ):
+        GPTModel(config, VOCAB, SEQ, pre_process=False, post_process=True, vp_stage=1)

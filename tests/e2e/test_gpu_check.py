@@ -1,0 +1,43 @@
+"""``tools/gpu_check.py`` runs end to end in its CPU mode: the CUDA tests are collected and skipped,
+the benchmark trains both contestants, and the table and the JSON line come out (issue 16)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode():
+    done = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    *table, last = done.stdout.strip().splitlines()
+    result = json.loads(last)
+    assert result["ok"] and result["gpu_check"]["device"] == "cpu"
+    tests = {r["name"]: r["result"] for r in result["rows"] if r["step"] == "tests"}
+    assert len(tests) == 8 and tests.pop("(all)") == "exit 0"
+    assert set(tests.values()) == {"skipped"}  # no GPU here: every cuda test collected, none run
+    bench = [r for r in result["rows"] if r["step"] == "bench"]
+    assert {r["contestant"] for r in bench} == {"trident", "transformers"}
+    assert all(r["tokens_per_s"] > 0 for r in bench)
+    assert table[0].startswith("gpu_check on cpu") and any(
+        line.startswith("bench  tiny fp32 trident") for line in table
+    )
+
+
+def test_help_says_how_to_run_it_through_the_device_tool():
+    done = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert 'run(command="python tools/gpu_check.py --wheels wheels", timeout_s=540' in done.stdout

@@ -1,0 +1,196 @@
+"""Real ``torchrun`` jobs of ``pretrain_gpt.py`` on a tiny model and a tiny dataset, watched rank by rank.
+
+``Job`` starts torchrun in its own session, reads its output on a thread, knows each worker's pid by
+global rank (from ``/proc``), and can signal a worker or torchrun itself. The dataset is written by
+the real ``IndexedDatasetBuilder`` and read with ``NullTokenizer``, so no tokenizer is trained.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 600
+
+TINY = [
+    "--num-layers", "4",
+    "--hidden-size", "32",
+    "--num-attention-heads", "2",
+    "--seq-length", "16",
+    "--micro-batch-size", "2",
+    "--global-batch-size", "8",
+    "--lr", "1e-3",
+    "--lr-warmup-iters", "0",
+    "--log-interval", "1",
+    "--eval-iters", "0",
+    "--hidden-dropout", "0",
+    "--attention-dropout", "0",
+    "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", str(VOCAB),
+    "--split", "90,10,0",
+]  # fmt: skip
+
+
+def write_tiny_dataset(prefix: Path, *, documents: int = 200, length: int = 60, seed: int = 0) -> Path:
+    """``prefix.bin``/``.idx`` of random ids below ``VOCAB``, through the real builder."""
+    from training.data.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
+    for _ in range(documents):
+        builder.add_document(rng.integers(0, VOCAB, size=length), [length])
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def torchrun_command(nproc: int, flags: list[str], *, launcher: list[str] | None = None) -> list[str]:
+    launcher = launcher or ["--standalone"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher,
+        "--nproc-per-node",
+        str(nproc),
+        str(ROOT / "pretrain_gpt.py"),
+        *flags,
+    ]
+
+
+def worker_tracebacks(output: str) -> list[str]:
+    """Traceback frames in the project's code (torchrun's own ChildFailedError traceback excluded)."""
+    return re.findall(rf'File "{re.escape(str(ROOT))}/(?!tests/).*', output)
+
+
+LINE_STARTS = re.compile(
+    r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] (iteration|validation)|saved checkpoint |loaded checkpoint |run summary: "
+    r"|training \d+ iterations from |  checkpoint: |  (resume|train longer): |  final train lm loss: "
+)
+"""How the lines a run prints start (the log line with its timestamp, the summary, the checkpoints)."""
+
+
+def broken_lines(output: str) -> list[str]:
+    """Lines that are not one rank's whole line: empty ones (a newline whose text went elsewhere), and
+    ones with another line's start inside them (``...(iteration 100)saved checkpoint ...``)."""
+    return [
+        line
+        for line in output.splitlines()
+        if not line.strip() or any(m.start() > 0 for m in LINE_STARTS.finditer(line))
+    ]
+
+
+def losses(output: str) -> dict[int, float]:
+    """Iteration -> ``lm loss`` from Megatron-style log lines."""
+    found = re.findall(r" iteration +(\d+)/ *\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|", output)
+    return {int(i): float(v) for i, v in found}
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Job:
+    """One torchrun job, its output collected as it comes."""
+
+    def __init__(
+        self, nproc: int, flags: list[str], *, env: dict[str, str], launcher: list[str] | None = None
+    ):
+        self.nproc = nproc
+        self.proc = subprocess.Popen(
+            torchrun_command(nproc, flags, launcher=launcher),
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.known_workers: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never saw {text!r}:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def wait_for_workers(self, timeout: float) -> dict[int, int]:
+        """``workers()`` once torchrun has started all of them (after its rendezvous)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.workers()
+            except (AssertionError, FileNotFoundError, StopIteration):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def workers(self) -> dict[int, int]:
+        """Global rank -> pid of torchrun's worker processes."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        ranks = {}
+        for pid in map(int, children):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next(int(item[5:]) for item in env if item.startswith(b"RANK="))
+            ranks[rank] = pid
+        assert len(ranks) == self.nproc, ranks
+        self.known_workers.update(ranks)
+        return ranks
+
+    def finish(self, timeout: float) -> str:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        self._reader.join(timeout=10)
+        return self.output
+
+    def kill(self) -> None:
+        """Kill whatever is left of the job: torchrun's session, and the workers (each in its own)."""
+        for pid in [self.proc.pid, *self.known_workers.values()]:
+            if alive(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self.proc.wait()
+
+
+def run(nproc: int, flags: list[str], *, env: dict[str, str], timeout: float = 240) -> tuple[int, str]:
+    """Run a job to its end; (torchrun's exit code, everything it and its workers printed)."""
+    job = Job(nproc, flags, env=env)
+    output = job.finish(timeout)
+    return job.proc.returncode, output

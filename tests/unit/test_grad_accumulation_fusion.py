@@ -1,0 +1,123 @@
+"""``--gradient-accumulation-fusion``: weight gradients accumulate straight into ``main_grad``.
+
+Against the hook path (autograd makes the gradient, the data-parallel wrapper's hook adds it): the
+same ``main_grad`` after two microbatches (fp32 within 1e-6; bf16 exactly, as the CPU forms the
+16-bit product first), no post-accumulate hook for a fused weight, buckets ready after the last
+microbatch; and under the zero-bubble split the weight gradients are made in W only, once.
+The data-parallel and pipeline runs through ``pretrain()`` are in tests/e2e/test_grad_overlap.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import core.tensor_parallel.grad_accumulation as fusion
+from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from core.distributed.grad_buffer import IDLE, LAUNCHED
+from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
+from core.transformer import TransformerBlock
+from models.gpt import GPTModel, gpt2_config, llama_config
+
+VOCAB, SEQ, MBS = 64, 8, 2
+SIZES = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "init_method_std": 0.2}
+
+
+def _config(kind: str, fused: bool, dtype: torch.dtype):
+    build = gpt2_config if kind == "gpt" else llama_config
+    extra = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if kind == "gpt" else {"num_query_groups": 2}
+    return build(
+        **SIZES, **extra, gradient_accumulation_fusion=fused, params_dtype=dtype, pipeline_dtype=dtype
+    )
+
+
+def _wrap(module, config):
+    ddp = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=2000)
+    return DistributedDataParallel(config, ddp, module)
+
+
+def _count_separate_grads(module) -> dict[str, int]:
+    """Per parameter: microbatches whose gradient autograd delivered as a tensor apart from main_grad."""
+    calls = {name: 0 for name, _ in module.named_parameters()}
+
+    def hook(param, name):
+        if param.grad is not None and param.grad.data_ptr() != param.main_grad.data_ptr():
+            calls[name] += 1
+
+    for name, param in module.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, name=name: hook(p, name))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "kind,dtype", [("llama", torch.float32), ("gpt", torch.float32), ("llama", torch.bfloat16)]
+)
+def test_fused_accumulation_gives_the_hook_paths_main_grad(kind, dtype):
+    batches = [
+        torch.randint(0, VOCAB, (MBS, SEQ), generator=torch.Generator().manual_seed(i)) for i in (1, 2)
+    ]
+    grads, separate = {}, {}
+    for fused in (False, True):
+        config = _config(kind, fused, dtype)
+        module = GPTModel(config, VOCAB, SEQ)
+        separate[fused] = _count_separate_grads(module)  # runs before the wrapper's hook
+        model = _wrap(module, config)
+        for i, tokens in enumerate(batches):
+            if i == 0:
+                with model.no_sync():
+                    model(tokens, labels=tokens.roll(1, 1)).sum().backward()
+                assert all(b.state == IDLE for b in model.buckets)
+            else:
+                model(tokens, labels=tokens.roll(1, 1)).sum().backward()
+        assert all(b.state == LAUNCHED for b in model.buckets), "a bucket never became ready"
+        grads[fused] = {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
+    fused_weights = [n for n in grads[True] if n.endswith("weight") and "linear" in n]
+    fused_weights += ["output_layer.weight"] if kind == "llama" else []
+    assert all(separate[True][n] == 0 for n in fused_weights), separate[True]
+    if dtype == torch.bfloat16:  # the hook path: a bf16 weight gradient per microbatch
+        assert all(separate[False][n] == 2 for n in fused_weights)
+    for name, expected in grads[False].items():
+        got = grads[True][name]
+        if dtype == torch.float32:
+            assert ((got - expected).norm() / expected.norm()).item() <= 1e-6, name
+        else:
+            assert torch.equal(got, expected), name
+
+
+def test_zero_bubble_split_makes_the_weight_gradients_once_in_w(monkeypatch):
+    made = []
+    accumulate = fusion.accumulate_weight_grad
+    monkeypatch.setattr(fusion, "accumulate_weight_grad", lambda *a: made.append(1) or accumulate(*a))
+    x = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(0))
+    grad_out = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for split in (False, True):
+        config = _config("llama", True, torch.float32)
+        torch.manual_seed(3)
+        block = _wrap(TransformerBlock(config, [0, 1], post_process=False), config)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.2)
+        stage_input = x.clone().requires_grad_()
+        out = block(stage_input)
+        made.clear()
+        if split:
+            input_grad, weights = backward_input(out, grad_out, stage_input)
+            assert not made and all(b.state == IDLE for b in block.buckets), "I made a weight gradient"
+            assert all(not p.main_grad.any() for n, p in block.module.named_parameters() if "linear" in n)
+            backward_weight(weights)
+        else:
+            fused_backward(out, grad_out)
+            input_grad = stage_input.grad
+        assert len(made) == 8  # 2 layers x (QKV, projection, fc1, fc2), each once
+        assert all(b.state == LAUNCHED for b in block.buckets)
+        results[split] = input_grad, {n: p.main_grad.clone() for n, p in block.module.named_parameters()}
+    assert torch.equal(results[True][0], results[False][0])
+    for name, grad in results[False][1].items():
+        assert torch.equal(results[True][1][name], grad), name
+
+
+def test_fusion_without_main_grad_is_one_clear_error():
+    model = GPTModel(_config("llama", True, torch.float32), VOCAB, SEQ)
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion=True needs the weights' main_grad"):
+        model(torch.zeros(1, SEQ, dtype=torch.long))

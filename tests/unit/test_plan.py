@@ -1,0 +1,273 @@
+"""The planner's pure logic: sizes, FLOPs, the memory walk, layouts, step time, search, CLI, rebalancing.
+
+No process group and no model: the dry run is checked in ``tests/unit/test_plan_dry_run.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import pytest
+
+from core.pipeline_parallel.layout import even_layout, parse_layout
+from training.plan.candidate import Candidate
+from training.plan.costs import LayerProfile
+from training.plan.hardware import GPUS, Cluster, Gpu
+from training.plan.inputs import read_input
+from training.plan.layouts import balanced_layout, stage_layer_counts
+from training.plan.megatron_formula import megatron_memory
+from training.plan.memory import rank_memory, rank_static
+from training.plan.search import DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY, search
+from training.plan.step_time import estimate_step
+
+_SMALL_FLAGS = (
+    "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4 "
+    "--seq-length 256 --max-position-embeddings 256 --swiglu --normalization RMSNorm "
+    "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear "
+    "--attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --vocab-size 4095 --global-batch-size 16"
+)
+SMALL = _SMALL_FLAGS.split()
+
+
+@pytest.fixture(scope="module")
+def small():
+    return read_input(SMALL)
+
+
+def _candidate(spec, **fields) -> Candidate:
+    cand = Candidate(**fields)
+    placement = "v" if cand.schedule == "zbv" else "loop"
+    return replace(cand, layout=even_layout(spec.num_layers, cand.pp, cand.vpp, placement).to_string())
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes and FLOPs
+# --------------------------------------------------------------------------------------------------
+
+
+def test_presets_have_the_published_parameter_counts():
+    counts = {name: read_input([], preset=name).spec for name in ("llama3-8b", "llama3-70b", "mixtral-8x7b")}
+    assert counts["llama3-8b"].total_params() == 8_030_261_248  # Hugging Face's Meta-Llama-3-8B
+    assert counts["llama3-70b"].total_params() == 70_553_706_496
+    mixtral = counts["mixtral-8x7b"]
+    assert (mixtral.total_params(), mixtral.active_params()) == (46_702_792_704, 12_879_925_248)
+    assert mixtral.moe.num_experts == 8 and mixtral.moe.router_topk == 2
+
+
+def test_flops_are_megatrons_count(small):
+    from training.throughput import num_floating_point_operations
+
+    spec = small.spec
+    args = argparse.Namespace(
+        seq_length=spec.seq_length, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+        group_query_attention=True, num_query_groups=spec.num_query_groups,
+        num_attention_heads=spec.num_attention_heads, kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size, swiglu=True,
+    )  # fmt: skip
+    expected = num_floating_point_operations(args, 16, spec.padded_vocab(1))
+    assert spec.training_flops(16 * spec.seq_length) == pytest.approx(expected, rel=1e-12)
+
+
+def test_hf_config_gives_the_same_model_as_its_flags(tmp_path, small):
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 256,
+        "intermediate_size": 704, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 4096,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    read = read_input(["--global-batch-size", "16"], hf_config=str(path))
+    spec = read.spec
+    assert (spec.num_layers, spec.hidden_size, spec.num_query_groups, spec.ffn_hidden_size) == (
+        8,
+        256,
+        4,
+        704,
+    )
+    assert (spec.vocab_size, spec.precision, spec.gated, spec.untie_embeddings) == (4096, "bf16", True, True)
+    assert read.base_flags[read.base_flags.index("--vocab-size") + 1] == "4095"  # before NullTokenizer's EOD
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "vpp", "expected"),
+    [
+        ("1f1b", 1, [4, 3, 2, 1]),
+        ("gpipe", 1, [8, 8, 8, 8]),
+        ("1f1b", 2, [11, 9, 7, 5]),
+        ("zb-h1", 1, [4, 4, 4, 4]),
+    ],
+)
+def test_in_flight_microbatches_come_from_the_schedule_table(small, schedule, vpp, expected):
+    cand = _candidate(small.spec, tp=1, pp=4, dp=1, vpp=vpp, schedule=schedule, num_microbatches=8)
+    assert [rank_memory(small.spec, cand, r).peak_in_flight for r in range(4)] == expected
+
+
+def test_distributed_optimizer_shards_the_state_over_data_parallel(small):
+    plain = _candidate(small.spec, tp=2, pp=2, dp=4, num_microbatches=4)
+    sharded = replace(plain, distributed_optimizer=True)
+    _, grads, state, _ = rank_static(small.spec, plain, 0)
+    _, sharded_grads, sharded_state, _ = rank_static(small.spec, sharded, 0)
+    assert state / sharded_state == pytest.approx(4.0)
+    assert grads <= sharded_grads < grads * 1.01  # buckets padded to lcm(dp, 128)
+
+
+def test_recomputation_and_sequence_parallel_shrink_activations(small):
+    spec = small.spec
+    peaks = {}
+    for recompute in ("none", "selective", "full"):
+        cand = _candidate(spec, tp=2, pp=2, dp=1, num_microbatches=4, recompute=recompute)
+        peaks[recompute] = rank_memory(spec, cand, 0).activations
+    assert peaks["none"] > peaks["selective"] > peaks["full"] > 0
+
+
+def test_megatron_formula_weights_term(small):
+    spec = small.spec
+    cand = _candidate(spec, tp=2, pp=4, dp=2, num_microbatches=4)
+    h, layer = spec.hidden_size, spec.layer_params(1)
+    first_stage = (spec.num_layers * layer + h) / 4 + h * spec.padded_vocab(2)
+    assert megatron_memory(spec, cand)["weights_and_optimizer"] == pytest.approx(first_stage / 2 * 18)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layouts and step time
+# --------------------------------------------------------------------------------------------------
+
+
+def test_balanced_layout_moves_layers_off_an_expensive_loss_stage():
+    assert stage_layer_counts(32, 4, 1.0) == [8, 8, 8, 8]
+    counts = stage_layer_counts(32, 4, 1.0, embedding=0.1, loss=2.4)
+    costs = [n + (0.1 if s == 0 else 0) + (2.4 if s == 3 else 0) for s, n in enumerate(counts)]
+    assert sum(counts) == 32 and counts[3] < 8 and max(costs) <= 9.0
+    layout = balanced_layout(32, 4, 2, layer=1.0, loss=6.0)
+    assert parse_layout(layout.to_string(), 4, 2, num_layers=32).stages[-1] == ("L",)  # a stage of its own
+
+
+def test_simulated_step_is_the_pipelines_ideal_with_free_communication(small):
+    spec = small.spec
+    free = Cluster(4, 4, Gpu("ideal", 1.0, 80, 1e12, 1e12, 1e12, intra_node_latency_us=0.0))
+    profile = LayerProfile(layer=(0.5, 0.5, 0.5))
+    cand = _candidate(spec, tp=1, pp=4, dp=1, num_microbatches=8)  # 2 layers a stage: F = 1, B = 2
+    step = estimate_step(spec, cand, free, profile)
+    assert step.pipeline_seconds == pytest.approx((8 + 4 - 1) * 3.0)
+    assert step.bubble == pytest.approx(3 / 11)
+
+
+# --------------------------------------------------------------------------------------------------
+# Search and command line
+# --------------------------------------------------------------------------------------------------
+
+
+def test_search_ranks_what_fits_and_groups_the_rest(small):
+    from training.argument_checks import validate_args
+    from training.arguments import parse_args
+    from training.plan.report import candidate_args
+
+    cluster = Cluster(8, 8, replace(GPUS["h100"], memory_gb=0.12))
+    result = search(small.spec, cluster, global_batch_size=16, top=5)
+    assert {DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY} <= set(result.rejected)
+    steps = [p.step.step_seconds for p in result.candidates]
+    assert len(steps) == 5 and steps == sorted(steps)
+    for planned in result.candidates:
+        assert planned.peak.peak <= cluster.usable_bytes
+        args = validate_args(parse_args(candidate_args(small.base_flags, planned.cand)), 8)  # Trident runs it
+        assert args.num_microbatches == planned.cand.num_microbatches
+
+
+def test_cli_prints_a_table_and_a_json_line(capsys):
+    from training.plan.cli import main
+
+    assert main([*SMALL, "--num-gpus", "8", "--tensor-model-parallel-size", "2", "--top", "3", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    payload = json.loads(out[-1])
+    assert set(payload) == {"candidates", "rejected"} and len(payload["candidates"]) == 3
+    first = payload["candidates"][0]
+    for key in ("tp", "pp", "vpp", "cp", "ep", "dp", "schedule", "micro_batch_size", "recompute", "layout",
+                "peak_memory_bytes", "step_seconds", "tokens_per_second_per_gpu", "mfu", "args"):  # fmt: skip
+        assert key in first
+    assert all(c["tp"] == 2 for c in payload["candidates"])  # a flag given fixes its dimension
+    assert "--tensor-model-parallel-size" in first["args"]
+
+
+def test_a_multi_node_plan_prints_a_command_that_runs_on_every_node(capsys):
+    """The printed line goes through torchrun's own parser (README's c10d rendezvous, one line for every
+    node) and its flags through ``pretrain_gpt.py``'s, for the planned world size."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    from training.arguments import parse_args
+    from training.plan.cli import main
+    from training.run import build_run
+
+    flags = ["--num-gpus", "16", "--gpus-per-node", "4", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--top", "1"]  # fmt: skip
+    assert main([*SMALL, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "on each of the 4 nodes, with MASTER_ADDR set to one node's address:" in out
+    line = next(line for line in out.splitlines() if line.startswith("#1: torchrun "))
+    tokens = shlex.split(line.removeprefix("#1: torchrun ").replace("$MASTER_ADDR", "node0"))
+    launch = get_args_parser().parse_args(tokens)
+    assert (launch.nnodes, launch.nproc_per_node) == ("4", "4")
+    assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.training_script) == (
+        "c10d", "node0:29500", "pretrain_gpt.py")  # fmt: skip
+    run = build_run(parse_args(launch.training_script_args), world_size=16)
+    assert (run.parallel.world_size, run.parallel.tp, run.parallel.pp) == (16, 2, 2)
+    with pytest.raises(SystemExit, match="--num-gpus 12 is not a whole number of nodes of --gpus-per-node 8"):
+        main([*SMALL, "--num-gpus", "12"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Rebalancing from a timeline
+# --------------------------------------------------------------------------------------------------
+
+
+def _timeline(path, cand: Candidate, costs: dict[str, tuple[float, float]]) -> None:
+    """A timeline.json of the candidate's 1F1B run where every stage costs what its symbols cost."""
+    from core.pipeline_parallel.placement import placement_for
+    from core.pipeline_parallel.schedule_tables import build_tables
+    from core.pipeline_parallel.simulator import simulate
+    from training.timeline import IterationTimeline, RankEvents, TimelineData, chrome_trace
+
+    def cost(kind):
+        def of(action, rank):
+            symbols = cand.stages.stages[cand.stages.stage_index(rank)]
+            return sum(costs[s][0 if kind == "F" else 1] for s in symbols)
+
+        return of
+
+    tables = build_tables("1f1b", cand.pp, 1, cand.num_microbatches)
+    result = simulate(tables, placement_for("1f1b", cand.pp), cost("F"), cost("B"))
+    ranks = []
+    for rank, table in enumerate(result.tables):
+        events = [
+            (a.kind.value, a.microbatch, a.chunk, 1e3 * s, 1e3 * e)
+            for a, s, e in zip(table, result.start_times[rank], result.end_times[rank])
+            if a.kind.value in "FB"
+        ]
+        ranks.append(RankEvents(rank, rank, True, events))
+    data = TimelineData("1f1b", cand.pp, 1, cand.num_microbatches, [IterationTimeline(5, 0.0, ranks)])
+    path.mkdir()
+    (path / "timeline.json").write_text(json.dumps(chrome_trace(data)))
+
+
+def test_rebalancing_recovers_the_costs_and_relieves_the_loss_stage(tmp_path, small):
+    from training.plan.rebalance import rebalance
+
+    flags = [*SMALL, "--pipeline-model-parallel-size", "4"]
+    plan_input = read_input(flags)
+    cand = _candidate(plan_input.spec, tp=1, pp=4, dp=1, num_microbatches=8)
+    costs = {"t": (0.010, 0.020), "E": (0.001, 0.002), "L": (0.040, 0.050)}
+    _timeline(tmp_path / "run", cand, costs)
+    cluster = Cluster(4, 4, GPUS["h100"])
+    r = rebalance(plan_input, cluster, str(tmp_path / "run"))
+    assert r["layer_seconds"][0] == pytest.approx(0.010, rel=1e-3)
+    assert sum(r["loss_seconds"][1:]) == pytest.approx(0.050, rel=1e-3)
+    proposed = parse_layout(r["proposed_layout"], 4, num_layers=8)
+    assert proposed.stages[-1].count("t") < 2 and r["predicted_gain"] > 1.2
