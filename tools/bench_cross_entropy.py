@@ -33,33 +33,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.tensor_parallel import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
+from tools.op_profile import measure as probe_step
 
 
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """The most bytes ``fn`` held at once beyond what was allocated when it started."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
-    current = peak = 0
-    for _, size in sorted(allocations):
-        current += size
-        peak = max(peak, current)
-    return peak
+    return probe_step(fn, device).peak
 
 
 def loss_step(
