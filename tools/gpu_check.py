@@ -12,7 +12,10 @@ the end of the check):
    off within 1e-5, bf16 within 1e-2), flash attention with GQA, 20 steps under
    ``torch.cuda.set_sync_debug_mode("error")``, the distributed optimizer with overlap and the CUDA
    timeline, the peak device memory of a save and a load. Each test's result and its printed figures.
-3. ``tools/bench_model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
+3. ``tools/plan_check_memory.py gpu``: the planner's memory figure and its fake-tensor dry run (placed on
+   the GPU, so its kernels decide what attention keeps) against ``torch.cuda.max_memory_allocated`` of
+   the same step run for real, for one ~0.5B LLaMA stage in three layouts.
+4. ``tools/bench_model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
    against the same model in a plain transformers loop, GPT-2 124M at seq 1024 and LLaMA ~1B at seq
    4096, bf16. Each configuration is its own process; one that would not finish before
    ``--deadline`` is skipped and says so.
@@ -113,7 +116,11 @@ def run_tests(device: str, limit: float) -> list[dict]:
         report = os.path.join(tmp, "cuda.xml")
         command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/unit/test_cuda.py"]
         command += ["-p", "no:cacheprovider", f"--junitxml={report}", "-o", "junit_logging=system-out"]
-        env = dict(os.environ, PYTHONPATH=ROOT, WANDB_MODE="disabled")
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            WANDB_MODE="disabled",
+        )
         if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU mode proves the path: every test skips
         start = time.perf_counter()
@@ -187,7 +194,11 @@ def run_bench(device: str, configs: list[str], quick: bool, deadline: float, sta
             continue
         command = [sys.executable, "tools/bench_model.py", "--device", device]
         command += QUICK_BENCH if quick else ["--config", config, "--dtype", "bf16"]
-        env = dict(os.environ, PYTHONPATH=ROOT, WANDB_MODE="disabled")
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            WANDB_MODE="disabled",
+        )
         try:
             done = subprocess.run(
                 command, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=left
@@ -206,6 +217,32 @@ def run_bench(device: str, configs: list[str], quick: bool, deadline: float, sta
     return rows
 
 
+def run_memory(device: str, quick: bool, limit: float) -> list[dict]:
+    """``tools/plan_check_memory.py gpu`` in a child: one row per layout."""
+    command = [sys.executable, "tools/plan_check_memory.py", "gpu", "--device", device]
+    command += ["--quick"] if quick else []
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        WANDB_MODE="disabled",
+    )
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=limit
+        )
+    except subprocess.TimeoutExpired:
+        return [{"step": "memory", "layout": "(all)", "result": f"timeout after {limit:.0f} s"}]
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        tail = (done.stdout + done.stderr).strip().splitlines()[-2:]
+        return [{"step": "memory", "layout": "(all)", "result": "error", "detail": " | ".join(tail)}]
+    rows = []
+    for row in json.loads(lines[-1])["rows"]:
+        failed = "dry_run_error" in row or "real_error" in row
+        rows.append({"step": "memory", "result": "error" if failed else "ok", **row})
+    return rows
+
+
 def print_table(env: dict, rows: list[dict]) -> None:
     print(f"gpu_check on {env['device']} | torch {env['torch']} | {env['packages']}")
     print(f"{'step':<6} {'test / configuration':<72} {'result':<9} {'s':>6}  figures")
@@ -213,6 +250,18 @@ def print_table(env: dict, rows: list[dict]) -> None:
         if r["step"] == "tests":
             figures = "; ".join(r.get("figures") or []) or r.get("detail", "")
             print(f"{'test':<6} {r['name']:<72} {r['result']:<9} {r.get('seconds', 0.0):>6.1f}  {figures}")
+    memory = [r for r in rows if r["step"] == "memory"]
+    if memory:
+        print(
+            f"{'memory':<6} {'layout':<32}{'model GB':>10}{'dry run GB':>12}{'counted GB':>12}{'CUDA max GB':>13}"
+        )
+    for r in memory:
+        figures = [r.get(k) for k in ("model_peak", "dry_run_peak", "live_bytes_peak", "cuda_max_allocated")]
+        cells = "".join(
+            f"{x / 1e9:>{w}.3f}" if x else f"{'-':>{w}}" for x, w in zip(figures, (10, 12, 12, 13))
+        )
+        errors = " ".join(r[k] for k in ("dry_run_error", "real_error", "detail") if k in r)
+        print(f"{'memory':<6} {r['layout']:<32}{cells}  {r['result']} {errors}")
     print(
         f"{'bench':<6} {'config dtype contestant':<40}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
     )
@@ -249,9 +298,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny benchmark sizes (the CPU mode CI runs)")
-    parser.add_argument("--only", choices=["tests", "bench"], default=None, help="run one step only")
     parser.add_argument(
-        "--config", nargs="+", default=["gpt2-124m", "llama-1b"], help="bench_model configurations"
+        "--only", choices=["tests", "memory", "bench"], default=None, help="run one step only"
+    )
+    parser.add_argument(
+        "--config", nargs="+", default=["llama-1b", "gpt2-124m"], help="bench_model configurations"
     )
     parser.add_argument(
         "--deadline", type=float, default=480.0, help="seconds after which no new step starts"
@@ -284,7 +335,10 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
     if args.only in (None, "tests") and not needed:
-        rows += run_tests(args.device, max(args.deadline - (time.perf_counter() - started), 30.0))
+        rows += run_tests(args.device, max(min(args.deadline - (time.perf_counter() - started), 200.0), 30.0))
+    if args.only in (None, "memory") and not needed:
+        left = args.deadline - (time.perf_counter() - started)
+        rows += run_memory(args.device, args.quick, max(min(left, 240.0), 30.0))
     if args.only in (None, "bench") and not needed:
         configs = ["tiny"] if args.quick else args.config
         rows += run_bench(args.device, configs, args.quick, args.deadline, started)

@@ -8,8 +8,15 @@
                                                        # reports activations (sequence parallel + selective)
     python tools/plan_check_memory.py real             # 4 gloo ranks, a small GPT, three layouts: the real
                                                        # run's tracked live tensor bytes vs the dry run, per rank
+    python tools/plan_check_memory.py gpu              # one GPU (tools/gpu_check.py runs it): a ~0.5B LLaMA
+                                                       # stage, bf16: the model and the fake dry run (GPU
+                                                       # kernels) vs torch.cuda.max_memory_allocated of a real step
 
-``model`` compares per pipeline rank the model's peak (with the CPU's attention kernels, which the dry
+``gpu`` plans and runs one stage (world size 1) on this machine's GPU: the planner's figure (GPU kernels),
+the dry run under fake tensors placed on the GPU, and the same step for real on NCCL, where the CUDA
+caching allocator's ``max_memory_allocated`` from the step's start (and the dry run's counter of live
+bytes, run on the real tensors) are measured; ``--device cpu --quick`` runs the same path on the CPU
+with a tiny model, where only the counter measures. ``model`` compares per pipeline rank the model's peak (with the CPU's attention kernels, which the dry
 run runs) with the dry run's; ``real`` runs ``pretrain_gpt.py`` under ``torchrun`` with every rank's
 tensors counted by the same :class:`~training.plan.live_bytes.LiveBytes` the dry run uses, takes the
 peak of the third iteration, and dry-runs the same flags. Each prints a table and a JSON line.
@@ -192,6 +199,88 @@ def check_real(layouts: dict | None = None) -> list[dict]:
     return rows
 
 
+GPU_LLAMA = (
+    "--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --group-query-attention --num-query-groups 4 "
+    "--ffn-hidden-size 5632 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 31999 "
+    "--global-batch-size 4 --normalization RMSNorm --swiglu --position-embedding-type rope "
+    "--disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --bf16"
+)
+TINY_LLAMA = GPU_LLAMA.replace(
+    "--num-layers 8 --hidden-size 2048", "--num-layers 2 --hidden-size 256"
+).replace(
+    "--ffn-hidden-size 5632 --seq-length 2048 --max-position-embeddings 2048 --vocab-size 31999",
+    "--ffn-hidden-size 704 --seq-length 128 --max-position-embeddings 128 --vocab-size 1023",
+)
+GPU_LAYOUTS = {
+    "mbs 2 x 2 microbatches": {"tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 2, "num_microbatches": 2},
+    "same, selective recompute": {
+        "tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 2, "num_microbatches": 2, "recompute": "selective",
+    },
+    "same, distributed optimizer": {
+        "tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 2, "num_microbatches": 2, "distributed_optimizer": True,
+    },
+}  # fmt: skip
+
+
+def check_gpu(device: str, quick: bool) -> list[dict]:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from pretrain_gpt import forward_step
+    from training.plan.dry_run import dry_run
+    from training.plan.memory import rank_memory
+    from training.plan.report import candidate_args
+
+    plan_input = read_input((TINY_LLAMA if quick else GPU_LLAMA).split())
+    spec, cuda = plan_input.spec, device == "cuda"
+    cases = []
+    for name, fields in GPU_LAYOUTS.items():
+        cand = _candidate(spec, fields)
+        argv = candidate_args(plan_input.base_flags, cand)
+        row = {"layout": name, "model_peak": rank_memory(spec, cand, 0, device=device).peak}
+        try:  # fake tensors on this device: its kernels decide what attention keeps
+            row["dry_run_peak"] = dry_run(argv, world_size=1, pp_rank=0, vocab_size=spec.vocab_size,
+                                          forward_step_func=forward_step, device=device).peak  # fmt: skip
+        except Exception as err:  # noqa: BLE001 -- a row of the table, the next measurement still runs
+            row["dry_run_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        cases.append((row, argv))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1
+    )
+    try:
+        for row, argv in cases:
+            if cuda:
+                torch.cuda.set_device(0)
+            try:
+                counted = dry_run(argv, world_size=1, pp_rank=0, vocab_size=spec.vocab_size,
+                                  forward_step_func=forward_step, fake=False,
+                                  step_started=torch.cuda.reset_peak_memory_stats if cuda else None)  # fmt: skip
+                row["live_bytes_peak"] = counted.peak
+                if cuda:
+                    row["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+            except Exception as err:  # noqa: BLE001
+                row["real_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            real = row.get("cuda_max_allocated", row.get("live_bytes_peak"))
+            for key in ("model_peak", "dry_run_peak", "live_bytes_peak"):
+                if real and key in row:
+                    row[f"{key}_vs_real"] = row[key] / real
+            figures = "  ".join(f"{k} {row[k] / GB:.3f} GB" for k in
+                                ("model_peak", "dry_run_peak", "live_bytes_peak", "cuda_max_allocated") if k in row)  # fmt: skip
+            print(f"{row['layout']}: {figures}", flush=True)
+            for key in ("dry_run_error", "real_error"):
+                if key in row:
+                    print(f"  {key}: {row[key]}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return [row for row, _ in cases]
+
+
 def _root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -203,10 +292,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["model", "real"])
+    parser.add_argument("what", choices=["model", "real", "gpu"])
     parser.add_argument("--config", nargs="*", choices=list(CONFIGS), default=DEFAULT)
     parser.add_argument("--ranks", nargs="*", type=int, help="pipeline ranks (default: all)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="gpu: where to run")
+    parser.add_argument("--quick", action="store_true", help="gpu: a tiny model (the CPU mode)")
     args = parser.parse_args()
+    if args.what == "gpu":
+        rows = check_gpu(args.device, args.quick)
+        ratios = [r[k] for r in rows for k in ("model_peak_vs_real", "dry_run_peak_vs_real") if k in r]
+        worst = max((abs(x - 1) for x in ratios), default=None)
+        print(json.dumps({"check": "gpu", "device": args.device, "rows": rows, "largest_difference": worst}))
+        return
     rows = check_model(args.config, args.ranks) if args.what == "model" else check_real()
     worst = max(abs(r["ratio"] - 1) for r in rows)
     print(f"largest difference: {worst:.2%} over {len(rows)} ranks; load average {os.getloadavg()[0]:.1f}")

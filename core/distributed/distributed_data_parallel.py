@@ -22,6 +22,7 @@ layout, and ``start_param_sync`` all-gathers the shards the optimizer updated (s
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -203,10 +204,19 @@ class DistributedDataParallel(nn.Module):
         return [bucket for buffer in getattr(self, "buffers", []) for bucket in buffer.buckets]
 
     def _make_ready(self, bucket: Bucket):
-        """``ready(param)``: ``param``'s gradient of this microbatch is in ``main_grad``."""
+        """``ready(param)``: ``param``'s gradient of this microbatch is in ``main_grad``.
+
+        The hooks and ``param.grad_accumulated`` hold their bucket weakly: autograd keeps a parameter's
+        hooks alive from C++, where Python's collector cannot see a cycle back through the bucket, so
+        a strong reference would keep every dropped model's buffers alive for the process's life.
+        """
         overlap = self.ddp_config.overlap_grad_reduce
+        bucket_ref = weakref.ref(bucket)
 
         def ready(param: nn.Parameter) -> None:
+            bucket = bucket_ref()
+            if bucket is None:  # the wrapper was dropped
+                return
             if bucket.state != IDLE:
                 bucket.check_accumulation_allowed(param)  # raises
             if overlap:
@@ -216,12 +226,17 @@ class DistributedDataParallel(nn.Module):
 
     @staticmethod
     def _make_grad_hook(bucket: Bucket, ready):
+        bucket_ref = weakref.ref(bucket)  # weakly: see _make_ready
+
         def hook(param: nn.Parameter) -> None:
             # Runs right after autograd accumulated into param.grad; it runs for every parameter of
             # every microbatch, so it does no more than this. If param.grad is main_grad, autograd has
             # just accumulated into the buffer in place; otherwise add it there and let it go.
             if param.grad_added_to_main_grad:  # a fused layer accumulated and reported it already
                 param.grad_added_to_main_grad = False
+                return
+            bucket = bucket_ref()
+            if bucket is None:
                 return
             if bucket.state != IDLE:
                 bucket.check_accumulation_allowed(param)  # raises before the buffer is touched

@@ -4,10 +4,14 @@ Against the hook path (autograd makes the gradient, the data-parallel wrapper's 
 same ``main_grad`` after two microbatches (fp32 within 1e-6; bf16 exactly, as the CPU forms the
 16-bit product first), no post-accumulate hook for a fused weight, buckets ready after the last
 microbatch; and under the zero-bubble split the weight gradients are made in W only, once.
-The data-parallel and pipeline runs through ``pretrain()`` are in tests/e2e/test_grad_overlap.py.
+A dropped wrapper frees its model (its hooks hold their buckets weakly). The data-parallel and
+pipeline runs through ``pretrain()`` are in tests/e2e/test_grad_overlap.py.
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -121,3 +125,17 @@ def test_fusion_without_main_grad_is_one_clear_error():
     model = GPTModel(_config("llama", True, torch.float32), VOCAB, SEQ)
     with pytest.raises(ValueError, match="gradient_accumulation_fusion=True needs the weights' main_grad"):
         model(torch.zeros(1, SEQ, dtype=torch.long))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_dropped_wrapper_frees_its_model_and_buffers(fused):
+    """Autograd holds each parameter's hooks from C++, out of the collector's sight: hooks that held
+    their bucket strongly kept every dropped model alive (the GPU check's second dry run found it)."""
+    config = _config("llama", fused, torch.float32)
+    model = _wrap(GPTModel(config, VOCAB, SEQ), config)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=torch.Generator().manual_seed(0))
+    model(tokens, labels=tokens.roll(1, 1)).sum().backward()
+    alive = [weakref.ref(x) for x in (model, model.module, model.buckets[0], next(model.parameters()))]
+    del model
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True] * 4

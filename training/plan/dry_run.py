@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from core import parallel_state as ps
-from core.device import current_device
+from core.device import building_on, current_device
 from core.optimizer import get_megatron_optimizer
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
@@ -137,11 +137,16 @@ def dry_run(
     vocab_size: int,
     forward_step_func: Callable,
     fake: bool = True,
+    device: str | None = None,
+    step_started: Callable[[], None] | None = None,
 ) -> DryRunReport:
     """Measure one rank of the run ``argv`` describes through one training step (module docstring).
 
     ``pp_rank``: the pipeline rank to build (with ``fake``; a real run builds its own rank).
     ``vocab_size``: the tokenizer's vocabulary (the model pads it as training does).
+    ``device``: where the fake tensors live (default: the process group's device, the CPU for the fake
+    group); ``"cuda"`` on a machine with a GPU measures with the GPU's kernels (flash attention).
+    ``step_started``: called where the measured step starts (e.g. to reset the CUDA allocator's peak).
     """
     run = _run(argv, world_size)
     if fake:
@@ -165,8 +170,9 @@ def dry_run(
             expert_model_parallel_size=run.parallel.ep,
         )
         routing = balanced_routing() if fake else contextlib.nullcontext()
-        with fake_mode, tracker, routing:
-            return _measure(run, vocab_size, forward_step_func, tracker, fake)
+        placed = building_on(device) if device is not None else contextlib.nullcontext()
+        with placed, fake_mode, tracker, routing:
+            return _measure(run, vocab_size, forward_step_func, tracker, fake, step_started)
     finally:
         ps.destroy_model_parallel()
         if fake:
@@ -174,7 +180,12 @@ def dry_run(
 
 
 def _measure(
-    run, vocab_size: int, forward_step_func: Callable, tracker: LiveBytes, fake: bool
+    run,
+    vocab_size: int,
+    forward_step_func: Callable,
+    tracker: LiveBytes,
+    fake: bool,
+    step_started: Callable[[], None] | None,
 ) -> DryRunReport:
     model_parallel_seed(run.model.seed + 100 * ps.get_pipeline_model_parallel_rank())
     model = _build_rank(run, vocab_size, fake)
@@ -192,6 +203,8 @@ def _measure(
     )
     params = tracker.live - grads - state
     tracker.reset_peak()
+    if step_started is not None:
+        step_started()
     with tracker.labelled("schedule"):
         batches = _batches(run, current_device())
         get_forward_backward_func()(
