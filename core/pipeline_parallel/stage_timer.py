@@ -47,7 +47,7 @@ class StageTimer:
         self.tables = tables
         self._num_stages = placement.num_stages
         microbatches = 1 + max((a.microbatch for t in tables for a in t), default=0)
-        self._sink = 4 * microbatches * self._num_stages  # a slot nobody reads (what W makes)
+        self._sink = 4 * microbatches * self._num_stages  # the slot nobody reads
         self._cost_keys: list[tuple[ActionKind, int, int]] = []
         index: dict[tuple[ActionKind, int, int], int] = {}
         steps = []
@@ -58,18 +58,23 @@ class StageTimer:
                 if key not in index:
                     index[key] = len(self._cost_keys)
                     self._cost_keys.append(key)
-                row.append((rank, index[key], *self._links(action, placement.stage(rank, action.chunk), placement)))
+                row.append(
+                    (rank, index[key], *self._links(action, placement.stage(rank, action.chunk), placement))
+                )
             steps.append(row)
-        self._order = _run_order(steps, tables)
+        self._order = _run_order(steps, tables, self._sink + 1)
 
     def _slot(self, microbatch: int, stage: int, what: int) -> int:
         return 4 * (microbatch * self._num_stages + stage) + what
 
-    def _links(self, action: Action, stage: int, placement: Placement) -> tuple[tuple[int, ...], int, int, bool]:
-        """(slots it waits for, slot it makes, message slot it makes or -1, whether that message is remote)."""
+    def _links(
+        self, action: Action, stage: int, placement: Placement
+    ) -> tuple[tuple[int, ...], int, int, bool]:
+        """(slots it waits for, slot it makes, slot of the message it makes, whether that message is
+        remote); what an action does not make goes to the sink."""
         kind, mb, last = action.kind, action.microbatch, self._num_stages - 1
         if kind == W:
-            return (self._slot(mb, stage, _OWN_I),), self._sink, -1, False
+            return (self._slot(mb, stage, _OWN_I),), self._sink, self._sink, False
         if kind == F:
             needs = (self._slot(mb, stage - 1, _ACTIVATION),) if stage > 0 else ()
             to = stage + 1 if stage < last else None
@@ -82,7 +87,7 @@ class StageTimer:
         else:
             raise ValueError(f"StageTimer takes compute tables; {action} is a communication action")
         if to is None:
-            return needs, made, -1, False
+            return needs, made, self._sink, False
         return needs, made, self._slot(mb, stage, what), placement.rank(to) != placement.rank(stage)
 
     def time(self, costs: Mapping[tuple[ActionKind, int, int], float], comm_latency: float = 0.0) -> Timing:
@@ -100,27 +105,26 @@ class StageTimer:
             duration = durations[cost]
             clock[rank] = ready[made] = end = start + duration
             busy[rank] += duration
-            if message >= 0:
-                ready[message] = end + comm_latency if remote else end
+            ready[message] = end + comm_latency if remote else end
             starts[rank].append(start)
             ends[rank].append(end)
         return Timing(starts, ends, busy, max(clock))
 
 
-def _run_order(steps: list[list[tuple]], tables: list[list[Action]]) -> list[tuple]:
+def _run_order(steps: list[list[tuple]], tables: list[list[Action]], slots: int) -> list[tuple]:
     """Every rank's steps in one sequence that runs each after what it waits for (the simulator's
     rounds over the ranks, without the clock); ``ScheduleDeadlock`` if the tables cannot run."""
-    cursor, made, order = [0] * len(steps), set(), []
+    cursor, made, order = [0] * len(steps), bytearray(slots), []
     remaining = sum(len(row) for row in steps)
     while remaining:
         moved = False
         for rank, row in enumerate(steps):
             at = cursor[rank]
-            while at < len(row) and all(slot in made for slot in row[at][2]):
+            while at < len(row):
                 step = row[at]
-                made.add(step[3])
-                if step[4] >= 0:
-                    made.add(step[4])
+                if not all(made[slot] for slot in step[2]):
+                    break
+                made[step[3]] = made[step[4]] = 1
                 order.append(step)
                 at += 1
             moved |= at > cursor[rank]
@@ -129,5 +133,7 @@ def _run_order(steps: list[list[tuple]], tables: list[list[Action]]) -> list[tup
         if not moved:
             waiting = {r: cursor[r] for r, row in enumerate(steps) if cursor[r] < len(row)}
             stuck = {r: str(tables[r][step]) for r, step in waiting.items()}
-            raise ScheduleDeadlock(f"schedule deadlocks: every rank waits (rank: next action) {stuck}", tables, waiting)
+            raise ScheduleDeadlock(
+                f"schedule deadlocks: every rank waits (rank: next action) {stuck}", tables, waiting
+            )
     return order
