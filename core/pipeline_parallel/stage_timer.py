@@ -45,9 +45,10 @@ class StageTimer:
 
     def __init__(self, tables: list[list[Action]], placement: Placement):
         self.tables = tables
-        self._num_stages = placement.num_stages
+        stages = self._num_stages = placement.num_stages
         microbatches = 1 + max((a.microbatch for t in tables for a in t), default=0)
-        self._sink = 4 * microbatches * self._num_stages  # the slot nobody reads
+        self._sink = 4 * microbatches * stages  # the slot nobody reads
+        self._remote = [placement.rank(s) != placement.rank(s + 1) for s in range(stages - 1)]
         self._cost_keys: list[tuple[ActionKind, int, int]] = []
         index: dict[tuple[ActionKind, int, int], int] = {}
         steps = []
@@ -58,37 +59,30 @@ class StageTimer:
                 if key not in index:
                     index[key] = len(self._cost_keys)
                     self._cost_keys.append(key)
-                row.append(
-                    (rank, index[key], *self._links(action, placement.stage(rank, action.chunk), placement))
-                )
+                stage = placement.stage(rank, action.chunk)
+                row.append((rank, index[key], *self._links(action, stage)))
             steps.append(row)
         self._order = _run_order(steps, tables, self._sink + 1)
 
-    def _slot(self, microbatch: int, stage: int, what: int) -> int:
-        return 4 * (microbatch * self._num_stages + stage) + what
-
-    def _links(
-        self, action: Action, stage: int, placement: Placement
-    ) -> tuple[tuple[int, ...], int, int, bool]:
+    def _links(self, action: Action, stage: int) -> tuple[tuple[int, ...], int, int, bool]:
         """(slots it waits for, slot it makes, slot of the message it makes, whether that message is
-        remote); what an action does not make goes to the sink."""
-        kind, mb, last = action.kind, action.microbatch, self._num_stages - 1
+        remote); what an action does not make goes to the sink. Slots ``4 * (microbatch * stages +
+        stage) + what``: the neighbouring stage's slots of a microbatch are 4 away."""
+        kind, last, sink = action.kind, self._num_stages - 1, self._sink
+        here = 4 * (action.microbatch * self._num_stages + stage)
         if kind == W:
-            return (self._slot(mb, stage, _OWN_I),), self._sink, self._sink, False
+            return (here + _OWN_I,), sink, sink, False
         if kind == F:
-            needs = (self._slot(mb, stage - 1, _ACTIVATION),) if stage > 0 else ()
-            to = stage + 1 if stage < last else None
-            made, what = self._slot(mb, stage, _OWN_F), _ACTIVATION
-        elif kind in (B, I):
-            needs = (self._slot(mb, stage + 1, _GRADIENT),) if stage < last else ()
-            needs += (self._slot(mb, stage, _OWN_F),)
-            to = stage - 1 if stage > 0 else None
-            made, what = self._slot(mb, stage, _OWN_I), _GRADIENT
-        else:
+            needs = (here - 4 + _ACTIVATION,) if stage > 0 else ()
+            if stage == last:
+                return needs, here + _OWN_F, sink, False
+            return needs, here + _OWN_F, here + _ACTIVATION, self._remote[stage]
+        if kind not in (B, I):
             raise ValueError(f"StageTimer takes compute tables; {action} is a communication action")
-        if to is None:
-            return needs, made, self._sink, False
-        return needs, made, self._slot(mb, stage, what), placement.rank(to) != placement.rank(stage)
+        needs = (here + 4 + _GRADIENT, here + _OWN_F) if stage < last else (here + _OWN_F,)
+        if stage == 0:
+            return needs, here + _OWN_I, sink, False
+        return needs, here + _OWN_I, here + _GRADIENT, self._remote[stage - 1]
 
     def time(self, costs: Mapping[tuple[ActionKind, int, int], float], comm_latency: float = 0.0) -> Timing:
         """Time the tables; ``costs`` maps (kind, rank, chunk) to seconds, every key of the tables present."""
@@ -101,7 +95,8 @@ class StageTimer:
         for rank, cost, needs, made, message, remote in self._order:
             start = clock[rank]
             for slot in needs:
-                start = max(start, ready[slot])
+                if ready[slot] > start:  # noqa: PLR1730 -- max() costs a call per wait, millions per search
+                    start = ready[slot]
             duration = durations[cost]
             clock[rank] = ready[made] = end = start + duration
             busy[rank] += duration
@@ -122,7 +117,7 @@ def _run_order(steps: list[list[tuple]], tables: list[list[Action]], slots: int)
             at = cursor[rank]
             while at < len(row):
                 step = row[at]
-                if not all(made[slot] for slot in step[2]):
+                if not all(map(made.__getitem__, step[2])):
                     break
                 made[step[3]] = made[step[4]] = 1
                 order.append(step)
