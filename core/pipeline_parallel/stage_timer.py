@@ -4,9 +4,9 @@ The planner times each table shape with many cost sets (one per candidate, three
 each), every cost depending only on the action's kind, rank and chunk. :func:`simulate` would lower
 the tables and reduce every action to what it waits for again each time; here that happens once.
 
-Timing needs no lowering: a receive (fixed shapes) only posts and never waits, and lowering places a
-send right after its producer, so a message between ranks is ready ``comm_latency`` after its
-producer ends, and one within a rank when it ends. Which action waits for which does not depend on
+Timing needs no lowering: sends and receives take no time and (with fixed shapes) wait for nothing,
+and lowering places a send right after its producer, so a message between ranks is ready
+``comm_latency`` after its producer ends, and one within a rank when it ends. Which action waits for which does not depend on
 the costs either, so one cost-free pass finds an order in which every action runs after its inputs;
 each timing is then one loop over that order, with the same additions and maxima as
 :func:`~core.pipeline_parallel.simulator.simulate` (so the same floats, ``tests/unit/test_plan.py``).
