@@ -38,43 +38,44 @@ ROPE_OFFSET = 3000
 """RoPE cases also run at positions ROPE_OFFSET.. , where Llama-3.1's scaling of the slow frequencies shows."""
 
 
+def _llama(**overrides):
+    """A tiny LLaMA: 2 layers of 32, 4 heads in 2 query groups, FFN 48 (``overrides`` change it)."""
+    return llama_config(
+        **{
+            "num_layers": 2,
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 48,
+            "init_method_std": 0.2,
+            **overrides,
+        }
+    )
+
+
+def _gpt2(**overrides):
+    """A tiny GPT-2: 2 layers of 32, 4 heads, no dropout (``overrides`` change it)."""
+    return gpt2_config(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        init_method_std=0.2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **overrides,
+    )
+
+
 CASES = {
-    "llama-gqa": (
-        lambda: llama_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_query_groups=2,
-            ffn_hidden_size=48,
-            init_method_std=0.2,
-            rotary_base=500000.0,
-        ),
-        "LlamaForCausalLM",
-        "LlamaConfig",
-    ),
+    "llama-gqa": (lambda: _llama(rotary_base=500000.0), "LlamaForCausalLM", "LlamaConfig"),
     "llama-mqa-tied": (
-        lambda: llama_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_query_groups=1,
-            ffn_hidden_size=48,
-            init_method_std=0.2,
-            kv_channels=16,
-            untie_embeddings_and_output_weights=False,
-        ),
+        lambda: _llama(num_query_groups=1, kv_channels=16, untie_embeddings_and_output_weights=False),
         "LlamaForCausalLM",
         "LlamaConfig",
     ),
     "llama3-rope-scaling": (
-        lambda: llama_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_query_groups=2,
+        lambda: _llama(
             kv_channels=16,
-            ffn_hidden_size=48,
-            init_method_std=0.2,
             rotary_base=500000.0,
             rope_scaling=True,
             rope_scaling_factor=8.0,
@@ -83,45 +84,18 @@ CASES = {
         "LlamaForCausalLM",
         "LlamaConfig",
     ),
-    "gpt2": (
-        lambda: gpt2_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            init_method_std=0.2,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-        ),
-        "GPT2LMHeadModel",
-        "GPT2Config",
-    ),
+    "gpt2": (_gpt2, "GPT2LMHeadModel", "GPT2Config"),
 }
 
 
 ONE_PLUS = {  # --apply-layernorm-1p: exported as gamma = 1 + weight
     "llama-gqa-layernorm-1p": (
-        lambda: llama_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_query_groups=2,
-            ffn_hidden_size=48,
-            init_method_std=0.2,
-            layernorm_zero_centered_gamma=True,
-        ),
+        lambda: _llama(layernorm_zero_centered_gamma=True),
         "LlamaForCausalLM",
         "LlamaConfig",
     ),
     "gpt2-layernorm-1p": (
-        lambda: gpt2_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            init_method_std=0.2,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            layernorm_zero_centered_gamma=True,
-        ),
+        lambda: _gpt2(layernorm_zero_centered_gamma=True),
         "GPT2LMHeadModel",
         "GPT2Config",
     ),
@@ -565,19 +539,11 @@ def test_a_missing_or_truncated_shard_is_one_error_naming_the_file(tmp_path, hf_
 
 
 def _pretrain(argv: list[str]):
-    import pretrain_gpt
+    from tests.support.pretrain_run import pretrain_gpt_in_process
     from training.arguments import parse_args
-    from training.training import pretrain
 
     args = parse_args(argv)
-    state = pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        args=args,
-    )
-    return args, state
+    return args, pretrain_gpt_in_process(args=args)
 
 
 def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_folders, capsys):

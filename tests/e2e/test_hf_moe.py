@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from models.gpt import GPTModel, llama_config
 from models.gpt.hf_mapping import from_hf, to_hf
-from tests.e2e.test_generate import NEW_TOKENS, PROMPT, _hf_generate, _write, spm  # noqa: F401 (spm: fixture)
+from tests.e2e.test_generate import (  # noqa: F401 (spm: fixture)
+    NEW_TOKENS,
+    PROMPT,
+    _hf_generate,
+    _write,
+    generate_tool_json,
+    spm,
+)
 from tests.support.hf import (
     convert,
     convert_with_config_change,
@@ -32,7 +37,6 @@ from training.hf.config import hf_config_json, transformer_config_from_hf
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, SEQ, TOL = 64, 16, 1e-5
 COMMON = {"hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2, "init_method_std": 0.2}
 CASES = {
@@ -264,17 +268,9 @@ def test_greedy_generation_equals_hugging_face_generate(spm, tmp_path):  # noqa:
 @pytest.mark.parametrize("case", ["mixtral", "qwen2_moe"])
 def test_greedy_generate_tool_equals_hugging_face_generate(case, spm, tmp_path):  # noqa: F811
     root, hf_model, tokenizer = _checkpoint_and_hf_model(case, spm, tmp_path / "ckpt")
-    flags = ["--load", root, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy", "--json"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "generate.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONPATH": ROOT},
+    out = generate_tool_json(
+        "--load", root, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy"
     )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
     prompt = tokenizer.tokenize(PROMPT)
     assert out["tokens"] == _hf_generate(hf_model, prompt, do_sample=False)
     assert len(out["tokens"]) == len(prompt) + NEW_TOKENS
