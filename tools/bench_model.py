@@ -33,8 +33,12 @@ loop's (``tools/op_profile.py``): where the eager layers differ, named op by op.
 
 Configurations (``--config``): ``gpt2-small`` (12 x 768, 12 heads, vocabulary 50304, seq 512, one
 microbatch of 1, the CPU default), ``gpt2-124m`` (the same at seq 1024, microbatch 8) and ``llama-1b``
-(16 x 2048, 32 heads, GQA 8, FFN 8192, vocabulary 128256, seq 4096, microbatch 1), the GPU defaults;
+(16 x 2048, 32 heads, GQA 8, FFN 8192, vocabulary 128256, seq 4096, microbatch 1), the GPU defaults,
+and ``llama-1b-ga8`` (the same, 8 microbatches a step);
 ``tiny`` (2 x 64) proves the path in seconds (``tools/gpu_check.py --device cpu --quick``).
+``--microbatches N`` (default 1, or the configuration's): each step accumulates N microbatches before
+its one optimizer step, on both sides (the plain loop's loss is the microbatches' mean, as Trident's),
+so the optimizer's share of a step shrinks as in a real run's global batch.
 Prints a table, then one JSON line.
 """
 
@@ -100,6 +104,8 @@ CONFIGS = {
         "mbs": 1,
     },
 }
+CONFIGS["llama-1b-ga8"] = dict(CONFIGS["llama-1b"], microbatches=8)
+"""LLaMA ~1B with 8 microbatches a step: the optimizer's share of a step as in a real global batch."""
 
 
 def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, compiled: bool) -> list[str]:
@@ -107,7 +113,7 @@ def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, compiled: bo
     flags = (
         f"--num-layers {spec['layers']} --hidden-size {spec['hidden']} --num-attention-heads {spec['heads']} "
         f"--seq-length {spec['seq']} --max-position-embeddings {spec['seq']} --micro-batch-size {spec['mbs']} "
-        f"--global-batch-size {spec['mbs']} --train-iters {args.warmup + args.iters + 1} --lr 1e-4 "
+        f"--global-batch-size {spec['mbs'] * spec['microbatches']} --train-iters {args.warmup + args.iters + 1} --lr 1e-4 "
         f"--lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --mock-data --tokenizer-type NullTokenizer "
         f"--vocab-size {spec['vocab'] - 1} --eval-iters 0 --eval-interval {10**6} --log-interval {10**6} "
         f"--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --cross-entropy-loss-fusion "
@@ -152,13 +158,17 @@ class PlainLoop:
             logits = self.model(input_ids=tokens).logits
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over ``microbatches`` (gradients accumulated, the loss their mean)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(tokens, labels)
-        loss.backward()
+        total = 0.0
+        for tokens, labels in microbatches:
+            loss = self.loss(tokens, labels) / len(microbatches)
+            loss.backward()
+            total = total + loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
         self.optimizer.step()
-        return loss.detach()
+        return total
 
 
 def adamw(model, device: torch.device) -> torch.optim.AdamW:
@@ -238,15 +248,19 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
             for name, comp in (("transformers", False), ("transformers+compile", True)):
                 if not (comp and args.no_compile):
                     plain[name] = PlainLoop(model, optimizer, dtype, device, comp, args.backend)
-        batch = batches[-1]
-        tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+        if len(batches) != spec["microbatches"]:
+            raise RuntimeError(
+                f"pretrain() read {len(batches)} microbatches in a step, not {spec['microbatches']}"
+            )
+        microbatches = [(b["tokens"].to(device), b["labels"].to(device)) for b in batches]
+        batches.clear()
         for name, loop in plain.items():
             if final:  # the extra step measures memory only
-                probe = measure(lambda loop=loop: loop.step(tokens, labels), device, args.profile)
+                probe = measure(lambda loop=loop: loop.step(microbatches), device, args.profile)
                 times[f"{name} peak"], ops[name] = [probe.peak], probe.ops
                 continue
             start = clock()
-            loss = loop.step(tokens, labels)
+            loss = loop.step(microbatches)
             times.setdefault(name, []).append(clock() - start)
             losses.setdefault(name, []).append(float(loss))
         if state.iteration == args.warmup + args.iters:  # Trident's next (extra) iteration: memory
@@ -268,21 +282,21 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
 
 
 class _Recorder:
-    """The data iterator, remembering each microbatch it hands out (the plain loops train on them)."""
+    """The data iterator, remembering the microbatches it hands out (the plain loops train on them)."""
 
     def __init__(self, iterator, sink: list) -> None:
         self.iterator, self.sink = iterator, sink
 
     def __next__(self):
         batch = next(self.iterator)
-        self.sink[:] = [batch]
+        self.sink.append(batch)
         return batch
 
 
 def flops_per_step(spec: dict, model) -> dict[str, float]:
-    """FLOPs of one training step, Megatron's way and torchtitan's way."""
+    """FLOPs of one training step (all its microbatches), Megatron's way and torchtitan's way."""
     config = model.config
-    tokens = spec["mbs"] * spec["seq"]
+    tokens = spec["mbs"] * spec["seq"] * spec["microbatches"]
     megatron_args = SimpleNamespace(
         seq_length=spec["seq"],
         hidden_size=config.hidden_size,
@@ -294,7 +308,7 @@ def flops_per_step(spec: dict, model) -> dict[str, float]:
         ffn_hidden_size=config.ffn_hidden_size,
         swiglu=config.gated_linear_unit,
     )
-    megatron = num_floating_point_operations(megatron_args, spec["mbs"], spec["vocab"])
+    megatron = num_floating_point_operations(megatron_args, spec["mbs"] * spec["microbatches"], spec["vocab"])
     # torchtitan: parameters but the input embedding (a tied output layer still multiplies once).
     params = sum(p.numel() for n, p in model.named_parameters() if "embedding" not in n)
     if not config.untie_embeddings_and_output_weights:
@@ -308,7 +322,7 @@ def summarise(spec, args, dtype: str, phases: dict, device: torch.device) -> lis
     """One row per contestant: median step time, tokens/s, TFLOP/s and MFU both ways, peak memory."""
     flops = phases["eager"]["flops"]
     peak = peak_tflops(device, args.peak_tflops)
-    tokens = spec["mbs"] * spec["seq"]
+    tokens = spec["mbs"] * spec["seq"] * spec["microbatches"]
     rows = []
     for phase_name, phase in phases.items():
         for name, series in phase["times"].items():
@@ -341,6 +355,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per phase")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first iterations per phase (>= 1)")
+    parser.add_argument(
+        "--microbatches", type=int, default=None,
+        help="microbatches per step (gradient accumulation, one optimizer step for all of them); "
+        "default: the configuration's",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of both sides")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
@@ -361,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in names:
         spec = dict(CONFIGS[name], name=name)
+        spec["microbatches"] = args.microbatches or spec.get("microbatches", 1)
         if args.layers:
             spec["layers"] = args.layers
         for dtype in dtypes:
@@ -369,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
             if not args.no_compile:
                 phases["compile"] = run_phase(spec, args, dtype, True, plain, device)
             rows += [
-                dict(r, config=name, layers=spec["layers"])
+                dict(r, config=name, layers=spec["layers"], microbatches=spec["microbatches"])
                 for r in summarise(spec, args, dtype, phases, device)
             ]
             rows += ratios(phases, args, dtype, name)
@@ -446,7 +466,9 @@ def print_table(rows: list[dict], args, device: torch.device, load: float) -> No
         "FLOPs: megatron = training/throughput.py (matmuls x3, causal attention halved); "
         "torchtitan = 6 N + 12 L H Q T per token (N without the input embedding)"
     )
-    head = f"{'config':<11}{'layers':>7}{'dtype':>6} {'contestant':<22}{'step ms':>9}{'tokens/s':>10}"
+    head = (
+        f"{'config':<13}{'mb':>3}{'layers':>7}{'dtype':>6} {'contestant':<22}{'step ms':>9}{'tokens/s':>10}"
+    )
     head += f"{'TF/s mg':>9}{'TF/s tt':>9}{'MFU mg':>8}{'MFU tt':>8}{'peak MiB':>10}{'loss 1':>8}"
     print(head)
     for r in rows:
@@ -454,7 +476,7 @@ def print_table(rows: list[dict], args, device: torch.device, load: float) -> No
             continue
         mfu = [f"{r[k]:.1%}" if r[k] is not None else "n/a" for k in ("mfu_megatron", "mfu_torchtitan")]
         print(
-            f"{r['config']:<11}{r['layers']:>7}{r['dtype']:>6} {r['contestant']:<22}{r['step_ms']:>9.0f}"
+            f"{r['config']:<13}{r['microbatches']:>3}{r['layers']:>7}{r['dtype']:>6} {r['contestant']:<22}{r['step_ms']:>9.0f}"
             f"{r['tokens_per_s']:>10.0f}{r['tflops_megatron']:>9.3f}{r['tflops_torchtitan']:>9.3f}"
             f"{mfu[0]:>8}{mfu[1]:>8}{r['peak_step_mib']:>10.0f}{r['first_loss']:>8.3f}"
         )

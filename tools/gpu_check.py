@@ -1,6 +1,6 @@
 """The one prepared command for a machine with a GPU: Trident's CUDA tests and its throughput, one table.
 
-    python tools/gpu_check.py                      # on the GPU machine: about 5-7 minutes on one H100/H200
+    python tools/gpu_check.py                      # on the GPU machine: about 6-7 minutes on one H200
     python tools/gpu_check.py --device cpu --quick # here: the same steps, tiny sizes, CUDA tests skipped
 
 Steps, each a child process with its own time limit (a hang or a crash is a row of the table, not
@@ -16,8 +16,8 @@ the end of the check):
    the GPU, so its kernels decide what attention keeps) against ``torch.cuda.max_memory_allocated`` of
    the same step run for real, for one ~0.5B LLaMA stage in three layouts.
 4. ``tools/bench_model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
-   against the same model in a plain transformers loop, GPT-2 124M at seq 1024 and LLaMA ~1B at seq
-   4096, bf16. Each configuration is its own process; one that would not finish before
+   against the same model in a plain transformers loop, LLaMA ~1B at seq 4096 (one microbatch a step,
+   then eight), GPT-2 124M at seq 1024, bf16. Each configuration is its own process; one that would not finish before
    ``--deadline`` is skipped and says so.
 
 It prints one table, then one JSON line (``{"gpu_check": ...}``).
@@ -302,7 +302,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--only", choices=["tests", "memory", "bench"], default=None, help="run one step only"
     )
     parser.add_argument(
-        "--config", nargs="+", default=["llama-1b", "gpt2-124m"], help="bench_model configurations"
+        "--config",
+        nargs="+",
+        default=["llama-1b", "llama-1b-ga8", "gpt2-124m"],
+        help="bench_model configurations",
     )
     parser.add_argument(
         "--deadline", type=float, default=480.0, help="seconds after which no new step starts"
