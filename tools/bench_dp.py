@@ -36,10 +36,9 @@ from core import parallel_state
 from core.device import current_device
 from core.distributed import DistributedDataParallelConfig
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
-from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from models.gpt import GPTModel, parallelize_gpt, pipeline_layout, preset
-from tools.bench_ranks import init_rank, mean_output_step, slowest_seconds, spawn, token_batches
+from tools.bench_ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
 
 CONFIGS = {
     "plain": {},
@@ -82,26 +81,16 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     model_parallel_seed(1234)
     runs = {name: _build(name, args) for name in CONFIGS}
     batches = token_batches(args.vocab, args.mbs, args.seq, args.microbatches, seed=rank)
-    forward_backward = get_forward_backward_func()
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for step in range(args.warmup + args.steps):
         for name, (ddp, optimizer) in runs.items():
 
-            def train_step(ddp=ddp, optimizer=optimizer) -> None:
+            def step_with_buffers(ddp=ddp, optimizer=optimizer) -> None:
                 ddp.zero_grad_buffer()
-                optimizer.zero_grad()
-                forward_backward(
-                    forward_step_func=mean_output_step,
-                    data_iterator=iter(batches),
-                    model=ddp,
-                    num_microbatches=args.microbatches,
-                    seq_length=args.seq,
-                    micro_batch_size=args.mbs,
-                )
-                optimizer.step()
+                train_step(ddp, optimizer, batches, args.seq, args.mbs)
                 ddp.finish_param_sync()  # the next forward of this model could overlap it; others come first
 
-            elapsed = slowest_seconds(train_step)
+            elapsed = slowest_seconds(step_with_buffers)
             if step >= args.warmup:
                 times[name].append(elapsed)
     if rank == 0:

@@ -40,11 +40,10 @@ from core import parallel_state
 from core.device import current_device
 from core.distributed import DistributedDataParallelConfig
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
-from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.moe.moe_layer import MoELayer
 from models.gpt import GPTModel, llama_config, parallelize_gpt, pipeline_layout
-from tools.bench_ranks import init_rank, mean_output_step, slowest_seconds, spawn, token_batches
+from tools.bench_ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
 
 REGIONS = ("routing", "dispatcher", "experts")
 EVENTS: list[tuple[str, str, float]] = []
@@ -139,26 +138,14 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     MoELayer.forward = _instrumented_forward
     runs = {"dense": _build(False, args), "moe": _build(True, args)}
     batches = token_batches(args.vocab, args.mbs, args.seq, args.microbatches, seed=rank)
-    forward_backward = get_forward_backward_func()
     times: dict[str, list[float]] = {name: [] for name in runs}
     splits: list[dict[str, float]] = []
     for step in range(args.warmup + args.steps):
         for name, (ddp, optimizer) in runs.items():
-
-            def train_step(ddp=ddp, optimizer=optimizer) -> None:
-                optimizer.zero_grad()
-                forward_backward(
-                    forward_step_func=mean_output_step,
-                    data_iterator=iter(batches),
-                    model=ddp,
-                    num_microbatches=args.microbatches,
-                    seq_length=args.seq,
-                    micro_batch_size=args.mbs,
-                )
-                optimizer.step()
-
             EVENTS.clear()
-            elapsed = slowest_seconds(train_step)
+            elapsed = slowest_seconds(
+                lambda m=ddp, o=optimizer: train_step(m, o, batches, args.seq, args.mbs)
+            )
             if step >= args.warmup:
                 times[name].append(elapsed)
                 if name == "moe":

@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from core.device import bind_local_device, current_device, default_backend
+from core.pipeline_parallel.schedules import get_forward_backward_func
 
-__all__ = ["init_rank", "mean_output_step", "slowest_seconds", "spawn", "token_batches"]
+__all__ = ["init_rank", "mean_output_step", "slowest_seconds", "spawn", "token_batches", "train_step"]
 
 
 def spawn(worker: Callable, args: Any, world: int = 2, timeout: float = 3600) -> Any:
-    """Run ``worker(rank, args, init_file, results)`` on ``world`` spawned ranks; what rank 0 put in ``results``."""
+    """Run ``worker(rank, args, init_file, results)`` on ``world`` spawned ranks; what rank 0 puts in
+    ``results``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +49,7 @@ def init_rank(rank: int, world: int, init_file: str, threads: int) -> None:
 
 
 def slowest_seconds(step: Callable[[], None]) -> float:
-    """Seconds ``step`` takes, from a barrier to the device's sync, on the slowest rank (call on every rank)."""
+    """Seconds ``step`` takes, from a barrier to the device's sync, on the slowest rank (every rank calls)."""
     dist.barrier()
     start = time.perf_counter()
     step()
@@ -68,6 +70,21 @@ def token_batches(
         (torch.randint(0, vocab, (micro_batch_size, seq), generator=gen).to(device),) * 2
         for _ in range(microbatches)
     ]
+
+
+def train_step(model, optimizer, batches: list, seq_length: int, micro_batch_size: int) -> None:
+    """One training step of ``model`` (DDP-wrapped) over ``batches``, one per microbatch: zero_grad,
+    the schedule's forward and backward with :func:`mean_output_step`, the optimizer step."""
+    optimizer.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=mean_output_step,
+        data_iterator=iter(batches),
+        model=model,
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+    )
+    optimizer.step()
 
 
 def mean_output_step(data_iterator, model):

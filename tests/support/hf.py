@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "check_config_refused",
     "convert",
     "convert_with_config_change",
     "perturb_norms_and_biases",
@@ -63,6 +64,14 @@ def convert(*argv) -> tuple[int, str]:
     with contextlib.redirect_stderr(err):
         code = convert_checkpoint.main([*map(str, argv), "--quiet"])
     return code, err.getvalue().strip()
+
+
+def check_config_refused(tmp_path: Path, hf_folder: Path, change: dict, message: str) -> None:
+    """``--from-hf`` of ``hf_folder`` with ``change`` in its config.json fails with one line naming the
+    file and ``message``, and writes nothing."""
+    folder, result = convert_with_config_change(tmp_path, hf_folder, change)
+    assert result == (1, f"error: {folder}/config.json: {message}")
+    assert not (tmp_path / "ckpt").exists()
 
 
 def convert_with_config_change(tmp_path: Path, hf_folder: Path, change: dict) -> tuple[Path, tuple[int, str]]:

@@ -193,12 +193,7 @@ def _copy_rng_files(ckpt: Checkpoint, path: str, target: Parallelism, files: dic
 
 
 def _target_manifest(
-    ckpt: Checkpoint,
-    path: str,
-    target: Parallelism,
-    config: dict[str, Any],
-    specs: dict[str, TensorSpec],
-    files: dict[str, Any],
+    ckpt: Checkpoint, path: str, target: Parallelism, config, specs, files
 ) -> dict[str, Any]:
     """The source's manifest at ``target`` (tokenizer copied into ``path``), naming the source split."""
     tokenizer = ckpt.tokenizer
