@@ -63,9 +63,10 @@ def _args(argv: str, world_size: int = 1) -> argparse.Namespace:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
     """A tiny Megatron indexed dataset: 40 documents of 40 token ids below 1000."""
-    from tests.support.datasets import tiny_indexed_dataset
+    from tests.support.torchrun_jobs import write_tiny_dataset
 
-    return tiny_indexed_dataset(tmp_path_factory.mktemp("data"))
+    prefix = tmp_path_factory.mktemp("data") / "tiny_text_document"
+    return str(write_tiny_dataset(prefix, documents=40, length=40, vocab=1000))
 
 
 # --------------------------------------------------------------------------------------------------

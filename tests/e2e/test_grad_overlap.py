@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.datasets import tiny_indexed_dataset
+from tests.support.torchrun_jobs import write_tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +94,8 @@ ps.destroy_distributed()
 @pytest.fixture(scope="module")
 def overlap_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overlap")
-    data = f"--data-path {tiny_indexed_dataset(tmp)} --tokenizer-type NullTokenizer --vocab-size 1000"
+    prefix = write_tiny_dataset(tmp / "tiny_text_document", documents=40, length=40, vocab=1000)
+    data = f"--data-path {prefix} --tokenizer-type NullTokenizer --vocab-size 1000"
     runs = {name: f"{MODEL} {data} {flags}" for name, flags in RUNS.items()}
     runs["zb-h1"] += f" --timeline-dir {tmp / 'timeline'}"
     env = {
