@@ -1,10 +1,11 @@
-"""Peak memory and time of the loss: the plain vocabulary-parallel cross-entropy against the fused one.
+"""Peak memory and time of the loss: the plain vocabulary-parallel cross-entropy against the fused ones.
 
 What is measured is the output layer and the loss together, forward and backward, from the final
 hidden states ``[tokens, hidden]`` to their gradient and the output weight's: the logits, every fp32
 copy, what autograd keeps for backward and every temporary. The plain path is Trident's without
 ``--cross-entropy-loss-fusion`` (``vocab_parallel_cross_entropy(logits.float(), ...)``), the fused one
-``fused_vocab_parallel_cross_entropy(logits, ...)``.
+``fused_vocab_parallel_cross_entropy(logits, ...)`` (``--cross-entropy-fusion-impl native``), and the
+output layer inside the loss, ``linear_cross_entropy(hidden, weight, ...)`` (``... linear``).
 
 Peak bytes are counted from the allocator's own records: on a CPU, every allocation and free the
 profiler sees (``profile_memory=True``), summed in time order; on a GPU, ``max_memory_allocated``
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.tensor_parallel import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
+from core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from tools.op_profile import measure as probe_step
 
 
@@ -42,21 +44,27 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
 
 
 def loss_step(
-    fused: bool,
+    kind: str,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     slice_bytes: int | None = None,
 ) -> Callable:
-    """One forward and backward of the output layer and the loss, gradients left in ``.grad``
-    (``slice_bytes``: the fused loss's fp32 working memory, default its device's)."""
+    """One forward and backward of the output layer and the loss (``kind``: plain, fused or linear),
+    gradients left in ``.grad`` (``slice_bytes``: the fused losses' fp32 working memory, default their
+    device's)."""
 
     def step() -> None:
-        logits = hidden @ weight.t()
-        if fused:
-            loss = fused_vocab_parallel_cross_entropy(logits, target, slice_bytes=slice_bytes)
+        if kind == "linear":
+            loss = linear_cross_entropy(
+                hidden, weight, target, vocab_size=weight.shape[0], slice_bytes=slice_bytes
+            )
         else:
-            loss = vocab_parallel_cross_entropy(logits.float(), target)
+            logits = hidden @ weight.t()  # held while the loss runs, as the model holds them
+            if kind == "fused":
+                loss = fused_vocab_parallel_cross_entropy(logits, target, slice_bytes=slice_bytes)
+            else:
+                loss = vocab_parallel_cross_entropy(logits.float(), target)
         loss.sum().backward()
         hidden.grad = weight.grad = None
 
@@ -80,7 +88,7 @@ def measure(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) 
     hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype).requires_grad_()
     weight = (torch.randn(args.vocab, args.hidden, generator=gen) * 0.02).to(device, dtype).requires_grad_()
     target = torch.randint(0, args.vocab, (args.tokens,), generator=gen).to(device)
-    steps = {name: loss_step(name == "fused", hidden, weight, target) for name in ("plain", "fused")}
+    steps = {name: loss_step(name, hidden, weight, target) for name in ("plain", "fused", "linear")}
     peaks = {name: peak_bytes(step, device) for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.steps):
@@ -92,10 +100,14 @@ def measure(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) 
         "logits_mib": args.tokens * args.vocab * dtype.itemsize / 2**20,
         "plain_peak_mib": peaks["plain"] / 2**20,
         "fused_peak_mib": peaks["fused"] / 2**20,
+        "linear_peak_mib": peaks["linear"] / 2**20,
         "peak_ratio": peaks["fused"] / peaks["plain"],
+        "linear_peak_ratio": peaks["linear"] / peaks["plain"],
         "plain_ms": ms["plain"],
         "fused_ms": ms["fused"],
+        "linear_ms": ms["linear"],
         "time_ratio": ms["fused"] / ms["plain"],
+        "linear_time_ratio": ms["linear"] / ms["plain"],
     }
 
 
@@ -118,13 +130,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.hidden}, {device.type}, peak bytes above the start, median of {args.steps} runs "
         f"({'wall' if device.type == 'cuda' else f'CPU time, {args.threads} thread(s)'})"
     )
-    print(
-        f"{'dtype':>9}{'logits MiB':>12}{'plain MiB':>11}{'fused MiB':>11}{'ratio':>7}{'plain ms':>10}{'fused ms':>10}"
-    )
+    head = f"{'dtype':>9}{'logits MiB':>12}{'plain MiB':>11}{'fused MiB':>11}{'ratio':>7}{'linear MiB':>12}{'ratio':>7}"
+    print(head + f"{'plain ms':>10}{'fused ms':>10}{'linear ms':>11}")
     for r in rows:
         print(
             f"{r['dtype']:>9}{r['logits_mib']:>12.0f}{r['plain_peak_mib']:>11.0f}{r['fused_peak_mib']:>11.0f}"
-            f"{r['peak_ratio']:>7.2f}{r['plain_ms']:>10.0f}{r['fused_ms']:>10.0f}"
+            f"{r['peak_ratio']:>7.2f}{r['linear_peak_mib']:>12.0f}{r['linear_peak_ratio']:>7.2f}"
+            f"{r['plain_ms']:>10.0f}{r['fused_ms']:>10.0f}{r['linear_ms']:>11.0f}"
         )
     result = {"benchmark": "bench_cross_entropy", "vocab": args.vocab, "tokens": args.tokens, "results": rows}
     print(json.dumps(result))

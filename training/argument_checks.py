@@ -202,6 +202,10 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             f"--seq-length ({args.seq_length}) must be divisible by "
             f"--tensor-model-parallel-size ({tp}) with --sequence-parallel",
         )
+    _require(
+        args.cross_entropy_fusion_impl != "linear" or args.cross_entropy_loss_fusion,
+        "--cross-entropy-fusion-impl linear needs --cross-entropy-loss-fusion (it says how that fusion is done)",
+    )
     _check_recompute(args)
 
 

@@ -389,6 +389,10 @@ COVERAGE: dict[str, Coverage] = {
     "--moe-shared-expert-overlap": no_effect("the shared experts run before the router, on the same stream"),
     # (c) not supported: out of scope
     "--tokenizer-type TikTokenizer": unsupported(_TIKTOKEN),
+    "--cross-entropy-fusion-impl te": unsupported(
+        "Trident uses no Transformer Engine: --cross-entropy-fusion-impl native (the default) or linear "
+        "(the output layer fused in, logits never held)"
+    ),
     **dict.fromkeys(
         ("--ckpt-format zarr", "--ckpt-format torch_dcp", "--ckpt-format fsdp_dtensor"),
         unsupported(_ONE_FORMAT),

@@ -148,19 +148,29 @@ class ColumnParallelLinear(nn.Module):
                 f"ColumnParallelLinear got a weight of shape {tuple(weight.shape)}, expected {expected}"
             )
 
-        if self.sequence_parallel:
-            total_input = gather_from_sequence_parallel_region(input_, tp_group=self.tp_group)
-        else:
-            total_input = copy_to_tensor_model_parallel_region(input_, tp_group=self.tp_group)
+        total_input = self.whole_input(input_)
         bias = None if self.skip_bias_add else self.bias
-        if self.gradient_accumulation_fusion and weight is self.weight:
+        if self.fuses_accumulation_of(weight):
             output = linear_with_grad_accumulation(total_input, weight, bias)
-        else:  # a borrowed weight (a tied output layer) gets its gradient through autograd
+        else:
             output = F.linear(total_input, weight, bias)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             output = gather_from_tensor_model_parallel_region(output, tp_group=self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def whole_input(self, input_: torch.Tensor) -> torch.Tensor:
+        """What this rank multiplies: ``input_`` all-gathered along the sequence under sequence
+        parallelism; in backward its gradient is summed over the TP ranks (reduce-scattered with SP)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, tp_group=self.tp_group)
+        return copy_to_tensor_model_parallel_region(input_, tp_group=self.tp_group)
+
+    def fuses_accumulation_of(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight``'s gradient goes straight into its ``main_grad`` (its own weight under
+        ``gradient_accumulation_fusion``); a borrowed weight (a tied output layer) gets its gradient
+        through autograd."""
+        return self.gradient_accumulation_fusion and weight is self.weight
 
 
 class RowParallelLinear(nn.Module):

@@ -27,6 +27,7 @@ PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
+CrossEntropyFusionImpl = Literal["native", "te", "linear"]
 NORMALIZATIONS = get_args(Normalization)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
 RECOMPUTE_GRANULARITIES = get_args(RecomputeGranularity)
@@ -163,6 +164,14 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
     """Compute the loss from the output layer's logits in their own dtype, a slice of tokens at a time,
     never holding an fp32 copy of them, and write the gradient over them (Megatron's flag; see
     ``core.tensor_parallel.fused_cross_entropy``). Same numbers as without."""
+
+    cross_entropy_fusion_impl: CrossEntropyFusionImpl = flag("native", group="training")
+    """How ``--cross-entropy-loss-fusion`` fuses (Megatron's flag; its "te" needs Transformer Engine
+    and is refused): "native" keeps the output layer's logits and slices the loss over them; "linear"
+    (Megatron's name for the output layer fused into the loss) runs the output layer inside the loss, a
+    slice of tokens at a time, so the logits are never held, and recomputes each slice in backward:
+    one more output-layer matmul (``core.tensor_parallel.linear_cross_entropy``). It wins over
+    ``--compile``'s compiled loss."""
 
     init_method_std: float = flag(0.02, group="initialization")
     """Std of the normal initialisation; output projections get std / sqrt(2 * num_layers)."""

@@ -35,6 +35,7 @@ from core.tensor_parallel import (
     tp_world_size,
     vocab_parallel_cross_entropy,
 )
+from core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from core.transformer.compile import compile_function, mark_sequence_dynamic
 from core.transformer.context_parallel import positions_on_this_cp_rank
 from core.transformer.inference_context import InferenceContext
@@ -313,6 +314,12 @@ class GPTModel(nn.Module):
         )
         if not self.post_process:
             return hidden
+        if (
+            labels is not None
+            and self.config.cross_entropy_loss_fusion
+            and self.config.cross_entropy_fusion_impl == "linear"
+        ):
+            return self._linear_cross_entropy(hidden, labels)
         logits, _ = self.output_layer(hidden, weight=self._output_weight())
         logits = self._mask_padding(logits)
         if labels is None:
@@ -366,6 +373,20 @@ class GPTModel(nn.Module):
             return torch.arange(local_length, device=device)
         rank = parallel_state.get_context_parallel_rank()
         return positions_on_this_cp_rank(local_length * cp, cp, rank, device=device)
+
+    def _linear_cross_entropy(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` with the output layer inside the loss: the logits are never held
+        (``--cross-entropy-fusion-impl linear``)."""
+        layer, weight = self.output_layer, self._output_weight()
+        loss = linear_cross_entropy(
+            layer.whole_input(hidden),
+            weight,
+            einops.rearrange(labels, "b s -> s b"),
+            vocab_size=self.vocab_size,
+            tp_group=layer.tp_group,
+            accumulate_into_main_grad=layer.fuses_accumulation_of(weight),
+        )
+        return einops.rearrange(loss, "s b -> b s").contiguous()
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padded vocabulary entries get -inf, so they take no probability mass and no gradient."""

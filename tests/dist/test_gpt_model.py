@@ -111,12 +111,16 @@ def _full(chunks, what: str) -> dict[str, torch.Tensor]:
 
 def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token, schedule="1f1b"):
     """LLaMA runs the fast paths against the plain single-device reference: the fused loss and
-    gradients accumulated into ``main_grad`` by the linear layers (DDP-wrapped chunks); under ZB-H1
+    gradients accumulated into ``main_grad`` by the linear layers (DDP-wrapped chunks), with the
+    output layer inside the loss under ZB-H1 (GPT too, under sequence parallelism); under ZB-H1
     also compiled layers (tests/e2e/test_compile.py), on data-parallel replica 0 only (8 ranks compiling
     on a 2-core CI machine cost 25 s; the other replica runs eagerly, so the averaged gradients and
     the compiled replica's losses must both equal the reference's)."""
     fast = kind == "llama"
     compiled = fast and schedule == "zb-h1" and rank // tp % (8 // (tp * pp)) == 0  # DP rank 0
+    # The output layer fused into the loss (--cross-entropy-fusion-impl linear): GPT's tied weight
+    # under TP2+SP (and ZBV's one Parameter), LLaMA's own weight into main_grad under ZB-H1's I/W split.
+    linear_loss = (kind == "gpt" and sp) or schedule == "zb-h1"
     ps, _, chunks = _setup(
         kind,
         tp,
@@ -126,7 +130,8 @@ def _parity_rank(rank, world_size, kind, tp, pp, vpp, sp, per_token, schedule="1
         sequence_parallel=sp,
         calculate_per_token_loss=per_token,
         pipeline_schedule=schedule,
-        cross_entropy_loss_fusion=fast,
+        cross_entropy_loss_fusion=fast or linear_loss,
+        cross_entropy_fusion_impl="linear" if linear_loss else "native",
         gradient_accumulation_fusion=fast,
         compile=compiled,
         compile_backend="aot_eager",

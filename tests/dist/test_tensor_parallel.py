@@ -35,6 +35,7 @@ from core.tensor_parallel import (
     shard_of,
     vocab_parallel_cross_entropy,
 )
+from core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 
 TP = 2
 TOL = 1e-6
@@ -246,6 +247,42 @@ def _check_cross_entropy(rank, world_size, label_smoothing):
     (fused_grad,) = torch.autograd.grad(fused, half, dloss)
     _close(fused, plain, "bf16 fused loss")
     _close(fused_grad.float(), plain_grad.float(), "bf16 fused logits grad")
+
+
+def _check_linear_cross_entropy(rank, world_size, vocab_size):
+    """The output layer inside the loss against ``F.linear`` + ``F.cross_entropy`` on one device:
+    the loss, the hidden states' gradient (summed over TP by the column layer's input mapping), this
+    rank's weight shard's gradient through autograd and accumulated into ``main_grad``. Vocabulary 8
+    split 4 + 4; ``vocab_size`` 7 pads one column, 3 leaves rank 1 a shard of padding alone."""
+    group = dist.group.WORLD
+    torch.manual_seed(5)
+    hidden, weight = torch.randn(3, 2, 4), torch.randn(8, 4)
+    target, dloss = torch.randint(0, vocab_size, (3, 2)), torch.rand(3, 2)
+    hidden_ref, weight_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = F.linear(hidden_ref, weight_ref).masked_fill(torch.arange(8) >= vocab_size, float("-inf"))
+    loss_ref = F.cross_entropy(logits.reshape(-1, 8), target.reshape(-1), reduction="none").view(3, 2)
+    loss_ref.backward(dloss)
+    for accumulate in (False, True):
+        local_hidden = hidden.clone().requires_grad_()
+        shard = weight.chunk(TP)[rank].clone().requires_grad_()
+        if accumulate:  # as DistributedDataParallel prepares a weight for the fusion
+            shard.main_grad = torch.full_like(shard, 0.5)
+            shard.grad_accumulated = lambda p: setattr(p, "reported", True)
+        loss = linear_cross_entropy(
+            copy_to_tensor_model_parallel_region(local_hidden, tp_group=group), shard, target,
+            vocab_size=vocab_size, tp_group=group, accumulate_into_main_grad=accumulate, slice_bytes=64,
+        )  # fmt: skip
+        assert not loss.isnan().any() and loss.shape == target.shape
+        _close(loss, loss_ref, "loss")
+        loss.backward(dloss)
+        _close(local_hidden.grad, hidden_ref.grad, "hidden grad")
+        expected = weight_ref.grad.chunk(TP)[rank]
+        got = shard.main_grad - 0.5 if accumulate else shard.grad
+        assert not accumulate or (shard.grad is None and shard.reported and shard.grad_added_to_main_grad)
+        if expected.any():
+            _close(got, expected, f"weight grad (accumulate={accumulate})")
+        else:  # a shard of padding: no gradient at all
+            assert torch.equal(got, expected), f"padding's weight grad {got}"
 
 
 def _run(fn, x, grad):
@@ -480,6 +517,11 @@ def test_vocab_parallel_embedding_matches_embedding(ranks, reduce_scatter):
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_vocab_parallel_cross_entropy_matches_torch(ranks, label_smoothing):
     ranks(TP).run(_check_cross_entropy, label_smoothing)
+
+
+@pytest.mark.parametrize("vocab_size", [7, 3])
+def test_linear_cross_entropy_matches_the_output_layer_and_torch(ranks, vocab_size):
+    ranks(TP).run(_check_linear_cross_entropy, vocab_size)
 
 
 def test_mappings_forward_and_backward_do_what_their_names_say(ranks):

@@ -168,6 +168,14 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
             f"Trident does not support --moe-router-load-balancing-type sinkhorn: {MOE}",
         ),
         (
+            "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te",
+            (
+                "Trident does not support --cross-entropy-fusion-impl te: Trident uses no Transformer Engine: "
+                "--cross-entropy-fusion-impl native (the default) or linear (the output layer fused in, logits "
+                "never held)"
+            ),
+        ),
+        (
             "--tokenizer-type TikTokenizer --tiktoken-pattern v2",
             (
                 "Trident does not support --tokenizer-type TikTokenizer: Trident has no tiktoken tokenizer; save the "

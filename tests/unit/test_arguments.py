@@ -336,6 +336,11 @@ VALIDATION_ERRORS = [
         1,
         "--recompute-method and --recompute-num-layers need --recompute-granularity full",
     ),
+    (
+        "--cross-entropy-fusion-impl linear",
+        1,
+        "--cross-entropy-fusion-impl linear needs --cross-entropy-loss-fusion (it says how that fusion is done)",
+    ),
 ]
 
 

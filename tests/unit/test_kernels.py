@@ -188,7 +188,8 @@ def test_attention_softmax_in_fp32_keeps_sdpa_where_its_softmax_is_fp32():
 def test_fused_loss_never_holds_an_fp32_copy_of_the_logits():
     """Output layer + loss, forward and backward, bf16: the plain loss peaks at the logits plus two fp32
     copies (5x the logits' bytes), the fused one at the logits plus one 1 MiB fp32 slice (and the
-    output layer's small weight and input gradients, 0.4 MiB here)."""
+    output layer's small weight and input gradients, 0.4 MiB here), the output layer inside the loss
+    (``--cross-entropy-fusion-impl linear``) at a slice and the gradients, never the logits."""
     from tools.bench_cross_entropy import loss_step, peak_bytes
 
     tokens, vocab, hidden = 1024, 4096, 16
@@ -197,7 +198,10 @@ def test_fused_loss_never_holds_an_fp32_copy_of_the_logits():
     w = (torch.randn(vocab, hidden, generator=gen) * 0.1).bfloat16().requires_grad_()
     target = torch.randint(0, vocab, (tokens,), generator=gen)
     logits_bytes = tokens * vocab * 2
-    plain = peak_bytes(loss_step(False, h, w, target), torch.device("cpu"))
-    fused = peak_bytes(loss_step(True, h, w, target, slice_bytes=2**20), torch.device("cpu"))
+    plain = peak_bytes(loss_step("plain", h, w, target), torch.device("cpu"))
+    fused = peak_bytes(loss_step("fused", h, w, target, slice_bytes=2**20), torch.device("cpu"))
+    linear = peak_bytes(loss_step("linear", h, w, target, slice_bytes=2**20), torch.device("cpu"))
     assert plain >= 5 * logits_bytes
     assert fused <= logits_bytes + 1.5 * 2**20 and fused <= 0.35 * plain, (plain, fused)
+    print(f"peaks: plain {plain}, fused {fused}, linear {linear} bytes; logits {logits_bytes}")
+    assert linear < 0.35 * logits_bytes, (linear, logits_bytes)  # a 1 MiB slice and the gradients
