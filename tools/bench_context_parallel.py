@@ -29,12 +29,10 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,6 +41,7 @@ from core.device import current_device
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.context_parallel import get_batch_on_this_cp_rank, ring_timings
 from models.gpt import GPTModel, llama_config
+from tools.bench_ranks import init_rank, spawn
 
 
 def _model(args: argparse.Namespace, cp: int) -> GPTModel:
@@ -102,14 +101,7 @@ def _timed_steps(
 
 
 def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
-    torch.set_num_threads(1)
-    from core.device import bind_local_device, default_backend
-
-    os.environ["LOCAL_RANK"] = str(rank)
-    bind_local_device()
-    dist.init_process_group(
-        default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=args.world
-    )
+    init_rank(rank, args.world, init_file, threads=1)
     report = {"memory": {}, "overlap": {}}
     for cp in sorted({1, 2, args.cp} if args.measure != "overlap" else {2, args.cp}):
         if args.world % cp:
@@ -187,16 +179,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.world % args.cp:
         parser.error(f"--cp ({args.cp}) must divide --world ({args.world})")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank, args=(r, args, init_file, results)) for r in range(args.world)]
-        for p in procs:
-            p.start()
-        report = results.get(timeout=3600)
-        for p in procs:
-            p.join(timeout=60)
+    report = spawn(_rank, args, world=args.world)
     print(
         f"LLaMA {args.layers} layers x hidden {args.hidden}, {args.heads} heads / {args.groups} groups, one "
         f"sequence of {args.seq} tokens, {args.world} ranks, cp_comm_type {args.cp_comm_type}"

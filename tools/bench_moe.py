@@ -29,12 +29,10 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,10 +40,10 @@ from core import parallel_state
 from core.device import current_device
 from core.distributed import DistributedDataParallelConfig
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
-from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.moe.moe_layer import MoELayer
 from models.gpt import GPTModel, llama_config, parallelize_gpt, pipeline_layout
+from tools.bench_ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
 
 REGIONS = ("routing", "dispatcher", "experts")
 EVENTS: list[tuple[str, str, float]] = []
@@ -133,53 +131,23 @@ def _build(moe: bool, args: argparse.Namespace):
     return model.chunks[0], model.optimizer
 
 
-def _forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-    output = model(tokens, labels=labels)
-    return output, lambda out: (out.float().mean(), {"lm loss": out.float().mean().detach()})
-
-
 def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    from core.device import bind_local_device, default_backend
-
-    os.environ["LOCAL_RANK"] = str(rank)
-    bind_local_device()
-    dist.init_process_group(default_backend(), init_method=f"file://{init_file}", rank=rank, world_size=2)
+    init_rank(rank, 2, init_file, threads=max(1, (os.cpu_count() or 2) // 2))
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)  # DP = 2, EP = 2
     model_parallel_seed(1234)
     MoELayer.forward = _instrumented_forward
     runs = {"dense": _build(False, args), "moe": _build(True, args)}
-    gen = torch.Generator().manual_seed(rank)
-    device = current_device()
-    batches = [
-        (torch.randint(0, args.vocab, (args.mbs, args.seq), generator=gen).to(device),) * 2
-        for _ in range(args.microbatches)
-    ]
-    forward_backward = get_forward_backward_func()
+    batches = token_batches(args.vocab, args.mbs, args.seq, args.microbatches, seed=rank)
     times: dict[str, list[float]] = {name: [] for name in runs}
     splits: list[dict[str, float]] = []
     for step in range(args.warmup + args.steps):
         for name, (ddp, optimizer) in runs.items():
-            dist.barrier()
             EVENTS.clear()
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=iter(batches),
-                model=ddp,
-                num_microbatches=args.microbatches,
-                seq_length=args.seq,
-                micro_batch_size=args.mbs,
+            elapsed = slowest_seconds(
+                lambda m=ddp, o=optimizer: train_step(m, o, batches, args.seq, args.mbs)
             )
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step >= args.warmup:
-                times[name].append(elapsed.item())
+                times[name].append(elapsed)
                 if name == "moe":
                     splits.append(_split(EVENTS))
     gathered = [None, None]
@@ -213,16 +181,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank, args=(r, args, init_file, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        times, splits = results.get(timeout=3600)
-        for p in procs:
-            p.join(timeout=60)
+    times, splits = spawn(_rank, args)
     return report(args, times, splits)
 
 

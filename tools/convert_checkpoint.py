@@ -157,16 +157,23 @@ def _describe_target(args: argparse.Namespace) -> str:
     return text
 
 
+def _target_split(args: argparse.Namespace) -> dict:
+    """The --target-* flags as the keywords of ``target_split`` and ``import_from_hf``."""
+    return {
+        "tensor_parallel": args.target_tensor_parallel_size,
+        "pipeline_parallel": args.target_pipeline_model_parallel_size,
+        "virtual_stages": args.target_num_virtual_stages_per_pipeline_rank,
+        "layout": args.target_pipeline_model_parallel_layout,
+        "expert_parallel": args.target_expert_model_parallel_size,
+    }
+
+
 def _reshard(args: argparse.Namespace, bar) -> str:
     ckpt = open_checkpoint(args.load, args.iteration, verify=not args.no_verify_checkpoint)
     try:
         target, config = target_split(
             ckpt,
-            tensor_parallel=args.target_tensor_parallel_size,
-            pipeline_parallel=args.target_pipeline_model_parallel_size,
-            virtual_stages=args.target_num_virtual_stages_per_pipeline_rank,
-            layout=args.target_pipeline_model_parallel_layout,
-            expert_parallel=args.target_expert_model_parallel_size,
+            **_target_split(args),
         )
     except CheckpointError as err:
         raise CheckpointError(f"{_describe_target(args)}: {err}") from None
@@ -193,11 +200,7 @@ def _from_hf(args: argparse.Namespace, bar) -> str:
         summary = import_from_hf(
             args.from_hf,
             args.save,
-            tensor_parallel=args.target_tensor_parallel_size,
-            pipeline_parallel=args.target_pipeline_model_parallel_size,
-            virtual_stages=args.target_num_virtual_stages_per_pipeline_rank,
-            layout=args.target_pipeline_model_parallel_layout,
-            expert_parallel=args.target_expert_model_parallel_size,
+            **_target_split(args),
             progress=bar.update,
         )
     except CheckpointError as err:

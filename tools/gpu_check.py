@@ -110,17 +110,20 @@ def download_wheels(directory: str) -> None:
         )
 
 
+def child_env() -> dict[str, str]:
+    """A step's environment: this checkout first on ``PYTHONPATH`` (wheels installed with
+    ``--target`` stay on it), W&B off."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, WANDB_MODE="disabled")
+
+
 def run_tests(device: str, limit: float) -> list[dict]:
     """``pytest -m cuda tests/unit/test_cuda.py`` in a child; one row per test with its printed lines."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "cuda.xml")
         command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/unit/test_cuda.py"]
         command += ["-p", "no:cacheprovider", f"--junitxml={report}", "-o", "junit_logging=system-out"]
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-            WANDB_MODE="disabled",
-        )
+        env = child_env()
         if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU mode proves the path: every test skips
         start = time.perf_counter()
@@ -184,6 +187,27 @@ def _junit_rows(path: str) -> list[dict]:
     return rows
 
 
+def run_tool(command: list[str], limit: float) -> tuple[dict | None, str]:
+    """Run a tools/ script in a child (:func:`child_env`) and read its final JSON line; returns
+    (the JSON, "") or (None, why not: a timeout or the output's last lines)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, *command], cwd=ROOT, env=child_env(), check=False, capture_output=True, text=True,
+            timeout=limit,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {limit:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        return None, " | ".join((done.stdout + done.stderr).strip().splitlines()[-2:])
+    return json.loads(lines[-1]), ""
+
+
+def _failed(step: str, key: str, name: str, why: str) -> dict:
+    result = why if why.startswith("timeout") else "error"
+    return {"step": step, key: name, "result": result, "detail": "" if why == result else why}
+
+
 def run_bench(device: str, configs: list[str], quick: bool, deadline: float, started: float) -> list[dict]:
     """``tools/bench_model.py`` once per configuration, each in a child, while time is left."""
     rows = []
@@ -192,52 +216,24 @@ def run_bench(device: str, configs: list[str], quick: bool, deadline: float, sta
         if left < 30:
             rows.append({"step": "bench", "config": config, "result": f"skipped: {deadline:.0f} s deadline"})
             continue
-        command = [sys.executable, "tools/bench_model.py", "--device", device]
+        command = ["tools/bench_model.py", "--device", device]
         command += QUICK_BENCH if quick else ["--config", config, "--dtype", "bf16"]
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-            WANDB_MODE="disabled",
-        )
-        try:
-            done = subprocess.run(
-                command, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=left
-            )
-        except subprocess.TimeoutExpired:
-            rows.append({"step": "bench", "config": config, "result": f"timeout after {left:.0f} s"})
+        result, why = run_tool(command, left)
+        if result is None:
+            rows.append(_failed("bench", "config", config, why))
             continue
-        lines = done.stdout.strip().splitlines()
-        if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
-            tail = (done.stdout + done.stderr).strip().splitlines()[-2:]
-            rows.append({"step": "bench", "config": config, "result": "error", "detail": " | ".join(tail)})
-            continue
-        for row in json.loads(lines[-1])["rows"]:
-            if "contestant" in row:
-                rows.append({"step": "bench", "result": "ok", **row})
+        rows += [{"step": "bench", "result": "ok", **row} for row in result["rows"] if "contestant" in row]
     return rows
 
 
 def run_memory(device: str, quick: bool, limit: float) -> list[dict]:
     """``tools/plan_check_memory.py gpu`` in a child: one row per layout."""
-    command = [sys.executable, "tools/plan_check_memory.py", "gpu", "--device", device]
-    command += ["--quick"] if quick else []
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-        WANDB_MODE="disabled",
-    )
-    try:
-        done = subprocess.run(
-            command, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=limit
-        )
-    except subprocess.TimeoutExpired:
-        return [{"step": "memory", "layout": "(all)", "result": f"timeout after {limit:.0f} s"}]
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        tail = (done.stdout + done.stderr).strip().splitlines()[-2:]
-        return [{"step": "memory", "layout": "(all)", "result": "error", "detail": " | ".join(tail)}]
+    command = ["tools/plan_check_memory.py", "gpu", "--device", device] + (["--quick"] if quick else [])
+    result, why = run_tool(command, limit)
+    if result is None:
+        return [_failed("memory", "layout", "(all)", why)]
     rows = []
-    for row in json.loads(lines[-1])["rows"]:
+    for row in result["rows"]:
         failed = "dry_run_error" in row or "real_error" in row
         rows.append({"step": "memory", "result": "error" if failed else "ok", **row})
     return rows

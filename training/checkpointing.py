@@ -124,16 +124,7 @@ def load_checkpoint(
     p = current_parallel()
     error, path, loaded = None, None, None
     try:
-        path = find_checkpoint(load_dir, iteration)
-        if path is None and exit_on_missing:
-            raise CheckpointError(
-                f"no checkpoint in {load_dir} to load (--exit-on-missing-checkpoint); the directory "
-                + (
-                    "holds no latest_checkpointed_iteration.txt"
-                    if os.path.isdir(load_dir)
-                    else "does not exist"
-                )
-            )
+        path = _find(load_dir, iteration, exit_on_missing)
         if path is not None:
             loaded = _read_this_rank(
                 Checkpoint(path, verify=verify), model_chunks, optimizer, p, load_optim, load_rng, finetune
@@ -146,12 +137,7 @@ def load_checkpoint(
     if path is None:
         return None
     ckpt, optimizer_state, rng_state, finetune = loaded
-    if optimizer is not None:
-        optimizer.reload_model_params()
-        if optimizer_state is not None:
-            optimizer.load_param_state_by_name(optimizer_state)
-    if rng_state is not None:
-        set_rng_state(rng_state)
+    _apply_states(optimizer, optimizer_state, rng_state)
     ours = parallelism_of(unwrap(model_chunks[0]).config, p["dp"])
     return LoadedCheckpoint(
         path=path,
@@ -162,6 +148,27 @@ def load_checkpoint(
         resharded=ours != ckpt.parallel,
         rng_restored=_sum_over_ranks(int(rng_state is not None)),
     )
+
+
+def _find(load_dir: str, iteration: int | None, exit_on_missing: bool) -> str | None:
+    """The iteration directory to load, or None to start afresh (error: --exit-on-missing-checkpoint)."""
+    path = find_checkpoint(load_dir, iteration)
+    if path is None and exit_on_missing:
+        raise CheckpointError(
+            f"no checkpoint in {load_dir} to load (--exit-on-missing-checkpoint); the directory "
+            + ("holds no latest_checkpointed_iteration.txt" if os.path.isdir(load_dir) else "does not exist")
+        )
+    return path
+
+
+def _apply_states(optimizer, optimizer_state: dict | None, rng_state: dict | None) -> None:
+    """After every rank read its shards: refresh the optimizer's weights, restore its state, the RNG."""
+    if optimizer is not None:
+        optimizer.reload_model_params()
+        if optimizer_state is not None:
+            optimizer.load_param_state_by_name(optimizer_state)
+    if rng_state is not None:
+        set_rng_state(rng_state)
 
 
 def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, load_rng, finetune):

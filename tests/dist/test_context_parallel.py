@@ -567,18 +567,11 @@ def _offline_pretrain(rank, world_size, flags):
     import io
     import os
 
-    import pretrain_gpt
-    from training.training import pretrain
+    from tests.support.pretrain_run import pretrain_gpt_in_process
 
     os.environ["WANDB_MODE"] = "offline"
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        state = pretrain(
-            pretrain_gpt.train_valid_test_datasets_provider,
-            pretrain_gpt.model_provider,
-            pretrain_gpt.forward_step,
-            argv=flags,
-            tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        )
+        state = pretrain_gpt_in_process(argv=flags)
     return [losses["lm loss"] for losses in state.losses], out.getvalue() if rank == 0 else ""
 
 

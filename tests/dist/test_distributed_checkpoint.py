@@ -33,17 +33,10 @@ PLAIN = ["--overlap-grad-reduce"]
 
 def _pretrain(rank, world_size, flags):
     """One pretrain() on this rank: (losses on the loss stage, the loss scales its log lines show)."""
-    import pretrain_gpt
-    from training.training import pretrain
+    from tests.support.pretrain_run import pretrain_gpt_in_process
 
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        state = pretrain(
-            pretrain_gpt.train_valid_test_datasets_provider,
-            pretrain_gpt.model_provider,
-            pretrain_gpt.forward_step,
-            argv=flags,
-            tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        )
+        state = pretrain_gpt_in_process(argv=flags)
     scales = [float(s) for s in re.findall(r"\| loss scale: ([0-9.]+) \|", out.getvalue())]
     return [losses["lm loss"] for losses in state.losses], scales
 

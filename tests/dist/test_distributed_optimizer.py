@@ -53,16 +53,10 @@ def small_gpt(prefix: str, iterations: int, *extra: str) -> list[str]:
 
 def run_pretrain(rank, world_size, flags):
     """One pretrain() in this rank's process: (losses on the logging rank, counters)."""
-    import pretrain_gpt
-    from training.training import pretrain
+    from tests.support.pretrain_run import pretrain_gpt_in_process
 
-    state = pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        argv=[*flags, "--num-workers", "0"],  # a daemonic pool worker cannot start DataLoader workers
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-    )
+    # a daemonic pool worker cannot start DataLoader workers
+    state = pretrain_gpt_in_process(argv=[*flags, "--num-workers", "0"])
     return [losses["lm loss"] for losses in state.losses], state.skipped_iterations, state.nan_iterations
 
 

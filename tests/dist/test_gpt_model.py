@@ -15,7 +15,7 @@ import torch
 from core.distributed import finalize_model_grads
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt import GPTModel, gpt2_config, gpt_provider, llama_config, parallelize_gpt, pipeline_layout
-from tests.support.pipeline_toy import make_forward_step, reference_loss_and_grads
+from tests.support.pipeline_toy import make_forward_step, make_microbatches, reference_loss_and_grads
 
 VOCAB, SEQ, MBS, MICROBATCHES = 60, 8, 2, 2  # VOCAB pads to 64: padding is exercised in every split
 TOL = 1e-5
@@ -41,16 +41,8 @@ def make_config(kind: str, **overrides) -> TransformerConfig:
 
 
 def make_batches(count: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(tokens, labels, loss_mask) microbatches; the masks drop a quarter of the tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(count):
-        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=gen)
-        labels = torch.randint(0, VOCAB, (MBS, SEQ), generator=gen)
-        mask = (torch.rand(MBS, SEQ, generator=gen) > 0.25).float()
-        mask[0, 0] = 1.0
-        batches.append((tokens, labels, mask))
-    return batches
+    """(tokens, labels, loss_mask) microbatches of this module's sizes; masks drop a quarter of the tokens."""
+    return make_microbatches(count, MBS, SEQ, variable=False, seed=seed, vocab=VOCAB)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,6 +21,13 @@ import torch
 
 from models.gpt import GPTModel, gpt2_config, llama_config
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs, to_hf
+from tests.support.hf import (
+    convert,
+    check_config_refused,
+    perturb_norms_and_biases,
+    random_hf_model,
+    safetensors_of,
+)
 from tests.support.pipeline_logits import checkpoint_logits
 
 transformers = pytest.importorskip("transformers")
@@ -31,52 +38,44 @@ ROPE_OFFSET = 3000
 """RoPE cases also run at positions ROPE_OFFSET.. , where Llama-3.1's scaling of the slow frequencies shows."""
 
 
-def _perturb_norms_and_biases(model: GPTModel) -> None:
-    """Norm weights start at one and biases at zero; make them matter before comparing."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+def _llama(**overrides):
+    """A tiny LLaMA: 2 layers of 32, 4 heads in 2 query groups, FFN 48 (``overrides`` change it)."""
+    return llama_config(
+        **{
+            "num_layers": 2,
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 48,
+            "init_method_std": 0.2,
+            **overrides,
+        }
+    )
+
+
+def _gpt2(**overrides):
+    """A tiny GPT-2: 2 layers of 32, 4 heads, no dropout (``overrides`` change it)."""
+    return gpt2_config(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        init_method_std=0.2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **overrides,
+    )
 
 
 CASES = {
-    "llama-gqa": (
-        lambda: llama_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_query_groups=2,
-            ffn_hidden_size=48,
-            init_method_std=0.2,
-            rotary_base=500000.0,
-        ),
-        "LlamaForCausalLM",
-        "LlamaConfig",
-    ),
+    "llama-gqa": (lambda: _llama(rotary_base=500000.0), "LlamaForCausalLM", "LlamaConfig"),
     "llama-mqa-tied": (
-        lambda: llama_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_query_groups=1,
-            ffn_hidden_size=48,
-            init_method_std=0.2,
-            kv_channels=16,
-            untie_embeddings_and_output_weights=False,
-        ),
+        lambda: _llama(num_query_groups=1, kv_channels=16, untie_embeddings_and_output_weights=False),
         "LlamaForCausalLM",
         "LlamaConfig",
     ),
     "llama3-rope-scaling": (
-        lambda: llama_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_query_groups=2,
+        lambda: _llama(
             kv_channels=16,
-            ffn_hidden_size=48,
-            init_method_std=0.2,
             rotary_base=500000.0,
             rope_scaling=True,
             rope_scaling_factor=8.0,
@@ -85,45 +84,18 @@ CASES = {
         "LlamaForCausalLM",
         "LlamaConfig",
     ),
-    "gpt2": (
-        lambda: gpt2_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            init_method_std=0.2,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-        ),
-        "GPT2LMHeadModel",
-        "GPT2Config",
-    ),
+    "gpt2": (_gpt2, "GPT2LMHeadModel", "GPT2Config"),
 }
 
 
 ONE_PLUS = {  # --apply-layernorm-1p: exported as gamma = 1 + weight
     "llama-gqa-layernorm-1p": (
-        lambda: llama_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            num_query_groups=2,
-            ffn_hidden_size=48,
-            init_method_std=0.2,
-            layernorm_zero_centered_gamma=True,
-        ),
+        lambda: _llama(layernorm_zero_centered_gamma=True),
         "LlamaForCausalLM",
         "LlamaConfig",
     ),
     "gpt2-layernorm-1p": (
-        lambda: gpt2_config(
-            num_layers=2,
-            hidden_size=32,
-            num_attention_heads=4,
-            init_method_std=0.2,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            layernorm_zero_centered_gamma=True,
-        ),
+        lambda: _gpt2(layernorm_zero_centered_gamma=True),
         "GPT2LMHeadModel",
         "GPT2Config",
     ),
@@ -135,7 +107,7 @@ def test_logits_match_hugging_face(case):
     make, model_class, config_class = {**CASES, **ONE_PLUS}[case]
     config = make()
     ours = GPTModel(config, VOCAB, SEQ).eval()
-    _perturb_norms_and_biases(ours)
+    perturb_norms_and_biases(ours)
     hf_config = getattr(transformers, config_class)(
         **hf_config_kwargs(config, VOCAB, SEQ),
         bos_token_id=None,
@@ -221,7 +193,7 @@ def _logits_with(argv: str, state: dict) -> torch.Tensor:
 )
 def test_each_model_flag_changes_the_logits(base, flags):
     reference = _model_from_flags(base)
-    _perturb_norms_and_biases(reference)
+    perturb_norms_and_biases(reference)
     state = reference.state_dict()
     before, after = _logits_with(base, state), _logits_with(f"{base} {flags}", state)
     assert ((after - before).norm() / before.norm()).item() > 1e-4
@@ -241,7 +213,7 @@ def test_layernorm_1p_stores_gamma_minus_one():
     """--apply-layernorm-1p with weights w - 1 computes what the plain norm computes with w; both start at gamma 1."""
     for base in (ROPE_MODEL, GPT_MODEL):
         plain = _model_from_flags(base)
-        _perturb_norms_and_biases(plain)
+        perturb_norms_and_biases(plain)
         state = plain.state_dict()
         shifted = {k: v - 1 if "layernorm.weight" in k else v for k, v in state.items()}
         a, b = _logits_with(base, state), _logits_with(f"{base} --apply-layernorm-1p", shifted)
@@ -299,7 +271,7 @@ def _write_trident_checkpoint(root, config, vocab: int, tokenizer_type: str, fil
     from training.checkpoint import Parallelism, gpt_tensor_specs, write_checkpoint
 
     model = GPTModel(config, vocab, SEQ)
-    _perturb_norms_and_biases(model)
+    perturb_norms_and_biases(model)
     specs, tied = gpt_tensor_specs(config, vocab, SEQ)
     state = model.state_dict()
     tensors = ((n, state[n][: spec.shape[0]]) for n, spec in specs.items())
@@ -462,14 +434,10 @@ def hf_folders(tmp_path_factory, tokenizer_files):
     eos = tokenizer.eos_token_id
     folders = {}
     for case, (config_class, fields) in HF_MODELS.items():
-        torch.manual_seed(0)
         config = getattr(transformers, config_class)(
             vocab_size=HF_VOCAB, bos_token_id=eos, eos_token_id=eos, **fields
         )
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape) * 0.2)
+        model = random_hf_model(config)
         folder = root / case
         model.save_pretrained(str(folder), max_shard_size="40KB" if case == "llama-gqa-scaled" else "5GB")
         tokenizer.save_pretrained(str(folder))
@@ -478,36 +446,14 @@ def hf_folders(tmp_path_factory, tokenizer_files):
     return folders
 
 
-def _safetensors(folder) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-    return out
-
-
-def _convert(*argv) -> tuple[int, str]:
-    import contextlib
-    import io
-
-    from tools import convert_checkpoint
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = convert_checkpoint.main([*map(str, argv), "--quiet"])
-    return code, err.getvalue().strip()
-
-
 @pytest.mark.parametrize("case", list(HF_MODELS))
 def test_import_then_export_gives_the_hugging_face_files_back(tmp_path, hf_folders, case):
     folder = hf_folders[case]
     split = ("--target-tensor-parallel-size", 2, "--target-pipeline-model-parallel-size", 2)
-    assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt", *split) == (0, "")
+    assert convert("--from-hf", folder, "--save", tmp_path / "ckpt", *split) == (0, "")
     shards = ("--max-shard-size", "40KB") if case == "llama-gqa-scaled" else ()
-    assert _convert("--load", tmp_path / "ckpt", "--to-hf", tmp_path / "out", *shards) == (0, "")
-    original, exported = _safetensors(folder), _safetensors(tmp_path / "out")
+    assert convert("--load", tmp_path / "ckpt", "--to-hf", tmp_path / "out", *shards) == (0, "")
+    original, exported = safetensors_of(folder), safetensors_of(tmp_path / "out")
     assert original.keys() == exported.keys()
     assert all(
         torch.equal(original[k], exported[k]) and original[k].dtype == exported[k].dtype for k in original
@@ -565,17 +511,7 @@ BAD_CONFIGS = [
 def test_an_unsupported_hugging_face_config_is_one_error_naming_the_field(
     tmp_path, hf_folders, case, change, message
 ):
-    import shutil
-
-    folder = tmp_path / "hf"
-    shutil.copytree(hf_folders[case], folder)
-    config = json.loads((folder / "config.json").read_text()) | change
-    (folder / "config.json").write_text(json.dumps(config))
-    assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt") == (
-        1,
-        f"error: {folder}/config.json: {message}",
-    )
-    assert not (tmp_path / "ckpt").exists()
+    check_config_refused(tmp_path, hf_folders[case], change, message)
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
@@ -596,24 +532,16 @@ def test_a_missing_or_truncated_shard_is_one_error_naming_the_file(tmp_path, hf_
             f"checkpoint file {shard} is truncated or corrupt: its header describes {size} bytes but the file "
             f"has {size - 100}"
         )
-    assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt") == (1, f"error: {expected}")
+    assert convert("--from-hf", folder, "--save", tmp_path / "ckpt") == (1, f"error: {expected}")
     assert not (tmp_path / "ckpt").exists()
 
 
 def _pretrain(argv: list[str]):
-    import pretrain_gpt
+    from tests.support.pretrain_run import pretrain_gpt_in_process
     from training.arguments import parse_args
-    from training.training import pretrain
 
     args = parse_args(argv)
-    state = pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        args=args,
-    )
-    return args, state
+    return args, pretrain_gpt_in_process(args=args)
 
 
 def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_folders, capsys):
@@ -624,7 +552,7 @@ def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_fold
 
     from training.checkpoint import open_checkpoint
 
-    assert _convert("--from-hf", hf_folders["llama-gqa-scaled"], "--save", tmp_path / "imported")[0] == 0
+    assert convert("--from-hf", hf_folders["llama-gqa-scaled"], "--save", tmp_path / "imported")[0] == 0
     argv = (
         f"--load {tmp_path / 'imported'} --finetune --use-checkpoint-args --mock-data --micro-batch-size 2 "
         "--train-iters 2 --lr 0 --eval-iters 0 --log-interval 1 --num-workers 0"
@@ -688,5 +616,5 @@ def test_pretrain_trains_an_imported_model_with_no_model_flags(tmp_path, hf_fold
 )
 def test_convert_checkpoint_says_which_flags_each_direction_takes(tmp_path, argv, message):
     _write_trident_checkpoint(tmp_path / "A", CASES["gpt2"][0](), VOCAB, "NullTokenizer", {})
-    assert _convert(*(tmp_path / a if a in ("A", "B", "C") else a for a in argv)) == (1, f"error: {message}")
+    assert convert(*(tmp_path / a if a in ("A", "B", "C") else a for a in argv)) == (1, f"error: {message}")
     assert not (tmp_path / "B").exists() and not (tmp_path / "C").exists()

@@ -64,17 +64,25 @@ def _set_bias(param: torch.Tensor, full: torch.Tensor, rank: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_column(rank, world_size, gather_output):
-    group = dist.group.WORLD
-    torch.manual_seed(0)
-    x, weight, bias = torch.randn(3, 2, 4), torch.randn(6, 4), torch.randn(6)
-    ref = nn.Linear(4, 6)
+def _reference_linear(seed: int, in_features: int, out_features: int):
+    """Seeded input [3, 2, in], weight and bias, and a plain ``nn.Linear`` run forward and backward on
+    them: (x, weight, bias, ref, x_ref, y_ref, dy)."""
+    torch.manual_seed(seed)
+    x = torch.randn(3, 2, in_features)
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    ref = nn.Linear(in_features, out_features)
     with torch.no_grad():
         ref.weight.copy_(weight), ref.bias.copy_(bias)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref)
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
+    return x, weight, bias, ref, x_ref, y_ref, dy
+
+
+def _check_column(rank, world_size, gather_output):
+    group = dist.group.WORLD
+    x, weight, bias, ref, x_ref, y_ref, dy = _reference_linear(0, 4, 6)
 
     layer = ColumnParallelLinear(
         4, 6, config=_config(), init_method=_copy_init(weight), gather_output=gather_output, tp_group=group
@@ -100,15 +108,7 @@ def _check_column(rank, world_size, gather_output):
 
 def _check_row(rank, world_size, input_is_parallel):
     group = dist.group.WORLD
-    torch.manual_seed(1)
-    x, weight, bias = torch.randn(3, 2, 6), torch.randn(4, 6), torch.randn(4)
-    ref = nn.Linear(6, 4)
-    with torch.no_grad():
-        ref.weight.copy_(weight), ref.bias.copy_(bias)
-    x_ref = x.clone().requires_grad_()
-    y_ref = ref(x_ref)
-    dy = torch.randn_like(y_ref)
-    y_ref.backward(dy)
+    x, weight, bias, ref, x_ref, y_ref, dy = _reference_linear(1, 6, 4)
 
     layer = RowParallelLinear(
         6,

@@ -383,17 +383,11 @@ def data(tmp_path_factory) -> str:
 
 
 def _pretrain(rank, world_size, argv):
-    import pretrain_gpt
-    from training.training import pretrain
+    from tests.support.pretrain_run import pretrain_gpt_in_process
 
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        state = pretrain(
-            pretrain_gpt.train_valid_test_datasets_provider,
-            pretrain_gpt.model_provider,
-            pretrain_gpt.forward_step,
-            argv=[*argv, "--num-workers", "0"],  # a daemonic pool worker cannot start DataLoader workers
-            tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        )
+        # a daemonic pool worker cannot start DataLoader workers
+        state = pretrain_gpt_in_process(argv=[*argv, "--num-workers", "0"])
     return state.losses, out.getvalue()
 
 

@@ -175,22 +175,22 @@ def data(tmp_path_factory):
     return write_tiny_dataset(tmp_path_factory.mktemp("data") / "tiny")
 
 
+def _endless_pp2(data) -> list[str]:
+    """Flags of a two-stage run on ``data`` that trains until it is stopped."""
+    return [*TINY, "--pipeline-model-parallel-size", "2", "--train-iters", "100000", "--data-path", str(data)]
+
+
 def _single_rank_losses(data, iterations: int) -> list[float]:
     """The same run on one rank, stopped after ``iterations`` (--train-iters sets the sample order, so
     it stays); in this process: pretrain starts and ends its own world of one."""
     import torch
 
-    import pretrain_gpt
-    from training.training import pretrain
+    from tests.support.pretrain_run import pretrain_gpt_in_process
 
     torch.set_num_threads(1)  # as each torchrun worker (OMP_NUM_THREADS=1): two cores are shared
 
-    state = pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        argv=TINY + ["--train-iters", "100000", "--exit-interval", str(iterations), "--data-path", str(data)],
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
+    state = pretrain_gpt_in_process(
+        argv=TINY + ["--train-iters", "100000", "--exit-interval", str(iterations), "--data-path", str(data)]
     )
     return [reported["lm loss"] for reported in state.losses]
 
@@ -265,14 +265,7 @@ def test_killing_torchrun_ends_its_workers_and_keeps_the_last_checkpoint(data, t
     """kill -9 of torchrun while it saves every iteration: no worker is left 30 s later, and the tracker's
     checkpoint loads on every rank."""
     ckpt = tmp_path / "ckpt"
-    flags = TINY + [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--train-iters",
-        "100000",
-        "--data-path",
-        str(data),
-    ]
+    flags = _endless_pp2(data)
     job = Job(2, flags + ["--save", str(ckpt), "--save-interval", "1"], env=job_env())
     try:
         job.wait_for(" iteration        4/", timeout=240)
@@ -296,14 +289,7 @@ def test_kill_9_during_an_asynchronous_write_keeps_the_previous_checkpoint(data,
     after its first file (a test hook) while training goes on again; kill -9 of the whole job there
     leaves checkpoint 2 the tracker's, loadable on every rank."""
     ckpt = tmp_path / "ckpt"
-    flags = TINY + [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--train-iters",
-        "100000",
-        "--data-path",
-        str(data),
-    ]
+    flags = _endless_pp2(data)
     flags += ["--save", str(ckpt), "--save-interval", "2", "--async-save"]
     job = Job(2, flags, env=job_env(**{STALL_ENV: "4"}))
     first_files = [ckpt / "iter_0000004" / f"model_tp0_pp{p}.safetensors" for p in (0, 1)]
@@ -327,9 +313,8 @@ def test_kill_9_during_an_asynchronous_write_keeps_the_previous_checkpoint(data,
 def test_a_failed_background_write_stops_training_at_the_next_iteration(data, tmp_path):
     """--async-save where iteration 2's directory cannot be made (a file holds its name): the run stops
     at iteration 3 with one CheckpointError naming the path; checkpoint 1 stays the tracker's."""
-    import pretrain_gpt
+    from tests.support.pretrain_run import pretrain_gpt_in_process
     from training.checkpoint import CheckpointError
-    from training.training import pretrain
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -344,14 +329,7 @@ def test_a_failed_background_write_stops_training_at_the_next_iteration(data, tm
 
     argv = TINY + ["--train-iters", "6", "--data-path", str(data), "--save", str(ckpt)]
     with pytest.raises(CheckpointError) as raised:
-        pretrain(
-            pretrain_gpt.train_valid_test_datasets_provider,
-            pretrain_gpt.model_provider,
-            pretrain_gpt.forward_step,
-            argv=argv + ["--save-interval", "1", "--async-save"],
-            tokenizer_provider=pretrain_gpt.tokenizer_provider,
-            iteration_hook=hook,
-        )
+        pretrain_gpt_in_process(argv=argv + ["--save-interval", "1", "--async-save"], iteration_hook=hook)
     path = ckpt / "iter_0000002"
     assert (
         str(raised.value)
@@ -372,14 +350,7 @@ def test_kill_9_of_a_worker_during_saves_always_leaves_a_loadable_checkpoint(dat
     """Four times: SIGKILL one worker at a random moment of a run that saves every iteration (with
     --async-save: while a write is in flight, or being committed, most of the time)."""
     rng = random.Random(10)
-    flags = TINY + [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--train-iters",
-        "100000",
-        "--data-path",
-        str(data),
-    ]
+    flags = _endless_pp2(data)
     for attempt in range(4):
         ckpt = tmp_path / f"ckpt{attempt}"
         job = Job(2, flags + ["--save", str(ckpt), "--save-interval", "1", *saving], env=job_env())

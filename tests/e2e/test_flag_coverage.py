@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -64,16 +63,10 @@ def _args(argv: str, world_size: int = 1) -> argparse.Namespace:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
     """A tiny Megatron indexed dataset: 40 documents of 40 token ids below 1000."""
-    from training.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
+    from tests.support.torchrun_jobs import write_tiny_dataset
 
-    prefix = str(tmp_path_factory.mktemp("data") / "tiny_text_document")
-    builder = IndexedDatasetBuilder(data_file_path(prefix), np.int32)
-    rng = np.random.default_rng(0)
-    for _ in range(40):
-        builder.add_item(rng.integers(0, 1000, 40).tolist())
-        builder.end_document()
-    builder.finalize(index_file_path(prefix))
-    return prefix
+    prefix = tmp_path_factory.mktemp("data") / "tiny_text_document"
+    return str(write_tiny_dataset(prefix, documents=40, length=40, vocab=1000))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -225,10 +225,8 @@ def test_the_context_refuses_more_positions_than_it_holds():
 # -- greedy decoding equals transformers' generate() --------------------------------------------------
 
 
-@pytest.mark.parametrize("case", list(MODELS))
-def test_greedy_tool_output_equals_hugging_face_generate(case, checkpoints):
-    entry = checkpoints[case]
-    flags = ["--load", entry["tp1"], "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy"]
+def generate_tool_json(*flags: str) -> dict:
+    """``python tools/generate.py FLAGS --json`` as a user runs it: its JSON line (it must exit 0)."""
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "generate.py"), *flags, "--json"],
         capture_output=True,
@@ -238,7 +236,15 @@ def test_greedy_tool_output_equals_hugging_face_generate(case, checkpoints):
         env={**os.environ, "PYTHONPATH": ROOT},
     )
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(MODELS))
+def test_greedy_tool_output_equals_hugging_face_generate(case, checkpoints):
+    entry = checkpoints[case]
+    out = generate_tool_json(
+        "--load", entry["tp1"], "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy"
+    )
     prompt = entry["tokenizer"].tokenize(PROMPT)
     assert out["tokens"][: len(prompt)] == prompt
     assert out["tokens"] == _hf_generate(entry["hf"], prompt, do_sample=False)

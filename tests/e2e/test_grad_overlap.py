@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.torchrun_jobs import write_tiny_dataset
+
 ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = (
@@ -89,26 +91,11 @@ ps.destroy_distributed()
 """
 
 
-def _tiny_dataset(directory: Path) -> str:
-    """A Megatron indexed dataset of 40 documents of 40 token ids below 1000 (NullTokenizer)."""
-    import numpy as np
-
-    from training.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
-
-    prefix = str(directory / "tiny_text_document")
-    builder = IndexedDatasetBuilder(data_file_path(prefix), np.int32)
-    rng = np.random.default_rng(0)
-    for _ in range(40):
-        builder.add_item(rng.integers(0, 1000, 40).tolist())
-        builder.end_document()
-    builder.finalize(index_file_path(prefix))
-    return prefix
-
-
 @pytest.fixture(scope="module")
 def overlap_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overlap")
-    data = f"--data-path {_tiny_dataset(tmp)} --tokenizer-type NullTokenizer --vocab-size 1000"
+    prefix = write_tiny_dataset(tmp / "tiny_text_document", documents=40, length=40, vocab=1000)
+    data = f"--data-path {prefix} --tokenizer-type NullTokenizer --vocab-size 1000"
     runs = {name: f"{MODEL} {data} {flags}" for name, flags in RUNS.items()}
     runs["zb-h1"] += f" --timeline-dir {tmp / 'timeline'}"
     env = {

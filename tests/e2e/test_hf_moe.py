@@ -12,22 +12,31 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from models.gpt import GPTModel, llama_config
 from models.gpt.hf_mapping import from_hf, to_hf
-from tests.dist.test_hf_parity import _convert, _safetensors
-from tests.e2e.test_generate import NEW_TOKENS, PROMPT, _hf_generate, _write, spm  # noqa: F401 (spm: fixture)
+from tests.e2e.test_generate import (  # noqa: F401 (spm: fixture)
+    NEW_TOKENS,
+    PROMPT,
+    _hf_generate,
+    _write,
+    generate_tool_json,
+    spm,
+)
+from tests.support.hf import (
+    check_config_refused,
+    convert,
+    perturb_norms_and_biases,
+    random_hf_model,
+    safetensors_of,
+)
 from training.hf.config import hf_config_json, transformer_config_from_hf
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, SEQ, TOL = 64, 16, 1e-5
 COMMON = {"hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2, "init_method_std": 0.2}
 CASES = {
@@ -65,15 +74,6 @@ def _config(case: str, **overrides):
     return llama_config(**COMMON, **CASES[case][0], moe_router_topk=2, **overrides)
 
 
-def _perturb(model: GPTModel) -> None:
-    """Norm weights start at one and biases at zero: make them matter."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-
-
 def _export(model: GPTModel, config, folder) -> None:
     from safetensors.torch import save_file
 
@@ -92,7 +92,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_logits_match_hugging_face_both_ways(case, tmp_path):
     config = _config(case)
     ours = GPTModel(config, VOCAB, SEQ).eval()
-    _perturb(ours)
+    perturb_norms_and_biases(ours)
     _export(ours, config, tmp_path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager")
     assert type(theirs).__name__ == CASES[case][1]
@@ -133,12 +133,7 @@ def hf_folders(tmp_path_factory):
     for case in ("mixtral", "qwen2_moe"):
         config = _config(case)
         kwargs = hf_config_json(config, VOCAB, SEQ, dtype=torch.float32)
-        hf_config = transformers.AutoConfig.for_model(**kwargs)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape) * 0.2)
+        model = random_hf_model(transformers.AutoConfig.for_model(**kwargs))
         folders[case] = tmp_path_factory.mktemp(case)
         model.save_pretrained(str(folders[case]))
     return folders
@@ -149,7 +144,7 @@ def test_import_at_ep2_then_export_gives_the_hugging_face_files_back(tmp_path, h
     folder = hf_folders[case]
     split = ("--target-tensor-parallel-size", 1, "--target-pipeline-model-parallel-size", 2)
     split += ("--target-expert-model-parallel-size", 2)
-    assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt", *split) == (0, "")
+    assert convert("--from-hf", folder, "--save", tmp_path / "ckpt", *split) == (0, "")
     manifest = json.loads((tmp_path / "ckpt" / "iter_0000000" / "manifest.json").read_text())
     assert manifest["parallel"]["ep"] == 2
     assert {f for f in manifest["files"] if "experts" in f} >= {
@@ -159,8 +154,8 @@ def test_import_at_ep2_then_export_gives_the_hugging_face_files_back(tmp_path, h
         if case == "mixtral" or p == 0
     }
     _model_flags_come_from_the_checkpoint(str(tmp_path / "ckpt"), case)
-    assert _convert("--load", tmp_path / "ckpt", "--to-hf", tmp_path / "out") == (0, "")
-    original, exported = _safetensors(folder), _safetensors(tmp_path / "out")
+    assert convert("--load", tmp_path / "ckpt", "--to-hf", tmp_path / "out") == (0, "")
+    original, exported = safetensors_of(folder), safetensors_of(tmp_path / "out")
     assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
     assert any(".experts.3." in k for k in original)  # the Hub's per-expert names
 
@@ -224,15 +219,7 @@ BAD = [
 def test_an_hf_moe_config_we_cannot_represent_is_one_error_naming_the_field(
     tmp_path, hf_folders, case, change, message
 ):
-    folder = tmp_path / "hf"
-    shutil.copytree(hf_folders[case], folder)
-    config = json.loads((folder / "config.json").read_text()) | change
-    (folder / "config.json").write_text(json.dumps(config))
-    assert _convert("--from-hf", folder, "--save", tmp_path / "ckpt") == (
-        1,
-        f"error: {folder}/config.json: {message}",
-    )
-    assert not (tmp_path / "ckpt").exists()
+    check_config_refused(tmp_path, hf_folders[case], change, message)
 
 
 def _checkpoint_and_hf_model(case: str, spm_model: str, root) -> tuple[str, object, object]:
@@ -279,17 +266,9 @@ def test_greedy_generation_equals_hugging_face_generate(spm, tmp_path):  # noqa:
 @pytest.mark.parametrize("case", ["mixtral", "qwen2_moe"])
 def test_greedy_generate_tool_equals_hugging_face_generate(case, spm, tmp_path):  # noqa: F811
     root, hf_model, tokenizer = _checkpoint_and_hf_model(case, spm, tmp_path / "ckpt")
-    flags = ["--load", root, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy", "--json"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "generate.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONPATH": ROOT},
+    out = generate_tool_json(
+        "--load", root, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--greedy"
     )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
     prompt = tokenizer.tokenize(PROMPT)
     assert out["tokens"] == _hf_generate(hf_model, prompt, do_sample=False)
     assert len(out["tokens"]) == len(prompt) + NEW_TOKENS

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.torchrun_jobs import broken_lines
+from tests.support.torchrun_jobs import broken_lines, torchrun_command
 from training.wandb_logging import read_offline_history
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,16 +63,7 @@ def _env(cache: str) -> dict[str, str]:
 
 def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
     env = _env(cache)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(ROOT / "pretrain_gpt.py"),
-        *args,
-    ]
+    cmd = torchrun_command(nproc, args)
     done = subprocess.run(
         cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -279,25 +270,21 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(cache, tmp_path):
     env = {**os.environ, "TRIDENT_CACHE": cache, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "pretrain_gpt.py"),
-        *SMALL,
-        "--pipeline-model-parallel-size",
-        "2",
-        "--train-iters",
-        "100000",
-        "--exit-signal-handler",
-        "--save",
-        str(tmp_path / "ckpt"),
-        "--save-interval",
-        "100000",
-    ]
+    cmd = torchrun_command(
+        2,
+        [
+            *SMALL,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--train-iters",
+            "100000",
+            "--exit-signal-handler",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--save-interval",
+            "100000",
+        ],
+    )
     proc = subprocess.Popen(
         cmd,
         env=env,

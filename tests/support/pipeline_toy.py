@@ -63,15 +63,21 @@ class ToyStage(nn.Module):
 
 
 def make_microbatches(
-    num_microbatches: int, micro_batch_size: int, seq_length: int, variable: bool, seed: int = 1
+    num_microbatches: int,
+    micro_batch_size: int,
+    seq_length: int,
+    variable: bool,
+    seed: int = 1,
+    vocab: int = VOCAB,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(tokens, labels, loss_mask) per microbatch; with ``variable`` the sequence length varies."""
+    """(tokens, labels, loss_mask) per microbatch, ids below ``vocab``; the masks drop a quarter of the
+    tokens; with ``variable`` the sequence length varies."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for i in range(num_microbatches):
         s = seq_length - (i % 3) if variable else seq_length
-        tokens = torch.randint(0, VOCAB, (micro_batch_size, s), generator=gen)
-        labels = torch.randint(0, VOCAB, (micro_batch_size, s), generator=gen)
+        tokens = torch.randint(0, vocab, (micro_batch_size, s), generator=gen)
+        labels = torch.randint(0, vocab, (micro_batch_size, s), generator=gen)
         mask = (torch.rand(micro_batch_size, s, generator=gen) > 0.25).float()
         mask[0, 0] = 1.0
         batches.append((tokens, labels, mask))

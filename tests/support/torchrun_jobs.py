@@ -40,14 +40,16 @@ TINY = [
 ]  # fmt: skip
 
 
-def write_tiny_dataset(prefix: Path, *, documents: int = 200, length: int = 60, seed: int = 0) -> Path:
-    """``prefix.bin``/``.idx`` of random ids below ``VOCAB``, through the real builder."""
+def write_tiny_dataset(
+    prefix: Path, *, documents: int = 200, length: int = 60, seed: int = 0, vocab: int = VOCAB
+) -> Path:
+    """``prefix.bin``/``.idx`` of random ids below ``vocab``, through the real builder."""
     from training.data.indexed_dataset import IndexedDatasetBuilder
 
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(f"{prefix}.bin", np.uint16)
     for _ in range(documents):
-        builder.add_document(rng.integers(0, VOCAB, size=length), [length])
+        builder.add_document(rng.integers(0, vocab, size=length), [length])
     builder.finalize(f"{prefix}.idx")
     return prefix
 

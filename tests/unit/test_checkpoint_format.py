@@ -485,19 +485,12 @@ def _no_model(*args, **kwargs):
 
 
 def test_pretrain_checks_save_before_building_anything(tmp_path):
-    import pretrain_gpt
-    from training.training import pretrain
+    from tests.support.pretrain_run import pretrain_gpt_in_process
 
     (tmp_path / "file").write_text("x")
     argv = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--save", str(tmp_path / "file")]
     with pytest.raises(CheckpointError, match=r"^--save .*/file is not a directory: it is a regular file$"):
-        pretrain(
-            pretrain_gpt.train_valid_test_datasets_provider,
-            _no_model,
-            pretrain_gpt.forward_step,
-            argv=argv,
-            tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        )
+        pretrain_gpt_in_process(model_provider=_no_model, argv=argv)
 
 
 def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):

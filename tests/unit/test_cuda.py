@@ -21,12 +21,11 @@ import json
 import pytest
 import torch
 
-import pretrain_gpt
 from core.device import building_on
 from models.gpt import GPTModel
 from tests.dist.test_gpt_model import SEQ, VOCAB, make_batches, make_config, rel
 from tests.support.pipeline_toy import reference_loss_and_grads
-from training.training import pretrain
+from tests.support.pretrain_run import pretrain_gpt_in_process
 
 pytestmark = pytest.mark.cuda
 
@@ -52,14 +51,7 @@ def no_tf32():
 
 def _pretrain(flags: str, hook=None):
     """``pretrain()`` in this process; ``--distributed-backend gloo`` keeps it on the CPU."""
-    return pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        argv=f"{TINY} {flags}".split(),
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        iteration_hook=hook,
-    )
+    return pretrain_gpt_in_process(argv=f"{TINY} {flags}".split(), iteration_hook=hook)
 
 
 def _twins(kind: str, **overrides) -> tuple[GPTModel, GPTModel]:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-import pretrain_gpt
 from tests.support.host_waits import HostWaitCounter
-from training.training import pretrain
+from tests.support.pretrain_run import pretrain_gpt_in_process
 
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
@@ -34,14 +33,7 @@ learning rate waits for the first applied one."""
 
 
 def _pretrain(flags: str, hook=None):
-    return pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        argv=f"{TINY} {flags}".split(),
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        iteration_hook=hook,
-    )
+    return pretrain_gpt_in_process(argv=f"{TINY} {flags}".split(), iteration_hook=hook)
 
 
 def test_only_log_steps_wait_and_steps_decided_on_the_device_match_steps_read_at_once():

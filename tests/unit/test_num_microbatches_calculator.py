@@ -211,11 +211,10 @@ def test_a_run_along_the_ramp_steps_each_batch_and_builds_each_schedule_table_on
     advanced by each, and one schedule table per microbatch count, however many steps use it."""
     import re
 
-    import pretrain_gpt
     from core.optimizer.lr_scheduler import OptimizerParamScheduler
     from core.pipeline_parallel import schedules
+    from tests.support.pretrain_run import pretrain_gpt_in_process
     from training.arguments import parse_args
-    from training.training import pretrain
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     built, increments = [], []
@@ -230,13 +229,7 @@ def test_a_run_along_the_ramp_steps_each_batch_and_builds_each_schedule_table_on
     )
     schedules._complete_tables.cache_clear()
     argv = MODEL + "--train-samples 15 --global-batch-size 4 --rampup-batch-size 1 1 3 --log-interval 1"
-    state = pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        args=parse_args(argv.split()),
-    )
+    state = pretrain_gpt_in_process(args=parse_args(argv.split()))
     out = capsys.readouterr().out
     batches = [1, 2, 4, 4, 4]  # the ramp up to 3 samples, then (15 - 7) // 4 full batches, as Megatron counts
     assert [int(b) for b in re.findall(r"\| global batch size: +(\d+) \|", out)] == batches

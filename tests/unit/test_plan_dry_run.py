@@ -47,14 +47,21 @@ _MOE = [
 @pytest.mark.parametrize(
     ("extra", "fields"),
     [
-        ([], {"tp": 2, "pp": 2, "dp": 2, "schedule": "zb-h1"}),
+        # the output layer inside the loss: no logits kept (--cross-entropy-fusion-impl linear)
+        (
+            ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "linear"],
+            {"tp": 2, "pp": 2, "dp": 2, "schedule": "zb-h1"},
+        ),
         # experts over EP, their state over expert DP; the fused loss keeps the logits, not a softmax
         ([*_MOE, "--cross-entropy-loss-fusion"], {"tp": 1, "pp": 2, "dp": 2, "ep": 2}),
+        # fp16: the loss scaler's state, and the optimizer's step decided on the device
+        (["--fp16"], {"tp": 1, "pp": 2, "dp": 2}),
     ],
-    ids=["dense-TP2xPP2xDP2-zb", "moe-EP2xPP2xDP2"],
+    ids=["dense-TP2xPP2xDP2-zb-linear-loss", "moe-EP2xPP2xDP2", "fp16-PP2xDP2"],
 )
 def test_dry_run_matches_the_memory_model_on_every_rank(extra, fields):
-    plan_input = read_input(TINY + extra)
+    base = [f for f in TINY if f != "--bf16"] if "--fp16" in extra else TINY
+    plan_input = read_input(base + extra)
     spec = plan_input.spec
     cand = Candidate(**fields, micro_batch_size=2, num_microbatches=2, distributed_optimizer=True)
     cand = replace(cand, layout=even_layout(spec.num_layers, 2).to_string())

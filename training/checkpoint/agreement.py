@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from core import parallel_state as ps
+from core.device import current_device
 from training.checkpoint.format import CheckpointError
 
 __all__ = ["agree", "current_parallel", "distributed", "everyone", "gather", "sum_over_ranks"]
@@ -28,8 +30,6 @@ def _device(group) -> torch.device:
     """Where a collective's tensors live on ``group``: the CPU for gloo, this rank's device otherwise."""
     if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
-    from core.device import current_device
-
     return current_device()
 
 
@@ -78,8 +78,6 @@ def sum_over_ranks(value: int) -> int:
     """``value`` summed over every rank of the job."""
     if not distributed():
         return value
-    from core.device import current_device
-
     total = torch.tensor([value], device=current_device())
     dist.all_reduce(total)
     return int(total.item())
@@ -91,8 +89,6 @@ def current_parallel() -> dict[str, int]:
     Its data-parallel size and rank count DP x CP: context-parallel ranks hold the same weights, the
     distributed optimizer shards over all of them, and a checkpoint records no CP split.
     """
-    from core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized():
         return {
             "tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "vpp": 1,

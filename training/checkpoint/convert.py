@@ -18,11 +18,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from core.pipeline_parallel.layout import parse_layout
+from core.transformer.transformer_config import TransformerConfig
+from models.gpt.gpt_model import pipeline_layout
 from training.checkpoint.files import atomic_write
 from training.checkpoint.format import (
     MANIFEST,
     CheckpointError,
     Parallelism,
+    TensorSpec,
     canonical_order,
     iteration_dir,
     rng_file,
@@ -63,8 +67,6 @@ class ConversionSummary:
 
 def parallelism_of(config, dp: int = 1) -> Parallelism:
     """The :class:`Parallelism` a ``TransformerConfig`` describes (its layout made explicit)."""
-    from models.gpt.gpt_model import pipeline_layout
-
     layout = pipeline_layout(config)
     return Parallelism(
         config.tensor_model_parallel_size,
@@ -105,16 +107,12 @@ def target_split(
     expert_parallel: int = 1,
 ) -> tuple[Parallelism, dict[str, Any]]:
     """The target :class:`Parallelism` and model config, or a CheckpointError saying what does not fit."""
-    from core.transformer.transformer_config import TransformerConfig
-
     try:
         config = TransformerConfig.from_dict(
             ckpt.manifest["model"]["config"],
             **split_fields(tensor_parallel, pipeline_parallel, virtual_stages, layout, expert_parallel),
         )
         if layout is not None and virtual_stages is None:
-            from core.pipeline_parallel.layout import parse_layout
-
             vpp = parse_layout(layout, pipeline_parallel).vpp_size
             config = dataclasses.replace(
                 config, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None
@@ -145,14 +143,39 @@ def convert_checkpoint(
         raise CheckpointError(f"{path} already holds a checkpoint; choose another --save or remove it")
     names = canonical_order(ckpt.tensor_names("all"), lambda name: ckpt.spec(name).owner)
     specs = {name: ckpt.spec(name) for name in names}
-    total = 0
+    files = _write_tensors(ckpt, path, target, specs, progress)
+    kept = _copy_rng_files(ckpt, path, target, files)
+    write_manifest(root, iteration, _target_manifest(ckpt, path, target, config, specs, files))
+    return ConversionSummary(
+        path=path,
+        source=ckpt.parallel,
+        target=target,
+        tensors=len(names),
+        bytes=sum(spec.nbytes for spec in specs.values()),
+        seconds=time.perf_counter() - started,
+        rng_kept=kept,
+        rng_total=target.tp * target.pp * target.dp,
+    )
+
+
+def _write_tensors(
+    ckpt: Checkpoint,
+    path: str,
+    target: Parallelism,
+    specs: dict[str, TensorSpec],
+    progress: Callable[[int], None] | None,
+) -> dict[str, Any]:
+    """Stream every tensor of ``ckpt``, in ``specs``' order, into ``path`` at ``target``; the file records."""
     with CheckpointWriter(path, target, specs, ckpt.tied) as writer:
-        for name in names:
+        for name, spec in specs.items():
             writer.write(name, ckpt.full_tensor(name))
-            total += specs[name].nbytes
             if progress is not None:
-                progress(specs[name].nbytes)
-        files = writer.close()
+                progress(spec.nbytes)
+        return writer.close()
+
+
+def _copy_rng_files(ckpt: Checkpoint, path: str, target: Parallelism, files: dict[str, Any]) -> int:
+    """Copy the RNG file of every target rank the source also had (recorded in ``files``); their count."""
     kept = 0
     for t in range(target.tp):
         for p in range(target.pp):
@@ -166,7 +189,13 @@ def convert_checkpoint(
                     atomic_write(os.path.join(path, name), lambda fh, src=src: shutil.copyfileobj(src, fh))
                 files[name] = record
                 kept += 1
-    manifest = dict(ckpt.manifest)
+    return kept
+
+
+def _target_manifest(
+    ckpt: Checkpoint, path: str, target: Parallelism, config, specs, files
+) -> dict[str, Any]:
+    """The source's manifest at ``target`` (tokenizer copied into ``path``), naming the source split."""
     tokenizer = ckpt.tokenizer
     if tokenizer is not None:
         tokenizer = copy_tokenizer(
@@ -175,25 +204,15 @@ def convert_checkpoint(
             tokenizer["type"],
             **{k: v for k, v in tokenizer.items() if k not in ("type", "files")},
         )
-    manifest.update(
-        parallel=target.to_json(),
-        model={
+    return {
+        **ckpt.manifest,
+        "parallel": target.to_json(),
+        "model": {
             **ckpt.manifest["model"],
             "config": config,
             "padded_vocab_size": padded_vocab_size(specs, ckpt.vocab_size, target.tp),
         },
-        tokenizer=tokenizer,
-        files=files,
-        extra={**ckpt.manifest.get("extra", {}), "converted_from": ckpt.parallel.to_json()},
-    )
-    write_manifest(root, iteration, manifest)
-    return ConversionSummary(
-        path=path,
-        source=ckpt.parallel,
-        target=target,
-        tensors=len(names),
-        bytes=total,
-        seconds=time.perf_counter() - started,
-        rng_kept=kept,
-        rng_total=target.tp * target.pp * target.dp,
-    )
+        "tokenizer": tokenizer,
+        "files": files,
+        "extra": {**ckpt.manifest.get("extra", {}), "converted_from": ckpt.parallel.to_json()},
+    }

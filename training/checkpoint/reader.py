@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from core.transformer.transformer_config import TransformerConfig
 from training.checkpoint.files import (
     SAFETENSORS_DTYPES,
     read_header,
@@ -139,8 +140,6 @@ class Checkpoint:
     @property
     def config(self):
         """The model's ``TransformerConfig``, at the split this checkpoint was written at."""
-        from core.transformer.transformer_config import TransformerConfig
-
         return TransformerConfig.from_dict(self.manifest["model"]["config"])
 
     @property

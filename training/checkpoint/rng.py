@@ -10,17 +10,16 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
+
+from core.tensor_parallel import get_rng_tracker
 
 __all__ = ["get_rng_state", "set_rng_state"]
 
 
 def get_rng_state() -> dict[str, Any]:
     """Python ``random``, numpy, torch CPU (and CUDA when present) and the tensor-parallel tracker states."""
-    import numpy as np
-
-    from core.tensor_parallel import get_rng_tracker
-
     version, keys, gauss = random.getstate()
     name, np_keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
@@ -36,10 +35,6 @@ def get_rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore what :func:`get_rng_state` returned, so the next draws repeat exactly."""
-    import numpy as np
-
-    from core.tensor_parallel import get_rng_tracker
-
     version, keys, gauss = state["random"]
     random.setstate((version, tuple(keys), gauss))
     name, np_keys, pos, has_gauss, cached = state["numpy"]

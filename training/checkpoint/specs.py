@@ -18,7 +18,7 @@ import torch
 
 from core.device import building_on
 from core.tensor_parallel import param_is_tensor_parallel
-from models.gpt.gpt_model import OUTPUT_WEIGHT, WORD_EMBEDDINGS, expert_of, layout_owner
+from models.gpt.gpt_model import OUTPUT_WEIGHT, WORD_EMBEDDINGS, GPTModel, expert_of, layout_owner
 from training.checkpoint.format import (
     CheckpointError,
     Partition,
@@ -73,8 +73,6 @@ def gpt_tensor_specs(
     an 8B model would otherwise land on ``cuda:0``) and reads its parameters; this is how an importer
     learns every tensor a checkpoint must hold.
     """
-    from models.gpt.gpt_model import GPTModel
-
     single = dataclasses.replace(
         config,
         tensor_model_parallel_size=1,

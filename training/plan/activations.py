@@ -232,6 +232,8 @@ def loss_terms(spec: ModelSpec, shape: Shape) -> tuple[dict[str, float], float, 
     saved = {"final norm": _norm(spec, shape), "output layer input": B * s * b * h}
     padded = spec.padded_vocab(t) != spec.vocab_size
     copies = (B if B != 4 else 0) * (2 if padded else 1)  # the logits, and their masked copy
+    if spec.cross_entropy_linear:
+        return _linear_loss_terms(saved, vocab, s * b, B, h, shape.device)
     if spec.cross_entropy_fusion:
         from core.tensor_parallel.fused_cross_entropy import SLICE_BYTES
 
@@ -243,6 +245,23 @@ def loss_terms(spec: ModelSpec, shape: Shape) -> tuple[dict[str, float], float, 
     saved["cross-entropy softmax (fp32)"] = 4 * logits
     saved["cross-entropy targets"] = 9 * s * b
     return saved, logits * (copies + 4), logits * copies + B * s * b * h
+
+
+def _linear_loss_terms(
+    saved: dict[str, float], vocab: int, tokens: int, B: int, h: int, device: str
+) -> tuple[dict[str, float], float, float]:
+    """``--cross-entropy-fusion-impl linear`` (``core/tensor_parallel/linear_cross_entropy.py``): the
+    loss keeps the output layer's input and per token a log-sum-exp and its target; each slice's
+    logits live only while the slice is worked on, in the model's dtype and in fp32, forward and
+    again in backward, where the hidden states' gradient and an fp32 weight gradient are built."""
+    from core.tensor_parallel.linear_cross_entropy import SLICE_BYTES
+
+    piece = min(SLICE_BYTES["cpu" if device == "cpu" else "cuda"] // (4 * vocab), tokens) * vocab
+    slice_bytes = piece * (4 + (B if B != 4 else 0))
+    saved["cross-entropy log-sum-exp and targets"] = 13 * tokens  # fp32, a flag and an int64 a token
+    forward = slice_bytes + 12 * tokens  # the slices, and the per-token maxima and sums
+    backward = slice_bytes + B * piece + B * tokens * h + 4 * vocab * h
+    return saved, forward, backward
 
 
 def stage_activations(

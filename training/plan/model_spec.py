@@ -69,6 +69,8 @@ class ModelSpec:
     attention_softmax_in_fp32: bool = False
     cross_entropy_fusion: bool = False
     """``--cross-entropy-loss-fusion``: the loss keeps the logits, not an fp32 softmax."""
+    cross_entropy_linear: bool = False
+    """``--cross-entropy-fusion-impl linear``: the output layer runs inside the loss; no logits kept."""
     make_vocab_size_divisible_by: int = 128
     precision: str = "fp32"
     """"bf16", "fp16" or "fp32": the parameters' and activations' dtype."""
@@ -117,6 +119,8 @@ class ModelSpec:
             hidden_dropout=config.hidden_dropout,
             attention_softmax_in_fp32=config.attention_softmax_in_fp32,
             cross_entropy_fusion=config.cross_entropy_loss_fusion,
+            cross_entropy_linear=config.cross_entropy_loss_fusion
+            and config.cross_entropy_fusion_impl == "linear",
             make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
             precision=precision,
             moe=moe,
