@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from dataclasses import replace
 
 import pytest
 
+from core.pipeline_parallel.actions import Action, B, F, I, ScheduleDeadlock, W
 from core.pipeline_parallel.layout import even_layout, parse_layout
+from core.pipeline_parallel.lowering import lower
+from core.pipeline_parallel.placement import Placement, placement_for
+from core.pipeline_parallel.schedule_tables import build_tables
+from core.pipeline_parallel.simulator import simulate
+from core.pipeline_parallel.stage_timer import StageTimer
 from training.plan.candidate import Candidate
 from training.plan.costs import LayerProfile
 from training.plan.hardware import GPUS, Cluster, Gpu
@@ -157,6 +164,38 @@ def test_simulated_step_is_the_pipelines_ideal_with_free_communication(small):
     step = estimate_step(spec, cand, free, profile)
     assert step.pipeline_seconds == pytest.approx((8 + 4 - 1) * 3.0)
     assert step.bubble == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "vpp", "m"),
+    [("gpipe", 4, 1, 6), ("1f1b", 4, 1, 9), ("interleaved", 4, 3, 8), ("zb-h1", 4, 2, 12), ("zbv", 4, 2, 8),
+     ("zb-h1", 1, 2, 4)],
+)  # fmt: skip
+def test_stage_timer_gives_the_simulators_floats(schedule, pp, vpp, m):
+    """The planner's compiled timing against the simulator on the lowered tables: the same starts and
+    ends of every compute action, busy time and makespan, to the last bit, with uneven costs per
+    (kind, rank, chunk) and a message latency (the ZBV turn and PP=1's chunks hand over locally)."""
+    rng = random.Random(f"{schedule}{pp}{vpp}{m}")
+    costs = {(k, r, c): rng.uniform(0.5, 2.0) for r in range(pp) for c in range(vpp) for k in (F, B, I, W)}
+    tables, place = build_tables(schedule, pp, vpp, m), placement_for(schedule, pp, vpp)
+    timing = StageTimer(tables, place).time(costs, 0.03)
+
+    def cost(kind):
+        return lambda action, rank: costs[kind, rank, action.chunk]
+
+    lowered = lower(tables, place) if pp > 1 else tables
+    ref = simulate(lowered, place, cost(F), cost(B), 0.03, input_cost=cost(I), weight_cost=cost(W))
+    for rank, table in enumerate(lowered):
+        compute = [i for i, a in enumerate(table) if a.kind in (F, B, I, W)]
+        assert [ref.start_times[rank][i] for i in compute] == timing.start_times[rank]
+        assert [ref.end_times[rank][i] for i in compute] == timing.end_times[rank]
+    assert (timing.busy, timing.makespan, timing.bubble_fraction) == (
+        ref.busy,
+        ref.makespan,
+        ref.bubble_fraction,
+    )
+    with pytest.raises(ScheduleDeadlock, match=r"every rank waits \(rank: next action\) \{0: '0B0'\}"):
+        StageTimer([[Action(B, 0)]], Placement(1)).time({(B, 0, 0): 1.0})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ report prints; :meth:`Candidate.flags` turns it into the ``pretrain_gpt.py`` fla
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from core.pipeline_parallel.layout import PipelineLayout, parse_layout
 
@@ -65,8 +65,7 @@ class Candidate:
     @cached_property
     def stages(self) -> PipelineLayout:
         """The parsed layout (stage ``s`` on rank ``s % pp``, or in a V under ZBV)."""
-        placement = "v" if self.schedule == "zbv" else "loop"
-        return parse_layout(self.layout, self.pp, placement=placement)
+        return _parsed(self.layout, self.pp, "v" if self.schedule == "zbv" else "loop")
 
     @cached_property
     def placement(self):
@@ -121,3 +120,9 @@ class Candidate:
         fields["pipeline_schedule"] = self.schedule
         fields["sequence_parallel"] = self.sequence_parallel
         return fields
+
+
+@lru_cache(maxsize=256)
+def _parsed(layout: str, pp: int, placement: str) -> PipelineLayout:
+    """A layout parsed once (it is frozen): the search's candidates share a few layout strings."""
+    return parse_layout(layout, pp, placement=placement)

@@ -1,9 +1,11 @@
 """Step time of a candidate: the schedule simulator over the real complete tables, plus the step's tail.
 
-The pipeline part is :func:`core.pipeline_parallel.simulator.simulate` on the same complete tables
-the executor runs (compute tables from ``schedule_tables``, sends and receives from ``lowering``),
-every action costing what :class:`~training.plan.costs.StageCostModel` says for its stage and every
-message the link's transfer time. On the first stage the input-gradient half of a split backward has
+The pipeline part is the schedule simulator's timing of the tables the executor runs (compute tables
+from ``schedule_tables``; sends and receives, which lowering adds, cost no time of their own), every
+action costing what :class:`~training.plan.costs.StageCostModel` says for its stage and every message
+the link's transfer time. :class:`~core.pipeline_parallel.stage_timer.StageTimer` compiles each table
+shape once and gives the same floats as :func:`~core.pipeline_parallel.simulator.simulate` on the
+lowered tables. On the first stage the input-gradient half of a split backward has
 nothing to do (its input needs no gradient), so its W carries the whole backward, as in the executor.
 
 Then each rank's data-parallel reduction starts at its chunk's last backward (Trident's
@@ -18,10 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from core.pipeline_parallel.lowering import lower
 from core.pipeline_parallel.placement import placement_for
 from core.pipeline_parallel.schedule_tables import B, F, I, W, build_tables
-from core.pipeline_parallel.simulator import simulate
+from core.pipeline_parallel.stage_timer import StageTimer
 from training.plan.candidate import Candidate
 from training.plan.costs import ActionCosts, LayerProfile, StageCostModel
 from training.plan.hardware import Cluster
@@ -50,11 +51,9 @@ class StepEstimate:
 
 
 @lru_cache(maxsize=64)
-def _complete_tables(schedule: str, pp: int, vpp: int, m: int) -> tuple:
-    tables = build_tables(schedule, pp, vpp, m)
-    if pp == 1:
-        return tuple(tuple(t) for t in tables)
-    return tuple(tuple(t) for t in lower(tables, placement_for(schedule, pp, vpp)))
+def _timer(schedule: str, pp: int, vpp: int, m: int) -> StageTimer:
+    """The compiled tables of one shape; a search times each shape for several candidates."""
+    return StageTimer(build_tables(schedule, pp, vpp, m), placement_for(schedule, pp, vpp))
 
 
 def _stage_costs(model: StageCostModel, cand: Candidate) -> dict[tuple[int, int], ActionCosts]:
@@ -196,26 +195,12 @@ def _estimate(
     model = StageCostModel(spec, cand, cluster, profile)
     costs = {key: ActionCosts(*(stretch * x for x in (c.forward, c.backward_input, c.backward_weight)))
              for key, c in _stage_costs(model, cand).items()}  # fmt: skip
-    tables = [list(t) for t in _complete_tables(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches)]
-
-    seconds = {kind: {key: getattr(c, name) for key, c in costs.items()} for kind, name in _COST_OF.items()}
-
-    def of(kind):
-        table = seconds[kind]
-        return lambda action, rank: table[rank, action.chunk]
-
-    result = simulate(
-        tables,
-        placement_for(cand.schedule, cand.pp, cand.vpp),
-        of(F),
-        of(B),
-        model.p2p_seconds() if cand.pp > 1 else 0.0,
-        input_cost=of(I),
-        weight_cost=of(W),
-    )
+    timer = _timer(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches)
+    seconds = {(kind, *key): getattr(c, name) for key, c in costs.items() for kind, name in _COST_OF.items()}
+    result = timer.time(seconds, model.p2p_seconds() if cand.pp > 1 else 0.0)
     start = min((times[0] for times in result.start_times if times), default=0.0)
     finish, exposed, optimizer = 0.0, 0.0, 0.0
-    for rank, table in enumerate(result.tables):
+    for rank, table in enumerate(timer.tables):
         ends = result.end_times[rank]
         last_backward = {a.chunk: ends[i] for i, a in enumerate(table) if a.kind in (B, W)}
         compute_end = max(ends) if ends else 0.0
