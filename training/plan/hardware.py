@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from training.throughput import PEAK_TFLOPS
 
-__all__ = ["GPUS", "Cluster", "Gpu", "Link"]
+__all__ = ["GPUS", "Cluster", "Gpu", "Interconnect"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Gpu:
 
 
 @dataclass(frozen=True)
-class Link:
+class Interconnect:
     """What a group's messages cost: achieved bytes/s per GPU and seconds per message."""
 
     bandwidth: float
@@ -100,12 +100,12 @@ class Cluster:
     def achievable_flops(self) -> float:
         return self.gpu.peak_tflops * 1e12 * self.gpu.compute_efficiency
 
-    def link(self, group_stride: int, group_size: int) -> Link:
+    def link(self, group_stride: int, group_size: int) -> Interconnect:
         """The link of a group of ``group_size`` ranks ``group_stride`` apart (in a node or across)."""
         g = self.gpu
         if group_stride * (group_size - 1) < self.gpus_per_node:
-            return Link(g.intra_node_gb_s * 1e9, g.intra_node_latency_us * 1e-6)
-        return Link(g.inter_node_gb_s * 1e9, g.inter_node_latency_us * 1e-6)
+            return Interconnect(g.intra_node_gb_s * 1e9, g.intra_node_latency_us * 1e-6)
+        return Interconnect(g.inter_node_gb_s * 1e9, g.inter_node_latency_us * 1e-6)
 
     def with_gpu(self, **changes) -> Cluster:
         return replace(self, gpu=replace(self.gpu, **changes))

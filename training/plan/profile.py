@@ -212,7 +212,7 @@ def measure_gloo(world: int, nbytes: int = 16 << 20) -> tuple[float, float]:
     """(bytes/s, seconds per message) of gloo here, ``world`` ranks all-reducing together.
 
     A ring all-reduce over ``n`` ranks takes ``2 (n - 1)`` steps of ``latency + bytes / n / bandwidth``:
-    the tiny one gives the latency, the large one the bandwidth, as :class:`Link` counts them."""
+    the tiny one gives the latency, the large one the bandwidth, as :class:`Interconnect` counts them."""
     import torch.multiprocessing as mp
 
     world = max(world, 2)
