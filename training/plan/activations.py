@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.tensor_parallel.fused_cross_entropy import SLICE_BYTES as FUSED_SLICE_BYTES
+from core.tensor_parallel.linear_cross_entropy import SLICE_BYTES as LINEAR_SLICE_BYTES
 from training.plan.model_spec import ModelSpec
 
 __all__ = ["Shape", "StageActivations", "layer_terms", "loss_terms", "stage_activations"]
@@ -235,9 +237,11 @@ def loss_terms(spec: ModelSpec, shape: Shape) -> tuple[dict[str, float], float, 
     if spec.cross_entropy_linear:
         return _linear_loss_terms(saved, vocab, s * b, B, h, shape.device)
     if spec.cross_entropy_fusion:
-        from core.tensor_parallel.fused_cross_entropy import SLICE_BYTES
-
-        piece = min(SLICE_BYTES["cpu" if shape.device == "cpu" else "cuda"] // (4 * vocab), s * b) * 4 * vocab
+        piece = (
+            min(FUSED_SLICE_BYTES["cpu" if shape.device == "cpu" else "cuda"] // (4 * vocab), s * b)
+            * 4
+            * vocab
+        )
         saved["cross-entropy logits (kept)"] = B * logits
         saved["cross-entropy statistics and targets"] = 21 * s * b  # max, sum of exp; padding, target
         masked = B * logits if padded else 0  # the padding mask's copy, and its gradient's
@@ -254,9 +258,7 @@ def _linear_loss_terms(
     loss keeps the output layer's input and per token a log-sum-exp and its target; each slice's
     logits live only while the slice is worked on, in the model's dtype and in fp32, forward and
     again in backward, where the hidden states' gradient and an fp32 weight gradient are built."""
-    from core.tensor_parallel.linear_cross_entropy import SLICE_BYTES
-
-    piece = min(SLICE_BYTES["cpu" if device == "cpu" else "cuda"] // (4 * vocab), tokens) * vocab
+    piece = min(LINEAR_SLICE_BYTES["cpu" if device == "cpu" else "cuda"] // (4 * vocab), tokens) * vocab
     slice_bytes = piece * (4 + (B if B != 4 else 0))
     saved["cross-entropy log-sum-exp and targets"] = 13 * tokens  # fp32, a flag and an int64 a token
     forward = slice_bytes + 12 * tokens  # the slices, and the per-token maxima and sums
