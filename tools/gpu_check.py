@@ -15,10 +15,13 @@ the end of the check):
 3. ``tools/plan_check_memory.py gpu``: the planner's memory figure and its fake-tensor dry run (placed on
    the GPU, so its kernels decide what attention keeps) against ``torch.cuda.max_memory_allocated`` of
    the same step run for real, for one ~0.5B LLaMA stage in three layouts.
-4. ``tools/bench_model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
+4. ``tools/bench_cross_entropy.py --device cuda``: the output layer and the loss at vocabulary 128,256,
+   8,192 tokens, hidden 2048, bf16: peak ``max_memory_allocated`` and time of the plain loss, the
+   native fused one and the output layer inside the loss (``--cross-entropy-fusion-impl linear``).
+5. ``tools/bench_model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
    against the same model in a plain transformers loop, LLaMA ~1B at seq 4096 (one microbatch a step,
-   then eight), GPT-2 124M at seq 1024, bf16. Each configuration is its own process; one that would not finish before
-   ``--deadline`` is skipped and says so.
+   then eight), GPT-2 124M at seq 1024, bf16. Each configuration is its own process; one that would
+   not finish before ``--deadline`` is skipped and says so.
 
 It prints one table, then one JSON line (``{"gpu_check": ...}``).
 """
@@ -239,6 +242,20 @@ def run_memory(device: str, quick: bool, limit: float) -> list[dict]:
     return rows
 
 
+LOSS_SIZES = {  # tools/bench_cross_entropy.py: LLaMA-3's vocabulary and a 1B model's width on a GPU
+    False: ["--vocab", "128256", "--tokens", "8192", "--hidden", "2048", "--dtypes", "bfloat16"],
+    True: ["--vocab", "512", "--tokens", "64", "--hidden", "16", "--dtypes", "bfloat16", "--steps", "1"],
+}
+
+
+def run_loss(device: str, quick: bool, limit: float) -> list[dict]:
+    """``tools/bench_cross_entropy.py`` in a child: the three losses' peak memory and time, one row."""
+    result, why = run_tool(["tools/bench_cross_entropy.py", "--device", device, *LOSS_SIZES[quick]], limit)
+    if result is None:
+        return [_failed("loss", "dtype", "bfloat16", why)]
+    return [{"step": "loss", "result": "ok", **row} for row in result["results"]]
+
+
 def print_table(env: dict, rows: list[dict]) -> None:
     print(f"gpu_check on {env['device']} | torch {env['torch']} | {env['packages']}")
     print(f"{'step':<6} {'test / configuration':<72} {'result':<9} {'s':>6}  figures")
@@ -258,6 +275,20 @@ def print_table(env: dict, rows: list[dict]) -> None:
         )
         errors = " ".join(r[k] for k in ("dry_run_error", "real_error", "detail") if k in r)
         print(f"{'memory':<6} {r['layout']:<32}{cells}  {r['result']} {errors}")
+    loss = [r for r in rows if r["step"] == "loss"]
+    if loss:
+        print(
+            f"{'loss':<6} {'dtype':<10}{'plain MiB':>10}{'native':>16}{'linear':>16}{'plain ms':>10}{'native':>9}{'linear':>9}"
+        )
+    for r in loss:
+        if r["result"] != "ok":
+            print(f"{'loss':<6} {r['dtype']:<10} {r['result']} {r.get('detail', '')}")
+            continue
+        print(
+            f"{'loss':<6} {r['dtype']:<10}{r['plain_peak_mib']:>10.0f}"
+            f"{r['fused_peak_mib']:>9.0f} ({r['peak_ratio']:.2f}){r['linear_peak_mib']:>9.0f} ({r['linear_peak_ratio']:.2f})"
+            f"{r['plain_ms']:>10.1f}{r['fused_ms']:>9.1f}{r['linear_ms']:>9.1f}"
+        )
     print(
         f"{'bench':<6} {'config dtype contestant':<40}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
     )
@@ -295,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny benchmark sizes (the CPU mode CI runs)")
     parser.add_argument(
-        "--only", choices=["tests", "memory", "bench"], default=None, help="run one step only"
+        "--only", choices=["tests", "memory", "loss", "bench"], default=None, help="run one step only"
     )
     parser.add_argument(
         "--config",
@@ -338,6 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.only in (None, "memory") and not needed:
         left = args.deadline - (time.perf_counter() - started)
         rows += run_memory(args.device, args.quick, max(min(left, 240.0), 30.0))
+    if args.only in (None, "loss") and not needed:
+        left = args.deadline - (time.perf_counter() - started)
+        rows += run_loss(args.device, args.quick, max(min(left, 120.0), 30.0))
     if args.only in (None, "bench") and not needed:
         configs = ["tiny"] if args.quick else args.config
         rows += run_bench(args.device, configs, args.quick, args.deadline, started)
