@@ -223,6 +223,9 @@ GPU_LAYOUTS = {
 
 
 def check_gpu(device: str, quick: bool) -> list[dict]:
+    """Per layout of :data:`GPU_LAYOUTS`, one stage at world size 1: the model's peak, the fake dry
+    run's on ``device``, and the same step run for real (live bytes counted; on a GPU the allocator's
+    ``max_memory_allocated`` from the step's start). A failure is a row's error, not the end."""
     import gc
 
     import torch
