@@ -222,6 +222,12 @@ GPU_LAYOUTS = {
 }  # fmt: skip
 
 
+def _one_line(err: Exception) -> str:
+    """An exception as one table cell: its type and its message's first line."""
+    first = (str(err).splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:200]}"
+
+
 def check_gpu(device: str, quick: bool) -> list[dict]:
     """Per layout of :data:`GPU_LAYOUTS`, one stage at world size 1: the model's peak, the fake dry
     run's on ``device``, and the same step run for real (live bytes counted; on a GPU the allocator's
@@ -247,7 +253,7 @@ def check_gpu(device: str, quick: bool) -> list[dict]:
             row["dry_run_peak"] = dry_run(argv, world_size=1, pp_rank=0, vocab_size=spec.vocab_size,
                                           forward_step_func=forward_step, device=device).peak  # fmt: skip
         except Exception as err:  # noqa: BLE001 -- a row of the table, the next measurement still runs
-            row["dry_run_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            row["dry_run_error"] = _one_line(err)
         cases.append((row, argv))
     os.environ.setdefault("LOCAL_RANK", "0")
     dist.init_process_group(
@@ -265,7 +271,7 @@ def check_gpu(device: str, quick: bool) -> list[dict]:
                 if cuda:
                     row["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
             except Exception as err:  # noqa: BLE001
-                row["real_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                row["real_error"] = _one_line(err)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()

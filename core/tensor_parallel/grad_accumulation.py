@@ -30,7 +30,7 @@ _HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 _will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
 
-def _engine_will_use(tensor: torch.Tensor) -> bool:
+def engine_will_use(tensor: torch.Tensor) -> bool:
     """Whether the running backward needs ``tensor``'s gradient (always True where torch cannot say)."""
     if not tensor.requires_grad:
         return False
@@ -62,13 +62,13 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         input_, weight, bias = ctx.saved_tensors
         grad_input = grad_bias = None
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-        if _engine_will_use(input_):
+        if engine_will_use(input_):
             grad_input = grad_output.matmul(weight)
-        if _engine_will_use(weight):
+        if engine_will_use(weight):
             accumulate_weight_grad(weight.main_grad, flat_grad, input_.reshape(-1, input_.shape[-1]))
             weight.grad_accumulated(weight)
             weight.grad_added_to_main_grad = True
-        if bias is not None and _engine_will_use(bias):
+        if bias is not None and engine_will_use(bias):
             grad_bias = flat_grad.sum(0)
         return grad_input, None, grad_bias
 

@@ -27,17 +27,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from core.tensor_parallel.cross_entropy import _all_reduce
-from core.tensor_parallel.grad_accumulation import _engine_will_use, accumulate_weight_grad
+from core.tensor_parallel.fused_cross_entropy import token_slices
+from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, engine_will_use
 from core.tensor_parallel.utils import resolve_tp_group
 
 SLICE_BYTES = {"cuda": 256 * 2**20, "cpu": 16 * 2**20}
 """fp32 bytes of one slice of logits, by device: large enough that each slice's matmul runs near the
 device's full rate, small against the logits they replace."""
-
-
-def _slices(tokens: int, vocab: int, slice_bytes: int) -> list[slice]:
-    per = max(1, slice_bytes // (4 * vocab))
-    return [slice(start, min(start + per, tokens)) for start in range(0, tokens, per)]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, valid: int) -> torch.Tensor:
@@ -62,7 +58,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         local_max = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         stats = torch.empty(2, tokens, dtype=torch.float32, device=hidden.device)
-        for part in _slices(tokens, partition_vocab, slice_bytes):
+        for part in token_slices(tokens, partition_vocab, slice_bytes):
             logits = _logits(hidden[part], weight, valid)
             # A shard of padding alone has no finite logit: a finite floor keeps exp() at 0, not NaN.
             local_max[part] = logits.amax(dim=-1).clamp_(min=torch.finfo(torch.float32).min)
@@ -82,7 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, log_sum_exp, foreign, local_target = ctx.saved_tensors
-        want_input, want_weight = _engine_will_use(hidden), _engine_will_use(weight)
+        want_input, want_weight = engine_will_use(hidden), engine_will_use(weight)
         grad_hidden = torch.empty_like(hidden) if want_input else None
         grad_weight = None
         if want_weight:
@@ -93,7 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
         own_target = (~foreign).float().neg_()
         grad_loss = grad_loss.float()
-        for part in _slices(hidden.shape[0], weight.shape[0], ctx.slice_bytes):
+        for part in token_slices(hidden.shape[0], weight.shape[0], ctx.slice_bytes):
             grad = _logits(hidden[part], weight, ctx.valid).sub_(log_sum_exp[part].unsqueeze(-1)).exp_()
             grad.scatter_add_(-1, local_target[part].unsqueeze(-1), own_target[part].unsqueeze(-1))
             grad = grad.mul_(grad_loss[part].unsqueeze(-1)).to(weight.dtype)
