@@ -354,22 +354,21 @@ def get_tensor_and_data_parallel_group(with_context_parallel: bool = False) -> P
 
 def get_embedding_group() -> ProcessGroup:
     """First and last pipeline stage, which keep tied word embeddings in sync."""
-    groups = get_parallel_groups()
-    if groups.embd is None:
-        raise RuntimeError(
-            f"rank {groups.rank} is not in an embedding group; only the first and last pipeline stages are"
-        )
-    return groups.embd
+    return _stage_group("embd", "an embedding group", "the first and last pipeline stages are")
 
 
 def get_position_embedding_group() -> ProcessGroup:
     """The first pipeline stage of each pipeline (holder of the position embedding)."""
+    return _stage_group("pos_embd", "a position-embedding group", "the first pipeline stage is")
+
+
+def _stage_group(field: str, what: str, members: str) -> ProcessGroup:
+    """A group only some pipeline stages belong to, or a RuntimeError naming who does."""
     groups = get_parallel_groups()
-    if groups.pos_embd is None:
-        raise RuntimeError(
-            f"rank {groups.rank} is not in a position-embedding group; only the first pipeline stage is"
-        )
-    return groups.pos_embd
+    group = getattr(groups, field)
+    if group is None:
+        raise RuntimeError(f"rank {groups.rank} is not in {what}; only {members}")
+    return group
 
 
 def get_tensor_model_parallel_world_size() -> int:

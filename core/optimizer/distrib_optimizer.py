@@ -50,28 +50,21 @@ class DistributedOptimizer(MegatronOptimizer):
         config: OptimizerConfig,
         model_chunks: Iterable[nn.Module],
     ) -> None:
-        super().__init__(optimizer, config, model_chunks)
-        bucket_of = {}
-        for chunk in self.model_chunks:
+        model_chunks = list(model_chunks or [])
+        self._bucket_of = {}
+        for chunk in model_chunks:
             ddp_config = getattr(chunk, "ddp_config", None)
             if ddp_config is None or not ddp_config.use_distributed_optimizer:
                 raise TypeError(
                     "the distributed optimizer needs every model chunk wrapped in DistributedDataParallel "
                     "with DistributedDataParallelConfig(use_distributed_optimizer=True)"
                 )
-            bucket_of.update(chunk.param_to_bucket)
-        for group in optimizer.param_groups:
-            mains = []
-            for param in group["params"]:
-                shard = self._make_shard(param, bucket_of)
-                if shard is not None:
-                    self._shards.append(shard)
-                    mains.append(shard.main_param)
-            group["params"] = mains
+            self._bucket_of.update(chunk.param_to_bucket)
+        super().__init__(optimizer, config, model_chunks)
 
-    def _make_shard(self, param: nn.Parameter, bucket_of: dict) -> ParamShard | None:
+    def _make_shard(self, param: nn.Parameter) -> ParamShard | None:
         name = self._name(param)
-        bucket = bucket_of.get(param)
+        bucket = self._bucket_of.get(param)
         if bucket is None:
             raise ValueError(f"parameter {name} is in no data-parallel buffer of the model chunks")
         owned = bucket.owned_range(param)

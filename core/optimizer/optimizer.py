@@ -108,7 +108,7 @@ def _foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> N
 class MegatronOptimizer:
     """Common machinery: gradient hand-over, loss scaling, global norm, clipping, skip-on-NaN, state.
 
-    Subclasses differ only in the :class:`ParamShard` records they build (``self._shards``).
+    Subclasses differ only in the :class:`ParamShard` record they build for each parameter (``_make_shard``).
     ``model_chunks`` lets ``zero_grad`` also zero the chunks' data-parallel gradient buffers, and
     names the parameters in ``param_state_by_name``.
     """
@@ -132,6 +132,15 @@ class MegatronOptimizer:
         self.last_step_overflowed = False
         """True when the last ``step()`` found Inf/NaN in the loss-scaled gradients and skipped."""
         self._names = model_named_parameters(self.model_chunks)
+        for group in optimizer.param_groups:
+            shards = [shard for shard in map(self._make_shard, group["params"]) if shard is not None]
+            self._shards += shards
+            group["params"] = [shard.main_param for shard in shards]
+
+    def _make_shard(self, param: nn.Parameter) -> ParamShard | None:
+        """What this flavour steps for ``param`` (None: nothing on this rank); its ``main_param``
+        takes ``param``'s place in the inner optimizer's group."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what it steps (_make_shard)")
 
     def _name(self, param: nn.Parameter) -> str:
         return self._names.get(id(param), f"param{len(self._names)}.{id(param)}")
@@ -378,21 +387,13 @@ class MegatronOptimizer:
 class FP32Optimizer(MegatronOptimizer):
     """fp32 model: the inner optimizer steps on the model's parameters directly."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        config: OptimizerConfig,
-        model_chunks: Iterable[nn.Module] | None = None,
-    ) -> None:
-        super().__init__(optimizer, config, model_chunks)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.dtype != torch.float32:
-                    raise TypeError(
-                        f"FP32Optimizer got a {param.dtype} parameter; use "
-                        "Float16OptimizerWithFloat16Params (OptimizerConfig.bf16 or fp16=True)"
-                    )
-                self._shards.append(ParamShard(self._name(param), param, param, 0, param.numel(), False))
+    def _make_shard(self, param: nn.Parameter) -> ParamShard:
+        if param.dtype != torch.float32:
+            raise TypeError(
+                f"FP32Optimizer got a {param.dtype} parameter; use "
+                "Float16OptimizerWithFloat16Params (OptimizerConfig.bf16 or fp16=True)"
+            )
+        return ParamShard(self._name(param), param, param, 0, param.numel(), False)
 
 
 class Float16OptimizerWithFloat16Params(MegatronOptimizer):
@@ -402,29 +403,19 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     an fp32 clone that carries the same tensor-parallel and tied-weight attributes.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        config: OptimizerConfig,
-        model_chunks: Iterable[nn.Module] | None = None,
-    ) -> None:
-        super().__init__(optimizer, config, model_chunks)
-        for group in optimizer.param_groups:
-            for index, param in enumerate(group["params"]):
-                name = self._name(param)
-                if param.dtype in _HALF:
-                    main = param.detach().clone().float()
-                    copy_tensor_model_parallel_attributes(main, param)
-                    for attribute in _COPIED_ATTRIBUTES:
-                        if hasattr(param, attribute):
-                            setattr(main, attribute, getattr(param, attribute))
-                    group["params"][index] = main
-                    if param in optimizer.state:
-                        optimizer.state[main] = optimizer.state.pop(param)
-                    self._shards.append(ParamShard(name, param, main, 0, param.numel(), True))
-                elif param.dtype == torch.float32:
-                    self._shards.append(ParamShard(name, param, param, 0, param.numel(), False))
-                else:
-                    raise TypeError(
-                        f"cannot optimise a {param.dtype} parameter; expected bfloat16, float16 or float32"
-                    )
+    def _make_shard(self, param: nn.Parameter) -> ParamShard:
+        name = self._name(param)
+        if param.dtype == torch.float32:
+            return ParamShard(name, param, param, 0, param.numel(), False)
+        if param.dtype not in _HALF:
+            raise TypeError(
+                f"cannot optimise a {param.dtype} parameter; expected bfloat16, float16 or float32"
+            )
+        main = param.detach().clone().float()
+        copy_tensor_model_parallel_attributes(main, param)
+        for attribute in _COPIED_ATTRIBUTES:
+            if hasattr(param, attribute):
+                setattr(main, attribute, getattr(param, attribute))
+        if param in self.optimizer.state:
+            self.optimizer.state[main] = self.optimizer.state.pop(param)
+        return ParamShard(name, param, main, 0, param.numel(), True)

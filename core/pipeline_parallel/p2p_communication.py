@@ -30,6 +30,14 @@ def is_single_shape(x) -> bool:
     )
 
 
+_NEIGHBOUR = {
+    "next": ("tensor_send_next", "recv_next", 1),
+    "prev": ("tensor_send_prev", "recv_prev", 0),
+}
+"""Per neighbour: ``communicate``'s keyword to send to it, its keyword to receive from it, and the
+index of what comes from it in ``communicate``'s result."""
+
+
 class P2PCommunicator:
     """Megatron's pipeline point-to-point API, posting on the same links as the executor.
 
@@ -127,13 +135,13 @@ class P2PCommunicator:
     def recv_forward(self, tensor_shapes, is_first_stage: bool):
         """Receive the input activation from the previous stage (None on the first stage)."""
         if is_first_stage:
-            return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
+            return _nothing_for(tensor_shapes)
         return self._each(tensor_shapes, lambda s: self.communicate(recv_prev=True, tensor_shape=s)[0])
 
     def recv_backward(self, tensor_shapes, is_last_stage: bool):
         """Receive the gradient of this stage's output from the next stage (None on the last stage)."""
         if is_last_stage:
-            return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
+            return _nothing_for(tensor_shapes)
         return self._each(tensor_shapes, lambda s: self.communicate(recv_next=True, tensor_shape=s)[1])
 
     def send_forward(self, output_tensors, is_last_stage: bool) -> None:
@@ -150,47 +158,53 @@ class P2PCommunicator:
 
     def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage: bool):
         """Send the output forward and receive its gradient back."""
-        if is_last_stage:
-            return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._zip(
-            output_tensors,
-            tensor_shapes,
-            lambda t, s: self.communicate(tensor_send_next=t, recv_next=True, tensor_shape=s)[1],
-        )
+        return self._exchange("next", output_tensors, tensor_shapes, is_last_stage)
 
     def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage: bool):
         """Send the input gradient back and receive the next input."""
-        if is_first_stage:
-            return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
-        return self._zip(
-            input_tensor_grads,
-            tensor_shapes,
-            lambda t, s: self.communicate(tensor_send_prev=t, recv_prev=True, tensor_shape=s)[0],
-        )
+        return self._exchange("prev", input_tensor_grads, tensor_shapes, is_first_stage)
 
     def send_forward_recv_forward(
         self, output_tensor, recv_prev: bool, tensor_shape, overlap_p2p_comm: bool = False
     ):
         """Send to the next stage and receive from the previous one (interleaved schedules)."""
-        from_prev, _, reqs = self.communicate(
-            tensor_send_next=output_tensor,
-            recv_prev=recv_prev,
-            tensor_shape=tensor_shape,
-            wait_on_reqs=not overlap_p2p_comm,
+        return self._send_and_receive(
+            "next", "prev", output_tensor, recv_prev, tensor_shape, overlap_p2p_comm
         )
-        return (from_prev, reqs) if overlap_p2p_comm else from_prev
 
     def send_backward_recv_backward(
         self, input_tensor_grad, recv_next: bool, tensor_shape, overlap_p2p_comm: bool = False
     ):
         """Send a gradient to the previous stage and receive one from the next (interleaved schedules)."""
-        _, from_next, reqs = self.communicate(
-            tensor_send_prev=input_tensor_grad,
-            recv_next=recv_next,
-            tensor_shape=tensor_shape,
-            wait_on_reqs=not overlap_p2p_comm,
+        return self._send_and_receive(
+            "prev", "next", input_tensor_grad, recv_next, tensor_shape, overlap_p2p_comm
         )
-        return (from_next, reqs) if overlap_p2p_comm else from_next
+
+    def _exchange(self, neighbour: str, tensors, tensor_shapes, no_neighbour: bool):
+        """Each tensor to ``neighbour`` and its reply back (1F1B's steady state); None without one."""
+        if no_neighbour:
+            return _nothing_for(tensor_shapes)
+        return self._zip(
+            tensors, tensor_shapes, lambda t, s: self._send_and_receive(neighbour, neighbour, t, True, s)
+        )
+
+    def _send_and_receive(
+        self,
+        send_to: str,
+        receive_from: str,
+        tensor,
+        recv: bool,
+        tensor_shape,
+        overlap_p2p_comm: bool = False,
+    ):
+        """``tensor`` to neighbour ``send_to`` and, if ``recv``, a tensor from ``receive_from``; with
+        ``overlap_p2p_comm`` also the pending requests (the caller waits on them)."""
+        send_key = _NEIGHBOUR[send_to][0]
+        _, recv_key, side = _NEIGHBOUR[receive_from]
+        received = self.communicate(
+            **{send_key: tensor, recv_key: recv}, tensor_shape=tensor_shape, wait_on_reqs=not overlap_p2p_comm
+        )
+        return (received[side], received[2]) if overlap_p2p_comm else received[side]
 
     def send_forward_backward_recv_forward_backward(
         self, output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool, tensor_shape
@@ -226,6 +240,11 @@ def _channels_of(pp_group: dist.ProcessGroup) -> Mapping[Link, dist.ProcessGroup
             "direction and neighbour, NCCL-safe); pass parallel_state.get_pipeline_model_parallel_group()"
         )
     return ps.get_pipeline_model_parallel_channel_groups()
+
+
+def _nothing_for(tensor_shapes):
+    """What a receive returns where there is no neighbour: None, or a None per shape."""
+    return None if is_single_shape(tensor_shapes) else [None] * len(tensor_shapes)
 
 
 def _as_list(x) -> list:

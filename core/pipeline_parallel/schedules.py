@@ -24,7 +24,6 @@ from core.pipeline_parallel.actions import Action
 from core.pipeline_parallel.executor import ScheduleRecord, StepContext, run_table
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
 from core.pipeline_parallel.links import PipelineLinks
-from core.pipeline_parallel.losses import LossLogs
 from core.pipeline_parallel.lowering import lower, validate
 from core.pipeline_parallel.p2p_communication import P2PCommunicator
 from core.pipeline_parallel.placement import placement_for
@@ -66,7 +65,7 @@ def forward_backward_no_pipelining(
 ) -> list:
     """Forward and backward of each microbatch in turn on one stage; gradients accumulate."""
     chunks = _single_chunk(model, "forward_backward_no_pipelining")
-    return _run(
+    table, ctx = _prepare(
         "1f1b",
         forward_step_func,
         data_iterator,
@@ -78,6 +77,7 @@ def forward_backward_no_pipelining(
         pipelined=False,
         **kwargs,
     )
+    return run_table(table, ctx)
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -94,7 +94,7 @@ def forward_backward_pipelining_without_interleaving(
     """1F1B over the pipeline group; GPipe or ZB-H1 as ``config.pipeline_schedule`` says."""
     chunks = _single_chunk(model, "forward_backward_pipelining_without_interleaving")
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
-    return _run(
+    table, ctx = _prepare(
         schedule,
         forward_step_func,
         data_iterator,
@@ -105,6 +105,7 @@ def forward_backward_pipelining_without_interleaving(
         forward_only,
         **kwargs,
     )
+    return run_table(table, ctx)
 
 
 def forward_backward_pipelining_with_interleaving(
@@ -125,7 +126,7 @@ def forward_backward_pipelining_with_interleaving(
     """
     chunks = _as_chunks(model)
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
-    return _run(
+    table, ctx = _prepare(
         "interleaved" if schedule == "1f1b" else schedule,
         forward_step_func,
         data_iterator,
@@ -136,12 +137,13 @@ def forward_backward_pipelining_with_interleaving(
         forward_only,
         **kwargs,
     )
+    return run_table(table, ctx)
 
 
 _ACCEPTED_DEFAULTS = {"adjust_tensor_shapes_fn": None}
 
 
-def _run(
+def _prepare(
     schedule,
     forward_step_func,
     data_iterator,
@@ -160,7 +162,10 @@ def _run(
     schedule_hooks: ScheduleHooks | None = None,
     pg_collection: ParallelGroups | None = None,
     **unsupported,
-) -> LossLogs:
+) -> tuple[list[Action], StepContext]:
+    """This rank's complete table and the executor's context for one call of an entry point: every
+    check done, nothing communicated yet. The entries call ``run_table`` themselves (one frame less
+    between the training loop and the model)."""
     _check_keywords(unsupported, decoder_seq_length, seq_length)
     del first_val_step  # only meaningful for FP8 weight caching, which Trident does not do
     settings = ScheduleSettings.from_config(chunks[0].config)
@@ -197,7 +202,7 @@ def _run(
         groups=groups,
         record=record,
     )
-    return run_table(list(tables[pp_rank]), ctx)
+    return list(tables[pp_rank]), ctx
 
 
 @functools.lru_cache(maxsize=64)

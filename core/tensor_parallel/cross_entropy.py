@@ -26,23 +26,48 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op: dist.ReduceOp =
         dist.all_reduce(x, op=op, group=group)
 
 
+def _vocab_shard(
+    target: torch.Tensor, partition_vocab: int, group: ProcessGroup | None
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(whole vocabulary size, ``foreign``: targets another rank's shard holds, ``local_target``: the
+    others' index into this rank's shard, 0 where foreign)."""
+    rank = 0 if group is None else dist.get_rank(group)
+    world_size = 1 if group is None else dist.get_world_size(group)
+    vocab_start = rank * partition_vocab
+    foreign = (target < vocab_start) | (target >= vocab_start + partition_vocab)
+    return partition_vocab * world_size, foreign, torch.where(foreign, 0, target - vocab_start)
+
+
+def _first_backward(ctx, loss: str, reused: str) -> None:
+    """Refuse a second backward through a loss whose ``reused`` storage became its gradient in place."""
+    if ctx.backward_done:
+        raise RuntimeError(f"{loss} cannot be back-propagated twice ({reused}); recompute the loss")
+    ctx.backward_done = True
+
+
+def _check_loss_inputs(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> None:
+    """The contract of both vocab-parallel losses, checked before any collective."""
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal the logits' shape without the "
+            f"vocabulary dimension, {tuple(logits.shape[:-1])}"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss forward; ``softmax - (1 - eps) one_hot - eps / V`` backward, on the local shard."""
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group):
-        rank = 0 if group is None else dist.get_rank(group)
-        world_size = 1 if group is None else dist.get_world_size(group)
-        partition_vocab = logits.shape[-1]
-        vocab_start = rank * partition_vocab
+        vocab_size, foreign, local_target = _vocab_shard(target, logits.shape[-1], group)
 
         # Work in fp32 on a private copy: the caller's logits are left untouched.
         logits_max = logits.float().amax(dim=-1)
         _all_reduce(logits_max, group, dist.ReduceOp.MAX)
         shifted = logits.to(torch.float32, copy=True).sub_(logits_max.unsqueeze(-1))
 
-        foreign = (target < vocab_start) | (target >= vocab_start + partition_vocab)
-        local_target = torch.where(foreign, 0, target - vocab_start)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
         if label_smoothing > 0:
             # The smoothing term needs sum_j logit_j over the whole vocabulary: ride on the same all-reduce.
@@ -58,7 +83,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - target_logit
         if label_smoothing > 0:
-            vocab_size = partition_vocab * world_size
             mean_neg_log_prob = log_sum_exp - shifted_sum / vocab_size
             loss = (1.0 - label_smoothing) * loss + label_smoothing * mean_neg_log_prob
             ctx.vocab_size = vocab_size
@@ -74,12 +98,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         # The saved softmax becomes the gradient in place (saves a logits-sized buffer, as Megatron
         # does), so a second backward through the same graph would be wrong: refuse it instead.
-        if ctx.backward_done:
-            raise RuntimeError(
-                "vocab_parallel_cross_entropy cannot be back-propagated twice "
-                "(its saved softmax is reused as the gradient); recompute the loss"
-            )
-        ctx.backward_done = True
+        _first_backward(ctx, "vocab_parallel_cross_entropy", "its saved softmax is reused as the gradient")
         softmax, foreign, local_target = ctx.saved_tensors
         grad = softmax
         eps = ctx.label_smoothing
@@ -104,13 +123,7 @@ def vocab_parallel_cross_entropy(
     ``F.cross_entropy(full_logits, target, reduction="none", label_smoothing=label_smoothing)``.
     There is no ``ignore_index``: mask unwanted tokens with a loss mask, as Megatron does.
     """
-    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
-        raise ValueError(
-            f"target shape {tuple(target.shape)} must equal the logits' shape without the "
-            f"vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}"
-        )
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    _check_loss_inputs(vocab_parallel_logits, target, label_smoothing)
     return _VocabParallelCrossEntropy.apply(
         vocab_parallel_logits, target, float(label_smoothing), resolve_tp_group(tp_group)
     )

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from core.tensor_parallel.cross_entropy import _all_reduce
+from core.tensor_parallel.cross_entropy import _all_reduce, _check_loss_inputs, _first_backward, _vocab_shard
 from core.tensor_parallel.utils import resolve_tp_group
 
 SLICE_BYTES = {"cuda": 64 * 2**20, "cpu": 4 * 2**20}
@@ -51,12 +51,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group, slice_bytes):
-        rank = 0 if group is None else dist.get_rank(group)
-        world_size = 1 if group is None else dist.get_world_size(group)
         tokens, partition_vocab = logits.shape
-        vocab_start = rank * partition_vocab
-        foreign = (target < vocab_start) | (target >= vocab_start + partition_vocab)
-        local_target = torch.where(foreign, 0, target - vocab_start)
+        vocab_size, foreign, local_target = _vocab_shard(target, partition_vocab, group)
 
         logits_max = logits.amax(dim=-1).float()
         _all_reduce(logits_max, group, dist.ReduceOp.MAX)
@@ -76,7 +72,6 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         log_sum_exp = stats[0].log()
         loss = log_sum_exp - stats[1]
         if smoothing:
-            vocab_size = partition_vocab * world_size
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_sum_exp - stats[2] / vocab_size)
             ctx.vocab_size = vocab_size
         ctx.save_for_backward(logits, logits_max, stats[0], foreign, local_target)
@@ -86,12 +81,9 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.backward_done:
-            raise RuntimeError(
-                "the fused vocab-parallel cross-entropy cannot be back-propagated twice (its gradient "
-                "is written over the kept logits); recompute the loss"
-            )
-        ctx.backward_done = True
+        _first_backward(
+            ctx, "the fused vocab-parallel cross-entropy", "its gradient is written over the kept logits"
+        )
         logits, logits_max, sum_exp, foreign, local_target = ctx.saved_tensors
         eps = ctx.label_smoothing
         own_target = (~foreign).float() * -(1.0 - eps)
@@ -124,13 +116,7 @@ def fused_vocab_parallel_cross_entropy(
     bounds the fp32 working memory (default: :data:`SLICE_BYTES` for the logits' device). The logits' storage is overwritten by their gradient during
     backward, so nothing else may read them afterwards.
     """
-    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
-        raise ValueError(
-            f"target shape {tuple(target.shape)} must equal the logits' shape without the "
-            f"vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}"
-        )
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    _check_loss_inputs(vocab_parallel_logits, target, label_smoothing)
     vocab = vocab_parallel_logits.shape[-1]
     if slice_bytes is None:
         slice_bytes = SLICE_BYTES.get(vocab_parallel_logits.device.type, SLICE_BYTES["cuda"])

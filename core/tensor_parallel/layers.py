@@ -68,7 +68,57 @@ def _should_init(perform_initialization: bool | None, config: ModelParallelConfi
     return bool(getattr(config, "perform_initialization", True))
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What the column- and row-parallel linears share: the TP group, the config's switches, a weight
+    initialised from its full master, and a zeroed bias."""
+
+    keep_out_of_compile = True
+    """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
+    outside the compiled regions (see ``core.transformer.compile``)."""
+
+    def _setup(
+        self,
+        input_size: int,
+        output_size: int,
+        config: ModelParallelConfig,
+        tp_group: ProcessGroup | None,
+        perform_initialization: bool | None,
+    ) -> tuple[int, bool]:
+        """The common attributes; returns (TP world size, whether to initialise)."""
+        self.config = config
+        self.tp_group = resolve_tp_group(tp_group)
+        world_size = tp_world_size(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.sequence_parallel = config.sequence_parallel and world_size > 1
+        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
+        return world_size, _should_init(perform_initialization, config)
+
+    def _add_weight(
+        self, shape: tuple[int, int], partition_dim: int, stride: int, init_method: InitMethod | None
+    ) -> None:
+        """``weight``: this rank's ``shape``, split along ``partition_dim``, filled with its shard of
+        the full master weight ``init_method`` makes (None: left uninitialised)."""
+        self.weight = _new_param(shape, self.config)
+        set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride)
+        if init_method is not None:
+            full_shape = (self.output_size, self.input_size)
+            rank, world_size = tp_rank(self.tp_group), tp_world_size(self.tp_group)
+            _init_from_full(self.weight, full_shape, init_method, rank, world_size)
+
+    def _add_bias(self, size: int | None, init: bool, tp_attributes: tuple[bool, int, int]) -> None:
+        """``bias`` of ``size`` (None: no bias) with ``set_tensor_model_parallel_attributes``'s
+        (is_parallel, dim, stride), zeroed when initialising."""
+        if size is None:
+            self.register_parameter("bias", None)
+            return
+        self.bias = _new_param((size,), self.config)
+        set_tensor_model_parallel_attributes(self.bias, *tp_attributes)
+        if init:
+            with torch.no_grad():
+                self.bias.zero_()
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with ``A``'s output rows (and ``b``) split over the TP ranks.
 
     Each rank computes its slice of the output features: ``[*, input_size] -> [*, output_size / tp]``,
@@ -79,10 +129,6 @@ class ColumnParallelLinear(nn.Module):
     ``skip_weight_param_allocation`` creates no weight; ``forward`` then takes one (tied output
     layers pass the word embedding).
     """
-
-    keep_out_of_compile = True
-    """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
-    outside the compiled regions (see ``core.transformer.compile``)."""
 
     def __init__(
         self,
@@ -100,33 +146,16 @@ class ColumnParallelLinear(nn.Module):
         tp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
-        self.tp_group = resolve_tp_group(tp_group)
-        world_size = tp_world_size(self.tp_group)
-        rank = tp_rank(self.tp_group)
-        self.input_size, self.output_size = input_size, output_size
+        world_size, init = self._setup(input_size, output_size, config, tp_group, perform_initialization)
         self.output_size_per_partition = divide(output_size, world_size, "ColumnParallelLinear output_size")
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = config.sequence_parallel and world_size > 1
-        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
-        init = _should_init(perform_initialization, config)
-
         if skip_weight_param_allocation:
             self.weight = None
         else:
-            self.weight = _new_param((self.output_size_per_partition, input_size), config)
-            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-            if init:
-                _init_from_full(self.weight, (output_size, input_size), init_method, rank, world_size)
-        if bias:
-            self.bias = _new_param((self.output_size_per_partition,), config)
-            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-            if init:
-                with torch.no_grad():
-                    self.bias.zero_()
-        else:
-            self.register_parameter("bias", None)
+            shape = (self.output_size_per_partition, input_size)
+            self._add_weight(shape, 0, stride, init_method if init else None)
+        self._add_bias(self.output_size_per_partition if bias else None, init, (True, 0, stride))
 
     def forward(
         self,
@@ -173,7 +202,7 @@ class ColumnParallelLinear(nn.Module):
         return self.gradient_accumulation_fusion and weight is self.weight
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with ``A``'s input columns split over the TP ranks; ``b`` is replicated.
 
     Each rank multiplies its slice of the input features (``input_is_parallel=True``: the input is
@@ -183,10 +212,6 @@ class RowParallelLinear(nn.Module):
     parallelism each rank's bias gradient covers only its sequence slice, so the bias is marked
     ``sequence_parallel = True`` for the gradient finaliser to all-reduce over TP (as in Megatron).
     """
-
-    keep_out_of_compile = True
-    """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
-    outside the compiled regions (see ``core.transformer.compile``)."""
 
     def __init__(
         self,
@@ -203,34 +228,18 @@ class RowParallelLinear(nn.Module):
         tp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
-        self.tp_group = resolve_tp_group(tp_group)
-        world_size = tp_world_size(self.tp_group)
-        rank = tp_rank(self.tp_group)
-        self.input_size, self.output_size = input_size, output_size
+        world_size, init = self._setup(input_size, output_size, config, tp_group, perform_initialization)
         self.input_size_per_partition = divide(input_size, world_size, "RowParallelLinear input_size")
         self.tp_size = world_size
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = config.sequence_parallel and world_size > 1
-        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel=True needs input_is_parallel=True")
-        init = _should_init(perform_initialization, config)
-
-        self.weight = _new_param((output_size, self.input_size_per_partition), config)
-        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
-        if init:
-            _init_from_full(self.weight, (output_size, input_size), init_method, rank, world_size)
-        if bias:
-            self.bias = _new_param((output_size,), config)
-            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+        shape = (output_size, self.input_size_per_partition)
+        self._add_weight(shape, 1, stride, init_method if init else None)
+        self._add_bias(output_size if bias else None, init, (False, -1, 1))
+        if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel
-            if init:
-                with torch.no_grad():
-                    self.bias.zero_()
-        else:
-            self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_`` ``[s, b, input_size / tp]`` (or full, see ``input_is_parallel``) -> ``(output, bias)``."""

@@ -13,6 +13,8 @@ in place: a reduction works on a copy, so a caller (or autograd) may still hold 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import einops
 import torch
 import torch.distributed as dist
@@ -100,6 +102,32 @@ def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.
 # --------------------------------------------------------------------------------------------------
 
 
+Collective = Callable[[torch.Tensor, ProcessGroup | None], torch.Tensor]
+
+
+def conjugate_function(name: str, forward: Collective, backward: Collective, doc: str) -> type:
+    """An autograd Function running ``forward(x, group)`` and, on the gradient, its adjoint ``backward``.
+
+    One definition for every mapping that is a collective one way and its dual the other, so a new
+    mapping is a (forward, backward) pair rather than another class; ``apply(x, group)`` as usual.
+    """
+
+    def forward_(ctx, x, group):
+        ctx.group = group
+        return forward(x, group)
+
+    def backward_(ctx, grad):
+        return backward(grad, ctx.group), None
+
+    methods = {
+        "__doc__": doc,
+        "__module__": forward.__module__,
+        "forward": staticmethod(forward_),
+        "backward": staticmethod(backward_),
+    }
+    return type(name, (torch.autograd.Function,), methods)
+
+
 class _CopyToRegion(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce (each rank holds part of the input's gradient)."""
 
@@ -125,43 +153,30 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim. Backward: all-gather the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """Forward: all-gather along the last dim. Backward: keep this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the sequence. Backward: all-gather along the sequence."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
+_ScatterToRegion = conjugate_function(
+    "_ScatterToRegion",
+    _split_last,
+    _gather_last,
+    "Forward: keep this rank's slice of the last dim. Backward: all-gather the slices' gradients.",
+)
+_GatherFromRegion = conjugate_function(
+    "_GatherFromRegion",
+    _gather_last,
+    _split_last,
+    "Forward: all-gather along the last dim. Backward: keep this rank's slice of the gradient.",
+)
+_ScatterToSequenceRegion = conjugate_function(
+    "_ScatterToSequenceRegion",
+    _split_first,
+    _gather_first,
+    "Forward: keep this rank's slice of the sequence. Backward: all-gather along the sequence.",
+)
+_ReduceScatterToSequenceRegion = conjugate_function(
+    "_ReduceScatterToSequenceRegion",
+    _reduce_scatter_first,
+    _gather_first,
+    "Forward: sum partial results and keep this rank's sequence slice. Backward: all-gather.",
+)
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
@@ -185,57 +200,56 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
         return _split_first(grad, ctx.group), None, None
 
 
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """Forward: sum partial results and keep this rank's sequence slice. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
-
-
 # --------------------------------------------------------------------------------------------------
 # Public, Megatron-named entry points
 # --------------------------------------------------------------------------------------------------
 
 
-def copy_to_tensor_model_parallel_region(
-    input_: torch.Tensor, tp_group: ProcessGroup | None = None
-) -> torch.Tensor:
-    """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
-    return _CopyToRegion.apply(input_, resolve_tp_group(tp_group))
+Mapping = Callable[..., torch.Tensor]
+"""``mapping(input_, tp_group=None)``: Megatron's signature for the entry points below."""
 
 
-def reduce_from_tensor_model_parallel_region(
-    input_: torch.Tensor, tp_group: ProcessGroup | None = None
-) -> torch.Tensor:
-    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
-    return _ReduceFromRegion.apply(input_, resolve_tp_group(tp_group))
+def _tp_mapping(name: str, function: type, doc: str) -> Mapping:
+    """The entry point ``name``: ``function`` applied to ``input_`` in the (resolved) TP group."""
+
+    def mapping(input_: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
+        return function.apply(input_, resolve_tp_group(tp_group))
+
+    mapping.__name__ = mapping.__qualname__ = name
+    mapping.__doc__ = doc
+    return mapping
 
 
-def scatter_to_tensor_model_parallel_region(
-    input_: torch.Tensor, tp_group: ProcessGroup | None = None
-) -> torch.Tensor:
-    """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
-    return _ScatterToRegion.apply(input_, resolve_tp_group(tp_group))
-
-
-def gather_from_tensor_model_parallel_region(
-    input_: torch.Tensor, tp_group: ProcessGroup | None = None
-) -> torch.Tensor:
-    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
-    return _GatherFromRegion.apply(input_, resolve_tp_group(tp_group))
-
-
-def scatter_to_sequence_parallel_region(
-    input_: torch.Tensor, tp_group: ProcessGroup | None = None
-) -> torch.Tensor:
-    """Keep this rank's slice of the sequence (dim 0) forward; all-gather the gradient backward."""
-    return _ScatterToSequenceRegion.apply(input_, resolve_tp_group(tp_group))
+copy_to_tensor_model_parallel_region = _tp_mapping(
+    "copy_to_tensor_model_parallel_region",
+    _CopyToRegion,
+    "Enter a TP region with a replicated input: identity forward, all-reduce backward.",
+)
+reduce_from_tensor_model_parallel_region = _tp_mapping(
+    "reduce_from_tensor_model_parallel_region",
+    _ReduceFromRegion,
+    "Leave a TP region by summing partial results: all-reduce forward, identity backward.",
+)
+scatter_to_tensor_model_parallel_region = _tp_mapping(
+    "scatter_to_tensor_model_parallel_region",
+    _ScatterToRegion,
+    "Keep this rank's slice of the last dim forward; all-gather the gradient backward.",
+)
+gather_from_tensor_model_parallel_region = _tp_mapping(
+    "gather_from_tensor_model_parallel_region",
+    _GatherFromRegion,
+    "All-gather along the last dim forward; keep this rank's slice of the gradient backward.",
+)
+scatter_to_sequence_parallel_region = _tp_mapping(
+    "scatter_to_sequence_parallel_region",
+    _ScatterToSequenceRegion,
+    "Keep this rank's slice of the sequence (dim 0) forward; all-gather the gradient backward.",
+)
+reduce_scatter_to_sequence_parallel_region = _tp_mapping(
+    "reduce_scatter_to_sequence_parallel_region",
+    _ReduceScatterToSequenceRegion,
+    "Sum partial results and keep this rank's sequence slice forward; all-gather the gradient backward.",
+)
 
 
 def gather_from_sequence_parallel_region(
@@ -247,10 +261,3 @@ def gather_from_sequence_parallel_region(
     computation, whose gradient is already identical and complete on every rank.
     """
     return _GatherFromSequenceRegion.apply(input_, resolve_tp_group(tp_group), tensor_parallel_output_grad)
-
-
-def reduce_scatter_to_sequence_parallel_region(
-    input_: torch.Tensor, tp_group: ProcessGroup | None = None
-) -> torch.Tensor:
-    """Sum partial results and keep this rank's sequence slice forward; all-gather the gradient backward."""
-    return _ReduceScatterToSequenceRegion.apply(input_, resolve_tp_group(tp_group))

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import parallel_state
-from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_world_size
+from core.tensor_parallel import tp_world_size
 from core.transformer.context_parallel import context_parallel_attention
 from core.transformer.dropout import sharded_rng
 from core.transformer.inference_context import InferenceContext
-from core.transformer.initialization import deferred_init, mark_init
+from core.transformer.initialization import linear_pair
 from core.transformer.recompute import checkpoint
 from core.transformer.rope import apply_rotary
 from core.transformer.transformer_config import TransformerConfig
@@ -150,28 +150,9 @@ class SelfAttention(nn.Module):
         self.groups_per_rank = config.num_query_groups // tp
         projection_size = config.num_attention_heads * config.kv_channels
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
-        self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size,
-            qkv_size,
-            config=config,
-            init_method=deferred_init,
-            bias=config.add_bias_linear or config.add_qkv_bias,
-            gather_output=False,
-            perform_initialization=False,
+        self.linear_qkv, self.linear_proj = linear_pair(
+            config, qkv_size, projection_size, column_bias=config.add_bias_linear or config.add_qkv_bias
         )
-        self.linear_proj = RowParallelLinear(
-            projection_size,
-            config.hidden_size,
-            config=config,
-            init_method=deferred_init,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            perform_initialization=False,
-        )
-        mark_init(self.linear_qkv.weight, "normal")
-        mark_init(self.linear_qkv.bias, "zeros")
-        mark_init(self.linear_proj.weight, "scaled_normal")
-        mark_init(self.linear_proj.bias, "zeros")
         self.recompute_core = config.recompute_granularity == "selective"
         self.cp_comm_type = _cp_comm_type(config, layer_number)
 

@@ -23,7 +23,14 @@ import zlib
 import torch
 from torch import nn
 
-from core.tensor_parallel import param_is_tensor_parallel, shard_of, tp_rank, tp_world_size
+from core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    param_is_tensor_parallel,
+    shard_of,
+    tp_rank,
+    tp_world_size,
+)
 from core.transformer.transformer_config import TransformerConfig
 
 INIT_RULES = ("normal", "scaled_normal", "zeros", "ones")
@@ -46,6 +53,41 @@ def mark_init(
         param.init_name = name
     if valid_rows is not None:
         param.init_valid_rows = valid_rows
+
+
+def linear_pair(
+    config: TransformerConfig, column_size: int, row_size: int, *, column_bias: bool, column_stride: int = 1
+) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    """The ``Column -> Row`` projections of an attention or MLP block (one all-reduce each way):
+    ``hidden -> column_size`` split by output features, ``row_size -> hidden`` by input features.
+
+    Both are initialised later by name (weights "normal" and "scaled_normal", biases zero); the row
+    layer's bias is ``config.add_bias_linear``.
+    """
+    column = ColumnParallelLinear(
+        config.hidden_size,
+        column_size,
+        config=config,
+        init_method=deferred_init,
+        bias=column_bias,
+        gather_output=False,
+        stride=column_stride,
+        perform_initialization=False,
+    )
+    row = RowParallelLinear(
+        row_size,
+        config.hidden_size,
+        config=config,
+        init_method=deferred_init,
+        bias=config.add_bias_linear,
+        input_is_parallel=True,
+        perform_initialization=False,
+    )
+    mark_init(column.weight, "normal")
+    mark_init(column.bias, "zeros")
+    mark_init(row.weight, "scaled_normal")
+    mark_init(row.bias, "zeros")
+    return column, row
 
 
 def name_generator(seed: int, name: str) -> torch.Generator:

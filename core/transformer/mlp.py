@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from core.transformer.initialization import deferred_init, mark_init
+from core.transformer.initialization import linear_pair
 from core.transformer.transformer_config import TransformerConfig
 
 
@@ -59,29 +58,13 @@ class MLP(nn.Module):
         self.activation_func = config.activation_func
         self.gated = config.gated_linear_unit
         branches = 2 if self.gated else 1
-        self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size,
+        self.linear_fc1, self.linear_fc2 = linear_pair(
+            config,
             branches * ffn_hidden_size,
-            config=config,
-            init_method=deferred_init,
-            bias=config.add_bias_linear,
-            gather_output=False,
-            stride=branches,
-            perform_initialization=False,
-        )
-        self.linear_fc2 = RowParallelLinear(
             ffn_hidden_size,
-            config.hidden_size,
-            config=config,
-            init_method=deferred_init,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            perform_initialization=False,
+            column_bias=config.add_bias_linear,
+            column_stride=branches,
         )
-        mark_init(self.linear_fc1.weight, "normal")
-        mark_init(self.linear_fc1.bias, "zeros")
-        mark_init(self.linear_fc2.weight, "scaled_normal")
-        mark_init(self.linear_fc2.bias, "zeros")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         intermediate, _ = self.linear_fc1(hidden)

@@ -32,14 +32,21 @@ def _norm_param(size: int, config: TransformerConfig, fill: float) -> nn.Paramet
     return param
 
 
-class LayerNorm(nn.Module):
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the hidden dimension."""
+class _Norm(nn.Module):
+    """What both norms hold: ``eps`` and the scale ``weight`` (gamma, or gamma - 1 when zero-centred)."""
 
     def __init__(self, hidden_size: int, config: TransformerConfig) -> None:
         super().__init__()
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         self.weight = _norm_param(hidden_size, config, 0.0 if self.zero_centered_gamma else 1.0)
+
+
+class LayerNorm(_Norm):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the hidden dimension."""
+
+    def __init__(self, hidden_size: int, config: TransformerConfig) -> None:
+        super().__init__(hidden_size, config)
         self.bias = _norm_param(hidden_size, config, 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,14 +57,8 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x.float(), x.shape[-1:], gamma, self.bias.float(), self.eps).to(x.dtype)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_Norm):
     """``x / sqrt(mean(x^2) + eps) * weight``: LayerNorm without centring or bias (LLaMA)."""
-
-    def __init__(self, hidden_size: int, config: TransformerConfig) -> None:
-        super().__init__()
-        self.eps = config.layernorm_epsilon
-        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.weight = _norm_param(hidden_size, config, 0.0 if self.zero_centered_gamma else 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gamma = self.weight + 1 if self.zero_centered_gamma else self.weight

@@ -225,6 +225,13 @@ def test_single_process_initializes_itself_without_a_launcher():
 # ----------------------------------------------------------------------------------------------
 
 
+def _members_or_error(getter):
+    try:
+        return dist.get_process_group_ranks(getter())
+    except RuntimeError as err:
+        return str(err)
+
+
 def _report_groups(rank, world_size, tp, pp, cp):
     """Initialise, then report what this rank sees: members, getter values and real all-reduces."""
     groups = ps.initialize_model_parallel(tp, pp, context_parallel_size=cp)
@@ -261,6 +268,8 @@ def _report_groups(rank, world_size, tp, pp, cp):
         "first": ps.is_pipeline_first_stage(),
         "last": ps.is_pipeline_last_stage(),
         "in_embd": ps.is_rank_in_embedding_group(),
+        "embd_getter": _members_or_error(ps.get_embedding_group),
+        "pos_embd_getter": _members_or_error(ps.get_position_embedding_group),
         "tp_src": ps.get_tensor_model_parallel_src_rank(),
         "dp_src": ps.get_data_parallel_src_rank(),
         "same_object": ps.get_parallel_groups() is groups,
@@ -288,6 +297,12 @@ def test_real_groups_on_eight_ranks(ranks, sizes):
         assert (got["first_rank"], got["last_rank"]) == (pipeline[0], pipeline[-1])
         assert (got["first"], got["last"]) == (stage == 0, stage == len(pipeline) - 1)
         assert got["in_embd"] == (mine["embd"] is not None)
+        for name, outside in (
+            ("embd", "an embedding group; only the first and last pipeline stages are"),
+            ("pos_embd", "a position-embedding group; only the first pipeline stage is"),
+        ):
+            expected_getter = mine[name] if mine[name] is not None else f"rank {rank} is not in {outside}"
+            assert got[f"{name}_getter"] == expected_getter, f"rank {rank} {name}"
         assert (got["tp_src"], got["dp_src"]) == (mine["tp"][0], mine["dp"][0])
         assert got["same_object"]
         # One two-rank group per directed link this rank is on, with exactly that link's two ranks.

@@ -647,7 +647,21 @@ def _interleaved_pp2_swaps(rank, world_size):
     ]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
-    return got_act[0, 0, 0].item(), got_grad[0, 0, 0].item(), a_buf[0, 0, 0].item(), g_buf[0, 0, 0].item()
+    naive = a_buf[0, 0, 0].item(), g_buf[0, 0, 0].item()
+
+    # Megatron's paired calls: 1F1B's steady state (stage 0 sends forward, stage 1 backward), then the
+    # interleaved ones (both send forward, then both backward, the latter with requests to wait on).
+    if rank == 0:
+        steady = comm.send_forward_recv_backward(act, (2, 1, 3), is_last_stage=False)
+    else:
+        steady = comm.send_backward_recv_forward(grad, (2, 1, 3), is_first_stage=False)
+    forward = comm.send_forward_recv_forward(act, True, (2, 1, 3))
+    backward, reqs = comm.send_backward_recv_backward(grad, True, (2, 1, 3), overlap_p2p_comm=True)
+    for req in reqs:
+        req.wait()
+    edge = comm.send_forward_recv_backward(act, [(2, 1, 3), (2, 1, 3)], is_last_stage=True)
+    megatron = tuple(t[0, 0, 0].item() for t in (steady, forward, backward)) + (edge,)
+    return (got_act[0, 0, 0].item(), got_grad[0, 0, 0].item(), *naive, *megatron)
 
 
 def test_pp2_activations_and_gradients_never_swap(ranks):
@@ -655,7 +669,10 @@ def test_pp2_activations_and_gradients_never_swap(ranks):
     assert results[0][:2] == (11.0, 12.0)  # rank 0 got rank 1's activation and gradient
     assert results[1][:2] == (1.0, 2.0)
     # The naive order really does swap them on gloo (this is why the canonical order exists).
-    assert results[0][2:] == (12.0, 11.0)
+    assert results[0][2:4] == (12.0, 11.0)
+    # Megatron's paired calls: (steady-state reply, forward received, backward received, no neighbour).
+    assert results[0][4:] == (12.0, 11.0, 12.0, [None, None])
+    assert results[1][4:] == (1.0, 1.0, 2.0, [None, None])
 
 
 def _variable_shapes(rank, world_size):

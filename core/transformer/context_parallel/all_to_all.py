@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from core.tensor_parallel.mappings import conjugate_function
 from core.transformer.context_parallel.sharding import gather_order_index, positions_on_this_cp_rank
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -51,26 +52,18 @@ def sequence_to_heads(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     return parts.transpose(0, 1).reshape(b, h * size, s // size, d)
 
 
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return heads_to_sequence(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return sequence_to_heads(grad, ctx.group), None
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return sequence_to_heads(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_sequence(grad, ctx.group), None
+_HeadsToSequence = conjugate_function(
+    "_HeadsToSequence",
+    heads_to_sequence,
+    sequence_to_heads,
+    "Sequence split -> head split; back in backward.",
+)
+_SequenceToHeads = conjugate_function(
+    "_SequenceToHeads",
+    sequence_to_heads,
+    heads_to_sequence,
+    "Head split -> sequence split; back in backward.",
+)
 
 
 def a2a_attention(
