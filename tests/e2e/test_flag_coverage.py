@@ -10,9 +10,7 @@ import argparse
 import gc
 import itertools
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 import pretrain_gpt
 from core import device
 from core.transformer.transformer_config import openai_gelu
+from tests.support.torchrun_jobs import job_env, run_captured
 from training.argument_checks import validate_args
 from training.arguments import (
     build_parser,
@@ -672,21 +671,12 @@ def test_exit_duration_saves_and_exits_after_the_step_that_ran_out(dataset, tmp_
 
 def test_megatron_command_line_trains_with_megatrons_defaults(dataset, tmp_path):
     """The issue's command line (own data instead of --mock-data); --split 969,30,1 leaves no test documents."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(key, None)
     argv = (
         f"{MODEL} --data-path {dataset} --tokenizer-type NullTokenizer --vocab-size 1024 --eval-iters 1 "
         "--use-mcore-models --no-masked-softmax-fusion"
     ).split()
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    done = run_captured(
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], env=job_env(), timeout=120, cwd=tmp_path
     )
     out = done.stdout
     assert done.returncode == 0, done.stderr[-3000:]

@@ -22,6 +22,7 @@ from core.transformer.inference_context import InferenceContext
 from models.gpt import GPTModel, gpt2_config, llama_config
 from models.gpt.generation import SamplingParams, generate, warp_logits
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs
+from tests.support.torchrun_jobs import run_captured
 from tools import generate as generate_tool
 from training.checkpoint import gpt_tensor_specs, parallelism_of, write_checkpoint
 from training.inference import load_for_generation
@@ -227,13 +228,11 @@ def test_the_context_refuses_more_positions_than_it_holds():
 
 def generate_tool_json(*flags: str) -> dict:
     """``python tools/generate.py FLAGS --json`` as a user runs it: its JSON line (it must exit 0)."""
-    proc = subprocess.run(
+    proc = run_captured(
         [sys.executable, os.path.join(ROOT, "tools", "generate.py"), *flags, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
         env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=120,
+        cwd=None,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -378,9 +377,7 @@ def test_tensor_parallel_generation_under_torchrun(checkpoints, capsys):
 
     def torchrun(nproc: int, *flags: str) -> subprocess.CompletedProcess:
         command = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "tools/generate.py", *flags]
-        return subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False
-        )
+        return run_captured(command, env=env, timeout=180, cwd=ROOT)
 
     for case in MODELS:
         flags = ["--load", checkpoints[case]["tp1"], "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]

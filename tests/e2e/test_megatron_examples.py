@@ -10,15 +10,14 @@ it must train. The CI part parses and validates every script in process; the tor
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.torchrun_jobs import job_env, run_captured, torchrun_command
 from tools.megatron_examples import NPROC, SCRIPTS, in_scope, rejected, tokens
 from training.argument_checks import validate_args
 from training.arguments import _rejection, parse_args
@@ -84,17 +83,7 @@ def files(tmp_path_factory):
 
 
 def _torchrun(argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC)]
-    return subprocess.run(
-        [*cmd, str(ROOT / "pretrain_gpt.py"), *argv],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_captured(torchrun_command(NPROC, argv), env=job_env(), timeout=timeout, cwd=cwd)
 
 
 @pytest.mark.slow

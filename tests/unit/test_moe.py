@@ -16,6 +16,7 @@ from core.transformer.moe.experts import Experts
 from core.transformer.moe.moe_layer import MoELayer
 from core.transformer.moe.moe_utils import drop_tokens_over_capacity, get_capacity, topk_routing
 from core.transformer.moe.router import TopKRouter
+from tests.support.compiled import assert_compiled_matches_eager, relative_error
 from tests.support.moe_reference import (
     expert_weights,
     moe_config,
@@ -26,10 +27,6 @@ from tests.support.moe_reference import (
 )
 
 SEQ, BATCH = 6, 3
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
 
 
 def _router(**overrides) -> TopKRouter:
@@ -93,8 +90,8 @@ def test_balancing_and_z_losses_and_their_gradients_match_the_reference(kind):
     name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
     torch.testing.assert_close(router.metrics[name], (aux / coeff).detach(), rtol=1e-6, atol=0)
     torch.testing.assert_close(router.metrics["z_loss"], (z / z_coeff).detach(), rtol=1e-6, atol=0)
-    assert _relative(router.weight.grad, weight.grad) < 1e-6
-    assert _relative(router.weight.grad, weight.grad.clone().zero_() + 1) > 0.5  # the losses moved it
+    assert relative_error(router.weight.grad, weight.grad) < 1e-6
+    assert relative_error(router.weight.grad, weight.grad.clone().zero_() + 1) > 0.5  # the losses moved it
 
 
 def test_auxiliary_loss_gradient_takes_the_schedule_scale_and_nothing_in_evaluation():
@@ -166,7 +163,7 @@ def test_layer_matches_a_mixtral_style_loop(dispatcher, pre_softmax):
     expected = reference_moe(
         hidden.reshape(-1, 16), layer.router.weight, expert_weights(layer, 4), 2, pre_softmax=pre_softmax
     )
-    assert _relative(out.reshape(-1, 16), expected) < 1e-6
+    assert relative_error(out.reshape(-1, 16), expected) < 1e-6
 
 
 def test_shared_expert_gate_scales_a_dense_mlp_by_a_sigmoid():
@@ -180,7 +177,7 @@ def test_shared_expert_gate_scales_a_dense_mlp_by_a_sigmoid():
     dense = (torch.nn.functional.silu(gate) * up) @ shared.linear_fc2.weight.t()
     expected = reference_moe(tokens, layer.router.weight, expert_weights(layer, 4), 2)
     expected = expected + torch.sigmoid(tokens @ shared.gate_weight.t()) * dense
-    assert _relative(layer(hidden).reshape(-1, 16), expected) < 1e-6
+    assert relative_error(layer(hidden).reshape(-1, 16), expected) < 1e-6
     names = {n for n, _ in layer.named_parameters()}
     assert {
         "shared_experts.gate_weight",
@@ -307,15 +304,7 @@ def test_compiled_moe_layer_computes_the_eager_numbers_and_new_routings_compile_
     )
     for step in range(2):  # two batches: other token counts per expert, so other dispatch shapes
         tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
-        results = {}
-        for compiled, model in models.items():
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, labels=tokens.roll(1, 1)).mean()
-            loss.backward()
-            results[compiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-        assert _relative(results[True][0], results[False][0]) <= 1e-6
-        for name, grad in results[False][1].items():
-            assert _relative(results[True][1][name], grad) <= 1e-6, (step, name)
+        assert_compiled_matches_eager(models, tokens, step)
         graphs.append(compile_stats()["graphs"])
     assert counts[0] != counts[1]
     assert graphs[1] == graphs[0]  # the new routing compiled nothing: router, dispatch and experts eager
@@ -353,4 +342,4 @@ def test_16_bit_models_route_in_fp32_and_scale_the_balancing_loss_with_the_loss_
         )
         grads[low] = router.weight.grad.float() / (scale if low else 1.0)
     assert probs[True].dtype == torch.float32  # the gate and its softmax in fp32 whatever the model's dtype
-    assert _relative(grads[True], grads[False]) < 3e-2, _relative(grads[True], grads[False])
+    assert relative_error(grads[True], grads[False]) < 3e-2, relative_error(grads[True], grads[False])
