@@ -20,8 +20,9 @@ import torch
 import pretrain_gpt
 from core import device
 from core.transformer.transformer_config import openai_gelu
+from tests.support.flags import assert_refused
+from tests.support.flags import megatron_args as _args
 from tests.support.torchrun_jobs import job_env, run_captured
-from training.argument_checks import validate_args
 from training.arguments import (
     build_parser,
     parse_args,
@@ -53,10 +54,6 @@ MOE = (
     "and z-loss balancing, capacity with dropping or padding, shared experts, alltoall or allgather "
     "dispatch, experts whole on each expert-parallel rank)"
 )
-
-
-def _args(argv: str, world_size: int = 1) -> argparse.Namespace:
-    return validate_args(parse_args(argv.split()), world_size)
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +219,7 @@ def test_rejected_keys_in_a_config_file_are_rejected_too(tmp_path):
     ],
 )
 def test_parallel_sizes_above_one_are_rejected_and_one_is_accepted(argv, message):
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _args(argv, 4)
+    assert_refused(argv, message, 4)
     args = _args("--context-parallel-size 1 --expert-model-parallel-size 1")
     assert (args.context_parallel_size, args.expert_model_parallel_size) == (1, 1)
 
@@ -305,8 +301,7 @@ def test_model_flags_reach_the_transformer_config_with_megatrons_defaults():
     ],
 )
 def test_model_flags_that_do_not_fit_together_are_one_error(argv, message):
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _args(argv)
+    assert_refused(argv, message)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -472,8 +467,7 @@ def test_a_full_command_line_gets_megatrons_defaults(dataset):
     ],
 )
 def test_values_megatron_requires_are_errors_naming_the_flags(argv, message):
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _args(argv)
+    assert_refused(argv, message)
 
 
 # --------------------------------------------------------------------------------------------------
