@@ -232,7 +232,7 @@ def _logged_losses(**recompute):
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from core.transformer.moe.moe_logging import reduce_moe_metrics
     from models.gpt import GPTModel
-    from tests.support.pipeline_toy import make_forward_step
+    from tests.support.pipeline_toy import run_schedule
 
     config = moe_config(
         num_layers=3, moe_layer_freq=[1, 0, 1], moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3, **recompute
@@ -243,14 +243,7 @@ def _logged_losses(**recompute):
         (t, t, torch.ones(2, SEQ)) for t in (torch.randint(0, 64, (2, SEQ), generator=gen) for _ in range(2))
     ]
     recorded = []
-    get_forward_backward_func()(
-        forward_step_func=make_forward_step(False),
-        data_iterator=iter(batches),
-        model=model,
-        num_microbatches=2,
-        seq_length=SEQ,
-        micro_batch_size=2,
-    )
+    run_schedule(get_forward_backward_func(), model, batches, seq_length=SEQ)
     for layer in (0, 2):
         recorded.append(
             {k: v.clone() for k, v in model.decoder.layers[str(layer)].mlp.router.metrics.items()}
@@ -320,7 +313,7 @@ def test_16_bit_models_route_in_fp32_and_scale_the_balancing_loss_with_the_loss_
     from core.pipeline_parallel.hooks import ScheduleHooks
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from models.gpt import GPTModel
-    from tests.support.pipeline_toy import make_forward_step
+    from tests.support.pipeline_toy import run_schedule
 
     gen = torch.Generator().manual_seed(9)
     batches = [(t, t.roll(1, 1), torch.ones(2, SEQ)) for t in [torch.randint(0, 64, (2, SEQ), generator=gen)]]
@@ -332,14 +325,7 @@ def test_16_bit_models_route_in_fp32_and_scale_the_balancing_loss_with_the_loss_
         config.schedule_hooks = ScheduleHooks(grad_scale_func=(lambda x: x * scale) if low else None)
         router = model.decoder.layers["0"].mlp.router
         router.register_forward_hook(lambda module, args, out, low=low: probs.__setitem__(low, out[0]))
-        get_forward_backward_func()(
-            forward_step_func=make_forward_step(False),
-            data_iterator=iter(batches),
-            model=model,
-            num_microbatches=1,
-            seq_length=SEQ,
-            micro_batch_size=2,
-        )
+        run_schedule(get_forward_backward_func(), model, batches, seq_length=SEQ)
         grads[low] = router.weight.grad.float() / (scale if low else 1.0)
     assert probs[True].dtype == torch.float32  # the gate and its softmax in fp32 whatever the model's dtype
     assert relative_error(grads[True], grads[False]) < 3e-2, relative_error(grads[True], grads[False])
