@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.num_microbatches_calculator import NumMicroBatchesCalculator
 from core.optimizer.optimizer_config import OptimizerConfig
@@ -110,6 +111,18 @@ class Run:
     distributed: DistributedArgs
     args: argparse.Namespace = dataclasses.field(repr=False)
     """Megatron's namespace for code written against Megatron (``get_args()``); see the module docstring."""
+
+    def initialize_model_parallel(self, **options: Any) -> None:
+        """Build this run's process groups (Megatron's ``initialize_model_parallel``; ``options`` are
+        its further keywords, such as ``distributed_timeout_minutes``)."""
+        ps.initialize_model_parallel(
+            self.parallel.tp,
+            self.parallel.pp,
+            self.model.virtual_pipeline_model_parallel_size,
+            self.parallel.cp,
+            expert_model_parallel_size=self.parallel.ep,
+            **options,
+        )
 
 
 def _section(cls: type, values: dict[str, Any]) -> Any:

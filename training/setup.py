@@ -48,14 +48,7 @@ class Providers:
 def setup(run: Run, providers: Providers) -> Session:
     """Build the run's pieces (the process groups of ``torch.distributed`` already exist)."""
     bind_local_device()
-    ps.initialize_model_parallel(
-        run.parallel.tp,
-        run.parallel.pp,
-        run.model.virtual_pipeline_model_parallel_size,
-        run.parallel.cp,
-        expert_model_parallel_size=run.parallel.ep,
-        distributed_timeout_minutes=run.distributed.distributed_timeout_minutes,
-    )
+    run.initialize_model_parallel(distributed_timeout_minutes=run.distributed.distributed_timeout_minutes)
     _seed_everything(run.model.seed, ps.get_pipeline_model_parallel_rank())
     faults.phase("building the tokenizer")
     tokenizer = _rank0_first(lambda: providers.tokenizer(run.args)) if providers.tokenizer else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -77,11 +78,11 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         shape_origin=ctx.shape_origin,
     )
     losses, sync, count = Losses(ctx), ReductionWindow(ctx.hooks, ctx.chunks, table), InFlight()
-    handlers: dict[ActionKind, Callable[[int, Action], None]] = {
-        F: lambda i, a: _forward(a, stages[a.chunk], mailbox, losses, count),
-        B: lambda i, a: _backward(a, stages[a.chunk], mailbox, sync.weight_step(i, a.chunk), count),
-        I: lambda i, a: _backward_input(a, stages[a.chunk], mailbox),
-        W: lambda i, a: _backward_weight(a, stages[a.chunk], sync.weight_step(i, a.chunk), count),
+    handlers: dict[ActionKind, Callable[[int, Action], None]] = {  # partial: no frame of its own
+        F: partial(_forward, stages=stages, mailbox=mailbox, losses=losses, count=count),
+        B: partial(_backward, stages=stages, mailbox=mailbox, sync=sync, count=count),
+        I: partial(_backward_input, stages=stages, mailbox=mailbox),
+        W: partial(_backward_weight, stages=stages, sync=sync, count=count),
         ActionKind.SEND_F: lambda i, a: mailbox.send(a),
         ActionKind.SEND_B: lambda i, a: mailbox.send(a),
         ActionKind.RECV_F: lambda i, a: mailbox.receive(a),
@@ -116,7 +117,10 @@ def _auxiliary_loss_scale(ctx: StepContext) -> torch.Tensor:
     return scale
 
 
-def _forward(action: Action, stage: Stage, mailbox: Mailbox, losses: Losses, count: InFlight) -> None:
+def _forward(
+    index: int, action: Action, *, stages: list[Stage], mailbox: Mailbox, losses: Losses, count: InFlight
+) -> None:
+    stage = stages[action.chunk]
     received = mailbox.input_of(action)
     output, loss_func = stage.forward(received)
     if stage.is_last:
@@ -127,22 +131,32 @@ def _forward(action: Action, stage: Stage, mailbox: Mailbox, losses: Losses, cou
         count.add(1)
 
 
-def _backward(action: Action, stage: Stage, mailbox: Mailbox, weight_step, count: InFlight) -> None:
+def _backward(
+    index: int,
+    action: Action,
+    *,
+    stages: list[Stage],
+    mailbox: Mailbox,
+    sync: ReductionWindow,
+    count: InFlight,
+) -> None:
     grad = mailbox.input_of(action)
-    with weight_step:
-        input_grad = stage.backward(action.microbatch, grad)
+    with sync.weight_step(index, action.chunk):
+        input_grad = stages[action.chunk].backward(action.microbatch, grad)
     count.add(-1)
     mailbox.output_of(action, input_grad)
 
 
-def _backward_input(action: Action, stage: Stage, mailbox: Mailbox) -> None:
+def _backward_input(index: int, action: Action, *, stages: list[Stage], mailbox: Mailbox) -> None:
     grad = mailbox.input_of(action)
-    mailbox.output_of(action, stage.backward_input(action.microbatch, grad))
+    mailbox.output_of(action, stages[action.chunk].backward_input(action.microbatch, grad))
 
 
-def _backward_weight(action: Action, stage: Stage, weight_step, count: InFlight) -> None:
-    with weight_step:
-        stage.backward_weight(action.microbatch)
+def _backward_weight(
+    index: int, action: Action, *, stages: list[Stage], sync: ReductionWindow, count: InFlight
+) -> None:
+    with sync.weight_step(index, action.chunk):
+        stages[action.chunk].backward_weight(action.microbatch)
     count.add(-1)
 
 

@@ -31,6 +31,7 @@ from core.transformer.rope import (
 )
 from core.transformer.transformer_config import TransformerConfig, openai_gelu
 from models.gpt.hf_moe_mapping import (
+    has_llama_blocks,
     moe_architecture,
     moe_hf_config_kwargs,
     moe_layer_from_hf,
@@ -49,15 +50,7 @@ def hf_architecture(config: TransformerConfig) -> str:
     """ "llama", "gpt2", "mixtral" or "qwen2_moe": which Hugging Face model class ``config`` is exactly equivalent to."""
     if config.num_moe_experts is not None:
         return moe_architecture(config)
-    llama = (
-        config.normalization == "RMSNorm"
-        and config.gated_linear_unit
-        and config.activation_func is F.silu
-        and config.position_embedding_type == "rope"
-        and config.rotary_percent == 1.0
-        and (config.add_bias_linear or not config.add_qkv_bias)
-    )
-    if llama:
+    if has_llama_blocks(config) and (config.add_bias_linear or not config.add_qkv_bias):
         return "llama"
     gpt2 = (
         config.normalization == "LayerNorm"
@@ -210,13 +203,7 @@ def _layer_to_hf(
     out: dict[str, torch.Tensor] = {}
     if config.num_moe_experts is not None and config.is_moe_layer(i):
         out.update(moe_layer_to_hf(sd, config, i, arch))
-    for ours, theirs in _per_layer_names(llama):
-        for suffix in ("weight", "bias"):
-            if src + ours + "." + suffix in sd:
-                value = sd[src + ours + "." + suffix]
-                if ours.endswith("layernorm") and suffix == "weight":
-                    value = _gamma_to_hf(value, config)
-                out[dst + theirs + "." + suffix] = value
+    out.update(_one_to_one(sd, config, src, dst, llama, to_hf=True))
     q, k, v = _split_qkv(sd[src + "self_attention.linear_qkv.weight"], config)
     fc1 = sd.get(src + "mlp.linear_fc1.weight")  # None in an MoE layer
     if llama:
@@ -243,14 +230,32 @@ def _layer_to_hf(
         )
         out[dst + "mlp.c_fc.weight"] = fc1.t()
         out[dst + "mlp.c_fc.bias"] = sd[src + "mlp.linear_fc1.bias"]
-        for conv in ("attn.c_proj.weight", "mlp.c_proj.weight"):
-            out[dst + conv] = out[dst + conv].t()
     for name, value in out.items():
         yield name, value.contiguous()
 
 
+def _one_to_one(
+    sd: StateDict, config: TransformerConfig, src: str, dst: str, llama: bool, *, to_hf: bool
+) -> dict[str, torch.Tensor]:
+    """A layer's modules that map one to one, either way: renamed, a norm weight moved between gamma
+    and gamma - 1, a GPT-2 ``Conv1D`` weight transposed."""
+    out = {}
+    for ours, theirs in _per_layer_names(llama):
+        read, write = (ours, theirs) if to_hf else (theirs, ours)
+        for suffix in ("weight", "bias"):
+            if src + read + "." + suffix not in sd:
+                continue
+            value = sd[src + read + "." + suffix]
+            if suffix == "weight" and ours.endswith("layernorm"):
+                value = (_gamma_to_hf if to_hf else _gamma_from_hf)(value, config)
+            elif suffix == "weight" and not llama and theirs.endswith("c_proj"):
+                value = value.t()
+            out[dst + write + "." + suffix] = value
+    return out
+
+
 def _per_layer_names(llama: bool) -> list[tuple[str, str]]:
-    """Modules whose weight and bias map one to one (GPT-2's Conv1D ones are transposed afterwards)."""
+    """``(ours, Hugging Face's)`` names of the modules whose weight and bias map one to one."""
     if llama:
         return [
             ("input_layernorm", "input_layernorm"),
@@ -311,14 +316,7 @@ def _layer_from_hf(
     moe = config.num_moe_experts is not None and config.is_moe_layer(i)
     if moe:
         out.update(moe_layer_from_hf(hf, config, i, arch))
-    for ours, theirs in _per_layer_names(llama):
-        for suffix in ("weight", "bias"):
-            if src + theirs + "." + suffix in hf:
-                value = hf[src + theirs + "." + suffix]
-                if ours.endswith("layernorm") and suffix == "weight":
-                    value = _gamma_from_hf(value, config)
-                transpose = not llama and suffix == "weight" and theirs.endswith("c_proj")
-                out[dst + ours + "." + suffix] = value.t() if transpose else value
+    out.update(_one_to_one(hf, config, src, dst, llama, to_hf=False))
     if llama:
         attn = src + "self_attn."
         out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(

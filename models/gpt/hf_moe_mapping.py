@@ -29,14 +29,21 @@ StateDict = Mapping[str, torch.Tensor]
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
 
 
-def moe_architecture(config: TransformerConfig) -> str:
-    """ "mixtral" or "qwen2_moe": the Hugging Face MoE family exactly equivalent to ``config``."""
-    llama_like = (
+def has_llama_blocks(config: TransformerConfig) -> bool:
+    """RMSNorm, SwiGLU and RoPE over the whole head: the block LLaMA and the MoE families share."""
+    return (
         config.normalization == "RMSNorm"
         and config.gated_linear_unit
         and config.activation_func is F.silu
         and config.position_embedding_type == "rope"
         and config.rotary_percent == 1.0
+    )
+
+
+def moe_architecture(config: TransformerConfig) -> str:
+    """ "mixtral" or "qwen2_moe": the Hugging Face MoE family exactly equivalent to ``config``."""
+    llama_like = (
+        has_llama_blocks(config)
         and not config.rope_scaling
         and not config.add_bias_linear
         and config.moe_expert_capacity_factor is None

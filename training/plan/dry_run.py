@@ -162,13 +162,7 @@ def dry_run(
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        ps.initialize_model_parallel(
-            run.parallel.tp,
-            run.parallel.pp,
-            run.model.virtual_pipeline_model_parallel_size,
-            run.parallel.cp,
-            expert_model_parallel_size=run.parallel.ep,
-        )
+        run.initialize_model_parallel()
         routing = balanced_routing() if fake else contextlib.nullcontext()
         placed = building_on(device) if device is not None else contextlib.nullcontext()
         with placed, fake_mode, tracker, routing:

@@ -24,6 +24,24 @@ from dataclasses import dataclass, replace
 __all__ = ["BYTES", "ModelSpec", "MoeSpec"]
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_CONFIG_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "normalization",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "position_embedding_type",
+    "rotary_percent",
+    "attention_dropout",
+    "hidden_dropout",
+    "attention_softmax_in_fp32",
+    "make_vocab_size_divisible_by",
+)
+"""The fields of :class:`ModelSpec` that hold ``TransformerConfig``'s value of the same name."""
 
 
 @dataclass(frozen=True)
@@ -97,31 +115,17 @@ class ModelSpec:
             balancing = config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0
             moe = MoeSpec(experts, config.moe_router_topk, config.moe_ffn_hidden_size, balancing)
         return cls(
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            num_attention_heads=config.num_attention_heads,
-            num_query_groups=config.num_query_groups,
-            kv_channels=config.kv_channels,
-            ffn_hidden_size=config.ffn_hidden_size,
+            **{name: getattr(config, name) for name in _CONFIG_FIELDS},
             vocab_size=vocab_size,
             seq_length=seq_length,
             max_position_embeddings=max_position_embeddings or seq_length,
             gated=config.gated_linear_unit,
             swiglu=config.gated_linear_unit and config.activation_func is torch.nn.functional.silu,
             zero_centered_gamma=config.layernorm_zero_centered_gamma,
-            normalization=config.normalization,
-            add_bias_linear=config.add_bias_linear,
-            add_qkv_bias=config.add_qkv_bias,
-            position_embedding_type=config.position_embedding_type,
-            rotary_percent=config.rotary_percent,
             untie_embeddings=config.untie_embeddings_and_output_weights,
-            attention_dropout=config.attention_dropout,
-            hidden_dropout=config.hidden_dropout,
-            attention_softmax_in_fp32=config.attention_softmax_in_fp32,
             cross_entropy_fusion=config.cross_entropy_loss_fusion,
             cross_entropy_linear=config.cross_entropy_loss_fusion
             and config.cross_entropy_fusion_impl == "linear",
-            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
             precision=precision,
             moe=moe,
             name=name,
