@@ -243,22 +243,17 @@ def test_pretrain_exits_with_one_line_on_a_rejected_flag(capsys):
 
 
 def test_model_flags_reach_the_transformer_config_with_megatrons_defaults():
+    rope_and_norm = (
+        "rotary_base",
+        "rotary_percent",
+        "layernorm_epsilon",
+        "rope_scaling",
+        "rope_scaling_factor",
+        "layernorm_zero_centered_gamma",
+    )
     args = _args("")
     config = transformer_config_from_args(args)
-    assert (config["rotary_base"], config["rotary_percent"], config["layernorm_epsilon"]) == (
-        10000.0,
-        1.0,
-        1e-5,
-    )
-    assert (
-        config["rope_scaling"],
-        config["rope_scaling_factor"],
-        config["layernorm_zero_centered_gamma"],
-    ) == (
-        False,
-        8.0,
-        False,
-    )
+    assert [config[key] for key in rope_and_norm] == [10000.0, 1.0, 1e-5, False, 8.0, False]
     assert config["activation_func"] is torch.nn.functional.gelu
     assert (args.fp16, args.use_distributed_optimizer, args.grad_reduce_in_fp32) == (False, False, True)
     config = transformer_config_from_args(
@@ -267,20 +262,7 @@ def test_model_flags_reach_the_transformer_config_with_megatrons_defaults():
             "--use-rope-scaling --rope-scaling-factor 32 --norm-epsilon 1e-6 --apply-layernorm-1p --openai-gelu"
         )
     )
-    assert (config["rotary_base"], config["rotary_percent"], config["layernorm_epsilon"]) == (
-        500000,
-        0.5,
-        1e-6,
-    )
-    assert (
-        config["rope_scaling"],
-        config["rope_scaling_factor"],
-        config["layernorm_zero_centered_gamma"],
-    ) == (
-        True,
-        32.0,
-        True,
-    )
+    assert [config[key] for key in rope_and_norm] == [500000, 0.5, 1e-6, True, 32.0, True]
     assert config["activation_func"] is openai_gelu and config["position_embedding_type"] == "rope"
 
 
