@@ -21,6 +21,7 @@ from core.transformer.context_parallel import (
     slice_sequence,
 )
 from core.transformer.context_parallel.sharding import chunk_order, gather_order_index
+from tests.support.configs import full_recompute
 
 TOL = 1e-5
 
@@ -411,12 +412,7 @@ SPLITS = {  # name: (tp, pp, cp, config options) on 4 ranks; DP takes the rest
     "pp2_cp2_gpipe": (1, 2, 2, {"pipeline_schedule": "gpipe"}),
     "pp2_vpp2_cp2": (1, 2, 2, {"virtual_pipeline_model_parallel_size": 2}),
     "pp2_vpp2_cp2_zbv": (1, 2, 2, {"virtual_pipeline_model_parallel_size": 2, "pipeline_schedule": "zbv"}),
-    "cp4_full_recompute": (
-        1,
-        1,
-        4,
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
-    ),
+    "cp4_full_recompute": (1, 1, 4, full_recompute("uniform", 2)),
     "tp2_sp_cp2_a2a": (2, 1, 2, {"sequence_parallel": True, "cp_comm_type": "a2a"}),
     "pp2_cp2_compile": (1, 2, 2, {"compile": True, "compile_backend": "aot_eager"}),
     "pp2_cp2_a2a_compile_zb-h1": (

@@ -15,6 +15,7 @@ import torch
 from core.distributed import finalize_model_grads
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt import GPTModel, gpt2_config, gpt_provider, llama_config, parallelize_gpt, pipeline_layout
+from tests.support.configs import full_recompute
 from tests.support.pipeline_toy import make_microbatches, reference_loss_and_grads, run_schedule
 
 VOCAB, SEQ, MBS, MICROBATCHES = 60, 8, 2, 2  # VOCAB pads to 64: padding is exercised in every split
@@ -170,12 +171,8 @@ def _tied_rank(rank, world_size, steps):
 
 RECOMPUTE = {
     "none": {},
-    "full-uniform": {
-        "recompute_granularity": "full",
-        "recompute_method": "uniform",
-        "recompute_num_layers": 2,
-    },
-    "full-block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    "full-uniform": full_recompute("uniform", 2),
+    "full-block": full_recompute("block", 1),
     "selective": {"recompute_granularity": "selective"},
     "dropout-off": {"hidden_dropout": 0.0, "attention_dropout": 0.0},
 }

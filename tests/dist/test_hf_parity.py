@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from models.gpt import GPTModel, gpt2_config, llama_config
+from tests.support.configs import tiny_config
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs, to_hf
 from tests.support.hf import (
     convert,
@@ -39,31 +40,13 @@ ROPE_OFFSET = 3000
 
 
 def _llama(**overrides):
-    """A tiny LLaMA: 2 layers of 32, 4 heads in 2 query groups, FFN 48 (``overrides`` change it)."""
-    return llama_config(
-        **{
-            "num_layers": 2,
-            "hidden_size": 32,
-            "num_attention_heads": 4,
-            "num_query_groups": 2,
-            "ffn_hidden_size": 48,
-            "init_method_std": 0.2,
-            **overrides,
-        }
-    )
+    """The tiny LLaMA with FFN 48 (``overrides`` change it)."""
+    return tiny_config("llama", **{"ffn_hidden_size": 48, **overrides})
 
 
 def _gpt2(**overrides):
-    """A tiny GPT-2: 2 layers of 32, 4 heads, no dropout (``overrides`` change it)."""
-    return gpt2_config(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        init_method_std=0.2,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **overrides,
-    )
+    """The tiny GPT-2 (``overrides`` change it)."""
+    return tiny_config("gpt", **overrides)
 
 
 CASES = {

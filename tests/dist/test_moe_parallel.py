@@ -22,6 +22,7 @@ from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.transformer.initialization import initialize_by_name
 from core.transformer.moe.groups import MoEGroups
 from core.transformer.moe.moe_layer import MoELayer
+from tests.support.configs import full_recompute
 from tests.support.moe_reference import moe_config
 
 WORLD, SEQ, BATCH, HIDDEN = 4, 8, 2, 16
@@ -304,12 +305,7 @@ MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes
         2,
         2,
         "zb-h1",
-        {
-            "moe_token_dispatcher_type": "allgather",
-            "recompute_granularity": "full",
-            "recompute_method": "uniform",
-            "recompute_num_layers": 1,
-        },
+        {"moe_token_dispatcher_type": "allgather", **full_recompute("uniform", 1)},
     ),
     "pp2-vpp2-layout-ep2-interleaved": (
         1,

@@ -23,8 +23,9 @@ from core.pipeline_parallel.backward_split import backward_input, backward_weigh
 from core.transformer import TransformerBlock
 from core.transformer.compile import compile_stats
 from core.transformer.initialization import initialize_by_name
-from models.gpt import GPTModel, gpt2_config, llama_config
+from models.gpt import GPTModel
 from tests.support.compiled import assert_compiled_matches_eager
+from tests.support.configs import full_recompute, tiny_config
 from tests.support.torchrun_jobs import (
     TINY,
     job_env,
@@ -34,13 +35,6 @@ from tests.support.torchrun_jobs import (
 )
 
 VOCAB, SEQ, MBS = 64, 16, 2
-SIZES = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "init_method_std": 0.2}
-
-
-def _config(kind: str, **overrides):
-    if kind == "gpt":
-        return gpt2_config(**SIZES, hidden_dropout=0.0, attention_dropout=0.0, **overrides)
-    return llama_config(**SIZES, num_query_groups=2, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -48,14 +42,14 @@ def _config(kind: str, **overrides):
     [
         # Variable sequence lengths: the sequence dimension is dynamic from the first compile on.
         ("llama", {"recompute_granularity": "selective", "variable_seq_lengths": True}),
-        ("gpt", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+        ("gpt", full_recompute("uniform", 1)),
     ],
 )
 def test_compiled_model_computes_the_eager_loss_and_gradients(kind, overrides):
     lengths = (16, 24, 40) if overrides.get("variable_seq_lengths") else (SEQ,)
     models = {
         compiled: GPTModel(
-            _config(kind, compile=compiled, compile_backend="aot_eager", **overrides), VOCAB, 64
+            tiny_config(kind, compile=compiled, compile_backend="aot_eager", **overrides), VOCAB, 64
         )
         for compiled in (False, True)
     }
@@ -75,7 +69,7 @@ def test_zero_bubble_split_of_a_compiled_stage_repeats_no_compiled_backward():
     """Compiled for a zero-bubble schedule, the regions hold no parameters: W runs none of them."""
     x = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(0))
     grad_out = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(1))
-    config = _config("gpt", compile=True, compile_backend="aot_eager", pipeline_schedule="zb-h1")
+    config = tiny_config("gpt", compile=True, compile_backend="aot_eager", pipeline_schedule="zb-h1")
     block = TransformerBlock(config, [0, 1], post_process=False)
     initialize_by_name(block, config)
     results = {}

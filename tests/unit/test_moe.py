@@ -17,6 +17,7 @@ from core.transformer.moe.moe_layer import MoELayer
 from core.transformer.moe.moe_utils import drop_tokens_over_capacity, get_capacity, topk_routing
 from core.transformer.moe.router import TopKRouter
 from tests.support.compiled import assert_compiled_matches_eager, relative_error
+from tests.support.configs import full_recompute
 from tests.support.moe_reference import (
     expert_weights,
     moe_config,
@@ -260,9 +261,7 @@ def test_logged_losses_are_per_layer_means_over_microbatches_and_their_mean_over
         for value, router in zip((per_layer[name][0], per_layer[name][2]), recorded):
             assert value == pytest.approx(float(router[name]) / 2, rel=1e-6)
         assert summary[name] == pytest.approx((per_layer[name][0] + per_layer[name][2]) / 2, rel=1e-6)
-    recomputed, _, _ = _logged_losses(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-    )
+    recomputed, _, _ = _logged_losses(**full_recompute("uniform", 1))
     assert recomputed == pytest.approx(
         summary, rel=1e-6
     )  # the forward replayed in backward is not logged again
