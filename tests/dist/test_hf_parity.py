@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from models.gpt import GPTModel, gpt2_config, llama_config
+from tests.support.bpe import train_byte_level_bpe
 from tests.support.configs import tiny_config
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs, to_hf
 from tests.support.hf import (
@@ -230,8 +231,6 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
     """A SentencePiece BPE model (trained by tools/train_tokenizer.py) and GPT-2 BPE vocab/merges files."""
-    from tokenizers import ByteLevelBPETokenizer
-
     from tests.unit.test_data import make_docs, write_jsonl
     from tools import train_tokenizer
 
@@ -239,9 +238,7 @@ def tokenizer_files(tmp_path_factory):
     docs = make_docs(200, seed=3) + TEXTS
     jsonl = write_jsonl(root / "docs.jsonl", docs)
     spm = train_tokenizer.main(["--input", jsonl, "--model-prefix", str(root / "spm"), "--vocab-size", "400"])
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(docs, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
-    bpe.save_model(str(root))
+    train_byte_level_bpe(docs, 400, save_to=root)
     return {
         "spm": {"tokenizer_model": str(spm)},
         "bpe": {"vocab_file": str(root / "vocab.json"), "merge_file": str(root / "merges.txt")},
@@ -406,11 +403,8 @@ ARCHITECTURE_FIELDS = [
 def hf_folders(tmp_path_factory, tokenizer_files):
     """Tiny Hugging Face models with random weights (norms and biases too), saved with a BPE tokenizer;
     the LLaMA with GQA is sharded with an index."""
-    from tokenizers import ByteLevelBPETokenizer
-
     root = tmp_path_factory.mktemp("hf")
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(tokenizer_files["docs"], vocab_size=HF_VOCAB, special_tokens=["<|endoftext|>"])
+    bpe = train_byte_level_bpe(tokenizer_files["docs"], HF_VOCAB, min_frequency=2)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>"
     )

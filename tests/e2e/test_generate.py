@@ -22,6 +22,7 @@ from core.transformer.inference_context import InferenceContext
 from models.gpt import GPTModel, gpt2_config, llama_config
 from models.gpt.generation import SamplingParams, generate, warp_logits
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs
+from tests.support.bpe import train_byte_level_bpe
 from tests.support.torchrun_jobs import run_captured
 from tools import generate as generate_tool
 from training.checkpoint import gpt_tensor_specs, parallelism_of, write_checkpoint
@@ -155,14 +156,11 @@ def test_gpt2_bpe_and_hugging_face_tokenizers_travel_with_the_checkpoint(tokeniz
     """The files training copies in (vocab.json and merges.txt, or a tokenizer folder) rebuild the tokenizer."""
     from argparse import Namespace
 
-    from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     from training.resume import tokenizer_record
 
-    trainer = ByteLevelBPETokenizer()
-    trainer.train_from_iterator([PROMPT] * 3 + WORDS, vocab_size=300, special_tokens=["<|endoftext|>"])
-    trainer.save_model(str(tmp_path))
+    trainer = train_byte_level_bpe([PROMPT] * 3 + WORDS, 300, min_frequency=2, save_to=tmp_path)
     hf_folder = str(tmp_path / "hf")
     PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer, eos_token="<|endoftext|>").save_pretrained(
         hf_folder
