@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from models.gpt import GPTModel, gpt2_config, llama_config
-from tests.support.bpe import train_byte_level_bpe
+from tests.support.bpe import TRICKY_TEXTS, train_byte_level_bpe
 from tests.support.configs import tiny_config
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs, to_hf
 from tests.support.hf import (
@@ -218,14 +218,7 @@ EXPORTS = {
     "llama3-rope-scaling": (CASES["llama3-rope-scaling"][0], "GPTSentencePieceTokenizer"),
     "gpt2": (CASES["gpt2"][0], "GPT2BPETokenizer"),
 }
-TEXTS = [
-    "Hello world, it's 2024!",
-    "  leading spaces\tand\ttabs\n\nnew lines   ",
-    "naïve café — ünïcödé ✓ 你好",
-    "numbers 1234567 and <s> special </s> strings <|endoftext|>",
-    " x",
-    "",
-]
+TEXTS = [*TRICKY_TEXTS, "numbers 1234567 and <s> special </s> strings <|endoftext|>", " x", ""]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tokenizers import ByteLevelBPETokenizer
 
+TRICKY_TEXTS = [
+    "Hello world, it's 2024!",
+    "  leading spaces\tand\ttabs\n\nnew lines   ",
+    "naïve café — ünïcödé ✓ 你好",
+]
+"""Texts where tokenizers part ways: punctuation and digits, runs of white space, non-ASCII letters."""
+
 
 def train_byte_level_bpe(
     texts: Iterable[str], vocab_size: int, *, min_frequency: int = 1, save_to: Path | None = None

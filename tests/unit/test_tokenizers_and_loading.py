@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.bpe import train_byte_level_bpe
+from tests.support.bpe import TRICKY_TEXTS, train_byte_level_bpe
 from tests.unit.test_data import make_docs, write_jsonl
 from tools import preprocess_data
 from training.data.builder import build_per_split_datasets, build_train_valid_test_datasets
@@ -26,12 +26,7 @@ from training.data.samplers import (
 from training.errors import DataError
 from training.tokenizer import GPT2BPETokenizer, HuggingFaceTokenizer, Llama2Tokenizer, build_tokenizer
 
-TEXTS = [
-    "Hello world, it's 2024!",
-    "  leading spaces\tand\ttabs\n\nnew lines   ",
-    "naïve café — ünïcödé ✓ 你好",
-    "numbers 1234567 and symbols #$%&*()",
-]
+TEXTS = [*TRICKY_TEXTS, "numbers 1234567 and symbols #$%&*()"]
 
 
 @pytest.fixture(scope="module")
