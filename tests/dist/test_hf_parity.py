@@ -19,7 +19,7 @@ import re
 import pytest
 import torch
 
-from models.gpt import GPTModel, gpt2_config, llama_config
+from models.gpt import GPTModel
 from tests.support.bpe import TRICKY_TEXTS, train_byte_level_bpe
 from tests.support.configs import tiny_config
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs, to_hf

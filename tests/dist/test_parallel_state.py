@@ -7,7 +7,6 @@ with the code under test.
 
 import itertools
 import os
-import subprocess
 import sys
 from pathlib import Path
 
