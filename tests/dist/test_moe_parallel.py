@@ -23,8 +23,8 @@ from core.transformer.initialization import initialize_by_name
 from core.transformer.moe.groups import MoEGroups
 from core.transformer.moe.moe_layer import MoELayer
 from tests.support.configs import full_recompute
-from tests.support.sgd_model import parallelize_with_sgd
 from tests.support.moe_reference import moe_config
+from tests.support.sgd_model import parallelize_with_sgd
 
 WORLD, SEQ, BATCH, HIDDEN = 4, 8, 2, 16
 TIMEOUT = 120

@@ -3,6 +3,8 @@
 ``Job`` starts torchrun in its own session, reads its output on a thread, knows each worker's pid by
 global rank (from ``/proc``), and can signal a worker or torchrun itself. The dataset is written by
 the real ``IndexedDatasetBuilder`` and read with ``NullTokenizer``, so no tokenizer is trained.
+The tests that run a command to its end (``torchrun`` or ``python``) and read its output afterwards use
+``run_captured``; ``start_session`` is ``Job``'s start, for a test that reads the output itself.
 """
 
 from __future__ import annotations
