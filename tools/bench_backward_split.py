@@ -24,7 +24,6 @@ Prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -39,6 +38,7 @@ from core.distributed import DistributedDataParallel, DistributedDataParallelCon
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.transformer.transformer_block import TransformerBlock
 from models.gpt.presets import gpt2_config, llama_config
+from tools.bench_args import add_int_flags, benchmark_parser
 
 
 def _stage(kind: str, args) -> TransformerBlock:
@@ -149,16 +149,8 @@ def measure(kind: str, args) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1)
+    parser = benchmark_parser(__doc__, num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=256)
+    add_int_flags(parser, micro_batch_size=4, repeats=15, threads=1)
     parser.add_argument("--compile", default=None, help="compile the layers with this torch.compile backend")
     parser.add_argument("--whole-layer", action="store_true", help="with --compile: linears compiled too")
     parser.add_argument(

@@ -41,6 +41,7 @@ from core.device import current_device
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.context_parallel import get_batch_on_this_cp_rank, ring_timings
 from models.gpt import GPTModel, llama_config
+from tools.bench_args import add_int_flags, benchmark_parser
 from tools.bench_ranks import init_rank, spawn
 
 
@@ -150,15 +151,7 @@ def _print_overlap(per_cp: dict[int, list[tuple[float, float, float]]]) -> dict[
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--groups", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=512)
+    parser = benchmark_parser(__doc__, seq=4096, layers=2, hidden=128, heads=4, groups=2, vocab=512)
     parser.add_argument("--cp", type=int, default=4, choices=(2, 4))
     parser.add_argument(
         "--world",
@@ -168,8 +161,7 @@ def main(argv=None) -> dict:
         help="ranks (spawned processes); on a 2-core machine --world 2 --cp 2 gives each rank a core",
     )
     parser.add_argument("--cp-comm-type", default="p2p", choices=("p2p", "a2a", "allgather"))
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    add_int_flags(parser, steps=5, warmup=1)
     parser.add_argument(
         "--measure",
         default="both",

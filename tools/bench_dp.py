@@ -38,6 +38,7 @@ from core.distributed import DistributedDataParallelConfig
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.tensor_parallel import model_parallel_seed
 from models.gpt import GPTModel, parallelize_gpt, pipeline_layout, preset
+from tools.bench_args import add_int_flags, benchmark_parser
 from tools.bench_ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
 
 CONFIGS = {
@@ -100,19 +101,11 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = benchmark_parser(
+        __doc__, layers=8, hidden=512, heads=8, seq=64, mbs=1, microbatches=4, vocab=4096
     )
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--mbs", type=int, default=1)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--bucket-size", type=int, default=2_000_000, help="elements per bucket")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_int_flags(parser, steps=10, warmup=2)
     args = parser.parse_args(argv)
     times = spawn(_rank, args)
     medians = {name: statistics.median(ts) for name, ts in times.items()}

@@ -43,6 +43,7 @@ from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.moe.moe_layer import MoELayer
 from models.gpt import GPTModel, llama_config, parallelize_gpt, pipeline_layout
+from tools.bench_args import add_int_flags, benchmark_parser
 from tools.bench_ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
 
 REGIONS = ("routing", "dispatcher", "experts")
@@ -159,23 +160,10 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--expert-ffn", type=int, default=256)
+    parser = benchmark_parser(__doc__, layers=4, hidden=256, heads=4, experts=8, topk=2, expert_ffn=256)
     parser.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall")
     parser.add_argument("--grouped", action="store_true", help="--moe-grouped-gemm")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--mbs", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_int_flags(parser, seq=128, mbs=2, microbatches=2, vocab=4096, steps=10, warmup=2)
     return parser
 
 

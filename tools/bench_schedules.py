@@ -88,32 +88,19 @@ def spend(clock: StageClock, seconds: float, *, keep_mark: bool = False) -> None
     clock.mark = deadline if keep_mark else None
 
 
-class _InputPath(torch.autograd.Function):
-    """Identity on the input's path: its backward costs the input-gradient half."""
+class _CostlyIdentity(torch.autograd.Function):
+    """Identity whose backward costs ``seconds``: on the input's path the input-gradient half, on a
+    parameter's branch the weight-gradient half (``keep_mark``: a fused backward's input half follows)."""
 
     @staticmethod
-    def forward(ctx, x, clock, input_s):
-        ctx.clock, ctx.input_s = clock, input_s
+    def forward(ctx, x, clock, seconds, keep_mark):
+        ctx.clock, ctx.seconds, ctx.keep_mark = clock, seconds, keep_mark
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        spend(ctx.clock, ctx.input_s)
-        return grad, None, None
-
-
-class _WeightPath(torch.autograd.Function):
-    """Identity on a parameter's branch: its backward costs the weight-gradient half."""
-
-    @staticmethod
-    def forward(ctx, weight, clock, weight_s):
-        ctx.clock, ctx.weight_s = clock, weight_s
-        return weight.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        spend(ctx.clock, ctx.weight_s, keep_mark=True)  # a fused backward's input half follows
-        return grad, None, None
+        spend(ctx.clock, ctx.seconds, keep_mark=ctx.keep_mark)
+        return grad, None, None, None
 
 
 class _Output(torch.autograd.Function):
@@ -134,7 +121,9 @@ def _stage_output(x, weight, costs, clock: StageClock):
     """The stage's output; its forward costs F in all, counted from ``clock``'s mark."""
     forward_s, input_s, weight_s = costs
     out = _Output.apply(
-        _InputPath.apply(x, clock, input_s), _WeightPath.apply(weight, clock, weight_s), clock
+        _CostlyIdentity.apply(x, clock, input_s, False),
+        _CostlyIdentity.apply(weight, clock, weight_s, True),
+        clock,
     )
     spend(clock, forward_s)  # last, so that the operations above are inside the forward's cost
     return out

@@ -18,10 +18,9 @@ import shlex
 
 from training.schema import BY_OPTION, COVERAGE, NO_EFFECT, REJECTED_PREFIXES, coverage_of
 
-SCRIPTS: dict[str, str] = {
-    # 175B: TP 8 x PP 16, 96 layers of 12288 -> TP 2 x PP 2, 4 layers of 64; 500000 iterations -> 3. The
-    # batch ramp (the script before Megatron-LM#4411: 16 16 5859375 up to 1536) -> 2, 4 and 8 in 3 iterations.
-    "gpt3_175b": """
+# 175B: TP 8 x PP 16, 96 layers of 12288 -> TP 2 x PP 2, 4 layers of 64; 500000 iterations -> 3. The
+# batch ramp (the script before Megatron-LM#4411: 16 16 5859375 up to 1536) -> 2, 4 and 8 in 3 iterations.
+_GPT3_175B = """
         --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
         --attention-backend auto
         --micro-batch-size 1 --global-batch-size 8 --rampup-batch-size 2 2 6 --train-iters 3
@@ -31,20 +30,15 @@ SCRIPTS: dict[str, str] = {
         --data-path {data} --vocab-file {vocab} --merge-file {merges} --split 949,50,1
         --log-interval 1 --save-interval 3 --eval-interval 3 --save {ckpt} --load {ckpt} --eval-iters 1
         --tensorboard-dir {tb}
-    """,
-    # The same script as Megatron-LM has it now: its step schedule ("0:16 2.4B:320 ... 12B:1536" tokens at
-    # 2048 a sample, with --global-batch-size 1536) -> 2, 4 and 8 from 0, 2 and 6 samples of 32 tokens.
-    "gpt3_175b_step": """
-        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-        --attention-backend auto
-        --micro-batch-size 1 --global-batch-size 8 --step-batch-size-schedule "0:2 64:4 192:8" --train-iters 3
-        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16
-        --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 3
-        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-        --data-path {data} --vocab-file {vocab} --merge-file {merges} --split 949,50,1
-        --log-interval 1 --save-interval 3 --eval-interval 3 --save {ckpt} --load {ckpt} --eval-iters 1
-        --tensorboard-dir {tb}
-    """,
+    """
+SCRIPTS: dict[str, str] = {
+    "gpt3_175b": _GPT3_175B,
+    # The same script as Megatron-LM has it now; transcribed, it differs only in the batch ramp: the step
+    # schedule ("0:16 2.4B:320 ... 12B:1536" tokens at 2048 a sample, with --global-batch-size 1536) -> 2, 4
+    # and 8 from 0, 2 and 6 samples of 32 tokens.
+    "gpt3_175b_step": _GPT3_175B.replace(
+        "--rampup-batch-size 2 2 6", '--step-batch-size-schedule "0:2 64:4 192:8"'
+    ),
     # LLaMA-3 8B, FP8, mock data: 32 layers of 4096, 8192 tokens, 1.95e9 samples -> 2 layers of 64, 32 tokens,
     # 24 samples (3 iterations of 8); vocabulary 128256 -> 512.
     "llama3_8b": """

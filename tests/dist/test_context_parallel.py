@@ -21,6 +21,8 @@ from core.transformer.context_parallel import (
     slice_sequence,
 )
 from core.transformer.context_parallel.sharding import chunk_order, gather_order_index
+from tests.support.configs import full_recompute
+from tests.support.sgd_model import parallelize_with_sgd
 
 TOL = 1e-5
 
@@ -315,12 +317,10 @@ def _cp_model_rank(rank, world_size, kind, split, form):
     optimizer, parameters after one SGD step) from the first TP and DP x CP rank of each stage."""
     from core import parallel_state as ps
     from core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.pipeline_parallel.hooks import ScheduleHooks
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from core.tensor_parallel import model_parallel_seed
     from core.transformer.context_parallel import get_batch_on_this_cp_rank
-    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
     from tests.dist.test_gpt_model import _full
 
     tp, pp, cp, options = SPLITS[split]
@@ -338,21 +338,14 @@ def _cp_model_rank(rank, world_size, kind, split, form):
         schedule_hooks=ScheduleHooks(finalize_model_grads=finalize_model_grads),
         **options,
     )
-    sgd = OptimizerConfig(
-        optimizer="sgd",
+    model = parallelize_with_sgd(
+        config,
+        VOCAB,
+        MODEL_SEQ,
         lr=0.5,
-        weight_decay=0.0,
-        sgd_momentum=0.0,
-        clip_grad=0.0,
-        use_distributed_optimizer=True,
-    )
-    model = parallelize_gpt(
-        gpt_provider(config, VOCAB, MODEL_SEQ),
-        layout=pipeline_layout(config),
         ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=3000)
         if distributed_optimizer
         else None,
-        make_optimizer=lambda chunks: get_megatron_optimizer(sgd, chunks),
     )
     chunks, optimizer = model.chunks, model.optimizer
     dp, dp_rank, cp_rank = (
@@ -411,12 +404,7 @@ SPLITS = {  # name: (tp, pp, cp, config options) on 4 ranks; DP takes the rest
     "pp2_cp2_gpipe": (1, 2, 2, {"pipeline_schedule": "gpipe"}),
     "pp2_vpp2_cp2": (1, 2, 2, {"virtual_pipeline_model_parallel_size": 2}),
     "pp2_vpp2_cp2_zbv": (1, 2, 2, {"virtual_pipeline_model_parallel_size": 2, "pipeline_schedule": "zbv"}),
-    "cp4_full_recompute": (
-        1,
-        1,
-        4,
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
-    ),
+    "cp4_full_recompute": (1, 1, 4, full_recompute("uniform", 2)),
     "tp2_sp_cp2_a2a": (2, 1, 2, {"sequence_parallel": True, "cp_comm_type": "a2a"}),
     "pp2_cp2_compile": (1, 2, 2, {"compile": True, "compile_backend": "aot_eager"}),
     "pp2_cp2_a2a_compile_zb-h1": (

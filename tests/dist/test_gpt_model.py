@@ -15,7 +15,8 @@ import torch
 from core.distributed import finalize_model_grads
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt import GPTModel, gpt2_config, gpt_provider, llama_config, parallelize_gpt, pipeline_layout
-from tests.support.pipeline_toy import make_forward_step, make_microbatches, reference_loss_and_grads
+from tests.support.configs import full_recompute
+from tests.support.pipeline_toy import make_microbatches, reference_loss_and_grads, run_schedule
 
 VOCAB, SEQ, MBS, MICROBATCHES = 60, 8, 2, 2  # VOCAB pads to 64: padding is exercised in every split
 TOL = 1e-5
@@ -82,16 +83,13 @@ def _setup(kind: str, tp: int, pp: int, vpp: int | None, *, ddp: bool = False, *
 def _train_step(ps, chunks, batches, seq_length=SEQ):
     from core.pipeline_parallel.schedules import get_forward_backward_func
 
-    vpp = len(chunks)
-    config = chunks[0].config
-    iterators = [iter(batches) for _ in chunks]
-    return get_forward_backward_func()(
-        forward_step_func=make_forward_step(config.calculate_per_token_loss),
-        data_iterator=iterators if vpp > 1 else iterators[0],
-        model=chunks if vpp > 1 else chunks[0],
-        num_microbatches=len(batches),
+    return run_schedule(
+        get_forward_backward_func(),
+        chunks if len(chunks) > 1 else chunks[0],
+        batches,
         seq_length=seq_length,
         micro_batch_size=MBS,
+        per_token=chunks[0].config.calculate_per_token_loss,
     )
 
 
@@ -173,12 +171,8 @@ def _tied_rank(rank, world_size, steps):
 
 RECOMPUTE = {
     "none": {},
-    "full-uniform": {
-        "recompute_granularity": "full",
-        "recompute_method": "uniform",
-        "recompute_num_layers": 2,
-    },
-    "full-block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    "full-uniform": full_recompute("uniform", 2),
+    "full-block": full_recompute("block", 1),
     "selective": {"recompute_granularity": "selective"},
     "dropout-off": {"hidden_dropout": 0.0, "attention_dropout": 0.0},
 }

@@ -19,7 +19,9 @@ import re
 import pytest
 import torch
 
-from models.gpt import GPTModel, gpt2_config, llama_config
+from models.gpt import GPTModel
+from tests.support.bpe import TRICKY_TEXTS, train_byte_level_bpe
+from tests.support.configs import tiny_config
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs, to_hf
 from tests.support.hf import (
     convert,
@@ -39,31 +41,13 @@ ROPE_OFFSET = 3000
 
 
 def _llama(**overrides):
-    """A tiny LLaMA: 2 layers of 32, 4 heads in 2 query groups, FFN 48 (``overrides`` change it)."""
-    return llama_config(
-        **{
-            "num_layers": 2,
-            "hidden_size": 32,
-            "num_attention_heads": 4,
-            "num_query_groups": 2,
-            "ffn_hidden_size": 48,
-            "init_method_std": 0.2,
-            **overrides,
-        }
-    )
+    """The tiny LLaMA with FFN 48 (``overrides`` change it)."""
+    return tiny_config("llama", **{"ffn_hidden_size": 48, **overrides})
 
 
 def _gpt2(**overrides):
-    """A tiny GPT-2: 2 layers of 32, 4 heads, no dropout (``overrides`` change it)."""
-    return gpt2_config(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        init_method_std=0.2,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **overrides,
-    )
+    """The tiny GPT-2 (``overrides`` change it)."""
+    return tiny_config("gpt", **overrides)
 
 
 CASES = {
@@ -234,21 +218,12 @@ EXPORTS = {
     "llama3-rope-scaling": (CASES["llama3-rope-scaling"][0], "GPTSentencePieceTokenizer"),
     "gpt2": (CASES["gpt2"][0], "GPT2BPETokenizer"),
 }
-TEXTS = [
-    "Hello world, it's 2024!",
-    "  leading spaces\tand\ttabs\n\nnew lines   ",
-    "naïve café — ünïcödé ✓ 你好",
-    "numbers 1234567 and <s> special </s> strings <|endoftext|>",
-    " x",
-    "",
-]
+TEXTS = [*TRICKY_TEXTS, "numbers 1234567 and <s> special </s> strings <|endoftext|>", " x", ""]
 
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
     """A SentencePiece BPE model (trained by tools/train_tokenizer.py) and GPT-2 BPE vocab/merges files."""
-    from tokenizers import ByteLevelBPETokenizer
-
     from tests.unit.test_data import make_docs, write_jsonl
     from tools import train_tokenizer
 
@@ -256,9 +231,7 @@ def tokenizer_files(tmp_path_factory):
     docs = make_docs(200, seed=3) + TEXTS
     jsonl = write_jsonl(root / "docs.jsonl", docs)
     spm = train_tokenizer.main(["--input", jsonl, "--model-prefix", str(root / "spm"), "--vocab-size", "400"])
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(docs, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
-    bpe.save_model(str(root))
+    train_byte_level_bpe(docs, 400, save_to=root)
     return {
         "spm": {"tokenizer_model": str(spm)},
         "bpe": {"vocab_file": str(root / "vocab.json"), "merge_file": str(root / "merges.txt")},
@@ -423,11 +396,8 @@ ARCHITECTURE_FIELDS = [
 def hf_folders(tmp_path_factory, tokenizer_files):
     """Tiny Hugging Face models with random weights (norms and biases too), saved with a BPE tokenizer;
     the LLaMA with GQA is sharded with an index."""
-    from tokenizers import ByteLevelBPETokenizer
-
     root = tmp_path_factory.mktemp("hf")
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(tokenizer_files["docs"], vocab_size=HF_VOCAB, special_tokens=["<|endoftext|>"])
+    bpe = train_byte_level_bpe(tokenizer_files["docs"], HF_VOCAB, min_frequency=2)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>"
     )

@@ -22,7 +22,9 @@ from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.transformer.initialization import initialize_by_name
 from core.transformer.moe.groups import MoEGroups
 from core.transformer.moe.moe_layer import MoELayer
+from tests.support.configs import full_recompute
 from tests.support.moe_reference import moe_config
+from tests.support.sgd_model import parallelize_with_sgd
 
 WORLD, SEQ, BATCH, HIDDEN = 4, 8, 2, 16
 TIMEOUT = 120
@@ -304,12 +306,7 @@ MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes
         2,
         2,
         "zb-h1",
-        {
-            "moe_token_dispatcher_type": "allgather",
-            "recompute_granularity": "full",
-            "recompute_method": "uniform",
-            "recompute_num_layers": 1,
-        },
+        {"moe_token_dispatcher_type": "allgather", **full_recompute("uniform", 1)},
     ),
     "pp2-vpp2-layout-ep2-interleaved": (
         1,
@@ -417,9 +414,7 @@ def _optimizer_rank(rank, world_size, dispatcher):
     """EP 2 x expert-DP 2 (dense DP 4): bucketed, overlapped reduction, distributed optimizer, one
     clipped SGD step; returns the grad norm and each owned parameter's update."""
     from core.distributed import DistributedDataParallelConfig
-    from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.tensor_parallel import model_parallel_seed
-    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
     from tests.dist.test_gpt_model import _train_step, make_batches
 
     ps.initialize_model_parallel(expert_model_parallel_size=2)
@@ -428,20 +423,7 @@ def _optimizer_rank(rank, world_size, dispatcher):
     ddp = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000
     )
-    optimizer_config = OptimizerConfig(
-        optimizer="sgd",
-        sgd_momentum=0.0,
-        lr=LR,
-        weight_decay=0.0,
-        clip_grad=CLIP,
-        use_distributed_optimizer=True,
-    )
-    model = parallelize_gpt(
-        gpt_provider(config, VOCAB, SEQ),
-        layout=pipeline_layout(config),
-        ddp_config=ddp,
-        make_optimizer=lambda chunks: get_megatron_optimizer(optimizer_config, chunks),
-    )
+    model = parallelize_with_sgd(config, VOCAB, SEQ, lr=LR, ddp_config=ddp, clip_grad=CLIP)
     before = _owned_grads(model.chunks, "param")
     batches = make_batches(world_size * MICROBATCHES)[rank * MICROBATCHES : (rank + 1) * MICROBATCHES]
     _train_step(ps, model.chunks, batches)
@@ -485,28 +467,20 @@ def _step_and_snapshot(ep: int, batches, load: str | None = None, save: str | No
     """Build the tiny Mixtral at EP ``ep`` (dense DP 4) with SGD + momentum; optionally load ``load``;
     take one step on ``batches``; optionally save; return the owned parameters before and after."""
     from core.distributed import DistributedDataParallelConfig
-    from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.tensor_parallel import model_parallel_seed
-    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
     from tests.dist.test_gpt_model import _train_step
     from training.checkpointing import load_checkpoint, save_checkpoint
 
     ps.initialize_model_parallel(expert_model_parallel_size=ep)
     model_parallel_seed(1234)
     config = model_config(True, expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall")
-    optimizer_config = OptimizerConfig(
-        optimizer="sgd",
-        sgd_momentum=0.9,
+    model = parallelize_with_sgd(
+        config,
+        VOCAB,
+        SEQ,
         lr=1.0,
-        weight_decay=0.0,
-        clip_grad=0.0,
-        use_distributed_optimizer=True,
-    )
-    model = parallelize_gpt(
-        gpt_provider(config, VOCAB, SEQ),
-        layout=pipeline_layout(config),
         ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
-        make_optimizer=lambda chunks: get_megatron_optimizer(optimizer_config, chunks),
+        sgd_momentum=0.9,
     )
     if load is not None:
         load_checkpoint(load, model_chunks=model.chunks, optimizer=model.optimizer, load_rng=False)

@@ -7,7 +7,6 @@ with the code under test.
 
 import itertools
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from core import parallel_state as ps
+from tests.support.torchrun_jobs import run_captured
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 60
@@ -207,15 +207,7 @@ def test_single_process_initializes_itself_without_a_launcher():
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK")
     }
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+    out = run_captured([sys.executable, "-c", script], env=env, timeout=TIMEOUT, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:2] == ["ok", "1"]
 

@@ -40,6 +40,7 @@ from tests.support.pipeline_toy import (
     make_forward_step,
     make_microbatches,
     reference_loss_and_grads,
+    run_schedule,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -456,15 +457,13 @@ def _run_case(
     )
     chunks = _chunks(layout, pp_rank, config)
     batches = make_microbatches(m, 2, 6, variable)
-    iterators = [iter(batches) for _ in chunks]
     record = ScheduleRecord()
-    logs = get_forward_backward_func()(
-        forward_step_func=make_forward_step(per_token),
-        data_iterator=iterators if vpp > 1 else iterators[0],
-        model=chunks if vpp > 1 else chunks[0],
-        num_microbatches=m,
+    logs = run_schedule(
+        get_forward_backward_func(),
+        chunks if vpp > 1 else chunks[0],
+        batches,
         seq_length=6,
-        micro_batch_size=2,
+        per_token=per_token,
         record=record,
     )
     name = f"{schedule} pp={pp} vpp={vpp} m={m} layout={layout_str or 'even'} var={variable} tok={per_token}"
@@ -496,14 +495,7 @@ def _compare_with_single_device(name, chunks, layout, batches, logs, per_token, 
         ["E"] + ["t"] * layout.num_decoder_layers + ["L"],
         list(range(layout.num_decoder_layers)),
     )
-    ref_logs = forward_backward_no_pipelining(
-        forward_step_func=make_forward_step(per_token),
-        data_iterator=iter(batches),
-        model=whole,
-        num_microbatches=len(batches),
-        seq_length=6,
-        micro_batch_size=2,
-    )
+    ref_logs = run_schedule(forward_backward_no_pipelining, whole, batches, seq_length=6, per_token=per_token)
     no_pipe = {n: p.grad.clone() for n, p in whole.named_parameters()}
     plain_loss, plain = reference_loss_and_grads(whole, batches, per_token)
     problems = []
@@ -734,14 +726,7 @@ def test_world_size_one_runs_without_communication():
     config = ModelParallelConfig(hidden_size=8)
     model = ToyStage(config, ["E", "t", "t", "L"], [0, 1])
     batches = make_microbatches(3, 2, 6, variable=True)
-    logs = get_forward_backward_func()(
-        forward_step_func=make_forward_step(False),
-        data_iterator=iter(batches),
-        model=model,
-        num_microbatches=3,
-        seq_length=6,
-        micro_batch_size=2,
-    )
+    logs = run_schedule(get_forward_backward_func(), model, batches, seq_length=6)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     loss, ref = reference_loss_and_grads(model, batches, per_token=False)
     assert torch.stack([d["lm loss"] for d in logs]).mean().item() == pytest.approx(loss.item(), rel=1e-6)
@@ -769,25 +754,9 @@ def _forward_only(rank, world_size):
         chunks = _chunks(layout, ps.get_pipeline_model_parallel_rank(), config)
         batches = make_microbatches(8, 2, 6, variable=False)
         with torch.no_grad():
-            logs = get_forward_backward_func()(
-                forward_step_func=make_forward_step(False),
-                data_iterator=[iter(batches) for _ in chunks],
-                model=chunks,
-                num_microbatches=8,
-                seq_length=6,
-                micro_batch_size=2,
-                forward_only=True,
-            )
+            logs = run_schedule(get_forward_backward_func(), chunks, batches, seq_length=6, forward_only=True)
         whole = ToyStage(ModelParallelConfig(hidden_size=8), ["E"] + ["t"] * 8 + ["L"], list(range(8)))
-        ref = forward_backward_no_pipelining(
-            forward_step_func=make_forward_step(False),
-            data_iterator=iter(batches),
-            model=whole,
-            num_microbatches=8,
-            seq_length=6,
-            micro_batch_size=2,
-            forward_only=True,
-        )
+        ref = run_schedule(forward_backward_no_pipelining, whole, batches, seq_length=6, forward_only=True)
         no_grads = all(p.grad is None for c in chunks for p in c.parameters())
         same = [torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(logs, ref)]
         results.append((len(logs), all(same), no_grads))

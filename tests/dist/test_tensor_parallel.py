@@ -494,34 +494,27 @@ def _check_round_trip(rank, world_size):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("gather_output", [True, False])
-def test_column_parallel_linear_matches_linear(ranks, gather_output):
-    ranks(TP).run(_check_column, gather_output)
+# Each TP layer against its single-device counterpart, at both values of the one option its check takes.
+LAYER_CHECKS = [
+    ("column_parallel_linear_matches_linear", _check_column, "gather_output", [True, False]),
+    ("row_parallel_linear_matches_linear", _check_row, "input_is_parallel", [True, False]),
+    ("column_row_mlp_matches_single_device", _check_mlp, "sequence_parallel", [False, True]),
+    ("vocab_parallel_embedding_matches_embedding", _check_embedding, "reduce_scatter", [False, True]),
+    ("vocab_parallel_cross_entropy_matches_torch", _check_cross_entropy, "label_smoothing", [0.0, 0.1]),
+    ("linear_cross_entropy_matches_the_output_layer_and_torch", _check_linear_cross_entropy, "vocab_size", [7, 3]),
+]
 
 
-@pytest.mark.parametrize("input_is_parallel", [True, False])
-def test_row_parallel_linear_matches_linear(ranks, input_is_parallel):
-    ranks(TP).run(_check_row, input_is_parallel)
-
-
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_column_row_mlp_matches_single_device(ranks, sequence_parallel):
-    ranks(TP).run(_check_mlp, sequence_parallel)
-
-
-@pytest.mark.parametrize("reduce_scatter", [False, True])
-def test_vocab_parallel_embedding_matches_embedding(ranks, reduce_scatter):
-    ranks(TP).run(_check_embedding, reduce_scatter)
-
-
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_vocab_parallel_cross_entropy_matches_torch(ranks, label_smoothing):
-    ranks(TP).run(_check_cross_entropy, label_smoothing)
-
-
-@pytest.mark.parametrize("vocab_size", [7, 3])
-def test_linear_cross_entropy_matches_the_output_layer_and_torch(ranks, vocab_size):
-    ranks(TP).run(_check_linear_cross_entropy, vocab_size)
+@pytest.mark.parametrize(
+    "check, value",
+    [
+        pytest.param(check, value, id=f"{name}-{option}={value}")
+        for name, check, option, values in LAYER_CHECKS
+        for value in values
+    ],
+)
+def test_tensor_parallel_layers_match_single_device(ranks, check, value):
+    ranks(TP).run(check, value)
 
 
 def test_mappings_forward_and_backward_do_what_their_names_say(ranks):

@@ -15,8 +15,6 @@ inductor:
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,21 +23,18 @@ from core.pipeline_parallel.backward_split import backward_input, backward_weigh
 from core.transformer import TransformerBlock
 from core.transformer.compile import compile_stats
 from core.transformer.initialization import initialize_by_name
-from models.gpt import GPTModel, gpt2_config, llama_config
-from tests.support.torchrun_jobs import ROOT, TINY, job_env, write_tiny_dataset
+from models.gpt import GPTModel
+from tests.support.compiled import assert_compiled_matches_eager
+from tests.support.configs import full_recompute, tiny_config
+from tests.support.torchrun_jobs import (
+    TINY,
+    job_env,
+    run_captured,
+    torchrun_command,
+    write_tiny_dataset,
+)
 
 VOCAB, SEQ, MBS = 64, 16, 2
-SIZES = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "init_method_std": 0.2}
-
-
-def _config(kind: str, **overrides):
-    if kind == "gpt":
-        return gpt2_config(**SIZES, hidden_dropout=0.0, attention_dropout=0.0, **overrides)
-    return llama_config(**SIZES, num_query_groups=2, **overrides)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize(
@@ -47,31 +42,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     [
         # Variable sequence lengths: the sequence dimension is dynamic from the first compile on.
         ("llama", {"recompute_granularity": "selective", "variable_seq_lengths": True}),
-        ("gpt", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+        ("gpt", full_recompute("uniform", 1)),
     ],
 )
 def test_compiled_model_computes_the_eager_loss_and_gradients(kind, overrides):
     lengths = (16, 24, 40) if overrides.get("variable_seq_lengths") else (SEQ,)
     models = {
         compiled: GPTModel(
-            _config(kind, compile=compiled, compile_backend="aot_eager", **overrides), VOCAB, 64
+            tiny_config(kind, compile=compiled, compile_backend="aot_eager", **overrides), VOCAB, 64
         )
         for compiled in (False, True)
     }
     graphs, start = [], compile_stats()
     for length in lengths:
         tokens = torch.randint(0, VOCAB, (MBS, length), generator=torch.Generator().manual_seed(length))
-        results = {}
-        for compiled, model in models.items():
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, labels=tokens.roll(1, 1)).mean()
-            loss.backward()
-            results[compiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        assert_compiled_matches_eager(models, tokens, length)
         after = compile_stats()
         graphs.append(after["graphs"])
-        assert _rel(results[True][0], results[False][0]) <= 1e-6, length
-        for name, grad in results[False][1].items():
-            assert _rel(results[True][1][name], grad) <= 1e-6, (length, name)
     # Both layers share their graphs: 5 regions around the 4 linear layers (+ recompute's core
     # attention, run eagerly) and the loss; a new sequence length compiles nothing.
     assert graphs[0] - start["graphs"] <= 7 and after["graph_breaks"] > start["graph_breaks"]
@@ -82,7 +69,7 @@ def test_zero_bubble_split_of_a_compiled_stage_repeats_no_compiled_backward():
     """Compiled for a zero-bubble schedule, the regions hold no parameters: W runs none of them."""
     x = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(0))
     grad_out = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(1))
-    config = _config("gpt", compile=True, compile_backend="aot_eager", pipeline_schedule="zb-h1")
+    config = tiny_config("gpt", compile=True, compile_backend="aot_eager", pipeline_schedule="zb-h1")
     block = TransformerBlock(config, [0, 1], post_process=False)
     initialize_by_name(block, config)
     results = {}
@@ -167,15 +154,10 @@ def _curves(tmp_path, splits: list[str], backend: str) -> dict[str, list[float]]
         runs[f"{split} compiled"] = f"{base} {SPLITS[split]} --compile --compile-backend {backend}"
     script = tmp_path / "compile_runs.py"
     script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run(
-        [*cmd, str(script), json.dumps(runs)],
+    done = run_captured(
+        torchrun_command(2, [json.dumps(runs)], script=script),
         env=job_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=1800 if backend == "inductor" else 300,
-        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "--compile warm-up (first iteration): " in done.stdout

@@ -8,6 +8,7 @@ real signals to real torchrun workers: SIGSTOP to a middle rank (the empty stage
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -46,7 +47,10 @@ class FreezableStore:
         return getattr(self.store, name)
 
 
-def _watchdogs(store, world_size, timeout, messages, interval):
+@contextlib.contextmanager
+def _running_watchdogs(world_size, timeout, messages, interval):
+    """One started watchdog per rank on one store, each through its own freezable handle; all stopped on exit."""
+    store = dist.HashStore()
     handles = [FreezableStore(store) for _ in range(world_size)]
     dogs = [
         Watchdog(
@@ -60,16 +64,19 @@ def _watchdogs(store, world_size, timeout, messages, interval):
         )
         for rank in range(world_size)
     ]
-    return handles, dogs
+    try:
+        for dog in dogs:
+            dog.start()
+        yield handles, dogs
+    finally:
+        for dog in dogs:
+            dog.stop()
 
 
 def test_watchdog_names_the_silent_rank_and_what_the_others_waited_in():
     """Rank 1 freezes, rank 3 has finished: only rank 1 is named, by ranks 0 and 2, after the timeout."""
     messages: list[str] = []
-    handles, dogs = _watchdogs(dist.HashStore(), 4, 3.0, messages, interval=0.25)
-    try:
-        for dog in dogs:
-            dog.start()
+    with _running_watchdogs(4, 3.0, messages, interval=0.25) as (handles, dogs):
         dogs[1].enter("the loss check", 4)
         time.sleep(0.6)  # two heartbeats say so
         handles[1].frozen = True
@@ -80,9 +87,6 @@ def test_watchdog_names_the_silent_rank_and_what_the_others_waited_in():
         while len(messages) < 2 and time.monotonic() - started < 20:
             time.sleep(0.05)
         elapsed = time.monotonic() - started
-    finally:
-        for dog in dogs:
-            dog.stop()
     assert len(messages) == 2, messages  # one per waiting rank; the job's one report is training.faults'
     pattern = (
         r"rank 1 stopped answering: no heartbeat for \d+ s \(the last one said: the loss check at "
@@ -96,19 +100,13 @@ def test_watchdog_names_the_silent_rank_and_what_the_others_waited_in():
 
 def test_a_backend_timeout_with_every_rank_alive_says_what_each_rank_does():
     messages: list[str] = []
-    _, dogs = _watchdogs(dist.HashStore(), 3, 60.0, messages, interval=5.0)
-    try:
-        for dog in dogs:
-            dog.start()
+    with _running_watchdogs(3, 60.0, messages, interval=5.0) as (_, dogs):
         for rank, (phase, iteration) in enumerate(
             [("all-reduce", 3), ("checkpoint save", 3), ("all-reduce", 3)]
         ):
             dogs[rank].enter(phase, iteration)
             dogs[rank]._beat()  # as the next tick would
         text = dogs[0].explain_timeout()
-    finally:
-        for dog in dogs:
-            dog.stop()
     assert text == (
         "timed out after 60 s (the test's timeout) while every rank still answered: ranks 0,2 in all-reduce "
         "at iteration 3; rank 1 in checkpoint save at iteration 3. The ranks wait on each other: a collective "

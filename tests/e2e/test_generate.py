@@ -22,6 +22,8 @@ from core.transformer.inference_context import InferenceContext
 from models.gpt import GPTModel, gpt2_config, llama_config
 from models.gpt.generation import SamplingParams, generate, warp_logits
 from models.gpt.hf_mapping import from_hf, hf_config_kwargs
+from tests.support.bpe import train_byte_level_bpe
+from tests.support.torchrun_jobs import run_captured
 from tools import generate as generate_tool
 from training.checkpoint import gpt_tensor_specs, parallelism_of, write_checkpoint
 from training.inference import load_for_generation
@@ -154,14 +156,11 @@ def test_gpt2_bpe_and_hugging_face_tokenizers_travel_with_the_checkpoint(tokeniz
     """The files training copies in (vocab.json and merges.txt, or a tokenizer folder) rebuild the tokenizer."""
     from argparse import Namespace
 
-    from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     from training.resume import tokenizer_record
 
-    trainer = ByteLevelBPETokenizer()
-    trainer.train_from_iterator([PROMPT] * 3 + WORDS, vocab_size=300, special_tokens=["<|endoftext|>"])
-    trainer.save_model(str(tmp_path))
+    trainer = train_byte_level_bpe([PROMPT] * 3 + WORDS, 300, min_frequency=2, save_to=tmp_path)
     hf_folder = str(tmp_path / "hf")
     PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer, eos_token="<|endoftext|>").save_pretrained(
         hf_folder
@@ -227,13 +226,11 @@ def test_the_context_refuses_more_positions_than_it_holds():
 
 def generate_tool_json(*flags: str) -> dict:
     """``python tools/generate.py FLAGS --json`` as a user runs it: its JSON line (it must exit 0)."""
-    proc = subprocess.run(
+    proc = run_captured(
         [sys.executable, os.path.join(ROOT, "tools", "generate.py"), *flags, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
         env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=120,
+        cwd=None,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -378,9 +375,7 @@ def test_tensor_parallel_generation_under_torchrun(checkpoints, capsys):
 
     def torchrun(nproc: int, *flags: str) -> subprocess.CompletedProcess:
         command = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "tools/generate.py", *flags]
-        return subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False
-        )
+        return run_captured(command, env=env, timeout=180, cwd=ROOT)
 
     for case in MODELS:
         flags = ["--load", checkpoints[case]["tp1"], "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]

@@ -8,18 +8,17 @@ import os
 import subprocess
 import sys
 
+from tests.support.torchrun_jobs import run_captured
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode():
-    done = subprocess.run(
+    done = run_captured(
         [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick"],
-        cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT),
-        capture_output=True,
-        text=True,
         timeout=240,
-        check=False,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     *table, last = done.stdout.strip().splitlines()

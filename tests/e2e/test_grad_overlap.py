@@ -11,14 +11,11 @@ microbatch's backward (under zero-bubble: its W) was still running.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.torchrun_jobs import write_tiny_dataset
+from tests.support.torchrun_jobs import job_env, run_captured, torchrun_command, write_tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,24 +95,9 @@ def overlap_run(tmp_path_factory):
     data = f"--data-path {prefix} --tokenizer-type NullTokenizer --vocab-size 1000"
     runs = {name: f"{MODEL} {data} {flags}" for name, flags in RUNS.items()}
     runs["zb-h1"] += f" --timeline-dir {tmp / 'timeline'}"
-    env = {
-        **os.environ,
-        "WANDB_MODE": "disabled",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     script = tmp / "overlap.py"
     script.write_text(SCRIPT)
-    done = subprocess.run(
-        [*cmd, str(script), json.dumps(runs)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_captured(torchrun_command(4, [json.dumps(runs)], script=script), env=job_env(), timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULTS "))
     return json.loads(line[len("RESULTS ") :]), done.stdout, tmp / "timeline"

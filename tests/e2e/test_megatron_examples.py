@@ -10,15 +10,15 @@ it must train. The CI part parses and validates every script in process; the tor
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.bpe import train_byte_level_bpe
+from tests.support.torchrun_jobs import job_env, run_captured, torchrun_command
 from tools.megatron_examples import NPROC, SCRIPTS, in_scope, rejected, tokens
 from training.argument_checks import validate_args
 from training.arguments import _rejection, parse_args
@@ -63,17 +63,13 @@ def test_each_script_is_accepted_or_refused_in_one_line_naming_the_flags(name):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """GPT-2 BPE files and a SentencePiece model trained here, and a corpus preprocessed with the BPE."""
-    from tokenizers import ByteLevelBPETokenizer
-
     from tests.unit.test_data import make_docs, write_jsonl
     from tools import preprocess_data, train_tokenizer
 
     root = tmp_path_factory.mktemp("examples")
     docs = make_docs(400, seed=5)
     jsonl = write_jsonl(root / "corpus.jsonl", docs)
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(docs, vocab_size=500, min_frequency=1, special_tokens=["<|endoftext|>"])
-    bpe.save_model(str(root))
+    train_byte_level_bpe(docs, 500, save_to=root)
     vocab, merges = str(root / "vocab.json"), str(root / "merges.txt")
     argv = ["--input", jsonl, "--output-prefix", str(root / "corpus"), "--append-eod", "--quiet"]
     data = preprocess_data.main([*argv, "--vocab-file", vocab, "--merge-file", merges])[0]
@@ -84,17 +80,7 @@ def files(tmp_path_factory):
 
 
 def _torchrun(argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC)]
-    return subprocess.run(
-        [*cmd, str(ROOT / "pretrain_gpt.py"), *argv],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_captured(torchrun_command(NPROC, argv), env=job_env(), timeout=timeout, cwd=cwd)
 
 
 @pytest.mark.slow

@@ -7,14 +7,13 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.torchrun_jobs import broken_lines, torchrun_command
+from tests.support.torchrun_jobs import broken_lines, run_captured, start_session, torchrun_command
 from training.wandb_logging import read_offline_history
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,9 +63,7 @@ def _env(cache: str) -> dict[str, str]:
 def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
     env = _env(cache)
     cmd = torchrun_command(nproc, args)
-    done = subprocess.run(
-        cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    done = run_captured(cmd, env=env, timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
@@ -232,16 +229,7 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
     assert f"writing checkpoint {split}/ckpt/iter_0000008 in the background" in first.stdout, first.stdout
     resume = re.findall(r"^  resume: (.*)$", first.stdout, re.MULTILINE)
     assert len(resume) == 1 and "torch.distributed.run --standalone --nproc-per-node 4 " in resume[0], resume
-    second = subprocess.run(
-        resume[0],
-        shell=True,
-        env=_env(cache),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    second = run_captured(resume[0], env=_env(cache), timeout=300, shell=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"loaded checkpoint {split / 'ckpt'} at iteration 10" in second.stdout, second.stdout[-2000:]
     assert re.search(r"^ \[.*\] iteration +11/ +20 \|", second.stdout, re.MULTILINE), second.stdout[-2000:]
@@ -285,15 +273,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(cache, tmp_path):
             "100000",
         ],
     )
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_session(cmd, env=env)
     lines = []
     deadline = time.monotonic() + 240
     for line in proc.stdout:  # wait until training runs
@@ -415,14 +395,8 @@ def test_pretrain_ends_the_process_groups_it_started(cache, tmp_path):
     env = {**os.environ, "TRIDENT_CACHE": cache, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
-    done = subprocess.run(
-        [sys.executable, "-c", IN_PROCESS, *SMALL, "--train-iters", "3"],
-        check=False,
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = run_captured(
+        [sys.executable, "-c", IN_PROCESS, *SMALL, "--train-iters", "3"], env=env, timeout=300, cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "after own world: False False" in done.stdout

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,6 +110,29 @@ def make_forward_step(per_token: bool):
         return output, functools.partial(loss_func, mask)
 
     return forward_step
+
+
+def run_schedule(
+    schedule: Callable[..., list[dict]],
+    model: nn.Module | list[nn.Module],
+    batches: list,
+    *,
+    seq_length: int,
+    micro_batch_size: int = 2,
+    per_token: bool = False,
+    **options: Any,
+) -> list[dict]:
+    """``schedule`` (a Megatron ``forward_backward_*`` function) over all of ``batches`` with the forward
+    step above; where ``model`` is a list of chunks, each chunk reads its own iterator of the batches."""
+    return schedule(
+        forward_step_func=make_forward_step(per_token),
+        data_iterator=[iter(batches) for _ in model] if isinstance(model, list) else iter(batches),
+        model=model,
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        **options,
+    )
 
 
 def reference_loss_and_grads(model: ToyStage, batches, per_token: bool):

@@ -3,6 +3,8 @@
 ``Job`` starts torchrun in its own session, reads its output on a thread, knows each worker's pid by
 global rank (from ``/proc``), and can signal a worker or torchrun itself. The dataset is written by
 the real ``IndexedDatasetBuilder`` and read with ``NullTokenizer``, so no tokenizer is trained.
+The tests that run a command to its end (``torchrun`` or ``python``) and read its output afterwards use
+``run_captured``; ``start_session`` is ``Job``'s start, for a test that reads the output itself.
 """
 
 from __future__ import annotations
@@ -62,7 +64,14 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun_command(nproc: int, flags: list[str], *, launcher: list[str] | None = None) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    flags: list[str],
+    *,
+    launcher: list[str] | None = None,
+    script: Path = ROOT / "pretrain_gpt.py",
+) -> list[str]:
+    """``python -m torch.distributed.run`` (standalone unless ``launcher`` says otherwise) of ``script``."""
     launcher = launcher or ["--standalone"]
     return [
         sys.executable,
@@ -71,9 +80,38 @@ def torchrun_command(nproc: int, flags: list[str], *, launcher: list[str] | None
         *launcher,
         "--nproc-per-node",
         str(nproc),
-        str(ROOT / "pretrain_gpt.py"),
+        str(script),
         *flags,
     ]
+
+
+def run_captured(
+    cmd: list[str] | str,
+    *,
+    env: dict[str, str],
+    timeout: float,
+    cwd: Path | str | None = ROOT,
+    shell: bool = False,
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to its end with its stdout and stderr kept apart as text; the exit code is the
+    caller's to check (its assertion shows the output)."""
+    return subprocess.run(
+        cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, shell=shell
+    )
+
+
+def start_session(cmd: list[str], *, env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` in its own session (so that its whole process group can be signalled), stdout and
+    stderr merged into one text pipe that the caller reads as it comes."""
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def worker_tracebacks(output: str) -> list[str]:
@@ -120,15 +158,7 @@ class Job:
         self, nproc: int, flags: list[str], *, env: dict[str, str], launcher: list[str] | None = None
     ):
         self.nproc = nproc
-        self.proc = subprocess.Popen(
-            torchrun_command(nproc, flags, launcher=launcher),
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        self.proc = start_session(torchrun_command(nproc, flags, launcher=launcher), env=env)
         self.lines: list[str] = []
         self.known_workers: dict[int, int] = {}
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.flags import assert_refused
+from tests.support.flags import megatron_args as _args
 from training.argument_checks import validate_args
 from training.arguments import (
     TINY_DEMO,
@@ -45,15 +47,6 @@ FULL = (
     "--train-iters 100 --lr 1e-3"
 )
 DATA = "--data-path A --tokenizer-type NullTokenizer --vocab-size 1000"
-
-
-def _args(argv: str = "", world_size: int = 1):
-    return validate_args(parse_args(argv.split()), world_size)
-
-
-def _fails(argv: str, world_size: int, message: str) -> None:
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _args(argv, world_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -346,7 +339,7 @@ VALIDATION_ERRORS = [
 
 @pytest.mark.parametrize("argv, world, message", VALIDATION_ERRORS)
 def test_validation_errors_name_flags_and_numbers(argv, world, message):
-    _fails(argv, world, message)
+    assert_refused(argv, message, world)
 
 
 def test_sequence_parallel_is_disabled_at_tp1_with_a_note(capsys):
@@ -429,32 +422,30 @@ LAYOUT = "--pipeline-model-parallel-layout: pipeline layout"
     ],
 )
 def test_virtual_pipeline_errors(argv, message):
-    _fails(f"--pipeline-model-parallel-size 2 {argv}", 2, message)
+    assert_refused(f"--pipeline-model-parallel-size 2 {argv}", message, 2)
 
 
 def test_virtual_stages_need_more_than_one_pipeline_rank():
-    _fails(
+    assert_refused(
         "--num-virtual-stages-per-pipeline-rank 2",
-        1,
         "--num-virtual-stages-per-pipeline-rank gives 2 virtual stages per rank, which needs "
         "--pipeline-model-parallel-size > 1",
     )
-    _fails(
+    assert_refused(
         "--num-layers 2 --pipeline-model-parallel-layout Et|tL",
-        1,
         "--pipeline-model-parallel-layout gives 2 virtual stages per rank, which needs "
         "--pipeline-model-parallel-size > 1",
     )
 
 
 def test_interleaving_needs_at_least_pp_microbatches():
-    _fails(
+    assert_refused(
         "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8",
-        4,
         "interleaved pipeline schedule needs at least pipeline_model_parallel_size (4) microbatches, "
         "got 2; raise the global batch size or lower --pipeline-model-parallel-size (interleaved "
         "schedule, 2 virtual stages per rank; microbatches = --global-batch-size (8) / "
         "(--micro-batch-size (4) x data-parallel size (1)) = 2)",
+        4,
     )
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
+from tests.support.configs import full_recompute
 
 H = 8
 
@@ -127,7 +128,7 @@ def test_weight_gradients_accumulate_over_microbatches():
     "recompute",
     [
         {},
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        full_recompute("uniform", 1),
         {"recompute_granularity": "selective"},
     ],
     ids=["no recompute", "full recompute", "selective recompute"],

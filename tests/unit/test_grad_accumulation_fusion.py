@@ -21,18 +21,14 @@ from core.distributed import DistributedDataParallel, DistributedDataParallelCon
 from core.distributed.grad_buffer import IDLE, LAUNCHED
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.transformer import TransformerBlock
-from models.gpt import GPTModel, gpt2_config, llama_config
+from models.gpt import GPTModel
+from tests.support.configs import tiny_config
 
 VOCAB, SEQ, MBS = 64, 8, 2
-SIZES = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "init_method_std": 0.2}
 
 
 def _config(kind: str, fused: bool, dtype: torch.dtype):
-    build = gpt2_config if kind == "gpt" else llama_config
-    extra = {"hidden_dropout": 0.0, "attention_dropout": 0.0} if kind == "gpt" else {"num_query_groups": 2}
-    return build(
-        **SIZES, **extra, gradient_accumulation_fusion=fused, params_dtype=dtype, pipeline_dtype=dtype
-    )
+    return tiny_config(kind, gradient_accumulation_fusion=fused, params_dtype=dtype, pipeline_dtype=dtype)
 
 
 def _wrap(module, config):

@@ -16,6 +16,8 @@ from core.transformer.moe.experts import Experts
 from core.transformer.moe.moe_layer import MoELayer
 from core.transformer.moe.moe_utils import drop_tokens_over_capacity, get_capacity, topk_routing
 from core.transformer.moe.router import TopKRouter
+from tests.support.compiled import assert_compiled_matches_eager, relative_error
+from tests.support.configs import full_recompute
 from tests.support.moe_reference import (
     expert_weights,
     moe_config,
@@ -26,10 +28,6 @@ from tests.support.moe_reference import (
 )
 
 SEQ, BATCH = 6, 3
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
 
 
 def _router(**overrides) -> TopKRouter:
@@ -93,8 +91,8 @@ def test_balancing_and_z_losses_and_their_gradients_match_the_reference(kind):
     name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
     torch.testing.assert_close(router.metrics[name], (aux / coeff).detach(), rtol=1e-6, atol=0)
     torch.testing.assert_close(router.metrics["z_loss"], (z / z_coeff).detach(), rtol=1e-6, atol=0)
-    assert _relative(router.weight.grad, weight.grad) < 1e-6
-    assert _relative(router.weight.grad, weight.grad.clone().zero_() + 1) > 0.5  # the losses moved it
+    assert relative_error(router.weight.grad, weight.grad) < 1e-6
+    assert relative_error(router.weight.grad, weight.grad.clone().zero_() + 1) > 0.5  # the losses moved it
 
 
 def test_auxiliary_loss_gradient_takes_the_schedule_scale_and_nothing_in_evaluation():
@@ -166,7 +164,7 @@ def test_layer_matches_a_mixtral_style_loop(dispatcher, pre_softmax):
     expected = reference_moe(
         hidden.reshape(-1, 16), layer.router.weight, expert_weights(layer, 4), 2, pre_softmax=pre_softmax
     )
-    assert _relative(out.reshape(-1, 16), expected) < 1e-6
+    assert relative_error(out.reshape(-1, 16), expected) < 1e-6
 
 
 def test_shared_expert_gate_scales_a_dense_mlp_by_a_sigmoid():
@@ -180,7 +178,7 @@ def test_shared_expert_gate_scales_a_dense_mlp_by_a_sigmoid():
     dense = (torch.nn.functional.silu(gate) * up) @ shared.linear_fc2.weight.t()
     expected = reference_moe(tokens, layer.router.weight, expert_weights(layer, 4), 2)
     expected = expected + torch.sigmoid(tokens @ shared.gate_weight.t()) * dense
-    assert _relative(layer(hidden).reshape(-1, 16), expected) < 1e-6
+    assert relative_error(layer(hidden).reshape(-1, 16), expected) < 1e-6
     names = {n for n, _ in layer.named_parameters()}
     assert {
         "shared_experts.gate_weight",
@@ -235,7 +233,7 @@ def _logged_losses(**recompute):
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from core.transformer.moe.moe_logging import reduce_moe_metrics
     from models.gpt import GPTModel
-    from tests.support.pipeline_toy import make_forward_step
+    from tests.support.pipeline_toy import run_schedule
 
     config = moe_config(
         num_layers=3, moe_layer_freq=[1, 0, 1], moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3, **recompute
@@ -246,14 +244,7 @@ def _logged_losses(**recompute):
         (t, t, torch.ones(2, SEQ)) for t in (torch.randint(0, 64, (2, SEQ), generator=gen) for _ in range(2))
     ]
     recorded = []
-    get_forward_backward_func()(
-        forward_step_func=make_forward_step(False),
-        data_iterator=iter(batches),
-        model=model,
-        num_microbatches=2,
-        seq_length=SEQ,
-        micro_batch_size=2,
-    )
+    run_schedule(get_forward_backward_func(), model, batches, seq_length=SEQ)
     for layer in (0, 2):
         recorded.append(
             {k: v.clone() for k, v in model.decoder.layers[str(layer)].mlp.router.metrics.items()}
@@ -270,9 +261,7 @@ def test_logged_losses_are_per_layer_means_over_microbatches_and_their_mean_over
         for value, router in zip((per_layer[name][0], per_layer[name][2]), recorded):
             assert value == pytest.approx(float(router[name]) / 2, rel=1e-6)
         assert summary[name] == pytest.approx((per_layer[name][0] + per_layer[name][2]) / 2, rel=1e-6)
-    recomputed, _, _ = _logged_losses(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-    )
+    recomputed, _, _ = _logged_losses(**full_recompute("uniform", 1))
     assert recomputed == pytest.approx(
         summary, rel=1e-6
     )  # the forward replayed in backward is not logged again
@@ -307,15 +296,7 @@ def test_compiled_moe_layer_computes_the_eager_numbers_and_new_routings_compile_
     )
     for step in range(2):  # two batches: other token counts per expert, so other dispatch shapes
         tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
-        results = {}
-        for compiled, model in models.items():
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, labels=tokens.roll(1, 1)).mean()
-            loss.backward()
-            results[compiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-        assert _relative(results[True][0], results[False][0]) <= 1e-6
-        for name, grad in results[False][1].items():
-            assert _relative(results[True][1][name], grad) <= 1e-6, (step, name)
+        assert_compiled_matches_eager(models, tokens, step)
         graphs.append(compile_stats()["graphs"])
     assert counts[0] != counts[1]
     assert graphs[1] == graphs[0]  # the new routing compiled nothing: router, dispatch and experts eager
@@ -331,7 +312,7 @@ def test_16_bit_models_route_in_fp32_and_scale_the_balancing_loss_with_the_loss_
     from core.pipeline_parallel.hooks import ScheduleHooks
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from models.gpt import GPTModel
-    from tests.support.pipeline_toy import make_forward_step
+    from tests.support.pipeline_toy import run_schedule
 
     gen = torch.Generator().manual_seed(9)
     batches = [(t, t.roll(1, 1), torch.ones(2, SEQ)) for t in [torch.randint(0, 64, (2, SEQ), generator=gen)]]
@@ -343,14 +324,7 @@ def test_16_bit_models_route_in_fp32_and_scale_the_balancing_loss_with_the_loss_
         config.schedule_hooks = ScheduleHooks(grad_scale_func=(lambda x: x * scale) if low else None)
         router = model.decoder.layers["0"].mlp.router
         router.register_forward_hook(lambda module, args, out, low=low: probs.__setitem__(low, out[0]))
-        get_forward_backward_func()(
-            forward_step_func=make_forward_step(False),
-            data_iterator=iter(batches),
-            model=model,
-            num_microbatches=1,
-            seq_length=SEQ,
-            micro_batch_size=2,
-        )
+        run_schedule(get_forward_backward_func(), model, batches, seq_length=SEQ)
         grads[low] = router.weight.grad.float() / (scale if low else 1.0)
     assert probs[True].dtype == torch.float32  # the gate and its softmax in fp32 whatever the model's dtype
-    assert _relative(grads[True], grads[False]) < 3e-2, _relative(grads[True], grads[False])
+    assert relative_error(grads[True], grads[False]) < 3e-2, relative_error(grads[True], grads[False])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.bpe import TRICKY_TEXTS, train_byte_level_bpe
 from tests.unit.test_data import make_docs, write_jsonl
 from tools import preprocess_data
 from training.data.builder import build_per_split_datasets, build_train_valid_test_datasets
@@ -25,25 +26,17 @@ from training.data.samplers import (
 from training.errors import DataError
 from training.tokenizer import GPT2BPETokenizer, HuggingFaceTokenizer, Llama2Tokenizer, build_tokenizer
 
-TEXTS = [
-    "Hello world, it's 2024!",
-    "  leading spaces\tand\ttabs\n\nnew lines   ",
-    "naïve café — ünïcödé ✓ 你好",
-    "numbers 1234567 and symbols #$%&*()",
-]
+TEXTS = [*TRICKY_TEXTS, "numbers 1234567 and symbols #$%&*()"]
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """vocab.json/merges.txt of a byte-level BPE trained here, and the same tokenizer as an HF folder."""
-    from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     root = tmp_path_factory.mktemp("bpe")
     docs = make_docs(200, seed=3) + TEXTS
-    trainer = ByteLevelBPETokenizer()
-    trainer.train_from_iterator(docs, vocab_size=500, min_frequency=1, special_tokens=["<|endoftext|>"])
-    trainer.save_model(str(root))
+    trainer = train_byte_level_bpe(docs, 500, save_to=root)
     hf = PreTrainedTokenizerFast(tokenizer_object=trainer._tokenizer, eos_token="<|endoftext|>")
     hf.save_pretrained(str(root / "hf"))
     return {"root": root, "vocab": str(root / "vocab.json"), "merges": str(root / "merges.txt"), "docs": docs}

@@ -14,6 +14,7 @@ from core.tensor_parallel import model_parallel_seed
 from core.transformer import TransformerConfig, TransformerLayer, apply_rotary, core_attention
 from core.transformer.rope import RotaryEmbedding
 from models.gpt import GPTModel, gpt2_config, llama_config
+from tests.support.configs import full_recompute
 
 VOCAB, SEQ = 64, 8
 
@@ -167,17 +168,9 @@ def test_partial_rotary_leaves_the_other_channels_alone():
 # --------------------------------------------------------------------------------------------------
 
 RECOMPUTE = {
-    "full-uniform-2": {
-        "recompute_granularity": "full",
-        "recompute_method": "uniform",
-        "recompute_num_layers": 2,
-    },
-    "full-uniform-1": {
-        "recompute_granularity": "full",
-        "recompute_method": "uniform",
-        "recompute_num_layers": 1,
-    },
-    "full-block-2": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2},
+    "full-uniform-2": full_recompute("uniform", 2),
+    "full-uniform-1": full_recompute("uniform", 1),
+    "full-block-2": full_recompute("block", 2),
     "selective": {"recompute_granularity": "selective"},
 }
 

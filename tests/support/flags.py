@@ -1,0 +1,22 @@
+"""Megatron's flags as ``pretrain_gpt.py`` reads them, and the one-line error that refuses bad ones."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from training.argument_checks import validate_args
+from training.arguments import parse_args
+
+
+def megatron_args(argv: str = "", world_size: int = 1) -> argparse.Namespace:
+    """``argv`` parsed and checked for ``world_size`` ranks, as training does before it builds anything."""
+    return validate_args(parse_args(argv.split()), world_size)
+
+
+def assert_refused(argv: str, message: str, world_size: int = 1) -> None:
+    """Training refuses ``argv`` at ``world_size`` ranks with a ValueError saying exactly ``message``."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        megatron_args(argv, world_size)
