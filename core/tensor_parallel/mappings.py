@@ -105,7 +105,9 @@ def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.
 Collective = Callable[[torch.Tensor, ProcessGroup | None], torch.Tensor]
 
 
-def conjugate_function(name: str, forward: Collective, backward: Collective, doc: str) -> type:
+def conjugate_function(
+    name: str, forward: Collective, backward: Collective, doc: str
+) -> type[torch.autograd.Function]:
     """An autograd Function running ``forward(x, group)`` and, on the gradient, its adjoint ``backward``.
 
     One definition for every mapping that is a collective one way and its dual the other, so a new
@@ -209,7 +211,7 @@ Mapping = Callable[..., torch.Tensor]
 """``mapping(input_, tp_group=None)``: Megatron's signature for the entry points below."""
 
 
-def _tp_mapping(name: str, function: type, doc: str) -> Mapping:
+def _tp_mapping(name: str, function: type[torch.autograd.Function], doc: str) -> Mapping:
     """The entry point ``name``: ``function`` applied to ``input_`` in the (resolved) TP group."""
 
     def mapping(input_: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:

@@ -64,24 +64,17 @@ def linear_pair(
     Both are initialised later by name (weights "normal" and "scaled_normal", biases zero); the row
     layer's bias is ``config.add_bias_linear``.
     """
+    deferred = {"config": config, "init_method": deferred_init, "perform_initialization": False}
     column = ColumnParallelLinear(
         config.hidden_size,
         column_size,
-        config=config,
-        init_method=deferred_init,
         bias=column_bias,
         gather_output=False,
         stride=column_stride,
-        perform_initialization=False,
+        **deferred,
     )
     row = RowParallelLinear(
-        row_size,
-        config.hidden_size,
-        config=config,
-        init_method=deferred_init,
-        bias=config.add_bias_linear,
-        input_is_parallel=True,
-        perform_initialization=False,
+        row_size, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True, **deferred
     )
     mark_init(column.weight, "normal")
     mark_init(column.bias, "zeros")
