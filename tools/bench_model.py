@@ -14,8 +14,10 @@ of each plain loop on the microbatch Trident just trained on. The first ``--warm
 (compilation) are dropped; figures are medians. A ``pretrain()`` iteration is timed from the end of
 one hook call to the start of the next, so it includes the loop's own work. On a CPU the time is the
 process's CPU time with ``--threads`` threads (1 by default: machine noise barely moves it); on a GPU
-wall time between synchronisations. Trident's eager run and its compiled run are two phases; their
-ratio is also given against the transformers eager loop, which runs in both.
+wall time between synchronisations. Trident's eager run and its compiled run are two phases, and the
+plain loops run in both: the table gives every contestant of each phase (its ``phase`` column), and
+each ratio compares figures of one phase (compiled against eager also normalised by the transformers
+eager loop, which runs in both).
 
 FLOPs per step, two ways, both stated: Megatron's count (``training/throughput.py``: every matmul
 3x, causal attention halved, the output layer included) and torchtitan's (``6 N + 12 L H Q T`` per
@@ -319,7 +321,10 @@ def flops_per_step(spec: dict, model) -> dict[str, float]:
 
 
 def summarise(spec, args, dtype: str, phases: dict, device: torch.device) -> list[dict]:
-    """One row per contestant: median step time, tokens/s, TFLOP/s and MFU both ways, peak memory."""
+    """One row per contestant and phase: median step time, tokens/s, TFLOP/s and MFU both ways, peak memory.
+
+    The plain loops run in both phases; each phase's figures are its own (the machine's speed may
+    differ between phases, which is why the ratios compare within a phase)."""
     flops = phases["eager"]["flops"]
     peak = peak_tflops(device, args.peak_tflops)
     tokens = spec["mbs"] * spec["seq"] * spec["microbatches"]
@@ -328,12 +333,11 @@ def summarise(spec, args, dtype: str, phases: dict, device: torch.device) -> lis
         for name, series in phase["times"].items():
             if name.endswith(" peak"):
                 continue
-            if name != "trident" and phase_name != "eager":  # the plain loops' figures come from phase 1
-                continue
             label = f"trident{' --compile' if phase_name == 'compile' else ''}" if name == "trident" else name
             seconds = statistics.median(series[args.warmup :])
             row = {
                 "contestant": label,
+                "phase": phase_name,
                 "dtype": dtype,
                 "step_ms": seconds * 1e3,
                 "tokens_per_s": tokens / seconds,
@@ -466,9 +470,7 @@ def print_table(rows: list[dict], args, device: torch.device, load: float) -> No
         "FLOPs: megatron = training/throughput.py (matmuls x3, causal attention halved); "
         "torchtitan = 6 N + 12 L H Q T per token (N without the input embedding)"
     )
-    head = (
-        f"{'config':<13}{'mb':>3}{'layers':>7}{'dtype':>6} {'contestant':<22}{'step ms':>9}{'tokens/s':>10}"
-    )
+    head = f"{'config':<13}{'mb':>3}{'layers':>7}{'dtype':>6} {'phase':<8}{'contestant':<22}{'step ms':>9}{'tokens/s':>10}"
     head += f"{'TF/s mg':>9}{'TF/s tt':>9}{'MFU mg':>8}{'MFU tt':>8}{'peak MiB':>10}{'loss 1':>8}"
     print(head)
     for r in rows:
@@ -476,7 +478,8 @@ def print_table(rows: list[dict], args, device: torch.device, load: float) -> No
             continue
         mfu = [f"{r[k]:.1%}" if r[k] is not None else "n/a" for k in ("mfu_megatron", "mfu_torchtitan")]
         print(
-            f"{r['config']:<13}{r['microbatches']:>3}{r['layers']:>7}{r['dtype']:>6} {r['contestant']:<22}{r['step_ms']:>9.0f}"
+            f"{r['config']:<13}{r['microbatches']:>3}{r['layers']:>7}{r['dtype']:>6} {r['phase']:<8}"
+            f"{r['contestant']:<22}{r['step_ms']:>9.0f}"
             f"{r['tokens_per_s']:>10.0f}{r['tflops_megatron']:>9.3f}{r['tflops_torchtitan']:>9.3f}"
             f"{mfu[0]:>8}{mfu[1]:>8}{r['peak_step_mib']:>10.0f}{r['first_loss']:>8.3f}"
         )

@@ -290,18 +290,18 @@ def print_table(env: dict, rows: list[dict]) -> None:
             f"{r['plain_ms']:>10.1f}{r['fused_ms']:>9.1f}{r['linear_ms']:>9.1f}"
         )
     print(
-        f"{'bench':<6} {'config dtype contestant':<40}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
+        f"{'bench':<6} {'config dtype phase contestant':<48}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
     )
     for r in rows:
         if r["step"] != "bench":
             continue
         if r["result"] != "ok":
-            print(f"{'bench':<6} {r['config']:<40} {r['result']} {r.get('detail', '')}")
+            print(f"{'bench':<6} {r['config']:<48} {r['result']} {r.get('detail', '')}")
             continue
         mfu = [f"{r[k]:.1%}" if r.get(k) is not None else "n/a" for k in ("mfu_megatron", "mfu_torchtitan")]
-        label = f"{r['config']} {r['dtype']} {r['contestant']}"
+        label = f"{r['config']} {r['dtype']} {r['phase']} {r['contestant']}"
         print(
-            f"{'bench':<6} {label:<40}{r['tokens_per_s']:>10.0f}{mfu[0]:>8}{mfu[1]:>8}"
+            f"{'bench':<6} {label:<48}{r['tokens_per_s']:>10.0f}{mfu[0]:>8}{mfu[1]:>8}"
             f"{r['step_ms']:>9.1f}{r['peak_step_mib']:>10.0f}"
         )
 

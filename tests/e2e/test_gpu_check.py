@@ -31,7 +31,7 @@ def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode():
     assert {r["contestant"] for r in bench} == {"trident", "transformers"}
     assert all(r["tokens_per_s"] > 0 for r in bench)
     assert table[0].startswith("gpu_check on cpu") and any(
-        line.startswith("bench  tiny fp32 trident") for line in table
+        line.startswith("bench  tiny fp32 eager trident") for line in table
     )
 
 
