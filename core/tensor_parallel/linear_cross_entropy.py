@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from core.tensor_parallel.cross_entropy import _all_reduce
+from core.tensor_parallel.cross_entropy import _all_reduce, _vocab_shard
 from core.tensor_parallel.fused_cross_entropy import token_slices
 from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, engine_will_use
 from core.tensor_parallel.utils import resolve_tp_group
@@ -53,8 +53,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         tokens, partition_vocab = hidden.shape[0], weight.shape[0]
         vocab_start = rank * partition_vocab
         valid = min(max(vocab_size - vocab_start, 0), partition_vocab)
-        foreign = (target < vocab_start) | (target >= vocab_start + partition_vocab)
-        local_target = torch.where(foreign, 0, target - vocab_start)
+        _, foreign, local_target = _vocab_shard(target, partition_vocab, group)
 
         local_max = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         stats = torch.empty(2, tokens, dtype=torch.float32, device=hidden.device)
