@@ -120,11 +120,14 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, WANDB_MODE="disabled")
 
 
-def run_tests(device: str, limit: float) -> list[dict]:
-    """``pytest -m cuda tests/unit/test_cuda.py`` in a child; one row per test with its printed lines."""
+CUDA_TESTS = ["tests/unit/test_cuda.py", "tests/unit/test_fp8.py"]
+
+
+def run_tests(device: str, limit: float, files: list[str] = CUDA_TESTS) -> list[dict]:
+    """``pytest -m cuda`` over ``files`` in a child; one row per test with its printed lines."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "cuda.xml")
-        command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/unit/test_cuda.py"]
+        command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", *files]
         command += ["-p", "no:cacheprovider", f"--junitxml={report}", "-o", "junit_logging=system-out"]
         env = child_env()
         if device == "cpu":
@@ -256,6 +259,73 @@ def run_loss(device: str, quick: bool, limit: float) -> list[dict]:
     return [{"step": "loss", "result": "ok", **row} for row in result["results"]]
 
 
+FP8_RUNS = {  # (bench_fp8 arguments, seconds each contestant may take): the most telling first
+    False: [
+        (["layer"], 120),
+        (["speed", "--config", "llama3-8b"], 170),
+        (["loss", "--config", "gpu-llama", "--iters", "200"], 90),
+        (["speed", "--config", "llama-1b", "--contestants", "bf16", "fp8 tensorwise"], 120),
+    ],
+    True: [
+        (["speed", "--config", "tiny-llama", "--iters", "5", "--warmup", "2", "--no-compile"], 120),
+        (["loss", "--config", "tiny-llama", "--iters", "8", "--contestants", "bf16", "fp8 delayed"], 120),
+    ],
+}
+
+
+def run_fp8(device: str, quick: bool, deadline: float, started: float, data: str) -> list[dict]:
+    """``tools/bench_fp8.py``: bf16 against FP8, both compiled (a Llama-3-8B-shaped stack, LLaMA ~1B),
+    and the loss gap over 200 iterations; ``data`` (``--fp8-data``) is the loss runs' data flags."""
+    rows = []
+    for arguments, each in FP8_RUNS[quick]:
+        label = " ".join(arguments[:3])
+        contestants = 1 if arguments[0] == "layer" else 2 if "--contestants" in arguments else 3
+        left = deadline - (time.perf_counter() - started)
+        if left < 30:
+            rows.append({"step": "fp8", "run": label, "result": f"skipped: {deadline:.0f} s deadline"})
+            continue
+        command = ["tools/bench_fp8.py", *arguments, "--device", device, "--limit", str(each)]
+        if arguments[0] == "loss" and data:
+            command += ["--extra", data]
+        result, why = run_tool(command, min(left, each * contestants + 20))
+        if result is None:
+            rows.append(_failed("fp8", "run", label, why))
+            continue
+        rows += [
+            {"step": "fp8", "run": label, "result": "error" if "error" in r else "ok", **r}
+            for r in result["rows"]
+        ]
+    return rows
+
+
+def _print_fp8(rows: list[dict]) -> None:
+    for r in rows:
+        if r["step"] != "fp8":
+            continue
+        if r["result"] != "ok" or "contestant" not in r:
+            print(
+                f"{'fp8':<6} {r['run']:<34} {r.get('contestant', ''):<16} {r['result']} {r.get('error', r.get('detail', ''))}"
+            )
+        elif "shape" in r:
+            print(
+                f"{'fp8':<6} {'layer ' + r['shape']:<34} bf16 {r['bf16_ms']:.3f} ms, FP8 {r['fp8_compiled_casts_ms']:.3f} "
+                f"ms ({r['bf16_ms'] / r['fp8_compiled_casts_ms']:.2f}x; eager casts {r['fp8_eager_casts_ms']:.3f} ms)"
+            )
+        elif "step_ms" in r:
+            ratio = f"{r.get('vs_bf16', float('nan')):.3f}x"
+            print(
+                f"{'fp8':<6} {r['run']:<34} {r['contestant']:<16}{r['tokens_per_s']:>10.0f} tok/s "
+                f"{r['step_ms']:>8.1f} ms {ratio:>8} vs bf16  peak {r['peak_mib']:.0f} MiB"
+            )
+        else:
+            gap = (
+                f"max gap {r['max_gap']:.4f}, last 50 {r['last50_vs_bf16']:+.3%}"
+                if "max_gap" in r
+                else "reference"
+            )
+            print(f"{'fp8':<6} {r['run']:<34} {r['contestant']:<16} final {r['final_loss']:.4f}  {gap}")
+
+
 def print_table(env: dict, rows: list[dict]) -> None:
     print(f"gpu_check on {env['device']} | torch {env['torch']} | {env['packages']}")
     print(f"{'step':<6} {'test / configuration':<72} {'result':<9} {'s':>6}  figures")
@@ -289,9 +359,11 @@ def print_table(env: dict, rows: list[dict]) -> None:
             f"{r['fused_peak_mib']:>9.0f} ({r['peak_ratio']:.2f}){r['linear_peak_mib']:>9.0f} ({r['linear_peak_ratio']:.2f})"
             f"{r['plain_ms']:>10.1f}{r['fused_ms']:>9.1f}{r['linear_ms']:>9.1f}"
         )
-    print(
-        f"{'bench':<6} {'config dtype phase contestant':<48}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
-    )
+    _print_fp8(rows)
+    if any(r["step"] == "bench" for r in rows):
+        print(
+            f"{'bench':<6} {'config dtype phase contestant':<48}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
+        )
     for r in rows:
         if r["step"] != "bench":
             continue
@@ -326,7 +398,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny benchmark sizes (the CPU mode CI runs)")
     parser.add_argument(
-        "--only", choices=["tests", "memory", "loss", "bench"], default=None, help="run one step only"
+        "--only", choices=["tests", "memory", "loss", "bench", "fp8"], default=None, help="run one step only"
+    )
+    parser.add_argument(
+        "--fp8-data",
+        default="",
+        help="data flags for the FP8 loss runs, one string (--fp8-data='--data-path P ...'; default: the "
+        "built-in corpus, built on first use)",
     )
     parser.add_argument(
         "--config",
@@ -364,8 +442,13 @@ def main(argv: list[str] | None = None) -> dict:
                 "detail": f"pip install {' '.join(needed)}",
             }
         )
-    if args.only in (None, "tests") and not needed:
-        rows += run_tests(args.device, max(min(args.deadline - (time.perf_counter() - started), 200.0), 30.0))
+    if args.only in (None, "tests", "fp8") and not needed:
+        files = ["tests/unit/test_fp8.py"] if args.only == "fp8" else CUDA_TESTS
+        rows += run_tests(
+            args.device, max(min(args.deadline - (time.perf_counter() - started), 200.0), 30.0), files
+        )
+    if args.only in (None, "fp8") and not needed:
+        rows += run_fp8(args.device, args.quick, args.deadline, started, args.fp8_data)
     if args.only in (None, "memory") and not needed:
         left = args.deadline - (time.perf_counter() - started)
         rows += run_memory(args.device, args.quick, max(min(left, 240.0), 30.0))

@@ -18,6 +18,7 @@ from typing import Any
 
 from core.pipeline_parallel.layout import parse_layout
 from core.pipeline_parallel.placement import chunks_needed, chunks_problem, placement_style
+from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel import CP_COMM_TYPES
 from core.transformer.moe.moe_config import parse_moe_layer_freq
 from training.batch_sizes import check_run_batches, derive_batch_sizes
@@ -553,6 +554,8 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     _check_model(flags, tp)
     _check_context_parallel(flags, tp, cp)
     _check_moe(flags, world_size, tp, pp)
+    problems = fp8_problems(flags)  # the config's own rules, already worded with the flags
+    _require(not problems, "; ".join(problems))
     _check_pipeline(flags, pp)
     derive_batch_sizes(flags, pp, flags.data_parallel_size)
     _require(flags.min_lr <= flags.lr, f"--min-lr ({flags.min_lr}) must be <= --lr ({flags.lr})")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core.tensor_parallel.fp8 import load_fp8_state_dict
 from training.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -137,7 +138,7 @@ def load_checkpoint(
     if path is None:
         return None
     ckpt, optimizer_state, rng_state, finetune = loaded
-    _apply_states(optimizer, optimizer_state, rng_state)
+    _apply_states(model_chunks, optimizer, optimizer_state, rng_state)
     ours = parallelism_of(unwrap(model_chunks[0]).config, p["dp"])
     return LoadedCheckpoint(
         path=path,
@@ -161,13 +162,15 @@ def _find(load_dir: str, iteration: int | None, exit_on_missing: bool) -> str | 
     return path
 
 
-def _apply_states(optimizer, optimizer_state: dict | None, rng_state: dict | None) -> None:
-    """After every rank read its shards: refresh the optimizer's weights, restore its state, the RNG."""
+def _apply_states(model_chunks, optimizer, optimizer_state: dict | None, rng_state: dict | None) -> None:
+    """After every rank read its shards: refresh the optimizer's weights, restore its state, the RNG
+    and the FP8 amax histories saved beside it (by module name; a layer with none starts afresh)."""
     if optimizer is not None:
         optimizer.reload_model_params()
         if optimizer_state is not None:
             optimizer.load_param_state_by_name(optimizer_state)
     if rng_state is not None:
+        load_fp8_state_dict(model_chunks, rng_state.get("fp8", {}))
         set_rng_state(rng_state)
 
 

@@ -319,7 +319,10 @@ _MOE = (
     "and z-loss balancing, capacity with dropping or padding, shared experts, alltoall or allgather "
     "dispatch, experts whole on each expert-parallel rank)"
 )
-_FP8 = "FP8 training needs Transformer Engine on FP8 GPUs, which are out of scope; use --bf16"
+_FP8_PARAM_GATHER = (
+    "weights held and all-gathered in FP8 are not built; FP8 products cast the model's bf16 weights, once "
+    "per optimizer step"
+)
 _ONE_FORMAT = (
     "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
     "--ckpt-format torch and torch_dist both mean it"
@@ -372,6 +375,7 @@ COVERAGE: dict[str, Coverage] = {
     "--moe-router-score-function sigmoid": unsupported(_MOE),
     "--moe-router-score-function sqrtsoftplus": unsupported(_MOE),
     # (b) accepted, no effect on Trident's code paths
+    "--fp8-interval": no_effect("Megatron ignores it too: scales follow the recipe every step"),
     "--use-mcore-models": no_effect("Trident has one model implementation, built like Megatron Core's"),
     "--no-masked-softmax-fusion": no_effect("softmax is one PyTorch call, never a fused kernel"),
     "--attention-backend": no_effect("attention is PyTorch's scaled_dot_product_attention"),
@@ -401,7 +405,10 @@ COVERAGE: dict[str, Coverage] = {
 """Megatron flags beyond "declared and read": (a) works, (b) accepted with no effect, (c) rejected.
 A key "--flag value" rejects one value of a flag that otherwise works."""
 
-REJECTED_PREFIXES: dict[str, Coverage] = {"--moe-": unsupported(_MOE), "--fp8": unsupported(_FP8)}
+REJECTED_PREFIXES: dict[str, Coverage] = {
+    "--moe-": unsupported(_MOE),
+    "--fp8-param-gather": not_yet(_FP8_PARAM_GATHER),
+}
 """Whole flag families Trident rejects, by prefix."""
 
 

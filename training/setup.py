@@ -25,6 +25,7 @@ from training import checkpointing, faults
 from training.arguments import startup_report
 from training.batches import BatchStream
 from training.checkpoint.async_save import CheckpointSaver
+from training.fp8_report import fp8_report
 from training.global_vars import set_global_variables
 from training.logging_utils import is_logging_rank, print_line, print_rank_0
 from training.lr_schedule import build_scheduler
@@ -73,6 +74,10 @@ def setup(run: Run, providers: Providers) -> Session:
         ),
     )
     logs_loss = is_logging_rank(run.layout, groups)
+    if groups.rank_in("tp") == groups.rank_in("dp") == groups.rank_in("cp") == 0:  # one rank a stage
+        tokens = run.training.micro_batch_size * run.gpt.seq_length // run.model.context_parallel_size
+        for line in fp8_report(run.model, model.modules, groups.rank_in("pp"), tokens):
+            print_line(line)
     session = Session(
         groups=groups,
         model=model,

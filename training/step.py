@@ -22,6 +22,7 @@ import torch.distributed as dist
 from core.device import current_device
 from core.pipeline_parallel.losses import reduce_loss_logs_on_device
 from core.pipeline_parallel.mailbox import PipelineShapeError
+from core.tensor_parallel.fp8 import update_fp8_scales
 from core.transformer.moe.moe_logging import reduce_moe_metrics_on_device
 from training import faults
 from training.batches import BatchStream
@@ -51,6 +52,7 @@ def train_step(
     losses = run_global_batch(
         run, session, session.train_data, state.consumed_samples, num_microbatches, record=record
     )
+    update_fp8_scales(session.model.modules, session.groups.tp_dp_cp)  # before the weights change
     moe_losses, moe_layers = moe_metrics(run, session, num_microbatches)
     if losses is not None:
         losses |= moe_losses

@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 
 from core.device import current_device
 from core.model_parallel_config import ModelParallelConfig
+from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, Fp8State, fp8_linear
 from core.tensor_parallel.grad_accumulation import linear_with_grad_accumulation
 from core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -76,6 +77,36 @@ class _ParallelLinear(nn.Module):
     """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
     outside the compiled regions (see ``core.transformer.compile``)."""
 
+    def _fp8_sharding(self) -> tuple[bool, bool, bool]:
+        """Whether (input, weight, output gradient) are split over the TP ranks."""
+        raise NotImplementedError
+
+    def _local_features(self) -> tuple[int, int]:
+        """This rank's (input, output) features: the FP8 product's K and N."""
+        raise NotImplementedError
+
+    def enable_fp8(self, recipe: Fp8Recipe) -> str | None:
+        """Run this layer's products in FP8 under ``recipe``; returns why not (and leaves it in high
+        precision) when a CUDA FP8 product could not take its shapes."""
+        in_features, out_features = self._local_features()
+        if in_features % SHAPE_MULTIPLE or out_features % SHAPE_MULTIPLE:
+            return (
+                f"its features per rank ({in_features} in, {out_features} out) are not multiples of "
+                f"{SHAPE_MULTIPLE}"
+            )
+        self.fp8_state = Fp8State(recipe, self.tp_group, self._fp8_sharding())
+        return None
+
+    def _product(
+        self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, accumulate: bool
+    ) -> torch.Tensor:
+        """``input_ @ weight^T + bias``: in FP8, accumulating into ``main_grad``, or plain."""
+        if self.fp8_state is not None and weight is getattr(self, "weight", None):
+            return fp8_linear(input_, weight, bias, self.fp8_state, accumulate)
+        if accumulate:
+            return linear_with_grad_accumulation(input_, weight, bias)
+        return F.linear(input_, weight, bias)
+
     def _setup(
         self,
         input_size: int,
@@ -91,6 +122,7 @@ class _ParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.sequence_parallel = config.sequence_parallel and world_size > 1
         self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
+        self.fp8_state: Fp8State | None = None  # set by enable_fp8: the products run in FP8
         return world_size, _should_init(perform_initialization, config)
 
     def _add_weight(
@@ -179,14 +211,18 @@ class ColumnParallelLinear(_ParallelLinear):
 
         total_input = self.whole_input(input_)
         bias = None if self.skip_bias_add else self.bias
-        if self.fuses_accumulation_of(weight):
-            output = linear_with_grad_accumulation(total_input, weight, bias)
-        else:
-            output = F.linear(total_input, weight, bias)
+        output = self._product(total_input, weight, bias, self.fuses_accumulation_of(weight))
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             output = gather_from_tensor_model_parallel_region(output, tp_group=self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def _fp8_sharding(self) -> tuple[bool, bool, bool]:
+        split = tp_world_size(self.tp_group) > 1  # the input is whole (all-gathered under SP)
+        return (False, split, split)
+
+    def _local_features(self) -> tuple[int, int]:
+        return self.input_size, self.output_size_per_partition
 
     def whole_input(self, input_: torch.Tensor) -> torch.Tensor:
         """What this rank multiplies: ``input_`` all-gathered along the sequence under sequence
@@ -263,9 +299,14 @@ class RowParallelLinear(_ParallelLinear):
         return output, None
 
     def _linear(self, input_: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.gradient_accumulation_fusion:
-            return linear_with_grad_accumulation(input_, self.weight, bias)
-        return F.linear(input_, self.weight, bias)
+        return self._product(input_, self.weight, bias, self.gradient_accumulation_fusion)
+
+    def _fp8_sharding(self) -> tuple[bool, bool, bool]:
+        split = self.tp_size > 1  # the output gradient is whole: the output was summed over TP
+        return (split, split, False)
+
+    def _local_features(self) -> tuple[int, int]:
+        return self.input_size_per_partition, self.output_size
 
 
 class VocabParallelEmbedding(nn.Module):

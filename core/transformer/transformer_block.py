@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from core.tensor_parallel.fp8 import compile_fp8_casts
 from core.transformer.attention import Rotary
 from core.transformer.compile import ZERO_BUBBLE_SCHEDULES, compile_layer, mark_sequence_dynamic
 from core.transformer.inference_context import InferenceContext
@@ -30,6 +31,8 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = build_norm(config.hidden_size, config) if post_process else None
         self.dynamic_sequence = config.compile and config.variable_seq_lengths
         if config.compile:
+            if config.fp8 is not None:
+                compile_fp8_casts(config.compile_backend)
             for layer in self.layers.values():
                 compile_layer(
                     layer,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from core.flags import flag, not_a_flag
 from core.model_parallel_config import ModelParallelConfig
+from core.tensor_parallel.fp8_config import Fp8Config, fp8_problems
 from core.transformer.context_parallel import CP_COMM_TYPES
 from core.transformer.moe.moe_config import MoEConfig, moe_problems
 
@@ -61,11 +62,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @dataclass(kw_only=True)
-class TransformerConfig(ModelParallelConfig, MoEConfig):
+class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
     """Sizes, layer choices, regularisation, initialisation and recomputation of a decoder-only model.
 
     LLaMA and GPT-2 are both configurations of this one class (see ``models.gpt.presets``), and so
-    are mixtures of experts (Mixtral, Qwen2-MoE): the MoE fields come from :class:`MoEConfig`.
+    are mixtures of experts (Mixtral, Qwen2-MoE): the MoE fields come from :class:`MoEConfig`, the FP8
+    fields from :class:`~core.tensor_parallel.fp8_config.Fp8Config`.
     """
 
     num_layers: int = flag(0, cli_default=None)
@@ -268,7 +270,8 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
             out.append(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
         if self.layernorm_epsilon <= 0:
             out.append(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
-        return out + self._recompute_problems() + self._context_parallel_problems() + moe_problems(self)
+        out += self._recompute_problems() + self._context_parallel_problems() + moe_problems(self)
+        return out + fp8_problems(self)
 
     def _context_parallel_problems(self) -> list[str]:
         types, cp = self.cp_comm_type, self.context_parallel_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core.tensor_parallel.fp8 import Fp8Recipe
 from core.transformer.attention import Rotary, SelfAttention
 from core.transformer.dropout import dropout
 from core.transformer.inference_context import InferenceContext
@@ -30,6 +31,21 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config.hidden_size, config)
         self.mlp = MoELayer(config, layer_number) if config.is_moe_layer(layer_number) else MLP(config)
+        self.fp8_kept_out = self._enable_fp8(config, layer_number)
+
+    def _enable_fp8(self, config: TransformerConfig, layer_number: int) -> dict[str, str]:
+        """The layer's tensor-parallel linear layers in FP8 when the config asks for it for this layer;
+        returns the ones left in high precision, each with why (``--fp8-format`` off: empty)."""
+        if not config.layer_in_fp8(layer_number):
+            return {}
+        recipe = Fp8Recipe.from_config(config)
+        kept_out = {}
+        for name, module in self.named_modules():
+            if hasattr(module, "enable_fp8"):
+                why = module.enable_fp8(recipe)
+                if why is not None:
+                    kept_out[name] = why
+        return kept_out
 
     def _residual_dropout(self, branch: torch.Tensor) -> torch.Tensor:
         # Under sequence parallelism each rank holds other tokens: independent masks (private stream).

@@ -41,6 +41,7 @@ from core.distributed import DistributedDataParallel, DistributedDataParallelCon
 from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.hooks import ScheduleHooks
 from core.pipeline_parallel.layout import PipelineLayout
+from core.tensor_parallel.fp8 import set_amax_group
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt.gpt_model import GPTModel
 
@@ -131,6 +132,7 @@ def parallelize_gpt(
         groups = ps.get_parallel_groups()
     pp_rank = groups.rank_in("pp") if groups is not None else 0
     modules = _build_modules(model_provider, layout, pp_rank)
+    set_amax_group(modules, groups.tp_dp_cp if groups is not None else None)  # delayed FP8 scaling
     if ddp_config is None:
         return ParallelGPT(modules, modules, None)
     dp_group = groups.dp_cp if groups is not None else None

@@ -35,6 +35,7 @@ from core.tensor_parallel import (
     shard_of,
     vocab_parallel_cross_entropy,
 )
+from core.tensor_parallel.fp8 import Fp8Recipe, update_fp8_scales
 from core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 
 TP = 2
@@ -489,6 +490,63 @@ def _check_round_trip(rank, world_size):
     assert torch.equal(gather_full(replicated, group), replicated.detach())
 
 
+def _check_fp8_mlp(rank, world_size, case):
+    """Column -> GELU -> Row with FP8 products (issue 28) at TP 2 equals the same FP8 MLP on one rank, to
+    fp32 rounding: every TP rank casts with the whole tensor's scale (amaxes reduced over TP), and under
+    sequence parallelism the input is cast after the all-gather. Two steps, so the delayed recipe's
+    second one scales from its history."""
+    scaling, sequence_parallel = case.split("-")[0], case.endswith("-sp")
+    singles = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    group, single = dist.group.WORLD, singles[rank]
+    recipe = Fp8Recipe(format="hybrid", scaling=scaling, amax_history_len=2, amax_compute_algo="max")
+    torch.manual_seed(3)
+    s, h, f = 32, 32, 64
+    w1, w2 = torch.randn(f, h) * 0.05, torch.randn(h, f) * 0.05
+    models = {}
+    for name, tp_group, config in (
+        ("tp2", group, _config(sequence_parallel)),
+        ("tp1", single, ModelParallelConfig()),
+    ):
+        fc1 = ColumnParallelLinear(
+            h, f, config=config, init_method=_copy_init(w1), tp_group=tp_group, bias=False
+        )
+        fc2 = RowParallelLinear(
+            f,
+            h,
+            config=config,
+            init_method=_copy_init(w2),
+            input_is_parallel=True,
+            tp_group=tp_group,
+            bias=False,
+        )
+        assert fc1.enable_fp8(recipe) is None and fc2.enable_fp8(recipe) is None
+        models[name] = (fc1, fc2, tp_group)
+    for step in range(2):
+        x = torch.randn(s, 2, h) * (1 + step)
+        dy = torch.randn(s, 2, h) * 1e-3
+        out = {}
+        for name, (fc1, fc2, tp_group) in models.items():
+            split = name == "tp2" and sequence_parallel
+            x_in = (x.chunk(TP, dim=0)[rank] if split else x).clone().requires_grad_()
+            y, _ = fc2(F.gelu(fc1(x_in)[0]))
+            y.backward(dy.chunk(TP, dim=0)[rank] if split else dy)
+            grads = [gather_full(p, tp_group, tensor=p.grad) for p in (fc1.weight, fc2.weight)]
+            if split:  # the whole sequence, as the single rank has it
+                y, x_grad = (
+                    gather_from_sequence_parallel_region(t, tp_group=tp_group) for t in (y, x_in.grad)
+                )
+            else:
+                x_grad = x_in.grad
+            out[name] = (y, x_grad, *grads)
+            update_fp8_scales([fc1, fc2], tp_group)
+            for p in (fc1.weight, fc2.weight):
+                p.grad = None
+        for what, a, b in zip(
+            ("output", "input grad", "fc1 weight grad", "fc2 weight grad"), out["tp2"], out["tp1"]
+        ):
+            _close(a, b, f"step {step} {what}", tol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------------------------------
@@ -501,7 +559,13 @@ LAYER_CHECKS = [
     ("column_row_mlp_matches_single_device", _check_mlp, "sequence_parallel", [False, True]),
     ("vocab_parallel_embedding_matches_embedding", _check_embedding, "reduce_scatter", [False, True]),
     ("vocab_parallel_cross_entropy_matches_torch", _check_cross_entropy, "label_smoothing", [0.0, 0.1]),
-    ("linear_cross_entropy_matches_the_output_layer_and_torch", _check_linear_cross_entropy, "vocab_size", [7, 3]),
+    (
+        "linear_cross_entropy_matches_the_output_layer_and_torch",
+        _check_linear_cross_entropy,
+        "vocab_size",
+        [7, 3],
+    ),
+    ("fp8_mlp_at_tp2_matches_tp1", _check_fp8_mlp, "recipe", ["tensorwise-sp", "delayed-nosp"]),
 ]
 
 

@@ -2,8 +2,8 @@
 
 What is expected of each flag comes from the coverage table, so these tests pass today and tighten
 by themselves as "not supported yet" flags land: a script whose refused flags are all out of scope
-(FP8) must exit at once with one line naming them, and everything else in
-it must train. The CI part parses and validates every script in process; the torchrun part is slow:
+must exit at once with one line naming them, and everything else in it must train (the LLaMA-3 8B
+script in FP8 with its delayed recipe, less ``--fp8-param-gather``, which is not built yet). The CI part parses and validates every script in process; the torchrun part is slow:
 
     python -m pytest -q -m slow tests/e2e/test_megatron_examples.py
 """
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT_OF_SCOPE = {
     "gpt3_175b": [],
     "gpt3_175b_step": [],
-    "llama3_8b": ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"],
+    "llama3_8b": [],
     "mixtral_8x7b": [],
     "gpt_345m_mp": [],
 }

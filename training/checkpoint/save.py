@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.tensor_parallel.fp8 import fp8_state_dict
 from training.checkpoint.agreement import agree, current_parallel, gather
 from training.checkpoint.convert import parallelism_of
 from training.checkpoint.files import TensorFileWriter, flatten_state, fsync_dir
@@ -162,7 +163,9 @@ def describe(
     params = model_parameters(model_chunks)
     specs = specs_of_params(params.items(), p["tp"], config.make_vocab_size_divisible_by)
     files, groups, grad_scaler = _tensor_files(params, specs, p, optimizer)
-    rng_tensors, skeleton = flatten_state(get_rng_state() if rng_state is None else rng_state)
+    rng_tensors, skeleton = flatten_state(
+        _with_fp8(get_rng_state() if rng_state is None else rng_state, model_chunks)
+    )
     files[rng_file(t, q, d)] = FileToWrite(rng_tensors, 0, {"format": FORMAT, "skeleton": skeleton})
     stored = {key for f in files.values() for key in f.tensors}
     local = {
@@ -178,6 +181,13 @@ def describe(
     )
     first = t == q == d == 0
     return SaveRequest(root, iteration, files, local, tokenizer if first else None, manifest)
+
+
+def _with_fp8(rng_state: Mapping, model_chunks: Sequence[nn.Module]) -> Mapping:
+    """The RNG states, and the delayed FP8 recipe's amax histories and scales of this rank's layers
+    (by module name, under ``"fp8"``): per-rank state that exact resumption needs."""
+    fp8 = fp8_state_dict(model_chunks)
+    return {**rng_state, "fp8": fp8} if fp8 else rng_state
 
 
 def _manifest_content(

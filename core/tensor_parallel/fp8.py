@@ -1,0 +1,432 @@
+"""FP8 matrix products for the tensor-parallel linear layers: scaling state, casts and our own autograd.
+
+A linear layer in FP8 multiplies three operands in FP8, each with one float32 scale per tensor:
+its input ``x`` and weight ``w`` forward (E4M3), and in backward the gradient of its output ``g``
+(E4M3 with ``--fp8-format e4m3``, E5M2 with ``hybrid``)::
+
+    y  = x  @ w^T      (x: E4M3, w: E4M3)
+    dx = g  @ w        (g: E4M3 / E5M2, w: E4M3)
+    dw = g^T @ x       (g and the saved x; in the model's dtype with --no-fp8-wgrad)
+
+Every product is ``torch._scaled_mm``, which runs on CUDA (sm89 and newer) and on the CPU, so every
+numeric test of this module runs on a laptop. A scale maps a tensor's absolute maximum (amax) onto the
+format's largest value: ``scale = fp8_max / amax / 2**margin``; the product is dequantised by the
+inverse scales inside the kernel. What the layer saves for backward is the FP8 input (one byte an
+element instead of two), unless the weight gradient stays in the model's dtype.
+
+Recipes decide where the amax comes from:
+
+* ``tensorwise`` (current scaling): the tensor's own amax, now. A tensor split over the tensor-parallel
+  ranks (a weight shard, a row-parallel input, a column-parallel output gradient) takes the maximum
+  over the TP group, so every TP rank uses the scale of the whole tensor and TP=2 computes what TP=1
+  does. An input all-gathered under sequence parallelism is quantised after the gather.
+* ``delayed``: the scale comes from an amax history (``--fp8-amax-history-len``, reduced by
+  ``--fp8-amax-compute-algo``). Each use records its amax into the step's running maximum; at the end
+  of a training step :func:`update_fp8_scales` reduces those maxima over the amax group (TP x DP x CP,
+  as Megatron), pushes them onto the history and computes the next step's scales. So every microbatch
+  of a step uses the same scales, whatever the pipeline schedule's order, and a recomputed forward
+  (full or selective recompute) records the amax it already recorded: it cannot advance anything.
+  One history entry is one optimizer step (Transformer Engine advances per forward call). Before the
+  first update there is no history: that step uses current scaling, reduced over the amax group.
+
+The weight is cast once per value of the weight: its FP8 copies are kept until the optimizer changes
+the weight (``weight._version``), so microbatches after the first reuse them, as Transformer Engine's
+``is_first_microbatch`` does. The output gradient is cast once per backward; a zero-bubble split (I
+then W) keeps the cast from I for W. Casting is a handful of element-wise kernels, which
+:func:`compile_fp8_casts` fuses (``--compile``: the linear layers themselves stay eager).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from core.device import current_device
+from core.tensor_parallel.fp8_config import resolved
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+INPUT, WEIGHT, GRAD = 0, 1, 2
+OPERANDS = ("input", "weight", "grad_output")
+SHAPE_MULTIPLE = 16
+"""CUDA's FP8 products need both dimensions of the second operand and the inner dimension of the
+first to be multiples of 16: a layer's input and output features, and for the weight gradient the
+tokens of a microbatch on this rank."""
+
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """What one FP8 linear layer needs to know: formats, scaling and whether W runs in FP8."""
+
+    format: str = "hybrid"
+    """"e4m3" or "hybrid" (output gradients in E5M2)."""
+    scaling: str = "tensorwise"
+    """"tensorwise" or "delayed"."""
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    wgrad: bool = True
+    """The weight gradient in FP8 (False: in the model's dtype, from the saved high-precision input)."""
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E4M3 if self.format == "e4m3" else E5M2
+
+    def dtype_of(self, operand: int) -> torch.dtype:
+        return self.grad_dtype if operand == GRAD else E4M3
+
+    @classmethod
+    def from_config(cls, config) -> Fp8Recipe | None:
+        """The recipe an ``Fp8Config`` asks for (None when FP8 is off)."""
+        if getattr(config, "fp8", None) is None:
+            return None
+        return cls(
+            format=config.fp8,
+            scaling=resolved(config, "fp8_recipe"),
+            margin=resolved(config, "fp8_margin"),
+            amax_history_len=resolved(config, "fp8_amax_history_len"),
+            amax_compute_algo=resolved(config, "fp8_amax_compute_algo"),
+            wgrad=config.fp8_wgrad,
+        )
+
+    def describe(self) -> str:
+        """One phrase for the start report: ``tensorwise, hybrid (E4M3 forward, E5M2 gradients)``."""
+        grads = "E4M3" if self.format == "e4m3" else "E5M2"
+        text = f"{self.scaling}, {self.format} (E4M3 forward, {grads} gradients"
+        text += ", weight gradients in the model's dtype)" if not self.wgrad else ")"
+        if self.scaling == "delayed":
+            text += f", amax history {self.amax_history_len} ({self.amax_compute_algo}), margin {self.margin}"
+        return text
+
+
+# --------------------------------------------------------------------------------------------------
+# Casts (plain functions, fused by compile_fp8_casts)
+# --------------------------------------------------------------------------------------------------
+
+
+def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """``fp8_max / amax / 2**margin``; 1 where the amax is zero or not finite (nothing to scale by)."""
+    good = torch.isfinite(amax) & (amax > 0)
+    scale = fp8_max / torch.where(good, amax, 1.0) / (2.0**margin)
+    return torch.where(good, scale, torch.ones_like(scale))
+
+
+Cast = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
+"""A cast operand: its FP8 values ``[rows, cols]`` row-major, the same values transposed
+(``[cols, rows]`` row-major, or None when not asked for) and the inverse scale to dequantise by."""
+
+
+def _cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool) -> Cast:
+    """``tensor * scale`` saturated and rounded to ``dtype`` (a 2-D tensor), with its transposed copy
+    when ``transpose``: CUDA's FP8 products take their second operand column-major, so a weight
+    gradient needs both operands transposed; once compiled, one kernel writes both layouts."""
+    fp8_max = FP8_MAX[dtype]
+    values = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+    return values, values.t().contiguous() if transpose else None, scale.reciprocal()
+
+
+def _cast_from_amax(
+    tensor: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool
+) -> Cast:
+    """:func:`_cast` with the scale made from ``amax`` (its arithmetic fused into the cast once compiled)."""
+    return _cast(tensor, _scale_from_amax(amax, FP8_MAX[dtype], margin), dtype, transpose)
+
+
+_KERNELS = {"cast": _cast, "cast_from_amax": _cast_from_amax}
+
+
+def compile_fp8_casts(backend: str = "inductor") -> None:
+    """Fuse each scaled cast, its scale's arithmetic and its transposed copy into compiled kernels
+    (``--compile``); shapes are dynamic, so every layer shares the compiled code. The amax is torch's
+    own reduction either way."""
+    for name, fn in (("cast", _cast), ("cast_from_amax", _cast_from_amax)):
+        _KERNELS[name] = torch.compile(fn, backend=backend, dynamic=True)
+
+
+def amax_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's absolute maximum, a float32 scalar on its device (one reduction kernel, no copy)."""
+    return torch.linalg.vector_norm(tensor.detach(), float("inf")).float()
+
+
+def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor * scale`` saturated to ``dtype``'s range and rounded to it."""
+    return _KERNELS["cast"](tensor.detach().reshape(-1, tensor.shape[-1]), scale, dtype, False)[0].view(
+        tensor.shape
+    )
+
+
+def dequantize(tensor: torch.Tensor, inverse_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (tensor.float() * inverse_scale).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# A layer's scaling state
+# --------------------------------------------------------------------------------------------------
+
+
+class Fp8State(nn.Module):
+    """One linear layer's FP8 scales, for its three operands (input, weight, output gradient).
+
+    ``amax_history`` ``[3, amax_history_len]`` (most recent first), ``scale`` ``[3]`` and
+    ``step_amax`` ``[3]`` (the maximum seen in the current step) are buffers; the checkpoint stores the
+    history and the count of updates (:func:`fp8_state_dict`). ``sharded[i]``: operand ``i`` is split
+    over the TP group, so its tensorwise amax is reduced over it.
+    """
+
+    def __init__(
+        self, recipe: Fp8Recipe, tp_group: ProcessGroup | None, sharded: tuple[bool, bool, bool]
+    ) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self.tp_group = tp_group
+        self.sharded = sharded
+        self.amax_group: ProcessGroup | None = None
+        """TP x DP x CP (set by :func:`set_amax_group`): where delayed amaxes are reduced."""
+        self.updates = 0
+        """Histories pushed so far (a host integer: no device read decides the recipe's branch)."""
+        self.steps = 0
+        """Training steps ended (:func:`update_fp8_scales`): the optimizer may have changed the weight."""
+        device = current_device()
+        self.register_buffer(
+            "amax_history", torch.zeros(3, recipe.amax_history_len, device=device), persistent=False
+        )
+        self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
+        self.register_buffer("step_amax", torch.zeros(3, device=device), persistent=False)
+        self._weight_key: tuple | None = None
+        self._weight: Cast | None = None
+        self._weight_amax: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        return self.recipe.describe()
+
+    def _reduced(self, amax: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        if group is not None and dist.get_world_size(group) > 1:
+            amax = amax.clone()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax
+
+    def quantize(
+        self,
+        operand: int,
+        tensor: torch.Tensor,
+        record: bool,
+        transpose: bool,
+        amax: torch.Tensor | None = None,
+    ) -> Cast:
+        """Operand ``operand`` (2-D) cast to its FP8 format (see :data:`Cast`). ``record`` (a training
+        step's forward or backward): the delayed recipe adds its amax to the step's maximum.
+        ``amax``: the tensor's, when the caller has it already."""
+        dtype, tensor = self.recipe.dtype_of(operand), tensor.detach()
+        if self.recipe.scaling == "tensorwise":
+            amax = amax_of(tensor) if amax is None else amax
+            amax = self._reduced(amax, self.tp_group if self.sharded[operand] else None)
+            return _KERNELS["cast_from_amax"](tensor, amax, dtype, 0, transpose)
+        if record or self.updates == 0:
+            amax = amax_of(tensor) if amax is None else amax
+        if record:  # the step's maximum: recording the same tensor twice (recompute) changes nothing
+            torch.maximum(self.step_amax[operand], amax, out=self.step_amax[operand])
+        if self.updates > 0:
+            return _KERNELS["cast"](tensor, self.scale[operand], dtype, transpose)
+        # No history yet: this step scales from the tensor itself, agreed over the amax group.
+        group = self.amax_group if self.amax_group is not None else self.tp_group
+        return _KERNELS["cast_from_amax"](
+            tensor, self._reduced(amax, group), dtype, self.recipe.margin, transpose
+        )
+
+    def weight_fp8(self, weight: torch.Tensor, record: bool) -> Cast:
+        """The weight cast to E4M3 with its transposed copy (the input gradient's product takes it
+        column-major), kept until the weight changes (its storage or version) or a step ends
+        (:func:`update_fp8_scales`), so later microbatches reuse it."""
+        key = (weight.data_ptr(), weight._version, self.steps)
+        if key != self._weight_key:
+            self._weight_amax = amax_of(weight)
+            self._weight = self.quantize(WEIGHT, weight, record, transpose=True, amax=self._weight_amax)
+            self._weight_key = key
+        elif record and self.recipe.scaling == "delayed":
+            torch.maximum(self.step_amax[WEIGHT], self._weight_amax, out=self.step_amax[WEIGHT])
+        return self._weight
+
+    @torch.no_grad()
+    def push_history(self, step_amax: torch.Tensor) -> None:
+        """Append one step's reduced amaxes (``[3]``) to the history and compute the next scales."""
+        history = self.amax_history.roll(1, dims=1)
+        history[:, 0] = torch.where(torch.isfinite(step_amax), step_amax, 0.0)
+        self.amax_history.copy_(history)
+        amax = history.amax(dim=1) if self.recipe.amax_compute_algo == "max" else history[:, 0]
+        for operand in range(3):
+            fp8_max = FP8_MAX[self.recipe.dtype_of(operand)]
+            new = _scale_from_amax(amax[operand], fp8_max, self.recipe.margin)
+            keep = ~(amax[operand] > 0)  # an operand unseen (or non-finite) all history long keeps its scale
+            self.scale[operand] = torch.where(keep & (self.updates > 0), self.scale[operand], new)
+        self.step_amax.zero_()
+        self.updates += 1
+
+
+# --------------------------------------------------------------------------------------------------
+# The product and its autograd
+# --------------------------------------------------------------------------------------------------
+
+
+def _will_compute(ctx, index: int) -> bool:
+    """Whether the running backward needs the gradient of the function's ``index``-th input."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[index][0]
+    if node is None:
+        return False
+    return True if _will_engine_execute_node is None else _will_engine_execute_node(node)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``F.linear`` with its three products in FP8 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, state: Fp8State, accumulate: bool, record: bool):
+        recipe = state.recipe
+        flat = input_.reshape(-1, input_.shape[-1])
+        fp8_wgrad = record and recipe.wgrad and weight.requires_grad
+        x_fp8, x_t, x_inv = state.quantize(INPUT, flat, record, transpose=fp8_wgrad)
+        w_fp8, _, w_inv = state.weight_fp8(weight, record)
+        out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=input_.dtype)
+        if bias is not None:
+            out = out + bias
+        ctx.state, ctx.accumulate = state, accumulate
+        ctx.input_shape, ctx.dtype, ctx.has_bias = input_.shape, input_.dtype, bias is not None
+        ctx.grad_fp8 = None
+        # Saved for the weight gradient: the FP8 input, transposed (one byte an element), or the input.
+        ctx.save_for_backward(x_t if fp8_wgrad else flat, x_inv, weight)
+        return out.view(*input_.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        state = ctx.state
+        saved_input, x_inv, weight = ctx.saved_tensors
+        grad = grad_output.reshape(-1, grad_output.shape[-1])
+        need_input, need_weight = _will_compute(ctx, 0), _will_compute(ctx, 1)
+        if ctx.grad_fp8 is None:  # a split backward's I casts, its W reuses the cast
+            fp8_wgrad = state.recipe.wgrad and weight.requires_grad
+            ctx.grad_fp8 = state.quantize(GRAD, grad, record=True, transpose=fp8_wgrad)
+        g_fp8, g_t, g_inv = ctx.grad_fp8
+        grad_input = grad_weight = grad_bias = None
+        if need_input:
+            _, w_t, w_inv = state.weight_fp8(weight, record=False)
+            grad_input = torch._scaled_mm(g_fp8, w_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.dtype)
+            grad_input = grad_input.view(ctx.input_shape)
+        if need_weight:
+            grad_weight = _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight)
+        if need_weight or not weight.requires_grad:
+            ctx.grad_fp8 = None  # nothing later needs the cast gradient
+        if ctx.has_bias and _will_compute(ctx, 2):
+            grad_bias = grad.sum(0)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch.Tensor | None:
+    """``g^T @ x``: in FP8 from both transposed casts when the recipe allows it and the tokens are a
+    multiple of 16, else in the model's dtype; accumulated into ``main_grad`` under gradient-
+    accumulation fusion (None returned)."""
+    recipe, tokens = ctx.state.recipe, grad.shape[0]
+    out_dtype = weight.main_grad.dtype if ctx.accumulate else weight.dtype
+    if recipe.wgrad and tokens % SHAPE_MULTIPLE == 0:
+        dw = torch._scaled_mm(g_t, saved_input.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=out_dtype)
+    else:
+        x = dequantize(saved_input.t(), x_inv, ctx.dtype) if recipe.wgrad else saved_input
+        dw = grad.t().matmul(x.to(grad.dtype))
+    if not ctx.accumulate:
+        return dw.to(weight.dtype)
+    weight.main_grad.add_(dw)
+    weight.grad_accumulated(weight)
+    weight.grad_added_to_main_grad = True
+    return None
+
+
+def fp8_linear(
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state: Fp8State,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """``F.linear(input_, weight, bias)`` with FP8 products; ``accumulate``: the weight gradient goes
+    into ``weight.main_grad`` (``--gradient-accumulation-fusion``)."""
+    if accumulate and not (hasattr(weight, "main_grad") and hasattr(weight, "grad_accumulated")):
+        raise ValueError(
+            "gradient_accumulation_fusion=True needs the weights' main_grad buffers, which "
+            "DistributedDataParallel creates: wrap the model before its first forward"
+        )
+    # A forward with gradients is a training step's (recomputed or not): its amaxes count.
+    return _Fp8Linear.apply(input_, weight, bias, state, accumulate, torch.is_grad_enabled())
+
+
+# --------------------------------------------------------------------------------------------------
+# A model's FP8 states: the step-end update, the amax group, checkpoints
+# --------------------------------------------------------------------------------------------------
+
+
+def fp8_states(modules: Iterable[nn.Module]) -> Iterator[tuple[str, Fp8State]]:
+    """Every FP8 state of ``modules`` (model chunks, wrapped or not) with its module name."""
+    for module in modules:
+        module = getattr(module, "module", module)
+        for name, child in module.named_modules():
+            if isinstance(child, Fp8State):
+                yield name, child
+
+
+def set_amax_group(modules: Iterable[nn.Module], group: ProcessGroup | None) -> None:
+    """Give every FP8 state of ``modules`` the group its delayed amaxes are reduced over (TP x DP x CP)."""
+    for _, state in fp8_states(modules):
+        state.amax_group = group
+
+
+@torch.no_grad()
+def update_fp8_scales(modules: Iterable[nn.Module], group: ProcessGroup | None) -> None:
+    """End of a training step, before the optimizer step: the weights' FP8 copies are dropped, and
+    under the delayed recipe the step's amaxes are reduced (MAX) over ``group`` in one collective,
+    pushed onto the histories and the next step's scales computed."""
+    every = [s for _, s in fp8_states(modules)]
+    for state in every:
+        state.steps += 1  # the weight is about to change: its FP8 copies are cast afresh
+    states = [s for s in every if s.recipe.scaling == "delayed"]
+    if not states:
+        return
+    amaxes = torch.stack([s.step_amax for s in states])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    for state, amax in zip(states, amaxes):
+        state.push_history(amax)
+
+
+def fp8_state_dict(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
+    """The delayed recipe's state by module name, for a checkpoint: ``<name>.amax_history``,
+    ``<name>.scale`` and ``<name>.updates``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, state in fp8_states(modules):
+        if state.recipe.scaling == "delayed":
+            out[f"{name}.amax_history"] = state.amax_history.detach().cpu().clone()
+            out[f"{name}.scale"] = state.scale.detach().cpu().clone()
+            out[f"{name}.updates"] = torch.tensor(state.updates, dtype=torch.int64)
+    return out
+
+
+def load_fp8_state_dict(modules: Iterable[nn.Module], saved: dict[str, torch.Tensor]) -> int:
+    """Restore what :func:`fp8_state_dict` saved, by name; returns how many states were restored (a
+    state with no saved entry, or a history of another length, starts afresh)."""
+    restored = 0
+    for name, state in fp8_states(modules):
+        history = saved.get(f"{name}.amax_history")
+        if state.recipe.scaling != "delayed" or history is None or history.shape != state.amax_history.shape:
+            continue
+        state.amax_history.copy_(history)
+        state.scale.copy_(saved[f"{name}.scale"])
+        state.updates = int(saved[f"{name}.updates"])
+        state.step_amax.zero_()
+        restored += 1
+    return restored

@@ -1,0 +1,156 @@
+"""The FP8 fields of a transformer config (Megatron's ``TransformerConfig`` names and flags).
+
+``fp8`` (``--fp8-format``) turns FP8 on for the matrix products of the decoder layers' tensor-parallel
+linear layers (``core.tensor_parallel.fp8``); everything else stays in the model's dtype. The recipe
+fields follow Megatron's flags one for one. :func:`fp8_problems` checks every combination at
+construction, before any rank builds a layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from core.flags import flag
+
+Fp8Format = Literal["e4m3", "hybrid"]
+Fp8RecipeName = Literal["tensorwise", "delayed", "blockwise", "mxfp8", "custom"]
+AmaxComputeAlgo = Literal["most_recent", "max"]
+FP8_FORMATS = get_args(Fp8Format)
+FP8_RECIPES_BUILT = ("tensorwise", "delayed")
+AMAX_COMPUTE_ALGOS = get_args(AmaxComputeAlgo)
+_GROUP = "mixed precision"
+
+_NOT_BUILT = {
+    "blockwise": "the 'blockwise' recipe (DeepSeek-V3's 1x128 activation and 128x128 weight scales) is not "
+    "built in Trident; use --fp8-recipe tensorwise or delayed",
+    "mxfp8": "the 'mxfp8' recipe needs Blackwell GPUs (sm100) and is not built in Trident; use --fp8-recipe "
+    "tensorwise or delayed",
+    "custom": "the 'custom' recipe loads a Transformer Engine recipe factory, which Trident does not use; use "
+    "--fp8-recipe tensorwise or delayed",
+}
+
+
+@dataclass(kw_only=True)
+class Fp8Config:
+    """FP8 matrix products in the decoder layers' linear layers (all off when ``fp8`` is None)."""
+
+    fp8: Fp8Format | None = flag(
+        None,
+        name="--fp8-format",
+        group=_GROUP,
+        help="FP8 matrix products in the decoder layers' linear layers: 'e4m3' (everything in E4M3) or "
+        "'hybrid' (E4M3 forward, gradients in E5M2). The embedding, output layer, norms, attention core, "
+        "router and loss stay in the model's dtype.",
+    )
+    """FP8 format: "e4m3" (inputs, weights and gradients in E4M3) or "hybrid" (E4M3 forward, the
+    output gradients in E5M2); None keeps every product in the model's dtype."""
+
+    fp8_recipe: Fp8RecipeName | None = flag(None, group=_GROUP)
+    """How scales are chosen: "tensorwise" (each tensor's own amax, current scaling) or "delayed" (from
+    an amax history of earlier steps; the default, as in Megatron). "blockwise", "mxfp8" and "custom"
+    are refused with a line each."""
+
+    fp8_margin: int | None = flag(None, group=_GROUP)
+    """Scales are divided by ``2 ** fp8_margin`` (delayed recipe): headroom for growing values (default 0)."""
+
+    fp8_interval: int = flag(1, group=_GROUP, help="Megatron's interval between FP8 scale updates.")
+    """Accepted for Megatron's scripts; it changes nothing (Megatron ignores it too)."""
+
+    fp8_amax_history_len: int | None = flag(None, group=_GROUP)
+    """Steps of amax history each tensor keeps (delayed recipe; default 1, as in Megatron)."""
+
+    fp8_amax_compute_algo: AmaxComputeAlgo | None = flag(None, group=_GROUP)
+    """The amax a delayed scale is computed from: the history's "max", or its "most_recent" entry (the
+    default, as in Megatron)."""
+
+    fp8_wgrad: bool = flag(
+        True,
+        name="--no-fp8-wgrad",
+        aliases=("--disable-fp8-wgrad",),
+        group=_GROUP,
+        help="Keep the weight-gradient products in the model's dtype (honoured with every recipe; "
+        "Megatron honours it only with the delayed one).",
+    )
+    """Compute the weight gradients in FP8 too; False keeps them in the model's dtype."""
+
+    first_last_layers_bf16: bool = flag(False, group=_GROUP)
+    """Keep the first ``num_layers_at_start_in_bf16`` and the last ``num_layers_at_end_in_bf16``
+    decoder layers out of FP8."""
+
+    num_layers_at_start_in_bf16: int = flag(1, group=_GROUP)
+    """With ``first_last_layers_bf16``: decoder layers at the start kept out of FP8."""
+
+    num_layers_at_end_in_bf16: int = flag(1, group=_GROUP)
+    """With ``first_last_layers_bf16``: decoder layers at the end kept out of FP8."""
+
+    def layer_in_fp8(self, layer_number: int) -> bool:
+        """Whether decoder layer ``layer_number`` (global, 0-based) runs its linear layers in FP8."""
+        if self.fp8 is None:
+            return False
+        if not self.first_last_layers_bf16:
+            return True
+        num_layers = getattr(self, "num_layers", 0)
+        return self.num_layers_at_start_in_bf16 <= layer_number < num_layers - self.num_layers_at_end_in_bf16
+
+
+MEGATRON_DEFAULTS = {
+    "fp8_recipe": "delayed",
+    "fp8_margin": 0,
+    "fp8_amax_history_len": 1,
+    "fp8_amax_compute_algo": "most_recent",
+}
+"""What a recipe field left None means (Megatron's defaults); None lets a recipe flag given without
+--fp8-format be told apart from one left alone."""
+_RECIPE_FLAGS = {
+    "fp8_recipe": ("--fp8-recipe", None),
+    "fp8_margin": ("--fp8-margin", None),
+    "fp8_amax_history_len": ("--fp8-amax-history-len", None),
+    "fp8_amax_compute_algo": ("--fp8-amax-compute-algo", None),
+    "fp8_wgrad": ("--no-fp8-wgrad", True),
+    "first_last_layers_bf16": ("--first-last-layers-bf16", False),
+}
+
+
+def resolved(config: Fp8Config, name: str):
+    """Field ``name`` of ``config`` with None read as Megatron's default."""
+    value = getattr(config, name)
+    return MEGATRON_DEFAULTS[name] if value is None else value
+
+
+def fp8_problems(config: Fp8Config) -> list[str]:
+    """Every invalid FP8 setting of ``config``, each one line naming the flags and values."""
+    if config.fp8 is None:
+        given = [f for name, (f, default) in _RECIPE_FLAGS.items() if getattr(config, name) != default]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            return [f"{', '.join(given)} {verb} --fp8-format (e4m3 or hybrid)"]
+        return []
+    if config.fp8 not in FP8_FORMATS:
+        return [f"--fp8-format {config.fp8!r} is not supported: use e4m3 or hybrid"]
+    recipe = resolved(config, "fp8_recipe")
+    if recipe in _NOT_BUILT:
+        return [_NOT_BUILT[recipe]]
+    if recipe not in FP8_RECIPES_BUILT:
+        return [f"--fp8-recipe {recipe!r} does not exist: use tensorwise or delayed"]
+    out = []
+    history = resolved(config, "fp8_amax_history_len")
+    algo, margin = resolved(config, "fp8_amax_compute_algo"), resolved(config, "fp8_margin")
+    if history < 1:
+        out.append(f"--fp8-amax-history-len must be >= 1, got {history}")
+    if algo not in AMAX_COMPUTE_ALGOS:
+        out.append(f"--fp8-amax-compute-algo must be most_recent or max, got {algo!r}")
+    if margin < 0:
+        out.append(f"--fp8-margin must be >= 0, got {margin}")
+    if config.first_last_layers_bf16:
+        num_layers = getattr(config, "num_layers", 0)
+        start, end = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
+        for name, value in (("--num-layers-at-start-in-bf16", start), ("--num-layers-at-end-in-bf16", end)):
+            if not 0 <= value <= num_layers:
+                out.append(f"{name} must be in [0, --num-layers ({num_layers})], got {value}")
+        if not out and start + end > num_layers:
+            out.append(
+                f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) exceeds "
+                f"--num-layers ({num_layers})"
+            )
+    return out

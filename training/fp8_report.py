@@ -1,0 +1,59 @@
+"""What the start of an FP8 run says: the recipe, which decoder layers' linear layers run in FP8 on each
+pipeline stage, and why any does not (``--first-last-layers-bf16``, a shape CUDA's FP8 products cannot
+take, a microbatch whose tokens are not a multiple of 16).
+
+The facts come from the built model (each layer's ``fp8_kept_out``, each linear layer's ``fp8_state``),
+so the report cannot disagree with what runs. The first tensor-, data- and context-parallel rank of
+each pipeline stage prints its stage's lines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, fp8_states
+from core.transformer.transformer_config import TransformerConfig
+
+
+def fp8_report(
+    config: TransformerConfig, modules: Sequence[nn.Module], stage: int, tokens_per_microbatch: int
+) -> list[str]:
+    """The lines of pipeline stage ``stage`` (``modules``: its model chunks); none without FP8.
+    ``tokens_per_microbatch``: tokens of one microbatch on one rank (micro batch x sequence / CP)."""
+    if config.fp8 is None:
+        return []
+    recipe = Fp8Recipe.from_config(config)
+    lines = []
+    if stage == 0:
+        lines.append(f"FP8: {recipe.describe()}")
+        if not config.bf16:
+            lines.append(
+                "FP8 without --bf16: the parts that are not FP8 products (embedding, norms, attention, output "
+                "layer) run in fp32, which is slow (Megatron-LM#883); add --bf16"
+            )
+        if tokens_per_microbatch % SHAPE_MULTIPLE and recipe.wgrad:
+            lines.append(
+                f"FP8: a microbatch holds {tokens_per_microbatch} tokens per rank, not a multiple of "
+                f"{SHAPE_MULTIPLE}: the weight gradients run in the model's dtype"
+            )
+    in_fp8, kept_out = [], []
+    for chunk in modules:
+        for name, module in getattr(chunk, "module", chunk).named_modules():
+            number = getattr(module, "layer_number", None)
+            if number is None or not hasattr(module, "fp8_kept_out"):
+                continue
+            if not config.layer_in_fp8(number):
+                kept_out.append(f"layer {number} (--first-last-layers-bf16)")
+                continue
+            in_fp8.append(number)
+            kept_out += [f"layer {number} {n}: {why}" for n, why in module.fp8_kept_out.items()]
+            if config.num_moe_experts is not None and config.is_moe_layer(number):
+                kept_out.append(f"layer {number} routed experts: FP8 experts are not built yet")
+    products = sum(1 for _ in fp8_states(modules))
+    if in_fp8 or kept_out:
+        layers = ", ".join(map(str, in_fp8)) or "none"
+        line = f"FP8 on pipeline stage {stage}: {products} linear layers in FP8 in decoder layers {layers}"
+        lines.append(line + (f"; in the model's dtype: {'; '.join(kept_out)}" if kept_out else ""))
+    return lines
