@@ -8,10 +8,11 @@ the end of the check):
 
 1. Packages: what Trident imports that this machine lacks. A machine without internet gets them as
    wheels: ``--wheels DIR`` installs the missing ones from ``DIR`` first (``pip install --no-index``).
-2. ``pytest -m cuda tests/unit/test_cuda.py`` at world size 1 on NCCL: CUDA-vs-CPU parity (fp32 with TF32
-   off within 1e-5, bf16 within 1e-2), flash attention with GQA, 20 steps under
+2. ``pytest -m cuda tests/unit/test_cuda.py tests/unit/test_fp8.py`` at world size 1 on NCCL: CUDA-vs-CPU
+   parity (fp32 with TF32 off within 1e-5, bf16 within 1e-2), flash attention with GQA, 20 steps under
    ``torch.cuda.set_sync_debug_mode("error")``, the distributed optimizer with overlap and the CUDA
-   timeline, the peak device memory of a save and a load. Each test's result and its printed figures.
+   timeline, the peak device memory of a save and a load, and the GPU's FP8 products against the
+   CPU's. Each test's result and its printed figures.
 3. ``tools/plan_check_memory.py gpu``: the planner's memory figure and its fake-tensor dry run (placed on
    the GPU, so its kernels decide what attention keeps) against ``torch.cuda.max_memory_allocated`` of
    the same step run for real, for one ~0.5B LLaMA stage in three layouts.
@@ -22,6 +23,12 @@ the end of the check):
    against the same model in a plain transformers loop, LLaMA ~1B at seq 4096 (one microbatch a step,
    then eight), GPT-2 124M at seq 1024, bf16. Each configuration is its own process; one that would
    not finish before ``--deadline`` is skipped and says so.
+
+6. ``tools/bench_fp8.py``: one linear layer's FP8 products against bf16 (Llama-3 8B's FC1 and FC2, LLaMA
+   ~1B's QKV), then bf16, FP8 tensorwise and FP8 delayed trained by ``pretrain()`` with ``--compile`` on
+   a Llama-3-8B-shaped stack (8 layers, seq 8192) and on LLaMA ~1B (tokens/s, peak memory), and the
+   loss gap over 200 iterations (``--fp8-data``: the data flags of those runs). ``--only fp8`` runs the
+   FP8 tests and this step alone.
 
 It prints one table, then one JSON line (``{"gpu_check": ...}``).
 """

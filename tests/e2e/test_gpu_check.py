@@ -25,8 +25,11 @@ def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode():
     result = json.loads(last)
     assert result["ok"] and result["gpu_check"]["device"] == "cpu"
     tests = {r["name"]: r["result"] for r in result["rows"] if r["step"] == "tests"}
-    assert len(tests) == 8 and tests.pop("(all)") == "exit 0"
+    assert len(tests) == 12 and tests.pop("(all)") == "exit 0"  # test_cuda.py's 7, test_fp8.py's 4
     assert set(tests.values()) == {"skipped"}  # no GPU here: every cuda test collected, none run
+    fp8 = [r for r in result["rows"] if r["step"] == "fp8"]
+    assert {r["contestant"] for r in fp8} == {"bf16", "fp8 tensorwise", "fp8 delayed"}
+    assert all(r["result"] == "ok" for r in fp8)
     bench = [r for r in result["rows"] if r["step"] == "bench"]
     assert {r["contestant"] for r in bench} == {"trident", "transformers"}
     assert all(r["tokens_per_s"] > 0 for r in bench)

@@ -332,3 +332,17 @@ def test_the_gpus_fp8_products_equal_the_cpus(recipe):
     for a, b in ((out, out_g), (dx, dx_g), (dw, dw_g)):
         assert sqnr(a, b.cpu()) >= 40.0  # the same FP8 operands; the products differ in accumulation order
     print(f"{recipe.scaling} {recipe.format}: GPU vs CPU SQNR out {sqnr(out, out_g.cpu()):.1f} dB")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_full_and_selective_recompute_change_nothing(recipe):
+    """A recomputed forward casts what the first forward cast and records no new amax."""
+    flags = f"--train-iters 3 --fp8-recipe {recipe}"
+    plain, plain_state = _train(flags)
+    for extra in (
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+        "--recompute-granularity selective",
+    ):
+        losses, state = _train(f"{flags} {extra}")
+        assert losses == plain, extra
+        assert all(torch.equal(state[k], v) for k, v in plain_state.items()), extra
