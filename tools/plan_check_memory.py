@@ -59,6 +59,12 @@ CONFIGS = {
         ["--global-batch-size", "256"],
         {"tp": 8, "pp": 16, "dp": 8, "num_microbatches": 32},
     ),
+    # FP8 products (tensorwise): FP8 saved inputs and the weights' FP8 copies
+    "llama3-8b-fp8": (
+        "llama3-8b",
+        ["--global-batch-size", "128", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+        {"tp": 2, "pp": 4, "dp": 8, "num_microbatches": 16},
+    ),
     # the one setting Megatron's formula reports activations for: sequence parallel + selective
     "llama3-8b-selective": (
         "llama3-8b",

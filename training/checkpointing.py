@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.tensor_parallel.fp8 import load_fp8_state_dict
+from core.tensor_parallel.fp8 import fp8_states, load_fp8_state_dict
 from training.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -137,8 +137,8 @@ def load_checkpoint(
     _agree(error)
     if path is None:
         return None
-    ckpt, optimizer_state, rng_state, finetune = loaded
-    _apply_states(model_chunks, optimizer, optimizer_state, rng_state)
+    ckpt, optimizer_state, rng_state, fp8_saved, finetune = loaded
+    _apply_states(model_chunks, optimizer, optimizer_state, rng_state, fp8_saved)
     ours = parallelism_of(unwrap(model_chunks[0]).config, p["dp"])
     return LoadedCheckpoint(
         path=path,
@@ -162,20 +162,23 @@ def _find(load_dir: str, iteration: int | None, exit_on_missing: bool) -> str | 
     return path
 
 
-def _apply_states(model_chunks, optimizer, optimizer_state: dict | None, rng_state: dict | None) -> None:
+def _apply_states(
+    model_chunks, optimizer, optimizer_state: dict | None, rng_state: dict | None, fp8_saved: dict
+) -> None:
     """After every rank read its shards: refresh the optimizer's weights, restore its state, the RNG
     and the FP8 amax histories saved beside it (by module name; a layer with none starts afresh)."""
     if optimizer is not None:
         optimizer.reload_model_params()
         if optimizer_state is not None:
             optimizer.load_param_state_by_name(optimizer_state)
+    load_fp8_state_dict(model_chunks, fp8_saved)
     if rng_state is not None:
-        load_fp8_state_dict(model_chunks, rng_state.get("fp8", {}))
         set_rng_state(rng_state)
 
 
 def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, load_rng, finetune):
-    """Copy this rank's shards into the model; return (ckpt, optimizer state dict, RNG state, finetune)."""
+    """Copy this rank's shards into the model; return (ckpt, optimizer state dict, RNG state, the saved
+    FP8 states, finetune)."""
     finetune = finetune or os.path.basename(ckpt.path) == "release"
     load_optim, load_rng = load_optim and not finetune, load_rng and not finetune
     module = unwrap(model_chunks[0])
@@ -198,4 +201,16 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, lo
     if load_optim and optimizer is not None:
         optimizer_state = read_optimizer_state(ckpt, optimizer, params, p)
     rng_state = ckpt.read_rng_state(p["tp_rank"], p["pp_rank"], p["dp_rank"]) if load_rng else None
-    return ckpt, optimizer_state, rng_state, finetune
+    fp8_saved = _saved_fp8_states(ckpt) if load_rng and any(True for _ in fp8_states(model_chunks)) else {}
+    return ckpt, optimizer_state, rng_state, fp8_saved, finetune
+
+
+def _saved_fp8_states(ckpt: Checkpoint) -> dict:
+    """The delayed FP8 recipe's histories of every saving pipeline rank, by module name. They are the
+    same on every TP, DP and CP rank (reduced over that group), so the first TP and DP rank's RNG file
+    of each pipeline rank holds them all: a load at another split finds each layer's by its name."""
+    saved: dict = {}
+    for pp_rank in range(ckpt.parallel.pp):
+        state = ckpt.read_rng_state(0, pp_rank, 0) or {}
+        saved.update(state.get("fp8", {}))
+    return saved

@@ -29,11 +29,14 @@ Recipes decide where the amax comes from:
   One history entry is one optimizer step (Transformer Engine advances per forward call). Before the
   first update there is no history: that step uses current scaling, reduced over the amax group.
 
-The weight is cast once per value of the weight: its FP8 copies are kept until the optimizer changes
-the weight (``weight._version``), so microbatches after the first reuse them, as Transformer Engine's
+The weight is cast once per training step: its FP8 copy (and the transposed copy the input gradient's
+product takes) are kept until the step ends (:func:`update_fp8_scales`) or the weight changes in place
+(``weight._version``), so microbatches after the first reuse them, as Transformer Engine's
 ``is_first_microbatch`` does. The output gradient is cast once per backward; a zero-bubble split (I
-then W) keeps the cast from I for W. Casting is a handful of element-wise kernels, which
-:func:`compile_fp8_casts` fuses (``--compile``: the linear layers themselves stay eager).
+then W) keeps the cast from I for W. CUDA's FP8 products take their second operand column-major, so
+the weight gradient needs both the output gradient and the input transposed in memory: each cast
+writes its transposed copy too. A cast is a handful of element-wise kernels, which
+:func:`compile_fp8_casts` fuses into one (``--compile``: the linear layers themselves stay eager).
 """
 
 from __future__ import annotations
@@ -53,7 +56,6 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 INPUT, WEIGHT, GRAD = 0, 1, 2
-OPERANDS = ("input", "weight", "grad_output")
 SHAPE_MULTIPLE = 16
 """CUDA's FP8 products need both dimensions of the second operand and the inner dimension of the
 first to be multiples of 16: a layer's input and output features, and for the weight gradient the
@@ -245,7 +247,7 @@ class Fp8State(nn.Module):
         """The weight cast to E4M3 with its transposed copy (the input gradient's product takes it
         column-major), kept until the weight changes (its storage or version) or a step ends
         (:func:`update_fp8_scales`), so later microbatches reuse it."""
-        key = (weight.data_ptr(), weight._version, self.steps)
+        key = (id(weight), weight._version, self.steps)  # (no data_ptr: fake tensors have none)
         if key != self._weight_key:
             self._weight_amax = amax_of(weight)
             self._weight = self.quantize(WEIGHT, weight, record, transpose=True, amax=self._weight_amax)

@@ -206,3 +206,43 @@ def test_resume_after_10_iterations_equals_20_straight(ranks, data_prefix, tmp_p
     again, _ = _run(ranks(4), flags + ["--load", straight, "--ckpt-step", "10", "--save", resumed])
     assert again == losses[10:]
     assert _weights_and_optimizer(resumed) == _weights_and_optimizer(straight)
+
+
+FP8_FLAGS = str.split(
+    "--num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 127 --seed 7 --hidden-dropout 0 --attention-dropout 0 "
+    "--num-workers 0 --eval-iters 0 --bf16 --swiglu --normalization RMSNorm --position-embedding-type rope "
+    "--disable-bias-linear --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 --train-iters 3"
+)
+
+
+def _fp8_pretrain(rank, world_size, flags):
+    """One pretrain() on this rank: the FP8 states of its layers at the end, by name."""
+    import pretrain_gpt
+    from core.tensor_parallel.fp8 import fp8_state_dict
+    from tests.support.pretrain_run import pretrain_gpt_in_process
+
+    built = []
+
+    def model_provider(*args, **kwargs):
+        built.append(pretrain_gpt.model_provider(*args, **kwargs))
+        return built[-1]
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        pretrain_gpt_in_process(argv=flags, model_provider=model_provider)
+    return fp8_state_dict(built)
+
+
+def test_fp8_amax_histories_saved_at_pp2_load_by_name_at_pp1(ranks, tmp_path):
+    """The delayed recipe's histories are found by module name whatever the split (issue 28)."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = {}
+    for states in ranks(2).run(_fp8_pretrain, FP8_FLAGS + PP2 + ["--save", ckpt], timeout=240):
+        saved.update(states)
+    assert len([k for k in saved if k.endswith(".amax_history")]) == 16  # 4 layers x 4 linear layers
+    assert all(int(saved[k]) == 3 for k in saved if k.endswith(".updates"))
+    loaded = _fp8_pretrain(0, 1, FP8_FLAGS + ["--load", ckpt])  # at iteration 3 already: nothing trains
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name

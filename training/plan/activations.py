@@ -149,8 +149,16 @@ def layer_terms(spec: ModelSpec, shape: Shape) -> dict[str, float]:
     s, b, t, B, h = shape.seq, shape.batch, shape.tp, spec.bytes_per_value, spec.hidden_size
     if shape.recompute == "full":
         return {"layer input (full recompute)": B * shape.sharded_seq * b * h}
-    terms = {"norms": 2 * _norm(spec, shape), "qkv input": B * s * b * h}
+    L = 1 if spec.fp8 and spec.fp8_wgrad else B  # what a linear layer keeps of its input, per value
+    terms = {"norms": 2 * _norm(spec, shape), "qkv input": L * s * b * h}
     attention = _attention(spec, shape)
+    if spec.fp8:  # the output projection keeps its own FP8 copy, or instead of a bf16 one
+        kept = next((k for k in ("proj input", "proj input (copied)") if k in attention), None)
+        query = s * b * spec.num_attention_heads // t * spec.kv_channels
+        if kept is not None:
+            attention[kept] = L * query
+        else:
+            attention["proj input (FP8)"] = L * query
     if shape.recompute == "selective":  # the checkpoint keeps the kernel's inputs, not what it saves
         attention.pop("attention lse", None)
         attention.pop("attention scores", None)
@@ -163,10 +171,10 @@ def layer_terms(spec: ModelSpec, shape: Shape) -> dict[str, float]:
         terms.update(_moe_terms(spec, shape))
     else:
         f = spec.ffn_hidden_size // t
-        terms["fc1 input"] = B * s * b * h
+        terms["fc1 input"] = L * s * b * h
         terms["fc1 output"] = B * s * b * f * (2 if spec.gated else 1)
         # SwiGLU's own autograd function keeps only fc1's output; other activations keep theirs too
-        terms["fc2 input"] = B * s * b * f * (1 if spec.swiglu else 2 if spec.gated else 1)
+        terms["fc2 input"] = s * b * f * (L + (B if spec.gated and not spec.swiglu else 0))
     if spec.hidden_dropout > 0:
         terms["dropout masks"] = 2 * _dropout_mask(spec, shape)
     return terms

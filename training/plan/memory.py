@@ -203,6 +203,8 @@ def _rank_static(
         stepped = [n / shards for n in stepped]  # roughly: each rank steps 1/shards of every bucket
     else:
         params, grads, state = total * B, total * grad_bytes, per_element_state * total + steps
+    # FP8 weight copies, kept for the step: each FP8 weight and its transpose, one byte an element
+    params += 2 * spec.fp8_weight_elements(cand.tp) * sum(chunk.count("t") for chunk in chunks)
     if spec.position_embedding_type == "rope":  # each chunk's RoPE frequencies (fp32, a buffer)
         params += cand.vpp * 2 * int(spec.kv_channels * spec.rotary_percent)
     transient = _optimizer_transient(stepped, device)

@@ -91,6 +91,10 @@ class ModelSpec:
     """``--cross-entropy-fusion-impl linear``: the output layer runs inside the loss; no logits kept."""
     make_vocab_size_divisible_by: int = 128
     precision: str = "fp32"
+    fp8: bool = False
+    """The decoder layers' linear layers multiply in FP8 (``--fp8-format``): they save their inputs in FP8
+    (with FP8 weight gradients), and hold an FP8 copy of each weight and its transpose for the step."""
+    fp8_wgrad: bool = True
     """"bf16", "fp16" or "fp32": the parameters' and activations' dtype."""
     moe: MoeSpec | None = None
     name: str = ""
@@ -127,6 +131,8 @@ class ModelSpec:
             cross_entropy_linear=config.cross_entropy_loss_fusion
             and config.cross_entropy_fusion_impl == "linear",
             precision=precision,
+            fp8=config.fp8 is not None,
+            fp8_wgrad=config.fp8_wgrad,
             moe=moe,
             name=name,
         )
@@ -170,6 +176,15 @@ class ModelSpec:
         branches = 2 if self.gated else 1
         bias = (branches * f // tp + h) if self.add_bias_linear else 0
         return branches * f // tp * h + h * f // tp + bias
+
+    def fp8_weight_elements(self, tp: int) -> int:
+        """Elements of one decoder layer's FP8 linear weights on one rank (attention and a dense MLP's;
+        routed experts stay in the model's dtype); 0 without FP8."""
+        if not self.fp8:
+            return 0
+        h, qkv, f = self.hidden_size, self.query_size + 2 * self.kv_size, self.ffn_hidden_size
+        mlp = (2 if self.gated else 1) * f * h + f * h if self.moe is None else 0
+        return (qkv * h + self.query_size * h + mlp) // tp
 
     def layer_params(self, tp: int, ep: int = 1) -> int:
         """One decoder layer on one rank: norms, attention, and the MLP (or this rank's experts)."""
