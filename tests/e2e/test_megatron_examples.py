@@ -119,6 +119,12 @@ def test_llama3_8b_script_trains_three_iterations_with_context_parallel_size_2(f
     done = _torchrun(argv, tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "TP=1 PP=1 VPP=1 CP=2 DP=2" in done.stdout
+    # in FP8, with the delayed recipe the script's flags ask for (16 tokens per rank: FP8 weight gradients)
+    assert (
+        "FP8: delayed, hybrid (E4M3 forward, E5M2 gradients), amax history 1024 (max), margin 0"
+        in done.stdout
+    )
+    assert "FP8 on pipeline stage 0: 8 linear layers in FP8 in decoder layers 0, 1\n" in done.stdout
     logged = re.findall(r"\] iteration +(\d+)/ +3 \|.*\| lm loss: (\S+) \|", done.stdout)
     assert [int(i) for i, _ in logged][-1] == 3 and all(float(loss) > 0 for _, loss in logged), done.stdout[
         -3000:

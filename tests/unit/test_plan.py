@@ -125,6 +125,28 @@ def test_distributed_optimizer_shards_the_state_over_data_parallel(small):
     assert grads <= sharded_grads < grads * 1.01  # buckets padded to lcm(dp, 128)
 
 
+def test_fp8_saves_one_byte_inputs_and_holds_fp8_weight_copies(small):
+    """FP8 linear layers (issue 28) keep their inputs in FP8 and an FP8 weight and its transpose for the
+    step; the planner's figures (within 0.9% of the dry run for LLaMA-3 8B's first stage at TP2 x PP4,
+    ``tools/plan_check_memory.py model --config llama3-8b-fp8``) follow those two terms."""
+    from training.plan.activations import Shape, layer_terms
+
+    spec = small.spec
+    fp8 = spec.with_(fp8=True)
+    shape = Shape(seq=256, batch=1, tp=2, sequence_parallel=True)
+    plain_terms, fp8_terms = layer_terms(spec, shape), layer_terms(fp8, shape)
+    for name in ("qkv input", "fc1 input", "fc2 input"):
+        assert fp8_terms[name] * 2 == plain_terms[name], name
+    assert layer_terms(fp8.with_(fp8_wgrad=False), shape)["qkv input"] == plain_terms["qkv input"]
+    cand = _candidate(spec, tp=2, pp=2, dp=1, num_microbatches=4)
+    params, *_ = rank_static(spec, cand, 0)
+    fp8_params, *_ = rank_static(fp8, cand, 0)
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    weights = (spec.query_size + 2 * spec.kv_size) * h + spec.query_size * h + 3 * f * h
+    assert fp8_params - params == 2 * weights // 2 * 4  # two bytes an element, TP 2, 4 layers on rank 0
+    assert rank_memory(fp8, cand, 0).activations < rank_memory(spec, cand, 0).activations
+
+
 def test_recomputation_and_sequence_parallel_shrink_activations(small):
     spec = small.spec
     peaks = {}
