@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_int_flags", "benchmark_parser"]
+__all__ = ["add_int_flags", "benchmark_parser", "llama_flags"]
 
 
 def benchmark_parser(doc: str | None, **int_defaults: int) -> argparse.ArgumentParser:
@@ -24,3 +24,13 @@ def add_int_flags(parser: argparse.ArgumentParser, **defaults: int) -> None:
     """For each ``name=default``, in the order given: ``--name`` (underscores as dashes) taking an int."""
     for name, default in defaults.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+
+
+def llama_flags(ffn_hidden_size: int, num_query_groups: int) -> list[str]:
+    """What makes ``pretrain_gpt.py``'s model a LLaMA: RMSNorm, SwiGLU, RoPE, no biases, an untied output
+    layer and grouped-query attention."""
+    return (
+        "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+        f"--untie-embeddings-and-output-weights --ffn-hidden-size {ffn_hidden_size} "
+        f"--group-query-attention --num-query-groups {num_query_groups}"
+    ).split()

@@ -38,6 +38,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tools.bench_args import llama_flags
 
 CONFIGS = {
     "llama3-8b": {
@@ -120,23 +123,15 @@ _FIELDS = {
 
 
 def model_flags(spec: dict) -> list[str]:
+    """The configuration's model and batch flags."""
     flags = (
         f"--num-layers {spec['layers']} --hidden-size {spec['hidden']} --num-attention-heads {spec['heads']} "
-        f"--ffn-hidden-size {spec['ffn']} --seq-length {spec['seq']} --max-position-embeddings {spec['seq']} "
+        f"--seq-length {spec['seq']} --max-position-embeddings {spec['seq']} "
         f"--micro-batch-size {spec['mbs']} --global-batch-size {spec['gbs']}"
     ).split()
     if spec.get("arch", "llama") == "llama":
-        flags += [
-            "--normalization",
-            "RMSNorm",
-            "--swiglu",
-            "--position-embedding-type",
-            "rope",
-            "--disable-bias-linear",
-        ]
-        flags += ["--untie-embeddings-and-output-weights", "--group-query-attention"]
-        flags += ["--num-query-groups", str(spec["groups"])]
-    return flags
+        return flags + llama_flags(spec["ffn"], spec["groups"])
+    return flags + ["--ffn-hidden-size", str(spec["ffn"])]
 
 
 def command(spec: dict, args: argparse.Namespace, contestant: str, iters: int) -> list[str]:
@@ -366,7 +361,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cpu":
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     if args.mode == "layer":
-        sys.path.insert(0, ROOT)
         rows = layer_rows(args.device, 20)
         print(json.dumps({"bench_fp8": {"mode": "layer", "device": args.device}, "rows": rows}))
         return {"rows": rows}

@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pretrain_gpt
 from core.optimizer import has_fused_kernel
 from models.gpt.hf_mapping import hf_architecture, hf_config_kwargs, to_hf
+from tools.bench_args import llama_flags
 from tools.op_profile import StepProbe, measure, print_comparison
 from training.throughput import num_floating_point_operations, peak_tflops
 from training.training import pretrain
@@ -122,16 +123,7 @@ def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, compiled: bo
         f"--gradient-accumulation-fusion --seed 1234"
     ).split()
     if spec["arch"] == "llama":
-        flags += [
-            "--normalization",
-            "RMSNorm",
-            "--swiglu",
-            "--position-embedding-type",
-            "rope",
-            "--disable-bias-linear",
-        ]
-        flags += f"--untie-embeddings-and-output-weights --ffn-hidden-size {spec['ffn']}".split()
-        flags += f"--group-query-attention --num-query-groups {spec['groups']}".split()
+        flags += llama_flags(spec["ffn"], spec["groups"])
     else:
         flags += ["--openai-gelu"]
     if dtype == "bf16":

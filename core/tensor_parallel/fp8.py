@@ -51,6 +51,7 @@ from torch.distributed import ProcessGroup
 
 from core.device import current_device
 from core.tensor_parallel.fp8_config import resolved
+from core.tensor_parallel.grad_accumulation import check_main_grad
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -359,11 +360,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``F.linear(input_, weight, bias)`` with FP8 products; ``accumulate``: the weight gradient goes
     into ``weight.main_grad`` (``--gradient-accumulation-fusion``)."""
-    if accumulate and not (hasattr(weight, "main_grad") and hasattr(weight, "grad_accumulated")):
-        raise ValueError(
-            "gradient_accumulation_fusion=True needs the weights' main_grad buffers, which "
-            "DistributedDataParallel creates: wrap the model before its first forward"
-        )
+    if accumulate:
+        check_main_grad(weight)
     # A forward with gradients is a training step's (recomputed or not): its amaxes count.
     return _Fp8Linear.apply(input_, weight, bias, state, accumulate, torch.is_grad_enabled())
 

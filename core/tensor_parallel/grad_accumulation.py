@@ -77,9 +77,14 @@ def linear_with_grad_accumulation(
     input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``F.linear`` whose weight gradient accumulates into ``weight.main_grad`` (see the module docstring)."""
+    check_main_grad(weight)
+    return LinearWithGradAccumulation.apply(input_, weight, bias)
+
+
+def check_main_grad(weight: torch.Tensor) -> None:
+    """A ValueError unless ``weight`` has the ``main_grad`` buffer the fused accumulation writes into."""
     if not hasattr(weight, "main_grad") or not hasattr(weight, "grad_accumulated"):
         raise ValueError(
             "gradient_accumulation_fusion=True needs the weights' main_grad buffers, which "
             "DistributedDataParallel creates: wrap the model before its first forward"
         )
-    return LinearWithGradAccumulation.apply(input_, weight, bias)
