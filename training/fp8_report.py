@@ -48,9 +48,13 @@ def fp8_report(
                 kept_out.append(f"layer {number} (--first-last-layers-bf16)")
                 continue
             in_fp8.append(number)
-            kept_out += [f"layer {number} {n}: {why}" for n, why in module.fp8_kept_out.items()]
-            if config.num_moe_experts is not None and config.is_moe_layer(number):
-                kept_out.append(f"layer {number} routed experts: FP8 experts are not built yet")
+            experts = sorted({why for n, why in module.fp8_kept_out.items() if ".local_experts." in n})
+            kept_out += [f"layer {number} routed experts: {why}" for why in experts]
+            kept_out += [
+                f"layer {number} {n}: {why}"
+                for n, why in module.fp8_kept_out.items()
+                if ".local_experts." not in n
+            ]
     products = sum(1 for _ in fp8_states(modules))
     if in_fp8 or kept_out:
         layers = ", ".join(map(str, in_fp8)) or "none"

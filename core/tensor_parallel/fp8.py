@@ -185,14 +185,23 @@ class Fp8State(nn.Module):
     """
 
     def __init__(
-        self, recipe: Fp8Recipe, tp_group: ProcessGroup | None, sharded: tuple[bool, bool, bool]
+        self,
+        recipe: Fp8Recipe,
+        tp_group: ProcessGroup | None,
+        sharded: tuple[bool, bool, bool],
+        *,
+        expert: bool = False,
     ) -> None:
         super().__init__()
         self.recipe = recipe
         self.tp_group = tp_group
         self.sharded = sharded
+        self.expert = expert
+        """A routed MoE expert's: its replicas are the expert-data-parallel ranks, and how many tokens
+        reach it differs from rank to rank, so nothing is reduced while it runs."""
         self.amax_group: ProcessGroup | None = None
-        """TP x DP x CP (set by :func:`set_amax_group`): where delayed amaxes are reduced."""
+        """Where the step's amaxes are reduced (delayed recipe; set by :func:`set_amax_group`): TP x DP x
+        CP for the dense layers, the expert-data-parallel group for an expert."""
         self.updates = 0
         """Histories pushed so far (a host integer: no device read decides the recipe's branch)."""
         self.steps = 0
@@ -238,8 +247,9 @@ class Fp8State(nn.Module):
             torch.maximum(self.step_amax[operand], amax, out=self.step_amax[operand])
         if self.updates > 0:
             return _KERNELS["cast"](tensor, self.scale[operand], dtype, transpose)
-        # No history yet: this step scales from the tensor itself, agreed over the amax group.
-        group = self.amax_group if self.amax_group is not None else self.tp_group
+        # No history yet: this step scales from the tensor itself, agreed over the amax group (an expert's
+        # own: its replicas may not all run it).
+        group = None if self.expert else self.amax_group if self.amax_group is not None else self.tp_group
         return _KERNELS["cast_from_amax"](
             tensor, self._reduced(amax, group), dtype, self.recipe.margin, transpose
         )
@@ -380,28 +390,37 @@ def fp8_states(modules: Iterable[nn.Module]) -> Iterator[tuple[str, Fp8State]]:
                 yield name, child
 
 
-def set_amax_group(modules: Iterable[nn.Module], group: ProcessGroup | None) -> None:
-    """Give every FP8 state of ``modules`` the group its delayed amaxes are reduced over (TP x DP x CP)."""
+def set_amax_group(
+    modules: Iterable[nn.Module], group: ProcessGroup | None, expert_group: ProcessGroup | None = None
+) -> None:
+    """Give every FP8 state of ``modules`` the group its delayed amaxes are reduced over: ``group``
+    (TP x DP x CP) for the dense layers, ``expert_group`` (expert data parallel) for routed experts."""
     for _, state in fp8_states(modules):
-        state.amax_group = group
+        state.amax_group = expert_group if state.expert else group
 
 
 @torch.no_grad()
-def update_fp8_scales(modules: Iterable[nn.Module], group: ProcessGroup | None) -> None:
+def update_fp8_scales(modules: Iterable[nn.Module], group: ProcessGroup | None = None) -> None:
     """End of a training step, before the optimizer step: the weights' FP8 copies are dropped, and
-    under the delayed recipe the step's amaxes are reduced (MAX) over ``group`` in one collective,
-    pushed onto the histories and the next step's scales computed."""
+    under the delayed recipe the step's amaxes are reduced (MAX) over each state's amax group (or
+    ``group``, when given), one collective per group, pushed onto the histories and the next step's
+    scales computed. Every rank of a group holds the same layers, so the collectives line up."""
     every = [s for _, s in fp8_states(modules)]
     for state in every:
         state.steps += 1  # the weight is about to change: its FP8 copies are cast afresh
-    states = [s for s in every if s.recipe.scaling == "delayed"]
-    if not states:
-        return
-    amaxes = torch.stack([s.step_amax for s in states])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-    for state, amax in zip(states, amaxes):
-        state.push_history(amax)
+    by_group: dict[int, tuple[ProcessGroup | None, list[Fp8State]]] = {}
+    for state in every:
+        if state.recipe.scaling == "delayed":
+            reduce_over = group if group is not None else state.amax_group
+            if reduce_over is None and not state.expert:
+                reduce_over = state.tp_group
+            by_group.setdefault(id(reduce_over), (reduce_over, []))[1].append(state)
+    for reduce_over, states in by_group.values():  # dense first, then experts: the order of the modules
+        amaxes = torch.stack([s.step_amax for s in states])
+        if reduce_over is not None and dist.get_world_size(reduce_over) > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=reduce_over)
+        for state, amax in zip(states, amaxes):
+            state.push_history(amax)
 
 
 def fp8_state_dict(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:

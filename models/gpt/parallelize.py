@@ -132,7 +132,8 @@ def parallelize_gpt(
         groups = ps.get_parallel_groups()
     pp_rank = groups.rank_in("pp") if groups is not None else 0
     modules = _build_modules(model_provider, layout, pp_rank)
-    set_amax_group(modules, groups.tp_dp_cp if groups is not None else None)  # delayed FP8 scaling
+    if groups is not None:  # where the delayed FP8 recipe reduces its amaxes
+        set_amax_group(modules, groups.tp_dp_cp, groups.expt_dp)
     if ddp_config is None:
         return ParallelGPT(modules, modules, None)
     dp_group = groups.dp_cp if groups is not None else None

@@ -246,3 +246,22 @@ def test_fp8_amax_histories_saved_at_pp2_load_by_name_at_pp1(ranks, tmp_path):
     assert loaded.keys() == saved.keys()
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), name
+
+
+def test_fp8_experts_reduce_their_amaxes_over_expert_data_parallel_replicas(ranks):
+    """EP 2 on 4 ranks (expert DP 2), delayed recipe: the dense layers' histories agree on all four
+    ranks (TP x DP x CP), each expert's on its two replicas, which saw other tokens (issue 28)."""
+    moe = "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+    results = ranks(4).run(_fp8_pretrain, FP8_FLAGS + moe.split() + ["--global-batch-size", "8"], timeout=240)
+    experts = [name for name in results[0] if ".local_experts." in name]
+    assert experts and all(int(results[0][n]) == 3 for n in experts if n.endswith(".updates"))
+    for name in results[0]:
+        holders = [r[name] for r in results if name in r]
+        assert len(holders) == (2 if ".local_experts." in name else 4), name
+        assert all(torch.equal(h, holders[0]) for h in holders), name
+    held = {n: r[n] for r in results for n in r if ".local_experts." in n}
+    assert held.keys() > set(experts)  # the other EP rank's experts
+    first, third = (
+        f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.fp8_state.amax_history" for e in (0, 2)
+    )
+    assert not torch.equal(held[first], held[third])  # not reduced with another rank's experts

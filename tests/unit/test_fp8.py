@@ -354,3 +354,30 @@ def test_compiled_layers_and_casts_follow_the_eager_fp8_run():
     eager, _ = _train("--train-iters 4 --fp8-recipe tensorwise")
     compiled, _ = _train("--train-iters 4 --fp8-recipe tensorwise --compile")
     assert max(abs(a - b) / a for a, b in zip(eager, compiled)) < 1e-3
+
+
+def test_routed_experts_run_in_fp8_on_the_loop_and_stay_out_under_grouped_gemm():
+    from core.transformer.transformer_layer import TransformerLayer
+
+    moe = {"num_moe_experts": 4, "moe_router_topk": 2, "ffn_hidden_size": 64, "hidden_dropout": 0.0}
+    from core.transformer.initialization import initialize_by_name
+
+    plain = TransformerLayer(config(attention_dropout=0.0, **moe), 0)
+    initialize_by_name(plain, plain.config)
+    fp8 = TransformerLayer(config(attention_dropout=0.0, fp8="hybrid", fp8_recipe="tensorwise", **moe), 0)
+    fp8.load_state_dict(plain.state_dict())
+    assert fp8.fp8_kept_out == {} and len(list(fp8_states([fp8.mlp.experts]))) == 8
+    torch.manual_seed(5)
+    x = torch.randn(32, 2, 64, dtype=torch.bfloat16)
+    grad = torch.randn(32, 2, 64, dtype=torch.bfloat16)
+    outs = []
+    for layer in (plain, fp8):
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(grad)
+        outs.append((out, xi.grad, layer.mlp.experts.local_experts["0"].linear_fc1.weight.grad))
+    for (a, b), what in zip(zip(*outs), ("output", "input grad", "expert 0 fc1 weight grad")):
+        assert sqnr(a, b) >= 17.0, what
+    grouped = TransformerLayer(config(fp8="hybrid", moe_grouped_gemm=True, **moe), 0)
+    why = "--moe-grouped-gemm runs the experts as one grouped product, which has no FP8 form here"
+    assert set(grouped.fp8_kept_out.values()) == {why} and len(grouped.fp8_kept_out) == 8

@@ -179,7 +179,7 @@ class ModelSpec:
 
     def fp8_weight_elements(self, tp: int) -> int:
         """Elements of one decoder layer's FP8 linear weights on one rank (attention and a dense MLP's;
-        routed experts stay in the model's dtype); 0 without FP8."""
+        routed experts' FP8 copies are not counted yet); 0 without FP8."""
         if not self.fp8:
             return 0
         h, qkv, f = self.hidden_size, self.query_size + 2 * self.kv_size, self.ffn_hidden_size

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.device import current_device
+from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, Fp8State, fp8_linear
 from core.transformer.initialization import mark_init
 from core.transformer.mlp import activate
 
@@ -39,14 +40,31 @@ def _param(shape: tuple[int, ...], config: TransformerConfig, rule: str) -> nn.P
 
 
 class ExpertLinear(nn.Module):
-    """``y = x W^T (+ b)`` for one expert (plain parameters: no tensor parallelism)."""
+    """``y = x W^T (+ b)`` for one expert (plain parameters: no tensor parallelism), in FP8 once
+    :meth:`enable_fp8` has run (a microbatch that routes no token to the expert multiplies nothing)."""
 
     def __init__(self, in_features: int, out_features: int, config: TransformerConfig, rule: str) -> None:
         super().__init__()
         self.weight = _param((out_features, in_features), config, rule)
         self.bias = _param((out_features,), config, "zeros") if config.add_bias_linear else None
+        self.grouped = config.moe_grouped_gemm
+        self.fp8_state: Fp8State | None = None
+
+    def enable_fp8(self, recipe: Fp8Recipe) -> str | None:
+        """Run this expert's products in FP8; returns why not (it then stays in high precision)."""
+        if self.grouped:
+            return "--moe-grouped-gemm runs the experts as one grouped product, which has no FP8 form here"
+        out_features, in_features = self.weight.shape
+        if in_features % SHAPE_MULTIPLE or out_features % SHAPE_MULTIPLE:
+            return (
+                f"its features ({in_features} in, {out_features} out) are not multiples of {SHAPE_MULTIPLE}"
+            )
+        self.fp8_state = Fp8State(recipe, None, (False, False, False), expert=True)
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_state is not None and x.shape[0] > 0:
+            return fp8_linear(x, self.weight, self.bias, self.fp8_state)
         return F.linear(x, self.weight, self.bias)
 
 
