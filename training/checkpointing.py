@@ -201,16 +201,19 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, lo
     if load_optim and optimizer is not None:
         optimizer_state = read_optimizer_state(ckpt, optimizer, params, p)
     rng_state = ckpt.read_rng_state(p["tp_rank"], p["pp_rank"], p["dp_rank"]) if load_rng else None
-    fp8_saved = _saved_fp8_states(ckpt) if load_rng and any(True for _ in fp8_states(model_chunks)) else {}
+    states = [state for _, state in fp8_states(model_chunks)]
+    fp8_saved = _saved_fp8_states(ckpt, any(s.expert for s in states)) if load_rng and states else {}
     return ckpt, optimizer_state, rng_state, fp8_saved, finetune
 
 
-def _saved_fp8_states(ckpt: Checkpoint) -> dict:
-    """The delayed FP8 recipe's histories of every saving pipeline rank, by module name. They are the
-    same on every TP, DP and CP rank (reduced over that group), so the first TP and DP rank's RNG file
-    of each pipeline rank holds them all: a load at another split finds each layer's by its name."""
+def _saved_fp8_states(ckpt: Checkpoint, experts: bool) -> dict:
+    """The delayed FP8 recipe's histories of every saving pipeline rank, by module name. A dense layer's
+    are the same on every TP, DP and CP rank (reduced over that group), so the first TP and DP rank's
+    RNG file of each pipeline rank holds them all; routed experts live on other data-parallel ranks,
+    so with experts every DP rank's file is read. A load at another split finds each layer's by name."""
     saved: dict = {}
     for pp_rank in range(ckpt.parallel.pp):
-        state = ckpt.read_rng_state(0, pp_rank, 0) or {}
-        saved.update(state.get("fp8", {}))
+        for dp_rank in range(ckpt.parallel.dp if experts else 1):
+            state = ckpt.read_rng_state(0, pp_rank, dp_rank) or {}
+            saved.update(state.get("fp8", {}))
     return saved

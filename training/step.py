@@ -52,9 +52,8 @@ def train_step(
     losses = run_global_batch(
         run, session, session.train_data, state.consumed_samples, num_microbatches, record=record
     )
-    update_fp8_scales(
-        session.model.modules
-    )  # delayed FP8 histories, over each layer's group; before the step
+    # The delayed FP8 recipe's step ends: its amaxes reduced, histories pushed, before the weights change.
+    update_fp8_scales(session.model.modules)
     moe_losses, moe_layers = moe_metrics(run, session, num_microbatches)
     if losses is not None:
         losses |= moe_losses

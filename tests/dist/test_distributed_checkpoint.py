@@ -248,11 +248,14 @@ def test_fp8_amax_histories_saved_at_pp2_load_by_name_at_pp1(ranks, tmp_path):
         assert torch.equal(loaded[name], value), name
 
 
-def test_fp8_experts_reduce_their_amaxes_over_expert_data_parallel_replicas(ranks):
+def test_fp8_experts_reduce_their_amaxes_over_expert_data_parallel_replicas(ranks, tmp_path):
     """EP 2 on 4 ranks (expert DP 2), delayed recipe: the dense layers' histories agree on all four
-    ranks (TP x DP x CP), each expert's on its two replicas, which saw other tokens (issue 28)."""
+    ranks (TP x DP x CP), each expert's on its two replicas, which saw other tokens (issue 28); and a
+    load at EP 1 on one rank finds every expert's history."""
     moe = "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
-    results = ranks(4).run(_fp8_pretrain, FP8_FLAGS + moe.split() + ["--global-batch-size", "8"], timeout=240)
+    flags = FP8_FLAGS + moe.split() + ["--global-batch-size", "8"]
+    ckpt = str(tmp_path / "ckpt")
+    results = ranks(4).run(_fp8_pretrain, flags + ["--save", ckpt], timeout=240)
     experts = [name for name in results[0] if ".local_experts." in name]
     assert experts and all(int(results[0][n]) == 3 for n in experts if n.endswith(".updates"))
     for name in results[0]:
@@ -265,3 +268,8 @@ def test_fp8_experts_reduce_their_amaxes_over_expert_data_parallel_replicas(rank
         f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.fp8_state.amax_history" for e in (0, 2)
     )
     assert not torch.equal(held[first], held[third])  # not reduced with another rank's experts
+    one = FP8_FLAGS + moe.replace("--expert-model-parallel-size 2", "").split()
+    one += ["--global-batch-size", "8", "--load", ckpt]
+    loaded = _fp8_pretrain(0, 1, one)  # at iteration 3 already: nothing trains
+    for name, value in {**results[0], **held}.items():
+        assert torch.equal(loaded[name], value), name
