@@ -202,18 +202,20 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, lo
         optimizer_state = read_optimizer_state(ckpt, optimizer, params, p)
     rng_state = ckpt.read_rng_state(p["tp_rank"], p["pp_rank"], p["dp_rank"]) if load_rng else None
     states = [state for _, state in fp8_states(model_chunks)]
-    fp8_saved = _saved_fp8_states(ckpt, any(s.expert for s in states)) if load_rng and states else {}
+    fp8_saved = _saved_fp8_states(ckpt, any(s.expert for s in states)) if states and not finetune else {}
     return ckpt, optimizer_state, rng_state, fp8_saved, finetune
 
 
 def _saved_fp8_states(ckpt: Checkpoint, experts: bool) -> dict:
-    """The delayed FP8 recipe's histories of every saving pipeline rank, by module name. A dense layer's
-    are the same on every TP, DP and CP rank (reduced over that group), so the first TP and DP rank's
-    RNG file of each pipeline rank holds them all; routed experts live on other data-parallel ranks,
-    so with experts every DP rank's file is read. A load at another split finds each layer's by name."""
+    """The delayed FP8 recipe's histories of every saving pipeline rank, by module name (with or without
+    ``--no-load-rng``: they are training state, not randomness). A dense layer's are the same on every TP,
+    DP and CP rank (reduced over that group), so the first TP and DP rank's file of each pipeline rank
+    holds them all; routed experts live on other tensor- and data-parallel ranks, so with experts every
+    rank's file is read (PP x TP x DP small files). A load at another split finds each layer's by name."""
     saved: dict = {}
     for pp_rank in range(ckpt.parallel.pp):
-        for dp_rank in range(ckpt.parallel.dp if experts else 1):
-            state = ckpt.read_rng_state(0, pp_rank, dp_rank) or {}
-            saved.update(state.get("fp8", {}))
+        for tp_rank in range(ckpt.parallel.tp if experts else 1):
+            for dp_rank in range(ckpt.parallel.dp if experts else 1):
+                state = ckpt.read_rng_state(tp_rank, pp_rank, dp_rank) or {}
+                saved.update(state.get("fp8", {}))
     return saved

@@ -51,7 +51,7 @@ from torch.distributed import ProcessGroup
 
 from core.device import current_device
 from core.tensor_parallel.fp8_config import resolved
-from core.tensor_parallel.grad_accumulation import check_main_grad
+from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, check_main_grad
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -178,9 +178,9 @@ def dequantize(tensor: torch.Tensor, inverse_scale: torch.Tensor, dtype: torch.d
 class Fp8State(nn.Module):
     """One linear layer's FP8 scales, for its three operands (input, weight, output gradient).
 
-    ``amax_history`` ``[3, amax_history_len]`` (most recent first), ``scale`` ``[3]`` and
-    ``step_amax`` ``[3]`` (the maximum seen in the current step) are buffers; the checkpoint stores the
-    history and the count of updates (:func:`fp8_state_dict`). ``sharded[i]``: operand ``i`` is split
+    ``amax_history`` ``[3, amax_history_len]`` (most recent first), ``scale`` ``[3]``, ``step_amax`` ``[3]``
+    (the maximum seen in the current step) and ``seen`` ``[3]`` (an amax ever recorded) are buffers; the
+    checkpoint stores the history, the scales and the count of updates (:func:`fp8_state_dict`). ``sharded[i]``: operand ``i`` is split
     over the TP group, so its tensorwise amax is reduced over it.
     """
 
@@ -212,6 +212,7 @@ class Fp8State(nn.Module):
         )
         self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("step_amax", torch.zeros(3, device=device), persistent=False)
+        self.register_buffer("seen", torch.zeros(3, dtype=torch.bool, device=device), persistent=False)
         self._weight_key: tuple | None = None
         self._weight: Cast | None = None
         self._weight_amax: torch.Tensor | None = None
@@ -241,12 +242,17 @@ class Fp8State(nn.Module):
             amax = amax_of(tensor) if amax is None else amax
             amax = self._reduced(amax, self.tp_group if self.sharded[operand] else None)
             return _KERNELS["cast_from_amax"](tensor, amax, dtype, 0, transpose)
-        if record or self.updates == 0:
+        if record or self.updates == 0 or self.expert:
             amax = amax_of(tensor) if amax is None else amax
         if record:  # the step's maximum: recording the same tensor twice (recompute) changes nothing
             torch.maximum(self.step_amax[operand], amax, out=self.step_amax[operand])
-        if self.updates > 0:
+        if self.updates > 0 and not self.expert:
             return _KERNELS["cast"](tensor, self.scale[operand], dtype, transpose)
+        if self.updates > 0:  # an expert no token has reached yet has no history: it scales from itself
+            current = _scale_from_amax(amax, FP8_MAX[dtype], self.recipe.margin)
+            return _KERNELS["cast"](
+                tensor, torch.where(self.seen[operand], self.scale[operand], current), dtype, transpose
+            )
         # No history yet: this step scales from the tensor itself, agreed over the amax group (an expert's
         # own: its replicas may not all run it).
         group = None if self.expert else self.amax_group if self.amax_group is not None else self.tp_group
@@ -279,6 +285,7 @@ class Fp8State(nn.Module):
             new = _scale_from_amax(amax[operand], fp8_max, self.recipe.margin)
             keep = ~(amax[operand] > 0)  # an operand unseen (or non-finite) all history long keeps its scale
             self.scale[operand] = torch.where(keep & (self.updates > 0), self.scale[operand], new)
+        self.seen |= amax > 0
         self.step_amax.zero_()
         self.updates += 1
 
@@ -324,8 +331,8 @@ class _Fp8Linear(torch.autograd.Function):
         saved_input, x_inv, weight = ctx.saved_tensors
         grad = grad_output.reshape(-1, grad_output.shape[-1])
         need_input, need_weight = _will_compute(ctx, 0), _will_compute(ctx, 1)
-        if ctx.grad_fp8 is None:  # a split backward's I casts, its W reuses the cast
-            fp8_wgrad = state.recipe.wgrad and weight.requires_grad
+        fp8_wgrad = state.recipe.wgrad and weight.requires_grad
+        if ctx.grad_fp8 is None:  # a split backward's I casts; its W reuses the transposed cast
             ctx.grad_fp8 = state.quantize(GRAD, grad, record=True, transpose=fp8_wgrad)
         g_fp8, g_t, g_inv = ctx.grad_fp8
         grad_input = grad_weight = grad_bias = None
@@ -335,8 +342,8 @@ class _Fp8Linear(torch.autograd.Function):
             grad_input = grad_input.view(ctx.input_shape)
         if need_weight:
             grad_weight = _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight)
-        if need_weight or not weight.requires_grad:
-            ctx.grad_fp8 = None  # nothing later needs the cast gradient
+        # What a later W still needs: the transposed cast (an FP8 weight gradient), else nothing.
+        ctx.grad_fp8 = (None, g_t, g_inv) if fp8_wgrad and not need_weight else None
         if ctx.has_bias and _will_compute(ctx, 2):
             grad_bias = grad.sum(0)
         return grad_input, grad_weight, grad_bias, None, None, None
@@ -352,6 +359,11 @@ def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch
         dw = torch._scaled_mm(g_t, saved_input.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=out_dtype)
     else:
         x = dequantize(saved_input.t(), x_inv, ctx.dtype) if recipe.wgrad else saved_input
+        if ctx.accumulate:  # as the plain fused path does: into main_grad, in fp32 where the GPU can
+            accumulate_weight_grad(weight.main_grad, grad, x.to(grad.dtype))
+            weight.grad_accumulated(weight)
+            weight.grad_added_to_main_grad = True
+            return None
         dw = grad.t().matmul(x.to(grad.dtype))
     if not ctx.accumulate:
         return dw.to(weight.dtype)
@@ -407,7 +419,8 @@ def update_fp8_scales(modules: Iterable[nn.Module], group: ProcessGroup | None =
     scales computed. Every rank of a group holds the same layers, so the collectives line up."""
     every = [s for _, s in fp8_states(modules)]
     for state in every:
-        state.steps += 1  # the weight is about to change: its FP8 copies are cast afresh
+        state.steps += 1  # the weight is about to change: its FP8 copies go (and are cast afresh)
+        state._weight = state._weight_key = state._weight_amax = None
     by_group: dict[int, tuple[ProcessGroup | None, list[Fp8State]]] = {}
     for state in every:
         if state.recipe.scaling == "delayed":
@@ -425,12 +438,13 @@ def update_fp8_scales(modules: Iterable[nn.Module], group: ProcessGroup | None =
 
 def fp8_state_dict(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     """The delayed recipe's state by module name, for a checkpoint: ``<name>.amax_history``,
-    ``<name>.scale`` and ``<name>.updates``."""
+    ``<name>.scale``, ``<name>.seen`` and ``<name>.updates``."""
     out: dict[str, torch.Tensor] = {}
     for name, state in fp8_states(modules):
         if state.recipe.scaling == "delayed":
             out[f"{name}.amax_history"] = state.amax_history.detach().cpu().clone()
             out[f"{name}.scale"] = state.scale.detach().cpu().clone()
+            out[f"{name}.seen"] = state.seen.detach().cpu().clone()
             out[f"{name}.updates"] = torch.tensor(state.updates, dtype=torch.int64)
     return out
 
@@ -445,6 +459,7 @@ def load_fp8_state_dict(modules: Iterable[nn.Module], saved: dict[str, torch.Ten
             continue
         state.amax_history.copy_(history)
         state.scale.copy_(saved[f"{name}.scale"])
+        state.seen.copy_(saved.get(f"{name}.seen", history.amax(dim=1) > 0))
         state.updates = int(saved[f"{name}.updates"])
         state.step_amax.zero_()
         restored += 1
