@@ -381,3 +381,21 @@ def test_routed_experts_run_in_fp8_on_the_loop_and_stay_out_under_grouped_gemm()
     grouped = TransformerLayer(config(fp8="hybrid", moe_grouped_gemm=True, **moe), 0)
     why = "--moe-grouped-gemm runs the experts as one grouped product, which has no FP8 form here"
     assert set(grouped.fp8_kept_out.values()) == {why} and len(grouped.fp8_kept_out) == 8
+
+
+def test_an_expert_no_token_has_reached_scales_from_itself_and_copies_go_at_the_step_end():
+    from core.transformer.moe.experts import ExpertLinear
+
+    cfg = config(num_moe_experts=2, ffn_hidden_size=64)
+    expert = ExpertLinear(64, 64, cfg, "normal")
+    torch.nn.init.normal_(expert.weight, std=0.02)
+    assert expert.enable_fp8(Fp8Recipe(format="hybrid", scaling="delayed")) is None
+    update_fp8_scales([expert])  # a step that routed it no token: a history of zeros
+    assert expert.fp8_state.updates == 1 and not expert.fp8_state.seen.any()
+    x = torch.randn(16, 64, dtype=torch.bfloat16) * 1e-4  # scale 1 would flush these to zero in E4M3
+    out = expert(x)
+    assert sqnr(torch.nn.functional.linear(x, expert.weight), out) >= 18.0
+    out.sum().backward()
+    assert expert.fp8_state._weight is not None
+    update_fp8_scales([expert])
+    assert expert.fp8_state._weight is None and expert.fp8_state.seen.all()
