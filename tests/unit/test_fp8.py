@@ -389,6 +389,7 @@ def test_an_expert_no_token_has_reached_scales_from_itself_and_copies_go_at_the_
     cfg = config(num_moe_experts=2, ffn_hidden_size=64)
     expert = ExpertLinear(64, 64, cfg, "normal")
     torch.nn.init.normal_(expert.weight, std=0.02)
+    torch.nn.init.zeros_(expert.bias)  # built uninitialised: the model initialises by name
     assert expert.enable_fp8(Fp8Recipe(format="hybrid", scaling="delayed")) is None
     update_fp8_scales([expert])  # a step that routed it no token: a history of zeros
     assert expert.fp8_state.updates == 1 and not expert.fp8_state.seen.any()
