@@ -7,6 +7,7 @@ on the same data, from the same initial weights (same ``--seed``).
     python tools/bench_fp8.py speed --device cuda                       # Llama-3-8B-shaped stack, compiled
     python tools/bench_fp8.py speed --device cuda --config llama-1b
     python tools/bench_fp8.py loss --config small-llama --iters 300     # CPU: the loss gap on real text
+    python tools/bench_fp8.py layer --device cuda                       # one linear layer's three products
     python tools/bench_fp8.py loss --config small-gpt --iters 300 --nproc 4 \\
         --extra "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule zb-h1"
 
@@ -21,6 +22,12 @@ step it takes in the 32-layer model with 128,256 tokens. ``llama-1b`` is bench_m
 (Python's docstrings, tokenised by Trident's SentencePiece model: real text, no download). Printed
 per FP8 contestant: the largest per-iteration loss gap to bf16 (Megatron's test threshold is 0.05)
 and the mean loss of the last 50 iterations against bf16's (goal: within 1%).
+
+``layer``: one ``ColumnParallelLinear`` forward and backward at Llama-3 8B's FC1 and FC2 and LLaMA ~1B's
+QKV shapes (a small one on a CPU): bf16, FP8 with eager casts and FP8 with compiled casts, timed on the
+device (``TRIDENT_BENCH_PROFILE=1`` prints the compiled run's kernels).
+
+``TRIDENT_BENCH_LOG=FILE`` appends each contestant's command and the tail of its output to FILE.
 
 Prints a table, then one JSON line (``{"bench_fp8": ...}``).
 """
