@@ -52,8 +52,8 @@ def train_step(
     losses = run_global_batch(
         run, session, session.train_data, state.consumed_samples, num_microbatches, record=record
     )
-    # The delayed FP8 recipe's step ends: its amaxes reduced, histories pushed, before the weights change.
-    update_fp8_scales(session.model.modules)
+    if run.model.fp8 is not None:  # the step's FP8 casts end: amaxes reduced, histories pushed, copies freed
+        update_fp8_scales(session.model.modules)
     moe_losses, moe_layers = moe_metrics(run, session, num_microbatches)
     if losses is not None:
         losses |= moe_losses

@@ -115,7 +115,7 @@ class Fp8Recipe:
 # --------------------------------------------------------------------------------------------------
 
 
-def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+def _scale_from_amax(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin: int) -> torch.Tensor:
     """``fp8_max / amax / 2**margin``; 1 where the amax is zero or not finite (nothing to scale by)."""
     good = torch.isfinite(amax) & (amax > 0)
     scale = fp8_max / torch.where(good, amax, 1.0) / (2.0**margin)
@@ -213,6 +213,8 @@ class Fp8State(nn.Module):
         self.register_buffer("scale", torch.ones(3, device=device), persistent=False)
         self.register_buffer("step_amax", torch.zeros(3, device=device), persistent=False)
         self.register_buffer("seen", torch.zeros(3, dtype=torch.bool, device=device), persistent=False)
+        fp8_max = [FP8_MAX[recipe.dtype_of(operand)] for operand in (INPUT, WEIGHT, GRAD)]
+        self.register_buffer("fp8_max", torch.tensor(fp8_max, device=device), persistent=False)
         self._weight_key: tuple | None = None
         self._weight: Cast | None = None
         self._weight_amax: torch.Tensor | None = None
@@ -246,13 +248,12 @@ class Fp8State(nn.Module):
             amax = amax_of(tensor) if amax is None else amax
         if record:  # the step's maximum: recording the same tensor twice (recompute) changes nothing
             torch.maximum(self.step_amax[operand], amax, out=self.step_amax[operand])
-        if self.updates > 0 and not self.expert:
-            return _KERNELS["cast"](tensor, self.scale[operand], dtype, transpose)
-        if self.updates > 0:  # an expert no token has reached yet has no history: it scales from itself
-            current = _scale_from_amax(amax, FP8_MAX[dtype], self.recipe.margin)
-            return _KERNELS["cast"](
-                tensor, torch.where(self.seen[operand], self.scale[operand], current), dtype, transpose
-            )
+        if self.updates > 0:
+            scale = self.scale[operand]
+            if self.expert:  # an expert no token has reached yet has no history: it scales from itself
+                current = _scale_from_amax(amax, FP8_MAX[dtype], self.recipe.margin)
+                scale = torch.where(self.seen[operand], scale, current)
+            return _KERNELS["cast"](tensor, scale, dtype, transpose)
         # No history yet: this step scales from the tensor itself, agreed over the amax group (an expert's
         # own: its replicas may not all run it).
         group = None if self.expert else self.amax_group if self.amax_group is not None else self.tp_group
@@ -262,7 +263,7 @@ class Fp8State(nn.Module):
 
     def weight_fp8(self, weight: torch.Tensor, record: bool) -> Cast:
         """The weight cast to E4M3 with its transposed copy (the input gradient's product takes it
-        column-major), kept until the weight changes (its storage or version) or a step ends
+        column-major), kept until the weight changes in place (its version) or a step ends
         (:func:`update_fp8_scales`), so later microbatches reuse it."""
         key = (id(weight), weight._version, self.steps)  # (no data_ptr: fake tensors have none)
         if key != self._weight_key:
@@ -280,11 +281,9 @@ class Fp8State(nn.Module):
         history[:, 0] = torch.where(torch.isfinite(step_amax), step_amax, 0.0)
         self.amax_history.copy_(history)
         amax = history.amax(dim=1) if self.recipe.amax_compute_algo == "max" else history[:, 0]
-        for operand in range(3):
-            fp8_max = FP8_MAX[self.recipe.dtype_of(operand)]
-            new = _scale_from_amax(amax[operand], fp8_max, self.recipe.margin)
-            keep = ~(amax[operand] > 0)  # an operand unseen (or non-finite) all history long keeps its scale
-            self.scale[operand] = torch.where(keep & (self.updates > 0), self.scale[operand], new)
+        new = _scale_from_amax(amax, self.fp8_max, self.recipe.margin)
+        keep = ~(amax > 0) & (self.updates > 0)  # an operand unseen all history long keeps its scale
+        self.scale.copy_(torch.where(keep, self.scale, new))
         self.seen |= amax > 0
         self.step_amax.zero_()
         self.updates += 1

@@ -101,7 +101,7 @@ class _ParallelLinear(nn.Module):
         self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, accumulate: bool
     ) -> torch.Tensor:
         """``input_ @ weight^T + bias``: in FP8, accumulating into ``main_grad``, or plain."""
-        if self.fp8_state is not None and weight is getattr(self, "weight", None):
+        if self.fp8_state is not None and weight is self.weight:
             return fp8_linear(input_, weight, bias, self.fp8_state, accumulate)
         if accumulate:
             return linear_with_grad_accumulation(input_, weight, bias)
