@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "models", "training")
+PACKAGES = ("core", "models", "training", "planner")
 LONG = 60
 
 

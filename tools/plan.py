@@ -9,7 +9,7 @@
 
 Megatron's model flags describe the model (or ``--preset`` / ``--hf-config``); ``--num-gpus``,
 ``--gpus-per-node``, ``--gpu`` and the bandwidth flags describe the cluster. ``python tools/plan.py
---help`` lists them; the logic lives in ``training/plan/``.
+--help`` lists them; the logic lives in ``planner/``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from planner.cli import main
 from pretrain_gpt import forward_step
-from training.plan.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(forward_step_func=forward_step))

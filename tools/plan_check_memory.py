@@ -18,7 +18,7 @@ caching allocator's ``max_memory_allocated`` from the step's start (and the dry 
 bytes, run on the real tensors) are measured; ``--device cpu --quick`` runs the same path on the CPU
 with a tiny model, where only the counter measures. ``model`` compares per pipeline rank the model's peak (with the CPU's attention kernels, which the dry
 run runs) with the dry run's; ``real`` runs ``pretrain_gpt.py`` under ``torchrun`` with every rank's
-tensors counted by the same :class:`~training.plan.live_bytes.LiveBytes` the dry run uses, takes the
+tensors counted by the same :class:`~planner.live_bytes.LiveBytes` the dry run uses, takes the
 peak of the third iteration, and dry-runs the same flags. Each prints a table and a JSON line.
 """
 
@@ -36,8 +36,8 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.pipeline_parallel.layout import even_layout
-from training.plan.candidate import Candidate
-from training.plan.inputs import read_input
+from planner.candidate import Candidate
+from planner.inputs import read_input
 
 GB = 1e9
 
@@ -98,11 +98,11 @@ def _candidate(spec, fields: dict) -> Candidate:
 
 
 def check_model(names: list[str], ranks: list[int] | None) -> list[dict]:
+    from planner.dry_run import dry_run
+    from planner.megatron_formula import megatron_memory
+    from planner.memory import rank_memory
+    from planner.report import candidate_args
     from pretrain_gpt import forward_step
-    from training.plan.dry_run import dry_run
-    from training.plan.megatron_formula import megatron_memory
-    from training.plan.memory import rank_memory
-    from training.plan.report import candidate_args
 
     rows = []
     for name in names:
@@ -146,8 +146,8 @@ def _worker(out_dir: str) -> None:
     import torch.distributed as dist
 
     import pretrain_gpt
+    from planner.live_bytes import LiveBytes
     from training import pretrain
-    from training.plan.live_bytes import LiveBytes
 
     tracker = LiveBytes()
     found: dict = {}
@@ -172,9 +172,9 @@ def _worker(out_dir: str) -> None:
 
 
 def check_real(layouts: dict | None = None) -> list[dict]:
+    from planner.dry_run import dry_run
+    from planner.report import candidate_args
     from pretrain_gpt import forward_step
-    from training.plan.dry_run import dry_run
-    from training.plan.report import candidate_args
 
     plan_input = read_input(SMALL_GPT.split())
     rows = []
@@ -243,10 +243,10 @@ def check_gpu(device: str, quick: bool) -> list[dict]:
     import torch
     import torch.distributed as dist
 
+    from planner.dry_run import dry_run
+    from planner.memory import rank_memory
+    from planner.report import candidate_args
     from pretrain_gpt import forward_step
-    from training.plan.dry_run import dry_run
-    from training.plan.memory import rank_memory
-    from training.plan.report import candidate_args
 
     plan_input = read_input((TINY_LLAMA if quick else GPU_LLAMA).split())
     spec, cuda = plan_input.spec, device == "cuda"

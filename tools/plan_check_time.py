@@ -100,7 +100,7 @@ def choose(planned: list, count: int) -> list:
 
 
 def check_layouts(count: int, rounds: int, iterations: int) -> dict:
-    from training.plan.cli import main as plan
+    from planner.cli import main as plan
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.out")
@@ -150,7 +150,7 @@ def _split(c: dict) -> str:
 
 
 def check_rebalance(rounds: int, iterations: int) -> dict:
-    from training.plan.cli import main as plan
+    from planner.cli import main as plan
 
     base = UNBALANCED.split() + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1e-4"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,15 +19,15 @@ from core.pipeline_parallel.placement import Placement, placement_for
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
-from training.plan.candidate import Candidate
-from training.plan.costs import LayerProfile
-from training.plan.hardware import GPUS, Cluster, Gpu
-from training.plan.inputs import read_input
-from training.plan.layouts import balanced_layout, stage_layer_counts
-from training.plan.megatron_formula import megatron_memory
-from training.plan.memory import rank_memory, rank_static
-from training.plan.search import DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY, search
-from training.plan.step_time import estimate_step
+from planner.candidate import Candidate
+from planner.costs import LayerProfile
+from planner.hardware import GPUS, Cluster, Gpu
+from planner.inputs import read_input
+from planner.layouts import balanced_layout, stage_layer_counts
+from planner.megatron_formula import megatron_memory
+from planner.memory import rank_memory, rank_static
+from planner.search import DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY, search
+from planner.step_time import estimate_step
 
 _SMALL_FLAGS = (
     "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4 "
@@ -129,7 +129,7 @@ def test_fp8_saves_one_byte_inputs_and_holds_fp8_weight_copies(small):
     """FP8 linear layers (issue 28) keep their inputs in FP8 and an FP8 weight and its transpose for the
     step; the planner's figures (within 0.9% of the dry run for LLaMA-3 8B's first stage at TP2 x PP4,
     ``tools/plan_check_memory.py model --config llama3-8b-fp8``) follow those two terms."""
-    from training.plan.activations import Shape, layer_terms
+    from planner.activations import Shape, layer_terms
 
     spec = small.spec
     fp8 = spec.with_(fp8=True)
@@ -226,9 +226,9 @@ def test_stage_timer_gives_the_simulators_floats(schedule, pp, vpp, m):
 
 
 def test_search_ranks_what_fits_and_groups_the_rest(small):
+    from planner.report import candidate_args
     from training.argument_checks import validate_args
     from training.arguments import parse_args
-    from training.plan.report import candidate_args
 
     cluster = Cluster(8, 8, replace(GPUS["h100"], memory_gb=0.12))
     result = search(small.spec, cluster, global_batch_size=16, top=5)
@@ -242,7 +242,7 @@ def test_search_ranks_what_fits_and_groups_the_rest(small):
 
 
 def test_cli_prints_a_table_and_a_json_line(capsys):
-    from training.plan.cli import main
+    from planner.cli import main
 
     assert main([*SMALL, "--num-gpus", "8", "--tensor-model-parallel-size", "2", "--top", "3", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
@@ -263,8 +263,8 @@ def test_a_multi_node_plan_prints_a_command_that_runs_on_every_node(capsys):
 
     from torch.distributed.run import get_args_parser
 
+    from planner.cli import main
     from training.arguments import parse_args
-    from training.plan.cli import main
     from training.run import build_run
 
     flags = ["--num-gpus", "16", "--gpus-per-node", "4", "--tensor-model-parallel-size", "2",
@@ -319,7 +319,7 @@ def _timeline(path, cand: Candidate, costs: dict[str, tuple[float, float]]) -> N
 
 
 def test_rebalancing_recovers_the_costs_and_relieves_the_loss_stage(tmp_path, small):
-    from training.plan.rebalance import rebalance
+    from planner.rebalance import rebalance
 
     flags = [*SMALL, "--pipeline-model-parallel-size", "4"]
     plan_input = read_input(flags)

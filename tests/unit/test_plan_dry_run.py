@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 
 from core.pipeline_parallel.layout import even_layout
+from planner.candidate import Candidate
+from planner.dry_run import compare, fake_backend_available
+from planner.inputs import read_input
+from planner.memory import candidate_memory
+from planner.search import Planned
 from pretrain_gpt import forward_step
-from training.plan.candidate import Candidate
-from training.plan.dry_run import compare, fake_backend_available
-from training.plan.inputs import read_input
-from training.plan.memory import candidate_memory
-from training.plan.search import Planned
 
 _TINY_FLAGS = (
     "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
@@ -75,7 +75,7 @@ def test_dry_run_matches_the_memory_model_on_every_rank(extra, fields):
 
 
 def test_cli_dry_run_reports_the_worst_rank(capsys):
-    from training.plan.cli import main
+    from planner.cli import main
 
     flags = [
         *TINY,
@@ -118,10 +118,10 @@ def test_a_context_parallel_layer_saves_what_the_model_says():
     from core.transformer import TransformerConfig
     from core.transformer.rope import RotaryEmbedding
     from core.transformer.transformer_layer import TransformerLayer
+    from planner.activations import Shape, stage_activations
+    from planner.live_bytes import LiveBytes
     from training.argument_checks import validate_args
     from training.arguments import parse_args, transformer_config_from_args
-    from training.plan.activations import Shape, stage_activations
-    from training.plan.live_bytes import LiveBytes
 
     cp, tp, batch = 2, 2, 2
     args = validate_args(

@@ -43,7 +43,7 @@ def test_the_layout_section_lists_every_module_and_only_modules_that_exist():
             listed.add(path)
     modules = {
         str(p.relative_to(ROOT))
-        for folder in ("core", "models", "training", "tools")
+        for folder in ("core", "models", "training", "planner", "tools")
         for p in (ROOT / folder).rglob("*.py")
         if p.name != "__init__.py"
     } | {"pretrain_gpt.py"}

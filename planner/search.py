@@ -2,12 +2,12 @@
 
 The search walks the splits (TP, CP, EP, PP, DP), then per split the virtual sizes and the schedules
 that apply, the micro-batch sizes, two layouts (Megatron's even split and the cost-balanced one of
-:mod:`training.plan.layouts`) and recomputation. What cannot run is rejected with its reason:
+:mod:`planner.layouts`) and recomputation. What cannot run is rejected with its reason:
 
 * ``does not divide``: heads, query groups, FFN, sequence or global batch by the sizes;
 * ``fewer microbatches than stages``: a pipeline would idle most of the step (interleaving needs
   at least ``pp``, and Megatron's group rule);
-* ``out of memory``: the largest rank's peak (:mod:`training.plan.memory`) above the usable memory;
+* ``out of memory``: the largest rank's peak (:mod:`planner.memory`) above the usable memory;
 * ``not supported by this Trident``: sizes its flags refuse (context or expert parallelism before
   they exist), read from the flag coverage table, so they open up when the features land.
 
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field, replace
 
 from core.pipeline_parallel.layout import even_layout
 from core.pipeline_parallel.schedule_tables import check_interleaving
-from training.plan.candidate import RECOMPUTE, Candidate
-from training.plan.costs import LayerProfile, StageCostModel
-from training.plan.hardware import Cluster
-from training.plan.layouts import balanced_layout
-from training.plan.memory import RankMemory, candidate_memory, rank_static
-from training.plan.model_spec import ModelSpec
-from training.plan.step_time import StepEstimate, estimate_step, quick_estimate
+from planner.candidate import RECOMPUTE, Candidate
+from planner.costs import LayerProfile, StageCostModel
+from planner.hardware import Cluster
+from planner.layouts import balanced_layout
+from planner.memory import RankMemory, candidate_memory, rank_static
+from planner.model_spec import ModelSpec
+from planner.step_time import StepEstimate, estimate_step, quick_estimate
 from training.schema import BY_OPTION, coverage_of
 
 __all__ = [

@@ -19,11 +19,11 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 
+from planner.model_spec import ModelSpec
+from planner.presets import preset_flags
 from training.arguments import parse_args
 from training.checkpoint_args import checkpoint_model_args
 from training.hf.config import transformer_config_from_hf
-from training.plan.model_spec import ModelSpec
-from training.plan.presets import preset_flags
 from training.run import build_run
 from training.schema import BY_DEST, BY_OPTION
 from training.tokenizer import build_tokenizer

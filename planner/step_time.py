@@ -2,7 +2,7 @@
 
 The pipeline part is the schedule simulator's timing of the tables the executor runs (compute tables
 from ``schedule_tables``; sends and receives, which lowering adds, cost no time of their own), every
-action costing what :class:`~training.plan.costs.StageCostModel` says for its stage and every message
+action costing what :class:`~planner.costs.StageCostModel` says for its stage and every message
 the link's transfer time. :class:`~core.pipeline_parallel.stage_timer.StageTimer` compiles each table
 shape once and gives the same floats as :func:`~core.pipeline_parallel.simulator.simulate` on the
 lowered tables. On the first stage the input-gradient half of a split backward has
@@ -23,11 +23,11 @@ from functools import lru_cache
 from core.pipeline_parallel.placement import placement_for
 from core.pipeline_parallel.schedule_tables import B, F, I, W, build_tables
 from core.pipeline_parallel.stage_timer import StageTimer
-from training.plan.candidate import Candidate
-from training.plan.costs import ActionCosts, LayerProfile, StageCostModel
-from training.plan.hardware import Cluster
-from training.plan.memory import rank_static
-from training.plan.model_spec import ModelSpec
+from planner.candidate import Candidate
+from planner.costs import ActionCosts, LayerProfile, StageCostModel
+from planner.hardware import Cluster
+from planner.memory import rank_static
+from planner.model_spec import ModelSpec
 
 __all__ = ["StepEstimate", "estimate_step", "lower_bound", "quick_estimate"]
 

@@ -23,11 +23,11 @@ from dataclasses import replace
 import numpy as np
 
 from core.pipeline_parallel.layout import even_layout, parse_layout
-from training.plan.candidate import Candidate
-from training.plan.costs import LayerProfile, StageCostModel
-from training.plan.hardware import Cluster
-from training.plan.layouts import balanced_layout
-from training.plan.step_time import estimate_step
+from planner.candidate import Candidate
+from planner.costs import LayerProfile, StageCostModel
+from planner.hardware import Cluster
+from planner.layouts import balanced_layout
+from planner.step_time import estimate_step
 from training.timeline import load_trace
 
 __all__ = ["fit_costs", "rebalance", "rebalance_report", "stage_means"]

@@ -33,10 +33,10 @@ from core.pipeline_parallel.backward_split import backward_input, backward_weigh
 from core.tensor_parallel import model_parallel_seed
 from core.transformer import TransformerConfig
 from models.gpt import GPTModel
+from planner.costs import LayerProfile
+from planner.hardware import Cluster, Gpu
+from planner.model_spec import ModelSpec
 from training.arguments import transformer_config_from_args
-from training.plan.costs import LayerProfile
-from training.plan.hardware import Cluster, Gpu
-from training.plan.model_spec import ModelSpec
 
 __all__ = ["LocalProfile", "local_cluster", "measure_shape"]
 

@@ -7,7 +7,7 @@ fp32 moments and, for 16-bit models, an fp32 main copy, all sharded over data pa
 context parallelism) with the distributed optimizer.
 
 Activations are walked along the rank's real compute table (``schedule_tables.build_table``): every
-forward adds its stage's saved bytes (:mod:`training.plan.activations`), every backward (or W) takes
+forward adds its stage's saved bytes (:mod:`planner.activations`), every backward (or W) takes
 them off, and the peak is the largest total plus the transient of the action running at that moment.
 So 1F1B's ``pp - rank`` in-flight microbatches, GPipe's all of them, an interleaved schedule's
 warm-up and the deferred W of zero-bubble schedules all come out of the table itself.
@@ -26,9 +26,9 @@ from functools import lru_cache
 import numpy as np
 
 from core.pipeline_parallel.schedule_tables import B, F, I, W, build_table
-from training.plan.activations import Shape, StageActivations, stage_activations
-from training.plan.candidate import Candidate
-from training.plan.model_spec import ModelSpec
+from planner.activations import Shape, StageActivations, stage_activations
+from planner.candidate import Candidate
+from planner.model_spec import ModelSpec
 
 __all__ = ["RankMemory", "candidate_memory", "memory_microbatches", "rank_memory", "rank_static"]
 

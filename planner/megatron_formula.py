@@ -20,8 +20,8 @@ the optimizer step) or the exact tensors a given implementation keeps; the compa
 
 from __future__ import annotations
 
-from training.plan.candidate import Candidate
-from training.plan.model_spec import ModelSpec
+from planner.candidate import Candidate
+from planner.model_spec import ModelSpec
 
 __all__ = ["megatron_memory"]
 

@@ -38,7 +38,7 @@ import torch
 
 from core.tensor_parallel.fused_cross_entropy import SLICE_BYTES as FUSED_SLICE_BYTES
 from core.tensor_parallel.linear_cross_entropy import SLICE_BYTES as LINEAR_SLICE_BYTES
-from training.plan.model_spec import ModelSpec
+from planner.model_spec import ModelSpec
 
 __all__ = ["Shape", "StageActivations", "layer_terms", "loss_terms", "stage_activations"]
 

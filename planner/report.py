@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import shlex
 
-from training.plan.candidate import Candidate
-from training.plan.hardware import Cluster
-from training.plan.search import Planned, SearchResult
+from planner.candidate import Candidate
+from planner.hardware import Cluster
+from planner.search import Planned, SearchResult
 
 __all__ = ["candidate_json", "format_table", "launch_command", "result_json"]
 

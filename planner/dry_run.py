@@ -5,7 +5,7 @@
 ``args`` are the ``pretrain_gpt.py`` flags a plan prints. They go through the real parser and
 ``validate_args``; then this rank's model chunks are built as training builds them, wrapped for data
 parallelism, given the real optimizer, and one step runs: the pipeline schedule's complete table over
-every microbatch, then the optimizer step. :class:`~training.plan.live_bytes.LiveBytes` counts
+every microbatch, then the optimizer step. :class:`~planner.live_bytes.LiveBytes` counts
 every tensor's storage on the way.
 
 With ``fake=True`` (the planner's ``--dry-run``) nothing is allocated: tensors are PyTorch's fake
@@ -37,9 +37,9 @@ from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.moe.router import TopKRouter
 from models.gpt.parallelize import gpt_provider, parallelize_gpt
-from training.plan.live_bytes import LiveBytes
-from training.plan.memory import rank_memory
-from training.plan.report import candidate_args
+from planner.live_bytes import LiveBytes
+from planner.memory import rank_memory
+from planner.report import candidate_args
 from training.run import parse_run
 
 __all__ = ["DryRunReport", "dry_run", "fake_backend_available"]

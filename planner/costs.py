@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from training.plan.activations import Shape, stage_activations
-from training.plan.candidate import Candidate
-from training.plan.hardware import Cluster
-from training.plan.model_spec import ModelSpec
+from planner.activations import Shape, stage_activations
+from planner.candidate import Candidate
+from planner.hardware import Cluster
+from planner.model_spec import ModelSpec
 
 __all__ = ["ActionCosts", "LayerProfile", "StageCostModel"]
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from training.plan.dry_run import dry_run_report
-from training.plan.hardware import GPUS, Cluster
-from training.plan.inputs import read_input
-from training.plan.model_spec import describe
-from training.plan.profile import LocalProfile, local_cluster
-from training.plan.rebalance import rebalance_report
-from training.plan.report import format_table, result_json
-from training.plan.search import search
+from planner.dry_run import dry_run_report
+from planner.hardware import GPUS, Cluster
+from planner.inputs import read_input
+from planner.model_spec import describe
+from planner.profile import LocalProfile, local_cluster
+from planner.rebalance import rebalance_report
+from planner.report import format_table, result_json
+from planner.search import search
 
 __all__ = ["main", "planner_parser"]
 
