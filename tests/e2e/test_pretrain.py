@@ -60,7 +60,7 @@ def _env(cache: str) -> dict[str, str]:
     }
 
 
-def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 300, check: bool = True):
+def torchrun(nproc: int, args: list[str], cache: str, timeout: float = 270, check: bool = True):
     env = _env(cache)
     cmd = torchrun_command(nproc, args)
     done = run_captured(cmd, env=env, timeout=timeout)
@@ -201,6 +201,7 @@ def test_zbv_trains_the_same_loss_curve_as_interleaved_1f1b(cache, tmp_path):
     assert zbv[1] == interleaved[1] and worst <= 1e-6  # tied halves summed in another order later on
 
 
+@pytest.mark.timeout(800)  # three 4-rank runs, each bounded by its own 240 s that shows its output
 def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
     """PP=2 x DP=2, dropout on: 20 iterations straight == 10, then resume, then 10 more (bit for bit).
 
@@ -216,7 +217,7 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
     flags += ["--save-interval", "4"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     straight_run = torchrun(
-        4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache
+        4, flags + ["--save", str(straight / "ckpt"), "--wandb-save-dir", str(straight)], cache, timeout=240
     )
     first = torchrun(
         4,
@@ -224,12 +225,13 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
         + ["--save", str(split / "ckpt"), "--exit-interval", "10", "--wandb-save-dir", str(split)]
         + ["--async-save"],
         cache,
+        timeout=240,
     )
     assert (split / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     assert f"writing checkpoint {split}/ckpt/iter_0000008 in the background" in first.stdout, first.stdout
     resume = re.findall(r"^  resume: (.*)$", first.stdout, re.MULTILINE)
     assert len(resume) == 1 and "torch.distributed.run --standalone --nproc-per-node 4 " in resume[0], resume
-    second = run_captured(resume[0], env=_env(cache), timeout=300, shell=True)
+    second = run_captured(resume[0], env=_env(cache), timeout=240, shell=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"loaded checkpoint {split / 'ckpt'} at iteration 10" in second.stdout, second.stdout[-2000:]
     assert re.search(r"^ \[.*\] iteration +11/ +20 \|", second.stdout, re.MULTILINE), second.stdout[-2000:]

@@ -94,10 +94,23 @@ def run_captured(
     shell: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` to its end with its stdout and stderr kept apart as text; the exit code is the
-    caller's to check (its assertion shows the output)."""
-    return subprocess.run(
-        cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, shell=shell
-    )
+    caller's to check (its assertion shows the output).
+
+    A run past ``timeout`` is killed and comes back as exit code 124 with what it had printed, and a
+    last stderr line saying so: the caller's assertion then shows where it stood (a pytest-timeout
+    would show only the test's own stack)."""
+    try:
+        return subprocess.run(
+            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, shell=shell
+        )
+    except subprocess.TimeoutExpired as expired:
+        return subprocess.CompletedProcess(
+            cmd, 124, _text(expired.stdout), _text(expired.stderr) + f"\n[killed after {timeout} s]\n"
+        )
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def start_session(cmd: list[str], *, env: dict[str, str]) -> subprocess.Popen:
