@@ -100,15 +100,14 @@ def _build_rank(run, vocab_size: int, fake: bool):
 
     config = dataclasses.replace(run.model, perform_initialization=False) if fake else run.model
     provider = gpt_provider(config, vocab_size, run.gpt.max_position_embeddings)
-    return parallelize_gpt(
-        provider,
-        layout=run.layout,
-        groups=ps.get_parallel_groups(),
-        ddp_config=run.ddp,
-        make_optimizer=lambda chunks: get_megatron_optimizer(
-            run.optimizer, chunks, decoupled_lr=run.lr.decoupled_lr, decoupled_min_lr=run.lr.decoupled_min_lr
-        ),
+    model = parallelize_gpt(provider, layout=run.layout, groups=ps.get_parallel_groups(), ddp_config=run.ddp)
+    optimizer = get_megatron_optimizer(
+        run.optimizer,
+        model.chunks,
+        decoupled_lr=run.lr.decoupled_lr,
+        decoupled_min_lr=run.lr.decoupled_min_lr,
     )
+    return model, optimizer
 
 
 def _batches(run, device: torch.device) -> list[dict[str, torch.Tensor]]:
@@ -182,8 +181,7 @@ def _measure(
     step_started: Callable[[], None] | None,
 ) -> DryRunReport:
     model_parallel_seed(run.model.seed + 100 * ps.get_pipeline_model_parallel_rank())
-    model = _build_rank(run, vocab_size, fake)
-    optimizer = model.optimizer
+    model, optimizer = _build_rank(run, vocab_size, fake)
     if optimizer.grad_scaler is not None and fake:  # fake gradients cannot overflow: take a healthy step
         unscale = optimizer._unscale_and_check_for_inf
         optimizer._unscale_and_check_for_inf = lambda: unscale().zero_()
@@ -201,13 +199,15 @@ def _measure(
         step_started()
     with tracker.labelled("schedule"):
         batches = _batches(run, current_device())
-        get_forward_backward_func()(
+        get_forward_backward_func(run.parallel.pp, run.parallel.vpp)(
             forward_step_func=forward_step_func,
             data_iterator=_one_or_list(_iterators(model.chunks, batches)),
             model=_one_or_list(model.chunks),
             num_microbatches=run.num_microbatches,
             seq_length=run.gpt.seq_length,
             micro_batch_size=run.training.micro_batch_size,
+            schedule_hooks=model.schedule_hooks(optimizer),
+            pg_collection=model.groups,
         )
         del batches
     schedule_peak = tracker.peak

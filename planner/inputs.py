@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from planner.model_spec import ModelSpec
 from planner.presets import preset_flags
 from training.arguments import parse_args
-from training.checkpoint_args import checkpoint_model_args
+from training.checkpoint.model_args import checkpoint_model_args
 from training.hf.config import transformer_config_from_hf
 from training.run import build_run
 from training.schema import BY_DEST, BY_OPTION

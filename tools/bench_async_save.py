@@ -19,7 +19,8 @@ the rest is the writer competing for the CPU), the median step, and the load ave
 
 ``--memory`` measures instead how much resident memory one save adds at its peak (Linux's peak-RSS
 counter, reset just before the save), the same model's Adam state filled as a step fills it: a
-synchronous save through ``training.checkpointing.save_checkpoint``, which exists in older trees
+synchronous save through ``save_checkpoint`` (``training.checkpoint.load``'s, ``training.checkpointing``'s in
+older trees)
 too, so ``PYTHONPATH=<old tree> python tools/bench_async_save.py --memory`` gives the figure before a
 change; then, where the tree has it, two asynchronous saves in a row (the first allocates the host
 buffers, the second reuses them).
@@ -120,7 +121,10 @@ import json, sys, time
 import torch
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from models.gpt.presets import llama_config
-from training import checkpointing
+try:
+    from training.checkpoint import load as checkpointing
+except ImportError:  # an older tree
+    from training import checkpointing
 
 def status(field):
     with open("/proc/self/status") as fh:

@@ -71,9 +71,9 @@ def _build(name: str, args: argparse.Namespace):
         lambda **stage: GPTModel(config, args.vocab, args.seq, **stage).to(current_device()),
         layout=pipeline_layout(config),
         ddp_config=ddp_config,
-        make_optimizer=lambda chunks: get_megatron_optimizer(optimizer_config, chunks),
     )
-    return model.chunks[0], model.optimizer
+    optimizer = get_megatron_optimizer(optimizer_config, model.chunks)
+    return model.chunks[0], optimizer, model.schedule_hooks(optimizer)
 
 
 def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
@@ -84,11 +84,11 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     batches = token_batches(args.vocab, args.mbs, args.seq, args.microbatches, seed=rank)
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for step in range(args.warmup + args.steps):
-        for name, (ddp, optimizer) in runs.items():
+        for name, (ddp, optimizer, hooks) in runs.items():
 
-            def step_with_buffers(ddp=ddp, optimizer=optimizer) -> None:
+            def step_with_buffers(ddp=ddp, optimizer=optimizer, hooks=hooks) -> None:
                 ddp.zero_grad_buffer()
-                train_step(ddp, optimizer, batches, args.seq, args.mbs)
+                train_step(ddp, optimizer, batches, args.seq, args.mbs, hooks)
                 ddp.finish_param_sync()  # the next forward of this model could overlap it; others come first
 
             elapsed = slowest_seconds(step_with_buffers)

@@ -127,9 +127,9 @@ def _build(moe: bool, args: argparse.Namespace):
         lambda **stage: GPTModel(config, args.vocab, args.seq, **stage).to(current_device()),
         layout=pipeline_layout(config),
         ddp_config=ddp_config,
-        make_optimizer=lambda chunks: get_megatron_optimizer(OptimizerConfig(lr=1e-4), chunks),
     )
-    return model.chunks[0], model.optimizer
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4), model.chunks)
+    return model.chunks[0], optimizer, model.schedule_hooks(optimizer)
 
 
 def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
@@ -142,10 +142,10 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     times: dict[str, list[float]] = {name: [] for name in runs}
     splits: list[dict[str, float]] = []
     for step in range(args.warmup + args.steps):
-        for name, (ddp, optimizer) in runs.items():
+        for name, (ddp, optimizer, hooks) in runs.items():
             EVENTS.clear()
             elapsed = slowest_seconds(
-                lambda m=ddp, o=optimizer: train_step(m, o, batches, args.seq, args.mbs)
+                lambda m=ddp, o=optimizer, h=hooks: train_step(m, o, batches, args.seq, args.mbs, h)
             )
             if step >= args.warmup:
                 times[name].append(elapsed)

@@ -72,9 +72,10 @@ def token_batches(
     ]
 
 
-def train_step(model, optimizer, batches: list, seq_length: int, micro_batch_size: int) -> None:
+def train_step(model, optimizer, batches: list, seq_length: int, micro_batch_size: int, hooks=None) -> None:
     """One training step of ``model`` (DDP-wrapped) over ``batches``, one per microbatch: zero_grad,
-    the schedule's forward and backward with :func:`mean_output_step`, the optimizer step."""
+    the schedule's forward and backward with :func:`mean_output_step` (and ``hooks``, the model's
+    ``schedule_hooks``), the optimizer step."""
     optimizer.zero_grad()
     get_forward_backward_func()(
         forward_step_func=mean_output_step,
@@ -83,6 +84,7 @@ def train_step(model, optimizer, batches: list, seq_length: int, micro_batch_siz
         num_microbatches=len(batches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
+        schedule_hooks=hooks,
     )
     optimizer.step()
 

@@ -19,12 +19,12 @@ from core.device import current_device
 from core.transformer.compile import compile_stats
 from training import faults
 from training.batch_sizes import ramp_flag
+from training.checkpoint.resume import save
 from training.evaluation import evaluate
 from training.iteration_log import LogWindow, log_line, wandb_row
 from training.logging_utils import print_rank_0
 from training.profiling import StepProfiler
 from training.progress import Progress
-from training.resume import save
 from training.run import Run
 from training.run_control import ExitTimer, ManualGC
 from training.signal_handler import SignalHandler
@@ -111,7 +111,7 @@ class _Loop:
         self.flops = num_floating_point_operations(run.args, 1, vocab)  # per sample: the batch may grow
         self.peak = peak_tflops(self.device, run.logging.peak_tflops)
         self.window = LogWindow()
-        self.ledger = StepLedger(run, session.model.optimizer, session.scheduler, self.device)
+        self.ledger = StepLedger(run, session.optimizer, session.scheduler, self.device)
         self.last: StepResult | None = None  # the latest settled step
         self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
         self.timeline = Timeline.for_run(run)
@@ -143,7 +143,7 @@ class _Loop:
 
     def report(self, step: PendingStep, start: float) -> None:
         """Hand the step to the ledger; at a log step settle it (the W&B rows, then the log line)."""
-        run, state, optimizer = self.run, self.session.state, self.session.model.optimizer
+        run, state, optimizer = self.run, self.session.state, self.session.optimizer
         if run.logging.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
             step.params_norm = optimizer.get_params_norm_tensor()
         if run.logging.log_memory_to_tensorboard:

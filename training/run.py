@@ -43,7 +43,7 @@ from models.gpt.gpt_model import pipeline_layout
 from training.argument_checks import derive_args, megatron_namespace
 from training.arguments import parse_args_or_usage_error, transformer_config_from_args
 from training.batch_sizes import microbatch_calculator
-from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
+from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
 from training.config import (
     CheckpointingArgs,
     DataArgs,

@@ -2,7 +2,7 @@
 optimizer, resume, data, loggers. ``setup(run, providers)`` returns them as one :class:`Session`.
 
 Building the tokenizer and the datasets may write caches: global rank 0 builds first, the others
-after it (``_rank0_first``), and a failure on any rank fails every rank at once (``faults.agree``).
+after it (``_rank0_first``), and a failure on any rank fails every rank at once (``faults.fail_together``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from models.gpt.parallelize import parallelize_gpt
-from training import checkpointing, faults
+from training import faults
 from training.arguments import startup_report
 from training.batches import BatchStream
 from training.checkpoint.async_save import CheckpointSaver
+from training.checkpoint.load import prepare_save_dir
+from training.checkpoint.resume import load
 from training.fp8_report import fp8_report
 from training.global_vars import set_global_variables
 from training.logging_utils import is_logging_rank, print_line, print_rank_0
 from training.lr_schedule import build_scheduler
-from training.resume import load
 from training.run import Run
 from training.run_logging import RunLoggers
 from training.state import Session, TrainState
@@ -57,21 +58,19 @@ def setup(run: Run, providers: Providers) -> Session:
     for line in startup_report(run.args):
         print_rank_0(line)
     if run.checkpointing.save:  # a bad --save fails now, not after the first save_interval of training
-        removed = checkpointing.prepare_save_dir(run.checkpointing.save)
+        removed = prepare_save_dir(run.checkpointing.save)
         if removed:
             print_rank_0(
                 f"removed {len(removed)} temporary file(s) of interrupted saves from {run.checkpointing.save}"
             )
     faults.phase("building the model and optimizer")
     groups = ps.get_parallel_groups()
-    model = parallelize_gpt(
-        providers.model,
-        layout=run.layout,
-        groups=groups,
-        ddp_config=run.ddp,
-        make_optimizer=lambda chunks: get_megatron_optimizer(
-            run.optimizer, chunks, decoupled_lr=run.lr.decoupled_lr, decoupled_min_lr=run.lr.decoupled_min_lr
-        ),
+    model = parallelize_gpt(providers.model, layout=run.layout, groups=groups, ddp_config=run.ddp)
+    optimizer = get_megatron_optimizer(
+        run.optimizer,
+        model.chunks,
+        decoupled_lr=run.lr.decoupled_lr,
+        decoupled_min_lr=run.lr.decoupled_min_lr,
     )
     logs_loss = is_logging_rank(run.layout, groups)
     if groups.rank_in("tp") == groups.rank_in("dp") == groups.rank_in("cp") == 0:  # one rank a stage
@@ -81,13 +80,17 @@ def setup(run: Run, providers: Providers) -> Session:
     session = Session(
         groups=groups,
         model=model,
-        scheduler=build_scheduler(model.optimizer, run.lr_schedule),
+        optimizer=optimizer,
+        hooks=model.schedule_hooks(optimizer),
+        scheduler=build_scheduler(optimizer, run.lr_schedule),
         forward_step_func=providers.forward_step,
-        forward_backward=get_forward_backward_func(),
+        forward_backward=get_forward_backward_func(run.parallel.pp, run.parallel.vpp),
         state=TrainState(),
         logs_loss=logs_loss,
         tokenizer=tokenizer,
-        saver=CheckpointSaver(async_save=run.checkpointing.async_save, announce=_announcer(logs_loss)),
+        saver=CheckpointSaver(
+            groups=groups, async_save=run.checkpointing.async_save, announce=_announcer(logs_loss)
+        ),
     )
     if run.checkpointing.load:
         faults.phase("loading the checkpoint")
@@ -122,11 +125,11 @@ def _rank0_first(build: Callable):
     """Global rank 0 builds (and caches) first, the others after it; cache files are written atomically.
 
     A failure on any rank (a data file rank 0 cannot read) fails every rank at once: the rank that
-    failed reports it, the others end quietly instead of waiting for it (``faults.agree``).
+    failed reports it, the others end quietly instead of waiting for it (``faults.fail_together``).
     """
     first = dist.get_rank() == 0
-    result = faults.agree(build if first else None)
-    later = faults.agree(None if first else build)
+    result = faults.fail_together(build if first else None)
+    later = faults.fail_together(None if first else build)
     return result if first else later
 
 

@@ -11,7 +11,9 @@ from training.progress import Progress
 
 if TYPE_CHECKING:
     from core.optimizer.lr_scheduler import OptimizerParamScheduler
+    from core.optimizer.optimizer import MegatronOptimizer
     from core.parallel_state import ParallelGroups
+    from core.pipeline_parallel.hooks import ScheduleHooks
     from models.gpt.parallelize import ParallelGPT
     from training.batches import BatchStream
     from training.checkpoint.async_save import CheckpointSaver
@@ -63,10 +65,14 @@ class Session:
     groups: ParallelGroups
     """This rank's process groups, handed to whatever communicates (model, data, loss reduction)."""
     model: ParallelGPT
+    optimizer: MegatronOptimizer
+    hooks: ScheduleHooks
+    """What the schedule calls besides the model (gradient sync, finalize, loss scale), built once after
+    the optimizer and passed at every call with the groups."""
     scheduler: OptimizerParamScheduler
     forward_step_func: Callable
     forward_backward: Callable
-    """The pipeline schedule (``get_forward_backward_func()``)."""
+    """The pipeline schedule (``get_forward_backward_func(pp, vpp)``)."""
     state: TrainState
     logs_loss: bool
     """This rank prints the loss and talks to W&B: the first TP and DP rank of the loss stage."""

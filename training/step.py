@@ -44,7 +44,7 @@ def train_step(
     ``learning_rates``: per parameter group, this step's learning rate as a device tensor (see
     :mod:`training.step_ledger`), else the groups' own.
     """
-    state, optimizer = session.state, session.model.optimizer
+    state, optimizer = session.state, session.optimizer
     iteration = state.iteration + 1
     faults.phase("forward-backward (pipeline send/recv, data-parallel gradient all-reduce)", iteration)
     optimizer.zero_grad()  # and the chunks' gradient buffers
@@ -129,6 +129,8 @@ def run_global_batch(
             micro_batch_size=micro_batch_size,
             forward_only=forward_only,
             record=record,
+            schedule_hooks=session.hooks,
+            pg_collection=session.groups,
         )
     except PipelineShapeError as err:  # the model's stages disagree with --seq-length/--micro-batch-size
         raise ConfigError(

@@ -8,7 +8,7 @@ chunks (wrapped for data parallelism), optimizer, LR schedule, data and loggers,
 ``--load`` (:mod:`training.setup`); then train, evaluate, log and save (:mod:`training.loop`).
 
 When something goes wrong (``training.faults``): the heartbeat watchdog names a rank that stops
-answering, a step that fails on some ranks fails on all (``faults.agree``), and the rank that
+answering, a step that fails on some ranks fails on all (``faults.fail_together``), and the rank that
 reports the error is decided here, while the process groups still exist (``faults.judge``).
 """
 

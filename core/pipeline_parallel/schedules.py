@@ -34,20 +34,20 @@ Model = torch.nn.Module | list[torch.nn.Module]
 DataIterator = Iterator | None | list[Iterator | None]
 
 
-def get_forward_backward_func() -> Callable:
-    """The schedule for the current parallel state, as Megatron picks it.
+def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Callable:
+    """The schedule entry for ``pp_size`` pipeline ranks of ``vp_size`` chunks each, as Megatron picks it.
 
     A virtual size > 1: the interleaved entry (also at PP = 1, where the chunks hand over
     locally), which runs interleaved 1F1B, the interleaved zero-bubble schedule or ZBV as the
     model's ``config.pipeline_schedule`` says; otherwise PP = 1: no pipelining; PP > 1: 1F1B, GPipe
-    or ZB-H1.
+    or ZB-H1. Without sizes (Megatron's older call), ``parallel_state``'s.
     """
-    if not ps.model_parallel_is_initialized():
-        return forward_backward_no_pipelining
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is not None and vpp > 1:
+    if pp_size is None and ps.model_parallel_is_initialized():
+        pp_size = ps.get_pipeline_model_parallel_world_size()
+        vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vp_size is not None and vp_size > 1:
         return forward_backward_pipelining_with_interleaving
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+    if pp_size is None or pp_size == 1:
         return forward_backward_no_pipelining
     return forward_backward_pipelining_without_interleaving
 

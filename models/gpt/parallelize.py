@@ -1,11 +1,10 @@
 """How a GPT becomes parallel, in one place: this rank's chunks, their data-parallel wrappers and hooks.
 
-    model = parallelize_gpt(model_provider, layout=run.layout, ddp_config=run.ddp,
-                            make_optimizer=lambda chunks: get_megatron_optimizer(config, chunks))
+    model = parallelize_gpt(model_provider, layout=run.layout, groups=groups, ddp_config=run.ddp)
     model.chunks      # what the schedule, the optimizer and checkpoints take (DDP wrappers with ddp_config)
     model.modules     # the GPTModel chunks themselves
-    model.hooks       # the one ScheduleHooks every chunk's config carries, loss scale included
-    model.optimizer   # with make_optimizer
+    optimizer = get_megatron_optimizer(optimizer_config, model.chunks)
+    hooks = model.schedule_hooks(optimizer)     # handed to the schedule at each call: schedule_hooks=hooks
 
 - **Tensor parallelism** lives in the layers (``ColumnParallelLinear``, ``RowParallelLinear``,
   ``VocabParallelEmbedding``): the provider builds them at the sizes its config says.
@@ -18,10 +17,11 @@
   expert-data-parallel group (their replicas).
 - **Expert parallelism** lives in the MoE layers: each builds the experts its expert-parallel rank
   holds and sends tokens to the others (``core.transformer.moe``).
-- **Hooks**: reduction is suspended per chunk while microbatches accumulate and lifted for each
-  chunk's own last weight-gradient step (so its buckets launch while that backward runs);
-  ``finalize_model_grads`` ends the step; with loss scaling the last stage's backward starts from
-  the scaled loss.
+- **Hooks** (:meth:`ParallelGPT.schedule_hooks`, built once the optimizer exists and passed at the
+  schedule's call; nothing is written onto the configs): reduction is suspended per chunk while
+  microbatches accumulate and lifted for each chunk's own last weight-gradient step (so its buckets
+  launch while that backward runs); ``finalize_model_grads`` ends the step over the model's groups;
+  with loss scaling the last stage's backward starts from the scaled loss.
 
 ``model_provider(pre_process, post_process, vp_stage, shared_embedding_weight)`` is Megatron's
 contract; :func:`gpt_provider` makes one from a config for tools and tests.
@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
@@ -50,7 +49,7 @@ __all__ = ["ParallelGPT", "gpt_provider", "parallelize_gpt"]
 ModelProvider = Callable[..., nn.Module]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelGPT:
     """One rank's share of a parallel GPT (see the module docstring)."""
 
@@ -58,9 +57,22 @@ class ParallelGPT:
     """The model chunks, one per virtual stage this rank runs, in stage order."""
     chunks: list[nn.Module]
     """The chunks the schedule runs: the modules wrapped for data parallelism, or the modules themselves."""
-    hooks: ScheduleHooks | None
-    """What the schedule calls besides the model; None without data parallelism."""
-    optimizer: Any | None = None
+    groups: ParallelGroups | None
+    """The process groups the chunks were built for (None: one process)."""
+
+    def schedule_hooks(self, optimizer=None) -> ScheduleHooks:
+        """What the schedule calls besides the chunks: gradient sync of data-parallel chunks (per chunk,
+        overlapped where their config says), ``finalize_model_grads`` over this model's groups, and
+        ``optimizer``'s loss scale (fp16). Pass it at every call (``schedule_hooks=``)."""
+        wrapped = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
+        overlap = bool(wrapped) and wrapped[0].ddp_config.overlap_grad_reduce
+        scaled = optimizer is not None and optimizer.grad_scaler is not None
+        return ScheduleHooks(
+            no_sync=[c.no_sync for c in wrapped] if wrapped else None,
+            grad_sync=[c.start_grad_sync for c in wrapped] if overlap else None,
+            finalize_model_grads=functools.partial(finalize_model_grads, groups=self.groups),
+            grad_scale_func=optimizer.scale_loss if scaled else None,
+        )
 
 
 def gpt_provider(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> ModelProvider:
@@ -119,15 +131,10 @@ def parallelize_gpt(
     layout: PipelineLayout,
     groups: ParallelGroups | None = None,
     ddp_config: DistributedDataParallelConfig | None = None,
-    make_optimizer: Callable[[list[nn.Module]], Any] | None = None,
 ) -> ParallelGPT:
     """This rank's chunks of the model ``layout`` splits, wrapped for data parallelism when ``ddp_config``
-    is given, with one complete ``ScheduleHooks`` set on every chunk's config.
-
-    ``groups``: the process groups (default: ``parallel_state``'s, when initialised; else one rank).
-    ``make_optimizer(chunks)`` builds the optimizer over the wrapped chunks; its loss scale (fp16)
-    goes into the hooks.
-    """
+    is given. ``groups``: the process groups (default: ``parallel_state``'s, when initialised; else
+    one rank)."""
     if groups is None and ps.model_parallel_is_initialized():
         groups = ps.get_parallel_groups()
     pp_rank = groups.rank_in("pp") if groups is not None else 0
@@ -135,7 +142,7 @@ def parallelize_gpt(
     if groups is not None:  # where the delayed FP8 recipe reduces its amaxes
         set_amax_group(modules, groups.tp_dp_cp, groups.expt_dp)
     if ddp_config is None:
-        return ParallelGPT(modules, modules, None)
+        return ParallelGPT(modules=modules, chunks=modules, groups=groups)
     dp_group = groups.dp_cp if groups is not None else None
     expert_dp_group = groups.expt_dp if groups is not None else None
     chunks = [
@@ -144,14 +151,4 @@ def parallelize_gpt(
         )
         for m in modules
     ]
-    optimizer = make_optimizer(chunks) if make_optimizer is not None else None
-    scaled = optimizer is not None and optimizer.grad_scaler is not None
-    hooks = ScheduleHooks(
-        no_sync=[c.no_sync for c in chunks],
-        grad_sync=[c.start_grad_sync for c in chunks] if ddp_config.overlap_grad_reduce else None,
-        finalize_model_grads=functools.partial(finalize_model_grads, groups=groups),
-        grad_scale_func=optimizer.scale_loss if scaled else None,
-    )
-    for module in modules:
-        module.config.schedule_hooks = hooks
-    return ParallelGPT(modules, chunks, hooks, optimizer)
+    return ParallelGPT(modules=modules, chunks=chunks, groups=groups)

@@ -316,8 +316,7 @@ def _cp_model_rank(rank, world_size, kind, split, form):
     """One training step at ``split`` (see SPLITS); full gradients (and, with the distributed
     optimizer, parameters after one SGD step) from the first TP and DP x CP rank of each stage."""
     from core import parallel_state as ps
-    from core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from core.pipeline_parallel.hooks import ScheduleHooks
+    from core.distributed import DistributedDataParallelConfig
     from core.pipeline_parallel.schedules import get_forward_backward_func
     from core.tensor_parallel import model_parallel_seed
     from core.transformer.context_parallel import get_batch_on_this_cp_rank
@@ -335,7 +334,6 @@ def _cp_model_rank(rank, world_size, kind, split, form):
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         calculate_per_token_loss=form == "per_token",
-        schedule_hooks=ScheduleHooks(finalize_model_grads=finalize_model_grads),
         **options,
     )
     model = parallelize_with_sgd(
@@ -365,6 +363,7 @@ def _cp_model_rank(rank, world_size, kind, split, form):
         num_microbatches=MICROBATCHES,
         seq_length=MODEL_SEQ,
         micro_batch_size=MBS,
+        schedule_hooks=model.hooks,
     )
     for chunk in chunks:
         for p in chunk.parameters():

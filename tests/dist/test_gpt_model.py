@@ -69,7 +69,7 @@ def _setup(kind: str, tp: int, pp: int, vpp: int | None, *, ddp: bool = False, *
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        # parallelize_gpt hands the wrapped chunks' hooks (finalize_model_grads among them) in
+        # with DDP the wrapped chunks' hooks (finalize_model_grads among them) go on the config below
         finalize_model_grads_func=None if ddp else finalize_model_grads,
         **overrides,
     )
@@ -77,10 +77,14 @@ def _setup(kind: str, tp: int, pp: int, vpp: int | None, *, ddp: bool = False, *
     model = parallelize_gpt(
         gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config), ddp_config=ddp_config
     )
+    if ddp:  # Megatron's way, still accepted: the hooks on the config the schedule reads
+        config.schedule_hooks = model.schedule_hooks()
     return ps, config, model.chunks
 
 
-def _train_step(ps, chunks, batches, seq_length=SEQ):
+def _train_step(ps, chunks, batches, seq_length=SEQ, hooks=None):
+    """The schedule over ``batches``; ``hooks``: the model's ``schedule_hooks``, handed in at the call
+    (None: whatever the chunks' config carries)."""
     from core.pipeline_parallel.schedules import get_forward_backward_func
 
     return run_schedule(
@@ -90,6 +94,7 @@ def _train_step(ps, chunks, batches, seq_length=SEQ):
         seq_length=seq_length,
         micro_batch_size=MBS,
         per_token=chunks[0].config.calculate_per_token_loss,
+        schedule_hooks=hooks,
     )
 
 

@@ -426,7 +426,7 @@ def _optimizer_rank(rank, world_size, dispatcher):
     model = parallelize_with_sgd(config, VOCAB, SEQ, lr=LR, ddp_config=ddp, clip_grad=CLIP)
     before = _owned_grads(model.chunks, "param")
     batches = make_batches(world_size * MICROBATCHES)[rank * MICROBATCHES : (rank + 1) * MICROBATCHES]
-    _train_step(ps, model.chunks, batches)
+    _train_step(ps, model.chunks, batches, hooks=model.hooks)
     applied, grad_norm, _ = model.optimizer.step()
     after = _owned_grads(model.chunks, "param")
     expert_buckets = [
@@ -469,7 +469,7 @@ def _step_and_snapshot(ep: int, batches, load: str | None = None, save: str | No
     from core.distributed import DistributedDataParallelConfig
     from core.tensor_parallel import model_parallel_seed
     from tests.dist.test_gpt_model import _train_step
-    from training.checkpointing import load_checkpoint, save_checkpoint
+    from training.checkpoint.load import load_checkpoint, save_checkpoint
 
     ps.initialize_model_parallel(expert_model_parallel_size=ep)
     model_parallel_seed(1234)
@@ -486,7 +486,7 @@ def _step_and_snapshot(ep: int, batches, load: str | None = None, save: str | No
         load_checkpoint(load, model_chunks=model.chunks, optimizer=model.optimizer, load_rng=False)
     before = _owned_grads(model.chunks, "param")
     model.optimizer.zero_grad()
-    _train_step(ps, model.chunks, batches)
+    _train_step(ps, model.chunks, batches, hooks=model.hooks)
     model.optimizer.step()
     if save is not None:
         save_checkpoint(save, 1, model_chunks=model.chunks, optimizer=model.optimizer)

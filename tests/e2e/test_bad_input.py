@@ -510,9 +510,9 @@ def _scheduler_case(flags: str, message: str) -> Case:
 
         from core.optimizer.lr_scheduler import OptimizerParamScheduler
         from training.arguments import config_from_args, parse_args
+        from training.checkpoint.resume import check_scheduler
         from training.config import LearningRateArgs
         from training.lr_schedule import build_scheduler, scheduler_kwargs
-        from training.resume import check_scheduler
 
         def schedule(argv: str):
             args = parse_args(argv.split())

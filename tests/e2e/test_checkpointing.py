@@ -35,17 +35,17 @@ from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.tensor_parallel import get_rng_tracker, shard_of
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
-from training import checkpointing
 from training.checkpoint import (
     CheckpointError,
     convert_checkpoint,
     open_checkpoint,
     target_split,
 )
+from training.checkpoint import load as checkpointing
 from training.checkpoint import save as save_module
 from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.files import read_header
-from training.checkpointing import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
+from training.checkpoint.load import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
 from training.data.indexed_dataset import IndexedDatasetBuilder
 from training.signal_handler import SignalHandler
 
@@ -107,8 +107,8 @@ def _build(tp: int, pp: int, vpp: int | None, seed: int):
 
 
 def _coordinate_seed() -> int:
-    p = checkpointing.current_parallel()
-    return 1000 + 100 * p["pp_rank"] + 10 * p["tp_rank"] + p["dp_rank"]
+    p = checkpointing.RankSplit.of(None)
+    return 1000 + 100 * p.pp_rank + 10 * p.tp_rank + p.dp_rank
 
 
 def _seed_everything(seed: int) -> None:
@@ -145,8 +145,8 @@ def _save_tp2_pp2(rank, world_size, root):
 def _load_at(rank, world_size, root, tp, pp, vpp):
     _, _, reference = _build(tp, pp, vpp, SEED)
     chunks, optimizer, params = _build(tp, pp, vpp, seed=99)
-    p = checkpointing.current_parallel()
-    existed = p["tp_rank"] < 2 and p["pp_rank"] < 2 and p["dp_rank"] < 1
+    p = checkpointing.RankSplit.of(None)
+    existed = p.tp_rank < 2 and p.pp_rank < 2 and p.dp_rank < 1
     _seed_everything(7)
     fresh = get_rng_state()
     loaded = load_checkpoint(root, model_chunks=chunks, optimizer=optimizer)

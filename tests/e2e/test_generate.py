@@ -158,7 +158,7 @@ def test_gpt2_bpe_and_hugging_face_tokenizers_travel_with_the_checkpoint(tokeniz
 
     from transformers import PreTrainedTokenizerFast
 
-    from training.resume import tokenizer_record
+    from training.checkpoint.resume import tokenizer_record
 
     trainer = train_byte_level_bpe([PROMPT] * 3 + WORDS, 300, min_frequency=2, save_to=tmp_path)
     hf_folder = str(tmp_path / "hf")

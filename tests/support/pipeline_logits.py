@@ -20,7 +20,7 @@ def checkpoint_logits(rank: int, world_size: int, roots, tokens: torch.Tensor, p
     from core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_seed
     from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
     from training.checkpoint import open_checkpoint
-    from training.checkpointing import load_checkpoint
+    from training.checkpoint.load import load_checkpoint
 
     ps.initialize_model_parallel(2, 2)
     model_parallel_seed(1234)

@@ -23,7 +23,6 @@ from core.tensor_parallel import shard_of
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
 from models.gpt.presets import gpt2_config
-from training import checkpointing
 from training.checkpoint import (
     TRACKER,
     CheckpointError,
@@ -39,10 +38,11 @@ from training.checkpoint import (
     unflatten_state,
     write_checkpoint,
 )
+from training.checkpoint import load as checkpointing
 from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.files import TensorFileWriter, read_header
 from training.checkpoint.format import optimizer_tensor_name, shard_from_full
-from training.checkpointing import load_checkpoint
+from training.checkpoint.load import load_checkpoint
 from training.signal_handler import SignalHandler
 
 VOCAB, SEQ = 50, 16
@@ -496,7 +496,7 @@ def test_pretrain_checks_save_before_building_anything(tmp_path):
 def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):
     from training.argument_checks import validate_args
     from training.arguments import parse_args
-    from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
+    from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
 
     _write(tmp_path, tokenizer_type="NullTokenizer")
     # VOCAB ids: NullTokenizer's N + 1 convention (ids 0..N-1 and the end-of-document id N)
@@ -530,7 +530,7 @@ def test_use_checkpoint_args_takes_the_vocabulary_and_the_dropout_and_says_so(tm
     --vocab-size comes from the checkpoint's VOCAB ids, the dropout from its config, unless given."""
     from training.argument_checks import validate_args
     from training.arguments import parse_args, startup_report
-    from training.checkpoint_args import check_checkpoint_args, load_checkpoint_args
+    from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
 
     (tmp_path / "hf_tokenizer").mkdir()
     (tmp_path / "hf_tokenizer" / "tokenizer.json").write_text("{}")

@@ -172,7 +172,7 @@ def test_a_save_and_a_load_on_the_gpu_stay_within_5_percent_of_training_memory(t
     from core import parallel_state as ps
     from core.device import select_backend
     from training.checkpoint.async_save import CheckpointSaver
-    from training.checkpointing import load_checkpoint, save_checkpoint
+    from training.checkpoint.load import load_checkpoint, save_checkpoint
 
     torch.cuda.reset_peak_memory_stats()
     try:

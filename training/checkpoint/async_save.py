@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from training.checkpoint.agreement import agree, distributed, everyone
+from core.parallel_state import ParallelGroups
 from training.checkpoint.format import CheckpointError, iteration_dir
 from training.checkpoint.save import (
     SaveRequest,
@@ -66,6 +66,7 @@ from training.checkpoint.save import (
     write_files,
 )
 from training.checkpoint.staging import HostStaging
+from training.faults.agreement import distributed, everyone, raise_first_error
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -109,10 +110,18 @@ class CheckpointSaver:
     """Saves a run's checkpoints, synchronously or in the background (see the module docstring).
 
     Construct it on every rank at the same point (with ``async_save`` it may create a process
-    group). ``announce(path)`` is called on every rank when a checkpoint is committed.
+    group). ``groups``: the run's process groups, which say where each rank's files go.
+    ``announce(path)`` is called on every rank when a checkpoint is committed.
     """
 
-    def __init__(self, *, async_save: bool = False, announce: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        groups: ParallelGroups | None = None,
+        async_save: bool = False,
+        announce: Callable[[str], None] | None = None,
+    ) -> None:
+        self.groups = groups
         self.async_save = async_save
         self.staging = HostStaging()
         self._announce = announce or (lambda path: None)
@@ -132,6 +141,7 @@ class CheckpointSaver:
         """Save ``state`` (:func:`~training.checkpoint.save.describe`'s keywords) as iteration
         ``iteration``; with ``async_save``, return once the write has started. Call on every rank."""
         self.wait()
+        state = {"groups": self.groups, **state}
         if not self.async_save:
             path = save_checkpoint(save_dir, iteration, staging=self.staging, **state)
             self._announce(path)
@@ -171,7 +181,7 @@ class CheckpointSaver:
         all_done, any_failed = everyone(done, error is not None, self._group)
         if any_failed:  # every rank stops here, at the same iteration, with the first failure's message
             self.abandon()
-            agree(error, self._group)
+            raise_first_error(error, self._group, error_type=CheckpointError)
         if not all_done:
             return None
         self._write = None

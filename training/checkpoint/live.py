@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from core import parallel_state as ps
+from core.parallel_state import ParallelGroups
 from training.checkpoint.format import (
     CheckpointError,
     TensorSpec,
@@ -44,6 +46,7 @@ from training.checkpoint.reader import Checkpoint
 
 __all__ = [
     "OptimizerTensors",
+    "RankSplit",
     "check_spec",
     "is_sharded",
     "merge_param_groups",
@@ -52,6 +55,44 @@ __all__ = [
     "read_optimizer_state",
     "unwrap",
 ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSplit:
+    """Where this rank sits in the split a checkpoint is saved or loaded at.
+
+    ``dp`` counts DP x CP: context-parallel ranks hold the same weights, the distributed optimizer
+    shards over all of them, and a checkpoint records no CP split. ``edp`` is the expert
+    data-parallel size (the replicas of this rank's experts)."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+    dp: int = 1
+    dp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+    edp: int = 1
+    edp_rank: int = 0
+
+    @classmethod
+    def of(cls, groups: ParallelGroups | None) -> RankSplit:
+        """The split ``groups`` describe; None: Megatron's global groups if they are set up (callers
+        that do not hand theirs in), else a world of one."""
+        if groups is None and ps.model_parallel_is_initialized():
+            groups = ps.get_parallel_groups()
+        if groups is None:
+            return cls()
+        found: dict[str, int] = {}
+        for field, name in (("tp", "tp"), ("pp", "pp"), ("dp", "dp_cp"), ("ep", "ep"), ("edp", "expt_dp")):
+            found[field], found[f"{field}_rank"] = groups.size(name), groups.rank_in(name)
+        return cls(**found)
+
+    @property
+    def first(self) -> bool:
+        """The job's first rank of every model-parallel and data-parallel group (it commits a save)."""
+        return self.tp_rank == self.pp_rank == self.dp_rank == 0
 
 
 def unwrap(chunk: nn.Module) -> nn.Module:
@@ -187,7 +228,7 @@ def _vocabulary_hint(name: str, saved: TensorSpec, ours: TensorSpec) -> str:
 
 
 def read_optimizer_state(
-    ckpt: Checkpoint, optimizer, params: Mapping[str, nn.Parameter], p: Mapping[str, int]
+    ckpt: Checkpoint, optimizer, params: Mapping[str, nn.Parameter], p: RankSplit
 ) -> dict:
     """This rank's optimizer state from the checkpoint, for ``optimizer.load_param_state_by_name``.
 
@@ -213,7 +254,7 @@ def read_optimizer_state(
         param, full_shape = shard.model_param, ckpt.spec(name).shape
 
         def read(logical: str, start: int = shard.start, end: int = shard.end) -> torch.Tensor:
-            return ckpt.read_flat_range(logical, p["tp_rank"], p["tp"], start, end)
+            return ckpt.read_flat_range(logical, p.tp_rank, p.tp, start, end)
 
         entry: dict[str, Any] = {
             "start": shard.start,

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.parallel_state import ParallelGroups
 from core.tensor_parallel.fp8 import fp8_state_dict
-from training.checkpoint.agreement import agree, current_parallel, gather
 from training.checkpoint.convert import parallelism_of
 from training.checkpoint.files import TensorFileWriter, flatten_state, fsync_dir
 from training.checkpoint.format import (
     FORMAT,
+    CheckpointError,
     TensorSpec,
     canonical_order,
     expert_file,
@@ -37,6 +38,7 @@ from training.checkpoint.format import (
 )
 from training.checkpoint.images import write_image
 from training.checkpoint.live import (
+    RankSplit,
     is_sharded,
     merge_param_groups,
     model_parameters,
@@ -47,6 +49,7 @@ from training.checkpoint.rng import get_rng_state
 from training.checkpoint.specs import specs_of_params, tied_tensors
 from training.checkpoint.staging import FileToWrite, HostStaging, SaveRequest
 from training.checkpoint.writer import copy_tokenizer, manifest_header, write_manifest
+from training.faults.agreement import gather, raise_first_error
 
 __all__ = [
     "FileToWrite",
@@ -92,7 +95,7 @@ def _frozen(value: Any) -> Any:
     return None if value is None else json.loads(json.dumps(value))
 
 
-def _ownership(specs: Mapping[str, TensorSpec], p: Mapping[str, int]) -> Callable[[str], str | None]:
+def _ownership(specs: Mapping[str, TensorSpec], p: RankSplit) -> Callable[[str], str | None]:
     """``owns(name)``: "dense" or "expert" if this rank writes parameter ``name`` (and, unsharded, its
     optimizer state), else None. A dense weight is written by data-parallel rank 0, a TP-replicated
     one by TP rank 0 of those; an MoE expert (never TP-split: other TP ranks hold other experts) by
@@ -101,19 +104,19 @@ def _ownership(specs: Mapping[str, TensorSpec], p: Mapping[str, int]) -> Callabl
     def owns(name: str) -> str | None:
         spec = specs[name]
         if spec.expert is not None:
-            return "expert" if p["edp_rank"] == 0 else None
-        first = p["dp_rank"] == 0 and (spec.partition is not None or p["tp_rank"] == 0)
+            return "expert" if p.edp_rank == 0 else None
+        first = p.dp_rank == 0 and (spec.partition is not None or p.tp_rank == 0)
         return "dense" if first else None
 
     return owns
 
 
 def _tensor_files(
-    params: Mapping[str, torch.Tensor], specs: dict[str, TensorSpec], p: Mapping[str, int], optimizer
+    params: Mapping[str, torch.Tensor], specs: dict[str, TensorSpec], p: RankSplit, optimizer
 ) -> tuple[dict[str, FileToWrite], Any, Any]:
     """This rank's weight and optimizer files (``specs`` gains the optimizer state's), with the
     optimizer's parameter groups and loss-scaler state."""
-    t, q, d = p["tp_rank"], p["pp_rank"], p["dp_rank"]
+    t, q, d = p.tp_rank, p.pp_rank, p.dp_rank
     meta = {"format": FORMAT}
     files: dict[str, FileToWrite] = {}
 
@@ -121,14 +124,14 @@ def _tensor_files(
         return {key: tensors[key] for key in canonical_order(tensors, lambda name: specs[name].owner)}
 
     owns = _ownership(specs, p)
-    for name, tp_rank, keep in ((model_file(t, q), t, "dense"), (expert_file(q, p["ep_rank"]), 0, "expert")):
+    for name, tp_rank, keep in ((model_file(t, q), t, "dense"), (expert_file(q, p.ep_rank), 0, "expert")):
         mine = {n: w.detach() for n, w in params.items() if owns(n) == keep}
         if mine or (keep == "dense" and d == 0):  # replicated over DP (an expert over expert DP): one writer
             files[name] = FileToWrite(ordered(mine), tp_rank, meta)
     if optimizer is None:
         return files, None, None
     experts = any(spec.expert is not None for spec in specs.values())
-    sharded = is_sharded(optimizer, p["dp"], p["edp"] if experts else 1)
+    sharded = is_sharded(optimizer, p.dp, p.edp if experts else 1)
     # unsharded state is replicated like its weights: the same writers
     state = optimizer_tensors(optimizer, params, specs, tp_rank=t, sharded=sharded, owns=owns)
     specs.update(state.specs)
@@ -149,20 +152,22 @@ def describe(
     args: Namespace | Mapping | None = None,
     extra: Mapping | None = None,
     rng_state: Mapping | None = None,
+    groups: ParallelGroups | None = None,
 ) -> SaveRequest:
     """This rank's files of ``root/iter_XXXXXXX`` and the manifest's content; nothing is written or copied.
 
     The tensors are the live ones (views of the optimizer state): write them before the next
     optimizer step changes them, or stage host copies first. ``rng_state=None`` takes
-    :func:`~training.checkpoint.rng.get_rng_state` now.
+    :func:`~training.checkpoint.rng.get_rng_state` now. ``groups``: the run's process groups, which
+    say where this rank sits (see :meth:`RankSplit.of` for None).
     """
-    p = current_parallel()
-    t, q, d = p["tp_rank"], p["pp_rank"], p["dp_rank"]
+    p = RankSplit.of(groups)
+    t, q, d = p.tp_rank, p.pp_rank, p.dp_rank
     module = unwrap(model_chunks[0])
     config = module.config
     params = model_parameters(model_chunks)
-    specs = specs_of_params(params.items(), p["tp"], config.make_vocab_size_divisible_by)
-    files, groups, grad_scaler = _tensor_files(params, specs, p, optimizer)
+    specs = specs_of_params(params.items(), p.tp, config.make_vocab_size_divisible_by)
+    files, param_groups, grad_scaler = _tensor_files(params, specs, p, optimizer)
     rng_tensors, skeleton = flatten_state(
         _with_fp8(get_rng_state() if rng_state is None else rng_state, model_chunks)
     )
@@ -170,17 +175,17 @@ def describe(
     stored = {key for f in files.values() for key in f.tensors}
     local = {
         "tensors": {n: s.to_json() for n, s in specs.items() if n in stored},
-        "groups": _frozen(groups),
+        "groups": _frozen(param_groups),
         "grad_scaler": _frozen(grad_scaler),
     }
-    manifest = _manifest_content(module, p["dp"], iteration, consumed_samples, optimizer is not None)
+    manifest = _manifest_content(module, p.dp, iteration, consumed_samples, optimizer is not None)
     manifest.update(
         scheduler=_frozen(None if scheduler_state is None else dict(scheduler_state)),
         args=_json_subset(args),
         extra=_frozen(dict(extra or {})),
     )
-    first = t == q == d == 0
-    return SaveRequest(root, iteration, files, local, tokenizer if first else None, manifest)
+    tokenizer = tokenizer if p.first else None
+    return SaveRequest(root, iteration, files, local, tokenizer, manifest, commits=p.first)
 
 
 def _with_fp8(rng_state: Mapping, model_chunks: Sequence[nn.Module]) -> Mapping:
@@ -263,15 +268,19 @@ def _optimizer_record(gathered: list[dict]) -> dict:
 def commit(request: SaveRequest | None, local: dict | None, error: str | None, group=None) -> None:
     """On every rank, once its files are written (or its ``error``): fail all ranks if any failed,
     else rank 0 writes the manifest and then the tracker. Collectives on ``group`` only."""
-    agree(error, group)  # doubles as the barrier: every rank's files are complete before the commit
+    _agree(error, group)  # doubles as the barrier: every rank's files are complete before the commit
     gathered = gather(local, group)
-    p = current_parallel()
-    if request is not None and p["tp_rank"] == p["pp_rank"] == p["dp_rank"] == 0:
+    if request is not None and request.commits:
         try:
             _commit_manifest(request, local, gathered)
-        except Exception as err:  # noqa: BLE001 -- every rank waits in agree for rank 0's verdict
+        except Exception as err:  # noqa: BLE001 -- every rank waits in _agree for rank 0's verdict
             error = f"committing checkpoint {request.path} failed: {type(err).__name__}: {err}"
-    agree(error, group)
+    _agree(error, group)
+
+
+def _agree(error: str | None, group=None) -> None:
+    """Every rank raises :class:`CheckpointError` if any failed (the first failing rank's message)."""
+    raise_first_error(error, group, error_type=CheckpointError)
 
 
 def _commit_manifest(request: SaveRequest, local: dict, gathered: list[dict]) -> None:
@@ -296,7 +305,7 @@ def save_checkpoint(
 
     ``state``: the keyword arguments of :func:`describe` (``model_chunks``, ``optimizer``,
     ``scheduler_state``, ``consumed_samples``, ``tokenizer`` as ``{"type", "files": {role: path}}``
-    whose files are copied in, ``args``, ``extra``, ``rng_state``). Training waits: the live
+    whose files are copied in, ``args``, ``extra``, ``rng_state``, ``groups``). Training waits: the live
     tensors are written, a GPU tensor through ``staging``'s reused pinned buffer. A failure on any
     rank raises :class:`CheckpointError` on every rank and leaves the tracker, hence the previous
     checkpoint, untouched. Returns the iteration directory.

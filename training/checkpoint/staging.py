@@ -65,6 +65,8 @@ class SaveRequest:
     """``{"type", "files"}`` for rank 0 to copy in; None on the other ranks."""
     manifest: dict[str, Any]
     """Everything the manifest says of the run, frozen at the save (JSON values)."""
+    commits: bool = False
+    """This rank writes the manifest and the tracker (the first rank of every group)."""
 
     @property
     def path(self) -> str:

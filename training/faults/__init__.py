@@ -18,24 +18,25 @@
   watches the parent pid everywhere. The signal is SIGTERM: it ends the worker at once, or, with
   ``--exit-signal-handler``, after saving a checkpoint. Checkpoints are written atomically with the
   tracker last, so a worker ended mid-save leaves the last complete checkpoint as it was.
-* :func:`agree` runs a step on some ranks and fails every rank if it failed on any, before anyone
-  waits in a collective for a rank that has given up.
+* :func:`fail_together` runs a step on some ranks and fails every rank if it failed on any, before
+  anyone waits in a collective for a rank that has given up (:mod:`training.faults.agreement` holds
+  every across-rank agreement: the first error, all done, gather, sum).
 
 ``TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS`` (for tests only) sets the watchdog's timeout in
 seconds instead of ``--distributed-timeout-minutes``; the process groups keep the flag's timeout.
 """
 
-from training.faults.agreement import agree
+from training.faults.agreement import fail_together
 from training.faults.heartbeat import TEST_TIMEOUT_ENV, begin, distributed_timeout_seconds, end, phase
 from training.faults.launcher import watch_launcher
 from training.faults.reporting import judge, one_line_errors, run_main
 
 __all__ = [
     "TEST_TIMEOUT_ENV",
-    "agree",
     "begin",
     "distributed_timeout_seconds",
     "end",
+    "fail_together",
     "judge",
     "one_line_errors",
     "phase",

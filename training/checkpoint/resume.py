@@ -1,7 +1,7 @@
 """Saving the run to ``--save`` and resuming it from ``--load``: model, optimizer, schedule and counters.
 
-The checkpoint format, resharding and RNG states are :mod:`training.checkpointing`'s; this module
-says what a training run puts in and takes out, and checks the learning-rate schedule on resume.
+The checkpoint format, resharding and RNG states are the rest of :mod:`training.checkpoint`'s; this
+module says what a training run puts in and takes out, and checks the learning-rate schedule on resume.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from training import checkpointing, faults
+from training import faults
+from training.checkpoint.load import load_checkpoint
 from training.config import LearningRateArgs
 from training.errors import ConfigError
 from training.logging_utils import print_line, print_rank_0
@@ -61,7 +62,7 @@ def save(run: Run, session: Session) -> None:
         run.checkpointing.save,
         state.iteration,
         model_chunks=session.model.chunks,
-        optimizer=session.model.optimizer,
+        optimizer=session.optimizer,
         scheduler_state=session.scheduler.state_dict(),
         consumed_samples=state.consumed_samples,
         tokenizer=tokenizer_record(run.tokenizer, session.tokenizer),
@@ -80,16 +81,17 @@ def load(run: Run, session: Session) -> None:
     """Resume from ``--load`` (a missing checkpoint starts from scratch, unless told otherwise)."""
     flags, state = run.checkpointing, session.state
     keep_state = not flags.finetune
-    loaded = checkpointing.load_checkpoint(
+    loaded = load_checkpoint(
         flags.load,
         model_chunks=session.model.chunks,
-        optimizer=session.model.optimizer,
+        optimizer=session.optimizer,
         iteration=flags.ckpt_step,
         load_optim=not flags.no_load_optim and keep_state,
         load_rng=not flags.no_load_rng and keep_state,
         finetune=flags.finetune,
         verify=flags.verify_checkpoint,
         exit_on_missing=flags.exit_on_missing_checkpoint,
+        groups=session.groups,
     )
     if loaded is None:
         print_rank_0(f"WARNING: no checkpoint in {flags.load}: starting from scratch")

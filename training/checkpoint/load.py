@@ -1,7 +1,7 @@
-"""Checkpoints of a training run: every rank saves its shards, and loads its slices at any split.
+"""A live run's load: every rank reads its slices of a checkpoint saved at any split.
 
-The format and the resharding live in :mod:`training.checkpoint`; this module connects them to the
-live run. :func:`save_checkpoint` (:mod:`training.checkpoint.save`) describes every parameter
+The format and the resharding live beside it in :mod:`training.checkpoint`. :func:`save_checkpoint`
+(:mod:`training.checkpoint.save`) describes every parameter
 (global name, full shape, TP split, owner in the layout) and stores the optimizer state by parameter
 name (with the distributed optimizer, every data-parallel rank its own flat ranges of it; see
 :mod:`training.checkpoint.live`), so :func:`load_checkpoint` can rebuild this rank's shards from a
@@ -12,7 +12,7 @@ it; after a barrier rank 0 writes the manifest and then the tracker, so a crash 
 previous checkpoint in place. A training run saves through
 :class:`~training.checkpoint.async_save.CheckpointSaver` (``--async-save`` writes in the
 background). Every problem becomes one :class:`CheckpointError` naming the file (and tensor),
-raised on every rank by :func:`~training.checkpoint.agreement.agree` before any collective could hang.
+raised on every rank (:func:`~training.faults.agreement.raise_first_error`) before any collective could hang.
 """
 
 from __future__ import annotations
@@ -25,34 +25,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core.parallel_state import ParallelGroups
 from core.tensor_parallel.fp8 import fp8_states, load_fp8_state_dict
-from training.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    find_checkpoint,
-    parallelism_of,
-    read_tracker,
-    remove_stale_temp_files,
-)
-from training.checkpoint.agreement import agree as _agree
-from training.checkpoint.agreement import current_parallel, distributed
-from training.checkpoint.agreement import sum_over_ranks as _sum_over_ranks
-from training.checkpoint.files import probe_writable
-from training.checkpoint.format import optimizer_tensor_name
+from training.checkpoint.convert import parallelism_of
+from training.checkpoint.files import probe_writable, remove_stale_temp_files
+from training.checkpoint.format import CheckpointError, optimizer_tensor_name
 from training.checkpoint.live import (
+    RankSplit,
     check_spec,
     model_parameters,
     read_optimizer_state,
     unwrap,
 )
+from training.checkpoint.reader import Checkpoint, find_checkpoint, read_tracker
 from training.checkpoint.rng import get_rng_state, set_rng_state
 from training.checkpoint.save import save_checkpoint
 from training.checkpoint.specs import check_same_model, specs_of_params
+from training.faults.agreement import distributed, raise_first_error, sum_over_ranks
 
 __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
-    "current_parallel",
+    "RankSplit",
     "get_rng_state",
     "load_checkpoint",
     "model_parameters",
@@ -97,11 +91,6 @@ def prepare_save_dir(save_dir: str) -> list[str]:
     return removed
 
 
-# ------------------------------------------------------------------------------------------------
-# Load
-# ------------------------------------------------------------------------------------------------
-
-
 def load_checkpoint(
     load_dir: str,
     *,
@@ -113,6 +102,7 @@ def load_checkpoint(
     finetune: bool = False,
     verify: bool = True,
     exit_on_missing: bool = False,
+    groups: ParallelGroups | None = None,
 ) -> LoadedCheckpoint | None:
     """Restore this rank's model shards (and optimizer and RNG state) from ``load_dir``; call on every rank.
 
@@ -120,9 +110,10 @@ def load_checkpoint(
     (default: the tracker's). ``finetune`` (also implied by a ``release`` checkpoint) loads weights
     only and starts at iteration 0; ``load_optim=False`` skips optimizer and scheduler state,
     ``load_rng=False`` the RNG states, ``verify=False`` the checksums. A missing or empty
-    directory returns None (start from scratch) unless ``exit_on_missing``.
+    directory returns None (start from scratch) unless ``exit_on_missing``. ``groups``: the run's
+    process groups (see :meth:`RankSplit.of` for None).
     """
-    p = current_parallel()
+    p = RankSplit.of(groups)
     error, path, loaded = None, None, None
     try:
         path = _find(load_dir, iteration, exit_on_missing)
@@ -139,7 +130,7 @@ def load_checkpoint(
         return None
     ckpt, optimizer_state, rng_state, fp8_saved, finetune = loaded
     _apply_states(model_chunks, optimizer, optimizer_state, rng_state, fp8_saved)
-    ours = parallelism_of(unwrap(model_chunks[0]).config, p["dp"])
+    ours = parallelism_of(unwrap(model_chunks[0]).config, p.dp)
     return LoadedCheckpoint(
         path=path,
         iteration=0 if finetune else ckpt.iteration,
@@ -147,7 +138,7 @@ def load_checkpoint(
         scheduler_state=ckpt.manifest.get("scheduler") if (load_optim and not finetune) else None,
         manifest=ckpt.manifest,
         resharded=ours != ckpt.parallel,
-        rng_restored=_sum_over_ranks(int(rng_state is not None)),
+        rng_restored=sum_over_ranks(int(rng_state is not None)),
     )
 
 
@@ -176,7 +167,7 @@ def _apply_states(
         set_rng_state(rng_state)
 
 
-def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, load_rng, finetune):
+def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p: RankSplit, load_optim, load_rng, finetune):
     """Copy this rank's shards into the model; return (ckpt, optimizer state dict, RNG state, the saved
     FP8 states, finetune)."""
     finetune = finetune or os.path.basename(ckpt.path) == "release"
@@ -184,7 +175,7 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, lo
     module = unwrap(model_chunks[0])
     check_same_model(ckpt.manifest["model"]["config"], module.config.to_dict(), ckpt.path)
     params = model_parameters(model_chunks)
-    specs = specs_of_params(params.items(), p["tp"], module.config.make_vocab_size_divisible_by)
+    specs = specs_of_params(params.items(), p.tp, module.config.make_vocab_size_divisible_by)
     for name, param in params.items():
         check_spec(ckpt, name, specs[name])
         source = name  # an fp32 model loading a bf16 run takes the fp32 master copy when there is one
@@ -196,11 +187,11 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p, load_optim, lo
         ):
             source = master
         with torch.no_grad():
-            param.copy_(ckpt.read_shard(source, p["tp_rank"], p["tp"]))
+            param.copy_(ckpt.read_shard(source, p.tp_rank, p.tp))
     optimizer_state = None
     if load_optim and optimizer is not None:
         optimizer_state = read_optimizer_state(ckpt, optimizer, params, p)
-    rng_state = ckpt.read_rng_state(p["tp_rank"], p["pp_rank"], p["dp_rank"]) if load_rng else None
+    rng_state = ckpt.read_rng_state(p.tp_rank, p.pp_rank, p.dp_rank) if load_rng else None
     states = [state for _, state in fp8_states(model_chunks)]
     fp8_saved = _saved_fp8_states(ckpt, any(s.expert for s in states)) if states and not finetune else {}
     return ckpt, optimizer_state, rng_state, fp8_saved, finetune
@@ -219,3 +210,8 @@ def _saved_fp8_states(ckpt: Checkpoint, experts: bool) -> dict:
                 state = ckpt.read_rng_state(tp_rank, pp_rank, dp_rank) or {}
                 saved.update(state.get("fp8", {}))
     return saved
+
+
+def _agree(error: str | None) -> None:
+    """Every rank raises :class:`CheckpointError` if any failed (the first failing rank's message)."""
+    raise_first_error(error, error_type=CheckpointError)
