@@ -5,18 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.flags import flag, not_a_flag
-from core.pipeline_parallel.placement import chunks_problem
+from core.pipeline_parallel.schedule_rules import (
+    CLI_SCHEDULES,
+    DEFAULT_SCHEDULE,
+    PipelineSchedule,
+    schedule_rule,
+)
 
 if TYPE_CHECKING:  # the config carries the hooks; it does not need the schedule code to do so
     from core.pipeline_parallel.hooks import ScheduleHooks
-
-PipelineSchedule = Literal["1f1b", "gpipe", "zb-h1", "zbv"]
-PIPELINE_SCHEDULES = get_args(PipelineSchedule)
 
 
 @dataclass(kw_only=True)
@@ -79,7 +81,7 @@ class ModelParallelConfig:
     deallocate_pipeline_outputs: bool = not_a_flag(True)
     """Free an output's storage once it has been sent; backward only needs its graph."""
 
-    pipeline_schedule: PipelineSchedule = "1f1b"
+    pipeline_schedule: PipelineSchedule = DEFAULT_SCHEDULE
     """"1f1b" (default), "gpipe" (all forward, then all backward), "zb-h1" (zero bubble: 1F1B with
     the backward split into input and weight gradients, the weight gradients filling the bubble) or
     "zbv" (zero bubble in a V: needs ``virtual_pipeline_model_parallel_size=2`` and places stage
@@ -136,11 +138,11 @@ class ModelParallelConfig:
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp < 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 or None, got {vpp}")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+        if self.pipeline_schedule not in CLI_SCHEDULES:
             raise ValueError(
-                f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}"
+                f"pipeline_schedule must be one of {CLI_SCHEDULES}, got {self.pipeline_schedule!r}"
             )
-        problem = chunks_problem(self.pipeline_schedule, vpp or 1)
+        problem = schedule_rule(self.pipeline_schedule).chunks_problem(vpp or 1)
         if problem:
             raise ValueError(
                 f"pipeline_schedule={self.pipeline_schedule!r} {problem} "

@@ -10,21 +10,13 @@ from dataclasses import asdict, dataclass
 from functools import cached_property, lru_cache
 
 from core.pipeline_parallel.layout import PipelineLayout, parse_layout
+from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE, ScheduleRule, schedule_rule
 
-__all__ = ["RECOMPUTE", "Candidate", "schedule_name"]
+__all__ = ["RECOMPUTE", "Candidate"]
 
 RECOMPUTE = ("none", "selective", "full")
 """Activation recomputation: none; the attention core (Megatron's selective); every layer (full,
 uniform, one layer per checkpoint)."""
-
-
-def schedule_name(schedule: str, vpp: int) -> str:
-    """The schedule a ``--pipeline-schedule`` value runs at this virtual size, as the report names it."""
-    if schedule == "1f1b" and vpp > 1:
-        return "interleaved-1f1b"
-    if schedule == "zb-h1" and vpp > 1:
-        return "interleaved-zb"
-    return schedule
 
 
 @dataclass(frozen=True)
@@ -37,7 +29,7 @@ class Candidate:
     vpp: int = 1
     cp: int = 1
     ep: int = 1
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     """``--pipeline-schedule``: 1f1b, gpipe, zb-h1 or zbv (1f1b and zb-h1 interleave with vpp > 1)."""
     micro_batch_size: int = 1
     num_microbatches: int = 1
@@ -59,13 +51,19 @@ class Candidate:
         return self.micro_batch_size * self.num_microbatches * self.dp
 
     @property
+    def rule(self) -> ScheduleRule:
+        """The schedule's record: placement, chunks, split backward, textbook bubble."""
+        return schedule_rule(self.schedule)
+
+    @property
     def schedule_label(self) -> str:
-        return schedule_name(self.schedule, self.vpp)
+        """The schedule this ``--pipeline-schedule`` value runs at this virtual size, as the report names it."""
+        return self.rule.label(self.vpp)
 
     @cached_property
     def stages(self) -> PipelineLayout:
         """The parsed layout (stage ``s`` on rank ``s % pp``, or in a V under ZBV)."""
-        return _parsed(self.layout, self.pp, "v" if self.schedule == "zbv" else "loop")
+        return _parsed(self.layout, self.pp, self.rule.placement)
 
     @cached_property
     def placement(self):
@@ -98,7 +96,7 @@ class Candidate:
             out += ["--expert-model-parallel-size", str(self.ep)]
         if self.pp > 1:
             out += ["--pipeline-model-parallel-layout", self.layout]
-        if self.schedule != "1f1b":
+        if self.schedule != DEFAULT_SCHEDULE:
             out += ["--pipeline-schedule", self.schedule]
         if self.sequence_parallel:
             out.append("--sequence-parallel")

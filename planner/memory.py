@@ -263,7 +263,7 @@ def memory_microbatches(cand: Candidate) -> int:
     so the interleaved schedules' last group is the same.
     """
     m, pp = cand.num_microbatches, cand.pp
-    if cand.schedule == "gpipe" or m <= 4 * pp:
+    if cand.rule.holds_every_microbatch or m <= 4 * pp:
         return m
     return 4 * pp + (m - 4 * pp) % pp
 

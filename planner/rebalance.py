@@ -23,6 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from core.pipeline_parallel.layout import even_layout, parse_layout
+from core.pipeline_parallel.schedule_rules import rule_for_label, schedule_rule
 from planner.candidate import Candidate
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import Cluster
@@ -112,10 +113,8 @@ def _run_candidate(plan_input, data) -> Candidate:
     """The recorded run's candidate: its split, schedule, microbatches and layout, from its flags."""
     fixed = plan_input.fixed
     pp, vpp = data.pp_size, data.vpp_size
-    schedule = fixed.get("schedule") or (
-        "zbv" if "zbv" in data.schedule else "zb-h1" if "zb" in data.schedule else "1f1b"
-    )
-    placement = "v" if schedule == "zbv" else "loop"
+    schedule = fixed.get("schedule") or rule_for_label(data.schedule).name
+    placement = schedule_rule(schedule).placement
     layout = fixed.get("layout") or even_layout(plan_input.spec.num_layers, pp, vpp, placement).to_string()
     parse_layout(layout, pp, vpp, num_layers=plan_input.spec.num_layers, placement=placement)
     tp, mbs = fixed.get("tp") or 1, fixed.get("micro_batch_size") or 1
@@ -136,7 +135,7 @@ def rebalance(plan_input, cluster: Cluster, path: str) -> dict:
     ))  # fmt: skip
     fitted = fit_costs(means, cand, prior)
     layer, embedding, loss = (sum(c) for c in (fitted.layer, fitted.embedding, fitted.loss))
-    placement = "v" if cand.schedule == "zbv" else "loop"
+    placement = cand.rule.placement
     proposed = balanced_layout(spec.num_layers, cand.pp, cand.vpp, layer=layer, embedding=embedding,
                                loss=loss, placement=placement).to_string()  # fmt: skip
     before = estimate_step(spec, cand, cluster, fitted)

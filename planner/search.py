@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from core.pipeline_parallel.layout import even_layout
+from core.pipeline_parallel.schedule_rules import CLI_SCHEDULES, DEFAULT_SCHEDULE, schedule_rule
 from core.pipeline_parallel.schedule_tables import check_interleaving
 from planner.candidate import RECOMPUTE, Candidate
 from planner.costs import LayerProfile, StageCostModel
@@ -167,19 +168,21 @@ def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
         vpps=pick("vpp", (1, 2, 3, 4, 6, 8)),
         micro_batch_sizes=pick("micro_batch_size", (1, 2, 4, 8)),
         recomputes=(recompute,) if recompute else RECOMPUTE,
-        schedules=(fixed["schedule"],) if fixed.get("schedule") not in (None, "1f1b") else None,
+        schedules=(fixed["schedule"],) if fixed.get("schedule") not in (None, DEFAULT_SCHEDULE) else None,
         pps=pick("pp", ()) or None,
         layout=fixed.get("layout"),
     )
 
 
 def _schedules(pp: int, vpp: int, space: _Space) -> list[str]:
+    """The schedules that run ``vpp`` chunks per rank: the user's, else all but GPipe (1F1B's bubble
+    with every microbatch's activations held, so never the better choice)."""
     if pp == 1:
-        return ["1f1b"] if vpp == 1 else []
-    options = ["1f1b", "zb-h1"] + (["zbv"] if vpp == 2 else [])
+        return [DEFAULT_SCHEDULE] if vpp == 1 else []
+    runnable = [s for s in CLI_SCHEDULES if schedule_rule(s).chunks_problem(vpp) is None]
     if space.schedules is not None:
-        options = [s for s in space.schedules if s in options + (["gpipe"] if vpp == 1 else [])]
-    return options
+        return [s for s in space.schedules if s in runnable]
+    return [s for s in runnable if not schedule_rule(s).holds_every_microbatch]
 
 
 def _splits(spec: ModelSpec, cluster: Cluster, space: _Space, rejected: _Rejections) -> Iterator[tuple]:
@@ -219,7 +222,7 @@ def _layouts(
     spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None, fixed: str | None
 ):
     """The layouts to try: the user's, else the even split and the cost-balanced one (if different)."""
-    placement = "v" if cand.schedule == "zbv" else "loop"
+    placement = cand.rule.placement
     if fixed is not None:
         return [fixed]
     even = even_layout(spec.num_layers, cand.pp, cand.vpp, placement=placement).to_string()
@@ -250,7 +253,7 @@ def _microbatches(
     m = global_batch // (mbs * dp)
     if pp > 1 and m < pp:
         return 0, FEW_MICROBATCHES
-    if vpp > 1 and schedule != "zbv":
+    if schedule_rule(schedule).groups_microbatches(vpp):
         try:
             check_interleaving(pp, vpp, m)
         except ValueError:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from core.pipeline_parallel.placement import placement_for
+from core.pipeline_parallel.schedule_rules import placement_for
 from core.pipeline_parallel.schedule_tables import B, F, I, W, build_tables
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.candidate import Candidate
@@ -86,21 +86,20 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
 
 
 _COST_OF = {F: "forward", B: "backward", I: "backward_input", W: "backward_weight"}
-_BUBBLE_SHARE = {"1f1b": 1.0, "gpipe": 1.0, "zb-h1": 1 / 3, "zbv": 1 / 6}
-"""The textbook bubble of each schedule relative to 1F1B's ``(pp - 1)(F + B)`` (Qi et al. 2024)."""
 
 
 def quick_estimate(
     spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None = None
 ) -> tuple[float, float]:
     """(lower bound, guess) of the step without simulating: the guess adds the schedule's textbook
-    bubble, ``(pp - 1) / vpp`` slowest stages' F + B scaled by :data:`_BUBBLE_SHARE`."""
+    bubble, ``pp - 1`` slowest stages' F + B scaled by the schedule's ``bubble_stages`` (a stage is a
+    chunk, so interleaving's ``1 / vpp`` is in the stage's size)."""
     bound = lower_bound(spec, cand, cluster, profile)
     if cand.pp == 1:
         return bound, bound
     model = StageCostModel(spec, cand, cluster, profile)
     slowest = max((c := model.stage(symbols)).forward + c.backward for symbols in cand.stages.stages)
-    return bound, bound + (cand.pp - 1) * slowest * _BUBBLE_SHARE[cand.schedule]
+    return bound, bound + (cand.pp - 1) * slowest * cand.rule.bubble_stages
 
 
 def lower_bound(

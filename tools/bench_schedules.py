@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.model_parallel_config import ModelParallelConfig
 from core.pipeline_parallel.actions import B, F, I, W
-from core.pipeline_parallel.placement import placement_for
+from core.pipeline_parallel.schedule_rules import placement_for
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 

@@ -93,7 +93,7 @@ REAL_LAYOUTS = {
 
 def _candidate(spec, fields: dict) -> Candidate:
     cand = Candidate(**{"micro_batch_size": 1, **fields})
-    placement = "v" if cand.schedule == "zbv" else "loop"
+    placement = cand.rule.placement
     return replace(cand, layout=even_layout(spec.num_layers, cand.pp, cand.vpp, placement).to_string())
 
 

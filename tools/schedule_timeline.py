@@ -24,7 +24,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from core.pipeline_parallel.actions import COMPUTE
-from core.pipeline_parallel.placement import placement_for
+from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE, SCHEDULES, placement_for, schedule_rule
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 
@@ -158,9 +158,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"], default="1f1b"
-    )
+    parser.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--vpp", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -184,7 +182,8 @@ def main(argv=None) -> None:
 
             print(f"wrote {draw(load_trace(args.trace), args.png)}")
         return
-    vpp = 2 if args.schedule == "zbv" else args.vpp if args.schedule in ("interleaved", "zb-h1") else 1
+    rule = schedule_rule(args.schedule)
+    vpp = rule.chunks or (args.vpp if rule.interleaves else 1)
     slot = args.forward_ms / vpp
     sim = simulated(args.schedule, args.pp, vpp, args.microbatches, args.forward_ms, args.backward_ms)
     makespan = max(e for rank in sim for _, _, e in rank)

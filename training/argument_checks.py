@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from core.pipeline_parallel.layout import parse_layout
-from core.pipeline_parallel.placement import chunks_needed, chunks_problem, placement_style
+from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel import CP_COMM_TYPES
 from core.transformer.moe.moe_config import parse_moe_layer_freq
@@ -347,7 +347,7 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
                 pp,
                 num_layers=args.num_layers,
                 mtp_num_layers=0,
-                placement=placement_style(args.pipeline_schedule),
+                placement=schedule_rule(args.pipeline_schedule).placement,
             ).vpp_size
         except ValueError as err:
             raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
@@ -366,15 +366,15 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
         )
         vpp = per_rank // per_stage
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
-    schedule, needed = args.pipeline_schedule, chunks_needed(args.pipeline_schedule)
-    problem = chunks_problem(schedule, vpp or 1)
+    rule = schedule_rule(args.pipeline_schedule)
+    problem, needed = rule.chunks_problem(vpp or 1), rule.chunks
     _require(
         problem is None,
-        f"--pipeline-schedule {schedule} {problem}"
+        f"--pipeline-schedule {rule.name} {problem}"
         + (
             f": give --num-virtual-stages-per-pipeline-rank {needed} (or a --pipeline-model-parallel-layout "
             f"with {needed * pp} stages)"
-            if needed
+            if needed and needed > 1
             else ""
         ),
     )

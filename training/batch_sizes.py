@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from core.num_microbatches_calculator import BatchSizeSchedule, NumMicroBatchesCalculator
+from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.pipeline_parallel.schedule_tables import check_interleaving
 from training.checkpoint import find_checkpoint
 from training.checkpoint.reader import load_manifest
@@ -148,7 +149,7 @@ def _microbatches(count: int) -> str:
 def _check_schedulable(args: argparse.Namespace, pp: int, num_microbatches: int) -> None:
     """The interleaved schedule's rules on a microbatch count (ZBV's V and the others run any count)."""
     vpp = args.virtual_pipeline_model_parallel_size
-    if vpp and args.pipeline_schedule != "zbv":
+    if vpp and schedule_rule(args.pipeline_schedule).groups_microbatches(vpp):
         check_interleaving(pp, vpp, num_microbatches, args.microbatch_group_size_per_vp_stage)
 
 

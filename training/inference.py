@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE
 from core.tensor_parallel import tp_rank, tp_world_size
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt.gpt_model import GPTModel
@@ -32,7 +33,7 @@ INFERENCE_OVERRIDES: dict[str, Any] = {
     "expert_model_parallel_size": 1,  # every rank holds every expert (MoE)
     "virtual_pipeline_model_parallel_size": None,
     "pipeline_model_parallel_layout": None,
-    "pipeline_schedule": "1f1b",
+    "pipeline_schedule": DEFAULT_SCHEDULE,
     "sequence_parallel": False,
     "perform_initialization": False,
     "recompute_granularity": None,

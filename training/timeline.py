@@ -36,6 +36,7 @@ from core.pipeline_parallel.actions import ActionKind
 from core.pipeline_parallel.executor import ScheduleRecord
 from core.pipeline_parallel.placement import Placement
 from core.pipeline_parallel.record import clock_for
+from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.pipeline_parallel.simulator import simulate
 from training.logging_utils import print_line
 
@@ -119,9 +120,7 @@ class Timeline:
         iterations = run.logging.timeline_iters  # read either way: it is meaningless without --timeline-dir
         if not run.logging.timeline_dir:
             return None
-        schedule = run.model.pipeline_schedule
-        if schedule == "1f1b" and run.parallel.vpp > 1:
-            schedule = "interleaved 1f1b"
+        schedule = schedule_rule(run.model.pipeline_schedule).label(run.parallel.vpp)
         return cls(run.logging.timeline_dir, iterations or [run.training.train_iters], schedule)
 
     def wants(self, iteration: int) -> bool:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE
+
 NoSync = Callable[[], AbstractContextManager]
 GradSync = Callable[[Iterable[torch.nn.Parameter]], None]
 
@@ -84,7 +86,7 @@ class ScheduleHooks:
 class ScheduleSettings:
     """The schedule's knobs, read from a model config (a ``ModelParallelConfig`` or Megatron's)."""
 
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: str = DEFAULT_SCHEDULE
     pipeline_dtype: torch.dtype = torch.float32
     hidden_size: int = 0
     variable_seq_lengths: bool = False
@@ -103,7 +105,7 @@ class ScheduleSettings:
             return default if value is None else value
 
         return cls(
-            pipeline_schedule=get("pipeline_schedule", "1f1b"),
+            pipeline_schedule=get("pipeline_schedule", DEFAULT_SCHEDULE),
             pipeline_dtype=get("pipeline_dtype", torch.float32),
             hidden_size=get("hidden_size", 0),
             variable_seq_lengths=bool(get("variable_seq_lengths", False)),

@@ -1,5 +1,7 @@
 """Which pipeline rank runs which stage: Megatron's loop, or the V that ZBV needs.
 
+Which schedule needs which placement is a schedule's rule (:mod:`~core.pipeline_parallel.schedule_rules`).
+
 There are ``pp_size * vpp_size`` stages, numbered in the order data flows through the model.
 
 * ``"loop"`` (Megatron's virtual pipeline): stage ``s`` runs on ``pp_rank = s % pp_size`` as model
@@ -15,34 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PLACEMENTS = ("loop", "v")
+LOOP = "loop"
+"""Megatron's virtual pipeline: stage ``s`` on rank ``s % pp_size``."""
+V = "v"
+"""ZBV's V: the second half of the stages comes back up the ranks."""
+PLACEMENTS = (LOOP, V)
 V_CHUNKS = 2
 """Model chunks per pipeline rank in the V: one on the way down the ranks, one on the way back up."""
-
-
-def placement_style(schedule: str) -> str:
-    """The stage placement a schedule needs: the V for ZBV, Megatron's loop for every other schedule."""
-    return "v" if schedule == "zbv" else "loop"
-
-
-def chunks_needed(schedule: str) -> int | None:
-    """The model chunks per pipeline rank ``schedule`` requires, if it fixes the number (ZBV: 2)."""
-    return V_CHUNKS if placement_style(schedule) == "v" else None
-
-
-def chunks_problem(schedule: str, vpp_size: int) -> str | None:
-    """Why ``schedule`` cannot run ``vpp_size`` model chunks per pipeline rank, or None if it can.
-
-    The rules: ZBV runs exactly two chunks per rank (its V); GPipe runs one (interleaving is
-    1F1B's). The config, the tables and the argument checks all ask here and phrase the answer
-    with their own names.
-    """
-    needed = chunks_needed(schedule)
-    if needed is not None and vpp_size != needed:
-        return f"runs exactly {needed} model chunks per pipeline rank (a V), got {vpp_size}"
-    if schedule == "gpipe" and vpp_size > 1:
-        return f"cannot run virtual pipeline stages ({vpp_size} per rank); the 1f1b schedule interleaves them"
-    return None
 
 
 @dataclass(frozen=True)
@@ -51,7 +32,7 @@ class Placement:
 
     pp_size: int
     vpp_size: int = 1
-    style: str = "loop"
+    style: str = LOOP
 
     def __post_init__(self) -> None:
         if self.pp_size < 1 or self.vpp_size < 1:
@@ -60,7 +41,7 @@ class Placement:
             )
         if self.style not in PLACEMENTS:
             raise ValueError(f"stage placement must be one of {PLACEMENTS}, got {self.style!r}")
-        if self.style == "v" and self.vpp_size != V_CHUNKS:
+        if self.style == V and self.vpp_size != V_CHUNKS:
             raise ValueError(
                 f"the V placement (ZBV) runs exactly {V_CHUNKS} model chunks per pipeline rank, got {self.vpp_size}"
             )
@@ -94,11 +75,6 @@ class Placement:
 
     def _rank_and_chunk(self, stage: int) -> tuple[int, int]:
         chunk, offset = divmod(stage, self.pp_size)
-        if self.style == "v" and chunk == 1:
+        if self.style == V and chunk == 1:
             return self.pp_size - 1 - offset, 1
         return offset, chunk
-
-
-def placement_for(schedule: str, pp_size: int, vpp_size: int = 1) -> Placement:
-    """The placement a schedule needs: the V for ZBV, Megatron's loop for every other schedule."""
-    return Placement(pp_size, vpp_size, placement_style(schedule))

@@ -7,7 +7,8 @@ timeline draws it. Actions and their text form (``0F3``) are :mod:`~core.pipelin
 
 Actions name a model chunk of this rank, not a stage; :mod:`~core.pipeline_parallel.placement`
 says which stage a chunk is (Megatron's loop for every schedule but ZBV, whose V puts the last
-stage next to the first).
+stage next to the first). Which builder makes which schedule's table, and the rules on its chunks,
+are the schedule's record (:mod:`~core.pipeline_parallel.schedule_rules`).
 
 Backward comes whole (``B``) or split in two for the zero-bubble schedules (Qi et al., "Zero
 Bubble Pipeline Parallelism", ICLR 2024): ``I``, the gradient of the stage's input, which the
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 
 from core.pipeline_parallel.actions import Action, ActionKind, B, F, I, W
-from core.pipeline_parallel.placement import chunks_problem
+from core.pipeline_parallel.schedule_rules import schedule_rule
 
 
 def _check_sizes(pp_size: int, vpp_size: int, num_microbatches: int, pp_rank: int) -> None:
@@ -241,9 +242,6 @@ def zbv_table(pp_size: int, num_microbatches: int, pp_rank: int, forward_only: b
     return _forwards_only(table) if forward_only else table
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-
-
 def build_table(
     schedule: str,
     pp_size: int,
@@ -254,30 +252,17 @@ def build_table(
     microbatch_group_size: int | None = None,
     forward_only: bool = False,
 ) -> list[Action]:
-    """The compute table of ``schedule`` for one rank.
+    """The compute table of ``schedule`` for one rank, by the builder its record names.
 
     ``"1f1b"`` with ``vpp_size > 1`` is interleaved 1F1B (also reachable as ``"interleaved"``),
     ``"zb-h1"`` with ``vpp_size > 1`` the interleaved zero-bubble schedule; ``"zbv"`` needs
     ``vpp_size == 2`` and the V placement.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
-    problem = chunks_problem(schedule, vpp_size)
-    if problem:
-        raise ValueError(f"the {schedule} schedule {problem}")
-    if schedule == "zbv":
-        return zbv_table(pp_size, num_microbatches, pp_rank, forward_only)
-    if schedule == "zb-h1":
-        return zero_bubble_table(
-            pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only
-        )
-    if schedule == "interleaved" or vpp_size > 1:
-        return interleaved_table(
-            pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only
-        )
-    if schedule == "gpipe":
-        return gpipe_table(pp_size, num_microbatches, pp_rank, forward_only)
-    return one_f_one_b_table(pp_size, num_microbatches, pp_rank, forward_only)
+    rule = schedule_rule(schedule).running(vpp_size)
+    builder = globals()[rule.builder]
+    if rule.interleaves:
+        return builder(pp_size, vpp_size, num_microbatches, pp_rank, microbatch_group_size, forward_only)
+    return builder(pp_size, num_microbatches, pp_rank, forward_only)
 
 
 def build_tables(

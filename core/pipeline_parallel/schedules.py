@@ -26,8 +26,8 @@ from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
 from core.pipeline_parallel.links import PipelineLinks
 from core.pipeline_parallel.lowering import lower, validate
 from core.pipeline_parallel.p2p_communication import P2PCommunicator
-from core.pipeline_parallel.placement import placement_for
 from core.pipeline_parallel.rendezvous import check_rendezvous, comm_logs
+from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE, placement_for, schedule_rule
 from core.pipeline_parallel.schedule_tables import build_tables
 
 Model = torch.nn.Module | list[torch.nn.Module]
@@ -66,7 +66,7 @@ def forward_backward_no_pipelining(
     """Forward and backward of each microbatch in turn on one stage; gradients accumulate."""
     chunks = _single_chunk(model, "forward_backward_no_pipelining")
     table, ctx = _prepare(
-        "1f1b",
+        DEFAULT_SCHEDULE,  # 1F1B on one stage: each microbatch's forward, then its backward
         forward_step_func,
         data_iterator,
         chunks,
@@ -127,7 +127,7 @@ def forward_backward_pipelining_with_interleaving(
     chunks = _as_chunks(model)
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
     table, ctx = _prepare(
-        "interleaved" if schedule == "1f1b" else schedule,
+        schedule_rule(schedule).interleaved_form or schedule,
         forward_step_func,
         data_iterator,
         chunks,

@@ -172,9 +172,3 @@ def _step(action: Action, rank: int, place: Placement, costs: _Costs, variable: 
         makes.append(out)  # handed over within the rank
     delta = 1 if kind == F else -1 if kind == B else 0
     return tuple(needs), tuple(makes), None, costs.of(action, rank), delta
-
-
-def ideal_bubble_fraction(schedule: str, pp_size: int, num_microbatches: int, vpp_size: int = 1) -> float:
-    """The textbook bubble with equal forward and backward costs: (p-1)/(v m + p-1)."""
-    v = vpp_size if schedule == "interleaved" else 1
-    return (pp_size - 1) / (v * num_microbatches + pp_size - 1)

@@ -29,9 +29,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv")
-"""Schedules that split the backward into I and W (``core.pipeline_parallel.backward_split``)."""
-
 
 def _eager(fn, sequence_dim: int | None):
     """``fn`` run outside the compiled regions; with ``sequence_dim``, the sequence dimension of its

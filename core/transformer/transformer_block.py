@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.tensor_parallel.fp8 import compile_fp8_casts
 from core.transformer.attention import Rotary
-from core.transformer.compile import ZERO_BUBBLE_SCHEDULES, compile_layer, mark_sequence_dynamic
+from core.transformer.compile import compile_layer, mark_sequence_dynamic
 from core.transformer.inference_context import InferenceContext
 from core.transformer.norms import build_norm
 from core.transformer.recompute import checkpoint
@@ -37,7 +38,7 @@ class TransformerBlock(nn.Module):
                 compile_layer(
                     layer,
                     config.compile_backend,
-                    split_backward=config.pipeline_schedule in ZERO_BUBBLE_SCHEDULES,
+                    split_backward=schedule_rule(config.pipeline_schedule).split_backward,
                     dynamic_sequence=self.dynamic_sequence,
                 )
 

@@ -27,7 +27,7 @@ from torch import nn
 from core import parallel_state
 from core.device import current_device
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
-from core.pipeline_parallel.placement import placement_style
+from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.tensor_parallel import (
     ColumnParallelLinear,
     fused_vocab_parallel_cross_entropy,
@@ -88,7 +88,7 @@ def pipeline_layout(config: TransformerConfig) -> PipelineLayout:
         config.pipeline_model_parallel_size,
         config.virtual_pipeline_model_parallel_size,
         config.pipeline_model_parallel_layout,
-        placement_style(config.pipeline_schedule),
+        schedule_rule(config.pipeline_schedule).placement,
     )
 
 

@@ -489,7 +489,7 @@ def test_pipeline_shape_check_names_the_context_parallel_split():
     from core.pipeline_parallel.actions import Action, ActionKind
     from core.pipeline_parallel.hooks import ScheduleSettings
     from core.pipeline_parallel.mailbox import Mailbox, PipelineShapeError
-    from core.pipeline_parallel.placement import placement_for
+    from core.pipeline_parallel.schedule_rules import placement_for
 
     settings = ScheduleSettings(hidden_size=64, context_parallel_size=2)
     assert settings.tensor_shape(32, 2) == (16, 2, 64)

@@ -25,8 +25,8 @@ from core.pipeline_parallel.layout import even_layout, parse_layout
 from core.pipeline_parallel.losses import reduce_loss_logs
 from core.pipeline_parallel.lowering import lower, validate
 from core.pipeline_parallel.messages import message_of
-from core.pipeline_parallel.placement import placement_for
 from core.pipeline_parallel.rendezvous import check_rendezvous, comm_logs, warm_up_comm_logs
+from core.pipeline_parallel.schedule_rules import placement_for, schedule_rule
 from core.pipeline_parallel.schedule_tables import (
     build_table,
     build_tables,
@@ -34,7 +34,7 @@ from core.pipeline_parallel.schedule_tables import (
     interleaved_order,
     one_f_one_b_table,
 )
-from core.pipeline_parallel.simulator import ScheduleDeadlock, ideal_bubble_fraction, simulate
+from core.pipeline_parallel.simulator import ScheduleDeadlock, simulate
 from tests.support.pipeline_toy import (
     ToyStage,
     make_forward_step,
@@ -149,7 +149,7 @@ def test_interleaving_rules_raise_clear_errors(pp, m, group, message):
 
 
 def test_gpipe_with_virtual_stages_is_rejected():
-    # One rule (core/pipeline_parallel/placement.py), asked by the tables and the config alike.
+    # One rule (the schedule's record), asked by the tables and the config alike.
     with pytest.raises(
         ValueError, match=r"^the gpipe schedule cannot run virtual pipeline stages \(2 per rank\)"
     ):
@@ -166,7 +166,7 @@ def test_simulated_bubble_matches_the_textbook_formula(schedule, v, pp, m):
     tables = build_tables(schedule, pp, v, m)
     unit = 1.0 / v  # a chunk costs its share of the rank's work
     result = simulate(tables, v, forward_cost=unit, backward_cost=unit)
-    assert result.bubble_fraction == pytest.approx(ideal_bubble_fraction(schedule, pp, m, v), abs=1e-12)
+    assert result.bubble_fraction == pytest.approx(schedule_rule(schedule).textbook_bubble(pp, v, m), abs=1e-12)
 
 
 def test_simulated_peak_in_flight():

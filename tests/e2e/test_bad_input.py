@@ -886,7 +886,7 @@ def test_a_stage_sending_another_shape_than_the_schedule_expects_is_named(sent, 
     from core.pipeline_parallel.actions import Action, ActionKind
     from core.pipeline_parallel.hooks import ScheduleSettings
     from core.pipeline_parallel.mailbox import Mailbox, PipelineShapeError
-    from core.pipeline_parallel.placement import placement_for
+    from core.pipeline_parallel.schedule_rules import placement_for
 
     settings = ScheduleSettings(hidden_size=64, pipeline_dtype=torch.float32)
     mailbox = Mailbox(

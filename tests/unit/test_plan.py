@@ -15,7 +15,8 @@ import pytest
 from core.pipeline_parallel.actions import Action, B, F, I, ScheduleDeadlock, W
 from core.pipeline_parallel.layout import even_layout, parse_layout
 from core.pipeline_parallel.lowering import lower
-from core.pipeline_parallel.placement import Placement, placement_for
+from core.pipeline_parallel.placement import Placement
+from core.pipeline_parallel.schedule_rules import placement_for
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
@@ -45,7 +46,7 @@ def small():
 
 def _candidate(spec, **fields) -> Candidate:
     cand = Candidate(**fields)
-    placement = "v" if cand.schedule == "zbv" else "loop"
+    placement = cand.rule.placement
     return replace(cand, layout=even_layout(spec.num_layers, cand.pp, cand.vpp, placement).to_string())
 
 
@@ -291,7 +292,7 @@ def test_a_multi_node_plan_prints_a_command_that_runs_on_every_node(capsys):
 
 def _timeline(path, cand: Candidate, costs: dict[str, tuple[float, float]]) -> None:
     """A timeline.json of the candidate's 1F1B run where every stage costs what its symbols cost."""
-    from core.pipeline_parallel.placement import placement_for
+    from core.pipeline_parallel.schedule_rules import placement_for
     from core.pipeline_parallel.schedule_tables import build_tables
     from core.pipeline_parallel.simulator import simulate
     from training.timeline import IterationTimeline, RankEvents, TimelineData, chrome_trace
