@@ -16,6 +16,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from core.parallel_state import ParallelGroups
 from core.transformer import TransformerConfig
 from models.gpt import GPTModel
 from training import get_args, get_tokenizer, pretrain
@@ -52,9 +53,11 @@ def model_provider(
     post_process: bool = True,
     vp_stage: int | None = None,
     shared_embedding_weight: torch.nn.Parameter | None = None,
+    pg_collection: ParallelGroups | None = None,
 ) -> GPTModel:
     """One model chunk. ``shared_embedding_weight``: the embedding of an earlier chunk of this rank,
-    which the loss chunk's tied output layer uses (ZBV places the first and the last stage together)."""
+    which the loss chunk's tied output layer uses (ZBV places the first and the last stage together);
+    ``pg_collection``: the run's process groups."""
     args = get_args()
     config = TransformerConfig(**transformer_config_from_args(args))
     return GPTModel(
@@ -65,6 +68,7 @@ def model_provider(
         post_process=post_process,
         vp_stage=vp_stage,
         shared_embedding_weight=shared_embedding_weight,
+        pg_collection=pg_collection,
     )
 
 

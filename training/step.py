@@ -94,7 +94,9 @@ def moe_metrics(
     for W&B and TensorBoard), as device tensors. A collective on every rank; nothing without experts."""
     if run.model.num_moe_experts is None:
         return {}, {}
-    summary, per_layer = reduce_moe_metrics_on_device(session.model.modules, run.model, num_microbatches)
+    summary, per_layer = reduce_moe_metrics_on_device(
+        session.model.modules, run.model, num_microbatches, session.groups
+    )
     if not run.model.moe_per_layer_logging:
         return summary, {}
     moe_layers = [i for i in range(run.model.num_layers) if run.model.is_moe_layer(i)]

@@ -35,29 +35,19 @@ from torch.distributed import ProcessGroup
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
+from core.parallel_state import ParallelGroups
 
 
-def _default_group() -> ProcessGroup | None:
-    """The group gradients are reduced over: data parallel with context parallel folded in."""
+def _default_groups() -> ParallelGroups | None:
+    """``parallel_state``'s groups when none are handed in and they are set up (Megatron's default)."""
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return None
-    return ps.get_data_parallel_group(with_context_parallel=True)
-
-
-def _default_expert_group() -> ProcessGroup | None:
-    """The group expert gradients are reduced over: the replicas of this rank's experts."""
-    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
-        return None
-    return ps.get_parallel_groups().expt_dp
+    return ps.get_parallel_groups()
 
 
 def is_expert_param(param: nn.Parameter) -> bool:
     """An MoE expert's parameter (Megatron's ``allreduce = False``): reduced over expert data parallelism."""
     return not getattr(param, "allreduce", True)
-
-
-def _pipeline_rank() -> int:
-    return ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
 
 
 def _reduce_options(config: Any, ddp_config: DistributedDataParallelConfig, dp_size: int) -> ReduceOptions:
@@ -97,6 +87,11 @@ class DistributedDataParallel(nn.Module):
     ``expert_data_parallel_group`` (the replicas of this rank's experts) but scaled by 1/dp like the
     others, as Megatron does: the tokens of every data-parallel rank reached them through the
     expert-parallel dispatcher, so their sum over the expert replicas covers all dp replicas' losses.
+
+    ``pg_collection``: the model's process groups, from which the data-parallel (with context
+    parallelism folded in) and expert data-parallel groups and the pipeline rank come; an explicit
+    ``data_parallel_group`` or ``expert_data_parallel_group`` takes precedence. Without either,
+    ``parallel_state``'s groups (Megatron's default) when they are set up, else one process.
     """
 
     def __init__(
@@ -106,6 +101,7 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         disable_bucketing: bool = False,
         *,
+        pg_collection: ParallelGroups | None = None,
         data_parallel_group: ProcessGroup | None = None,
         expert_data_parallel_group: ProcessGroup | None = None,
     ) -> None:
@@ -113,15 +109,17 @@ class DistributedDataParallel(nn.Module):
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
-        self.data_parallel_group = (
-            data_parallel_group if data_parallel_group is not None else _default_group()
-        )
-        self.expert_data_parallel_group = (
-            expert_data_parallel_group if expert_data_parallel_group is not None else _default_expert_group()
-        )
+        groups = pg_collection if pg_collection is not None else _default_groups()
+        if data_parallel_group is None and groups is not None:
+            data_parallel_group = groups.dp_cp
+        if expert_data_parallel_group is None and groups is not None:
+            expert_data_parallel_group = groups.expt_dp
+        self.data_parallel_group = data_parallel_group
+        self.expert_data_parallel_group = expert_data_parallel_group
+        pp_rank = groups.rank_in("pp") if groups is not None else 0
         dp_size = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
-        if not ddp_config.overlap_grad_reduce or disable_bucketing or _pipeline_rank() > 0:
+        if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
             self.bucket_size = None
         self.buffers: list[GradBuffer] = []
         self._build_buffers(_reduce_options(config, ddp_config, dp_size))

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from core import parallel_state as ps
 from core.device import current_device
 from core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -35,6 +36,7 @@ from core.optimizer.optimizer import (
     StepOutcome,
 )
 from core.optimizer.param_state import ParamShard
+from core.parallel_state import ParallelGroups
 
 __all__ = [
     "ConstantGradScaler",
@@ -129,13 +131,18 @@ def get_megatron_optimizer(
     decoupled_lr: float | None = None,
     decoupled_min_lr: float | None = None,
     fused: bool | None = None,
+    pg_collection: ParallelGroups | None = None,
 ) -> MegatronOptimizer:
     """The optimizer for these chunks: AdamW (or SGD) on fp32 parameters, fp32 main copies for a
     bf16/fp16 model, loss scaling for fp16, and with ``use_distributed_optimizer`` all of it for
     this data-parallel rank's shard only (the chunks must then be ``DistributedDataParallel``
     wrappers built with ``use_distributed_optimizer=True``). ``fused``: torch's fused kernel (True),
-    its foreach one (False), or the fused one where the device has it (None)."""
+    its foreach one (False), or the fused one where the device has it (None). ``pg_collection``: the
+    model's process groups (default: ``parallel_state``'s when set up, else one process), which say what
+    this rank counts in global gradient norms and where they are summed."""
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    if pg_collection is None and ps.model_parallel_is_initialized():
+        pg_collection = ps.get_parallel_groups()
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr must be set (the scheduler then drives it every step)")
     groups = get_param_groups(
@@ -159,7 +166,7 @@ def get_megatron_optimizer(
         cls = Float16OptimizerWithFloat16Params
     else:
         cls = FP32Optimizer
-    return cls(inner, config, chunks)
+    return cls(inner, config, chunks, pg_collection)
 
 
 def _inner_optimizer(

@@ -25,43 +25,41 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from core import parallel_state as ps
 from core.device import current_device
+from core.parallel_state import ParallelGroups
 from core.tensor_parallel.utils import param_is_tensor_parallel
 
 
-def _parallel_state():
-    return ps if ps.model_parallel_is_initialized() else None
-
-
-def param_is_not_shared(param: torch.Tensor) -> bool:
-    """False for the second copy of a tied weight (the last stage's output layer with PP > 1)."""
+def param_is_not_shared(param: torch.Tensor, groups: ParallelGroups | None = None) -> bool:
+    """False for the second copy of a tied weight (the last stage's output layer with PP > 1).
+    ``groups``: the model's process groups (None: one process)."""
     if getattr(param, "shared", False):
         return False
-    ps = _parallel_state()
-    if getattr(param, "shared_embedding", False) and ps is not None:
-        pp_size = ps.get_pipeline_model_parallel_world_size()
-        return not (pp_size > 1 and ps.get_pipeline_model_parallel_rank() == pp_size - 1)
+    if getattr(param, "shared_embedding", False) and groups is not None:
+        pp_size = groups.size("pp")
+        return not (pp_size > 1 and groups.rank_in("pp") == pp_size - 1)
     return True
 
 
-def param_counts_for_norm(param: torch.Tensor, *, sharded: bool = False) -> bool:
+def param_counts_for_norm(
+    param: torch.Tensor, *, sharded: bool = False, groups: ParallelGroups | None = None
+) -> bool:
     """Whether this rank counts ``param`` in global norms: not a tied copy, not a TP duplicate, not a
-    data-parallel replica (``sharded``: the distributed optimizer, whose ranks hold disjoint shards)."""
-    if not param_is_not_shared(param):
+    data-parallel replica (``sharded``: the distributed optimizer, whose ranks hold disjoint shards).
+    ``groups``: the model's process groups (None: one process, which counts everything)."""
+    if not param_is_not_shared(param, groups):
         return False
-    ps = _parallel_state()
-    if ps is None:
+    if groups is None:
         return True
     if not getattr(param, "allreduce", True):  # an MoE expert
-        return sharded or ps.get_expert_data_parallel_rank() == 0
-    owned = param_is_tensor_parallel(param) or ps.get_tensor_model_parallel_rank() == 0
-    return owned and (sharded or ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+        return sharded or groups.rank_in("expt_dp") == 0
+    owned = param_is_tensor_parallel(param) or groups.rank_in("tp") == 0
+    return owned and (sharded or groups.rank_in("dp_cp") == 0)
 
 
-def grad_stats_group() -> ProcessGroup | None:
-    """The group norm statistics are summed over: every rank, or None alone."""
-    return dist.group.WORLD if _parallel_state() is not None else None
+def grad_stats_group(groups: ParallelGroups | None = None) -> ProcessGroup | None:
+    """The group norm statistics are summed over: every rank of the job, or None alone."""
+    return dist.group.WORLD if groups is not None else None
 
 
 def get_grad_norm_fp32(

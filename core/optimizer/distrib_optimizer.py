@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core import parallel_state as ps
 from core.optimizer.optimizer import _HALF, MegatronOptimizer, OptimizerConfig
 from core.optimizer.param_state import ParamShard
+from core.parallel_state import ParallelGroups
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -49,6 +49,7 @@ class DistributedOptimizer(MegatronOptimizer):
         optimizer: torch.optim.Optimizer,
         config: OptimizerConfig,
         model_chunks: Iterable[nn.Module],
+        groups: ParallelGroups | None = None,
     ) -> None:
         model_chunks = list(model_chunks or [])
         self._bucket_of = {}
@@ -60,7 +61,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     "with DistributedDataParallelConfig(use_distributed_optimizer=True)"
                 )
             self._bucket_of.update(chunk.param_to_bucket)
-        super().__init__(optimizer, config, model_chunks)
+        super().__init__(optimizer, config, model_chunks, groups)
 
     def _make_shard(self, param: nn.Parameter) -> ParamShard | None:
         name = self._name(param)
@@ -79,9 +80,9 @@ class DistributedOptimizer(MegatronOptimizer):
         raise TypeError(f"cannot optimise {name} of dtype {param.dtype}; expected bf16, fp16 or fp32")
 
     def _grad_stats_group(self):
-        """Every rank: each DP rank counts only its shard, so the sums run over DP as well as TP x PP."""
-
-        if ps.model_parallel_is_initialized():
+        """Every rank: each DP rank counts only its shard, so the sums run over DP as well as TP x PP
+        (without the model's groups, over the chunks' one data-parallel group)."""
+        if self.groups is not None:
             return dist.group.WORLD
         groups = {id(c.data_parallel_group): c.data_parallel_group for c in self.model_chunks}
         return next(iter(groups.values())) if len(groups) == 1 else None

@@ -52,6 +52,7 @@ from core.optimizer.clip_grads import (
 from core.optimizer.grad_scaler import unscale_and_check
 from core.optimizer.optimizer_config import OptimizerConfig, make_grad_scaler
 from core.optimizer.param_state import ParamShard, export_param_state, import_param_state
+from core.parallel_state import ParallelGroups
 from core.tensor_parallel.utils import copy_tensor_model_parallel_attributes
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -110,7 +111,8 @@ class MegatronOptimizer:
 
     Subclasses differ only in the :class:`ParamShard` record they build for each parameter (``_make_shard``).
     ``model_chunks`` lets ``zero_grad`` also zero the chunks' data-parallel gradient buffers, and
-    names the parameters in ``param_state_by_name``.
+    names the parameters in ``param_state_by_name``. ``groups``: the model's process groups, which say
+    what this rank counts in global norms and over which ranks they are summed (None: one process).
     """
 
     shards_data_parallel = False
@@ -121,9 +123,11 @@ class MegatronOptimizer:
         optimizer: torch.optim.Optimizer,
         config: OptimizerConfig,
         model_chunks: Iterable[nn.Module] | None = None,
+        groups: ParallelGroups | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.config = config
+        self.groups = groups
         self.model_chunks = list(model_chunks or [])
         self._shards: list[ParamShard] = []
         self._counted: list[ParamShard] | None = None  # the shards that count in global norms
@@ -198,7 +202,7 @@ class MegatronOptimizer:
     # -- gradients ----------------------------------------------------------------------------------
     def _grad_stats_group(self):
         """The group gradient statistics (norm, zeros, overflow) are summed over."""
-        return grad_stats_group()
+        return grad_stats_group(self.groups)
 
     def prepare_grads(self) -> None:
         """Give every main parameter its gradient: the model's ``main_grad`` (data-parallel buffer,
@@ -216,7 +220,11 @@ class MegatronOptimizer:
         """The shards this rank counts in global norms (which never changes, so it is kept)."""
         if self._counted is None:
             sharded = self.shards_data_parallel
-            self._counted = [s for s in self._shards if param_counts_for_norm(s.model_param, sharded=sharded)]
+            self._counted = [
+                s
+                for s in self._shards
+                if param_counts_for_norm(s.model_param, sharded=sharded, groups=self.groups)
+            ]
         return self._counted
 
     def _main_grads(self, for_norm: bool) -> list[torch.Tensor]:

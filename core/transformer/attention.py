@@ -17,10 +17,11 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from core import parallel_state
 from core.tensor_parallel import tp_world_size
 from core.transformer.context_parallel import context_parallel_attention
 from core.transformer.dropout import sharded_rng
@@ -135,7 +136,10 @@ class SelfAttention(nn.Module):
     ``[s, b, h]`` in (``[s / tp, b, h]`` under sequence parallelism), same layout out.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+    def __init__(
+        self, config: TransformerConfig, layer_number: int, cp_group: ProcessGroup | None = None
+    ) -> None:
+        """``cp_group``: the context-parallel group (needed when ``config.context_parallel_size`` > 1)."""
         super().__init__()
         self.config = config
         self.layer_number = layer_number
@@ -154,7 +158,8 @@ class SelfAttention(nn.Module):
             config, qkv_size, projection_size, column_bias=config.add_bias_linear or config.add_qkv_bias
         )
         self.recompute_core = config.recompute_granularity == "selective"
-        self.cp_comm_type = _cp_comm_type(config, layer_number)
+        self.cp_comm_type = _cp_comm_type(config, layer_number, cp_group)
+        self.cp_group = cp_group
 
     def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, local qkv]`` -> query ``[b, local groups, heads per group, s, d]``, key and value
@@ -187,7 +192,7 @@ class SelfAttention(nn.Module):
                 partial(
                     context_parallel_attention,
                     comm_type=self.cp_comm_type,
-                    group=parallel_state.get_context_parallel_group(),
+                    group=self.cp_group,
                     local_attention=local,
                     dropout_p=dropout_p,
                 ),
@@ -226,12 +231,17 @@ class SelfAttention(nn.Module):
         return output
 
 
-def _cp_comm_type(config: TransformerConfig, layer_number: int) -> str | None:
+def _cp_comm_type(config: TransformerConfig, layer_number: int, cp_group: ProcessGroup | None) -> str | None:
     """The layer's context-parallel attention form, or None without context parallelism."""
     cp = config.context_parallel_size
     if cp == 1:
         return None
-    group_size = parallel_state.get_context_parallel_world_size()
+    if cp_group is None:
+        raise ValueError(
+            f"config.context_parallel_size is {cp} but the attention layer was given no context-parallel "
+            "group (pass pg_collection; GPTModel takes parallel_state's groups when none are given)"
+        )
+    group_size = dist.get_world_size(cp_group)
     if group_size != cp:
         raise ValueError(
             f"the context-parallel group has {group_size} ranks but config.context_parallel_size is {cp}"

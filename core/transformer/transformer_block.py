@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.tensor_parallel.fp8 import compile_fp8_casts
 from core.transformer.attention import Rotary
@@ -23,12 +24,21 @@ class TransformerBlock(nn.Module):
 
     Layers live in a ModuleDict keyed by their global index, so parameter names read
     ``layers.{global index}...`` in every split and a name always means one weight.
+    ``pg_collection``: the model's process groups, handed to each layer.
     """
 
-    def __init__(self, config: TransformerConfig, layer_numbers: Sequence[int], post_process: bool) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_numbers: Sequence[int],
+        post_process: bool,
+        pg_collection: ParallelGroups | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in layer_numbers})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, i, pg_collection) for i in layer_numbers}
+        )
         self.final_layernorm = build_norm(config.hidden_size, config) if post_process else None
         self.dynamic_sequence = config.compile and config.variable_seq_lengths
         if config.compile:

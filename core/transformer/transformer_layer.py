@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core.parallel_state import ParallelGroups
 from core.tensor_parallel.fp8 import Fp8Recipe
 from core.transformer.attention import Rotary, SelfAttention
 from core.transformer.dropout import dropout
 from core.transformer.inference_context import InferenceContext
 from core.transformer.mlp import MLP
+from core.transformer.moe.groups import MoEGroups
 from core.transformer.moe.moe_layer import MoELayer
 from core.transformer.norms import build_norm
 from core.transformer.transformer_config import TransformerConfig
@@ -23,15 +25,27 @@ class TransformerLayer(nn.Module):
     ``layer_number`` is the layer's global 0-based index in the whole model, whatever stage builds it.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+    def __init__(
+        self, config: TransformerConfig, layer_number: int, pg_collection: ParallelGroups | None = None
+    ) -> None:
+        """``pg_collection``: the model's process groups (context and expert parallelism talk over
+        theirs; None: a process of one, or an MoE layer's groups from ``parallel_state``)."""
         super().__init__()
         self.config = config
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config.hidden_size, config)
-        self.self_attention = SelfAttention(config, layer_number)
+        cp_group = pg_collection.cp if pg_collection is not None else None
+        self.self_attention = SelfAttention(config, layer_number, cp_group)
         self.pre_mlp_layernorm = build_norm(config.hidden_size, config)
-        self.mlp = MoELayer(config, layer_number) if config.is_moe_layer(layer_number) else MLP(config)
+        self.mlp = self._mlp(config, layer_number, pg_collection)
         self.fp8_kept_out = self._enable_fp8(config, layer_number)
+
+    @staticmethod
+    def _mlp(config: TransformerConfig, layer_number: int, groups: ParallelGroups | None) -> nn.Module:
+        if not config.is_moe_layer(layer_number):
+            return MLP(config)
+        moe_groups = MoEGroups.of(groups, config.expert_model_parallel_size) if groups is not None else None
+        return MoELayer(config, layer_number, moe_groups)
 
     def _enable_fp8(self, config: TransformerConfig, layer_number: int) -> dict[str, str]:
         """The layer's tensor-parallel linear layers in FP8 when the config asks for it for this layer;

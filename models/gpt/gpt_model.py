@@ -26,6 +26,7 @@ from torch import nn
 
 from core import parallel_state
 from core.device import current_device
+from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.layout import EMBEDDING, LOSS, PipelineLayout, even_layout, parse_layout
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.tensor_parallel import (
@@ -105,17 +106,22 @@ def _layout(num_layers: int, pp: int, vpp: int | None, text: str | None, placeme
     return layout
 
 
-def pipeline_rank(config: TransformerConfig) -> int:
-    """This process's pipeline rank (0 without initialised parallel state), checked against the config."""
-    if not parallel_state.model_parallel_is_initialized():
+def default_groups() -> ParallelGroups | None:
+    """``parallel_state``'s groups when they are set up (Megatron's way to build a model), else None."""
+    return parallel_state.get_parallel_groups() if parallel_state.model_parallel_is_initialized() else None
+
+
+def pipeline_rank(config: TransformerConfig, groups: ParallelGroups | None) -> int:
+    """This process's pipeline rank in ``groups`` (0 without groups), checked against the config."""
+    if groups is None:
         return 0
-    size = parallel_state.get_pipeline_model_parallel_world_size()
+    size = groups.size("pp")
     if size != config.pipeline_model_parallel_size:
         raise ValueError(
             f"the pipeline group has {size} ranks but config.pipeline_model_parallel_size is "
             f"{config.pipeline_model_parallel_size}"
         )
-    return parallel_state.get_pipeline_model_parallel_rank()
+    return groups.rank_in("pp")
 
 
 def _rank_of(layout: PipelineLayout, symbol: str) -> int:
@@ -140,7 +146,9 @@ class GPTModel(nn.Module):
     """Megatron's GPTModel contract: ``forward(input_ids, position_ids, attention_mask, labels)``.
 
     ``shared_embedding_weight`` is only for a tied output layer whose embedding lives in an earlier
-    chunk of the same rank; :func:`models.gpt.parallelize.parallelize_gpt` passes it.
+    chunk of the same rank; :func:`models.gpt.parallelize.parallelize_gpt` passes it, and the process
+    groups as ``pg_collection`` (Megatron's keyword; default: ``parallel_state``'s, when set up), which
+    give the chunk its pipeline rank and its context- and expert-parallel groups.
     """
 
     def __init__(
@@ -153,15 +161,18 @@ class GPTModel(nn.Module):
         vp_stage: int | None = None,
         *,
         shared_embedding_weight: nn.Parameter | None = None,
+        pg_collection: ParallelGroups | None = None,
     ) -> None:
         super().__init__()
+        groups = pg_collection if pg_collection is not None else default_groups()
         self.config = config
         self.vp_stage = vp_stage
         self.pre_process, self.post_process = pre_process, post_process
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.padded_vocab_size = config.padded_vocab_size(vocab_size)
         self.layout = pipeline_layout(config)
-        self.pp_rank = pipeline_rank(config)
+        self.pp_rank = pipeline_rank(config, groups)
+        self.cp_rank = groups.rank_in("cp") if groups is not None else 0
         self._check_stage(pre_process, post_process, vp_stage)
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None
@@ -182,7 +193,7 @@ class GPTModel(nn.Module):
             else None
         )
         self.decoder = TransformerBlock(
-            config, self.layout.decoder_layers(self.pp_rank, vp_stage), post_process
+            config, self.layout.decoder_layers(self.pp_rank, vp_stage), post_process, groups
         )
         self._borrowed_weight: list[nn.Parameter] = []  # a list, so that nn.Module does not register it
         self.output_layer = self._build_output_layer(shared_embedding_weight) if post_process else None
@@ -371,8 +382,7 @@ class GPTModel(nn.Module):
         cp = self.config.context_parallel_size
         if cp == 1:
             return torch.arange(local_length, device=device)
-        rank = parallel_state.get_context_parallel_rank()
-        return positions_on_this_cp_rank(local_length * cp, cp, rank, device=device)
+        return positions_on_this_cp_rank(local_length * cp, cp, self.cp_rank, device=device)
 
     def _linear_cross_entropy(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` with the output layer inside the loss: the logits are never held

@@ -30,6 +30,7 @@ contract; :func:`gpt_provider` makes one from a config for tools and tests.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,6 +84,7 @@ def gpt_provider(config: TransformerConfig, vocab_size: int, max_sequence_length
         post_process: bool = True,
         vp_stage: int | None = None,
         shared_embedding_weight: nn.Parameter | None = None,
+        pg_collection: ParallelGroups | None = None,
     ) -> GPTModel:
         return GPTModel(
             config,
@@ -92,17 +94,27 @@ def gpt_provider(config: TransformerConfig, vocab_size: int, max_sequence_length
             post_process=post_process,
             vp_stage=vp_stage,
             shared_embedding_weight=shared_embedding_weight,
+            pg_collection=pg_collection,
         )
 
     return provide
 
 
-def _build_modules(model_provider: ModelProvider, layout: PipelineLayout, pp_rank: int) -> list[nn.Module]:
-    """One chunk per virtual stage of ``pp_rank``, with the embedding and loss flags the layout gives.
+def _build_modules(
+    model_provider: ModelProvider, layout: PipelineLayout, groups: ParallelGroups | None
+) -> list[nn.Module]:
+    """One chunk per virtual stage of this rank, with the embedding and loss flags the layout gives.
 
     Each provider call gets its ``vp_stage`` explicitly (None without virtual stages), as Megatron
-    Core passes it; no global virtual-pipeline rank is set.
+    Core passes it; no global virtual-pipeline rank is set. A provider that takes ``pg_collection``
+    (Megatron's name) gets the groups too.
     """
+    pp_rank = groups.rank_in("pp") if groups is not None else 0
+    takes = inspect.signature(model_provider).parameters
+    if "pg_collection" in takes or any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        given = {"pg_collection": groups}
+    else:
+        given = {}
     vpp = layout.vpp_size
     modules: list[nn.Module] = []
     for v in range(vpp):
@@ -120,6 +132,7 @@ def _build_modules(model_provider: ModelProvider, layout: PipelineLayout, pp_ran
                 post_process=post_process,
                 vp_stage=vp_stage,
                 **shared,
+                **given,
             )
         )
     return modules
@@ -137,18 +150,10 @@ def parallelize_gpt(
     one rank)."""
     if groups is None and ps.model_parallel_is_initialized():
         groups = ps.get_parallel_groups()
-    pp_rank = groups.rank_in("pp") if groups is not None else 0
-    modules = _build_modules(model_provider, layout, pp_rank)
+    modules = _build_modules(model_provider, layout, groups)
     if groups is not None:  # where the delayed FP8 recipe reduces its amaxes
         set_amax_group(modules, groups.tp_dp_cp, groups.expt_dp)
     if ddp_config is None:
         return ParallelGPT(modules=modules, chunks=modules, groups=groups)
-    dp_group = groups.dp_cp if groups is not None else None
-    expert_dp_group = groups.expt_dp if groups is not None else None
-    chunks = [
-        DistributedDataParallel(
-            m.config, ddp_config, m, data_parallel_group=dp_group, expert_data_parallel_group=expert_dp_group
-        )
-        for m in modules
-    ]
+    chunks = [DistributedDataParallel(m.config, ddp_config, m, pg_collection=groups) for m in modules]
     return ParallelGPT(modules=modules, chunks=chunks, groups=groups)

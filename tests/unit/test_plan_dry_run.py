@@ -150,7 +150,7 @@ def test_a_context_parallel_layer_saves_what_the_model_says():
     try:
         ps.initialize_model_parallel(tp, 1, None, cp)
         with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes(answer_scalars=True):
-            layer = TransformerLayer(TransformerConfig(**fields), 0)
+            layer = TransformerLayer(TransformerConfig(**fields), 0, ps.get_parallel_groups())
             weights = {id(p.untyped_storage()) for p in layer.parameters()}
             local = spec.seq_length // cp
             table = RotaryEmbedding(spec.kv_channels, 10000.0).for_length(spec.seq_length, torch.bfloat16)

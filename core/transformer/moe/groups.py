@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from core import parallel_state as ps
+from core.parallel_state import ParallelGroups
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,18 @@ class MoEGroups:
 
     @classmethod
     def from_parallel_state(cls, expert_model_parallel_size: int = 1) -> MoEGroups:
-        """This rank's groups from ``core.parallel_state``; all ``None`` in a process without groups
-        (where every expert is local). With groups, their expert-parallel size must be the config's."""
-
+        """This rank's groups from ``core.parallel_state`` (a layer built without its groups); all
+        ``None`` in a process without groups, where every expert is local."""
         if not dist.is_initialized() or not ps.model_parallel_is_initialized():
             return cls()
-        groups = ps.get_parallel_groups()
+        return cls.of(ps.get_parallel_groups(), expert_model_parallel_size)
+
+    @classmethod
+    def of(cls, groups: ParallelGroups | None, expert_model_parallel_size: int = 1) -> MoEGroups:
+        """An MoE layer's groups among the model's (None: a process of one, every expert local). Their
+        expert-parallel size must be the config's."""
+        if groups is None:
+            return cls()
         if groups.size("ep") != expert_model_parallel_size:
             raise ValueError(
                 f"the model config says expert_model_parallel_size {expert_model_parallel_size} but the "

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core import parallel_state as ps
 from core.device import current_device
+from core.parallel_state import ParallelGroups
 from core.transformer.moe.router import AUX_LOSS_NAMES, TopKRouter
 
 
@@ -40,15 +40,16 @@ def _routers(chunks: Iterable[nn.Module]) -> list[TopKRouter]:
 
 
 def reduce_moe_metrics(
-    chunks: Iterable[nn.Module], config, num_microbatches: int
+    chunks: Iterable[nn.Module], config, num_microbatches: int, groups: ParallelGroups | None = None
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """``({name: mean over MoE layers}, {name: per-layer values})`` of this step's auxiliary losses.
 
     A collective over the pipeline, tensor x context and data-parallel groups: every rank calls it,
     including pipeline stages without an MoE layer. ``num_microbatches`` counts the microbatches the
-    accumulated values cover. One read from the device (:func:`reduce_moe_metrics_on_device` makes none).
+    accumulated values cover; ``groups``: the model's process groups (None: one process). One read
+    from the device (:func:`reduce_moe_metrics_on_device` makes none).
     """
-    summary, per_layer = reduce_moe_metrics_on_device(chunks, config, num_microbatches)
+    summary, per_layer = reduce_moe_metrics_on_device(chunks, config, num_microbatches, groups)
     if not summary:
         return {}, {}
     names = list(summary)
@@ -64,7 +65,7 @@ def reduce_moe_metrics(
 
 
 def reduce_moe_metrics_on_device(
-    chunks: Iterable[nn.Module], config, num_microbatches: int
+    chunks: Iterable[nn.Module], config, num_microbatches: int, groups: ParallelGroups | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """:func:`reduce_moe_metrics` as device tensors: a 0-dim mean per name, a ``[num_layers]`` row per name."""
     names = moe_loss_names(config)
@@ -79,7 +80,8 @@ def reduce_moe_metrics_on_device(
                     value if value.device == table.device else value.to(table.device)
                 )
         router.metrics.clear()
-    _reduce_over_ranks(table, names)
+    if groups is not None:
+        _reduce_over_ranks(table, names, groups)
     table /= num_microbatches
     moe_layers = sum(config.moe_layer_pattern(config.num_layers))
     summary = {name: table[row].sum() / moe_layers for row, name in enumerate(names)}
@@ -87,10 +89,7 @@ def reduce_moe_metrics_on_device(
     return summary, per_layer
 
 
-def _reduce_over_ranks(table: torch.Tensor, names: list[str]) -> None:
-    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
-        return
-    groups = ps.get_parallel_groups()
+def _reduce_over_ranks(table: torch.Tensor, names: list[str], groups: ParallelGroups) -> None:
     for group in (groups.pp, groups.tp_cp):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(table, group=group)
