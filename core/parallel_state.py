@@ -46,7 +46,8 @@ from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
+from torch.distributed import PrefixStore, ProcessGroup, TCPStore
+from torch.distributed.constants import default_pg_timeout
 
 from core.device import bind_local_device, current_device, default_backend, local_device
 from core.rank_groups import (  # the group maths, kept importable from here as in Megatron
@@ -173,7 +174,9 @@ def initialize_distributed(timeout: timedelta | None = None) -> bool:
         if _ACCEPTS_DEVICE_ID:
             options["device_id"] = local_device()
     if all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
-        dist.init_process_group(init_method="env://", **options)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _attempt_store(rank, world_size, timeout or default_pg_timeout)
+        dist.init_process_group(store=store, rank=rank, world_size=world_size, **options)
         return True
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != 1:
@@ -185,6 +188,28 @@ def initialize_distributed(timeout: timedelta | None = None) -> bool:
     atexit.register(shutil.rmtree, rendezvous_dir, ignore_errors=True)
     dist.init_process_group(init_method=f"file://{rendezvous_dir}/store", rank=0, world_size=1, **options)
     return True
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> PrefixStore:
+    """The job's store at MASTER_ADDR:MASTER_PORT, seen under this launch attempt's own prefix.
+
+    torchrun restarts workers (``--max-restarts``) against the same store: its agent's, which
+    outlives them. Without a prefix per attempt the new workers would read the dead attempt's keys
+    (gloo's peer addresses among them) and try to connect to processes that no longer exist.
+    ``TORCHELASTIC_RESTART_COUNT`` numbers the attempts; outside torchrun it is absent (attempt 0).
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"trident/attempt{attempt}", store)
 
 
 # ``device_id`` (eager NCCL communicators) arrived in torch 2.3's init_process_group; pyproject allows 2.3.

@@ -56,6 +56,8 @@ from training.config import (
     ValidationArgs,
 )
 from training.errors import ConfigError
+from training.faults.injection import FAULT_ENV, parse_faults
+from training.faults.restart import resume_from_save_on_restart
 from training.lr_schedule import scheduler_kwargs
 
 __all__ = ["ParallelSizes", "Run", "build_run", "parse_run"]
@@ -173,7 +175,9 @@ def build_run(args: argparse.Namespace, world_size: int | None = None) -> Run:
     given); nothing else is written to ``args``.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    args = resume_from_save_on_restart(args)  # under torchrun --max-restarts, a restart goes on
     try:
+        parse_faults(os.environ.get(FAULT_ENV, ""))  # a drill's bad TRIDENT_FAULT stops here
         load_checkpoint_args(args)  # --use-checkpoint-args: model flags from the --load checkpoint
         namespace = check_checkpoint_args(megatron_namespace(args, derive_args(args, world_size)))
         return _typed(namespace)

@@ -46,7 +46,9 @@ def train_step(
     """
     state, optimizer = session.state, session.optimizer
     iteration = state.iteration + 1
-    faults.phase("forward-backward (pipeline send/recv, data-parallel gradient all-reduce)", iteration)
+    faults.phase(
+        "forward-backward (pipeline send/recv, data-parallel gradient all-reduce)", iteration, "forward"
+    )
     optimizer.zero_grad()  # and the chunks' gradient buffers
     num_microbatches = run.microbatches.num_microbatches(state.consumed_samples)  # a ramp grows it
     losses = run_global_batch(
@@ -59,7 +61,7 @@ def train_step(
         losses |= moe_losses
     faults.phase("the loss check (all-reduce)", iteration)
     bad_loss = _bad_loss_on_any_rank(losses)
-    faults.phase("the optimizer step (gradient-norm all-reduce)", iteration)
+    faults.phase("the optimizer step (gradient-norm all-reduce)", iteration, "optimizer")
     outcome = optimizer.step_on_device(skip=bad_loss, lrs=learning_rates)
     device = current_device()
     return PendingStep(

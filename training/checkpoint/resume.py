@@ -14,6 +14,7 @@ from training import faults
 from training.checkpoint.load import load_checkpoint
 from training.config import LearningRateArgs
 from training.errors import ConfigError
+from training.faults.restart import restart_attempt
 from training.logging_utils import print_line, print_rank_0
 from training.state import Session
 
@@ -55,7 +56,7 @@ def tokenizer_record(settings: Any, tokenizer: Any = None) -> dict | None:
 def save(run: Run, session: Session) -> None:
     """Write a checkpoint of the current iteration into ``--save`` (start writing it, with ``--async-save``)."""
     state = session.state
-    faults.phase("saving a checkpoint", state.iteration)
+    faults.phase("saving a checkpoint", state.iteration, "save")
     for chunk in session.model.chunks:  # the weights must be whole before they are written
         chunk.finish_param_sync()
     path = session.saver.save(
@@ -93,6 +94,10 @@ def load(run: Run, session: Session) -> None:
         exit_on_missing=flags.exit_on_missing_checkpoint,
         groups=session.groups,
     )
+    if restart_attempt():
+        print_rank_0(
+            f"torchrun restart {restart_attempt()}: resuming from the latest checkpoint in {flags.load}"
+        )
     if loaded is None:
         print_rank_0(f"WARNING: no checkpoint in {flags.load}: starting from scratch")
         return

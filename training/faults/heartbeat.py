@@ -11,6 +11,7 @@ import sys
 
 from core.watchdog import Watchdog
 from training.faults import reporting
+from training.faults.injection import inject
 
 TEST_TIMEOUT_ENV = "TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS"
 _generation = 0  # pretrain() calls so far; every rank counts the same, so their store keys match
@@ -89,7 +90,11 @@ def end() -> None:
         reporting.watchdog = None
 
 
-def phase(what: str, iteration: int | None = None) -> None:
-    """The main thread starts ``what`` (of ``iteration``); the watchdog's measure of progress."""
+def phase(what: str, iteration: int | None = None, point: str | None = None) -> None:
+    """The main thread starts ``what`` (of ``iteration``); the watchdog's measure of progress.
+
+    ``point``: the fault-injection point this is (``training.faults.injection``), if any."""
     if reporting.watchdog is not None:
         reporting.watchdog.enter(what, iteration)
+    if point is not None:
+        inject(point, iteration)

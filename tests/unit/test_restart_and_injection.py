@@ -1,0 +1,42 @@
+"""The restart rules and the fault injector's grammar, without processes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from training.faults.injection import Fault, parse_faults
+from training.faults.restart import resume_from_save_on_restart
+
+
+def test_faults_parse_with_their_defaults_and_options():
+    assert parse_faults("kill@forward:7:rank=3, exception@save:4:attempt=1") == [
+        Fault(kind="kill", point="forward", iteration=7, rank=3),
+        Fault(kind="exception", point="save", iteration=4, attempt=1),
+    ]
+    assert parse_faults("") == []
+
+
+@pytest.mark.parametrize(
+    "spec", ["explode@forward:3", "kill@backwards:3", "kill@forward", "kill@forward:3:host=2"]
+)
+def test_a_fault_that_does_not_exist_is_one_line_naming_the_grammar(spec):
+    with pytest.raises(ValueError) as err:
+        parse_faults(spec)
+    assert str(err.value) == (
+        f"TRIDENT_FAULT: cannot read {spec!r}; expected <kind>@<point>:<iteration>[:rank=R][:attempt=A] "
+        "with kind in exception, kill, term, hang and point in forward, optimizer, save"
+    )
+
+
+def test_a_restarted_attempt_without_load_resumes_from_save(monkeypatch):
+    args = argparse.Namespace(save="ckpt", load=None)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert resume_from_save_on_restart(args).load is None  # the first attempt starts as told
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert resume_from_save_on_restart(args).load == "ckpt"
+    assert args.load is None  # a copy: the parsed flags stay as given
+    given = argparse.Namespace(save="ckpt", load="other")
+    assert resume_from_save_on_restart(given).load == "other"
+    assert resume_from_save_on_restart(argparse.Namespace(save=None, load=None)).load is None
