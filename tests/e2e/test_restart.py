@@ -80,3 +80,14 @@ def test_a_smaller_second_start_goes_on_at_the_data_parallel_size_it_finds(cache
         assert loss == pytest.approx(straight[iteration], rel=1e-5), iteration
     manifest = json.loads((tmp_path / "ckpt" / "iter_0000012" / "manifest.json").read_text())
     assert manifest["consumed_samples"] == 12 * 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_the_quick_fault_matrix_passes_every_cell():
+    """tools/fault_matrix.py --quick: each fault kind at the forward point of rank 3, with and
+    without torchrun --max-restarts (8 cells)."""
+    from tools.fault_matrix import main
+
+    summary = main(["--quick"])
+    assert summary["passed"] == summary["cells"] == 8, summary

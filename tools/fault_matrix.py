@@ -1,0 +1,215 @@
+"""The fault matrix: every fault kind x point x rank, with and without torchrun --max-restarts, on CPU ranks.
+
+    python tools/fault_matrix.py                    # every cell (48; about 20-30 minutes on 2 cores)
+    python tools/fault_matrix.py --cells kill@forward:0:restart exception@save:3:stop
+    python tools/fault_matrix.py --quick            # one cell per kind (8)
+
+Each cell trains a tiny GPT (PP2 x DP2, 4 CPU ranks, 12 iterations, a checkpoint every 4) with one
+fault injected through ``TRIDENT_FAULT`` (``training/faults/injection.py``): ``exception``, ``kill``
+(SIGKILL), ``term`` (SIGTERM, no handler: the process ends) or ``hang`` at the ``forward``,
+``optimizer`` or ``save`` point of an iteration (6 for the first two, 8 for ``save``: a checkpoint of
+iteration 4 exists), on rank 0 or rank 3. A ``restart`` cell runs under ``torchrun --max-restarts 1``;
+a ``stop`` cell without restarts.
+
+What a cell must show, within its time limit (the watchdog's timeout is 15 s here, the process
+groups' one minute):
+
+* ``restart``: the run finishes (exit 0) and its checkpoint of iteration 12 holds the same bytes as an
+  uninterrupted run's (weights, optimizer state, RNG);
+* ``stop``: a non-zero exit, the fault reported in the output (the injected exception's message,
+  torchrun's line for the signalled rank; for a hang, the watchdog's one line, which today says that
+  the ranks wait on each other but not which rank they wait for), and the tracker naming a complete
+  checkpoint;
+* both: no worker left running afterwards.
+
+The table, then one JSON line with every cell's outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KINDS = ("exception", "kill", "term", "hang")
+POINTS = {"forward": 6, "optimizer": 6, "save": 8}
+RANKS = (0, 3)
+MODES = ("restart", "stop")
+FLAGS = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+    "--lr-warmup-iters",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--train-iters",
+    "12",
+    "--save-interval",
+    "4",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1023",
+    "--distributed-timeout-minutes",
+    "1",
+]
+WATCHDOG_S = 15
+"""The heartbeat watchdog's timeout; a rank that hangs while its heartbeat goes on is caught by the
+process groups' timeout instead (``--distributed-timeout-minutes 1``)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    kind: str
+    point: str
+    rank: int
+    mode: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}@{self.point}:{self.rank}:{self.mode}"
+
+    @classmethod
+    def parse(cls, text: str) -> Cell:
+        head, rank, mode = text.split(":")
+        kind, point = head.split("@")
+        return cls(kind, point, int(rank), mode)
+
+
+def _launch(save: Path, *, fault: str, restarts: int, timeout: float) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRIDENT_FAULT": fault}
+    env["TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS"] = str(WATCHDOG_S)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", str(restarts)]
+    cmd += ["--nproc-per-node", "4", str(ROOT / "pretrain_gpt.py"), *FLAGS, "--save", str(save)]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        code, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as expired:
+        code, output = 124, str(expired.stdout or "") + str(expired.stderr or "")
+    return code, output, time.monotonic() - start
+
+
+def _files(save: Path, iteration: int) -> dict | None:
+    manifest = save / f"iter_{iteration:07d}" / "manifest.json"
+    return json.loads(manifest.read_text())["files"] if manifest.is_file() else None
+
+
+def _tracker_complete(save: Path) -> bool:
+    tracker = save / "latest_checkpointed_iteration.txt"
+    return not tracker.exists() or _files(save, int(tracker.read_text())) is not None
+
+
+def _orphans(save: Path) -> int:
+    found = subprocess.run(
+        ["pgrep", "-f", f"--save {save}"], capture_output=True, text=True, check=False
+    ).stdout
+    return len(found.split())
+
+
+def _named(cell: Cell, output: str) -> bool:
+    """Whether the output names the fault: what the injected exception said, the silent rank, or the
+    signalled rank in torchrun's summary."""
+    if cell.kind == "exception":
+        return f"injected fault (TRIDENT_FAULT): exception at {cell.point}" in output
+    if cell.kind == "hang":  # the heartbeat goes on, so the one line says the ranks wait on each other
+        return "while every rank still answered" in output or f"rank {cell.rank} stopped answering" in output
+    return f"rank      : {cell.rank} " in output and ("SIGKILL" in output or "SIGTERM" in output)
+
+
+def run_cell(cell: Cell, reference: dict, workdir: Path, timeout: float) -> dict:
+    save = workdir / cell.name.replace(":", "_").replace("@", "_")
+    fault = f"{cell.kind}@{cell.point}:{POINTS[cell.point]}:rank={cell.rank}"
+    code, output, seconds = _launch(save, fault=fault, restarts=int(cell.mode == "restart"), timeout=timeout)
+    time.sleep(2)  # torchrun's last SIGTERMs land
+    if cell.mode == "restart":
+        ok_outcome = code == 0 and _files(save, 12) == reference
+        what = "finished, same bytes" if ok_outcome else f"exit {code}, final checkpoint differs or missing"
+    else:
+        ok_outcome = code not in (0, 124) and _named(cell, output)
+        what = f"exit {code}, " + ("fault named" if _named(cell, output) else "fault NOT named")
+    orphans, complete = _orphans(save), _tracker_complete(save)
+    passed = ok_outcome and orphans == 0 and complete and code != 124
+    return {
+        "cell": cell.name,
+        "passed": passed,
+        "outcome": what,
+        "seconds": round(seconds, 1),
+        "orphans": orphans,
+        "tracker_complete": complete,
+        "tail": "" if passed else output[-1500:],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cells", nargs="*", help="cells as kind@point:rank:mode (default: all)")
+    parser.add_argument("--quick", action="store_true", help="one restart and one stop cell per kind")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell")
+    args = parser.parse_args(argv)
+    if args.cells:
+        cells = [Cell.parse(text) for text in args.cells]
+    elif args.quick:
+        cells = [Cell(kind, "forward", 3, mode) for kind in KINDS for mode in MODES]
+    else:
+        cells = [Cell(k, p, r, m) for k in KINDS for p in POINTS for r in RANKS for m in MODES]
+    with tempfile.TemporaryDirectory(prefix="trident-faults-") as tmp:
+        workdir = Path(tmp)
+        code, output, _ = _launch(workdir / "reference", fault="", restarts=0, timeout=args.timeout)
+        reference = _files(workdir / "reference", 12)
+        if code != 0 or reference is None:
+            raise SystemExit(f"the uninterrupted reference run failed (exit {code}):\n{output[-3000:]}")
+        results = []
+        for cell in cells:
+            results.append(run_cell(cell, reference, workdir, args.timeout))
+            r = results[-1]
+            print(
+                f"{r['cell']:<28} {'pass' if r['passed'] else 'FAIL':<5} {r['seconds']:>6.1f} s  {r['outcome']}"
+            )
+            if not r["passed"]:
+                print(r["tail"])
+    load = [round(x, 2) for x in os.getloadavg()]
+    summary = {
+        "tool": "fault_matrix",
+        "cells": len(results),
+        "passed": sum(r["passed"] for r in results),
+        "results": [{k: v for k, v in r.items() if k != "tail"} for r in results],
+        "load_average": load,
+    }
+    print(f"{summary['passed']}/{summary['cells']} cells passed (load average {load})")
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
