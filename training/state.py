@@ -76,7 +76,7 @@ class Step:
     nan_iterations: int = 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Session:
     """What the loop works with: the parallel model and its optimizer, the schedule, data and loggers."""
 
