@@ -113,6 +113,18 @@ def test_a_nan_loss_raises_at_its_iteration_after_the_steps_before_it_are_applie
     assert session.scheduler.num_steps == 4 and session.state.losses == [{"lm loss": 3.0}]
 
 
+def test_a_step_skipped_without_an_overflow_raises_naming_its_gradient_norm():
+    """--check-for-nan-in-loss-and-grad: a step the optimizer skipped on a finite loss and no overflow
+    had a NaN/Inf gradient norm; the error names it and the iteration."""
+    session = _session()
+    step = _step(1, applied=False)
+    step.grad_norm = torch.tensor(float("nan"))
+    (settled,) = _ledger_with(session, [step]).settle()
+    with pytest.raises(FloatingPointError, match=r"^gradient norm is nan at iteration 1 \(--check-for-nan"):
+        apply_step(_run(check_nan=True), session, settled)
+    assert session.scheduler.num_steps == 0
+
+
 def test_too_many_consecutive_skips_stop_at_the_step_that_reaches_the_limit():
     """Without the NaN check, NaN steps are skipped and counted; the third in a row ends the run naming
     its iteration, and the counters hold the three."""
