@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from training.state import StepResult, TrainState
+from training.state import Step, TrainState
 
 if TYPE_CHECKING:
     from training.run import Run
@@ -30,7 +30,7 @@ class LogWindow:
         self.losses: list[dict[str, float]] = []  # of the iterations that stepped
         self.skipped_losses: list[dict[str, float]] = []  # of the others
 
-    def add(self, step: StepResult) -> None:
+    def add(self, step: Step) -> None:
         if step.losses is not None:
             (self.losses if step.applied else self.skipped_losses).append(step.losses)
         self.iterations += 1
@@ -48,7 +48,7 @@ class LogWindow:
         return mean_per_key(self.losses or self.skipped_losses) or {"lm loss": float("nan")}
 
 
-def wandb_row(run: Run, step: StepResult, flops: float, peak: float | None) -> dict:
+def wandb_row(run: Run, step: Step, flops: float, peak: float | None) -> dict:
     """One iteration's numbers under Megatron's W&B keys (plus a few of Trident's), every iteration.
 
     ``flops``: model FLOPs per sample; ``batch-size`` is this iteration's global batch (a ramp grows it).
@@ -81,7 +81,7 @@ def wandb_row(run: Run, step: StepResult, flops: float, peak: float | None) -> d
 def log_line(
     run: Run,
     state: TrainState,
-    step: StepResult,
+    step: Step,
     window: LogWindow,
     flops: float,
     peak: float | None,

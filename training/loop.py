@@ -1,10 +1,16 @@
 """The training loop: steps until ``--train-iters``, reporting each, evaluating, saving and stopping.
 
-One iteration: the step (:mod:`training.step`), the learning-rate schedule, the W&B row and, every
-``--log-interval``, the log line (:mod:`training.iteration_log`); then, outside the measured time,
-evaluation, the stop checks (``--exit-interval``, ``--exit-duration-in-mins``, SIGTERM with
-``--exit-signal-handler``), a checkpoint every ``--save-interval`` and the caller's
+One iteration: the step (:mod:`training.step`), handed to the ledger (:mod:`training.step_ledger`)
+and, every ``--log-interval``, the log line (:mod:`training.iteration_log`); then, outside the
+measured time, evaluation, the stop checks (``--exit-interval``, ``--exit-duration-in-mins``, SIGTERM
+with ``--exit-signal-handler``), a checkpoint every ``--save-interval`` and the caller's
 ``iteration_hook``.
+
+The host reads a step's results when the ledger settles (at a log step, before an evaluation or a
+save, at the end). The loop then applies each settled step in order (:func:`apply_step`): the errors
+of ``--check-for-nan-in-loss-and-grad``, the skipped and NaN iteration counters and the stop after
+``--max-consecutive-skipped-iterations``, the learning-rate scheduler's advance after an applied step
+and the losses; then the step's W&B row.
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ from training.progress import Progress
 from training.run import Run
 from training.run_control import ExitTimer, ManualGC
 from training.signal_handler import SignalHandler
-from training.state import Session, StepResult, TrainState
+from training.state import Session, Step, TrainState
 from training.step import any_rank, train_step
-from training.step_ledger import PendingStep, StepLedger
+from training.step_ledger import StepLedger
 from training.throughput import memory_stats, num_floating_point_operations, peak_tflops
 from training.timeline import Timeline
 
@@ -64,7 +70,7 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
             state.iteration += 1
             loop.profiler.after_step(state.iteration)
             state.consumed_samples += increment  # Megatron's count: skipped steps too
-            step.consumed_samples, step.increment = state.consumed_samples, increment
+            step.consumed_samples, step.global_batch_size = state.consumed_samples, increment
             loop.report(step, start)
             state.step_seconds.append(time.perf_counter() - start)
             paused = time.perf_counter()
@@ -74,6 +80,52 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
                 break
             _report_ramp(run, state, increment)
         loop.finish()
+
+
+def apply_step(run: Run, session: Session, step: Step) -> None:
+    """What training does after a settled step, as if it had read the step at once: the NaN errors,
+    the skip counters (and the stop after too many), the scheduler's advance after an applied step,
+    the losses; the step then carries the learning rate and the counters after it.
+
+    Raises the error the failing step raises, named with its iteration; the caller applies steps in
+    iteration order, so the steps before it are applied (and reported) first.
+    """
+    assert step.settled, f"iteration {step.iteration} is applied before the ledger read it"
+    state, check = session.state, run.training.check_for_nan_in_loss_and_grad
+    if step.bad_loss and check:
+        raise FloatingPointError(
+            f"loss is {step.losses} at iteration {step.iteration} (--check-for-nan-in-loss-and-grad)"
+        )
+    if not step.applied and not step.overflow and check:
+        raise FloatingPointError(
+            f"gradient norm is {step.grad_norm} at iteration {step.iteration} (--check-for-nan-in-loss-and-grad)"
+        )
+    count_skips(run, state, step)
+    if step.applied:
+        session.scheduler.step(increment=step.global_batch_size)
+    if step.losses is not None:
+        state.losses.append(step.losses)
+    step.learning_rate = session.optimizer.param_groups[0]["lr"]
+    step.skipped_iterations, step.nan_iterations = state.skipped_iterations, state.nan_iterations
+
+
+def count_skips(run: Run, state: TrainState, step: Step) -> None:
+    """A loss-scale overflow is a skipped iteration; a NaN/Inf one is also a NaN iteration, and too
+    many of those in a row end the run."""
+    if step.applied:
+        state.consecutive_skipped = 0
+    elif step.overflow and not step.bad_loss:
+        state.skipped_iterations += 1
+    else:
+        state.skipped_iterations += 1
+        state.nan_iterations += 1
+        state.consecutive_skipped += 1
+        if state.consecutive_skipped >= run.training.max_consecutive_skipped_iterations:
+            raise RuntimeError(
+                f"{state.consecutive_skipped} consecutive iterations had a NaN/inf loss or gradient "
+                f"and were skipped (iteration {step.iteration}); stopping. Lower --lr or "
+                "check the data; --max-consecutive-skipped-iterations sets the limit"
+            )
 
 
 def _microbatches(run: Run, consumed_samples: int) -> str:
@@ -111,8 +163,8 @@ class _Loop:
         self.flops = num_floating_point_operations(run.args, 1, vocab)  # per sample: the batch may grow
         self.peak = peak_tflops(self.device, run.logging.peak_tflops)
         self.window = LogWindow()
-        self.ledger = StepLedger(run, session.optimizer, session.scheduler, self.device)
-        self.last: StepResult | None = None  # the latest settled step
+        self.ledger = StepLedger(session.optimizer, session.scheduler, self.device)
+        self.last: Step | None = None  # the latest applied step
         self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
         self.timeline = Timeline.for_run(run)
         session.state.progress = Progress(
@@ -141,7 +193,7 @@ class _Loop:
         if record is not None:
             self.timeline.finish(iteration, record)
 
-    def report(self, step: PendingStep, start: float) -> None:
+    def report(self, step: Step, start: float) -> None:
         """Hand the step to the ledger; at a log step settle it (the W&B rows, then the log line)."""
         run, state, optimizer = self.run, self.session.state, self.session.optimizer
         if run.logging.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
@@ -162,13 +214,13 @@ class _Loop:
             state.progress.print_log_line(log_line(run, state, self.last, self.window, self.flops, self.peak))
 
     def settle(self) -> None:
-        """Read the pending steps from the device (one wait) and write their W&B rows."""
-        self.ledger.settle(self.session.state, self._settled)
-
-    def _settled(self, step: StepResult) -> None:
-        self.window.add(step)
-        self.last = step
-        self.session.loggers.log(wandb_row(self.run, step, self.flops, self.peak), step=step.iteration)
+        """Read the pending steps from the device (one wait), then apply each and write its W&B row, in
+        order (an error stops at the failing step, after the rows of the steps before it)."""
+        for step in self.ledger.settle():
+            apply_step(self.run, self.session, step)
+            self.window.add(step)
+            self.last = step
+            self.session.loggers.log(wandb_row(self.run, step, self.flops, self.peak), step=step.iteration)
 
     def between_steps(self) -> bool:
         """Evaluate, decide whether to stop, save, call the hook; True to stop."""

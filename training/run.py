@@ -82,7 +82,7 @@ class ParallelSizes:
     """Expert-parallel ranks."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Run:
     """Everything a validated run is: the configs that declare its flags, and what follows from them."""
 

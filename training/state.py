@@ -1,5 +1,5 @@
 """What the loop works on: the pieces setup built (``Session``), the counters it carries from step to
-step (``TrainState``) and what one step measured (``StepResult``)."""
+step (``TrainState``) and what one step decided (``Step``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from training.progress import Progress
 
 if TYPE_CHECKING:
+    import torch
+
     from core.optimizer.lr_scheduler import OptimizerParamScheduler
     from core.optimizer.optimizer import MegatronOptimizer
     from core.parallel_state import ParallelGroups
@@ -35,30 +37,46 @@ class TrainState:
     progress: Progress | None = None  # timestamps, ETA and the end-of-run summary
 
 
-@dataclass
-class StepResult:
-    """What one iteration measured, read from the device (see :mod:`training.step_ledger`), for the log
-    line and W&B."""
+@dataclass(kw_only=True)
+class Step:
+    """One iteration, from :func:`training.step.train_step` to the log line and the W&B row.
 
-    losses: dict[str, float] | None  # loss_func's reported values, on the loss stage
-    grad_norm: float | None
-    num_zeros: int | None
-    applied: bool
-    peak_memory: float  # bytes, the largest of any rank
-    global_batch_size: int  # samples of this step (all data-parallel ranks): it grows along a batch ramp
-    params_norm: float | None = None
+    The step leaves what it decided on the device: the fields under "decided on the device" are 0-dim
+    tensors until the ledger settles the step (:meth:`training.step_ledger.StepLedger.settle`, one read for all the
+    steps since the last settling point); from then on they are host numbers. The loop then applies
+    the settled step (:func:`training.loop.apply_step`: the NaN checks, the skip counters, the
+    learning-rate scheduler) and fills in the learning rate and counters after it.
+    """
+
+    iteration: int
+    global_batch_size: int = 0
+    """Samples of this step (all data-parallel ranks): a batch ramp grows it; the scheduler advances by
+    it after an applied step."""
+    consumed_samples: int = 0  # after this step (Megatron's count: skipped steps too)
+    # Decided on the device (tensors), host numbers once settled.
+    losses: dict[str, torch.Tensor] | dict[str, float] | None = None  # loss_func's values, on the loss stage
+    applied: torch.Tensor | bool  # the optimizer stepped
+    bad_loss: torch.Tensor | bool  # a NaN/Inf loss on some rank
+    overflow: torch.Tensor | bool | None = None
+    """An fp16 loss-scale overflow (settled: False without loss scaling)."""
+    grad_norm: torch.Tensor | float | None  # settled: None after an overflow
+    num_zeros: torch.Tensor | int | None = None  # settled: None unless applied
+    loss_scale: torch.Tensor | float | None = None  # after this step's update (settled: 1.0 without scaling)
+    moe_layers: dict[str, torch.Tensor] | dict[str, float] = field(default_factory=dict)  # per layer, for W&B
+    params_norm: torch.Tensor | float | None = None  # --log-params-norm
+    peak_memory: torch.Tensor | float
+    """Bytes: this rank's on the device (float64); settled, the largest of any rank."""
+    settled: bool = False  # the device fields above hold host numbers
+    # The host's own.
     seconds: float = 0.0  # the host's time for the step (on a GPU, until it queued the next)
-    moe_layers: dict[str, float] = field(default_factory=dict)  # --moe-per-layer-logging, for W&B/TB
-    iteration: int = 0
+    memory: dict[str, int] = field(default_factory=dict)  # allocator statistics (--log-memory-to-tensorboard)
+    # After the loop applied the step.
     learning_rate: float = 0.0  # the first group's, after this step (as Megatron logs it)
-    loss_scale: float = 1.0  # after this step's update
-    consumed_samples: int = 0
     skipped_iterations: int = 0  # the run's counters after this step
     nan_iterations: int = 0
-    memory: dict[str, int] = field(default_factory=dict)  # allocator statistics (--log-memory-to-tensorboard)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Session:
     """What the loop works with: the parallel model and its optimizer, the schedule, data and loggers."""
 

@@ -8,8 +8,8 @@ scale off, as Megatron's does; the iteration counts as a NaN iteration.
 
 All of it is decided on the device: the losses stay there, a NaN/Inf loss on any rank is found by
 one small all-reduce, and the optimizer skips on the device (``step_on_device``). The host reads
-the outcome later, when :mod:`training.step_ledger` settles the steps; on a GPU nothing in a step
-waits for the device.
+the outcome later, when :mod:`training.step_ledger` settles the steps, and the loop counts and
+checks them (:func:`training.loop.apply_step`); on a GPU nothing in a step waits for the device.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from core.transformer.moe.moe_logging import reduce_moe_metrics_on_device
 from training import faults
 from training.batches import BatchStream
 from training.errors import ConfigError
-from training.state import Session
-from training.step_ledger import PendingStep
+from training.state import Session, Step
 from training.throughput import peak_memory_bytes
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
 
 def train_step(
     run: Run, session: Session, record=None, learning_rates: list[torch.Tensor] | None = None
-) -> PendingStep:
+) -> Step:
     """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip).
 
     ``record``: a ``ScheduleRecord`` the schedule fills (the timeline's iterations).
@@ -64,9 +63,9 @@ def train_step(
     faults.phase("the optimizer step (gradient-norm all-reduce)", iteration, "optimizer")
     outcome = optimizer.step_on_device(skip=bad_loss, lrs=learning_rates)
     device = current_device()
-    return PendingStep(
-        iteration,
-        losses,
+    return Step(
+        iteration=iteration,
+        losses=losses,
         applied=outcome.applied,
         bad_loss=bad_loss,
         grad_norm=outcome.grad_norm,
