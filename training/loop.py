@@ -90,7 +90,8 @@ def apply_step(run: Run, session: Session, step: Step) -> None:
     Raises the error the failing step raises, named with its iteration; the caller applies steps in
     iteration order, so the steps before it are applied (and reported) first.
     """
-    assert step.settled, f"iteration {step.iteration} is applied before the ledger read it"
+    if not step.settled:
+        raise RuntimeError(f"iteration {step.iteration} is applied before the ledger read it")
     state, check = session.state, run.training.check_for_nan_in_loss_and_grad
     if step.bad_loss and check:
         raise FloatingPointError(

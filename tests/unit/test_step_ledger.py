@@ -95,7 +95,7 @@ def test_the_ledger_reads_and_the_loop_steps_the_scheduler_once_per_applied_step
 
 def test_a_step_is_applied_only_once_settled():
     session = _session()
-    with pytest.raises(AssertionError, match="iteration 1 is applied before the ledger read it"):
+    with pytest.raises(RuntimeError, match="iteration 1 is applied before the ledger read it"):
         apply_step(_run(), session, _step(1, applied=True))
     assert session.scheduler.num_steps == 0
 
