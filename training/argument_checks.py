@@ -522,7 +522,7 @@ def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
         )
 
 
-_NOT_BUILT_STRATEGIES = {"optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
+_NOT_BUILT_STRATEGIES = {"optim_grads_params": "ZeRO-3"}
 
 
 def _check_data_parallel_sharding(args: argparse.Namespace) -> None:

@@ -35,6 +35,8 @@ from torch.distributed import ProcessGroup
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
+from core.distributed.sharded_bucket import ShardedBucket, ShardedGradBuffer, storage_bytes
+from core.distributed.sharding_units import layer_units, register_unit_hooks, unit_of_params
 
 
 def _default_group() -> ProcessGroup | None:
@@ -81,6 +83,8 @@ def _reduce_options(config: Any, ddp_config: DistributedDataParallelConfig, dp_s
         async_op=ddp_config.overlap_grad_reduce,
         check_for_nan=ddp_config.check_for_nan_in_grad,
         shard=ddp_config.use_distributed_optimizer,
+        shard_grads=ddp_config.shard_grads,
+        shard_params=ddp_config.shard_params,
     )
 
 
@@ -123,6 +127,9 @@ class DistributedDataParallel(nn.Module):
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing or _pipeline_rank() > 0:
             self.bucket_size = None
+        _check_sharding(config, ddp_config)
+        if ddp_config.shard_grads:  # buckets follow the layers instead (see core.distributed.sharding_units)
+            self.bucket_size = None
         self.buffers: list[GradBuffer] = []
         self._build_buffers(_reduce_options(config, ddp_config, dp_size))
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
@@ -140,9 +147,11 @@ class DistributedDataParallel(nn.Module):
                 by_dtype.setdefault((param.dtype, grad_dtype, is_expert_param(param)), []).append(
                     (param, name)
                 )
+        sharded = self.ddp_config.shard_grads
+        units = unit_of_params(self.module) if sharded else None
         for (_, grad_dtype, expert), members in by_dtype.items():
             self.buffers.append(
-                GradBuffer(
+                (ShardedGradBuffer if sharded else GradBuffer)(
                     [p for p, _ in members],
                     [n for _, n in members],
                     grad_dtype,
@@ -150,11 +159,15 @@ class DistributedDataParallel(nn.Module):
                     self.expert_data_parallel_group if expert else self.data_parallel_group,
                     first_bucket_index=len(self.buckets),
                     options=options,  # 1/dp for experts too: see the class docstring
+                    units=units,
                 )
             )
 
     def _register_hooks(self) -> None:
         """Gradient hooks on every parameter; forward pre-hooks when parameter gathers overlap."""
+        if self.ddp_config.shard_grads:
+            self._register_sharded_hooks()
+            return
         # Where the gradient has the parameter's dtype, ``param.grad`` is ``main_grad`` itself (as
         # torch DDP's gradient_as_bucket_view): autograd accumulates every microbatch straight into
         # the buffer, and the hook below has nothing to copy. Otherwise the hook adds each
@@ -178,6 +191,46 @@ class DistributedDataParallel(nn.Module):
                 for module, buckets in self._buckets_by_module().items()
             ]
 
+    def _register_sharded_hooks(self) -> None:
+        """ZeRO-2/3: each microbatch's gradient goes into its bucket's transient full buffer (never into
+        ``param.grad`` for good); ZeRO-3 also gathers and frees each unit's parameters around its use."""
+        self._grad_is_main_grad = []
+        self._hook_handles = []
+        for param, bucket in self.param_to_bucket.items():
+            param.grad_added_to_main_grad = False
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(_sharded_grad_hook(bucket)))
+        if self.ddp_config.overlap_param_gather:  # ZeRO-2 gathers after the step, as ZeRO-1 does
+            self._hook_handles += [
+                module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
+                for module, buckets in self._buckets_by_module().items()
+            ]
+        if not self.ddp_config.shard_params:
+            return
+        for unit in [self.module, *layer_units(self.module)]:
+            own = {id(p) for p in unit.parameters()}
+            if unit is self.module:  # the chunk's own unit: what no layer holds
+                own -= {id(p) for layer in layer_units(self.module) for p in layer.parameters()}
+            buckets = {id(b): b for p, b in self.param_to_bucket.items() if id(p) in own}
+            if buckets:
+                self._hook_handles += register_unit_hooks(unit, list(buckets.values()))
+
+    def persistent_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and gradients this rank holds now in its buckets, padding included (under
+        ZeRO-2/3 the full buckets count only while allocated: between steps, none are)."""
+        params = grads = 0
+        for bucket in self.buckets:
+            if isinstance(bucket, ShardedBucket):
+                grads += storage_bytes(bucket.grad_shard) + storage_bytes(bucket.grad_data)
+                params += storage_bytes(bucket.param_data)
+                params += storage_bytes(bucket.param_shard) if bucket.shards_params else 0
+                continue
+            grads += bucket.grad_data.numel() * bucket.grad_data.element_size()
+            if bucket.param_data is not None:
+                params += bucket.param_data.numel() * bucket.param_data.element_size()
+            else:
+                params += sum(p.numel() * p.element_size() for p in bucket.params)
+        return {"params": params, "grads": grads}
+
     # -- plumbing ---------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         try:
@@ -195,8 +248,19 @@ class DistributedDataParallel(nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
-        """Load into the wrapped module (keys without a ``module.`` prefix)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load into the wrapped module (keys without a ``module.`` prefix); under ZeRO-3 into the
+        gathered parameters, whose shards are then kept."""
+        self.finish_param_sync()
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self.keep_gathered_params()
+        return result
+
+    def keep_gathered_params(self) -> None:
+        """ZeRO-3: after the gathered (whole) parameters were written, keep this rank's shard of them and
+        free the rest. A no-op for the other strategies."""
+        for bucket in self.buckets:
+            if isinstance(bucket, ShardedBucket):
+                bucket.keep_gathered_params()
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -325,10 +389,46 @@ class DistributedDataParallel(nn.Module):
     def broadcast_params(self) -> None:
         """Copy the first data-parallel rank's parameters to the others (identical replicas); an
         expert's, the first of its expert-data-parallel replicas'."""
+        self.finish_param_sync()
         for param in self.module.parameters():
             group = self.expert_data_parallel_group if is_expert_param(param) else self.data_parallel_group
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+        self.keep_gathered_params()
+
+
+def _check_sharding(config: Any, ddp_config: DistributedDataParallelConfig) -> None:
+    """Refuse what sharded gradients or parameters do not compose with yet, before any bucket exists."""
+    strategy = ddp_config.data_parallel_sharding_strategy
+    if ddp_config.shard_grads and getattr(config, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            f"data_parallel_sharding_strategy={strategy!r} keeps no full gradient buffer between "
+            "microbatches, so gradient_accumulation_fusion (--gradient-accumulation-fusion) has no "
+            "main_grad to accumulate into; turn it off"
+        )
+    if ddp_config.shard_params and ddp_config.overlap_param_gather:
+        raise ValueError(
+            "overlap_param_gather (--overlap-param-gather) is not built for "
+            "data_parallel_sharding_strategy='optim_grads_params' yet: its parameters are gathered per "
+            "layer, synchronously, when the layer runs; drop the flag"
+        )
+
+
+def _sharded_grad_hook(bucket: ShardedBucket):
+    bucket_ref = weakref.ref(bucket)  # weakly: see DistributedDataParallel._make_ready
+
+    def hook(param: nn.Parameter) -> None:
+        bucket = bucket_ref()
+        if bucket is None:
+            return
+        if bucket.state != IDLE:
+            bucket.check_accumulation_allowed(param)  # raises
+        if param.grad is not None:
+            bucket.accumulate(param, param.grad)
+            param.grad = None
+        bucket.note_grad(param)
+
+    return hook
 
 
 def multi_no_sync(chunks: list[nn.Module]):

@@ -27,6 +27,7 @@ def _derived(argv: str) -> dict:
         ("", "no_shard", None),
         ("--use-distributed-optimizer", "optim", True),
         ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "optim", True),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", True),
         ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", "no_shard", None),
     ],
 )

@@ -1,0 +1,97 @@
+"""The units ZeRO-3 gathers parameters by, and the hooks that gather and free them.
+
+A unit is one layer: each child of a chunk's outermost ``nn.ModuleList`` (the decoder layers, MTP
+layers). Everything else of the chunk (embedding, final norm, output layer, a tied embedding used
+by the output head without calling the embedding module) is the chunk's own unit, whose forward and
+backward span the whole chunk's. A unit's parameters fill buckets of their own, so gathering a unit
+is gathering its buckets.
+
+Hooks, per unit module (see :mod:`core.distributed.sharded_bucket` for the buckets' side):
+
+* forward pre-hook: gather the unit's buckets;
+* forward hook: free them (unless a backward that needs them is pending) and hang a hook on every
+  output that requires a gradient. The first of those to receive its gradient is the start of the
+  unit's backward: it counts a pending backward on each bucket and gathers the parameters again;
+* each bucket ends the backward itself when all its parameters' gradients are in (then frees them).
+
+Under activation recompute the recomputed forward runs the same hooks: it gathers (or finds the
+parameters already gathered by the pending backward) and frees only when no backward is pending.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from core.distributed.sharded_bucket import ShardedBucket
+
+
+def layer_units(module: nn.Module) -> list[nn.Module]:
+    """The children of ``module``'s outermost ``nn.ModuleList`` s that hold parameters, in module order."""
+    units: list[nn.Module] = []
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if isinstance(child, nn.ModuleList):
+                units.extend(layer for layer in child if next(layer.parameters(), None) is not None)
+            else:
+                visit(child)
+
+    visit(module)
+    return units
+
+
+def unit_of_params(module: nn.Module) -> dict[int, int]:
+    """id(parameter) -> its unit: 1 + the index of its layer, or 0 for the chunk's own parameters."""
+    units = {}
+    for index, layer in enumerate(layer_units(module)):
+        for param in layer.parameters():
+            units.setdefault(id(param), index + 1)
+    return units
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
+
+
+def register_unit_hooks(unit: nn.Module, buckets: list[ShardedBucket]) -> list[RemovableHandle]:
+    """Gather ``buckets`` before ``unit`` runs forward and before its backward; free them after each."""
+    refs = [weakref.ref(b) for b in buckets]  # weakly, as every hook the wrapper hangs on the model
+
+    def live() -> list[ShardedBucket]:
+        return [b for b in (r() for r in refs) if b is not None]
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        for bucket in live():
+            bucket.gather_params()
+
+    def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+        for bucket in live():
+            bucket.release_params()
+        needing = [t for t in _tensors(output) if t.requires_grad]
+        if not needing:
+            return
+        started = [False]
+
+        def before_backward(grad: torch.Tensor) -> None:
+            if started[0]:
+                return
+            started[0] = True
+            for bucket in live():
+                bucket.pending_backward += 1
+                bucket.gather_params()
+
+        for tensor in needing:
+            tensor.register_hook(before_backward)
+
+    return [unit.register_forward_pre_hook(before_forward), unit.register_forward_hook(after_forward)]
