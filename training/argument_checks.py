@@ -522,9 +522,6 @@ def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
         )
 
 
-_NOT_BUILT_STRATEGIES = {"optim_grads_params": "ZeRO-3"}
-
-
 def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
     """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy``: the strategy the run uses, which
     turns the distributed optimizer on (every strategy but no_shard shards the optimizer)."""
@@ -547,10 +544,17 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
         "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards "
         "the optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them",
     )
+    if strategy in ("optim_grads", "optim_grads_params"):
+        _require(
+            not args.gradient_accumulation_fusion,
+            f"--data-parallel-sharding-strategy {strategy} keeps no full gradient buffer between microbatches "
+            "for --gradient-accumulation-fusion to accumulate into: give --no-gradient-accumulation-fusion "
+            "(as Megatron-FSDP asks)",
+        )
     _require(
-        strategy not in _NOT_BUILT_STRATEGIES,
-        f"Trident does not support --data-parallel-sharding-strategy {strategy} "
-        f"({_NOT_BUILT_STRATEGIES.get(strategy)}) yet: use optim (the distributed optimizer, ZeRO-1)",
+        not (strategy == "optim_grads_params" and args.overlap_param_gather),
+        "--overlap-param-gather is not built for --data-parallel-sharding-strategy optim_grads_params yet "
+        "(each layer gathers its parameters when it runs); drop it",
     )
     args.data_parallel_sharding_strategy = strategy
     if strategy != "no_shard":

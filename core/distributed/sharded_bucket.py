@@ -193,8 +193,19 @@ class ShardedBucket(Bucket):
             self.pending_backward = 0
         if not self.shards_params or not self.params_live or self.pending_backward:
             return
+        if not self.param_data.untyped_storage().resizable():
+            self._rehome_params()
         free_storage(self.param_data)
         self.params_live = False
+
+    def _rehome_params(self) -> None:
+        """Move the parameters into fresh storage: viewing a tensor through numpy (as a checkpoint writer
+        does with whole parameters between steps) makes its storage impossible to resize."""
+        fresh = torch.empty_like(self.param_data)
+        for param in self.params:
+            start = self._start_of[id(param)]
+            param.data = fresh[start : start + param.numel()].view(param.shape)
+        self.param_data = fresh
 
     def keep_gathered_params(self) -> None:
         """Copy this rank's range of the gathered parameters into its shard (after they were written whole,
@@ -210,8 +221,9 @@ class ShardedBucket(Bucket):
         shards); otherwise all-gather as the distributed optimizer does."""
         if self.shards_params:
             self.release_params(force=True)
-        else:
+        elif self.param_handle is None:
             super().start_param_sync(async_op)
+            self.gathers += int(self.communicate)
 
     def finish_param_sync(self) -> None:
         """The parameters are whole after this (ZeRO-3 gathers them; freed again after the next step)."""

@@ -55,8 +55,8 @@ def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None):
 
 
 def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float], dict[str, int]]:
-    """Adam steps of two microbatches each: the losses of this rank's microbatches, and the bytes of
-    parameters and gradients the chunk holds between steps."""
+    """Adam steps of two microbatches each: the losses of this rank's microbatches and each step's
+    gradient norm, and the bytes of parameters and gradients the chunk holds between steps."""
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -69,9 +69,13 @@ def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float],
                 loss.backward()
             losses.append(float(loss.detach()))
         chunk.finish_grad_sync()
-        applied, _, _ = optimizer.step()
+        applied, grad_norm, _ = optimizer.step()
         assert applied
+        losses.append(grad_norm)  # summed over the shards of every rank: the unsharded norm
     between_steps = chunk.persistent_bytes()
+    between_steps["traffic"] = sorted(
+        {(getattr(b, "reductions", 1), getattr(b, "gathers", 1)) for b in chunk.buckets}
+    )
     chunk.finish_param_sync()
     return losses, between_steps
 
@@ -108,13 +112,17 @@ def _strategy_case(rank, world_size, tp: int, bf16: bool):
         optimizer.zero_grad()
         out[strategy] = (loss_difference, weights, between_steps)
     out["no_shard"] = (0.0, 0.0, memory)
-    out["zero3 is zero2"] = all(torch.equal(a, b) for a, b in zip(final["optim_grads"], final["optim_grads_params"]))
+    out["zero3 is zero2"] = all(
+        torch.equal(a, b) for a, b in zip(final["optim_grads"], final["optim_grads_params"])
+    )
     return out
 
 
-@pytest.mark.parametrize(("world", "tp"), [(2, 1), (4, 2)], ids=["DP2", "DP2xTP2"])
-def test_every_strategy_trains_the_weights_no_shard_trains(ranks, world, tp):
-    for rank, out in enumerate(ranks(world).run(_strategy_case, tp, False, timeout=240)):
+@pytest.mark.parametrize(
+    ("world", "tp", "bf16"), [(2, 1, False), (4, 2, False), (2, 1, True)], ids=["DP2", "DP2xTP2", "DP2 bf16"]
+)
+def test_every_strategy_trains_the_weights_no_shard_trains(ranks, world, tp, bf16):
+    for rank, out in enumerate(ranks(world).run(_strategy_case, tp, bf16, timeout=240)):
         for strategy in STRATEGIES:
             losses, weights, memory = out[strategy]
             print(f"rank {rank} {strategy}: losses {losses:.1e}, weights {weights:.1e}, bytes {memory}")
@@ -126,6 +134,11 @@ def test_every_strategy_trains_the_weights_no_shard_trains(ranks, world, tp):
         assert out["optim_grads"][2]["grads"] <= unsharded["grads"] / dp * 1.1
         assert out["optim_grads_params"][2]["params"] <= unsharded["params"] / dp * 1.1
         assert out["optim_grads"][2]["params"] >= unsharded["params"] * 0.9
+        # Traffic of the last step, per bucket (M = 2 microbatches): M reduce-scatters under ZeRO-2/3
+        # (ZeRO-1: one) and ZeRO-2's one all-gather after the step; ZeRO-3 gathers each layer's
+        # parameters once per microbatch in forward and again in backward, 2M.
+        assert out["optim_grads"][2]["traffic"] == [(2, 1)]
+        assert out["optim_grads_params"][2]["traffic"] == [(2, 4)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,6 +157,12 @@ SPLITS = {
     "PP2xDP2": ["--pipeline-model-parallel-size", "2"],
     "PP2xVPP2xDP2": ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
     "TP2xDP2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--calculate-per-token-loss"],
+    "PP2xDP2 zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+    "PP2xDP2 gpipe, full recompute": [
+        *("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"),
+        *("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+    ],
+    "DP4 selective recompute": ["--recompute-activations"],
 }
 
 
@@ -155,7 +174,7 @@ def _pretrain_losses(pool, flags) -> list[float]:
     return curves[0]
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads"])
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_pretrain_under_a_strategy_gives_the_unsharded_losses(ranks, data_prefix, split, strategy):
     from tests.dist.test_distributed_optimizer import small_gpt
@@ -168,3 +187,53 @@ def test_pretrain_under_a_strategy_gives_the_unsharded_losses(ranks, data_prefix
     difference = max(abs(x - y) / abs(y) for x, y in zip(sharded, plain))
     print(f"{split} {strategy}: largest relative loss difference {difference:.1e}")
     assert len(sharded) == len(plain) == 3 and difference <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: Trident's format, whatever the strategy; loadable under any strategy and split
+# --------------------------------------------------------------------------------------------------
+
+
+def _whole_tensors(path: str, iteration: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole (TP shards joined), by logical name."""
+    from training.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(path, iteration)
+    return {name: ckpt.read_shard(name) for name, spec in ckpt.specs.items() if spec.shape}
+
+
+def test_a_zero3_checkpoint_resumes_under_other_strategies_and_splits(ranks, data_prefix, tmp_path):
+    """ZeRO-3 at TP2 x DP2 saves at iteration 2 of 4 (``--ckpt-format fsdp_dtensor``: Trident's format);
+    the ZeRO-1 run that saves the same weights and optimizer state again writes them bit for bit; and the
+    last two iterations resumed under ZeRO-1 at TP2 x DP2, ZeRO-2 at PP2 x DP2 and no_shard at DP4 log
+    the straight run's losses (within 1e-5: another split or another reduction order)."""
+    from tests.dist.test_distributed_optimizer import small_gpt
+
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    fsdp = ["--use-megatron-fsdp", "--overlap-grad-reduce"]
+    zero3, copied = str(tmp_path / "zero3"), str(tmp_path / "copied")
+    flags = small_gpt(data_prefix, 4, *tp2, *fsdp, "--ckpt-format", "fsdp_dtensor")
+    straight = _pretrain_losses(ranks(4), flags + ["--save", zero3, "--save-interval", "2"])
+    # Load into ZeRO-1 at the same split and save at once (2 iterations, none left to train).
+    load = ["--load", zero3, "--ckpt-step", "2"]
+    again = small_gpt(data_prefix, 2, *tp2, "--use-distributed-optimizer", *load, "--save", copied)
+    assert all(not losses for losses, _, _ in _pool_run(ranks(4), again + ["--override-opt_param-scheduler"]))
+    saved, resaved = _whole_tensors(zero3, 2), _whole_tensors(copied, 2)
+    assert saved.keys() == resaved.keys() and any(k.startswith("optimizer.") for k in saved)
+    assert all(torch.equal(saved[k], resaved[k]) for k in saved)
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    for name, split in {
+        "ZeRO-1 TP2xDP2": [*tp2, "--use-distributed-optimizer"],
+        "ZeRO-2 PP2xDP2": [*pp2, *fsdp, "--data-parallel-sharding-strategy", "optim_grads"],
+        "no_shard DP4": [],
+    }.items():
+        resumed = _pretrain_losses(ranks(4), small_gpt(data_prefix, 4, *split, *load))
+        difference = max(abs(x - y) / abs(y) for x, y in zip(resumed, straight[2:], strict=True))
+        print(f"{name} from the ZeRO-3 checkpoint: {difference:.1e}")
+        assert difference <= 1e-5, name
+
+
+def _pool_run(pool, flags):
+    from tests.dist.test_distributed_optimizer import run_pretrain
+
+    return pool.run(run_pretrain, flags, timeout=300)

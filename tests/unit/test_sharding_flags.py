@@ -25,6 +25,12 @@ def _derived(argv: str) -> dict:
     ("argv", "strategy", "distributed"),
     [
         ("", "no_shard", None),
+        ("--use-megatron-fsdp", "optim_grads_params", True),  # Megatron-FSDP's default
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+            "optim_grads_params",
+            True,
+        ),
         ("--use-distributed-optimizer", "optim", True),
         ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "optim", True),
         ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", True),
@@ -52,6 +58,21 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
             (
                 "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards the "
                 "optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp --gradient-accumulation-fusion",
+            (
+                "--data-parallel-sharding-strategy optim_grads_params keeps no full gradient buffer between "
+                "microbatches for --gradient-accumulation-fusion to accumulate into: give "
+                "--no-gradient-accumulation-fusion (as Megatron-FSDP asks)"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather",
+            (
+                "--overlap-param-gather is not built for --data-parallel-sharding-strategy optim_grads_params yet "
+                "(each layer gathers its parameters when it runs); drop it"
             ),
         ),
     ],
