@@ -552,6 +552,16 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
             "(as Megatron-FSDP asks)",
         )
     _require(
+        not (
+            strategy in ("optim_grads", "optim_grads_params")
+            and args.pipeline_schedule == "zbv"
+            and not args.untie_embeddings_and_output_weights
+        ),
+        f"--data-parallel-sharding-strategy {strategy} cannot shard the tied embedding that --pipeline-schedule "
+        "zbv puts in both model chunks of rank 0 yet: give --untie-embeddings-and-output-weights, or "
+        "--data-parallel-sharding-strategy optim",
+    )
+    _require(
         not (strategy == "optim_grads_params" and args.overlap_param_gather),
         "--overlap-param-gather is not built for --data-parallel-sharding-strategy optim_grads_params yet "
         "(each layer gathers its parameters when it runs); drop it",

@@ -12,7 +12,8 @@ which Adam's normalisation lifts where a gradient is zero in exact arithmetic (t
 update is then +-lr times the sign of rounding noise; measured 1.6e-5 relative on that tensor after
 three steps, <= 4e-6 on every other). So: losses within 1e-6, weights within 5e-5 (per tensor, the
 design's "within x"), and optim_grads_params bit-identical to optim_grads (the same reductions; the
-gathered parameters are the shards themselves).
+gathered parameters are the shards themselves). At DP3 even ``optim`` sums three ranks' gradients in
+another order than ``no_shard`` (gloo's ring cuts a padded bucket into other chunks): 5e-5 for all.
 """
 
 from __future__ import annotations
@@ -119,14 +120,17 @@ def _strategy_case(rank, world_size, tp: int, bf16: bool):
 
 
 @pytest.mark.parametrize(
-    ("world", "tp", "bf16"), [(2, 1, False), (4, 2, False), (2, 1, True)], ids=["DP2", "DP2xTP2", "DP2 bf16"]
+    ("world", "tp", "bf16"),
+    [(2, 1, False), (4, 2, False), (2, 1, True), (3, 1, False)],
+    ids=["DP2", "DP2xTP2", "DP2 bf16", "DP3 (odd: shards split parameters unevenly)"],
 )
 def test_every_strategy_trains_the_weights_no_shard_trains(ranks, world, tp, bf16):
     for rank, out in enumerate(ranks(world).run(_strategy_case, tp, bf16, timeout=240)):
         for strategy in STRATEGIES:
             losses, weights, memory = out[strategy]
             print(f"rank {rank} {strategy}: losses {losses:.1e}, weights {weights:.1e}, bytes {memory}")
-            assert losses <= 1e-6 and weights <= TOLERANCE[strategy], strategy
+            limit = TOLERANCE[strategy] if world // tp == 2 else TOLERANCE["optim_grads"]
+            assert losses <= 1e-6 and weights <= limit, strategy
         assert out["zero3 is zero2"]
         unsharded, dp = out["no_shard"][2], world // tp
         # Between steps: ZeRO-2 holds 1/DP of the gradients, ZeRO-3 also 1/DP of the parameters
@@ -163,6 +167,15 @@ SPLITS = {
         *("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
     ],
     "DP4 selective recompute": ["--recompute-activations"],
+    "PP2xDP2 zbv, untied": [
+        *("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"),
+        *("--pipeline-schedule", "zbv", "--untie-embeddings-and-output-weights"),
+    ],
+    "CP2xDP2": ["--context-parallel-size", "2"],
+    "EP2xDP2 MoE": [
+        *("--num-experts", "4", "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2"),
+        *("--moe-layer-freq", "([1]*3+[0])"),
+    ],
 }
 
 

@@ -75,6 +75,17 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
                 "(each layer gathers its parameters when it runs); drop it"
             ),
         ),
+        (
+            (
+                "--use-megatron-fsdp --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                "--pipeline-schedule zbv --num-layers 4"
+            ),
+            (
+                "--data-parallel-sharding-strategy optim_grads_params cannot shard the tied embedding that "
+                "--pipeline-schedule zbv puts in both model chunks of rank 0 yet: give "
+                "--untie-embeddings-and-output-weights, or --data-parallel-sharding-strategy optim"
+            ),
+        ),
     ],
 )
 def test_contradicting_strategies_are_one_line(argv, message):
