@@ -216,7 +216,8 @@ def _whole_tensors(path: str, iteration: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_zero3_checkpoint_resumes_under_other_strategies_and_splits(ranks, data_prefix, tmp_path):
-    """ZeRO-3 at TP2 x DP2 saves at iteration 2 of 4 (``--ckpt-format fsdp_dtensor``: Trident's format);
+    """ZeRO-3 at TP2 x DP2 saves at iteration 2 of 4 (``--ckpt-format fsdp_dtensor``: Trident's format;
+    ``--async-save``: the writer copies the gathered weights before the next forward frees them);
     the ZeRO-1 run that saves the same weights and optimizer state again writes them bit for bit; and the
     last two iterations resumed under ZeRO-1 at TP2 x DP2, ZeRO-2 at PP2 x DP2 and no_shard at DP4 log
     the straight run's losses (within 1e-5: another split or another reduction order)."""
@@ -226,7 +227,7 @@ def test_a_zero3_checkpoint_resumes_under_other_strategies_and_splits(ranks, dat
     fsdp = ["--use-megatron-fsdp", "--overlap-grad-reduce"]
     zero3, copied = str(tmp_path / "zero3"), str(tmp_path / "copied")
     flags = small_gpt(data_prefix, 4, *tp2, *fsdp, "--ckpt-format", "fsdp_dtensor")
-    straight = _pretrain_losses(ranks(4), flags + ["--save", zero3, "--save-interval", "2"])
+    straight = _pretrain_losses(ranks(4), flags + ["--save", zero3, "--save-interval", "2", "--async-save"])
     # Load into ZeRO-1 at the same split and save at once (2 iterations, none left to train).
     load = ["--load", zero3, "--ckpt-step", "2"]
     again = small_gpt(data_prefix, 2, *tp2, "--use-distributed-optimizer", *load, "--save", copied)
