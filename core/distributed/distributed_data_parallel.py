@@ -244,7 +244,11 @@ class DistributedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        """The wrapped module's state dict (no ``module.`` prefix)."""
+        """The wrapped module's state dict (no ``module.`` prefix). Under ZeRO-3 the parameters are
+        gathered first (they stay gathered until the next step frees them): between uses their
+        tensors have no memory, and reading them then is undefined (read them after
+        ``finish_param_sync``)."""
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):

@@ -1,7 +1,7 @@
 """The units ZeRO-3 gathers parameters by, and the hooks that gather and free them.
 
-A unit is one layer: each child of a chunk's outermost ``nn.ModuleList`` (the decoder layers, MTP
-layers). Everything else of the chunk (embedding, final norm, output layer, a tied embedding used
+A unit is one layer: each child of a chunk's outermost ``nn.ModuleList`` or ``nn.ModuleDict`` (the
+decoder layers, keyed by their global number; MTP layers). Everything else of the chunk (embedding, final norm, output layer, a tied embedding used
 by the output head without calling the embedding module) is the chunk's own unit, whose forward and
 backward span the whole chunk's. A unit's parameters fill buckets of their own, so gathering a unit
 is gathering its buckets.
@@ -31,13 +31,15 @@ from core.distributed.sharded_bucket import ShardedBucket
 
 
 def layer_units(module: nn.Module) -> list[nn.Module]:
-    """The children of ``module``'s outermost ``nn.ModuleList`` s that hold parameters, in module order."""
+    """The children of ``module``'s outermost ``nn.ModuleList`` s and ``nn.ModuleDict`` s that hold
+    parameters, in module order."""
     units: list[nn.Module] = []
 
     def visit(parent: nn.Module) -> None:
         for child in parent.children():
-            if isinstance(child, nn.ModuleList):
-                units.extend(layer for layer in child if next(layer.parameters(), None) is not None)
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                layers = child.values() if isinstance(child, nn.ModuleDict) else child
+                units.extend(layer for layer in layers if next(layer.parameters(), None) is not None)
             else:
                 visit(child)
 

@@ -58,7 +58,14 @@ def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None):
 def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float], dict[str, int]]:
     """Adam steps of two microbatches each: the losses of this rank's microbatches and each step's
     gradient norm, and the bytes of parameters and gradients the chunk holds between steps."""
-    losses = []
+    from core.distributed.sharding_units import layer_units
+
+    losses, peak = [], [0]
+
+    def measure(module, args) -> None:  # runs after the wrapper's own pre-hook gathered the layer
+        peak[0] = max(peak[0], chunk.persistent_bytes()["params"])
+
+    handles = [layer.register_forward_pre_hook(measure) for layer in layer_units(chunk.module)]
     for step in range(steps):
         optimizer.zero_grad()
         for micro in range(2):
@@ -73,7 +80,11 @@ def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float],
         applied, grad_norm, _ = optimizer.step()
         assert applied
         losses.append(grad_norm)  # summed over the shards of every rank: the unsharded norm
+    for handle in handles:
+        handle.remove()
     between_steps = chunk.persistent_bytes()
+    between_steps["peak params in forward"] = peak[0]
+    between_steps["buckets"] = len(chunk.buckets)
     between_steps["traffic"] = sorted(
         {(getattr(b, "reductions", 1), getattr(b, "gathers", 1)) for b in chunk.buckets}
     )
@@ -143,6 +154,10 @@ def test_every_strategy_trains_the_weights_no_shard_trains(ranks, world, tp, bf1
         # parameters once per microbatch in forward and again in backward, 2M.
         assert out["optim_grads"][2]["traffic"] == [(2, 1)]
         assert out["optim_grads_params"][2]["traffic"] == [(2, 4)]
+        # A bucket per layer (3) and at least one for the rest; in forward ZeRO-3 holds its shards, the
+        # chunk's own unit and the one layer running, never the whole model.
+        assert out["optim_grads_params"][2]["buckets"] >= 4
+        assert out["optim_grads_params"][2]["peak params in forward"] < unsharded["params"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,6 +187,8 @@ SPLITS = {
         *("--pipeline-schedule", "zbv", "--untie-embeddings-and-output-weights"),
     ],
     "CP2xDP2": ["--context-parallel-size", "2"],
+    "PP2xDP2 bf16": ["--pipeline-model-parallel-size", "2", "--bf16"],
+    "PP2xDP2 fp16": ["--pipeline-model-parallel-size", "2", "--fp16", "--initial-loss-scale", "1024"],
     "EP2xDP2 MoE": [
         *("--num-experts", "4", "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2"),
         *("--moe-layer-freq", "([1]*3+[0])"),
@@ -251,3 +268,54 @@ def _pool_run(pool, flags):
     from tests.dist.test_distributed_optimizer import run_pretrain
 
     return pool.run(run_pretrain, flags, timeout=300)
+
+
+# --------------------------------------------------------------------------------------------------
+# An independent check at TP=1: torch's fully_shard (FSDP2) trains the same weights as ZeRO-3
+# --------------------------------------------------------------------------------------------------
+
+
+def _fully_shard_case(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from core import parallel_state as ps
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.tensor_parallel.random import model_parallel_seed
+
+    ps.initialize_model_parallel()
+    dp_rank = ps.get_data_parallel_rank()
+    torch.manual_seed(0)
+    model_parallel_seed(1234)
+    ours = _chunk("optim_grads_params", 1, False, None)
+    initial = {k: v.clone() for k, v in ours.state_dict().items()}  # gathers first
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=True)
+    _steps(ours, get_megatron_optimizer(config, [ours], fused=False), dp_rank)
+    # torch: each decoder layer and the rest its own FSDP unit, as ZeRO-3's units; gradients reduced
+    # every microbatch (as ZeRO-3 does), so both sum the same numbers in the same order.
+    theirs = _chunk("no_shard", 1, False, initial).module
+    for layer in theirs.decoder.layers.values():
+        fully_shard(layer)
+    fully_shard(theirs)
+    adam = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
+    for step in range(3):
+        adam.zero_grad()
+        for micro in range(2):
+            gen = torch.Generator().manual_seed(100 * step + 10 * dp_rank + micro)
+            tokens = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            (theirs(tokens, labels=torch.roll(tokens, -1, 1)).float().mean() / 2).backward()
+        adam.step()
+    # Compare this rank's rows (FSDP2 shards dim 0 in chunks of ceil(rows / DP)) with ours, gathered.
+    mine = dict(ours.module.named_parameters())
+    differences = []
+    for name, param in theirs.named_parameters():
+        local, rows = param.to_local(), param.shape[0]
+        start = min(rows, dp_rank * -(-rows // world_size))
+        if local.numel():
+            differences.append(_relative(mine[name].detach()[start : start + local.shape[0]], local))
+    return max(differences)
+
+
+def test_zero3_trains_the_weights_torch_fully_shard_trains(ranks):
+    differences = ranks(2).run(_fully_shard_case, timeout=240)
+    print(f"ZeRO-3 against torch's fully_shard, largest relative weight difference: {max(differences):.1e}")
+    assert max(differences) <= 1e-6
