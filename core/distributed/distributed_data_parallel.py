@@ -18,6 +18,13 @@ With ``use_distributed_optimizer`` the buckets are reduce-scattered instead of a
 data-parallel rank gets the sum of its shard), the parameters live in a flat buffer of the same
 layout, and ``start_param_sync`` all-gathers the shards the optimizer updated (see
 :mod:`core.distributed.grad_buffer`).
+
+With ``data_parallel_sharding_strategy`` ``optim_grads`` (ZeRO-2) or ``optim_grads_params`` (ZeRO-3)
+the buckets follow the layers and keep only this rank's reduced gradient shard between microbatches,
+and under ZeRO-3 only its parameter shard between uses; each layer's parameters are gathered around
+its forward and its backward (:mod:`core.distributed.sharded_bucket`,
+:mod:`core.distributed.sharding_units`). Read ZeRO-3 weights after ``finish_param_sync()`` (or through
+``state_dict()``, which calls it); write them whole, then call ``keep_gathered_params()``.
 """
 
 from __future__ import annotations
@@ -36,7 +43,13 @@ from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
 from core.distributed.sharded_bucket import ShardedBucket, ShardedGradBuffer, storage_bytes
-from core.distributed.sharding_units import layer_units, register_unit_hooks, unit_of_params
+from core.distributed.sharding_units import (
+    check_sharding,
+    layer_units,
+    register_unit_hooks,
+    sharded_grad_hook,
+    unit_of_params,
+)
 
 
 def _default_group() -> ProcessGroup | None:
@@ -127,7 +140,7 @@ class DistributedDataParallel(nn.Module):
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing or _pipeline_rank() > 0:
             self.bucket_size = None
-        _check_sharding(config, ddp_config)
+        check_sharding(config, ddp_config)
         if ddp_config.shard_grads:  # buckets follow the layers instead (see core.distributed.sharding_units)
             self.bucket_size = None
         self.buffers: list[GradBuffer] = []
@@ -198,7 +211,7 @@ class DistributedDataParallel(nn.Module):
         self._hook_handles = []
         for param, bucket in self.param_to_bucket.items():
             param.grad_added_to_main_grad = False
-            self._hook_handles.append(param.register_post_accumulate_grad_hook(_sharded_grad_hook(bucket)))
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(sharded_grad_hook(bucket)))
         if self.ddp_config.overlap_param_gather:  # ZeRO-2 gathers after the step, as ZeRO-1 does
             self._hook_handles += [
                 module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
@@ -399,40 +412,6 @@ class DistributedDataParallel(nn.Module):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
         self.keep_gathered_params()
-
-
-def _check_sharding(config: Any, ddp_config: DistributedDataParallelConfig) -> None:
-    """Refuse what sharded gradients or parameters do not compose with yet, before any bucket exists."""
-    strategy = ddp_config.data_parallel_sharding_strategy
-    if ddp_config.shard_grads and getattr(config, "gradient_accumulation_fusion", False):
-        raise ValueError(
-            f"data_parallel_sharding_strategy={strategy!r} keeps no full gradient buffer between "
-            "microbatches, so gradient_accumulation_fusion (--gradient-accumulation-fusion) has no "
-            "main_grad to accumulate into; turn it off"
-        )
-    if ddp_config.shard_params and ddp_config.overlap_param_gather:
-        raise ValueError(
-            "overlap_param_gather (--overlap-param-gather) is not built for "
-            "data_parallel_sharding_strategy='optim_grads_params' yet: its parameters are gathered per "
-            "layer, synchronously, when the layer runs; drop the flag"
-        )
-
-
-def _sharded_grad_hook(bucket: ShardedBucket):
-    bucket_ref = weakref.ref(bucket)  # weakly: see DistributedDataParallel._make_ready
-
-    def hook(param: nn.Parameter) -> None:
-        bucket = bucket_ref()
-        if bucket is None:
-            return
-        if bucket.state != IDLE:
-            bucket.check_accumulation_allowed(param)  # raises
-        if param.grad is not None:
-            bucket.accumulate(param, param.grad)
-            param.grad = None
-        bucket.note_grad(param)
-
-    return hook
 
 
 def multi_no_sync(chunks: list[nn.Module]):

@@ -16,6 +16,9 @@ Hooks, per unit module (see :mod:`core.distributed.sharded_bucket` for the bucke
 
 Under activation recompute the recomputed forward runs the same hooks: it gathers (or finds the
 parameters already gathered by the pending backward) and frees only when no backward is pending.
+
+Also here: the per-parameter gradient hook of ZeRO-2/3 (:func:`sharded_grad_hook`) and what they
+refuse to compose with before any bucket exists (:func:`check_sharding`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.distributed.grad_buffer import IDLE
 from core.distributed.sharded_bucket import ShardedBucket
 
 
@@ -97,3 +102,39 @@ def register_unit_hooks(unit: nn.Module, buckets: list[ShardedBucket]) -> list[R
             tensor.register_hook(before_backward)
 
     return [unit.register_forward_pre_hook(before_forward), unit.register_forward_hook(after_forward)]
+
+
+def check_sharding(config: Any, ddp_config: DistributedDataParallelConfig) -> None:
+    """Refuse what sharded gradients or parameters do not compose with yet, before any bucket exists."""
+    strategy = ddp_config.data_parallel_sharding_strategy
+    if ddp_config.shard_grads and getattr(config, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            f"data_parallel_sharding_strategy={strategy!r} keeps no full gradient buffer between "
+            "microbatches, so gradient_accumulation_fusion (--gradient-accumulation-fusion) has no "
+            "main_grad to accumulate into; turn it off"
+        )
+    if ddp_config.shard_params and ddp_config.overlap_param_gather:
+        raise ValueError(
+            "overlap_param_gather (--overlap-param-gather) is not built for "
+            "data_parallel_sharding_strategy='optim_grads_params' yet: its parameters are gathered per "
+            "layer, synchronously, when the layer runs; drop the flag"
+        )
+
+
+def sharded_grad_hook(bucket: ShardedBucket):
+    """The post-accumulate-grad hook of a ZeRO-2/3 parameter: its gradient of this microbatch goes into
+    the bucket's transient full buffer (``param.grad`` is dropped), and the bucket counts it."""
+    bucket_ref = weakref.ref(bucket)  # weakly: see DistributedDataParallel._make_ready
+
+    def hook(param: nn.Parameter) -> None:
+        bucket = bucket_ref()
+        if bucket is None:
+            return
+        if bucket.state != IDLE:
+            bucket.check_accumulation_allowed(param)  # raises
+        if param.grad is not None:
+            bucket.accumulate(param, param.grad)
+            param.grad = None
+        bucket.note_grad(param)
+
+    return hook
