@@ -561,11 +561,6 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
         "zbv puts in both model chunks of rank 0 yet: give --untie-embeddings-and-output-weights, or "
         "--data-parallel-sharding-strategy optim",
     )
-    _require(
-        not (strategy == "optim_grads_params" and args.overlap_param_gather),
-        "--overlap-param-gather is not built for --data-parallel-sharding-strategy optim_grads_params yet "
-        "(each layer gathers its parameters when it runs); drop it",
-    )
     args.data_parallel_sharding_strategy = strategy
     if strategy != "no_shard":
         args.use_distributed_optimizer = True

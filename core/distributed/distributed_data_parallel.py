@@ -212,20 +212,34 @@ class DistributedDataParallel(nn.Module):
         for param, bucket in self.param_to_bucket.items():
             param.grad_added_to_main_grad = False
             self._hook_handles.append(param.register_post_accumulate_grad_hook(sharded_grad_hook(bucket)))
-        if self.ddp_config.overlap_param_gather:  # ZeRO-2 gathers after the step, as ZeRO-1 does
+        if self.ddp_config.overlap_param_gather and not self.ddp_config.shard_params:  # ZeRO-2: as ZeRO-1
             self._hook_handles += [
                 module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
                 for module, buckets in self._buckets_by_module().items()
             ]
-        if not self.ddp_config.shard_params:
-            return
-        for unit in [self.module, *layer_units(self.module)]:
-            own = {id(p) for p in unit.parameters()}
-            if unit is self.module:  # the chunk's own unit: what no layer holds
-                own -= {id(p) for layer in layer_units(self.module) for p in layer.parameters()}
-            buckets = {id(b): b for p, b in self.param_to_bucket.items() if id(p) in own}
+        if self.ddp_config.shard_params:
+            self._register_unit_hooks()
+
+    def _register_unit_hooks(self) -> None:
+        """ZeRO-3: each unit (the chunk's own weights, then each layer) gathers around its use; with
+        ``overlap_param_gather`` it prefetches its neighbour's (the next in forward, the previous in backward)."""
+        layers = layer_units(self.module)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        units = []
+        for unit in [self.module, *layers]:
+            own = {id(p) for p in unit.parameters()} - (in_layers if unit is self.module else set())
+            buckets = list({id(b): b for p, b in self.param_to_bucket.items() if id(p) in own}.values())
             if buckets:
-                self._hook_handles += register_unit_hooks(unit, list(buckets.values()))
+                units.append((unit, buckets))
+        prefetch = self.ddp_config.overlap_param_gather
+        for index, (unit, buckets) in enumerate(units):
+            after = units[index + 1][1] if prefetch and index + 1 < len(units) else []
+            before = units[index - 1][1] if prefetch and index > 1 else []  # the chunk's own stays gathered
+            if unit is self.module and prefetch and len(units) > 1:
+                before = units[-1][1]  # the chunk's backward starts with its last layer's
+            self._hook_handles += register_unit_hooks(
+                unit, buckets, next_in_forward=after, next_in_backward=before
+            )
 
     def persistent_bytes(self) -> dict[str, int]:
         """Bytes of parameters and gradients this rank holds now in its buckets, padding included (under

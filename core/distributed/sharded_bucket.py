@@ -77,6 +77,7 @@ class ShardedBucket(Bucket):
             self.param_shard = self.param_shard.clone()
             free_storage(self.param_data)
         self.params_live = not self.shards_params
+        self._gather_work = None  # a prefetch in flight
         self.pending_backward = 0
         self._reported: set[int] = set()
         self.reductions = self.gathers = 0  # counted per step, for the traffic report
@@ -175,17 +176,27 @@ class ShardedBucket(Bucket):
         self.reductions = self.gathers = 0
 
     # -- parameters (ZeRO-3) ------------------------------------------------------------------
-    def gather_params(self) -> None:
-        """All-gather every rank's parameter shard into ``param_data`` (a no-op if it is there)."""
+    def gather_params(self, async_op: bool = False) -> None:
+        """All-gather every rank's parameter shard into ``param_data``; a no-op if it is there.
+        ``async_op`` (a prefetch, ``overlap_param_gather``): launch it and return; a later synchronous
+        call, or freeing, waits for it."""
         if self.params_live:
+            if not async_op:
+                self._wait_gather()
             return
         alloc_storage(self.param_data)
         if self.communicate:
-            all_gather(self.param_data, self.param_shard, self.group, async_op=False)
+            work = all_gather(self.param_data, self.param_shard, self.group, async_op=async_op)
+            self._gather_work = work if async_op else None
         else:
             self.param_data.copy_(self.param_shard)
         self.params_live = True
         self.gathers += 1
+
+    def _wait_gather(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
 
     def release_params(self, force: bool = False) -> None:
         """Free the gathered parameters, unless a backward that needs them is pending (``force``: anyway)."""
@@ -193,6 +204,7 @@ class ShardedBucket(Bucket):
             self.pending_backward = 0
         if not self.shards_params or not self.params_live or self.pending_backward:
             return
+        self._wait_gather()  # never free memory a collective still writes
         if not self.param_data.untyped_storage().resizable():
             self._rehome_params()
         free_storage(self.param_data)
@@ -212,6 +224,7 @@ class ShardedBucket(Bucket):
         e.g. by a checkpoint load), then free them."""
         if not self.shards_params or not self.params_live:
             return
+        self._wait_gather()
         lo = self.dp_rank * self.shard_size
         self.param_shard.copy_(self.param_data[lo : lo + self.shard_size])
         self.release_params(force=True)

@@ -14,6 +14,9 @@ Hooks, per unit module (see :mod:`core.distributed.sharded_bucket` for the bucke
   unit's backward: it counts a pending backward on each bucket and gathers the parameters again;
 * each bucket ends the backward itself when all its parameters' gradients are in (then frees them).
 
+With ``overlap_param_gather`` each unit also launches the next unit's all-gather (forward order in
+forward, reverse order in backward) asynchronously, so it overlaps this unit's compute.
+
 Under activation recompute the recomputed forward runs the same hooks: it gathers (or finds the
 parameters already gathered by the pending backward) and frees only when no backward is pending.
 
@@ -71,16 +74,31 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
-def register_unit_hooks(unit: nn.Module, buckets: list[ShardedBucket]) -> list[RemovableHandle]:
-    """Gather ``buckets`` before ``unit`` runs forward and before its backward; free them after each."""
-    refs = [weakref.ref(b) for b in buckets]  # weakly, as every hook the wrapper hangs on the model
+def register_unit_hooks(
+    unit: nn.Module,
+    buckets: list[ShardedBucket],
+    *,
+    next_in_forward: list[ShardedBucket] = (),
+    next_in_backward: list[ShardedBucket] = (),
+) -> list[RemovableHandle]:
+    """Gather ``buckets`` before ``unit`` runs forward and before its backward; free them after each.
 
-    def live() -> list[ShardedBucket]:
-        return [b for b in (r() for r in refs) if b is not None]
+    With prefetching (``overlap_param_gather``), ``next_in_forward`` (the next unit's buckets) start
+    their all-gathers as this unit's forward starts, and ``next_in_backward`` (the previous unit's)
+    as its backward starts, so each gather overlaps a unit's compute; the next unit's hooks wait.
+    """
+    refs = [weakref.ref(b) for b in buckets]  # weakly, as every hook the wrapper hangs on the model
+    forward_refs = [weakref.ref(b) for b in next_in_forward]
+    backward_refs = [weakref.ref(b) for b in next_in_backward]
+
+    def live(which: list = refs) -> list[ShardedBucket]:
+        return [b for b in (r() for r in which) if b is not None]
 
     def before_forward(module: nn.Module, args: Any) -> None:
         for bucket in live():
             bucket.gather_params()
+        for bucket in live(forward_refs):
+            bucket.gather_params(async_op=True)
 
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
         for bucket in live():
@@ -97,6 +115,8 @@ def register_unit_hooks(unit: nn.Module, buckets: list[ShardedBucket]) -> list[R
             for bucket in live():
                 bucket.pending_backward += 1
                 bucket.gather_params()
+            for bucket in live(backward_refs):
+                bucket.gather_params(async_op=True)
 
         for tensor in needing:
             tensor.register_hook(before_backward)
@@ -112,12 +132,6 @@ def check_sharding(config: Any, ddp_config: DistributedDataParallelConfig) -> No
             f"data_parallel_sharding_strategy={strategy!r} keeps no full gradient buffer between "
             "microbatches, so gradient_accumulation_fusion (--gradient-accumulation-fusion) has no "
             "main_grad to accumulate into; turn it off"
-        )
-    if ddp_config.shard_params and ddp_config.overlap_param_gather:
-        raise ValueError(
-            "overlap_param_gather (--overlap-param-gather) is not built for "
-            "data_parallel_sharding_strategy='optim_grads_params' yet: its parameters are gathered per "
-            "layer, synchronously, when the layer runs; drop the flag"
         )
 
 

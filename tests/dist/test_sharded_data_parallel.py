@@ -50,6 +50,7 @@ def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None):
         use_distributed_optimizer=strategy != "no_shard",
         data_parallel_sharding_strategy=strategy,
         overlap_grad_reduce=True,
+        overlap_param_gather=strategy != "no_shard",  # ZeRO-3: each layer prefetches the next one's
         bucket_size=1500,
     )
     return DistributedDataParallel(config, ddp_config, model)
@@ -61,11 +62,14 @@ def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float],
     from core.distributed.sharding_units import layer_units
 
     losses, peak = [], [0]
+    layers = layer_units(chunk.module)
+    layer_buckets = {id(chunk.param_to_bucket[p]) for layer in layers for p in layer.parameters()}
 
     def measure(module, args) -> None:  # runs after the wrapper's own pre-hook gathered the layer
-        peak[0] = max(peak[0], chunk.persistent_bytes()["params"])
+        live = [b for b in chunk.buckets if id(b) in layer_buckets and getattr(b, "params_live", True)]
+        peak[0] = max(peak[0], len(live))
 
-    handles = [layer.register_forward_pre_hook(measure) for layer in layer_units(chunk.module)]
+    handles = [layer.register_forward_pre_hook(measure) for layer in layers]
     for step in range(steps):
         optimizer.zero_grad()
         for micro in range(2):
@@ -83,7 +87,7 @@ def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float],
     for handle in handles:
         handle.remove()
     between_steps = chunk.persistent_bytes()
-    between_steps["peak params in forward"] = peak[0]
+    between_steps["layers gathered at once"] = peak[0]
     between_steps["buckets"] = len(chunk.buckets)
     between_steps["traffic"] = sorted(
         {(getattr(b, "reductions", 1), getattr(b, "gathers", 1)) for b in chunk.buckets}
@@ -155,9 +159,9 @@ def test_every_strategy_trains_the_weights_no_shard_trains(ranks, world, tp, bf1
         assert out["optim_grads"][2]["traffic"] == [(2, 1)]
         assert out["optim_grads_params"][2]["traffic"] == [(2, 4)]
         # A bucket per layer (3) and at least one for the rest; in forward ZeRO-3 holds its shards, the
-        # chunk's own unit and the one layer running, never the whole model.
+        # chunk's own unit, the layer running and the next one (prefetched), never all three layers.
         assert out["optim_grads_params"][2]["buckets"] >= 4
-        assert out["optim_grads_params"][2]["peak params in forward"] < unsharded["params"]
+        assert out["optim_grads_params"][2]["layers gathered at once"] == 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,13 +211,14 @@ def _pretrain_losses(pool, flags) -> list[float]:
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_pretrain_under_a_strategy_gives_the_unsharded_losses(ranks, data_prefix, split, strategy):
+    """``--overlap-param-gather`` too: ZeRO-2 gathers after the step as ZeRO-1 does, ZeRO-3 prefetches
+    the next layer's parameters while a layer computes."""
     from tests.dist.test_distributed_optimizer import small_gpt
 
     common = small_gpt(data_prefix, 3, *SPLITS[split], "--ddp-bucket-size", "3000", "--overlap-grad-reduce")
     plain = _pretrain_losses(ranks(4), common)
-    sharded = _pretrain_losses(
-        ranks(4), common + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
-    )
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy, "--overlap-param-gather"]
+    sharded = _pretrain_losses(ranks(4), common + fsdp)
     difference = max(abs(x - y) / abs(y) for x, y in zip(sharded, plain))
     print(f"{split} {strategy}: largest relative loss difference {difference:.1e}")
     assert len(sharded) == len(plain) == 3 and difference <= 1e-5

@@ -26,6 +26,7 @@ def _derived(argv: str) -> dict:
     [
         ("", "no_shard", None),
         ("--use-megatron-fsdp", "optim_grads_params", True),  # Megatron-FSDP's default
+        ("--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather", "optim_grads_params", True),
         (
             "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
             "optim_grads_params",
@@ -66,13 +67,6 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
                 "--data-parallel-sharding-strategy optim_grads_params keeps no full gradient buffer between "
                 "microbatches for --gradient-accumulation-fusion to accumulate into: give "
                 "--no-gradient-accumulation-fusion (as Megatron-FSDP asks)"
-            ),
-        ),
-        (
-            "--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather",
-            (
-                "--overlap-param-gather is not built for --data-parallel-sharding-strategy optim_grads_params yet "
-                "(each layer gathers its parameters when it runs); drop it"
             ),
         ),
         (
