@@ -17,7 +17,8 @@ changes is what stays allocated.
 So gradient accumulation over microbatches happens in the reduced shards, not in a full-size buffer:
 every microbatch is reduce-scattered on its own (M reduce-scatters per bucket and step for M
 microbatches, where ZeRO-1 has one), and between microbatches a rank holds 1/DP of the gradients
-plus at most the buckets whose backward is under way. The sum of the per-microbatch reductions is
+plus at most the buckets whose backward is under way and, with ``overlap_grad_reduce``, the
+``MAX_IN_FLIGHT`` buckets whose asynchronous reduce-scatter has not landed yet. The sum of the per-microbatch reductions is
 the reduction of the sum, up to the order of fp32 additions. A bucket whose parameters do not all get
 a gradient in a microbatch simply keeps accumulating until they do, or until the step's
 ``finish_grad_sync``.
@@ -39,6 +40,10 @@ import torch
 
 from core.distributed.collectives import all_gather
 from core.distributed.grad_buffer import DONE, IDLE, LAUNCHED, Bucket, GradBuffer
+
+MAX_IN_FLIGHT = 2
+"""Asynchronous microbatch reductions a buffer lets run at once (``overlap_grad_reduce``): each keeps its
+full bucket until it lands, so launching a third lands the oldest."""
 
 
 def free_storage(tensor: torch.Tensor) -> None:
@@ -71,6 +76,7 @@ class ShardedBucket(Bucket):
         self.grad_shard = torch.zeros_like(self.grad_shard)
         self._grad_live = False
         self._in_flight: list = []  # a launched microbatch reduction: [work or None]
+        self.in_flight_queue: list[ShardedBucket] = []  # shared by the buffer's buckets (ShardedGradBuffer)
         free_storage(self.grad_data)
         self.shards_params = self.options.shard_params
         if self.shards_params:
@@ -121,15 +127,23 @@ class ShardedBucket(Bucket):
         if not self._grad_live:
             return
         self._grad_live = False
-        self._in_flight = [self._launch_reduction()]
+        work = self._launch_reduction()
+        self._in_flight = [work]
         self.reductions += 1
-        if not self.options.async_op:
+        if work is None:  # done already (synchronous, or nothing to communicate)
             self._land()
+            return
+        queue = self.in_flight_queue  # each reduction in flight holds a full bucket: land the oldest
+        queue.append(self)
+        while len(queue) > MAX_IN_FLIGHT:
+            queue.pop(0)._land()
 
     def _land(self) -> None:
         """Wait for the reduction in flight, add this rank's reduced shard into ``grad_shard``, free the bucket."""
         if not self._in_flight:
             return
+        if self in self.in_flight_queue:
+            self.in_flight_queue.remove(self)
         work = self._in_flight.pop()
         if work is not None:
             work.wait()
@@ -167,6 +181,8 @@ class ShardedBucket(Bucket):
             work = self._in_flight.pop()
             if work is not None:
                 work.wait()
+        if self in self.in_flight_queue:
+            self.in_flight_queue.remove(self)
         free_storage(self.grad_data)
         self._grad_live = False
         self.grad_shard.zero_()
@@ -251,3 +267,9 @@ class ShardedGradBuffer(GradBuffer):
 
     bucket_class = ShardedBucket
     separate_storage = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        queue: list[ShardedBucket] = []
+        for bucket in self.buckets:
+            bucket.in_flight_queue = queue
