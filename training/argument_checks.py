@@ -544,13 +544,6 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
         "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards "
         "the optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them",
     )
-    if strategy in ("optim_grads", "optim_grads_params"):
-        _require(
-            not args.gradient_accumulation_fusion,
-            f"--data-parallel-sharding-strategy {strategy} keeps no full gradient buffer between microbatches "
-            "for --gradient-accumulation-fusion to accumulate into: give --no-gradient-accumulation-fusion "
-            "(as Megatron-FSDP asks)",
-        )
     _require(
         not (
             strategy in ("optim_grads", "optim_grads_params")

@@ -44,10 +44,11 @@ from core.distributed.distributed_data_parallel_config import DistributedDataPar
 from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
 from core.distributed.sharded_bucket import ShardedBucket, ShardedGradBuffer, storage_bytes
 from core.distributed.sharding_units import (
-    check_sharding,
     layer_units,
     register_unit_hooks,
+    sharded_grad_accumulated,
     sharded_grad_hook,
+    sharded_main_grad_opener,
     unit_of_params,
 )
 
@@ -140,7 +141,6 @@ class DistributedDataParallel(nn.Module):
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing or _pipeline_rank() > 0:
             self.bucket_size = None
-        check_sharding(config, ddp_config)
         if ddp_config.shard_grads:  # buckets follow the layers instead (see core.distributed.sharding_units)
             self.bucket_size = None
         self.buffers: list[GradBuffer] = []
@@ -211,6 +211,8 @@ class DistributedDataParallel(nn.Module):
         self._hook_handles = []
         for param, bucket in self.param_to_bucket.items():
             param.grad_added_to_main_grad = False
+            param.grad_accumulated = sharded_grad_accumulated(bucket)
+            param.open_main_grad = sharded_main_grad_opener(bucket)
             self._hook_handles.append(param.register_post_accumulate_grad_hook(sharded_grad_hook(bucket)))
         if self.ddp_config.overlap_param_gather and not self.ddp_config.shard_params:  # ZeRO-2: as ZeRO-1
             self._hook_handles += [
@@ -222,7 +224,8 @@ class DistributedDataParallel(nn.Module):
 
     def _register_unit_hooks(self) -> None:
         """ZeRO-3: each unit (the chunk's own weights, then each layer) gathers around its use; with
-        ``overlap_param_gather`` it prefetches its neighbour's (the next in forward, the previous in backward)."""
+        ``overlap_param_gather`` it prefetches its neighbour's (the next in forward, the previous in
+        backward)."""
         layers = layer_units(self.module)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         units = []

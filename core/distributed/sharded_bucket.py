@@ -100,13 +100,19 @@ class ShardedBucket(Bucket):
         return self.param_shard[at : at + hi - lo], self.grad_shard[at : at + hi - lo]
 
     # -- gradients ------------------------------------------------------------------------------
+    def open_grad_buffer(self) -> None:
+        """Give the full bucket (every ``main_grad`` view) zeroed memory, if it has none: at the first
+        gradient of a microbatch (the hook's, or a fused layer's through ``param.open_main_grad``)."""
+        if self._grad_live:
+            return
+        self._land()
+        alloc_storage(self.grad_data)
+        self.grad_data.zero_()
+        self._grad_live = True
+
     def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Add one microbatch's gradient of ``param`` into the full bucket (allocated on first use)."""
-        if not self._grad_live:
-            self._land()
-            alloc_storage(self.grad_data)
-            self.grad_data.zero_()
-            self._grad_live = True
+        self.open_grad_buffer()
         param.main_grad.add_(grad)
 
     def note_grad(self, param: torch.nn.Parameter) -> None:

@@ -20,8 +20,9 @@ forward, reverse order in backward) asynchronously, so it overlaps this unit's c
 Under activation recompute the recomputed forward runs the same hooks: it gathers (or finds the
 parameters already gathered by the pending backward) and frees only when no backward is pending.
 
-Also here: the per-parameter gradient hook of ZeRO-2/3 (:func:`sharded_grad_hook`) and what they
-refuse to compose with before any bucket exists (:func:`check_sharding`).
+Also here: the per-parameter gradient hooks of ZeRO-2/3 (:func:`sharded_grad_hook`, and for layers
+that accumulate into ``main_grad`` themselves, ``gradient_accumulation_fusion``,
+:func:`sharded_grad_accumulated` and :func:`sharded_main_grad_opener`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.grad_buffer import IDLE
 from core.distributed.sharded_bucket import ShardedBucket
 
@@ -124,17 +124,6 @@ def register_unit_hooks(
     return [unit.register_forward_pre_hook(before_forward), unit.register_forward_hook(after_forward)]
 
 
-def check_sharding(config: Any, ddp_config: DistributedDataParallelConfig) -> None:
-    """Refuse what sharded gradients or parameters do not compose with yet, before any bucket exists."""
-    strategy = ddp_config.data_parallel_sharding_strategy
-    if ddp_config.shard_grads and getattr(config, "gradient_accumulation_fusion", False):
-        raise ValueError(
-            f"data_parallel_sharding_strategy={strategy!r} keeps no full gradient buffer between "
-            "microbatches, so gradient_accumulation_fusion (--gradient-accumulation-fusion) has no "
-            "main_grad to accumulate into; turn it off"
-        )
-
-
 def sharded_grad_hook(bucket: ShardedBucket):
     """The post-accumulate-grad hook of a ZeRO-2/3 parameter: its gradient of this microbatch goes into
     the bucket's transient full buffer (``param.grad`` is dropped), and the bucket counts it."""
@@ -144,6 +133,9 @@ def sharded_grad_hook(bucket: ShardedBucket):
         bucket = bucket_ref()
         if bucket is None:
             return
+        if param.grad_added_to_main_grad:  # a fused layer accumulated and reported it already
+            param.grad_added_to_main_grad = False
+            return
         if bucket.state != IDLE:
             bucket.check_accumulation_allowed(param)  # raises
         if param.grad is not None:
@@ -152,3 +144,32 @@ def sharded_grad_hook(bucket: ShardedBucket):
         bucket.note_grad(param)
 
     return hook
+
+
+def sharded_grad_accumulated(bucket: ShardedBucket):
+    """``param.grad_accumulated`` under ZeRO-2/3: a fused layer added ``param``'s gradient of this
+    microbatch into ``main_grad`` (the bucket, opened when its unit's backward began); count it."""
+    bucket_ref = weakref.ref(bucket)
+
+    def ready(param: nn.Parameter) -> None:
+        bucket = bucket_ref()
+        if bucket is None:
+            return
+        if bucket.state != IDLE:
+            bucket.check_accumulation_allowed(param)  # raises
+        bucket.note_grad(param)
+
+    return ready
+
+
+def sharded_main_grad_opener(bucket: ShardedBucket):
+    """``param.open_main_grad`` under ZeRO-2/3: a fused layer is about to write ``main_grad``; give the
+    bucket memory first (it has none between microbatches)."""
+    bucket_ref = weakref.ref(bucket)
+
+    def open_main_grad(param: nn.Parameter) -> None:
+        bucket = bucket_ref()
+        if bucket is not None:
+            bucket.open_grad_buffer()
+
+    return open_main_grad

@@ -206,6 +206,12 @@ SPLITS = {
         *("--pipeline-schedule", "zbv", "--untie-embeddings-and-output-weights"),
     ],
     "CP2xDP2": ["--context-parallel-size", "2"],
+    "TP2xDP2 fused accumulation": [
+        *("--tensor-model-parallel-size", "2", "--sequence-parallel", "--gradient-accumulation-fusion"),
+    ],
+    "PP2xDP2 zb-h1 fused accumulation": [
+        *("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--gradient-accumulation-fusion"),
+    ],
     "PP2xDP2 bf16": ["--pipeline-model-parallel-size", "2", "--bf16"],
     "PP2xDP2 fp16": ["--pipeline-model-parallel-size", "2", "--fp16", "--initial-loss-scale", "1024"],
     "EP2xDP2 MoE": [

@@ -27,6 +27,7 @@ def _derived(argv: str) -> dict:
         ("", "no_shard", None),
         ("--use-megatron-fsdp", "optim_grads_params", True),  # Megatron-FSDP's default
         ("--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather", "optim_grads_params", True),
+        ("--use-megatron-fsdp --gradient-accumulation-fusion", "optim_grads_params", True),
         (
             "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
             "optim_grads_params",
@@ -59,14 +60,6 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
             (
                 "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards the "
                 "optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them"
-            ),
-        ),
-        (
-            "--use-megatron-fsdp --gradient-accumulation-fusion",
-            (
-                "--data-parallel-sharding-strategy optim_grads_params keeps no full gradient buffer between "
-                "microbatches for --gradient-accumulation-fusion to accumulate into: give "
-                "--no-gradient-accumulation-fusion (as Megatron-FSDP asks)"
             ),
         ),
         (
