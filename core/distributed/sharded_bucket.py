@@ -157,9 +157,6 @@ class ShardedBucket(Bucket):
         self.grad_shard.add_(self.grad_data[lo : lo + self.shard_size])
         free_storage(self.grad_data)
 
-    def register_grad_ready(self, param: torch.nn.Parameter) -> None:
-        self.note_grad(param)
-
     def start_grad_sync(self) -> None:
         """Reduce what is still accumulating (gradients some parameter never completed); a no-op once launched."""
         if self.state != IDLE:
