@@ -176,6 +176,12 @@ def read_input(
         fixed["layout"] = given.pipeline_model_parallel_layout
     if given.global_batch_size is None:
         raise ValueError("--global-batch-size is needed to plan: it fixes the microbatches per step")
+    if given.use_megatron_fsdp or given.data_parallel_sharding_strategy is not None:
+        raise ValueError(
+            "the planner does not model --use-megatron-fsdp's sharding strategies yet: plan without "
+            "--use-megatron-fsdp and --data-parallel-sharding-strategy (it weighs the distributed "
+            "optimizer, optim, itself); optim_grads and optim_grads_params then need less memory than planned"
+        )
     base = _runnable(_strip(argv, set(PLANNED_DESTS) | set(_ALSO_PLANNED)), given, notes)
     with contextlib.redirect_stdout(None):  # the flag checks' notes, for one rank: not the plan's
         run = build_run(parse_args(base + ["--micro-batch-size", "1", "--global-batch-size", "1"]), 1)

@@ -1,4 +1,4 @@
-"""Data-parallel step time: gradient-reduce overlap and the distributed optimizer, DP = 2, one run.
+"""Data-parallel step time: gradient-reduce overlap, the distributed optimizer and ZeRO-2/3, DP = 2, one run.
 
 Two spawned ranks (gloo on CPU, NCCL on GPUs) each hold four copies of one GPT (8 layers, hidden
 512 by default) and train them with the real schedule, DDP wrapper and optimizer, taking turns step
@@ -8,7 +8,11 @@ by step so that machine noise hits all four alike:
 * ``overlap``: ``overlap_grad_reduce``, each bucket's all-reduce launched as soon as its gradients
   are final in the last microbatch's backward;
 * ``distopt``: the distributed optimizer (reduce-scatter, sharded step, parameter all-gather);
-* ``distopt+overlap``: both, with the parameter all-gather overlapped with the next forward.
+* ``distopt+overlap``: both, with the parameter all-gather overlapped with the next forward;
+* ``zero2+overlap``: ``optim_grads`` (ZeRO-2): every microbatch's buckets reduce-scattered into
+  1/DP gradient shards, otherwise as ``distopt+overlap``;
+* ``zero3+overlap``: ``optim_grads_params`` (ZeRO-3): also each layer's parameters gathered before
+  its forward and its backward, synchronously.
 
 A step is zero_grad, forward/backward over the microbatches, the optimizer step; it is timed on
 every rank between barriers and the slowest rank counts. Medians over ``--steps`` steps after
@@ -50,6 +54,17 @@ CONFIGS = {
         "overlap_grad_reduce": True,
         "overlap_param_gather": True,
     },
+    "zero2+overlap": {
+        "use_distributed_optimizer": True,
+        "data_parallel_sharding_strategy": "optim_grads",
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    },
+    "zero3+overlap": {
+        "use_distributed_optimizer": True,
+        "data_parallel_sharding_strategy": "optim_grads_params",
+        "overlap_grad_reduce": True,
+    },
 }
 
 
@@ -89,7 +104,8 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
             def step_with_buffers(ddp=ddp, optimizer=optimizer, hooks=hooks) -> None:
                 ddp.zero_grad_buffer()
                 train_step(ddp, optimizer, batches, args.seq, args.mbs, hooks)
-                ddp.finish_param_sync()  # the next forward of this model could overlap it; others come first
+                if not ddp.ddp_config.shard_params:  # ZeRO-3 gathers each layer in the next forward
+                    ddp.finish_param_sync()  # the next forward of this model could overlap it; others come first
 
             elapsed = slowest_seconds(step_with_buffers)
             if step >= args.warmup:

@@ -511,6 +511,7 @@ def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
         )
     elif args.fp16:
         args.grad_reduce_in_fp32 = accumulate_in_fp32
+    _check_data_parallel_sharding(args)
     if args.overlap_param_gather:
         _require(
             args.use_distributed_optimizer,
@@ -519,6 +520,43 @@ def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
         _require(
             args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)"
         )
+
+
+def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
+    """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy``: the strategy the run uses, which
+    turns the distributed optimizer on (every strategy but no_shard shards the optimizer)."""
+    given = args.data_parallel_sharding_strategy
+    if given is not None and given != "no_shard":
+        _require(
+            args.use_megatron_fsdp,
+            f"--data-parallel-sharding-strategy {given} takes effect only with --use-megatron-fsdp (as in "
+            "Megatron); add it" + (", or use --use-distributed-optimizer alone" if given == "optim" else ""),
+        )
+    strategy = given or (
+        "optim_grads_params"
+        if args.use_megatron_fsdp
+        else "optim"
+        if args.use_distributed_optimizer
+        else "no_shard"
+    )
+    _require(
+        not (strategy == "no_shard" and args.use_distributed_optimizer),
+        "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards "
+        "the optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them",
+    )
+    _require(
+        not (
+            strategy in ("optim_grads", "optim_grads_params")
+            and args.pipeline_schedule == "zbv"
+            and not args.untie_embeddings_and_output_weights
+        ),
+        f"--data-parallel-sharding-strategy {strategy} cannot shard the tied embedding that --pipeline-schedule "
+        "zbv puts in both model chunks of rank 0 yet: give --untie-embeddings-and-output-weights, or "
+        "--data-parallel-sharding-strategy optim",
+    )
+    args.data_parallel_sharding_strategy = strategy
+    if strategy != "no_shard":
+        args.use_distributed_optimizer = True
 
 
 def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Literal
 
 from core.flags import flag
 
-CkptFormat = Literal["torch", "torch_dist"]
+CkptFormat = Literal["torch", "torch_dist", "fsdp_dtensor"]
 TokenizerType = Literal[
     "GPT2BPETokenizer",
     "GPTSentencePieceTokenizer",
@@ -205,8 +205,8 @@ class CheckpointingArgs:
     ckpt_step: int | None = None
     """Load this iteration of --load instead of the one its tracker file names."""
     ckpt_format: CkptFormat = "torch_dist"
-    """Megatron's checkpoint format; both values mean Trident's one format (safetensors and JSON,
-    resharded on load to any split)."""
+    """Megatron's checkpoint format; every value means Trident's one format (safetensors and JSON,
+    resharded on load to any split and any data-parallel sharding strategy)."""
     use_checkpoint_args: bool = False
     """Take the model and tokenizer flags from the --load checkpoint; a flag given that contradicts
     it is an error naming both values."""

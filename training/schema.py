@@ -327,6 +327,14 @@ _ONE_FORMAT = (
     "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
     "--ckpt-format torch and torch_dist both mean it"
 )
+_FSDP_NOT_YET = (
+    "Trident shards over data parallelism with --use-megatron-fsdp --data-parallel-sharding-strategy "
+    "{optim,optim_grads,optim_grads_params} over the whole data-parallel group; this knob of it is not built"
+)
+_FSDP_INSTEAD = (
+    "use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (Trident's ZeRO-3 on its "
+    "own buckets, which composes with tensor and pipeline parallelism)"
+)
 _TIKTOKEN = (
     "Trident has no tiktoken tokenizer; save the tokenizer as a Hugging Face tokenizer folder and use "
     "--tokenizer-type HuggingFaceTokenizer"
@@ -353,6 +361,8 @@ COVERAGE: dict[str, Coverage] = {
             "--loss-scale-window",
             "--hysteresis",
             "--use-distributed-optimizer",
+            "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy",
             "--overlap-param-gather",
             "--grad-reduce-in-bf16",
             "--ddp-bucket-size",
@@ -385,7 +395,10 @@ COVERAGE: dict[str, Coverage] = {
     "--use-pytorch-profiler": no_effect("--profile always uses torch.profiler"),
     "--tiktoken-pattern": no_effect("only a TikTokenizer reads it, and Trident has none"),
     "--data-impl": no_effect("indexed datasets are always memory-mapped (Megatron-LM has dropped the flag)"),
-    "--ckpt-format": no_effect("torch and torch_dist both mean Trident's one checkpoint format"),
+    "--ckpt-format": no_effect(
+        "torch, torch_dist and fsdp_dtensor all write Trident's own format, which any sharding strategy "
+        "and any split can load"
+    ),
     "--moe-router-dtype": no_effect("the router's gate is always computed in fp32"),
     "--moe-router-score-function": no_effect("the router's score function is the softmax"),
     "--moe-permute-fusion": no_effect("tokens are permuted with index operations, never a fused kernel"),
@@ -398,8 +411,22 @@ COVERAGE: dict[str, Coverage] = {
         "(the output layer fused in, logits never held)"
     ),
     **dict.fromkeys(
-        ("--ckpt-format zarr", "--ckpt-format torch_dcp", "--ckpt-format fsdp_dtensor"),
+        ("--ckpt-format zarr", "--ckpt-format torch_dcp"),
         unsupported(_ONE_FORMAT),
+    ),
+    "--use-torch-fsdp2": unsupported(_FSDP_INSTEAD),
+    "--torch-fsdp2-reshard-after-forward": unsupported(_FSDP_INSTEAD),
+    "--megatron-fsdp-version": unsupported("Trident's Megatron-FSDP has one version; " + _FSDP_INSTEAD),
+    **dict.fromkeys(
+        (
+            "--num-distributed-optimizer-instances",
+            "--outer-dp-sharding-strategy",
+            "--init-model-with-meta-device",
+            "--suggested-communication-unit-size",
+            "--fsdp-double-buffer",
+            "--use-nccl-ub",
+        ),
+        not_yet(_FSDP_NOT_YET),
     ),
 }
 """Megatron flags beyond "declared and read": (a) works, (b) accepted with no effect, (c) rejected.
@@ -407,6 +434,7 @@ A key "--flag value" rejects one value of a flag that otherwise works."""
 
 REJECTED_PREFIXES: dict[str, Coverage] = {
     "--moe-": unsupported(_MOE),
+    "--megatron-fsdp-": not_yet(_FSDP_NOT_YET),
     "--fp8-param-gather": not_yet(_FP8_PARAM_GATHER),
 }
 """Whole flag families Trident rejects, by prefix."""

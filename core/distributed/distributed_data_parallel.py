@@ -18,6 +18,13 @@ With ``use_distributed_optimizer`` the buckets are reduce-scattered instead of a
 data-parallel rank gets the sum of its shard), the parameters live in a flat buffer of the same
 layout, and ``start_param_sync`` all-gathers the shards the optimizer updated (see
 :mod:`core.distributed.grad_buffer`).
+
+With ``data_parallel_sharding_strategy`` ``optim_grads`` (ZeRO-2) or ``optim_grads_params`` (ZeRO-3)
+the buckets follow the layers and keep only this rank's reduced gradient shard between microbatches,
+and under ZeRO-3 only its parameter shard between uses; each layer's parameters are gathered around
+its forward and its backward (:mod:`core.distributed.sharded_bucket`,
+:mod:`core.distributed.sharding_units`). Read ZeRO-3 weights after ``finish_param_sync()`` (or through
+``state_dict()``, which calls it); write them whole, then call ``keep_gathered_params()``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,15 @@ from torch.distributed import ProcessGroup
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
+from core.distributed.sharded_bucket import ShardedBucket, ShardedGradBuffer, storage_bytes
+from core.distributed.sharding_units import (
+    layer_units,
+    register_unit_hooks,
+    sharded_grad_accumulated,
+    sharded_grad_hook,
+    sharded_main_grad_opener,
+    unit_of_params,
+)
 from core.parallel_state import ParallelGroups
 
 
@@ -71,6 +87,8 @@ def _reduce_options(config: Any, ddp_config: DistributedDataParallelConfig, dp_s
         async_op=ddp_config.overlap_grad_reduce,
         check_for_nan=ddp_config.check_for_nan_in_grad,
         shard=ddp_config.use_distributed_optimizer,
+        shard_grads=ddp_config.shard_grads,
+        shard_params=ddp_config.shard_params,
     )
 
 
@@ -121,6 +139,8 @@ class DistributedDataParallel(nn.Module):
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
             self.bucket_size = None
+        if ddp_config.shard_grads:  # buckets follow the layers instead (see core.distributed.sharding_units)
+            self.bucket_size = None
         self.buffers: list[GradBuffer] = []
         self._build_buffers(_reduce_options(config, ddp_config, dp_size))
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
@@ -138,9 +158,11 @@ class DistributedDataParallel(nn.Module):
                 by_dtype.setdefault((param.dtype, grad_dtype, is_expert_param(param)), []).append(
                     (param, name)
                 )
+        sharded = self.ddp_config.shard_grads
+        units = unit_of_params(self.module) if sharded else None
         for (_, grad_dtype, expert), members in by_dtype.items():
             self.buffers.append(
-                GradBuffer(
+                (ShardedGradBuffer if sharded else GradBuffer)(
                     [p for p, _ in members],
                     [n for _, n in members],
                     grad_dtype,
@@ -148,11 +170,15 @@ class DistributedDataParallel(nn.Module):
                     self.expert_data_parallel_group if expert else self.data_parallel_group,
                     first_bucket_index=len(self.buckets),
                     options=options,  # 1/dp for experts too: see the class docstring
+                    units=units,
                 )
             )
 
     def _register_hooks(self) -> None:
         """Gradient hooks on every parameter; forward pre-hooks when parameter gathers overlap."""
+        if self.ddp_config.shard_grads:
+            self._register_sharded_hooks()
+            return
         # Where the gradient has the parameter's dtype, ``param.grad`` is ``main_grad`` itself (as
         # torch DDP's gradient_as_bucket_view): autograd accumulates every microbatch straight into
         # the buffer, and the hook below has nothing to copy. Otherwise the hook adds each
@@ -176,6 +202,63 @@ class DistributedDataParallel(nn.Module):
                 for module, buckets in self._buckets_by_module().items()
             ]
 
+    def _register_sharded_hooks(self) -> None:
+        """ZeRO-2/3: each microbatch's gradient goes into its bucket's transient full buffer (never into
+        ``param.grad`` for good); ZeRO-3 also gathers and frees each unit's parameters around its use."""
+        self._grad_is_main_grad = []
+        self._hook_handles = []
+        for param, bucket in self.param_to_bucket.items():
+            param.grad_added_to_main_grad = False
+            param.grad_accumulated = sharded_grad_accumulated(bucket)
+            param.open_main_grad = sharded_main_grad_opener(bucket)
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(sharded_grad_hook(bucket)))
+        if self.ddp_config.overlap_param_gather and not self.ddp_config.shard_params:  # ZeRO-2: as ZeRO-1
+            self._hook_handles += [
+                module.register_forward_pre_hook(self._make_forward_pre_hook(buckets))
+                for module, buckets in self._buckets_by_module().items()
+            ]
+        if self.ddp_config.shard_params:
+            self._register_unit_hooks()
+
+    def _register_unit_hooks(self) -> None:
+        """ZeRO-3: each unit (the chunk's own weights, then each layer) gathers around its use; with
+        ``overlap_param_gather`` it prefetches its neighbour's (the next in forward, the previous in
+        backward)."""
+        layers = layer_units(self.module)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        units = []
+        for unit in [self.module, *layers]:
+            own = {id(p) for p in unit.parameters()} - (in_layers if unit is self.module else set())
+            buckets = list({id(b): b for p, b in self.param_to_bucket.items() if id(p) in own}.values())
+            if buckets:
+                units.append((unit, buckets))
+        prefetch = self.ddp_config.overlap_param_gather
+        for index, (unit, buckets) in enumerate(units):
+            after = units[index + 1][1] if prefetch and index + 1 < len(units) else []
+            before = units[index - 1][1] if prefetch and index > 1 else []  # the chunk's own stays gathered
+            if unit is self.module and prefetch and len(units) > 1:
+                before = units[-1][1]  # the chunk's backward starts with its last layer's
+            self._hook_handles += register_unit_hooks(
+                unit, buckets, next_in_forward=after, next_in_backward=before
+            )
+
+    def persistent_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and gradients this rank holds now in its buckets, padding included (under
+        ZeRO-2/3 the full buckets count only while allocated: between steps, none are)."""
+        params = grads = 0
+        for bucket in self.buckets:
+            if isinstance(bucket, ShardedBucket):
+                grads += storage_bytes(bucket.grad_shard) + storage_bytes(bucket.grad_data)
+                params += storage_bytes(bucket.param_data)
+                params += storage_bytes(bucket.param_shard) if bucket.shards_params else 0
+                continue
+            grads += bucket.grad_data.numel() * bucket.grad_data.element_size()
+            if bucket.param_data is not None:
+                params += bucket.param_data.numel() * bucket.param_data.element_size()
+            else:
+                params += sum(p.numel() * p.element_size() for p in bucket.params)
+        return {"params": params, "grads": grads}
+
     # -- plumbing ---------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         try:
@@ -189,12 +272,27 @@ class DistributedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        """The wrapped module's state dict (no ``module.`` prefix)."""
+        """The wrapped module's state dict (no ``module.`` prefix). Under ZeRO-3 the parameters are
+        gathered first (they stay gathered until the next step frees them): between uses their
+        tensors have no memory, and reading them then is undefined (read them after
+        ``finish_param_sync``)."""
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
-        """Load into the wrapped module (keys without a ``module.`` prefix)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load into the wrapped module (keys without a ``module.`` prefix); under ZeRO-3 into the
+        gathered parameters, whose shards are then kept."""
+        self.finish_param_sync()
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self.keep_gathered_params()
+        return result
+
+    def keep_gathered_params(self) -> None:
+        """ZeRO-3: after the gathered (whole) parameters were written, keep this rank's shard of them and
+        free the rest. A no-op for the other strategies."""
+        for bucket in self.buckets:
+            if isinstance(bucket, ShardedBucket):
+                bucket.keep_gathered_params()
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -323,10 +421,12 @@ class DistributedDataParallel(nn.Module):
     def broadcast_params(self) -> None:
         """Copy the first data-parallel rank's parameters to the others (identical replicas); an
         expert's, the first of its expert-data-parallel replicas'."""
+        self.finish_param_sync()
         for param in self.module.parameters():
             group = self.expert_data_parallel_group if is_expert_param(param) else self.data_parallel_group
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+        self.keep_gathered_params()
 
 
 def multi_no_sync(chunks: list[nn.Module]):

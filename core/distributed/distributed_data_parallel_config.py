@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from core.flags import flag, not_a_flag
+
+ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
+SHARDING_STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP's names: nothing sharded (DDP), optimizer state (ZeRO-1), and gradients (ZeRO-2),
+and parameters (ZeRO-3)."""
 
 
 @dataclass(kw_only=True)
@@ -33,6 +39,19 @@ class DistributedDataParallelConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1): gradients are reduce-scattered,
     parameters live in a flat buffer and are all-gathered after each optimizer step."""
 
+    use_megatron_fsdp: bool = flag(False, group="distributed")
+    """Shard over data-parallel ranks under Megatron-FSDP's flags: ``data_parallel_sharding_strategy``
+    then defaults to ``optim_grads_params`` (Megatron's default with this flag). Trident builds the
+    strategies on its own buckets and distributed optimizer (no separate FSDP wrapper)."""
+
+    data_parallel_sharding_strategy: ShardingStrategy | None = flag(None, group="distributed")
+    """What each data-parallel rank keeps only a shard of: ``no_shard`` (plain DDP), ``optim``
+    (optimizer state: the distributed optimizer, ZeRO-1), ``optim_grads`` (and the reduced
+    gradients, ZeRO-2), ``optim_grads_params`` (and the parameters, gathered per layer when used,
+    ZeRO-3). None: ``optim_grads_params`` with ``use_megatron_fsdp``, else ``optim`` with
+    ``use_distributed_optimizer``, else ``no_shard``. Every strategy but ``no_shard`` needs
+    ``use_distributed_optimizer``."""
+
     overlap_param_gather: bool = flag(False, group="distributed")
     """With the distributed optimizer: launch the parameter all-gathers asynchronously after the
     step and let each module's forward pre-hook wait for its own bucket."""
@@ -49,6 +68,7 @@ class DistributedDataParallelConfig:
     it means "sum, then divide after the collective"; the result is the same average."""
 
     def __post_init__(self) -> None:
+        self._resolve_sharding_strategy()
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError(
                 "overlap_param_gather=True needs use_distributed_optimizer=True (only the distributed "
@@ -58,3 +78,39 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 f"bucket_size must be a positive number of elements or None, got {self.bucket_size}"
             )
+
+    def _resolve_sharding_strategy(self) -> None:
+        strategy = self.data_parallel_sharding_strategy
+        if strategy is None:
+            strategy = (
+                "optim_grads_params"
+                if self.use_megatron_fsdp
+                else "optim"
+                if self.use_distributed_optimizer
+                else "no_shard"
+            )
+        if strategy not in SHARDING_STRATEGIES:
+            raise ValueError(
+                f"data_parallel_sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}; "
+                f"got {strategy!r}"
+            )
+        if (strategy != "no_shard") != self.use_distributed_optimizer:
+            raise ValueError(
+                f"data_parallel_sharding_strategy={strategy!r} "
+                + (
+                    "shards the optimizer: it needs use_distributed_optimizer=True"
+                    if strategy != "no_shard"
+                    else "shards nothing, but use_distributed_optimizer=True shards the optimizer (optim)"
+                )
+            )
+        self.data_parallel_sharding_strategy = strategy
+
+    @property
+    def shard_grads(self) -> bool:
+        """Each rank keeps only its shard of the reduced gradients (optim_grads, optim_grads_params)."""
+        return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shard_params(self) -> bool:
+        """Each rank keeps only its shard of the parameters between uses (optim_grads_params)."""
+        return self.data_parallel_sharding_strategy == "optim_grads_params"

@@ -27,7 +27,12 @@ from core.parallel_state import ParallelGroups
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """Where ``param``'s gradient lives: the data-parallel buffer view ``main_grad`` if it has one."""
+    """Where ``param``'s gradient lives: this rank's reduced shard of it under ZeRO-2/3 (identically cut
+    on every rank of a tensor-parallel or embedding group), else the buffer view ``main_grad`` if it
+    has one, else ``.grad``."""
+    shard = getattr(param, "main_grad_shard", None)
+    if shard is not None:
+        return shard
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
 
@@ -48,7 +53,9 @@ def _grads(
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
-    """Sum ``grads`` over ``group`` with one flat all-reduce."""
+    """Sum ``grads`` over ``group`` with one flat all-reduce (empty ones, a ZeRO-2/3 rank's share of a
+    parameter it owns none of, are left out: every rank of the group holds the same sizes)."""
+    grads = [g for g in grads if g.numel()]
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

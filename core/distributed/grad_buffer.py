@@ -53,6 +53,11 @@ class ReduceOptions:
     async_op: bool = False
     check_for_nan: bool = False
     shard: bool = False
+    shard_grads: bool = False
+    """Keep only the reduced shard of the gradients between microbatches (ZeRO-2; see
+    :mod:`core.distributed.sharded_bucket`)."""
+    shard_params: bool = False
+    """Keep only the shard of the parameters between uses (ZeRO-3)."""
 
 
 def _group_size_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
@@ -133,6 +138,12 @@ class Bucket:
         """Launch the reduction (asynchronously with overlap); a no-op if already launched."""
         if self.state != IDLE:
             return
+        work = self._launch_reduction()
+        self.handle = work if self.options.async_op else None
+        self.state = LAUNCHED
+
+    def _launch_reduction(self) -> dist.Work | None:
+        """Check (``check_for_nan``), pre-scale and reduce ``grad_data``: the work handle, None when done."""
         opts = self.options
         if opts.check_for_nan and not bool(torch.isfinite(self.grad_data).all()):
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -143,19 +154,18 @@ class Bucket:
             )
         if opts.pre_scale != 1.0:
             self.grad_data.mul_(opts.pre_scale)
-        if self.communicate:
-            if opts.shard:
-                work = reduce_scatter(
-                    self.grad_shard,
-                    self.grad_data,
-                    self.group,
-                    native=self.native_reduce_scatter,
-                    async_op=opts.async_op,
-                )
-            else:
-                work = dist.all_reduce(self.grad_data, group=self.group, async_op=opts.async_op)
-            self.handle = work if opts.async_op else None
-        self.state = LAUNCHED
+        if not self.communicate:
+            return None
+        if opts.shard:
+            lo = self.dp_rank * self.shard_size
+            return reduce_scatter(
+                self.grad_data[lo : lo + self.shard_size],
+                self.grad_data,
+                self.group,
+                native=self.native_reduce_scatter,
+                async_op=opts.async_op,
+            )
+        return dist.all_reduce(self.grad_data, group=self.group, async_op=opts.async_op)
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduction, launching it first if it never was (e.g. a parameter got no grad)."""
@@ -217,6 +227,11 @@ class GradBuffer:
     into ``param_data``.
     """
 
+    bucket_class: type[Bucket] = Bucket
+    separate_storage = False
+    """Each bucket in tensors of its own (so that one bucket's memory can be freed alone), rather than
+    slices of one flat buffer."""
+
     def __init__(
         self,
         params: list[torch.nn.Parameter],
@@ -227,39 +242,51 @@ class GradBuffer:
         *,
         first_bucket_index: int,
         options: ReduceOptions,
+        units: dict[int, int] | None = None,
     ) -> None:
         dp_size, _ = _group_size_and_rank(group)
         pad_to = math.lcm(dp_size, SHARD_ALIGNMENT) if options.shard else 1
-        layout = self._layout(list(zip(params, names))[::-1], bucket_size, pad_to, options.shard)
+        layout = self._layout(list(zip(params, names))[::-1], bucket_size, pad_to, options.shard, units)
         total = layout[-1][1] if layout else 0
-        device = params[0].device
+        device, param_dtype = params[0].device, params[0].dtype
         self.grad_dtype = grad_dtype
-        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device) if options.shard else None
+        self.grad_data = self.param_data = None
+        if not self.separate_storage:
+            self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
+            if options.shard:
+                self.param_data = torch.zeros(total, dtype=param_dtype, device=device)
         self.buckets: list[Bucket] = []
         for begin, end, members in layout:
+            if self.separate_storage:
+                grad_data = torch.zeros(end - begin, dtype=grad_dtype, device=device)
+                param_data = torch.zeros(end - begin, dtype=param_dtype, device=device)
+            else:
+                grad_data = self.grad_data[begin:end]
+                param_data = None if self.param_data is None else self.param_data[begin:end]
             for param, _, offset in members:
-                param.main_grad = self.grad_data[offset : offset + param.numel()].view(param.shape)
-                if self.param_data is not None:
-                    view = self.param_data[offset : offset + param.numel()]
+                at, numel = offset - begin, param.numel()
+                param.main_grad = grad_data[at : at + numel].view(param.shape)
+                if param_data is not None:
+                    view = param_data[at : at + numel]
                     view.copy_(param.data.reshape(-1))
                     param.data = view.view(param.shape)
             self.buckets.append(
-                Bucket(
+                self.bucket_class(
                     first_bucket_index + len(self.buckets),
                     [p for p, _, _ in members],
                     [n for _, n, _ in members],
                     [o - begin for _, _, o in members],
-                    self.grad_data[begin:end],
-                    None if self.param_data is None else self.param_data[begin:end],
+                    grad_data,
+                    param_data,
                     group,
                     options,
                 )
             )
 
     @staticmethod
-    def _layout(order, bucket_size: int | None, pad_to: int, shard: bool):
-        """Buckets as (start, padded end, [(param, name, offset)]) over the flat buffer."""
+    def _layout(order, bucket_size: int | None, pad_to: int, shard: bool, units: dict[int, int] | None):
+        """Buckets as (start, padded end, [(param, name, offset)]) over the flat buffer; with ``units``
+        (id(param) -> unit), a bucket never holds two units' parameters."""
         buckets, members = [], []
         offset = start = 0
 
@@ -270,8 +297,12 @@ class GradBuffer:
                 buckets.append((start, offset, members))
                 start, members = offset, []
 
+        unit = None
         for param, name in order:
             alone = shard and getattr(param, "shared_embedding", False)
+            if units is not None and units.get(id(param), 0) != unit:
+                close()
+                unit = units.get(id(param), 0)
             if alone:
                 close()
             members.append((param, name, offset))
@@ -285,8 +316,13 @@ class GradBuffer:
         """Zero every gradient and return the buckets to idle."""
         for bucket in self.buckets:
             bucket.reset()
-        self.grad_data.zero_()
+        if self.grad_data is not None:
+            self.grad_data.zero_()
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply every gradient in the buffer by ``factor``."""
-        self.grad_data.mul_(factor)
+        if self.grad_data is not None:
+            self.grad_data.mul_(factor)
+            return
+        for bucket in self.buckets:
+            bucket.scale_gradients(factor)

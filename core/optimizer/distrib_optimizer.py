@@ -19,6 +19,12 @@ shard is a :class:`~core.optimizer.param_state.ParamShard` ``[start, end)``. The
    on views of it), then every chunk all-gathers its parameter buffer
    (``DistributedDataParallel.start_param_sync``): at once, or with ``overlap_param_gather``
    asynchronously, each module's forward pre-hook waiting for its own bucket.
+
+Under ``optim_grads`` and ``optim_grads_params`` (ZeRO-2/3, :mod:`core.distributed.sharded_bucket`)
+the same ranges are stepped, but the gradient is read from the bucket's persistent reduced shard
+(the full gradient buffer is gone by then) and, under ZeRO-3, the values are read from and written
+to the persistent parameter shard; ``start_param_sync`` then frees any gathered copy instead of
+gathering (each layer gathers its parameters when it next runs).
 """
 
 from __future__ import annotations
@@ -72,11 +78,17 @@ class DistributedOptimizer(MegatronOptimizer):
         if owned is None:
             return None
         start, end = owned
-        view = param.detach().reshape(-1)[start:end]
+        views = {}
+        if hasattr(bucket, "shard_views"):  # ZeRO-2/3: the bucket's persistent shards
+            param_view, grad_view = bucket.shard_views(param)
+            views = {"param_view": param_view, "grad_view": grad_view}
+            view = param_view
+        else:
+            view = param.detach().reshape(-1)[start:end]
         if param.dtype == torch.float32:
-            return ParamShard(name, param, view, start, end, copy=False)
+            return ParamShard(name, param, view, start, end, copy=False, **views)
         if param.dtype in _HALF:
-            return ParamShard(name, param, view.clone().float(), start, end, copy=True)
+            return ParamShard(name, param, view.clone().float(), start, end, copy=True, **views)
         raise TypeError(f"cannot optimise {name} of dtype {param.dtype}; expected bf16, fp16 or fp32")
 
     def _grad_stats_group(self):

@@ -59,9 +59,16 @@ class ParamShard:
     start: int
     end: int
     copy: bool
+    param_view: torch.Tensor | None = None
+    """Where this range of the model's values lives when not in the parameter itself (ZeRO-3's
+    persistent shard, or ZeRO-2's); None: in the parameter."""
+    grad_view: torch.Tensor | None = None
+    """Where this range's reduced gradient lives when not in ``main_grad`` (ZeRO-2/3's reduced shard)."""
 
     def model_grad(self) -> torch.Tensor | None:
         """The model's reduced gradient of this range (``main_grad`` if any, else ``.grad``), shaped as main."""
+        if self.grad_view is not None:
+            return self.grad_view.view_as(self.main_param)
         grad = getattr(self.model_param, "main_grad", None)
         if grad is None:
             grad = self.model_param.grad
@@ -71,6 +78,8 @@ class ParamShard:
 
     def model_view(self) -> torch.Tensor:
         """The model parameter's values of this range, shaped as main (writes go to the model)."""
+        if self.param_view is not None:
+            return self.param_view.view_as(self.main_param)
         return self.model_param.detach().reshape(-1)[self.start : self.end].view_as(self.main_param)
 
 

@@ -65,7 +65,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         if engine_will_use(input_):
             grad_input = grad_output.matmul(weight)
         if engine_will_use(weight):
-            accumulate_weight_grad(weight.main_grad, flat_grad, input_.reshape(-1, input_.shape[-1]))
+            accumulate_weight_grad(main_grad_of(weight), flat_grad, input_.reshape(-1, input_.shape[-1]))
             weight.grad_accumulated(weight)
             weight.grad_added_to_main_grad = True
         if bias is not None and engine_will_use(bias):
@@ -79,6 +79,15 @@ def linear_with_grad_accumulation(
     """``F.linear`` whose weight gradient accumulates into ``weight.main_grad`` (see the module docstring)."""
     check_main_grad(weight)
     return LinearWithGradAccumulation.apply(input_, weight, bias)
+
+
+def main_grad_of(weight: torch.Tensor) -> torch.Tensor:
+    """``weight.main_grad``, given memory first where the wrapper keeps it only while in use (ZeRO-2/3
+    free the full gradient bucket between microbatches; ``weight.open_main_grad`` reopens it)."""
+    opener = getattr(weight, "open_main_grad", None)
+    if opener is not None:
+        opener(weight)
+    return weight.main_grad
 
 
 def check_main_grad(weight: torch.Tensor) -> None:

@@ -138,6 +138,21 @@ def _build_modules(
     return modules
 
 
+def _check_no_shared_parameter(modules: list[nn.Module], strategy: str) -> None:
+    """ZeRO-2/3 reduce (and gather) a parameter through the one chunk whose buckets hold it: refuse one
+    held by two chunks (a tied embedding under ZBV's V placement)."""
+    seen: set[int] = set()
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) in seen:
+                raise ValueError(
+                    f"data_parallel_sharding_strategy={strategy!r} cannot shard {name}, which two model chunks "
+                    "of this rank share (a tied embedding under the zbv schedule); untie the embedding and "
+                    "output weights or use optim"
+                )
+        seen.update(id(p) for p in module.parameters())
+
+
 def parallelize_gpt(
     model_provider: ModelProvider,
     *,
@@ -155,5 +170,7 @@ def parallelize_gpt(
         set_amax_group(modules, groups.tp_dp_cp, groups.expt_dp)
     if ddp_config is None:
         return ParallelGPT(modules=modules, chunks=modules, groups=groups)
+    if ddp_config.shard_grads:
+        _check_no_shared_parameter(modules, ddp_config.data_parallel_sharding_strategy)
     chunks = [DistributedDataParallel(m.config, ddp_config, m, pg_collection=groups) for m in modules]
     return ParallelGPT(modules=modules, chunks=chunks, groups=groups)

@@ -570,7 +570,7 @@ def test_ckpt_format_accepts_megatrons_names_only():
     from training.argument_checks import validate_args
     from training.arguments import parse_args
 
-    for fmt in ("torch", "torch_dist"):
+    for fmt in ("torch", "torch_dist", "fsdp_dtensor"):
         validate_args(parse_args(["--ckpt-format", fmt]), 1)
     with pytest.raises(
         ValueError,

@@ -115,6 +115,8 @@ def load_checkpoint(
     """
     p = RankSplit.of(groups)
     error, path, loaded = None, None, None
+    for chunk in model_chunks:  # ZeRO-3 gathers: weights are read into whole parameters, then kept (a
+        getattr(chunk, "finish_param_sync", lambda: None)()  # collective, before anything can fail)
     try:
         path = _find(load_dir, iteration, exit_on_missing)
         if path is not None:
@@ -127,6 +129,8 @@ def load_checkpoint(
         error = f"loading checkpoint {path or load_dir} failed: {type(err).__name__}: {err}"
     _agree(error)
     if path is None:
+        for chunk in model_chunks:
+            getattr(chunk, "keep_gathered_params", lambda: None)()
         return None
     ckpt, optimizer_state, rng_state, fp8_saved, finetune = loaded
     _apply_states(model_chunks, optimizer, optimizer_state, rng_state, fp8_saved)
@@ -158,6 +162,8 @@ def _apply_states(
 ) -> None:
     """After every rank read its shards: refresh the optimizer's weights, restore its state, the RNG
     and the FP8 amax histories saved beside it (by module name; a layer with none starts afresh)."""
+    for chunk in model_chunks:  # ZeRO-3: this rank's shard of the loaded weights, the rest freed
+        getattr(chunk, "keep_gathered_params", lambda: None)()
     if optimizer is not None:
         optimizer.reload_model_params()
         if optimizer_state is not None:

@@ -76,6 +76,8 @@ def save(run: Run, session: Session) -> None:
     )
     if run.checkpointing.async_save and session.logs_loss:  # "saved checkpoint" follows at the commit
         print_line(f"writing checkpoint {path} in the background")
+    if run.ddp.shard_params:  # ZeRO-3 frees the gathered weights at the next forward: copied first
+        session.saver.staging.wait_copied()
 
 
 def load(run: Run, session: Session) -> None:

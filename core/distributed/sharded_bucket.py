@@ -1,0 +1,278 @@
+"""Buckets that keep only this data-parallel rank's shard of the gradients (ZeRO-2), and of the parameters
+(ZeRO-3), between uses: Megatron-FSDP's ``optim_grads`` and ``optim_grads_params``.
+
+Built on the distributed optimizer's buckets (ZeRO-1, :mod:`core.distributed.grad_buffer`): a bucket
+is padded and cut into DP equal shards the same way, and the optimizer steps the same ranges. What
+changes is what stays allocated.
+
+**Gradients (optim_grads and optim_grads_params).** Each bucket owns two gradient tensors:
+
+* ``grad_shard`` (persistent, 1/DP of the bucket): the sum of this rank's shard over every
+  microbatch and every data-parallel rank so far; the optimizer steps from it;
+* ``grad_data`` (the full bucket, transient): allocated when the first gradient of a microbatch
+  arrives, and freed (its storage resized to zero; every ``main_grad`` view survives) once every
+  parameter of the bucket has reported its gradient for that microbatch. Then the bucket is
+  reduce-scattered, and this rank adds its reduced shard into ``grad_shard``.
+
+So gradient accumulation over microbatches happens in the reduced shards, not in a full-size buffer:
+every microbatch is reduce-scattered on its own (M reduce-scatters per bucket and step for M
+microbatches, where ZeRO-1 has one), and between microbatches a rank holds 1/DP of the gradients
+plus at most the buckets whose backward is under way and, with ``overlap_grad_reduce``, the
+``MAX_IN_FLIGHT`` buckets whose asynchronous reduce-scatter has not landed yet. The sum of the per-microbatch reductions is
+the reduction of the sum, up to the order of fp32 additions. A bucket whose parameters do not all get
+a gradient in a microbatch simply keeps accumulating until they do, or until the step's
+``finish_grad_sync``.
+
+**Parameters (optim_grads_params).** The persistent ``param_shard`` (1/DP) is what the optimizer
+updates; ``param_data`` (the full bucket, which every parameter's ``.data`` views) is gathered just
+before the bucket's layer runs forward, freed after it, gathered again when the gradient of that
+layer's output arrives (the start of its backward), and freed once all its parameters' gradients are
+in. ``pending_backward`` counts the backwards begun and not finished, so a pipeline schedule that runs
+other microbatches' forwards in between (1F1B, interleaved, zero-bubble's I before W) never frees
+parameters that a pending backward still needs. Freed storage is resized to zero, so the tensors that
+autograd saved in forward are valid again once the parameters are gathered back into the same
+storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.distributed.collectives import all_gather
+from core.distributed.grad_buffer import DONE, IDLE, LAUNCHED, Bucket, GradBuffer
+
+MAX_IN_FLIGHT = 2
+"""Asynchronous microbatch reductions a buffer lets run at once (``overlap_grad_reduce``): each keeps its
+full bucket until it lands, so launching a third lands the oldest."""
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory; views of it stay valid objects (reading them waits for ``alloc_storage``)."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes():
+        storage.resize_(0)
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` (and every view of it) its memory back; the contents are undefined."""
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def storage_bytes(tensor: torch.Tensor | None) -> int:
+    """The bytes ``tensor``'s storage holds now (0 when freed)."""
+    return 0 if tensor is None else tensor.untyped_storage().nbytes()
+
+
+class ShardedBucket(Bucket):
+    """A bucket of whole parameters whose full gradient (and, with ``shard_params``, full parameter)
+    tensors exist only while in use (see the module docstring). ``grad_data`` and ``param_data`` are
+    this bucket's own tensors, so freeing them frees no other bucket's memory."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.grad_shard = torch.zeros_like(self.grad_shard)
+        self._grad_live = False
+        self._in_flight: list = []  # a launched microbatch reduction: [work or None]
+        self.in_flight_queue: list[ShardedBucket] = []  # shared by the buffer's buckets (ShardedGradBuffer)
+        free_storage(self.grad_data)
+        self.shards_params = self.options.shard_params
+        if self.shards_params:
+            self.param_shard = self.param_shard.clone()
+            free_storage(self.param_data)
+        self.params_live = not self.shards_params
+        self._gather_work = None  # a prefetch in flight
+        self.pending_backward = 0
+        self._reported: set[int] = set()
+        self.reductions = self.gathers = 0  # counted per step, for the traffic report
+        for param in self.params:
+            param.main_grad_shard = self.shard_views(param)[1]
+
+    def shard_views(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parameter, gradient) views of the persistent shards for ``param``'s owned range (empty if none)."""
+        owned = self.owned_range(param)
+        if owned is None:
+            return self.param_shard[:0], self.grad_shard[:0]
+        lo, hi = owned
+        at = self._start_of[id(param)] + lo - self.dp_rank * self.shard_size
+        return self.param_shard[at : at + hi - lo], self.grad_shard[at : at + hi - lo]
+
+    # -- gradients ------------------------------------------------------------------------------
+    def open_grad_buffer(self) -> None:
+        """Give the full bucket (every ``main_grad`` view) zeroed memory, if it has none: at the first
+        gradient of a microbatch (the hook's, or a fused layer's through ``param.open_main_grad``)."""
+        if self._grad_live:
+            return
+        self._land()
+        alloc_storage(self.grad_data)
+        self.grad_data.zero_()
+        self._grad_live = True
+
+    def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add one microbatch's gradient of ``param`` into the full bucket (allocated on first use)."""
+        self.open_grad_buffer()
+        param.main_grad.add_(grad)
+
+    def note_grad(self, param: torch.nn.Parameter) -> None:
+        """``param``'s gradient of this microbatch is in; the last of the bucket's reduces it and, under
+        ZeRO-3, ends the backward that gathered the parameters."""
+        self._reported.add(id(param))
+        if len(self._reported) < len(self.params):
+            return
+        self._reported.clear()
+        self._reduce_microbatch()
+        if self.shards_params:
+            self.pending_backward = max(0, self.pending_backward - 1)
+            self.release_params()
+
+    def _reduce_microbatch(self) -> None:
+        """Reduce-scatter the full bucket (asynchronously with ``overlap_grad_reduce``); it lands in
+        ``grad_shard`` and the bucket is freed when the work completes."""
+        if not self._grad_live:
+            return
+        self._grad_live = False
+        work = self._launch_reduction()
+        self._in_flight = [work]
+        self.reductions += 1
+        if work is None:  # done already (synchronous, or nothing to communicate)
+            self._land()
+            return
+        queue = self.in_flight_queue  # each reduction in flight holds a full bucket: land the oldest
+        queue.append(self)
+        while len(queue) > MAX_IN_FLIGHT:
+            queue.pop(0)._land()
+
+    def _land(self) -> None:
+        """Wait for the reduction in flight, add this rank's reduced shard into ``grad_shard``, free the bucket."""
+        if not self._in_flight:
+            return
+        if self in self.in_flight_queue:
+            self.in_flight_queue.remove(self)
+        work = self._in_flight.pop()
+        if work is not None:
+            work.wait()
+        lo = self.dp_rank * self.shard_size
+        self.grad_shard.add_(self.grad_data[lo : lo + self.shard_size])
+        free_storage(self.grad_data)
+
+    def start_grad_sync(self) -> None:
+        """Reduce what is still accumulating (gradients some parameter never completed); a no-op once launched."""
+        if self.state != IDLE:
+            return
+        self._reduce_microbatch()
+        self.state = LAUNCHED
+
+    def finish_grad_sync(self) -> None:
+        """Land every reduction of the step in ``grad_shard`` (scaled by ``post_scale``)."""
+        if self.state == DONE:
+            return
+        self.start_grad_sync()
+        self._land()
+        if self.options.post_scale != 1.0:
+            self.grad_shard.mul_(self.options.post_scale)
+        self.state = DONE
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply this rank's reduced gradients by ``factor``."""
+        self.grad_shard.mul_(factor)
+
+    def reset(self) -> None:
+        """Back to idle for the next step: no full buffers, zero reduced gradients, counters cleared."""
+        if self._in_flight:
+            work = self._in_flight.pop()
+            if work is not None:
+                work.wait()
+        if self in self.in_flight_queue:
+            self.in_flight_queue.remove(self)
+        free_storage(self.grad_data)
+        self._grad_live = False
+        self.grad_shard.zero_()
+        self.state = IDLE
+        self._reported.clear()
+        self.is_last_microbatch = True
+        self.reductions = self.gathers = 0
+
+    # -- parameters (ZeRO-3) ------------------------------------------------------------------
+    def gather_params(self, async_op: bool = False) -> None:
+        """All-gather every rank's parameter shard into ``param_data``; a no-op if it is there.
+        ``async_op`` (a prefetch, ``overlap_param_gather``): launch it and return; a later synchronous
+        call, or freeing, waits for it."""
+        if self.params_live:
+            if not async_op:
+                self._wait_gather()
+            return
+        alloc_storage(self.param_data)
+        if self.communicate:
+            work = all_gather(self.param_data, self.param_shard, self.group, async_op=async_op)
+            self._gather_work = work if async_op else None
+        else:
+            self.param_data.copy_(self.param_shard)
+        self.params_live = True
+        self.gathers += 1
+
+    def _wait_gather(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+
+    def release_params(self, force: bool = False) -> None:
+        """Free the gathered parameters, unless a backward that needs them is pending (``force``: anyway)."""
+        if force:
+            self.pending_backward = 0
+        if not self.shards_params or not self.params_live or self.pending_backward:
+            return
+        self._wait_gather()  # never free memory a collective still writes
+        if not self.param_data.untyped_storage().resizable():
+            self._rehome_params()
+        free_storage(self.param_data)
+        self.params_live = False
+
+    def _rehome_params(self) -> None:
+        """Move the parameters into fresh storage: viewing a tensor through numpy (as a checkpoint writer
+        does with whole parameters between steps) makes its storage impossible to resize."""
+        fresh = torch.empty_like(self.param_data)
+        for param in self.params:
+            start = self._start_of[id(param)]
+            param.data = fresh[start : start + param.numel()].view(param.shape)
+        self.param_data = fresh
+
+    def keep_gathered_params(self) -> None:
+        """Copy this rank's range of the gathered parameters into its shard (after they were written whole,
+        e.g. by a checkpoint load), then free them."""
+        if not self.shards_params or not self.params_live:
+            return
+        self._wait_gather()
+        lo = self.dp_rank * self.shard_size
+        self.param_shard.copy_(self.param_data[lo : lo + self.shard_size])
+        self.release_params(force=True)
+
+    def start_param_sync(self, async_op: bool) -> None:
+        """After the optimizer step: ZeRO-3 frees any gathered copy (the next forward gathers the new
+        shards); otherwise all-gather as the distributed optimizer does."""
+        if self.shards_params:
+            self.release_params(force=True)
+        elif self.param_handle is None:
+            super().start_param_sync(async_op)
+            self.gathers += int(self.communicate)
+
+    def finish_param_sync(self) -> None:
+        """The parameters are whole after this (ZeRO-3 gathers them; freed again after the next step)."""
+        if self.shards_params:
+            self.gather_params()
+        else:
+            super().finish_param_sync()
+
+
+class ShardedGradBuffer(GradBuffer):
+    """A gradient buffer of :class:`ShardedBucket` s, each in tensors of its own (freed one at a time)."""
+
+    bucket_class = ShardedBucket
+    separate_storage = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        queue: list[ShardedBucket] = []
+        for bucket in self.buckets:
+            bucket.in_flight_queue = queue

@@ -1,0 +1,141 @@
+"""Megatron-FSDP's flags: which strategy a command line gets, and one exact line for each refusal."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.argument_checks import derive_args
+from training.arguments import parse_args, startup_report
+
+_INSTEAD = (
+    "use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (Trident's ZeRO-3 on its "
+    "own buckets, which composes with tensor and pipeline parallelism)"
+)
+_NOT_YET = (
+    "Trident shards over data parallelism with --use-megatron-fsdp --data-parallel-sharding-strategy "
+    "{optim,optim_grads,optim_grads_params} over the whole data-parallel group; this knob of it is not built"
+)
+
+
+def _derived(argv: str) -> dict:
+    return derive_args(parse_args(argv.split()), 4)
+
+
+@pytest.mark.parametrize(
+    ("argv", "strategy", "distributed"),
+    [
+        ("", "no_shard", None),
+        ("--use-megatron-fsdp", "optim_grads_params", True),  # Megatron-FSDP's default
+        ("--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather", "optim_grads_params", True),
+        ("--use-megatron-fsdp --gradient-accumulation-fusion", "optim_grads_params", True),
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+            "optim_grads_params",
+            True,
+        ),
+        ("--use-distributed-optimizer", "optim", True),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "optim", True),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "optim_grads", True),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy no_shard", "no_shard", None),
+    ],
+)
+def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
+    derived = _derived(argv)
+    assert derived["data_parallel_sharding_strategy"] == strategy
+    assert derived.get("use_distributed_optimizer") == distributed  # every strategy but no_shard turns it on
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            "--data-parallel-sharding-strategy optim",
+            (
+                "--data-parallel-sharding-strategy optim takes effect only with --use-megatron-fsdp (as in Megatron); "
+                "add it, or use --use-distributed-optimizer alone"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --use-distributed-optimizer",
+            (
+                "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards the "
+                "optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them"
+            ),
+        ),
+        (
+            (
+                "--use-megatron-fsdp --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                "--pipeline-schedule zbv --num-layers 4"
+            ),
+            (
+                "--data-parallel-sharding-strategy optim_grads_params cannot shard the tied embedding that "
+                "--pipeline-schedule zbv puts in both model chunks of rank 0 yet: give "
+                "--untie-embeddings-and-output-weights, or --data-parallel-sharding-strategy optim"
+            ),
+        ),
+    ],
+)
+def test_contradicting_strategies_are_one_line(argv, message):
+    with pytest.raises(ValueError) as error:
+        _derived(argv)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ("--use-torch-fsdp2", f"Trident does not support --use-torch-fsdp2: {_INSTEAD}"),
+        (
+            "--megatron-fsdp-version 2",
+            f"Trident does not support --megatron-fsdp-version: Trident's Megatron-FSDP has one version; {_INSTEAD}",
+        ),
+        (
+            "--outer-dp-sharding-strategy optim",
+            f"Trident does not support --outer-dp-sharding-strategy yet: {_NOT_YET}",
+        ),
+        (
+            "--num-distributed-optimizer-instances 2",
+            f"Trident does not support --num-distributed-optimizer-instances yet: {_NOT_YET}",
+        ),
+        (
+            "--init-model-with-meta-device",
+            f"Trident does not support --init-model-with-meta-device yet: {_NOT_YET}",
+        ),
+        (
+            "--megatron-fsdp-grad-comm-dtype bf16",
+            f"Trident does not support --megatron-fsdp-grad-comm-dtype yet: {_NOT_YET}",
+        ),
+    ],
+)
+def test_unbuilt_fsdp_flags_are_refused_with_one_line(argv, message):
+    with pytest.raises(ValueError) as error:
+        parse_args(argv.split())
+    assert str(error.value) == message
+
+
+def test_a_strategy_name_that_does_not_exist_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"])
+    assert "invalid choice: 'zero3'" in capsys.readouterr().err
+
+
+def test_fsdp_dtensor_is_accepted_and_the_start_says_trident_writes_its_own_format():
+    args = parse_args(["--ckpt-format", "fsdp_dtensor"])
+    derive_args(args, 1)
+    lines = [line for line in startup_report(args) if "--ckpt-format" in line]
+    assert lines == [
+        (
+            "accepted, no effect here: --ckpt-format fsdp_dtensor (torch, torch_dist and fsdp_dtensor all write "
+            "Trident's own format, which any sharding strategy and any split can load)"
+        )
+    ]
+
+
+def test_the_planner_refuses_the_strategies_it_does_not_model():
+    from planner.inputs import read_input
+
+    with pytest.raises(ValueError) as error:
+        read_input(["--use-megatron-fsdp", "--global-batch-size", "8"], preset="llama3-8b")
+    assert str(error.value).startswith(
+        "the planner does not model --use-megatron-fsdp's sharding strategies yet"
+    )
