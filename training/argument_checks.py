@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from core.pipeline_parallel.layout import parse_layout
+from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel import CP_COMM_TYPES
@@ -547,12 +548,12 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
     _require(
         not (
             strategy in ("optim_grads", "optim_grads_params")
-            and args.pipeline_schedule == "zbv"
+            and schedule_rule(args.pipeline_schedule).placement == V
             and not args.untie_embeddings_and_output_weights
         ),
         f"--data-parallel-sharding-strategy {strategy} cannot shard the tied embedding that --pipeline-schedule "
-        "zbv puts in both model chunks of rank 0 yet: give --untie-embeddings-and-output-weights, or "
-        "--data-parallel-sharding-strategy optim",
+        f"{args.pipeline_schedule} puts in both model chunks of rank 0 yet: give "
+        "--untie-embeddings-and-output-weights, or --data-parallel-sharding-strategy optim",
     )
     args.data_parallel_sharding_strategy = strategy
     if strategy != "no_shard":
