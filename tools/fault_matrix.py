@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -44,43 +45,13 @@ KINDS = ("exception", "kill", "term", "hang")
 POINTS = {"forward": 6, "optimizer": 6, "save": 8}
 RANKS = (0, 3)
 MODES = ("restart", "stop")
-FLAGS = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "1000",
-    "--eval-iters",
-    "0",
-    "--lr",
-    "1e-3",
-    "--mock-data",
-    "--lr-warmup-iters",
-    "2",
-    "--pipeline-model-parallel-size",
-    "2",
-    "--train-iters",
-    "12",
-    "--save-interval",
-    "4",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "1023",
-    "--distributed-timeout-minutes",
-    "1",
-]
+FLAGS = shlex.split(
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--global-batch-size 8 --log-interval 1 --eval-interval 1000 --eval-iters 0 --lr 1e-3 "
+    "--mock-data --lr-warmup-iters 2 --pipeline-model-parallel-size 2 --train-iters 12 "
+    "--save-interval 4 --tokenizer-type NullTokenizer --vocab-size 1023 "
+    "--distributed-timeout-minutes 1"
+)
 WATCHDOG_S = 15
 """The heartbeat watchdog's timeout; a rank that hangs while its heartbeat goes on is caught by the
 process groups' timeout instead (``--distributed-timeout-minutes 1``)."""
