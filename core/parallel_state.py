@@ -208,8 +208,23 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> PrefixStor
         wait_for_workers=False,
         multi_tenant=True,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return PrefixStore(f"trident/attempt{attempt}", store)
+    global _JOB_STORE
+    _JOB_STORE = store
+    return attempt_store()
+
+
+def attempt_store(attempt: int | None = None) -> PrefixStore | None:
+    """The job's store under launch attempt ``attempt``'s prefix (default: this process's attempt); None
+    when the job was not started from MASTER_ADDR (a world of one). A restarted run reads what the
+    attempt before it left there (its heartbeats: when it stopped)."""
+    if _JOB_STORE is None:
+        return None
+    if attempt is None:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return PrefixStore(f"trident/attempt{attempt}", _JOB_STORE)
+
+
+_JOB_STORE: TCPStore | None = None
 
 
 # ``device_id`` (eager NCCL communicators) arrived in torch 2.3's init_process_group; pyproject allows 2.3.
@@ -222,9 +237,11 @@ def destroy_distributed() -> None:
     Without this, gloo's worker threads can outlive the interpreter and the process dies with
     "terminate called without an active exception" (SIGABRT) after the work is done.
     """
+    global _JOB_STORE
     destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _JOB_STORE = None
 
 
 def _create_groups(

@@ -27,8 +27,9 @@ from training import faults
 from training.batch_sizes import ramp_flag
 from training.checkpoint.resume import save
 from training.evaluation import evaluate
+from training.faults import restart
 from training.iteration_log import LogWindow, log_line, wandb_row
-from training.logging_utils import print_rank_0
+from training.logging_utils import print_line, print_rank_0
 from training.profiling import StepProfiler
 from training.progress import Progress
 from training.run import Run
@@ -203,6 +204,8 @@ class _Loop:
             step.memory = memory_stats(self.device)
         step.seconds = time.perf_counter() - start
         self.ledger.add(step)
+        if restart.restart_attempt() and "first step" not in restart.MARKS:
+            self._report_resume()
         if self.compile_start is not None and self.compile_warm is None:
             self.compile_warm = compile_stats()
             line = _compile_line("warm-up (first iteration)", self.compile_start, self.compile_warm)
@@ -213,6 +216,14 @@ class _Loop:
             self.settle()
         if logs:
             state.progress.print_log_line(log_line(run, state, self.last, self.window, self.flops, self.peak))
+
+    def _report_resume(self) -> None:
+        """A restarted run's first step: how long the resume took, stage by stage (rank 0 says it)."""
+        restart.mark("first step")
+        if dist.get_rank() == 0:
+            line = restart.time_to_resume(faults.last_beats(restart.restart_attempt() - 1))
+            if line:
+                print_line(line)
 
     def settle(self) -> None:
         """Read the pending steps from the device (one wait), then apply each and write its W&B row, in

@@ -27,6 +27,7 @@ from training.batches import BatchStream
 from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.load import prepare_save_dir
 from training.checkpoint.resume import load
+from training.faults import restart
 from training.fp8_report import fp8_report
 from training.global_vars import set_global_variables
 from training.logging_utils import is_logging_rank, print_line, print_rank_0
@@ -100,6 +101,7 @@ def setup(run: Run, providers: Providers) -> Session:
     session.train_data, session.valid_data = (_batch_stream(ds, run, groups) for ds in (train_ds, valid_ds))
     faults.phase("starting the W&B run")
     session.loggers = _start_loggers(run, session)
+    restart.mark("loaded")
     return session
 
 

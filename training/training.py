@@ -23,6 +23,7 @@ from datetime import timedelta
 from core import parallel_state as ps
 from core.device import select_backend
 from training import faults
+from training.faults import restart
 from training.logging_utils import print_line
 from training.loop import train
 from training.run import build_run, parse_run
@@ -66,6 +67,7 @@ def pretrain(
     started = ps.initialize_distributed(
         timeout=timedelta(minutes=run.distributed.distributed_timeout_minutes)
     )
+    restart.mark("rendezvous")
     try:
         faults.begin(run.distributed.distributed_timeout_minutes)
         return _train_session(run, providers, iteration_hook)

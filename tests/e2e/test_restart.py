@@ -60,6 +60,13 @@ def test_a_killed_worker_comes_back_by_itself_and_ends_as_the_uninterrupted_run(
     output = restarted.stdout
     assert "torchrun restart 1: resuming from the latest checkpoint in" in output, output[-3000:]
     assert f"loaded checkpoint {tmp_path / 'ckpt'} at iteration 4" in output, output[-3000:]
+    timing = re.search(
+        r"^time to resume \(torchrun restart 1\): ([0-9.]+) s from the last heartbeat before the fault .*$",
+        output,
+        re.MULTILINE,
+    )
+    assert timing and 0 < float(timing.group(1)) < 240, output[-3000:]
+    print(timing.group(0))
     assert _losses(output) == _losses(straight.stdout)
     assert _files(tmp_path / "ckpt", 12) == _files(tmp_path / "straight", 12)  # weights, optimizer, RNG
 

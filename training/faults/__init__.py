@@ -27,7 +27,14 @@ seconds instead of ``--distributed-timeout-minutes``; the process groups keep th
 """
 
 from training.faults.agreement import fail_together
-from training.faults.heartbeat import TEST_TIMEOUT_ENV, begin, distributed_timeout_seconds, end, phase
+from training.faults.heartbeat import (
+    TEST_TIMEOUT_ENV,
+    begin,
+    distributed_timeout_seconds,
+    end,
+    last_beats,
+    phase,
+)
 from training.faults.launcher import watch_launcher
 from training.faults.reporting import judge, one_line_errors, run_main
 
@@ -38,6 +45,7 @@ __all__ = [
     "end",
     "fail_together",
     "judge",
+    "last_beats",
     "one_line_errors",
     "phase",
     "run_main",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-from core.watchdog import Watchdog
+from core import parallel_state as ps
+from core.watchdog import HEARTBEAT_KEY, Heartbeat, Watchdog
 from training.faults import reporting
 from training.faults.injection import inject
 
@@ -69,7 +70,8 @@ def begin(timeout_minutes: float) -> None:
     if dist is None:
         reporting.use_store(None, 0)
         return
-    store = PrefixStore(f"trident/run{_generation}", distributed_c10d._get_default_store())
+    job = ps.attempt_store()  # this launch attempt's keys, which a restarted attempt can read
+    store = PrefixStore(f"trident/run{_generation}", job or distributed_c10d._get_default_store())
     reporting.use_store(store, dist.get_rank())
     timeout, setting = _watchdog_timeout(timeout_minutes)
     reporting.watchdog = Watchdog(
@@ -81,6 +83,20 @@ def begin(timeout_minutes: float) -> None:
         on_reported_elsewhere=_end_quietly,
         timeout_setting=setting,
     ).start()
+
+
+def last_beats(attempt: int) -> list[float]:
+    """Wall times of each rank's last heartbeat in launch attempt ``attempt`` (rank order; empty
+    outside torchrun). A restarted process's previous attempt ran one ``pretrain()``: its first run."""
+    from torch.distributed import PrefixStore
+
+    job = ps.attempt_store(attempt)
+    if job is None:
+        return []
+    store, beats = PrefixStore("trident/run1", job), []
+    while store.check([key := HEARTBEAT_KEY.format(rank=len(beats))]):
+        beats.append(Heartbeat.decode(store.get(key)).wall_time)
+    return beats
 
 
 def end() -> None:
