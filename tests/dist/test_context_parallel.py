@@ -120,7 +120,7 @@ MODEL_SEQ, MBS, MICROBATCHES, VOCAB = 16, 2, 2, 60
 
 
 def _model_config(kind: str, **overrides):
-    from tests.dist.test_gpt_model import make_config
+    from tests.support.gpt_model import make_config
 
     return make_config(kind, **overrides)
 
