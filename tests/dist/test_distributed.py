@@ -19,7 +19,7 @@ from core.distributed import (
 )
 from core.distributed.grad_buffer import DONE, LAUNCHED
 from core.model_parallel_config import ModelParallelConfig
-from tests.support.data_parallel import rel, toy
+from tests.support.data_parallel import relative_error, toy
 from tests.support.pipeline_toy import (
     ToyStage,
     make_forward_step,
@@ -112,11 +112,11 @@ def _ddp_run(overlap: bool, per_token: bool, driver: str, iterations: int = 1):
             ddp.finish_grad_sync()
             all_tokens = sum(mask.sum() for _, _, mask in everyone)
             for n, p in model.named_parameters():
-                if rel(p.main_grad, expected[n] * all_tokens) > 1e-6:
+                if relative_error(p.main_grad, expected[n] * all_tokens) > 1e-6:
                     problems.append(f"{name}: {n} is not the sum over data-parallel ranks")
         finalize_model_grads([ddp], num_tokens if per_token else None)
     for n, param in model.named_parameters():
-        rel = rel(param.main_grad, expected[n])
+        rel = relative_error(param.main_grad, expected[n])
         if rel > 1e-6:
             problems.append(f"{name}: {n} off by {rel:.2e}")
     flat = torch.cat([p.main_grad.reshape(-1) for p in model.parameters()])
@@ -155,10 +155,10 @@ def _interleaved_run(overlap: bool, grad_sync: bool) -> list[str]:
     ps.set_virtual_pipeline_model_parallel_world_size(None)
     _, expected = reference_loss_and_grads(toy(), everyone, False)
     return [
-        f"interleaved overlap={overlap} grad_sync={grad_sync}: {n} off by {rel(p.main_grad, expected[n]):.2e}"
+        f"interleaved overlap={overlap} grad_sync={grad_sync}: {n} off by {relative_error(p.main_grad, expected[n]):.2e}"
         for chunk in chunks
         for n, p in chunk.module.named_parameters()
-        if rel(p.main_grad, expected[n]) > 1e-6
+        if relative_error(p.main_grad, expected[n]) > 1e-6
     ]
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from core.optimizer import OptimizerConfig, get_grad_norm_fp32, get_megatron_optimizer
 from core.tensor_parallel.utils import set_tensor_model_parallel_attributes, shard_of
-from tests.support.optimizer import state_sum
+from tests.support.optimizer import adam_state_sum
 
 # --------------------------------------------------------------------------------------------------
 # Global norm and clipping on real ranks: TP=2 x PP=2, tied embedding
@@ -90,7 +90,7 @@ def _clip_case(rank, world_size, nan_rank):
         inf_norm,
         local_max,
         max(g.abs().max().item() for g in grads.values()),
-        state_sum(optimizer),
+        adam_state_sum(optimizer),
     )
 
 

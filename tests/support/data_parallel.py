@@ -11,7 +11,7 @@ from tests.support.pipeline_toy import ToyStage
 SYMBOLS, DECODER_IDS = ["E", "t", "t", "L"], [0, 1]
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` (Frobenius norms)."""
     return ((a - b).norm() / b.norm()).item()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def state_sum(optimizer) -> float:
+def adam_state_sum(optimizer) -> float:
     """Sum of |every Adam moment and step count|: 0 when no update ever reached the state.
 
     A skip is decided on the device, so the fused kernel may create the (zero) moments without

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, multi_no_sync
-from tests.support.data_parallel import rel, toy
+from tests.support.data_parallel import relative_error, toy
 from tests.support.pipeline_toy import make_microbatches, reference_loss_and_grads
 
 
@@ -25,7 +25,7 @@ def test_main_grads_live_in_one_flat_buffer_and_match_plain_autograd():
     for name, param in model.named_parameters():
         assert param.grad.data_ptr() == param.main_grad.data_ptr()  # fp32: .grad is the buffer view
         assert param.main_grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-        assert rel(param.main_grad, expected[name]) < 1e-6
+        assert relative_error(param.main_grad, expected[name]) < 1e-6
     assert len(ddp.buckets) == 1  # no overlap: one bucket per buffer, as Megatron
 
 
