@@ -10,14 +10,16 @@ Per test (setup, call and teardown together) it counts:
   pools and data-loader workers too), ``subprocess`` (so ``torchrun`` and the entry points),
   ``os.fork``, ``os.system``, ``os.posix_spawn``, ``os.spawn*``, ``os.exec*``;
 * ``pool_runs``: calls into ``tests/support/multirank.py``'s ranks (``RankPool.run``, hence
-  ``run_on_ranks``); a test that uses a module's pool spawns even when an earlier test started it;
+  ``run_on_ranks``);
+* ``pool_fixture``: the test, or a fixture it uses, asks for the ``ranks`` pool: it spawns even when
+  an earlier test started the pool or ran the fixture's ranks;
 * ``pg_sizes``: process groups initialised in this process, with their world sizes (``gloo:1``);
 * ``pretrain``: ``training.pretrain()`` called in this process.
 
-A test *spawns* when ``procs`` or ``pool_runs`` is not 0. The report is a TSV, one row per test, and
-the terminal summary names the tests on the wrong level. Python's audit events see subprocesses and
-forks; the ``multiprocessing``, pool, process-group and pretrain counts wrap those functions, which
-is why the audit is a plugin loaded on request and never part of a plain run.
+A test *spawns* when ``procs`` or ``pool_runs`` is not 0 or ``pool_fixture`` holds. The report is a TSV,
+one row per test, and the terminal summary names the tests on the wrong level. Python's audit events see
+subprocesses and forks; the ``multiprocessing``, pool, process-group and pretrain counts wrap those
+functions, which is why the audit is a plugin loaded on request and never part of a plain run.
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ class Counts:
     pool_runs: int = 0
     pg_sizes: list[str] = field(default_factory=list)
     pretrain: int = 0
+    pool_fixture: bool = False
 
     @property
     def spawns(self) -> bool:
-        return self.procs > 0 or self.pool_runs > 0
+        return self.procs > 0 or self.pool_runs > 0 or self.pool_fixture
 
 
 class SpawnAudit:
@@ -118,7 +121,8 @@ class SpawnAudit:
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)
     def pytest_runtest_protocol(self, item, nextitem):
         self.current = item.nodeid
-        self.counts[item.nodeid]  # every test gets a row, spawning or not
+        # A test whose fixtures stand on the module's pool spawns, even when an earlier test ran it.
+        self.counts[item.nodeid].pool_fixture = "ranks" in getattr(item, "fixturenames", ())
         yield
         self.current = None
 
@@ -128,12 +132,11 @@ class SpawnAudit:
     def pytest_terminal_summary(self, terminalreporter):
         rows = self.rows()
         with open(self.report_path, "w") as report:
-            report.write("level\ttest\tspawns\tprocs\tpool_runs\tpg_sizes\tpretrain\tstarted\n")
+            report.write("level\ttest\tspawns\tprocs\tpool_runs\tpool_fixture\tpg_sizes\tpretrain\tstarted\n")
             for level, nodeid, c in rows:
                 pgs, started = ",".join(c.pg_sizes), "; ".join(sorted(set(c.started)))
-                report.write(
-                    f"{level}\t{nodeid}\t{int(c.spawns)}\t{c.procs}\t{c.pool_runs}\t{pgs}\t{c.pretrain}\t{started}\n"
-                )
+                fields = (level, nodeid, int(c.spawns), c.procs, c.pool_runs, int(c.pool_fixture), pgs)
+                report.write("\t".join(map(str, (*fields, c.pretrain, started))) + "\n")
         write = terminalreporter.write_line
         write(f"spawn audit ({self.report_path}):")
         for level in LEVELS:
