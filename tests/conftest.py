@@ -1,7 +1,18 @@
+import os
+
 import pytest
 import torch
 
 from tests.support.multirank import RankPool
+
+
+def pytest_configure(config):
+    """``TRIDENT_SPAWN_AUDIT=report.tsv`` reports which tests start processes (tests/support/spawn_audit.py)."""
+    report = os.environ.get("TRIDENT_SPAWN_AUDIT")
+    if report:
+        from tests.support.spawn_audit import SpawnAudit
+
+        config.pluginmanager.register(SpawnAudit(report), "trident-spawn-audit")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
-"""Data parallelism: DDP's gradient buffers and buckets against single-process references (and the
-distributed optimizer's sharded layout), and finalize_model_grads on ``main_grad`` (tied
-embeddings, sequence-parallel norms)."""
+"""Data parallelism on real ranks: DDP's reductions (averaged gradients, parameters broadcast, overlap
+bit-identical to no overlap, buckets launched during the backward) and finalize_model_grads on
+``main_grad`` (tied embeddings, sequence-parallel norms). The buffers and buckets in one process:
+tests/unit/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from core.distributed import (
 )
 from core.distributed.grad_buffer import DONE, LAUNCHED
 from core.model_parallel_config import ModelParallelConfig
+from tests.support.data_parallel import relative_error, toy
 from tests.support.pipeline_toy import (
     ToyStage,
     make_forward_step,
@@ -25,137 +27,7 @@ from tests.support.pipeline_toy import (
     reference_loss_and_grads,
 )
 
-SYMBOLS, DECODER_IDS = ["E", "t", "t", "L"], [0, 1]
 MICROBATCHES = 4
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-def _toy(per_token: bool = False) -> ToyStage:
-    return ToyStage(
-        ModelParallelConfig(hidden_size=8, calculate_per_token_loss=per_token), SYMBOLS, DECODER_IDS
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# One process (no communication): buffers, hooks, forwarding
-# --------------------------------------------------------------------------------------------------
-
-
-def test_main_grads_live_in_one_flat_buffer_and_match_plain_autograd():
-    batches = make_microbatches(3, 2, 6, False)
-    plain, model = _toy(), _toy()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    _, expected = reference_loss_and_grads(plain, batches, per_token=False)
-    for tokens, labels, mask in batches:
-        loss = (ddp(tokens, labels=labels) * mask).sum() / mask.sum() / len(batches)
-        loss.backward()
-    ddp.finish_grad_sync()
-    buffer = ddp.buffers[0].grad_data
-    for name, param in model.named_parameters():
-        assert param.grad.data_ptr() == param.main_grad.data_ptr()  # fp32: .grad is the buffer view
-        assert param.main_grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-        assert _rel(param.main_grad, expected[name]) < 1e-6
-    assert len(ddp.buckets) == 1  # no overlap: one bucket per buffer, as Megatron
-
-
-def test_wrapper_forwards_attributes_and_state_dict_has_no_prefix():
-    model = _toy()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    assert ddp.pre_process and ddp.post_process and ddp.vp_stage is None
-    ddp.set_input_tensor(["x"])
-    assert model.input_tensor == "x"
-    assert set(ddp.state_dict()) == set(model.state_dict())
-    with pytest.raises(AttributeError):
-        ddp.no_such_attribute  # noqa: B018
-
-
-def test_buckets_follow_reverse_parameter_order_and_bucket_size():
-    model = _toy()
-    ddp = DistributedDataParallel(
-        model.config, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=100), model
-    )
-    names = [n for bucket in ddp.buckets for n in bucket.names]
-    assert names == [n for n, _ in model.named_parameters()][::-1]
-    # A bucket closes once it holds >= 100 elements: head (11 + 88) + layers.1.bias (8), and so on.
-    assert [len(b.params) for b in ddp.buckets] == [3, 3, 1]
-    assert [b.grad_data.numel() for b in ddp.buckets] == [11 + 88 + 8, 64 + 8 + 64, 88]
-
-
-def test_sharded_buffers_pad_buckets_hold_the_parameters_and_isolate_a_tied_embedding():
-    model = _toy()
-    model.embedding.weight.shared_embedding = True
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=100
-    )
-    ddp = DistributedDataParallel(model.config, config, model)
-    # Buckets close at >= 100 elements and are padded to lcm(dp, 128); the embedding sits alone, so
-    # the first and last stage shard their two copies of it identically.
-    assert [b.names for b in ddp.buckets] == [
-        ["head.bias", "head.weight", "layers.1.bias"],
-        ["layers.1.weight", "layers.0.bias", "layers.0.weight"],
-        ["embedding.weight"],
-    ]
-    assert [b.grad_data.numel() for b in ddp.buckets] == [128, 256, 128]
-    storage = ddp.buffers[0].param_data.untyped_storage().data_ptr()
-    for name, param in model.named_parameters():  # the values moved into the flat parameter buffer
-        assert param.untyped_storage().data_ptr() == storage and torch.equal(param, before[name])
-        assert ddp.param_to_bucket[param].owned_range(param) == (0, param.numel())  # one rank owns all
-
-
-def test_bf16_model_accumulates_in_fp32_buffer():
-    model = _toy().to(torch.bfloat16)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    tokens, labels, mask = make_microbatches(1, 2, 6, False)[0]
-    (ddp(tokens, labels=labels) * mask).sum().backward()
-    assert all(p.main_grad.dtype == torch.float32 and p.grad is None for p in model.parameters())
-    assert ddp.buffers[0].grad_data.abs().sum() > 0
-
-
-def test_grad_aliasing_main_grad_is_not_counted_twice():
-    """An fp32 optimizer hands main_grad over as param.grad; the next backward must not double it."""
-    model = _toy()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    tokens, labels, mask = make_microbatches(1, 2, 6, False)[0]
-    (ddp(tokens, labels=labels) * mask).sum().backward()
-    once = {n: p.main_grad.clone() for n, p in model.named_parameters()}
-    for p in model.parameters():
-        p.grad = p.main_grad
-    (ddp(tokens, labels=labels) * mask).sum().backward()
-    for n, p in model.named_parameters():
-        assert torch.allclose(p.main_grad, 2 * once[n]), n
-
-
-def test_gradient_after_reduction_without_zeroing_is_an_error():
-    model = _toy()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    tokens, labels, mask = make_microbatches(1, 2, 6, False)[0]
-    (ddp(tokens, labels=labels) * mask).sum().backward()
-    ddp.finish_grad_sync()
-    with pytest.raises(RuntimeError, match=r"zero_grad_buffer\(\)"):
-        (ddp(tokens, labels=labels) * mask).sum().backward()
-    ddp.zero_grad_buffer()
-    (ddp(tokens, labels=labels) * mask).sum().backward()  # fine again
-
-
-def test_multi_no_sync_suspends_every_chunk():
-    chunks = [DistributedDataParallel(None, DistributedDataParallelConfig(), _toy()) for _ in range(2)]
-    with multi_no_sync(chunks)():
-        assert not any(b.is_last_microbatch for c in chunks for b in c.buckets)
-    assert all(b.is_last_microbatch for c in chunks for b in c.buckets)
-
-
-def test_nan_check_names_the_parameter():
-    model = _toy()
-    ddp = DistributedDataParallel(
-        model.config, DistributedDataParallelConfig(check_for_nan_in_grad=True), model
-    )
-    model.head.bias.main_grad[0] = float("nan")
-    with pytest.raises(RuntimeError, match=r"NaN or Inf in the gradients of \['head.bias'\]"):
-        ddp.finish_grad_sync()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,7 +68,7 @@ def _ddp_run(overlap: bool, per_token: bool, driver: str, iterations: int = 1):
     from core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     batches, everyone = _all_batches()
-    model = _toy(per_token)
+    model = toy(per_token)
     config = ModelParallelConfig(hidden_size=8, calculate_per_token_loss=per_token)
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=100), model
@@ -206,7 +78,7 @@ def _ddp_run(overlap: bool, per_token: bool, driver: str, iterations: int = 1):
         config.grad_sync_func = ddp.start_grad_sync
     events: list[str] = []
     _record_launches(ddp, model, events)
-    _, expected = reference_loss_and_grads(_toy(per_token), everyone, per_token)
+    _, expected = reference_loss_and_grads(toy(per_token), everyone, per_token)
     name = f"{driver} overlap={overlap} per_token={per_token}"
     problems = []
     for _ in range(iterations):
@@ -240,11 +112,11 @@ def _ddp_run(overlap: bool, per_token: bool, driver: str, iterations: int = 1):
             ddp.finish_grad_sync()
             all_tokens = sum(mask.sum() for _, _, mask in everyone)
             for n, p in model.named_parameters():
-                if _rel(p.main_grad, expected[n] * all_tokens) > 1e-6:
+                if relative_error(p.main_grad, expected[n] * all_tokens) > 1e-6:
                     problems.append(f"{name}: {n} is not the sum over data-parallel ranks")
         finalize_model_grads([ddp], num_tokens if per_token else None)
     for n, param in model.named_parameters():
-        rel = _rel(param.main_grad, expected[n])
+        rel = relative_error(param.main_grad, expected[n])
         if rel > 1e-6:
             problems.append(f"{name}: {n} off by {rel:.2e}")
     flat = torch.cat([p.main_grad.reshape(-1) for p in model.parameters()])
@@ -281,12 +153,12 @@ def _interleaved_run(overlap: bool, grad_sync: bool) -> list[str]:
         micro_batch_size=2,
     )
     ps.set_virtual_pipeline_model_parallel_world_size(None)
-    _, expected = reference_loss_and_grads(_toy(), everyone, False)
+    _, expected = reference_loss_and_grads(toy(), everyone, False)
     return [
-        f"interleaved overlap={overlap} grad_sync={grad_sync}: {n} off by {_rel(p.main_grad, expected[n]):.2e}"
+        f"interleaved overlap={overlap} grad_sync={grad_sync}: {n} off by {relative_error(p.main_grad, expected[n]):.2e}"
         for chunk in chunks
         for n, p in chunk.module.named_parameters()
-        if _rel(p.main_grad, expected[n]) > 1e-6
+        if relative_error(p.main_grad, expected[n]) > 1e-6
     ]
 
 
@@ -311,12 +183,12 @@ def _broadcast_case(rank, world_size):
     from core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    model = _toy()
+    model = toy()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(rank)
     DistributedDataParallel(model.config, DistributedDataParallelConfig(), model).broadcast_params()
-    return model.head.bias[0].item() - _toy().head.bias[0].item()
+    return model.head.bias[0].item() - toy().head.bias[0].item()
 
 
 def test_broadcast_params_copies_the_first_dp_rank(ranks):

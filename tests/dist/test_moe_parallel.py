@@ -198,7 +198,7 @@ def _split_step(tp, pp, ep, aux, schedule, overrides):
     from core.transformer.context_parallel import get_batch_on_this_cp_rank
     from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
     from tests.dist.test_context_parallel import _forward_step
-    from tests.dist.test_gpt_model import make_batches
+    from tests.support.gpt_model import make_batches
     from tests.support.pipeline_toy import make_forward_step
 
     vpp = overrides.get("virtual_pipeline_model_parallel_size")
@@ -371,7 +371,7 @@ MODEL_SLOW = {  # CI keeps PP2 x EP2 under zb-h1 (TP x SP and the router's TP x 
     "split", [pytest.param(s, marks=pytest.mark.slow) if s in MODEL_SLOW else s for s in MODEL_SPLITS]
 )
 def test_expert_parallel_model_step_equals_one_device_and_ep1(ranks, split):
-    from tests.dist.test_gpt_model import make_batches
+    from tests.support.gpt_model import make_batches
 
     tp, pp, ep, schedule, overrides = MODEL_SPLITS[split]
     with_ep1 = split in MODEL_SLOW  # CI: the one-device reference of "EP = 1 at the same DP" only
@@ -415,7 +415,8 @@ def _optimizer_rank(rank, world_size, dispatcher):
     clipped SGD step; returns the grad norm and each owned parameter's update."""
     from core.distributed import DistributedDataParallelConfig
     from core.tensor_parallel import model_parallel_seed
-    from tests.dist.test_gpt_model import _train_step, make_batches
+    from tests.dist.test_gpt_model import _train_step
+    from tests.support.gpt_model import make_batches
 
     ps.initialize_model_parallel(expert_model_parallel_size=2)
     model_parallel_seed(1234)
@@ -444,7 +445,7 @@ def _optimizer_rank(rank, world_size, dispatcher):
 def test_distributed_optimizer_shards_experts_over_expert_data_parallel_and_clips_each_once(
     ranks, dispatcher
 ):
-    from tests.dist.test_gpt_model import make_batches
+    from tests.support.gpt_model import make_batches
 
     results = ranks(WORLD).run(_optimizer_rank, dispatcher, timeout=TIMEOUT)
     _, grads, _ = reference_step(model_config(True), make_batches(WORLD * MICROBATCHES))
@@ -496,7 +497,7 @@ def _step_and_snapshot(ep: int, batches, load: str | None = None, save: str | No
 
 
 def _checkpoint_rank(rank, world_size, path):
-    from tests.dist.test_gpt_model import make_batches
+    from tests.support.gpt_model import make_batches
 
     batches = make_batches(2 * world_size * MICROBATCHES, seed=5)
     first, second = (

@@ -16,7 +16,6 @@ from core import parallel_state
 from core.model_parallel_config import ModelParallelConfig
 from core.tensor_parallel import (
     ColumnParallelLinear,
-    RNGStatesTracker,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
@@ -37,14 +36,9 @@ from core.tensor_parallel import (
 )
 from core.tensor_parallel.fp8 import Fp8Recipe, update_fp8_scales
 from core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from tests.support.tensor_parallel import close
 
 TP = 2
-TOL = 1e-6
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float = TOL) -> None:
-    err = ((actual.detach() - expected.detach()).norm() / expected.detach().norm()).item()
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
 
 
 def _config(sequence_parallel: bool = False) -> ModelParallelConfig:
@@ -95,16 +89,16 @@ def _check_column(rank, world_size, gather_output):
     assert bias_out is None
     if not gather_output:
         y_ref, dy = y_ref.chunk(TP, dim=-1)[rank], dy.chunk(TP, dim=-1)[rank]
-    _close(y, y_ref, "output")
+    close(y, y_ref, "output")
     y.backward(dy)
-    _close(x_tp.grad, x_ref.grad, "input grad")
-    _close(gather_full(layer.weight, group, tensor=layer.weight.grad), ref.weight.grad, "weight grad")
-    _close(gather_full(layer.bias, group, tensor=layer.bias.grad), ref.bias.grad, "bias grad")
+    close(x_tp.grad, x_ref.grad, "input grad")
+    close(gather_full(layer.weight, group, tensor=layer.weight.grad), ref.weight.grad, "weight grad")
+    close(gather_full(layer.bias, group, tensor=layer.bias.grad), ref.bias.grad, "bias grad")
 
     layer.skip_bias_add = True
     y_skip, bias_skip = layer(x.clone())
     assert bias_skip is layer.bias
-    _close(y_skip + (bias if gather_output else bias_skip), y, "skip_bias_add output + bias")
+    close(y_skip + (bias if gather_output else bias_skip), y, "skip_bias_add output + bias")
 
 
 def _check_row(rank, world_size, input_is_parallel):
@@ -126,17 +120,17 @@ def _check_row(rank, world_size, input_is_parallel):
     x_tp = x_in.clone().requires_grad_()
     y, bias_out = layer(x_tp)
     assert bias_out is None
-    _close(y, y_ref, "output")
+    close(y, y_ref, "output")
     y.backward(dy)
     x_grad_ref = x_ref.grad.chunk(TP, dim=-1)[rank] if input_is_parallel else x_ref.grad
-    _close(x_tp.grad, x_grad_ref, "input grad")
-    _close(gather_full(layer.weight, group, tensor=layer.weight.grad), ref.weight.grad, "weight grad")
-    _close(layer.bias.grad, ref.bias.grad, "bias grad")
+    close(x_tp.grad, x_grad_ref, "input grad")
+    close(gather_full(layer.weight, group, tensor=layer.weight.grad), ref.weight.grad, "weight grad")
+    close(layer.bias.grad, ref.bias.grad, "bias grad")
 
     layer.skip_bias_add = True
     y_skip, bias_skip = layer(x_in.clone())
     assert bias_skip is layer.bias
-    _close(y_skip + bias_skip, y, "skip_bias_add output + bias")
+    close(y_skip + bias_skip, y, "skip_bias_add output + bias")
 
 
 def _check_mlp(rank, world_size, sequence_parallel):
@@ -169,15 +163,15 @@ def _check_mlp(rank, world_size, sequence_parallel):
     x_tp = local(x).clone().requires_grad_()
     hidden, _ = fc1(x_tp)
     y, _ = fc2(F.gelu(hidden))
-    _close(y, local(y_ref), "output")
+    close(y, local(y_ref), "output")
     y.backward(local(dy))
-    _close(x_tp.grad, local(x_ref.grad), "input grad")
+    close(x_tp.grad, local(x_ref.grad), "input grad")
     assert fc2.bias.sequence_parallel == sequence_parallel
     if sequence_parallel:  # each rank saw only its sequence slice: the finaliser's all-reduce
         dist.all_reduce(fc2.bias.grad, group=parallel_state.get_tensor_model_parallel_group())
     grads = [gather_full(p, tensor=p.grad) for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
     for name, grad, p_ref in zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), grads, params_ref):
-        _close(grad, p_ref.grad, f"{name} grad")
+        close(grad, p_ref.grad, f"{name} grad")
 
 
 def _check_embedding(rank, world_size, reduce_scatter):
@@ -203,9 +197,9 @@ def _check_embedding(rank, world_size, reduce_scatter):
     y = emb(tokens)
     if reduce_scatter:  # [b, s, h] -> [s, b, h], this rank's sequence slice
         y_ref, dy = (t.transpose(0, 1).chunk(TP, dim=0)[rank] for t in (y_ref, dy))
-    _close(y, y_ref, "output")
+    close(y, y_ref, "output")
     y.backward(dy)
-    _close(gather_full(emb.weight, group, tensor=emb.weight.grad), w_ref.grad, "weight grad")
+    close(gather_full(emb.weight, group, tensor=emb.weight.grad), w_ref.grad, "weight grad")
 
 
 def _check_cross_entropy(rank, world_size, label_smoothing):
@@ -223,9 +217,9 @@ def _check_cross_entropy(rank, world_size, label_smoothing):
     untouched = local.detach().clone()
     loss = vocab_parallel_cross_entropy(local, target, label_smoothing=label_smoothing, tp_group=group)
     assert loss.shape == target.shape
-    _close(loss, loss_ref, "loss")
+    close(loss, loss_ref, "loss")
     loss.backward(dloss, retain_graph=True)
-    _close(local.grad, logits_ref.grad.chunk(TP, dim=-1)[rank], "logits grad")
+    close(local.grad, logits_ref.grad.chunk(TP, dim=-1)[rank], "logits grad")
     assert torch.equal(local.detach(), untouched), "the caller's logits were modified"
     with pytest.raises(RuntimeError, match="cannot be back-propagated twice"):
         loss.backward(dloss)
@@ -235,9 +229,9 @@ def _check_cross_entropy(rank, world_size, label_smoothing):
     fused = fused_vocab_parallel_cross_entropy(
         fused_local * 1.0, target, label_smoothing=label_smoothing, tp_group=group, slice_bytes=48
     )
-    _close(fused, loss_ref, "fused loss")
+    close(fused, loss_ref, "fused loss")
     fused.backward(dloss, retain_graph=True)
-    _close(fused_local.grad, logits_ref.grad.chunk(TP, dim=-1)[rank], "fused logits grad")
+    close(fused_local.grad, logits_ref.grad.chunk(TP, dim=-1)[rank], "fused logits grad")
     with pytest.raises(RuntimeError, match="cannot be back-propagated twice"):
         fused.backward(dloss)
     # bf16 logits: what the plain function computes from their fp32 copy, without the copy.
@@ -246,8 +240,8 @@ def _check_cross_entropy(rank, world_size, label_smoothing):
     (plain_grad,) = torch.autograd.grad(plain, half, dloss)
     fused = fused_vocab_parallel_cross_entropy(half * 1.0, target, label_smoothing, group, slice_bytes=48)
     (fused_grad,) = torch.autograd.grad(fused, half, dloss)
-    _close(fused, plain, "bf16 fused loss")
-    _close(fused_grad.float(), plain_grad.float(), "bf16 fused logits grad")
+    close(fused, plain, "bf16 fused loss")
+    close(fused_grad.float(), plain_grad.float(), "bf16 fused logits grad")
 
 
 def _check_linear_cross_entropy(rank, world_size, vocab_size):
@@ -274,14 +268,14 @@ def _check_linear_cross_entropy(rank, world_size, vocab_size):
             vocab_size=vocab_size, tp_group=group, accumulate_into_main_grad=accumulate, slice_bytes=64,
         )  # fmt: skip
         assert not loss.isnan().any() and loss.shape == target.shape
-        _close(loss, loss_ref, "loss")
+        close(loss, loss_ref, "loss")
         loss.backward(dloss)
-        _close(local_hidden.grad, hidden_ref.grad, "hidden grad")
+        close(local_hidden.grad, hidden_ref.grad, "hidden grad")
         expected = weight_ref.grad.chunk(TP)[rank]
         got = shard.main_grad - 0.5 if accumulate else shard.grad
         assert not accumulate or (shard.grad is None and shard.reported and shard.grad_added_to_main_grad)
         if expected.any():
-            _close(got, expected, f"weight grad (accumulate={accumulate})")
+            close(got, expected, f"weight grad (accumulate={accumulate})")
         else:  # a shard of padding: no gradient at all
             assert torch.equal(got, expected), f"padding's weight grad {got}"
 
@@ -544,7 +538,7 @@ def _check_fp8_mlp(rank, world_size, case):
         for what, a, b in zip(
             ("output", "input grad", "fc1 weight grad", "fc2 weight grad"), out["tp2"], out["tp1"]
         ):
-            _close(a, b, f"step {step} {what}", tol=1e-5)
+            close(a, b, f"step {step} {what}", tol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -597,42 +591,3 @@ def test_non_divisible_sizes_raise_clear_errors(ranks):
 
 def test_shard_of_and_gather_full_round_trip(ranks):
     ranks(TP).run(_check_round_trip)
-
-
-def test_shard_of_follows_megatron_striding():
-    param = nn.Parameter(torch.empty(4))
-    set_tensor_model_parallel_attributes(param, True, 0, 2)
-    full = torch.arange(8.0)
-    assert shard_of(full, param, 0, 2).tolist() == [0, 1, 4, 5]
-    assert shard_of(full, param, 1, 2).tolist() == [2, 3, 6, 7]
-
-
-def test_rng_tracker_rejects_reused_names_and_seeds():
-    tracker = RNGStatesTracker()
-    tracker.add("a", 1)
-    with pytest.raises(ValueError, match="seed 1 already used"):
-        tracker.add("b", 1)
-    with pytest.raises(ValueError, match="'a' already exists"):
-        tracker.add("a", 2)
-    with pytest.raises(KeyError, match="model_parallel_seed"), tracker.fork("missing"):
-        pass
-
-
-def test_single_process_without_distributed_runs_unsharded():
-    """No torch.distributed at all: a TP world of one, same layers, no communication."""
-    if dist.is_initialized():
-        pytest.skip("torch.distributed was initialised in this process by another test")
-    torch.manual_seed(5)
-    config = ModelParallelConfig()
-    x = torch.randn(3, 2, 4)
-    fc1 = ColumnParallelLinear(4, 8, config=config, init_method=nn.init.normal_)
-    fc2 = RowParallelLinear(8, 4, config=config, init_method=nn.init.normal_, input_is_parallel=True)
-    y, _ = fc2(F.gelu(fc1(x)[0]))
-    ref = F.linear(F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)
-    _close(y, ref, "MLP output")
-    logits, target = torch.randn(5, 8), torch.randint(0, 8, (5,))
-    _close(
-        vocab_parallel_cross_entropy(logits, target),
-        F.cross_entropy(logits, target, reduction="none"),
-        "loss",
-    )

@@ -63,7 +63,7 @@ def test_each_script_is_accepted_or_refused_in_one_line_naming_the_flags(name):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """GPT-2 BPE files and a SentencePiece model trained here, and a corpus preprocessed with the BPE."""
-    from tests.unit.test_data import make_docs, write_jsonl
+    from tests.support.corpus import make_docs, write_jsonl
     from tools import preprocess_data, train_tokenizer
 
     root = tmp_path_factory.mktemp("examples")

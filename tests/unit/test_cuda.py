@@ -23,7 +23,7 @@ import torch
 
 from core.device import building_on
 from models.gpt import GPTModel
-from tests.dist.test_gpt_model import SEQ, VOCAB, make_batches, make_config, rel
+from tests.support.gpt_model import SEQ, VOCAB, make_batches, make_config, rel
 from tests.support.pipeline_toy import reference_loss_and_grads
 from tests.support.pretrain_run import pretrain_gpt_in_process
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import random
 import struct
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tools import preprocess_data, train_tokenizer
+from tests.support.corpus import make_docs, prepared_corpus, preprocess, write_jsonl
 from training.data import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -31,52 +30,11 @@ from training.data.builder import build_train_valid_test_datasets, parse_data_pa
 from training.data.gpt_dataset import build_document_index, build_sample_index
 from training.tokenizer import GPTSentencePieceTokenizer, NullTokenizer, build_tokenizer
 
-WORDS = [
-    "the", "a", "pipeline", "stage", "tensor", "model", "parallel", "data", "gradient", "loss", "token",
-    "layer", "attention", "batch", "micro", "rank", "group", "schedule", "forward", "backward", "weight",
-    "optimizer", "embedding", "sequence", "value", "of", "to", "and", "is", "in", "for", "with", "each",
-]  # fmt: skip
-
-
-def make_docs(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
-    for i in range(n):
-        sentences = [
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))).capitalize() + "."
-            for _ in range(rng.randint(1, 4))
-        ]
-        docs.append(
-            ("\n" if i % 7 == 0 else " ").join(sentences) + (f" Step {i}, loss 0.{i % 97}!" if i % 3 else "")
-        )
-    docs[5] = ""  # an empty document: it owns no sequence in the index
-    return docs
-
-
-def write_jsonl(path, docs: list[str]) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": d, "id": len(d)}) + "\n" for d in docs)
-    return str(path)
-
-
-def preprocess(jsonl: str, prefix, model: str, *extra: str) -> str:
-    args = ["--input", jsonl, "--output-prefix", str(prefix), "--tokenizer-model", model, "--quiet"]
-    if "--tokenizer-type" not in extra:
-        args += ["--tokenizer-type", "GPTSentencePieceTokenizer"]
-    return preprocess_data.main(args + list(extra))[0]
-
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A tiny corpus, a tiny tokenizer trained by the real tool, and the corpus preprocessed."""
-    root = tmp_path_factory.mktemp("data")
-    docs = make_docs(300, seed=0)
-    jsonl = write_jsonl(root / "corpus.jsonl", docs)
-    model = str(
-        train_tokenizer.main(["--input", jsonl, "--model-prefix", str(root / "spm"), "--vocab-size", "400"])
-    )
-    prefix = preprocess(jsonl, root / "corpus", model, "--append-eod", "--workers", "1")
-    return {"root": root, "docs": docs, "jsonl": jsonl, "model": model, "prefix": prefix}
+    return prepared_corpus(tmp_path_factory.mktemp("data"))
 
 
 # --- 1. byte format ------------------------------------------------------------------------
@@ -165,33 +123,6 @@ def test_sentencepiece_tokenizer_adds_megatron_special_tokens(env):
 def test_null_tokenizer():
     tok = NullTokenizer(100)
     assert tok.tokenize("5 7 99") == [5, 7, 99] and (tok.eod, tok.vocab_size) == (100, 101)
-
-
-# --- 3. preprocessing ----------------------------------------------------------------------
-
-
-def test_workers_do_not_change_the_output_and_eod_is_appended(env):
-    root = env["root"]
-    two = preprocess(
-        env["jsonl"], root / "w2", env["model"], "--append-eod", "--workers", "2", "--chunk-size", "7"
-    )
-    for suffix in (".bin", ".idx"):
-        assert Path(two + suffix).read_bytes() == Path(env["prefix"] + suffix).read_bytes()
-
-    tok = GPTSentencePieceTokenizer(env["model"])
-    with_eod, plain = (
-        IndexedDataset(env["prefix"]),
-        IndexedDataset(preprocess(env["jsonl"], root / "noeod", env["model"])),
-    )
-    assert len(with_eod) == len(plain) == len(env["docs"]) - 1
-    for i in range(len(plain)):
-        assert with_eod[i].tolist() == plain[i].tolist() + [tok.eod]
-        assert tok.eod not in plain[i].tolist()
-
-    sp_prefix = preprocess(
-        env["jsonl"], root / "sp", env["model"], "--tokenizer-type", "SentencePieceTokenizer", "--append-eod"
-    )
-    assert {int(IndexedDataset(sp_prefix)[i][-1]) for i in range(len(plain))} == {402}
 
 
 # --- 4. GPT dataset ------------------------------------------------------------------------

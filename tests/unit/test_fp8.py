@@ -23,7 +23,6 @@ import pytest
 import torch
 from torch import nn
 
-import pretrain_gpt
 from core.device import building_on
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -33,13 +32,12 @@ from core.tensor_parallel.fp8 import (
     Fp8Recipe,
     amax_of,
     dequantize,
-    fp8_state_dict,
     fp8_states,
     quantize,
     update_fp8_scales,
 )
 from core.transformer.transformer_config import TransformerConfig
-from tests.support.pretrain_run import pretrain_gpt_in_process
+from tests.support.fp8_run import fp8_run
 
 RECIPES = [
     Fp8Recipe(format=fmt, scaling=scaling)
@@ -284,33 +282,11 @@ def test_the_configs_fp8_refusals(overrides, message):
     assert str(err.value) == f"invalid TransformerConfig: {message}"
 
 
-TINY = (
-    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --seq-length 32 "
-    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 127 --seed 7 --hidden-dropout 0 --attention-dropout 0 "
-    "--num-workers 0 --eval-iters 0 --eval-interval 1000 --log-interval 1 --bf16 --swiglu --lr-decay-iters 6 "
-    "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
-    "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 --fp8-amax-compute-algo max"
-)
-
-
-def _train(flags: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The run's losses and, at its end, its FP8 states by name."""
-    built = []
-
-    def model_provider(*args, **kwargs):
-        built.append(pretrain_gpt.model_provider(*args, **kwargs))
-        return built[-1]
-
-    state = pretrain_gpt_in_process(argv=f"{TINY} {flags}".split(), model_provider=model_provider)
-    return [float(step["lm loss"]) for step in state.losses], fp8_state_dict(built)
-
-
 def test_resume_with_delayed_scaling_is_exact_losses_and_amax_histories(tmp_path):
-    straight, straight_histories = _train("--train-iters 6")
+    straight, straight_histories = fp8_run("--train-iters 6")
     ckpt = os.path.join(tmp_path, "ckpt")
-    first, _ = _train(f"--train-iters 3 --save {ckpt} --save-interval 3")
-    resumed, resumed_histories = _train(f"--train-iters 6 --load {ckpt}")
+    first, _ = fp8_run(f"--train-iters 3 --save {ckpt} --save-interval 3")
+    resumed, resumed_histories = fp8_run(f"--train-iters 6 --load {ckpt}")
     assert first + resumed == straight
     assert straight_histories.keys() == resumed_histories.keys() and straight_histories
     for name, value in straight_histories.items():
@@ -338,22 +314,14 @@ def test_the_gpus_fp8_products_equal_the_cpus(recipe):
 def test_full_and_selective_recompute_change_nothing(recipe):
     """A recomputed forward casts what the first forward cast and records no new amax."""
     flags = f"--train-iters 3 --fp8-recipe {recipe}"
-    plain, plain_state = _train(flags)
+    plain, plain_state = fp8_run(flags)
     for extra in (
         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
         "--recompute-granularity selective",
     ):
-        losses, state = _train(f"{flags} {extra}")
+        losses, state = fp8_run(f"{flags} {extra}")
         assert losses == plain, extra
         assert all(torch.equal(state[k], v) for k, v in plain_state.items()), extra
-
-
-def test_compiled_layers_and_casts_follow_the_eager_fp8_run():
-    """``--compile`` (inductor): the layers and the fused casts (values and transposed copy in one
-    kernel) give the eager FP8 run's losses, within the bf16 rounding compiled element-wise work has."""
-    eager, _ = _train("--train-iters 4 --fp8-recipe tensorwise")
-    compiled, _ = _train("--train-iters 4 --fp8-recipe tensorwise --compile")
-    assert max(abs(a - b) / a for a, b in zip(eager, compiled)) < 1e-3
 
 
 def test_routed_experts_run_in_fp8_on_the_loop_and_stay_out_under_grouped_gemm():

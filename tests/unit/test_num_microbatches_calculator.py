@@ -1,4 +1,5 @@
-"""The batch-size ramp: Megatron's calculator rules, checked without processes, and one short run.
+"""The batch-size ramp: Megatron's calculator rules, checked without processes (one short run along the
+ramp: tests/e2e/test_batch_size_ramp.py).
 
 The references below are Megatron's rules written out directly (the ramp's float formula, and
 ``update_train_iters``'s loops before and after Megatron-LM#4411); the schedule tables must give
@@ -13,6 +14,7 @@ import shlex
 import pytest
 
 from core.num_microbatches_calculator import BatchSizeSchedule, NumMicroBatchesCalculator, parse_count
+from tests.support.flags import MODEL
 
 
 def _megatron_ramp(start: int, increment: int, samples: int, final: int, consumed: int) -> int:
@@ -155,11 +157,6 @@ def test_the_calculator_gives_microbatches_per_step_and_where_each_batch_begins(
 # The flags, checked before any process group
 # --------------------------------------------------------------------------------------------------
 
-MODEL = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-    "--micro-batch-size 1 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 "
-)
-
 
 def _args(argv: str, world_size: int = 1):
     from training.argument_checks import validate_args
@@ -204,44 +201,6 @@ def test_batches_are_checked_from_where_the_checkpoint_resumes(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # A run along a ramp
 # --------------------------------------------------------------------------------------------------
-
-
-def test_a_run_along_the_ramp_steps_each_batch_and_builds_each_schedule_table_once(monkeypatch, capsys):
-    """One rank, sample-based: the batches of Megatron's ramp in order, the learning-rate schedule
-    advanced by each, and one schedule table per microbatch count, however many steps use it."""
-    import re
-
-    from core.optimizer.lr_scheduler import OptimizerParamScheduler
-    from core.pipeline_parallel import schedules
-    from tests.support.pretrain_run import pretrain_gpt_in_process
-    from training.arguments import parse_args
-
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    built, increments = [], []
-    build_tables, step = schedules.build_tables, OptimizerParamScheduler.step
-    monkeypatch.setattr(
-        schedules, "build_tables", lambda *a, **k: built.append(a[3]) or build_tables(*a, **k)
-    )
-    monkeypatch.setattr(
-        OptimizerParamScheduler,
-        "step",
-        lambda self, increment: increments.append(increment) or step(self, increment),
-    )
-    schedules._complete_tables.cache_clear()
-    argv = MODEL + "--train-samples 15 --global-batch-size 4 --rampup-batch-size 1 1 3 --log-interval 1"
-    state = pretrain_gpt_in_process(args=parse_args(argv.split()))
-    out = capsys.readouterr().out
-    batches = [1, 2, 4, 4, 4]  # the ramp up to 3 samples, then (15 - 7) // 4 full batches, as Megatron counts
-    assert [int(b) for b in re.findall(r"\| global batch size: +(\d+) \|", out)] == batches
-    assert increments == [0, *batches]  # 0: the scheduler's own first step, when it is built
-    assert state.consumed_samples == sum(batches) == 15 and state.iteration == 5
-    assert sorted(built) == [1, 2, 4]  # microbatch counts at micro batch 1, DP 1: each table once
-    assert (
-        "1 to 4 microbatches of 1 x 16 tokens (global batch 1 growing to 4: --rampup-batch-size 1 1 3)" in out
-    )
-    assert (
-        "ramping up batch size from 2 to 4 (4 microbatches) at iteration 3, after 3 consumed samples" in out
-    )
 
 
 @pytest.mark.parametrize("dataloader_type", ["single", "cyclic"])

@@ -8,8 +8,8 @@ import pytest
 
 from core.optimizer import get_param_groups
 from core.optimizer.lr_scheduler import OptimizerParamScheduler
-from tests.dist.test_gpt_model import SEQ, VOCAB, make_config
 from tests.support.flags import assert_refused, megatron_args
+from tests.support.gpt_model import SEQ, VOCAB, make_config
 from training.lr_schedule import scheduler_kwargs
 
 MODEL = (

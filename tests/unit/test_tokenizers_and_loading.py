@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.bpe import TRICKY_TEXTS, train_byte_level_bpe
-from tests.unit.test_data import make_docs, write_jsonl
+from tests.support.corpus import make_docs, write_jsonl
 from tools import preprocess_data
 from training.data.builder import build_per_split_datasets, build_train_valid_test_datasets
 from training.data.indexed_dataset import IndexedDataset
