@@ -71,6 +71,7 @@ def test_a_killed_worker_comes_back_by_itself_and_ends_as_the_uninterrupted_run(
     assert _files(tmp_path / "ckpt", 12) == _files(tmp_path / "straight", 12)  # weights, optimizer, RNG
 
 
+@pytest.mark.slow  # three 4- and 2-rank runs, about 80 s: the CI suite keeps the killed-worker test
 @pytest.mark.timeout(600)
 def test_a_smaller_second_start_goes_on_at_the_data_parallel_size_it_finds(cache, tmp_path):
     """Four ranks (PP2 x DP2) stop at iteration 6; two ranks (PP2 x DP1) go on from the checkpoint:
