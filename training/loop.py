@@ -184,6 +184,7 @@ class _Loop:
             out_dir=run.logging.tensorboard_dir or "profile",
         )
         self.saved_at: int | None = None
+        self.resume_unreported = restart.restart_attempt() > 0  # a restarted run times its first step
         self.compile_start = compile_stats() if run.model.compile else None
         self.compile_warm: dict | None = None
 
@@ -204,7 +205,8 @@ class _Loop:
             step.memory = memory_stats(self.device)
         step.seconds = time.perf_counter() - start
         self.ledger.add(step)
-        if restart.restart_attempt() and "first step" not in restart.MARKS:
+        if self.resume_unreported:
+            self.resume_unreported = False
             self._report_resume()
         if self.compile_start is not None and self.compile_warm is None:
             self.compile_warm = compile_stats()

@@ -58,6 +58,7 @@ from core.parallel_state import ParallelGroups
 from training.checkpoint.format import CheckpointError, iteration_dir
 from training.checkpoint.save import (
     SaveRequest,
+    agree,
     check_json,
     commit,
     describe,
@@ -66,7 +67,7 @@ from training.checkpoint.save import (
     write_files,
 )
 from training.checkpoint.staging import HostStaging
-from training.faults.agreement import distributed, everyone, raise_first_error
+from training.faults.agreement import distributed, everyone
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -181,7 +182,7 @@ class CheckpointSaver:
         all_done, any_failed = everyone(done, error is not None, self._group)
         if any_failed:  # every rank stops here, at the same iteration, with the first failure's message
             self.abandon()
-            raise_first_error(error, self._group, error_type=CheckpointError)
+            agree(error, self._group)
         if not all_done:
             return None
         self._write = None

@@ -12,7 +12,7 @@ it; after a barrier rank 0 writes the manifest and then the tracker, so a crash 
 previous checkpoint in place. A training run saves through
 :class:`~training.checkpoint.async_save.CheckpointSaver` (``--async-save`` writes in the
 background). Every problem becomes one :class:`CheckpointError` naming the file (and tensor),
-raised on every rank (:func:`~training.faults.agreement.raise_first_error`) before any collective could hang.
+raised on every rank (:func:`~training.checkpoint.save.agree`) before any collective could hang.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from training.checkpoint.live import (
 )
 from training.checkpoint.reader import Checkpoint, find_checkpoint, read_tracker
 from training.checkpoint.rng import get_rng_state, set_rng_state
-from training.checkpoint.save import save_checkpoint
+from training.checkpoint.save import agree, save_checkpoint
 from training.checkpoint.specs import check_same_model, specs_of_params
-from training.faults.agreement import distributed, raise_first_error, sum_over_ranks
+from training.faults.agreement import distributed, sum_over_ranks
 
 __all__ = [
     "CheckpointError",
@@ -81,13 +81,13 @@ def prepare_save_dir(save_dir: str) -> list[str]:
         probe_writable(save_dir)
     except CheckpointError as err:
         error = str(err)
-    _agree(error)  # every probe is done before rank 0 looks for stale temporary files
+    agree(error)  # every probe is done before rank 0 looks for stale temporary files
     if not distributed() or dist.get_rank() == 0:
         try:
             removed = remove_stale_temp_files(save_dir)
         except OSError as err:
             error = f"cannot clean temporary files of interrupted saves in --save {save_dir}: {err}"
-    _agree(error)
+    agree(error)
     return removed
 
 
@@ -125,9 +125,9 @@ def load_checkpoint(
             )
     except CheckpointError as err:
         error = str(err)
-    except Exception as err:  # noqa: BLE001 -- reported on every rank by _agree, so no rank waits forever
+    except Exception as err:  # noqa: BLE001 -- reported on every rank by agree, so no rank waits forever
         error = f"loading checkpoint {path or load_dir} failed: {type(err).__name__}: {err}"
-    _agree(error)
+    agree(error)
     if path is None:
         for chunk in model_chunks:
             getattr(chunk, "keep_gathered_params", lambda: None)()
@@ -216,8 +216,3 @@ def _saved_fp8_states(ckpt: Checkpoint, experts: bool) -> dict:
                 state = ckpt.read_rng_state(tp_rank, pp_rank, dp_rank) or {}
                 saved.update(state.get("fp8", {}))
     return saved
-
-
-def _agree(error: str | None) -> None:
-    """Every rank raises :class:`CheckpointError` if any failed (the first failing rank's message)."""
-    raise_first_error(error, error_type=CheckpointError)

@@ -54,6 +54,7 @@ from training.faults.agreement import gather, raise_first_error
 __all__ = [
     "FileToWrite",
     "SaveRequest",
+    "agree",
     "check_json",
     "commit",
     "describe",
@@ -268,18 +269,19 @@ def _optimizer_record(gathered: list[dict]) -> dict:
 def commit(request: SaveRequest | None, local: dict | None, error: str | None, group=None) -> None:
     """On every rank, once its files are written (or its ``error``): fail all ranks if any failed,
     else rank 0 writes the manifest and then the tracker. Collectives on ``group`` only."""
-    _agree(error, group)  # doubles as the barrier: every rank's files are complete before the commit
+    agree(error, group)  # doubles as the barrier: every rank's files are complete before the commit
     gathered = gather(local, group)
     if request is not None and request.commits:
         try:
             _commit_manifest(request, local, gathered)
-        except Exception as err:  # noqa: BLE001 -- every rank waits in _agree for rank 0's verdict
+        except Exception as err:  # noqa: BLE001 -- every rank waits in agree for rank 0's verdict
             error = f"committing checkpoint {request.path} failed: {type(err).__name__}: {err}"
-    _agree(error, group)
+    agree(error, group)
 
 
-def _agree(error: str | None, group=None) -> None:
-    """Every rank raises :class:`CheckpointError` if any failed (the first failing rank's message)."""
+def agree(error: str | None, group=None) -> None:
+    """Every rank raises :class:`CheckpointError` if any failed (the first failing rank's message);
+    the one agreement of saving and loading, over ``group`` (default: the whole job)."""
     raise_first_error(error, group, error_type=CheckpointError)
 
 
