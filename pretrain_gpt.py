@@ -26,7 +26,7 @@ from training.data import IndexedDataset, build_train_valid_test_datasets, defau
 from training.data.builder import build_per_split_datasets
 from training.data.defaults import default_data_prefix
 from training.data.mock_dataset import MockIndexedDataset
-from training.faults import run_main
+from training.faults import ending_the_process, run_main
 from training.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer
 
 
@@ -123,12 +123,14 @@ def train_valid_test_datasets_provider(args):
 
 
 if __name__ == "__main__":
-    # One clear error, printed once for the whole job, with exit code 1 (2 for usage errors).
-    run_main(
-        lambda: pretrain(
-            train_valid_test_datasets_provider,
-            model_provider,
-            forward_step,
-            tokenizer_provider=tokenizer_provider,
+    # One clear error, printed once for the whole job, with exit code 1 (2 for usage errors); the
+    # process ends without the interpreter's finalization (training.faults.end_process says why).
+    with ending_the_process():
+        run_main(
+            lambda: pretrain(
+                train_valid_test_datasets_provider,
+                model_provider,
+                forward_step,
+                tokenizer_provider=tokenizer_provider,
+            )
         )
-    )

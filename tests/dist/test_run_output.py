@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 import torch.distributed  # noqa: F401 -- imported once here, not in each forked child
 
@@ -66,3 +70,41 @@ def test_lines_printed_by_ranks_at_once_stay_whole():
     for say in (print_rank_0, print_line):  # no process group here: every process is "rank 0"
         lines = _printed_at_once(say)
         assert lines[-1] == "" and sorted(lines[:-1]) == expected
+
+
+ENDING = """
+import atexit, sys, threading, time
+import torch.distributed as dist
+from training.faults import ending_the_process
+
+def late_writer():
+    time.sleep(0.2)
+    print("thread done", flush=True)
+
+with ending_the_process():
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    dist.all_reduce(torch_tensor := __import__("torch").ones(4))
+    dist.destroy_process_group()
+    atexit.register(lambda: print("atexit ran", flush=True))
+    threading.Thread(target=late_writer).start()
+    print("main done", flush=True)
+    sys.exit({code!r})
+"""
+
+
+@pytest.mark.parametrize(
+    ("code", "returncode", "stderr"), [(None, 0, ""), (3, 3, ""), ("bad flag", 1, "bad flag")]
+)
+def test_the_entry_points_end_does_what_finalization_would_then_exits_with_the_code(code, returncode, stderr):
+    """pretrain_gpt.py ends through ``ending_the_process``: the remaining threads are joined and the
+    atexit handlers run before ``os._exit``, and the exit code is the one ``sys.exit`` was given."""
+    done = subprocess.run(
+        [sys.executable, "-c", ENDING.format(code=code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == returncode, done.stderr
+    assert done.stdout.split("\n") == ["main done", "thread done", "atexit ran", ""]
+    assert done.stderr.strip() == stderr

@@ -115,6 +115,7 @@ import torch, torch._dynamo
 import torch.distributed as dist
 import pretrain_gpt
 from core import parallel_state as ps
+from training.faults import end_process
 from training.training import pretrain
 
 ps.initialize_distributed()
@@ -129,6 +130,7 @@ for name, flags in json.loads(sys.argv[1]).items():
 if dist.get_rank() == 0:
     print("CURVES " + json.dumps(curves))
 ps.destroy_distributed()
+end_process(0)  # as pretrain_gpt.py ends: without finalization, where gloo's threads can abort
 """
 
 SPLITS = {

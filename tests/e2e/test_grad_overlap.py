@@ -40,6 +40,7 @@ import json, sys
 import torch.distributed as dist
 import pretrain_gpt
 from core import parallel_state as ps
+from training.faults import end_process
 from core.distributed import grad_buffer
 from training import get_args
 from training.training import pretrain
@@ -85,6 +86,7 @@ for name, flags in json.loads(sys.argv[1]).items():
 if dist.get_rank() == 0:
     print("RESULTS " + json.dumps(results))
 ps.destroy_distributed()
+end_process(0)  # as pretrain_gpt.py ends: without finalization, where gloo's threads can abort
 """
 
 

@@ -380,6 +380,7 @@ import sys
 import torch.distributed as dist
 import pretrain_gpt
 from core import parallel_state as ps
+from training.faults import end_process
 from training.training import pretrain
 
 flags = sys.argv[1:]
@@ -390,6 +391,7 @@ ps.initialize_distributed()
 pretrain(*providers, argv=flags, tokenizer_provider=pretrain_gpt.tokenizer_provider)
 print("after caller's world:", dist.is_initialized(), ps.model_parallel_is_initialized())
 ps.destroy_distributed()
+end_process(0)  # as pretrain_gpt.py ends: without finalization, where gloo's threads can abort
 """
 
 

@@ -18,6 +18,8 @@
   watches the parent pid everywhere. The signal is SIGTERM: it ends the worker at once, or, with
   ``--exit-signal-handler``, after saving a checkpoint. Checkpoints are written atomically with the
   tracker last, so a worker ended mid-save leaves the last complete checkpoint as it was.
+* :func:`ending_the_process` ends the entry point's process without the interpreter's finalization,
+  where a gloo thread finishing a collective can abort a process whose work is done.
 * :func:`fail_together` runs a step on some ranks and fails every rank if it failed on any, before
   anyone waits in a collective for a rank that has given up (:mod:`training.faults.agreement` holds
   every across-rank agreement: the first error, all done, gather, sum).
@@ -35,7 +37,7 @@ from training.faults.heartbeat import (
     last_beats,
     phase,
 )
-from training.faults.launcher import watch_launcher
+from training.faults.launcher import end_process, ending_the_process, watch_launcher
 from training.faults.reporting import judge, one_line_errors, run_main
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "begin",
     "distributed_timeout_seconds",
     "end",
+    "end_process",
+    "ending_the_process",
     "fail_together",
     "judge",
     "last_beats",

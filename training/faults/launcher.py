@@ -1,13 +1,17 @@
-"""A torchrun worker whose torchrun is gone ends too: the parent-death signal and a watching thread."""
+"""A worker process's relation to its launcher: it ends when torchrun is gone, and it ends without the
+interpreter's finalization (where gloo's threads can abort it)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
 _launcher_watched = False
@@ -33,3 +37,36 @@ def watch_launcher(poll_seconds: float = 1.0) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="trident-launcher-watch", daemon=True).start()
+
+
+def end_process(code: int | str | None = 0) -> NoReturn:
+    """End this process with ``code`` (as ``sys.exit`` reads it), skipping the interpreter's finalization.
+
+    A gloo worker thread drops a finished collective's tensors a moment after the caller's ``wait``
+    returned. If that moment falls in the interpreter's finalization, the thread cannot take the GIL
+    and the process aborts ("terminate called without an active exception", SIGABRT) after its work
+    is done, so torchrun reports a failed job. An entry point therefore does what finalization would
+    (join the remaining non-daemon threads, run the ``atexit`` handlers, flush) and ends with
+    ``os._exit``.
+    """
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code or 0)
+
+
+@contextlib.contextmanager
+def ending_the_process() -> Iterator[None]:
+    """The entry point's block: when it ends, normally or with ``SystemExit``, :func:`end_process`."""
+    try:
+        yield
+    except SystemExit as stop:
+        end_process(stop.code)
+    end_process(0)
