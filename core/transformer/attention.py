@@ -137,13 +137,18 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(
-        self, config: TransformerConfig, layer_number: int, cp_group: ProcessGroup | None = None
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        cp_group: ProcessGroup | None = None,
+        tp_group: ProcessGroup | None = None,
     ) -> None:
-        """``cp_group``: the context-parallel group (needed when ``config.context_parallel_size`` > 1)."""
+        """``cp_group``: the context-parallel group (needed when ``config.context_parallel_size`` > 1);
+        ``tp_group``: the tensor-parallel one (None: ``parallel_state``'s, Megatron's default)."""
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        tp = tp_world_size()
+        tp = tp_world_size(tp_group)
         if tp != config.tensor_model_parallel_size:
             raise ValueError(
                 f"the tensor-parallel group has {tp} ranks but config.tensor_model_parallel_size "
@@ -155,7 +160,11 @@ class SelfAttention(nn.Module):
         projection_size = config.num_attention_heads * config.kv_channels
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
         self.linear_qkv, self.linear_proj = linear_pair(
-            config, qkv_size, projection_size, column_bias=config.add_bias_linear or config.add_qkv_bias
+            config,
+            qkv_size,
+            projection_size,
+            column_bias=config.add_bias_linear or config.add_qkv_bias,
+            tp_group=tp_group,
         )
         self.recompute_core = config.recompute_granularity == "selective"
         self.cp_comm_type = _cp_comm_type(config, layer_number, cp_group)

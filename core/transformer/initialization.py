@@ -22,6 +22,7 @@ import zlib
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from core.tensor_parallel import (
     ColumnParallelLinear,
@@ -56,15 +57,27 @@ def mark_init(
 
 
 def linear_pair(
-    config: TransformerConfig, column_size: int, row_size: int, *, column_bias: bool, column_stride: int = 1
+    config: TransformerConfig,
+    column_size: int,
+    row_size: int,
+    *,
+    column_bias: bool,
+    column_stride: int = 1,
+    tp_group: ProcessGroup | None = None,
 ) -> tuple[ColumnParallelLinear, RowParallelLinear]:
     """The ``Column -> Row`` projections of an attention or MLP block (one all-reduce each way):
-    ``hidden -> column_size`` split by output features, ``row_size -> hidden`` by input features.
+    ``hidden -> column_size`` split by output features, ``row_size -> hidden`` by input features, over
+    ``tp_group`` (None: ``parallel_state``'s, Megatron's default).
 
     Both are initialised later by name (weights "normal" and "scaled_normal", biases zero); the row
     layer's bias is ``config.add_bias_linear``.
     """
-    deferred = {"config": config, "init_method": deferred_init, "perform_initialization": False}
+    deferred = {
+        "config": config,
+        "init_method": deferred_init,
+        "perform_initialization": False,
+        "tp_group": tp_group,
+    }
     column = ColumnParallelLinear(
         config.hidden_size,
         column_size,
@@ -117,12 +130,15 @@ def full_init_tensor(name: str, param: torch.Tensor, config: TransformerConfig, 
 
 
 @torch.no_grad()
-def initialize_by_name(module: nn.Module, config: TransformerConfig) -> None:
-    """Fill every parameter of ``module`` with its shard of the full tensor its name determines.
+def initialize_by_name(
+    module: nn.Module, config: TransformerConfig, tp_group: ProcessGroup | None = None
+) -> None:
+    """Fill every parameter of ``module`` with its shard of the full tensor its name determines
+    (this rank's shard in ``tp_group``; None: ``parallel_state``'s).
 
     Call it on the root of the naming scheme (the GPTModel), so that names are the global ones.
     """
-    rank, size = tp_rank(), tp_world_size()
+    rank, size = tp_rank(tp_group), tp_world_size(tp_group)
     for name, param in module.named_parameters():
         full = full_init_tensor(name, param, config, size)
         param.copy_(shard_of(full, param, rank, size).to(device=param.device, dtype=param.dtype))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from core.transformer.initialization import linear_pair
 from core.transformer.transformer_config import TransformerConfig
@@ -50,9 +51,15 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     """``[s, b, h]`` -> ``[s, b, h]`` (sequence-sharded in and out under sequence parallelism).
 
-    ``ffn_hidden_size`` overrides the config's inner size (an MoE layer's shared experts)."""
+    ``ffn_hidden_size`` overrides the config's inner size (an MoE layer's shared experts); ``tp_group``
+    is the tensor-parallel group (None: ``parallel_state``'s, Megatron's default)."""
 
-    def __init__(self, config: TransformerConfig, ffn_hidden_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ffn_hidden_size: int | None = None,
+        tp_group: ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         ffn_hidden_size = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         self.activation_func = config.activation_func
@@ -64,6 +71,7 @@ class MLP(nn.Module):
             ffn_hidden_size,
             column_bias=config.add_bias_linear,
             column_stride=branches,
+            tp_group=tp_group,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,14 +28,16 @@ class TransformerLayer(nn.Module):
     def __init__(
         self, config: TransformerConfig, layer_number: int, pg_collection: ParallelGroups | None = None
     ) -> None:
-        """``pg_collection``: the model's process groups (context and expert parallelism talk over
-        theirs; None: a process of one, or an MoE layer's groups from ``parallel_state``)."""
+        """``pg_collection``: the model's process groups (tensor, context and expert parallelism talk
+        over theirs; None: ``parallel_state``'s, or a process of one)."""
         super().__init__()
         self.config = config
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config.hidden_size, config)
-        cp_group = pg_collection.cp if pg_collection is not None else None
-        self.self_attention = SelfAttention(config, layer_number, cp_group)
+        cp_group, tp_group = (
+            (pg_collection.cp, pg_collection.tp) if pg_collection is not None else (None, None)
+        )
+        self.self_attention = SelfAttention(config, layer_number, cp_group, tp_group)
         self.pre_mlp_layernorm = build_norm(config.hidden_size, config)
         self.mlp = self._mlp(config, layer_number, pg_collection)
         self.fp8_kept_out = self._enable_fp8(config, layer_number)
@@ -43,7 +45,7 @@ class TransformerLayer(nn.Module):
     @staticmethod
     def _mlp(config: TransformerConfig, layer_number: int, groups: ParallelGroups | None) -> nn.Module:
         if not config.is_moe_layer(layer_number):
-            return MLP(config)
+            return MLP(config, tp_group=groups.tp if groups is not None else None)
         moe_groups = MoEGroups.of(groups, config.expert_model_parallel_size) if groups is not None else None
         return MoELayer(config, layer_number, moe_groups)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import einops
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from core.device import current_device
 from core.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
@@ -27,8 +28,15 @@ class LanguageModelEmbedding(nn.Module):
     """
 
     def __init__(
-        self, config: TransformerConfig, vocab_size: int, padded_vocab_size: int, max_sequence_length: int
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        padded_vocab_size: int,
+        max_sequence_length: int,
+        *,
+        tp_group: ProcessGroup | None = None,
     ) -> None:
+        """``tp_group``: the tensor-parallel group the rows are split over (None: ``parallel_state``'s)."""
         super().__init__()
         self.config = config
         self.learned_positions = config.position_embedding_type == "learned_absolute"
@@ -40,6 +48,7 @@ class LanguageModelEmbedding(nn.Module):
             config=config,
             reduce_scatter_embeddings=self.sequence_parallel and not self.learned_positions,
             perform_initialization=False,
+            tp_group=tp_group,
         )
         mark_init(self.word_embeddings.weight, "normal", valid_rows=vocab_size)
         if self.learned_positions:
@@ -60,6 +69,6 @@ class LanguageModelEmbedding(nn.Module):
         if not self.word_embeddings.reduce_scatter_embeddings:
             embedded = einops.rearrange(embedded, "b s h -> s b h").contiguous()
             if self.sequence_parallel:
-                embedded = scatter_to_sequence_parallel_region(embedded)
+                embedded = scatter_to_sequence_parallel_region(embedded, self.word_embeddings.tp_group)
         # Under sequence parallelism each rank holds other tokens: independent dropout masks.
         return dropout(embedded, self.config.hidden_dropout, self.training, sharded=self.sequence_parallel)

@@ -173,12 +173,15 @@ class GPTModel(nn.Module):
         self.layout = pipeline_layout(config)
         self.pp_rank = pipeline_rank(config, groups)
         self.cp_rank = groups.rank_in("cp") if groups is not None else 0
+        self.tp_group = groups.tp if groups is not None else None  # None: a process of one
         self._check_stage(pre_process, post_process, vp_stage)
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None
         self._check_tied_placement()
         self.embedding = (
-            LanguageModelEmbedding(config, vocab_size, self.padded_vocab_size, max_sequence_length)
+            LanguageModelEmbedding(
+                config, vocab_size, self.padded_vocab_size, max_sequence_length, tp_group=self.tp_group
+            )
             if pre_process
             else None
         )
@@ -203,7 +206,7 @@ class GPTModel(nn.Module):
             if layer is not None and layer.weight is not None:  # --decoupled-lr applies to these two
                 layer.weight.is_embedding_or_output_parameter = True
         if config.perform_initialization:
-            initialize_by_name(self, config)
+            initialize_by_name(self, config, self.tp_group)
 
     def _check_tied_placement(self) -> None:
         """Tied embeddings on two ranks stay in sync over the embedding group: first and last rank only."""
@@ -259,6 +262,7 @@ class GPTModel(nn.Module):
             gather_output=False,
             skip_weight_param_allocation=tied and same_rank,
             perform_initialization=False,
+            tp_group=self.tp_group,
         )
         if borrow:
             self._borrowed_weight.append(shared_weight)
@@ -336,14 +340,14 @@ class GPTModel(nn.Module):
         if labels is None:
             return einops.rearrange(logits, "s b v -> b s v").contiguous()
         labels = einops.rearrange(labels, "b s -> s b")
-        if self.config.compile and tp_world_size() == 1:  # one rank holds the whole vocabulary
+        if self.config.compile and tp_world_size(self.tp_group) == 1:  # one rank holds the whole vocabulary
             if self.config.variable_seq_lengths:
                 mark_sequence_dynamic(logits, labels)
             loss = compiled_cross_entropy(self.config.compile_backend)(logits, labels)
         elif self.config.cross_entropy_loss_fusion:
-            loss = fused_vocab_parallel_cross_entropy(logits, labels)
+            loss = fused_vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group)
         else:
-            loss = vocab_parallel_cross_entropy(logits.float(), labels)
+            loss = vocab_parallel_cross_entropy(logits.float(), labels, tp_group=self.tp_group)
         return einops.rearrange(loss, "s b -> b s").contiguous()
 
     def _cached_positions(self, input_ids: torch.Tensor | None, context: InferenceContext) -> torch.Tensor:
@@ -401,7 +405,7 @@ class GPTModel(nn.Module):
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padded vocabulary entries get -inf, so they take no probability mass and no gradient."""
         local = logits.shape[-1]
-        start = tp_rank() * local
+        start = tp_rank(self.tp_group) * local
         if start + local <= self.vocab_size:
             return logits
         padding = torch.arange(start, start + local, device=logits.device) >= self.vocab_size

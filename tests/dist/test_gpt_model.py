@@ -315,3 +315,35 @@ def test_tied_embeddings_stay_identical_across_four_stages(ranks):
 
 def make_start_embedding() -> torch.Tensor:
     return GPTModel(make_config("gpt"), VOCAB, SEQ).embedding.word_embeddings.weight.detach()
+
+
+def _explicit_groups_rank(rank, world_size, kind):
+    """The same TP2+SP model twice: built and run with parallel_state's groups, then with the groups
+    handed in as ``pg_collection`` while parallel_state holds none (any layer that still read the
+    globals would raise "model parallel groups are not initialized")."""
+    from core import parallel_state as ps
+    from core.tensor_parallel import model_parallel_seed
+
+    ps.initialize_model_parallel(2, 1)
+    model_parallel_seed(1234)
+    config = make_config(kind, tensor_model_parallel_size=2, sequence_parallel=True, ffn_hidden_size=64)
+    tokens, labels, _ = make_batches(1)[0]
+
+    def loss_and_grads(model):
+        loss = model(tokens, labels=labels).sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    expected = loss_and_grads(GPTModel(config, VOCAB, SEQ))
+    groups, hidden = ps.get_parallel_groups(), ps._GROUPS
+    ps._GROUPS = None  # this test's own module state: no process group is touched
+    try:
+        got = loss_and_grads(GPTModel(config, VOCAB, SEQ, pg_collection=groups))
+    finally:
+        ps._GROUPS = hidden
+    return torch.equal(got[0], expected[0]) and all(torch.equal(got[1][n], g) for n, g in expected[1].items())
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_model_handed_its_groups_reads_no_global_group(ranks, kind):
+    assert ranks(8).run(_explicit_groups_rank, kind, timeout=120) == [True] * 8

@@ -20,6 +20,9 @@ class MoEGroups:
     tp_cp: ProcessGroup | None = None
     """Tensor x context parallel: the ranks whose tokens make up one sequence (token counts per
     expert are summed over it for the load-balancing loss)."""
+    tp: ProcessGroup | None = None
+    """Tensor parallel, the model's (the shared experts are split over it). Unlike the groups above,
+    None here means ``parallel_state``'s, Megatron's default (no group in a process of one)."""
 
     @classmethod
     def from_parallel_state(cls, expert_model_parallel_size: int = 1) -> MoEGroups:
@@ -40,7 +43,7 @@ class MoEGroups:
                 f"the model config says expert_model_parallel_size {expert_model_parallel_size} but the "
                 f"process groups were initialised with {groups.size('ep')}"
             )
-        return cls(ep=_or_none(groups.ep), tp_cp=_or_none(groups.tp_cp))
+        return cls(ep=_or_none(groups.ep), tp_cp=_or_none(groups.tp_cp), tp=groups.tp)
 
     @staticmethod
     def size(group: ProcessGroup | None) -> int:

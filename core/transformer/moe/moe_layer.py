@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from core.device import current_device
 from core.transformer.initialization import mark_init
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
 class SharedExpertMLP(MLP):
     """The shared experts: a dense (tensor-parallel) MLP; with a gate, ``sigmoid(x . gate_weight) * mlp(x)``."""
 
-    def __init__(self, config: TransformerConfig) -> None:
-        super().__init__(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup | None = None) -> None:
+        super().__init__(config, config.moe_shared_expert_intermediate_size, tp_group)
         self.gate_weight = None
         if config.moe_shared_expert_gate:
             shape = (1, config.hidden_size)
@@ -82,7 +83,9 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config, layer_number, groups.tp_cp)
         self.experts = Experts(config, self.local_expert_indices[0], self.num_local_experts)
         self.shared_experts = (
-            SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size is not None else None
+            SharedExpertMLP(config, groups.tp)
+            if config.moe_shared_expert_intermediate_size is not None
+            else None
         )
         self.token_dispatcher = build_token_dispatcher(
             config.moe_token_dispatcher_type, config.num_moe_experts, groups.ep
