@@ -321,6 +321,16 @@ class LoggingArgs:
     """Write the memory statistics (mem-* keys) to W&B every iteration."""
     tensorboard_dir: str | None = None
     """Write the logged scalars as TensorBoard events here (beside W&B, if on)."""
+    log_straggler: bool = False
+    """Megatron: at each log step, gather every rank's compute time per iteration and name the slowest
+    and fastest ranks, with their throughput against the median rank's."""
+    disable_straggler_on_startup: bool = False
+    """Megatron: start with straggler detection off (turn it on through --straggler-ctrlr-port)."""
+    straggler_ctrlr_port: int = 65535
+    """Megatron: rank 0's switch for straggler detection, on 127.0.0.1 only (an HTTP GET of / turns it
+    on or off; /on and /off set it)."""
+    straggler_minmax_count: int = 1
+    """Megatron: how many of the slowest and of the fastest ranks the straggler report names."""
 
 
 @dataclass(kw_only=True)

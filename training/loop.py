@@ -28,6 +28,7 @@ from training.batch_sizes import ramp_flag
 from training.checkpoint.resume import save
 from training.evaluation import evaluate
 from training.faults import restart
+from training.faults.stragglers import StragglerDetector
 from training.iteration_log import LogWindow, log_line, wandb_row
 from training.logging_utils import print_line, print_rank_0
 from training.profiling import StepProfiler
@@ -63,11 +64,11 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
             increment = run.microbatches.global_batch_size(state.consumed_samples)  # a ramp grows it
             if loop.ledger.must_settle_before(increment):
                 loop.settle()
-            record = loop.timeline_record(state.iteration + 1)
+            record = loop.step_record(state.iteration + 1)
             start = time.perf_counter()
             loop.profiler.before_step(state.iteration)
             step = train_step(run, session, record, loop.ledger.learning_rates(increment))
-            loop.timeline_finish(state.iteration + 1, record)
+            loop.step_recorded(state.iteration + 1, record)
             state.iteration += 1
             loop.profiler.after_step(state.iteration)
             state.consumed_samples += increment  # Megatron's count: skipped steps too
@@ -169,6 +170,7 @@ class _Loop:
         self.last: Step | None = None  # the latest applied step
         self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
         self.timeline = Timeline.for_run(run)
+        self.stragglers = StragglerDetector.for_run(run)
         session.state.progress = Progress(
             session.state,
             run.training.train_iters,
@@ -188,13 +190,19 @@ class _Loop:
         self.compile_start = compile_stats() if run.model.compile else None
         self.compile_warm: dict | None = None
 
-    def timeline_record(self, iteration: int):
-        """The ``ScheduleRecord`` the schedule fills when the timeline records ``iteration``, else None."""
-        return self.timeline.start() if self.timeline and self.timeline.wants(iteration) else None
+    def step_record(self, iteration: int):
+        """The ``ScheduleRecord`` the schedule fills in ``iteration`` (for the timeline or the straggler
+        report), else None."""
+        collects = self.stragglers is not None and self.stragglers.collects(iteration)
+        if self.timeline and self.timeline.wants(iteration):
+            return self.timeline.start()
+        return self.stragglers.new_record() if collects else None
 
-    def timeline_finish(self, iteration: int, record) -> None:
-        if record is not None:
+    def step_recorded(self, iteration: int, record) -> None:
+        if record is not None and self.timeline and self.timeline.wants(iteration):
             self.timeline.finish(iteration, record)
+        if self.stragglers is not None:
+            self.stragglers.add(record)
 
     def report(self, step: Step, start: float) -> None:
         """Hand the step to the ledger; at a log step settle it (the W&B rows, then the log line)."""
@@ -218,6 +226,8 @@ class _Loop:
             self.settle()
         if logs:
             state.progress.print_log_line(log_line(run, state, self.last, self.window, self.flops, self.peak))
+            for line in self.stragglers.report(state.iteration) if self.stragglers else ():
+                print_line(line)
 
     def _report_resume(self) -> None:
         """A restarted run's first step: how long the resume took, stage by stage (rank 0 says it)."""
@@ -288,6 +298,8 @@ class _Loop:
         self.session.saver.wait()
         if self.timeline:
             self.timeline.write()
+        if self.stragglers:
+            self.stragglers.close()
         if self.compile_warm is not None:  # evaluation compiles its own graphs (eval mode, no grad)
             print_rank_0(_compile_line("after the first iteration", self.compile_warm, compile_stats()))
         faults.phase("finishing")

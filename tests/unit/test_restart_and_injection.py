@@ -11,22 +11,32 @@ from training.faults.restart import resume_from_save_on_restart
 
 
 def test_faults_parse_with_their_defaults_and_options():
-    assert parse_faults("kill@forward:7:rank=3, exception@save:4:attempt=1") == [
+    assert parse_faults("kill@forward:7:rank=3, exception@save:4:attempt=1, slow@forward:2:factor=3") == [
         Fault(kind="kill", point="forward", iteration=7, rank=3),
         Fault(kind="exception", point="save", iteration=4, attempt=1),
+        Fault(kind="slow", point="forward", iteration=2, factor=3.0),
     ]
     assert parse_faults("") == []
 
 
 @pytest.mark.parametrize(
-    "spec", ["explode@forward:3", "kill@backwards:3", "kill@forward", "kill@forward:3:host=2"]
+    "spec",
+    [
+        "explode@forward:3",
+        "kill@backwards:3",
+        "kill@forward",
+        "kill@forward:3:host=2",
+        "slow@optimizer:3",
+        "slow@forward:3:factor=0.5",
+    ],
 )
 def test_a_fault_that_does_not_exist_is_one_line_naming_the_grammar(spec):
     with pytest.raises(ValueError) as err:
         parse_faults(spec)
     assert str(err.value) == (
         f"TRIDENT_FAULT: cannot read {spec!r}; expected <kind>@<point>:<iteration>[:rank=R][:attempt=A] "
-        "with kind in exception, kill, term, hang and point in forward, optimizer, save"
+        "with kind in exception, kill, term, hang, slow and point in forward, optimizer, save (slow: at "
+        "forward, with [:factor=F], F >= 1)"
     )
 
 

@@ -37,6 +37,7 @@ from training.faults.heartbeat import (
     last_beats,
     phase,
 )
+from training.faults.injection import slowed
 from training.faults.launcher import end_process, ending_the_process, watch_launcher
 from training.faults.reporting import judge, one_line_errors, run_main
 
@@ -53,5 +54,6 @@ __all__ = [
     "one_line_errors",
     "phase",
     "run_main",
+    "slowed",
     "watch_launcher",
 ]

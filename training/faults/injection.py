@@ -1,7 +1,9 @@
 """Faults on purpose, for tests and drills: ``TRIDENT_FAULT=<kind>@<point>:<iteration>[:rank=R][:attempt=A]``.
 
 ``kind``: ``exception`` (a RuntimeError), ``kill`` (SIGKILL, as a lost host), ``term`` (SIGTERM, as a
-scheduler's preemption notice), ``hang`` (the rank stops answering). ``point``: where in an
+scheduler's preemption notice), ``hang`` (the rank stops answering), ``slow`` (a straggler: from that
+iteration on, each of the rank's forward computations takes ``factor`` times as long, ``:factor=F``,
+default 1.5; at ``forward`` only). ``point``: where in an
 iteration it fires: ``forward`` (the step's start, before the schedule), ``optimizer`` (before the
 update) or ``save`` (before a checkpoint is written). ``rank`` (default 0) is the global rank that
 fires; ``attempt`` (default 0) the torchrun launch it fires in, so that a restarted run, which runs
@@ -14,17 +16,19 @@ Several faults are separated by ``,``.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from training.faults.restart import restart_attempt
 
-__all__ = ["FAULT_ENV", "Fault", "inject", "parse_faults"]
+__all__ = ["FAULT_ENV", "Fault", "inject", "parse_faults", "slowed"]
 
 FAULT_ENV = "TRIDENT_FAULT"
-KINDS = ("exception", "kill", "term", "hang")
+KINDS = ("exception", "kill", "term", "hang", "slow")
 POINTS = ("forward", "optimizer", "save")
 
 
@@ -35,6 +39,8 @@ class Fault:
     iteration: int
     rank: int = 0
     attempt: int = 0
+    factor: float = 1.5
+    """``slow``: how many times as long the rank's forward computations take."""
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -51,10 +57,12 @@ def parse_faults(text: str) -> list[Fault]:
                 iteration=int(options[0]),
                 rank=int(fields.pop("rank", 0)),
                 attempt=int(fields.pop("attempt", 0)),
+                factor=float(fields.pop("factor", 1.5)),
             )
         except (ValueError, IndexError):
             raise ValueError(_usage(spec)) from None
-        if fault.kind not in KINDS or fault.point not in POINTS or fields:
+        slow_elsewhere = fault.kind == "slow" and (fault.point != "forward" or fault.factor < 1)
+        if fault.kind not in KINDS or fault.point not in POINTS or fields or slow_elsewhere:
             raise ValueError(_usage(spec))
         faults.append(fault)
     return faults
@@ -63,7 +71,8 @@ def parse_faults(text: str) -> list[Fault]:
 def _usage(spec: str) -> str:
     return (
         f"{FAULT_ENV}: cannot read {spec!r}; expected <kind>@<point>:<iteration>[:rank=R][:attempt=A] "
-        f"with kind in {', '.join(KINDS)} and point in {', '.join(POINTS)}"
+        f"with kind in {', '.join(KINDS)} and point in {', '.join(POINTS)} (slow: at forward, with "
+        f"[:factor=F], F >= 1)"
     )
 
 
@@ -83,8 +92,32 @@ def inject(point: str, iteration: int | None) -> None:
             _fire(fault)
 
 
+_SLOWDOWN = 1.0  # this rank's forward computations take this many times as long (a ``slow`` fault)
+
+
+def slowed(forward_step_func: Callable) -> Callable:
+    """``forward_step_func``, made ``factor`` times as slow once a ``slow`` fault has fired on this rank
+    (the same function when no such fault is planned: nothing is added to a normal run)."""
+    if not any(fault.kind == "slow" for fault in parse_faults(os.environ.get(FAULT_ENV, ""))):
+        return forward_step_func
+
+    @functools.wraps(forward_step_func)
+    def forward_step(*args, **kwargs):
+        start = time.perf_counter()
+        result = forward_step_func(*args, **kwargs)
+        if _SLOWDOWN > 1.0:
+            time.sleep((_SLOWDOWN - 1.0) * (time.perf_counter() - start))
+        return result
+
+    return forward_step
+
+
 def _fire(fault: Fault) -> None:
+    global _SLOWDOWN
     where = f"{fault.kind} at {fault.point} of iteration {fault.iteration} on rank {fault.rank}"
+    if fault.kind == "slow":
+        _SLOWDOWN = fault.factor
+        return
     if fault.kind == "exception":
         raise RuntimeError(f"injected fault ({FAULT_ENV}): {where}")
     if fault.kind == "hang":

@@ -1,0 +1,55 @@
+"""Stragglers named (--log-straggler): a rank slowed on purpose is named in the first report, and a
+switch port that is taken is one line before any step.
+
+``TRIDENT_FAULT=slow@forward:1:rank=1:factor=4`` makes rank 1's forward computations four times as
+long from the first iteration on (training/faults/injection.py): a straggler on a CPU. Two ranks, one
+per core of a CI machine: more ranks than cores would make every rank a straggler now and then.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+
+from tests.support.torchrun_jobs import TINY, job_env, run, write_tiny_dataset
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _flags(tmp_path, port: int) -> list[str]:
+    data = write_tiny_dataset(tmp_path / "tiny")
+    return [*TINY, "--data-path", str(data), "--train-iters", "8", "--log-interval", "4", "--log-straggler",
+            "--straggler-ctrlr-port", str(port)]  # fmt: skip
+
+
+def test_a_slowed_rank_is_named_slowest_within_one_log_interval(tmp_path):
+    port = _free_port()
+    code, output = run(2, _flags(tmp_path, port), env=job_env(TRIDENT_FAULT="slow@forward:1:rank=1:factor=4"))
+    assert code == 0, "\n".join(line for line in output.splitlines() if "rror" in line)[-4000:]
+    assert f"straggler detection on; switch: http://127.0.0.1:{port}/" in output
+    reports = [line for line in output.splitlines() if line.startswith("stragglers, ")]
+    print("\n".join(reports))
+    assert [re.search(r"iterations (\d+-\d+)", line).group(1) for line in reports] == ["1-4", "5-8"]
+    named = re.search(r"slowest rank (\d) ([\d.]+) s \([\d.]+x\) \| fastest rank (\d) ([\d.]+) s", reports[0])
+    assert named is not None, reports[0]
+    assert (named.group(1), named.group(3)) == ("1", "0"), reports[0]
+    assert float(named.group(2)) >= 1.2 * float(named.group(4)), reports[0]  # over 20% slower
+
+
+def test_a_switch_port_that_is_taken_is_one_line_before_any_step(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, output = run(2, _flags(tmp_path, port), env=job_env())
+    assert code == 1, output[-3000:]
+    error = (
+        f"pretrain_gpt.py: error: --straggler-ctrlr-port {port}: cannot listen on 127.0.0.1:{port} "
+        "(Address already in use); give a free port"
+    )
+    assert output.count(error) == 1, output[-3000:]
+    assert "iteration        1/" not in output
