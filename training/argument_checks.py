@@ -19,9 +19,11 @@ from typing import Any
 from core.pipeline_parallel.layout import parse_layout
 from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import schedule_rule
+from core.problems import Problem
 from core.tensor_parallel.fp8_config import fp8_problems
-from core.transformer.context_parallel import CP_COMM_TYPES
+from core.transformer.context_parallel.rules import context_parallel_problems
 from core.transformer.moe.moe_config import parse_moe_layer_freq
+from core.transformer.moe.rules import moe_problems
 from training.batch_sizes import check_run_batches, derive_batch_sizes
 from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
 from training.data.builder import parse_data_path, parse_split
@@ -30,7 +32,7 @@ from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
 
-__all__ = ["derive_args", "megatron_namespace", "validate_args"]
+__all__ = ["command_line_message", "derive_args", "megatron_namespace", "validate_args"]
 
 REQUIRED = (
     "num_layers",
@@ -65,6 +67,29 @@ class _Resolving:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+_FIELD_FLAGS = {"moe_layer_freq": "moe_layer_pattern"}
+"""Config fields whose flag has another ``dest`` (the flag holds Megatron's text, the field its value)."""
+
+
+def command_line_message(problem: Problem) -> str:
+    """A config's problem as the command line says it: with Megatron's flag names for the fields."""
+    return problem.render(lambda field: _flag(_FIELD_FLAGS.get(field, field)), command_line=True)
+
+
+def _refuse_first(problems: list[Problem]) -> None:
+    if problems:
+        raise ValueError(command_line_message(problems[0]))
+
+
+def _as_config(args: argparse.Namespace) -> _Resolving:
+    """The flags as a ``TransformerConfig`` would hold them, for its rules: query groups resolved as
+    ``--group-query-attention`` says, the MoE layer pattern as given."""
+    view = _Resolving(args)
+    view.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    view.moe_layer_freq = args.moe_layer_pattern
+    return view
 
 
 def _rank0_note(message: str) -> None:
@@ -274,58 +299,11 @@ def _check_recompute(args: argparse.Namespace) -> None:
         )
 
 
-def _check_moe(args: argparse.Namespace, world_size: int, tp: int, pp: int) -> None:
-    """Experts, expert parallelism and routing (before any process group, as every check here)."""
-    experts, ep, etp = args.num_moe_experts, args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    args.moe_layer_freq = 1
-    if experts is None:
-        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts (a model with experts)")
-        return
-    _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
-    _require(
-        etp in (None, 1),
-        f"--expert-tensor-parallel-size {etp}: Trident supports only 1 (experts are never split over tensor "
-        "parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
-    )
-    _require(
-        experts % ep == 0,
-        f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})",
-    )
-    _require(
-        world_size % (ep * pp) == 0,
-        f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {ep * pp} does not "
-        f"divide the world size ({world_size}): the {args.moe_token_dispatcher_type} dispatcher's "
-        "expert-parallel groups cannot be formed",
-    )
-    topk = args.moe_router_topk
-    _require(
-        1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})"
-    )
-    _require(
-        topk > 1 or args.moe_router_pre_softmax,
-        "--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over one logit gives the router no "
-        "gradient), as in Megatron",
-    )
-    _require(
-        tp == 1 or args.sequence_parallel,
-        f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel: each "
-        "tensor-parallel rank routes its own sequence shard (as in Megatron)",
-    )
-    try:
-        pattern = parse_moe_layer_freq(args.moe_layer_pattern)
-    except ValueError as err:
-        raise ValueError(f"--moe-layer-freq: {err}") from None
-    fits = pattern >= 1 if isinstance(pattern, int) else len(pattern) == args.num_layers
-    _require(
-        fits,
-        f"--moe-layer-freq {args.moe_layer_pattern} must be an integer >= 1 or list 0 or 1 for each of the "
-        f"{args.num_layers} layers (--num-layers)",
-    )
-    args.moe_layer_freq = pattern  # Megatron's args.moe_layer_freq: an int or a list; the config's field
-    _require(
-        not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
-        "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
-    )
+def _check_moe(args: argparse.Namespace, world_size: int) -> None:
+    """The MoE config's rules, with the world size and training's; ``moe_layer_freq`` parsed (Megatron's)."""
+    _refuse_first(moe_problems(_as_config(args), world_size=world_size, training=True))
+    experts = args.num_moe_experts is not None
+    args.moe_layer_freq = parse_moe_layer_freq(args.moe_layer_pattern) if experts else 1
 
 
 def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
@@ -384,47 +362,6 @@ def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
             pp > 1,
             f"{chosen[0]} gives {vpp} virtual stages per rank, which needs --pipeline-model-parallel-size > 1",
         )
-
-
-def _check_context_parallel(args: argparse.Namespace, tp: int, cp: int) -> None:
-    """``--cp-comm-type`` and the sizes context parallelism must divide."""
-    types = args.cp_comm_type
-    _require(
-        "a2a+p2p" not in types,
-        "--cp-comm-type a2a+p2p: Trident does not support hierarchical context parallelism "
-        "(all-to-all inside a node, ring across nodes); use p2p, a2a or allgather",
-    )
-    unknown = [t for t in types if t not in CP_COMM_TYPES]
-    _require(
-        not unknown,
-        f"--cp-comm-type {unknown[0] if unknown else ''}: must be one of {', '.join(CP_COMM_TYPES)}",
-    )
-    _require(
-        len(types) in (1, args.num_layers),
-        f"--cp-comm-type gives {len(types)} values for --num-layers {args.num_layers}: give one, or one per layer",
-    )
-    if cp == 1:
-        return
-    seq = args.seq_length
-    _require(
-        seq % (2 * cp) == 0,
-        f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}: "
-        "each sequence is cut into that many equal chunks",
-    )
-    if args.sequence_parallel:
-        _require(
-            seq % (cp * tp) == 0,
-            f"--seq-length ({seq}) must be divisible by --context-parallel-size ({cp}) x "
-            f"--tensor-model-parallel-size ({tp}) = {cp * tp} with --sequence-parallel",
-        )
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if args.group_query_attention else heads
-    _require(
-        "a2a" not in types or (heads // tp) % cp == 0 and (groups // tp) % cp == 0,
-        f"--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads ({heads}) "
-        f"and the query groups ({groups}) per --tensor-model-parallel-size ({tp}) rank must be divisible "
-        f"by --context-parallel-size ({cp})",
-    )
 
 
 def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
@@ -591,8 +528,8 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     flags.world_size, flags.data_parallel_size = world_size, world_size // (tp * pp * cp)
     _apply_old_recompute_flags(flags)
     _check_model(flags, tp)
-    _check_context_parallel(flags, tp, cp)
-    _check_moe(flags, world_size, tp, pp)
+    _refuse_first(context_parallel_problems(_as_config(flags), seq_length=flags.seq_length))
+    _check_moe(flags, world_size)
     problems = fp8_problems(flags)  # the config's own rules, already worded with the flags
     _require(not problems, "; ".join(problems))
     _check_pipeline(flags, pp)

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 
 from core.flags import flag, not_a_flag
 from core.model_parallel_config import ModelParallelConfig
+from core.problems import Problem, ProblemsError, problem
 from core.tensor_parallel.fp8_config import Fp8Config, fp8_problems
-from core.transformer.context_parallel import CP_COMM_TYPES
-from core.transformer.moe.moe_config import MoEConfig, moe_problems
+from core.transformer.context_parallel.rules import context_parallel_problems
+from core.transformer.moe.moe_config import MoEConfig, parse_moe_layer_freq
+from core.transformer.moe.rules import moe_problems
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
@@ -208,27 +210,37 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
             self.ffn_hidden_size = 4 * self.hidden_size
         if isinstance(self.cp_comm_type, str):
             self.cp_comm_type = [self.cp_comm_type]
-        problems = self._problems()
+        problems = self.problems()
         if problems:
-            raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
+            raise ProblemsError("TransformerConfig", problems)
+        self.moe_layer_freq = parse_moe_layer_freq(
+            self.moe_layer_freq
+        )  # Megatron's text form is accepted too
         if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
 
-    def _problems(self) -> list[str]:
-        """Every invalid setting, each naming the fields and values involved."""
-        out: list[str] = []
-        tp = self.tensor_model_parallel_size
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "ffn_hidden_size",
-        ):
-            if getattr(self, name) < 1:
-                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
+    def problems(self) -> list[Problem]:
+        """Every invalid setting, each naming its fields (construction refuses a config with any; the
+        command line renders the same problems with its flag names)."""
+        shape = [problem("{text}", text=text) for text in self._shape_problems()]
+        return shape if self._sizes_missing() else shape + self._subsystem_problems()
+
+    def _subsystem_problems(self) -> list[Problem]:
+        fp8 = [problem("{text}", text=text) for text in fp8_problems(self)]  # already worded with flags
+        return context_parallel_problems(self) + moe_problems(self) + fp8
+
+    def _sizes_missing(self) -> list[str]:
+        """The sizes below 1: nothing else can be checked against them."""
+        names = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+        return [
+            f"{name} must be >= 1, got {getattr(self, name)}" for name in names if getattr(self, name) < 1
+        ]
+
+    def _shape_problems(self) -> list[str]:
+        out = self._sizes_missing()
         if out:
             return out
+        tp = self.tensor_model_parallel_size
         heads, groups = self.num_attention_heads, self.num_query_groups
         if heads % tp:
             out.append(
@@ -270,30 +282,7 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
             out.append(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
         if self.layernorm_epsilon <= 0:
             out.append(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
-        out += self._recompute_problems() + self._context_parallel_problems() + moe_problems(self)
-        return out + fp8_problems(self)
-
-    def _context_parallel_problems(self) -> list[str]:
-        types, cp = self.cp_comm_type, self.context_parallel_size
-        unknown = sorted(set(types) - set(CP_COMM_TYPES))
-        if unknown:
-            return [f"cp_comm_type must be one of {CP_COMM_TYPES}, got {unknown[0]!r}"]
-        if len(types) not in (1, self.num_layers):
-            return [
-                f"cp_comm_type gives {len(types)} types for {self.num_layers} layers; give one or one per layer"
-            ]
-        if cp == 1:
-            return []
-        out = []
-        tp = self.tensor_model_parallel_size
-        heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
-        if "a2a" in types and (heads % cp or groups % cp):
-            out.append(
-                f"cp_comm_type 'a2a' needs num_attention_heads ({self.num_attention_heads}) and "
-                f"num_query_groups ({self.num_query_groups}) per tensor-parallel rank (tp {tp}) divisible "
-                f"by context_parallel_size ({cp})"
-            )
-        return out
+        return out + self._recompute_problems()
 
     def cp_comm_type_of(self, layer_number: int) -> str:
         """The context-parallel attention form of decoder layer ``layer_number`` (0-based, global)."""
