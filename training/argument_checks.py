@@ -24,6 +24,7 @@ from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel.rules import context_parallel_problems
 from core.transformer.moe.moe_config import parse_moe_layer_freq
 from core.transformer.moe.rules import moe_problems
+from core.transformer.rules import decoder_problems
 from training.batch_sizes import check_run_batches, derive_batch_sizes
 from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
 from training.data.builder import parse_data_path, parse_split
@@ -199,9 +200,17 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 
 def _check_model(args: argparse.Namespace, tp: int) -> None:
-    """The model's sizes against each other and the TP size, and the switches that must agree."""
-    _check_attention(args, tp)
-    _check_ffn(args, tp)
+    """Megatron's derived sizes, the decoder config's rules, and the switches only flags have."""
+    _derive_ffn(args)
+    if args.sequence_parallel and tp == 1:
+        _rank0_note(
+            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it "
+            "(as Megatron does)"
+        )
+        args.sequence_parallel = False
+    _refuse_first(decoder_problems(_as_config(args), seq_length=args.seq_length))
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     _require(
         not (args.swiglu and args.openai_gelu),
         "--openai-gelu and --swiglu exclude each other: SwiGLU's gate uses SiLU, not GELU",
@@ -217,85 +226,17 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
             f"({args.max_position_embeddings}) with --position-embedding-type learned_absolute",
         )
-    if args.sequence_parallel and tp == 1:
-        _rank0_note(
-            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it "
-            "(as Megatron does)"
-        )
-        args.sequence_parallel = False
-    if args.sequence_parallel:
-        _require(
-            args.seq_length % tp == 0,
-            f"--seq-length ({args.seq_length}) must be divisible by "
-            f"--tensor-model-parallel-size ({tp}) with --sequence-parallel",
-        )
-    _require(
-        args.cross_entropy_fusion_impl != "linear" or args.cross_entropy_loss_fusion,
-        "--cross-entropy-fusion-impl linear needs --cross-entropy-loss-fusion (it says how that fusion is done)",
-    )
-    _check_recompute(args)
 
 
-def _check_attention(args: argparse.Namespace, tp: int) -> None:
-    """Heads, query groups and head size: divisible as TP and grouped-query attention need."""
-    heads = args.num_attention_heads
-    _require(
-        heads % tp == 0,
-        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
-    )
-    if args.group_query_attention:
-        groups = args.num_query_groups
-        _require(
-            heads % groups == 0,
-            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
-        )
-        _require(
-            groups % tp == 0,
-            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
-        )
-    if args.kv_channels is None:
-        _require(
-            args.hidden_size % heads == 0,
-            f"--hidden-size ({args.hidden_size}) must be divisible by "
-            f"--num-attention-heads ({heads}) unless --kv-channels is given",
-        )
-        args.kv_channels = args.hidden_size // heads
-
-
-def _check_ffn(args: argparse.Namespace, tp: int) -> None:
-    """The FFN size: Megatron's default (4h, or 2/3 of it rounded down to 64 with SwiGLU), split by TP."""
-    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
+def _derive_ffn(args: argparse.Namespace) -> None:
+    """Megatron's default FFN size: 4h, or with SwiGLU 2/3 of it (the same parameters) rounded down to 64."""
+    if args.ffn_hidden_size is None:
         hidden = args.hidden_size
         args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
         _require(
             args.ffn_hidden_size > 0,
             f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
             "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
-        )
-    _require(
-        args.ffn_hidden_size % tp == 0,
-        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
-        f"by --tensor-model-parallel-size ({tp})",
-    )
-
-
-def _check_recompute(args: argparse.Namespace) -> None:
-    """Selective recomputation takes no method or layer count; full needs both."""
-    if args.recompute_granularity == "selective":
-        _require(
-            args.recompute_method is None and args.recompute_num_layers is None,
-            "--recompute-granularity selective takes neither --recompute-method nor --recompute-num-layers",
-        )
-    elif args.recompute_granularity == "full":
-        _require(
-            args.recompute_method is not None and args.recompute_num_layers is not None,
-            "--recompute-granularity full needs --recompute-method (uniform or block) and "
-            "--recompute-num-layers",
-        )
-    else:
-        _require(
-            args.recompute_method is None and args.recompute_num_layers is None,
-            "--recompute-method and --recompute-num-layers need --recompute-granularity full",
         )
 
 

@@ -1,6 +1,6 @@
-"""The command line and the Python API refuse the same context-parallel and MoE configurations, with the
-same problem: the config's rule, said with field names by ``TransformerConfig`` and with Megatron's
-flags by ``training.argument_checks``. No processes."""
+"""The command line and the Python API refuse the same context-parallel, MoE and decoder configurations,
+with the same problem: the config's rule, said with field names by ``TransformerConfig`` and with
+Megatron's flags by ``training.argument_checks``. No processes."""
 
 from __future__ import annotations
 
@@ -151,6 +151,53 @@ RULES: list[tuple[str, str, dict[str, Any], int, str]] = [
 ]
 
 
+# The decoder's own rules, shared the same way.
+DECODER: list[tuple[str, str, dict[str, Any], int, str]] = [
+    (
+        "heads over TP",
+        "--tensor-model-parallel-size 2 --num-attention-heads 2 --group-query-attention --num-query-groups 1",
+        {"tensor_model_parallel_size": 2, "num_attention_heads": 2, "num_query_groups": 1},
+        2,
+        "num_query_groups (1) must be divisible by tensor_model_parallel_size (2)",
+    ),
+    (
+        "hidden over heads",
+        "--hidden-size 30",
+        {"hidden_size": 30},
+        1,
+        "hidden_size (30) must be divisible by num_attention_heads (4) when kv_channels is not set",
+    ),
+    (
+        "full recompute",
+        "--recompute-granularity full --recompute-method block",
+        {"recompute_granularity": "full", "recompute_method": "block"},
+        1,
+        "recompute_granularity='full' needs recompute_num_layers >= 1, got None",
+    ),
+    (
+        "selective recompute",
+        "--recompute-granularity selective --recompute-num-layers 1",
+        {"recompute_granularity": "selective", "recompute_num_layers": 1},
+        1,
+        "recompute_granularity='selective' takes no recompute_method (None) or recompute_num_layers (1)",
+    ),
+    (
+        "linear loss fusion",
+        "--cross-entropy-fusion-impl linear",
+        {"cross_entropy_fusion_impl": "linear"},
+        1,
+        "cross_entropy_fusion_impl linear needs cross_entropy_loss_fusion (it says how that fusion is done)",
+    ),
+    (
+        "rotary channels",
+        "--position-embedding-type rope --rotary-percent 0.1",
+        {"position_embedding_type": "rope", "rotary_percent": 0.1},
+        1,
+        "rotary_percent (0.1) x kv_channels (8) gives 0 rotary channels; RoPE needs an even number >= 2",
+    ),
+]
+
+
 def _refusals(flags: str, config: dict[str, Any], world_size: int) -> tuple[str, Problem]:
     """What the command line says, and the config's first problem."""
     with pytest.raises(ValueError) as cli:
@@ -161,7 +208,9 @@ def _refusals(flags: str, config: dict[str, Any], world_size: int) -> tuple[str,
 
 
 @pytest.mark.parametrize(
-    "flags, config, world_size, message", [r[1:] for r in RULES], ids=[r[0] for r in RULES]
+    "flags, config, world_size, message",
+    [r[1:] for r in RULES + DECODER],
+    ids=[r[0] for r in RULES + DECODER],
 )
 def test_the_command_line_and_the_config_refuse_with_the_same_problem(flags, config, world_size, message):
     said, first = _refusals(flags, config, world_size)
