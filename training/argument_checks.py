@@ -7,6 +7,12 @@
 ``--load`` checkpoint's consumed samples, read from its manifest), so every rank raises the same
 single ``ValueError`` naming the flags and numbers to change. ``validate_args`` is Megatron's name
 for the same check, returning a new namespace with the derived values (what ``get_args()`` gives).
+
+The model's rules are the configs' own (``core.transformer.rules``, ``...context_parallel.rules``,
+``...moe.rules``): they return structured problems, which :func:`command_line_message` says with
+Megatron's flag names where ``TransformerConfig`` says them with its field names, so the command line
+and the Python API refuse the same configurations. The other flag groups are checked in their own
+modules (batch sizes, the learning-rate schedule, the virtual pipeline, data, precision and sharding).
 """
 
 from __future__ import annotations
@@ -16,9 +22,6 @@ import copy
 import os
 from typing import Any
 
-from core.pipeline_parallel.layout import parse_layout
-from core.pipeline_parallel.placement import V
-from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.problems import Problem
 from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel.rules import context_parallel_problems
@@ -26,12 +29,13 @@ from core.transformer.moe.moe_config import parse_moe_layer_freq
 from core.transformer.moe.rules import moe_problems
 from core.transformer.rules import decoder_problems
 from training.batch_sizes import check_run_batches, derive_batch_sizes
-from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
-from training.data.builder import parse_data_path, parse_split
+from training.data_flags import check_data_flags
+from training.data_parallel_flags import derive_precision_and_data_parallel
 from training.logging_utils import print_line
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
+from training.virtual_pipeline import derive_virtual_pipeline
 
 __all__ = ["command_line_message", "derive_args", "megatron_namespace", "validate_args"]
 
@@ -247,64 +251,6 @@ def _check_moe(args: argparse.Namespace, world_size: int) -> None:
     args.moe_layer_freq = parse_moe_layer_freq(args.moe_layer_pattern) if experts else 1
 
 
-def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
-    """Virtual pipeline size from one of the three flags that may set it (Megatron allows at most one)."""
-    chosen = [
-        _flag(d)
-        for d in (
-            "num_layers_per_virtual_pipeline_stage",
-            "num_virtual_stages_per_pipeline_rank",
-            "pipeline_model_parallel_layout",
-        )
-        if getattr(args, d) is not None
-    ]
-    _require(len(chosen) <= 1, f"{' and '.join(chosen)} are mutually exclusive: give at most one")
-    vpp = args.num_virtual_stages_per_pipeline_rank
-    if args.pipeline_model_parallel_layout is not None:
-        try:
-            vpp = parse_layout(
-                args.pipeline_model_parallel_layout,
-                pp,
-                num_layers=args.num_layers,
-                mtp_num_layers=0,
-                placement=schedule_rule(args.pipeline_schedule).placement,
-            ).vpp_size
-        except ValueError as err:
-            raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
-    elif args.num_layers_per_virtual_pipeline_stage is not None:
-        per_stage = args.num_layers_per_virtual_pipeline_stage
-        _require(
-            args.num_layers % pp == 0,
-            f"--num-layers ({args.num_layers}) must be divisible by "
-            f"--pipeline-model-parallel-size ({pp}) to use --num-layers-per-virtual-pipeline-stage",
-        )
-        per_rank = args.num_layers // pp
-        _require(
-            per_rank % per_stage == 0,
-            f"layers per pipeline rank ({args.num_layers} / {pp} = "
-            f"{per_rank}) must be divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})",
-        )
-        vpp = per_rank // per_stage
-    args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
-    rule = schedule_rule(args.pipeline_schedule)
-    problem, needed = rule.chunks_problem(vpp or 1), rule.chunks
-    _require(
-        problem is None,
-        f"--pipeline-schedule {rule.name} {problem}"
-        + (
-            f": give --num-virtual-stages-per-pipeline-rank {needed} (or a --pipeline-model-parallel-layout "
-            f"with {needed * pp} stages)"
-            if needed and needed > 1
-            else ""
-        ),
-    )
-    if vpp and vpp > 1:
-        _require(
-            pp > 1,
-            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs --pipeline-model-parallel-size > 1",
-        )
-
-
 def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
     """``--checkpoint-activations`` (Megatron's old full recompute) and ``--recompute-activations``
     (selective) set the recompute flags, which must then not be given too."""
@@ -327,39 +273,8 @@ def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers = settings
 
 
-def _check_data(args: argparse.Namespace) -> None:
-    """Data sources, tokenizer files, the split, profiling."""
-    sources = [f for f in DATA_SOURCE_FLAGS if getattr(args, BY_OPTION[f].dest) not in (None, False)]
-    _require(len(sources) <= 1, f"{' and '.join(sources)} are mutually exclusive: give one data source")
-    per_split = [_flag(d) for d in ("valid_data_path", "test_data_path") if getattr(args, d) is not None]
-    _require(
-        not per_split or args.train_data_path is not None,
-        f"{', '.join(per_split)} {'needs' if len(per_split) == 1 else 'need'} --train-data-path",
-    )
-    kind = args.tokenizer_type
-    if kind == "NullTokenizer":
-        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
-    if kind == "GPT2BPETokenizer":
-        _require(
-            args.vocab_file is not None and args.merge_file is not None,
-            "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file",
-        )
-    if kind == "HuggingFaceTokenizer":
-        _require(
-            args.tokenizer_model is not None,
-            "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a local folder saved by "
-            "transformers (tokenizer.json, tokenizer_config.json); nothing is downloaded",
-        )
-    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        if getattr(args, dest) is not None:
-            try:
-                parse_data_path(getattr(args, dest))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{_flag(dest)}: {err}") from None
-    if (args.data_path is not None or args.mock_data) and args.split is None:
-        args.split = DEFAULT_SPLIT
-    if args.split is not None:
-        parse_split(args.split)  # its ValueError already names --split
+def _check_profile(args: argparse.Namespace) -> None:
+    """``--profile``'s steps in order, its ranks in the run."""
     if args.profile:
         start, end = args.profile_step_start, args.profile_step_end
         _require(start < end, f"--profile-step-start ({start}) must be < --profile-step-end ({end})")
@@ -367,75 +282,6 @@ def _check_data(args: argparse.Namespace) -> None:
         _require(
             not outside, f"--profile-ranks {outside} are not ranks of this run (world size {args.world_size})"
         )
-
-
-def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
-    """16-bit formats, loss scaling, gradient-reduction dtype and the distributed optimizer."""
-    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive: give at most one")
-    for dest in ("loss_scale", "initial_loss_scale", "min_loss_scale", "peak_tflops"):
-        value = getattr(args, dest)
-        _require(value is None or value > 0, f"{_flag(dest)} must be > 0, got {value}")
-    _require(
-        args.min_loss_scale <= args.initial_loss_scale,
-        f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale ({args.initial_loss_scale})",
-    )
-    # Megatron's gradient dtype: bf16 accumulates and reduces in fp32 unless --grad-reduce-in-bf16;
-    # fp16 in fp16 unless --accumulate-allreduce-grads-in-fp32; fp32 in fp32.
-    accumulate_in_fp32 = args.accumulate_allreduce_grads_in_fp32
-    if not args.grad_reduce_in_fp32:  # --grad-reduce-in-bf16
-        _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16 (other parameters reduce in their own dtype)")
-        _require(
-            not accumulate_in_fp32,
-            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive",
-        )
-    elif args.fp16:
-        args.grad_reduce_in_fp32 = accumulate_in_fp32
-    _check_data_parallel_sharding(args)
-    if args.overlap_param_gather:
-        _require(
-            args.use_distributed_optimizer,
-            "--overlap-param-gather needs --use-distributed-optimizer (only it gathers parameters)",
-        )
-        _require(
-            args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)"
-        )
-
-
-def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
-    """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy``: the strategy the run uses, which
-    turns the distributed optimizer on (every strategy but no_shard shards the optimizer)."""
-    given = args.data_parallel_sharding_strategy
-    if given is not None and given != "no_shard":
-        _require(
-            args.use_megatron_fsdp,
-            f"--data-parallel-sharding-strategy {given} takes effect only with --use-megatron-fsdp (as in "
-            "Megatron); add it" + (", or use --use-distributed-optimizer alone" if given == "optim" else ""),
-        )
-    strategy = given or (
-        "optim_grads_params"
-        if args.use_megatron_fsdp
-        else "optim"
-        if args.use_distributed_optimizer
-        else "no_shard"
-    )
-    _require(
-        not (strategy == "no_shard" and args.use_distributed_optimizer),
-        "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards "
-        "the optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them",
-    )
-    _require(
-        not (
-            strategy in ("optim_grads", "optim_grads_params")
-            and schedule_rule(args.pipeline_schedule).placement == V
-            and not args.untie_embeddings_and_output_weights
-        ),
-        f"--data-parallel-sharding-strategy {strategy} cannot shard the tied embedding that --pipeline-schedule "
-        f"{args.pipeline_schedule} puts in both model chunks of rank 0 yet: give "
-        "--untie-embeddings-and-output-weights, or --data-parallel-sharding-strategy optim",
-    )
-    args.data_parallel_sharding_strategy = strategy
-    if strategy != "no_shard":
-        args.use_distributed_optimizer = True
 
 
 def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict[str, Any]:
@@ -473,7 +319,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     _check_moe(flags, world_size)
     problems = fp8_problems(flags)  # the config's own rules, already worded with the flags
     _require(not problems, "; ".join(problems))
-    _check_pipeline(flags, pp)
+    derive_virtual_pipeline(flags, pp)
     derive_batch_sizes(flags, pp, flags.data_parallel_size)
     _require(flags.min_lr <= flags.lr, f"--min-lr ({flags.min_lr}) must be <= --lr ({flags.lr})")
     _require(
@@ -489,8 +335,9 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
         not flags.async_save or flags.save,
         "--async-save writes the --save checkpoints in the background, but no --save directory is given",
     )
-    _check_data(flags)
-    _check_precision_and_data_parallel(flags)
+    check_data_flags(flags)
+    _check_profile(flags)
+    derive_precision_and_data_parallel(flags)
     flags.params_dtype = torch.bfloat16 if flags.bf16 else torch.float16 if flags.fp16 else torch.float32
     flags.pipeline_dtype = flags.params_dtype
     return flags.derived
