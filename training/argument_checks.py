@@ -119,7 +119,6 @@ _AT_LEAST = {
         "save_interval",
         "exit_interval",
         "num_query_groups",
-        "kv_channels",
         "ffn_hidden_size",
         "vocab_size",
         "num_layers_per_virtual_pipeline_stage",
@@ -131,7 +130,6 @@ _AT_LEAST = {
         "lr_decay_samples",
         "lr_wsd_decay_iters",
         "lr_wsd_decay_samples",
-        "make_vocab_size_divisible_by",
         "max_consecutive_skipped_iterations",
         "distributed_timeout_minutes",
         "bucket_size",
@@ -158,7 +156,8 @@ _AT_LEAST = {
         "profile_step_start",
     ),
 }
-_FRACTIONS = ("hidden_dropout", "attention_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")
+_FRACTIONS = ("lr_warmup_fraction", "adam_beta1", "adam_beta2")
+"""Fractions the command line checks itself (the decoder's dropouts are its config's rules)."""
 
 
 def _check_required(args: argparse.Namespace) -> None:

@@ -5,7 +5,9 @@ in its argument parser: position embeddings, vocabulary padding, tied output wei
 Megatron user can read a config at a glance. Every derived default (``ffn_hidden_size``,
 ``kv_channels``, ``num_query_groups``) is filled in ``__post_init__``, and every invalid combination
 is reported at construction, all problems in one ``ValueError`` that names the fields and numbers,
-before any rank builds a layer or joins a collective.
+before any rank builds a layer or joins a collective. The rules live beside their subsystem
+(``core.transformer.rules``, ``context_parallel.rules``, ``moe.rules``) as structured problems, which
+the command line says with Megatron's flag names.
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ Megatron's flags by ``training.argument_checks``. No processes."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from core.model_parallel_config import expert_tensor_parallel_problems
 from core.problems import Problem, ProblemsError, problem
 from core.transformer import TransformerConfig
 from core.transformer.moe.rules import moe_training_problems
@@ -238,3 +240,12 @@ def test_a_problem_names_each_field_as_it_is_asked_to():
     refused = problem("{a} ({n}) must divide {b_c}", "a", "b_c", n=3)
     assert str(refused) == "a (3) must divide b_c"
     assert refused.render(lambda field: "--" + field.replace("_", "-")) == "--a (3) must divide --b-c"
+
+
+def test_experts_split_over_tp_are_refused_by_the_parallel_config_and_the_command_line_alike():
+    with pytest.raises(ValueError) as api:
+        TransformerConfig(**SIZES, num_moe_experts=4, expert_tensor_parallel_size=2)
+    with pytest.raises(ValueError) as cli:
+        megatron_args(f"{MODEL} --train-iters 3 --num-experts 4 --expert-tensor-parallel-size 2")
+    (refused,) = expert_tensor_parallel_problems(SimpleNamespace(expert_tensor_parallel_size=2))
+    assert (str(api.value), str(cli.value)) == (str(refused), command_line_message(refused))

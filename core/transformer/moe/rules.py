@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.model_parallel_config import expert_tensor_parallel_problems
 from core.problems import Problem, problem
 from core.transformer.moe.moe_config import (
     LOAD_BALANCING_TYPES,
@@ -63,21 +64,8 @@ def moe_training_problems(config: Any) -> list[Problem]:
 
 
 def _parallel_problems(config: Any, world_size: int | None) -> list[Problem]:
-    experts, ep, etp = (
-        config.num_moe_experts,
-        config.expert_model_parallel_size,
-        config.expert_tensor_parallel_size,
-    )
-    out = []
-    if etp not in (None, 1):
-        out.append(
-            problem(
-                "{expert_tensor_parallel_size} {etp}: Trident supports only 1 (experts are never split over "
-                "tensor parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
-                "expert_tensor_parallel_size",
-                etp=etp,
-            )
-        )
+    experts, ep = config.num_moe_experts, config.expert_model_parallel_size
+    out = expert_tensor_parallel_problems(config)
     if experts % ep:
         out.append(
             problem(
