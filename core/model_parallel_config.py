@@ -164,8 +164,8 @@ def expert_tensor_parallel_problems(config: Any) -> list[Problem]:
         return []
     return [
         problem(
-            "{expert_tensor_parallel_size} {etp}: Trident supports only 1 (experts are never split over tensor "
-            "parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
+            "{expert_tensor_parallel_size} {etp}: Trident supports only 1 (experts are never split over "
+            "tensor parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
             "expert_tensor_parallel_size",
             etp=etp,
         )

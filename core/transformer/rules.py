@@ -123,8 +123,8 @@ def _rope_problems(config: Any) -> list[Problem]:
     if rotary_dim < 2 or rotary_dim % 2:
         return [
             problem(
-                "{rotary_percent} ({percent}) x {kv_channels} ({head}) gives {dim} rotary channels; RoPE needs an "
-                "even number >= 2",
+                "{rotary_percent} ({percent}) x {kv_channels} ({head}) gives {dim} rotary channels; "
+                "RoPE needs an even number >= 2",
                 "rotary_percent",
                 "kv_channels",
                 percent=percent,
@@ -163,7 +163,8 @@ def _sequence_problems(config: Any, seq: int | None) -> list[Problem]:
         return []
     return [
         problem(
-            "{seq_length} ({seq}) must be divisible by {tensor_model_parallel_size} ({tp}) with {sequence_parallel}",
+            "{seq_length} ({seq}) must be divisible by {tensor_model_parallel_size} ({tp}) with "
+            "{sequence_parallel}",
             "seq_length",
             "tensor_model_parallel_size",
             "sequence_parallel",
@@ -191,7 +192,8 @@ def recompute_problems(config: Any) -> list[Problem]:
                 "{recompute_method} ({method!r}) and {recompute_num_layers} ({count}) need "
                 "{recompute_granularity}='full'",
                 *_RECOMPUTE,
-                command_line="{recompute_method} and {recompute_num_layers} need {recompute_granularity} full",
+                command_line="{recompute_method} and {recompute_num_layers} need "
+                "{recompute_granularity} full",
                 **values,
             )
         ]
@@ -220,7 +222,8 @@ def recompute_problems(config: Any) -> list[Problem]:
     if method not in RECOMPUTE_METHODS:
         return [
             problem(
-                "{recompute_granularity}='full' needs {recompute_method} 'uniform' or 'block', got {method!r}",
+                "{recompute_granularity}='full' needs {recompute_method} 'uniform' or 'block', "
+                "got {method!r}",
                 *_RECOMPUTE,
                 command_line=_FULL_NEEDS,
                 **values,

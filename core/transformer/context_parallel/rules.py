@@ -96,9 +96,9 @@ def _head_problems(config: Any) -> list[Problem]:
         return []
     return [
         problem(
-            "{cp_comm_type} a2a splits heads over the context-parallel ranks: {num_attention_heads} ({heads}) "
-            "and the query groups ({groups}) per {tensor_model_parallel_size} ({tp}) rank must be divisible "
-            "by {context_parallel_size} ({cp})",
+            "{cp_comm_type} a2a splits heads over the context-parallel ranks: "
+            "{num_attention_heads} ({heads}) and the query groups ({groups}) per "
+            "{tensor_model_parallel_size} ({tp}) rank must be divisible by {context_parallel_size} ({cp})",
             "cp_comm_type",
             "num_attention_heads",
             "tensor_model_parallel_size",

@@ -18,6 +18,8 @@ from core.transformer.moe.moe_config import (
     parse_moe_layer_freq,
 )
 
+_EP = ("expert_model_parallel_size", "num_moe_experts")
+
 
 def moe_problems(config: Any, *, world_size: int | None = None, training: bool = False) -> list[Problem]:
     """The invalid MoE settings of ``config`` (a transformer config's fields), first first.
@@ -41,9 +43,6 @@ def moe_problems(config: Any, *, world_size: int | None = None, training: bool =
     out = _parallel_problems(config, world_size) + _router_problems(config)
     out += moe_training_problems(config) if training else []
     return out + _layer_freq_problems(config) + _size_problems(config) + _choice_problems(config)
-
-
-_EP = ("expert_model_parallel_size", "num_moe_experts")
 
 
 def moe_training_problems(config: Any) -> list[Problem]:
@@ -79,9 +78,9 @@ def _parallel_problems(config: Any, world_size: int | None) -> list[Problem]:
     if world_size is not None and world_size % (ep * pp):
         out.append(
             problem(
-                "{expert_model_parallel_size} ({ep}) x {pipeline_model_parallel_size} ({pp}) = {product} does "
-                "not divide the world size ({world_size}): the {dispatcher} dispatcher's expert-parallel "
-                "groups cannot be formed",
+                "{expert_model_parallel_size} ({ep}) x {pipeline_model_parallel_size} ({pp}) = {product} "
+                "does not divide the world size ({world_size}): the {dispatcher} dispatcher's "
+                "expert-parallel groups cannot be formed",
                 "expert_model_parallel_size",
                 "pipeline_model_parallel_size",
                 ep=ep,
@@ -125,7 +124,10 @@ def _layer_freq_problems(config: Any) -> list[Problem]:
         freq = parse_moe_layer_freq(given)
     except ValueError as err:
         return [problem("{moe_layer_freq}: {err}", "moe_layer_freq", err=err)]
-    either = "{moe_layer_freq} {given} must be an integer >= 1 or list 0 or 1 for each of the {layers} layers ({num_layers})"
+    either = (
+        "{moe_layer_freq} {given} must be an integer >= 1 or list 0 or 1 for each of the {layers} layers "
+        "({num_layers})"
+    )
     fields, values = ("moe_layer_freq", "num_layers"), {"given": given, "layers": layers}
     if isinstance(freq, int):
         return [] if freq >= 1 else [problem(either, *fields, **values)]
