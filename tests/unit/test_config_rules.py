@@ -249,3 +249,9 @@ def test_experts_split_over_tp_are_refused_by_the_parallel_config_and_the_comman
         megatron_args(f"{MODEL} --train-iters 3 --num-experts 4 --expert-tensor-parallel-size 2")
     (refused,) = expert_tensor_parallel_problems(SimpleNamespace(expert_tensor_parallel_size=2))
     assert (str(api.value), str(cli.value)) == (str(refused), command_line_message(refused))
+
+
+def test_the_config_takes_megatrons_layer_pattern_text_as_the_command_line_does():
+    config = TransformerConfig(**SIZES, num_moe_experts=4, moe_layer_freq="([1]*1+[0])")
+    assert config.moe_layer_freq == [1, 0]
+    assert config.moe_layer_pattern(2) == [True, False]
