@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,7 @@ from core.pipeline_parallel.schedule_rules import (
     PipelineSchedule,
     schedule_rule,
 )
+from core.problems import Problem, problem
 
 if TYPE_CHECKING:  # the config carries the hooks; it does not need the schedule code to do so
     from core.pipeline_parallel.hooks import ScheduleHooks
@@ -130,11 +131,8 @@ class ModelParallelConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.expert_tensor_parallel_size not in (None, 1):
-            raise ValueError(
-                f"expert_tensor_parallel_size must be 1 (experts are not split over tensor parallelism "
-                f"here), got {self.expert_tensor_parallel_size}"
-            )
+        for refused in expert_tensor_parallel_problems(self):
+            raise ValueError(str(refused))
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp < 1:
             raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1 or None, got {vpp}")
@@ -156,3 +154,19 @@ class ModelParallelConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron silently turns it off; so do we, it is a no-op at TP=1.
             self.sequence_parallel = False
+
+
+def expert_tensor_parallel_problems(config: Any) -> list[Problem]:
+    """Experts are never split over tensor parallelism here: only 1 (None, megatron-core's "the TP size",
+    means 1 too). The config refuses it at construction, the command line with its flag."""
+    etp = config.expert_tensor_parallel_size
+    if etp in (None, 1):
+        return []
+    return [
+        problem(
+            "{expert_tensor_parallel_size} {etp}: Trident supports only 1 (experts are never split over "
+            "tensor parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
+            "expert_tensor_parallel_size",
+            etp=etp,
+        )
+    ]

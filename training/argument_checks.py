@@ -7,6 +7,12 @@
 ``--load`` checkpoint's consumed samples, read from its manifest), so every rank raises the same
 single ``ValueError`` naming the flags and numbers to change. ``validate_args`` is Megatron's name
 for the same check, returning a new namespace with the derived values (what ``get_args()`` gives).
+
+The model's rules are the configs' own (``core.transformer.rules``, ``...context_parallel.rules``,
+``...moe.rules``): they return structured problems, which :func:`command_line_message` says with
+Megatron's flag names where ``TransformerConfig`` says them with its field names, so the command line
+and the Python API refuse the same configurations. The other flag groups are checked in their own
+modules (batch sizes, the learning-rate schedule, the virtual pipeline, data, precision and sharding).
 """
 
 from __future__ import annotations
@@ -16,21 +22,22 @@ import copy
 import os
 from typing import Any
 
-from core.pipeline_parallel.layout import parse_layout
-from core.pipeline_parallel.placement import V
-from core.pipeline_parallel.schedule_rules import schedule_rule
+from core.problems import Problem
 from core.tensor_parallel.fp8_config import fp8_problems
-from core.transformer.context_parallel import CP_COMM_TYPES
+from core.transformer.context_parallel.rules import context_parallel_problems
 from core.transformer.moe.moe_config import parse_moe_layer_freq
+from core.transformer.moe.rules import moe_problems
+from core.transformer.rules import decoder_problems
 from training.batch_sizes import check_run_batches, derive_batch_sizes
-from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
-from training.data.builder import parse_data_path, parse_split
+from training.data_flags import check_data_flags
+from training.data_parallel_flags import derive_precision_and_data_parallel
 from training.logging_utils import print_line
 from training.lr_schedule import check_schedule
 from training.schema import BY_OPTION, COVERAGE
 from training.schema import flag_name as _flag
+from training.virtual_pipeline import derive_virtual_pipeline
 
-__all__ = ["derive_args", "megatron_namespace", "validate_args"]
+__all__ = ["command_line_message", "derive_args", "megatron_namespace", "validate_args"]
 
 REQUIRED = (
     "num_layers",
@@ -67,6 +74,29 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+_FIELD_FLAGS = {"moe_layer_freq": "moe_layer_pattern"}
+"""Config fields whose flag has another ``dest`` (the flag holds Megatron's text, the field its value)."""
+
+
+def command_line_message(problem: Problem) -> str:
+    """A config's problem as the command line says it: with Megatron's flag names for the fields."""
+    return problem.render(lambda field: _flag(_FIELD_FLAGS.get(field, field)), command_line=True)
+
+
+def _refuse_first(problems: list[Problem]) -> None:
+    if problems:
+        raise ValueError(command_line_message(problems[0]))
+
+
+def _as_config(args: argparse.Namespace) -> _Resolving:
+    """The flags as a ``TransformerConfig`` would hold them, for its rules: query groups resolved as
+    ``--group-query-attention`` says, the MoE layer pattern as given."""
+    view = _Resolving(args)
+    view.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    view.moe_layer_freq = args.moe_layer_pattern
+    return view
+
+
 def _rank0_note(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         print_line(f"NOTE: {message}")
@@ -89,7 +119,6 @@ _AT_LEAST = {
         "save_interval",
         "exit_interval",
         "num_query_groups",
-        "kv_channels",
         "ffn_hidden_size",
         "vocab_size",
         "num_layers_per_virtual_pipeline_stage",
@@ -101,7 +130,6 @@ _AT_LEAST = {
         "lr_decay_samples",
         "lr_wsd_decay_iters",
         "lr_wsd_decay_samples",
-        "make_vocab_size_divisible_by",
         "max_consecutive_skipped_iterations",
         "distributed_timeout_minutes",
         "bucket_size",
@@ -128,7 +156,8 @@ _AT_LEAST = {
         "profile_step_start",
     ),
 }
-_FRACTIONS = ("hidden_dropout", "attention_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")
+_FRACTIONS = ("lr_warmup_fraction", "adam_beta1", "adam_beta2")
+"""Fractions the command line checks itself (the decoder's dropouts are its config's rules)."""
 
 
 def _check_required(args: argparse.Namespace) -> None:
@@ -174,9 +203,17 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 
 def _check_model(args: argparse.Namespace, tp: int) -> None:
-    """The model's sizes against each other and the TP size, and the switches that must agree."""
-    _check_attention(args, tp)
-    _check_ffn(args, tp)
+    """Megatron's derived sizes, the decoder config's rules, and the switches only flags have."""
+    _derive_ffn(args)
+    if args.sequence_parallel and tp == 1:
+        _rank0_note(
+            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it "
+            "(as Megatron does)"
+        )
+        args.sequence_parallel = False
+    _refuse_first(decoder_problems(_as_config(args), seq_length=args.seq_length))
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     _require(
         not (args.swiglu and args.openai_gelu),
         "--openai-gelu and --swiglu exclude each other: SwiGLU's gate uses SiLU, not GELU",
@@ -192,54 +229,11 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
             f"({args.max_position_embeddings}) with --position-embedding-type learned_absolute",
         )
-    if args.sequence_parallel and tp == 1:
-        _rank0_note(
-            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabling it "
-            "(as Megatron does)"
-        )
-        args.sequence_parallel = False
-    if args.sequence_parallel:
-        _require(
-            args.seq_length % tp == 0,
-            f"--seq-length ({args.seq_length}) must be divisible by "
-            f"--tensor-model-parallel-size ({tp}) with --sequence-parallel",
-        )
-    _require(
-        args.cross_entropy_fusion_impl != "linear" or args.cross_entropy_loss_fusion,
-        "--cross-entropy-fusion-impl linear needs --cross-entropy-loss-fusion (it says how that fusion is done)",
-    )
-    _check_recompute(args)
 
 
-def _check_attention(args: argparse.Namespace, tp: int) -> None:
-    """Heads, query groups and head size: divisible as TP and grouped-query attention need."""
-    heads = args.num_attention_heads
-    _require(
-        heads % tp == 0,
-        f"--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
-    )
-    if args.group_query_attention:
-        groups = args.num_query_groups
-        _require(
-            heads % groups == 0,
-            f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})",
-        )
-        _require(
-            groups % tp == 0,
-            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp})",
-        )
-    if args.kv_channels is None:
-        _require(
-            args.hidden_size % heads == 0,
-            f"--hidden-size ({args.hidden_size}) must be divisible by "
-            f"--num-attention-heads ({heads}) unless --kv-channels is given",
-        )
-        args.kv_channels = args.hidden_size // heads
-
-
-def _check_ffn(args: argparse.Namespace, tp: int) -> None:
-    """The FFN size: Megatron's default (4h, or 2/3 of it rounded down to 64 with SwiGLU), split by TP."""
-    if args.ffn_hidden_size is None:  # SwiGLU: 2/3 of 4h keeps the parameter count, rounded down to 64
+def _derive_ffn(args: argparse.Namespace) -> None:
+    """Megatron's default FFN size: 4h, or with SwiGLU 2/3 of it (the same parameters) rounded down to 64."""
+    if args.ffn_hidden_size is None:
         hidden = args.hidden_size
         args.ffn_hidden_size = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
         _require(
@@ -247,184 +241,13 @@ def _check_ffn(args: argparse.Namespace, tp: int) -> None:
             f"--swiglu with --hidden-size {hidden} gives an FFN size of 0 "
             "(int(8*hidden/3/64)*64); give --ffn-hidden-size",
         )
-    _require(
-        args.ffn_hidden_size % tp == 0,
-        f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible "
-        f"by --tensor-model-parallel-size ({tp})",
-    )
 
 
-def _check_recompute(args: argparse.Namespace) -> None:
-    """Selective recomputation takes no method or layer count; full needs both."""
-    if args.recompute_granularity == "selective":
-        _require(
-            args.recompute_method is None and args.recompute_num_layers is None,
-            "--recompute-granularity selective takes neither --recompute-method nor --recompute-num-layers",
-        )
-    elif args.recompute_granularity == "full":
-        _require(
-            args.recompute_method is not None and args.recompute_num_layers is not None,
-            "--recompute-granularity full needs --recompute-method (uniform or block) and "
-            "--recompute-num-layers",
-        )
-    else:
-        _require(
-            args.recompute_method is None and args.recompute_num_layers is None,
-            "--recompute-method and --recompute-num-layers need --recompute-granularity full",
-        )
-
-
-def _check_moe(args: argparse.Namespace, world_size: int, tp: int, pp: int) -> None:
-    """Experts, expert parallelism and routing (before any process group, as every check here)."""
-    experts, ep, etp = args.num_moe_experts, args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    args.moe_layer_freq = 1
-    if experts is None:
-        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts (a model with experts)")
-        return
-    _require(experts >= 1, f"--num-experts must be >= 1, got {experts}")
-    _require(
-        etp in (None, 1),
-        f"--expert-tensor-parallel-size {etp}: Trident supports only 1 (experts are never split over tensor "
-        "parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
-    )
-    _require(
-        experts % ep == 0,
-        f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})",
-    )
-    _require(
-        world_size % (ep * pp) == 0,
-        f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}) = {ep * pp} does not "
-        f"divide the world size ({world_size}): the {args.moe_token_dispatcher_type} dispatcher's "
-        "expert-parallel groups cannot be formed",
-    )
-    topk = args.moe_router_topk
-    _require(
-        1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})"
-    )
-    _require(
-        topk > 1 or args.moe_router_pre_softmax,
-        "--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over one logit gives the router no "
-        "gradient), as in Megatron",
-    )
-    _require(
-        tp == 1 or args.sequence_parallel,
-        f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel: each "
-        "tensor-parallel rank routes its own sequence shard (as in Megatron)",
-    )
-    try:
-        pattern = parse_moe_layer_freq(args.moe_layer_pattern)
-    except ValueError as err:
-        raise ValueError(f"--moe-layer-freq: {err}") from None
-    fits = pattern >= 1 if isinstance(pattern, int) else len(pattern) == args.num_layers
-    _require(
-        fits,
-        f"--moe-layer-freq {args.moe_layer_pattern} must be an integer >= 1 or list 0 or 1 for each of the "
-        f"{args.num_layers} layers (--num-layers)",
-    )
-    args.moe_layer_freq = pattern  # Megatron's args.moe_layer_freq: an int or a list; the config's field
-    _require(
-        not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
-        "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
-    )
-
-
-def _check_pipeline(args: argparse.Namespace, pp: int) -> None:
-    """Virtual pipeline size from one of the three flags that may set it (Megatron allows at most one)."""
-    chosen = [
-        _flag(d)
-        for d in (
-            "num_layers_per_virtual_pipeline_stage",
-            "num_virtual_stages_per_pipeline_rank",
-            "pipeline_model_parallel_layout",
-        )
-        if getattr(args, d) is not None
-    ]
-    _require(len(chosen) <= 1, f"{' and '.join(chosen)} are mutually exclusive: give at most one")
-    vpp = args.num_virtual_stages_per_pipeline_rank
-    if args.pipeline_model_parallel_layout is not None:
-        try:
-            vpp = parse_layout(
-                args.pipeline_model_parallel_layout,
-                pp,
-                num_layers=args.num_layers,
-                mtp_num_layers=0,
-                placement=schedule_rule(args.pipeline_schedule).placement,
-            ).vpp_size
-        except ValueError as err:
-            raise ValueError(f"--pipeline-model-parallel-layout: {err}") from None
-    elif args.num_layers_per_virtual_pipeline_stage is not None:
-        per_stage = args.num_layers_per_virtual_pipeline_stage
-        _require(
-            args.num_layers % pp == 0,
-            f"--num-layers ({args.num_layers}) must be divisible by "
-            f"--pipeline-model-parallel-size ({pp}) to use --num-layers-per-virtual-pipeline-stage",
-        )
-        per_rank = args.num_layers // pp
-        _require(
-            per_rank % per_stage == 0,
-            f"layers per pipeline rank ({args.num_layers} / {pp} = "
-            f"{per_rank}) must be divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})",
-        )
-        vpp = per_rank // per_stage
-    args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
-    rule = schedule_rule(args.pipeline_schedule)
-    problem, needed = rule.chunks_problem(vpp or 1), rule.chunks
-    _require(
-        problem is None,
-        f"--pipeline-schedule {rule.name} {problem}"
-        + (
-            f": give --num-virtual-stages-per-pipeline-rank {needed} (or a --pipeline-model-parallel-layout "
-            f"with {needed * pp} stages)"
-            if needed and needed > 1
-            else ""
-        ),
-    )
-    if vpp and vpp > 1:
-        _require(
-            pp > 1,
-            f"{chosen[0]} gives {vpp} virtual stages per rank, which needs --pipeline-model-parallel-size > 1",
-        )
-
-
-def _check_context_parallel(args: argparse.Namespace, tp: int, cp: int) -> None:
-    """``--cp-comm-type`` and the sizes context parallelism must divide."""
-    types = args.cp_comm_type
-    _require(
-        "a2a+p2p" not in types,
-        "--cp-comm-type a2a+p2p: Trident does not support hierarchical context parallelism "
-        "(all-to-all inside a node, ring across nodes); use p2p, a2a or allgather",
-    )
-    unknown = [t for t in types if t not in CP_COMM_TYPES]
-    _require(
-        not unknown,
-        f"--cp-comm-type {unknown[0] if unknown else ''}: must be one of {', '.join(CP_COMM_TYPES)}",
-    )
-    _require(
-        len(types) in (1, args.num_layers),
-        f"--cp-comm-type gives {len(types)} values for --num-layers {args.num_layers}: give one, or one per layer",
-    )
-    if cp == 1:
-        return
-    seq = args.seq_length
-    _require(
-        seq % (2 * cp) == 0,
-        f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}: "
-        "each sequence is cut into that many equal chunks",
-    )
-    if args.sequence_parallel:
-        _require(
-            seq % (cp * tp) == 0,
-            f"--seq-length ({seq}) must be divisible by --context-parallel-size ({cp}) x "
-            f"--tensor-model-parallel-size ({tp}) = {cp * tp} with --sequence-parallel",
-        )
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if args.group_query_attention else heads
-    _require(
-        "a2a" not in types or (heads // tp) % cp == 0 and (groups // tp) % cp == 0,
-        f"--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads ({heads}) "
-        f"and the query groups ({groups}) per --tensor-model-parallel-size ({tp}) rank must be divisible "
-        f"by --context-parallel-size ({cp})",
-    )
+def _check_moe(args: argparse.Namespace, world_size: int) -> None:
+    """The MoE config's rules, with the world size and training's; ``moe_layer_freq`` parsed (Megatron's)."""
+    _refuse_first(moe_problems(_as_config(args), world_size=world_size, training=True))
+    experts = args.num_moe_experts is not None
+    args.moe_layer_freq = parse_moe_layer_freq(args.moe_layer_pattern) if experts else 1
 
 
 def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
@@ -449,39 +272,8 @@ def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers = settings
 
 
-def _check_data(args: argparse.Namespace) -> None:
-    """Data sources, tokenizer files, the split, profiling."""
-    sources = [f for f in DATA_SOURCE_FLAGS if getattr(args, BY_OPTION[f].dest) not in (None, False)]
-    _require(len(sources) <= 1, f"{' and '.join(sources)} are mutually exclusive: give one data source")
-    per_split = [_flag(d) for d in ("valid_data_path", "test_data_path") if getattr(args, d) is not None]
-    _require(
-        not per_split or args.train_data_path is not None,
-        f"{', '.join(per_split)} {'needs' if len(per_split) == 1 else 'need'} --train-data-path",
-    )
-    kind = args.tokenizer_type
-    if kind == "NullTokenizer":
-        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
-    if kind == "GPT2BPETokenizer":
-        _require(
-            args.vocab_file is not None and args.merge_file is not None,
-            "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file",
-        )
-    if kind == "HuggingFaceTokenizer":
-        _require(
-            args.tokenizer_model is not None,
-            "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model: a local folder saved by "
-            "transformers (tokenizer.json, tokenizer_config.json); nothing is downloaded",
-        )
-    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        if getattr(args, dest) is not None:
-            try:
-                parse_data_path(getattr(args, dest))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{_flag(dest)}: {err}") from None
-    if (args.data_path is not None or args.mock_data) and args.split is None:
-        args.split = DEFAULT_SPLIT
-    if args.split is not None:
-        parse_split(args.split)  # its ValueError already names --split
+def _check_profile(args: argparse.Namespace) -> None:
+    """``--profile``'s steps in order, its ranks in the run."""
     if args.profile:
         start, end = args.profile_step_start, args.profile_step_end
         _require(start < end, f"--profile-step-start ({start}) must be < --profile-step-end ({end})")
@@ -489,75 +281,6 @@ def _check_data(args: argparse.Namespace) -> None:
         _require(
             not outside, f"--profile-ranks {outside} are not ranks of this run (world size {args.world_size})"
         )
-
-
-def _check_precision_and_data_parallel(args: argparse.Namespace) -> None:
-    """16-bit formats, loss scaling, gradient-reduction dtype and the distributed optimizer."""
-    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive: give at most one")
-    for dest in ("loss_scale", "initial_loss_scale", "min_loss_scale", "peak_tflops"):
-        value = getattr(args, dest)
-        _require(value is None or value > 0, f"{_flag(dest)} must be > 0, got {value}")
-    _require(
-        args.min_loss_scale <= args.initial_loss_scale,
-        f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale ({args.initial_loss_scale})",
-    )
-    # Megatron's gradient dtype: bf16 accumulates and reduces in fp32 unless --grad-reduce-in-bf16;
-    # fp16 in fp16 unless --accumulate-allreduce-grads-in-fp32; fp32 in fp32.
-    accumulate_in_fp32 = args.accumulate_allreduce_grads_in_fp32
-    if not args.grad_reduce_in_fp32:  # --grad-reduce-in-bf16
-        _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16 (other parameters reduce in their own dtype)")
-        _require(
-            not accumulate_in_fp32,
-            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive",
-        )
-    elif args.fp16:
-        args.grad_reduce_in_fp32 = accumulate_in_fp32
-    _check_data_parallel_sharding(args)
-    if args.overlap_param_gather:
-        _require(
-            args.use_distributed_optimizer,
-            "--overlap-param-gather needs --use-distributed-optimizer (only it gathers parameters)",
-        )
-        _require(
-            args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)"
-        )
-
-
-def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
-    """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy``: the strategy the run uses, which
-    turns the distributed optimizer on (every strategy but no_shard shards the optimizer)."""
-    given = args.data_parallel_sharding_strategy
-    if given is not None and given != "no_shard":
-        _require(
-            args.use_megatron_fsdp,
-            f"--data-parallel-sharding-strategy {given} takes effect only with --use-megatron-fsdp (as in "
-            "Megatron); add it" + (", or use --use-distributed-optimizer alone" if given == "optim" else ""),
-        )
-    strategy = given or (
-        "optim_grads_params"
-        if args.use_megatron_fsdp
-        else "optim"
-        if args.use_distributed_optimizer
-        else "no_shard"
-    )
-    _require(
-        not (strategy == "no_shard" and args.use_distributed_optimizer),
-        "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards "
-        "the optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them",
-    )
-    _require(
-        not (
-            strategy in ("optim_grads", "optim_grads_params")
-            and schedule_rule(args.pipeline_schedule).placement == V
-            and not args.untie_embeddings_and_output_weights
-        ),
-        f"--data-parallel-sharding-strategy {strategy} cannot shard the tied embedding that --pipeline-schedule "
-        f"{args.pipeline_schedule} puts in both model chunks of rank 0 yet: give "
-        "--untie-embeddings-and-output-weights, or --data-parallel-sharding-strategy optim",
-    )
-    args.data_parallel_sharding_strategy = strategy
-    if strategy != "no_shard":
-        args.use_distributed_optimizer = True
 
 
 def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict[str, Any]:
@@ -591,11 +314,11 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     flags.world_size, flags.data_parallel_size = world_size, world_size // (tp * pp * cp)
     _apply_old_recompute_flags(flags)
     _check_model(flags, tp)
-    _check_context_parallel(flags, tp, cp)
-    _check_moe(flags, world_size, tp, pp)
+    _refuse_first(context_parallel_problems(_as_config(flags), seq_length=flags.seq_length))
+    _check_moe(flags, world_size)
     problems = fp8_problems(flags)  # the config's own rules, already worded with the flags
     _require(not problems, "; ".join(problems))
-    _check_pipeline(flags, pp)
+    derive_virtual_pipeline(flags, pp)
     derive_batch_sizes(flags, pp, flags.data_parallel_size)
     _require(flags.min_lr <= flags.lr, f"--min-lr ({flags.min_lr}) must be <= --lr ({flags.lr})")
     _require(
@@ -611,8 +334,9 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
         not flags.async_save or flags.save,
         "--async-save writes the --save checkpoints in the background, but no --save directory is given",
     )
-    _check_data(flags)
-    _check_precision_and_data_parallel(flags)
+    check_data_flags(flags)
+    _check_profile(flags)
+    derive_precision_and_data_parallel(flags)
     flags.params_dtype = torch.bfloat16 if flags.bf16 else torch.float16 if flags.fp16 else torch.float32
     flags.pipeline_dtype = flags.params_dtype
     return flags.derived

@@ -5,7 +5,9 @@ in its argument parser: position embeddings, vocabulary padding, tied output wei
 Megatron user can read a config at a glance. Every derived default (``ffn_hidden_size``,
 ``kv_channels``, ``num_query_groups``) is filled in ``__post_init__``, and every invalid combination
 is reported at construction, all problems in one ``ValueError`` that names the fields and numbers,
-before any rank builds a layer or joins a collective.
+before any rank builds a layer or joins a collective. The rules live beside their subsystem
+(``core.transformer.rules``, ``context_parallel.rules``, ``moe.rules``) as structured problems, which
+the command line says with Megatron's flag names.
 """
 
 from __future__ import annotations
@@ -19,20 +21,26 @@ import torch.nn.functional as F
 
 from core.flags import flag, not_a_flag
 from core.model_parallel_config import ModelParallelConfig
+from core.problems import Problem, ProblemsError, problem
 from core.tensor_parallel.fp8_config import Fp8Config, fp8_problems
-from core.transformer.context_parallel import CP_COMM_TYPES
-from core.transformer.moe.moe_config import MoEConfig, moe_problems
+from core.transformer.context_parallel.rules import context_parallel_problems
+from core.transformer.moe.moe_config import MoEConfig, parse_moe_layer_freq
+from core.transformer.moe.rules import moe_problems
+from core.transformer.rules import (  # noqa: F401 (the recompute vocabulary, public here as before)
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    RecomputeGranularity,
+    RecomputeMethod,
+    decoder_problems,
+    size_problems,
+)
 
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
-RecomputeGranularity = Literal["full", "selective"]
-RecomputeMethod = Literal["uniform", "block"]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 CrossEntropyFusionImpl = Literal["native", "te", "linear"]
 NORMALIZATIONS = get_args(Normalization)
 POSITION_EMBEDDING_TYPES = get_args(PositionEmbeddingType)
-RECOMPUTE_GRANULARITIES = get_args(RecomputeGranularity)
-RECOMPUTE_METHODS = get_args(RecomputeMethod)
 RUNTIME_FIELDS = (
     "schedule_hooks",
     "no_sync_func",
@@ -208,153 +216,42 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
             self.ffn_hidden_size = 4 * self.hidden_size
         if isinstance(self.cp_comm_type, str):
             self.cp_comm_type = [self.cp_comm_type]
-        problems = self._problems()
+        problems = self.problems()
         if problems:
-            raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
+            raise ProblemsError("TransformerConfig", problems)
+        self.moe_layer_freq = parse_moe_layer_freq(
+            self.moe_layer_freq
+        )  # Megatron's text form is accepted too
         if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
 
-    def _problems(self) -> list[str]:
-        """Every invalid setting, each naming the fields and values involved."""
-        out: list[str] = []
-        tp = self.tensor_model_parallel_size
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "ffn_hidden_size",
-        ):
-            if getattr(self, name) < 1:
-                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if out:
-            return out
-        heads, groups = self.num_attention_heads, self.num_query_groups
-        if heads % tp:
-            out.append(
-                f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})"
-            )
-        if heads % groups:
-            out.append(f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
-        if groups % tp:
-            out.append(f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp})")
-        if self.kv_channels is None and self.hidden_size % heads:
-            out.append(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({heads}) "
-                "when kv_channels is not set"
-            )
-        if self.kv_channels is not None and self.kv_channels < 1:
-            out.append(f"kv_channels must be >= 1, got {self.kv_channels}")
-        if self.ffn_hidden_size % tp:
-            out.append(
-                f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
-                f"tensor_model_parallel_size ({tp})"
-            )
-        if self.normalization not in NORMALIZATIONS:
-            out.append(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            out.append(
-                f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
-                f"got {self.position_embedding_type!r}"
-            )
-        elif self.position_embedding_type == "rope":
-            out += self._rope_problems()
-        elif self.rope_scaling:
-            out.append(
-                f"rope_scaling needs position_embedding_type 'rope', got {self.position_embedding_type!r}"
-            )
-        for name in ("attention_dropout", "hidden_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                out.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.make_vocab_size_divisible_by < 1:
-            out.append(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
-        if self.layernorm_epsilon <= 0:
-            out.append(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
-        out += self._recompute_problems() + self._context_parallel_problems() + moe_problems(self)
-        return out + fp8_problems(self)
+    def problems(self) -> list[Problem]:
+        """Every invalid setting, each naming its fields (construction refuses a config with any; the
+        command line renders the same problems with its flag names)."""
+        sizes = size_problems(self)
+        if sizes:
+            return sizes
+        fp8 = [problem("{text}", text=text) for text in fp8_problems(self)]  # already worded with flags
+        subsystems = context_parallel_problems(self) + moe_problems(self) + fp8
+        return self._choice_problems() + decoder_problems(self) + subsystems
 
-    def _context_parallel_problems(self) -> list[str]:
-        types, cp = self.cp_comm_type, self.context_parallel_size
-        unknown = sorted(set(types) - set(CP_COMM_TYPES))
-        if unknown:
-            return [f"cp_comm_type must be one of {CP_COMM_TYPES}, got {unknown[0]!r}"]
-        if len(types) not in (1, self.num_layers):
-            return [
-                f"cp_comm_type gives {len(types)} types for {self.num_layers} layers; give one or one per layer"
-            ]
-        if cp == 1:
-            return []
-        out = []
-        tp = self.tensor_model_parallel_size
-        heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
-        if "a2a" in types and (heads % cp or groups % cp):
-            out.append(
-                f"cp_comm_type 'a2a' needs num_attention_heads ({self.num_attention_heads}) and "
-                f"num_query_groups ({self.num_query_groups}) per tensor-parallel rank (tp {tp}) divisible "
-                f"by context_parallel_size ({cp})"
+    def _choice_problems(self) -> list[Problem]:
+        """Values outside a field's choices (the command line's parser refuses them itself)."""
+        return [
+            problem(
+                f"{{{name}}} must be one of {{choices}}, got {{value!r}}", name, choices=choices, value=value
             )
-        return out
+            for name, choices in (
+                ("normalization", NORMALIZATIONS),
+                ("position_embedding_type", POSITION_EMBEDDING_TYPES),
+            )
+            if (value := getattr(self, name)) not in choices
+        ]
 
     def cp_comm_type_of(self, layer_number: int) -> str:
         """The context-parallel attention form of decoder layer ``layer_number`` (0-based, global)."""
         types = self.cp_comm_type
         return types[0] if len(types) == 1 else types[layer_number]
-
-    def _rope_problems(self) -> list[str]:
-        head = (
-            self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
-        )
-        if not 0.0 < self.rotary_percent <= 1.0:
-            return [f"rotary_percent must be in (0, 1], got {self.rotary_percent}"]
-        if self.rotary_base <= 0:
-            return [f"rotary_base must be > 0, got {self.rotary_base}"]
-        if self.rope_scaling and self.rope_scaling_factor < 1.0:
-            return [f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}"]
-        rotary_dim = int(head * self.rotary_percent)
-        if rotary_dim < 2 or rotary_dim % 2:
-            return [
-                (
-                    f"rotary_percent ({self.rotary_percent}) x kv_channels ({head}) gives {rotary_dim} rotary "
-                    "channels; RoPE needs an even number >= 2"
-                )
-            ]
-        return []
-
-    def _recompute_problems(self) -> list[str]:
-        granularity, method, count = (
-            self.recompute_granularity,
-            self.recompute_method,
-            self.recompute_num_layers,
-        )
-        if granularity is None:
-            if method is not None or count is not None:
-                return [
-                    (
-                        f"recompute_method ({method!r}) and recompute_num_layers ({count}) need "
-                        "recompute_granularity='full'"
-                    )
-                ]
-            return []
-        if granularity not in RECOMPUTE_GRANULARITIES:
-            return [
-                f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} or None, got {granularity!r}"
-            ]
-        if granularity == "selective":
-            if method is not None or count is not None:
-                return [
-                    (
-                        f"recompute_granularity='selective' takes no recompute_method ({method!r}) or "
-                        f"recompute_num_layers ({count})"
-                    )
-                ]
-            return []
-        if method not in RECOMPUTE_METHODS:
-            return [
-                f"recompute_granularity='full' needs recompute_method 'uniform' or 'block', got {method!r}"
-            ]
-        if count is None or count < 1:
-            return [f"recompute_granularity='full' needs recompute_num_layers >= 1, got {count}"]
-        return []
 
     @property
     def rotary_dim(self) -> int:

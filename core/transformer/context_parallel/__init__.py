@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from core.transformer.context_parallel.all_to_all import LocalAttention, a2a_attention, allgather_attention
 from core.transformer.context_parallel.ring import RingTimings, ring_attention, ring_timings
+from core.transformer.context_parallel.rules import CP_COMM_TYPES, context_parallel_problems
 from core.transformer.context_parallel.sharding import (
     check_divisible,
     get_batch_on_this_cp_rank,
@@ -27,9 +28,6 @@ from core.transformer.context_parallel.sharding import (
     slice_sequence,
 )
 
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")
-"""The ``--cp-comm-type`` values Trident implements (Megatron's ``a2a+p2p`` is not one of them)."""
-
 __all__ = [
     "CP_COMM_TYPES",
     "RingTimings",
@@ -37,6 +35,7 @@ __all__ = [
     "allgather_attention",
     "check_divisible",
     "context_parallel_attention",
+    "context_parallel_problems",
     "get_batch_on_this_cp_rank",
     "held_chunks",
     "positions_on_this_cp_rank",

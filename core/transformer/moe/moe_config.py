@@ -2,7 +2,7 @@
 
 A model with ``num_moe_experts`` set replaces the MLP of its MoE layers (every layer, or those
 ``moe_layer_freq`` picks) by a router, a token dispatcher and ``num_moe_experts`` expert MLPs, split
-over ``expert_model_parallel_size`` ranks. :func:`moe_problems` checks every combination at
+over ``expert_model_parallel_size`` ranks. ``core.transformer.moe.rules`` checks every combination at
 construction, before any rank builds a layer or joins a collective.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from core.flags import flag
 
@@ -32,7 +32,8 @@ class MoEConfig:
 
     moe_layer_freq: int | list[int] = 1
     """Which layers are MoE layers: N means every N-th (layers 0, N, 2N, ...), a list of 0/1 per
-    layer gives the pattern (Megatron's ``--moe-layer-freq``, e.g. ``([0]+[1]*23)``)."""
+    layer gives the pattern (Megatron's ``--moe-layer-freq``, e.g. ``([0]+[1]*23)``; that text is
+    accepted too and parsed at construction)."""
 
     moe_ffn_hidden_size: int | None = flag(None, group=_MOE)
     """Inner size of each expert (per branch of a gated unit); None means ffn_hidden_size."""
@@ -135,71 +136,3 @@ def _pattern(node: ast.AST) -> int | list[int]:
             raise ValueError(f"{ast.unparse(node)!r} is longer than any model")
         return left + right if isinstance(node.op, ast.Add) else left * right
     raise ValueError(f"only list literals of integers, + and * are allowed, not {ast.unparse(node)!r}")
-
-
-def moe_problems(config: Any) -> list[str]:
-    """Every invalid MoE setting of ``config`` (a transformer config with the fields above)."""
-    experts = config.num_moe_experts
-    if experts is None:
-        ep = getattr(config, "expert_model_parallel_size", 1)
-        return (
-            [f"expert_model_parallel_size {ep} needs num_moe_experts (a model with experts)"]
-            if ep > 1
-            else []
-        )
-    if experts < 1:
-        return [f"num_moe_experts must be >= 1, got {experts}"]
-    out: list[str] = []
-    ep = getattr(config, "expert_model_parallel_size", 1)
-    if experts % ep:
-        out.append(f"num_moe_experts ({experts}) must be divisible by expert_model_parallel_size ({ep})")
-    topk = config.moe_router_topk
-    if not 1 <= topk <= experts:
-        out.append(f"moe_router_topk ({topk}) must be between 1 and num_moe_experts ({experts})")
-    elif topk == 1 and not config.moe_router_pre_softmax:
-        out.append(
-            "moe_router_topk 1 needs moe_router_pre_softmax: a softmax over one logit is 1 and gives "
-            "the router no gradient"
-        )
-    out += _layer_freq_problems(config.moe_layer_freq, config.num_layers)
-    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-        value = getattr(config, name)
-        if value is not None and value < 1:
-            out.append(f"{name} must be >= 1 or None, got {value}")
-    shared, tp = config.moe_shared_expert_intermediate_size, config.tensor_model_parallel_size
-    if shared is not None and shared >= 1 and shared % tp:
-        out.append(
-            f"moe_shared_expert_intermediate_size ({shared}) must be divisible by "
-            f"tensor_model_parallel_size ({tp})"
-        )
-    out += _choice_problems(config)
-    factor = config.moe_expert_capacity_factor
-    if factor is not None and factor <= 0:
-        out.append(f"moe_expert_capacity_factor must be > 0 or None, got {factor}")
-    if config.moe_pad_expert_input_to_capacity and factor is None:
-        out.append("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
-    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-        value = getattr(config, name)
-        if value is not None and value < 0:
-            out.append(f"{name} must be >= 0, got {value}")
-    return out
-
-
-def _layer_freq_problems(freq: int | list[int], num_layers: int) -> list[str]:
-    if isinstance(freq, int):
-        return [] if freq >= 1 else [f"moe_layer_freq must be >= 1 or a 0/1 list per layer, got {freq}"]
-    if len(freq) != num_layers or any(v not in (0, 1) for v in freq):
-        return [f"moe_layer_freq {list(freq)} must list 0 or 1 for each of the {num_layers} layers"]
-    return []
-
-
-def _choice_problems(config: Any) -> list[str]:
-    out = []
-    for name, choices in (
-        ("moe_router_load_balancing_type", LOAD_BALANCING_TYPES),
-        ("moe_token_dispatcher_type", TOKEN_DISPATCHER_TYPES),
-        ("moe_token_drop_policy", TOKEN_DROP_POLICIES),
-    ):
-        if getattr(config, name) not in choices:
-            out.append(f"{name} must be one of {choices}, got {getattr(config, name)!r}")
-    return out

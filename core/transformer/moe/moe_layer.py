@@ -24,6 +24,7 @@ from core.transformer.mlp import MLP
 from core.transformer.moe.experts import Experts
 from core.transformer.moe.groups import MoEGroups
 from core.transformer.moe.router import TopKRouter
+from core.transformer.moe.rules import moe_training_problems
 from core.transformer.moe.token_dispatcher import build_token_dispatcher
 
 if TYPE_CHECKING:
@@ -93,12 +94,9 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]``."""
-        if self.training and self.config.tensor_model_parallel_size > 1 and not self.config.sequence_parallel:
-            raise ValueError(
-                "MoE layers with tensor_model_parallel_size "
-                f"{self.config.tensor_model_parallel_size} train only with sequence parallelism "
-                "(--sequence-parallel), as in Megatron"
-            )
+        problems = moe_training_problems(self.config) if self.training else []
+        if problems:
+            raise ValueError(str(problems[0]))
         shared = self.shared_experts(hidden) if self.shared_experts is not None else None
         probs, routing_map = self.router(hidden)
         output = self.routed_experts(hidden.reshape(-1, hidden.shape[-1]), probs, routing_map).view_as(hidden)

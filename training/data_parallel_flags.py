@@ -1,0 +1,90 @@
+"""Precision and data-parallel flags: 16-bit formats, loss scaling, the gradient-reduction dtype and
+the sharding strategy (Megatron's ``--use-distributed-optimizer`` and Megatron-FSDP flags).
+
+Part of :func:`training.argument_checks.derive_args`: what combines, and what a flag turns on (every
+sharding strategy but no_shard shards the optimizer, so it turns the distributed optimizer on).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from core.pipeline_parallel.placement import V
+from core.pipeline_parallel.schedule_rules import schedule_rule
+from training.schema import flag_name as _flag
+
+__all__ = ["derive_precision_and_data_parallel"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def derive_precision_and_data_parallel(args: argparse.Namespace) -> None:
+    """16-bit formats and loss scaling checked; the gradient-reduction dtype and sharding strategy derived."""
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive: give at most one")
+    for dest in ("loss_scale", "initial_loss_scale", "min_loss_scale", "peak_tflops"):
+        value = getattr(args, dest)
+        _require(value is None or value > 0, f"{_flag(dest)} must be > 0, got {value}")
+    _require(
+        args.min_loss_scale <= args.initial_loss_scale,
+        f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale ({args.initial_loss_scale})",
+    )
+    # Megatron's gradient dtype: bf16 accumulates and reduces in fp32 unless --grad-reduce-in-bf16;
+    # fp16 in fp16 unless --accumulate-allreduce-grads-in-fp32; fp32 in fp32.
+    accumulate_in_fp32 = args.accumulate_allreduce_grads_in_fp32
+    if not args.grad_reduce_in_fp32:  # --grad-reduce-in-bf16
+        _require(args.bf16, "--grad-reduce-in-bf16 needs --bf16 (other parameters reduce in their own dtype)")
+        _require(
+            not accumulate_in_fp32,
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive",
+        )
+    elif args.fp16:
+        args.grad_reduce_in_fp32 = accumulate_in_fp32
+    _check_data_parallel_sharding(args)
+    if args.overlap_param_gather:
+        _require(
+            args.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer (only it gathers parameters)",
+        )
+        _require(
+            args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)"
+        )
+
+
+def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
+    """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy``: the strategy the run uses, which
+    turns the distributed optimizer on (every strategy but no_shard shards the optimizer)."""
+    given = args.data_parallel_sharding_strategy
+    if given is not None and given != "no_shard":
+        _require(
+            args.use_megatron_fsdp,
+            f"--data-parallel-sharding-strategy {given} takes effect only with --use-megatron-fsdp (as in "
+            "Megatron); add it" + (", or use --use-distributed-optimizer alone" if given == "optim" else ""),
+        )
+    strategy = given or (
+        "optim_grads_params"
+        if args.use_megatron_fsdp
+        else "optim"
+        if args.use_distributed_optimizer
+        else "no_shard"
+    )
+    _require(
+        not (strategy == "no_shard" and args.use_distributed_optimizer),
+        "--data-parallel-sharding-strategy no_shard shards nothing, but --use-distributed-optimizer shards "
+        "the optimizer state: give --data-parallel-sharding-strategy optim, or drop one of them",
+    )
+    _require(
+        not (
+            strategy in ("optim_grads", "optim_grads_params")
+            and schedule_rule(args.pipeline_schedule).placement == V
+            and not args.untie_embeddings_and_output_weights
+        ),
+        f"--data-parallel-sharding-strategy {strategy} cannot shard the tied embedding that --pipeline-schedule "
+        f"{args.pipeline_schedule} puts in both model chunks of rank 0 yet: give "
+        "--untie-embeddings-and-output-weights, or --data-parallel-sharding-strategy optim",
+    )
+    args.data_parallel_sharding_strategy = strategy
+    if strategy != "no_shard":
+        args.use_distributed_optimizer = True
