@@ -5,7 +5,8 @@ others were doing, is known to nobody. So every rank runs a :class:`Watchdog`: a
 every ``interval`` seconds writes a heartbeat (a counter, the phase the main thread is in, the
 iteration, the wall time) under ``trident/heartbeat/<rank>`` in the store every rank already shares
 (torchrun's, or the file store of a single-node run). The training loop names its phases with
-:meth:`Watchdog.enter`; that is also the watchdog's measure of progress.
+:meth:`Watchdog.enter`, and where it is inside one (the schedule's action) with :meth:`Watchdog.at`;
+both are also the watchdog's measure of progress.
 
 When the main thread has spent ``timeout - interval`` seconds in one phase, it is waiting for
 someone. The thread has by then watched every rank's counter for at least ``stale_after`` seconds;
@@ -131,6 +132,7 @@ class Watchdog:
         self.timeout_setting = timeout_setting or f"--distributed-timeout-minutes {self.timeout / 60:g}"
         self._lock = threading.Lock()
         self._phase, self._iteration, self._since = "startup", None, time.monotonic()
+        self._detail: object = None  # where in the phase (str() of it is taken only when it is written)
         self._count = 0
         self._seen: dict[int, tuple[Heartbeat | None, float]] = {}  # rank -> (last beat, when it changed)
         self._stop = threading.Event()
@@ -141,6 +143,13 @@ class Watchdog:
         """The main thread starts ``phase`` (of ``iteration``): progress, as far as the watchdog sees."""
         with self._lock:
             self._phase, self._iteration, self._since = phase, iteration, time.monotonic()
+            self._detail = None
+
+    def at(self, detail: object) -> None:
+        """The main thread moves on inside its phase (progress too): ``str(detail)`` says where, e.g. the
+        schedule's action, so that a hang names the action each rank waits in."""
+        with self._lock:
+            self._detail, self._since = detail, time.monotonic()
 
     def doing(self) -> str:
         """What the main thread is doing, e.g. ``forward-backward at iteration 5``."""
@@ -164,7 +173,7 @@ class Watchdog:
     def _beat(self) -> None:
         with self._lock:
             self._count += 1
-            beat = Heartbeat(self._count, self._phase, self._iteration, time.time())
+            beat = Heartbeat(self._count, self._phase_text(), self._iteration, time.time())
         self.store.set(HEARTBEAT_KEY.format(rank=self.rank), beat.encode())
 
     def _run(self) -> None:
@@ -226,7 +235,10 @@ class Watchdog:
     # -- messages -----------------------------------------------------------------------------------
     def _own_beat(self) -> Heartbeat:
         with self._lock:
-            return Heartbeat(self._count, self._phase, self._iteration, time.time())
+            return Heartbeat(self._count, self._phase_text(), self._iteration, time.time())
+
+    def _phase_text(self) -> str:
+        return self._phase if self._detail is None else f"{self._phase}, {self._detail}"
 
     def _others(self, exclude: list[int]) -> dict[int, Heartbeat]:
         """The latest heartbeat of every rank not in ``exclude`` (this rank's own state included)."""

@@ -88,13 +88,15 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         ActionKind.RECV_F: lambda i, a: mailbox.receive(a),
         ActionKind.RECV_B: lambda i, a: mailbox.receive(a),
     }
-    record, timers = ctx.record, ctx.hooks.timers
+    record, timers, on_action = ctx.record, ctx.hooks.timers, ctx.hooks.on_action
     if record is not None:
         record.start = record.clock.now()
     if not ctx.forward_only:
         sync.suspend()
         set_auxiliary_loss_scale(_auxiliary_loss_scale(ctx))
     for index, action in enumerate(table):
+        if on_action is not None:
+            on_action(index, len(table), action)
         start = record.clock.now() if record is not None else 0.0
         with _timer(timers, action.kind):
             handlers[action.kind](index, action)

@@ -58,6 +58,10 @@ class ScheduleHooks:
     timers: Callable | None = None
     """Megatron-style timers: ``timers("forward-compute", log_level=2).start()`` / ``.stop()``."""
 
+    on_action: Callable[[int, int, Any], None] | None = None
+    """``on_action(index, table_length, action)`` before each action of the table: the training loop
+    tells its watchdog, so that a hang names the action every rank waits in. Keep it cheap."""
+
     @classmethod
     def from_config(cls, config: Any) -> ScheduleHooks:
         """The hooks a config carries: its ``schedule_hooks``, or Megatron's attribute names."""

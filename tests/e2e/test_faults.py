@@ -98,6 +98,32 @@ def test_watchdog_names_the_silent_rank_and_what_the_others_waited_in():
     assert 3.0 - 0.25 - 0.3 <= elapsed <= 3.0 + 5, elapsed  # at the deadline, an interval early
 
 
+def test_the_message_names_the_schedule_action_each_rank_was_in():
+    """The training loop tells the watchdog each schedule action (``Watchdog.at``): the silent rank's
+    last action and the one each other rank waits in are named."""
+    messages: list[str] = []
+    with _running_watchdogs(3, 3.0, messages, interval=0.25) as (handles, dogs):
+        dogs[1].enter("forward-backward", 5)
+        dogs[1].at("schedule action 4 of 8: 0F2")
+        time.sleep(0.6)
+        handles[1].frozen = True
+        for rank, action in ((0, "5 of 8: 0RECV_B1"), (2, "3 of 8: 0RECV_F2")):
+            dogs[rank].enter("forward-backward", 5)
+            dogs[rank].at(f"schedule action {action}")
+        started = time.monotonic()
+        while len(messages) < 2 and time.monotonic() - started < 20:
+            time.sleep(0.05)
+    assert len(messages) == 2, messages
+    pattern = (
+        r"rank 1 stopped answering: no heartbeat for \d+ s \(the last one said: forward-backward, schedule "
+        r"action 4 of 8: 0F2 at iteration 5\); ranks 0,2 waited up to \d s for it \(rank 0 in "
+        r"forward-backward, schedule action 5 of 8: 0RECV_B1 at iteration 5; rank 2 in forward-backward, "
+        r"schedule action 3 of 8: 0RECV_F2 at iteration 5\) \(the test's timeout\)"
+    )
+    for message in messages:
+        assert re.fullmatch(pattern, message), message
+
+
 def test_a_backend_timeout_with_every_rank_alive_says_what_each_rank_does():
     messages: list[str] = []
     with _running_watchdogs(3, 60.0, messages, interval=5.0) as (_, dogs):
@@ -235,6 +261,7 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_empty_stages_train(data):
         rf"\(TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS={TIMEOUT_S}\)",
         reports[0],
     ), reports[0]
+    print(reports[0])  # names each rank's schedule action when it waits in one (the wording: see above)
     assert worker_tracebacks(output) == [] and "Connection closed by peer" not in output
     assert job.proc.returncode == 1
     codes = dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)", output))

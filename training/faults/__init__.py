@@ -12,7 +12,8 @@
   message; it lists the exit codes only.
 * :func:`begin` starts :class:`core.watchdog.Watchdog`: a rank that stops answering ends the
   job within ``--distributed-timeout-minutes``, with a message naming it (``rank N``) and what the
-  others were waiting in. The training loop names its phases with :func:`phase`.
+  others were waiting in. The training loop names its phases with :func:`phase`, and
+  :func:`watched` hooks tell it each schedule action, so a hang names the action each rank was in.
 * :func:`watch_launcher` ends a torchrun worker whose torchrun is gone (``kill -9`` of torchrun
   otherwise leaves the workers training): the parent-death signal on Linux, and a thread that
   watches the parent pid everywhere. The signal is SIGTERM: it ends the worker at once, or, with
@@ -36,6 +37,7 @@ from training.faults.heartbeat import (
     end,
     last_beats,
     phase,
+    watched,
 )
 from training.faults.injection import slowed
 from training.faults.launcher import end_process, ending_the_process, watch_launcher
@@ -56,4 +58,5 @@ __all__ = [
     "run_main",
     "slowed",
     "watch_launcher",
+    "watched",
 ]

@@ -6,10 +6,14 @@ tells it what the main thread is doing, :func:`end` stops it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+from dataclasses import dataclass
 
 from core import parallel_state as ps
+from core.pipeline_parallel.actions import Action
+from core.pipeline_parallel.hooks import ScheduleHooks
 from core.watchdog import HEARTBEAT_KEY, Heartbeat, Watchdog
 from training.faults import reporting
 from training.faults.injection import inject
@@ -104,6 +108,36 @@ def end() -> None:
     if reporting.watchdog is not None:
         reporting.watchdog.stop()
         reporting.watchdog = None
+
+
+@dataclass(frozen=True)
+class SchedulePosition:
+    """Where in its table the schedule is; formatted only when a heartbeat is written."""
+
+    index: int
+    total: int
+    action: Action
+
+    def __str__(self) -> str:
+        action = self.action
+        return (
+            f"schedule action {self.index + 1} of {self.total}: {action} ({action.kind.value} of microbatch "
+            f"{action.microbatch}, chunk {action.chunk})"
+        )
+
+
+def _at_action(index: int, total: int, action: Action) -> None:
+    watchdog = reporting.watchdog
+    if watchdog is not None:
+        watchdog.at(SchedulePosition(index, total, action))
+
+
+def watched(hooks: ScheduleHooks) -> ScheduleHooks:
+    """``hooks`` that tell the run's watchdog each schedule action, so that a hang names the action
+    every rank waits in (the same hooks when no watchdog runs: a world of one)."""
+    if reporting.watchdog is None:
+        return hooks
+    return dataclasses.replace(hooks, on_action=_at_action)
 
 
 def phase(what: str, iteration: int | None = None, point: str | None = None) -> None:
