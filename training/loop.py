@@ -95,9 +95,10 @@ def apply_step(run: Run, session: Session, step: Step) -> None:
     if not step.settled:
         raise RuntimeError(f"iteration {step.iteration} is applied before the ledger read it")
     state, check = session.state, run.training.check_for_nan_in_loss_and_grad
-    if step.bad_loss and check:
+    if step.bad_loss and check:  # the losses live on the last stage; every rank knows they went bad
+        loss = step.losses if step.losses is not None else "NaN or inf on the last pipeline stage"
         raise FloatingPointError(
-            f"loss is {step.losses} at iteration {step.iteration} (--check-for-nan-in-loss-and-grad)"
+            f"loss is {loss} at iteration {step.iteration} (--check-for-nan-in-loss-and-grad)"
         )
     if not step.applied and not step.overflow and check:
         raise FloatingPointError(

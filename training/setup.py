@@ -84,7 +84,7 @@ def setup(run: Run, providers: Providers) -> Session:
         optimizer=optimizer,
         hooks=faults.watched(model.schedule_hooks(optimizer)),
         scheduler=build_scheduler(optimizer, run.lr_schedule),
-        forward_step_func=faults.slowed(providers.forward_step),
+        forward_step_func=faults.faulty_forward(providers.forward_step),
         forward_backward=get_forward_backward_func(run.parallel.pp, run.parallel.vpp),
         state=TrainState(),
         logs_loss=logs_loss,

@@ -28,6 +28,7 @@ def test_faults_parse_with_their_defaults_and_options():
         "kill@forward:3:host=2",
         "slow@optimizer:3",
         "slow@forward:3:factor=0.5",
+        "nan@save:3",
     ],
 )
 def test_a_fault_that_does_not_exist_is_one_line_naming_the_grammar(spec):
@@ -35,8 +36,8 @@ def test_a_fault_that_does_not_exist_is_one_line_naming_the_grammar(spec):
         parse_faults(spec)
     assert str(err.value) == (
         f"TRIDENT_FAULT: cannot read {spec!r}; expected <kind>@<point>:<iteration>[:rank=R][:attempt=A] "
-        "with kind in exception, kill, term, hang, slow and point in forward, optimizer, save (slow: at "
-        "forward, with [:factor=F], F >= 1)"
+        "with kind in exception, kill, term, hang, slow, nan and point in forward, optimizer, save (slow "
+        "and nan: at forward; slow takes [:factor=F], F >= 1)"
     )
 
 

@@ -39,7 +39,7 @@ from training.faults.heartbeat import (
     phase,
     watched,
 )
-from training.faults.injection import slowed
+from training.faults.injection import faulty_forward
 from training.faults.launcher import end_process, ending_the_process, watch_launcher
 from training.faults.reporting import judge, one_line_errors, run_main
 
@@ -51,12 +51,12 @@ __all__ = [
     "end_process",
     "ending_the_process",
     "fail_together",
+    "faulty_forward",
     "judge",
     "last_beats",
     "one_line_errors",
     "phase",
     "run_main",
-    "slowed",
     "watch_launcher",
     "watched",
 ]

@@ -3,7 +3,9 @@
 ``kind``: ``exception`` (a RuntimeError), ``kill`` (SIGKILL, as a lost host), ``term`` (SIGTERM, as a
 scheduler's preemption notice), ``hang`` (the rank stops answering), ``slow`` (a straggler: from that
 iteration on, each of the rank's forward computations takes ``factor`` times as long, ``:factor=F``,
-default 1.5; at ``forward`` only). ``point``: where in an
+default 1.5), ``nan`` (in that iteration the rank's forward outputs are NaN: the loss and every
+gradient behind them, as a bad value or a flipped bit would make them). ``slow`` and ``nan`` fire at
+``forward`` only. ``point``: where in an
 iteration it fires: ``forward`` (the step's start, before the schedule), ``optimizer`` (before the
 update) or ``save`` (before a checkpoint is written). ``rank`` (default 0) is the global rank that
 fires; ``attempt`` (default 0) the torchrun launch it fires in, so that a restarted run, which runs
@@ -25,10 +27,11 @@ from dataclasses import dataclass
 
 from training.faults.restart import restart_attempt
 
-__all__ = ["FAULT_ENV", "Fault", "inject", "parse_faults", "slowed"]
+__all__ = ["FAULT_ENV", "Fault", "faulty_forward", "inject", "parse_faults"]
 
 FAULT_ENV = "TRIDENT_FAULT"
-KINDS = ("exception", "kill", "term", "hang", "slow")
+KINDS = ("exception", "kill", "term", "hang", "slow", "nan")
+FORWARD_ONLY = ("slow", "nan")  # kinds that act through the forward step
 POINTS = ("forward", "optimizer", "save")
 
 
@@ -61,8 +64,8 @@ def parse_faults(text: str) -> list[Fault]:
             )
         except (ValueError, IndexError):
             raise ValueError(_usage(spec)) from None
-        slow_elsewhere = fault.kind == "slow" and (fault.point != "forward" or fault.factor < 1)
-        if fault.kind not in KINDS or fault.point not in POINTS or fields or slow_elsewhere:
+        misplaced = fault.kind in FORWARD_ONLY and fault.point != "forward"
+        if fault.kind not in KINDS or fault.point not in POINTS or fields or misplaced or fault.factor < 1:
             raise ValueError(_usage(spec))
         faults.append(fault)
     return faults
@@ -71,8 +74,8 @@ def parse_faults(text: str) -> list[Fault]:
 def _usage(spec: str) -> str:
     return (
         f"{FAULT_ENV}: cannot read {spec!r}; expected <kind>@<point>:<iteration>[:rank=R][:attempt=A] "
-        f"with kind in {', '.join(KINDS)} and point in {', '.join(POINTS)} (slow: at forward, with "
-        f"[:factor=F], F >= 1)"
+        f"with kind in {', '.join(KINDS)} and point in {', '.join(POINTS)} (slow and nan: at forward; "
+        f"slow takes [:factor=F], F >= 1)"
     )
 
 
@@ -86,6 +89,9 @@ def inject(point: str, iteration: int | None) -> None:
         _PLANNED = parse_faults(os.environ.get(FAULT_ENV, ""))
     if not _PLANNED or iteration is None:
         return
+    global _POISONED
+    if point == "forward":
+        _POISONED = False  # a nan fault poisons one iteration
     rank, attempt = int(os.environ.get("RANK", "0")), restart_attempt()
     for fault in _PLANNED:
         if (fault.point, fault.iteration, fault.rank, fault.attempt) == (point, iteration, rank, attempt):
@@ -93,30 +99,36 @@ def inject(point: str, iteration: int | None) -> None:
 
 
 _SLOWDOWN = 1.0  # this rank's forward computations take this many times as long (a ``slow`` fault)
+_POISONED = False  # this iteration's forward outputs are NaN (a ``nan`` fault)
 
 
-def slowed(forward_step_func: Callable) -> Callable:
-    """``forward_step_func``, made ``factor`` times as slow once a ``slow`` fault has fired on this rank
-    (the same function when no such fault is planned: nothing is added to a normal run)."""
-    if not any(fault.kind == "slow" for fault in parse_faults(os.environ.get(FAULT_ENV, ""))):
+def faulty_forward(forward_step_func: Callable) -> Callable:
+    """``forward_step_func`` as the ``slow`` and ``nan`` faults fired on this rank make it (the same
+    function when neither is planned: nothing is added to a normal run)."""
+    if not any(fault.kind in FORWARD_ONLY for fault in parse_faults(os.environ.get(FAULT_ENV, ""))):
         return forward_step_func
 
     @functools.wraps(forward_step_func)
     def forward_step(*args, **kwargs):
         start = time.perf_counter()
-        result = forward_step_func(*args, **kwargs)
+        output, loss_func = forward_step_func(*args, **kwargs)
         if _SLOWDOWN > 1.0:
             time.sleep((_SLOWDOWN - 1.0) * (time.perf_counter() - start))
-        return result
+        if _POISONED:
+            output = output * float("nan")
+        return output, loss_func
 
     return forward_step
 
 
 def _fire(fault: Fault) -> None:
-    global _SLOWDOWN
+    global _SLOWDOWN, _POISONED
     where = f"{fault.kind} at {fault.point} of iteration {fault.iteration} on rank {fault.rank}"
     if fault.kind == "slow":
         _SLOWDOWN = fault.factor
+        return
+    if fault.kind == "nan":
+        _POISONED = True
         return
     if fault.kind == "exception":
         raise RuntimeError(f"injected fault ({FAULT_ENV}): {where}")

@@ -35,8 +35,9 @@ class Verdict:
 
 
 def one_line_errors() -> tuple[type[BaseException], ...]:
-    """The errors the entry point prints as one line (``training.errors``), wherever they are raised."""
-    return (ConfigError, DataError, CheckpointError, DeviceError)
+    """The errors the entry point prints as one line (``training.errors``, and the NaN check's
+    ``FloatingPointError``, whose message says all there is), wherever they are raised."""
+    return (ConfigError, DataError, CheckpointError, DeviceError, FloatingPointError)
 
 
 def prog() -> str:

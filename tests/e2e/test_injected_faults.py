@@ -1,5 +1,7 @@
-"""Stragglers named (--log-straggler): a rank slowed on purpose is named in the first report, and a
-switch port that is taken is one line before any step.
+"""Faults injected into real jobs (TRIDENT_FAULT, training/faults/injection.py) that a run survives:
+a slow rank is named by --log-straggler in the first report (and a switch port that is taken is one
+line before any step); a NaN in one iteration's forward is a skipped step, or with
+--check-for-nan-in-loss-and-grad one line naming the iteration.
 
 ``TRIDENT_FAULT=slow@forward:1:rank=1:factor=4`` makes rank 1's forward computations four times as
 long from the first iteration on (training/faults/injection.py): a straggler on a CPU. Two ranks, one
@@ -53,3 +55,19 @@ def test_a_switch_port_that_is_taken_is_one_line_before_any_step(tmp_path):
     )
     assert output.count(error) == 1, output[-3000:]
     assert "iteration        1/" not in output
+
+
+def test_an_injected_nan_is_a_skipped_step_or_with_the_check_one_line(tmp_path):
+    """Rank 0 holds the first of two stages: its NaN activations make the loss and every gradient NaN."""
+    data = write_tiny_dataset(tmp_path / "tiny")
+    flags = [*TINY, "--data-path", str(data), "--train-iters", "3", "--pipeline-model-parallel-size", "2"]
+    env = job_env(TRIDENT_FAULT="nan@forward:2:rank=0")
+    code, output = run(2, flags, env=env)
+    assert code == 0, output[-3000:]
+    lines = [line for line in output.splitlines() if "number of nan iterations" in line]
+    assert [re.search(r"nan iterations: +(\d+)", line).group(1) for line in lines] == ["0", "1", "1"], lines
+    assert "lm loss: nan" in lines[1].lower() or "lm loss: NaN" in lines[1], lines[1]
+    code, output = run(2, [*flags, "--check-for-nan-in-loss-and-grad"], env=env)
+    errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    assert code == 1 and len(errors) == 1, output[-3000:]
+    assert errors[0].endswith("at iteration 2 (--check-for-nan-in-loss-and-grad)"), errors[0]
