@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from training.arguments import parse_args
 from training.faults.injection import Fault, parse_faults
 from training.faults.restart import resume_from_save_on_restart
 
@@ -51,3 +52,38 @@ def test_a_restarted_attempt_without_load_resumes_from_save(monkeypatch):
     given = argparse.Namespace(save="ckpt", load="other")
     assert resume_from_save_on_restart(given).load == "other"
     assert resume_from_save_on_restart(argparse.Namespace(save=None, load=None)).load is None
+
+
+_RERUN = (
+    "Megatron's result validation (the rerun state machine) is not built; --check-for-nan-in-loss-and-grad "
+    "stops at a NaN/inf loss or gradient (without it the step is skipped and counted), and TRIDENT_FAULT "
+    "injects faults for drills"
+)
+_RESILIENCY = (
+    "it needs NVIDIA's resiliency package and NCCL; Trident restarts under torchrun --max-restarts, at any "
+    "world size, resuming from the latest complete checkpoint"
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        *(
+            (flag, f"Trident does not support {flag.split()[0]} yet: {_RERUN}")
+            for flag in (
+                "--rerun-mode validate_results",
+                "--check-for-spiky-loss",
+                "--check-for-large-grads",
+                "--error-injection-rate 100",
+                "--error-injection-type transient_error",
+                "--result-rejected-tracker-filename rejected.txt",
+            )
+        ),
+        ("--inprocess-restart", f"Trident does not support --inprocess-restart: {_RESILIENCY}"),
+        ("--enable-ft-package", f"Trident does not support --enable-ft-package: {_RESILIENCY}"),
+    ],
+)
+def test_unbuilt_resilience_flags_are_refused_with_one_line(argv, message):
+    with pytest.raises(ValueError) as error:
+        parse_args(argv.split())
+    assert str(error.value) == message
