@@ -41,8 +41,10 @@ writes its transposed copy too. A cast is a handful of element-wise kernels, whi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -143,15 +145,29 @@ def _cast_from_amax(
     return _cast(tensor, _scale_from_amax(amax, FP8_MAX[dtype], margin), dtype, transpose)
 
 
-_KERNELS = {"cast": _cast, "cast_from_amax": _cast_from_amax}
+class CastKernels(NamedTuple):
+    """The two casts a layer's :class:`Fp8State` runs: eager, or compiled with one backend."""
+
+    cast: Callable[..., Cast]
+    cast_from_amax: Callable[..., Cast]
 
 
-def compile_fp8_casts(backend: str = "inductor") -> None:
-    """Fuse each scaled cast, its scale's arithmetic and its transposed copy into compiled kernels
-    (``--compile``); shapes are dynamic, so every layer shares the compiled code. The amax is torch's
-    own reduction either way."""
-    for name, fn in (("cast", _cast), ("cast_from_amax", _cast_from_amax)):
-        _KERNELS[name] = torch.compile(fn, backend=backend, dynamic=True)
+EAGER_CASTS = CastKernels(_cast, _cast_from_amax)
+
+
+@functools.cache
+def compiled_casts(backend: str) -> CastKernels:
+    """The casts compiled with ``backend``, once per process: shapes are dynamic, so every layer shares
+    the compiled code."""
+    return CastKernels(*(torch.compile(fn, backend=backend, dynamic=True) for fn in EAGER_CASTS))
+
+
+def compile_fp8_casts(modules: Iterable[nn.Module], backend: str = "inductor") -> None:
+    """Fuse each scaled cast of ``modules``' FP8 layers, its scale's arithmetic and its transposed copy
+    into compiled kernels (``--compile``). Only these layers change: a model built later without
+    ``--compile`` casts eagerly. The amax is torch's own reduction either way."""
+    for _, state in fp8_states(modules):
+        state.kernels = compiled_casts(backend)
 
 
 def amax_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -161,9 +177,7 @@ def amax_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor * scale`` saturated to ``dtype``'s range and rounded to it."""
-    return _KERNELS["cast"](tensor.detach().reshape(-1, tensor.shape[-1]), scale, dtype, False)[0].view(
-        tensor.shape
-    )
+    return _cast(tensor.detach().reshape(-1, tensor.shape[-1]), scale, dtype, False)[0].view(tensor.shape)
 
 
 def dequantize(tensor: torch.Tensor, inverse_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -215,6 +229,8 @@ class Fp8State(nn.Module):
         self.register_buffer("seen", torch.zeros(3, dtype=torch.bool, device=device), persistent=False)
         fp8_max = [FP8_MAX[recipe.dtype_of(operand)] for operand in (INPUT, WEIGHT, GRAD)]
         self.register_buffer("fp8_max", torch.tensor(fp8_max, device=device), persistent=False)
+        self.kernels = EAGER_CASTS
+        """The casts this layer runs (:func:`compile_fp8_casts` swaps in compiled ones)."""
         self._weight_key: tuple | None = None
         self._weight: Cast | None = None
         self._weight_amax: torch.Tensor | None = None
@@ -243,7 +259,7 @@ class Fp8State(nn.Module):
         if self.recipe.scaling == "tensorwise":
             amax = amax_of(tensor) if amax is None else amax
             amax = self._reduced(amax, self.tp_group if self.sharded[operand] else None)
-            return _KERNELS["cast_from_amax"](tensor, amax, dtype, 0, transpose)
+            return self.kernels.cast_from_amax(tensor, amax, dtype, 0, transpose)
         if record or self.updates == 0 or self.expert:
             amax = amax_of(tensor) if amax is None else amax
         if record:  # the step's maximum: recording the same tensor twice (recompute) changes nothing
@@ -253,11 +269,11 @@ class Fp8State(nn.Module):
             if self.expert:  # an expert no token has reached yet has no history: it scales from itself
                 current = _scale_from_amax(amax, FP8_MAX[dtype], self.recipe.margin)
                 scale = torch.where(self.seen[operand], scale, current)
-            return _KERNELS["cast"](tensor, scale, dtype, transpose)
+            return self.kernels.cast(tensor, scale, dtype, transpose)
         # No history yet: this step scales from the tensor itself, agreed over the amax group (an expert's
         # own: its replicas may not all run it).
         group = None if self.expert else self.amax_group if self.amax_group is not None else self.tp_group
-        return _KERNELS["cast_from_amax"](
+        return self.kernels.cast_from_amax(
             tensor, self._reduced(amax, group), dtype, self.recipe.margin, transpose
         )
 

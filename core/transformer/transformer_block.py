@@ -43,7 +43,7 @@ class TransformerBlock(nn.Module):
         self.dynamic_sequence = config.compile and config.variable_seq_lengths
         if config.compile:
             if config.fp8 is not None:
-                compile_fp8_casts(config.compile_backend)
+                compile_fp8_casts(self.layers.values(), config.compile_backend)
             for layer in self.layers.values():
                 compile_layer(
                     layer,

@@ -3,19 +3,7 @@ here, not with the FP8 layers in tests/unit/test_fp8.py."""
 
 from __future__ import annotations
 
-import pytest
-
-from core.tensor_parallel import fp8
 from tests.support.fp8_run import fp8_run
-
-
-@pytest.fixture(autouse=True)
-def eager_casts_afterwards():
-    """``--compile`` swaps the FP8 casts for compiled kernels for the whole process (``compile_fp8_casts``);
-    the eager ones go back afterwards, so the tests after this one run the casts they ran before it."""
-    kernels = dict(fp8._KERNELS)
-    yield
-    fp8._KERNELS.update(kernels)
 
 
 def test_compiled_layers_and_casts_follow_the_eager_fp8_run():

@@ -29,8 +29,11 @@ from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from core.tensor_parallel.fp8 import (
     E4M3,
     E5M2,
+    EAGER_CASTS,
     Fp8Recipe,
     amax_of,
+    compile_fp8_casts,
+    compiled_casts,
     dequantize,
     fp8_states,
     quantize,
@@ -109,6 +112,19 @@ def test_layer_output_and_gradients_keep_torchaos_sqnr(cls, recipe):
         assert sqnr(dw, dw8) >= 17.0, step
         assert sqnr(dx, dx8) >= 17.0, step
         update_fp8_scales([fp8], None)
+
+
+def test_compiled_casts_belong_to_the_layers_compiled_and_cast_as_the_eager_ones():
+    """``--compile`` gives its model's FP8 layers compiled casts; a layer built beside it keeps the eager
+    ones (nothing process-wide changes), and both cast the same bits (dynamo's eager backend)."""
+    recipe = Fp8Recipe(format="hybrid", scaling="tensorwise")
+    _, compiled = twin_layers(ColumnParallelLinear, recipe)
+    _, eager = twin_layers(ColumnParallelLinear, recipe)
+    compile_fp8_casts([compiled], "eager")
+    assert compiled.fp8_state.kernels is compiled_casts("eager") and eager.fp8_state.kernels is EAGER_CASTS
+    x, grad = torch.randn(8, 2, 256, dtype=torch.bfloat16), torch.randn(8, 2, 512, dtype=torch.bfloat16)
+    for got, expected in zip(run(compiled, x, grad), run(eager, x, grad)):
+        assert torch.equal(got, expected)
 
 
 def test_no_fp8_wgrad_keeps_the_weight_gradient_in_bf16_from_the_saved_input():
