@@ -490,3 +490,39 @@ def test_bad_checkpoints_through_torchrun_print_one_line_and_end_every_rank(data
         f"--load {ckpt}/iter_0000002 holds another model: --num-layers 6 but the checkpoint has 4; pass the "
         "checkpoint's values, or --use-checkpoint-args to take every model flag from it",
     )
+
+
+def test_a_restart_whose_latest_checkpoint_is_corrupt_falls_back_to_the_previous_one(
+    tmp_path, monkeypatch, capsys
+):
+    """Iteration 4's model file is cut short: a manual resume stops with one error naming the file; a
+    torchrun restart (TORCHELASTIC_RESTART_COUNT > 0, no one to ask) says so and resumes from iteration
+    2, the previous complete checkpoint."""
+    from tests.support.pretrain_run import pretrain_gpt_in_process
+    from tests.support.torchrun_jobs import TINY, write_tiny_dataset
+
+    ckpt = tmp_path / "ckpt"
+    data = write_tiny_dataset(tmp_path / "tiny")
+    argv = [
+        *TINY,
+        "--data-path",
+        str(data),
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "2",
+        "--train-iters",
+        "6",
+    ]
+    pretrain_gpt_in_process(argv=[*argv, "--exit-interval", "4"])
+    model = ckpt / "iter_0000004" / "model_tp0_pp0.safetensors"
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as manual:
+        pretrain_gpt_in_process(argv=[*argv, "--load", str(ckpt)])
+    assert str(model) in str(manual.value)
+    capsys.readouterr()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    state = pretrain_gpt_in_process(argv=argv)
+    out = capsys.readouterr().out
+    assert f"{manual.value}; falling back to {ckpt / 'iter_0000002'}, the previous complete checkpoint" in out
+    assert state.iteration == 6 and " iteration        3/       6 |" in out

@@ -37,11 +37,12 @@ from training.checkpoint.live import (
     read_optimizer_state,
     unwrap,
 )
-from training.checkpoint.reader import Checkpoint, find_checkpoint, read_tracker
+from training.checkpoint.reader import Checkpoint, complete_checkpoints, find_checkpoint, read_tracker
 from training.checkpoint.rng import get_rng_state, set_rng_state
 from training.checkpoint.save import agree, save_checkpoint
 from training.checkpoint.specs import check_same_model, specs_of_params
 from training.faults.agreement import distributed, sum_over_ranks
+from training.logging_utils import print_rank_0
 
 __all__ = [
     "CheckpointError",
@@ -103,6 +104,7 @@ def load_checkpoint(
     verify: bool = True,
     exit_on_missing: bool = False,
     groups: ParallelGroups | None = None,
+    fall_back: bool = False,
 ) -> LoadedCheckpoint | None:
     """Restore this rank's model shards (and optimizer and RNG state) from ``load_dir``; call on every rank.
 
@@ -111,23 +113,26 @@ def load_checkpoint(
     only and starts at iteration 0; ``load_optim=False`` skips optimizer and scheduler state,
     ``load_rng=False`` the RNG states, ``verify=False`` the checksums. A missing or empty
     directory returns None (start from scratch) unless ``exit_on_missing``. ``groups``: the run's
-    process groups (see :meth:`RankSplit.of` for None).
+    process groups (see :meth:`RankSplit.of` for None). ``fall_back`` (a torchrun restart, with no one
+    to ask): when the latest checkpoint cannot be loaded, say why and load the previous complete one.
     """
     p = RankSplit.of(groups)
-    error, path, loaded = None, None, None
     for chunk in model_chunks:  # ZeRO-3 gathers: weights are read into whole parameters, then kept (a
         getattr(chunk, "finish_param_sync", lambda: None)()  # collective, before anything can fail)
-    try:
-        path = _find(load_dir, iteration, exit_on_missing)
-        if path is not None:
-            loaded = _read_this_rank(
-                Checkpoint(path, verify=verify), model_chunks, optimizer, p, load_optim, load_rng, finetune
+    path, error = _locate(load_dir, iteration, exit_on_missing)
+    while True:
+        loaded = None
+        if error is None and path is not None:
+            loaded, error = _read_or_error(
+                path, verify, model_chunks, optimizer, p, load_optim, load_rng, finetune
             )
-    except CheckpointError as err:
-        error = str(err)
-    except Exception as err:  # noqa: BLE001 -- reported on every rank by agree, so no rank waits forever
-        error = f"loading checkpoint {path or load_dir} failed: {type(err).__name__}: {err}"
-    agree(error)
+        try:
+            agree(error)
+            break
+        except CheckpointError as err:
+            if not fall_back or iteration is not None:
+                raise
+            path, error = _previous(err, load_dir, path), None
     if path is None:
         for chunk in model_chunks:
             getattr(chunk, "keep_gathered_params", lambda: None)()
@@ -144,6 +149,41 @@ def load_checkpoint(
         resharded=ours != ckpt.parallel,
         rng_restored=sum_over_ranks(int(rng_state is not None)),
     )
+
+
+def _locate(load_dir: str, iteration: int | None, exit_on_missing: bool) -> tuple[str | None, str | None]:
+    """(the directory to load or None, this rank's error or None)."""
+    try:
+        return _find(load_dir, iteration, exit_on_missing), None
+    except CheckpointError as err:
+        return None, str(err)
+
+
+def _read_or_error(path: str, verify: bool, *args) -> tuple[tuple | None, str | None]:
+    """(what this rank read from ``path``, None), or (None, why it could not): every error becomes a
+    message, which ``agree`` reports on every rank, so that no rank waits forever."""
+    try:
+        return _read_this_rank(Checkpoint(path, verify=verify), *args), None
+    except CheckpointError as err:
+        return None, str(err)
+    except Exception as err:  # noqa: BLE001
+        return None, f"loading checkpoint {path} failed: {type(err).__name__}: {err}"
+
+
+def _previous(err: CheckpointError, load_dir: str, path: str | None) -> str:
+    """The complete checkpoint before ``path`` (before none: the latest), once it is said why ``path``
+    could not be loaded; ``err`` again when there is none."""
+    earlier = complete_checkpoints(load_dir, _iteration_of(path))
+    if not earlier:
+        raise err
+    print_rank_0(f"{err}; falling back to {earlier[0]}, the previous complete checkpoint")
+    return earlier[0]
+
+
+def _iteration_of(path: str | None) -> int | None:
+    """The iteration of directory ``iter_0000100`` (None: any, e.g. when the tracker itself is corrupt)."""
+    digits = os.path.basename(path or "").removeprefix("iter_")
+    return int(digits) if digits.isdigit() else None
 
 
 def _find(load_dir: str, iteration: int | None, exit_on_missing: bool) -> str | None:

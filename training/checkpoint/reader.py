@@ -75,6 +75,23 @@ def find_checkpoint(root: str, iteration: int | None = None) -> str | None:
     return None if marker is None else iteration_dir(root, marker)
 
 
+def complete_checkpoints(root: str, before: int | None = None) -> list[str]:
+    """The complete iteration directories of ``root`` (a manifest is written only once every rank's
+    files are), newest first; only those before iteration ``before`` when given."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        digits = name.removeprefix("iter_")
+        if not (name.startswith("iter_") and digits.isdigit()) or (
+            before is not None and int(digits) >= before
+        ):
+            continue
+        if os.path.isfile(os.path.join(root, name, MANIFEST)):
+            found.append((int(digits), os.path.join(root, name)))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
 def open_checkpoint(path: str, iteration: int | None = None, *, verify: bool = True) -> Checkpoint:
     """Open a checkpoint: ``path`` is a ``--save`` directory (latest, or ``iteration``) or an ``iter_*`` one."""
     if iteration is None and os.path.isfile(os.path.join(path, MANIFEST)):

@@ -95,6 +95,7 @@ def load(run: Run, session: Session) -> None:
         verify=flags.verify_checkpoint,
         exit_on_missing=flags.exit_on_missing_checkpoint,
         groups=session.groups,
+        fall_back=restart_attempt() > 0,
     )
     if restart_attempt():
         print_rank_0(
