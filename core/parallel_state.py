@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, TCPStore
 from torch.distributed.constants import default_pg_timeout
 
+from core import flight_recorder
 from core.device import bind_local_device, current_device, default_backend, local_device
 from core.rank_groups import (  # the group maths, kept importable from here as in Megatron
     DEFAULT_ORDER,
@@ -167,6 +168,7 @@ def initialize_distributed(timeout: timedelta | None = None) -> bool:
     """
     if dist.is_initialized():
         return False
+    flight_recorder.enable()  # read when the groups are made
     backend = default_backend()
     options: dict = {"backend": backend, "timeout": timeout}
     if backend == "nccl":

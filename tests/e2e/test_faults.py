@@ -9,6 +9,7 @@ real signals to real torchrun workers: SIGSTOP to a middle rank (the empty stage
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -219,14 +220,17 @@ def _single_rank_losses(data, iterations: int) -> list[float]:
     return [reported["lm loss"] for reported in state.losses]
 
 
-def test_a_frozen_rank_ends_the_job_naming_it_and_empty_stages_train(data):
+def test_a_frozen_rank_ends_the_job_naming_it_and_empty_stages_train(data, tmp_path):
     """SIGSTOP the middle rank (the empty stage of 'Ett|t||tL'): the others exit within the timeout
-    (+40 s), one line names rank 2 and what they waited in; the losses before match one rank's."""
+    (+40 s), one line names rank 2 and what they waited in, each waiting rank dumps its flight recorder;
+    the losses before match one rank's."""
     flags = TINY + ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "Ett|t||tL"]
     job = Job(
         4,
         flags + ["--train-iters", "100000", "--data-path", str(data)],
-        env=job_env(TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS=str(TIMEOUT_S)),
+        env=job_env(
+            TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS=str(TIMEOUT_S), TRIDENT_FLIGHT_RECORDER_DIR=str(tmp_path)
+        ),
     )
     try:
         job.wait_for(" iteration       10/", timeout=240)
@@ -262,6 +266,15 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_empty_stages_train(data):
         reports[0],
     ), reports[0]
     print(reports[0])  # names each rank's schedule action when it waits in one (the wording: see above)
+    assert (
+        f"flight recorder (each waiting rank's last collectives and schedule action): {tmp_path}/rank_*.json"
+        in output
+    )
+    for rank in (0, 1, 3):
+        dumped = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert dumped["rank"] == rank and dumped["doing"], dumped["doing"]
+        assert any(e["profiling_name"].startswith("gloo:") for e in dumped["flight_recorder"]["entries"])
+    assert not (tmp_path / "rank_2.json").exists()  # the frozen rank writes nothing
     assert worker_tracebacks(output) == [] and "Connection closed by peer" not in output
     assert job.proc.returncode == 1
     codes = dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)", output))

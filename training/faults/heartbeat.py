@@ -40,8 +40,19 @@ def _end_silently_or_report(message: str) -> None:
     The main thread is blocked inside a collective that will not return, so the process cannot
     unwind; ``os._exit`` ends it without waiting for it.
     """
+    dumped = reporting.dump_flight_recorder()
     if reporting.claim():
+        watchdog = reporting.watchdog
+        if watchdog is not None:  # every rank still answering writes its post-mortem first
+            silent = set(watchdog.silent_ranks())
+            others = [r for r in range(watchdog.world_size) if r not in silent and r != watchdog.rank]
+            reporting.wait_for_dumps(others, 3 * watchdog.interval)
         reporting.print_error(f"{reporting.prog()}: error: {message}")
+        if dumped is not None:
+            reporting.print_error(
+                "flight recorder (each waiting rank's last collectives and schedule action): "
+                f"{os.path.dirname(dumped)}/rank_*.json"
+            )
         reporting.announce_printed()
     else:
         reporting.wait_until_printed()
@@ -51,6 +62,7 @@ def _end_silently_or_report(message: str) -> None:
 def _end_quietly() -> None:
     """Another rank reported the job's error while this one waits for it: nothing will come."""
     if not reporting.claimed():
+        reporting.dump_flight_recorder()
         reporting.wait_until_printed()
         _exit_now(reporting.EXIT_FAILURE)
 

@@ -10,11 +10,13 @@ import contextlib
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core import flight_recorder
 from core.device import DeviceError
 from core.watchdog import claim_report, error_reported, is_communication_failure
 from training.checkpoint.format import CheckpointError
@@ -147,6 +149,7 @@ def judge(err: BaseException) -> None:
     elif _STORE is None:
         verdict = Verdict(report=True)
     elif is_communication_failure(err):
+        dump_flight_recorder()  # a peer is gone or silent: a post-mortem, while the groups exist
         if _reported_elsewhere():
             verdict = Verdict(report=False)
         else:
@@ -156,6 +159,35 @@ def judge(err: BaseException) -> None:
         verdict = Verdict(report=claim())
     with contextlib.suppress(AttributeError, TypeError):
         setattr(err, _VERDICT, verdict)
+
+
+def dump_flight_recorder() -> str | None:
+    """This rank's post-mortem (:mod:`core.flight_recorder`), written once before the process ends
+    (the watchdog's thread and the main thread may both get here); its path, or None."""
+    global _dumped
+    with _claim_lock:
+        if watchdog is not None and _dumped is None:
+            _dumped = flight_recorder.dump(watchdog.rank, watchdog.doing()) or ""
+            if _STORE is not None:
+                with contextlib.suppress(Exception):
+                    _STORE.set(DUMPED_KEY.format(rank=_RANK), _dumped)
+    return _dumped or None
+
+
+def wait_for_dumps(ranks: list[int], seconds: float) -> None:
+    """The reporter waits (at most ``seconds``) for ``ranks`` to write their post-mortems: once it
+    exits, torchrun ends every other worker."""
+    if _STORE is None:
+        return
+    deadline = time.monotonic() + seconds
+    keys = [DUMPED_KEY.format(rank=rank) for rank in ranks]
+    with contextlib.suppress(Exception):
+        while not _STORE.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+_dumped: str | None = None
+DUMPED_KEY = "trident/flight-recorder/{rank}"
 
 
 def _explain_communication_failure(err: BaseException) -> str:
