@@ -264,7 +264,10 @@ def test_a_zero3_checkpoint_resumes_under_other_strategies_and_splits(ranks, dat
     the ZeRO-1 run that saves the same weights and optimizer state again writes them bit for bit; and the
     last two iterations resumed under ZeRO-1 at TP2 x DP2, ZeRO-2 at PP2 x DP2 and no_shard at DP4 log
     the straight run's losses (within 1e-5: another split or another reduction order)."""
+    from safetensors.torch import load_file
+
     from tests.dist.test_distributed_optimizer import small_gpt
+    from tools import convert_checkpoint
 
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     fsdp = ["--use-megatron-fsdp", "--overlap-grad-reduce"]
@@ -278,6 +281,15 @@ def test_a_zero3_checkpoint_resumes_under_other_strategies_and_splits(ranks, dat
     saved, resaved = _whole_tensors(zero3, 2), _whole_tensors(copied, 2)
     assert saved.keys() == resaved.keys() and any(k.startswith("optimizer.") for k in saved)
     assert all(torch.equal(saved[k], resaved[k]) for k in saved)
+    # --to-hf from the ZeRO-3 run writes the Hugging Face files the ZeRO-1 one writes (whose export
+    # tests/dist/test_hf_parity.py checks against transformers' logits), bit for bit.
+    exported = {}
+    for which, root in (("zero3", zero3), ("zero1", copied)):
+        out = str(tmp_path / f"hf_{which}")
+        assert convert_checkpoint.main(["--load", root, "--iteration", "2", "--to-hf", out, "--quiet"]) == 0
+        exported[which] = load_file(str(tmp_path / f"hf_{which}" / "model.safetensors"))
+    assert exported["zero3"].keys() == exported["zero1"].keys()
+    assert all(torch.equal(t, exported["zero1"][k]) for k, t in exported["zero3"].items())
     pp2 = ["--pipeline-model-parallel-size", "2"]
     for name, split in {
         "ZeRO-1 TP2xDP2": [*tp2, "--use-distributed-optimizer"],
