@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import re
 import socket
+import urllib.request
 
-from tests.support.torchrun_jobs import TINY, job_env, run, write_tiny_dataset
+from tests.support.torchrun_jobs import TINY, Job, job_env, run, write_tiny_dataset
 
 
 def _free_port() -> int:
@@ -40,6 +41,25 @@ def test_a_slowed_rank_is_named_slowest_within_one_log_interval(tmp_path):
     assert named is not None, reports[0]
     assert (named.group(1), named.group(3)) == ("1", "0"), reports[0]
     assert float(named.group(2)) >= 1.2 * float(named.group(4)), reports[0]  # over 20% slower
+
+
+def test_the_switch_turns_reports_on_in_a_running_job(tmp_path):
+    """Started off (--disable-straggler-on-startup): no report until an HTTP GET of /on at rank 0's
+    switch; every rank then collects from the next log step on (the reports' windows say which)."""
+    port = _free_port()
+    flags = [*_flags(tmp_path, port), "--disable-straggler-on-startup", "--train-iters", "100000"]
+    job = Job(2, flags, env=job_env())
+    try:
+        job.wait_for(f"straggler detection off; switch: http://127.0.0.1:{port}/", timeout=120)
+        job.wait_for(" iteration        8/", timeout=120)
+        assert "stragglers, " not in job.output
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/on", timeout=10) as reply:
+            assert reply.read() == b"straggler detection on\n"
+        job.wait_for("stragglers, iterations ", timeout=120)
+    finally:
+        job.kill()
+    first = re.search(r"stragglers, iterations (\d+)-(\d+) ", job.output)
+    assert int(first.group(1)) > 8 and int(first.group(1)) % 4 == 1 and int(first.group(2)) % 4 == 0, first[0]
 
 
 def test_a_switch_port_that_is_taken_is_one_line_before_any_step(tmp_path):
