@@ -21,6 +21,9 @@
   tracker last, so a worker ended mid-save leaves the last complete checkpoint as it was.
 * :func:`ending_the_process` ends the entry point's process without the interpreter's finalization,
   where a gloo thread finishing a collective can abort a process whose work is done.
+* ``TRIDENT_FAULT`` (:mod:`training.faults.injection`) injects faults for tests and drills; ``--log-straggler``
+  (:mod:`training.faults.stragglers`) names slow ranks; when the watchdog ends a hung job every waiting
+  rank dumps torch's Flight Recorder (:mod:`core.flight_recorder`).
 * :func:`fail_together` runs a step on some ranks and fails every rank if it failed on any, before
   anyone waits in a collective for a rank that has given up (:mod:`training.faults.agreement` holds
   every across-rank agreement: the first error, all done, gather, sum).
