@@ -58,8 +58,10 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
         enabled=flags.manual_gc, interval=flags.manual_gc_interval, around_eval=flags.manual_gc_eval
     )
     # On an error the write in flight (--async-save) finishes, and nothing more is committed.
-    with handler as signals, collector, session.saver:
+    with handler as signals, collector, session.saver, contextlib.ExitStack() as closing:
         loop = _Loop(run, session, signals, collector, hook)
+        if loop.stragglers is not None:  # its switch stops listening however the loop ends
+            closing.callback(loop.stragglers.close)
         while state.iteration < flags.train_iters:
             increment = run.microbatches.global_batch_size(state.consumed_samples)  # a ramp grows it
             if loop.ledger.must_settle_before(increment):
@@ -299,8 +301,6 @@ class _Loop:
         self.session.saver.wait()
         if self.timeline:
             self.timeline.write()
-        if self.stragglers:
-            self.stragglers.close()
         if self.compile_warm is not None:  # evaluation compiles its own graphs (eval mode, no grad)
             print_rank_0(_compile_line("after the first iteration", self.compile_warm, compile_stats()))
         faults.phase("finishing")

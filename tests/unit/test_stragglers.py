@@ -3,6 +3,7 @@ the detector in a real job)."""
 
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 
 import pytest
@@ -36,6 +37,9 @@ def test_the_switch_turns_detection_on_and_off_over_loopback_http():
         assert get("/") == "straggler detection off\n" and not switch.on
         assert get("/on") == get("/on") == "straggler detection on\n"
         assert get("/off") == "straggler detection off\n" and not switch.on
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            get("/favicon.ico")
+        assert missing.value.code == 404 and not switch.on
     finally:
         switch.close()
 

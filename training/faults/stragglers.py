@@ -6,14 +6,16 @@ slow rank. Its *compute* can: the schedule records every action of the iteration
 no step waits for the device), and a rank's compute is the time of its forward, backward and
 weight-gradient actions, not counting the waits for their inputs. At each log step the ranks gather
 their median compute per iteration over the window (one iteration slowed by something else, such as
-a warm-up or another process on the host, does not make a straggler) and rank 0 prints the ``--straggler-minmax-count`` slowest and fastest
-ranks, each with its throughput against the median rank's::
+a warm-up or another process on the host, does not make a straggler), and rank 0 prints the
+``--straggler-minmax-count`` slowest and fastest ranks, each with its throughput against the median
+rank's::
 
     stragglers, iterations 11-20 (compute per iteration; throughput against the median, 0.412 s):
     slowest rank 2 0.547 s (0.75x) | fastest rank 0 0.401 s (1.03x)
 
 Rank 0 listens on ``127.0.0.1:--straggler-ctrlr-port`` (loopback only, unlike Megatron, which binds
-every interface): an HTTP GET of ``/`` turns detection on or off, ``/on`` and ``/off`` set it. The
+every interface): an HTTP GET of ``/`` turns detection on or off, ``/on`` and ``/off`` set it (any
+other path is a 404 and changes nothing). The
 ranks take rank 0's setting at each log step, so every rank collects over the same iterations.
 ``--disable-straggler-on-startup`` starts it off.
 """
@@ -32,6 +34,7 @@ from core.device import current_device
 from core.pipeline_parallel.record import ScheduleRecord, clock_for
 from training.errors import ConfigError
 from training.faults.agreement import distributed, fail_together
+from training.logging_utils import print_line
 from training.run import Run
 
 COMPUTE_KINDS = frozenset({"F", "B", "I", "W"})
@@ -77,7 +80,11 @@ class Switch:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # http.server's name
-                switch.on = {"/on": True, "/off": False}.get(self.path, not switch.on)
+                turns = {"/": not switch.on, "/on": True, "/off": False}
+                if self.path not in turns:
+                    self.send_error(404, "straggler switch: GET /, /on or /off")
+                    return
+                switch.on = turns[self.path]
                 body = f"straggler detection {'on' if switch.on else 'off'}\n".encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -120,7 +127,7 @@ class StragglerDetector:
         )
         if self.switch is not None:
             state = "on" if self.collecting else "off"
-            print(f"straggler detection {state}; switch: http://127.0.0.1:{self.switch.port}/", flush=True)
+            print_line(f"straggler detection {state}; switch: http://127.0.0.1:{self.switch.port}/")
 
     @classmethod
     def for_run(cls, run: Run) -> StragglerDetector | None:
