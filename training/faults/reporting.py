@@ -75,9 +75,10 @@ def distributed() -> Any:
 
 
 def use_store(store: Any, rank: int) -> None:
-    global _STORE, _RANK, _claimed
+    """A run starts: its store namespace, and no claim or post-mortem yet."""
+    global _STORE, _RANK, _claimed, _dumped
     with _claim_lock:
-        _STORE, _RANK, _claimed = store, rank, None
+        _STORE, _RANK, _claimed, _dumped = store, rank, None, None
 
 
 def _launcher_store() -> Any:
