@@ -1,21 +1,25 @@
 """The fault matrix: every fault kind x point x rank, with and without torchrun --max-restarts, on CPU ranks.
 
-    python tools/fault_matrix.py                    # every cell (48; about 20-30 minutes on 2 cores)
+    python tools/fault_matrix.py                    # every cell (52; about 20-30 minutes on 2 cores)
     python tools/fault_matrix.py --cells kill@forward:0:restart exception@save:3:stop
-    python tools/fault_matrix.py --quick            # one cell per kind (8)
+    python tools/fault_matrix.py --quick            # one cell per kind and mode (10)
 
 Each cell trains a tiny GPT (PP2 x DP2, 4 CPU ranks, 12 iterations, a checkpoint every 4) with one
 fault injected through ``TRIDENT_FAULT`` (``training/faults/injection.py``): ``exception``, ``kill``
 (SIGKILL), ``term`` (SIGTERM, no handler: the process ends) or ``hang`` at the ``forward``,
 ``optimizer`` or ``save`` point of an iteration (6 for the first two, 8 for ``save``: a checkpoint of
 iteration 4 exists), on rank 0 or rank 3. A ``restart`` cell runs under ``torchrun --max-restarts 1``;
-a ``stop`` cell without restarts.
+a ``stop`` cell without restarts. Two faults a run survives are cells too, at ``forward`` in ``stop``
+mode only (a restart never happens): ``slow`` (the rank's forwards four times as long, with
+``--log-straggler``) and ``nan`` (one iteration's forward outputs NaN).
 
 What a cell must show, within its time limit (the watchdog's timeout is 15 s here, the process
 groups' one minute):
 
 * ``restart``: the run finishes (exit 0) and its checkpoint of iteration 12 holds the same bytes as an
   uninterrupted run's (weights, optimizer state, RNG);
+* ``slow``: the run finishes (exit 0) and the last straggler report names the slowed rank slowest;
+* ``nan``: the run finishes (exit 0) with one NaN iteration counted and skipped;
 * ``stop``: a non-zero exit, the fault reported in the output (the injected exception's message,
   torchrun's line for the signalled rank; for a hang, the watchdog's one line, which today says that
   the ranks wait on each other but not which rank they wait for), and the tracker naming a complete
@@ -31,6 +35,7 @@ import argparse
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 KINDS = ("exception", "kill", "term", "hang")
+SURVIVED = ("slow", "nan")  # faults a run goes on through, at ``forward``
 POINTS = {"forward": 6, "optimizer": 6, "save": 8}
 RANKS = (0, 3)
 MODES = ("restart", "stop")
@@ -75,11 +81,21 @@ class Cell:
         return cls(kind, point, int(rank), mode)
 
 
-def _launch(save: Path, *, fault: str, restarts: int, timeout: float) -> tuple[int, str, float]:
+def _launch(
+    save: Path, *, fault: str, restarts: int, timeout: float, extra: list[str] | None = None
+) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRIDENT_FAULT": fault}
     env["TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS"] = str(WATCHDOG_S)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", str(restarts)]
-    cmd += ["--nproc-per-node", "4", str(ROOT / "pretrain_gpt.py"), *FLAGS, "--save", str(save)]
+    cmd += [
+        "--nproc-per-node",
+        "4",
+        str(ROOT / "pretrain_gpt.py"),
+        *FLAGS,
+        "--save",
+        str(save),
+        *(extra or []),
+    ]
     start = time.monotonic()
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -116,12 +132,40 @@ def _named(cell: Cell, output: str) -> bool:
     return f"rank      : {cell.rank} " in output and ("SIGKILL" in output or "SIGTERM" in output)
 
 
+def _survived(cell: Cell, code: int, output: str) -> tuple[bool, str]:
+    """A ``slow`` or ``nan`` cell's outcome: the run finished, and the fault shows as it should."""
+    if cell.kind == "slow":
+        reports = [line for line in output.splitlines() if line.startswith("stragglers, ")]
+        named = bool(reports) and f"slowest rank {cell.rank} " in reports[-1]
+        return code == 0 and named, f"exit {code}, " + ("slow rank named" if named else "slow rank NOT named")
+    counted = "number of nan iterations:   1 |" in output
+    return code == 0 and counted, f"exit {code}, " + (
+        "NaN step skipped" if counted else "NaN step NOT counted"
+    )
+
+
+def _extra_flags(cell: Cell) -> list[str]:
+    if cell.kind != "slow":
+        return []
+    with socket.socket() as probe:  # a free port for rank 0's straggler switch
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return ["--log-straggler", "--straggler-ctrlr-port", str(port), "--log-interval", "4"]
+
+
 def run_cell(cell: Cell, reference: dict, workdir: Path, timeout: float) -> dict:
     save = workdir / cell.name.replace(":", "_").replace("@", "_")
     fault = f"{cell.kind}@{cell.point}:{POINTS[cell.point]}:rank={cell.rank}"
-    code, output, seconds = _launch(save, fault=fault, restarts=int(cell.mode == "restart"), timeout=timeout)
+    if cell.kind == "slow":
+        fault += ":factor=4"
+    restarts = int(cell.mode == "restart")
+    code, output, seconds = _launch(
+        save, fault=fault, restarts=restarts, timeout=timeout, extra=_extra_flags(cell)
+    )
     time.sleep(2)  # torchrun's last SIGTERMs land
-    if cell.mode == "restart":
+    if cell.kind in SURVIVED:
+        ok_outcome, what = _survived(cell, code, output)
+    elif cell.mode == "restart":
         ok_outcome = code == 0 and _files(save, 12) == reference
         what = "finished, same bytes" if ok_outcome else f"exit {code}, final checkpoint differs or missing"
     else:
@@ -152,8 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
         cells = [Cell.parse(text) for text in args.cells]
     elif args.quick:
         cells = [Cell(kind, "forward", 3, mode) for kind in KINDS for mode in MODES]
+        cells += [Cell(kind, "forward", 3, "stop") for kind in SURVIVED]
     else:
         cells = [Cell(k, p, r, m) for k in KINDS for p in POINTS for r in RANKS for m in MODES]
+        cells += [Cell(kind, "forward", r, "stop") for kind in SURVIVED for r in RANKS]
     with tempfile.TemporaryDirectory(prefix="trident-faults-") as tmp:
         workdir = Path(tmp)
         code, output, _ = _launch(workdir / "reference", fault="", restarts=0, timeout=args.timeout)

@@ -94,8 +94,8 @@ def test_a_smaller_second_start_goes_on_at_the_data_parallel_size_it_finds(cache
 @pytest.mark.timeout(3600)
 def test_the_quick_fault_matrix_passes_every_cell():
     """tools/fault_matrix.py --quick: each fault kind at the forward point of rank 3, with and
-    without torchrun --max-restarts (8 cells)."""
+    without torchrun --max-restarts (8 cells), and the slow and NaN ones the run goes on through (2)."""
     from tools.fault_matrix import main
 
     summary = main(["--quick"])
-    assert summary["passed"] == summary["cells"] == 8, summary
+    assert summary["passed"] == summary["cells"] == 10, summary
