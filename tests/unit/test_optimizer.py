@@ -5,6 +5,7 @@ back-off, unscaled steps). Clipping and NaN skips over real ranks: tests/dist/te
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 
@@ -446,17 +447,45 @@ def test_a_step_decided_on_the_device_takes_per_group_learning_rate_tensors():
         get_megatron_optimizer(config, [_Net()], fused=False).step_on_device(lrs=[torch.tensor(1.0)] * 2)
 
 
-def test_the_fp64_sum_of_squares_is_the_same_by_foreach_norm_and_in_pieces():
-    """A GPU on torch >= 2.4 accumulates each tensor in float64 in one kernel; a CPU or an older torch
-    converts pieces (on a CPU, cache-sized ones: torch's CPU norm would copy each tensor whole)."""
+def test_the_sum_of_squares_is_float64_accurate_by_every_path():
+    """A GPU on torch >= 2.4 accumulates each tensor in float64 in one kernel, an older torch converts
+    pieces, a CPU sums 128-element blocks in fp32 and the blocks in float64."""
     from core.optimizer import clip_grads
 
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(n, generator=gen) * 10.0**k for k, n in enumerate((7, 30, 1, 55))]
+    tensors = [torch.randn(n, generator=gen) * 10.0**k for k, n in enumerate((7, 300, 1, 5500))]
     exact = sum(float(t.double().square().sum()) for t in tensors)
-    sums = [clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))]
+    sums = [clip_grads._sum_of_squares(tensors, [0] * len(tensors), torch.device("cpu"))]
     sums.append(clip_grads._sum_of_squares_in_pieces(tensors, torch.device("cpu"), 16))  # pieces, joined
     if clip_grads._FOREACH_NORM_DTYPE:
         sums.append(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)).square().sum())
     assert all(s.dtype == torch.float64 for s in sums)
-    assert all(float(s) == pytest.approx(exact, rel=1e-14) for s in sums)
+    assert float(sums[0]) == pytest.approx(exact, rel=1e-7)  # fp32 blocks: ~1e-7 / sqrt(blocks)
+    assert all(float(s) == pytest.approx(exact, rel=1e-14) for s in sums[1:])
+
+
+def test_the_cpu_norm_of_a_parameter_is_the_norm_of_its_shards():
+    """The distributed optimizer counts its shards of a parameter, cut anywhere: the sum is the whole
+    parameter's but for the blocks a cut splits, far below an fp32 rounding of the total, so the
+    clipping factor does not depend on the data-parallel split."""
+    from core.optimizer.clip_grads import _sum_of_squares
+
+    cpu = torch.device("cpu")
+    whole = torch.randn(1_000_003, generator=torch.Generator().manual_seed(1))
+    total = float(_sum_of_squares([whole], [0], cpu))
+    for cuts in ([128 * 4000], [333_333, 666_667], [1, 129, 500_000, 999_999]):
+        bounds = [0, *cuts, whole.numel()]
+        pieces = [whole[a:b] for a, b in itertools.pairwise(bounds)]
+        sharded = sum(float(_sum_of_squares([p], [a], cpu)) for p, a in zip(pieces, bounds))
+        # a block a cut splits: its fp32 rounding (~1e-7) times its share of the total, 1.3e-4 here
+        assert sharded == pytest.approx(total, rel=1e-10), cuts
+    assert abs(total - float(whole.double().square().sum())) / total < 1e-8  # fp32 throughout: 2e-5
+
+
+def test_the_cpu_norm_survives_fp32_overflow_and_keeps_nan():
+    from core.optimizer.clip_grads import get_grad_norm_tensor
+
+    big = torch.full((1000,), 1e20)
+    assert float(get_grad_norm_tensor([big])) == pytest.approx(float(big[0]) * math.sqrt(1000), rel=1e-12)
+    assert math.isnan(float(get_grad_norm_tensor([big, torch.tensor([float("nan")])])))
+    assert math.isinf(float(get_grad_norm_tensor([torch.tensor([1.0, float("inf")])])))
