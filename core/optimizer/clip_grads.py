@@ -159,11 +159,12 @@ def _sum_of_squares_in_blocks(tensors: list[torch.Tensor], offsets: list[int]) -
     A block's fp32 sum is the same wherever it is computed, so a parameter and its data-parallel
     shards agree except for a block a shard boundary cuts (summed exactly in float64 on each side):
     a difference of an fp32 rounding of 128 elements' share of the total, ~1e-13 relative at GPT-2
-    small, and the order of the float64 additions. Accuracy: at most a block's fp32 error (~1e-7), 2e-9
-    relative for a million Gaussian elements and 3e-11 at GPT-2 small, where fp32 throughout is off
-    by 2e-5 and 1e-3. fp32 squares overflow above ~1e19 (and gradients below ~1e-19 count as zero): a
-    non-finite result is recomputed in float64 (a CPU tensor's value is read without a wait), so only
-    a NaN or Inf gradient gives a non-finite norm.
+    small, and the order of the float64 additions. Accuracy: at most a block's fp32 error (~1e-7),
+    2e-9 relative for a million Gaussian elements and 3e-11 at GPT-2 small, where fp32 throughout is
+    off by 2e-5 and 1e-3. A NaN or Inf gradient gives a non-finite norm, as does a block of fp32
+    squares that overflows: an element above ~1e18, which a diverged model reaches when its loss has
+    long been Inf (reading the sum on the host to redo it in float64 would make every step wait).
+    Elements below ~1e-19 count as zero.
     """
     norms, edges = [], []
     for tensor, offset in zip(tensors, offsets):
@@ -177,8 +178,6 @@ def _sum_of_squares_in_blocks(tensors: list[torch.Tensor], offsets: list[int]) -
     total = torch.dot(edge, edge)
     if norms:
         total = total + torch.cat(norms).double().square().sum()
-    if not bool(torch.isfinite(total)):
-        return _sum_of_squares_in_pieces(tensors, total.device, 1 << 16)
     return total
 
 
