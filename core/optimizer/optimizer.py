@@ -206,6 +206,7 @@ class MegatronOptimizer:
     def prepare_grads(self) -> None:
         """Give every main parameter its gradient: the model's ``main_grad`` (data-parallel buffer,
         already reduced) if it has one, else ``.grad``; cast to fp32 for 16-bit models."""
+        self._zero_unwritten_grads()
         for s in self._shards:
             grad, model = s.model_grad(), s.model_param
             if s.main_param is model:  # hand the buffer view over as the parameter's own grad
@@ -214,6 +215,15 @@ class MegatronOptimizer:
             else:
                 s.main_param.grad = None if grad is None else grad.float()
                 model.grad = None  # a 16-bit copy is no longer needed
+
+    def _zero_unwritten_grads(self) -> None:
+        """A wrapped chunk's buffers hold last step's values where no gradient came this step until its
+        buckets are reduced; a caller that steps without reducing (one process, no
+        ``finish_grad_sync``) still reads zeros there."""
+        for chunk in self.model_chunks:
+            zero = getattr(chunk, "zero_unwritten_grads", None)
+            if zero is not None:
+                zero()
 
     def _counted_shards(self) -> list[ParamShard]:
         """The shards this rank counts in global norms (which never changes, so it is kept)."""
