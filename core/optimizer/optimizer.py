@@ -369,7 +369,9 @@ class MegatronOptimizer:
                 _foreach_copy(list(mains), list(models))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop all ``.grad`` tensors and zero the data-parallel ``main_grad`` buffers."""
+        """Drop all ``.grad`` tensors and start the next step of the chunks' data-parallel buffers (not
+        zeroed: a step's first gradients overwrite them, :mod:`core.distributed.grad_buffer`); a
+        ``main_grad`` outside them is zeroed."""
         wrapped = [chunk for chunk in self.model_chunks if hasattr(chunk, "zero_grad_buffer")]
         if self._in_buffers is None:  # parameters whose main_grad the chunks zero themselves
             self._in_buffers = {id(p) for chunk in wrapped for p in chunk.parameters()}
