@@ -166,19 +166,38 @@ def _sum_of_squares_in_blocks(tensors: list[torch.Tensor], offsets: list[int]) -
     long been Inf (reading the sum on the host to redo it in float64 would make every step wait).
     Elements below ~1e-19 count as zero.
     """
-    norms, edges = [], []
+    blocks, edges = _blocks_and_edges(tensors, offsets)
+    norms = [torch.linalg.vector_norm(b.view(-1, NORM_BLOCK), dim=1) for b in blocks]
+    total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+    if norms:
+        total = torch.cat(norms).double().square().sum()
+    if edges:
+        edge = torch.cat(edges).double()
+        total = total + torch.dot(edge, edge)
+    return total
+
+
+_JOINED = 1 << 15
+"""Whole blocks of a tensor smaller than this are joined with other small tensors' into one copy (in
+cache) and normed by one call: a model's many biases and norms then cost one call, not one each."""
+
+
+def _blocks_and_edges(
+    tensors: list[torch.Tensor], offsets: list[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors' runs of whole blocks (1-D, multiples of ``NORM_BLOCK`` long; small ones joined) and
+    the partial blocks at their ends, for :func:`_sum_of_squares_in_blocks`."""
+    blocks, small, edges = [], [], []
     for tensor, offset in zip(tensors, offsets):
         flat = tensor.reshape(-1)
         head = min(-offset % NORM_BLOCK, flat.numel())
         whole = (flat.numel() - head) // NORM_BLOCK * NORM_BLOCK
         if whole:
-            norms.append(torch.linalg.vector_norm(flat[head : head + whole].view(-1, NORM_BLOCK), dim=1))
-        edges += [flat[:head], flat[head + whole :]]
-    edge = torch.cat(edges).double()
-    total = torch.dot(edge, edge)
-    if norms:
-        total = total + torch.cat(norms).double().square().sum()
-    return total
+            (small if whole < _JOINED else blocks).append(flat[head : head + whole])
+        edges += [e for e in (flat[:head], flat[head + whole :]) if e.numel()]
+    if small:
+        blocks.append(torch.cat(small))
+    return blocks, edges
 
 
 def _sum_of_squares_in_pieces(tensors: list[torch.Tensor], device: torch.device, chunk: int) -> torch.Tensor:
