@@ -48,7 +48,7 @@ from core.distributed.sharding_units import (
     register_unit_hooks,
     sharded_grad_accumulated,
     sharded_grad_hook,
-    sharded_main_grad_opener,
+    sharded_main_grad_claim,
     unit_of_params,
 )
 from core.parallel_state import ParallelGroups
@@ -180,9 +180,11 @@ class DistributedDataParallel(nn.Module):
             self._register_sharded_hooks()
             return
         # Where the gradient has the parameter's dtype, ``param.grad`` is ``main_grad`` itself (as
-        # torch DDP's gradient_as_bucket_view): autograd accumulates every microbatch straight into
-        # the buffer, and the hook below has nothing to copy. Otherwise the hook adds each
-        # microbatch's gradient into the (fp32) buffer and drops it.
+        # torch DDP's gradient_as_bucket_view) once the step's first gradient is in: autograd
+        # accumulates every later microbatch straight into the buffer, and the hook below has
+        # nothing to copy. Otherwise the hook adds each microbatch's gradient into the (fp32) buffer
+        # and drops it. The step's first gradient of a parameter is copied instead of added: the
+        # buffers are not zeroed between steps (see core.distributed.grad_buffer).
         self._grad_is_main_grad = [p for p in self.param_to_bucket if p.main_grad.dtype == p.dtype]
         for param in self._grad_is_main_grad:
             param.grad = param.main_grad
@@ -193,6 +195,7 @@ class DistributedDataParallel(nn.Module):
             # call grad_accumulated and set grad_added_to_main_grad (Megatron's name), so that the
             # hook, which autograd may still run for the parameter, does nothing more.
             param.grad_accumulated = ready
+            param.claim_main_grad = self._make_claim(bucket)
             param.grad_added_to_main_grad = False
             hook = self._make_grad_hook(bucket, ready)
             self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
@@ -210,7 +213,7 @@ class DistributedDataParallel(nn.Module):
         for param, bucket in self.param_to_bucket.items():
             param.grad_added_to_main_grad = False
             param.grad_accumulated = sharded_grad_accumulated(bucket)
-            param.open_main_grad = sharded_main_grad_opener(bucket)
+            param.claim_main_grad = sharded_main_grad_claim(bucket)
             self._hook_handles.append(param.register_post_accumulate_grad_hook(sharded_grad_hook(bucket)))
         if self.ddp_config.overlap_param_gather and not self.ddp_config.shard_params:  # ZeRO-2: as ZeRO-1
             self._hook_handles += [
@@ -321,6 +324,18 @@ class DistributedDataParallel(nn.Module):
         return ready
 
     @staticmethod
+    def _make_claim(bucket: Bucket):
+        """``param.claim_main_grad(param)``: whether a fused layer's write is the step's first, which
+        overwrites ``main_grad`` (:meth:`Bucket.claim`). Holds its bucket weakly: see ``_make_ready``."""
+        bucket_ref = weakref.ref(bucket)
+
+        def claim_main_grad(param: nn.Parameter) -> bool:
+            bucket = bucket_ref()
+            return bucket is not None and bucket.claim(param)
+
+        return claim_main_grad
+
+    @staticmethod
     def _make_grad_hook(bucket: Bucket, ready):
         bucket_ref = weakref.ref(bucket)  # weakly: see _make_ready
 
@@ -339,7 +354,12 @@ class DistributedDataParallel(nn.Module):
             # Identity, not data pointers: fake tensors (the planner's dry run) have none.
             grad, main_grad = param.grad, param.main_grad
             if grad is not None and grad is not main_grad:
-                main_grad.add_(grad)
+                # The step's first overwrites last step's values. Asked of the parameter: a parameter
+                # two chunks share (a tied embedding under ZBV) has one main_grad, the last wrapper's.
+                if param.claim_main_grad(param):
+                    main_grad.copy_(grad)
+                else:
+                    main_grad.add_(grad)
                 param.grad = main_grad if main_grad.dtype == param.dtype else None
             ready(param)
 
@@ -395,11 +415,23 @@ class DistributedDataParallel(nn.Module):
             buffer.scale_gradients(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
-        """Zero all gradients and re-arm the buckets; call once at the start of every step."""
+        """Start a step's gradients: re-arm the buckets; call once at the start of every step.
+
+        Nothing is zeroed here: each parameter's first gradient of the step overwrites its
+        ``main_grad``, and what gets none is zeroed before its bucket is reduced
+        (:mod:`core.distributed.grad_buffer`). ``param.grad`` is None until that first gradient (then
+        ``main_grad`` again, where the dtypes agree), so autograd never adds into last step's values.
+        """
         for buffer in self.buffers:
             buffer.reset()
         for param in self._grad_is_main_grad:
-            param.grad = param.main_grad
+            param.grad = None
+
+    def zero_unwritten_grads(self) -> None:
+        """Zero the ``main_grad`` of every parameter that got no gradient this step (done by each
+        bucket's reduction anyway; for readers of the buffers that come without one)."""
+        for bucket in self.buckets:
+            bucket.zero_unwritten()
 
     # -- the distributed optimizer's hooks ------------------------------------------------------
     def start_param_sync(self) -> None:

@@ -102,7 +102,7 @@ class ShardedBucket(Bucket):
     # -- gradients ------------------------------------------------------------------------------
     def open_grad_buffer(self) -> None:
         """Give the full bucket (every ``main_grad`` view) zeroed memory, if it has none: at the first
-        gradient of a microbatch (the hook's, or a fused layer's through ``param.open_main_grad``)."""
+        gradient of a microbatch (the hook's, or a fused layer's through ``param.claim_main_grad``)."""
         if self._grad_live:
             return
         self._land()

@@ -22,7 +22,7 @@ parameters already gathered by the pending backward) and frees only when no back
 
 Also here: the per-parameter gradient hooks of ZeRO-2/3 (:func:`sharded_grad_hook`, and for layers
 that accumulate into ``main_grad`` themselves, ``gradient_accumulation_fusion``,
-:func:`sharded_grad_accumulated` and :func:`sharded_main_grad_opener`).
+:func:`sharded_grad_accumulated` and :func:`sharded_main_grad_claim`).
 """
 
 from __future__ import annotations
@@ -162,14 +162,15 @@ def sharded_grad_accumulated(bucket: ShardedBucket):
     return ready
 
 
-def sharded_main_grad_opener(bucket: ShardedBucket):
-    """``param.open_main_grad`` under ZeRO-2/3: a fused layer is about to write ``main_grad``; give the
-    bucket memory first (it has none between microbatches)."""
+def sharded_main_grad_claim(bucket: ShardedBucket):
+    """``param.claim_main_grad`` under ZeRO-2/3: a fused layer is about to write ``main_grad``; give the
+    bucket memory first (it has none between microbatches), zeroed, so the layer adds (False)."""
     bucket_ref = weakref.ref(bucket)
 
-    def open_main_grad(param: nn.Parameter) -> None:
+    def claim_main_grad(param: nn.Parameter) -> bool:
         bucket = bucket_ref()
         if bucket is not None:
             bucket.open_grad_buffer()
+        return False
 
-    return open_main_grad
+    return claim_main_grad

@@ -101,6 +101,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def prepare_grads(self) -> None:
         """Each shard's gradient: its range of the (reduce-scattered) gradient buffer, in fp32."""
+        self._zero_unwritten_grads()
         for s in self._shards:
             grad = s.model_grad()
             s.main_param.grad = None if grad is None else grad.float()

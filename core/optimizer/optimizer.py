@@ -44,7 +44,6 @@ from core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     count_zeros_tensor,
-    get_grad_norm_fp32,
     get_grad_norm_tensor,
     grad_stats_group,
     param_counts_for_norm,
@@ -207,6 +206,7 @@ class MegatronOptimizer:
     def prepare_grads(self) -> None:
         """Give every main parameter its gradient: the model's ``main_grad`` (data-parallel buffer,
         already reduced) if it has one, else ``.grad``; cast to fp32 for 16-bit models."""
+        self._zero_unwritten_grads()
         for s in self._shards:
             grad, model = s.model_grad(), s.model_param
             if s.main_param is model:  # hand the buffer view over as the parameter's own grad
@@ -215,6 +215,15 @@ class MegatronOptimizer:
             else:
                 s.main_param.grad = None if grad is None else grad.float()
                 model.grad = None  # a 16-bit copy is no longer needed
+
+    def _zero_unwritten_grads(self) -> None:
+        """A wrapped chunk's buffers hold last step's values where no gradient came this step until its
+        buckets are reduced; a caller that steps without reducing (one process, no
+        ``finish_grad_sync``) still reads zeros there."""
+        for chunk in self.model_chunks:
+            zero = getattr(chunk, "zero_unwritten_grads", None)
+            if zero is not None:
+                zero()
 
     def _counted_shards(self) -> list[ParamShard]:
         """The shards this rank counts in global norms (which never changes, so it is kept)."""
@@ -231,9 +240,19 @@ class MegatronOptimizer:
         shards = self._counted_shards() if for_norm else self._shards
         return [s.main_param.grad for s in shards if s.main_param.grad is not None]
 
+    def _grads_for_norm(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The gradients this rank counts in global norms, and where each starts in its parameter."""
+        shards = [s for s in self._counted_shards() if s.main_param.grad is not None]
+        return [s.main_param.grad for s in shards], [s.start for s in shards]
+
+    def _grad_norm_tensor(self) -> torch.Tensor:
+        """Global L2 norm of the gradients as a 0-dim float64 device tensor (a collective)."""
+        grads, offsets = self._grads_for_norm()
+        return get_grad_norm_tensor(grads, 2.0, self._grad_stats_group(), offsets=offsets)
+
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients, each weight counted once across TP, PP (and DP)."""
-        return get_grad_norm_fp32(self._main_grads(for_norm=True), 2.0, self._grad_stats_group())
+        return float(self._grad_norm_tensor())
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip all gradients to global norm ``clip_grad``; return the norm before clipping."""
@@ -251,8 +270,9 @@ class MegatronOptimizer:
 
     def get_params_norm_tensor(self) -> torch.Tensor:
         """:meth:`get_params_norm` as a 0-dim float64 device tensor (a collective, not read by the host)."""
-        params = [s.main_param for s in self._counted_shards()]
-        return get_grad_norm_tensor(params, 2.0, self._grad_stats_group())
+        shards = self._counted_shards()
+        params, offsets = [s.main_param for s in shards], [s.start for s in shards]
+        return get_grad_norm_tensor(params, 2.0, self._grad_stats_group(), offsets=offsets)
 
     # -- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -283,7 +303,7 @@ class MegatronOptimizer:
         if self.grad_scaler is not None:
             overflow = self._unscale_and_check_for_inf()
             self.grad_scaler.update(overflow)
-        grad_norm = get_grad_norm_tensor(self._main_grads(for_norm=True), 2.0, self._grad_stats_group())
+        grad_norm = self._grad_norm_tensor()
         bad = ~torch.isfinite(grad_norm)
         for flag in (overflow, skip):
             if flag is not None:
@@ -349,7 +369,9 @@ class MegatronOptimizer:
                 _foreach_copy(list(mains), list(models))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop all ``.grad`` tensors and zero the data-parallel ``main_grad`` buffers."""
+        """Drop all ``.grad`` tensors and start the next step of the chunks' data-parallel buffers (not
+        zeroed: a step's first gradients overwrite them, :mod:`core.distributed.grad_buffer`); a
+        ``main_grad`` outside them is zeroed."""
         wrapped = [chunk for chunk in self.model_chunks if hasattr(chunk, "zero_grad_buffer")]
         if self._in_buffers is None:  # parameters whose main_grad the chunks zero themselves
             self._in_buffers = {id(p) for chunk in wrapped for p in chunk.parameters()}

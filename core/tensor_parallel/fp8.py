@@ -53,7 +53,7 @@ from torch.distributed import ProcessGroup
 
 from core.device import current_device
 from core.tensor_parallel.fp8_config import resolved
-from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, check_main_grad, main_grad_of
+from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, check_main_grad, claim_main_grad
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -375,14 +375,19 @@ def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch
     else:
         x = dequantize(saved_input.t(), x_inv, ctx.dtype) if recipe.wgrad else saved_input
         if ctx.accumulate:  # as the plain fused path does: into main_grad, in fp32 where the GPU can
-            accumulate_weight_grad(main_grad_of(weight), grad, x.to(grad.dtype))
+            main_grad, overwrite = claim_main_grad(weight)
+            accumulate_weight_grad(main_grad, grad, x.to(grad.dtype), overwrite=overwrite)
             weight.grad_accumulated(weight)
             weight.grad_added_to_main_grad = True
             return None
         dw = grad.t().matmul(x.to(grad.dtype))
     if not ctx.accumulate:
         return dw.to(weight.dtype)
-    main_grad_of(weight).add_(dw)
+    main_grad, overwrite = claim_main_grad(weight)
+    if overwrite:
+        main_grad.copy_(dw)
+    else:
+        main_grad.add_(dw)
     weight.grad_accumulated(weight)
     weight.grad_added_to_main_grad = True
     return None

@@ -11,6 +11,9 @@ Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` does with its fus
   ``out_dtype``, cuBLAS accumulating 16-bit products into fp32); elsewhere (CPU, torch without it)
   the 16-bit product is formed first and added, the same numbers as the hook path.
 
+The step's first gradient of a weight overwrites ``main_grad`` instead (``beta = 0``): the wrapper
+does not zero its buffers between steps (:func:`claim_main_grad`).
+
 Autograd then receives no gradient for the weight; the function tells the wrapper instead, through
 ``weight.grad_accumulated(weight)`` (set by ``DistributedDataParallel``), which checks the bucket
 and, with overlapped reduction, counts the weight as ready, and marks
@@ -39,12 +42,19 @@ def engine_will_use(tensor: torch.Tensor) -> bool:
     return _will_engine_execute_node(get_gradient_edge(tensor).node)
 
 
-def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
-    """``main_grad += grad_output^T @ input_`` over 2-D ``[tokens, out]`` and ``[tokens, in]``."""
+def accumulate_weight_grad(
+    main_grad: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor, *, overwrite: bool = False
+) -> None:
+    """``main_grad += grad_output^T @ input_`` over 2-D ``[tokens, out]`` and ``[tokens, in]``;
+    ``overwrite``: ``main_grad = ...`` instead (the step's first gradient: the buffer holds stale values,
+    which ``beta = 0`` neither reads nor propagates, NaN included)."""
+    beta = 0 if overwrite else 1
     if main_grad.dtype == grad_output.dtype:
-        main_grad.addmm_(grad_output.t(), input_)
+        main_grad.addmm_(grad_output.t(), input_, beta=beta)
     elif main_grad.is_cuda and _HAS_ADDMM_OUT_DTYPE:
-        torch.addmm(main_grad, grad_output.t(), input_, out_dtype=main_grad.dtype, out=main_grad)
+        torch.addmm(main_grad, grad_output.t(), input_, out_dtype=main_grad.dtype, beta=beta, out=main_grad)
+    elif overwrite:
+        main_grad.copy_(grad_output.t() @ input_)
     else:
         main_grad.add_(grad_output.t() @ input_)
 
@@ -65,7 +75,10 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         if engine_will_use(input_):
             grad_input = grad_output.matmul(weight)
         if engine_will_use(weight):
-            accumulate_weight_grad(main_grad_of(weight), flat_grad, input_.reshape(-1, input_.shape[-1]))
+            main_grad, overwrite = claim_main_grad(weight)
+            accumulate_weight_grad(
+                main_grad, flat_grad, input_.reshape(-1, input_.shape[-1]), overwrite=overwrite
+            )
             weight.grad_accumulated(weight)
             weight.grad_added_to_main_grad = True
         if bias is not None and engine_will_use(bias):
@@ -81,13 +94,17 @@ def linear_with_grad_accumulation(
     return LinearWithGradAccumulation.apply(input_, weight, bias)
 
 
-def main_grad_of(weight: torch.Tensor) -> torch.Tensor:
-    """``weight.main_grad``, given memory first where the wrapper keeps it only while in use (ZeRO-2/3
-    free the full gradient bucket between microbatches; ``weight.open_main_grad`` reopens it)."""
-    opener = getattr(weight, "open_main_grad", None)
-    if opener is not None:
-        opener(weight)
-    return weight.main_grad
+def claim_main_grad(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``weight.main_grad`` about to receive a gradient, and whether to overwrite it rather than add.
+
+    The wrapper does not zero its buffers between steps: the first gradient a parameter receives in a
+    step overwrites what the last step left (``weight.claim_main_grad`` says which write is the first,
+    and ZeRO-2/3, which free the full gradient bucket between microbatches, give it zeroed memory
+    first). Without a wrapper's claim (a hand-made ``main_grad``), add.
+    """
+    claim = getattr(weight, "claim_main_grad", None)
+    overwrite = bool(claim(weight)) if claim is not None else False
+    return weight.main_grad, overwrite
 
 
 def check_main_grad(weight: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 
 from core.tensor_parallel.cross_entropy import _all_reduce, _vocab_shard
 from core.tensor_parallel.fused_cross_entropy import token_slices
-from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, engine_will_use
+from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, claim_main_grad, engine_will_use
 from core.tensor_parallel.utils import resolve_tp_group
 
 SLICE_BYTES = {"cuda": 256 * 2**20, "cpu": 16 * 2**20}
@@ -79,13 +79,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, log_sum_exp, foreign, local_target = ctx.saved_tensors
         want_input, want_weight = engine_will_use(hidden), engine_will_use(weight)
         grad_hidden = torch.empty_like(hidden) if want_input else None
-        grad_weight = None
-        if want_weight:
-            grad_weight = (
-                weight.main_grad
-                if ctx.accumulate
-                else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            )
+        grad_weight, overwrite = None, False  # overwrite: the step's first write into main_grad
+        if want_weight and ctx.accumulate:
+            grad_weight, overwrite = claim_main_grad(weight)
+        elif want_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         own_target = (~foreign).float().neg_()
         grad_loss = grad_loss.float()
         for part in token_slices(hidden.shape[0], weight.shape[0], ctx.slice_bytes):
@@ -95,7 +93,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if want_input:
                 torch.matmul(grad, weight, out=grad_hidden[part])
             if want_weight:
-                accumulate_weight_grad(grad_weight, grad, hidden[part])
+                accumulate_weight_grad(grad_weight, grad, hidden[part], overwrite=overwrite)
+                overwrite = False
+        if overwrite:  # claimed, but no token wrote it
+            grad_weight.zero_()
         if want_weight and ctx.accumulate:
             weight.grad_accumulated(weight)
             weight.grad_added_to_main_grad = True

@@ -109,6 +109,29 @@ def test_gradient_after_reduction_without_zeroing_is_an_error():
     (ddp(tokens, labels=labels) * mask).sum().backward()  # fine again
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_parameter_two_chunks_share_keeps_its_gradient_over_steps(overlap):
+    """ZBV puts a tied embedding in two chunks of one rank: one Parameter in both wrappers' buffers, its
+    ``main_grad`` the second's. Each step's gradient (both uses summed) lands there whole, however the
+    step's first write and the zeroing of what got none are split between the two wrappers."""
+    torch.manual_seed(0)
+    shared = torch.nn.Embedding(5, 3)
+    modules = [torch.nn.ModuleDict({"embedding": shared, "linear": torch.nn.Linear(3, 3)}) for _ in range(2)]
+    config = DistributedDataParallelConfig(overlap_grad_reduce=overlap)
+    chunks = [DistributedDataParallel(None, config, m) for m in modules]
+    for step in range(3):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        tokens = torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(step))
+        hidden = modules[0]["linear"](shared(tokens))
+        loss = (modules[1]["linear"](hidden) @ shared.weight.t()).square().sum()
+        expected = torch.autograd.grad(loss, shared.weight, retain_graph=True)[0]
+        loss.backward()
+        for chunk in chunks:
+            chunk.finish_grad_sync()
+        assert torch.equal(shared.weight.main_grad, expected), step
+
+
 def test_multi_no_sync_suspends_every_chunk():
     chunks = [DistributedDataParallel(None, DistributedDataParallelConfig(), toy()) for _ in range(2)]
     with multi_no_sync(chunks)():

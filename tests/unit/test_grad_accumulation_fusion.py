@@ -10,6 +10,7 @@ pipeline runs through ``pretrain()`` are in tests/e2e/test_grad_overlap.py.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -84,10 +85,40 @@ def test_fused_accumulation_gives_the_hook_paths_main_grad(kind, dtype):
             assert torch.equal(got, expected), name
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_next_steps_first_gradient_overwrites_the_stale_buffer(fused, dtype):
+    """No pass zeroes ``main_grad`` between steps: after ``zero_grad_buffer`` the first microbatch's
+    gradient overwrites what the last step left (NaN here; a fused layer with ``beta = 0``, the hook
+    by a copy) and the second adds: bit-identical to a wrapper whose buffer is fresh."""
+    batches = [
+        torch.randint(0, VOCAB, (MBS, SEQ), generator=torch.Generator().manual_seed(i)) for i in (1, 2)
+    ]
+    grads = []
+    for stale in (False, True):
+        config = _config("gpt", fused, dtype)
+        model = _wrap(GPTModel(config, VOCAB, SEQ), config)
+        if stale:
+            model(batches[1], labels=batches[0]).sum().backward()
+            model.finish_grad_sync()
+            for buffer in model.buffers:
+                buffer.grad_data.fill_(float("nan"))
+            model.zero_grad_buffer()
+        for i, tokens in enumerate(batches):
+            with model.no_sync() if i == 0 else contextlib.nullcontext():
+                model(tokens, labels=tokens.roll(1, 1)).sum().backward()
+        model.finish_grad_sync()
+        grads.append({n: p.main_grad.clone() for n, p in model.module.named_parameters()})
+    for name, expected in grads[0].items():
+        assert torch.equal(grads[1][name], expected), name
+
+
 def test_zero_bubble_split_makes_the_weight_gradients_once_in_w(monkeypatch):
     made = []
     accumulate = fusion.accumulate_weight_grad
-    monkeypatch.setattr(fusion, "accumulate_weight_grad", lambda *a: made.append(1) or accumulate(*a))
+    monkeypatch.setattr(
+        fusion, "accumulate_weight_grad", lambda *a, **k: made.append(1) or accumulate(*a, **k)
+    )
     x = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(0))
     grad_out = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(1))
     results = {}

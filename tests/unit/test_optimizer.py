@@ -5,6 +5,7 @@ back-off, unscaled steps). Clipping and NaN skips over real ranks: tests/dist/te
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 
@@ -208,7 +209,9 @@ def test_state_dict_round_trip_through_safetensors_and_json_continues_bit_identi
         assert torch.equal(optimizer.get_main_param(p), resumed_opt.get_main_param(q))
 
 
-def test_zero_grad_clears_grads_and_main_grad_buffers():
+def test_zero_grad_starts_a_step_whose_first_gradients_overwrite_the_last_steps():
+    """No pass zeroes the buffers between steps: ``.grad`` is None until a parameter's first gradient
+    of the step, which overwrites the stale ``main_grad``; the result is this step's gradients alone."""
     model = _Net()
     ddp = DistributedDataParallel(None, DistributedDataParallelConfig(), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [ddp])
@@ -216,9 +219,83 @@ def test_zero_grad_clears_grads_and_main_grad_buffers():
     ddp.finish_grad_sync()
     optimizer.step()
     optimizer.zero_grad()
-    assert all(p.grad.data_ptr() == p.main_grad.data_ptr() for p in model.parameters())  # views of:
-    assert ddp.buffers[0].grad_data.abs().sum() == 0
+    assert all(p.grad is None for p in model.parameters())  # autograd cannot add into the stale buffer
+    ddp.buffers[0].grad_data.fill_(float("nan"))  # whatever the last step left
+    params = list(model.parameters())
+    expected = torch.autograd.grad(ddp(_tokens(1)), params)  # no accumulation, no hooks
     ddp(_tokens(1)).backward()  # buckets were re-armed: no "arrived after reduction" error
+    ddp.finish_grad_sync()
+    assert all(p.grad.data_ptr() == p.main_grad.data_ptr() for p in params)  # the buffer again
+    assert all(torch.equal(p.main_grad, g) for p, g in zip(params, expected))
+
+
+class _NetWithExperts(_Net):
+    """``_Net`` with two "experts" of which a step's tokens reach one (``expert``): the other gets no
+    gradient that step, as an MoE expert no token was routed to."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.expert = 0
+        self.to(dtype)
+
+    def forward(self, tokens):
+        hidden = torch.tanh(self.fc(self.embedding(tokens)))
+        hidden = hidden + self.experts[self.expert](hidden)
+        return self.out(self.norm(hidden)).square().mean()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_parameter_without_gradient_in_a_step_steps_on_zero_as_before(overlap):
+    """An expert no token reached keeps no stale gradient: its ``main_grad`` is zero when its bucket is
+    reduced and Adam steps it on zero (moments decaying, weight decay), bit-identical to torch's AdamW
+    given zero gradients, which is what zeroing the whole buffer every step gave."""
+    model, ref = _NetWithExperts(), _NetWithExperts()
+    ddp = DistributedDataParallel(None, DistributedDataParallelConfig(overlap_grad_reduce=overlap), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0), [ddp])
+    decay = [p for n, p in ref.named_parameters() if n.endswith("weight") and "norm" not in n]
+    no_decay = [p for p in ref.parameters() if all(p is not q for q in decay)]
+    reference = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, **KERNEL
+    )
+    for step in range(4):
+        model.expert = ref.expert = step % 2
+        optimizer.zero_grad()
+        ddp(_tokens(step)).backward()
+        ddp.finish_grad_sync()
+        unused = model.experts[1 - step % 2]
+        assert all(p.main_grad.abs().sum() == 0 for p in unused.parameters()), step
+        assert optimizer.step()[0]
+        reference.zero_grad()
+        ref(_tokens(step)).backward()
+        for q in ref.parameters():
+            q.grad = torch.zeros_like(q) if q.grad is None else q.grad
+        reference.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), (step, name)
+
+
+def test_an_fp16_overflow_skips_and_its_stale_gradients_never_reach_the_next_step():
+    """A skipped fp16 step leaves an Inf in the buffer; the next step's parameter without a gradient
+    reads zero, not that Inf, so the next step is taken."""
+    model = _NetWithExperts(torch.float16)
+    ddp = DistributedDataParallel(None, DistributedDataParallelConfig(), model)
+    config = OptimizerConfig(lr=1e-2, fp16=True, initial_loss_scale=1024.0, min_loss_scale=1.0, hysteresis=1)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    optimizer.scale_loss(ddp(_tokens(0)).float()).backward()
+    model.experts[0].weight.main_grad.view(-1)[0] = float("inf")  # what an overflowing backward leaves
+    ddp.finish_grad_sync()
+    assert optimizer.step() == (False, None, None) and optimizer.last_step_overflowed
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    model.expert = 1
+    optimizer.zero_grad()
+    optimizer.scale_loss(ddp(_tokens(1)).float()).backward()
+    ddp.finish_grad_sync()
+    ok, grad_norm, _ = optimizer.step()
+    assert ok and math.isfinite(grad_norm) and not optimizer.last_step_overflowed
+    assert torch.equal(model.experts[0].weight.main_grad, torch.zeros_like(model.experts[0].weight))
 
 
 def _lrs(style, steps, **kw):
@@ -446,17 +523,45 @@ def test_a_step_decided_on_the_device_takes_per_group_learning_rate_tensors():
         get_megatron_optimizer(config, [_Net()], fused=False).step_on_device(lrs=[torch.tensor(1.0)] * 2)
 
 
-def test_the_fp64_sum_of_squares_is_the_same_by_foreach_norm_and_in_pieces():
-    """A GPU on torch >= 2.4 accumulates each tensor in float64 in one kernel; a CPU or an older torch
-    converts pieces (on a CPU, cache-sized ones: torch's CPU norm would copy each tensor whole)."""
+def test_the_sum_of_squares_is_float64_accurate_by_every_path():
+    """A GPU on torch >= 2.4 accumulates each tensor in float64 in one kernel, an older torch converts
+    pieces, a CPU sums 128-element blocks in fp32 and the blocks in float64."""
     from core.optimizer import clip_grads
 
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(n, generator=gen) * 10.0**k for k, n in enumerate((7, 30, 1, 55))]
+    tensors = [torch.randn(n, generator=gen) * 10.0**k for k, n in enumerate((7, 300, 1, 5500))]
     exact = sum(float(t.double().square().sum()) for t in tensors)
-    sums = [clip_grads._sum_of_squares_fp64(tensors, torch.device("cpu"))]
+    sums = [clip_grads._sum_of_squares(tensors, [0] * len(tensors), torch.device("cpu"))]
     sums.append(clip_grads._sum_of_squares_in_pieces(tensors, torch.device("cpu"), 16))  # pieces, joined
     if clip_grads._FOREACH_NORM_DTYPE:
         sums.append(torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)).square().sum())
     assert all(s.dtype == torch.float64 for s in sums)
-    assert all(float(s) == pytest.approx(exact, rel=1e-14) for s in sums)
+    assert float(sums[0]) == pytest.approx(exact, rel=1e-7)  # fp32 blocks: ~1e-7 / sqrt(blocks)
+    assert all(float(s) == pytest.approx(exact, rel=1e-14) for s in sums[1:])
+
+
+def test_the_cpu_norm_of_a_parameter_is_the_norm_of_its_shards():
+    """The distributed optimizer counts its shards of a parameter, cut anywhere: the sum is the whole
+    parameter's but for the blocks a cut splits, far below an fp32 rounding of the total, so the
+    clipping factor does not depend on the data-parallel split."""
+    from core.optimizer.clip_grads import _sum_of_squares
+
+    cpu = torch.device("cpu")
+    whole = torch.randn(1_000_003, generator=torch.Generator().manual_seed(1))
+    total = float(_sum_of_squares([whole], [0], cpu))
+    for cuts in ([128 * 4000], [333_333, 666_667], [1, 129, 500_000, 999_999]):
+        bounds = [0, *cuts, whole.numel()]
+        pieces = [whole[a:b] for a, b in itertools.pairwise(bounds)]
+        sharded = sum(float(_sum_of_squares([p], [a], cpu)) for p, a in zip(pieces, bounds))
+        # a block a cut splits: its fp32 rounding (~1e-7) times its share of the total, 1.3e-4 here
+        assert sharded == pytest.approx(total, rel=1e-10), cuts
+    assert abs(total - float(whole.double().square().sum())) / total < 1e-8  # fp32 throughout: 2e-5
+
+
+def test_the_cpu_norm_of_large_gradients_is_accurate_and_nan_or_inf_stays_non_finite():
+    from core.optimizer.clip_grads import get_grad_norm_tensor
+
+    big = torch.full((1000,), 1e17)
+    assert float(get_grad_norm_tensor([big])) == pytest.approx(float(big[0]) * math.sqrt(1000), rel=1e-6)
+    assert math.isnan(float(get_grad_norm_tensor([big, torch.tensor([float("nan")])])))
+    assert math.isinf(float(get_grad_norm_tensor([torch.tensor([1.0, float("inf")])])))
