@@ -32,8 +32,8 @@ import torch.distributed as dist
 from core import parallel_state as ps
 from core.model_parallel_config import ModelParallelConfig
 from core.pipeline_parallel.schedule_rules import placement_for
-from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.pipeline_parallel.schedule_tables import build_tables
+from core.pipeline_parallel.schedules import get_forward_backward_func
 from planner.hardware import HostCosts
 from planner.shared_cores import time_shared
 
