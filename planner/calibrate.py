@@ -6,6 +6,9 @@ shows. Here as many real ranks as the plan has (one thread each, as under ``torc
 * **collectives**: tiny and large all-reduces over every rank (latency and bandwidth of a ring step);
 * **pipeline messages**: a point-to-point ping-pong between two ranks, tiny and large (latency and
   bandwidth of one ``isend``/``irecv``);
+* **latency under load**: a tiny all-reduce and a message between two ranks while the others
+  compute, as in a real step, where a collective waits until its partner holds a core: the larger
+  latency of the two ways is kept;
 * **shared cores**: the same compute on ``k`` ranks at once, ``k = 1 .. ranks``: how much longer
   each takes than alone (``HostCosts.slowdown``);
 * **the engine's fixed cost per action**: the real schedule engine (``core.pipeline_parallel``)
@@ -51,7 +54,7 @@ class HostMeasurement:
     bandwidth: float
     """Bytes/s of a ring step of an all-reduce over every rank."""
     latency: float
-    """Seconds of a ring step's fixed cost."""
+    """Seconds of a ring step's fixed cost, while the other ranks compute (as in a step)."""
     host: HostCosts
     engine_steps: dict
     """(schedule, chunks, microbatches) -> measured seconds of the step whose stages compute nothing."""
@@ -77,10 +80,11 @@ def _collectives(nbytes: int) -> tuple[float, float]:
     return timings[0], timings[1]
 
 
-def _ping_pong(rank: int, nbytes: int, repeats: int) -> float:
+def _ping_pong(rank: int, nbytes: int, repeats: int, *, barrier: bool = True) -> float:
     """One-way seconds of a ``nbytes`` message between ranks 0 and 1 (half a round trip)."""
     buffer = torch.zeros(max(1, nbytes // 4))
-    dist.barrier()
+    if barrier:
+        dist.barrier()
 
     def round_trip():
         if rank == 0:
@@ -92,7 +96,8 @@ def _ping_pong(rank: int, nbytes: int, repeats: int) -> float:
 
     round_trip()
     seconds = _median_seconds(round_trip, repeats) / 2
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     return seconds
 
 
@@ -114,12 +119,30 @@ def _slowdowns(rank: int, world: int, units: int = 40, repeats: int = 5) -> tupl
             mine = torch.tensor([_median_seconds(stretch, 1) if rank < k else 0.0])
             dist.all_reduce(mine)
             seconds[k - 1].append(mine.item() / k)
-    alone = statistics.median(seconds[0])
     curve, slowest = [], 1.0
-    for times in seconds:  # more ranks computing never makes each faster
-        slowest = max(slowest, statistics.median(times) / alone)
+    for times in seconds:  # each round's ratio to its own alone; more ranks never make each faster
+        slowest = max(slowest, statistics.median(t / alone for t, alone in zip(times, seconds[0])))
         curve.append(slowest)
     return tuple(curve)
+
+
+def _contended(rank: int, world: int, busy_seconds: float = 1.5, repeats: int = 20) -> tuple[float, float]:
+    """(seconds of a tiny all-reduce between ranks 0 and 1, of a one-way message between them) while
+    the other ranks compute: a collective waits until its partner holds a core, as in a real step."""
+    pair = dist.new_group([0, 1])
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    buffer = torch.ones(1)
+    dist.barrier()
+    if rank >= 2:
+        deadline = time.perf_counter() + busy_seconds
+        while time.perf_counter() < deadline:
+            torch.nn.functional.gelu(a @ b)
+        dist.barrier()
+        return 0.0, 0.0
+    collective = _median_seconds(lambda: dist.all_reduce(buffer, group=pair), repeats)
+    message = _ping_pong(rank, 4, repeats, barrier=False)
+    dist.barrier()
+    return collective, message
 
 
 class _EmptyStage(torch.nn.Module):
@@ -181,9 +204,11 @@ def _worker(rank: int, world: int, init_file: str, nbytes: int, queue) -> None:
         tiny, large = _collectives(nbytes)
         p2p = (_ping_pong(rank, 4, 30), _ping_pong(rank, nbytes, 4))
         slowdown = _slowdowns(rank, world)
+        contended = _contended(rank, world)
         engine = {(s, v, 2 * world): _engine_step(rank, world, s, v, 2 * world, 5) for s, v in ENGINE_CASES}
         if rank == 0:
-            queue.put({"all_reduce": (tiny, large), "p2p": p2p, "slowdown": slowdown, "engine": engine})
+            queue.put({"all_reduce": (tiny, large), "p2p": p2p, "slowdown": slowdown, "engine": engine,
+                       "contended": contended})  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -257,8 +282,10 @@ def measure_host(world: int, cores: int, nbytes: int = 4 << 20) -> HostMeasureme
     latency = tiny / steps
     bandwidth = nbytes / world / max(large / steps - latency, 1e-12)
     p2p_tiny, p2p_large = found["p2p"]
+    collective, message = found["contended"]
+    latency = max(latency, collective / 2)  # a two-rank all-reduce: two ring steps
     host = HostCosts(
-        message_latency=p2p_tiny,
+        message_latency=max(p2p_tiny, message),
         message_bandwidth=nbytes / max(p2p_large - p2p_tiny, 1e-12),
         slowdown=found["slowdown"],
     )

@@ -60,6 +60,9 @@ class LayerProfile:
     embedding: tuple[float, float, float] = (0.0, 0.0, 0.0)
     loss: tuple[float, float, float] = (0.0, 0.0, 0.0)
     source: str = "measured"
+    whole_sequence: bool = False
+    """Times of a microbatch's whole sequence (``--profile-local``), of which a context-parallel rank
+    computes ``1 / cp``; otherwise a rank's own share (a real run's timeline)."""
     by_shape: dict = field(default_factory=dict)
     """(tp, micro_batch_size, recompute) -> (layer, embedding, loss), when measured per shape."""
 
@@ -141,7 +144,10 @@ class StageCostModel:
         if self.profile is None:
             return None
         c = self.cand
-        return ActionCosts(*self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
+        share = 1.0 / c.cp if self.profile.whole_sequence else 1.0
+        return ActionCosts(
+            *(share * t for t in self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
+        )
 
     def _layer_costs(self) -> ActionCosts:
         """A decoder layer's compute (measured, or FLOPs and bytes) plus its collectives, each way."""

@@ -174,7 +174,7 @@ class LocalProfile(LayerProfile):
     """Per-layer costs measured here, shape by shape as the search asks (module docstring)."""
 
     def __init__(self, spec: ModelSpec, args) -> None:
-        super().__init__(layer=(0.0, 0.0, 0.0), source="--profile-local")
+        super().__init__(layer=(0.0, 0.0, 0.0), source="--profile-local", whole_sequence=True)
         self.spec, self.args = spec, args
 
     def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
