@@ -9,6 +9,7 @@ import argparse
 import json
 import random
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -279,6 +280,27 @@ def test_shared_core_timing_without_sharing_is_the_stage_timers(schedule, pp, vp
         assert shared.end_times[rank] == pytest.approx(timing.end_times[rank], rel=1e-9)
     halved = time_shared(tables, place, costs, latency=0.0, processes=1, slowdown=lambda busy: 2.0)
     assert halved.makespan == pytest.approx(2 * StageTimer(tables, place).time(costs).makespan, rel=1e-9)
+
+
+def test_the_engines_cost_per_action_is_recovered_from_empty_steps():
+    """``--profile-local`` fits the engine's fixed cost per action so that the shared-core timing of the
+    tables it ran gives the step it measured; here the 'measured' steps are timings with 1.5 ms."""
+    from planner.calibrate import ENGINE_CASES, fit_action_seconds
+
+    slowdown = partial(HostCosts(slowdown=(1.0, 1.2, 1.7, 2.3)).slowdown_at, cores=2)
+    steps = {}
+    for schedule, vpp in ENGINE_CASES:
+        tables, place = build_tables(schedule, 4, vpp, 8), placement_for(schedule, 4, vpp)
+        work = {(a.kind, r, a.chunk): 0.0015 for r, t in enumerate(tables) for a in t}
+        steps[schedule, vpp, 8] = time_shared(tables, place, work, latency=3e-4, processes=1,
+                                              slowdown=slowdown).makespan  # fmt: skip
+    assert fit_action_seconds(steps, 4, 3e-4, slowdown) == pytest.approx(0.0015, rel=1e-6)
+
+
+def test_a_measured_slowdown_curve_extends_with_the_ranks():
+    host = HostCosts(slowdown=(1.0, 1.3, 1.9, 2.5))
+    assert [host.slowdown_at(k, 2) for k in (0, 1, 3, 4, 8)] == [1.0, 1.0, 1.9, 2.5, 5.0]
+    assert [HostCosts().slowdown_at(k, 2) for k in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
 
 
 # --------------------------------------------------------------------------------------------------
