@@ -415,3 +415,6 @@ def test_rebalancing_recovers_the_costs_and_relieves_the_loss_stage(tmp_path, sm
     assert sum(r["loss_seconds"][1:]) == pytest.approx(0.050, rel=1e-3)
     proposed = parse_layout(r["proposed_layout"], 4, num_layers=8)
     assert proposed.stages[-1].count("t") < 2 and r["predicted_gain"] > 1.2
+    # the loop closed: the refitted costs give back the run's own pipeline (its timeline was simulated)
+    assert r["refit_pipeline_seconds"] == pytest.approx(r["measured_pipeline_seconds"], rel=1e-3)
+    assert r["planned_pipeline_seconds"] > 0
