@@ -9,6 +9,9 @@ runs forward, input gradient (I) and weight gradient (W) with the executor's own
 (:mod:`core.pipeline_parallel.backward_split`), one thread, as a ``torchrun`` rank does; the median
 of a few repeats is kept.
 
+The same fixed work is timed before and after each shape, and each shape's times are brought to the
+load the first one saw (load from elsewhere drifts while a search measures).
+
 A shape too large to run here in a fraction of a second is measured at fewer tokens (and, if its
 weights would not fit, at a narrower width, head size kept) and scaled back by the ratio of FLOPs.
 
@@ -176,12 +179,40 @@ class LocalProfile(LayerProfile):
     def __init__(self, spec: ModelSpec, args) -> None:
         super().__init__(layer=(0.0, 0.0, 0.0), source="--profile-local", whole_sequence=True)
         self.spec, self.args = spec, args
+        self.reference: float | None = None
+        """Seconds of :func:`reference_seconds` around the first shape measured."""
 
     def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
+        """A shape's costs, measured when first asked, brought to the load of the first shape: the
+        same fixed work timed before and after each shape gives the factor (load from elsewhere on a
+        shared machine drifts over the seconds a search measures)."""
         key = (tp, micro_batch_size, recompute)
         if key not in self.by_shape:
-            self.by_shape[key] = measure_shape(self.args, self.spec, tp, micro_batch_size, recompute)
+            before = reference_seconds()
+            measured = measure_shape(self.args, self.spec, tp, micro_batch_size, recompute)
+            now = (before + reference_seconds()) / 2
+            self.reference = self.reference or now
+            factor = self.reference / now
+            self.by_shape[key] = tuple(tuple(factor * t for t in part) for part in measured)
         return self.by_shape[key]
+
+
+def reference_seconds(repeats: int = 3) -> float:
+    """Median seconds of a fixed stretch of one-thread compute (tens of milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 512), torch.randn(512, 512)
+
+        def stretch() -> None:
+            for _ in range(20):
+                torch.nn.functional.gelu(a @ b)
+
+        stretch()
+        seconds, _ = _time(stretch, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return seconds
 
 
 # --------------------------------------------------------------------------------------------------
