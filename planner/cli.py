@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     for note in plan_input.notes:
         print(f"note: {note}")
     if opts.from_timeline:
-        print(rebalance_report(plan_input, cluster, opts.from_timeline))
+        print(rebalance_report(plan_input, cluster, opts.from_timeline, profile))
         return 0
     result = search(
         plan_input.spec,

@@ -15,7 +15,8 @@ a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`
 * context parallelism: ring attention passes key/value blocks ``cp - 1`` times each way, overlapped
   with the blocks' attention, so only what exceeds the attention's time shows;
 * expert parallelism: two all-to-alls of the routed tokens each way per MoE layer, not overlapped;
-* pipeline: one ``[s / cp (/ tp), b, h]`` message per boundary per microbatch;
+* pipeline: one ``[s / cp (/ tp), b, h]`` message per boundary per microbatch, at the measured
+  point-to-point latency and bandwidth where there are (``Cluster.host``);
 * data parallelism: the gradient all-reduce (reduce-scatter plus parameter all-gather with the
   distributed optimizer) of each chunk, launched at its last backward (``--overlap-grad-reduce``).
 """
@@ -59,6 +60,9 @@ class LayerProfile:
     embedding: tuple[float, float, float] = (0.0, 0.0, 0.0)
     loss: tuple[float, float, float] = (0.0, 0.0, 0.0)
     source: str = "measured"
+    whole_sequence: bool = False
+    """Times of a microbatch's whole sequence (``--profile-local``), of which a context-parallel rank
+    computes ``1 / cp``; otherwise a rank's own share (a real run's timeline)."""
     by_shape: dict = field(default_factory=dict)
     """(tp, micro_batch_size, recompute) -> (layer, embedding, loss), when measured per shape."""
 
@@ -140,7 +144,10 @@ class StageCostModel:
         if self.profile is None:
             return None
         c = self.cand
-        return ActionCosts(*self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
+        share = 1.0 / c.cp if self.profile.whole_sequence else 1.0
+        return ActionCosts(
+            *(share * t for t in self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
+        )
 
     def _layer_costs(self) -> ActionCosts:
         """A decoder layer's compute (measured, or FLOPs and bytes) plus its collectives, each way."""
@@ -210,7 +217,10 @@ class StageCostModel:
         """One pipeline message (an activation or its gradient)."""
         s = self.spec
         message = s.bytes_per_value * self.shape.sharded_seq * self.cand.micro_batch_size * s.hidden_size
-        return self.pp_link.message(message)
+        host = self.cluster.host
+        latency = self.pp_link.latency if host.message_latency is None else host.message_latency
+        bandwidth = self.pp_link.bandwidth if host.message_bandwidth is None else host.message_bandwidth
+        return latency + message / bandwidth
 
     def grad_sync_seconds(self, grad_bytes: float, param_bytes: float) -> float:
         """A rank's data-parallel gradient reduction (and parameter all-gather with the distributed optimizer)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from training.throughput import PEAK_TFLOPS
 
-__all__ = ["GPUS", "Cluster", "Gpu", "Interconnect"]
+__all__ = ["GPUS", "Cluster", "Gpu", "HostCosts", "Interconnect"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,37 @@ GPUS: dict[str, Gpu] = {
 
 
 @dataclass(frozen=True)
+class HostCosts:
+    """What a step pays beyond its layers' compute and collectives, measured where it can be
+    (``--profile-local``: :mod:`planner.calibrate`); zero on a cluster never measured."""
+
+    action_seconds: float = 0.0
+    """The engine's fixed cost per pipeline compute action: the interpreter's dispatch, posting and
+    waiting for its messages, the autograd call around the stage."""
+    message_latency: float | None = None
+    """Seconds per pipeline message (a point-to-point send); None: the link's collective latency."""
+    message_bandwidth: float | None = None
+    """Bytes/s of a pipeline message; None: the link's."""
+    step_seconds: float = 0.0
+    """Fixed cost per training step outside the schedule (the loop, loss reporting, the optimizer's
+    per-tensor calls)."""
+    slowdown: tuple[float, ...] = ()
+    """``slowdown[k - 1]``: how much longer an action takes while ``k`` of the node's ranks compute than
+    alone (ranks sharing cores); empty: ideal sharing of ``Cluster.cores``."""
+
+    def slowdown_at(self, busy: int, cores: int) -> float:
+        """The slowdown with ``busy`` ranks computing; beyond the measured counts, the last measured one
+        shared by proportionally more ranks; unmeasured, the cores' fair share."""
+        if busy <= 0:
+            return 1.0
+        if not self.slowdown:
+            return max(1.0, busy / cores)
+        if busy <= len(self.slowdown):
+            return self.slowdown[busy - 1]
+        return self.slowdown[-1] * busy / len(self.slowdown)
+
+
+@dataclass(frozen=True)
 class Cluster:
     """How many GPUs, how they sit in nodes, and what each can do."""
 
@@ -87,6 +118,8 @@ class Cluster:
     context and NCCL buffers."""
     cores: int | None = None
     """CPU ranks only: the cores a node's ranks share (None: each rank has its own device)."""
+    host: HostCosts = HostCosts()
+    """Fixed costs and core sharing, where measured."""
 
     @property
     def memory_bytes(self) -> float:

@@ -9,12 +9,15 @@ runs forward, input gradient (I) and weight gradient (W) with the executor's own
 (:mod:`core.pipeline_parallel.backward_split`), one thread, as a ``torchrun`` rank does; the median
 of a few repeats is kept.
 
+The same fixed work is timed before and after each shape, and each shape's times are brought to the
+load the first one saw (load from elsewhere drifts while a search measures).
+
 A shape too large to run here in a fraction of a second is measured at fewer tokens (and, if its
 weights would not fit, at a narrower width, head size kept) and scaled back by the ratio of FLOPs.
 
-The local cluster (:func:`local_cluster`) is this machine: its ranks share its cores, and the
-latency and bandwidth of its process groups (gloo over loopback) are measured with as many real
-ranks as the plan has, all-reducing together.
+The local cluster (:func:`local_cluster`) is this machine: its ranks share its cores, and its
+collectives, pipeline messages, core sharing and the engine's fixed cost per action are measured
+with as many real ranks as the plan has (:mod:`planner.calibrate`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -33,6 +35,7 @@ from core.pipeline_parallel.backward_split import backward_input, backward_weigh
 from core.tensor_parallel import model_parallel_seed
 from core.transformer import TransformerConfig
 from models.gpt import GPTModel
+from planner.calibrate import measure_host
 from planner.costs import LayerProfile
 from planner.hardware import Cluster, Gpu
 from planner.model_spec import ModelSpec
@@ -174,61 +177,47 @@ class LocalProfile(LayerProfile):
     """Per-layer costs measured here, shape by shape as the search asks (module docstring)."""
 
     def __init__(self, spec: ModelSpec, args) -> None:
-        super().__init__(layer=(0.0, 0.0, 0.0), source="--profile-local")
+        super().__init__(layer=(0.0, 0.0, 0.0), source="--profile-local", whole_sequence=True)
         self.spec, self.args = spec, args
+        self.reference: float | None = None
+        """Seconds of :func:`reference_seconds` around the first shape measured."""
 
     def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
+        """A shape's costs, measured when first asked, brought to the load of the first shape: the
+        same fixed work timed before and after each shape gives the factor (load from elsewhere on a
+        shared machine drifts over the seconds a search measures)."""
         key = (tp, micro_batch_size, recompute)
         if key not in self.by_shape:
-            self.by_shape[key] = measure_shape(self.args, self.spec, tp, micro_batch_size, recompute)
+            before = reference_seconds()
+            measured = measure_shape(self.args, self.spec, tp, micro_batch_size, recompute)
+            now = (before + reference_seconds()) / 2
+            self.reference = self.reference or now
+            factor = self.reference / now
+            self.by_shape[key] = tuple(tuple(factor * t for t in part) for part in measured)
         return self.by_shape[key]
+
+
+def reference_seconds(repeats: int = 3) -> float:
+    """Median seconds of a fixed stretch of one-thread compute (tens of milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 512), torch.randn(512, 512)
+
+        def stretch() -> None:
+            for _ in range(20):
+                torch.nn.functional.gelu(a @ b)
+
+        stretch()
+        seconds, _ = _time(stretch, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return seconds
 
 
 # --------------------------------------------------------------------------------------------------
 # This machine as a cluster
 # --------------------------------------------------------------------------------------------------
-
-
-def _link_rank(rank: int, world: int, init_file: str, nbytes: int, queue) -> None:
-    """One rank of :func:`measure_gloo`: tiny all-reduces (latency), then large ones (bandwidth)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    timings = []
-    for numel, repeats in ((1, 50), (nbytes // 4, 5)):
-        buffer = torch.ones(numel)
-        for _ in range(2):
-            dist.all_reduce(buffer)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(buffer)
-        timings.append((time.perf_counter() - start) / repeats)
-    if rank == 0:
-        queue.put(timings)
-    dist.destroy_process_group()
-
-
-def measure_gloo(world: int, nbytes: int = 16 << 20) -> tuple[float, float]:
-    """(bytes/s, seconds per message) of gloo here, ``world`` ranks all-reducing together.
-
-    A ring all-reduce over ``n`` ranks takes ``2 (n - 1)`` steps of ``latency + bytes / n / bandwidth``:
-    the tiny one gives the latency, the large one the bandwidth, as :class:`Interconnect` counts them."""
-    import torch.multiprocessing as mp
-
-    world = max(world, 2)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_link_rank, args=(r, world, init, nbytes, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        tiny, large = queue.get(timeout=300)
-        for p in procs:
-            p.join()
-    steps = 2 * (world - 1)
-    latency = tiny / steps
-    return nbytes / world / max(large / steps - latency, 1e-12), latency
 
 
 def _matmul_tflops() -> float:
@@ -244,18 +233,20 @@ def _matmul_tflops() -> float:
 
 
 def local_cluster(num_ranks: int) -> Cluster:
-    """This machine with ``num_ranks`` ranks on its cores (one thread each, as under torchrun)."""
-    bandwidth, latency = measure_gloo(num_ranks)
+    """This machine with ``num_ranks`` ranks on its cores (one thread each, as under torchrun): its
+    collectives, messages, core sharing and engine measured by :func:`planner.calibrate.measure_host`."""
+    cores = os.cpu_count() or 1
+    found = measure_host(num_ranks, cores)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     gpu = Gpu(
-        name=f"CPU rank ({os.cpu_count()} cores shared)",
+        name=f"CPU rank ({cores} cores shared)",
         peak_tflops=_matmul_tflops(),
         memory_gb=memory / num_ranks,
         hbm_tb_s=0.01,
-        intra_node_gb_s=bandwidth / 1e9,
-        inter_node_gb_s=bandwidth / 1e9,
+        intra_node_gb_s=found.bandwidth / 1e9,
+        inter_node_gb_s=found.bandwidth / 1e9,
         compute_efficiency=1.0,
-        intra_node_latency_us=latency * 1e6,
-        inter_node_latency_us=latency * 1e6,
+        intra_node_latency_us=found.latency * 1e6,
+        inter_node_latency_us=found.latency * 1e6,
     )
-    return Cluster(num_ranks, num_ranks, gpu, cores=os.cpu_count() or 1)
+    return Cluster(num_ranks, num_ranks, gpu, cores=cores, host=found.host)

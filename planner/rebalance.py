@@ -31,7 +31,7 @@ from planner.layouts import balanced_layout
 from planner.step_time import estimate_step
 from training.timeline import load_trace
 
-__all__ = ["fit_costs", "rebalance", "rebalance_report", "stage_means"]
+__all__ = ["fit_costs", "measured_pipeline_seconds", "rebalance", "rebalance_report", "stage_means"]
 
 _KINDS = ("F", "B", "I", "W")
 
@@ -124,8 +124,20 @@ def _run_candidate(plan_input, data) -> Candidate:
                      num_microbatches=m, recompute=fixed.get("recompute") or "none", layout=layout)  # fmt: skip
 
 
-def rebalance(plan_input, cluster: Cluster, path: str) -> dict:
-    """The run's layout, the proposed one, and both simulated with the measured costs."""
+def measured_pipeline_seconds(data) -> float:
+    """The run's pipeline span (first action to last, over the first pipeline's ranks), median over
+    the recorded iterations: what the planner's ``pipeline_seconds`` predicts."""
+    spans = []
+    for step in data.iterations:
+        events = [e for r in step.ranks if r.in_first_pipeline for e in r.events if e[0] in _KINDS]
+        if events:
+            spans.append((max(e[4] for e in events) - min(e[3] for e in events)) / 1e3)
+    return float(np.median(spans)) if spans else 0.0
+
+
+def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | None = None) -> dict:
+    """The run's layout, the proposed one, and both simulated with the measured costs; the run's
+    measured pipeline against the plan's prediction for its layout (``profile``'s costs, or FLOPs)."""
     means, data = stage_means(path, cluster.cores)
     cand = _run_candidate(plan_input, data)
     spec = plan_input.spec
@@ -141,7 +153,11 @@ def rebalance(plan_input, cluster: Cluster, path: str) -> dict:
     before = estimate_step(spec, cand, cluster, fitted)
     after = estimate_step(spec, replace(cand, layout=proposed), cluster, fitted)
     measured = [s for s in data.iterations]
+    planned = estimate_step(spec, cand, cluster, profile)
     return {
+        "measured_pipeline_seconds": measured_pipeline_seconds(data),
+        "planned_pipeline_seconds": planned.pipeline_seconds,
+        "refit_pipeline_seconds": before.pipeline_seconds,
         "layout": cand.layout,
         "proposed_layout": proposed,
         "layer_seconds": fitted.layer,
@@ -155,8 +171,17 @@ def rebalance(plan_input, cluster: Cluster, path: str) -> dict:
     }
 
 
-def rebalance_report(plan_input, cluster: Cluster, path: str) -> str:
-    r = rebalance(plan_input, cluster, path)
+def _against(predicted: float, measured: float) -> str:
+    return (
+        f"{predicted * 1e3:.1f} ms ({predicted / measured - 1:+.1%})"
+        if measured
+        else f"{predicted * 1e3:.1f} ms"
+    )
+
+
+def rebalance_report(plan_input, cluster: Cluster, path: str, profile: LayerProfile | None = None) -> str:
+    r = rebalance(plan_input, cluster, path, profile)
+    measured = r["measured_pipeline_seconds"]
     ms = lambda costs: f"{1e3 * costs[0]:.2f}/{1e3 * (costs[1] + costs[2]):.2f}"
     cand = r["candidate"]
     lines = [
@@ -167,6 +192,11 @@ def rebalance_report(plan_input, cluster: Cluster, path: str) -> str:
         (
             f"measured costs (forward/backward ms): decoder layer {ms(r['layer_seconds'])}, embedding "
             f"{ms(r['embedding_seconds'])}, loss {ms(r['loss_seconds'])}"
+        ),
+        (
+            f"pipeline (first action to last): measured {measured * 1e3:.1f} ms; predicted for this layout "
+            f"{_against(r['planned_pipeline_seconds'], measured)}, refitted from the timeline "
+            f"{_against(r['refit_pipeline_seconds'], measured)}"
         ),
         f"current layout:  {r['layout']}  (simulated step {r['predicted_step_seconds'] * 1e3:.1f} ms)",
         f"proposed layout: {r['proposed_layout']}  (simulated step {r['proposed_step_seconds'] * 1e3:.1f} ms)",

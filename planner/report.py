@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import asdict
 
 from planner.candidate import Candidate
 from planner.hardware import Cluster
 from planner.search import Planned, SearchResult
+from planner.step_time import StepParts
 
 __all__ = ["candidate_json", "format_table", "launch_command", "result_json"]
 
@@ -50,6 +52,7 @@ def candidate_json(planned: Planned, base_flags: list[str]) -> dict:
         "mfu": step.mfu,
         "bubble": step.bubble,
         "exposed_comm_seconds": step.exposed_comm_seconds,
+        "step_parts": asdict(step.parts),
         "step_extrapolated": step.extrapolated,
         "memory_per_pp_rank": [
             {
@@ -90,6 +93,46 @@ def _row(rank: int, p: Planned) -> list[str]:
     ]
 
 
+_PARTS = (
+    ("compute", "compute"),
+    ("shared_cores", "shared cores"),
+    ("per_action", "per action"),
+    ("messages", "messages"),
+    ("bubble", "bubble"),
+    ("exposed_comm", "DP comm"),
+    ("optimizer", "optimizer"),
+    ("per_step", "per step"),
+)
+TIE = 0.005
+"""Steps this close (relative) are called a tie, and the report says how the two differ."""
+
+
+def step_line(parts: StepParts) -> str:
+    """``compute 0.58 + shared cores 0.76 + ... = 1.52 s (12 actions, 6 messages)``: nonzero parts only."""
+    shown = [f"{label} {getattr(parts, name):.3f}" for name, label in _PARTS if getattr(parts, name) > 5e-4]
+    return (f"{' + '.join(shown) or '0'} = {parts.total():.3f} s ({parts.actions} actions, "
+            f"{parts.messages_received} messages in)")  # fmt: skip
+
+
+def _why_tie(a: StepParts, b: StepParts) -> str:
+    """The parts that differ most, each way: how two equal steps spend their time differently."""
+    diffs = sorted(((getattr(b, n) - getattr(a, n), label) for n, label in _PARTS), key=lambda d: d[0])
+    (less, less_label), (more, more_label) = diffs[0], diffs[-1]
+    if abs(less) < 5e-4 and abs(more) < 5e-4:
+        return "the same in every part"
+    return f"{more_label} +{more:.3f} s, {less_label} {less:.3f} s"
+
+
+def explain_steps(candidates: list[Planned]) -> list[str]:
+    """Each candidate's step broken down (the slowest rank's), and what makes ties tie."""
+    lines = []
+    for i, p in enumerate(candidates):
+        lines.append(f"  step #{i + 1}: {step_line(p.step.parts)}")
+        if i and abs(p.step.step_seconds / candidates[i - 1].step.step_seconds - 1) < TIE:
+            lines.append(f"    ties #{i}: {_why_tie(candidates[i - 1].step.parts, p.step.parts)}")
+    return lines
+
+
 def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], *, show_args: int = 1) -> str:
     """The ranked table, the layouts, and the flags of the first ``show_args`` candidates."""
     head = ["#", "split", "schedule", "mbs", "m", "recompute", "dist-opt", "peak GB", "step s", "tok/s/GPU",
@@ -104,6 +147,7 @@ def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], 
     for i, p in enumerate(result.candidates):
         if p.cand.pp > 1:
             lines.append(f"  layout #{i + 1}: {p.cand.layout}")
+    lines += explain_steps(result.candidates)
     rejected = "; ".join(f"{reason}: {v['count']}" for reason, v in result.rejected.items())
     lines.append(
         f"{result.fitting} candidates fit in {cluster.usable_bytes / GB:.0f} of {cluster.memory_bytes / GB:.0f} GB "

@@ -367,13 +367,13 @@ def search(
             kth = best[-1].step.step_seconds
             if planned.bound > kth or planned.guess > kth * (1 + GUESS_MARGIN):
                 continue
-        planned.step = estimate_step(spec, planned.cand, cluster, profile, exact=False)
+        planned.step = estimate_step(spec, planned.cand, cluster, profile, exact=False, explain=False)
         simulated += 1
         best = sorted([*best, planned], key=lambda p: (p.step.step_seconds, p.peak.peak))[:top]
-    for planned in best:  # the shown figures: every microbatch of the real tables, where that is cheap
+    for planned in best:  # the shown figures, explained: every microbatch of the tables, where that is cheap
         c = planned.cand
-        if planned.step.extrapolated and c.pp * c.vpp * c.num_microbatches <= EXACT_ACTIONS:
-            planned.step = estimate_step(spec, c, cluster, profile)
+        exact = not planned.step.extrapolated or c.pp * c.vpp * c.num_microbatches <= EXACT_ACTIONS
+        planned.step = estimate_step(spec, c, cluster, profile, exact=exact)
     best.sort(key=lambda p: (p.step.step_seconds, p.peak.peak))
     return SearchResult(
         best,

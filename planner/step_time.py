@@ -17,19 +17,60 @@ the gradient-norm all-reduce waits for the slowest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from functools import lru_cache
+from dataclasses import dataclass, field, replace
+from functools import lru_cache, partial
 
 from core.pipeline_parallel.schedule_rules import placement_for
 from core.pipeline_parallel.schedule_tables import B, F, I, W, build_tables
-from core.pipeline_parallel.stage_timer import StageTimer
+from core.pipeline_parallel.stage_timer import StageTimer, Timing
 from planner.candidate import Candidate
 from planner.costs import ActionCosts, LayerProfile, StageCostModel
 from planner.hardware import Cluster
 from planner.memory import rank_static
 from planner.model_spec import ModelSpec
+from planner.shared_cores import time_shared
 
-__all__ = ["StepEstimate", "estimate_step", "lower_bound", "quick_estimate"]
+__all__ = ["StepEstimate", "StepParts", "estimate_step", "lower_bound", "quick_estimate"]
+
+
+@dataclass
+class StepParts:
+    """Where the slowest rank's step goes (the rank that finishes last); the parts sum to the step.
+
+    Two candidates with the same step differ in how they spend it: these say how."""
+
+    compute: float = 0.0
+    """Its actions' seconds on a device of their own: layers, with their TP/CP/EP collectives."""
+    shared_cores: float = 0.0
+    """What the same actions take longer while other ranks compute on the same cores (CPU ranks)."""
+    per_action: float = 0.0
+    """The engine's fixed cost per action (``HostCosts.action_seconds``) times its actions."""
+    messages: float = 0.0
+    """Its waiting for pipeline messages: what the step loses to their latency and transfer."""
+    bubble: float = 0.0
+    """The rest of its waiting: the schedule's fill, drain and imbalance."""
+    exposed_comm: float = 0.0
+    """Data-parallel reduction and parameter gather not hidden behind compute."""
+    optimizer: float = 0.0
+    per_step: float = 0.0
+    """Fixed cost per step outside the schedule (``HostCosts.step_seconds``)."""
+    actions: int = 0
+    """Compute actions the rank runs (per model chunk and microbatch: F and B, or F, I and W)."""
+    messages_received: int = 0
+    """Pipeline messages it receives from another rank."""
+
+    def total(self) -> float:
+        return (self.compute + self.shared_cores + self.per_action + self.messages + self.bubble
+                + self.exposed_comm + self.optimizer + self.per_step)  # fmt: skip
+
+    def scaled(self, factor: float, step: float) -> StepParts:
+        """The parts of a longer run of the same schedule: per-microbatch parts ``factor`` times more,
+        the bubble what is left of ``step``."""
+        grown = replace(self, compute=self.compute * factor, shared_cores=self.shared_cores * factor,
+                        per_action=self.per_action * factor, messages=self.messages * factor,
+                        actions=round(self.actions * factor),
+                        messages_received=round(self.messages_received * factor))  # fmt: skip
+        return replace(grown, bubble=max(0.0, step - grown.total() + grown.bubble))
 
 
 @dataclass
@@ -48,6 +89,8 @@ class StepEstimate:
     mfu: float
     extrapolated: bool = False
     """Simulated at fewer microbatches and extended along the steady state (the search's ranking)."""
+    parts: StepParts = field(default_factory=StepParts)
+    """The step of the slowest rank, broken down."""
 
 
 @lru_cache(maxsize=64)
@@ -102,6 +145,12 @@ def quick_estimate(
     return bound, bound + (cand.pp - 1) * slowest * cand.rule.bubble_stages
 
 
+def _throughput(cluster: Cluster) -> float:
+    """Rank-seconds of compute a node's shared cores get through per second, at best."""
+    ranks = cluster.gpus_per_node
+    return max(k / cluster.host.slowdown_at(k, cluster.cores) for k in range(1, ranks + 1))
+
+
 def lower_bound(
     spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None = None
 ) -> float:
@@ -117,9 +166,9 @@ def lower_bound(
         optimizer = _tail(model, spec, cand, rank)[2]
         best = max(best, fill + busy + optimizer)
         total += busy
-    if cluster.cores:  # ranks sharing cores: a node's work over its cores
-        ranks = min(cand.world_size, cluster.gpus_per_node)
-        best = max(best, total * ranks / cand.pp / cluster.cores)
+    if cluster.cores:  # ranks sharing cores: a node's work over what its cores get through
+        processes = min(cand.world_size, cluster.gpus_per_node) / cand.pp
+        best = max(best, total * processes / _throughput(cluster))
     return best
 
 
@@ -130,31 +179,36 @@ def estimate_step(
     profile: LayerProfile | None = None,
     *,
     exact: bool = True,
+    explain: bool = True,
 ) -> StepEstimate:
     """Simulate the candidate's step (module docstring).
 
     ``exact=False`` (the search's ranking) simulates a long step at three shorter microbatch counts,
     ``pp`` apart, and, when the step grows by the same time from each to the next (a steady state),
     extends that line to the real count; otherwise, and with ``exact``, the real count is simulated.
+    ``explain`` times the schedule a second time without message costs to say what they cost
+    (``StepParts.messages``); without it that time is counted in the bubble.
     """
     m, pp = cand.num_microbatches, cand.pp
     if exact or pp == 1 or m <= 8 * pp:
-        return _stretched(spec, cand, cluster, profile)
+        return _estimate(spec, cand, cluster, profile, explain)
     base = 4 * pp + (m - 4 * pp) % pp
     shorter = [
-        _stretched(spec, replace(cand, num_microbatches=base + k * pp), cluster, profile) for k in range(3)
+        _estimate(spec, replace(cand, num_microbatches=base + k * pp), cluster, profile, explain)
+        for k in range(3)
     ]
     slope = shorter[2].pipeline_seconds - shorter[1].pipeline_seconds
     if (
         abs(slope - (shorter[1].pipeline_seconds - shorter[0].pipeline_seconds))
         > 1e-9 * shorter[2].step_seconds
     ):
-        return _stretched(spec, cand, cluster, profile)
+        return _estimate(spec, cand, cluster, profile, explain)
     last, counted = shorter[2], base + 2 * pp
     more = slope * (m - counted) / pp
     pipeline, step = last.pipeline_seconds + more, last.step_seconds + more
     busy = (1.0 - last.bubble) * last.pipeline_seconds * m / counted
     estimate = _estimate_for(spec, cand, cluster, step, pipeline, 1.0 - busy / pipeline, last)
+    estimate.parts = last.parts.scaled(m / counted, step)
     estimate.extrapolated = True
     return estimate
 
@@ -172,34 +226,30 @@ def _estimate_for(spec, cand, cluster, step, pipeline, bubble, like: StepEstimat
     )
 
 
-def _stretched(
-    spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None
-) -> StepEstimate:
-    """One simulation; CPU ranks sharing fewer cores (``cluster.cores``) compute slower while more of
-    them are busy: compute is stretched by the busy ranks per core, which depends on the bubble,
-    which depends on the stretch; three rounds settle it."""
+def _time(cand: Candidate, cluster: Cluster, seconds: dict, latency: float) -> Timing:
+    """The schedule's timing: fixed durations, or on shared cores durations that follow the load."""
     if not cluster.cores:
-        return _estimate(spec, cand, cluster, profile, 1.0)
-    ranks = min(cand.world_size, cluster.gpus_per_node)
-    stretch = max(1.0, ranks / cluster.cores)
-    for _ in range(3):
-        estimate = _estimate(spec, cand, cluster, profile, stretch)
-        stretch = max(1.0, ranks * (1.0 - estimate.bubble) / cluster.cores)
-    return estimate
+        return _timer(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches).time(seconds, latency)
+    processes = min(cand.world_size, cluster.gpus_per_node) // cand.pp
+    tables = _timer(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches).tables
+    slowdown = partial(cluster.host.slowdown_at, cores=cluster.cores)
+    return time_shared(tables, cand.placement, seconds, latency=latency, processes=max(1, processes),
+                       slowdown=slowdown)  # fmt: skip
 
 
-def _estimate(
-    spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None, stretch: float
-) -> StepEstimate:
-    model = StageCostModel(spec, cand, cluster, profile)
-    costs = {key: ActionCosts(*(stretch * x for x in (c.forward, c.backward_input, c.backward_weight)))
-             for key, c in _stage_costs(model, cand).items()}  # fmt: skip
-    timer = _timer(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches)
-    seconds = {(kind, *key): getattr(c, name) for key, c in costs.items() for kind, name in _COST_OF.items()}
-    result = timer.time(seconds, model.p2p_seconds() if cand.pp > 1 else 0.0)
-    start = min((times[0] for times in result.start_times if times), default=0.0)
-    finish, exposed, optimizer = 0.0, 0.0, 0.0
-    for rank, table in enumerate(timer.tables):
+@dataclass
+class _RankEnd:
+    """When a rank is done: its last action, its data-parallel tail beyond it, and its optimizer."""
+
+    compute_end: float
+    end: float
+    optimizer: float
+
+
+def _rank_ends(spec, cand, model, costs, timer_tables, result: Timing) -> list[_RankEnd]:
+    """Each rank's reduction starts at its chunk's last backward and runs beside its compute."""
+    out = []
+    for rank, table in enumerate(timer_tables):
         ends = result.end_times[rank]
         last_backward = {a.chunk: ends[i] for i, a in enumerate(table) if a.kind in (B, W)}
         compute_end = max(ends) if ends else 0.0
@@ -209,20 +259,82 @@ def _estimate(
         for launch in sorted(last_backward.values()):
             comm_end = max(comm_end, launch) + per_chunk
         first_forward = costs[rank, 0].forward
-        rank_end = max(compute_end, comm_end) + max(0.0, gather - first_forward)
-        if rank_end > finish:
-            finish, exposed = rank_end, rank_end - compute_end
-        optimizer = max(optimizer, opt)
-    pipeline = max(max(e) for e in result.end_times if e) - start
-    step = finish - start + optimizer
+        out.append(_RankEnd(compute_end, max(compute_end, comm_end) + max(0.0, gather - first_forward), opt))
+    return out
+
+
+def _parts(
+    cand: Candidate,
+    cluster: Cluster,
+    seconds: dict,
+    result: Timing,
+    no_messages: Timing | None,
+    rank: int,
+    ends: list[_RankEnd],
+) -> StepParts:
+    """The breakdown of ``rank``'s step (:class:`StepParts`)."""
+    table = _timer(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches).tables[rank]
+    fixed = cluster.host.action_seconds
+    alone = sum(seconds[a.kind, rank, a.chunk] for a in table)
+    start = min((times[0] for times in result.start_times if times), default=0.0)
+    waiting = ends[rank].compute_end - start - result.busy[rank]
+    messages = 0.0
+    if no_messages is not None:
+        quiet = max(no_messages.end_times[rank], default=0.0) - start
+        messages = min(waiting, max(0.0, ends[rank].compute_end - start - quiet))
+    received = sum(1 for a in table if _receives(cand, rank, a))
+    return StepParts(
+        compute=alone - fixed * len(table),
+        shared_cores=result.busy[rank] - alone,
+        per_action=fixed * len(table),
+        messages=messages,
+        bubble=waiting - messages,
+        exposed_comm=ends[rank].end - ends[rank].compute_end,
+        optimizer=max(e.optimizer for e in ends),
+        per_step=cluster.host.step_seconds,
+        actions=len(table),
+        messages_received=received,
+    )
+
+
+def _receives(cand: Candidate, rank: int, action) -> bool:
+    """Whether an action waits for a message from another rank (a forward's input, a backward's gradient)."""
+    stage = cand.stage_of(rank, action.chunk)
+    if action.kind == F:
+        return stage > 0 and cand.placement.rank(stage - 1) != rank
+    if action.kind in (B, I):
+        last = cand.pp * cand.vpp - 1
+        return stage < last and cand.placement.rank(stage + 1) != rank
+    return False
+
+
+def _estimate(
+    spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None, explain: bool
+) -> StepEstimate:
+    model = StageCostModel(spec, cand, cluster, profile)
+    costs = _stage_costs(model, cand)
+    fixed = cluster.host.action_seconds
+    seconds = {
+        (kind, *key): getattr(c, name) + fixed for key, c in costs.items() for kind, name in _COST_OF.items()
+    }
+    latency = model.p2p_seconds() if cand.pp > 1 else 0.0
+    result = _time(cand, cluster, seconds, latency)
+    quiet = _time(cand, cluster, seconds, 0.0) if explain and latency > 0 else None
+    tables = _timer(cand.schedule, cand.pp, cand.vpp, cand.num_microbatches).tables
+    ends = _rank_ends(spec, cand, model, costs, tables, result)
+    start = min((times[0] for times in result.start_times if times), default=0.0)
+    slowest = max(range(cand.pp), key=lambda r: ends[r].end)
+    optimizer = max(e.optimizer for e in ends)
+    step = ends[slowest].end - start + optimizer + cluster.host.step_seconds
     tokens = cand.global_batch_size * spec.seq_length
     peak = cluster.gpu.peak_tflops * 1e12
     return StepEstimate(
         step_seconds=step,
-        pipeline_seconds=pipeline,
+        pipeline_seconds=max(max(e) for e in result.end_times if e) - start,
         bubble=result.bubble_fraction,
-        exposed_comm_seconds=exposed,
+        exposed_comm_seconds=ends[slowest].end - ends[slowest].compute_end,
         optimizer_seconds=optimizer,
         tokens_per_second_per_gpu=tokens / step / cand.world_size,
         mfu=_model_flops_per_step(spec, cand) / (step * cand.world_size * peak),
+        parts=_parts(cand, cluster, seconds, result, quiet, slowest, ends),
     )

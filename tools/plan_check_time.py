@@ -1,8 +1,10 @@
 """Check the planner's step times against real runs on this machine, and its rebalancer.
 
-    python tools/plan_check_time.py layouts    # plan a 4-rank, 8-layer GPT with --profile-local, run 8+
+    python tools/plan_check_time.py layouts    # plan a 4-rank, 8-layer GPT with --profile-local, run 8
                                                # of its layouts for real (turns, medians): Spearman rank
-                                               # correlation, and the top pick's step over the best's
+                                               # correlation, the top pick's step over the best's, and
+                                               # how many predictions are within 15% of measured
+    python tools/plan_check_time.py layouts --models gpt-256 llama-256 gpt-512   # GPT and LLaMA, 3 sizes
     python tools/plan_check_time.py rebalance  # a PP=4 GPT with a large vocabulary on its last stage: run it
                                                # with --timeline-dir, plan --from-timeline, then run both
                                                # layouts in turns: the measured step-time ratio
@@ -32,6 +34,22 @@ MODEL = (
     "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
     "--vocab-size 8191 --global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0"
 )
+MODELS = {
+    "gpt-256": MODEL,
+    "llama-256": (
+        "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4 "
+        "--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+        "--disable-bias-linear --seq-length 256 --max-position-embeddings 256 --vocab-size 8191 "
+        "--global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0"
+    ),
+    "gpt-512": (
+        "--num-layers 6 --hidden-size 512 --num-attention-heads 8 --seq-length 128 --max-position-embeddings 128 "
+        "--vocab-size 16383 --global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0"
+    ),
+}
+"""The models ``layouts`` checks (``--models``): GPT and LLaMA, three sizes."""
+WITHIN = 0.15
+"""The issue's goal per candidate: predicted within this share of measured."""
 UNBALANCED = (
     "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
     "--vocab-size 32767 --global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0 "
@@ -99,13 +117,13 @@ def choose(planned: list, count: int) -> list:
     return [distinct[round(i * step)] for i in range(count)]
 
 
-def check_layouts(count: int, rounds: int, iterations: int) -> dict:
+def check_layouts(count: int, rounds: int, iterations: int, model: str = MODEL) -> dict:
     from planner.cli import main as plan
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plan.out")
         with open(out, "w") as f, contextlib.redirect_stdout(f):
-            plan([*MODEL.split(), "--num-gpus", "4", "--profile-local", "--top", "1000", "--json"])
+            plan([*model.split(), "--num-gpus", "4", "--profile-local", "--top", "1000", "--json"])
         with open(out) as f:
             payload = json.loads(f.read().strip().splitlines()[-1])
     planned = [
@@ -133,14 +151,15 @@ def check_layouts(count: int, rounds: int, iterations: int) -> dict:
         "rows": rows,
         "spearman": _spearman(predicted, actual),
         "top_pick_over_best": actual[0] / min(actual),
+        "within": sum(abs(p / a - 1) <= WITHIN for p, a in zip(predicted, actual)),
         "load": _load(),
     }
-    print(f"{'candidate':45s} {'predicted s':>12s} {'measured s':>11s}")
+    print(f"{'candidate':45s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s}")
     for r in rows:
         print(f"{r['split'] + ' ' + r['schedule'] + ' mbs ' + str(r['micro_batch_size']):45s} "
-              f"{r['predicted']:12.3f} {r['measured']:11.3f}")  # fmt: skip
+              f"{r['predicted']:12.3f} {r['measured']:11.3f} {r['predicted'] / r['measured'] - 1:+7.0%}")  # fmt: skip
     print(f"Spearman {result['spearman']:.3f}; top pick {result['top_pick_over_best']:.3f}x the best measured; "
-          f"{result['load']}")  # fmt: skip
+          f"{result['within']}/{len(rows)} within {WITHIN:.0%}; {result['load']}")  # fmt: skip
     return result
 
 
@@ -188,9 +207,14 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=8, help="layouts to run (layouts)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=6, help="per run; the first two are not timed")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["gpt-256"],
+                        help="layouts: the models to check, each in turn (all: GPT and LLaMA, three sizes)")  # fmt: skip
     args = parser.parse_args()
     if args.what == "layouts":
-        result = check_layouts(args.count, args.rounds, args.iterations)
+        result = {}
+        for name in args.models:
+            print(f"== {name}: {MODELS[name]}", flush=True)
+            result[name] = check_layouts(args.count, args.rounds, args.iterations, MODELS[name])
     else:
         result = check_rebalance(args.rounds, args.iterations)
     print(json.dumps({"check": args.what, **result}))

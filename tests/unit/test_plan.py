@@ -9,6 +9,7 @@ import argparse
 import json
 import random
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -22,12 +23,13 @@ from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.candidate import Candidate
 from planner.costs import LayerProfile
-from planner.hardware import GPUS, Cluster, Gpu
+from planner.hardware import GPUS, Cluster, Gpu, HostCosts
 from planner.inputs import read_input
 from planner.layouts import balanced_layout, stage_layer_counts
 from planner.megatron_formula import megatron_memory
 from planner.memory import rank_memory, rank_static
 from planner.search import DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY, search
+from planner.shared_cores import time_shared
 from planner.step_time import estimate_step
 
 _SMALL_FLAGS = (
@@ -221,6 +223,86 @@ def test_stage_timer_gives_the_simulators_floats(schedule, pp, vpp, m):
         StageTimer([[Action(B, 0)]], Placement(1)).time({(B, 0, 0): 1.0})
 
 
+def _cpu_cluster(**host) -> Cluster:
+    """Four CPU ranks on two cores, with the given measured host costs."""
+    gpu = Gpu("cpu", 0.07, 6, 0.01, 0.5, 0.5, 1.0, 300.0, 300.0)
+    return Cluster(4, 4, gpu, cores=2, host=HostCosts(**host))
+
+
+_TIED = [("zb-h1", 1), ("zb-h1", 2), ("zb-h1", 3), ("zbv", 2), ("1f1b", 3)]
+
+
+@pytest.mark.parametrize("host", [{}, {"action_seconds": 0.004, "slowdown": (1.0, 1.3, 1.9, 2.5)}])
+def test_the_step_parts_sum_to_the_step(small, host):
+    profile = LayerProfile(layer=(0.02, 0.02, 0.02), embedding=(0.001, 0.0, 0.002), loss=(0.01, 0.01, 0.005))
+    for cluster in (_cpu_cluster(**host), replace(_cpu_cluster(**host), cores=None)):
+        for schedule, vpp in _TIED:
+            cand = _candidate(small.spec, tp=2, pp=2, dp=1, vpp=vpp, schedule=schedule, micro_batch_size=8,
+                              num_microbatches=2)  # fmt: skip
+            step = estimate_step(small.spec, cand, cluster, profile)
+            assert step.parts.total() == pytest.approx(step.step_seconds, rel=1e-9)
+            assert min(vars(step.parts).values()) >= -1e-12
+            assert step.parts.actions == vpp * 2 * (3 if schedule in ("zb-h1", "zbv") else 2)
+
+
+def test_shared_cores_tie_on_total_work_and_the_report_says_why(small):
+    """Ideal core sharing makes a schedule's bubble free (issue 33's tie: the same step for 2 to 8
+    chunks); the breakdown shows the bubble traded for shared-core time. A measured per-action cost
+    makes the schedules with more chunks cost what they cost."""
+    from planner.report import explain_steps
+    from planner.search import Planned
+
+    profile = LayerProfile(layer=(0.02, 0.02, 0.02), loss=(0.01, 0.01, 0.005))
+    cands = [_candidate(small.spec, tp=2, pp=2, dp=1, vpp=v, schedule=s, micro_batch_size=8, num_microbatches=2)
+             for s, v in _TIED]  # fmt: skip
+    ideal = [estimate_step(small.spec, c, _cpu_cluster(), profile) for c in cands]
+    assert max(e.step_seconds for e in ideal) == pytest.approx(min(e.step_seconds for e in ideal), rel=0.01)
+    assert max(e.parts.bubble for e in ideal) > 1.5 * min(e.parts.bubble for e in ideal)
+    lines = explain_steps([Planned(c, [], step=e) for c, e in zip(cands, ideal)])
+    assert sum("ties #" in line for line in lines) == len(cands) - 1
+    assert "shared cores" in lines[2] and "bubble" in lines[2]
+    fixed = _cpu_cluster(action_seconds=0.01)
+    steps = {(c.schedule, c.vpp): estimate_step(small.spec, c, fixed, profile).step_seconds for c in cands}
+    assert steps["zb-h1", 1] < steps["zb-h1", 2] < steps["zb-h1", 3]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "vpp", "m"), [("1f1b", 4, 1, 9), ("zb-h1", 4, 2, 8), ("zbv", 2, 2, 4)]
+)
+def test_shared_core_timing_without_sharing_is_the_stage_timers(schedule, pp, vpp, m):
+    rng = random.Random(f"{schedule}{pp}{vpp}{m}")
+    costs = {(k, r, c): rng.uniform(0.5, 2.0) for r in range(pp) for c in range(vpp) for k in (F, B, I, W)}
+    tables, place = build_tables(schedule, pp, vpp, m), placement_for(schedule, pp, vpp)
+    timing = StageTimer(tables, place).time(costs, 0.03)
+    shared = time_shared(tables, place, costs, latency=0.03, processes=1, slowdown=lambda busy: 1.0)
+    assert shared.makespan == pytest.approx(timing.makespan, rel=1e-9)
+    for rank in range(pp):
+        assert shared.end_times[rank] == pytest.approx(timing.end_times[rank], rel=1e-9)
+    halved = time_shared(tables, place, costs, latency=0.0, processes=1, slowdown=lambda busy: 2.0)
+    assert halved.makespan == pytest.approx(2 * StageTimer(tables, place).time(costs).makespan, rel=1e-9)
+
+
+def test_the_engines_cost_per_action_is_recovered_from_empty_steps():
+    """``--profile-local`` fits the engine's fixed cost per action so that the shared-core timing of the
+    tables it ran gives the step it measured; here the 'measured' steps are timings with 1.5 ms."""
+    from planner.calibrate import ENGINE_CASES, fit_action_seconds
+
+    slowdown = partial(HostCosts(slowdown=(1.0, 1.2, 1.7, 2.3)).slowdown_at, cores=2)
+    steps = {}
+    for schedule, vpp in ENGINE_CASES:
+        tables, place = build_tables(schedule, 4, vpp, 8), placement_for(schedule, 4, vpp)
+        work = {(a.kind, r, a.chunk): 0.0015 for r, t in enumerate(tables) for a in t}
+        steps[schedule, vpp, 8] = time_shared(tables, place, work, latency=3e-4, processes=1,
+                                              slowdown=slowdown).makespan  # fmt: skip
+    assert fit_action_seconds(steps, 4, 3e-4, slowdown) == pytest.approx(0.0015, rel=1e-6)
+
+
+def test_a_measured_slowdown_curve_extends_with_the_ranks():
+    host = HostCosts(slowdown=(1.0, 1.3, 1.9, 2.5))
+    assert [host.slowdown_at(k, 2) for k in (0, 1, 3, 4, 8)] == [1.0, 1.0, 1.9, 2.5, 5.0]
+    assert [HostCosts().slowdown_at(k, 2) for k in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Search and command line
 # --------------------------------------------------------------------------------------------------
@@ -251,7 +333,7 @@ def test_cli_prints_a_table_and_a_json_line(capsys):
     assert set(payload) == {"candidates", "rejected"} and len(payload["candidates"]) == 3
     first = payload["candidates"][0]
     for key in ("tp", "pp", "vpp", "cp", "ep", "dp", "schedule", "micro_batch_size", "recompute", "layout",
-                "peak_memory_bytes", "step_seconds", "tokens_per_second_per_gpu", "mfu", "args"):  # fmt: skip
+                "peak_memory_bytes", "step_seconds", "tokens_per_second_per_gpu", "mfu", "args", "step_parts"):  # fmt: skip
         assert key in first
     assert all(c["tp"] == 2 for c in payload["candidates"])  # a flag given fixes its dimension
     assert "--tensor-model-parallel-size" in first["args"]
@@ -333,3 +415,6 @@ def test_rebalancing_recovers_the_costs_and_relieves_the_loss_stage(tmp_path, sm
     assert sum(r["loss_seconds"][1:]) == pytest.approx(0.050, rel=1e-3)
     proposed = parse_layout(r["proposed_layout"], 4, num_layers=8)
     assert proposed.stages[-1].count("t") < 2 and r["predicted_gain"] > 1.2
+    # the loop closed: the refitted costs give back the run's own pipeline (its timeline was simulated)
+    assert r["refit_pipeline_seconds"] == pytest.approx(r["measured_pipeline_seconds"], rel=1e-3)
+    assert r["planned_pipeline_seconds"] > 0

@@ -1,0 +1,296 @@
+"""What this machine's ranks pay beyond their layers' compute, measured with real ranks on gloo.
+
+``--profile-local`` measures each layer alone, on one thread; a real step also pays what no layer
+shows. Here as many real ranks as the plan has (one thread each, as under ``torchrun``) measure:
+
+* **collectives**: tiny and large all-reduces over every rank (latency and bandwidth of a ring step);
+* **pipeline messages**: a point-to-point ping-pong between two ranks, tiny and large (latency and
+  bandwidth of one ``isend``/``irecv``);
+* **latency under load**: a tiny all-reduce and a message between two ranks while the others
+  compute, as in a real step, where a collective waits until its partner holds a core: the larger
+  latency of the two ways is kept;
+* **shared cores**: the same compute on ``k`` ranks at once, ``k = 1 .. ranks``: how much longer
+  each takes than alone (``HostCosts.slowdown``);
+* **the engine's fixed cost per action**: the real schedule engine (``core.pipeline_parallel``)
+  runs 1F1B and interleaved ZB-H1 over stages that compute nothing; the cost per action is the one
+  with which the shared-core timing of the same tables gives the measured step.
+
+Nothing is tuned to a model: every figure is a time measured here, and a model's own layers come
+from :mod:`planner.profile`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from core import parallel_state as ps
+from core.model_parallel_config import ModelParallelConfig
+from core.pipeline_parallel.schedule_rules import placement_for
+from core.pipeline_parallel.schedule_tables import build_tables
+from core.pipeline_parallel.schedules import get_forward_backward_func
+from planner.hardware import HostCosts
+from planner.shared_cores import time_shared
+
+__all__ = ["HostMeasurement", "fit_action_seconds", "measure_host"]
+
+ENGINE_CASES = (("1f1b", 1), ("zb-h1", 2))
+"""Schedules (and chunks per rank) the engine's fixed cost is measured on."""
+_SEQ, _HIDDEN = 8, 8
+
+
+@dataclass(frozen=True)
+class HostMeasurement:
+    """What :func:`measure_host` found: the collectives' ring figures and the host's fixed costs."""
+
+    bandwidth: float
+    """Bytes/s of a ring step of an all-reduce over every rank."""
+    latency: float
+    """Seconds of a ring step's fixed cost, while the other ranks compute (as in a step)."""
+    host: HostCosts
+    engine_steps: dict
+    """(schedule, chunks, microbatches) -> measured seconds of the step whose stages compute nothing."""
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collectives(nbytes: int) -> tuple[float, float]:
+    """(seconds of a tiny all-reduce, of one of ``nbytes``) over every rank."""
+    timings = []
+    for numel, repeats in ((1, 30), (nbytes // 4, 4)):
+        buffer = torch.ones(numel)
+        dist.all_reduce(buffer)
+        dist.barrier()
+        timings.append(_median_seconds(lambda b=buffer: dist.all_reduce(b), repeats))
+    return timings[0], timings[1]
+
+
+def _ping_pong(rank: int, nbytes: int, repeats: int, *, barrier: bool = True) -> float:
+    """One-way seconds of a ``nbytes`` message between ranks 0 and 1 (half a round trip)."""
+    buffer = torch.zeros(max(1, nbytes // 4))
+    if barrier:
+        dist.barrier()
+
+    def round_trip():
+        if rank == 0:
+            dist.isend(buffer, 1).wait()
+            dist.irecv(buffer, 1).wait()
+        elif rank == 1:
+            dist.irecv(buffer, 0).wait()
+            dist.isend(buffer, 0).wait()
+
+    round_trip()
+    seconds = _median_seconds(round_trip, repeats) / 2
+    if barrier:
+        dist.barrier()
+    return seconds
+
+
+def _slowdowns(rank: int, world: int, units: int = 40, repeats: int = 5) -> tuple[float, ...]:
+    """Per ``k``: the time of a stretch of compute while ``k`` ranks run it, over alone. A stretch is
+    ``units`` matrix multiplies (tens of milliseconds): longer than the scheduler's time slices,
+    which a single short unit would slip between."""
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+
+    def stretch() -> None:
+        for _ in range(units):
+            torch.nn.functional.gelu(a @ b)
+
+    stretch()
+    seconds: list[list[float]] = [[] for _ in range(world)]
+    for _ in range(repeats):  # the counts in turns, so that load from elsewhere falls on all alike
+        for k in range(1, world + 1):
+            dist.barrier()
+            mine = torch.tensor([_median_seconds(stretch, 1) if rank < k else 0.0])
+            dist.all_reduce(mine)
+            seconds[k - 1].append(mine.item() / k)
+    curve, slowest = [], 1.0
+    for times in seconds:  # each round's ratio to its own alone; more ranks never make each faster
+        slowest = max(slowest, statistics.median(t / alone for t, alone in zip(times, seconds[0])))
+        curve.append(slowest)
+    return tuple(curve)
+
+
+def _contended(rank: int, world: int, busy_seconds: float = 1.5, repeats: int = 20) -> tuple[float, float]:
+    """(seconds of a tiny all-reduce between ranks 0 and 1, of a one-way message between them) while
+    the other ranks compute: a collective waits until its partner holds a core, as in a real step."""
+    pair = dist.new_group([0, 1])
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    buffer = torch.ones(1)
+    dist.barrier()
+    if rank >= 2:
+        deadline = time.perf_counter() + busy_seconds
+        while time.perf_counter() < deadline:
+            torch.nn.functional.gelu(a @ b)
+        dist.barrier()
+        return 0.0, 0.0
+    collective = _median_seconds(lambda: dist.all_reduce(buffer, group=pair), repeats)
+    message = _ping_pong(rank, 4, repeats, barrier=False)
+    dist.barrier()
+    return collective, message
+
+
+class _EmptyStage(torch.nn.Module):
+    """A model chunk that computes (almost) nothing: what is left of a step is the engine's."""
+
+    def __init__(self, config, first: bool, last: bool, vp_stage: int):
+        super().__init__()
+        self.config, self.vp_stage, self.pre_process, self.post_process = config, vp_stage, first, last
+        self.start = torch.nn.Parameter(torch.ones(_SEQ, 1, _HIDDEN))
+        self.weight = torch.nn.Parameter(torch.ones(_HIDDEN))
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensors) -> None:
+        self.input_tensor = tensors[0]
+
+    def forward(self):
+        return (self.start if self.pre_process else self.input_tensor) * self.weight
+
+
+def _forward_step(data_iterator, model):
+    return model(), lambda out: (out.sum(), {})
+
+
+def _engine_step(rank: int, world: int, schedule: str, vpp: int, m: int, steps: int) -> float:
+    """The slowest rank's median step of the real engine over empty stages (PP = ``world``)."""
+    virtual = vpp if vpp > 1 else None
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=virtual
+    )
+    try:
+        config = ModelParallelConfig(pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=virtual,
+                                     hidden_size=_HIDDEN, pipeline_schedule=schedule)  # fmt: skip
+        placement = placement_for(schedule, world, vpp)
+        stages = [placement.stage(rank, c) for c in range(vpp)]
+        chunks = [_EmptyStage(config, s == 0, s == world * vpp - 1, c) for c, s in enumerate(stages)]
+        func = get_forward_backward_func()
+        run = partial(func, forward_step_func=_forward_step, data_iterator=[None] * vpp if vpp > 1 else None,
+                      model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=_SEQ,
+                      micro_batch_size=1)  # fmt: skip
+        times = []
+        for i in range(steps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i:  # the first step opens the links
+                times.append(elapsed.item())
+        return statistics.median(times)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _worker(rank: int, world: int, init_file: str, nbytes: int, queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tiny, large = _collectives(nbytes)
+        p2p = (_ping_pong(rank, 4, 30), _ping_pong(rank, nbytes, 4))
+        slowdown = _slowdowns(rank, world)
+        contended = _contended(rank, world)
+        engine = {(s, v, 2 * world): _engine_step(rank, world, s, v, 2 * world, 5) for s, v in ENGINE_CASES}
+        if rank == 0:
+            queue.put({"all_reduce": (tiny, large), "p2p": p2p, "slowdown": slowdown, "engine": engine,
+                       "contended": contended})  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def _empty_step(
+    schedule: str, world: int, vpp: int, m: int, latency: float, slowdown
+) -> Callable[[float], float]:
+    """Seconds of the shared-core timing of the schedule when every action costs ``per_action``."""
+    tables, placement = build_tables(schedule, world, vpp, m), placement_for(schedule, world, vpp)
+    keys = {(a.kind, r, a.chunk) for r, t in enumerate(tables) for a in t}
+
+    def step(per_action: float) -> float:
+        work = dict.fromkeys(keys, per_action)
+        return time_shared(tables, placement, work, latency=latency, processes=1, slowdown=slowdown).makespan
+
+    return step
+
+
+def fit_action_seconds(engine_steps: dict, world: int, latency: float, slowdown) -> float:
+    """The fixed seconds per action with which the shared-core timing of each measured schedule gives
+    its measured step (bisection; the median over the schedules)."""
+    fitted = []
+    for (schedule, vpp, m), measured in engine_steps.items():
+        step = _empty_step(schedule, world, vpp, m, latency, slowdown)
+        low, high = 0.0, max(measured, 1e-6)
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (mid, high) if step(mid) < measured else (low, mid)
+        fitted.append((low + high) / 2)
+    return statistics.median(fitted)
+
+
+def _collect(queue, procs, timeout: float = 600) -> dict:
+    """Rank 0's figures, or an error as soon as a rank dies (instead of waiting out the timeout)."""
+    import queue as queues
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(
+                    f"a calibration rank failed (exit codes {dead}); see its error above"
+                ) from None
+    raise TimeoutError(f"calibration ranks did not finish within {timeout:.0f} s")
+
+
+def measure_host(world: int, cores: int, nbytes: int = 4 << 20) -> HostMeasurement:
+    """Spawn ``world`` gloo ranks here and measure (module docstring)."""
+    import torch.multiprocessing as mp
+
+    world = max(world, 2)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=_worker, args=(r, world, init, nbytes, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            found = _collect(queue, procs)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    steps = 2 * (world - 1)
+    tiny, large = found["all_reduce"]
+    latency = tiny / steps
+    bandwidth = nbytes / world / max(large / steps - latency, 1e-12)
+    p2p_tiny, p2p_large = found["p2p"]
+    collective, message = found["contended"]
+    latency = max(latency, collective / 2)  # a two-rank all-reduce: two ring steps
+    host = HostCosts(
+        message_latency=max(p2p_tiny, message),
+        message_bandwidth=nbytes / max(p2p_large - p2p_tiny, 1e-12),
+        slowdown=found["slowdown"],
+    )
+    slowdown = partial(host.slowdown_at, cores=cores)
+    action = fit_action_seconds(found["engine"], world, p2p_tiny, slowdown)
+    return HostMeasurement(
+        bandwidth, latency, HostCosts(**{**host.__dict__, "action_seconds": action}), found["engine"]
+    )
