@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from core import parallel_state as ps
 from core.model_parallel_config import ModelParallelConfig
-from core.pipeline_parallel.schedule_rules import placement_for
+from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE, SCHEDULES, placement_for, schedule_rule
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from planner.hardware import HostCosts
@@ -42,8 +42,12 @@ from planner.shared_cores import time_shared
 
 __all__ = ["HostMeasurement", "fit_action_seconds", "measure_host"]
 
-ENGINE_CASES = (("1f1b", 1), ("zb-h1", 2))
-"""Schedules (and chunks per rank) the engine's fixed cost is measured on."""
+ENGINE_CASES = (
+    (DEFAULT_SCHEDULE, 1),
+    (next(n for n in SCHEDULES if schedule_rule(n).split_backward and schedule_rule(n).interleaves), 2),
+)
+"""Schedules (and chunks per rank) the engine's fixed cost is measured on: plain 1F1B, and ZB-H1
+interleaved over two chunks (a split backward: I and W actions too)."""
 _SEQ, _HIDDEN = 8, 8
 
 
