@@ -9,6 +9,7 @@ The tests that run a command to its end (``torchrun`` or ``python``) and read it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -96,21 +97,28 @@ def run_captured(
     """Run ``cmd`` to its end with its stdout and stderr kept apart as text; the exit code is the
     caller's to check (its assertion shows the output).
 
-    A run past ``timeout`` is killed and comes back as exit code 124 with what it had printed, and a
-    last stderr line saying so: the caller's assertion then shows where it stood (a pytest-timeout
-    would show only the test's own stack)."""
-    try:
-        return subprocess.run(
-            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False, shell=shell
-        )
-    except subprocess.TimeoutExpired as expired:
-        return subprocess.CompletedProcess(
-            cmd, 124, _text(expired.stdout), _text(expired.stderr) + f"\n[killed after {timeout} s]\n"
-        )
-
-
-def _text(output: bytes | str | None) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+    A run past ``timeout`` is killed, with its whole session (torchrun's workers too: a script that
+    calls ``pretrain()`` itself does not watch its launcher), and comes back as exit code 124 with what
+    it had printed and a last stderr line saying so: the caller's assertion then shows where it stood
+    (a pytest-timeout would show only the test's own stack)."""
+    with subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        shell=shell,
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            return subprocess.CompletedProcess(cmd, 124, stdout, stderr + f"\n[killed after {timeout} s]\n")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def start_session(cmd: list[str], *, env: dict[str, str]) -> subprocess.Popen:
