@@ -811,7 +811,8 @@ def test_a_data_file_only_rank_0_reads_through_torchrun(data, tmp_path):
 
 @pytest.mark.slow
 def test_a_validation_error_on_four_ranks_through_torchrun(data):
-    code, output = run(4, TINY + ["--pipeline-model-parallel-size", "4", "--split", "1,2,x"], env=job_env())
+    flags = TINY + ["--train-iters", "2", "--pipeline-model-parallel-size", "4", "--split", "1,2,x"]
+    code, output = run(4, flags, env=job_env())
     assert code == 1
     _check_once(output, f"{PROG}: error: --split '1,2,x': 'x' is not a number; {SPLIT_HINT}", 1, 4)
 

@@ -178,6 +178,7 @@ def _check_curves(curves: dict[str, list[float]], splits: list[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2000)  # inductor compiles every split's layers on 2 cores (its run may take 1800 s)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_training_follows_the_eager_loss_curve(tmp_path, backend):
     _check_curves(_curves(tmp_path, list(SPLITS), backend), list(SPLITS))
