@@ -20,8 +20,8 @@ from core.parallel_state import ParallelGroups
 from core.transformer import TransformerConfig
 from models.gpt import GPTModel
 from training import get_args, get_tokenizer, pretrain
-from training.arguments import transformer_config_from_args
-from training.config import DEFAULT_SPLIT
+from training.arguments.config import DEFAULT_SPLIT
+from training.arguments.parser import transformer_config_from_args
 from training.data import IndexedDataset, build_train_valid_test_datasets, default_tokenizer
 from training.data.builder import build_per_split_datasets
 from training.data.defaults import default_data_prefix

@@ -1,7 +1,7 @@
 """Command-line metadata on config fields, as plain data: core configs say how a field is spelled as a flag.
 
 A field of a config dataclass becomes a command-line flag named after it (``num_layers`` ->
-``--num-layers``), with its type, its default and its docstring as help; ``training/schema.py``
+``--num-layers``), with its type, its default and its docstring as help; ``training/arguments/schema.py``
 turns the configs into the parser. Most fields need nothing from this module. It is for the
 exceptions, and core never imports argparse or anything from ``training/``:
 

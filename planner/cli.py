@@ -1,5 +1,5 @@
 """``tools/plan.py``: the planner's command line. Its own flags say what cluster to plan for and what to
-do; every other flag is a Megatron flag, read by the project's parser (``training/arguments.py``).
+do; every other flag is a Megatron flag, read by the project's parser (``training/arguments/parser.py``).
 
     python tools/plan.py --preset llama3-8b --num-gpus 64
     python tools/plan.py --preset llama3-70b --num-gpus 512 --use-distributed-optimizer --dry-run 2

@@ -111,7 +111,7 @@ def _build_rank(run, vocab_size: int, fake: bool):
 
 
 def _batches(run, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """One step's microbatches, shaped as ``training.batches`` delivers them (all read at the step's start)."""
+    """One step's microbatches, shaped as ``training.data.batches`` delivers them (all read at the step's start)."""
     batch, seq = run.training.micro_batch_size, run.gpt.seq_length
     return [
         {

@@ -1,6 +1,6 @@
 """The cluster a plan is for: GPU peak, memory and bandwidths, every number overridable.
 
-Peaks are the dense 16-bit tensor-core figures ``training/throughput.py`` uses for MFU. Bandwidths
+Peaks are the dense 16-bit tensor-core figures ``training/reporting/throughput.py`` uses for MFU. Bandwidths
 are what a collective achieves, not the data sheet's: NCCL's bus bandwidth on NVLink within a node
 and per GPU over the network between nodes, each about 80-90% of the link's rate. The compute
 efficiency is the fraction of peak a transformer layer's matrix multiplies reach on that GPU once
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from training.throughput import PEAK_TFLOPS
+from training.reporting.throughput import PEAK_TFLOPS
 
 __all__ = ["GPUS", "Cluster", "Gpu", "HostCosts", "Interconnect"]
 

@@ -3,7 +3,7 @@
 Three ways in, one way through: a ``--preset`` (Megatron flags), a Hugging Face ``config.json``
 (``training/hf/config.py`` turns it into a ``TransformerConfig``, whose fields become Megatron flags
 as ``--use-checkpoint-args`` derives them), and Megatron's model flags as ``pretrain_gpt.py`` takes
-them, which come last and override. The flags are parsed by ``training.arguments.parse_args`` and
+them, which come last and override. The flags are parsed by ``training.arguments.parser.parse_args`` and
 checked by ``validate_args``, so the planner reads exactly the model training would build.
 
 The parallel layout is the planner's to choose, so its flags are taken out of the base command line;
@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 from planner.model_spec import ModelSpec
 from planner.presets import preset_flags
-from training.arguments import parse_args
+from training.arguments.parser import parse_args
+from training.arguments.schema import BY_DEST, BY_OPTION
 from training.checkpoint.model_args import checkpoint_model_args
 from training.hf.config import transformer_config_from_hf
 from training.run import build_run
-from training.schema import BY_DEST, BY_OPTION
 from training.tokenizer import build_tokenizer
 
 __all__ = ["PLANNED_DESTS", "PlanInput", "read_input"]

@@ -6,7 +6,7 @@ length, so the planner sees exactly what training would build. Counts are per te
 where the layer is split, and whole where it is replicated (norms, biases after a row-parallel
 layer, learned positions), because that is what one rank holds.
 
-FLOPs follow Megatron's ``num_floating_point_operations`` (``training/throughput.py``): every matrix
+FLOPs follow Megatron's ``num_floating_point_operations`` (``training/reporting/throughput.py``): every matrix
 multiply counts 2 FLOPs per multiply-add, attention scores count the causal half, and a backward is
 twice its forward. The planner splits that backward as the zero-bubble schedules do: the input
 gradient ``I`` (one pass over every weight, plus the attention core's backward) and the weight

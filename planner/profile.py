@@ -39,7 +39,7 @@ from planner.calibrate import measure_host
 from planner.costs import LayerProfile
 from planner.hardware import Cluster, Gpu
 from planner.model_spec import ModelSpec
-from training.arguments import transformer_config_from_args
+from training.arguments.parser import transformer_config_from_args
 
 __all__ = ["LocalProfile", "local_cluster", "measure_shape"]
 

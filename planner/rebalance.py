@@ -29,7 +29,7 @@ from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import Cluster
 from planner.layouts import balanced_layout
 from planner.step_time import estimate_step
-from training.timeline import load_trace
+from training.reporting.timeline import load_trace
 
 __all__ = ["fit_costs", "measured_pipeline_seconds", "rebalance", "rebalance_report", "stage_means"]
 

@@ -35,7 +35,7 @@ from planner.layouts import balanced_layout
 from planner.memory import RankMemory, candidate_memory, rank_static
 from planner.model_spec import ModelSpec
 from planner.step_time import StepEstimate, estimate_step, quick_estimate
-from training.schema import BY_OPTION, coverage_of
+from training.arguments.schema import BY_OPTION, coverage_of
 
 __all__ = [
     "DOES_NOT_DIVIDE",

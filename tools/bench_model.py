@@ -19,10 +19,10 @@ plain loops run in both: the table gives every contestant of each phase (its ``p
 each ratio compares figures of one phase (compiled against eager also normalised by the transformers
 eager loop, which runs in both).
 
-FLOPs per step, two ways, both stated: Megatron's count (``training/throughput.py``: every matmul
+FLOPs per step, two ways, both stated: Megatron's count (``training/reporting/throughput.py``: every matmul
 3x, causal attention halved, the output layer included) and torchtitan's (``6 N + 12 L H Q T`` per
 token: N the parameters but the input embedding, attention not halved). MFU needs the device's peak
-(the GPU table of ``training/throughput.py``, or ``--peak-tflops``). Peak memory is the most a step
+(the GPU table of ``training/reporting/throughput.py``, or ``--peak-tflops``). Peak memory is the most a step
 allocated above what was allocated when it started (activations, gradients, temporaries): CUDA's
 allocator on a GPU, the profiler's allocation records on a CPU, measured on one extra step. With
 ``--profile`` that step's operators are printed side by side, Trident's against the transformers
@@ -64,7 +64,7 @@ from core.optimizer import has_fused_kernel
 from models.gpt.hf_mapping import hf_architecture, hf_config_kwargs, to_hf
 from tools.bench_args import llama_flags
 from tools.op_profile import StepProbe, measure, print_comparison
-from training.throughput import num_floating_point_operations, peak_tflops
+from training.reporting.throughput import num_floating_point_operations, peak_tflops
 from training.training import pretrain
 
 CONFIGS = {
@@ -459,7 +459,7 @@ def print_table(rows: list[dict], args, device: torch.device, load: float) -> No
         f"load {load:.1f} -> {os.getloadavg()[0]:.1f}"
     )
     print(
-        "FLOPs: megatron = training/throughput.py (matmuls x3, causal attention halved); "
+        "FLOPs: megatron = training/reporting/throughput.py (matmuls x3, causal attention halved); "
         "torchtitan = 6 N + 12 L H Q T per token (N without the input embedding)"
     )
     head = f"{'config':<13}{'mb':>3}{'layers':>7}{'dtype':>6} {'phase':<8}{'contestant':<22}{'step ms':>9}{'tokens/s':>10}"

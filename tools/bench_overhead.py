@@ -1,7 +1,7 @@
 """What does the framework cost at one rank? ``pretrain()`` against a plain PyTorch loop, same model.
 
 Both train the same ``GPTModel`` (TP = PP = DP = 1) with AdamW, global-norm clipping and the same
-microbatching, on the same samples read the same way (``training.batches.BatchStream`` in the
+microbatching, on the same samples read the same way (``training.data.batches.BatchStream`` in the
 training process, ``--num-workers 0``: the dataset's samples stacked into microbatches). The plain loop is what one would write by hand:
 zero_grad, forward/backward per microbatch, clip, step.
 
@@ -39,7 +39,7 @@ import torch
 
 import pretrain_gpt
 from training import get_args
-from training.batches import BatchStream
+from training.data.batches import BatchStream
 from training.training import pretrain
 
 

@@ -7,7 +7,7 @@ and the classic ``pretrain_gpt_distributed_with_mp.sh``. Paths are placeholders 
 ``{data}`` (a corpus preprocessed with the GPT-2 BPE files the test builds), ``{vocab}``, ``{merges}``,
 ``{spm}`` (a SentencePiece model trained by the test), ``{ckpt}``, ``{tb}``, ``{cache}``.
 
-What Trident does with each flag comes from the coverage table (``training/schema.py``), never from
+What Trident does with each flag comes from the coverage table (``training/arguments/schema.py``), never from
 this file: ``rejected`` lists the flags a script's run is refused for, ``in_scope`` is the script
 without them. ``python -m tools.megatron_examples`` prints the table of the report.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shlex
 
-from training.schema import BY_OPTION, COVERAGE, NO_EFFECT, REJECTED_PREFIXES, coverage_of
+from training.arguments.schema import BY_OPTION, COVERAGE, NO_EFFECT, REJECTED_PREFIXES, coverage_of
 
 # 175B: TP 8 x PP 16, 96 layers of 12288 -> TP 2 x PP 2, 4 layers of 64; 500000 iterations -> 3. The
 # batch ramp (the script before Megatron-LM#4411: 16 16 5859375 up to 1536) -> 2, 4 and 8 in 3 iterations.

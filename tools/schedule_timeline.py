@@ -71,8 +71,8 @@ def simulated(schedule: str, pp: int, vpp: int, m: int, forward: float, backward
 
 def from_trace(path: str, iteration: int | None = None) -> tuple[Events, str]:
     """One recorded iteration of a training run's ``timeline.json``: its events and a one-line summary."""
-    from training.timeline import COMPUTE as KINDS
-    from training.timeline import load_trace
+    from training.reporting.timeline import COMPUTE as KINDS
+    from training.reporting.timeline import load_trace
 
     data = load_trace(path)
     step = next((s for s in data.iterations if iteration in (None, s.iteration)), None)
@@ -137,7 +137,7 @@ def measured(schedule: str, pp: int, vpp: int, m: int, forward_ms: float, backwa
 
 
 def _draw_simulated(events: Events, args, vpp: int) -> str:
-    from training.timeline import IterationTimeline, RankEvents, TimelineData, draw, measured_bubble
+    from training.reporting.timeline import IterationTimeline, RankEvents, TimelineData, draw, measured_bubble
 
     ranks = [
         RankEvents(
@@ -178,7 +178,7 @@ def main(argv=None) -> None:
         print(summary)
         print(render(events, max(e for rank in events for _, _, e in rank) / 100, width=5))
         if args.png:
-            from training.timeline import draw, load_trace
+            from training.reporting.timeline import draw, load_trace
 
             print(f"wrote {draw(load_trace(args.trace), args.png)}")
         return

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from training import faults
-from training.iteration_log import mean_per_key
-from training.logging_utils import print_line
+from training.reporting.iteration_log import mean_per_key
+from training.reporting.logging_utils import print_line
 from training.state import Session
 from training.step import run_global_batch
 

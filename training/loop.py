@@ -1,7 +1,7 @@
 """The training loop: steps until ``--train-iters``, reporting each, evaluating, saving and stopping.
 
 One iteration: the step (:mod:`training.step`), handed to the ledger (:mod:`training.step_ledger`)
-and, every ``--log-interval``, the log line (:mod:`training.iteration_log`); then, outside the
+and, every ``--log-interval``, the log line (:mod:`training.reporting.iteration_log`); then, outside the
 measured time, evaluation, the stop checks (``--exit-interval``, ``--exit-duration-in-mins``, SIGTERM
 with ``--exit-signal-handler``), a checkpoint every ``--save-interval`` and the caller's
 ``iteration_hook``.
@@ -24,23 +24,23 @@ import torch.distributed as dist
 from core.device import current_device
 from core.transformer.compile import compile_stats
 from training import faults
-from training.batch_sizes import ramp_flag
 from training.checkpoint.resume import save
+from training.data.batch_sizes import ramp_flag
 from training.evaluation import evaluate
 from training.faults import restart
+from training.faults.signal_handler import SignalHandler
 from training.faults.stragglers import StragglerDetector
-from training.iteration_log import LogWindow, log_line, wandb_row
-from training.logging_utils import print_line, print_rank_0
-from training.profiling import StepProfiler
-from training.progress import Progress
+from training.reporting.iteration_log import LogWindow, log_line, wandb_row
+from training.reporting.logging_utils import print_line, print_rank_0
+from training.reporting.profiling import StepProfiler
+from training.reporting.progress import Progress
+from training.reporting.throughput import memory_stats, num_floating_point_operations, peak_tflops
+from training.reporting.timeline import Timeline
 from training.run import Run
 from training.run_control import ExitTimer, ManualGC
-from training.signal_handler import SignalHandler
 from training.state import Session, Step, TrainState
 from training.step import any_rank, train_step
 from training.step_ledger import StepLedger
-from training.throughput import memory_stats, num_floating_point_operations, peak_tflops
-from training.timeline import Timeline
 
 
 def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None = None) -> None:

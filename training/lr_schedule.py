@@ -18,7 +18,7 @@ import argparse
 from typing import Any
 
 from core.optimizer.lr_scheduler import OptimizerParamScheduler
-from training.batch_sizes import batch_size_schedule
+from training.data.batch_sizes import batch_size_schedule
 
 __all__ = ["build_scheduler", "check_schedule", "scheduler_kwargs"]
 

@@ -6,17 +6,17 @@
     run.model.num_layers, run.optimizer.lr, run.training.train_iters, run.checkpointing.save
 
 ``build_run`` is the one sequence after parsing: ``--use-checkpoint-args`` fills the model flags
-from the ``--load`` checkpoint, :func:`~training.argument_checks.derive_args` checks the flags
+from the ``--load`` checkpoint, :func:`~training.arguments.checks.derive_args` checks the flags
 together and derives what they imply, a model flag contradicting the checkpoint is refused, and
 any of these errors becomes one :class:`~training.errors.ConfigError`. The parsed namespace is
 never written to.
 
 The typed objects are the dataclasses that declare the flags (``TransformerConfig``,
-``OptimizerConfig``, ``DistributedDataParallelConfig`` and the sections of ``training/config.py``),
+``OptimizerConfig``, ``DistributedDataParallelConfig`` and the sections of ``training/arguments/config.py``),
 holding the resolved values (``--global-batch-size`` filled in, ``--ffn-hidden-size`` computed,
 ...), plus what is no flag: the parallel sizes, the microbatch count, the pipeline layout (built
 once here) and the learning-rate schedule in samples. A new flag appears in its section by
-declaring the field (``training/schema.py``); a new parallel dimension is a field of
+declaring the field (``training/arguments/schema.py``); a new parallel dimension is a field of
 :class:`ParallelSizes`.
 
 ``run.args`` is Megatron's view of the same run, the parsed flags plus the derived values on a
@@ -40,11 +40,8 @@ from core.optimizer.optimizer_config import OptimizerConfig
 from core.pipeline_parallel.layout import PipelineLayout
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt.gpt_model import pipeline_layout
-from training.argument_checks import derive_args, megatron_namespace
-from training.arguments import parse_args_or_usage_error, transformer_config_from_args
-from training.batch_sizes import microbatch_calculator
-from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
-from training.config import (
+from training.arguments.checks import derive_args, megatron_namespace
+from training.arguments.config import (
     CheckpointingArgs,
     DataArgs,
     DistributedArgs,
@@ -55,6 +52,9 @@ from training.config import (
     TrainingArgs,
     ValidationArgs,
 )
+from training.arguments.parser import parse_args_or_usage_error, transformer_config_from_args
+from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
+from training.data.batch_sizes import microbatch_calculator
 from training.errors import ConfigError
 from training.faults.injection import FAULT_ENV, parse_faults
 from training.faults.restart import resume_from_save_on_restart

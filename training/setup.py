@@ -22,20 +22,20 @@ from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
 from models.gpt.parallelize import parallelize_gpt
 from training import faults
-from training.arguments import startup_report
-from training.batches import BatchStream
+from training.arguments.parser import startup_report
 from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.load import prepare_save_dir
 from training.checkpoint.resume import load
+from training.data.batches import BatchStream
 from training.faults import restart
-from training.fp8_report import fp8_report
 from training.global_vars import set_global_variables
-from training.logging_utils import is_logging_rank, print_line, print_rank_0
 from training.lr_schedule import build_scheduler
+from training.reporting.fp8_report import fp8_report
+from training.reporting.logging_utils import is_logging_rank, print_line, print_rank_0
+from training.reporting.run_logging import RunLoggers
+from training.reporting.wandb_logging import start_run
 from training.run import Run
-from training.run_logging import RunLoggers
 from training.state import Session, TrainState
-from training.wandb_logging import start_run
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from training.progress import Progress
+from training.reporting.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from core.parallel_state import ParallelGroups
     from core.pipeline_parallel.hooks import ScheduleHooks
     from models.gpt.parallelize import ParallelGPT
-    from training.batches import BatchStream
     from training.checkpoint.async_save import CheckpointSaver
-    from training.run_logging import RunLoggers
+    from training.data.batches import BatchStream
+    from training.reporting.run_logging import RunLoggers
 
 
 @dataclass

@@ -25,10 +25,10 @@ from core.pipeline_parallel.mailbox import PipelineShapeError
 from core.tensor_parallel.fp8 import update_fp8_scales
 from core.transformer.moe.moe_logging import reduce_moe_metrics_on_device
 from training import faults
-from training.batches import BatchStream
+from training.data.batches import BatchStream
 from training.errors import ConfigError
+from training.reporting.throughput import peak_memory_bytes
 from training.state import Session, Step
-from training.throughput import peak_memory_bytes
 
 if TYPE_CHECKING:
     from training.run import Run

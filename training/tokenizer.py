@@ -32,7 +32,7 @@ import math
 import os
 import typing
 
-from training.config import TokenizerType
+from training.arguments.config import TokenizerType
 from training.errors import DataError
 
 

@@ -24,8 +24,8 @@ from core import parallel_state as ps
 from core.device import select_backend
 from training import faults
 from training.faults import restart
-from training.logging_utils import print_line
 from training.loop import train
+from training.reporting.logging_utils import print_line
 from training.run import build_run, parse_run
 from training.setup import Providers, setup
 from training.state import TrainState
@@ -45,7 +45,7 @@ def pretrain(
 ) -> TrainState:
     """Train as the flags say; returns the final state (losses on the rank that logs them).
 
-    ``args``: an already parsed namespace (``training.arguments.parse_args``) instead of ``argv``;
+    ``args``: an already parsed namespace (``training.arguments.parser.parse_args``) instead of ``argv``;
     it is checked as the command line would be, and not written to. The providers receive
     Megatron's namespace (``run.args``, also ``get_args()``). Bad flags raise
     :class:`~training.errors.UsageError` (unparsable or rejected) or

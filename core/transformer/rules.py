@@ -1,7 +1,7 @@
 """What a decoder's config refuses, stated once for ``TransformerConfig`` and the command line.
 
 Sizes against tensor parallelism and each other, RoPE, recomputation and the loss fusion. The config
-reports these problems with its field names, ``training.argument_checks`` with Megatron's flags.
+reports these problems with its field names, ``training.arguments.checks`` with Megatron's flags.
 Where the command line has long worded a rule its own way (scripts and tests match that line), the
 problem carries that wording beside the API's, over the same fields and values.
 """

@@ -406,8 +406,8 @@ def test_wandb_tensorboard_and_the_log_name_the_context_parallel_split(cp2_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from training.checkpoint.reader import open_checkpoint
-    from training.throughput import num_floating_point_operations
-    from training.wandb_logging import read_offline_history
+    from training.reporting.throughput import num_floating_point_operations
+    from training.reporting.wandb_logging import read_offline_history
 
     assert "TP=1 PP=2 VPP=1 CP=2 DP=1" in cp2_run.printed
     (run_dir,) = glob.glob(str(cp2_run.logs / "wandb" / "offline-run-*"))

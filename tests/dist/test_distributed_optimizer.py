@@ -337,10 +337,10 @@ def test_wandb_gets_every_iteration_with_mfu_memory_and_eval_mode_losses_repeat(
     """lr 0 keeps the weights fixed, so with dropout 0.1 two evaluations agree only in eval mode."""
     import glob
 
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
-    from training.throughput import num_floating_point_operations
-    from training.wandb_logging import read_offline_history
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
+    from training.reporting.throughput import num_floating_point_operations
+    from training.reporting.wandb_logging import read_offline_history
 
     flags = small_gpt(data_prefix, 4, "--pipeline-model-parallel-size", "2")
     flags += [

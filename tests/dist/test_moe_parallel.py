@@ -537,7 +537,7 @@ def _logging_rank(rank, world_size, argv):
 def test_auxiliary_losses_are_logged_per_layer_and_as_megatrons_mean(ranks, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from training.wandb_logging import read_offline_history
+    from training.reporting.wandb_logging import read_offline_history
 
     argv = [
         *("--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"),

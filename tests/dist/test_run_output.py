@@ -21,7 +21,7 @@ import pytest
 
 import torch.distributed  # noqa: F401 -- imported once here, not in each forked child
 
-from training.logging_utils import print_line, print_rank_0
+from training.reporting.logging_utils import print_line, print_rank_0
 
 RANKS, LINES = 4, 100
 

@@ -322,7 +322,7 @@ def _out_of_vocabulary_in_a_worker(token: int):
 
     def act(tmp_path: Path, monkeypatch) -> None:
         from core import parallel_state as ps
-        from training.batches import BatchStream
+        from training.data.batches import BatchStream
 
         prefix = _one_document_dataset(tmp_path, [3] * 40 + [token] + [3] * 59, np.uint16)
         dataset = GPTDataset(
@@ -509,9 +509,9 @@ def _scheduler_case(flags: str, message: str) -> Case:
         import torch
 
         from core.optimizer.lr_scheduler import OptimizerParamScheduler
-        from training.arguments import config_from_args, parse_args
+        from training.arguments.config import LearningRateArgs
+        from training.arguments.parser import config_from_args, parse_args
         from training.checkpoint.resume import check_scheduler
-        from training.config import LearningRateArgs
         from training.lr_schedule import build_scheduler, scheduler_kwargs
 
         def schedule(argv: str):

@@ -14,7 +14,7 @@ def test_a_run_along_the_ramp_steps_each_batch_and_builds_each_schedule_table_on
     from core.optimizer.lr_scheduler import OptimizerParamScheduler
     from core.pipeline_parallel import schedules
     from tests.support.pretrain_run import pretrain_gpt_in_process
-    from training.arguments import parse_args
+    from training.arguments.parser import parse_args
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     built, increments = [], []

@@ -47,7 +47,7 @@ from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.files import read_header
 from training.checkpoint.load import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
 from training.data.indexed_dataset import IndexedDatasetBuilder
-from training.signal_handler import SignalHandler
+from training.faults.signal_handler import SignalHandler
 
 VOCAB, SEQ, SEED = 50, 16, 11  # VOCAB pads to 56 at TP=1 and 64 at TP=2 and 4
 STATES = ("exp_avg", "exp_avg_sq")

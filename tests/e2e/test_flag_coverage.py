@@ -23,15 +23,13 @@ from core.transformer.transformer_config import openai_gelu
 from tests.support.flags import assert_refused
 from tests.support.flags import megatron_args as _args
 from tests.support.torchrun_jobs import job_env, run_captured
-from training.arguments import (
+from training.arguments.parser import (
     build_parser,
     parse_args,
     startup_report,
     transformer_config_from_args,
 )
-from training.run import build_run
-from training.run_control import ExitTimer, ManualGC
-from training.schema import (
+from training.arguments.schema import (
     BY_OPTION,
     COVERAGE,
     FLAGS,
@@ -43,6 +41,8 @@ from training.schema import (
     coverage_of,
     not_yet,
 )
+from training.run import build_run
+from training.run_control import ExitTimer, ManualGC
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = (
@@ -134,7 +134,7 @@ def test_every_shown_flag_has_help_text():
 def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
     from dataclasses import fields
 
-    from training.schema import SECTIONS, _annotation
+    from training.arguments.schema import SECTIONS, _annotation
 
     for cls, _ in SECTIONS:
         for field in fields(cls):

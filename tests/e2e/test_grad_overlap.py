@@ -117,7 +117,7 @@ def test_bucket_reductions_launch_before_the_last_backward_ends(overlap_run, sch
 
 
 def test_timeline_of_real_training_is_written_and_reports_the_bubble(overlap_run):
-    from training.timeline import load_trace
+    from training.reporting.timeline import load_trace
 
     _, stdout, directory = overlap_run
     assert "timeline of iteration 1: measured bubble" in stdout

@@ -20,9 +20,9 @@ import pytest
 from tests.support.bpe import train_byte_level_bpe
 from tests.support.torchrun_jobs import job_env, run_captured, torchrun_command
 from tools.megatron_examples import NPROC, SCRIPTS, in_scope, rejected, tokens
-from training.argument_checks import validate_args
-from training.arguments import _rejection, parse_args
-from training.schema import NOT_YET, UNSUPPORTED, coverage_of
+from training.arguments.checks import validate_args
+from training.arguments.parser import _rejection, parse_args
+from training.arguments.schema import NOT_YET, UNSUPPORTED, coverage_of
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT_OF_SCOPE = {

@@ -17,7 +17,7 @@ import socket
 import pytest
 
 from tests.support.torchrun_jobs import TINY, Job, job_env, losses, write_tiny_dataset
-from training.wandb_logging import read_offline_history
+from training.reporting.wandb_logging import read_offline_history
 
 LOGGING_RANK = 2  # pipeline rank 1, data-parallel rank 0: rank = dp + 2 * pp in Megatron's order
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.torchrun_jobs import broken_lines, run_captured, start_session, torchrun_command
-from training.wandb_logging import read_offline_history
+from training.reporting.wandb_logging import read_offline_history
 
 ROOT = Path(__file__).resolve().parents[2]
 # A small GPT that trains in well under a second per iteration on two cores.

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from training.argument_checks import validate_args
-from training.arguments import parse_args
+from training.arguments.checks import validate_args
+from training.arguments.parser import parse_args
 
 
 def megatron_args(argv: str = "", world_size: int = 1) -> argparse.Namespace:

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from tests.support.flags import assert_refused
 from tests.support.flags import megatron_args as _args
-from training.argument_checks import validate_args
-from training.arguments import TINY_DEMO, build_parser, parse_args, transformer_config_from_args
-from training.schema import FLAGS
+from training.arguments.checks import validate_args
+from training.arguments.parser import TINY_DEMO, build_parser, parse_args, transformer_config_from_args
+from training.arguments.schema import FLAGS
 
 BRIEF_FLAGS = re.findall(
     r"--[a-z0-9-]+",

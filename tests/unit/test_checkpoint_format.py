@@ -43,7 +43,7 @@ from training.checkpoint.async_save import CheckpointSaver
 from training.checkpoint.files import TensorFileWriter, read_header
 from training.checkpoint.format import optimizer_tensor_name, shard_from_full
 from training.checkpoint.load import load_checkpoint
-from training.signal_handler import SignalHandler
+from training.faults.signal_handler import SignalHandler
 
 VOCAB, SEQ = 50, 16
 
@@ -494,8 +494,8 @@ def test_pretrain_checks_save_before_building_anything(tmp_path):
 
 
 def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
     from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
 
     _write(tmp_path, tokenizer_type="NullTokenizer")
@@ -528,8 +528,8 @@ def test_checkpoint_args_take_or_check_the_model_flags(tmp_path):
 def test_use_checkpoint_args_takes_the_vocabulary_and_the_dropout_and_says_so(tmp_path):
     """An imported model (dropout 0, a Hugging Face tokenizer) fine-tuned on token ids: the NullTokenizer's
     --vocab-size comes from the checkpoint's VOCAB ids, the dropout from its config, unless given."""
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args, startup_report
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args, startup_report
     from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
 
     (tmp_path / "hf_tokenizer").mkdir()
@@ -567,8 +567,8 @@ def test_use_checkpoint_args_takes_the_vocabulary_and_the_dropout_and_says_so(tm
 
 
 def test_ckpt_format_accepts_megatrons_names_only():
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
 
     for fmt in ("torch", "torch_dist", "fsdp_dtensor"):
         validate_args(parse_args(["--ckpt-format", fmt]), 1)

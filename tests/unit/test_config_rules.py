@@ -1,6 +1,6 @@
 """The command line and the Python API refuse the same context-parallel, MoE and decoder configurations,
 with the same problem: the config's rule, said with field names by ``TransformerConfig`` and with
-Megatron's flags by ``training.argument_checks``. No processes."""
+Megatron's flags by ``training.arguments.checks``. No processes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from core.problems import Problem, ProblemsError, problem
 from core.transformer import TransformerConfig
 from core.transformer.moe.rules import moe_training_problems
 from tests.support.flags import MODEL, megatron_args
-from training.argument_checks import command_line_message
+from training.arguments.checks import command_line_message
 
 SIZES = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}
 """What ``MODEL``'s flags give the config."""

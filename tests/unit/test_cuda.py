@@ -123,7 +123,7 @@ def test_twenty_steps_make_no_host_wait_outside_logging_steps():
 
 
 def test_distributed_optimizer_and_overlap_on_nccl_match_the_plain_optimizer(tmp_path, no_tf32):
-    from training.timeline import load_trace
+    from training.reporting.timeline import load_trace
 
     flags = f"{LLAMA} --train-iters 4 --log-interval 2 --distributed-backend nccl"
     plain = _pretrain(flags)

@@ -119,8 +119,8 @@ GPT_MODEL = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-lengt
 
 def _model_from_flags(argv: str) -> GPTModel:
     from core.transformer.transformer_config import TransformerConfig
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args, transformer_config_from_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args, transformer_config_from_args
 
     args = validate_args(parse_args([*argv.split(), *RUN]), 1)
     return GPTModel(TransformerConfig(**transformer_config_from_args(args)), VOCAB, SEQ).eval()
@@ -393,7 +393,7 @@ def test_a_missing_or_truncated_shard_is_one_error_naming_the_file(tmp_path, hf_
 
 def _pretrain(argv: list[str]):
     from tests.support.pretrain_run import pretrain_gpt_in_process
-    from training.arguments import parse_args
+    from training.arguments.parser import parse_args
 
     args = parse_args(argv)
     return args, pretrain_gpt_in_process(args=args)

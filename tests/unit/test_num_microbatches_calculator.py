@@ -159,8 +159,8 @@ def test_the_calculator_gives_microbatches_per_step_and_where_each_batch_begins(
 
 
 def _args(argv: str, world_size: int = 1):
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
 
     return validate_args(parse_args(shlex.split(argv)), world_size)
 
@@ -210,7 +210,7 @@ def test_each_step_of_a_ramp_reads_the_same_samples_when_resumed_there(dataloade
     opened at that step (a resumed run); with ``single`` a step reads exactly the next global batch."""
     import itertools
 
-    from training.batches import SAMPLERS
+    from training.data.batches import SAMPLERS
 
     calc = NumMicroBatchesCalculator(
         BatchSizeSchedule.rampup(2, 2, 48, 8), micro_batch_size=1, data_parallel_size=2

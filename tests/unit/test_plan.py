@@ -67,7 +67,7 @@ def test_presets_have_the_published_parameter_counts():
 
 
 def test_flops_are_megatrons_count(small):
-    from training.throughput import num_floating_point_operations
+    from training.reporting.throughput import num_floating_point_operations
 
     spec = small.spec
     args = argparse.Namespace(
@@ -310,8 +310,8 @@ def test_a_measured_slowdown_curve_extends_with_the_ranks():
 
 def test_search_ranks_what_fits_and_groups_the_rest(small):
     from planner.report import candidate_args
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
 
     cluster = Cluster(8, 8, replace(GPUS["h100"], memory_gb=0.12))
     result = search(small.spec, cluster, global_batch_size=16, top=5)
@@ -347,7 +347,7 @@ def test_a_multi_node_plan_prints_a_command_that_runs_on_every_node(capsys):
     from torch.distributed.run import get_args_parser
 
     from planner.cli import main
-    from training.arguments import parse_args
+    from training.arguments.parser import parse_args
     from training.run import build_run
 
     flags = ["--num-gpus", "16", "--gpus-per-node", "4", "--tensor-model-parallel-size", "2",
@@ -377,7 +377,7 @@ def _timeline(path, cand: Candidate, costs: dict[str, tuple[float, float]]) -> N
     from core.pipeline_parallel.schedule_rules import placement_for
     from core.pipeline_parallel.schedule_tables import build_tables
     from core.pipeline_parallel.simulator import simulate
-    from training.timeline import IterationTimeline, RankEvents, TimelineData, chrome_trace
+    from training.reporting.timeline import IterationTimeline, RankEvents, TimelineData, chrome_trace
 
     def cost(kind):
         def of(action, rank):

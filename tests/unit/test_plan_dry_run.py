@@ -110,8 +110,8 @@ def test_a_context_parallel_layer_saves_what_the_model_says():
     from core.transformer.transformer_layer import TransformerLayer
     from planner.activations import Shape, stage_activations
     from planner.live_bytes import LiveBytes
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args, transformer_config_from_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args, transformer_config_from_args
 
     cp, tp, batch = 2, 2, 2
     args = validate_args(

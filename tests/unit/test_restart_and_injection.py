@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from training.arguments import parse_args
+from training.arguments.parser import parse_args
 from training.faults.injection import Fault, parse_faults
 from training.faults.restart import resume_from_save_on_restart
 

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from training import launch_command
-from training.argument_checks import validate_args
-from training.arguments import parse_args
-from training.launch_command import next_command
+from training.arguments.checks import validate_args
+from training.arguments.parser import parse_args
+from training.reporting import launch_command
+from training.reporting.launch_command import next_command
 
 FLAGS = (
     "--load imported --finetune --use-checkpoint-args --ckpt-step=5 --no-load-optim --train-iters 2 --lr 0"

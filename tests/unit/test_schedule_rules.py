@@ -19,8 +19,8 @@ from core.pipeline_parallel.schedule_rules import (
     schedule_rule,
 )
 from core.pipeline_parallel.simulator import simulate
-from training.arguments import build_parser
-from training.schema import BY_DEST
+from training.arguments.parser import build_parser
+from training.arguments.schema import BY_DEST
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = [schedule_rule(name) for name in SCHEDULES]

@@ -573,8 +573,8 @@ def test_loss_func_forms_are_checked_and_any_keys_are_reported():
     ],
 )
 def test_schedule_flags_break_the_rules_with_one_clear_error(flags, message):
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
 
     argv = "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
     argv += (
@@ -587,8 +587,8 @@ def test_schedule_flags_break_the_rules_with_one_clear_error(flags, message):
 
 
 def test_zero_bubble_flags_pass_with_their_layouts():
-    from training.argument_checks import validate_args
-    from training.arguments import parse_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
 
     argv = "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
     argv += "--global-batch-size 6 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 100 "

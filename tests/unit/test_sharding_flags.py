@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.argument_checks import derive_args
-from training.arguments import parse_args, startup_report
+from training.arguments.checks import derive_args
+from training.arguments.parser import parse_args, startup_report
 
 _INSTEAD = (
     "use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (Trident's ZeRO-3 on its "

@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.argument_checks import validate_args
-from training.arguments import parse_args
-from training.throughput import memory_stats, num_floating_point_operations, peak_memory_bytes, peak_tflops
+from training.arguments.checks import validate_args
+from training.arguments.parser import parse_args
+from training.reporting.throughput import (
+    memory_stats,
+    num_floating_point_operations,
+    peak_memory_bytes,
+    peak_tflops,
+)
 
 
 def test_flops_of_the_default_model_match_the_hand_count():

@@ -42,7 +42,7 @@ from training.checkpoint.rng import get_rng_state, set_rng_state
 from training.checkpoint.save import agree, save_checkpoint
 from training.checkpoint.specs import check_same_model, specs_of_params
 from training.faults.agreement import distributed, sum_over_ranks
-from training.logging_utils import print_rank_0
+from training.reporting.logging_utils import print_rank_0
 
 __all__ = [
     "CheckpointError",

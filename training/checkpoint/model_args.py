@@ -14,9 +14,9 @@ import os
 from typing import Any
 
 from core.transformer.moe.moe_config import parse_moe_layer_freq
+from training.arguments.schema import BY_DEST, flag_name
 from training.checkpoint import CheckpointError, find_checkpoint
 from training.checkpoint.reader import load_manifest
-from training.schema import BY_DEST, flag_name
 
 __all__ = ["check_checkpoint_args", "checkpoint_model_args", "load_checkpoint_args"]
 

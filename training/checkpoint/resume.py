@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from training import faults
+from training.arguments.config import LearningRateArgs
 from training.checkpoint.load import load_checkpoint
-from training.config import LearningRateArgs
 from training.errors import ConfigError
 from training.faults.restart import restart_attempt
-from training.logging_utils import print_line, print_rank_0
+from training.reporting.logging_utils import print_line, print_rank_0
 from training.state import Session
 
 if TYPE_CHECKING:

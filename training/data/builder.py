@@ -27,7 +27,7 @@ import numpy as np
 from training.data.blended_dataset import BlendedDataset, normalize
 from training.data.gpt_dataset import GPTDataset
 from training.data.indexed_dataset import IndexedDataset
-from training.logging_utils import print_line
+from training.reporting.logging_utils import print_line
 
 SPLIT_NAMES = ("train", "valid", "test")
 MID_LEVEL_DATASET_SURPLUS = 0.005

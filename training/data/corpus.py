@@ -25,7 +25,7 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
-from training.logging_utils import print_line
+from training.reporting.logging_utils import print_line
 
 # Directory names never descended into: tests (low-value, sometimes deliberately broken
 # source), third-party packages, generated codec tables, and byte-code caches.

@@ -15,7 +15,7 @@ from training.data.indexed_dataset import (
     optimal_dtype,
 )
 from training.data.tokenizer_training import iter_jsonl_texts
-from training.logging_utils import print_line
+from training.reporting.logging_utils import print_line
 from training.tokenizer import tokenizer_files
 
 

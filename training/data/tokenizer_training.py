@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from training.data.corpus import atomic_write_bytes, build_default_corpus, default_cache_dir
-from training.logging_utils import print_line
+from training.reporting.logging_utils import print_line
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 DEFAULT_VOCAB_SIZE = 4096

@@ -22,7 +22,7 @@ from core.watchdog import claim_report, error_reported, is_communication_failure
 from training.checkpoint.format import CheckpointError
 from training.errors import ConfigError, DataError, PeerFailure, UsageError
 from training.faults.launcher import watch_launcher
-from training.logging_utils import print_line
+from training.reporting.logging_utils import print_line
 
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 _VERDICT = "_trident_verdict"

@@ -34,7 +34,7 @@ from core.device import current_device
 from core.pipeline_parallel.record import ScheduleRecord, clock_for
 from training.errors import ConfigError
 from training.faults.agreement import distributed, fail_together
-from training.logging_utils import print_line
+from training.reporting.logging_utils import print_line
 from training.run import Run
 
 COMPUTE_KINDS = frozenset({"F", "B", "I", "W"})

@@ -1,6 +1,6 @@
 """What context parallelism refuses, stated once for the config and the command line.
 
-``TransformerConfig`` reports these problems with its field names, ``training.argument_checks`` with
+``TransformerConfig`` reports these problems with its field names, ``training.arguments.checks`` with
 Megatron's flags. Rules that need a value outside the config (the sequence length, a ``GPTModel``
 argument) are checked where it is given.
 """

@@ -1,6 +1,6 @@
 """What a mixture of experts refuses, stated once for the config, the command line and the layer.
 
-``TransformerConfig`` reports these problems with its field names, ``training.argument_checks`` with
+``TransformerConfig`` reports these problems with its field names, ``training.arguments.checks`` with
 Megatron's flags. Two rules need more than the config: the world size (given by the command line;
 ``core.parallel_state`` checks the groups themselves) and training (the layer checks it as it runs).
 """

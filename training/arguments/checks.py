@@ -28,14 +28,14 @@ from core.transformer.context_parallel.rules import context_parallel_problems
 from core.transformer.moe.moe_config import parse_moe_layer_freq
 from core.transformer.moe.rules import moe_problems
 from core.transformer.rules import decoder_problems
-from training.batch_sizes import check_run_batches, derive_batch_sizes
-from training.data_flags import check_data_flags
-from training.data_parallel_flags import derive_precision_and_data_parallel
-from training.logging_utils import print_line
+from training.arguments.data_flags import check_data_flags
+from training.arguments.data_parallel_flags import derive_precision_and_data_parallel
+from training.arguments.schema import BY_OPTION, COVERAGE
+from training.arguments.schema import flag_name as _flag
+from training.arguments.virtual_pipeline import derive_virtual_pipeline
+from training.data.batch_sizes import check_run_batches, derive_batch_sizes
 from training.lr_schedule import check_schedule
-from training.schema import BY_OPTION, COVERAGE
-from training.schema import flag_name as _flag
-from training.virtual_pipeline import derive_virtual_pipeline
+from training.reporting.logging_utils import print_line
 
 __all__ = ["command_line_message", "derive_args", "megatron_namespace", "validate_args"]
 

@@ -4,7 +4,7 @@ The dataclasses in ``SECTIONS`` are the single source. Each field is one flag: i
 flag (``num_layers`` -> ``--num-layers``) and the attribute on ``args``, its annotation the type
 (``Literal[...]`` gives the choices, ``list[str]`` takes several values), its default Megatron's
 default, its docstring the ``--help`` text and its class the ``--help`` section. Core configs
-(``TransformerConfig``, ``OptimizerConfig``, ...) own the fields they use; ``training/config.py``
+(``TransformerConfig``, ``OptimizerConfig``, ...) own the fields they use; ``training/arguments/config.py``
 owns the rest. ``COVERAGE`` says, for the Megatron flags that are not simply "declared and read",
 whether they work, are accepted with no effect here, or are rejected, and why.
 
@@ -68,7 +68,7 @@ from core.flags import FLAG_METADATA_KEY, UNSET, FlagSpec
 from core.model_parallel_config import ModelParallelConfig
 from core.optimizer.optimizer import OptimizerConfig
 from core.transformer.transformer_config import TransformerConfig
-from training import config as training_config
+from training.arguments import config as training_config
 
 __all__ = [
     "BY_DEST",

@@ -5,7 +5,7 @@ before it and an ``ETA: h:mm:ss |`` field after it, so a parser that reads
 ``iteration N/ M | ... | lm loss: X |`` reads it unchanged. The ETA is the mean wall time per
 iteration since this process started training (evaluations and checkpoints included) times the
 iterations left. ``Progress.summary`` says what the run did and what to try next (the command that
-resumes the run or trains it longer: ``training.launch_command``).
+resumes the run or trains it longer: ``training.reporting.launch_command``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import datetime
 import time
 from typing import TYPE_CHECKING
 
-from training.launch_command import next_command
-from training.logging_utils import print_line
+from training.reporting.launch_command import next_command
+from training.reporting.logging_utils import print_line
 
 if TYPE_CHECKING:
+    from training.reporting.run_logging import RunLoggers
     from training.run import Run
-    from training.run_logging import RunLoggers
 
 
 def _clock(seconds: float) -> str:

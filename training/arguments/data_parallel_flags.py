@@ -1,7 +1,7 @@
 """Precision and data-parallel flags: 16-bit formats, loss scaling, the gradient-reduction dtype and
 the sharding strategy (Megatron's ``--use-distributed-optimizer`` and Megatron-FSDP flags).
 
-Part of :func:`training.argument_checks.derive_args`: what combines, and what a flag turns on (every
+Part of :func:`training.arguments.checks.derive_args`: what combines, and what a flag turns on (every
 sharding strategy but no_shard shards the optimizer, so it turns the distributed optimizer on).
 """
 
@@ -11,7 +11,7 @@ import argparse
 
 from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import schedule_rule
-from training.schema import flag_name as _flag
+from training.arguments.schema import flag_name as _flag
 
 __all__ = ["derive_precision_and_data_parallel"]
 

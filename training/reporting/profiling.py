@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from training.logging_utils import print_line
+from training.reporting.logging_utils import print_line
 
 
 class StepProfiler:

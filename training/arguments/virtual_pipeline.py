@@ -3,7 +3,7 @@
 ``--num-layers-per-virtual-pipeline-stage``, ``--num-virtual-stages-per-pipeline-rank`` or a
 ``--pipeline-model-parallel-layout`` with more stages than ranks: at most one of them, whose count the
 schedule's record (``core.pipeline_parallel.schedule_rules``) must be able to run. Part of
-:func:`training.argument_checks.derive_args`, before any process group.
+:func:`training.arguments.checks.derive_args`, before any process group.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 
 from core.pipeline_parallel.layout import parse_layout
 from core.pipeline_parallel.schedule_rules import schedule_rule
-from training.schema import flag_name as _flag
+from training.arguments.schema import flag_name as _flag
 
 __all__ = ["derive_virtual_pipeline"]
 

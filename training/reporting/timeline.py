@@ -38,7 +38,7 @@ from core.pipeline_parallel.placement import Placement
 from core.pipeline_parallel.record import clock_for
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.pipeline_parallel.simulator import simulate
-from training.logging_utils import print_line
+from training.reporting.logging_utils import print_line
 
 if TYPE_CHECKING:
     from training.run import Run

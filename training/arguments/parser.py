@@ -5,7 +5,7 @@ underscores) and then the command line, which overrides the file; it returns Meg
 namespace (``args.num_layers``, ``args.lr``, ...). :func:`training.run.build_run` then checks the
 flags together and describes the run by typed objects; ``config_from_args`` builds any typed config
 from a validated namespace (``get_args()``). The flags themselves, their types,
-defaults and help, and which Megatron flags are rejected, live in :mod:`training.schema`.
+defaults and help, and which Megatron flags are rejected, live in :mod:`training.arguments.schema`.
 
 Defaults are Megatron's. Only the bare command is different: while no model-size flag other than
 ``--num-layers`` (``--hidden-size``, ``--num-attention-heads``, ``--seq-length``,
@@ -28,10 +28,9 @@ from typing import Any
 import torch.nn.functional as F
 
 from core.transformer.transformer_config import TransformerConfig, openai_gelu
-from training.config import DATA_SOURCE_FLAGS
-from training.config_file import REJECTED_DEST, load_config
-from training.errors import UsageError
-from training.schema import (
+from training.arguments.config import DATA_SOURCE_FLAGS
+from training.arguments.config_file import REJECTED_DEST, load_config
+from training.arguments.schema import (
     BY_DEST,
     BY_OPTION,
     COVERAGE,
@@ -44,6 +43,7 @@ from training.schema import (
     coverage_of,
     rejected_values,
 )
+from training.errors import UsageError
 
 __all__ = [
     "TINY_DEMO",

@@ -1,11 +1,11 @@
 """The training side of the configuration: every flag that no core config owns, declared once.
 
-Each dataclass is one ``--help`` section (``training/schema.py`` lists them in Megatron's order);
+Each dataclass is one ``--help`` section (``training/arguments/schema.py`` lists them in Megatron's order);
 each field is one flag, named after the field, with its type, Megatron's default and its docstring
 as help. After validation each section is an instance holding the run's resolved values
 (``run.training``, ``run.checkpointing``, ... of :class:`training.run.Run`), which the loop reads.
 Whether a Megatron flag works, has no effect here or is rejected is decided in the coverage table
-of ``training/schema.py``, not here.
+of ``training/arguments/schema.py``, not here.
 """
 
 from __future__ import annotations

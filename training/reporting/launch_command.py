@@ -25,7 +25,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from training.schema import BY_DEST, flag_name
+from training.arguments.schema import BY_DEST, flag_name
 
 __all__ = ["NextCommand", "next_command"]
 

@@ -1,6 +1,6 @@
 """The data and tokenizer flags checked together, before any process group or file is opened.
 
-Part of :func:`training.argument_checks.derive_args`; the readers (``training.data.builder``) parse the
+Part of :func:`training.arguments.checks.derive_args`; the readers (``training.data.builder``) parse the
 same blends and split, so a run refused here would have failed there, only later and on every rank.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 
-from training.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
+from training.arguments.config import DATA_SOURCE_FLAGS, DEFAULT_SPLIT
+from training.arguments.schema import BY_OPTION
+from training.arguments.schema import flag_name as _flag
 from training.data.builder import parse_data_path, parse_split
-from training.schema import BY_OPTION
-from training.schema import flag_name as _flag
 
 __all__ = ["check_data_flags"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from training.schema import BY_DEST, BY_OPTION, Flag, coverage_of, rejected_values
+from training.arguments.schema import BY_DEST, BY_OPTION, Flag, coverage_of, rejected_values
 
 REJECTED_DEST = "rejected:"
 """``load_config`` maps a key naming a flag Trident rejects to ``REJECTED_DEST + "--flag"``."""
