@@ -16,15 +16,15 @@ the end of the check):
 3. ``tools/plan_check_memory.py gpu``: the planner's memory figure and its fake-tensor dry run (placed on
    the GPU, so its kernels decide what attention keeps) against ``torch.cuda.max_memory_allocated`` of
    the same step run for real, for one ~0.5B LLaMA stage in three layouts.
-4. ``tools/bench_cross_entropy.py --device cuda``: the output layer and the loss at vocabulary 128,256,
+4. ``tools/bench/cross_entropy.py --device cuda``: the output layer and the loss at vocabulary 128,256,
    8,192 tokens, hidden 2048, bf16: peak ``max_memory_allocated`` and time of the plain loss, the
    native fused one and the output layer inside the loss (``--cross-entropy-fusion-impl linear``).
-5. ``tools/bench_model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
+5. ``tools/bench/model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
    against the same model in a plain transformers loop, LLaMA ~1B at seq 4096 (one microbatch a step,
    then eight), GPT-2 124M at seq 1024, bf16. Each configuration is its own process; one that would
    not finish before ``--deadline`` is skipped and says so.
 
-6. ``tools/bench_fp8.py``: one linear layer's FP8 products against bf16 (Llama-3 8B's FC1 and FC2, LLaMA
+6. ``tools/bench/fp8.py``: one linear layer's FP8 products against bf16 (Llama-3 8B's FC1 and FC2, LLaMA
    ~1B's QKV), then bf16, FP8 tensorwise and FP8 delayed trained by ``pretrain()`` with ``--compile`` on
    a Llama-3-8B-shaped stack (8 layers, seq 8192) and on LLaMA ~1B (tokens/s, peak memory), and the
    loss gap over 200 iterations (``--fp8-data``: the data flags of those runs). ``--only fp8`` runs the
@@ -222,14 +222,14 @@ def _failed(step: str, key: str, name: str, why: str) -> dict:
 
 
 def run_bench(device: str, configs: list[str], quick: bool, deadline: float, started: float) -> list[dict]:
-    """``tools/bench_model.py`` once per configuration, each in a child, while time is left."""
+    """``tools/bench/model.py`` once per configuration, each in a child, while time is left."""
     rows = []
     for config in configs:
         left = deadline - (time.perf_counter() - started)
         if left < 30:
             rows.append({"step": "bench", "config": config, "result": f"skipped: {deadline:.0f} s deadline"})
             continue
-        command = ["tools/bench_model.py", "--device", device]
+        command = ["tools/bench/model.py", "--device", device]
         command += QUICK_BENCH if quick else ["--config", config, "--dtype", "bf16"]
         result, why = run_tool(command, left)
         if result is None:
@@ -252,15 +252,15 @@ def run_memory(device: str, quick: bool, limit: float) -> list[dict]:
     return rows
 
 
-LOSS_SIZES = {  # tools/bench_cross_entropy.py: LLaMA-3's vocabulary and a 1B model's width on a GPU
+LOSS_SIZES = {  # tools/bench/cross_entropy.py: LLaMA-3's vocabulary and a 1B model's width on a GPU
     False: ["--vocab", "128256", "--tokens", "8192", "--hidden", "2048", "--dtypes", "bfloat16"],
     True: ["--vocab", "512", "--tokens", "64", "--hidden", "16", "--dtypes", "bfloat16", "--steps", "1"],
 }
 
 
 def run_loss(device: str, quick: bool, limit: float) -> list[dict]:
-    """``tools/bench_cross_entropy.py`` in a child: the three losses' peak memory and time, one row."""
-    result, why = run_tool(["tools/bench_cross_entropy.py", "--device", device, *LOSS_SIZES[quick]], limit)
+    """``tools/bench/cross_entropy.py`` in a child: the three losses' peak memory and time, one row."""
+    result, why = run_tool(["tools/bench/cross_entropy.py", "--device", device, *LOSS_SIZES[quick]], limit)
     if result is None:
         return [_failed("loss", "dtype", "bfloat16", why)]
     return [{"step": "loss", "result": "ok", **row} for row in result["results"]]
@@ -281,7 +281,7 @@ FP8_RUNS = {  # (bench_fp8 arguments, seconds each contestant may take): the mos
 
 
 def run_fp8(device: str, quick: bool, deadline: float, started: float, data: str) -> list[dict]:
-    """``tools/bench_fp8.py``: bf16 against FP8, both compiled (a Llama-3-8B-shaped stack, LLaMA ~1B),
+    """``tools/bench/fp8.py``: bf16 against FP8, both compiled (a Llama-3-8B-shaped stack, LLaMA ~1B),
     and the loss gap over 200 iterations; ``data`` (``--fp8-data``) is the loss runs' data flags."""
     rows = []
     for arguments, each in FP8_RUNS[quick]:
@@ -291,7 +291,7 @@ def run_fp8(device: str, quick: bool, deadline: float, started: float, data: str
         if left < 30:
             rows.append({"step": "fp8", "run": label, "result": f"skipped: {deadline:.0f} s deadline"})
             continue
-        command = ["tools/bench_fp8.py", *arguments, "--device", device, "--limit", str(each)]
+        command = ["tools/bench/fp8.py", *arguments, "--device", device, "--limit", str(each)]
         if arguments[0] == "loss" and data:
             command += ["--extra", data]
         result, why = run_tool(command, min(left, each * contestants + 20))

@@ -1,6 +1,6 @@
 """One training step's peak memory and, on request, its operators, so two steps compare op by op.
 
-``tools/bench_model.py --profile`` uses it to name where Trident's eager layers and the transformers
+``tools/bench/model.py --profile`` uses it to name where Trident's eager layers and the transformers
 model differ: each operator (and, on a GPU, each kernel) with its number of calls and its self time
 on each side, the largest differences first. On a CPU the peak comes from the profiler's allocation
 records (so the profiler always runs there), on a GPU from the caching allocator's statistics.

@@ -7,7 +7,7 @@
 
 Without ``--run`` the timeline is the simulator's (forward 1 unit, backward 2 or, split, 1 + 1; per
 chunk divided by the virtual size). With ``--run`` the same table is executed on real gloo ranks with
-synthetic stages (``tools/bench_schedules.py``'s sleeps) and the measured timeline is drawn under the
+synthetic stages (``tools/bench/schedules.py``'s sleeps) and the measured timeline is drawn under the
 simulated one, so idle gaps caused by communication show up next to the ideal. ``--trace`` reads
 the records ``pretrain_gpt.py --timeline-dir`` wrote (a real training run) instead.
 Cells: ``F3``/``B3``/``I3``/``W3`` = forward/backward/input-gradient/weight-gradient of microbatch 3
@@ -95,7 +95,7 @@ def _measure(rank, world, init_file, schedule, vpp, m, forward_ms, backward_ms, 
     import torch.distributed as dist
 
     from core.pipeline_parallel.executor import ScheduleRecord
-    from tools.bench_schedules import _trident_schedule
+    from tools.bench.schedules import _trident_schedule
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

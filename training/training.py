@@ -51,7 +51,7 @@ def pretrain(
     :class:`~training.errors.UsageError` (unparsable or rejected) or
     :class:`~training.errors.ConfigError` on every rank, before any process group exists.
     ``iteration_hook(state)``, if given, runs after every iteration, outside its measured time
-    (``tools/bench_overhead.py`` interleaves a plain PyTorch loop with it, step by step). The host
+    (``tools/bench/overhead.py`` interleaves a plain PyTorch loop with it, step by step). The host
     reads a step's results from the device at the next log step (``training/step_ledger.py``), so
     ``state.losses`` and the skip counters a hook sees cover the iterations up to the last log step.
     """

@@ -54,7 +54,7 @@ def _run_engine(
     Called directly, as Megatron's ``custom_backward`` does, without ``torch.autograd.backward``'s
     argument handling: every B, I and W calls it once per microbatch, on the critical path of the
     pipeline, and that handling cost about 0.15 ms a call on a 2-core CPU between pipeline actions
-    (``tools/bench_schedules.py``). The arguments here are already what the engine takes.
+    (``tools/bench/schedules.py``). The arguments here are already what the engine takes.
     """
     return _ENGINE_RUN_BACKWARD(
         tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True, accumulate

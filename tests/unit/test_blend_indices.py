@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tools.bench_index import python_blending_indices, python_exhaustive_blending_indices
+from tools.bench.index import python_blending_indices, python_exhaustive_blending_indices
 from training.data.blended_dataset import (
     BlendedDataset,
     build_blending_indices,

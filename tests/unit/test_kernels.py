@@ -190,7 +190,7 @@ def test_fused_loss_never_holds_an_fp32_copy_of_the_logits():
     copies (5x the logits' bytes), the fused one at the logits plus one 1 MiB fp32 slice (and the
     output layer's small weight and input gradients, 0.4 MiB here), the output layer inside the loss
     (``--cross-entropy-fusion-impl linear``) at a slice and the gradients, never the logits."""
-    from tools.bench_cross_entropy import loss_step, peak_bytes
+    from tools.bench.cross_entropy import loss_step, peak_bytes
 
     tokens, vocab, hidden = 1024, 4096, 16
     gen = torch.Generator().manual_seed(0)

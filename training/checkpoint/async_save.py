@@ -36,7 +36,7 @@ the staged bytes, ``write`` with direct I/O and ``fsync`` (:mod:`training.checkp
 all release the GIL; the writing costs little CPU (about 0.15 s per GB, against a second per GB for
 a write through the page cache); GPU copies are done by the copy engine. The training thread loses
 the GIL only for the writer's brief Python steps between files. The stall is measured by
-``tools/bench_async_save.py``. A forked process would inherit the process
+``tools/bench/async_save.py``. A forked process would inherit the process
 groups' and CUDA's threads and locks mid-flight (unsafe), and a spawned one would have to import
 torch and receive the staged tensors through shared memory, for no gain here.
 

@@ -7,7 +7,7 @@ is fully deterministic (no random draw).
 
 The two index builders are the same loops as megatron-core's C++ helpers (``helpers.cpp``), compiled
 by numba on first use (``training/data/jit.py``), so a blend of hundreds of millions of samples
-takes seconds instead of the hour a Python loop needs; ``tools/bench_index.py`` measures them.
+takes seconds instead of the hour a Python loop needs; ``tools/bench/index.py`` measures them.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ queries' gradient share against the block in hand (``block_attention``: the fuse
 adding its share, until one last hop brings every accumulator home.
 
 :func:`ring_timings` records, per step, the seconds spent in attention and the seconds spent
-waiting for blocks, which ``tools/bench_context_parallel.py`` reports as the ring's overlap.
+waiting for blocks, which ``tools/bench/context_parallel.py`` reports as the ring's overlap.
 """
 
 from __future__ import annotations

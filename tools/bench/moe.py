@@ -16,8 +16,8 @@ them, which splits the step into routing (router forward and backward), dispatch
 combine: permutation and all-to-all, both ways) and expert compute; "other" is the rest (attention,
 norms, embedding, loss, optimizer, data-parallel reduction).
 
-    python tools/bench_moe.py
-    python tools/bench_moe.py --layers 4 --hidden 256 --expert-ffn 256 --seq 128 --grouped
+    python tools/bench/moe.py
+    python tools/bench/moe.py --layers 4 --hidden 256 --expert-ffn 256 --seq 128 --grouped
 
 Prints a table, then one JSON line.
 """
@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from core import parallel_state
 from core.device import current_device
@@ -43,8 +43,8 @@ from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.moe.moe_layer import MoELayer
 from models.gpt import GPTModel, llama_config, parallelize_gpt, pipeline_layout
-from tools.bench_args import add_int_flags, benchmark_parser
-from tools.bench_ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
+from tools.bench.args import add_int_flags, benchmark_parser
+from tools.bench.ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
 
 REGIONS = ("routing", "dispatcher", "experts")
 EVENTS: list[tuple[str, str, float]] = []

@@ -1,6 +1,6 @@
 """How long does training stall for a checkpoint, synchronously and with ``--async-save``? What memory does a save take?
 
-Trains ``tools/bench_convert.py``'s LLaMA-style model of about 1 GB in fp32 (24 layers, hidden 896,
+Trains ``tools/bench/convert.py``'s LLaMA-style model of about 1 GB in fp32 (24 layers, hidden 896,
 vocabulary 32000, untied output layer; with Adam's moments a checkpoint is about 3.2 GB) through the
 real ``pretrain()`` in one process, saving every ``--save-interval`` iterations. The saves of one run
 take turns: synchronous, asynchronous, synchronous, ... (``--saves`` of each), so the same model,
@@ -21,14 +21,14 @@ the rest is the writer competing for the CPU), the median step, and the load ave
 counter, reset just before the save), the same model's Adam state filled as a step fills it: a
 synchronous save through ``save_checkpoint`` (``training.checkpoint.load``'s, ``training.checkpointing``'s in
 older trees)
-too, so ``PYTHONPATH=<old tree> python tools/bench_async_save.py --memory`` gives the figure before a
+too, so ``PYTHONPATH=<old tree> python tools/bench/async_save.py --memory`` gives the figure before a
 change; then, where the tree has it, two asynchronous saves in a row (the first allocates the host
 buffers, the second reuses them).
 
-    python tools/bench_async_save.py                           # 2 runs, 3 saves of each mode per run
-    python tools/bench_async_save.py --rounds 3 --num-layers 12 --dir /scratch/bench
-    python tools/bench_async_save.py --threads 1 --saves 2   # training leaves a core to the writer
-    python tools/bench_async_save.py --memory
+    python tools/bench/async_save.py                           # 2 runs, 3 saves of each mode per run
+    python tools/bench/async_save.py --rounds 3 --num-layers 12 --dir /scratch/bench
+    python tools/bench/async_save.py --threads 1 --saves 2   # training leaves a core to the writer
+    python tools/bench/async_save.py --memory
 
 Prints a table, then one JSON line.
 """
@@ -44,9 +44,9 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 32000
 
 

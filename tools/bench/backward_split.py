@@ -8,10 +8,10 @@ way. The three take turns repetition by repetition, each first in turn, so machi
 ``(I + W) / B`` near 1 means the split recomputes nothing; the graph walk that finds where weight
 branches join the input path is its only extra work.
 
-    python tools/bench_backward_split.py
-    python tools/bench_backward_split.py --hidden-size 512 --seq-length 512 --repeats 11
-    python tools/bench_backward_split.py --compile inductor --cpu-time     # compiled layers (--compile)
-    python tools/bench_backward_split.py --compile inductor --whole-layer  # naive: linears compiled too
+    python tools/bench/backward_split.py
+    python tools/bench/backward_split.py --hidden-size 512 --seq-length 512 --repeats 11
+    python tools/bench/backward_split.py --compile inductor --cpu-time     # compiled layers (--compile)
+    python tools/bench/backward_split.py --compile inductor --whole-layer  # naive: linears compiled too
 
 With ``--compile`` the stage's layers are compiled as ``--compile`` compiles them (linear layers
 eager, see ``core.transformer.compile``), the weight gradients accumulated into ``main_grad``
@@ -32,13 +32,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.transformer.transformer_block import TransformerBlock
 from models.gpt.presets import gpt2_config, llama_config
-from tools.bench_args import add_int_flags, benchmark_parser
+from tools.bench.args import add_int_flags, benchmark_parser
 
 
 def _stage(kind: str, args) -> TransformerBlock:

@@ -4,11 +4,11 @@ Every contestant is a real ``pretrain_gpt.py`` run (``torchrun`` when ``--nproc`
 ``--log-interval 1``; the figures are read from its log lines. Contestants run one after another
 on the same data, from the same initial weights (same ``--seed``).
 
-    python tools/bench_fp8.py speed --device cuda                       # Llama-3-8B-shaped stack, compiled
-    python tools/bench_fp8.py speed --device cuda --config llama-1b
-    python tools/bench_fp8.py loss --config small-llama --iters 300     # CPU: the loss gap on real text
-    python tools/bench_fp8.py layer --device cuda                       # one linear layer's three products
-    python tools/bench_fp8.py loss --config small-gpt --iters 300 --nproc 4 \\
+    python tools/bench/fp8.py speed --device cuda                       # Llama-3-8B-shaped stack, compiled
+    python tools/bench/fp8.py speed --device cuda --config llama-1b
+    python tools/bench/fp8.py loss --config small-llama --iters 300     # CPU: the loss gap on real text
+    python tools/bench/fp8.py layer --device cuda                       # one linear layer's three products
+    python tools/bench/fp8.py loss --config small-gpt --iters 300 --nproc 4 \\
         --extra "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule zb-h1"
 
 ``speed``: bf16, FP8 tensorwise and FP8 delayed, each with ``--compile`` unless ``--no-compile``; the
@@ -44,10 +44,10 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tools.bench_args import llama_flags
+from tools.bench.args import llama_flags
 
 CONFIGS = {
     "llama3-8b": {

@@ -13,9 +13,9 @@ what the step itself cost, which other processes on a shared machine disturb far
 medians and quartiles, the ratio of medians with a bootstrap 95% interval over the step pairs, the
 ratio of each round, the data path's own time per step (the same for both), and the load average.
 
-    python tools/bench_overhead.py                     # default tiny GPT, 3 rounds x 40 timed steps
-    python tools/bench_overhead.py --rounds 5 --steps 60
-    python tools/bench_overhead.py --profile           # where pretrain()'s extra time goes (cProfile)
+    python tools/bench/overhead.py                     # default tiny GPT, 3 rounds x 40 timed steps
+    python tools/bench/overhead.py --rounds 5 --steps 60
+    python tools/bench/overhead.py --profile           # where pretrain()'s extra time goes (cProfile)
 
 Prints a table, then one JSON line.
 """
@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
 

@@ -13,11 +13,11 @@
   too. A ratio near 0 means the transfers hide behind the computation. ``--measure`` picks one half:
   the bytes are exact whatever the load, the times need a quiet machine.
 
-    python tools/bench_context_parallel.py
-    python tools/bench_context_parallel.py --measure memory          # exact bytes: needs no quiet machine
-    flock /work/coord/bench.lock python tools/bench_context_parallel.py --measure overlap --steps 7
-    flock /work/coord/bench.lock python tools/bench_context_parallel.py --measure overlap --world 2 --cp 2
-    python tools/bench_context_parallel.py --seq 8192 --hidden 256 --layers 2 --steps 5
+    python tools/bench/context_parallel.py
+    python tools/bench/context_parallel.py --measure memory          # exact bytes: needs no quiet machine
+    flock /work/coord/bench.lock python tools/bench/context_parallel.py --measure overlap --steps 7
+    flock /work/coord/bench.lock python tools/bench/context_parallel.py --measure overlap --world 2 --cp 2
+    python tools/bench/context_parallel.py --seq 8192 --hidden 256 --layers 2 --steps 5
 
 Prints a table, then one JSON line.
 """
@@ -34,15 +34,15 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from core import parallel_state
 from core.device import current_device
 from core.tensor_parallel import model_parallel_seed
 from core.transformer.context_parallel import get_batch_on_this_cp_rank, ring_timings
 from models.gpt import GPTModel, llama_config
-from tools.bench_args import add_int_flags, benchmark_parser
-from tools.bench_ranks import init_rank, spawn
+from tools.bench.args import add_int_flags, benchmark_parser
+from tools.bench.ranks import init_rank, spawn
 
 
 def _model(args: argparse.Namespace, cp: int) -> GPTModel:

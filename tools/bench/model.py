@@ -28,10 +28,10 @@ allocator on a GPU, the profiler's allocation records on a CPU, measured on one 
 ``--profile`` that step's operators are printed side by side, Trident's against the transformers
 loop's (``tools/op_profile.py``): where the eager layers differ, named op by op.
 
-    python tools/bench_model.py                                   # CPU: GPT-2-small shape, fp32 and bf16
-    python tools/bench_model.py --layers 4 --iters 6              # a quicker CPU run
-    python tools/bench_model.py --no-compile --profile            # eager only, with the op-by-op profile
-    python tools/bench_model.py --device cuda                     # GPU: GPT-2 124M seq 1024, LLaMA ~1B seq 4096, bf16
+    python tools/bench/model.py                                   # CPU: GPT-2-small shape, fp32 and bf16
+    python tools/bench/model.py --layers 4 --iters 6              # a quicker CPU run
+    python tools/bench/model.py --no-compile --profile            # eager only, with the op-by-op profile
+    python tools/bench/model.py --device cuda                     # GPU: GPT-2 124M seq 1024, LLaMA ~1B seq 4096, bf16
 
 Configurations (``--config``): ``gpt2-small`` (12 x 768, 12 heads, vocabulary 50304, seq 512, one
 microbatch of 1, the CPU default), ``gpt2-124m`` (the same at seq 1024, microbatch 8) and ``llama-1b``
@@ -57,12 +57,12 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pretrain_gpt
 from core.optimizer import has_fused_kernel
 from models.gpt.hf_mapping import hf_architecture, hf_config_kwargs, to_hf
-from tools.bench_args import llama_flags
+from tools.bench.args import llama_flags
 from tools.op_profile import StepProbe, measure, print_comparison
 from training.reporting.throughput import num_floating_point_operations, peak_tflops
 from training.training import pretrain

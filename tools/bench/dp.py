@@ -18,8 +18,8 @@ A step is zero_grad, forward/backward over the microbatches, the optimizer step;
 every rank between barriers and the slowest rank counts. Medians over ``--steps`` steps after
 ``--warmup``; ratios against ``plain``.
 
-    python tools/bench_dp.py
-    python tools/bench_dp.py --layers 8 --hidden 512 --seq 64 --microbatches 4 --bucket-size 2000000
+    python tools/bench/dp.py
+    python tools/bench/dp.py --layers 8 --hidden 512 --seq 64 --microbatches 4 --bucket-size 2000000
 
 Prints a table, then one JSON line.
 """
@@ -34,7 +34,7 @@ import sys
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from core import parallel_state
 from core.device import current_device
@@ -42,8 +42,8 @@ from core.distributed import DistributedDataParallelConfig
 from core.optimizer import OptimizerConfig, get_megatron_optimizer
 from core.tensor_parallel import model_parallel_seed
 from models.gpt import GPTModel, parallelize_gpt, pipeline_layout, preset
-from tools.bench_args import add_int_flags, benchmark_parser
-from tools.bench_ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
+from tools.bench.args import add_int_flags, benchmark_parser
+from tools.bench.ranks import init_rank, slowest_seconds, spawn, token_batches, train_step
 
 CONFIGS = {
     "plain": {},

@@ -16,8 +16,8 @@ interleaved 1F1B, ``ScheduleInterleavedZeroBubble`` for ZB-H1 and its interleave
 ``ScheduleZBVZeroBubble``), the two engines taking turns step by step on each case. Its first stage
 also starts from an embedding, so both engines run exactly the same backward.
 
-    python tools/bench_schedules.py                      # PP=4, microbatches 8 and 16, all schedules
-    python tools/bench_schedules.py --steps 7 --microbatches 8 --peer none
+    python tools/bench/schedules.py                      # PP=4, microbatches 8 and 16, all schedules
+    python tools/bench/schedules.py --steps 7 --microbatches 8 --peer none
 
 Prints a table, then one JSON line.
 """
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from core.model_parallel_config import ModelParallelConfig
 from core.pipeline_parallel.actions import B, F, I, W

@@ -13,8 +13,8 @@ above what was allocated before. Times are medians of ``--steps`` runs taking tu
 time, on a CPU the process's CPU time with ``--threads`` threads (default 1), which other processes
 on a shared machine disturb far less than wall time.
 
-    python tools/bench_cross_entropy.py                          # vocab 32K x 4K tokens, bf16 and fp32
-    python tools/bench_cross_entropy.py --device cuda --vocab 128256 --tokens 8192
+    python tools/bench/cross_entropy.py                          # vocab 32K x 4K tokens, bf16 and fp32
+    python tools/bench/cross_entropy.py --device cuda --vocab 128256 --tokens 8192
 
 Prints a table, then one JSON line.
 """
@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from core.tensor_parallel import fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 from core.tensor_parallel.linear_cross_entropy import linear_cross_entropy

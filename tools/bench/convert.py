@@ -8,9 +8,9 @@ starting Python and importing torch) and reports how much its resident memory gr
 conversion (Linux's peak-RSS counter, reset after the imports), against the largest tensor and
 the whole model.
 
-    python tools/bench_convert.py                      # weights only, 3 rounds
-    python tools/bench_convert.py --optimizer          # with Adam moments (3x the bytes)
-    python tools/bench_convert.py --rounds 5 --dir /scratch/bench
+    python tools/bench/convert.py                      # weights only, 3 rounds
+    python tools/bench/convert.py --optimizer          # with Adam moments (3x the bytes)
+    python tools/bench/convert.py --rounds 5 --dir /scratch/bench
 
 Prints a table, then one JSON line.
 """
@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
 
@@ -35,7 +35,7 @@ from models.gpt.presets import llama_config
 from training.checkpoint import Parallelism, gpt_tensor_specs, write_checkpoint
 from training.checkpoint.format import optimizer_tensor_name
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # Runs the converter in a child process and reports its memory during the conversion alone: after the

@@ -1,8 +1,8 @@
 """Benchmark the dataset index builders: blending indices and the GPT sample index.
 
-    python tools/bench_index.py                          # 3 and 8 datasets, 10M blended samples
-    python tools/bench_index.py --samples 768000000      # the GPT-3 175B script's whole run (7.5 GB)
-    python tools/bench_index.py --megatron-helpers /path/to/megatron_core/site-packages
+    python tools/bench/index.py                          # 3 and 8 datasets, 10M blended samples
+    python tools/bench/index.py --samples 768000000      # the GPT-3 175B script's whole run (7.5 GB)
+    python tools/bench/index.py --megatron-helpers /path/to/megatron_core/site-packages
 
 The blending index of a run has ``sum_d ceil(n * w_d)`` samples for ``n = train_iters x
 global_batch_size`` (``training/data/builder.py``): 768M for the GPT-3 175B example script's 500000 x
@@ -29,7 +29,7 @@ import sys
 import time
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each compares two things in one run and prints a table, then one JSON line."""
