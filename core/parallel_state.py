@@ -98,6 +98,16 @@ def warm_up_pipeline_links(
 # --------------------------------------------------------------------------------------------------
 
 
+def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in ``group``; ``None`` (an optional group a layer was not given) is this rank alone."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This rank's position in ``group``; 0 for ``None``."""
+    return 0 if group is None else dist.get_rank(group)
+
+
 @dataclass(frozen=True, eq=False)
 class ParallelGroups:
     """This rank's process groups and their members: everything the engine needs to communicate.

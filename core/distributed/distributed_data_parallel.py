@@ -51,7 +51,7 @@ from core.distributed.sharding_units import (
     sharded_main_grad_claim,
     unit_of_params,
 )
-from core.parallel_state import ParallelGroups
+from core.parallel_state import ParallelGroups, group_size
 
 
 def _default_groups() -> ParallelGroups | None:
@@ -135,7 +135,7 @@ class DistributedDataParallel(nn.Module):
         self.data_parallel_group = data_parallel_group
         self.expert_data_parallel_group = expert_data_parallel_group
         pp_rank = groups.rank_in("pp") if groups is not None else 0
-        dp_size = 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
+        dp_size = group_size(self.data_parallel_group)
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
             self.bucket_size = None

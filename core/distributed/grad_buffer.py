@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from core.distributed.collectives import all_gather, reduce_scatter, reduce_scatter_is_native
+from core.parallel_state import group_rank, group_size
 
 IDLE, LAUNCHED, DONE = "idle", "launched", "done"
 SHARD_ALIGNMENT = 128
@@ -68,12 +69,6 @@ class ReduceOptions:
     """Keep only the shard of the parameters between uses (ZeRO-3)."""
 
 
-def _group_size_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 class Bucket:
     """Whole parameters' gradients in one contiguous slice of a buffer, reduced as one message.
 
@@ -99,7 +94,7 @@ class Bucket:
         self.grad_data, self.param_data = grad_data, param_data
         self.group = group
         self.options = options
-        self.dp_size, self.dp_rank = _group_size_and_rank(group)
+        self.dp_size, self.dp_rank = group_size(group), group_rank(group)
         self.communicate = self.dp_size > 1
         self.shard_size = grad_data.numel() // self.dp_size if options.shard else grad_data.numel()
         if options.shard:
@@ -271,7 +266,7 @@ class GradBuffer:
         options: ReduceOptions,
         units: dict[int, int] | None = None,
     ) -> None:
-        dp_size, _ = _group_size_and_rank(group)
+        dp_size = group_size(group)
         pad_to = math.lcm(dp_size, SHARD_ALIGNMENT) if options.shard else 1
         layout = self._layout(list(zip(params, names))[::-1], bucket_size, pad_to, options.shard, units)
         total = layout[-1][1] if layout else 0

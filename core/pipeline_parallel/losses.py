@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from core.device import current_device
+from core.parallel_state import group_size
 
 
 class MicrobatchLoss(NamedTuple):
@@ -63,7 +64,7 @@ def parse_loss(
     ``context_parallel_group``: the CP group when its size is above 1 (the 3-tuple form's token
     count is then summed over it, one small all-reduce per microbatch).
     """
-    cp = 1 if context_parallel_group is None else dist.get_world_size(context_parallel_group)
+    cp = group_size(context_parallel_group)
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise TypeError(
             "loss_func must return (loss, log_dict) or (loss_sum, num_tokens, log_dict), got "

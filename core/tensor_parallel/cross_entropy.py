@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core.parallel_state import group_rank, group_size
 from core.tensor_parallel.utils import resolve_tp_group
 
 
@@ -31,8 +32,8 @@ def _vocab_shard(
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(whole vocabulary size, ``foreign``: targets another rank's shard holds, ``local_target``: the
     others' index into this rank's shard, 0 where foreign)."""
-    rank = 0 if group is None else dist.get_rank(group)
-    world_size = 1 if group is None else dist.get_world_size(group)
+    rank = group_rank(group)
+    world_size = group_size(group)
     vocab_start = rank * partition_vocab
     foreign = (target < vocab_start) | (target >= vocab_start + partition_vocab)
     return partition_vocab * world_size, foreign, torch.where(foreign, 0, target - vocab_start)

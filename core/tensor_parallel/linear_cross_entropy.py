@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core.parallel_state import group_rank
 from core.tensor_parallel.cross_entropy import _all_reduce, _vocab_shard
 from core.tensor_parallel.fused_cross_entropy import token_slices
 from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, claim_main_grad, engine_will_use
@@ -49,7 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, vocab_size, group, slice_bytes, accumulate):
-        rank = 0 if group is None else dist.get_rank(group)
+        rank = group_rank(group)
         tokens, partition_vocab = hidden.shape[0], weight.shape[0]
         vocab_start = rank * partition_vocab
         valid = min(max(vocab_size - vocab_start, 0), partition_vocab)

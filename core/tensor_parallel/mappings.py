@@ -20,11 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core.parallel_state import group_size
 from core.tensor_parallel.utils import all_gather_single, reduce_scatter_single, resolve_tp_group
-
-
-def _size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _check_divisible(tensor: torch.Tensor, dim: int, world_size: int, layout: str) -> int:
@@ -44,7 +41,7 @@ def _check_divisible(tensor: torch.Tensor, dim: int, world_size: int, layout: st
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return x
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
@@ -52,7 +49,7 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 
 def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     _check_divisible(x, x.dim() - 1, world, "hidden (last)")
@@ -60,7 +57,7 @@ def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 
 def _split_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     _check_divisible(x, 0, world, "sequence (first)")
@@ -70,25 +67,25 @@ def _split_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 def _gather_stacked(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``[world, *x.shape]``: every rank's ``x`` stacked in group-rank order."""
     x = x.contiguous()
-    out = torch.empty((_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    out = torch.empty((group_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_single(out, x, group=group)  # concatenated along dim 0: the form every backend takes
-    return out.view(_size(group), *x.shape)
+    return out.view(group_size(group), *x.shape)
 
 
 def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return x
     return einops.rearrange(_gather_stacked(x, group), "r ... h -> ... (r h)")
 
 
 def _gather_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return x
     return einops.rearrange(_gather_stacked(x, group), "r s ... -> (r s) ...")
 
 
 def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     shard = _check_divisible(x, 0, world, "sequence (first)")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from core import parallel_state
+from core.parallel_state import group_rank, group_size
 
 _TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
@@ -44,13 +45,13 @@ def resolve_tp_group(tp_group: ProcessGroup | None = None) -> ProcessGroup | Non
 def tp_world_size(tp_group: ProcessGroup | None = None) -> int:
     """Number of ranks in the (resolved) tensor-parallel group."""
     group = resolve_tp_group(tp_group)
-    return 1 if group is None else dist.get_world_size(group)
+    return group_size(group)
 
 
 def tp_rank(tp_group: ProcessGroup | None = None) -> int:
     """This process's position in the (resolved) tensor-parallel group."""
     group = resolve_tp_group(tp_group)
-    return 0 if group is None else dist.get_rank(group)
+    return group_rank(group)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -160,7 +161,7 @@ def gather_full(
     """
     local = (param if tensor is None else tensor).detach()
     group = resolve_tp_group(tp_group)
-    tp_size = 1 if group is None else dist.get_world_size(group)
+    tp_size = group_size(group)
     if not param_is_tensor_parallel(param) or tp_size == 1:
         return local.clone()
     dim = param.partition_dim % local.dim()

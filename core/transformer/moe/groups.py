@@ -45,14 +45,6 @@ class MoEGroups:
             )
         return cls(ep=_or_none(groups.ep), tp_cp=_or_none(groups.tp_cp), tp=groups.tp)
 
-    @staticmethod
-    def size(group: ProcessGroup | None) -> int:
-        return 1 if group is None else dist.get_world_size(group)
-
-    @staticmethod
-    def rank(group: ProcessGroup | None) -> int:
-        return 0 if group is None else dist.get_rank(group)
-
 
 def _or_none(group: ProcessGroup | None) -> ProcessGroup | None:
     return None if group is None or dist.get_world_size(group) == 1 else group

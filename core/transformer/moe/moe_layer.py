@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from core.device import current_device
+from core.parallel_state import group_rank, group_size
 from core.transformer.initialization import mark_init
 from core.transformer.mlp import MLP
 from core.transformer.moe.experts import Experts
@@ -71,7 +72,7 @@ class MoELayer(nn.Module):
         self.layer_number = layer_number
         if groups is None:
             groups = MoEGroups.from_parallel_state(config.expert_model_parallel_size)
-        ep_size, ep_rank = MoEGroups.size(groups.ep), MoEGroups.rank(groups.ep)
+        ep_size, ep_rank = group_size(groups.ep), group_rank(groups.ep)
         if config.num_moe_experts % ep_size:
             raise ValueError(
                 f"num_moe_experts ({config.num_moe_experts}) must be divisible by the expert-parallel "

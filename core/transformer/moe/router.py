@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from core.device import current_device
+from core.parallel_state import group_size
 from core.pipeline_parallel.auxiliary_loss import attach_auxiliary_loss
 from core.transformer.initialization import mark_init
 from core.transformer.moe.moe_utils import (
@@ -122,7 +123,7 @@ class TopKRouter(nn.Module):
         if self.tp_cp_group is not None:
             dist.all_reduce(tokens_per_expert, group=self.tp_cp_group)
         local_tokens = scores.shape[0]
-        total_tokens = local_tokens * _size(self.tp_cp_group)
+        total_tokens = local_tokens * group_size(self.tp_cp_group)
         loss = (
             switch_load_balancing_loss(
                 scores, tokens_per_expert, total_tokens, self.topk, self.num_experts, coeff
@@ -137,7 +138,7 @@ class TopKRouter(nn.Module):
         coeff = self.config.moe_z_loss_coeff
         if coeff is None or not self._losses_on():
             return logits
-        coeff = coeff / _size(self.tp_cp_group)  # each rank's share of the mean over the sequence
+        coeff = coeff / group_size(self.tp_cp_group)  # each rank's share of the mean over the sequence
         loss = z_loss(logits, coeff)
         self._record("z_loss", loss / coeff)
         return attach_auxiliary_loss(logits, self._per_token_scaled(loss, logits.shape[0]))
@@ -147,14 +148,10 @@ class TopKRouter(nn.Module):
         multiplying by this rank's share of it keeps the auxiliary loss's weight (Megatron's rule)."""
         if not self.config.calculate_per_token_loss:
             return loss
-        return loss * (local_tokens * _size(self.tp_cp_group))
+        return loss * (local_tokens * group_size(self.tp_cp_group))
 
     def _record(self, name: str, value: torch.Tensor) -> None:
         if is_recomputing():
             return
         value = value.detach().float()
         self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
-
-
-def _size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core.parallel_state import group_rank, group_size
 from core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -97,8 +98,8 @@ class AllToAllTokenDispatcher:
 
     def __init__(self, num_experts: int, group: ProcessGroup | None) -> None:
         self.num_experts, self.group = num_experts, group
-        self.ep = 1 if group is None else dist.get_world_size(group)
-        self.ep_rank = 0 if group is None else dist.get_rank(group)
+        self.ep = group_size(group)
+        self.ep_rank = group_rank(group)
         self.num_local_experts = num_experts // self.ep
 
     def dispatch(
@@ -143,8 +144,8 @@ class AllGatherTokenDispatcher:
 
     def __init__(self, num_experts: int, group: ProcessGroup | None) -> None:
         self.num_experts, self.group = num_experts, group
-        ep = 1 if group is None else dist.get_world_size(group)
-        rank = 0 if group is None else dist.get_rank(group)
+        ep = group_size(group)
+        rank = group_rank(group)
         self.num_local_experts = num_experts // ep
         self.local = slice(rank * self.num_local_experts, (rank + 1) * self.num_local_experts)
 
