@@ -5,7 +5,8 @@ depth, which a short real run measures:
 
     python tools/code_metrics.py                 # functions over 60 lines, local imports, circles
     python tools/code_metrics.py --list          # ... with every function-local import named
-    python tools/code_metrics.py --frames        # frames and files from pretrain() to GPTModel.forward
+    python tools/code_metrics.py --frames        # frames and files from pretrain() to GPTModel.forward,
+                                                 # and which files the README's reading path leaves out
 
 Counted in ``core/``, ``models/`` and ``training/``. A function-local import is an import of those
 packages inside a function (``TYPE_CHECKING`` blocks excluded). Circles are strongly connected
@@ -19,6 +20,7 @@ import argparse
 import ast
 import inspect
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -152,6 +154,30 @@ def frames() -> list[tuple[str, str]]:
     return chain
 
 
+def reading_path() -> list[str]:
+    """The files the README's reading path names, in order: the numbered list under "## Layout"."""
+    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```", 1)[0]
+    items = re.findall(r"^\d+\. `([^`]+\.py)`", layout, flags=re.MULTILINE)
+    return items
+
+
+def _report_frames() -> None:
+    chain = frames()
+    ours = [(f, name) for f, name in chain if os.path.abspath(f).startswith(str(ROOT))]
+    for file, name in chain:
+        print(f"  {os.path.relpath(file, ROOT) if (file, name) in ours else 'torch'}: {name}")
+    print(
+        f"frames from pretrain() to GPTModel.forward, both counted: {len(chain)} ({len(ours)} in project "
+        f"code, {len(chain) - len(ours)} torch's Module.__call__); project files: {len({f for f, _ in ours})}"
+    )
+    named = reading_path()
+    unread = sorted({os.path.relpath(f, ROOT) for f, _ in ours} - set(named))
+    print(
+        f"the README's reading path names {len(named)} files; frames in files it leaves out: "
+        f"{', '.join(unread) if unread else 'none'}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -160,14 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--frames", action="store_true", help="measure the call depth of a real step")
     args = parser.parse_args(argv)
     if args.frames:
-        chain = frames()
-        ours = [(f, name) for f, name in chain if os.path.abspath(f).startswith(str(ROOT))]
-        for file, name in chain:
-            print(f"  {os.path.relpath(file, ROOT) if (file, name) in ours else 'torch'}: {name}")
-        print(
-            f"frames from pretrain() to GPTModel.forward, both counted: {len(chain)} ({len(ours)} in project "
-            f"code, {len(chain) - len(ours)} torch's Module.__call__); project files: {len({f for f, _ in ours})}"
-        )
+        _report_frames()
         return
     tree = Tree()
     print(f"functions over {LONG} lines in {', '.join(PACKAGES)}: {len(tree.long_functions)}")
