@@ -339,6 +339,15 @@ def initialize_model_parallel(
     return _GROUPS
 
 
+def groups_or_default(groups: ParallelGroups | None = None) -> ParallelGroups | None:
+    """``groups`` when a caller hands them in; else Megatron's default, the groups
+    :func:`initialize_model_parallel` set up; else None (a process of one). The one place where the
+    engine falls back on this module's globals."""
+    if groups is not None:
+        return groups
+    return _GROUPS if dist.is_initialized() else None
+
+
 def model_parallel_is_initialized() -> bool:
     """Whether :func:`initialize_model_parallel` has run (and not been undone)."""
     return _GROUPS is not None

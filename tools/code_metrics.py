@@ -119,6 +119,46 @@ class Tree:
         return found
 
 
+GROUP_READER_SCOPE = ("core", "models", "training/checkpoint")
+
+
+def _is_global_read(call: ast.Call, aliases: set[str], names: set[str]) -> str | None:
+    func = call.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in aliases:
+        name = func.attr
+    elif isinstance(func, ast.Name) and func.id in names:
+        name = func.id
+    else:
+        return None
+    return name if name.startswith("get_") or name == "model_parallel_is_initialized" else None
+
+
+def global_group_readers() -> dict[str, list[str]]:
+    """Module -> the ``parallel_state`` getters it calls (``line:name``), in core/, models/ and
+    training/checkpoint/ (``parallel_state`` itself excluded). A caller that hands no groups in gets
+    ``parallel_state.groups_or_default``, which is not a getter: these are the other readers."""
+    readers: dict[str, list[str]] = {}
+    for path in sorted(p for scope in GROUP_READER_SCOPE for p in (ROOT / scope).rglob("*.py")):
+        if path.name == "parallel_state.py":
+            continue
+        tree = ast.parse(path.read_text())
+        aliases, names = {"parallel_state"}, set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "core":
+                aliases |= {a.asname or a.name for a in node.names if a.name == "parallel_state"}
+            if isinstance(node, ast.ImportFrom) and node.module == "core.parallel_state":
+                names |= {a.asname or a.name for a in node.names}
+        calls = [
+            (node.lineno, _is_global_read(node, aliases, names))
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+        ]
+        found = sorted(f"{line}:{name}" for line, name in calls if name)
+        if found:
+            readers[str(path.relative_to(ROOT))] = found
+    return readers
+
+
 def frames() -> list[tuple[str, str]]:
     """(file, function) of every frame from ``pretrain`` to ``GPTModel.forward``, in a one-rank run."""
     sys.path.insert(0, str(ROOT))
@@ -199,6 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"import circles (every import counted): {len(circles)}")
     for circle in circles:
         print("  " + " <-> ".join(circle))
+    readers = global_group_readers()
+    print(f"modules in {', '.join(GROUP_READER_SCOPE)} calling parallel_state's getters: {len(readers)}")
+    for module, calls in readers.items():
+        print(f"  {module}: {', '.join(calls)}")
 
 
 if __name__ == "__main__":

@@ -54,13 +54,6 @@ from core.distributed.sharding_units import (
 from core.parallel_state import ParallelGroups, group_size
 
 
-def _default_groups() -> ParallelGroups | None:
-    """``parallel_state``'s groups when none are handed in and they are set up (Megatron's default)."""
-    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
-        return None
-    return ps.get_parallel_groups()
-
-
 def is_expert_param(param: nn.Parameter) -> bool:
     """An MoE expert's parameter (Megatron's ``allreduce = False``): reduced over expert data parallelism."""
     return not getattr(param, "allreduce", True)
@@ -127,7 +120,7 @@ class DistributedDataParallel(nn.Module):
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
-        groups = pg_collection if pg_collection is not None else _default_groups()
+        groups = ps.groups_or_default(pg_collection)
         if data_parallel_group is None and groups is not None:
             data_parallel_group = groups.dp_cp
         if expert_data_parallel_group is None and groups is not None:

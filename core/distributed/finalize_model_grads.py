@@ -66,13 +66,6 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
         offset += g.numel()
 
 
-def _groups_or_initialized(groups: ParallelGroups | None) -> ParallelGroups | None:
-    """The groups handed in, else parallel_state's when initialised (Megatron's way), else None."""
-    if groups is not None:
-        return groups
-    return ps.get_parallel_groups() if ps.model_parallel_is_initialized() else None
-
-
 def finalize_model_grads(
     model_chunks: list[torch.nn.Module],
     num_tokens: torch.Tensor | None = None,
@@ -85,7 +78,7 @@ def finalize_model_grads(
     """
     chunks = list(model_chunks)
     per_token = num_tokens is not None
-    groups = _groups_or_initialized(groups)
+    groups = ps.groups_or_default(groups)
     if groups is None:  # one process, nothing to reduce
         if per_token:
             scale_by_num_tokens(chunks, num_tokens)
@@ -127,7 +120,7 @@ def scale_by_num_tokens(
     which the optimizer's finite check skips, as in Megatron.
     """
     tokens = num_tokens.detach().clone().to(torch.float64).reshape(())
-    groups = _groups_or_initialized(groups)
+    groups = ps.groups_or_default(groups)
     if groups is not None and groups.size("pp") > 1:
         dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=groups.pp)
     if groups is not None and groups.size("dp_cp") > 1:

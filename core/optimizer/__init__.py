@@ -141,8 +141,7 @@ def get_megatron_optimizer(
     model's process groups (default: ``parallel_state``'s when set up, else one process), which say what
     this rank counts in global gradient norms and where they are summed."""
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-    if pg_collection is None and ps.model_parallel_is_initialized():
-        pg_collection = ps.get_parallel_groups()
+    pg_collection = ps.groups_or_default(pg_collection)
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr must be set (the scheduler then drives it every step)")
     groups = get_param_groups(

@@ -170,7 +170,7 @@ def _prepare(
     del first_val_step  # only meaningful for FP8 weight caching, which Trident does not do
     settings = ScheduleSettings.from_config(chunks[0].config)
     _check_call(settings, num_microbatches, vpp := len(chunks))
-    groups = pg_collection if pg_collection is not None else _initialized_groups()
+    groups = ps.groups_or_default(pg_collection)
     links = _links(p2p_communicator, pipelined, groups)
     pp_rank, pp_size = (links.pp_rank, links.pp_size) if links is not None else (0, 1)
     tables = complete_tables(
@@ -316,11 +316,6 @@ def _as_iterators(data_iterator: DataIterator, num_chunks: int) -> list:
             )
         return list(data_iterator)
     return [data_iterator] * num_chunks
-
-
-def _initialized_groups() -> ParallelGroups | None:
-    """parallel_state's groups when they exist (Megatron's default), else None: one process."""
-    return ps.get_parallel_groups() if ps.model_parallel_is_initialized() else None
 
 
 def _links(

@@ -106,11 +106,6 @@ def _layout(num_layers: int, pp: int, vpp: int | None, text: str | None, placeme
     return layout
 
 
-def default_groups() -> ParallelGroups | None:
-    """``parallel_state``'s groups when they are set up (Megatron's way to build a model), else None."""
-    return parallel_state.get_parallel_groups() if parallel_state.model_parallel_is_initialized() else None
-
-
 def pipeline_rank(config: TransformerConfig, groups: ParallelGroups | None) -> int:
     """This process's pipeline rank in ``groups`` (0 without groups), checked against the config."""
     if groups is None:
@@ -164,7 +159,7 @@ class GPTModel(nn.Module):
         pg_collection: ParallelGroups | None = None,
     ) -> None:
         super().__init__()
-        groups = pg_collection if pg_collection is not None else default_groups()
+        groups = parallel_state.groups_or_default(pg_collection)
         self.config = config
         self.vp_stage = vp_stage
         self.pre_process, self.post_process = pre_process, post_process

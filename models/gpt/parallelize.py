@@ -163,8 +163,7 @@ def parallelize_gpt(
     """This rank's chunks of the model ``layout`` splits, wrapped for data parallelism when ``ddp_config``
     is given. ``groups``: the process groups (default: ``parallel_state``'s, when initialised; else
     one rank)."""
-    if groups is None and ps.model_parallel_is_initialized():
-        groups = ps.get_parallel_groups()
+    groups = ps.groups_or_default(groups)
     modules = _build_modules(model_provider, layout, groups)
     if groups is not None:  # where the delayed FP8 recipe reduces its amaxes
         set_amax_group(modules, groups.tp_dp_cp, groups.expt_dp)

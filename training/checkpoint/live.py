@@ -80,8 +80,7 @@ class RankSplit:
     def of(cls, groups: ParallelGroups | None) -> RankSplit:
         """The split ``groups`` describe; None: Megatron's global groups if they are set up (callers
         that do not hand theirs in), else a world of one."""
-        if groups is None and ps.model_parallel_is_initialized():
-            groups = ps.get_parallel_groups()
+        groups = ps.groups_or_default(groups)
         if groups is None:
             return cls()
         found: dict[str, int] = {}

@@ -28,9 +28,8 @@ class MoEGroups:
     def from_parallel_state(cls, expert_model_parallel_size: int = 1) -> MoEGroups:
         """This rank's groups from ``core.parallel_state`` (a layer built without its groups); all
         ``None`` in a process without groups, where every expert is local."""
-        if not dist.is_initialized() or not ps.model_parallel_is_initialized():
-            return cls()
-        return cls.of(ps.get_parallel_groups(), expert_model_parallel_size)
+        groups = ps.groups_or_default()
+        return cls() if groups is None else cls.of(groups, expert_model_parallel_size)
 
     @classmethod
     def of(cls, groups: ParallelGroups | None, expert_model_parallel_size: int = 1) -> MoEGroups:
