@@ -1,17 +1,19 @@
 """The fault matrix: every fault kind x point x rank, with and without torchrun --max-restarts, on CPU ranks.
 
-    python tools/fault_matrix.py                    # every cell (52; about 20-30 minutes on 2 cores)
+    python tools/fault_matrix.py                    # every cell (90; about 40-60 minutes on 2 cores)
     python tools/fault_matrix.py --cells kill@forward:0:restart exception@save:3:stop
     python tools/fault_matrix.py --quick            # one cell per kind and mode (10)
 
 Each cell trains a tiny GPT (PP2 x DP2, 4 CPU ranks, 12 iterations, a checkpoint every 4) with one
 fault injected through ``TRIDENT_FAULT`` (``training/faults/injection.py``): ``exception``, ``kill``
-(SIGKILL), ``term`` (SIGTERM, no handler: the process ends) or ``hang`` at the ``forward``,
-``optimizer`` or ``save`` point of an iteration (6 for the first two, 8 for ``save``: a checkpoint of
-iteration 4 exists), on rank 0 or rank 3. A ``restart`` cell runs under ``torchrun --max-restarts 1``;
-a ``stop`` cell without restarts. Two faults a run survives are cells too, at ``forward`` in ``stop``
-mode only (a restart never happens): ``slow`` (the rank's forwards four times as long, with
-``--log-straggler``) and ``nan`` (one iteration's forward outputs NaN).
+(SIGKILL), ``term`` (SIGTERM, no handler: the process ends) or ``hang`` at the ``forward``, ``data``,
+``backward``, ``optimizer`` or ``save`` point of an iteration (6 for the first four, 8 for ``save``: a
+checkpoint of iteration 4 exists), on rank 0 or rank 3. A ``restart`` cell runs under ``torchrun
+--max-restarts 1``; a ``stop`` cell without restarts. ``write`` (the save of iteration 8 fails on the
+rank after its first file) is a cell in both modes. Faults a run survives are cells too, in ``stop``
+mode only (a restart never happens): ``slow`` at ``forward`` (the rank's forwards four times as long,
+with ``--log-straggler``) and ``nan`` at ``forward`` (one iteration's forward outputs NaN) and at
+``backward`` (the gradient reaching the rank's first forward output NaN).
 
 What a cell must show, within its time limit (the watchdog's timeout is 15 s here, the process
 groups' one minute):
@@ -20,6 +22,7 @@ groups' one minute):
   uninterrupted run's (weights, optimizer state, RNG);
 * ``slow``: the run finishes (exit 0) and the last straggler report names the slowed rank slowest;
 * ``nan``: the run finishes (exit 0) with one NaN iteration counted and skipped;
+* ``write``, ``stop``: as any stop cell below, and the tracker still names iteration 4;
 * ``stop``: a non-zero exit, the fault reported in the output (the injected exception's message,
   torchrun's line for the signalled rank; for a hang, the watchdog's one line, which today says that
   the ranks wait on each other but not which rank they wait for), and the tracker naming a complete
@@ -47,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 KINDS = ("exception", "kill", "term", "hang")
-SURVIVED = ("slow", "nan")  # faults a run goes on through, at ``forward``
-POINTS = {"forward": 6, "optimizer": 6, "save": 8}
+SURVIVED = {"slow": ("forward",), "nan": ("forward", "backward")}  # faults a run goes on through
+POINTS = {"forward": 6, "data": 6, "backward": 6, "optimizer": 6, "save": 8}
 RANKS = (0, 3)
 MODES = ("restart", "stop")
 FLAGS = shlex.split(
@@ -125,8 +128,8 @@ def _orphans(save: Path) -> int:
 def _named(cell: Cell, output: str) -> bool:
     """Whether the output names the fault: what the injected exception said, the silent rank, or the
     signalled rank in torchrun's summary."""
-    if cell.kind == "exception":
-        return f"injected fault (TRIDENT_FAULT): exception at {cell.point}" in output
+    if cell.kind in ("exception", "write"):
+        return f"injected fault (TRIDENT_FAULT): {cell.kind} at {cell.point}" in output
     if cell.kind == "hang":  # the heartbeat goes on, so the one line says the ranks wait on each other
         return "while every rank still answered" in output or f"rank {cell.rank} stopped answering" in output
     return f"rank      : {cell.rank} " in output and ("SIGKILL" in output or "SIGTERM" in output)
@@ -171,6 +174,9 @@ def run_cell(cell: Cell, reference: dict, workdir: Path, timeout: float) -> dict
     else:
         ok_outcome = code not in (0, 124) and _named(cell, output)
         what = f"exit {code}, " + ("fault named" if _named(cell, output) else "fault NOT named")
+        if cell.kind == "write":  # the failed save of iteration 8 left the tracker at iteration 4
+            kept = (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+            ok_outcome, what = ok_outcome and kept, what + (", tracker at 4" if kept else ", tracker moved")
     orphans, complete = _orphans(save), _tracker_complete(save)
     passed = ok_outcome and orphans == 0 and complete and code != 124
     return {
@@ -199,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
         cells += [Cell(kind, "forward", 3, "stop") for kind in SURVIVED]
     else:
         cells = [Cell(k, p, r, m) for k in KINDS for p in POINTS for r in RANKS for m in MODES]
-        cells += [Cell(kind, "forward", r, "stop") for kind in SURVIVED for r in RANKS]
+        cells += [Cell("write", "save", r, m) for r in RANKS for m in MODES]
+        cells += [Cell(k, p, r, "stop") for k, points in SURVIVED.items() for p in points for r in RANKS]
     with tempfile.TemporaryDirectory(prefix="trident-faults-") as tmp:
         workdir = Path(tmp)
         code, output, _ = _launch(workdir / "reference", fault="", restarts=0, timeout=args.timeout)

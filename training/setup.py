@@ -90,7 +90,10 @@ def setup(run: Run, providers: Providers) -> Session:
         logs_loss=logs_loss,
         tokenizer=tokenizer,
         saver=CheckpointSaver(
-            groups=groups, async_save=run.checkpointing.async_save, announce=_announcer(logs_loss)
+            groups=groups,
+            async_save=run.checkpointing.async_save,
+            announce=_announcer(logs_loss),
+            after_file=faults.after_checkpoint_file,
         ),
     )
     if run.checkpointing.load:

@@ -1,7 +1,8 @@
-"""Faults injected into real jobs (TRIDENT_FAULT, training/faults/injection.py) that a run survives:
-a slow rank is named by --log-straggler in the first report (and a switch port that is taken is one
-line before any step); a NaN in one iteration's forward is a skipped step, or with
---check-for-nan-in-loss-and-grad one line naming the iteration.
+"""Faults injected into real jobs (TRIDENT_FAULT, training/faults/injection.py): a slow rank is named
+by --log-straggler in the first report (and a switch port that is taken is one line before any step);
+a NaN in one iteration's forward or in a gradient is a skipped step, or with
+--check-for-nan-in-loss-and-grad one line naming the iteration; an exception inside the schedule (at
+the data or backward point) names itself; a checkpoint write that fails keeps the previous checkpoint.
 
 ``TRIDENT_FAULT=slow@forward:1:rank=1:factor=4`` makes rank 1's forward computations four times as
 long from the first iteration on (training/faults/injection.py): a straggler on a CPU. Two ranks, one
@@ -13,6 +14,8 @@ from __future__ import annotations
 import re
 import socket
 import urllib.request
+
+import pytest
 
 from tests.support.torchrun_jobs import TINY, Job, job_env, run, write_tiny_dataset
 
@@ -91,3 +94,63 @@ def test_an_injected_nan_is_a_skipped_step_or_with_the_check_one_line(tmp_path):
     errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
     assert code == 1 and len(errors) == 1, output[-3000:]
     assert errors[0].endswith("at iteration 2 (--check-for-nan-in-loss-and-grad)"), errors[0]
+
+
+def _pp2_flags(tmp_path, *extra: str) -> list[str]:
+    data = write_tiny_dataset(tmp_path / "tiny")
+    return [*TINY, "--data-path", str(data), "--pipeline-model-parallel-size", "2", *extra]
+
+
+def test_a_nan_gradient_is_a_skipped_step_or_with_the_check_one_line(tmp_path):
+    """Rank 1 (the last stage) gets a NaN gradient at its first forward output in iteration 2: the
+    loss stays finite, the gradient norm is NaN, the step is skipped (or, checked, one line)."""
+    flags = _pp2_flags(tmp_path, "--train-iters", "3")
+    env = job_env(TRIDENT_FAULT="nan@backward:2:rank=1")
+    code, output = run(2, flags, env=env)
+    assert code == 0, output[-3000:]
+    lines = [line for line in output.splitlines() if "number of skipped iterations" in line]
+    norms = [re.search(r"grad norm: (\S+)", line).group(1) for line in lines]
+    skipped = [re.search(r"skipped iterations: +(\d+)", line).group(1) for line in lines]
+    assert norms[1] == "nan" and "nan" not in norms[0] + norms[2] and skipped == ["0", "1", "1"], lines
+    assert "lm loss: nan" not in lines[1].lower(), lines[1]
+    code, output = run(2, [*flags, "--check-for-nan-in-loss-and-grad"], env=env)
+    errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    assert code == 1 and errors == [
+        "pretrain_gpt.py: error: gradient norm is nan at iteration 2 (--check-for-nan-in-loss-and-grad)"
+    ], output[-3000:]
+
+
+@pytest.mark.parametrize("point,rank", [("data", 1), pytest.param("backward", 0, marks=pytest.mark.slow)])
+def test_an_exception_inside_the_schedule_names_its_point_rank_and_iteration(tmp_path, point, rank):
+    code, output = run(
+        2,
+        _pp2_flags(tmp_path, "--train-iters", "3"),
+        env=job_env(TRIDENT_FAULT=f"exception@{point}:2:rank={rank}"),
+    )
+    message = (
+        f"RuntimeError: injected fault (TRIDENT_FAULT): exception at {point} of iteration 2 on rank {rank}"
+    )
+    assert code == 1 and output.count(message) == 1, output[-3000:]
+    assert " iteration        1/" in output and " iteration        2/" not in output
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mode):
+    """Rank 1's write of iteration 4 fails after its first file: every rank stops with one line, the
+    tracker still names iteration 2, the partial directory has no manifest, and a resume starts at 2."""
+    save = tmp_path / "ckpt"
+    flags = _pp2_flags(tmp_path, "--train-iters", "6", "--save", str(save), "--save-interval", "2")
+    flags += ["--async-save"] if mode == "async" else []
+    code, output = run(2, flags, env=job_env(TRIDENT_FAULT="write@save:4:rank=1"))
+    errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    expected = (
+        f"pretrain_gpt.py: error: saving checkpoint {save}/iter_0000004 failed: OSError: [Errno 28] injected "
+        "fault (TRIDENT_FAULT): write at save of iteration 4 on rank 1, after writing model_tp0_pp1.safetensors"
+    )
+    assert code == 1 and errors == [expected], output[-3000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (save / "iter_0000002" / "manifest.json").is_file()
+    assert not (save / "iter_0000004" / "manifest.json").exists()
+    code, output = run(2, [*flags, "--load", str(save)], env=job_env())
+    assert code == 0 and f"loaded checkpoint {save} at iteration 2" in output, output[-3000:]
+    assert " iteration        6/" in output

@@ -10,9 +10,11 @@ def _commands() -> list[str]:
     return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
 
 
-def test_ci_runs_the_readmes_test_command():
-    ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+def test_ci_runs_the_readmes_test_command_then_the_slow_suite():
+    *_, ci_command, slow_suite = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert _commands()[1] == ci_command
+    assert slow_suite == "python -m pytest -q -m slow"
+    assert "python -m pytest -q -m slow        #" in (ROOT / "README.md").read_text()
 
 
 def test_first_command_installs_and_trains_through_the_pipeline():

@@ -18,6 +18,11 @@ def test_faults_parse_with_their_defaults_and_options():
         Fault(kind="slow", point="forward", iteration=2, factor=3.0),
     ]
     assert parse_faults("") == []
+    assert parse_faults("nan@backward:2:rank=1,exception@data:3,write@save:4") == [
+        Fault(kind="nan", point="backward", iteration=2, rank=1),
+        Fault(kind="exception", point="data", iteration=3),
+        Fault(kind="write", point="save", iteration=4),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -30,6 +35,9 @@ def test_faults_parse_with_their_defaults_and_options():
         "slow@optimizer:3",
         "slow@forward:3:factor=0.5",
         "nan@save:3",
+        "nan@data:3",
+        "slow@backward:3",
+        "write@forward:3",
     ],
 )
 def test_a_fault_that_does_not_exist_is_one_line_naming_the_grammar(spec):
@@ -37,8 +45,9 @@ def test_a_fault_that_does_not_exist_is_one_line_naming_the_grammar(spec):
         parse_faults(spec)
     assert str(err.value) == (
         f"TRIDENT_FAULT: cannot read {spec!r}; expected <kind>@<point>:<iteration>[:rank=R][:attempt=A] "
-        "with kind in exception, kill, term, hang, slow, nan and point in forward, optimizer, save (slow "
-        "and nan: at forward; slow takes [:factor=F], F >= 1)"
+        "with kind in exception, kill, term, hang, slow, nan, write and point in forward, data, backward, "
+        "optimizer, save (slow: at forward; nan: at forward or backward; write: at save; slow takes "
+        "[:factor=F], F >= 1)"
     )
 
 

@@ -80,16 +80,19 @@ STALL_ENV = "TRIDENT_TEST_ASYNC_SAVE_STALL_AT"
 class _Write(threading.Thread):
     """This rank's files of one checkpoint, written in the background; ``error`` says why it failed."""
 
-    def __init__(self, request: SaveRequest, staging: HostStaging) -> None:
+    def __init__(
+        self, request: SaveRequest, staging: HostStaging, after_file: Callable[[str], None] | None
+    ) -> None:
         super().__init__(name=f"checkpoint-writer-{request.iteration}", daemon=True)
         self.request, self.staging = request, staging
+        self.after_file = _stall_hook(request.iteration) or after_file
         self.local: dict[str, Any] | None = None
         self.error: str | None = None
 
     def run(self) -> None:
         try:
             self.staging.copy_in()  # the state as it was at the save, in host memory
-            self.local = write_files(self.request, after_file=_stall_hook(self.request.iteration))
+            self.local = write_files(self.request, after_file=self.after_file)
         except BaseException as err:  # noqa: BLE001 -- reported to every rank by the next poll()
             self.error = failure(self.request.path, err)
 
@@ -112,7 +115,9 @@ class CheckpointSaver:
 
     Construct it on every rank at the same point (with ``async_save`` it may create a process
     group). ``groups``: the run's process groups, which say where each rank's files go.
-    ``announce(path)`` is called on every rank when a checkpoint is committed.
+    ``announce(path)`` is called on every rank when a checkpoint is committed; ``after_file(name)``
+    after each of this rank's files is in place (an exception there fails the save on every rank: the
+    fault injector's ``write`` kind).
     """
 
     def __init__(
@@ -121,9 +126,11 @@ class CheckpointSaver:
         groups: ParallelGroups | None = None,
         async_save: bool = False,
         announce: Callable[[str], None] | None = None,
+        after_file: Callable[[str], None] | None = None,
     ) -> None:
         self.groups = groups
         self.async_save = async_save
+        self.after_file = after_file
         self.staging = HostStaging()
         self._announce = announce or (lambda path: None)
         self._group = _agreement_group() if async_save else None
@@ -144,7 +151,9 @@ class CheckpointSaver:
         self.wait()
         state = {"groups": self.groups, **state}
         if not self.async_save:
-            path = save_checkpoint(save_dir, iteration, staging=self.staging, **state)
+            path = save_checkpoint(
+                save_dir, iteration, staging=self.staging, after_file=self.after_file, **state
+            )
             self._announce(path)
             return path
         check_json(state.get("scheduler_state"), state.get("extra"))
@@ -158,7 +167,7 @@ class CheckpointSaver:
         except Exception as err:  # noqa: BLE001 -- reported to every rank by the next poll()
             self._failed = failure(path, err)
             return path
-        self._write = _Write(request, self.staging)
+        self._write = _Write(request, self.staging, self.after_file)
         self._write.start()
         return path
 

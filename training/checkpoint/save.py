@@ -301,13 +301,19 @@ def _commit_manifest(request: SaveRequest, local: dict, gathered: list[dict]) ->
 
 
 def save_checkpoint(
-    save_dir: str, iteration: int, *, staging: HostStaging | None = None, **state: Any
+    save_dir: str,
+    iteration: int,
+    *,
+    staging: HostStaging | None = None,
+    after_file: Callable[[str], None] | None = None,
+    **state: Any,
 ) -> str:
     """Write this rank's files of ``DIR/iter_XXXXXXX``; rank 0 then commits it. Call on every rank.
 
     ``state``: the keyword arguments of :func:`describe` (``model_chunks``, ``optimizer``,
     ``scheduler_state``, ``consumed_samples``, ``tokenizer`` as ``{"type", "files": {role: path}}``
-    whose files are copied in, ``args``, ``extra``, ``rng_state``, ``groups``). Training waits: the live
+    whose files are copied in, ``args``, ``extra``, ``rng_state``, ``groups``); ``after_file``: as
+    :func:`write_files`'s. Training waits: the live
     tensors are written, a GPU tensor through ``staging``'s reused pinned buffer. A failure on any
     rank raises :class:`CheckpointError` on every rank and leaves the tracker, hence the previous
     checkpoint, untouched. Returns the iteration directory.
@@ -318,7 +324,7 @@ def save_checkpoint(
     request, local, error = None, None, None
     try:
         request = describe(save_dir, iteration, **state)
-        local = write_files(request, to_host=staging.to_host)
+        local = write_files(request, to_host=staging.to_host, after_file=after_file)
     except Exception as err:  # noqa: BLE001 -- reported on every rank by commit, so no rank waits forever
         error = failure(path, err)
     commit(request, local, error)

@@ -42,12 +42,13 @@ from training.faults.heartbeat import (
     phase,
     watched,
 )
-from training.faults.injection import faulty_forward
+from training.faults.injection import after_checkpoint_file, faulty_forward
 from training.faults.launcher import end_process, ending_the_process, watch_launcher
 from training.faults.reporting import judge, one_line_errors, run_main
 
 __all__ = [
     "TEST_TIMEOUT_ENV",
+    "after_checkpoint_file",
     "begin",
     "distributed_timeout_seconds",
     "end",
