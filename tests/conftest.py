@@ -38,3 +38,11 @@ def ranks():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """A SentencePiece BPE model (trained by tools/train_tokenizer.py) and GPT-2 BPE vocab/merges files."""
+    from tests.support.hf import write_tokenizer_files  # imported by the tests that use it only
+
+    return write_tokenizer_files(tmp_path_factory.mktemp("tokenizers"))

@@ -1,13 +1,6 @@
-"""The LLaMA and GPT-2 configurations compute exactly what Hugging Face's models compute.
-
-Tiny Hugging Face configs are built in code (nothing is downloaded); the weights of a seeded
-GPTModel are copied in through ``models.gpt.hf_mapping.to_hf`` and the logits compared in fp32.
-Each model flag an imported model needs is shown to change the computation. ``tools/convert_checkpoint.py
---to-hf`` is checked end to end: ``AutoModelForCausalLM`` on the exported folder gives the logits of
-the same checkpoint run at TP2 x PP2 on four real ranks, and ``AutoTokenizer`` the ids of our tokenizer.
-``--from-hf`` then ``--to-hf`` gives the Hugging Face files back bit for bit, bad folders get one
-error naming the file or field, and ``pretrain_gpt.py --load OUT --finetune --use-checkpoint-args``
-trains an imported model with no model flag."""
+"""``tools/convert_checkpoint.py --to-hf`` end to end, on four real ranks: ``AutoModelForCausalLM`` on
+the exported folder gives the logits of the same checkpoint run at TP2 x PP2, and ``AutoTokenizer``
+the ids of our tokenizer (tests/unit/test_hf_parity.py compares the configurations in one process)."""
 
 from __future__ import annotations
 
@@ -27,11 +20,6 @@ from tests.support.pipeline_logits import checkpoint_logits
 
 transformers = pytest.importorskip("transformers")
 
-
-@pytest.fixture(scope="module")
-def tokenizer_files(tmp_path_factory):
-    """A SentencePiece BPE model (trained by tools/train_tokenizer.py) and GPT-2 BPE vocab/merges files."""
-    return write_tokenizer_files(tmp_path_factory.mktemp("tokenizers"))
 
 EXPORTS = {
     # case: (config, tokenizer type)

@@ -101,16 +101,7 @@ def run_captured(
     calls ``pretrain()`` itself does not watch its launcher), and comes back as exit code 124 with what
     it had printed and a last stderr line saying so: the caller's assertion then shows where it stood
     (a pytest-timeout would show only the test's own stack)."""
-    with subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        shell=shell,
-        start_new_session=True,
-    ) as proc:
+    with start_session(cmd, env=env, cwd=cwd, stderr=subprocess.PIPE, shell=shell) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -121,16 +112,24 @@ def run_captured(
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def start_session(cmd: list[str], *, env: dict[str, str]) -> subprocess.Popen:
-    """Start ``cmd`` in its own session (so that its whole process group can be signalled), stdout and
-    stderr merged into one text pipe that the caller reads as it comes."""
+def start_session(
+    cmd: list[str] | str,
+    *,
+    env: dict[str, str],
+    cwd: Path | str | None = ROOT,
+    stderr: int = subprocess.STDOUT,
+    shell: bool = False,
+) -> subprocess.Popen:
+    """Start ``cmd`` in its own session (so that its whole process group can be signalled), its stdout
+    a text pipe the caller reads as it comes, with stderr merged into it unless ``stderr`` says where."""
     return subprocess.Popen(
         cmd,
         env=env,
-        cwd=ROOT,
+        cwd=cwd,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=stderr,
         text=True,
+        shell=shell,
         start_new_session=True,
     )
 

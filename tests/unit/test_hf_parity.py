@@ -2,10 +2,8 @@
 
 Tiny Hugging Face configs are built in code (nothing is downloaded); the weights of a seeded
 GPTModel are copied in through ``models.gpt.hf_mapping.to_hf`` and the logits compared in fp32.
-Each model flag an imported model needs is shown to change the computation. ``tools/convert_checkpoint.py
---to-hf`` is checked end to end: ``AutoModelForCausalLM`` on the exported folder gives the logits of
-the same checkpoint run at TP2 x PP2 on four real ranks, and ``AutoTokenizer`` the ids of our tokenizer.
-``--from-hf`` then ``--to-hf`` gives the Hugging Face files back bit for bit, bad folders get one
+Each model flag an imported model needs is shown to change the computation (the export against a
+TP2 x PP2 run is in tests/dist/test_hf_parity.py). ``--from-hf`` then ``--to-hf`` gives the Hugging Face files back bit for bit, bad folders get one
 error naming the file or field, and ``pretrain_gpt.py --load OUT --finetune --use-checkpoint-args``
 trains an imported model with no model flag.
 """
@@ -35,17 +33,10 @@ from tests.support.hf import (
     perturb_norms_and_biases,
     random_hf_model,
     safetensors_of,
-    write_tokenizer_files,
     write_trident_checkpoint,
 )
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def tokenizer_files(tmp_path_factory):
-    """A SentencePiece BPE model (trained by tools/train_tokenizer.py) and GPT-2 BPE vocab/merges files."""
-    return write_tokenizer_files(tmp_path_factory.mktemp("tokenizers"))
 
 
 ONE_PLUS = {  # --apply-layernorm-1p: exported as gamma = 1 + weight
