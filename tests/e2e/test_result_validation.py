@@ -11,7 +11,8 @@ before it and reruns it. Megatron's verdicts, exit codes and lines:
 
 Every checkpoint a verdict saves holds the bytes of an uninterrupted run's at that iteration (the
 update of iteration 5 and of the steps after it was held off on the device). A clean run validated,
-or reporting reproducibility, ends with the unvalidated run's checkpoint, bit for bit.
+or reporting reproducibility, ends with the unvalidated run's checkpoint, bit for bit; so does a run
+whose transient fault (a real NaN) torchrun's restart resumes from.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.torchrun_jobs import TINY, job_env, run, write_tiny_dataset
+from tests.support.torchrun_jobs import TINY, Job, job_env, run, write_tiny_dataset
 
 CHECKS = ["--check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--check-for-large-grads"]
 HEAD = "pretrain_gpt.py: error: result validation: iteration 5: NaN or inf loss (lm loss {loss})"
@@ -132,6 +133,27 @@ def test_a_reproduced_result_exits_16_and_its_resumed_rerun_tells_a_persistent_f
         "first run's devices from a correct result"
     ) in output
     assert _ended(output, 17) == f"{HEAD.format(loss=loss)} on the first run's devices; {verdict} (exit 17)"
+
+
+def test_a_nan_in_one_forward_under_torchrun_restarts_is_a_transient_fault_and_the_run_trains_on(
+    flags, unvalidated, tmp_path
+):
+    """A real fault: rank 0 (the first stage) computes NaN activations once, in iteration 6. The rerun
+    is clean: a transient fault, exit 17 after saving iteration 5; torchrun --max-restarts 1 restarts,
+    the run loads iteration 5 and trains on, and ends with the uninterrupted run's checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    job = Job(2, [*flags, "--check-for-nan-in-loss-and-grad", "--save", str(ckpt)],
+              env=job_env(TRIDENT_FAULT="nan@forward:6:rank=0"), launcher=["--standalone", "--max-restarts", "1"])  # fmt: skip
+    output = job.finish(240)
+    assert job.proc.returncode == 0, output[-3000:]
+    assert re.search(
+        r"^pretrain_gpt.py: error: result validation: iteration 6: NaN or inf loss \(lm loss nan\); the rerun "
+        rf"gave lm loss [0-9.]+E\+00: a transient fault; checkpoint of iteration 5 saved in {ckpt} \(exit 17\)$",
+        output,
+        re.MULTILINE,
+    ), output[-3000:]
+    assert f"loaded checkpoint {ckpt} at iteration 5" in output
+    assert _files(ckpt, 8) == _files(unvalidated[0], 8)
 
 
 def test_a_clean_run_validated_or_reporting_reproducibility_ends_as_the_unvalidated_run(

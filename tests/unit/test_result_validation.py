@@ -9,8 +9,13 @@ codes are in ``tests/e2e/test_result_validation.py``.
 
 from __future__ import annotations
 
-import pytest
+import json
+import re
 
+import pytest
+import torch
+
+from tests.support.fp8_run import fp8_run
 from tests.support.host_waits import HostWaitCounter
 from tests.support.pretrain_run import pretrain_gpt_in_process
 from training.errors import ConfigError
@@ -83,6 +88,38 @@ def test_an_injected_suspect_that_is_not_fatal_is_rerun_and_the_run_goes_on_unch
         else f"the rerun counts as reproducing it ({kind} injected): a correct result or a persistent fault"
     )
     assert lines[1] == f"{head}; {verdict}; going on (the check is not fatal)"
+
+
+def test_a_suspect_found_where_the_loop_evaluates_saves_or_stops_is_rerun_first(tmp_path, capsys):
+    """Injections at iterations 3, 5, 7 and 9 are found where the loop settles to evaluate (3, 9), to
+    save (5) and to stop (--exit-interval 9): each evaluation, checkpoint and the stop happen once, after
+    the rerun, and hold what the unvalidated run's do."""
+    flags = (
+        f"{TINY} --eval-interval 3 --eval-iters 1 --train-iters 10 --log-interval 4 --save-interval 5 "
+        "--exit-interval 9"
+    )
+    plain = pretrain_gpt_in_process(argv=f"{flags} --rerun-mode disabled --save {tmp_path / 'a'}".split())
+    evaluations = re.findall(r"validation loss at iteration .*", capsys.readouterr().out)
+    injected = "--check-for-spiky-loss --error-injection-rate 2"
+    reran = pretrain_gpt_in_process(argv=f"{flags} {injected} --save {tmp_path / 'b'}".split())
+    out = capsys.readouterr().out
+    assert re.findall(r"result validation: iteration (\d+): .* rerunning it", out) == ["3", "5", "7", "9"]
+    assert re.findall(r"validation loss at iteration .*", out) == evaluations and len(evaluations) == 3
+    assert _record(reran) == _record(plain) and plain.iteration == 9
+    for iteration in (5, 9):
+        files = [json.loads((tmp_path / run / f"iter_{iteration:07d}" / "manifest.json").read_text())["files"]
+                 for run in "ab"]  # fmt: skip
+        assert files[0] == files[1], iteration
+
+
+def test_an_fp8_step_rerun_starts_from_the_scaling_state_it_first_had():
+    """Delayed FP8 scaling pushes each step's amaxes onto the histories: a rerun step restores them (and
+    drops the cached weight casts), so the run with its reruns ends with the plain run's losses and
+    histories, bit for bit."""
+    plain, plain_state = fp8_run("--train-iters 6 --rerun-mode disabled")
+    reran, state = fp8_run("--train-iters 6 --log-interval 3 --check-for-spiky-loss --error-injection-rate 2")
+    assert reran == plain and plain_state
+    assert all(torch.equal(state[k], v) for k, v in plain_state.items())
 
 
 def test_a_tracker_file_that_cannot_be_written_is_one_line(tmp_path):

@@ -25,7 +25,7 @@ on every rank). A rejected result sets a device flag, ``held``, that gates the o
 (``step_on_device(gate=...)``, as a NaN skip does) for that step and every later one until the host
 next reads the steps. So the model and optimizer state stay those of before the suspect step. Before
 each step the host keeps what else a step changes: the RNG states (as a checkpoint stores them), the
-loss scaler's and the trackers' device tensors (copies, no read). At the next settling point the loop
+loss scaler's, the trackers' and FP8's scaling states (copies, no read). At the next settling point the loop
 applies the steps before the suspect one, rewinds the iteration, the consumed samples (so the sampler
 gives the same batch) and those states to the suspect step, and runs it again; that rerun is read at
 once (a host wait, on this rare path only) and judged.
@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from core.device import current_device
+from core.tensor_parallel.fp8 import fp8_states
 from training.checkpoint.rng import get_rng_state, set_rng_state
 from training.errors import ConfigError, ResultRejected
 from training.faults.agreement import everyone
@@ -154,8 +155,11 @@ class ResultValidator:
             _check_writable(self.tracker_file)
         self.held = torch.zeros((), dtype=torch.bool, device=device)
         self.trackers = {"spiky": _Tracker(device), "large": _Tracker(device)}
+        self.fp8 = [layer for _, layer in fp8_states(session.model.modules)]  # scales that move every step
         self.closed = False  # the update is gated off whatever the checks say (a rerun)
-        self.snapshots: dict[int, tuple] = {}  # before each step: RNG, device states, samples, validations
+        self.snapshots: dict[
+            int, tuple
+        ] = {}  # before each step: RNG, device states, samples, validations, FP8
         self.validated, self.first, self.validating = 0, None, False
         self.injected: dict[int, str] = {}
         self.phase, self.suspect = "normal", None  # phases: normal, rerun, accept, resumed
@@ -179,11 +183,13 @@ class ResultValidator:
             self.first = iteration
         if iteration not in self.snapshots:  # a rerun starts from the states its step first had
             state = [t.clone() for t in self._device_state()]
+            fp8 = [layer.snapshot() for layer in self.fp8]
             self.snapshots[iteration] = (
                 get_rng_state(),
                 state,
                 self.session.state.consumed_samples,
                 self.validated,
+                fp8,
             )
         self.closed = self.phase in ("rerun", "resumed")
         self.validating = self.phase == "normal" and not first and self.mode == "validate_results"
@@ -360,10 +366,12 @@ class ResultValidator:
 
     def _restore(self, iteration: int) -> int:
         """The RNG and device states from before ``iteration``; returns the samples consumed before it."""
-        rng, device, consumed, _ = self.snapshots[iteration]
+        rng, device, consumed, _, fp8 = self.snapshots[iteration]
         set_rng_state(rng)
         for tensor, saved in zip(self._device_state(), device, strict=True):
             tensor.copy_(saved)
+        for layer, saved in zip(self.fp8, fp8, strict=True):
+            layer.restore(saved)
         return consumed
 
     def _device_state(self) -> list[torch.Tensor]:
