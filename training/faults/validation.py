@@ -24,11 +24,11 @@ on the device (the loss's flags ride the step's existing NaN all-reduce; the gra
 on every rank). A rejected result sets a device flag, ``held``, that gates the optimizer update off
 (``step_on_device(gate=...)``, as a NaN skip does) for that step and every later one until the host
 next reads the steps. So the model and optimizer state stay those of before the suspect step. Before
-each step the host keeps what else a step changes: the RNG states (as a checkpoint stores them), the
-loss scaler's, the trackers' and FP8's scaling states (copies, no read). At the next settling point the loop
-applies the steps before the suspect one, rewinds the iteration, the consumed samples (so the sampler
-gives the same batch) and those states to the suspect step, and runs it again; that rerun is read at
-once (a host wait, on this rare path only) and judged.
+each step the host keeps what else a step changes: the RNG states (as a checkpoint stores them), and
+copies (no read) of the loss scaler's, the spike trackers' and FP8's scaling states. At the next
+settling point the loop applies the steps before the suspect one, rewinds the iteration, the consumed
+samples (so the sampler gives the same batch) and those states to the suspect step, and runs it
+again; that rerun is read at once (a host wait, on this rare path only) and judged.
 
 Where Trident differs from Megatron:
 
@@ -41,7 +41,9 @@ Where Trident differs from Megatron:
 * a reproducible fatal result without ``--save`` cannot be resumed elsewhere: it stops with 17;
 * the tracker file is written, not read back: Trident has no ``--iterations-to-skip``;
 * ``--check-for-spiky-loss`` and ``--check-for-large-grads`` need ``--rerun-mode validate_results``
-  (Megatron also logs them when disabled).
+  (Megatron also logs them when disabled);
+* ``--check-for-nan-in-loss-and-grad`` is off by default (Megatron: on): by default nothing is
+  validated, and a run pays nothing for it.
 
 As in Megatron, the first step of each launch is not validated (a NaN there meets the old check).
 """
