@@ -8,6 +8,7 @@ error              exit code  printed
 ``DataError``      1          one line naming the data file
 ``CheckpointError`` 1         one line naming the checkpoint file (``training.checkpoint``)
 ``PeerFailure``    1          nothing: another rank failed and has already said why
+``ResultRejected`` 16 or 17   one line: result validation's verdict (``training.faults.validation``)
 anything else      1          its traceback, once, from the rank that raised it
 =================  =========  ===============================================================
 
@@ -16,7 +17,7 @@ This module imports nothing heavy, so the data tools can raise these errors with
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DataError", "PeerFailure", "UsageError"]
+__all__ = ["ConfigError", "DataError", "PeerFailure", "ResultRejected", "UsageError"]
 
 
 class UsageError(Exception):
@@ -33,3 +34,12 @@ class DataError(ValueError):
 
 class PeerFailure(RuntimeError):
     """Raised on the ranks that did not fail when another rank did and reported it; ends quietly."""
+
+
+class ResultRejected(RuntimeError):
+    """Result validation stops the run (Megatron's exit codes): 16, resume from the checkpoint on other
+    devices to tell a persistent fault from a correct result; 17, the result failed validation."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

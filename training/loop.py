@@ -11,6 +11,10 @@ save, at the end). The loop then applies each settled step in order (:func:`appl
 of ``--check-for-nan-in-loss-and-grad``, the skipped and NaN iteration counters and the stop after
 ``--max-consecutive-skipped-iterations``, the learning-rate scheduler's advance after an applied step
 and the losses; then the step's W&B row.
+
+With result validation (:mod:`training.faults.validation`) a settled step that failed a check is not
+applied, nor any after it: the loop goes back to before it, reruns it, and goes on, or saves and stops
+as the verdict says.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from training.evaluation import evaluate
 from training.faults import restart
 from training.faults.signal_handler import SignalHandler
 from training.faults.stragglers import StragglerDetector
+from training.faults.validation import ResultValidator
 from training.reporting.iteration_log import LogWindow, log_line, wandb_row
 from training.reporting.logging_utils import print_line, print_rank_0
 from training.reporting.profiling import StepProfiler
@@ -66,17 +71,20 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
             increment = run.microbatches.global_batch_size(state.consumed_samples)  # a ramp grows it
             if loop.ledger.must_settle_before(increment):
                 loop.settle()
+                continue  # the settled steps may rewind the run (result validation)
             record = loop.step_record(state.iteration + 1)
             start = time.perf_counter()
             loop.profiler.before_step(state.iteration)
-            step = train_step(run, session, record, loop.ledger.learning_rates(increment))
+            step = loop.train_step(record, loop.ledger.learning_rates(increment))
             loop.step_recorded(state.iteration + 1, record)
             state.iteration += 1
             loop.profiler.after_step(state.iteration)
             state.consumed_samples += increment  # Megatron's count: skipped steps too
             step.consumed_samples, step.global_batch_size = state.consumed_samples, increment
-            loop.report(step, start)
+            rewound = loop.report(step, start)
             state.step_seconds.append(time.perf_counter() - start)
+            if rewound:  # result validation reruns a suspect step: back to before it
+                continue
             paused = time.perf_counter()
             stop = loop.between_steps()
             loop.window.pause(time.perf_counter() - paused)  # evaluation and saving are not step time
@@ -174,6 +182,7 @@ class _Loop:
         self.timer = ExitTimer(run.training.exit_duration_in_mins, any_rank)
         self.timeline = Timeline.for_run(run)
         self.stragglers = StragglerDetector.for_run(run)
+        self.validator = ResultValidator.for_run(run, session)
         session.state.progress = Progress(
             session.state,
             run.training.train_iters,
@@ -207,8 +216,20 @@ class _Loop:
         if self.stragglers is not None:
             self.stragglers.add(record)
 
-    def report(self, step: Step, start: float) -> None:
-        """Hand the step to the ledger; at a log step settle it (the W&B rows, then the log line)."""
+    def train_step(self, record, learning_rates) -> Step:
+        """One step, checked by result validation when it is on (twice with ``report_stats``)."""
+        validator, run, session = self.validator, self.run, self.session
+        if validator is None:
+            return train_step(run, session, record, learning_rates)
+        validator.before_step(session.state.iteration + 1)
+        if validator.mode == "report_stats":
+            run_once = lambda: train_step(run, session, record, learning_rates, validator)
+            return validator.run_twice(run_once, session.state.iteration + 1)
+        return train_step(run, session, record, learning_rates, validator)
+
+    def report(self, step: Step, start: float) -> bool:
+        """Hand the step to the ledger; at a log step settle it (the W&B rows, then the log line).
+        True when settling rewound the run to rerun a step (result validation)."""
         run, state, optimizer = self.run, self.session.state, self.session.optimizer
         if run.logging.log_params_norm:  # a collective: every rank, every iteration (as Megatron)
             step.params_norm = optimizer.get_params_norm_tensor()
@@ -225,12 +246,17 @@ class _Loop:
             print_rank_0(f"{line}; the iteration took {step.seconds:.1f} s")
         self.collector.after_step(state.iteration)
         logs = state.iteration % run.training.log_interval == 0 or state.iteration == run.training.train_iters
-        if logs or self.ledger.settle_every_step:
-            self.settle()
+        rerun = self.validator is not None and self.validator.must_settle()
+        if (logs or self.ledger.settle_every_step or rerun) and self.settle():
+            return True
         if logs:
             state.progress.print_log_line(log_line(run, state, self.last, self.window, self.flops, self.peak))
             for line in self.stragglers.report(state.iteration) if self.stragglers else ():
                 print_line(line)
+            stats = self.validator and self.validator.stats_line(state.iteration)
+            if stats and self.session.logs_loss:
+                print_line(stats)
+        return False
 
     def _report_resume(self) -> None:
         """A restarted run's first step: how long the resume took, stage by stage (rank 0 says it)."""
@@ -240,14 +266,28 @@ class _Loop:
             if line:
                 print_line(line)
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """Read the pending steps from the device (one wait), then apply each and write its W&B row, in
-        order (an error stops at the failing step, after the rows of the steps before it)."""
-        for step in self.ledger.settle():
+        order (an error stops at the failing step, after the rows of the steps before it).
+
+        With result validation, only the steps before a suspect one are applied; the run then goes back
+        to before it (True), to rerun it, or saves and stops as the verdict says."""
+        steps = self.ledger.settle()
+        verdict = self.validator.review(steps) if self.validator is not None and steps else None
+        for step in steps if verdict is None else verdict.apply:
             apply_step(self.run, self.session, step)
             self.window.add(step)
             self.last = step
             self.session.loggers.log(wandb_row(self.run, step, self.flops, self.peak), step=step.iteration)
+        if verdict is None or verdict.rewind is None:
+            return False
+        self.validator.rewind(verdict.rewind)
+        if verdict.save:
+            save(self.run, self.session)
+            self.session.saver.wait()
+        if verdict.stop is not None:
+            raise verdict.stop
+        return True
 
     def between_steps(self) -> bool:
         """Evaluate, decide whether to stop, save, call the hook; True to stop."""
@@ -259,14 +299,17 @@ class _Loop:
             and state.iteration % every == 0
             and run.validation.eval_iters > 0
         ):
-            self.settle()  # its W&B rows go before the validation row
+            if self.settle():  # its W&B rows go before the validation row
+                return False  # rewound: the suspect step runs again first
             with self.collector.evaluation():
                 evaluate(run, session)
         stop = self._should_stop()
         if run.checkpointing.save:  # a save in flight commits once every rank wrote it; a failure stops here
             session.saver.poll()
-        if run.checkpointing.save and (stop or state.iteration % run.checkpointing.save_interval == 0):
-            self.settle()  # the counters, the scheduler and the losses the checkpoint holds
+        saves = run.checkpointing.save and (stop or state.iteration % run.checkpointing.save_interval == 0)
+        if (saves or stop) and self.settle():  # the counters, the scheduler and the losses to save
+            return False  # rewound: a stop is asked again after the rerun
+        if saves:
             save(run, session)
             self.saved_at = state.iteration
         if self.hook is not None:

@@ -32,6 +32,9 @@ class TrainState:
     nan_iterations: int = 0
     consecutive_skipped: int = 0
     wandb_run_id: str | None = None
+    rerun: dict | None = None
+    """Result validation's record of a step to rerun from this checkpoint on other devices (the exit 16
+    checkpoint holds it; :mod:`training.faults.validation`)."""
     losses: list[dict[str, float]] = field(default_factory=list)  # per iteration, on the loss stage
     step_seconds: list[float] = field(default_factory=list)  # wall time of each iteration (no eval/save)
     progress: Progress | None = None  # timestamps, ETA and the end-of-run summary
@@ -64,6 +67,8 @@ class Step:
     loss_scale: torch.Tensor | float | None = None  # after this step's update (settled: 1.0 without scaling)
     moe_layers: dict[str, torch.Tensor] | dict[str, float] = field(default_factory=dict)  # per layer, for W&B
     params_norm: torch.Tensor | float | None = None  # --log-params-norm
+    validation: dict[str, torch.Tensor] | dict[str, float] = field(default_factory=dict)
+    """Result validation's verdicts on this step, by check (1.0: rejected; training/faults/validation.py)."""
     peak_memory: torch.Tensor | float
     """Bytes: this rank's on the device (float64); settled, the largest of any rank."""
     settled: bool = False  # the device fields above hold host numbers

@@ -31,17 +31,24 @@ from training.reporting.throughput import peak_memory_bytes
 from training.state import Session, Step
 
 if TYPE_CHECKING:
+    from training.faults.validation import ResultValidator
     from training.run import Run
 
 
 def train_step(
-    run: Run, session: Session, record=None, learning_rates: list[torch.Tensor] | None = None
+    run: Run,
+    session: Session,
+    record=None,
+    learning_rates: list[torch.Tensor] | None = None,
+    validator: ResultValidator | None = None,
 ) -> Step:
     """One global batch: forward/backward over all microbatches, then the optimizer step (or a skip).
 
     ``record``: a ``ScheduleRecord`` the schedule fills (the timeline's iterations).
     ``learning_rates``: per parameter group, this step's learning rate as a device tensor (see
     :mod:`training.step_ledger`), else the groups' own.
+    ``validator``: result validation's checks (:mod:`training.faults.validation`), which may hold the
+    update off on the device.
     """
     state, optimizer = session.state, session.optimizer
     iteration = state.iteration + 1
@@ -59,9 +66,10 @@ def train_step(
     if losses is not None:
         losses |= moe_losses
     faults.phase("the loss check (all-reduce)", iteration)
-    bad_loss = _bad_loss_on_any_rank(losses)
+    bad_loss, reduced = _bad_loss_on_any_rank(losses, validator and validator.local_flags(losses))
+    gate = validator and validator.gate(iteration, bad_loss, reduced)
     faults.phase("the optimizer step (gradient-norm all-reduce)", iteration, "optimizer")
-    outcome = optimizer.step_on_device(skip=bad_loss, lrs=learning_rates)
+    outcome = optimizer.step_on_device(skip=bad_loss, lrs=learning_rates, gate=gate)
     device = current_device()
     return Step(
         iteration=iteration,
@@ -73,18 +81,23 @@ def train_step(
         num_zeros=outcome.num_zeros,
         loss_scale=None if optimizer.grad_scaler is None else optimizer.get_loss_scale().clone(),
         moe_layers=moe_layers,
+        validation=validator.step_flags() if validator else {},
         peak_memory=torch.full((), float(peak_memory_bytes(device)), dtype=torch.float64, device=device),
     )
 
 
-def _bad_loss_on_any_rank(losses: dict[str, torch.Tensor] | None) -> torch.Tensor:
-    """A bool device tensor: some rank's reported losses hold a NaN or Inf (one MAX all-reduce)."""
+def _bad_loss_on_any_rank(
+    losses: dict[str, torch.Tensor] | None, extra: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A bool device tensor: some rank's reported losses hold a NaN or Inf; and ``extra`` (float64
+    flags, result validation's) at their maximum over ranks. One MAX all-reduce for both."""
     bad = torch.zeros((), dtype=torch.float64, device=current_device())
     if losses:
         bad = (~torch.isfinite(torch.stack([v.to(torch.float64) for v in losses.values()]))).any().double()
+    flags = bad.reshape(1) if extra is None else torch.cat([bad.reshape(1), extra])
     if dist.get_world_size() > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad > 0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags[0] > 0, (None if extra is None else flags[1:])
 
 
 def moe_metrics(

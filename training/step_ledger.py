@@ -94,6 +94,7 @@ def _device_values(step: Step) -> tuple[list[str], list[torch.Tensor]]:
     }
     named.update({f"loss\0{k}": v for k, v in (step.losses or {}).items()})
     named.update({f"moe\0{k}": v for k, v in step.moe_layers.items()})
+    named.update({f"val\0{k}": v for k, v in step.validation.items()})
     names = [k for k, v in named.items() if v is not None]
     return names, [named[k].detach().reshape(1).to(torch.float64) for k in names]
 
@@ -105,6 +106,7 @@ def _write_host_values(step: Step, values: dict[str, float], peak: float) -> Non
     if step.losses is not None:
         step.losses = {k.split("\0", 1)[1]: v for k, v in values.items() if k.startswith("loss\0")}
     step.moe_layers = {k.split("\0", 1)[1]: v for k, v in values.items() if k.startswith("moe\0")}
+    step.validation = {k.split("\0", 1)[1]: v for k, v in values.items() if k.startswith("val\0")}
     step.grad_norm = None if step.overflow else values["grad_norm"]
     zeros = values.get("num_zeros")
     step.num_zeros = int(zeros) if zeros is not None and step.applied else None

@@ -62,6 +62,16 @@ class ConstantGradScaler:
     def update(self, found_inf: bool | torch.Tensor) -> None:
         """A constant scale ignores overflows (the step is still skipped by the optimizer)."""
 
+    def device_state(self) -> list[torch.Tensor]:
+        """The scale and trackers as device tensors, to copy (:meth:`restore_device_state`) without a
+        host read: a step that result validation reruns starts from the scale it first had."""
+        return [t for t in (self._scale, getattr(self, "_growth_tracker", None),
+                            getattr(self, "_hysteresis_tracker", None)) if t is not None]  # fmt: skip
+
+    def restore_device_state(self, saved: list[torch.Tensor]) -> None:
+        for tensor, value in zip(self.device_state(), saved, strict=True):
+            tensor.copy_(value)
+
     def state_dict(self) -> dict:
         return {"scale": self.scale}
 

@@ -31,7 +31,7 @@ optimizer steps after one read of the flag. ``step()`` is the same step with its
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -289,13 +289,18 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def step_on_device(
-        self, skip: torch.Tensor | None = None, lrs: Sequence[torch.Tensor] | None = None
+        self,
+        skip: torch.Tensor | None = None,
+        lrs: Sequence[torch.Tensor] | None = None,
+        gate: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
     ) -> StepOutcome:
         """One step decided on the device: unscale (with loss scaling), global norm, clip, skip, update.
 
         ``skip``: a bool device tensor that also skips the update (a NaN loss, found by the caller).
         ``lrs``: one 0-dim device tensor per parameter group to use as this step's learning rate
-        instead of the groups' numbers (fused optimizers only; see ``training`` for why). Every rank
+        instead of the groups' numbers (fused optimizers only; see ``training`` for why). ``gate``:
+        called with the global gradient norm and the overflow flag, returns a bool device tensor that
+        also skips the update (result validation holds the state still for a rerun). Every rank
         of the model-parallel group must call this: the norm and overflow checks are collectives.
         """
         self.prepare_grads()
@@ -305,7 +310,8 @@ class MegatronOptimizer:
             self.grad_scaler.update(overflow)
         grad_norm = self._grad_norm_tensor()
         bad = ~torch.isfinite(grad_norm)
-        for flag in (overflow, skip):
+        held = None if gate is None else gate(grad_norm, overflow)
+        for flag in (overflow, skip, held):
             if flag is not None:
                 bad = bad | flag.reshape(())
         coeff = clip_coefficient(self.config.clip_grad, grad_norm) if self.config.clip_grad > 0.0 else None

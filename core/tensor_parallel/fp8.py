@@ -290,6 +290,20 @@ class Fp8State(nn.Module):
             torch.maximum(self.step_amax[WEIGHT], self._weight_amax, out=self.step_amax[WEIGHT])
         return self._weight
 
+    def snapshot(self) -> tuple:
+        """The scaling state as copies (no host read): a step run again (result validation) starts
+        from it (:meth:`restore`)."""
+        buffers = (self.amax_history, self.scale, self.step_amax, self.seen)
+        return [b.clone() for b in buffers], self.updates, self.steps
+
+    def restore(self, saved: tuple) -> None:
+        tensors, self.updates, self.steps = saved
+        for buffer, value in zip(
+            (self.amax_history, self.scale, self.step_amax, self.seen), tensors, strict=True
+        ):
+            buffer.copy_(value)
+        self._weight = self._weight_key = self._weight_amax = None  # cast afresh from the restored scale
+
     @torch.no_grad()
     def push_history(self, step_amax: torch.Tensor) -> None:
         """Append one step's reduced amaxes (``[3]``) to the history and compute the next scales."""

@@ -715,7 +715,46 @@ FP8 = [
     ),
 ]
 
-CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE + MOE + RAMP + FP8
+VALIDATION = [  # result validation (training/faults/validation.py)
+    Case(
+        "a rerun mode that does not exist",
+        _flags(FULL + "--rerun-mode validate"),
+        "argument --rerun-mode: invalid choice: 'validate' (choose from 'disabled', 'validate_results', "
+        "'report_stats') (see --help)",
+        2,
+    ),
+    Case(
+        "an injection type that does not exist",
+        _flags(FULL + "--error-injection-type bitflip"),
+        "argument --error-injection-type: invalid choice: 'bitflip' (choose from 'correct_result', "
+        "'transient_error', 'persistent_error') (see --help)",
+        2,
+    ),
+    Case(
+        "a negative injection rate",
+        _flags(FULL + "--error-injection-rate -1"),
+        "--error-injection-rate must be >= 0 (0: no injection), got -1",
+    ),
+    Case(
+        "spiky-loss check without validation",
+        _flags(FULL + "--rerun-mode disabled --check-for-spiky-loss"),
+        "--check-for-spiky-loss acts only with --rerun-mode validate_results (here: disabled)",
+    ),
+    Case(
+        "injection while reporting statistics",
+        _flags(FULL + "--rerun-mode report_stats --error-injection-rate 5"),
+        "--error-injection-rate 5 injects into validated results: it needs --rerun-mode validate_results "
+        "(here: report_stats)",
+    ),
+    Case(
+        "injection with no check on",
+        _flags(FULL + "--error-injection-rate 5"),
+        "--error-injection-rate 5 injects into a validated result, but no check is on: add "
+        "--check-for-nan-in-loss-and-grad, --check-for-spiky-loss or --check-for-large-grads",
+    ),
+]
+
+CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE + MOE + RAMP + FP8 + VALIDATION
 
 
 def test_there_are_at_least_forty_distinct_cases():

@@ -590,7 +590,8 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys, monkeypatch):
         *("--manual-gc-interval", "2", "--exit-duration-in-mins", "1000", "--distributed-backend", "gloo"),
         *("--tensorboard-dir", str(tmp_path / "tb"), "--profile", "--profile-step-start", "1"),
         *("--profile-step-end", "2", "--num-workers", "1", "--data-cache-path", str(tmp_path / "cache")),
-        *("--decoupled-lr", "2e-3", "--dataloader-type", "cyclic"),
+        *("--decoupled-lr", "2e-3", "--dataloader-type", "cyclic", "--check-for-spiky-loss"),
+        *("--check-for-large-grads", "--result-rejected-tracker-filename", str(tmp_path / "rejected.txt")),
     ]
     namespace, typed_reads = RecordingNamespace(), set()
     _record_config_reads(monkeypatch, typed_reads)
@@ -628,7 +629,8 @@ def test_every_accepted_flag_is_read(dataset, tmp_path, capsys, monkeypatch):
     assert summary[3].startswith("  train longer: ") and summary[3].endswith(
         f"--save {checkpoints} --manual-gc --manual-gc-interval 2 --exit-duration-in-mins 1000 --distributed-backend "
         f"gloo --tensorboard-dir {tmp_path / 'tb'} --profile --profile-step-start 1 --profile-step-end 2 --num-workers "
-        f"1 --data-cache-path {tmp_path / 'cache'} --decoupled-lr 2e-3 --dataloader-type cyclic --load {checkpoints} "
+        f"1 --data-cache-path {tmp_path / 'cache'} --decoupled-lr 2e-3 --dataloader-type cyclic --check-for-spiky-loss "
+        f"--check-for-large-grads --result-rejected-tracker-filename {tmp_path / 'rejected.txt'} --load {checkpoints} "
         "--train-iters 6 --override-opt_param-scheduler"
     )  # the flags as given, --load once (at the end), --train-iters replaced
     assert summary[4] == "    (pretrain() was given these flags directly: pass them to it again)"

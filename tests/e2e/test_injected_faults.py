@@ -1,8 +1,9 @@
 """Faults injected into real jobs (TRIDENT_FAULT, training/faults/injection.py): a slow rank is named
 by --log-straggler in the first report (and a switch port that is taken is one line before any step);
 a NaN in one iteration's forward or in a gradient is a skipped step, or with
---check-for-nan-in-loss-and-grad one line naming the iteration; an exception inside the schedule (at
-the data or backward point) names itself; a checkpoint write that fails keeps the previous checkpoint.
+--check-for-nan-in-loss-and-grad a transient fault (result validation's rerun) or, without validation,
+one line naming the iteration; an exception inside the schedule (at the data or backward point) names
+itself; a checkpoint write that fails keeps the previous checkpoint.
 
 ``TRIDENT_FAULT=slow@forward:1:rank=1:factor=4`` makes rank 1's forward computations four times as
 long from the first iteration on (training/faults/injection.py): a straggler on a CPU. Two ranks, one
@@ -81,7 +82,9 @@ def test_a_switch_port_that_is_taken_is_one_line_before_any_step(tmp_path):
 
 
 def test_an_injected_nan_is_a_skipped_step_or_with_the_check_one_line(tmp_path):
-    """Rank 0 holds the first of two stages: its NaN activations make the loss and every gradient NaN."""
+    """Rank 0 holds the first of two stages: its NaN activations make the loss and every gradient NaN.
+    With the check, result validation (on by default) reruns iteration 2, which the fault does not
+    poison again: a transient fault, exit 17; without validation, the check's own line, exit 1."""
     data = write_tiny_dataset(tmp_path / "tiny")
     flags = [*TINY, "--data-path", str(data), "--train-iters", "3", "--pipeline-model-parallel-size", "2"]
     env = job_env(TRIDENT_FAULT="nan@forward:2:rank=0")
@@ -91,6 +94,14 @@ def test_an_injected_nan_is_a_skipped_step_or_with_the_check_one_line(tmp_path):
     assert [re.search(r"nan iterations: +(\d+)", line).group(1) for line in lines] == ["0", "1", "1"], lines
     assert "lm loss: nan" in lines[1].lower() or "lm loss: NaN" in lines[1], lines[1]
     code, output = run(2, [*flags, "--check-for-nan-in-loss-and-grad"], env=env)
+    errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    assert code == 1 and len(errors) == 1 and "exitcode  : 17" in output, output[-3000:]
+    assert re.fullmatch(
+        r"pretrain_gpt.py: error: result validation: iteration 2: NaN or inf loss \(lm loss nan\); the rerun "
+        r"gave lm loss [0-9.]+E\+00: a transient fault \(exit 17\)",
+        errors[0],
+    ), errors[0]
+    code, output = run(2, [*flags, "--check-for-nan-in-loss-and-grad", "--rerun-mode", "disabled"], env=env)
     errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
     assert code == 1 and len(errors) == 1, output[-3000:]
     assert errors[0].endswith("at iteration 2 (--check-for-nan-in-loss-and-grad)"), errors[0]
@@ -114,6 +125,10 @@ def test_a_nan_gradient_is_a_skipped_step_or_with_the_check_one_line(tmp_path):
     assert norms[1] == "nan" and "nan" not in norms[0] + norms[2] and skipped == ["0", "1", "1"], lines
     assert "lm loss: nan" not in lines[1].lower(), lines[1]
     code, output = run(2, [*flags, "--check-for-nan-in-loss-and-grad"], env=env)
+    errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    assert code == 1 and len(errors) == 1 and "exitcode  : 17" in output, output[-3000:]
+    print(errors[0])
+    code, output = run(2, [*flags, "--check-for-nan-in-loss-and-grad", "--rerun-mode", "disabled"], env=env)
     errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
     assert code == 1 and errors == [
         "pretrain_gpt.py: error: gradient norm is nan at iteration 2 (--check-for-nan-in-loss-and-grad)"

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from training.arguments.parser import parse_args
+from training.faults import injection
 from training.faults.injection import Fault, parse_faults
 from training.faults.restart import resume_from_save_on_restart
 
@@ -63,11 +64,6 @@ def test_a_restarted_attempt_without_load_resumes_from_save(monkeypatch):
     assert resume_from_save_on_restart(argparse.Namespace(save=None, load=None)).load is None
 
 
-_RERUN = (
-    "Megatron's result validation (the rerun state machine) is not built; --check-for-nan-in-loss-and-grad "
-    "stops at a NaN/inf loss or gradient (without it the step is skipped and counted), and TRIDENT_FAULT "
-    "injects faults for drills"
-)
 _RESILIENCY = (
     "it needs NVIDIA's resiliency package and NCCL; Trident restarts under torchrun --max-restarts, at any "
     "world size, resuming from the latest complete checkpoint"
@@ -77,17 +73,6 @@ _RESILIENCY = (
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        *(
-            (flag, f"Trident does not support {flag.split()[0]} yet: {_RERUN}")
-            for flag in (
-                "--rerun-mode validate_results",
-                "--check-for-spiky-loss",
-                "--check-for-large-grads",
-                "--error-injection-rate 100",
-                "--error-injection-type transient_error",
-                "--result-rejected-tracker-filename rejected.txt",
-            )
-        ),
         ("--inprocess-restart", f"Trident does not support --inprocess-restart: {_RESILIENCY}"),
         ("--enable-ft-package", f"Trident does not support --enable-ft-package: {_RESILIENCY}"),
     ],
@@ -96,3 +81,39 @@ def test_unbuilt_resilience_flags_are_refused_with_one_line(argv, message):
     with pytest.raises(ValueError) as error:
         parse_args(argv.split())
     assert str(error.value) == message
+
+
+def test_result_validation_flags_parse_with_megatron_names_and_defaults():
+    defaults = parse_args([])
+    assert (defaults.rerun_mode, defaults.error_injection_rate, defaults.error_injection_type) == (
+        "validate_results",
+        0,
+        "transient_error",
+    )
+    assert not defaults.check_for_spiky_loss and not defaults.check_for_large_grads
+    assert defaults.result_rejected_tracker_filename is None
+    flags = (
+        "--rerun-mode disabled --check-for-spiky-loss --check-for-large-grads --error-injection-rate 100 "
+        "--error-injection-type persistent_error --result-rejected-tracker-filename rejected.txt"
+    )
+    given = parse_args(flags.split())
+    assert (given.rerun_mode, given.check_for_spiky_loss, given.check_for_large_grads) == (
+        "disabled",
+        True,
+        True,
+    )
+    assert (given.error_injection_rate, given.error_injection_type) == (100, "persistent_error")
+    assert given.result_rejected_tracker_filename == "rejected.txt"
+
+
+def test_a_fault_fires_once_per_process_so_a_rerun_of_its_iteration_meets_none(monkeypatch):
+    monkeypatch.setenv("TRIDENT_FAULT", "exception@forward:3")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(injection, "_PLANNED", None)
+    monkeypatch.setattr(injection, "_FIRED", set())
+    injection.inject("forward", 2)
+    with pytest.raises(
+        RuntimeError, match=r"^injected fault \(TRIDENT_FAULT\): exception at forward of iteration 3"
+    ):
+        injection.inject("forward", 3)
+    injection.inject("forward", 3)  # result validation's rerun of iteration 3

@@ -272,6 +272,30 @@ def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers = settings
 
 
+def _check_validation(args: argparse.Namespace) -> None:
+    """Result validation's flags (training/faults/validation.py): the checks and the injector act only
+    when results are validated, and an injection needs a check to inject into."""
+    mode, rate = args.rerun_mode, args.error_injection_rate
+    _require(rate >= 0, f"--error-injection-rate must be >= 0 (0: no injection), got {rate}")
+    for dest in ("check_for_spiky_loss", "check_for_large_grads"):
+        _require(
+            not getattr(args, dest) or mode == "validate_results",
+            f"{_flag(dest)} acts only with --rerun-mode validate_results (here: {mode})",
+        )
+    if rate:
+        _require(
+            mode == "validate_results",
+            f"--error-injection-rate {rate} injects into validated results: it needs --rerun-mode "
+            f"validate_results (here: {mode})",
+        )
+        checks = ("check_for_nan_in_loss_and_grad", "check_for_spiky_loss", "check_for_large_grads")
+        _require(
+            any(getattr(args, dest) for dest in checks),
+            f"--error-injection-rate {rate} injects into a validated result, but no check is on: add "
+            "--check-for-nan-in-loss-and-grad, --check-for-spiky-loss or --check-for-large-grads",
+        )
+
+
 def _check_profile(args: argparse.Namespace) -> None:
     """``--profile``'s steps in order, its ranks in the run."""
     if args.profile:
@@ -336,6 +360,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
     )
     check_data_flags(flags)
     _check_profile(flags)
+    _check_validation(flags)
     derive_precision_and_data_parallel(flags)
     flags.params_dtype = torch.bfloat16 if flags.bf16 else torch.float16 if flags.fp16 else torch.float32
     flags.pipeline_dtype = flags.params_dtype

@@ -96,6 +96,25 @@ class TrainingArgs:
     """Raise on a NaN/inf loss or gradient, as Megatron does; without it Trident counts and skips the step."""
     max_consecutive_skipped_iterations: int = 10
     """Stop the run after this many consecutive skipped (NaN/inf) steps."""
+    rerun_mode: Literal["disabled", "validate_results", "report_stats"] = "validate_results"
+    """Megatron's result validation (training/faults/validation.py): validate_results reruns a step whose
+    checked results look wrong (the checks below) on the same inputs and RNG to tell a transient fault
+    from a reproducible one; report_stats reruns every step and reports how reproducible it is;
+    disabled checks without rerunning."""
+    check_for_spiky_loss: bool = False
+    """With --rerun-mode validate_results: a loss at least 10x the largest of the first 100 is suspect
+    (rerun, then training goes on)."""
+    check_for_large_grads: bool = False
+    """With --rerun-mode validate_results: a gradient norm at least 10x the largest of the first 100 is
+    suspect (rerun, then training goes on)."""
+    error_injection_rate: int = 0
+    """With --rerun-mode validate_results: inject a --error-injection-type result into every N-th
+    validated step (0: never), for drills and tests."""
+    error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = "transient_error"
+    """What --error-injection-rate injects: a result that reruns reproduce everywhere, one that a rerun does
+    not reproduce, or one reproduced on the same devices only."""
+    result_rejected_tracker_filename: str | None = None
+    """Append one line per rejected result and per rerun verdict to this file (checked writable at start)."""
     accumulate_allreduce_grads_in_fp32: bool = flag(False, group="mixed precision")
     """Accumulate and reduce gradients in fp32 (with --fp16; --bf16 does so unless --grad-reduce-in-bf16)."""
     manual_gc: bool = False

@@ -331,11 +331,6 @@ _FSDP_NOT_YET = (
     "Trident shards over data parallelism with --use-megatron-fsdp --data-parallel-sharding-strategy "
     "{optim,optim_grads,optim_grads_params} over the whole data-parallel group; this knob of it is not built"
 )
-_RERUN_NOT_YET = (
-    "Megatron's result validation (the rerun state machine) is not built; --check-for-nan-in-loss-and-grad "
-    "stops at a NaN/inf loss or gradient (without it the step is skipped and counted), and TRIDENT_FAULT "
-    "injects faults for drills"
-)
 _NVIDIA_RESILIENCY = (
     "it needs NVIDIA's resiliency package and NCCL; Trident restarts under torchrun --max-restarts, at any "
     "world size, resuming from the latest complete checkpoint"
@@ -436,17 +431,6 @@ COVERAGE: dict[str, Coverage] = {
             "--use-nccl-ub",
         ),
         not_yet(_FSDP_NOT_YET),
-    ),
-    **dict.fromkeys(
-        (
-            "--rerun-mode",
-            "--check-for-spiky-loss",
-            "--check-for-large-grads",
-            "--error-injection-rate",
-            "--error-injection-type",
-            "--result-rejected-tracker-filename",
-        ),
-        not_yet(_RERUN_NOT_YET),
     ),
     "--inprocess-restart": unsupported(_NVIDIA_RESILIENCY),
     "--enable-ft-package": unsupported(_NVIDIA_RESILIENCY),

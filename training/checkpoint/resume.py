@@ -72,6 +72,7 @@ def save(run: Run, session: Session) -> None:
             "wandb_run_id": state.wandb_run_id,
             "skipped_iterations": state.skipped_iterations,
             "nan_iterations": state.nan_iterations,
+            "rerun": state.rerun,
         },
     )
     if run.checkpointing.async_save and session.logs_loss:  # "saved checkpoint" follows at the commit
@@ -120,6 +121,7 @@ def load(run: Run, session: Session) -> None:
         state.wandb_run_id = extra.get("wandb_run_id")
         state.skipped_iterations = extra.get("skipped_iterations", 0)
         state.nan_iterations = extra.get("nan_iterations", 0)
+        state.rerun = extra.get("rerun")
     _report(loaded, rng_wanted=not flags.no_load_rng and keep_state)
     print_rank_0(f"loaded checkpoint {flags.load} at iteration {state.iteration}")
 

@@ -21,6 +21,8 @@
   tracker last, so a worker ended mid-save leaves the last complete checkpoint as it was.
 * :func:`ending_the_process` ends the entry point's process without the interpreter's finalization,
   where a gloo thread finishing a collective can abort a process whose work is done.
+* ``--rerun-mode`` (:mod:`training.faults.validation`) reruns a step whose results fail a check, to
+  tell a transient fault from a reproducible result (Megatron's exit codes 16 and 17).
 * ``TRIDENT_FAULT`` (:mod:`training.faults.injection`) injects faults for tests and drills; ``--log-straggler``
   (:mod:`training.faults.stragglers`) names slow ranks; when the watchdog ends a hung job every waiting
   rank dumps torch's Flight Recorder (:mod:`core.flight_recorder`).

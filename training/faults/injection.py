@@ -19,7 +19,8 @@ again.
 
 An environment variable rather than a flag: the drill runs the production command line unchanged,
 and each torchrun attempt sees the same variable (the ``attempt`` field says which one fires).
-Several faults are separated by ``,``.
+Several faults are separated by ``,``. Each fires once per process: the rerun of an iteration that
+result validation makes (:mod:`training.faults.validation`) meets none, as after a transient fault.
 """
 
 from __future__ import annotations
@@ -105,10 +106,13 @@ def inject(point: str, iteration: int | None) -> None:
         _PENDING.update(IN_STEP)
     rank, attempt = int(os.environ.get("RANK", "0")), restart_attempt()
     for fault in _PLANNED:
-        if (fault.point, fault.iteration, fault.rank, fault.attempt) == (point, iteration, rank, attempt):
+        here = (fault.point, fault.iteration, fault.rank, fault.attempt) == (point, iteration, rank, attempt)
+        if here and fault not in _FIRED:  # once: a rerun of the iteration (result validation) meets none
+            _FIRED.add(fault)
             _fire(fault)
 
 
+_FIRED: set[Fault] = set()
 _SLOWDOWN = 1.0  # this rank's forward computations take this many times as long (a ``slow`` fault)
 _POISONED = False  # this iteration's forward outputs are NaN (``nan@forward``)
 _GRADIENT_POISONED = False  # the gradient reaching this iteration's first forward output is NaN

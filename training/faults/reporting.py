@@ -20,7 +20,7 @@ from core import flight_recorder
 from core.device import DeviceError
 from core.watchdog import claim_report, error_reported, is_communication_failure
 from training.checkpoint.format import CheckpointError
-from training.errors import ConfigError, DataError, PeerFailure, UsageError
+from training.errors import ConfigError, DataError, PeerFailure, ResultRejected, UsageError
 from training.faults.launcher import watch_launcher
 from training.reporting.logging_utils import print_line
 
@@ -39,7 +39,7 @@ class Verdict:
 def one_line_errors() -> tuple[type[BaseException], ...]:
     """The errors the entry point prints as one line (``training.errors``, and the NaN check's
     ``FloatingPointError``, whose message says all there is), wherever they are raised."""
-    return (ConfigError, DataError, CheckpointError, DeviceError, FloatingPointError)
+    return (ConfigError, DataError, CheckpointError, DeviceError, FloatingPointError, ResultRejected)
 
 
 def prog() -> str:
@@ -226,6 +226,8 @@ def report(err: BaseException) -> int:
         use_store(store, _env_rank())
         verdict = Verdict(report=claim() if store is not None else _env_rank() == 0)
     code = EXIT_USAGE if isinstance(err, UsageError) else EXIT_FAILURE
+    if isinstance(err, ResultRejected):
+        code = err.exit_code
     if not verdict.report:
         wait_until_printed()
         return code
