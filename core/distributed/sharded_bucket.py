@@ -33,6 +33,11 @@ parameters that a pending backward still needs. Freed storage is resized to zero
 autograd saved in forward are valid again once the parameters are gathered back into the same
 storage.
 
+**Instances (HSDP).** With N distributed-optimizer instances the microbatch reductions stay inside the
+instance; the accumulated shard is summed over (or, outer ``optim``, reduce-scattered across) the N
+replicas once per step, in ``finish_grad_sync``; under the outer sharding each instance's updated piece
+of the parameter shard is all-gathered across the replicas after the step.
+
 **Reading a freed parameter.** A view of zero-size storage crashes the process when read (a
 segmentation fault, no Python error). So while its bucket is freed each parameter changes class to
 a subclass of its own (:func:`freed_class`) whose ``__torch_function__`` refuses every operation but
@@ -231,6 +236,7 @@ class ShardedBucket(Bucket):
             return
         self.start_grad_sync()
         self._land()
+        self.reduce_over_instances()  # once a step, on the accumulated shard
         if self.options.post_scale != 1.0:
             self.grad_shard.mul_(self.options.post_scale)
         self.state = DONE
@@ -316,9 +322,22 @@ class ShardedBucket(Bucket):
         shards); otherwise all-gather as the distributed optimizer does."""
         if self.shards_params:
             self.release_params(force=True)
+            self._gather_over_instances()
         elif self.param_handle is None:
             super().start_param_sync(async_op)
             self.gathers += int(self.communicate)
+
+    def _gather_over_instances(self) -> None:
+        """Outer sharding (HSDP with outer ``optim``): each instance stepped its piece of the shard; put
+        the pieces together again, so that the shard the next forward gathers is whole."""
+        if not (self.options.outer_shard and self.instances > 1):
+            return
+        lo, hi = self.owned_span()
+        base = self.dp_rank * self.shard_size
+        all_gather(
+            self.param_shard, self.param_shard[lo - base : hi - base], self.inter_group, async_op=False
+        )
+        self.gathers += 1
 
     def finish_param_sync(self) -> None:
         """The parameters are whole after this (ZeRO-3 gathers them; freed again after the next step)."""
