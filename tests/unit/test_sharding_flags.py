@@ -204,3 +204,24 @@ def test_the_planner_refuses_the_strategies_it_does_not_model():
     assert str(error.value).startswith(
         "the planner does not model --use-megatron-fsdp's sharding strategies yet"
     )
+
+
+def test_the_planner_refuses_distributed_optimizer_instances():
+    from planner.inputs import read_input
+
+    with pytest.raises(ValueError) as error:
+        read_input(
+            [
+                "--use-distributed-optimizer",
+                "--num-distributed-optimizer-instances",
+                "2",
+                "--global-batch-size",
+                "8",
+            ],
+            preset="llama3-8b",
+        )
+    assert str(error.value) == (
+        "the planner does not model distributed-optimizer instances yet: plan without "
+        "--num-distributed-optimizer-instances and --outer-dp-sharding-strategy (each instance of DP/N "
+        "ranks then holds N times the optimizer state planned)"
+    )
