@@ -396,8 +396,18 @@ def get_pipeline_model_parallel_channel_groups() -> Mapping[tuple[int, int], Pro
     return get_parallel_groups().pp_channels
 
 
-def get_data_parallel_group(with_context_parallel: bool = False) -> ProcessGroup:
-    """Replicas of the same shard; with context parallel, the group gradients are reduced over."""
+def get_data_parallel_group(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> ProcessGroup:
+    """Replicas of the same shard; with context parallel, the group gradients are reduced over; with
+    ``partial_data_parallel`` (and context parallel, as megatron-core requires) only this rank's
+    distributed-optimizer instance of it (:func:`get_intra_partial_data_parallel_group`)."""
+    if partial_data_parallel:
+        if not with_context_parallel:
+            raise ValueError(
+                "partial_data_parallel=True needs with_context_parallel=True (as in megatron-core)"
+            )
+        return get_intra_partial_data_parallel_group()
     groups = get_parallel_groups()
     return groups.dp_cp if with_context_parallel else groups.dp
 

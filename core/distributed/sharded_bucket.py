@@ -103,9 +103,9 @@ def _refuse_reads(cls, func, types, args=(), kwargs=None):
     if func in _METADATA:
         with DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
-    param = next(a for a in (*args, *(kwargs or {}).values(), *_flat(args)) if isinstance(a, cls))
+    param = next((a for a in (*args, *(kwargs or {}).values(), *_flat(args)) if isinstance(a, cls)), None)
     raise RuntimeError(
-        f"{getattr(param, 'sharded_name', 'this parameter')} is sharded over the data-parallel ranks "
+        f"{getattr(param, 'sharded_name', 'a parameter')} is sharded over the data-parallel ranks "
         "(--data-parallel-sharding-strategy optim_grads_params): between uses each rank holds only its "
         "shard, and the whole parameter is gathered only inside its layer's forward and backward; read "
         "it after finish_param_sync() on the model (or through its state_dict())"

@@ -212,7 +212,13 @@ SPLITS = {
         *("--tensor-model-parallel-size", "2", "--sequence-parallel", "--gradient-accumulation-fusion"),
     ],
     "PP2xDP2 zb-h1 fused accumulation": [
-        *("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--gradient-accumulation-fusion"),
+        *(
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pipeline-schedule",
+            "zb-h1",
+            "--gradient-accumulation-fusion",
+        ),
     ],
     "PP2xDP2 bf16": ["--pipeline-model-parallel-size", "2", "--bf16"],
     "PP2xDP2 fp16": ["--pipeline-model-parallel-size", "2", "--fp16", "--initial-loss-scale", "1024"],
@@ -361,7 +367,6 @@ def test_zero3_trains_the_weights_torch_fully_shard_trains(ranks):
     assert max(differences) <= 1e-6
 
 
-
 # --------------------------------------------------------------------------------------------------
 # HSDP: the distributed optimizer replicated over N instances (--num-distributed-optimizer-instances),
 # optionally with its state split over them too (--outer-dp-sharding-strategy optim)
@@ -384,11 +389,20 @@ def _hsdp_case(rank, world_size, tp: int, steps: int):
     from core.tensor_parallel.random import model_parallel_seed
     from tests.dist.test_distributed_optimizer import _state_bytes
 
-    groups = ps.initialize_model_parallel(tensor_model_parallel_size=tp, num_distributed_optimizer_instances=2)
-    members = {
-        name: dist.get_process_group_ranks(getattr(groups, name))
-        for name in ("intra_dp_cp", "inter_dp_cp", "intra_dist_opt")
+    groups = ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, num_distributed_optimizer_instances=2
+    )
+    getters = {  # megatron-core's getters, reading the groups just made
+        "intra_dp_cp": ps.get_intra_partial_data_parallel_group,
+        "inter_dp_cp": ps.get_inter_distributed_optimizer_instance_group,
+        "intra_dist_opt": ps.get_intra_distributed_optimizer_instance_group,
     }
+    members = {name: dist.get_process_group_ranks(get()) for name, get in getters.items()}
+    assert all(get() is getattr(groups, name) for name, get in getters.items())
+    assert (
+        ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+        is groups.intra_dp_cp
+    )
     dp_rank = ps.get_data_parallel_rank()
     torch.manual_seed(0)
     model_parallel_seed(1234)
@@ -402,7 +416,11 @@ def _hsdp_case(rank, world_size, tp: int, steps: int):
     for case, (strategy, outer) in HSDP.items():
         instances = int(case.split("N=")[1][0])
         chunk = _chunk(
-            strategy, tp, False, initial, num_distributed_optimizer_instances=instances,
+            strategy,
+            tp,
+            False,
+            initial,
+            num_distributed_optimizer_instances=instances,
             outer_dp_sharding_strategy=outer,
         )
         config = OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=True)
@@ -410,7 +428,9 @@ def _hsdp_case(rank, world_size, tp: int, steps: int):
         losses, between_steps = _steps(chunk, optimizer, dp_rank, steps)
         between_steps["optimizer"] = _state_bytes(optimizer)
         differences = [abs(x - y) / abs(y) for x, y in zip(losses, expected)]
-        between_steps["first step"] = max(differences[:3])  # two losses and the norm, before any rounding grew
+        between_steps["first step"] = max(
+            differences[:3]
+        )  # two losses and the norm, before any rounding grew
         weights = max(_relative(p, want[n]) for n, p in chunk.module.named_parameters())
         optimizer.zero_grad()
         out[case] = (max(differences), weights, between_steps)
