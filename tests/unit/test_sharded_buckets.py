@@ -118,7 +118,7 @@ def test_a_compiled_zero3_model_trains_as_the_eager_one():
             loss = _loss(model)
             loss.backward()
             model.finish_grad_sync()
-            results.append((compiled, float(loss), [b.grad_shard.clone() for b in model.buckets]))
+            results.append((compiled, float(loss.detach()), [b.grad_shard.clone() for b in model.buckets]))
             model.zero_grad_buffer()
     eager, compiled = results[:2], results[2:]
     for (_, loss, grads), (_, compiled_loss, compiled_grads) in zip(eager, compiled):
