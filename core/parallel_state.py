@@ -55,8 +55,10 @@ from core.rank_groups import (  # the group maths, kept importable from here as 
     DEFAULT_ORDER,
     EXPERT_GROUP_NAMES,
     GROUP_NAMES,
+    INSTANCE_GROUP_NAMES,
     _check_size,
     generate_expert_groups,
+    generate_instance_groups,
     generate_parallel_groups,
     link_warm_up_order,
     pipeline_channels,
@@ -147,6 +149,19 @@ class ParallelGroups:
     """Expert tensor x model x pipeline: one replica of every expert."""
     expt_dp: ProcessGroup | None = field(default=None, repr=False)
     """Expert data parallel: the replicas of this rank's experts (their gradients are reduced over it)."""
+    intra_dp_cp: ProcessGroup | None = field(default=None, repr=False)
+    """With N distributed-optimizer instances (N > 1; None otherwise): this rank's block of DPxCP / N
+    ranks of ``dp_cp``, over which buckets are sharded (megatron-core's intra-partial data-parallel
+    group; see :func:`core.rank_groups.generate_instance_groups`)."""
+    inter_dp_cp: ProcessGroup | None = field(default=None, repr=False)
+    """With N instances: the N ranks holding the same shard, one per instance (the inter-instance group)."""
+    intra_dist_opt: ProcessGroup | None = field(default=None, repr=False)
+    """With N instances: every rank of this rank's instance (gradient norms are summed over it)."""
+
+    @property
+    def num_distributed_optimizer_instances(self) -> int:
+        """N: how many times the distributed optimizer is replicated over data parallelism (1: not)."""
+        return len(self.ranks.get("inter_dp_cp", ())) or 1
 
     def size(self, name: str) -> int:
         """Number of ranks in this rank's group ``name`` (e.g. ``"tp"``)."""
@@ -260,10 +275,11 @@ def _create_groups(
     rank: int, layout: dict[str, list[list[int]]], timeout: timedelta | None
 ) -> tuple[dict[str, ProcessGroup | None], dict[str, tuple[int, ...]]]:
     """Create every group of ``layout`` (every rank creates all, in one order); this rank's and their members."""
-    mine: dict[str, ProcessGroup | None] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES)
-    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
-    for name in GROUP_NAMES + EXPERT_GROUP_NAMES:
-        for members in layout[name]:
+    names = GROUP_NAMES + EXPERT_GROUP_NAMES + INSTANCE_GROUP_NAMES
+    mine: dict[str, ProcessGroup | None] = dict.fromkeys(names)
+    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(names, ())
+    for name in names:
+        for members in layout.get(name, ()):
             group = dist.new_group(ranks=members, timeout=timeout)
             if rank in members:
                 _CREATED.append(group)
@@ -294,6 +310,7 @@ def initialize_model_parallel(
     *,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
+    num_distributed_optimizer_instances: int = 1,
     distributed_timeout_minutes: float | None = None,
 ) -> ParallelGroups:
     """Create Megatron's process groups on every rank and keep this rank's; return them.
@@ -307,6 +324,9 @@ def initialize_model_parallel(
     Unlike Megatron, a virtual pipeline size is accepted with a pipeline size of 1 (several chunks
     on one rank), which keeps single-rank runs on the same code path. ``distributed_timeout_minutes``
     bounds every collective on the new groups (torch's default when None), as in Megatron.
+    ``num_distributed_optimizer_instances`` N > 1 also creates megatron-core's groups of a distributed
+    optimizer replicated N times (:func:`core.rank_groups.generate_instance_groups`); N must divide
+    DP x CP.
     """
     global _GROUPS, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     if _GROUPS is not None:
@@ -326,6 +346,8 @@ def initialize_model_parallel(
     sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
     layout = generate_parallel_groups(world, *sizes, order)
     layout |= generate_expert_groups(world, *sizes, expert_model_parallel_size, 1, order)
+    if num_distributed_optimizer_instances != 1:
+        layout |= generate_instance_groups(layout["dp_cp"], num_distributed_optimizer_instances)
     rank = dist.get_rank()
     timeout = None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes)
     mine, ranks = _create_groups(rank, layout, timeout)
@@ -393,10 +415,41 @@ def get_pipeline_model_parallel_channel_groups() -> Mapping[tuple[int, int], Pro
     return get_parallel_groups().pp_channels
 
 
-def get_data_parallel_group(with_context_parallel: bool = False) -> ProcessGroup:
-    """Replicas of the same shard; with context parallel, the group gradients are reduced over."""
+def get_data_parallel_group(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> ProcessGroup:
+    """Replicas of the same shard; with context parallel, the group gradients are reduced over; with
+    ``partial_data_parallel`` (and context parallel, as megatron-core requires) only this rank's
+    distributed-optimizer instance of it (:func:`get_intra_partial_data_parallel_group`)."""
+    if partial_data_parallel:
+        if not with_context_parallel:
+            raise ValueError(
+                "partial_data_parallel=True needs with_context_parallel=True (as in megatron-core)"
+            )
+        return get_intra_partial_data_parallel_group()
     groups = get_parallel_groups()
     return groups.dp_cp if with_context_parallel else groups.dp
+
+
+def get_intra_partial_data_parallel_group() -> ProcessGroup:
+    """The ranks buckets are sharded over: this rank's block of the DPxCP group with N distributed-optimizer
+    instances, the whole DPxCP group without (megatron-core's ``get_data_parallel_group(
+    with_context_parallel=True, partial_data_parallel=True)``)."""
+    groups = get_parallel_groups()
+    return groups.intra_dp_cp or groups.dp_cp
+
+
+def get_inter_distributed_optimizer_instance_group() -> ProcessGroup:
+    """The replicas of this rank's shard, one per distributed-optimizer instance (N > 1 only)."""
+    group = get_parallel_groups().inter_dp_cp
+    if group is None:
+        raise RuntimeError("there is one distributed-optimizer instance: no inter-instance group")
+    return group
+
+
+def get_intra_distributed_optimizer_instance_group() -> ProcessGroup:
+    """Every rank of this rank's distributed-optimizer instance (the world with one instance)."""
+    return get_parallel_groups().intra_dist_opt or dist.group.WORLD
 
 
 def get_context_parallel_group() -> ProcessGroup:

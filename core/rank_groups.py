@@ -4,7 +4,8 @@ Every global rank is a point on a grid whose axes are named by ``order`` (Megatr
 ``"tp-cp-ep-dp-pp"``), the first axis varying fastest; a group holds the ranks that differ only
 along its axes (see :mod:`core.parallel_state`, which creates the groups these functions describe).
 :func:`generate_parallel_groups` gives Megatron's dense groups, :func:`generate_expert_groups`
-megatron-core's second decomposition for MoE layers, :func:`pipeline_channels` the two-rank link
+megatron-core's second decomposition for MoE layers, :func:`generate_instance_groups` the
+distributed optimizer's instances (HSDP), :func:`pipeline_channels` the two-rank link
 groups of a pipeline and :func:`link_warm_up_order` the one order in which all ranks warm them up.
 Tested without processes; the planner and the rendezvous checker use them too.
 """
@@ -242,3 +243,41 @@ def generate_expert_groups(
             "last in the order or make the two products equal"
         )
     return groups
+
+
+INSTANCE_GROUP_NAMES: tuple[str, ...] = ("intra_dp_cp", "inter_dp_cp", "intra_dist_opt")
+"""The groups of ``num_distributed_optimizer_instances`` > 1 (see :func:`generate_instance_groups`)."""
+
+
+def generate_instance_groups(
+    dp_cp_groups: Sequence[Sequence[int]], num_instances: int
+) -> dict[str, list[list[int]]]:
+    """The groups of a distributed optimizer replicated ``num_instances`` times (megatron-core's
+    ``--num-distributed-optimizer-instances``; HSDP under Megatron-FSDP), from the data-parallel x
+    context-parallel groups.
+
+    Each data-parallel group (in group-rank order) is cut into ``num_instances`` consecutive blocks of
+    DPxCP / N ranks, as megatron-core does, so an instance is a contiguous stretch of the DP axis
+    (neighbouring ranks: one node when DP is innermost after TP and CP). Keys: ``intra_dp_cp`` (one
+    block: the ranks a bucket is sharded over, megatron-core's intra-partial data-parallel group),
+    ``inter_dp_cp`` (the ranks at the same position of every block: the replicas of one shard, over
+    which the reduced shards are all-reduced, megatron-core's inter-instance group) and
+    ``intra_dist_opt`` (every rank of one instance across TP, PP and CP: the shards of one whole
+    optimizer, over which gradient norms are summed; in megatron-core's order, block position by block
+    position). Raises ValueError, before anything is created, where N does not divide DPxCP.
+    """
+    _check_size("num_distributed_optimizer_instances", num_instances)
+    size = len(dp_cp_groups[0])
+    if size % num_instances:
+        raise ValueError(
+            f"num_distributed_optimizer_instances ({num_instances}) must divide the data-parallel size x "
+            f"context-parallel size ({size})"
+        )
+    block = size // num_instances
+    intra = [list(g[i * block : (i + 1) * block]) for g in dp_cp_groups for i in range(num_instances)]
+    inter = [list(g[k::block]) for g in dp_cp_groups for k in range(block)]
+    instances = [
+        [rank for at in range(i * block, (i + 1) * block) for rank in sorted(g[at] for g in dp_cp_groups)]
+        for i in range(num_instances)
+    ]
+    return {"intra_dp_cp": intra, "inter_dp_cp": inter, "intra_dist_opt": instances}

@@ -182,6 +182,12 @@ def read_input(
             "--use-megatron-fsdp and --data-parallel-sharding-strategy (it weighs the distributed "
             "optimizer, optim, itself); optim_grads and optim_grads_params then need less memory than planned"
         )
+    if given.num_distributed_optimizer_instances != 1 or given.outer_dp_sharding_strategy != "no_shard":
+        raise ValueError(
+            "the planner does not model distributed-optimizer instances yet: plan without "
+            "--num-distributed-optimizer-instances and --outer-dp-sharding-strategy (each instance of DP/N "
+            "ranks then holds N times the optimizer state planned)"
+        )
     base = _runnable(_strip(argv, set(PLANNED_DESTS) | set(_ALSO_PLANNED)), given, notes)
     with contextlib.redirect_stdout(None):  # the flag checks' notes, for one rank: not the plan's
         run = build_run(parse_args(base + ["--micro-batch-size", "1", "--global-batch-size", "1"]), 1)

@@ -123,6 +123,7 @@ class Run:
             self.model.virtual_pipeline_model_parallel_size,
             self.parallel.cp,
             expert_model_parallel_size=self.parallel.ep,
+            num_distributed_optimizer_instances=self.ddp.num_distributed_optimizer_instances,
             **options,
         )
 

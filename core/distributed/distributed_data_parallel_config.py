@@ -11,6 +11,7 @@ ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_para
 SHARDING_STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's names: nothing sharded (DDP), optimizer state (ZeRO-1), and gradients (ZeRO-2),
 and parameters (ZeRO-3)."""
+OuterShardingStrategy = Literal["no_shard", "optim"]
 
 
 @dataclass(kw_only=True)
@@ -52,6 +53,19 @@ class DistributedDataParallelConfig:
     ``use_distributed_optimizer``, else ``no_shard``. Every strategy but ``no_shard`` needs
     ``use_distributed_optimizer``."""
 
+    num_distributed_optimizer_instances: int = flag(1, group="distributed")
+    """N > 1: the distributed optimizer is replicated N times over data parallelism (megatron-core's
+    partial distributed optimizer; HSDP under Megatron-FSDP). The DP x CP ranks split into N
+    instances of DPxCP / N consecutive ranks; buckets are sharded, and gradients reduce-scattered,
+    inside an instance only, and each reduced shard is then all-reduced over the N ranks holding it
+    (``ParallelGroups.intra_dp_cp`` and ``inter_dp_cp``). Needs a strategy other than no_shard."""
+
+    outer_dp_sharding_strategy: OuterShardingStrategy = flag("no_shard", group="distributed")
+    """Across the N instances: ``no_shard`` (each instance keeps a whole optimizer) or ``optim``
+    (Megatron-FSDP's HSDP: the optimizer state of each shard is split once more over the N instances,
+    its gradients reduce-scattered and its updated parameters all-gathered across them). ``optim``
+    needs ``optim_grads_params`` and N > 1, as in Megatron."""
+
     overlap_param_gather: bool = flag(False, group="distributed")
     """With the distributed optimizer: launch the parameter all-gathers asynchronously after the
     step and let each module's forward pre-hook wait for its own bucket."""
@@ -74,6 +88,7 @@ class DistributedDataParallelConfig:
                 "overlap_param_gather=True needs use_distributed_optimizer=True (only the distributed "
                 "optimizer gathers parameters)"
             )
+        self._check_instances()
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(
                 f"bucket_size must be a positive number of elements or None, got {self.bucket_size}"
@@ -104,6 +119,35 @@ class DistributedDataParallelConfig:
                 )
             )
         self.data_parallel_sharding_strategy = strategy
+
+    def _check_instances(self) -> None:
+        instances, outer = self.num_distributed_optimizer_instances, self.outer_dp_sharding_strategy
+        if not isinstance(instances, int) or instances < 1:
+            raise ValueError(
+                f"num_distributed_optimizer_instances must be an integer >= 1, got {instances!r}"
+            )
+        if instances > 1 and not self.use_distributed_optimizer:
+            raise ValueError(
+                f"num_distributed_optimizer_instances={instances} replicates the distributed optimizer: "
+                "it needs a data_parallel_sharding_strategy other than no_shard"
+            )
+        if outer not in ("no_shard", "optim"):
+            raise ValueError(f"outer_dp_sharding_strategy must be no_shard or optim; got {outer!r}")
+        if outer == "optim" and not self.shard_params:
+            raise ValueError(
+                "outer_dp_sharding_strategy='optim' needs data_parallel_sharding_strategy='optim_grads_params' "
+                f"(as in Megatron-FSDP); got {self.data_parallel_sharding_strategy!r}"
+            )
+        if outer == "optim" and instances == 1:
+            raise ValueError(
+                "outer_dp_sharding_strategy='optim' shards over the distributed-optimizer instances: it needs "
+                "num_distributed_optimizer_instances > 1"
+            )
+
+    @property
+    def shard_outer(self) -> bool:
+        """The optimizer state is split over the instances too (``outer_dp_sharding_strategy='optim'``)."""
+        return self.outer_dp_sharding_strategy == "optim"
 
     @property
     def shard_grads(self) -> bool:

@@ -17,6 +17,13 @@ With the distributed optimizer (``shard=True``, Megatron's design) three things 
   last-stage copies are then sharded identically over data parallelism, so after the
   reduce-scatter the embedding group can sum the two copies' shards element by element.
 
+With N distributed-optimizer instances (``inter_group``; megatron-core's
+``--num-distributed-optimizer-instances``, HSDP) the bucket is sharded over one instance's DP/N ranks
+(its ``group``) and, once reduced there, each shard is all-reduced over its N replicas (``inter_group``):
+every instance then steps the same shards, a whole optimizer per instance. With ``outer_shard``
+(Megatron-FSDP's outer ``optim``) each shard is padded to a multiple of N, reduce-scattered over the
+replicas instead, and each instance steps only its piece of it (:meth:`Bucket.owned_span`).
+
 A bucket moves through three states per step: idle (gradients accumulating), launched (its
 reduction is under way) and done (reduced). ``reset`` returns it to idle.
 
@@ -67,6 +74,9 @@ class ReduceOptions:
     :mod:`core.distributed.sharded_bucket`)."""
     shard_params: bool = False
     """Keep only the shard of the parameters between uses (ZeRO-3)."""
+    outer_shard: bool = False
+    """With distributed-optimizer instances (an ``inter_group``): split each shard's optimizer range once
+    more over the instances (Megatron-FSDP's outer ``optim``) instead of replicating it."""
 
 
 class Bucket:
@@ -87,6 +97,7 @@ class Bucket:
         param_data: torch.Tensor | None,
         group: ProcessGroup | None,
         options: ReduceOptions,
+        inter_group: ProcessGroup | None = None,
     ) -> None:
         self.index = index
         self.params, self.names = params, names
@@ -96,11 +107,14 @@ class Bucket:
         self.options = options
         self.dp_size, self.dp_rank = group_size(group), group_rank(group)
         self.communicate = self.dp_size > 1
+        self.inter_group = inter_group  # the replicas of this shard, one per distributed-optimizer instance
+        self.instances, self.instance_rank = group_size(inter_group), group_rank(inter_group)
         self.shard_size = grad_data.numel() // self.dp_size if options.shard else grad_data.numel()
         if options.shard:
             lo, hi = self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
             self.grad_shard, self.param_shard = grad_data[lo:hi], param_data[lo:hi]
             self.native_reduce_scatter = self.communicate and reduce_scatter_is_native(group)
+            self.native_inter = self.instances > 1 and reduce_scatter_is_native(inter_group)
         self.is_last_microbatch = True  # False inside DistributedDataParallel.no_sync()
         self.state = IDLE
         self.handle: dist.Work | None = None
@@ -116,9 +130,32 @@ class Bucket:
         start, numel = self._start_of[id(param)], param.numel()
         if not self.options.shard:
             return 0, numel
-        lo = max(start, self.dp_rank * self.shard_size)
-        hi = min(start + numel, (self.dp_rank + 1) * self.shard_size)
+        first, last = self.owned_span()
+        lo, hi = max(start, first), min(start + numel, last)
         return (lo - start, hi - start) if lo < hi else None
+
+    def owned_span(self) -> tuple[int, int]:
+        """The part ``[lo, hi)`` of the bucket this rank's optimizer steps: its shard, or with the outer
+        sharding (``options.outer_shard``) its instance's piece of the shard."""
+        lo, size = self.dp_rank * self.shard_size, self.shard_size
+        if self.options.outer_shard and self.instances > 1:
+            size //= self.instances
+            lo += self.instance_rank * size
+        return lo, lo + size
+
+    def reduce_over_instances(self) -> None:
+        """With N distributed-optimizer instances: sum this rank's reduced shard over its N replicas
+        (all-reduce), or with the outer sharding give each instance the sum of its own piece
+        (reduce-scatter). A no-op with one instance."""
+        if self.instances == 1:
+            return
+        if not self.options.outer_shard:
+            dist.all_reduce(self.grad_shard, group=self.inter_group)
+            return
+        lo, hi = self.owned_span()
+        base = self.dp_rank * self.shard_size
+        piece = self.grad_shard[lo - base : hi - base]
+        reduce_scatter(piece, self.grad_shard, self.inter_group, native=self.native_inter, async_op=False)
 
     # -- gradients ----------------------------------------------------------------------------
     def claim(self, param: torch.nn.Parameter) -> bool:
@@ -195,6 +232,8 @@ class Bucket:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
+        if self.options.shard:
+            self.reduce_over_instances()
         if self.options.post_scale != 1.0:
             (self.grad_shard if self.options.shard else self.grad_data).mul_(self.options.post_scale)
         self.state = DONE
@@ -265,9 +304,11 @@ class GradBuffer:
         first_bucket_index: int,
         options: ReduceOptions,
         units: dict[int, int] | None = None,
+        inter_group: ProcessGroup | None = None,
     ) -> None:
         dp_size = group_size(group)
-        pad_to = math.lcm(dp_size, SHARD_ALIGNMENT) if options.shard else 1
+        pieces = dp_size * (group_size(inter_group) if options.outer_shard else 1)
+        pad_to = math.lcm(pieces, SHARD_ALIGNMENT) if options.shard else 1
         layout = self._layout(list(zip(params, names))[::-1], bucket_size, pad_to, options.shard, units)
         total = layout[-1][1] if layout else 0
         device, param_dtype = params[0].device, params[0].dtype
@@ -302,6 +343,7 @@ class GradBuffer:
                     param_data,
                     group,
                     options,
+                    inter_group,
                 )
             )
 

@@ -32,11 +32,27 @@ other microbatches' forwards in between (1F1B, interleaved, zero-bubble's I befo
 parameters that a pending backward still needs. Freed storage is resized to zero, so the tensors that
 autograd saved in forward are valid again once the parameters are gathered back into the same
 storage.
+
+**Instances (HSDP).** With N distributed-optimizer instances the microbatch reductions stay inside the
+instance; the accumulated shard is summed over (or, outer ``optim``, reduce-scattered across) the N
+replicas once per step, in ``finish_grad_sync``; under the outer sharding each instance's updated piece
+of the parameter shard is all-gathered across the replicas after the step.
+
+**Reading a freed parameter.** A view of zero-size storage crashes the process when read (a
+segmentation fault, no Python error). So while its bucket is freed each parameter changes class to
+a subclass of its own (:func:`freed_class`) whose ``__torch_function__`` refuses every operation but
+metadata (shape, dtype, device, ``requires_grad``, ``grad``, hooks) with one error naming the
+parameter; gathering gives it its class back. Torch consults ``__torch_function__`` for every
+Python-level use of a tensor (methods, functions, ``print``, ``.data``), so reads raise and the
+code that uses the parameters inside forward and backward pays nothing.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
+from torch._C import DisableTorchFunctionSubclass
 
 from core.distributed.collectives import all_gather
 from core.distributed.grad_buffer import DONE, IDLE, LAUNCHED, Bucket, GradBuffer
@@ -66,6 +82,53 @@ def storage_bytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.untyped_storage().nbytes()
 
 
+_METADATA = frozenset(
+    [
+        *(
+            getattr(torch.Tensor, name).__get__
+            for name in ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "layout")
+        ),
+        *(getattr(torch.Tensor, name).__get__ for name in ("ndim", "is_cuda", "is_meta", "is_sparse")),
+        *(getattr(torch.Tensor, name).__set__ for name in ("grad", "requires_grad", "data")),
+        *(getattr(torch.Tensor, name) for name in ("size", "dim", "numel", "nelement", "element_size")),
+        *(getattr(torch.Tensor, name) for name in ("is_floating_point", "requires_grad_", "__hash__")),
+        *(getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook")),
+    ]
+)
+"""What a freed parameter still answers: its metadata, never its values."""
+
+
+def _refuse_reads(cls, func, types, args=(), kwargs=None):
+    """``__torch_function__`` of a freed parameter: metadata as usual, any other use one clear error."""
+    if func in _METADATA:
+        with DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    param = next((a for a in (*args, *(kwargs or {}).values(), *_flat(args)) if isinstance(a, cls)), None)
+    raise RuntimeError(
+        f"{getattr(param, 'sharded_name', 'a parameter')} is sharded over the data-parallel ranks "
+        "(--data-parallel-sharding-strategy optim_grads_params): between uses each rank holds only its "
+        "shard, and the whole parameter is gathered only inside its layer's forward and backward; read "
+        "it after finish_param_sync() on the model (or through its state_dict())"
+    )
+
+
+def _flat(args) -> list:
+    return [x for a in args if isinstance(a, (list, tuple)) for x in a]
+
+
+@cache
+def freed_class(cls: type) -> type:
+    """The class a parameter of class ``cls`` takes while its bucket is freed: ``cls`` whose uses other
+    than metadata raise (see the module docstring)."""
+    return type(f"Freed{cls.__name__}", (cls,), {"__torch_function__": classmethod(_refuse_reads)})
+
+
+def mark_freed(params, freed: bool) -> None:
+    """Give ``params`` the class that refuses reads (``freed``), or their own back."""
+    for param in params:
+        param.__class__ = freed_class(param.gathered_class) if freed else param.gathered_class
+
+
 class ShardedBucket(Bucket):
     """A bucket of whole parameters whose full gradient (and, with ``shard_params``, full parameter)
     tensors exist only while in use (see the module docstring). ``grad_data`` and ``param_data`` are
@@ -81,7 +144,10 @@ class ShardedBucket(Bucket):
         self.shards_params = self.options.shard_params
         if self.shards_params:
             self.param_shard = self.param_shard.clone()
+            for param, name in zip(self.params, self.names):
+                param.gathered_class, param.sharded_name = type(param), name
             free_storage(self.param_data)
+            mark_freed(self.params, True)
         self.params_live = not self.shards_params
         self._gather_work = None  # a prefetch in flight
         self.pending_backward = 0
@@ -170,6 +236,7 @@ class ShardedBucket(Bucket):
             return
         self.start_grad_sync()
         self._land()
+        self.reduce_over_instances()  # once a step, on the accumulated shard
         if self.options.post_scale != 1.0:
             self.grad_shard.mul_(self.options.post_scale)
         self.state = DONE
@@ -209,6 +276,7 @@ class ShardedBucket(Bucket):
             self._gather_work = work if async_op else None
         else:
             self.param_data.copy_(self.param_shard)
+        mark_freed(self.params, False)
         self.params_live = True
         self.gathers += 1
 
@@ -227,6 +295,7 @@ class ShardedBucket(Bucket):
         if not self.param_data.untyped_storage().resizable():
             self._rehome_params()
         free_storage(self.param_data)
+        mark_freed(self.params, True)
         self.params_live = False
 
     def _rehome_params(self) -> None:
@@ -253,9 +322,22 @@ class ShardedBucket(Bucket):
         shards); otherwise all-gather as the distributed optimizer does."""
         if self.shards_params:
             self.release_params(force=True)
+            self._gather_over_instances()
         elif self.param_handle is None:
             super().start_param_sync(async_op)
             self.gathers += int(self.communicate)
+
+    def _gather_over_instances(self) -> None:
+        """Outer sharding (HSDP with outer ``optim``): each instance stepped its piece of the shard; put
+        the pieces together again, so that the shard the next forward gathers is whole."""
+        if not (self.options.outer_shard and self.instances > 1):
+            return
+        lo, hi = self.owned_span()
+        base = self.dp_rank * self.shard_size
+        all_gather(
+            self.param_shard, self.param_shard[lo - base : hi - base], self.inter_group, async_op=False
+        )
+        self.gathers += 1
 
     def finish_param_sync(self) -> None:
         """The parameters are whole after this (ZeRO-3 gathers them; freed again after the next step)."""

@@ -121,6 +121,12 @@ def register_unit_hooks(
         for tensor in needing:
             tensor.register_hook(before_backward)
 
+    # Never traced by torch.compile (--compile compiles each layer with its hooks): they free and
+    # allocate storage, communicate and change the parameters' class (a freed one refuses reads).
+    before_forward, after_forward = (
+        torch.compiler.disable(before_forward),
+        torch.compiler.disable(after_forward),
+    )
     return [unit.register_forward_pre_hook(before_forward), unit.register_forward_hook(after_forward)]
 
 

@@ -67,6 +67,15 @@ class DistributedOptimizer(MegatronOptimizer):
                     "with DistributedDataParallelConfig(use_distributed_optimizer=True)"
                 )
             self._bucket_of.update(chunk.param_to_bucket)
+        self.replicated_over_instances = any(
+            c.ddp_config.num_distributed_optimizer_instances > 1 and not c.ddp_config.shard_outer
+            for c in model_chunks
+        )
+        """Each of N > 1 distributed-optimizer instances holds all of the state (outer no_shard)."""
+        self.state_is_a_replica = self.replicated_over_instances and any(
+            b.instance_rank > 0 for b in self._bucket_of.values()
+        )
+        """This rank's state is a copy of the first instance's (whose ranks write it to checkpoints)."""
         super().__init__(optimizer, config, model_chunks, groups)
 
     def _make_shard(self, param: nn.Parameter) -> ParamShard | None:
@@ -93,10 +102,12 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _grad_stats_group(self):
         """Every rank: each DP rank counts only its shard, so the sums run over DP as well as TP x PP
-        (without the model's groups, over the chunks' one data-parallel group)."""
+        (without the model's groups, over the chunks' one data-parallel group). With N distributed-
+        optimizer instances that each hold a whole optimizer, over this rank's instance only."""
         if self.groups is not None:
-            return dist.group.WORLD
-        groups = {id(c.data_parallel_group): c.data_parallel_group for c in self.model_chunks}
+            return self.groups.intra_dist_opt if self.replicated_over_instances else dist.group.WORLD
+        which = "intra_dp_group" if self.replicated_over_instances else "data_parallel_group"
+        groups = {id(getattr(c, which)): getattr(c, which) for c in self.model_chunks}
         return next(iter(groups.values())) if len(groups) == 1 else None
 
     def prepare_grads(self) -> None:

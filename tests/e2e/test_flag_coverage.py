@@ -75,7 +75,8 @@ ISSUE_FLAGS = {
     "--manual-gc --manual-gc-interval --distributed-timeout-minutes --ddp-bucket-size --ckpt-step "
     "--use-checkpoint-args --exit-on-missing-checkpoint --fp16 --loss-scale --loss-scale-window "
     "--use-distributed-optimizer --overlap-param-gather --grad-reduce-in-bf16 "
-    "--use-megatron-fsdp --data-parallel-sharding-strategy=optim "
+    "--use-megatron-fsdp --data-parallel-sharding-strategy=optim --num-distributed-optimizer-instances "
+    "--outer-dp-sharding-strategy "
     "--tokenizer-type=GPT2BPETokenizer --tokenizer-type=Llama2Tokenizer "
     "--tokenizer-type=HuggingFaceTokenizer --vocab-file --merge-file --mock-data --num-workers --data-cache-path "
     "--no-mmap-bin-files --train-data-path --valid-data-path --test-data-path --train-samples --lr-decay-samples "
@@ -92,7 +93,7 @@ ISSUE_FLAGS = {
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format --fp8-interval",
-    NOT_YET: "--fp8-param-gather --num-distributed-optimizer-instances --outer-dp-sharding-strategy "
+    NOT_YET: "--fp8-param-gather "
     "--init-model-with-meta-device --suggested-communication-unit-size --megatron-fsdp-main-params-dtype",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp --use-torch-fsdp2 "

@@ -201,3 +201,45 @@ def test_expert_sizes_megatron_core_refuses_fail_in_one_line(args, message):
     with pytest.raises(ValueError) as err:
         ps.generate_expert_groups(*args)
     assert str(err.value) == message
+
+
+# megatron-core's partial distributed optimizer (--num-distributed-optimizer-instances N): each DP x CP
+# group cut into N consecutive blocks (intra), the ranks at one position of every block (inter), and each
+# instance across TP/PP/CP in megatron-core's order (its tp-ep-pp groups, block position by position).
+INSTANCES = {
+    (4, 1, 1, 2): {  # DP4, N=2
+        "intra_dp_cp": [[0, 1], [2, 3]],
+        "inter_dp_cp": [[0, 2], [1, 3]],
+        "intra_dist_opt": [[0, 1], [2, 3]],
+    },
+    (8, 2, 1, 2): {  # TP2 x DP4, N=2
+        "intra_dp_cp": [[0, 2], [4, 6], [1, 3], [5, 7]],
+        "inter_dp_cp": [[0, 4], [2, 6], [1, 5], [3, 7]],
+        "intra_dist_opt": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    },
+    (8, 1, 2, 2): {  # PP2 x DP4, N=2: pipeline groups [0,4] [1,5] [2,6] [3,7]
+        "intra_dp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "inter_dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "intra_dist_opt": [[0, 4, 1, 5], [2, 6, 3, 7]],
+    },
+    (8, 1, 1, 4): {  # DP8, N=4
+        "intra_dp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "inter_dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "intra_dist_opt": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    },
+}
+
+
+@pytest.mark.parametrize("sizes", list(INSTANCES), ids=lambda s: "world{}-tp{}-pp{}-N{}".format(*s))
+def test_distributed_optimizer_instance_groups_match_megatron_core(sizes):
+    world, tp, pp, instances = sizes
+    dp_cp = ps.generate_parallel_groups(world, tp, pp)["dp_cp"]
+    assert ps.generate_instance_groups(dp_cp, instances) == INSTANCES[sizes]
+
+
+def test_instances_that_do_not_divide_dp_are_one_clear_error():
+    with pytest.raises(ValueError) as err:
+        ps.generate_instance_groups(ps.generate_parallel_groups(6, 2)["dp_cp"], 2)
+    assert str(err.value) == (
+        "num_distributed_optimizer_instances (2) must divide the data-parallel size x context-parallel size (3)"
+    )

@@ -13,7 +13,8 @@ _INSTEAD = (
 )
 _NOT_YET = (
     "Trident shards over data parallelism with --use-megatron-fsdp --data-parallel-sharding-strategy "
-    "{optim,optim_grads,optim_grads_params} over the whole data-parallel group; this knob of it is not built"
+    "{optim,optim_grads,optim_grads_params}, --num-distributed-optimizer-instances and "
+    "--outer-dp-sharding-strategy; this knob of it is not built"
 )
 
 
@@ -73,6 +74,45 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
                 "--untie-embeddings-and-output-weights, or --data-parallel-sharding-strategy optim"
             ),
         ),
+        (
+            "--use-megatron-fsdp --num-distributed-optimizer-instances 3",
+            (
+                "--num-distributed-optimizer-instances 3 must divide the data-parallel size x context-parallel size "
+                "(4 x 1 = 4)"
+            ),
+        ),
+        (
+            "--num-distributed-optimizer-instances 2",
+            (
+                "--num-distributed-optimizer-instances 2 replicates the distributed optimizer: give "
+                "--use-distributed-optimizer or --use-megatron-fsdp (as in Megatron)"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp --num-distributed-optimizer-instances 0",
+            "--num-distributed-optimizer-instances must be >= 1, got 0",
+        ),
+        (
+            "--use-distributed-optimizer --num-distributed-optimizer-instances 2 --num-experts 4",
+            "--num-distributed-optimizer-instances 2 with --num-experts is not built yet: use one instance",
+        ),
+        (
+            (
+                "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --num-distributed-optimizer-instances 2 "
+                "--outer-dp-sharding-strategy optim"
+            ),
+            (
+                "--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params "
+                "(as in Megatron-FSDP), got optim_grads"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp --outer-dp-sharding-strategy optim",
+            (
+                "--outer-dp-sharding-strategy optim shards over the distributed-optimizer instances: give "
+                "--num-distributed-optimizer-instances 2 or more"
+            ),
+        ),
     ],
 )
 def test_contradicting_strategies_are_one_line(argv, message):
@@ -90,14 +130,6 @@ def test_contradicting_strategies_are_one_line(argv, message):
             f"Trident does not support --megatron-fsdp-version: Trident's Megatron-FSDP has one version; {_INSTEAD}",
         ),
         (
-            "--outer-dp-sharding-strategy optim",
-            f"Trident does not support --outer-dp-sharding-strategy yet: {_NOT_YET}",
-        ),
-        (
-            "--num-distributed-optimizer-instances 2",
-            f"Trident does not support --num-distributed-optimizer-instances yet: {_NOT_YET}",
-        ),
-        (
             "--init-model-with-meta-device",
             f"Trident does not support --init-model-with-meta-device yet: {_NOT_YET}",
         ),
@@ -111,6 +143,39 @@ def test_unbuilt_fsdp_flags_are_refused_with_one_line(argv, message):
     with pytest.raises(ValueError) as error:
         parse_args(argv.split())
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("argv", "instances", "outer"),
+    [
+        (
+            "--use-distributed-optimizer --num-distributed-optimizer-instances 2",
+            2,
+            "no_shard",
+        ),  # megatron-core
+        (
+            "--use-megatron-fsdp --num-distributed-optimizer-instances 4",
+            4,
+            "no_shard",
+        ),  # HSDP, DP4: DDP over ZeRO-3 of 1
+        (
+            "--use-megatron-fsdp --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
+            2,
+            "optim",
+        ),
+    ],
+)
+def test_hsdp_flags_reach_the_data_parallel_config(argv, instances, outer):
+    from training.run import build_run
+
+    ddp = build_run(parse_args(argv.split()), 4).ddp
+    assert (ddp.num_distributed_optimizer_instances, ddp.outer_dp_sharding_strategy) == (instances, outer)
+
+
+def test_an_outer_strategy_that_does_not_exist_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim_grads"])
+    assert "invalid choice: 'optim_grads'" in capsys.readouterr().err
 
 
 def test_a_strategy_name_that_does_not_exist_is_a_usage_error(capsys):
@@ -138,4 +203,25 @@ def test_the_planner_refuses_the_strategies_it_does_not_model():
         read_input(["--use-megatron-fsdp", "--global-batch-size", "8"], preset="llama3-8b")
     assert str(error.value).startswith(
         "the planner does not model --use-megatron-fsdp's sharding strategies yet"
+    )
+
+
+def test_the_planner_refuses_distributed_optimizer_instances():
+    from planner.inputs import read_input
+
+    with pytest.raises(ValueError) as error:
+        read_input(
+            [
+                "--use-distributed-optimizer",
+                "--num-distributed-optimizer-instances",
+                "2",
+                "--global-batch-size",
+                "8",
+            ],
+            preset="llama3-8b",
+        )
+    assert str(error.value) == (
+        "the planner does not model distributed-optimizer instances yet: plan without "
+        "--num-distributed-optimizer-instances and --outer-dp-sharding-strategy (each instance of DP/N "
+        "ranks then holds N times the optimizer state planned)"
     )

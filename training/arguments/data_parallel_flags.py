@@ -43,6 +43,7 @@ def derive_precision_and_data_parallel(args: argparse.Namespace) -> None:
     elif args.fp16:
         args.grad_reduce_in_fp32 = accumulate_in_fp32
     _check_data_parallel_sharding(args)
+    _check_instances(args)
     if args.overlap_param_gather:
         _require(
             args.use_distributed_optimizer,
@@ -88,3 +89,37 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
     args.data_parallel_sharding_strategy = strategy
     if strategy != "no_shard":
         args.use_distributed_optimizer = True
+
+
+def _check_instances(args: argparse.Namespace) -> None:
+    """``--num-distributed-optimizer-instances`` and ``--outer-dp-sharding-strategy`` (HSDP): N instances
+    of DPxCP / N ranks each, the outer strategy only over ZeRO-3 (Megatron-FSDP's rules)."""
+    instances, outer = args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy
+    flag = f"--num-distributed-optimizer-instances {instances}"
+    _require(instances >= 1, f"--num-distributed-optimizer-instances must be >= 1, got {instances}")
+    if instances > 1:
+        _require(
+            args.use_distributed_optimizer,
+            f"{flag} replicates the distributed optimizer: give --use-distributed-optimizer or "
+            "--use-megatron-fsdp (as in Megatron)",
+        )
+        dp, cp = args.data_parallel_size, args.context_parallel_size
+        _require(
+            dp * cp % instances == 0,
+            f"{flag} must divide the data-parallel size x context-parallel size ({dp} x {cp} = {dp * cp})",
+        )
+        _require(
+            args.num_moe_experts is None, f"{flag} with --num-experts is not built yet: use one instance"
+        )
+    if outer == "optim":
+        strategy = args.data_parallel_sharding_strategy
+        _require(
+            strategy == "optim_grads_params",
+            "--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params "
+            f"(as in Megatron-FSDP), got {strategy}",
+        )
+        _require(
+            instances > 1,
+            "--outer-dp-sharding-strategy optim shards over the distributed-optimizer instances: give "
+            "--num-distributed-optimizer-instances 2 or more",
+        )

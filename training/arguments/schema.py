@@ -329,7 +329,8 @@ _ONE_FORMAT = (
 )
 _FSDP_NOT_YET = (
     "Trident shards over data parallelism with --use-megatron-fsdp --data-parallel-sharding-strategy "
-    "{optim,optim_grads,optim_grads_params} over the whole data-parallel group; this knob of it is not built"
+    "{optim,optim_grads,optim_grads_params}, --num-distributed-optimizer-instances and "
+    "--outer-dp-sharding-strategy; this knob of it is not built"
 )
 _NVIDIA_RESILIENCY = (
     "it needs NVIDIA's resiliency package and NCCL; Trident restarts under torchrun --max-restarts, at any "
@@ -367,6 +368,8 @@ COVERAGE: dict[str, Coverage] = {
             "--use-distributed-optimizer",
             "--use-megatron-fsdp",
             "--data-parallel-sharding-strategy",
+            "--num-distributed-optimizer-instances",
+            "--outer-dp-sharding-strategy",
             "--overlap-param-gather",
             "--grad-reduce-in-bf16",
             "--ddp-bucket-size",
@@ -423,8 +426,6 @@ COVERAGE: dict[str, Coverage] = {
     "--megatron-fsdp-version": unsupported("Trident's Megatron-FSDP has one version; " + _FSDP_INSTEAD),
     **dict.fromkeys(
         (
-            "--num-distributed-optimizer-instances",
-            "--outer-dp-sharding-strategy",
             "--init-model-with-meta-device",
             "--suggested-communication-unit-size",
             "--fsdp-double-buffer",

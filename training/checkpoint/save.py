@@ -135,6 +135,9 @@ def _tensor_files(
     sharded = is_sharded(optimizer, p.dp, p.edp if experts else 1)
     # unsharded state is replicated like its weights: the same writers
     state = optimizer_tensors(optimizer, params, specs, tp_rank=t, sharded=sharded, owns=owns)
+    if getattr(optimizer, "state_is_a_replica", False):  # another distributed-optimizer instance writes it
+        state.tensors.clear()
+        state.flat.clear()
     specs.update(state.specs)
     if state.tensors or d == 0 or sharded:
         files[optim_file(t, q, d)] = FileToWrite(ordered(state.tensors), t, meta, state.flat)
