@@ -38,7 +38,7 @@ class AuxiliaryLossScale:
         self.value: torch.Tensor | None = None
 
     def set(self, scale: torch.Tensor | float) -> None:
-        """The weight of the losses in the objective from now on (the schedule's hook calls this each step)."""
+        """The losses' weight in the objective from now on (the schedule's hook calls this each step)."""
         self.value = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(())
 
     def gradient(self, loss: torch.Tensor) -> torch.Tensor:

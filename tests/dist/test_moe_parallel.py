@@ -269,7 +269,8 @@ def reference_step(config, batches) -> tuple[list[float], dict[str, torch.Tensor
     torch.stack(losses).mean().backward()
     named = list(model.named_parameters())  # experts under their global names, as _owned_grads gives them
     grads = {n: g.clone() for name, p in named for n, g in unstacked(name, p, p.grad)}
-    return [float(x.detach()) for x in losses], grads, {n: t.detach() for name, p in named for n, t in unstacked(name, p)}
+    params = {n: t.detach() for name, p in named for n, t in unstacked(name, p)}
+    return [float(x.detach()) for x in losses], grads, params
 
 
 def _union(results, run: str, key: str | None) -> dict[str, torch.Tensor]:

@@ -188,7 +188,7 @@ def _add_state(
     sharded: bool,
     owns: Callable[[str], object] | None,
 ) -> None:
-    """The state of tensor ``name`` (its ``param_state_by_name`` entry) that this rank writes, into ``out``."""
+    """What this rank writes of tensor ``name``'s state (its ``param_state_by_name`` entry), into ``out``."""
     start, end = entry["start"], entry["end"]
     whole_on_every_tp_rank = spec.partition is None and spec.expert is None
     if owns is not None and not sharded:

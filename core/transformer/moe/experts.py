@@ -1,4 +1,4 @@
-"""A rank's routed experts: whole (never tensor-parallel) MLPs, stacked, run as a loop or as one grouped matmul.
+"""A rank's routed experts: whole (never tensor-parallel) MLPs, stacked, looped or as one grouped matmul.
 
 A rank's ``count`` experts are stored stacked, as torchtitan does: one 3-D parameter per projection,
 ``linear_fc1.weight`` ``[count, out, in]`` (``[W_gate; W_up]`` per expert for a gated unit, the dense
@@ -166,7 +166,7 @@ def _unstack_state(module: Experts, state: dict, prefix: str, local_metadata) ->
 def _stack_state(
     module: Experts, state: dict, prefix: str, local_metadata, strict, missing, unexpected, errors
 ):
-    """``load_state_dict`` takes the per-expert entries :func:`_unstack_state` writes (or the stacked ones)."""
+    """``load_state_dict`` takes the per-expert entries :func:`_unstack_state` writes (or stacked ones)."""
     for name, param in module.named_parameters():
         key = prefix + name
         names = [slice_name for slice_name, _ in unstacked(key, param)]
