@@ -20,6 +20,7 @@ import torch
 
 from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE
 from core.tensor_parallel import tp_rank, tp_world_size
+from core.transformer.initialization import logical_tensors
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt.gpt_model import GPTModel
 from training.checkpoint import Checkpoint, CheckpointError, open_checkpoint
@@ -120,7 +121,7 @@ def load_for_generation(path: str, iteration: int | None = None, *, verify: bool
     model = GPTModel(config, ckpt.vocab_size, ckpt.max_sequence_length)
     rank = tp_rank()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in logical_tensors(model.named_parameters()):  # an expert slice by slice
             if not ckpt.has_tensor(name):
                 raise CheckpointError(f"checkpoint {ckpt.path} has no tensor '{name}'")
             param.copy_(ckpt.read_shard(name, rank, tp))

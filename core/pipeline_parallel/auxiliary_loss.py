@@ -5,48 +5,84 @@ A router's loss is not an output of the model chunk: the schedule backpropagates
 output. :class:`MoEAuxLossAutoScaler` (Megatron's name) attaches such a loss to an activation: the
 forward is the identity, and when backward reaches that activation it also starts the loss's own
 backward with gradient ``scale``, so the loss joins the objective exactly as if it had been added
-to it with that weight. The schedule sets ``scale`` once per step (:func:`set_auxiliary_loss_scale`),
-as Megatron does: the main loss's scale (fp16 loss scaling) divided by the microbatch count, since
-every microbatch's main loss is divided by it too (times the context-parallel size, whose ranks
-each hold a share of a sequence's auxiliary loss that the data-parallel average divides by); with
-a per-token loss only the loss scale, the router multiplying its loss by its token count instead.
+to it with that weight.
+
+The scale is the step's, handed in like every other input of a step: each router reads its own
+:class:`AuxiliaryLossScale`, and the schedule sets those of the model it runs once per training
+step through a hook, ``ScheduleHooks.auxiliary_loss_scale`` (:func:`auxiliary_loss_scale_hook`
+builds it from the model chunks; ``ParallelGPT.schedule_hooks`` carries it, and an entry point
+called without it takes its chunks'). Two models in one process therefore never see each other's
+scale; Megatron keeps it in a class-level global instead. The value is Megatron's: the main loss's
+scale (fp16 loss scaling) divided by the microbatch count, since every microbatch's main loss is
+divided by it too (times the context-parallel size, whose ranks each hold a share of a sequence's
+auxiliary loss that the data-parallel average divides by); with a per-token loss only the loss
+scale, the router multiplying its loss by its token count instead. A router no schedule has run
+yet (a unit test calling it) starts its losses' backward from 1.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
+
+
+class AuxiliaryLossScale:
+    """The gradient one router's auxiliary losses start their backward from (None: 1), read in backward."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def set(self, scale: torch.Tensor | float) -> None:
+        """The losses' weight in the objective from now on (the schedule's hook calls this each step)."""
+        self.value = torch.as_tensor(scale, dtype=torch.float32).detach().reshape(())
+
+    def gradient(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient ``loss``'s backward starts from."""
+        ones = torch.ones_like(loss)
+        return ones if self.value is None else ones * self.value.to(loss.device)
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """``apply(activation, loss)`` returns ``activation``; backward adds ``d loss = scale``."""
-
-    main_loss_backward_scale: ClassVar[torch.Tensor | None] = None
+    """``apply(activation, loss, scale)`` returns ``activation``; backward adds ``d loss = scale``
+    (an :class:`AuxiliaryLossScale`, read when the backward runs)."""
 
     @staticmethod
-    def forward(ctx, activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, activation: torch.Tensor, loss: torch.Tensor, scale: AuxiliaryLossScale) -> torch.Tensor:
         ctx.save_for_backward(loss)
+        ctx.scale = scale
         return activation
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        loss_grad = torch.ones_like(loss) if scale is None else torch.ones_like(loss) * scale.to(loss.device)
-        return grad, loss_grad
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor) -> None:
-        """The gradient every auxiliary loss starts its backward from (until set again)."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = scale.detach().reshape(())
+        return grad, ctx.scale.gradient(loss), None
 
 
-def set_auxiliary_loss_scale(scale: torch.Tensor | float) -> None:
-    """Set the weight of auxiliary losses in the objective (the schedule calls this every step)."""
-    MoEAuxLossAutoScaler.set_loss_scale(torch.as_tensor(scale, dtype=torch.float32))
+def attach_auxiliary_loss(
+    activation: torch.Tensor, loss: torch.Tensor, scale: AuxiliaryLossScale
+) -> torch.Tensor:
+    """``activation`` (unchanged); backpropagating through it also backpropagates ``loss``, from ``scale``."""
+    return MoEAuxLossAutoScaler.apply(activation, loss, scale)
 
 
-def attach_auxiliary_loss(activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """``activation`` (unchanged); backpropagating through it also backpropagates ``loss``."""
-    return MoEAuxLossAutoScaler.apply(activation, loss)
+def auxiliary_loss_scale_hook(chunks: Iterable[nn.Module]) -> Callable[[torch.Tensor | float], None] | None:
+    """``set(scale)`` for every :class:`AuxiliaryLossScale` of ``chunks``' modules (their
+    ``auxiliary_loss_scale``), the schedule's ``ScheduleHooks.auxiliary_loss_scale``; None when the
+    chunks compute no such loss. The modules are found once, here."""
+    scales = [
+        module.auxiliary_loss_scale
+        for chunk in chunks
+        for module in chunk.modules()
+        if isinstance(getattr(module, "auxiliary_loss_scale", None), AuxiliaryLossScale)
+    ]
+    return functools.partial(_set_all, scales) if scales else None
+
+
+def _set_all(scales: list[AuxiliaryLossScale], scale: torch.Tensor | float) -> None:
+    for each in scales:
+        each.set(scale)

@@ -24,7 +24,6 @@ import torch
 from core.device import current_device
 from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.actions import COMPUTE, Action, ActionKind, B, F, I, W
-from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
 from core.pipeline_parallel.links import PipelineLinks
@@ -93,7 +92,8 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         record.start = record.clock.now()
     if not ctx.forward_only:
         sync.suspend()
-        set_auxiliary_loss_scale(_auxiliary_loss_scale(ctx))
+        if ctx.hooks.auxiliary_loss_scale is not None:
+            ctx.hooks.auxiliary_loss_scale(_auxiliary_loss_scale(ctx))
     for index, action in enumerate(table):
         if on_action is not None:
             on_action(index, len(table), action)

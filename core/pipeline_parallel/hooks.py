@@ -1,7 +1,8 @@
 """What a schedule calls besides the model, and what it reads from the model's config: typed, in one place.
 
 ``ScheduleHooks`` carries the training loop's hooks (data-parallel gradient sync, the end-of-step
-reductions, loss scaling, timers). One object is shared by every model chunk; the entry points
+reductions, loss scaling, the weight of the model's own losses, timers). One object is shared by
+every model chunk; the entry points
 take it as ``schedule_hooks=``, or read it from the first chunk's config: its ``schedule_hooks``
 field, or else Megatron's attribute names (``no_sync_func``, ``grad_sync_func``,
 ``finalize_model_grads_func``, ``grad_scale_func``, ``timers``), which stay accepted.
@@ -54,6 +55,12 @@ class ScheduleHooks:
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Backward starts from ``grad_scale_func(loss)`` on the last stage instead of the loss (fp16 loss
     scaling: Megatron passes ``optimizer.scale_loss``)."""
+
+    auxiliary_loss_scale: Callable[[torch.Tensor], None] | None = None
+    """``auxiliary_loss_scale(scale)`` at the start of each training step: the weight in the step's
+    objective of the losses the model computes inside (MoE routers' load-balancing and z-losses),
+    which their backward starts from (:mod:`core.pipeline_parallel.auxiliary_loss`). None: the entry
+    point builds it from the chunks it runs (``auxiliary_loss_scale_hook``)."""
 
     timers: Callable | None = None
     """Megatron-style timers: ``timers("forward-compute", log_level=2).start()`` / ``.stop()``."""

@@ -13,6 +13,7 @@ read from the first chunk's config) and ``record=`` (a ``ScheduleRecord`` to fil
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 
@@ -21,6 +22,7 @@ import torch
 from core import parallel_state as ps
 from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.actions import Action
+from core.pipeline_parallel.auxiliary_loss import auxiliary_loss_scale_hook
 from core.pipeline_parallel.executor import ScheduleRecord, StepContext, run_table
 from core.pipeline_parallel.hooks import ScheduleHooks, ScheduleSettings
 from core.pipeline_parallel.links import PipelineLinks
@@ -191,7 +193,7 @@ def _prepare(
         chunks=chunks,
         num_microbatches=num_microbatches,
         settings=settings,
-        hooks=schedule_hooks if schedule_hooks is not None else _hooks_of(chunks),
+        hooks=_step_hooks(schedule_hooks, chunks),
         tensor_shape=settings.tensor_shape(seq_length, micro_batch_size),
         shape_origin=settings.describe_tensor_shape(seq_length, micro_batch_size),
         forward_only=forward_only,
@@ -285,6 +287,17 @@ def _hooks_of(chunks: list[torch.nn.Module]) -> ScheduleHooks:
                 "same ones (put one ScheduleHooks on every chunk's config.schedule_hooks)"
             )
     return hooks
+
+
+def _step_hooks(schedule_hooks: ScheduleHooks | None, chunks: list[torch.nn.Module]) -> ScheduleHooks:
+    """``schedule_hooks`` (None: the chunks' configs'), setting the scale of ``chunks``' own losses when
+    they do not say how (Megatron's hooks, a config's): found in the chunks at each call, so a loop
+    passes ``ParallelGPT.schedule_hooks``, which carries it, at every step."""
+    hooks = schedule_hooks if schedule_hooks is not None else _hooks_of(chunks)
+    if hooks.auxiliary_loss_scale is not None:
+        return hooks
+    setter = auxiliary_loss_scale_hook(chunks)
+    return hooks if setter is None else dataclasses.replace(hooks, auxiliary_loss_scale=setter)
 
 
 def _as_chunks(model: Model) -> list[torch.nn.Module]:

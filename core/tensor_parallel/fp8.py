@@ -280,8 +280,11 @@ class Fp8State(nn.Module):
     def weight_fp8(self, weight: torch.Tensor, record: bool) -> Cast:
         """The weight cast to E4M3 with its transposed copy (the input gradient's product takes it
         column-major), kept until the weight changes in place (its version) or a step ends
-        (:func:`update_fp8_scales`), so later microbatches reuse it."""
-        key = (id(weight), weight._version, self.steps)  # (no data_ptr: fake tensors have none)
+        (:func:`update_fp8_scales`), so later microbatches reuse it. A slice of a stacked parameter (an
+        MoE expert's, a new view each forward) is known by its parameter and offset."""
+        base = weight if weight._base is None else weight._base
+        # (no data_ptr: fake tensors have none)
+        key = (id(base), weight.storage_offset(), weight._version, self.steps)
         if key != self._weight_key:
             self._weight_amax = amax_of(weight)
             self._weight = self.quantize(WEIGHT, weight, record, transpose=True, amax=self._weight_amax)

@@ -13,12 +13,20 @@ resharding checkpoints exact. Two optional attributes refine the rule:
 * ``init_valid_rows``: only the first rows are real (a padded vocabulary); they are drawn with the
   unpadded shape and the padding rows are zero, so the real rows do not depend on how much padding
   the TP size requires.
+
+A rank's MoE experts are stacked: one 3-D parameter per projection (``experts.linear_fc1.weight``
+``[local experts, out, in]``), marked by :func:`mark_stacked` with the global index of its first
+slice. Each slice is still a tensor of its own name, the one the per-expert layout had
+(``experts.local_experts.{global index}.linear_fc1.weight``, :func:`unstacked`): it is initialised
+from that name's generator, so an expert starts the same at every expert-parallel size, and
+checkpoints store it under that name.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -35,6 +43,8 @@ from core.tensor_parallel import (
 from core.transformer.transformer_config import TransformerConfig
 
 INIT_RULES = ("normal", "scaled_normal", "zeros", "ones")
+STACKED_EXPERTS = "local_experts"
+"""The name part under which a stacked parameter's slices are named, each by its global index."""
 
 
 def deferred_init(weight: torch.Tensor) -> None:
@@ -54,6 +64,37 @@ def mark_init(
         param.init_name = name
     if valid_rows is not None:
         param.init_valid_rows = valid_rows
+
+
+def mark_stacked(param: nn.Parameter | None, first: int) -> None:
+    """Record that ``param`` stacks experts ``first, first + 1, ...`` along its first dimension."""
+    if param is not None:
+        param.stacked_first = first
+
+
+def unstacked(
+    name: str, param: torch.Tensor, value: torch.Tensor | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The logical tensors parameter ``name`` holds, as ``(name, tensor)``: itself, or for a stacked
+    parameter ``...experts.linear_fc1.weight`` each slice ``i`` as
+    ``...experts.local_experts.{first + i}.linear_fc1.weight``. ``value``: a tensor shaped like
+    ``param`` (its gradient, say) to cut instead; slices are views."""
+    value = param if value is None else value
+    first = getattr(param, "stacked_first", None)
+    if first is None:
+        return [(name, value)]
+    parts = name.split(".")
+    owner, leaf = parts[:-2], parts[-2:]
+    return [
+        (".".join([*owner, STACKED_EXPERTS, str(first + i), *leaf]), piece)
+        for i, piece in enumerate(value.unbind(0))
+    ]
+
+
+def logical_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`unstacked` over ``named`` (``module.named_parameters()``): every tensor under its own name."""
+    for name, param in named:
+        yield from unstacked(name, param)
 
 
 def linear_pair(
@@ -109,12 +150,19 @@ def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def full_init_tensor(name: str, param: torch.Tensor, config: TransformerConfig, tp_size: int) -> torch.Tensor:
-    """The full fp32 CPU tensor parameter ``name`` starts from (identical in every split)."""
+def full_init_tensor(
+    name: str,
+    param: torch.Tensor,
+    config: TransformerConfig,
+    tp_size: int,
+    shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """The full fp32 CPU tensor parameter ``name`` starts from (identical in every split); ``shape``:
+    a slice's of a stacked parameter (``param`` still says the rule)."""
     rule = getattr(param, "init_rule", None)
     if rule is None:
         raise ValueError(f"parameter {name!r} has no init_rule; its layer must call mark_init")
-    shape = full_shape(param, tp_size)
+    shape = full_shape(param, tp_size) if shape is None else shape
     if rule == "zeros":
         return torch.zeros(shape)
     if rule == "ones":
@@ -140,5 +188,9 @@ def initialize_by_name(
     """
     rank, size = tp_rank(tp_group), tp_world_size(tp_group)
     for name, param in module.named_parameters():
+        if getattr(param, "stacked_first", None) is not None:  # slice by slice, each from its own name
+            for slice_name, piece in unstacked(name, param):
+                piece.copy_(full_init_tensor(slice_name, param, config, 1, tuple(piece.shape)))
+            continue
         full = full_init_tensor(name, param, config, size)
         param.copy_(shard_of(full, param, rank, size).to(device=param.device, dtype=param.dtype))

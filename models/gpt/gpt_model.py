@@ -65,10 +65,11 @@ def layout_owner(name: str) -> str | int:
 
 
 def expert_of(name: str) -> int | None:
-    """The global index of the MoE expert that parameter ``name`` belongs to (None for any other).
+    """The global index of the MoE expert that tensor ``name`` belongs to (None for any other).
 
-    Expert parameters are named ``decoder.layers.{layer}.mlp.experts.local_experts.{expert}....`` in
-    every expert-parallel split; checkpoints record the index to place each on its EP rank.
+    An expert's tensors are named ``decoder.layers.{layer}.mlp.experts.local_experts.{expert}....`` in
+    every expert-parallel split (slices of the stacked parameters, ``core.transformer.initialization.
+    unstacked``); checkpoints record the index to place each on its EP rank.
     """
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):

@@ -39,6 +39,7 @@ from torch import nn
 from core import parallel_state as ps
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from core.parallel_state import ParallelGroups
+from core.pipeline_parallel.auxiliary_loss import auxiliary_loss_scale_hook
 from core.pipeline_parallel.hooks import ScheduleHooks
 from core.pipeline_parallel.layout import PipelineLayout
 from core.tensor_parallel.fp8 import set_amax_group
@@ -64,7 +65,8 @@ class ParallelGPT:
     def schedule_hooks(self, optimizer=None) -> ScheduleHooks:
         """What the schedule calls besides the chunks: gradient sync of data-parallel chunks (per chunk,
         overlapped where their config says), ``finalize_model_grads`` over this model's groups, and
-        ``optimizer``'s loss scale (fp16). Pass it at every call (``schedule_hooks=``)."""
+        ``optimizer``'s loss scale (fp16), and the scale of this model's MoE auxiliary losses. Pass it at
+        every call (``schedule_hooks=``)."""
         wrapped = [c for c in self.chunks if isinstance(c, DistributedDataParallel)]
         overlap = bool(wrapped) and wrapped[0].ddp_config.overlap_grad_reduce
         scaled = optimizer is not None and optimizer.grad_scaler is not None
@@ -73,6 +75,7 @@ class ParallelGPT:
             grad_sync=[c.start_grad_sync for c in wrapped] if overlap else None,
             finalize_model_grads=functools.partial(finalize_model_grads, groups=self.groups),
             grad_scale_func=optimizer.scale_loss if scaled else None,
+            auxiliary_loss_scale=auxiliary_loss_scale_hook(self.modules),
         )
 
 

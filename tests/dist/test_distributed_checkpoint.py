@@ -256,16 +256,16 @@ def test_fp8_experts_reduce_their_amaxes_over_expert_data_parallel_replicas(rank
     flags = FP8_FLAGS + moe.split() + ["--global-batch-size", "8"]
     ckpt = str(tmp_path / "ckpt")
     results = ranks(4).run(_fp8_pretrain, flags + ["--save", ckpt], timeout=240)
-    experts = [name for name in results[0] if ".local_experts." in name]
+    experts = [name for name in results[0] if ".experts.linear_fc" in name]
     assert experts and all(int(results[0][n]) == 3 for n in experts if n.endswith(".updates"))
     for name in results[0]:
         holders = [r[name] for r in results if name in r]
-        assert len(holders) == (2 if ".local_experts." in name else 4), name
+        assert len(holders) == (2 if ".experts.linear_fc" in name else 4), name
         assert all(torch.equal(h, holders[0]) for h in holders), name
-    held = {n: r[n] for r in results for n in r if ".local_experts." in n}
+    held = {n: r[n] for r in results for n in r if ".experts.linear_fc" in n}
     assert held.keys() > set(experts)  # the other EP rank's experts
     first, third = (
-        f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.fp8_state.amax_history" for e in (0, 2)
+        f"decoder.layers.0.mlp.experts.linear_fc1.fp8_state.{e}.amax_history" for e in (0, 2)
     )
     assert not torch.equal(held[first], held[third])  # not reduced with another rank's experts
     one = FP8_FLAGS + moe.replace("--expert-model-parallel-size 2", "").split()

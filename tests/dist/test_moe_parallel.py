@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from core import parallel_state as ps
-from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
-from core.transformer.initialization import initialize_by_name
+from core.pipeline_parallel.auxiliary_loss import auxiliary_loss_scale_hook
+from core.transformer.initialization import initialize_by_name, unstacked
 from core.transformer.moe.groups import MoEGroups
 from core.transformer.moe.moe_layer import MoELayer
 from tests.support.configs import full_recompute
@@ -86,12 +86,12 @@ def _reference(config, groups: int) -> list[dict[str, torch.Tensor]]:
         hidden, upstream = _sequence(group)
         out = layer(hidden)
         out.backward(upstream)
-        results.append({"out": out.detach()} | {n: p.grad.clone() for n, p in layer.named_parameters()})
+        grads = {n: g.clone() for name, p in layer.named_parameters() for n, g in unstacked(name, p, p.grad)}
+        results.append({"out": out.detach()} | grads)
     return results
 
 
 def _run(rank, world_size, tp, ep, overrides):
-    set_auxiliary_loss_scale(1.0)
     ps.initialize_model_parallel()
     reference = _reference(moe_config(**COMMON, **overrides), world_size // tp)
     ps.destroy_model_parallel()
@@ -118,10 +118,10 @@ def _run(rank, world_size, tp, ep, overrides):
         "experts": 0.0,
     }
     errors["router"] = _relative(router_grad, reference[group]["router.weight"])
-    for name, param in layer.named_parameters():
-        if ".local_experts." in name:
+    for stacked, param in layer.experts.named_parameters(prefix="experts"):
+        for name, grad in unstacked(stacked, param, param.grad):  # each expert under its global name
             expected = sum(reference[g][name] for g in ep_groups)
-            errors["experts"] = max(errors["experts"], _relative(param.grad, expected))
+            errors["experts"] = max(errors["experts"], _relative(grad, expected))
     return errors, layer.local_expert_indices
 
 
@@ -187,8 +187,9 @@ def _owned_grads(chunks, what: str = "grad") -> dict[str, torch.Tensor]:
                 p.main_grad if what == "grad" and hasattr(p, "main_grad") else p.grad if what == "grad" else p
             )
             full = gather_full(p, tensor=source)  # a TP collective for TP-split weights
-            if first_expert if ".local_experts." in name else first_dense:
-                out[name] = full
+            for logical, piece in unstacked(name, p, full):  # an expert's under its global name
+                if first_expert if ".local_experts." in logical else first_dense:
+                    out[logical] = piece
     return out
 
 
@@ -263,12 +264,13 @@ def reference_step(config, batches) -> tuple[list[float], dict[str, torch.Tensor
     from models.gpt import GPTModel
 
     model = GPTModel(config, VOCAB, SEQ)
-    set_auxiliary_loss_scale(1.0 / len(batches))
+    auxiliary_loss_scale_hook([model])(1.0 / len(batches))
     losses = [(model(t, labels=lab) * m).sum() / m.sum() for t, lab, m in batches]
     torch.stack(losses).mean().backward()
-    set_auxiliary_loss_scale(1.0)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return [float(x.detach()) for x in losses], grads, {n: p.detach() for n, p in model.named_parameters()}
+    named = list(model.named_parameters())  # experts under their global names, as _owned_grads gives them
+    grads = {n: g.clone() for name, p in named for n, g in unstacked(name, p, p.grad)}
+    params = {n: t.detach() for name, p in named for n, t in unstacked(name, p)}
+    return [float(x.detach()) for x in losses], grads, params
 
 
 def _union(results, run: str, key: str | None) -> dict[str, torch.Tensor]:

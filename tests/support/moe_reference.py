@@ -83,5 +83,5 @@ def reference_moe(
 
 def expert_weights(layer, num_experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(fc1, fc2)`` weights of experts ``0..num_experts-1`` of an EP=1 ``MoELayer``."""
-    local = layer.experts.local_experts
-    return [(local[str(e)].linear_fc1.weight, local[str(e)].linear_fc2.weight) for e in range(num_experts)]
+    experts = layer.experts
+    return [(experts.linear_fc1.weight[e], experts.linear_fc2.weight[e]) for e in range(num_experts)]

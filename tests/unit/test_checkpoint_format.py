@@ -605,3 +605,42 @@ def test_signal_handler_records_sigterm_and_restores_the_old_handler():
         os.kill(os.getpid(), signal.SIGTERM)
         assert handler.signals_received() == [True]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stacked_expert_parameter_is_stored_and_its_optimizer_range_cut_per_expert():
+    """A rank holding experts 4..6 stacked stores three tensors under the experts' own names (views of
+    the parameter), and a distributed optimizer's range across them is cut at the experts' borders."""
+    from core.transformer.moe.experts import Experts
+    from tests.support.moe_reference import moe_config
+    from training.checkpoint.live import checkpoint_tensors, slice_ranges, unstacked_entries
+
+    fc1 = Experts(moe_config(num_moe_experts=8), first=4, count=3).linear_fc1.weight
+    name, size = "decoder.layers.1.mlp.experts.linear_fc1.weight", fc1[0].numel()
+    names = [f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight" for e in (4, 5, 6)]
+    tensors = checkpoint_tensors({name: fc1})
+    assert list(tensors) == names and tensors[names[1]].data_ptr() == fc1[1].data_ptr()
+    start, end = size // 2, 2 * size + 3
+    exp_avg = torch.arange(end - start, dtype=torch.float32)
+    entry = {"start": start, "end": end, "numel": 3 * size, "shape": list(fc1.shape), "exp_avg": exp_avg}
+    pieces = unstacked_entries(name, entry | {"step": torch.tensor(7.0)}, fc1)
+    assert [(n, e["start"], e["end"], e["shape"]) for n, e in pieces] == [
+        (names[0], size // 2, size, list(fc1.shape[1:])),
+        (names[1], 0, size, list(fc1.shape[1:])),
+        (names[2], 0, 3, list(fc1.shape[1:])),
+    ]
+    assert torch.equal(torch.cat([e["exp_avg"] for _, e in pieces]), exp_avg)
+    assert all(float(e["step"]) == 7.0 for _, e in pieces)
+    assert slice_ranges(name, fc1, start, end) == [
+        (names[0], size // 2, size, 0),
+        (names[1], 0, size, size - size // 2),
+        (names[2], 0, 3, 2 * size - size // 2),
+    ]
+
+
+def test_fp8_states_of_experts_saved_before_stacking_load_under_todays_names():
+    from training.checkpoint.load import fp8_state_name
+
+    old = "decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.fp8_state.amax_history"
+    assert fp8_state_name(old) == "decoder.layers.3.mlp.experts.linear_fc2.fp8_state.5.amax_history"
+    dense = "decoder.layers.3.self_attention.linear_qkv.fp8_state.scale"
+    assert fp8_state_name(dense) == dense

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.pipeline_parallel.auxiliary_loss import set_auxiliary_loss_scale
-from core.transformer.initialization import initialize_by_name
+from core.pipeline_parallel.auxiliary_loss import auxiliary_loss_scale_hook
+from core.transformer.initialization import initialize_by_name, logical_tensors, name_generator
 from core.transformer.moe.experts import Experts
 from core.transformer.moe.moe_layer import MoELayer
 from core.transformer.moe.moe_utils import drop_tokens_over_capacity, get_capacity, topk_routing
@@ -73,8 +73,7 @@ def test_balancing_and_z_losses_and_their_gradients_match_the_reference(kind):
     router = _router(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z_coeff)
     hidden = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(1))
     upstream = torch.randn(SEQ * BATCH, 4, generator=torch.Generator().manual_seed(2))
-    set_auxiliary_loss_scale(1.0)
-    probs, _ = router(hidden)
+    probs, _ = router(hidden)  # no schedule has set its scale: the losses' backward starts from 1
     (probs * upstream).sum().backward()  # the main loss; the attached losses join its backward
 
     weight = router.weight.detach().clone().requires_grad_(True)
@@ -98,19 +97,48 @@ def test_balancing_and_z_losses_and_their_gradients_match_the_reference(kind):
 def test_auxiliary_loss_gradient_takes_the_schedule_scale_and_nothing_in_evaluation():
     router = _router(moe_aux_loss_coeff=0.5)
     hidden = torch.randn(SEQ, BATCH, 16, generator=torch.Generator().manual_seed(3))
+    set_scale = auxiliary_loss_scale_hook([router])
     grads = []
     for scale in (1.0, 0.25):
         router.weight.grad = None
-        set_auxiliary_loss_scale(scale)
+        set_scale(scale)
         probs, _ = router(hidden)
         (probs * 0).sum().backward()  # only the balancing loss reaches the weight
         grads.append(router.weight.grad.clone())
-    set_auxiliary_loss_scale(1.0)
     torch.testing.assert_close(grads[1], grads[0] * 0.25)
     router.eval()
     router.metrics.clear()
     router(hidden)
     assert router.metrics == {}
+
+
+def test_two_models_in_one_process_keep_their_own_auxiliary_loss_scales():
+    """Each model's schedule hooks set only its own routers' scale: a step of one model (its scale set,
+    its forward and backward run) between the other's forward and backward changes nothing there."""
+    from core.pipeline_parallel.hooks import ScheduleHooks
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from models.gpt import GPTModel
+    from tests.support.pipeline_toy import run_schedule
+
+    config = moe_config(num_layers=1, moe_aux_loss_coeff=1.0, init_method_std=0.5)
+    tokens = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(8))
+    batches = [(tokens, tokens.roll(1, 1), torch.ones(2, SEQ))] * 2
+    first, second = GPTModel(config, 64, SEQ), GPTModel(config, 64, SEQ)  # the same weights (by name)
+    routers = [model.decoder.layers["0"].mlp.router for model in (first, second)]
+    hooks = [auxiliary_loss_scale_hook([model]) for model in (first, second)]
+    hidden = torch.randn(SEQ, 2, 16, generator=torch.Generator().manual_seed(3))
+    hooks[0](0.25)
+    probs, _ = routers[0](hidden)  # the first model's step is under way ...
+    scaled = ScheduleHooks(auxiliary_loss_scale=hooks[1])  # ... when the second runs a whole step
+    run_schedule(get_forward_backward_func(), second, batches, seq_length=SEQ, schedule_hooks=scaled)
+    assert routers[1].auxiliary_loss_scale.value == 0.5  # two microbatches: the scale the schedule computes
+    (probs * 0).sum().backward()  # only the balancing loss reaches the weight
+    alone = _router(moe_aux_loss_coeff=1.0, init_method_std=0.5)
+    alone.weight.data.copy_(routers[0].weight)
+    auxiliary_loss_scale_hook([alone])(0.25)
+    (alone(hidden)[0] * 0).sum().backward()
+    assert torch.equal(routers[0].weight.grad, alone.weight.grad)
+    assert routers[0].auxiliary_loss_scale.value == 0.25
 
 
 def test_capacity_keeps_each_experts_most_probable_tokens_or_pads_to_capacity():
@@ -150,7 +178,22 @@ def test_grouped_and_looped_experts_give_the_same_numbers(dtype):
     looped, grouped = _experts_output(False, dtype), _experts_output(True, dtype)
     assert torch.equal(looped[0], grouped[0]) and torch.equal(looped[1], grouped[1])  # bit-identical on CPU
     assert all(torch.equal(a, b) for a, b in zip(looped[2], grouped[2]))
-    assert looped[2][2].abs().sum() == 0 and looped[2][0].abs().sum() > 0  # expert 1 got no token
+    fc1 = looped[2][0]  # [4 experts, out, in]: one stacked gradient
+    assert fc1[1].abs().sum() == 0 and fc1[0].abs().sum() > 0  # expert 1 got no token
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_stacked_projections_run_as_modules_so_their_forward_pre_hooks_fire(grouped):
+    """The overlapped parameter all-gather (--overlap-param-gather) waits in a forward pre-hook of the
+    module that owns the parameters: the experts must call their projections, not read their weights."""
+    config = moe_config(moe_grouped_gemm=grouped)
+    experts = Experts(config, first=0, count=4)
+    initialize_by_name(experts, config)
+    called = []
+    for name in ("linear_fc1", "linear_fc2"):
+        getattr(experts, name).register_forward_pre_hook(lambda module, args, name=name: called.append(name))
+    experts(torch.randn(13, 16), [4, 0, 6, 3])
+    assert called == ["linear_fc1", "linear_fc2"]
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
@@ -180,14 +223,34 @@ def test_shared_expert_gate_scales_a_dense_mlp_by_a_sigmoid():
     expected = expected + torch.sigmoid(tokens @ shared.gate_weight.t()) * dense
     assert relative_error(layer(hidden).reshape(-1, 16), expected) < 1e-6
     names = {n for n, _ in layer.named_parameters()}
-    assert {
-        "shared_experts.gate_weight",
-        "experts.local_experts.3.linear_fc2.weight",
-        "router.weight",
-    } <= names
-    assert all(
-        getattr(p, "allreduce", True) is False for n, p in layer.named_parameters() if ".local_experts." in n
-    )
+    assert {"shared_experts.gate_weight", "experts.linear_fc2.weight", "router.weight"} <= names
+    assert all(getattr(p, "allreduce", True) is False for n, p in layer.experts.named_parameters())
+
+
+def test_experts_are_stacked_and_each_slice_keeps_its_per_expert_name_and_initialisation():
+    """One 3-D parameter per projection; slice ``i`` of the rank holding experts 2 and 3 (EP 2) is
+    named, and starts, exactly as expert ``2 + i`` of the rank holding all four (EP 1)."""
+    config = moe_config(add_bias_linear=True)
+    whole, half = Experts(config, first=0, count=4), Experts(config, first=2, count=2)
+    for experts in (whole, half):
+        initialize_by_name(experts, config)
+    shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
+    assert shapes == {
+        "linear_fc1.weight": (4, 32, 16),  # [W_gate; W_up] of 16 each, hidden 16
+        "linear_fc1.bias": (4, 32),
+        "linear_fc2.weight": (4, 16, 16),
+        "linear_fc2.bias": (4, 16),
+    }
+    logical = dict(logical_tensors(whole.named_parameters()))
+    assert list(logical)[:3] == [f"local_experts.{e}.linear_fc1.weight" for e in range(3)]
+    for name, piece in logical_tensors(half.named_parameters()):
+        assert torch.equal(piece, logical[name]), name
+    fc1 = whole.linear_fc1.weight
+    assert not torch.equal(fc1[0], fc1[1])  # each from its own name's generator
+    first = torch.empty(32, 16)
+    generator = name_generator(config.seed, "local_experts.0.linear_fc1.weight")
+    first.normal_(0.0, config.init_method_std, generator=generator)
+    assert torch.equal(fc1[0], first)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,7 +340,6 @@ def test_compiled_moe_layer_computes_the_eager_numbers_and_new_routings_compile_
     from core.transformer.compile import compile_stats
     from models.gpt import GPTModel
 
-    set_auxiliary_loss_scale(1.0)
     models = {}
     for compiled in (False, True):
         config = moe_config(

@@ -21,9 +21,11 @@ parallel split, and stored in *pieces* inside safetensors files:
   at another DP size, or without the distributed optimizer, needs nothing else.
 
 MoE experts are logical tensors under their global names too (``...mlp.experts.local_experts.5...``,
-their spec recording the expert index), never TP-split, and are written by the first rank of each
-expert's expert-data-parallel replicas into ``model_experts_pp{p}_ep{e}``: resharding expert
-parallelism, like pipeline parallelism, only moves whole tensors between files.
+their spec recording the expert index: in the model, slice 1 of the stacked parameter
+``...mlp.experts.linear_fc1.weight`` of the EP rank holding experts 4 to 7), never TP-split, and
+are written by the first rank of each expert's expert-data-parallel replicas into
+``model_experts_pp{p}_ep{e}``: resharding expert parallelism, like pipeline parallelism, only moves
+whole tensors between files.
 
 The manifest's ``files`` section is the index of pieces: ``{file: {"bytes": n, "checksum": h,
 "pieces": {tensor name: {"tp_rank": t, "flat": [s, e] (optional), "checksum": h}}}}``. Checksums

@@ -22,11 +22,17 @@ reader cuts from whatever pieces overlap them, after resharding over TP if the T
 :func:`read_optimizer_state` hands them over in ``param_state_by_name`` form. So a checkpoint
 loads at any DP (and TP/PP) size, with or without the distributed optimizer. The loss scaler's
 state (fp16) is saved in the manifest beside the parameter groups.
+
+A rank's MoE experts are one stacked parameter per projection; the checkpoint stores each slice
+under its expert's own name (:func:`checkpoint_tensors`), and their optimizer state too: a flat range
+of the stacked parameter is cut at the slices' borders (:func:`unstacked_entries`), and joined again
+on load (:func:`slice_ranges`), so experts reshard over EP by name as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +42,7 @@ from torch import nn
 
 from core import parallel_state as ps
 from core.parallel_state import ParallelGroups
+from core.transformer.initialization import logical_tensors, unstacked
 from training.checkpoint.format import (
     CheckpointError,
     TensorSpec,
@@ -48,11 +55,14 @@ __all__ = [
     "OptimizerTensors",
     "RankSplit",
     "check_spec",
+    "checkpoint_tensors",
     "is_sharded",
     "merge_param_groups",
     "model_parameters",
     "optimizer_tensors",
     "read_optimizer_state",
+    "slice_ranges",
+    "unstacked_entries",
     "unwrap",
 ]
 
@@ -150,7 +160,9 @@ def optimizer_tensors(
     Sharded, every data-parallel rank writes its own ranges, a TP-replicated parameter's on TP rank
     0 only; an MoE expert (never TP-split: other TP ranks hold other experts) on every rank holding a
     range of it. A scalar state goes once: from the rank whose range starts at element 0, on TP rank
-    0 unless it is an expert's.
+    0 unless it is an expert's. ``params`` are the model's parameters (:func:`model_parameters`);
+    ``specs`` are by checkpoint name, a stacked parameter's state going under each expert's
+    (:func:`unstacked_entries`).
     """
     state = optimizer.param_state_by_name(copy=False)
     out = OptimizerTensors({}, {}, {}, [], state.get("grad_scaler"))
@@ -159,34 +171,88 @@ def optimizer_tensors(
             raise CheckpointError(
                 f"the optimizer steps a parameter '{name}' that the model chunks do not hold"
             )
-        spec, start, end = specs[name], entry["start"], entry["end"]
-        whole_on_every_tp_rank = spec.partition is None and spec.expert is None
-        if owns is not None and not sharded:
-            if not owns(name):
-                continue
-        elif whole_on_every_tp_rank and tp_rank != 0:
+        for logical, piece in unstacked_entries(name, entry, params[name]):
+            _add_state(out, logical, piece, specs[logical], tp_rank=tp_rank, sharded=sharded, owns=owns)
+    out.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    return out
+
+
+def _add_state(
+    out: OptimizerTensors,
+    name: str,
+    entry: dict,
+    spec: TensorSpec,
+    *,
+    tp_rank: int,
+    sharded: bool,
+    owns: Callable[[str], object] | None,
+) -> None:
+    """What this rank writes of tensor ``name``'s state (its ``param_state_by_name`` entry), into ``out``."""
+    start, end = entry["start"], entry["end"]
+    whole_on_every_tp_rank = spec.partition is None and spec.expert is None
+    if owns is not None and not sharded:
+        if not owns(name):
+            return
+    elif whole_on_every_tp_rank and tp_rank != 0:
+        return
+    for key, value in entry.items():
+        if key in PARAM_STATE_FIELDS or not isinstance(value, torch.Tensor):
             continue
+        logical = optimizer_tensor_name(key, name)
+        if value.dim() == 0:  # replicated over TP and DP: written once
+            if start == 0 and (tp_rank == 0 or spec.expert is not None):
+                out.tensors[logical] = value
+                out.specs[logical] = TensorSpec((), value.dtype, None, spec.owner, spec.expert)
+            continue
+        if value.dim() != 1 or value.numel() != end - start:
+            raise CheckpointError(
+                f"optimizer state '{key}' of parameter '{name}' has shape {tuple(value.shape)}, neither "
+                f"one value per element of its range [{start}, {end}) nor a scalar: cannot say how it "
+                "is split"
+            )
+        out.specs[logical] = dataclasses.replace(spec, dtype=value.dtype)
+        if sharded:
+            out.tensors[logical], out.flat[logical] = value, (start, end)
+        else:
+            out.tensors[logical] = value.view(entry["shape"])
+
+
+def checkpoint_tensors(params: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint stores, by name: every parameter, a stacked one (MoE experts) as its
+    slices under each expert's own name (views: copying into one loads the parameter)."""
+    return dict(logical_tensors(params.items()))
+
+
+def slice_ranges(name: str, param: torch.Tensor, start: int, end: int) -> list[tuple[str, int, int, int]]:
+    """The checkpoint tensors that the flat range ``[start, end)`` of parameter ``name`` covers, each as
+    ``(its name, start and end in it, where it starts in [start, end))``: the parameter itself, or the
+    slices of a stacked one that the range meets."""
+    pieces = unstacked(name, param)
+    size = pieces[0][1].numel()
+    out = []
+    for i, (logical, _) in enumerate(pieces):
+        lo, hi = max(start, i * size), min(end, (i + 1) * size)
+        if lo < hi:
+            out.append((logical, lo - i * size, hi - i * size, lo - start))
+    return out
+
+
+def unstacked_entries(name: str, entry: dict, param: torch.Tensor) -> list[tuple[str, dict]]:
+    """A ``param_state_by_name`` entry by checkpoint tensor: itself, or one per expert of a stacked
+    parameter that its range meets (views; a per-parameter scalar such as ``step`` goes with each)."""
+    start, end = entry["start"], entry["end"]
+    ranges = slice_ranges(name, param, start, end)
+    if len(ranges) == 1 and ranges[0][0] == name:
+        return [(name, entry)]
+    shape, out = list(param.shape[1:]), []
+    for logical, lo, hi, offset in ranges:
+        piece: dict[str, Any] = {"start": lo, "end": hi, "numel": math.prod(shape), "shape": shape}
         for key, value in entry.items():
             if key in PARAM_STATE_FIELDS or not isinstance(value, torch.Tensor):
                 continue
-            logical = optimizer_tensor_name(key, name)
-            if value.dim() == 0:  # replicated over TP and DP: written once
-                if start == 0 and (tp_rank == 0 or spec.expert is not None):
-                    out.tensors[logical] = value
-                    out.specs[logical] = TensorSpec((), value.dtype, None, spec.owner, spec.expert)
-                continue
-            if value.dim() != 1 or value.numel() != end - start:
-                raise CheckpointError(
-                    f"optimizer state '{key}' of parameter '{name}' has shape {tuple(value.shape)}, neither "
-                    f"one value per element of its range [{start}, {end}) nor a scalar: cannot say how it "
-                    "is split"
-                )
-            out.specs[logical] = dataclasses.replace(spec, dtype=value.dtype)
-            if sharded:
-                out.tensors[logical], out.flat[logical] = value, (start, end)
-            else:
-                out.tensors[logical] = value.view(entry["shape"])
-    out.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+            per_element = value.dim() == 1 and value.numel() == end - start
+            piece[key] = value[offset : offset + hi - lo] if per_element else value
+        out.append((logical, piece))
     return out
 
 
@@ -231,9 +297,10 @@ def read_optimizer_state(
 ) -> dict:
     """This rank's optimizer state from the checkpoint, for ``optimizer.load_param_state_by_name``.
 
-    Each entry holds exactly the range the optimizer steps on this rank. A 16-bit parameter with no
-    saved master copy takes it from fp32 weights (an fp32 run's); otherwise it keeps the copy
-    ``reload_model_params`` made of the loaded weights.
+    Each entry holds exactly the range the optimizer steps on this rank (a stacked parameter's joined
+    from its experts' tensors). A 16-bit parameter with no saved master copy takes it from fp32
+    weights (an fp32 run's); otherwise it keeps the copy ``reload_model_params`` made of the loaded
+    weights.
     """
     saved = ckpt.manifest.get("optimizer")
     if saved is None:
@@ -250,29 +317,14 @@ def read_optimizer_state(
             raise CheckpointError(
                 f"the optimizer steps a parameter '{shard.name}' that the model chunks do not hold"
             )
-        param, full_shape = shard.model_param, ckpt.spec(name).shape
-
-        def read(logical: str, start: int = shard.start, end: int = shard.end) -> torch.Tensor:
-            return ckpt.read_flat_range(logical, p.tp_rank, p.tp, start, end)
-
+        param = shard.model_param
         entry: dict[str, Any] = {
             "start": shard.start,
             "end": shard.end,
             "numel": param.numel(),
             "shape": list(param.shape),
         }
-        for key in keys:
-            logical = optimizer_tensor_name(key, name)
-            if not ckpt.has_tensor(logical) or (key == "main_param" and param.dtype == torch.float32):
-                continue  # an fp32 parameter is its own master copy, loaded with the weights
-            per_element = ckpt.spec(logical).shape == full_shape
-            entry[key] = read(logical) if per_element else ckpt.read_shard(logical)
-        if (
-            "main_param" not in entry
-            and param.dtype != torch.float32
-            and ckpt.spec(name).dtype == torch.float32
-        ):
-            entry["main_param"] = read(name)  # an fp32 run's weights
+        entry.update(_saved_state(ckpt, keys, slice_ranges(name, param, shard.start, shard.end), param, p))
         entries[shard.name] = entry
     by_kind = {(g.get("wd_mult"), g.get("lr_mult")): g for g in saved.get("param_groups") or []}
     groups = [
@@ -280,3 +332,35 @@ def read_optimizer_state(
         for g in optimizer.param_groups
     ]
     return {"param_groups": groups, "params": entries, "grad_scaler": saved.get("grad_scaler")}
+
+
+def _saved_state(
+    ckpt: Checkpoint,
+    keys: list[str],
+    ranges: list[tuple[str, int, int, int]],
+    param: torch.Tensor,
+    p: RankSplit,
+) -> dict[str, torch.Tensor]:
+    """The saved state of one range of ``param``, which covers the checkpoint tensors ``ranges``
+    (:func:`slice_ranges`): per-element state joined over them, a scalar from the first."""
+
+    def read(key: str | None) -> torch.Tensor:
+        pieces = [
+            ckpt.read_flat_range(
+                name if key is None else optimizer_tensor_name(key, name), p.tp_rank, p.tp, lo, hi
+            )
+            for name, lo, hi, _ in ranges
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    first = ranges[0][0]
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        logical = optimizer_tensor_name(key, first)
+        if not ckpt.has_tensor(logical) or (key == "main_param" and param.dtype == torch.float32):
+            continue  # an fp32 parameter is its own master copy, loaded with the weights
+        per_element = ckpt.spec(logical).shape == ckpt.spec(first).shape
+        out[key] = read(key) if per_element else ckpt.read_shard(logical)
+    if "main_param" not in out and param.dtype != torch.float32 and ckpt.spec(first).dtype == torch.float32:
+        out["main_param"] = read(None)  # an fp32 run's weights
+    return out

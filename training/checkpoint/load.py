@@ -18,6 +18,7 @@ raised on every rank (:func:`~training.checkpoint.save.agree`) before any collec
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from training.checkpoint.format import CheckpointError, optimizer_tensor_name
 from training.checkpoint.live import (
     RankSplit,
     check_spec,
+    checkpoint_tensors,
     model_parameters,
     read_optimizer_state,
     unwrap,
@@ -221,8 +223,9 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p: RankSplit, loa
     module = unwrap(model_chunks[0])
     check_same_model(ckpt.manifest["model"]["config"], module.config.to_dict(), ckpt.path)
     params = model_parameters(model_chunks)
-    specs = specs_of_params(params.items(), p.tp, module.config.make_vocab_size_divisible_by)
-    for name, param in params.items():
+    tensors = checkpoint_tensors(params)  # a stacked expert parameter as views of its slices
+    specs = specs_of_params(tensors.items(), p.tp, module.config.make_vocab_size_divisible_by)
+    for name, param in tensors.items():
         check_spec(ckpt, name, specs[name])
         source = name  # an fp32 model loading a bf16 run takes the fp32 master copy when there is one
         master = optimizer_tensor_name("main_param", name)
@@ -254,5 +257,14 @@ def _saved_fp8_states(ckpt: Checkpoint, experts: bool) -> dict:
         for tp_rank in range(ckpt.parallel.tp if experts else 1):
             for dp_rank in range(ckpt.parallel.dp if experts else 1):
                 state = ckpt.read_rng_state(tp_rank, pp_rank, dp_rank) or {}
-                saved.update(state.get("fp8", {}))
+                saved.update({fp8_state_name(k): v for k, v in state.get("fp8", {}).items()})
     return saved
+
+
+_UNSTACKED_FP8 = re.compile(r"\.local_experts\.(\d+)\.(linear_fc[12])\.fp8_state\.")
+
+
+def fp8_state_name(saved: str) -> str:
+    """Today's name of a saved FP8 state: an expert's, saved before experts were stacked as
+    ``...experts.local_experts.{e}.linear_fc1.fp8_state.*``, is ``...experts.linear_fc1.fp8_state.{e}.*``."""
+    return _UNSTACKED_FP8.sub(r".\2.fp8_state.\1.", saved)

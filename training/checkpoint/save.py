@@ -39,6 +39,7 @@ from training.checkpoint.format import (
 from training.checkpoint.images import write_image
 from training.checkpoint.live import (
     RankSplit,
+    checkpoint_tensors,
     is_sharded,
     merge_param_groups,
     model_parameters,
@@ -115,8 +116,9 @@ def _ownership(specs: Mapping[str, TensorSpec], p: RankSplit) -> Callable[[str],
 def _tensor_files(
     params: Mapping[str, torch.Tensor], specs: dict[str, TensorSpec], p: RankSplit, optimizer
 ) -> tuple[dict[str, FileToWrite], Any, Any]:
-    """This rank's weight and optimizer files (``specs`` gains the optimizer state's), with the
-    optimizer's parameter groups and loss-scaler state."""
+    """This rank's weight and optimizer files (``specs``, by checkpoint tensor, gains the optimizer
+    state's), with the optimizer's parameter groups and loss-scaler state. ``params``: the model's
+    parameters, stored by :func:`checkpoint_tensors` (a stacked expert parameter slice by slice)."""
     t, q, d = p.tp_rank, p.pp_rank, p.dp_rank
     meta = {"format": FORMAT}
     files: dict[str, FileToWrite] = {}
@@ -126,7 +128,7 @@ def _tensor_files(
 
     owns = _ownership(specs, p)
     for name, tp_rank, keep in ((model_file(t, q), t, "dense"), (expert_file(q, p.ep_rank), 0, "expert")):
-        mine = {n: w.detach() for n, w in params.items() if owns(n) == keep}
+        mine = {n: w.detach() for n, w in checkpoint_tensors(params).items() if owns(n) == keep}
         if mine or (keep == "dense" and d == 0):  # replicated over DP (an expert over expert DP): one writer
             files[name] = FileToWrite(ordered(mine), tp_rank, meta)
     if optimizer is None:
@@ -170,7 +172,7 @@ def describe(
     module = unwrap(model_chunks[0])
     config = module.config
     params = model_parameters(model_chunks)
-    specs = specs_of_params(params.items(), p.tp, config.make_vocab_size_divisible_by)
+    specs = specs_of_params(checkpoint_tensors(params).items(), p.tp, config.make_vocab_size_divisible_by)
     files, param_groups, grad_scaler = _tensor_files(params, specs, p, optimizer)
     rng_tensors, skeleton = flatten_state(
         _with_fp8(get_rng_state() if rng_state is None else rng_state, model_chunks)

@@ -18,6 +18,7 @@ import torch
 
 from core.device import building_on
 from core.tensor_parallel import param_is_tensor_parallel
+from core.transformer.initialization import logical_tensors
 from models.gpt.gpt_model import OUTPUT_WEIGHT, WORD_EMBEDDINGS, GPTModel, expert_of, layout_owner
 from training.checkpoint.format import (
     CheckpointError,
@@ -85,7 +86,7 @@ def gpt_tensor_specs(
     )
     with building_on("meta"):
         model = GPTModel(single, vocab_size, max_sequence_length)
-    specs = specs_of_params(model.named_parameters(), 1, config.make_vocab_size_divisible_by)
+    specs = specs_of_params(logical_tensors(model.named_parameters()), 1, config.make_vocab_size_divisible_by)
     order = canonical_order(specs, lambda name: specs[name].owner)
     return {name: specs[name] for name in order}, tied_tensors(config.untie_embeddings_and_output_weights)
 

@@ -16,6 +16,9 @@ from torch import nn
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, fp8_states
 from core.transformer.transformer_config import TransformerConfig
 
+ROUTED_EXPERTS = "mlp.experts."
+"""Where a decoder layer's routed experts are (stacked: one linear layer per projection for all of them)."""
+
 
 def fp8_report(
     config: TransformerConfig, modules: Sequence[nn.Module], stage: int, tokens_per_microbatch: int
@@ -48,12 +51,12 @@ def fp8_report(
                 kept_out.append(f"layer {number} (--first-last-layers-bf16)")
                 continue
             in_fp8.append(number)
-            experts = sorted({why for n, why in module.fp8_kept_out.items() if ".local_experts." in n})
+            experts = sorted({why for n, why in module.fp8_kept_out.items() if n.startswith(ROUTED_EXPERTS)})
             kept_out += [f"layer {number} routed experts: {why}" for why in experts]
             kept_out += [
                 f"layer {number} {n}: {why}"
                 for n, why in module.fp8_kept_out.items()
-                if ".local_experts." not in n
+                if not n.startswith(ROUTED_EXPERTS)
             ]
     products = sum(1 for _ in fp8_states(modules))
     if in_fp8 or kept_out:

@@ -6,7 +6,8 @@ counts per expert are summed over the ranks sharing its sequences (tensor x cont
 every data-parallel (and expert-parallel) rank balances its own tokens, as in Megatron. The losses
 join the objective through :func:`~core.pipeline_parallel.auxiliary_loss.attach_auxiliary_loss`
 (the load-balancing loss on the probabilities, the z-loss on the logits), and only while training
-with autograd on.
+with autograd on; their backward starts from the router's ``auxiliary_loss_scale``, which the
+schedule sets each step through its hooks.
 
 For the log, each loss is also accumulated here, without its coefficient, per step
 (``metrics``: name -> sum over the step's microbatches), except during a recomputation in backward;
@@ -25,7 +26,7 @@ from torch.distributed import ProcessGroup
 
 from core.device import current_device
 from core.parallel_state import group_size
-from core.pipeline_parallel.auxiliary_loss import attach_auxiliary_loss
+from core.pipeline_parallel.auxiliary_loss import AuxiliaryLossScale, attach_auxiliary_loss
 from core.transformer.initialization import mark_init
 from core.transformer.moe.moe_utils import (
     drop_tokens_over_capacity,
@@ -49,7 +50,7 @@ class TopKRouter(nn.Module):
     The weight is replicated on every tensor-parallel rank; under sequence parallelism each sees
     its own tokens, so it is marked ``sequence_parallel`` and its gradient summed over TP.
     Stays eager under ``--compile`` (``keep_out_of_compile``): its balancing loss all-reduces over
-    TP x CP and takes a gradient scale that the schedule sets each step.
+    TP x CP and takes a gradient scale that the schedule sets each step (``auxiliary_loss_scale``).
     """
 
     keep_out_of_compile = True
@@ -73,6 +74,9 @@ class TopKRouter(nn.Module):
             )
             self.bias.sequence_parallel = config.sequence_parallel
             mark_init(self.bias, "zeros")
+        self.auxiliary_loss_scale = AuxiliaryLossScale()
+        """The gradient this router's losses start their backward from: the step's, set by the schedule
+        through ``ScheduleHooks.auxiliary_loss_scale``."""
         self.metrics: dict[str, torch.Tensor] = {}
         """Loss name -> its value (without coefficient) summed over this step's microbatches."""
 
@@ -132,7 +136,8 @@ class TopKRouter(nn.Module):
         )
         name = AUX_LOSS_NAMES[self.config.moe_router_load_balancing_type]
         self._record(name, loss / coeff)
-        return attach_auxiliary_loss(probs, self._per_token_scaled(loss, local_tokens * sequences))
+        scaled = self._per_token_scaled(loss, local_tokens * sequences)
+        return attach_auxiliary_loss(probs, scaled, self.auxiliary_loss_scale)
 
     def _apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         coeff = self.config.moe_z_loss_coeff
@@ -141,7 +146,8 @@ class TopKRouter(nn.Module):
         coeff = coeff / group_size(self.tp_cp_group)  # each rank's share of the mean over the sequence
         loss = z_loss(logits, coeff)
         self._record("z_loss", loss / coeff)
-        return attach_auxiliary_loss(logits, self._per_token_scaled(loss, logits.shape[0]))
+        scaled = self._per_token_scaled(loss, logits.shape[0])
+        return attach_auxiliary_loss(logits, scaled, self.auxiliary_loss_scale)
 
     def _per_token_scaled(self, loss: torch.Tensor, local_tokens: int) -> torch.Tensor:
         """With a per-token main loss every gradient is divided by the step's token count at the end;
