@@ -25,6 +25,7 @@ from typing import Any
 from core.problems import Problem
 from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel.rules import context_parallel_problems
+from core.transformer.cuda_graphs import cuda_graph_problems
 from core.transformer.moe.moe_config import parse_moe_layer_freq
 from core.transformer.moe.rules import moe_problems
 from core.transformer.rules import decoder_problems
@@ -272,6 +273,13 @@ def _apply_old_recompute_flags(args: argparse.Namespace) -> None:
         args.recompute_granularity, args.recompute_method, args.recompute_num_layers = settings
 
 
+def _check_cuda_graphs(args: argparse.Namespace) -> None:
+    """``--enable-cuda-graph`` is Megatron's older ``--cuda-graph-impl local``; the graphs' own rules."""
+    if args.enable_cuda_graph and args.cuda_graph_impl == "none":
+        args.cuda_graph_impl = "local"
+    _refuse_first(cuda_graph_problems(_as_config(args)))
+
+
 def _check_profile(args: argparse.Namespace) -> None:
     """``--profile``'s steps in order, its ranks in the run."""
     if args.profile:
@@ -327,6 +335,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
         "give at most one",
     )
     check_schedule(flags)
+    _check_cuda_graphs(flags)
     check_run_batches(flags, pp, flags.data_parallel_size)
     if flags.save_interval is None:
         flags.save_interval = flags.train_iters  # --save-interval defaults to the run's length
