@@ -190,10 +190,18 @@ class LayerGraphs:
             graphed = self._capture(key, inputs)
         if graphed is None:
             return self.eager(hidden, rotary, attention_mask)
+        self._pre_hooks(inputs)
         out = graphed(*inputs)
         # The graph's buffers belong to this microbatch until its backward has run.
         out.grad_fn.register_hook(lambda *_: pool.append(graphed))
         return out
+
+    def _pre_hooks(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """What the layer's modules run before their forward (the distributed optimizer's wait for its
+        parameter all-gather, ``--overlap-param-gather``): a replay runs no module, so it runs them here."""
+        for module in self.layer.modules():
+            for hook in module._forward_pre_hooks.values():
+                hook(module, inputs)
 
     def graphable(self, hidden: torch.Tensor, inference_context) -> bool:
         """Training with autograd on a CUDA tensor: evaluation and generation run the eager layer."""

@@ -129,6 +129,18 @@ LOCAL = "--cuda-graph-impl local --attention-dropout 0"
             "--cuda-graph-impl local does not work with --fp8-format: FP8 layers under graphs are not built yet",
         ),
         (
+            (
+                f"{LOCAL} --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                "--use-distributed-optimizer"
+            ),
+            2,
+            (
+                "--cuda-graph-impl local does not work with --data-parallel-sharding-strategy optim_grads_params: "
+                "a layer's parameters are freed after each use and gathered into new memory, and a graph reads "
+                "the addresses it captured"
+            ),
+        ),
+        (
             f"{LOCAL} --compile",
             1,
             "--cuda-graph-impl local does not work with --compile: compiled layers under graphs are not built yet",

@@ -278,6 +278,12 @@ def _check_cuda_graphs(args: argparse.Namespace) -> None:
     if args.enable_cuda_graph and args.cuda_graph_impl == "none":
         args.cuda_graph_impl = "local"
     _refuse_first(cuda_graph_problems(_as_config(args)))
+    _require(
+        args.cuda_graph_impl == "none" or args.data_parallel_sharding_strategy != "optim_grads_params",
+        "--cuda-graph-impl local does not work with --data-parallel-sharding-strategy optim_grads_params: "
+        "a layer's parameters are freed after each use and gathered into new memory, and a graph reads the "
+        "addresses it captured",
+    )
 
 
 def _check_profile(args: argparse.Namespace) -> None:
