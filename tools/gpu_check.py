@@ -8,8 +8,9 @@ the end of the check):
 
 1. Packages: what Trident imports that this machine lacks. A machine without internet gets them as
    wheels: ``--wheels DIR`` installs the missing ones from ``DIR`` first (``pip install --no-index``).
-2. ``pytest -m cuda tests/unit/test_cuda.py tests/unit/test_fp8.py`` at world size 1 on NCCL: CUDA-vs-CPU
-   parity (fp32 with TF32 off within 1e-5, bf16 within 1e-2), flash attention with GQA, 20 steps under
+2. ``pytest -m cuda tests/unit/test_cuda.py tests/unit/test_fp8.py tests/unit/test_cuda_graphs.py`` at
+   world size 1 on NCCL: CUDA graphs (equal losses with and without, re-capture, microbatches in
+   flight, the cap), CUDA-vs-CPU parity (fp32 with TF32 off within 1e-5, bf16 within 1e-2), flash attention with GQA, 20 steps under
    ``torch.cuda.set_sync_debug_mode("error")``, the distributed optimizer with overlap and the CUDA
    timeline, the peak device memory of a save and a load, and the GPU's FP8 products against the
    CPU's. Each test's result and its printed figures.
@@ -22,7 +23,11 @@ the end of the check):
 5. ``tools/bench/model.py --device cuda``: tokens/s and MFU of ``pretrain()`` (eager and ``--compile``)
    against the same model in a plain transformers loop, LLaMA ~1B at seq 4096 (one microbatch a step,
    then eight), GPT-2 124M at seq 1024, bf16. Each configuration is its own process; one that would
-   not finish before ``--deadline`` is skipped and says so.
+   not finish before ``--deadline`` is skipped and says so. GPT-2 124M runs a third phase with
+   ``--cuda-graph-impl local`` (``--cuda-graphs``, about 20 s more): its tokens/s against the
+   transformers + compile loop and against Trident eager, as ``graphs`` rows (on a CPU, ``--quick``:
+   the run's one line saying CUDA graphs need CUDA). ``tests/unit/test_cuda_graphs.py``'s CUDA tests
+   run in step 2.
 
 6. ``tools/bench/fp8.py``: one linear layer's FP8 products against bf16 (Llama-3 8B's FC1 and FC2, LLaMA
    ~1B's QKV), then bf16, FP8 tensorwise and FP8 delayed trained by ``pretrain()`` with ``--compile`` on
@@ -86,6 +91,9 @@ WHEELS = ["pytest", "pluggy", "iniconfig", "packaging", "xxhash"]
 """What ``--download-wheels`` fetches: the needed packages the GPU machine is known to lack."""
 
 QUICK_BENCH = ["--config", "tiny", "--dtype", "fp32", "--iters", "1", "--warmup", "1", "--no-compile"]
+GRAPHS_CONFIG = "gpt2-124m"
+"""The configuration bench runs a third time with ``--cuda-graph-impl local`` (``--cuda-graphs``): the
+host-bound one, where graphs should pay (issue 32), against the transformers + compile loop."""
 
 
 def missing_packages() -> tuple[list[str], list[str]]:
@@ -127,7 +135,7 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, WANDB_MODE="disabled")
 
 
-CUDA_TESTS = ["tests/unit/test_cuda.py", "tests/unit/test_fp8.py"]
+CUDA_TESTS = ["tests/unit/test_cuda.py", "tests/unit/test_fp8.py", "tests/unit/test_cuda_graphs.py"]
 
 
 def run_tests(device: str, limit: float, files: list[str] = CUDA_TESTS) -> list[dict]:
@@ -231,11 +239,24 @@ def run_bench(device: str, configs: list[str], quick: bool, deadline: float, sta
             continue
         command = ["tools/bench/model.py", "--device", device]
         command += QUICK_BENCH if quick else ["--config", config, "--dtype", "bf16"]
-        result, why = run_tool(command, left)
+        graphs = quick or config == GRAPHS_CONFIG
+        result, why = run_tool(command + ["--cuda-graphs"] * graphs, left)
         if result is None:
             rows.append(_failed("bench", "config", config, why))
             continue
         rows += [{"step": "bench", "result": "ok", **row} for row in result["rows"] if "contestant" in row]
+        if graphs:  # the graphs phase: replayed, or the run's one line saying it went on without them
+            rows.append({"step": "graphs", "config": config, "result": "ok", "detail": result["cuda_graphs"]})
+            rows += [
+                {
+                    "step": "graphs",
+                    "config": config,
+                    "result": "ok",
+                    "detail": f"{r['ratio']}: {r['value']:.3f}",
+                }
+                for r in result["rows"]
+                if "cuda-graph-impl" in r.get("ratio", "")
+            ]
     return rows
 
 
@@ -372,6 +393,8 @@ def print_table(env: dict, rows: list[dict]) -> None:
             f"{'bench':<6} {'config dtype phase contestant':<48}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
         )
     for r in rows:
+        if r["step"] == "graphs":
+            print(f"{'graphs':<6} {r['config']:<13} {r['detail']}")
         if r["step"] != "bench":
             continue
         if r["result"] != "ok":

@@ -7,11 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from core.device import current_device
 from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from core.tensor_parallel.fp8 import compile_fp8_casts
 from core.transformer.attention import Rotary
 from core.transformer.compile import compile_layer, mark_sequence_dynamic
+from core.transformer.cuda_graphs import graph_layers
 from core.transformer.inference_context import InferenceContext
 from core.transformer.norms import build_norm
 from core.transformer.recompute import checkpoint
@@ -51,6 +53,7 @@ class TransformerBlock(nn.Module):
                     split_backward=schedule_rule(config.pipeline_schedule).split_backward,
                     dynamic_sequence=self.dynamic_sequence,
                 )
+        self.cuda_graphs = graph_layers(self.layers.values(), config, current_device())
 
     def _segments(self) -> list[tuple[list[nn.Module], bool]]:
         """Consecutive layer runs and whether each is checkpointed as one unit (Megatron's full recompute).

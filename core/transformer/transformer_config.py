@@ -24,6 +24,7 @@ from core.model_parallel_config import ModelParallelConfig
 from core.problems import Problem, ProblemsError, problem
 from core.tensor_parallel.fp8_config import Fp8Config, fp8_problems
 from core.transformer.context_parallel.rules import context_parallel_problems
+from core.transformer.cuda_graphs import CudaGraphImpl, cuda_graph_problems
 from core.transformer.moe.moe_config import MoEConfig, parse_moe_layer_freq
 from core.transformer.moe.rules import moe_problems
 from core.transformer.rules import (  # noqa: F401 (the recompute vocabulary, public here as before)
@@ -50,6 +51,10 @@ RUNTIME_FIELDS = (
     "timers",
     "compile",
     "compile_backend",
+    "cuda_graph_impl",
+    "cuda_graph_scope",
+    "cuda_graph_warmup_steps",
+    "enable_cuda_graph",
 )
 """Hooks the training loop installs at run time, and how a run executes the model (compilation): not
 part of a model's description, never serialised (a tool rebuilding a checkpoint's model runs it eagerly)."""
@@ -170,6 +175,28 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
     """The ``torch.compile`` backend of ``--compile``: "inductor" (fused kernels), or "aot_eager" /
     "eager" (Dynamo and AOTAutograd without code generation: quick to start, for debugging)."""
 
+    cuda_graph_impl: CudaGraphImpl = flag("none", group="training")
+    """CUDA graphs (Megatron's flag): "local" captures each decoder layer's forward and backward per
+    input shape and replays them (``core.transformer.cuda_graphs``); "none" runs eagerly. On a CPU it
+    has no effect (the run says so once). Megatron's "transformer_engine" is refused, and
+    "full_iteration" is not built yet."""
+
+    cuda_graph_scope: list[str] = flag(default_factory=list, group="training")
+    """What a graph holds (Megatron's flag; its values "attn", "mlp", "moe", ... belong to Transformer
+    Engine's graphs, "full_iteration" to a whole-step graph not built yet). Empty: whole decoder layers,
+    the only scope "local" captures here."""
+
+    cuda_graph_warmup_steps: int = flag(3, group="training")
+    """Eager calls of each layer with an input shape before that shape is captured (Megatron's default
+    3 counts iterations; here a microbatch's forward is a call, so capture comes no later)."""
+
+    enable_cuda_graph: bool = flag(
+        False,
+        group="training",
+        help="Megatron's older spelling of --cuda-graph-impl local.",
+    )
+    """Megatron's older switch: True means ``cuda_graph_impl="local"``."""
+
     cross_entropy_loss_fusion: bool = flag(False, group="training")
     """Compute the loss from the output layer's logits in their own dtype, a slice of tokens at a time,
     never holding an fp32 copy of them, and write the gradient over them (Megatron's flag; see
@@ -216,6 +243,8 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
             self.ffn_hidden_size = 4 * self.hidden_size
         if isinstance(self.cp_comm_type, str):
             self.cp_comm_type = [self.cp_comm_type]
+        if self.enable_cuda_graph and self.cuda_graph_impl == "none":
+            self.cuda_graph_impl = "local"
         problems = self.problems()
         if problems:
             raise ProblemsError("TransformerConfig", problems)
@@ -232,7 +261,7 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
         if sizes:
             return sizes
         fp8 = [problem("{text}", text=text) for text in fp8_problems(self)]  # already worded with flags
-        subsystems = context_parallel_problems(self) + moe_problems(self) + fp8
+        subsystems = context_parallel_problems(self) + moe_problems(self) + fp8 + cuda_graph_problems(self)
         return self._choice_problems() + decoder_problems(self) + subsystems
 
     def _choice_problems(self) -> list[Problem]:

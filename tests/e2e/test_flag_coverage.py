@@ -193,7 +193,7 @@ def test_rejected_flags_raise_one_line_saying_why(argv, message):
 
 
 def test_a_not_yet_flag_says_yet_and_why(monkeypatch):
-    """No Megatron flag is "not supported yet" today; the path stays tested with an entry made here."""
+    """The "not supported yet" path, tested with entries made here (--cuda-graph-impl full_iteration is one)."""
     monkeypatch.setitem(COVERAGE, "--rotary-base", not_yet("a test entry"))
     monkeypatch.setitem(COVERAGE, "--openai-gelu", not_yet("a test entry"))
     with pytest.raises(ValueError) as err:

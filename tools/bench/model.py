@@ -7,7 +7,9 @@ device has the kernel, ``foreach`` elsewhere, as Trident's optimizer), bf16 by a
 It runs eagerly and under ``torch.compile`` (the loss inside the compiled function); the two share one
 model and optimizer and take turns, so only the eager loop's first loss equals Trident's (a check that
 the architectures are the same). Trident runs ``pretrain()`` with
-``--cross-entropy-loss-fusion --gradient-accumulation-fusion``, eagerly, then again with ``--compile``.
+``--cross-entropy-loss-fusion --gradient-accumulation-fusion``, eagerly, then again with ``--compile``,
+and with ``--cuda-graphs`` a third time with ``--cuda-graph-impl local`` (eager layers replayed from
+CUDA graphs; on a CPU that run goes on without graphs, and the table's last line says so).
 
 The contestants take turns: after each ``pretrain()`` iteration, its ``iteration_hook`` runs one step
 of each plain loop on the microbatch Trident just trained on. The first ``--warmup`` iterations
@@ -32,6 +34,7 @@ loop's (``tools/op_profile.py``): where the eager layers differ, named op by op.
     python tools/bench/model.py --layers 4 --iters 6              # a quicker CPU run
     python tools/bench/model.py --no-compile --profile            # eager only, with the op-by-op profile
     python tools/bench/model.py --device cuda                     # GPU: GPT-2 124M seq 1024, LLaMA ~1B seq 4096, bf16
+    python tools/bench/model.py --device cuda --config gpt2-124m --cuda-graphs   # and with CUDA graphs
 
 Configurations (``--config``): ``gpt2-small`` (12 x 768, 12 heads, vocabulary 50304, seq 512, one
 microbatch of 1, the CPU default), ``gpt2-124m`` (the same at seq 1024, microbatch 8) and ``llama-1b``
@@ -65,6 +68,7 @@ from models.gpt.hf_mapping import hf_architecture, hf_config_kwargs, to_hf
 from tools.bench.args import llama_flags
 from tools.op_profile import StepProbe, measure, print_comparison
 from training.reporting.throughput import num_floating_point_operations, peak_tflops
+from training.setup import cuda_graphs_off_line
 from training.training import pretrain
 
 CONFIGS = {
@@ -107,11 +111,13 @@ CONFIGS = {
         "mbs": 1,
     },
 }
+PHASE_FLAGS = {"eager": "", "compile": " --compile", "graphs": " --cuda-graph-impl local"}
+"""What each phase adds to Trident's command line, as its contestant's label says."""
 CONFIGS["llama-1b-ga8"] = dict(CONFIGS["llama-1b"], microbatches=8)
 """LLaMA ~1B with 8 microbatches a step: the optimizer's share of a step as in a real global batch."""
 
 
-def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, compiled: bool) -> list[str]:
+def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, phase: str) -> list[str]:
     """``pretrain()``'s command line: the model, mock data of the whole vocabulary, one microbatch a step."""
     flags = (
         f"--num-layers {spec['layers']} --hidden-size {spec['hidden']} --num-attention-heads {spec['heads']} "
@@ -128,8 +134,10 @@ def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, compiled: bo
         flags += ["--openai-gelu"]
     if dtype == "bf16":
         flags += ["--bf16"]
-    if compiled:
+    if phase == "compile":
         flags += ["--compile", "--compile-backend", args.backend]
+    if phase == "graphs":  # eager layers, each replayed from CUDA graphs from its second call on
+        flags += ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "1"]
     return flags
 
 
@@ -205,8 +213,9 @@ class Clock:
         return time.process_time()
 
 
-def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch.device) -> dict:
-    """One ``pretrain()`` (eager or ``--compile``) with the plain loops taking turns after each iteration."""
+def run_phase(spec, args, dtype: str, phase: str, plain: dict, device: torch.device) -> dict:
+    """One ``pretrain()`` (``phase``: "eager", "compile" or "graphs") with the plain loops taking turns
+    after each iteration."""
     clock = Clock(device)
     captured: dict = {}
     times: dict[str, list[float]] = {"trident": []}
@@ -261,7 +270,7 @@ def run_phase(spec, args, dtype: str, compiled: bool, plain: dict, device: torch
             captured["memory"] = StepProbe(device, args.profile)
         last[:] = [clock()]
 
-    flags = trident_flags(spec, args, dtype, compiled)
+    flags = trident_flags(spec, args, dtype, phase)
     state = pretrain(
         pretrain_gpt.train_valid_test_datasets_provider,
         model_provider,
@@ -325,7 +334,7 @@ def summarise(spec, args, dtype: str, phases: dict, device: torch.device) -> lis
         for name, series in phase["times"].items():
             if name.endswith(" peak"):
                 continue
-            label = f"trident{' --compile' if phase_name == 'compile' else ''}" if name == "trident" else name
+            label = f"trident{PHASE_FLAGS[phase_name]}" if name == "trident" else name
             seconds = statistics.median(series[args.warmup :])
             row = {
                 "contestant": label,
@@ -360,6 +369,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of both sides")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
     parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="one more phase: Trident with --cuda-graph-impl local (on a CPU it runs without graphs, and says so)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", action="store_true", help="print the operators of one step, Trident against transformers"
     )
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
@@ -381,9 +394,11 @@ def main(argv: list[str] | None = None) -> dict:
             spec["layers"] = args.layers
         for dtype in dtypes:
             plain: dict = {}
-            phases = {"eager": run_phase(spec, args, dtype, False, plain, device)}
+            phases = {"eager": run_phase(spec, args, dtype, "eager", plain, device)}
             if not args.no_compile:
-                phases["compile"] = run_phase(spec, args, dtype, True, plain, device)
+                phases["compile"] = run_phase(spec, args, dtype, "compile", plain, device)
+            if args.cuda_graphs:
+                phases["graphs"] = run_phase(spec, args, dtype, "graphs", plain, device)
             rows += [
                 dict(r, config=name, layers=spec["layers"], microbatches=spec["microbatches"])
                 for r in summarise(spec, args, dtype, phases, device)
@@ -398,6 +413,13 @@ def main(argv: list[str] | None = None) -> dict:
         "load": [load, os.getloadavg()[0]],
         "rows": rows,
     }
+    if args.cuda_graphs:  # what the graphs phase was: replayed graphs, or the run's one line without them
+        result["cuda_graphs"] = (
+            "captured and replayed"
+            if device.type == "cuda"
+            else cuda_graphs_off_line("local", device.type, "gloo")
+        )
+        print(result["cuda_graphs"])
     print(json.dumps(result))
     return result
 
@@ -439,6 +461,26 @@ def ratios(phases: dict, args, dtype: str, name: str) -> list[dict]:
                 / (median("compile", "trident") / median("compile", "transformers")),
             },
         ]
+    if "graphs" in phases:
+        best = (
+            "transformers+compile" if "transformers+compile" in phases["graphs"]["times"] else "transformers"
+        )
+        out += [
+            {
+                "config": name,
+                "dtype": dtype,
+                "ratio": f"trident --cuda-graph-impl local / {best} (tokens/s)",
+                "value": median("graphs", best) / median("graphs", "trident"),
+            },
+            {
+                "config": name,
+                "dtype": dtype,
+                "ratio": "trident --cuda-graph-impl local / trident eager, each against transformers eager in "
+                "its phase",
+                "value": (median("eager", "trident") / median("eager", "transformers"))
+                / (median("graphs", "trident") / median("graphs", "transformers")),
+            },
+        ]
     return out
 
 
@@ -462,7 +504,7 @@ def print_table(rows: list[dict], args, device: torch.device, load: float) -> No
         "FLOPs: megatron = training/reporting/throughput.py (matmuls x3, causal attention halved); "
         "torchtitan = 6 N + 12 L H Q T per token (N without the input embedding)"
     )
-    head = f"{'config':<13}{'mb':>3}{'layers':>7}{'dtype':>6} {'phase':<8}{'contestant':<22}{'step ms':>9}{'tokens/s':>10}"
+    head = f"{'config':<13}{'mb':>3}{'layers':>7}{'dtype':>6} {'phase':<8}{'contestant':<32}{'step ms':>9}{'tokens/s':>10}"
     head += f"{'TF/s mg':>9}{'TF/s tt':>9}{'MFU mg':>8}{'MFU tt':>8}{'peak MiB':>10}{'loss 1':>8}"
     print(head)
     for r in rows:
@@ -471,7 +513,7 @@ def print_table(rows: list[dict], args, device: torch.device, load: float) -> No
         mfu = [f"{r[k]:.1%}" if r[k] is not None else "n/a" for k in ("mfu_megatron", "mfu_torchtitan")]
         print(
             f"{r['config']:<13}{r['microbatches']:>3}{r['layers']:>7}{r['dtype']:>6} {r['phase']:<8}"
-            f"{r['contestant']:<22}{r['step_ms']:>9.0f}"
+            f"{r['contestant']:<32}{r['step_ms']:>9.0f}"
             f"{r['tokens_per_s']:>10.0f}{r['tflops_megatron']:>9.3f}{r['tflops_torchtitan']:>9.3f}"
             f"{mfu[0]:>8}{mfu[1]:>8}{r['peak_step_mib']:>10.0f}{r['first_loss']:>8.3f}"
         )

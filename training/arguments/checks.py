@@ -25,6 +25,7 @@ from typing import Any
 from core.problems import Problem
 from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel.rules import context_parallel_problems
+from core.transformer.cuda_graphs import cuda_graph_problems
 from core.transformer.moe.moe_config import parse_moe_layer_freq
 from core.transformer.moe.rules import moe_problems
 from core.transformer.rules import decoder_problems
@@ -296,6 +297,19 @@ def _check_validation(args: argparse.Namespace) -> None:
         )
 
 
+def _check_cuda_graphs(args: argparse.Namespace) -> None:
+    """``--enable-cuda-graph`` is Megatron's older ``--cuda-graph-impl local``; the graphs' own rules."""
+    if args.enable_cuda_graph and args.cuda_graph_impl == "none":
+        args.cuda_graph_impl = "local"
+    _refuse_first(cuda_graph_problems(_as_config(args)))
+    _require(
+        args.cuda_graph_impl == "none" or args.data_parallel_sharding_strategy != "optim_grads_params",
+        "--cuda-graph-impl local does not work with --data-parallel-sharding-strategy optim_grads_params: "
+        "a layer's parameters are freed after each use and gathered into new memory, and a graph reads the "
+        "addresses it captured",
+    )
+
+
 def _check_profile(args: argparse.Namespace) -> None:
     """``--profile``'s steps in order, its ranks in the run."""
     if args.profile:
@@ -351,6 +365,7 @@ def derive_args(args: argparse.Namespace, world_size: int | None = None) -> dict
         "give at most one",
     )
     check_schedule(flags)
+    _check_cuda_graphs(flags)
     check_run_batches(flags, pp, flags.data_parallel_size)
     if flags.save_interval is None:
         flags.save_interval = flags.train_iters  # --save-interval defaults to the run's length

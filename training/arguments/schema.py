@@ -421,6 +421,14 @@ COVERAGE: dict[str, Coverage] = {
         ("--ckpt-format zarr", "--ckpt-format torch_dcp"),
         unsupported(_ONE_FORMAT),
     ),
+    "--cuda-graph-impl transformer_engine": unsupported(
+        "Trident uses no Transformer Engine: use --cuda-graph-impl local (each decoder layer's forward and "
+        "backward captured per input shape)"
+    ),
+    "--cuda-graph-impl full_iteration": not_yet(
+        "the whole forward-backward in one CUDA graph is not built; --cuda-graph-impl local captures each "
+        "decoder layer"
+    ),
     "--use-torch-fsdp2": unsupported(_FSDP_INSTEAD),
     "--torch-fsdp2-reshard-after-forward": unsupported(_FSDP_INSTEAD),
     "--megatron-fsdp-version": unsupported("Trident's Megatron-FSDP has one version; " + _FSDP_INSTEAD),
