@@ -20,6 +20,7 @@ as the verdict says.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -183,6 +184,10 @@ class _Loop:
         self.timeline = Timeline.for_run(run)
         self.stragglers = StragglerDetector.for_run(run)
         self.validator = ResultValidator.for_run(run, session)
+        # train_step(record, learning_rates): the step itself, or through result validation when it is on
+        self.train_step = (
+            functools.partial(train_step, run, session) if self.validator is None else self._validated_step
+        )
         session.state.progress = Progress(
             session.state,
             run.training.train_iters,
@@ -216,11 +221,9 @@ class _Loop:
         if self.stragglers is not None:
             self.stragglers.add(record)
 
-    def train_step(self, record, learning_rates) -> Step:
-        """One step, checked by result validation when it is on (twice with ``report_stats``)."""
+    def _validated_step(self, record, learning_rates) -> Step:
+        """One step, checked by result validation (twice with ``report_stats``)."""
         validator, run, session = self.validator, self.run, self.session
-        if validator is None:
-            return train_step(run, session, record, learning_rates)
         validator.before_step(session.state.iteration + 1)
         if validator.mode == "report_stats":
             run_once = lambda: train_step(run, session, record, learning_rates, validator)
