@@ -277,7 +277,8 @@ def _create_groups(
     """Create every group of ``layout`` (every rank creates all, in one order); this rank's and their members."""
     names = GROUP_NAMES + EXPERT_GROUP_NAMES + INSTANCE_GROUP_NAMES
     mine: dict[str, ProcessGroup | None] = dict.fromkeys(names)
-    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(names, ())
+    # Instance groups exist only with N > 1 distributed-optimizer instances: no entry otherwise.
+    ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
     for name in names:
         for members in layout.get(name, ()):
             group = dist.new_group(ranks=members, timeout=timeout)

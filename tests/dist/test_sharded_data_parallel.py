@@ -437,7 +437,10 @@ def _hsdp_case(rank, world_size, tp: int, steps: int):
     return members, out
 
 
-@pytest.mark.parametrize(("world", "tp"), [(4, 1), (8, 2)], ids=["DP4 N=2", "DP4xTP2 N=2"])
+@pytest.mark.parametrize(
+    ("world", "tp"),
+    [pytest.param(4, 1, id="DP4 N=2"), pytest.param(8, 2, id="DP4xTP2 N=2", marks=pytest.mark.slow)],
+)
 def test_hsdp_trains_the_weights_no_shard_trains(ranks, world, tp):
     """DP4 in two instances of two ranks: buckets sharded over the instance's two ranks, the reduced
     shards all-reduced over the two instances (or, outer optim, reduce-scattered, each instance stepping

@@ -25,14 +25,20 @@ def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode():
     result = json.loads(last)
     assert result["ok"] and result["gpu_check"]["device"] == "cpu"
     tests = {r["name"]: r["result"] for r in result["rows"] if r["step"] == "tests"}
-    assert len(tests) == 12 and tests.pop("(all)") == "exit 0"  # test_cuda.py's 7, test_fp8.py's 4
+    # test_cuda.py's 7, test_fp8.py's 4, test_cuda_graphs.py's 6
+    assert len(tests) == 18 and tests.pop("(all)") == "exit 0"
     assert set(tests.values()) == {"skipped"}  # no GPU here: every cuda test collected, none run
     fp8 = [r for r in result["rows"] if r["step"] == "fp8"]
     assert {r["contestant"] for r in fp8} == {"bf16", "fp8 tensorwise", "fp8 delayed"}
     assert all(r["result"] == "ok" for r in fp8)
     bench = [r for r in result["rows"] if r["step"] == "bench"]
-    assert {r["contestant"] for r in bench} == {"trident", "transformers"}
+    assert {r["contestant"] for r in bench} == {"trident", "transformers", "trident --cuda-graph-impl local"}
     assert all(r["tokens_per_s"] > 0 for r in bench)
+    graphs = [r["detail"] for r in result["rows"] if r["step"] == "graphs"]
+    assert graphs[0] == (
+        "--cuda-graph-impl local: CUDA graphs need CUDA; this run computes on the CPU (gloo) and goes on "
+        "without them"
+    )
     assert table[0].startswith("gpu_check on cpu") and any(
         line.startswith("bench  tiny fp32 eager trident") for line in table
     )

@@ -112,6 +112,7 @@ def _pp2_flags(tmp_path, *extra: str) -> list[str]:
     return [*TINY, "--data-path", str(data), "--pipeline-model-parallel-size", "2", *extra]
 
 
+@pytest.mark.slow
 def test_a_nan_gradient_is_a_skipped_step_or_with_the_check_one_line(tmp_path):
     """Rank 1 (the last stage) gets a NaN gradient at its first forward output in iteration 2: the
     loss stays finite, the gradient norm is NaN, the step is skipped (or, checked, one line)."""
@@ -159,10 +160,11 @@ def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous_checkpoint
     code, output = run(2, flags, env=job_env(TRIDENT_FAULT="write@save:4:rank=1"))
     errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
     expected = (
-        f"pretrain_gpt.py: error: saving checkpoint {save}/iter_0000004 failed: OSError: [Errno 28] injected "
-        "fault (TRIDENT_FAULT): write at save of iteration 4 on rank 1, after writing model_tp0_pp1.safetensors"
-    )
-    assert code == 1 and errors == [expected], output[-3000:]
+        f"saving checkpoint {save}/iter_0000004 failed: OSError: [Errno 28] injected fault (TRIDENT_FAULT): "
+        "write at save of iteration 4 on rank 1, after writing model_tp0_pp1.safetensors"
+    )  # printed by whichever rank reports first: rank 1 itself, or another naming it
+    reporters = ("pretrain_gpt.py: error: ", "pretrain_gpt.py: error: rank 1: ")
+    assert code == 1 and errors in [[who + expected] for who in reporters], output[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (save / "iter_0000002" / "manifest.json").is_file()
     assert not (save / "iter_0000004" / "manifest.json").exists()

@@ -99,8 +99,10 @@ CORRECT = (
 
 @pytest.mark.parametrize(
     ("kind", "verdict"),
-    [("persistent_error", PERSISTENT), ("correct_result", CORRECT)],
-    ids=["persistent", "correct"],
+    [
+        pytest.param("persistent_error", PERSISTENT, id="persistent"),
+        pytest.param("correct_result", CORRECT, id="correct", marks=pytest.mark.slow),
+    ],
 )
 def test_a_reproduced_result_exits_16_and_its_resumed_rerun_tells_a_persistent_fault_from_a_correct_result(
     flags, unvalidated, tmp_path, kind, verdict
@@ -135,6 +137,7 @@ def test_a_reproduced_result_exits_16_and_its_resumed_rerun_tells_a_persistent_f
     assert _ended(output, 17) == f"{HEAD.format(loss=loss)} on the first run's devices; {verdict} (exit 17)"
 
 
+@pytest.mark.slow
 def test_a_nan_in_one_forward_under_torchrun_restarts_is_a_transient_fault_and_the_run_trains_on(
     flags, unvalidated, tmp_path
 ):
@@ -156,6 +159,7 @@ def test_a_nan_in_one_forward_under_torchrun_restarts_is_a_transient_fault_and_t
     assert _files(ckpt, 8) == _files(unvalidated[0], 8)
 
 
+@pytest.mark.slow
 def test_a_clean_run_validated_or_reporting_reproducibility_ends_as_the_unvalidated_run(
     flags, unvalidated, tmp_path
 ):
