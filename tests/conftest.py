@@ -46,3 +46,12 @@ def tokenizer_files(tmp_path_factory):
     from tests.support.hf import write_tokenizer_files  # imported by the tests that use it only
 
     return write_tokenizer_files(tmp_path_factory.mktemp("tokenizers"))
+
+
+@pytest.fixture
+def no_tf32():
+    """fp32 matmuls and convolutions in full fp32 on a GPU (TF32 rounds the mantissa to 10 bits)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -40,15 +40,6 @@ LLAMA = (
 )
 
 
-@pytest.fixture
-def no_tf32():
-    """fp32 matmuls and convolutions in full fp32 (TF32 rounds the mantissa to 10 bits)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def _pretrain(flags: str, hook=None):
     """``pretrain()`` in this process; ``--distributed-backend gloo`` keeps it on the CPU."""
     return pretrain_gpt_in_process(argv=f"{TINY} {flags}".split(), iteration_hook=hook)

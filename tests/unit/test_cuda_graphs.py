@@ -190,14 +190,6 @@ def test_on_a_cpu_one_line_says_graphs_need_cuda_and_the_losses_are_unchanged(ca
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("flags", ["", "--gradient-accumulation-fusion", "--use-distributed-optimizer"])
 def test_graphed_layers_train_to_the_same_losses(flags, no_tf32):
