@@ -11,7 +11,8 @@ parameter, then the updated shards are all-gathered into the model's parameter b
    (one all-reduce of a few floats over the layer's amax group, TP x DP x CP, whose ranks all hold the
    same layers), so every rank scales with the whole weight's amax; each rank casts its own shard into
    the weight's buffer;
-3. the buffers are all-gathered as bytes: half of bf16's traffic.
+3. the buffers are all-gathered as bytes: half of bf16's traffic. (Under ZeRO-3 the persistent shard
+   is FP8 and each layer gathers its bytes before it runs.)
 
 The layer's forward multiplies the held weight with its scale as it is (:meth:`Fp8State.weight_fp8`);
 its weight gradient goes straight into ``main_grad`` (autograd never holds a gradient of an FP8 tensor).
