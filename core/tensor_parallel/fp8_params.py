@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from core.tensor_parallel.fp8 import E4M3, FP8_MAX, _scale_from_amax, amax_of, quantize
+from core.tensor_parallel.fp8 import E4M3, FP8_MAX, Fp8State, _scale_from_amax, amax_of, quantize
 
 
 @dataclass(eq=False)
@@ -80,8 +80,8 @@ def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
     held: list[tuple[str, nn.Parameter, ProcessGroup | None]] = []
     for module in modules:
         for name, child in module.named_modules():
-            state = getattr(child, "fp8_state", None)
-            if state is None or state.expert or held_weight(child.weight) is not None:
+            state = getattr(child, "fp8_state", None)  # routed experts: a dict of states, kept 16-bit
+            if not isinstance(state, Fp8State) or state.expert or held_weight(child.weight) is not None:
                 continue
             group = state.amax_group if state.amax_group is not None else state.tp_group
             held.append((f"{name}.weight" if name else "weight", child.weight, group))

@@ -30,7 +30,7 @@ from core.tensor_parallel.fp8_params import (
 from core.transformer.transformer_config import TransformerConfig
 from planner.dry_run import dry_run
 from tests.support.fp8_run import TINY
-from tests.support.pretrain_run import pretrain_gpt_in_process
+from tests.support.pretrain_run import pretrain_gpt_in_process, pretrain_keeping_models
 from tests.unit.test_fp8 import sqnr
 
 INIT = functools.partial(nn.init.normal_, std=0.02)
@@ -162,3 +162,15 @@ def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two():
     # one byte saved per element, less the held weights' scales and their buffer's padding
     assert held_elements - 256 <= cast.params - held.params <= held_elements
     assert cast.grads == held.grads
+
+
+def test_routed_experts_keep_16_bit_weights_and_the_start_report_says_so():
+    flags = f"{TINY} --train-iters 1 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
+    _, built, out = pretrain_keeping_models(f"{flags} --fp8-param-gather".split())
+    dtypes = {n: p.dtype for m in built for n, p in m.named_parameters() if n.endswith("weight")}
+    assert dtypes["decoder.layers.0.self_attention.linear_qkv.weight"] == E4M3
+    assert dtypes["decoder.layers.0.mlp.experts.linear_fc1.weight"] == torch.bfloat16
+    assert (
+        "FP8 on pipeline stage 0: 4 weights held in FP8 (--fp8-param-gather); 16 routed-expert linear layers "
+        "keep their weights in the model's dtype\n"
+    ) in out
