@@ -62,9 +62,10 @@ class Mailbox:
         message = input_message(action, self.pp_rank, self.placement)
         if message is None:
             return None
-        tensor, work = self.inbox.pop(message)
+        tensor, work = self.inbox[message]
         if work is not None:
             self._wait(work, (message, "data"))
+        del self.inbox[message]  # once it is in: until then a post-mortem sees the wait (position.py)
         return tensor
 
     def output_of(self, action: Action, tensor: torch.Tensor | None) -> None:
