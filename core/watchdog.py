@@ -162,7 +162,9 @@ def summarize_waits(beats: dict[int, Heartbeat], silent: list[int] | tuple[int, 
             verb = "waits" if len(waiters) == 1 else "wait"
             parts.append(f"{_ranks(waiters)} {verb} on rank {end[0]}'s {_awaited(waiters, end[0], beats)}")
         else:
-            each = ", ".join(f"{r} on rank {edges[r][0]}'s {_awaited([r], edges[r][0], beats)}" for r in end)
+            each = ", ".join(
+                f"rank {r} on rank {edges[r][0]}'s {_awaited([r], edges[r][0], beats)}" for r in end
+            )
             parts.append(f"{_ranks(waiters)} wait on each other in a circle ({each})")
     if not parts:
         return "no rank waits for a pipeline message (each rank's flight recorder lists its collectives)"

@@ -5,20 +5,20 @@ of one attribute store per action (``index``); everything else is derived when a
 thread: the watchdog's heartbeat, which names the action and the message a rank waits in, and the
 dump a rank writes when a job hangs (:meth:`SchedulePosition.as_dict`).
 
-A compute action whose input comes from another rank waits for it until the mailbox hands the input
-over (which it does once the receive has completed, or never, when the wait fails); from then on the
-action computes and waits for nobody. So a rank stuck in its own forward
-(a hang inside the model) waits for no message, and the ranks behind it wait for its output: the
-chains of waits end at the rank that holds everyone up (:func:`core.watchdog.summarize_waits`).
+The message waited for is the one whose receive the mailbox waits on (``Mailbox.waiting``, two
+attribute stores per wait; it stays set when the wait fails). Once its input is in, an action
+computes and waits for nobody: so a rank stuck in its own forward (a hang inside the model) waits
+for no message, and the ranks behind it wait for its output: the chains of waits end at the rank
+that holds everyone up (:func:`core.watchdog.summarize_waits`).
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from core.pipeline_parallel.actions import RECEIVES, Action, ActionKind, B, F, I
+from core.pipeline_parallel.actions import Action, ActionKind
 from core.pipeline_parallel.mailbox import Mailbox
-from core.pipeline_parallel.messages import ACTIVATION, input_message, is_remote
+from core.pipeline_parallel.messages import ACTIVATION
 
 __all__ = ["ACTION_NAMES", "SchedulePosition", "Wait"]
 
@@ -32,7 +32,6 @@ ACTION_NAMES = {
     ActionKind.SEND_B: "gradient send",
     ActionKind.RECV_B: "gradient receive",
 }
-_WAITING_KINDS = frozenset((F, B, I, *RECEIVES))  # the actions that wait for a message from a peer
 
 
 def describe(action: Action) -> str:
@@ -105,23 +104,17 @@ class SchedulePosition:
         return run[0], run[1], min(self.index, len(run[0]))
 
     def waits_for(self) -> Wait | None:
-        """The message from another rank that the running action waits for, if it waits for one."""
+        """The message from another rank that this rank's schedule waits for now, if it waits for one."""
         state = self._state()
-        if state is None or not 0 <= state[2] < len(state[0]):
+        if state is None:
             return None
-        table, mailbox, index = state
-        action = table[index]
-        if action.kind not in _WAITING_KINDS:
+        mailbox = state[1]
+        message, placement = mailbox.waiting, mailbox.placement
+        if message is None or mailbox.links is None:
             return None
-        message = input_message(action, mailbox.pp_rank, mailbox.placement)
-        if mailbox.links is None or not is_remote(message, mailbox.placement):
-            return None
-        if action.kind not in RECEIVES and message not in mailbox.inbox:
-            return None  # the input is in (the mailbox hands it over once its receive has completed)
-        peer, peer_chunk = mailbox.placement.rank_and_chunk(message.src_stage)
-        return Wait(
-            mailbox.links.global_ranks[peer], message.kind, message.microbatch, action.chunk, peer_chunk
-        )
+        peer, peer_chunk = placement.rank_and_chunk(message.src_stage)
+        chunk = placement.rank_and_chunk(message.dst_stage)[1]
+        return Wait(mailbox.links.global_ranks[peer], message.kind, message.microbatch, chunk, peer_chunk)
 
     def waiting_on(self) -> tuple[int, str] | None:
         """(the global rank this rank waits for, its awaited action), for the watchdog's heartbeat."""

@@ -8,6 +8,8 @@ The mailbox is a real one on links with no process group behind them; its posted
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import torch
@@ -40,12 +42,22 @@ def _mailbox(pp_rank: int, placement: Placement) -> Mailbox:
     )
 
 
-def _post(mailbox: Mailbox, action: Action) -> torch.futures.Future:
-    """A receive posted for ``action``'s input, incomplete until the returned future is."""
+@contextlib.contextmanager
+def _waiting(mailbox: Mailbox, action: Action):
+    """``action``'s input is posted and the mailbox waits for it (on a thread, as the main thread of a
+    rank would) until the block ends: then the receive completes and the mailbox hands the input over."""
     future = torch.futures.Future()
     message = input_message(action, mailbox.pp_rank, mailbox.placement)
     mailbox.inbox[message] = (torch.zeros(1), _create_work_from_future(future))
-    return future
+    waiter = threading.Thread(target=mailbox.input_of, args=(action,))
+    waiter.start()
+    try:
+        while mailbox.waiting is None:
+            time.sleep(0.001)
+        yield
+    finally:
+        future.set_result([torch.zeros(1)])
+        waiter.join()
 
 
 def test_the_position_names_the_running_action_and_the_message_it_waits_for():
@@ -57,12 +69,13 @@ def test_the_position_names_the_running_action_and_the_message_it_waits_for():
     assert position.as_dict()["running"] is None and position.as_dict()["last_finished"] is None
     position.index = 5  # 0B0: its gradient comes from pipeline rank 1 (global rank 6)
     assert table[5] == Action(ActionKind.B, 0, 0)
-    assert position.waits_for() is None  # no receive posted: nothing to wait for
-    arrived = _post(mailbox, table[5])
     assert str(position) == "schedule action 6 of 16: 0B0 (backward of microbatch 0, chunk 0)"
-    assert position.waits_for() == Wait(peer=6, kind="gradient", microbatch=0, chunk=0, peer_chunk=0)
-    assert position.waiting_on() == (6, "backward of microbatch 0, chunk 0")
-    dumped = position.as_dict()
+    assert position.waits_for() is None  # not waiting (yet): computing
+    with _waiting(mailbox, table[5]):
+        assert position.waits_for() == Wait(peer=6, kind="gradient", microbatch=0, chunk=0, peer_chunk=0)
+        assert position.waiting_on() == (6, "backward of microbatch 0, chunk 0")
+        dumped = position.as_dict()
+    assert position.waits_for() is None  # the gradient is in: the backward computes
     assert dumped["table"] == [str(action) for action in table]
     assert dumped["running"] == {"index": 5, "action": "0B0", "what": "backward of microbatch 0, chunk 0"}
     assert dumped["last_finished"] == {"index": 4, "action": "0SEND_F1"}
@@ -75,35 +88,21 @@ def test_the_position_names_the_running_action_and_the_message_it_waits_for():
         "peer_chunk": 0,
         "awaited": "rank 6's backward of microbatch 0, chunk 0",
     }
-    arrived.set_result([torch.zeros(1)])
-    assert position.waits_for() is not None  # complete, but not handed over yet
-    mailbox.input_of(table[5])
-    assert position.waits_for() is None  # the gradient is in: the backward computes
-    position.index = 3  # 0F1: the first stage's forward needs nothing from another rank
-    assert position.waits_for() is None
     position.index = len(table)
     assert str(position) == "schedule done (16 actions): sends completing, gradient reductions"
     assert position.as_dict()["last_finished"] == {"index": 15, "action": "0B3"}
-    assert position.as_dict()["running"] is None and position.waits_for() is None
+    assert position.as_dict()["running"] is None
 
 
-def test_the_awaited_action_is_in_the_senders_chunk_and_a_receive_waits_too():
-    """The V (ZBV): rank 0's chunk 1 (the last stage) takes its input from rank 1's chunk 1, and rank 1's
-    chunk 1 takes its input from its own chunk 0 (no message). A receive stuck where it is posted waits
-    for its message (variable lengths wait there for the shape)."""
-    placement = Placement(2, 2, V)
-    mailbox, position = _mailbox(0, placement), SchedulePosition()
+def test_the_awaited_action_is_in_the_senders_chunk():
+    """The V (ZBV): rank 0's chunk 1 (the last stage) takes its input from rank 1's chunk 1."""
+    mailbox, position = _mailbox(0, Placement(2, 2, V)), SchedulePosition()
     table = [Action(ActionKind.RECV_F, 2, 1), Action(ActionKind.F, 2, 1)]
     position.begin(table, mailbox)
-    position.index = 0
-    assert position.waits_for() == Wait(peer=6, kind="activation", microbatch=2, chunk=1, peer_chunk=1)
     position.index = 1
-    _post(mailbox, table[1])
-    assert position.waiting_on() == (6, "forward of microbatch 2, chunk 1")
-    local = SchedulePosition()
-    local.begin([Action(ActionKind.F, 0, 1)], _mailbox(1, placement))
-    local.index = 0
-    assert local.waits_for() is None
+    with _waiting(mailbox, table[1]):
+        assert position.waits_for() == Wait(peer=6, kind="activation", microbatch=2, chunk=1, peer_chunk=1)
+        assert position.waiting_on() == (6, "forward of microbatch 2, chunk 1")
 
 
 def test_each_table_begun_is_progress_and_calls_back():
@@ -128,7 +127,6 @@ def test_the_watchdog_counts_a_moving_index_as_progress_and_beats_the_wait():
     dog.enter("forward-backward", 3)
     position.begin(table, mailbox)
     position.index = 5
-    _post(mailbox, table[5])
     time.sleep(0.2)
     dog._note_progress()  # the tick: the index moved since the table began
     assert dog.waited() >= 0.2  # progress at the earliest since the previous tick
@@ -138,11 +136,10 @@ def test_the_watchdog_counts_a_moving_index_as_progress_and_beats_the_wait():
     position.index = 6
     dog._note_progress()
     assert dog.waited() < 0.2
-    beat = Heartbeat.decode(dog._own_beat().encode().encode())
-    assert (
-        beat.phase
-        == "forward-backward, schedule action 7 of 16: 0RECV_B1 (gradient receive of microbatch 1, chunk 0)"
-    )
+    position.index = 9  # 0B1, waiting for its gradient
+    with _waiting(mailbox, table[9]):
+        beat = Heartbeat.decode(dog._own_beat().encode().encode())
+    assert beat.phase == "forward-backward, schedule action 10 of 16: 0B1 (backward of microbatch 1, chunk 0)"
     assert beat.waiting_on == (6, "backward of microbatch 1, chunk 0") and beat.iteration == 3
 
 
@@ -185,8 +182,8 @@ def test_the_summary_names_every_action_awaited_from_the_holding_rank_circles_an
         1: _beat(2, (0, "backward of microbatch 0, chunk 0")),
     }
     assert summarize_waits(circle) == (
-        "ranks 0,1 wait on each other in a circle (0 on rank 1's forward of microbatch 0, chunk 0 at "
-        "iteration 2, 1 on rank 0's backward of microbatch 0, chunk 0 at iteration 2)"
+        "ranks 0,1 wait on each other in a circle (rank 0 on rank 1's forward of microbatch 0, chunk 0 at "
+        "iteration 2, rank 1 on rank 0's backward of microbatch 0, chunk 0 at iteration 2)"
     )
     assert summarize_waits({0: _beat(2), 1: _beat(2)}) == (
         "no rank waits for a pipeline message (each rank's flight recorder lists its collectives)"
