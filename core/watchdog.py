@@ -243,6 +243,10 @@ class Watchdog:
         """What the main thread is doing, e.g. ``forward-backward at iteration 5``."""
         return self._own_beat().doing()
 
+    def heartbeat(self) -> Heartbeat:
+        """This rank's heartbeat as it would be written now."""
+        return self._own_beat()
+
     def start(self) -> Watchdog:
         self._beat()  # synchronously, so every rank's key exists once all have started
         self._thread.start()
@@ -380,9 +384,11 @@ class Watchdog:
             f"({self.timeout_setting})"
         )
 
-    def summary(self, silent: list[int]) -> str:
-        """The hang's summary line (:func:`summarize_waits`) from every rank's latest heartbeat."""
-        return f"hang summary: {summarize_waits(self._others(exclude=[]), silent)}"
+    def summary(self, silent: list[int], final: dict[int, Heartbeat] | None = None) -> str:
+        """The hang's summary line (:func:`summarize_waits`) from every rank's latest heartbeat, or its
+        ``final`` one where given: the state a rank failed in, which its ``done`` beat no longer says."""
+        beats = self._others(exclude=[]) | (final or {})
+        return f"hang summary: {summarize_waits(beats, silent)}"
 
     def explain_timeout(self) -> str:
         """What every rank was doing when this rank's backend timed out (main thread, after the error)."""

@@ -194,3 +194,22 @@ def test_a_heartbeat_without_a_wait_reads_back():
     assert Heartbeat.decode(b'[3, "done", null, 1.5]') == Heartbeat(3, "done", None, 1.5, None)
     beat = _beat(4, (1, "forward of microbatch 0, chunk 0"))
     assert Heartbeat.decode(beat.encode().encode()) == beat
+
+
+def test_the_summary_takes_the_beat_a_rank_failed_in_over_its_last_done_beat():
+    """A rank that timed out writes its post-mortem, then stops its watchdog (a ``done`` beat): the
+    reporter's summary reads the beat it had when it wrote the post-mortem."""
+    store = dist.HashStore()
+    dog = Watchdog(store, 0, 3, 60.0, on_silent=print, interval=5.0)
+    dog.enter("forward-backward", 3)
+    store.set("trident/heartbeat/1", Heartbeat(9, "done", None, 0.0).encode())
+    store.set("trident/heartbeat/2", _beat(3).encode())
+    failed = {1: _beat(3, (2, "forward of microbatch 0, chunk 0"))}
+    assert (
+        dog.summary([])
+        == "hang summary: no rank waits for a pipeline message (each rank's flight recorder lists its collectives)"
+    )
+    assert dog.summary([], failed) == (
+        "hang summary: rank 1 waits on rank 2's forward of microbatch 0, chunk 0 at iteration 3 (rank 0 waits "
+        "for no pipeline message)"
+    )

@@ -18,7 +18,7 @@ from typing import Any
 
 from core import flight_recorder
 from core.device import DeviceError
-from core.watchdog import claim_report, error_reported, is_communication_failure
+from core.watchdog import Heartbeat, claim_report, error_reported, is_communication_failure
 from training.checkpoint.format import CheckpointError
 from training.errors import ConfigError, DataError, PeerFailure, ResultRejected, UsageError
 from training.faults.launcher import watch_launcher
@@ -180,7 +180,7 @@ def dump_flight_recorder() -> str | None:
             _dumped = flight_recorder.dump(watchdog.rank, watchdog.doing(), schedule) or ""
             if _STORE is not None:
                 with contextlib.suppress(Exception):
-                    _STORE.set(DUMPED_KEY.format(rank=_RANK), _dumped)
+                    _STORE.set(DUMPED_KEY.format(rank=_RANK), watchdog.heartbeat().encode())
     return _dumped or None
 
 
@@ -198,6 +198,8 @@ def wait_for_dumps(ranks: list[int], seconds: float) -> None:
 
 _dumped: str | None = None
 DUMPED_KEY = "trident/flight-recorder/{rank}"
+"""Set once a rank has written its post-mortem, to its heartbeat then (the state it failed in: a rank
+that fails goes on to stop its watchdog, whose last beat then says ``done``)."""
 DUMPS_LINE = "flight recorder (each rank's last collectives and schedule position)"
 
 
@@ -209,10 +211,21 @@ def post_mortem(silent: list[int]) -> tuple[str, ...]:
     others = [r for r in range(watchdog.world_size) if r not in silent and r != watchdog.rank]
     wait_for_dumps(others, 3 * watchdog.interval)
     dumped = dump_flight_recorder()
-    summary = watchdog.summary(silent)
+    summary = watchdog.summary(silent, _final_beats(watchdog.world_size))
     if dumped is None:
         return (summary,)
     return (f"{DUMPS_LINE}: {os.path.dirname(dumped)}/rank_*.json", summary)
+
+
+def _final_beats(world_size: int) -> dict[int, Heartbeat]:
+    """The heartbeat each rank had when it wrote its post-mortem (ranks that wrote one)."""
+    beats = {}
+    with contextlib.suppress(Exception):
+        for rank in range(world_size):
+            key = DUMPED_KEY.format(rank=rank)
+            if _STORE is not None and _STORE.check([key]):
+                beats[rank] = Heartbeat.decode(_STORE.get(key))
+    return beats
 
 
 def _timed_out(err: BaseException) -> bool:
