@@ -133,14 +133,20 @@ def _end_of_chain(rank: int, edges: dict[int, tuple[int, str]]) -> tuple[int, ..
 
 
 def _awaited(waiters: list[int], target: int, beats: dict[int, Heartbeat]) -> str:
-    """What ``waiters`` wait for from ``target``: each distinct action (and iteration) once."""
-    actions: list[str] = []
-    for rank in waiters:
-        if beats[rank].waiting_on[0] == target:
-            iteration = beats[rank].iteration
-            action = beats[rank].waiting_on[1] + ("" if iteration is None else f" at iteration {iteration}")
-            actions += [] if action in actions else [action]
-    return " and ".join(actions)
+    """What ``waiters`` wait for from ``target``: each distinct action once, then the iteration (after
+    each action when they differ)."""
+    pairs = {
+        (beats[r].waiting_on[1], beats[r].iteration): None
+        for r in waiters
+        if beats[r].waiting_on[0] == target
+    }
+    iterations = {iteration for _, iteration in pairs}
+    if len(iterations) > 1:
+        return " and ".join(f"{action} at iteration {iteration}" for action, iteration in pairs)
+    (iteration,) = iterations
+    return " and ".join(action for action, _ in pairs) + (
+        "" if iteration is None else f" at iteration {iteration}"
+    )
 
 
 def summarize_waits(beats: dict[int, Heartbeat], silent: list[int] | tuple[int, ...] = ()) -> str:

@@ -174,8 +174,16 @@ def test_the_summary_names_every_action_awaited_from_the_holding_rank_circles_an
         3: _beat(7, (2, "forward of microbatch 4, chunk 0")),
     }
     assert summarize_waits(beats, silent=[2]) == (
-        "ranks 0,3 wait on rank 2's backward of microbatch 1, chunk 0 at iteration 7 and forward of "
-        "microbatch 4, chunk 0 at iteration 7 (rank 1 waits for no pipeline message)"
+        "ranks 0,3 wait on rank 2's backward of microbatch 1, chunk 0 and forward of microbatch 4, chunk 0 at "
+        "iteration 7 (rank 1 waits for no pipeline message)"
+    )
+    apart = {
+        0: _beat(4, (2, "backward of microbatch 1, chunk 0")),
+        1: _beat(5, (2, "forward of microbatch 0, chunk 0")),
+    }
+    assert summarize_waits(apart) == (
+        "ranks 0,1 wait on rank 2's backward of microbatch 1, chunk 0 at iteration 4 and forward of microbatch 0, "
+        "chunk 0 at iteration 5"
     )
     circle = {
         0: _beat(2, (1, "forward of microbatch 0, chunk 0")),
