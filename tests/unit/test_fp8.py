@@ -388,3 +388,37 @@ def test_an_expert_no_token_has_reached_scales_from_itself_and_copies_go_at_the_
     assert state._weight is not None
     update_fp8_scales([expert])
     assert state._weight is None and state.seen.all()
+
+
+def test_padding_for_quantization_gives_an_expert_the_fp8_weight_gradient_of_its_rows_padded_by_hand():
+    """--moe-router-padding-for-quantization: 10 and 22 tokens are padded to 16 and 32 with zero rows,
+    so both experts' weight gradients run in FP8 (without it, in bf16): the same numbers as running the
+    rows padded by hand, with the padding's outputs dropped."""
+    from core.transformer.moe.experts import ExpertLinear
+
+    def experts(pad: bool) -> ExpertLinear:
+        layer = ExpertLinear(
+            2, 64, 32, config(num_moe_experts=2, moe_router_padding_for_quantization=pad), "normal", first=0
+        )
+        torch.manual_seed(0)
+        torch.nn.init.normal_(layer.weight, std=0.02)
+        torch.nn.init.zeros_(layer.bias)
+        assert layer.enable_fp8(Fp8Recipe(format="hybrid", scaling="tensorwise")) is None
+        return layer
+
+    torch.manual_seed(1)
+    pieces = [torch.randn(n, 64, dtype=torch.bfloat16) for n in (10, 22)]
+    grads = [torch.randn(n, 32, dtype=torch.bfloat16) for n in (10, 22)]
+    padded, by_hand, unpadded = experts(True), experts(False), experts(False)
+    outs = padded([p.clone() for p in pieces])
+    sum(o.float().mul(g).sum() for o, g in zip(outs, grads)).backward()
+    wide = [torch.nn.functional.pad(p, (0, 0, 0, -len(p) % 16)) for p in pieces]
+    hand = [o[: len(p)] for o, p in zip(by_hand(wide), pieces)]
+    sum(o.float().mul(g).sum() for o, g in zip(hand, grads)).backward()
+    assert all(torch.equal(a, b) for a, b in zip(outs, hand))
+    assert torch.equal(padded.weight.grad, by_hand.weight.grad)
+    plain = unpadded([p.clone() for p in pieces])  # the weight gradient in bf16 from the saved input
+    sum(o.float().mul(g).sum() for o, g in zip(plain, grads)).backward()
+    assert not torch.equal(padded.weight.grad, unpadded.weight.grad)
+    reference = torch.stack([g.float().t() @ p.float() for g, p in zip(grads, pieces)])
+    assert sqnr(reference, padded.weight.grad) >= 17.0

@@ -171,6 +171,10 @@ def test_routed_experts_keep_16_bit_weights_and_the_start_report_says_so():
     assert dtypes["decoder.layers.0.self_attention.linear_qkv.weight"] == E4M3
     assert dtypes["decoder.layers.0.mlp.experts.linear_fc1.weight"] == torch.bfloat16
     assert (
+        "FP8: a routed expert whose tokens are not a multiple of 16 takes its weight gradient in the model's "
+        "dtype (--moe-router-padding-for-quantization pads them)\n"
+    ) in out
+    assert (
         "FP8 on pipeline stage 0: 4 weights held in FP8 (--fp8-param-gather); 16 routed-expert linear layers "
         "keep their weights in the model's dtype\n"
     ) in out

@@ -37,6 +37,14 @@ def fp8_report(
                 "FP8 without --bf16: the parts that are not FP8 products (embedding, norms, attention, output "
                 "layer) run in fp32, which is slow (Megatron-LM#883); add --bf16"
             )
+        if getattr(config, "num_moe_experts", None) and not config.moe_grouped_gemm and recipe.wgrad:
+            lines.append(
+                "FP8: routed experts' tokens are padded with zero rows to multiples of 16 "
+                "(--moe-router-padding-for-quantization): their weight gradients run in FP8"
+                if config.moe_router_padding_for_quantization
+                else "FP8: a routed expert whose tokens are not a multiple of 16 takes its weight gradient in "
+                "the model's dtype (--moe-router-padding-for-quantization pads them)"
+            )
         if tokens_per_microbatch % SHAPE_MULTIPLE and recipe.wgrad:
             lines.append(
                 f"FP8: a microbatch holds {tokens_per_microbatch} tokens per rank, not a multiple of "

@@ -18,7 +18,8 @@ stacked weights as they are (nothing is re-stacked), where torch offers it for t
 (a probe decides once per device, dtype and shape); otherwise, and for a rank that received no
 token, the loop. On CPU in fp32 both give bit-identical results. In FP8 (the loop only) each expert
 keeps its own scales (``fp8_state[str(global index)]``): how many tokens reach an expert differs
-from rank to rank.
+from rank to rank, and is rarely a multiple of 16, so its weight gradient runs in the model's dtype
+unless ``moe_router_padding_for_quantization`` pads its rows with zeros (:func:`_linear`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class ExpertLinear(nn.Module):
         self.weight = _param((count, out_features, in_features), config, rule, first)
         self.bias = _param((count, out_features), config, "zeros", first) if config.add_bias_linear else None
         self.grouped = config.moe_grouped_gemm
+        self.pad_for_fp8 = config.moe_router_padding_for_quantization
         self.fp8_state: nn.ModuleDict | None = None
         """Expert ``first + j``'s FP8 scales under key ``str(first + j)`` (None: high precision)."""
 
@@ -99,7 +101,8 @@ class ExpertLinear(nn.Module):
         weights = self.weight.unbind(0)
         biases = self.bias.unbind(0) if self.bias is not None else [None] * len(weights)
         states = list(self.fp8_state.values()) if self.fp8_state is not None else [None] * len(weights)
-        return [_linear(piece, w, b, st) for piece, w, b, st in zip(x, weights, biases, states)]
+        pad = self.pad_for_fp8
+        return [_linear(piece, w, b, st, pad) for piece, w, b, st in zip(x, weights, biases, states)]
 
     def _grouped_mm(self, x: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         out = torch._grouped_mm(x, self.weight.transpose(1, 2), offs=offsets)
@@ -111,11 +114,17 @@ class ExpertLinear(nn.Module):
 
 
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8_state: Fp8State | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8_state: Fp8State | None, pad: bool
 ) -> torch.Tensor:
-    if fp8_state is not None and x.shape[0] > 0:
-        return fp8_linear(x, weight, bias, fp8_state)
-    return F.linear(x, weight, bias)
+    """One expert's product; in FP8 with ``pad`` (``--moe-router-padding-for-quantization``), its rows
+    padded with zeros to a multiple of 16 and the padding dropped from the output."""
+    rows = x.shape[0]
+    if fp8_state is None or rows == 0:
+        return F.linear(x, weight, bias)
+    extra = -rows % SHAPE_MULTIPLE if pad else 0
+    if extra:
+        return fp8_linear(F.pad(x, (0, 0, 0, extra)), weight, bias, fp8_state)[:rows]
+    return fp8_linear(x, weight, bias, fp8_state)
 
 
 class Experts(nn.Module):

@@ -66,6 +66,12 @@ class MoEConfig:
     """Run a rank's experts as one grouped matrix multiply where torch offers one for the device and
     dtype (torch._grouped_mm), a loop over experts otherwise; the same numbers either way."""
 
+    moe_router_padding_for_quantization: bool = flag(False, group=_MOE)
+    """In FP8, each expert's tokens are padded with zero rows to a multiple of 16 before each of its
+    products, so that its weight gradient runs in FP8 too (CUDA's FP8 product needs the tokens a
+    multiple of 16); the zero rows change no amax and no gradient. Megatron pads the routing map
+    instead (extra tokens with probability 0)."""
+
     moe_expert_capacity_factor: float | None = flag(None, group=_MOE)
     """Each expert takes at most ceil(tokens x topk / experts x factor) of a rank's tokens, the
     rest are dropped; None is dropless."""
