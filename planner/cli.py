@@ -45,6 +45,9 @@ def planner_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory")
     cluster.add_argument("--peak-tflops", type=float, help="override the GPU's dense 16-bit peak")
     cluster.add_argument(
+        "--peak-fp8-tflops", type=float, help="override the GPU's dense FP8 peak (--fp8-format's products)"
+    )
+    cluster.add_argument(
         "--compute-efficiency", type=float, help="fraction of peak a layer reaches (default 0.6)"
     )
     cluster.add_argument("--hbm-tb-s", type=float, help="override the device memory bandwidth")
@@ -89,6 +92,7 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
     overrides = {
         "memory_gb": opts.gpu_memory_gb,
         "peak_tflops": opts.peak_tflops,
+        "fp8_peak_tflops": opts.peak_fp8_tflops,
         "compute_efficiency": opts.compute_efficiency,
         "hbm_tb_s": opts.hbm_tb_s,
         "intra_node_gb_s": opts.intra_node_bandwidth_gb_s,
@@ -120,6 +124,12 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
         f"{cluster.gpu.peak_tflops:g} TFLOP/s peak at {cluster.gpu.compute_efficiency:.0%} achievable, "
         f"{cluster.gpu.intra_node_gb_s:.3g} GB/s and {cluster.gpu.intra_node_latency_us:.3g} µs a message in a "
         f"node, {cluster.gpu.inter_node_gb_s:.3g} GB/s and {cluster.gpu.inter_node_latency_us:.3g} µs across nodes"
+        + (f"; FP8 products at {cluster.fp8_peak_tflops:g} TFLOP/s peak" if plan_input.spec.fp8 else "")
+        + (
+            " (no FP8 tensor cores: the 16-bit peak)"
+            if plan_input.spec.fp8 and not cluster.gpu.fp8_peak_tflops
+            else ""
+        )
     )
     for note in plan_input.notes:
         print(f"note: {note}")

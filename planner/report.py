@@ -2,7 +2,8 @@
 
 The JSON line is ``{"candidates": [...], "rejected": {...}}``: per candidate its sizes, schedule,
 micro-batch size, recomputation, layout, ``peak_memory_bytes`` (the largest rank's),
-``step_seconds``, ``tokens_per_second_per_gpu``, ``mfu``, the bubble, the per-rank memory breakdown
+``step_seconds``, ``tokens_per_second_per_gpu``, ``mfu``, the bubble, ``matmul_rates`` (the peak and
+precision each kind of matrix product was costed at: FP8 or 16-bit), the per-rank memory breakdown
 and ``args``, the exact ``pretrain_gpt.py`` flags that run it; rejected candidates are grouped by
 reason with a count and examples.
 """
@@ -54,6 +55,7 @@ def candidate_json(planned: Planned, base_flags: list[str]) -> dict:
         "exposed_comm_seconds": step.exposed_comm_seconds,
         "step_parts": asdict(step.parts),
         "step_extrapolated": step.extrapolated,
+        "matmul_rates": asdict(step.rates) if step.rates else None,
         "memory_per_pp_rank": [
             {
                 k: (round(v) if isinstance(v, float) else v)
@@ -90,6 +92,7 @@ def _row(rank: int, p: Planned) -> list[str]:
         f"{s.tokens_per_second_per_gpu:,.0f}",
         f"{s.mfu:.1%}",
         f"{s.bubble:.1%}",
+        s.rates.label() if s.rates else "",
     ]
 
 
@@ -136,7 +139,7 @@ def explain_steps(candidates: list[Planned]) -> list[str]:
 def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], *, show_args: int = 1) -> str:
     """The ranked table, the layouts, and the flags of the first ``show_args`` candidates."""
     head = ["#", "split", "schedule", "mbs", "m", "recompute", "dist-opt", "peak GB", "step s", "tok/s/GPU",
-            "MFU", "bubble"]  # fmt: skip
+            "MFU", "bubble", "products TFLOP/s"]  # fmt: skip
     rows = [head] + [_row(i + 1, p) for i, p in enumerate(result.candidates)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [

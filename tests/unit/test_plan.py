@@ -22,12 +22,13 @@ from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.candidate import Candidate
-from planner.costs import LayerProfile
+from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import GPUS, Cluster, Gpu, HostCosts
 from planner.inputs import read_input
 from planner.layouts import balanced_layout, stage_layer_counts
 from planner.megatron_formula import megatron_memory
 from planner.memory import rank_memory, rank_static
+from planner.model_spec import ModelSpec
 from planner.search import DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY, search
 from planner.shared_cores import time_shared
 from planner.step_time import estimate_step
@@ -148,6 +149,122 @@ def test_fp8_saves_one_byte_inputs_and_holds_fp8_weight_copies(small):
     weights = (spec.query_size + 2 * spec.kv_size) * h + spec.query_size * h + 3 * f * h
     assert fp8_params - params == 2 * weights // 2 * 4  # two bytes an element, TP 2, 4 layers on rank 0
     assert rank_memory(fp8, cand, 0).activations < rank_memory(spec, cand, 0).activations
+
+
+def _fp8_spec(**changes) -> ModelSpec:
+    """Hidden 64, 4 heads of 16, FFN 256, 32 tokens, bf16, no biases: a layer's four products hold
+    64 x 192 + 64 x 64 + 64 x 256 + 256 x 64 = 49,152 weights, 2 x 32 x 49,152 = 3,145,728 FLOPs."""
+    spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16,
+                     ffn_hidden_size=256, vocab_size=1000, seq_length=32, max_position_embeddings=32,
+                     add_bias_linear=False, normalization="RMSNorm", precision="bf16", fp8=True)  # fmt: skip
+    return spec.with_(**changes)
+
+
+_FP8_GPU = Gpu("test", 100.0, 80, 1.0, 100.0, 100.0, 1.0, 10.0, 10.0, fp8_peak_tflops=200.0)
+
+
+def test_fp8_products_run_at_the_fp8_peak_and_their_casts_cost_memory_time():
+    """Issue 28 in the time model: a layer's linear products at the FP8 peak (here 200 against 100
+    TFLOP/s), the weight gradient too unless --no-fp8-wgrad or a microbatch of tokens that are not a
+    multiple of 16; a product whose features are not multiples of 16 stays at the 16-bit peak. Each
+    cast reads its 16-bit operand twice and writes one byte, plus one for the transposed copy."""
+    cluster = Cluster(1, 1, _FP8_GPU)
+    cand = Candidate(tp=1, pp=1, dp=1, num_microbatches=4, layout="E,t*2,L")
+    fp8 = StageCostModel(_fp8_spec(), cand, cluster)
+    assert fp8.linear_seconds() == pytest.approx((3_145_728 / 2e14, 3_145_728 / 2e14), rel=1e-12)
+    assert fp8.rates.label() == "fp8 200" and fp8.rates.other == "bf16"
+    # inputs 32 x (64 + 64 + 64 + 256) and weights 49,152 / 4 microbatches forward, output gradients
+    # 32 x (192 + 64 + 256 + 64) backward; 2 x 2 bytes read, 1 written and 1 transposed (weights: 2)
+    assert fp8.fp8_cast_seconds() == pytest.approx(
+        ((32 * 448 * 6 + 49_152 * 6 / 4) / 1e12, 32 * 576 * 6 / 1e12), rel=1e-12
+    )
+    no_wgrad = StageCostModel(_fp8_spec(fp8_wgrad=False), cand, cluster)
+    assert no_wgrad.linear_seconds() == pytest.approx((3_145_728 / 2e14, 3_145_728 / 1e14), rel=1e-12)
+    assert no_wgrad.rates.label() == "fp8 200, W bf16 100"
+    assert no_wgrad.fp8_cast_seconds()[1] == pytest.approx(32 * 576 * 5 / 1e12, rel=1e-12)  # no transposes
+    odd_tokens = StageCostModel(_fp8_spec(seq_length=24, max_position_embeddings=24), cand, cluster)
+    assert odd_tokens.linear_seconds()[1] == pytest.approx(2 * 24 * 49_152 / 1e14, rel=1e-12)
+    # FFN 200: FC1 and FC2 (64 x 200 each) are not multiples of 16 and stay at 100 TFLOP/s
+    narrow = StageCostModel(_fp8_spec(ffn_hidden_size=200), cand, cluster)
+    assert narrow.linear_seconds()[0] == pytest.approx(
+        2 * 32 * 16_384 / 2e14 + 2 * 32 * 25_600 / 1e14, rel=1e-12
+    )
+    assert narrow.rates.label() == "fp8 200 (2/4 products)"
+    plain = StageCostModel(_fp8_spec(fp8=False), cand, cluster)
+    assert plain.linear_seconds() == pytest.approx((3_145_728 / 1e14,) * 2, rel=1e-12)
+    assert plain.fp8_cast_seconds() == (0.0, 0.0) and plain.rates.label() == "bf16 100"
+    without_fp8_cores = StageCostModel(
+        _fp8_spec(), cand, Cluster(1, 1, replace(_FP8_GPU, fp8_peak_tflops=None))
+    )
+    assert without_fp8_cores.linear_seconds()[0] == pytest.approx(3_145_728 / 1e14, rel=1e-12)
+
+
+def test_fp8_param_gather_holds_fp8_weights_only_and_gathers_one_byte(small):
+    """--fp8-param-gather (issue 28): the FP8 layers' weights are one byte an element, with no 16-bit
+    copy and no FP8 copy; the distributed optimizer's parameter all-gather moves one byte for them.
+    DP 2, one rank holding E, 2 layers, L: 65,536 + 2,048 embedding, 2 x (2 x 64 + 49,152) layers and
+    a 64 final norm = 166,208 elements, padded to 166,272 (a multiple of lcm(2, 128))."""
+    from planner.memory import gathered_param_bytes
+
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    plain, fp8, gather = _fp8_spec(fp8=False), _fp8_spec(), _fp8_spec(fp8_param_gather=True)
+    assert rank_static(plain, cand, 0)[:3] == (166_272 * 2, 166_272 * 4, 12 * 166_208 / 2 + 4 * 15 / 2)
+    assert rank_static(fp8, cand, 0)[0] == 166_272 * 2 + 2 * 98_304  # an FP8 weight and its transpose
+    assert rank_static(gather, cand, 0)[0] == 166_272 * 2 - 98_304  # the FP8 weights: one byte, not two
+    assert rank_static(gather, cand, 0)[1:3] == rank_static(plain, cand, 0)[1:3]
+    assert [gathered_param_bytes(s, cand, 0) for s in (plain, fp8, gather)] == [332_544, 332_544, 234_240]
+    cluster = Cluster(2, 2, _FP8_GPU)  # 100 GB/s, 10 µs a ring step; a ring all-gather of 2: one step
+    seconds = StageCostModel(gather, cand, cluster).param_gather_seconds(234_240)
+    assert seconds == pytest.approx(1e-5 + 234_240 / 2 / 1e11, rel=1e-12)
+    # the step: one byte a weight element to gather, and no weight casts per step
+    assert StageCostModel(gather, cand, cluster).fp8_cast_seconds()[0] == pytest.approx(32 * 448 * 6 / 1e12)
+
+
+def test_fp8_param_gather_is_read_from_the_config_and_plans_with_the_distributed_optimizer(small):
+    from training.arguments.parser import parse_args
+    from training.run import build_run
+
+    flags = [*SMALL, "--fp8-format", "e4m3", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4"]
+    config = build_run(parse_args(flags), 1).model
+    assert not ModelSpec.from_config(config, vocab_size=4096, seq_length=256).fp8_param_gather
+    config.fp8_param_gather = True  # the field Fp8Config gains with --fp8-param-gather
+    spec = ModelSpec.from_config(config, vocab_size=4096, seq_length=256)
+    assert spec.fp8 and spec.fp8_param_gather
+    cluster = Cluster(4, 4, GPUS["h100"])
+    result = search(spec, cluster, global_batch_size=16, top=3, allow_distributed_optimizer=True,
+                    fixed={"pp": 4})  # fmt: skip
+    assert all(p.cand.distributed_optimizer for p in result.candidates)  # DP 1 too: the flag needs it
+
+
+def test_the_table_and_json_say_which_rate_each_candidate_used(capsys):
+    from planner.cli import main
+
+    flags = [*SMALL, "--fp8-format", "e4m3", "--num-gpus", "8", "--tensor-model-parallel-size", "2",
+             "--top", "2"]  # fmt: skip
+    assert main([*flags, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "FP8 products at 1979 TFLOP/s peak" in out[1]
+    header = next(line for line in out if line.startswith("#"))
+    assert header.endswith("products TFLOP/s")
+    rates = json.loads(out[-1])["candidates"][0]["matmul_rates"]
+    assert rates == {"linear": "fp8", "linear_tflops": 1979.0, "weight_gradient": "fp8",
+                     "weight_gradient_tflops": 1979.0, "other": "bf16", "other_tflops": 989.0,
+                     "fp8_products": 4, "products": 4, "measured": False}  # fmt: skip
+    rows = [line for line in out if line.split()[0] in ("1", "2")]
+    assert len(rows) == 2 and all(row.endswith("fp8 1979") for row in rows)
+
+
+def test_fp8_pays_on_a_large_layer_and_not_on_a_tiny_one(small):
+    """LLaMA-3 8B's layers gain from the FP8 peak; hidden 256's casts (memory-bound) cost more than the
+    FLOPs they save, as torchao finds for small shapes."""
+    cluster = Cluster(8, 8, GPUS["h100"])
+    llama = read_input([], preset="llama3-8b").spec
+    for spec, faster in ((llama, True), (small.spec, False)):
+        cand = _candidate(spec, tp=2, pp=2, dp=2, num_microbatches=4)
+        bf16 = estimate_step(spec.with_(fp8=False), cand, cluster)
+        fp8 = estimate_step(spec.with_(fp8=True), cand, cluster)
+        assert (fp8.parts.compute < bf16.parts.compute) == faster
+        assert (bf16.rates.label(), fp8.rates.label()) == ("bf16 989", "fp8 1979")
 
 
 def test_recomputation_and_sequence_parallel_shrink_activations(small):
