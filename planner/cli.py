@@ -19,7 +19,7 @@ from planner.inputs import read_input
 from planner.model_spec import describe
 from planner.profile import LocalProfile, local_cluster
 from planner.rebalance import rebalance_report
-from planner.report import format_table, result_json
+from planner.report import format_table, result_json, run_rank_line
 from planner.search import search
 
 __all__ = ["main", "planner_parser"]
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     cluster = _cluster(opts)
     profile, device = None, "cuda"
     if opts.profile_local:
-        cluster = local_cluster(opts.num_gpus)
+        cluster = local_cluster(opts.num_gpus, plan_input.spec.precision)
         profile, device = LocalProfile(plan_input.spec, plan_input.args), "cpu"
     print(describe(plan_input.spec))
     print(
@@ -133,20 +133,27 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     )
     for note in plan_input.notes:
         print(f"note: {note}")
+    fixed, run = plan_input.fixed, None
     if opts.from_timeline:
-        print(rebalance_report(plan_input, cluster, opts.from_timeline, profile))
-        return 0
+        report, profile, run = rebalance_report(plan_input, cluster, opts.from_timeline, profile)
+        print(report)
+        print(
+            "re-ranked with the refitted costs (every split, schedule and layout; the run's own flags fix none):"
+        )
+        fixed = {}
     result = search(
         plan_input.spec,
         cluster,
         global_batch_size=plan_input.global_batch_size,
-        fixed=plan_input.fixed,
+        fixed=fixed,
         allow_distributed_optimizer=plan_input.distributed_optimizer_allowed,
         top=opts.top,
         profile=profile,
         device=device,
     )
     print(format_table(result, cluster, plan_input.base_flags))
+    if run is not None:
+        print(run_rank_line(result, run))
     if opts.dry_run and result.candidates:
         if forward_step_func is None:
             raise ValueError("--dry-run needs the forward step: run it as tools/plan.py")

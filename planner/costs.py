@@ -142,9 +142,14 @@ class StageCostModel:
         self.dp_link = cluster.link(self.dp_stride, cand.dp * cand.cp)
         self.pp_link = cluster.link(self.pp_stride, 2)
         self.rates = self._rates()
-        self._layer = self._layer_costs()
-        self._embedding = self._embedding_costs()
-        self._loss = self._loss_costs()
+        self._layer, self._embedding, self._loss = (
+            ActionCosts(
+                a.forward + b.forward,
+                a.backward_input + b.backward_input,
+                a.backward_weight + b.backward_weight,
+            )
+            for a, b in zip(self.compute_costs(), self.collective_costs())
+        )
 
     # -- compute ---------------------------------------------------------------------------------
     def _flops_seconds(self, flops: float) -> float:
@@ -247,16 +252,31 @@ class StageCostModel:
             *(share * t for t in self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
         )
 
-    def _layer_costs(self) -> ActionCosts:
-        """A decoder layer's compute (measured, or FLOPs and bytes) plus its collectives, each way."""
+    def _collectives(self) -> tuple[ActionCosts, ActionCosts, ActionCosts]:
+        """The collectives inside a layer's, the embedding's and the loss's actions (F, I, W): a layer's
+        TP/CP/EP traffic each way (and its replayed forward's under full recomputation), the
+        embedding's TP reduction, the loss's gather and the cross-entropy's three reductions."""
         s, c = self.spec, self.cand
         core = self._flops_seconds(s.attention_core_flops(self.tokens) / c.cp)
         comm = self._tp_layer_seconds() + self._cp_layer_seconds(core) + self._ep_layer_seconds()
         recomputed = comm if c.recompute == "full" else 0.0  # the replayed forward's collectives
+        activation = s.bytes_per_value * self.tokens * s.hidden_size
+        embedding = self.tp_link.ring(c.tp, activation, all_reduce=not c.sequence_parallel)
+        gather = self.tp_link.ring(c.tp, activation)
+        reductions = 3 * self.tp_link.ring(c.tp, 4 * self.tokens, all_reduce=True)  # max, sum of exp, target
+        return (
+            ActionCosts(comm, comm + recomputed, 0.0),
+            ActionCosts(embedding, 0.0, embedding),
+            ActionCosts(gather + reductions, gather, 0.0),
+        )
+
+    def _layer_compute(self) -> ActionCosts:
+        """A decoder layer's compute, measured or from FLOPs and bytes, without its collectives."""
+        s, c = self.spec, self.cand
         measured = self._measured(0)
         if measured is not None:
-            return ActionCosts(measured.forward + comm, measured.backward_input + comm + recomputed,
-                               measured.backward_weight)  # fmt: skip
+            return measured
+        core = self._flops_seconds(s.attention_core_flops(self.tokens) / c.cp)
         linear, weight_gradient = self.linear_seconds()
         cast_forward, cast_backward = self.fp8_cast_seconds()
         plain = Shape(**{**self.shape.__dict__, "recompute": "none"})
@@ -269,33 +289,32 @@ class StageCostModel:
             backward_input += forward
         elif c.recompute == "selective":
             backward_input += core
-        return ActionCosts(forward + comm, backward_input + comm + recomputed, weight_gradient)
+        return ActionCosts(forward, backward_input, weight_gradient)
 
-    def _embedding_costs(self) -> ActionCosts:
-        s, c = self.spec, self.cand
-        activation = s.bytes_per_value * self.tokens * s.hidden_size
-        comm = self.tp_link.ring(c.tp, activation, all_reduce=not c.sequence_parallel)
+    def _embedding_compute(self) -> ActionCosts:
         measured = self._measured(1)
         if measured is not None:
-            return ActionCosts(
-                measured.forward + comm, measured.backward_input, measured.backward_weight + comm
-            )
-        lookup = self._memory_seconds(2 * activation)
-        return ActionCosts(lookup + comm, 0.0, lookup + comm)
+            return measured
+        lookup = self._memory_seconds(2 * self.spec.bytes_per_value * self.tokens * self.spec.hidden_size)
+        return ActionCosts(lookup, 0.0, lookup)
 
-    def _loss_costs(self) -> ActionCosts:
+    def _loss_compute(self) -> ActionCosts:
         s, c = self.spec, self.cand
-        gather = self.tp_link.ring(c.tp, s.bytes_per_value * self.tokens * s.hidden_size)
-        reductions = 3 * self.tp_link.ring(c.tp, 4 * self.tokens, all_reduce=True)  # max, sum of exp, target
         measured = self._measured(2)
         if measured is not None:
-            return ActionCosts(measured.forward + gather + reductions, measured.backward_input + gather,
-                               measured.backward_weight)  # fmt: skip
+            return measured
         logits = self._flops_seconds(s.logits_flops(self.tokens, c.tp))
         vocab_bytes = 4 * self.tokens * s.padded_vocab(c.tp) // c.tp
         softmax = self._memory_seconds(6 * vocab_bytes)  # copy, max, shift, exp, sum, divide
-        backward = logits + self._memory_seconds(3 * vocab_bytes) + gather
-        return ActionCosts(logits + softmax + gather + reductions, backward, logits)
+        return ActionCosts(logits + softmax, logits + self._memory_seconds(3 * vocab_bytes), logits)
+
+    def compute_costs(self) -> tuple[ActionCosts, ActionCosts, ActionCosts]:
+        """(layer, embedding, loss) seconds of one microbatch without their collectives."""
+        return self._layer_compute(), self._embedding_compute(), self._loss_compute()
+
+    def collective_costs(self) -> tuple[ActionCosts, ActionCosts, ActionCosts]:
+        """(layer, embedding, loss) seconds of the collectives inside their actions."""
+        return self._collectives()
 
     def stage(self, symbols: tuple[str, ...]) -> ActionCosts:
         """Seconds of one microbatch in a stage holding ``symbols``."""

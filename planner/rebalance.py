@@ -8,6 +8,9 @@ cannot tell apart, e.g. the embedding when every stage holds layers). The balanc
 costs is proposed, and both layouts are simulated on the run's own tables with the measured costs:
 the ratio is the predicted gain.
 
+The refitted costs then re-rank every candidate the plan tries (``tools/plan.py --from-timeline``
+prints the table again): :class:`RefitProfile` carries the run's level to the other shapes.
+
 CPU ranks sharing cores (this machine) measure each action stretched by the ranks busy beside it;
 each event is first brought back to the time it would take on a core of its own: a stretch of
 ``busy ranks / cores`` wherever more ranks computed than there are cores.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -31,7 +35,15 @@ from planner.layouts import balanced_layout
 from planner.step_time import estimate_step
 from training.reporting.timeline import load_trace
 
-__all__ = ["fit_costs", "measured_pipeline_seconds", "rebalance", "rebalance_report", "stage_means"]
+__all__ = [
+    "RefitProfile",
+    "fit_costs",
+    "measured_pipeline_seconds",
+    "rebalance",
+    "rebalance_report",
+    "refit_profile",
+    "stage_means",
+]
 
 _KINDS = ("F", "B", "I", "W")
 
@@ -109,6 +121,63 @@ def fit_costs(means: dict, cand: Candidate, prior: LayerProfile) -> LayerProfile
     return LayerProfile(costs[0], costs[1], costs[2], source="timeline")
 
 
+class RefitProfile(LayerProfile):
+    """Costs refitted from a run's timeline, for every shape the search asks about.
+
+    At the run's shape they are the fitted costs. At another (TP, micro-batch size, recomputation)
+    they are the prior's costs there (``--profile-local``'s, else the FLOP model's), times what the run
+    measured over what the prior predicted for the run's shape, per part (layer, embedding, loss) and
+    per action (F, I, W): the run corrects the prior's level, the prior says how a shape scales.
+    """
+
+    def __init__(self, ratios: tuple, absolute: tuple, prior: Callable[[int, int, str], tuple]):
+        super().__init__(layer=absolute[0], embedding=absolute[1], loss=absolute[2], source="timeline",
+                         whole_sequence=True)  # fmt: skip
+        self.ratios, self.absolute, self.prior = ratios, absolute, prior
+
+    def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
+        key = (tp, micro_batch_size, recompute)
+        if key not in self.by_shape:
+            prior = self.prior(tp, micro_batch_size, recompute)
+            self.by_shape[key] = tuple(
+                tuple(p * r if r is not None else a for p, r, a in zip(*parts))
+                for parts in zip(prior, self.ratios, self.absolute)
+            )
+        return self.by_shape[key]
+
+
+def _flop_prior(spec, cluster: Cluster) -> Callable[[int, int, str], tuple]:
+    """The FLOP model's compute seconds (no collectives) of a shape's whole sequence."""
+
+    def prior(tp: int, micro_batch_size: int, recompute: str) -> tuple:
+        shape = Candidate(tp=tp, pp=1, dp=1, micro_batch_size=micro_batch_size, recompute=recompute)
+        costs = StageCostModel(spec, shape, cluster).compute_costs()
+        return tuple((c.forward, c.backward_input, c.backward_weight) for c in costs)
+
+    return prior
+
+
+def refit_profile(
+    spec, cluster: Cluster, cand: Candidate, fitted: LayerProfile, profile=None
+) -> RefitProfile:
+    """:class:`RefitProfile` from ``fitted`` (the run's costs, collectives included, as its timeline
+    records them) and the prior: ``profile`` (``--profile-local``) or the FLOP model."""
+    prior = profile.for_shape if profile is not None else _flop_prior(spec, cluster)
+    collectives = StageCostModel(spec, cand, cluster).collective_costs()
+    measured = tuple(
+        tuple(
+            max(0.0, t - c) for t, c in zip(times, (comm.forward, comm.backward_input, comm.backward_weight))
+        )
+        for times, comm in zip((fitted.layer, fitted.embedding, fitted.loss), collectives)
+    )
+    at_run = prior(cand.tp, cand.micro_batch_size, cand.recompute)
+    ratios = tuple(
+        tuple(m / p if p > 0 else None for m, p in zip(mine, theirs))
+        for mine, theirs in zip(measured, at_run)
+    )
+    return RefitProfile(ratios, measured, prior)
+
+
 def _run_candidate(plan_input, data) -> Candidate:
     """The recorded run's candidate: its split, schedule, microbatches and layout, from its flags."""
     fixed = plan_input.fixed
@@ -168,6 +237,7 @@ def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | N
         "predicted_gain": before.step_seconds / after.step_seconds,
         "measured_bubble": float(np.mean([s.measured_bubble for s in measured])),
         "candidate": cand,
+        "refit_profile": refit_profile(spec, cluster, cand, fitted, profile),
     }
 
 
@@ -179,7 +249,10 @@ def _against(predicted: float, measured: float) -> str:
     )
 
 
-def rebalance_report(plan_input, cluster: Cluster, path: str, profile: LayerProfile | None = None) -> str:
+def rebalance_report(
+    plan_input, cluster: Cluster, path: str, profile: LayerProfile | None = None
+) -> tuple[str, RefitProfile, Candidate]:
+    """The report's lines, the refitted costs (for re-ranking every candidate) and the run's candidate."""
     r = rebalance(plan_input, cluster, path, profile)
     measured = r["measured_pipeline_seconds"]
     ms = lambda costs: f"{1e3 * costs[0]:.2f}/{1e3 * (costs[1] + costs[2]):.2f}"
@@ -204,4 +277,4 @@ def rebalance_report(plan_input, cluster: Cluster, path: str, profile: LayerProf
         + ("" if r["proposed_layout"] != r["layout"] else " (the run is already balanced)"),
         f"--pipeline-model-parallel-layout '{r['proposed_layout']}'",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines), r["refit_profile"], cand

@@ -19,7 +19,7 @@ from planner.hardware import Cluster
 from planner.search import Planned, SearchResult
 from planner.step_time import StepParts
 
-__all__ = ["candidate_json", "format_table", "launch_command", "result_json"]
+__all__ = ["candidate_json", "format_table", "launch_command", "result_json", "run_rank_line"]
 
 GB = 1e9
 
@@ -162,3 +162,15 @@ def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], 
     for i, p in enumerate(result.candidates[:show_args]):
         lines.append(f"#{i + 1}: {launch_command(cluster, candidate_args(base_flags, p.cand))}")
     return "\n".join(lines)
+
+
+def run_rank_line(result: SearchResult, run: Candidate) -> str:
+    """Where a recorded run's own layout ranks among the re-ranked candidates (``--from-timeline``)."""
+    same = ("tp", "pp", "vpp", "cp", "ep", "dp", "schedule", "micro_batch_size", "recompute", "layout")
+    for i, p in enumerate(result.candidates):
+        if all(getattr(p.cand, name) == getattr(run, name) for name in same):
+            best = result.candidates[0].step.step_seconds
+            return f"the run's layout ranks #{i + 1}: {p.step.step_seconds / best:.2f}x the top pick's step"
+    return (
+        f"the run's layout ({run.split()} {run.schedule_label}) is not among the top {len(result.candidates)}"
+    )

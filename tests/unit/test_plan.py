@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from dataclasses import replace
 from functools import partial
 
@@ -399,19 +400,40 @@ def test_shared_core_timing_without_sharing_is_the_stage_timers(schedule, pp, vp
     assert halved.makespan == pytest.approx(2 * StageTimer(tables, place).time(costs).makespan, rel=1e-9)
 
 
-def test_the_engines_cost_per_action_is_recovered_from_empty_steps():
-    """``--profile-local`` fits the engine's fixed cost per action so that the shared-core timing of the
-    tables it ran gives the step it measured; here the 'measured' steps are timings with 1.5 ms."""
-    from planner.calibrate import ENGINE_CASES, fit_action_seconds
+def test_the_engines_costs_per_action_and_per_step_are_recovered_from_empty_steps():
+    """``--profile-local`` fits the engine's fixed costs per action and per step so that the shared-core
+    timing of the tables it ran, plus the per-step cost, gives the steps it measured; here the
+    'measured' steps are timings with 1.5 ms an action plus 4 ms a step."""
+    from planner.calibrate import engine_runs, fit_engine_costs
 
     slowdown = partial(HostCosts(slowdown=(1.0, 1.2, 1.7, 2.3)).slowdown_at, cores=2)
     steps = {}
-    for schedule, vpp in ENGINE_CASES:
-        tables, place = build_tables(schedule, 4, vpp, 8), placement_for(schedule, 4, vpp)
+    for schedule, vpp, m in engine_runs(4):
+        tables, place = build_tables(schedule, 4, vpp, m), placement_for(schedule, 4, vpp)
         work = {(a.kind, r, a.chunk): 0.0015 for r, t in enumerate(tables) for a in t}
-        steps[schedule, vpp, 8] = time_shared(tables, place, work, latency=3e-4, processes=1,
-                                              slowdown=slowdown).makespan  # fmt: skip
-    assert fit_action_seconds(steps, 4, 3e-4, slowdown) == pytest.approx(0.0015, rel=1e-6)
+        steps[schedule, vpp, m] = 0.004 + time_shared(tables, place, work, latency=3e-4, processes=1,
+                                                      slowdown=slowdown).makespan  # fmt: skip
+    assert len(steps) == 3
+    action, step = fit_engine_costs(steps, 4, 3e-4, slowdown)
+    assert (action, step) == (pytest.approx(0.0015, rel=1e-6), pytest.approx(0.004, rel=1e-5))
+
+
+def test_the_optimizer_step_is_costed_per_tensor_and_per_element_where_measured(small):
+    """Two timings (256 tensors of 1,024 elements; 2 of 2^19) give back 20 µs a tensor and 1 ns an
+    element; a candidate's optimizer part is then its rank's tensors and elements at those costs."""
+    from planner.calibrate import OPTIMIZER_CASES, fit_optimizer_costs
+
+    timings = tuple(n * 20e-6 + n * e * 1e-9 for n, e in OPTIMIZER_CASES)
+    assert fit_optimizer_costs(timings) == (pytest.approx(20e-6, rel=1e-9), pytest.approx(1e-9, rel=1e-9))
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    host = HostCosts(optimizer_element_seconds=1e-9, optimizer_tensor_seconds=20e-6, step_seconds=0.003)
+    cluster = Cluster(2, 2, _FP8_GPU, host=host)
+    step = estimate_step(_fp8_spec(fp8=False), cand, cluster)
+    # 166,208 elements over 2 shards (plus Adam's 15 step counts, 4 bytes each, over 12 bytes an
+    # element) and 15 tensors over 2 shards, rounded up
+    elements = (12 * 166_208 / 2 + 4 * 15 / 2) / 12
+    assert step.parts.optimizer == pytest.approx(elements * 1e-9 + 8 * 20e-6, rel=1e-12)
+    assert step.parts.per_step == 0.003 and step.parts.total() == pytest.approx(step.step_seconds, rel=1e-12)
 
 
 def test_a_measured_slowdown_curve_extends_with_the_ranks():
@@ -535,3 +557,33 @@ def test_rebalancing_recovers_the_costs_and_relieves_the_loss_stage(tmp_path, sm
     # the loop closed: the refitted costs give back the run's own pipeline (its timeline was simulated)
     assert r["refit_pipeline_seconds"] == pytest.approx(r["measured_pipeline_seconds"], rel=1e-3)
     assert r["planned_pipeline_seconds"] > 0
+
+
+def test_the_refitted_costs_rerank_every_candidate(tmp_path, capsys, small):
+    """Issue 33's loop closed: ``--from-timeline`` refits the costs and ranks the candidates again. At
+    the run's shape the refitted costs are the run's own; at another the FLOP model's there, times the
+    run's measured over the FLOP model's at the run's shape (per part and per action)."""
+    from planner.cli import main
+    from planner.rebalance import _flop_prior, rebalance
+
+    flags = [*SMALL, "--pipeline-model-parallel-size", "4"]
+    plan_input = read_input(flags)
+    cand = _candidate(plan_input.spec, tp=1, pp=4, dp=1, num_microbatches=8)
+    _timeline(tmp_path / "run", cand, {"t": (0.010, 0.020), "E": (0.001, 0.002), "L": (0.040, 0.050)})
+    cluster = Cluster(4, 4, GPUS["h100"])
+    refit = rebalance(plan_input, cluster, str(tmp_path / "run"))["refit_profile"]
+    layer = refit.for_shape(1, 1, "none")[0]
+    assert layer[0] == pytest.approx(0.010, rel=1e-3) and sum(layer[1:]) == pytest.approx(0.020, rel=1e-3)
+    prior = _flop_prior(plan_input.spec, cluster)
+    scale = [p2 / p1 for p1, p2 in zip(prior(1, 1, "none")[0], prior(2, 4, "full")[0])]
+    assert list(refit.for_shape(2, 4, "full")[0]) == pytest.approx(
+        [t * r for t, r in zip(layer, scale)], rel=1e-12
+    )
+    assert main([*flags, "--num-gpus", "8", "--gpus-per-node", "8", "--top", "3", "--from-timeline",
+                 str(tmp_path / "run")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    table = out.split("re-ranked with the refitted costs", 1)[1]
+    assert "proposed layout:" in out and "step #3:" in table and "step #4:" not in table
+    assert re.search(
+        r"the run's layout (ranks #\d: \d\.\d\dx the top pick's step|\(.*\) is not among the top 3)", table
+    )
