@@ -57,8 +57,9 @@ ENGINE_CASES = (
 """Schedules (and chunks per rank) the engine's fixed cost is measured on: plain 1F1B, and ZB-H1
 interleaved over two chunks (a split backward: I and W actions too)."""
 _SEQ, _HIDDEN = 8, 8
-OPTIMIZER_CASES = ((256, 1024), (2, 1 << 19))
-"""(tensors, elements each) the optimizer step is timed on: many small tensors, then a few large ones."""
+OPTIMIZER_CASES = ((256, 1024), (2, 1 << 22))
+"""(tensors, elements each) the optimizer step is timed on: many small tensors, then a few large ones
+(2 x 2^22 elements: 128 MiB of parameters, gradients and moments, beyond the caches, as a real rank's)."""
 
 
 def engine_runs(world: int) -> list[tuple[str, int, int]]:

@@ -16,13 +16,13 @@ import sys
 from planner.dry_run import dry_run_report
 from planner.hardware import GPUS, Cluster
 from planner.inputs import read_input
-from planner.model_spec import describe
+from planner.model_spec import ModelSpec, describe
 from planner.profile import LocalProfile, local_cluster
 from planner.rebalance import rebalance_report
 from planner.report import format_table, result_json, run_rank_line
 from planner.search import search
 
-__all__ = ["main", "planner_parser"]
+__all__ = ["describe_cluster", "main", "planner_parser"]
 
 
 def planner_parser() -> argparse.ArgumentParser:
@@ -104,6 +104,31 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
     return cluster.with_gpu(**given) if given else cluster
 
 
+def describe_cluster(cluster: Cluster, spec: ModelSpec) -> list[str]:
+    """The ``cluster:`` line, and what was measured on this machine where it was (``--profile-local``)."""
+    gpu = cluster.gpu
+    line = (
+        f"cluster: {cluster.num_gpus} x {gpu.name} ({cluster.gpus_per_node} per node), "
+        f"{gpu.peak_tflops:g} TFLOP/s peak at {gpu.compute_efficiency:.0%} achievable, "
+        f"{gpu.intra_node_gb_s:.3g} GB/s and {gpu.intra_node_latency_us:.3g} µs a message in a "
+        f"node, {gpu.inter_node_gb_s:.3g} GB/s and {gpu.inter_node_latency_us:.3g} µs across nodes"
+    )
+    if spec.fp8:
+        line += f"; FP8 products at {cluster.fp8_peak_tflops:g} TFLOP/s peak"
+        line += "" if gpu.fp8_peak_tflops else " (no FP8 tensor cores: the 16-bit peak)"
+    host = cluster.host
+    if host.optimizer_element_seconds is None:
+        return [line]
+    return [
+        line,
+        (
+            f"measured here: {host.action_seconds * 1e3:.3g} ms an action and {host.step_seconds * 1e3:.3g} ms a "
+            f"step (the engine), the optimizer {host.optimizer_tensor_seconds * 1e6:.3g} µs a tensor and "
+            f"{host.optimizer_element_seconds * 1e9:.3g} ns an element"
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     """Run the planner; ``forward_step_func`` (``pretrain_gpt.forward_step``) is what ``--dry-run`` steps."""
 
@@ -119,18 +144,7 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
         cluster = local_cluster(opts.num_gpus, plan_input.spec.precision)
         profile, device = LocalProfile(plan_input.spec, plan_input.args), "cpu"
     print(describe(plan_input.spec))
-    print(
-        f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), "
-        f"{cluster.gpu.peak_tflops:g} TFLOP/s peak at {cluster.gpu.compute_efficiency:.0%} achievable, "
-        f"{cluster.gpu.intra_node_gb_s:.3g} GB/s and {cluster.gpu.intra_node_latency_us:.3g} µs a message in a "
-        f"node, {cluster.gpu.inter_node_gb_s:.3g} GB/s and {cluster.gpu.inter_node_latency_us:.3g} µs across nodes"
-        + (f"; FP8 products at {cluster.fp8_peak_tflops:g} TFLOP/s peak" if plan_input.spec.fp8 else "")
-        + (
-            " (no FP8 tensor cores: the 16-bit peak)"
-            if plan_input.spec.fp8 and not cluster.gpu.fp8_peak_tflops
-            else ""
-        )
-    )
+    print("\n".join(describe_cluster(cluster, plan_input.spec)))
     for note in plan_input.notes:
         print(f"note: {note}")
     fixed, run = plan_input.fixed, None

@@ -419,7 +419,7 @@ def test_the_engines_costs_per_action_and_per_step_are_recovered_from_empty_step
 
 
 def test_the_optimizer_step_is_costed_per_tensor_and_per_element_where_measured(small):
-    """Two timings (256 tensors of 1,024 elements; 2 of 2^19) give back 20 µs a tensor and 1 ns an
+    """Two timings (256 tensors of 1,024 elements; 2 of 2^22) give back 20 µs a tensor and 1 ns an
     element; a candidate's optimizer part is then its rank's tensors and elements at those costs."""
     from planner.calibrate import OPTIMIZER_CASES, fit_optimizer_costs
 
@@ -434,6 +434,15 @@ def test_the_optimizer_step_is_costed_per_tensor_and_per_element_where_measured(
     elements = (12 * 166_208 / 2 + 4 * 15 / 2) / 12
     assert step.parts.optimizer == pytest.approx(elements * 1e-9 + 8 * 20e-6, rel=1e-12)
     assert step.parts.per_step == 0.003 and step.parts.total() == pytest.approx(step.step_seconds, rel=1e-12)
+    from planner.cli import describe_cluster
+
+    lines = describe_cluster(replace(cluster, host=replace(host, action_seconds=3e-4)), _fp8_spec())
+    measured = (
+        "0.3 ms an action and 3 ms a step (the engine), the optimizer 20 µs a tensor and 1 ns an element"
+    )
+    assert lines[1:] == [f"measured here: {measured}"]
+    a100 = describe_cluster(Cluster(8, 8, GPUS["a100"]), _fp8_spec())
+    assert a100[0].endswith("; FP8 products at 312 TFLOP/s peak (no FP8 tensor cores: the 16-bit peak)")
 
 
 def test_a_measured_slowdown_curve_extends_with_the_ranks():
