@@ -50,5 +50,8 @@ def reduce_scatter(
 def all_gather(
     flat: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, *, async_op: bool
 ) -> dist.Work | None:
-    """Fill ``flat`` with every rank's ``shard`` in rank order (``shard`` is this rank's slice of it)."""
+    """Fill ``flat`` with every rank's ``shard`` in rank order (``shard`` is this rank's slice of it).
+    One-byte floats (weights held in FP8) move as bytes: gloo has no FP8 type, and nothing is summed."""
+    if flat.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        flat, shard = flat.view(torch.uint8), shard.view(torch.uint8)
     return _all_gather_into_tensor(flat, shard, group=group, async_op=async_op)

@@ -55,6 +55,7 @@ from core.distributed.sharding_units import (
     unit_of_params,
 )
 from core.parallel_state import ParallelGroups, group_size
+from core.tensor_parallel.fp8_params import held_weight
 
 
 def _instance_groups(
@@ -168,7 +169,8 @@ class DistributedDataParallel(nn.Module):
         by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], list[tuple[nn.Parameter, str]]] = {}
         for name, param in self.module.named_parameters():
             if param.requires_grad:
-                grad_dtype = torch.float32 if grad_in_fp32 else param.dtype
+                held = held_weight(param)  # a weight held in FP8 has gradients in the model's dtype
+                grad_dtype = torch.float32 if grad_in_fp32 else param.dtype if held is None else held.dtype
                 by_dtype.setdefault((param.dtype, grad_dtype, is_expert_param(param)), []).append(
                     (param, name)
                 )

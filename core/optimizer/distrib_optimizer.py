@@ -25,6 +25,12 @@ the same ranges are stepped, but the gradient is read from the bucket's persiste
 (the full gradient buffer is gone by then) and, under ZeRO-3, the values are read from and written
 to the persistent parameter shard; ``start_param_sync`` then frees any gathered copy instead of
 gathering (each layer gathers its parameters when it next runs).
+
+With ``--fp8-param-gather`` the weights of the dense FP8 layers are held in E4M3
+(:mod:`core.tensor_parallel.fp8_params`): step 4 casts their updated fp32 shards with each weight's
+scale instead of copying them, and the all-gather moves one byte an element. Their main copies start
+from the values the weights had before they were cast, and a checkpoint stores those main values
+(:meth:`DistributedOptimizer.held_weights_in_model_dtype`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch import nn
 from core.optimizer.optimizer import _HALF, MegatronOptimizer, OptimizerConfig
 from core.optimizer.param_state import ParamShard
 from core.parallel_state import ParallelGroups
+from core.tensor_parallel.fp8_params import cast_held_weights, dequantized, held_fp8_weights, held_weight
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -77,6 +84,12 @@ class DistributedOptimizer(MegatronOptimizer):
         )
         """This rank's state is a copy of the first instance's (whose ranks write it to checkpoints)."""
         super().__init__(optimizer, config, model_chunks, groups)
+        shard_of = {id(s.model_param): s for s in self._shards}
+        self._held = [(p, shard_of.get(id(p))) for _, p in held_fp8_weights(model_chunks)]
+        """Every weight of the chunks held in FP8, in module order (the same on every rank of its amax
+        group), with this rank's shard of it (None: it owns none)."""
+        for param, _ in self._held:
+            held_weight(param).high_precision = None  # the main copies have them now
 
     def _make_shard(self, param: nn.Parameter) -> ParamShard | None:
         name = self._name(param)
@@ -87,6 +100,8 @@ class DistributedOptimizer(MegatronOptimizer):
         if owned is None:
             return None
         start, end = owned
+        if held_weight(param) is not None:
+            return self._held_shard(name, param, bucket, start, end)
         views = {}
         if hasattr(bucket, "shard_views"):  # ZeRO-2/3: the bucket's persistent shards
             param_view, grad_view = bucket.shard_views(param)
@@ -99,6 +114,45 @@ class DistributedOptimizer(MegatronOptimizer):
         if param.dtype in _HALF:
             return ParamShard(name, param, view.clone().float(), start, end, copy=True, **views)
         raise TypeError(f"cannot optimise {name} of dtype {param.dtype}; expected bf16, fp16 or fp32")
+
+    def _held_shard(self, name: str, param: nn.Parameter, bucket, start: int, end: int) -> ParamShard:
+        """A weight held in FP8: its main copy starts from the values it was cast from."""
+        if hasattr(bucket, "shard_views"):
+            raise ValueError(
+                f"fp8_param_gather with data_parallel_sharding_strategy optim_grads or optim_grads_params is "
+                f"not built ({name}): use the distributed optimizer alone (optim)"
+            )
+        meta = held_weight(param)
+        source = meta.high_precision if meta.high_precision is not None else dequantized(param)
+        main = source.detach().reshape(-1)[start:end].to(torch.float32, copy=True)
+        return ParamShard(name, param, main, start, end, copy=True, held_in_fp8=True)
+
+    def _cast_held(self, gather: bool) -> None:
+        """Cast the held weights from the main shards (collective over their amax groups); ``gather``:
+        and all-gather them now (after a load; a step's gather is the chunks' usual one)."""
+        if not self._held:
+            return
+        pieces = [(p, None, None) if s is None else (p, s.main_param, s.model_view()) for p, s in self._held]
+        cast_held_weights(pieces)
+        if gather:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+                chunk.finish_param_sync()
+
+    def held_weights_in_model_dtype(self) -> dict[str, torch.Tensor]:
+        """Every weight held in FP8, by name: its main values in the model's dtype, gathered from the
+        data-parallel shards (collective over each bucket's group; a checkpoint stores these, so
+        resuming, resharding and exporting read the master weights, not the FP8 ones)."""
+        out: dict[str, torch.Tensor] = {}
+        for param, shard in self._held:
+            meta, bucket = held_weight(param), self._bucket_of[param]
+            full = torch.zeros(param.numel(), dtype=meta.dtype, device=param.device)
+            if shard is not None:
+                full[shard.start : shard.end] = shard.main_param.detach().reshape(-1)
+            if bucket.dp_size > 1:  # each element is non-zero on one rank only: the sum is exact
+                dist.all_reduce(full, group=bucket.group)
+            out[self._name(param)] = full.view(param.shape)
+        return out
 
     def _grad_stats_group(self):
         """Every rank: each DP rank counts only its shard, so the sums run over DP as well as TP x PP
@@ -119,5 +173,22 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _copy_main_params_to_model_params(self) -> None:
         super()._copy_main_params_to_model_params()
+        self._cast_held(gather=False)
         for chunk in self.model_chunks:
             chunk.start_param_sync()
+
+    def reload_model_params(self) -> None:
+        """Refresh the main copies from the model after a load; a weight held in FP8 from the values
+        the load gave it (``Fp8Weight.high_precision``), then cast and gathered again."""
+        super().reload_model_params()
+        for param, shard in self._held:
+            meta = held_weight(param)
+            if shard is not None and meta.high_precision is not None:
+                with torch.no_grad():
+                    shard.main_param.copy_(meta.high_precision.reshape(-1)[shard.start : shard.end])
+            meta.high_precision = None
+        self._cast_held(gather=True)
+
+    def load_param_state_by_name(self, state: dict) -> None:
+        super().load_param_state_by_name(state)
+        self._cast_held(gather=True)  # the main copies changed: so do the FP8 weights

@@ -361,14 +361,14 @@ class MegatronOptimizer:
 
     def _copy_main_params_to_model_params(self) -> None:
         """Updated fp32 main parameters into the 16-bit model, all tensors in one multi-tensor copy."""
-        pairs = [(s.model_view(), s.main_param) for s in self._shards if s.copy]
+        pairs = [(s.model_view(), s.main_param) for s in self._shards if s.copy and not s.held_in_fp8]
         if pairs:
             models, mains = zip(*pairs)
             _foreach_copy(list(models), list(mains))
 
     def reload_model_params(self) -> None:
         """Refresh the fp32 main copies from the model (after loading model weights only)."""
-        pairs = [(s.main_param, s.model_view()) for s in self._shards if s.copy]
+        pairs = [(s.main_param, s.model_view()) for s in self._shards if s.copy and not s.held_in_fp8]
         if pairs:
             with torch.no_grad():
                 mains, models = zip(*pairs)

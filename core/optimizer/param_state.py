@@ -64,6 +64,9 @@ class ParamShard:
     persistent shard, or ZeRO-2's); None: in the parameter."""
     grad_view: torch.Tensor | None = None
     """Where this range's reduced gradient lives when not in ``main_grad`` (ZeRO-2/3's reduced shard)."""
+    held_in_fp8: bool = False
+    """The model holds this range in FP8 (``--fp8-param-gather``): the optimizer casts ``main_param`` into
+    it with the weight's scale (:func:`core.tensor_parallel.fp8_params.cast_held_weights`), never copies."""
 
     def model_grad(self) -> torch.Tensor | None:
         """The model's reduced gradient of this range (``main_grad`` if any, else ``.grad``), shaped as main."""

@@ -283,13 +283,18 @@ class Fp8State(nn.Module):
         (:func:`update_fp8_scales`), so later microbatches reuse it. A slice of a stacked parameter (an
         MoE expert's, a new view each forward) is known by its parameter and offset."""
         base = weight if weight._base is None else weight._base
+        held = getattr(weight, "fp8_weight", None)
         # (no data_ptr: fake tensors have none)
-        key = (id(base), weight.storage_offset(), weight._version, self.steps)
+        key = (id(base), weight.storage_offset(), weight._version, self.steps, held and held.casts)
         if key != self._weight_key:
-            self._weight_amax = amax_of(weight)
-            self._weight = self.quantize(WEIGHT, weight, record, transpose=True, amax=self._weight_amax)
+            if held is not None:  # held in FP8 (core.tensor_parallel.fp8_params): used as it is
+                values = weight.detach()
+                self._weight, self._weight_amax = (values, values.t().contiguous(), held.scale_inv), None
+            else:
+                self._weight_amax = amax_of(weight)
+                self._weight = self.quantize(WEIGHT, weight, record, transpose=True, amax=self._weight_amax)
             self._weight_key = key
-        elif record and self.recipe.scaling == "delayed":
+        elif record and self.recipe.scaling == "delayed" and self._weight_amax is not None:
             torch.maximum(self.step_amax[WEIGHT], self._weight_amax, out=self.step_amax[WEIGHT])
         return self._weight
 
@@ -418,7 +423,9 @@ def fp8_linear(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """``F.linear(input_, weight, bias)`` with FP8 products; ``accumulate``: the weight gradient goes
-    into ``weight.main_grad`` (``--gradient-accumulation-fusion``)."""
+    into ``weight.main_grad`` (``--gradient-accumulation-fusion``, and always for a weight held in FP8)."""
+    # A weight held in FP8 has no gradient of its own dtype: its gradient goes into main_grad.
+    accumulate = accumulate or getattr(weight, "fp8_weight", None) is not None
     if accumulate:
         check_main_grad(weight)
     # A forward with gradients is a training step's (recomputed or not): its amaxes count.

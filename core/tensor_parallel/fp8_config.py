@@ -74,6 +74,15 @@ class Fp8Config:
     )
     """Compute the weight gradients in FP8 too; False keeps them in the model's dtype."""
 
+    fp8_param_gather: bool = flag(
+        False,
+        group=_GROUP,
+        help="Hold the weights of the FP8 linear layers in FP8 (no 16-bit copy): the distributed optimizer "
+        "casts its updated fp32 shards to FP8 and all-gathers FP8 bytes. Needs --use-distributed-optimizer.",
+    )
+    """The dense FP8 layers' weights held in E4M3 only (``core.tensor_parallel.fp8_params``); routed MoE
+    experts keep 16-bit weights."""
+
     first_last_layers_bf16: bool = flag(False, group=_GROUP)
     """Keep the first ``num_layers_at_start_in_bf16`` and the last ``num_layers_at_end_in_bf16``
     decoder layers out of FP8."""
@@ -109,6 +118,7 @@ _RECIPE_FLAGS = {
     "fp8_amax_compute_algo": ("--fp8-amax-compute-algo", None),
     "fp8_wgrad": ("--no-fp8-wgrad", True),
     "first_last_layers_bf16": ("--first-last-layers-bf16", False),
+    "fp8_param_gather": ("--fp8-param-gather", False),
 }
 
 

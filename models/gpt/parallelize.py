@@ -43,6 +43,7 @@ from core.pipeline_parallel.auxiliary_loss import auxiliary_loss_scale_hook
 from core.pipeline_parallel.hooks import ScheduleHooks
 from core.pipeline_parallel.layout import PipelineLayout
 from core.tensor_parallel.fp8 import set_amax_group
+from core.tensor_parallel.fp8_params import hold_weights_in_fp8
 from core.transformer.transformer_config import TransformerConfig
 from models.gpt.gpt_model import GPTModel
 
@@ -170,6 +171,10 @@ def parallelize_gpt(
     modules = _build_modules(model_provider, layout, groups)
     if groups is not None:  # where the delayed FP8 recipe reduces its amaxes
         set_amax_group(modules, groups.tp_dp_cp, groups.expt_dp)
+    if getattr(modules[0].config, "fp8_param_gather", False):
+        if ddp_config is None or not ddp_config.use_distributed_optimizer:
+            raise ValueError("fp8_param_gather only supported with distributed optimizer")
+        hold_weights_in_fp8(modules)  # before the wrapper lays the parameters out: a one-byte buffer
     if ddp_config is None:
         return ParallelGPT(modules=modules, chunks=modules, groups=groups)
     if ddp_config.shard_grads:

@@ -219,19 +219,10 @@ FP8_FLAGS = str.split(
 
 def _fp8_pretrain(rank, world_size, flags):
     """One pretrain() on this rank: the FP8 states of its layers at the end, by name."""
-    import pretrain_gpt
     from core.tensor_parallel.fp8 import fp8_state_dict
-    from tests.support.pretrain_run import pretrain_gpt_in_process
+    from tests.support.pretrain_run import pretrain_keeping_models
 
-    built = []
-
-    def model_provider(*args, **kwargs):
-        built.append(pretrain_gpt.model_provider(*args, **kwargs))
-        return built[-1]
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        pretrain_gpt_in_process(argv=flags, model_provider=model_provider)
-    return fp8_state_dict(built)
+    return fp8_state_dict(pretrain_keeping_models(flags)[1])
 
 
 def test_fp8_amax_histories_saved_at_pp2_load_by_name_at_pp1(ranks, tmp_path):

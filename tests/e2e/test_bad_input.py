@@ -702,11 +702,20 @@ FP8 = [
         "tensorwise or delayed",
     ),
     Case(
-        "FP8 parameters gathered",
+        "FP8 parameters gathered without the distributed optimizer",
         _flags(FULL + "--bf16 --fp8-format hybrid --fp8-param-gather"),
-        "Trident does not support --fp8-param-gather yet: weights held and all-gathered in FP8 are not built; "
-        "FP8 products cast the model's bf16 weights, once per optimizer step",
-        2,
+        "--fp8-param-gather only supported with distributed optimizer",
+    ),
+    Case(
+        "FP8 parameters gathered without FP8",
+        _flags(FULL + "--bf16 --fp8-param-gather --use-distributed-optimizer"),
+        "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)",
+    ),
+    Case(
+        "FP8 parameters gathered under ZeRO-3",
+        _flags(FULL + "--bf16 --fp8-format hybrid --fp8-param-gather --use-megatron-fsdp"),
+        "--fp8-param-gather with --data-parallel-sharding-strategy optim_grads_params is not built: use "
+        "--use-distributed-optimizer alone (optim)",
     ),
     Case(
         "more bf16 layers than layers",

@@ -89,12 +89,11 @@ ISSUE_FLAGS = {
     "--moe-aux-loss-coeff --moe-layer-freq --moe-token-dispatcher-type=alltoall --moe-ffn-hidden-size "
     "--moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-router-pre-softmax "
     "--rampup-batch-size --step-batch-size-schedule --fp8-format --fp8-recipe --fp8-amax-history-len "
-    "--fp8-amax-compute-algo --fp8-margin --no-fp8-wgrad --first-last-layers-bf16",
+    "--fp8-amax-compute-algo --fp8-margin --no-fp8-wgrad --first-last-layers-bf16 --fp8-param-gather",
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format --fp8-interval",
-    NOT_YET: "--fp8-param-gather "
-    "--init-model-with-meta-device --suggested-communication-unit-size --megatron-fsdp-main-params-dtype",
+    NOT_YET: "--init-model-with-meta-device --suggested-communication-unit-size --megatron-fsdp-main-params-dtype",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp --use-torch-fsdp2 "
     "--megatron-fsdp-version",
@@ -124,7 +123,7 @@ def test_rejected_flags_are_hidden_from_help_and_named_in_its_epilog():
         assert (option in options) == (not entry.rejected), option
         if entry.rejected:
             assert option.replace(" ", "=") in text.split("rejects")[1].split(), option
-    assert "--moe-*" in text and "--fp8-param-gather*" in text
+    assert "--moe-*" in text and "--megatron-fsdp-*" in text
 
 
 def test_every_shown_flag_has_help_text():
@@ -160,11 +159,7 @@ def test_a_field_shared_by_several_configs_is_one_flag_of_one_type():
         ),
         (
             "--fp8-format hybrid --fp8-param-gather --norm-epsilon 1e-6 --openai-gelu --moe-use-upcycling",
-            (
-                "Trident does not support --fp8-param-gather yet: weights held and all-gathered in FP8 are not "
-                "built; FP8 products cast the model's bf16 weights, once per optimizer step; Trident does not "
-                f"support --moe-use-upcycling: {MOE}"
-            ),
+            f"Trident does not support --moe-use-upcycling: {MOE}",
         ),
         (
             "--num-experts 8 --moe-router-load-balancing-type sinkhorn",

@@ -3,7 +3,8 @@
 What is expected of each flag comes from the coverage table, so these tests pass today and tighten
 by themselves as "not supported yet" flags land: a script whose refused flags are all out of scope
 must exit at once with one line naming them, and everything else in it must train (the LLaMA-3 8B
-script in FP8 with its delayed recipe, less ``--fp8-param-gather``, which is not built yet). The CI part parses and validates every script in process; the torchrun part is slow:
+script in full: FP8 with its delayed recipe and its weights held in FP8). The CI part parses and
+validates every script in process; the torchrun part is slow:
 
     python -m pytest -q -m slow tests/e2e/test_megatron_examples.py
 """
@@ -58,6 +59,14 @@ def test_each_script_is_accepted_or_refused_in_one_line_naming_the_flags(name):
     assert rejected(rest) == [] and len(rest) < len(argv) or not refused
     args = validate_args(parse_args(rest), NPROC)  # everything else in the script is taken as it is
     assert not args.using_default_model and args.train_iters == 3
+
+
+def test_the_llama3_8b_fp8_script_is_taken_whole_with_its_weights_held_in_fp8():
+    argv = tokens("llama3_8b")
+    assert rejected(argv) == []
+    args = validate_args(parse_args(argv), NPROC)
+    assert (args.fp8, args.fp8_recipe, args.fp8_param_gather) == ("hybrid", None, True)
+    assert args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim"
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +134,7 @@ def test_llama3_8b_script_trains_three_iterations_with_context_parallel_size_2(f
         in done.stdout
     )
     assert "FP8 on pipeline stage 0: 8 linear layers in FP8 in decoder layers 0, 1\n" in done.stdout
+    assert "FP8 on pipeline stage 0: 8 weights held in FP8 (--fp8-param-gather)\n" in done.stdout
     logged = re.findall(r"\] iteration +(\d+)/ +3 \|.*\| lm loss: (\S+) \|", done.stdout)
     assert [int(i) for i, _ in logged][-1] == 3 and all(float(loss) > 0 for _, loss in logged), done.stdout[
         -3000:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-import pretrain_gpt
 from core.tensor_parallel.fp8 import fp8_state_dict
-from tests.support.pretrain_run import pretrain_gpt_in_process
+from tests.support.pretrain_run import pretrain_keeping_models
 
 TINY = (
     "--num-layers 2 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --seq-length 32 "
@@ -21,11 +20,5 @@ TINY = (
 
 def fp8_run(flags: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The run's losses and, at its end, its FP8 states by name."""
-    built = []
-
-    def model_provider(*args, **kwargs):
-        built.append(pretrain_gpt.model_provider(*args, **kwargs))
-        return built[-1]
-
-    state = pretrain_gpt_in_process(argv=f"{TINY} {flags}".split(), model_provider=model_provider)
+    state, built, _ = pretrain_keeping_models(f"{TINY} {flags}".split())
     return [float(step["lm loss"]) for step in state.losses], fp8_state_dict(built)

@@ -10,6 +10,8 @@ on the same data, from the same initial weights (same ``--seed``).
     python tools/bench/fp8.py layer --device cuda                       # one linear layer's three products
     python tools/bench/fp8.py loss --config small-gpt --iters 300 --nproc 4 \\
         --extra "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule zb-h1"
+    python tools/bench/fp8.py loss --config small-gpt --iters 300 --nproc 4 --fp8-extra=--fp8-param-gather \\
+        --extra "--use-distributed-optimizer --tensor-model-parallel-size 2 --sequence-parallel"
 
 ``speed``: bf16, FP8 tensorwise and FP8 delayed, each with ``--compile`` unless ``--no-compile``; the
 first ``--warmup`` iterations (compilation) are dropped, the median of the rest gives tokens/s, and
@@ -161,6 +163,8 @@ def command(spec: dict, args: argparse.Namespace, contestant: str, iters: int) -
         if not args.no_compile:
             flags += ["--compile"]
     flags += CONTESTANTS[contestant] + shlex.split(args.extra)
+    if contestant != "bf16":
+        flags += shlex.split(args.fp8_extra)
     if args.nproc > 1:
         return ["torchrun", "--nproc-per-node", str(args.nproc), "pretrain_gpt.py", *flags]
     return [sys.executable, "pretrain_gpt.py", *flags]
@@ -358,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-compile", action="store_true", help="speed: eager contestants")
     parser.add_argument("--contestants", nargs="+", default=list(CONTESTANTS), choices=list(CONTESTANTS))
     parser.add_argument("--extra", default="", help="flags added to every contestant's command line")
+    parser.add_argument(
+        "--fp8-extra", default="", help="flags added to the FP8 contestants only (--fp8-param-gather)"
+    )
     parser.add_argument("--limit", type=float, default=600.0, help="seconds each contestant may run")
     args = parser.parse_args(argv)
     args.config = args.config or ("llama3-8b" if args.mode == "speed" else "small-llama")

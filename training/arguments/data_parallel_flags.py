@@ -44,6 +44,15 @@ def derive_precision_and_data_parallel(args: argparse.Namespace) -> None:
         args.grad_reduce_in_fp32 = accumulate_in_fp32
     _check_data_parallel_sharding(args)
     _check_instances(args)
+    if args.fp8_param_gather:
+        _require(
+            args.use_distributed_optimizer, "--fp8-param-gather only supported with distributed optimizer"
+        )
+        _require(
+            args.data_parallel_sharding_strategy == "optim",
+            f"--fp8-param-gather with --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} "
+            "is not built: use --use-distributed-optimizer alone (optim)",
+        )
     if args.overlap_param_gather:
         _require(
             args.use_distributed_optimizer,

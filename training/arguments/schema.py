@@ -319,10 +319,6 @@ _MOE = (
     "and z-loss balancing, capacity with dropping or padding, shared experts, alltoall or allgather "
     "dispatch, experts whole on each expert-parallel rank)"
 )
-_FP8_PARAM_GATHER = (
-    "weights held and all-gathered in FP8 are not built; FP8 products cast the model's bf16 weights, once "
-    "per optimizer step"
-)
 _ONE_FORMAT = (
     "Trident writes one checkpoint format (safetensors and JSON, resharded on load to any split); "
     "--ckpt-format torch and torch_dist both mean it"
@@ -450,7 +446,6 @@ A key "--flag value" rejects one value of a flag that otherwise works."""
 REJECTED_PREFIXES: dict[str, Coverage] = {
     "--moe-": unsupported(_MOE),
     "--megatron-fsdp-": not_yet(_FSDP_NOT_YET),
-    "--fp8-param-gather": not_yet(_FP8_PARAM_GATHER),
 }
 """Whole flag families Trident rejects, by prefix."""
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from core.parallel_state import ParallelGroups
 from core.tensor_parallel.fp8 import fp8_states, load_fp8_state_dict
+from core.tensor_parallel.fp8_params import held_weight
 from training.checkpoint.convert import parallelism_of
 from training.checkpoint.files import probe_writable, remove_stale_temp_files
 from training.checkpoint.format import CheckpointError, optimizer_tensor_name
@@ -227,16 +228,22 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p: RankSplit, loa
     specs = specs_of_params(tensors.items(), p.tp, module.config.make_vocab_size_divisible_by)
     for name, param in tensors.items():
         check_spec(ckpt, name, specs[name])
-        source = name  # an fp32 model loading a bf16 run takes the fp32 master copy when there is one
+        # An fp32 model, or a weight held in FP8, loading a 16-bit run takes the fp32 master copy when
+        # there is one; a weight held in FP8 keeps the values for the optimizer, which casts them.
+        source, held = name, held_weight(param)
         master = optimizer_tensor_name("main_param", name)
         if (
-            param.dtype == torch.float32
+            (param.dtype == torch.float32 or held is not None)
             and ckpt.spec(name).dtype != torch.float32
             and ckpt.has_tensor(master)
         ):
             source = master
+        value = ckpt.read_shard(source, p.tp_rank, p.tp)
+        if held is not None:
+            held.high_precision = value.to(param.device)
+            continue
         with torch.no_grad():
-            param.copy_(ckpt.read_shard(source, p.tp_rank, p.tp))
+            param.copy_(value)
     optimizer_state = None
     if load_optim and optimizer is not None:
         optimizer_state = read_optimizer_state(ckpt, optimizer, params, p)

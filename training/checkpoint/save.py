@@ -12,6 +12,7 @@ leaves the previous checkpoint the tracker's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from argparse import Namespace
@@ -173,7 +174,12 @@ def describe(
     config = module.config
     params = model_parameters(model_chunks)
     specs = specs_of_params(checkpoint_tensors(params).items(), p.tp, config.make_vocab_size_divisible_by)
-    files, param_groups, grad_scaler = _tensor_files(params, specs, p, optimizer)
+    masters = (
+        optimizer.held_weights_in_model_dtype() if hasattr(optimizer, "held_weights_in_model_dtype") else {}
+    )
+    for name, master in masters.items():  # a weight held in FP8 is stored as its master values
+        specs[name] = dataclasses.replace(specs[name], dtype=master.dtype)
+    files, param_groups, grad_scaler = _tensor_files(params | masters, specs, p, optimizer)
     rng_tensors, skeleton = flatten_state(
         _with_fp8(get_rng_state() if rng_state is None else rng_state, model_chunks)
     )

@@ -1,0 +1,99 @@
+"""``--fp8-param-gather``: weights held in FP8, cast by the distributed optimizer and all-gathered as bytes.
+
+* In fp32 with the tensorwise recipe, holding the weights in FP8 is the same computation as casting
+  them in each forward: both multiply the E4M3 cast of the same fp32 values with the whole weight's
+  scale. So the losses are equal, bit for bit, at TP2 x DP2 with sequence parallelism and at PP2 x DP2
+  under the zero-bubble schedule.
+* The held weights sit in a one-byte buffer of their own: the all-gather moves FP8 bytes.
+* A checkpoint stores the master values in the model's dtype: a resume is exact, and a run without the
+  flag, at another split, loads them as they are.
+
+One pool of 4 gloo ranks serves the module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.support.pretrain_run import pretrain_keeping_models
+from training.checkpoint import open_checkpoint
+from training.checkpoint.format import optimizer_tensor_name
+
+FP8_FP32 = str.split(
+    "--num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 127 --seed 7 --hidden-dropout 0 --attention-dropout 0 "
+    "--num-workers 0 --eval-iters 0 --swiglu --normalization RMSNorm --position-embedding-type rope "
+    "--disable-bias-linear --fp8-format hybrid --fp8-recipe tensorwise --use-distributed-optimizer "
+    "--train-iters 4"
+)
+HELD = ["--fp8-param-gather"]
+
+
+def _pretrain(rank, world_size, flags):
+    """One pretrain() on this rank: (its losses, (how many storages its FP8 weights use, their bytes, their
+    elements), the dtypes of its fc1 weights, what it printed)."""
+    state, built, out = pretrain_keeping_models(flags)
+    held = [p for m in built for n, p in m.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in held}
+    weights = {n: str(p.dtype) for m in built for n, p in m.named_parameters() if n.endswith("fc1.weight")}
+    storage = (len(storages), sum(storages.values()), sum(p.numel() for p in held))
+    return [s["lm loss"] for s in state.losses], storage, weights, out
+
+
+def _losses(pool, flags) -> tuple[list[float], list]:
+    results = pool.run(_pretrain, flags, timeout=240)
+    curves = [losses for losses, *_ in results if losses]
+    assert curves and all(c == curves[0] for c in curves)
+    return curves[0], results
+
+
+def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_parallelism(ranks):
+    split = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    cast, _ = _losses(ranks(4), FP8_FP32 + split)
+    held, results = _losses(ranks(4), FP8_FP32 + split + HELD)
+    assert held == cast
+    _, (storages, nbytes, numel), weights, out = results[0]
+    assert set(weights.values()) == {"torch.float8_e4m3fn"} and len(weights) == 4
+    # one buffer of one byte an element (padded to whole shards): what the all-gather moves
+    assert storages == 1 and numel <= nbytes < numel + 2 * 128
+    assert "FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather)\n" in out
+
+
+def test_held_weights_give_the_cast_weights_losses_at_pp2_dp2_zero_bubble(ranks):
+    split = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
+    cast, _ = _losses(ranks(4), FP8_FP32 + split)
+    held, _ = _losses(ranks(4), FP8_FP32 + split + HELD)
+    assert held == cast
+
+
+BF16_DELAYED = [
+    *FP8_FP32,
+    *"--bf16 --fp8-recipe delayed --fp8-amax-history-len 4 --lr-decay-iters 6".split(),
+    *"--pipeline-model-parallel-size 2 --fp8-param-gather".split(),
+]
+
+
+def _weights(rank, world_size, flags):
+    """One pretrain() in this process: the decoder's fc1 weights at its end, by name (host copies)."""
+    built = pretrain_keeping_models(flags)[1]
+    return {n: p.detach().cpu().clone() for m in built for n, p in m.named_parameters() if "fc1" in n}
+
+
+def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(ranks, tmp_path):
+    """PP2 x DP2, bf16, delayed recipe: 3 iterations, a save, 3 more after a load give the 6 straight
+    iterations' losses; the checkpoint's weights are the optimizer's fp32 masters in bf16, and a run at
+    PP1 x DP1 without the flag (nor the distributed optimizer) loads exactly those."""
+    straight, _ = _losses(ranks(4), BF16_DELAYED + ["--train-iters", "6"])
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = _losses(ranks(4), BF16_DELAYED + ["--train-iters", "3", "--save", ckpt])
+    resumed, _ = _losses(ranks(4), BF16_DELAYED + ["--train-iters", "6", "--load", ckpt])
+    assert first + resumed == straight
+    saved = open_checkpoint(str(tmp_path / "ckpt" / "iter_0000003"))
+    plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"]
+    loaded = _weights(0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --load".split() + [ckpt])
+    assert len(loaded) == 4
+    for name, weight in loaded.items():
+        master = saved.read_shard(optimizer_tensor_name("main_param", name))
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, master.to(torch.bfloat16)), name
+        assert torch.equal(saved.read_shard(name), weight), name
