@@ -12,7 +12,7 @@ model's dtype; the attention core, the output layer and everything else stay at 
 (:class:`MatmulRates` says which rate a candidate used). The casts are element-wise work: each FP8
 operand is read twice (its amax, then the scaled cast) and written in one byte, plus its transposed
 copy where a product needs it (:data:`CAST_READS`); inputs and output gradients per microbatch, the
-weights once per step (none with ``--fp8-param-gather``: they are held in FP8).
+weights once per step (with ``--fp8-param-gather`` they are held in FP8: only their transposed copy).
 
 Communication uses ring formulas at the group's achieved bandwidth and per-message latency (inside
 a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`` order):
@@ -206,7 +206,8 @@ class StageCostModel:
         grads = sum(self.tokens * p.uses * p.out_features for p in products)
         experts = s.moe.num_experts // c.ep if s.moe is not None else 0
         weights = sum(p.in_features * p.out_features * (experts if p.expert else 1) for p in products)
-        weight_bytes = 0 if s.fp8_param_gather else weights * (read + 2) / c.num_microbatches
+        per_weight = 2 if s.fp8_param_gather else read + 2  # held in FP8: only the transposed copy is made
+        weight_bytes = weights * per_weight / c.num_microbatches
         return self._memory_seconds(inputs * per_value + weight_bytes), self._memory_seconds(
             grads * per_value
         )

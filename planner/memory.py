@@ -2,7 +2,7 @@
 
 Static memory follows the data-parallel wrapper and the optimizer (``core/distributed``,
 ``core/optimizer``): parameters in their dtype (FP8 layers' weights also as an FP8 copy and its
-transpose for the step, or, with ``--fp8-param-gather``, in FP8 only); one flat gradient buffer per model chunk (fp32 for
+transpose for the step; with ``--fp8-param-gather`` held in FP8, plus the transpose); one flat gradient buffer per model chunk (fp32 for
 bf16 and fp32 models, fp16 for fp16), padded per bucket under the distributed optimizer; Adam's two
 fp32 moments and, for 16-bit models, an fp32 main copy, all sharded over data parallelism (times
 context parallelism) with the distributed optimizer.
@@ -216,14 +216,17 @@ def stepped_tensors(spec: ModelSpec, cand: Candidate, pp_rank: int) -> float:
     return _static(spec, cand, pp_rank, "cuda").stepped_tensors
 
 
-def _fp8_weight_bytes(spec: ModelSpec, cand: Candidate, layers: int) -> float:
-    """What FP8 adds to a rank's parameter bytes: an FP8 copy of each FP8 weight and its transpose,
-    kept for the step (two bytes an element); with ``--fp8-param-gather`` the weights are held in FP8
-    only, one byte an element instead of the model dtype's (a negative change)."""
+def _fp8_weight_bytes(spec: ModelSpec, cand: Candidate, layers: int) -> tuple[float, float]:
+    """What FP8 changes in a rank's (parameter bytes, parameter all-gather bytes): an FP8 copy of each
+    FP8 weight and its transposed copy, kept for the step (two bytes an element, not gathered); with
+    ``--fp8-param-gather`` the weights are held in FP8, one byte an element instead of the model
+    dtype's (``core/tensor_parallel/fp8_params.py``), which is what the all-gather moves, and the layer
+    still keeps the transposed copy for the step (one byte)."""
     elements = spec.fp8_weight_elements(cand.tp) * layers
     if spec.fp8_param_gather:
-        return -elements * (spec.bytes_per_value - 1)
-    return 2 * elements
+        held = -elements * (spec.bytes_per_value - 1)
+        return held + elements, held
+    return 2 * elements, 0.0
 
 
 def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) -> _Static:
@@ -249,8 +252,8 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
         count = math.ceil(count / shards)
     else:
         params, grads, state = total * B, total * grad_bytes, per_element_state * total + steps
-    fp8 = _fp8_weight_bytes(spec, cand, sum(chunk.count("t") for chunk in chunks))
-    gathered = params + min(fp8, 0.0)
+    fp8, fp8_gathered = _fp8_weight_bytes(spec, cand, sum(chunk.count("t") for chunk in chunks))
+    gathered = params + fp8_gathered
     params += fp8
     if spec.position_embedding_type == "rope":  # each chunk's RoPE frequencies (fp32, a buffer)
         params += cand.vpp * 2 * int(spec.kv_channels * spec.rotary_percent)

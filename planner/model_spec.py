@@ -122,9 +122,9 @@ class ModelSpec:
     fp8_wgrad: bool = True
     """The weight-gradient products run in FP8 too (``--no-fp8-wgrad`` keeps them in the model's dtype)."""
     fp8_param_gather: bool = False
-    """``--fp8-param-gather``: the FP8 layers' weights are held in FP8 only (one byte an element, no
-    16-bit copy and no FP8 copy made per step), and the distributed optimizer's parameter all-gather
-    moves one byte an element for them."""
+    """``--fp8-param-gather``: the FP8 layers' weights are held in FP8 (one byte an element, no 16-bit
+    copy and no cast per step; the layer still keeps the transposed copy for the step), and the
+    distributed optimizer's parameter all-gather moves one byte an element for them."""
     moe: MoeSpec | None = None
     name: str = ""
 

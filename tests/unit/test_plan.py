@@ -200,41 +200,53 @@ def test_fp8_products_run_at_the_fp8_peak_and_their_casts_cost_memory_time():
     assert without_fp8_cores.linear_seconds()[0] == pytest.approx(3_145_728 / 1e14, rel=1e-12)
 
 
-def test_fp8_param_gather_holds_fp8_weights_only_and_gathers_one_byte(small):
-    """--fp8-param-gather (issue 28): the FP8 layers' weights are one byte an element, with no 16-bit
-    copy and no FP8 copy; the distributed optimizer's parameter all-gather moves one byte for them.
-    DP 2, one rank holding E, 2 layers, L: 65,536 + 2,048 embedding, 2 x (2 x 64 + 49,152) layers and
-    a 64 final norm = 166,208 elements, padded to 166,272 (a multiple of lcm(2, 128))."""
+def test_fp8_param_gather_holds_fp8_weights_and_gathers_one_byte():
+    """--fp8-param-gather (issue 28, ``core/tensor_parallel/fp8_params.py``): the FP8 layers' weights are
+    held in one byte, with no 16-bit copy and no cast per step, the layer keeping only the transposed
+    copy (one byte); the distributed optimizer's parameter all-gather moves one byte for them. DP 2,
+    one rank holding E, 2 layers, L: 65,536 + 2,048 embedding, 2 x (2 x 64 + 49,152) layers and a 64
+    final norm = 166,208 elements, padded to 166,272 (a multiple of lcm(2, 128)); 98,304 FP8 weights."""
     from planner.memory import gathered_param_bytes
 
     cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
     plain, fp8, gather = _fp8_spec(fp8=False), _fp8_spec(), _fp8_spec(fp8_param_gather=True)
     assert rank_static(plain, cand, 0)[:3] == (166_272 * 2, 166_272 * 4, 12 * 166_208 / 2 + 4 * 15 / 2)
     assert rank_static(fp8, cand, 0)[0] == 166_272 * 2 + 2 * 98_304  # an FP8 weight and its transpose
-    assert rank_static(gather, cand, 0)[0] == 166_272 * 2 - 98_304  # the FP8 weights: one byte, not two
+    assert rank_static(gather, cand, 0)[0] == 166_272 * 2 - 98_304 + 98_304  # held in one byte + transpose
+    assert (
+        rank_static(_fp8_spec(fp8_param_gather=True, precision="fp32"), cand, 0)[0]
+        == 166_272 * 4 - 2 * 98_304
+    )
     assert rank_static(gather, cand, 0)[1:3] == rank_static(plain, cand, 0)[1:3]
     assert [gathered_param_bytes(s, cand, 0) for s in (plain, fp8, gather)] == [332_544, 332_544, 234_240]
     cluster = Cluster(2, 2, _FP8_GPU)  # 100 GB/s, 10 µs a ring step; a ring all-gather of 2: one step
-    seconds = StageCostModel(gather, cand, cluster).param_gather_seconds(234_240)
-    assert seconds == pytest.approx(1e-5 + 234_240 / 2 / 1e11, rel=1e-12)
-    # the step: one byte a weight element to gather, and no weight casts per step
-    assert StageCostModel(gather, cand, cluster).fp8_cast_seconds()[0] == pytest.approx(32 * 448 * 6 / 1e12)
+    assert StageCostModel(gather, cand, cluster).param_gather_seconds(234_240) == pytest.approx(
+        1e-5 + 234_240 / 2 / 1e11, rel=1e-12
+    )
+    # no weight cast per step, only its transposed copy (a byte read, a byte written)
+    assert StageCostModel(gather, cand, cluster).fp8_cast_seconds()[0] == pytest.approx(
+        (32 * 448 * 6 + 49_152 * 2 / 4) / 1e12, rel=1e-12
+    )
 
 
-def test_fp8_param_gather_is_read_from_the_config_and_plans_with_the_distributed_optimizer(small):
+def test_fp8_param_gather_plans_runnable_candidates_with_the_distributed_optimizer(small):
+    """--fp8-param-gather needs the distributed optimizer: every candidate gets it, DP 1 too, and its
+    flags pass Trident's checks (the planner's own check of the base flags keeps the optimizer flag)."""
+    from planner.report import candidate_args
+    from training.arguments.checks import validate_args
     from training.arguments.parser import parse_args
-    from training.run import build_run
 
-    flags = [*SMALL, "--fp8-format", "e4m3", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4"]
-    config = build_run(parse_args(flags), 1).model
-    assert not ModelSpec.from_config(config, vocab_size=4096, seq_length=256).fp8_param_gather
-    config.fp8_param_gather = True  # the field Fp8Config gains with --fp8-param-gather
-    spec = ModelSpec.from_config(config, vocab_size=4096, seq_length=256)
-    assert spec.fp8 and spec.fp8_param_gather
-    cluster = Cluster(4, 4, GPUS["h100"])
-    result = search(spec, cluster, global_batch_size=16, top=3, allow_distributed_optimizer=True,
-                    fixed={"pp": 4})  # fmt: skip
-    assert all(p.cand.distributed_optimizer for p in result.candidates)  # DP 1 too: the flag needs it
+    plan_input = read_input(
+        [*SMALL, "--fp8-format", "e4m3", "--fp8-param-gather", "--use-distributed-optimizer"]
+    )
+    assert plan_input.spec.fp8 and plan_input.spec.fp8_param_gather and not small.spec.fp8_param_gather
+    result = search(plan_input.spec, Cluster(4, 4, GPUS["h100"]), global_batch_size=16, top=3,
+                    allow_distributed_optimizer=True, fixed={"pp": 4})  # fmt: skip
+    assert len(result.candidates) == 3
+    for planned in result.candidates:
+        assert planned.cand.dp == 1 and planned.cand.distributed_optimizer
+        args = validate_args(parse_args(candidate_args(plan_input.base_flags, planned.cand)), 4)
+        assert args.fp8_param_gather and args.use_distributed_optimizer
 
 
 def test_the_table_and_json_say_which_rate_each_candidate_used(capsys):
