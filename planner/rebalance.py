@@ -12,8 +12,10 @@ The refitted costs then re-rank every candidate the plan tries (``tools/plan.py 
 prints the table again): :class:`RefitProfile` carries the run's level to the other shapes.
 
 CPU ranks sharing cores (this machine) measure each action stretched by the ranks busy beside it;
-each event is first brought back to the time it would take on a core of its own: a stretch of
-``busy ranks / cores`` wherever more ranks computed than there are cores.
+each event is first brought back to the time it would take on a core of its own: each stretch of it
+divided by the cluster's slowdown for the ranks busy then (``HostCosts.slowdown``, measured by
+``--profile-local``; unmeasured, ``busy ranks / cores`` wherever more ranks computed than there are
+cores), the curve the step's timing applies again.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
@@ -48,9 +51,10 @@ __all__ = [
 _KINDS = ("F", "B", "I", "W")
 
 
-def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], cores: int | None) -> list[tuple]:
-    """Events with each duration replaced by the time it would take on a core of its own."""
-    if not cores:
+def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], slowdown) -> list[tuple]:
+    """Events with each duration replaced by the time it would take on a core of its own: each stretch
+    progresses at ``1 / slowdown(k)`` while ``k`` ranks compute (``slowdown`` None: no sharing)."""
+    if slowdown is None:
         return events
     edges = sorted({t for s, e in busy for t in (s, e)})
     out = []
@@ -61,13 +65,15 @@ def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], core
             if hi <= lo:
                 continue
             running = sum(1 for s, e in busy if s <= lo and e >= hi)
-            own += (hi - lo) * min(1.0, cores / max(running, 1))
+            own += (hi - lo) / slowdown(max(running, 1))
         out.append((kind, mb, chunk, start, start + own))
     return out
 
 
-def stage_means(path: str, cores: int | None = None) -> tuple[dict[tuple[int, int, str], float], object]:
-    """Mean seconds per (pp rank, chunk, action kind) over the first pipeline's recorded iterations."""
+def stage_means(path: str, slowdown=None) -> tuple[dict[tuple[int, int, str], float], object]:
+    """Mean seconds per (pp rank, chunk, action kind) over the first pipeline's recorded iterations, on
+    a core of their own where ``slowdown(k)`` says how much longer an action takes while ``k`` ranks
+    share the cores (the same curve the step's timing then applies: a refit gives back the run)."""
 
     data = load_trace(os.path.join(path, "timeline.json") if os.path.isdir(path) else path)
     durations: dict[tuple[int, int, str], list[float]] = defaultdict(list)
@@ -76,7 +82,7 @@ def stage_means(path: str, cores: int | None = None) -> tuple[dict[tuple[int, in
         busy = [(e[3], e[4]) for r in step.ranks for e in r.events if e[0] in _KINDS]
         for rank in pipeline:
             compute = [e for e in rank.events if e[0] in _KINDS]
-            for kind, _, chunk, start, end in _own_core_seconds(compute, busy, cores):
+            for kind, _, chunk, start, end in _own_core_seconds(compute, busy, slowdown):
                 durations[rank.pp_rank, chunk, kind].append((end - start) / 1e3)
     return {key: float(np.mean(v)) for key, v in durations.items()}, data
 
@@ -207,7 +213,8 @@ def measured_pipeline_seconds(data) -> float:
 def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | None = None) -> dict:
     """The run's layout, the proposed one, and both simulated with the measured costs; the run's
     measured pipeline against the plan's prediction for its layout (``profile``'s costs, or FLOPs)."""
-    means, data = stage_means(path, cluster.cores)
+    slowdown = partial(cluster.host.slowdown_at, cores=cluster.cores) if cluster.cores else None
+    means, data = stage_means(path, slowdown)
     cand = _run_candidate(plan_input, data)
     spec = plan_input.spec
     model = StageCostModel(spec, cand, cluster)

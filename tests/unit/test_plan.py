@@ -608,3 +608,18 @@ def test_the_refitted_costs_rerank_every_candidate(tmp_path, capsys, small):
     assert re.search(
         r"the run's layout (ranks #\d: \d\.\d\dx the top pick's step|\(.*\) is not among the top 3)", table
     )
+
+
+def test_a_timeline_is_brought_to_own_core_seconds_with_the_measured_slowdown():
+    """``--from-timeline`` on shared cores divides each stretch of an action by the slowdown measured for
+    the ranks busy then (the curve the step's timing applies again), not by ideal sharing."""
+    from planner.rebalance import _own_core_seconds
+
+    busy = [(0.0, 10.0), (4.0, 6.0), (5.0, 6.0)]  # three ranks: 0-4 one busy, 4-5 two, 5-6 three, 6-10 one
+    events = [("F", 0, 0, 0.0, 10.0)]
+    curve = HostCosts(slowdown=(1.0, 1.6, 2.5))
+    own = _own_core_seconds(events, busy, partial(curve.slowdown_at, cores=2))
+    assert own[0][4] == pytest.approx(4.0 + 1.0 / 1.6 + 1.0 / 2.5 + 4.0, rel=1e-12)
+    ideal = _own_core_seconds(events, busy, partial(HostCosts().slowdown_at, cores=2))
+    assert ideal[0][4] == pytest.approx(4.0 + 1.0 + 1.0 / 1.5 + 4.0, rel=1e-12)
+    assert _own_core_seconds(events, busy, None) == events
