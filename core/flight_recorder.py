@@ -4,8 +4,9 @@ Each process group records its last collectives and point-to-point messages (wha
 group, in which state) in a ring buffer; torch 2.13 records for gloo as well as NCCL. :func:`enable`
 sets the buffer's size before the process group exists, unless the environment already chose one
 (``TORCH_FR_BUFFER_SIZE``, or NCCL's ``TORCH_NCCL_TRACE_BUFFER_SIZE``; 0 turns it off). When the
-watchdog ends a hung job, every waiting rank writes :func:`dump`: the recorder's entries as JSON, with
-what the rank itself was doing (its phase and schedule action), into :func:`dump_dir`.
+watchdog ends a hung job, every rank writes :func:`dump`: the recorder's entries as JSON, with what the
+rank itself was doing (its phase and schedule action) and its schedule position (its whole table, the
+action it runs, the last it finished and the message it waits for), into :func:`dump_dir`.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ def dump_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"trident-flight-recorder-{run_id}")
 
 
-def dump(rank: int, doing: str) -> str | None:
-    """Write this rank's recorder entries and ``doing`` (its phase and schedule action) to
-    ``<dump_dir>/rank_<rank>.json``; the path, or None when nothing could be written."""
+def dump(rank: int, doing: str, schedule: dict | None = None) -> str | None:
+    """Write this rank's recorder entries, ``doing`` (its phase and schedule action) and ``schedule`` (its
+    schedule position: the table, the running and last finished action, the message it waits for; see
+    ``core.pipeline_parallel.position``) to ``<dump_dir>/rank_<rank>.json``; the path, or None when
+    nothing could be written."""
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
 
@@ -47,7 +50,8 @@ def dump(rank: int, doing: str) -> str | None:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank_{rank}.json")
         with open(path, "w") as fh:
-            json.dump({"rank": rank, "doing": doing, "flight_recorder": trace}, fh, indent=1, default=str)
+            record = {"rank": rank, "doing": doing, "schedule": schedule, "flight_recorder": trace}
+            json.dump(record, fh, indent=1, default=str)
         return path
     except Exception:  # noqa: BLE001 -- a post-mortem must never stand in the way of the exit it explains
         return None

@@ -24,6 +24,12 @@ does nothing and the backend's timeout ends the run; :meth:`Watchdog.explain_tim
 what every rank was doing. Silence is judged by counters seen to change on this rank's clock, never
 by comparing clocks of different hosts. A rank that finished writes a last ``done`` heartbeat and
 is never called silent.
+
+Inside the pipeline schedule a heartbeat also says which rank this one waits for a message from, and
+that rank's action which makes it. :meth:`Watchdog.summary` follows these waits from rank to rank to
+the one that holds the others up, in one line::
+
+    hang summary: ranks 0,1,3 wait on rank 2's forward of microbatch 3, chunk 1 at iteration 5
 """
 
 from __future__ import annotations
@@ -36,7 +42,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HEARTBEAT_KEY", "REPORT_KEY", "Watchdog", "claim_report", "is_communication_failure"]
+__all__ = [
+    "HEARTBEAT_KEY",
+    "REPORT_KEY",
+    "Watchdog",
+    "claim_report",
+    "is_communication_failure",
+    "summarize_waits",
+]
 
 HEARTBEAT_KEY = "trident/heartbeat/{rank}"
 REPORT_KEY = "trident/error"
@@ -77,20 +90,23 @@ def error_reported(store: Any) -> bool:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """One rank's last heartbeat, as stored."""
+    """One rank's last heartbeat, as stored. ``waiting_on``: the rank it waits for a message from and
+    that rank's action which makes the message (``(2, "forward of microbatch 3, chunk 1")``), if any."""
 
     count: int
     phase: str
     iteration: int | None
     wall_time: float
+    waiting_on: tuple[int, str] | None = None
 
     def encode(self) -> str:
-        return json.dumps([self.count, self.phase, self.iteration, self.wall_time])
+        return json.dumps([self.count, self.phase, self.iteration, self.wall_time, self.waiting_on])
 
     @classmethod
     def decode(cls, raw: bytes) -> Heartbeat:
-        count, phase, iteration, wall_time = json.loads(raw)
-        return cls(count, phase, iteration, wall_time)
+        count, phase, iteration, wall_time, *rest = json.loads(raw)
+        waiting_on = tuple(rest[0]) if rest and rest[0] is not None else None
+        return cls(count, phase, iteration, wall_time, waiting_on)
 
     def doing(self) -> str:
         return self.phase + ("" if self.iteration is None else f" at iteration {self.iteration}")
@@ -98,6 +114,70 @@ class Heartbeat:
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
+
+
+def _call(detail: object, method: str) -> Any:
+    """``detail.method()`` where ``detail`` has it, else None (a plain string says where only)."""
+    found = getattr(detail, method, None)
+    return found() if found is not None else None
+
+
+def _end_of_chain(rank: int, edges: dict[int, tuple[int, str]]) -> tuple[int, ...]:
+    """Where ``rank``'s chain of waits ends: (the rank that waits for nobody,) or the cycle it runs into."""
+    chain = [rank]
+    while (nxt := edges[chain[-1]][0]) in edges and nxt not in chain:
+        chain.append(nxt)
+    if nxt not in edges:
+        return (nxt,)
+    return tuple(sorted(chain[chain.index(nxt) :]))
+
+
+def _awaited(waiters: list[int], target: int, beats: dict[int, Heartbeat]) -> str:
+    """What ``waiters`` wait for from ``target``: each distinct action once, then the iteration (after
+    each action when they differ)."""
+    pairs = {
+        (beats[r].waiting_on[1], beats[r].iteration): None
+        for r in waiters
+        if beats[r].waiting_on[0] == target
+    }
+    iterations = {iteration for _, iteration in pairs}
+    if len(iterations) > 1:
+        return " and ".join(f"{action} at iteration {iteration}" for action, iteration in pairs)
+    (iteration,) = iterations
+    return " and ".join(action for action, _ in pairs) + (
+        "" if iteration is None else f" at iteration {iteration}"
+    )
+
+
+def summarize_waits(beats: dict[int, Heartbeat], silent: list[int] | tuple[int, ...] = ()) -> str:
+    """One line naming the rank and action every waiting rank waits on, from each rank's heartbeat.
+
+    A rank that waits for a pipeline message waits for the rank that sends it; following these waits
+    from rank to rank ends at a rank that waits for nobody (or is ``silent``): the one holding the
+    others up, and the action its direct waiters wait for is the one everybody waits on. For example
+    ``ranks 0,1,3 wait on rank 2's forward of microbatch 3, chunk 1 at iteration 5``. Waits that run
+    in a circle are named as such; ranks that wait for no pipeline message are named at the end.
+    """
+    edges = {r: b.waiting_on for r, b in beats.items() if b.waiting_on is not None and r not in silent}
+    ends: dict[tuple[int, ...], list[int]] = {}
+    for rank in sorted(edges):
+        ends.setdefault(_end_of_chain(rank, edges), []).append(rank)
+    parts = []
+    for end, waiters in sorted(ends.items()):
+        if len(end) == 1:
+            verb = "waits" if len(waiters) == 1 else "wait"
+            parts.append(f"{_ranks(waiters)} {verb} on rank {end[0]}'s {_awaited(waiters, end[0], beats)}")
+        else:
+            each = ", ".join(
+                f"rank {r} on rank {edges[r][0]}'s {_awaited([r], edges[r][0], beats)}" for r in end
+            )
+            parts.append(f"{_ranks(waiters)} wait on each other in a circle ({each})")
+    if not parts:
+        return "no rank waits for a pipeline message (each rank's flight recorder lists its collectives)"
+    idle = sorted(set(beats) - set(edges) - {end[0] for end in ends if len(end) == 1} - set(silent))
+    if idle:
+        parts[-1] += f" ({_ranks(idle)} {'waits' if len(idle) == 1 else 'wait'} for no pipeline message)"
+    return "; ".join(parts)
 
 
 class Watchdog:
@@ -133,6 +213,8 @@ class Watchdog:
         self._lock = threading.Lock()
         self._phase, self._iteration, self._since = "startup", None, time.monotonic()
         self._detail: object = None  # where in the phase (str() of it is taken only when it is written)
+        self._progress: object = None  # the detail's progress() when last looked at
+        self._last_tick = time.monotonic()
         self._count = 0
         self._seen: dict[int, tuple[Heartbeat | None, float]] = {}  # rank -> (last beat, when it changed)
         self._stop = threading.Event()
@@ -147,13 +229,29 @@ class Watchdog:
 
     def at(self, detail: object) -> None:
         """The main thread moves on inside its phase (progress too): ``str(detail)`` says where, e.g. the
-        schedule's action, so that a hang names the action each rank waits in."""
+        schedule's action, so that a hang names the action each rank waits in.
+
+        ``detail`` may also have ``progress()``, whose value changes as the main thread moves on (the
+        watchdog's thread compares it at each tick: the main thread does nothing per step of the
+        detail), and ``waiting_on()``, the rank the main thread waits for a message from and that
+        rank's action which makes it (or None), written in each heartbeat (see :func:`summarize_waits`).
+        """
         with self._lock:
             self._detail, self._since = detail, time.monotonic()
+            self._progress = _call(detail, "progress")
+
+    @property
+    def iteration(self) -> int | None:
+        """The iteration of the main thread's phase."""
+        return self._iteration
 
     def doing(self) -> str:
         """What the main thread is doing, e.g. ``forward-backward at iteration 5``."""
         return self._own_beat().doing()
+
+    def heartbeat(self) -> Heartbeat:
+        """This rank's heartbeat as it would be written now."""
+        return self._own_beat()
 
     def start(self) -> Watchdog:
         self._beat()  # synchronously, so every rank's key exists once all have started
@@ -173,8 +271,17 @@ class Watchdog:
     def _beat(self) -> None:
         with self._lock:
             self._count += 1
-            beat = Heartbeat(self._count, self._phase_text(), self._iteration, time.time())
+        beat = self._own_beat()
         self.store.set(HEARTBEAT_KEY.format(rank=self.rank), beat.encode())
+
+    def _note_progress(self) -> None:
+        """The detail moved on since the last tick: progress, at the earliest since that tick."""
+        now = time.monotonic()
+        with self._lock:
+            progress = _call(self._detail, "progress")
+            if progress != self._progress:
+                self._progress, self._since = progress, max(self._since, self._last_tick)
+            self._last_tick = now
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -182,6 +289,7 @@ class Watchdog:
                 self._tick()
 
     def _tick(self) -> None:
+        self._note_progress()
         self._beat()
         waited = self.waited()
         if (
@@ -235,7 +343,8 @@ class Watchdog:
     # -- messages -----------------------------------------------------------------------------------
     def _own_beat(self) -> Heartbeat:
         with self._lock:
-            return Heartbeat(self._count, self._phase_text(), self._iteration, time.time())
+            phase, iteration, detail, count = self._phase_text(), self._iteration, self._detail, self._count
+        return Heartbeat(count, phase, iteration, time.time(), _call(detail, "waiting_on"))
 
     def _phase_text(self) -> str:
         return self._phase if self._detail is None else f"{self._phase}, {self._detail}"
@@ -280,6 +389,12 @@ class Watchdog:
             f"{_ranks(silent)} stopped answering: {'; '.join(parts)}; {_ranks(sorted(waiting))} {where} "
             f"({self.timeout_setting})"
         )
+
+    def summary(self, silent: list[int], final: dict[int, Heartbeat] | None = None) -> str:
+        """The hang's summary line (:func:`summarize_waits`) from every rank's latest heartbeat, or its
+        ``final`` one where given: the state a rank failed in, which its ``done`` beat no longer says."""
+        beats = self._others(exclude=[]) | (final or {})
+        return f"hang summary: {summarize_waits(beats, silent)}"
 
     def explain_timeout(self) -> str:
         """What every rank was doing when this rank's backend timed out (main thread, after the error)."""

@@ -24,8 +24,9 @@ groups' one minute):
 * ``nan``: the run finishes (exit 0) with one NaN iteration counted and skipped;
 * ``write``, ``stop``: as any stop cell below, and the tracker still names iteration 4;
 * ``stop``: a non-zero exit, the fault reported in the output (the injected exception's message,
-  torchrun's line for the signalled rank; for a hang, the watchdog's one line, which today says that
-  the ranks wait on each other but not which rank they wait for), and the tracker naming a complete
+  torchrun's line for the signalled rank; for a hang, the watchdog's line that the ranks wait on each
+  other, followed by the hang summary, which names the hung rank when the others wait for its pipeline
+  messages; the cell does not check the summary), and the tracker naming a complete
   checkpoint;
 * both: no worker left running afterwards.
 

@@ -32,8 +32,9 @@ the end of the check):
 6. ``tools/bench/fp8.py``: one linear layer's FP8 products against bf16 (Llama-3 8B's FC1 and FC2, LLaMA
    ~1B's QKV), then bf16, FP8 tensorwise and FP8 delayed trained by ``pretrain()`` with ``--compile`` on
    a Llama-3-8B-shaped stack (8 layers, seq 8192) and on LLaMA ~1B (tokens/s, peak memory), and the
-   loss gap over 200 iterations (``--fp8-data``: the data flags of those runs). ``--only fp8`` runs the
-   FP8 tests and this step alone.
+   loss gap over 200 iterations (``--fp8-data``: the data flags of those runs); last, the 8B-shaped stack
+   again with its FP8 weights held in FP8 (``--fp8-param-gather``). ``--only fp8`` runs the FP8 tests and
+   this step alone.
 
 It prints one table, then one JSON line (``{"gpu_check": ...}``).
 """
@@ -293,6 +294,18 @@ FP8_RUNS = {  # (bench_fp8 arguments, seconds each contestant may take): the mos
         (["speed", "--config", "llama3-8b"], 170),
         (["loss", "--config", "gpu-llama", "--iters", "200"], 90),
         (["speed", "--config", "llama-1b", "--contestants", "bf16", "fp8 tensorwise"], 120),
+        (
+            [
+                "speed",
+                "--config",
+                "llama3-8b",
+                "--contestants",
+                "bf16",
+                "fp8 tensorwise",
+                "--fp8-extra=--fp8-param-gather",
+            ],
+            170,
+        ),
     ],
     True: [
         (["speed", "--config", "tiny-llama", "--iters", "5", "--warmup", "2", "--no-compile"], 120),
@@ -306,7 +319,9 @@ def run_fp8(device: str, quick: bool, deadline: float, started: float, data: str
     and the loss gap over 200 iterations; ``data`` (``--fp8-data``) is the loss runs' data flags."""
     rows = []
     for arguments, each in FP8_RUNS[quick]:
-        label = " ".join(arguments[:3])
+        label = " ".join(arguments[:3]) + "".join(
+            f" {a.split('=')[1]}" for a in arguments if a.startswith("--fp8-extra")
+        )
         contestants = 1 if arguments[0] == "layer" else 2 if "--contestants" in arguments else 3
         left = deadline - (time.perf_counter() - started)
         if left < 30:

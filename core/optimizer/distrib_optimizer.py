@@ -117,15 +117,13 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _held_shard(self, name: str, param: nn.Parameter, bucket, start: int, end: int) -> ParamShard:
         """A weight held in FP8: its main copy starts from the values it was cast from."""
-        if hasattr(bucket, "shard_views"):
-            raise ValueError(
-                f"fp8_param_gather with data_parallel_sharding_strategy optim_grads or optim_grads_params is "
-                f"not built ({name}): use the distributed optimizer alone (optim)"
-            )
         meta = held_weight(param)
         source = meta.high_precision if meta.high_precision is not None else dequantized(param)
         main = source.detach().reshape(-1)[start:end].to(torch.float32, copy=True)
-        return ParamShard(name, param, main, start, end, copy=True, held_in_fp8=True)
+        views = {}
+        if hasattr(bucket, "shard_views"):  # ZeRO-2/3: the bucket's persistent shards (FP8 values)
+            views = dict(zip(("param_view", "grad_view"), bucket.shard_views(param)))
+        return ParamShard(name, param, main, start, end, copy=True, held_in_fp8=True, **views)
 
     def _cast_held(self, gather: bool) -> None:
         """Cast the held weights from the main shards (collective over their amax groups); ``gather``:

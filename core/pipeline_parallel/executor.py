@@ -87,21 +87,25 @@ def run_table(table: list[Action], ctx: StepContext) -> LossLogs:
         ActionKind.RECV_F: lambda i, a: mailbox.receive(a),
         ActionKind.RECV_B: lambda i, a: mailbox.receive(a),
     }
-    record, timers, on_action = ctx.record, ctx.hooks.timers, ctx.hooks.on_action
+    record, timers, position = ctx.record, ctx.hooks.timers, ctx.hooks.position
     if record is not None:
         record.start = record.clock.now()
     if not ctx.forward_only:
         sync.suspend()
         if ctx.hooks.auxiliary_loss_scale is not None:
             ctx.hooks.auxiliary_loss_scale(_auxiliary_loss_scale(ctx))
+    if position is not None:
+        position.begin(table, mailbox)
     for index, action in enumerate(table):
-        if on_action is not None:
-            on_action(index, len(table), action)
+        if position is not None:
+            position.index = index  # all a post-mortem needs; the rest is derived when asked
         start = record.clock.now() if record is not None else 0.0
         with _timer(timers, action.kind):
             handlers[action.kind](index, action)
         if record is not None:
             _record(record, action, start)
+    if position is not None:
+        position.index = len(table)
     mailbox.finish()
     sync.resume()
     _finish_step(ctx, losses, count)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from core.pipeline_parallel.position import SchedulePosition
 from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE
 
 NoSync = Callable[[], AbstractContextManager]
@@ -65,9 +66,10 @@ class ScheduleHooks:
     timers: Callable | None = None
     """Megatron-style timers: ``timers("forward-compute", log_level=2).start()`` / ``.stop()``."""
 
-    on_action: Callable[[int, int, Any], None] | None = None
-    """``on_action(index, table_length, action)`` before each action of the table: the training loop
-    tells its watchdog, so that a hang names the action every rank waits in. Keep it cheap."""
+    position: SchedulePosition | None = None
+    """Kept up to date with this rank's table and the index of the action it runs (one attribute store
+    per action): the training loop's watchdog reads it, so that a hang names the action and the message
+    every rank waits for, and a hung rank's post-mortem holds its whole table."""
 
     @classmethod
     def from_config(cls, config: Any) -> ScheduleHooks:

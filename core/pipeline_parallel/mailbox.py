@@ -52,6 +52,9 @@ class Mailbox:
         self.inbox: dict[Message, tuple[torch.Tensor, dist.Work | None]] = {}
         self.sent_shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (microbatch, stage) -> shape
         self.sends: list[dist.Work] = []
+        self.waiting: Message | None = None
+        """The message whose receive this rank waits for now (still set if the wait failed): what a
+        post-mortem reads (:mod:`~core.pipeline_parallel.position`)."""
         if links is not None:
             links.record = self._log_post if record is not None else None
 
@@ -132,12 +135,15 @@ class Mailbox:
         )
 
     def _wait(self, work: dist.Work, key: tuple) -> None:
+        self.waiting = key[0]
         if self.record is None:
             work.wait()
+            self.waiting = None
             return
         self.record.comm_log.append(("wait", key))
         start = self.record.clock.now()
         work.wait()
+        self.waiting = None
         message = key[0]
         kind = "WAIT_F" if message.kind == ACTIVATION else "WAIT_B"
         chunk = self.placement.rank_and_chunk(message.dst_stage)[1]

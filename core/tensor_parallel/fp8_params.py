@@ -11,7 +11,8 @@ parameter, then the updated shards are all-gathered into the model's parameter b
    (one all-reduce of a few floats over the layer's amax group, TP x DP x CP, whose ranks all hold the
    same layers), so every rank scales with the whole weight's amax; each rank casts its own shard into
    the weight's buffer;
-3. the buffers are all-gathered as bytes: half of bf16's traffic.
+3. the buffers are all-gathered as bytes: half of bf16's traffic. (Under ZeRO-3 the persistent shard
+   is FP8 and each layer gathers its bytes before it runs.)
 
 The layer's forward multiplies the held weight with its scale as it is (:meth:`Fp8State.weight_fp8`);
 its weight gradient goes straight into ``main_grad`` (autograd never holds a gradient of an FP8 tensor).
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from core.tensor_parallel.fp8 import E4M3, FP8_MAX, _scale_from_amax, amax_of, quantize
+from core.tensor_parallel.fp8 import E4M3, FP8_MAX, Fp8State, _scale_from_amax, amax_of, quantize
 
 
 @dataclass(eq=False)
@@ -79,8 +80,8 @@ def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
     held: list[tuple[str, nn.Parameter, ProcessGroup | None]] = []
     for module in modules:
         for name, child in module.named_modules():
-            state = getattr(child, "fp8_state", None)
-            if state is None or state.expert or held_weight(child.weight) is not None:
+            state = getattr(child, "fp8_state", None)  # routed experts: a dict of states, kept 16-bit
+            if not isinstance(state, Fp8State) or state.expert or held_weight(child.weight) is not None:
                 continue
             group = state.amax_group if state.amax_group is not None else state.tp_group
             held.append((f"{name}.weight" if name else "weight", child.weight, group))

@@ -4,7 +4,8 @@
   them in each forward: both multiply the E4M3 cast of the same fp32 values with the whole weight's
   scale. So the losses are equal, bit for bit, at TP2 x DP2 with sequence parallelism and at PP2 x DP2
   under the zero-bubble schedule.
-* The held weights sit in a one-byte buffer of their own: the all-gather moves FP8 bytes.
+* The held weights sit in a one-byte buffer of their own: the all-gather moves FP8 bytes. Under ZeRO-3
+  (``optim_grads_params``) each layer gathers those bytes before it runs, with the same losses.
 * A checkpoint stores the master values in the model's dtype: a resume is exact, and a run without the
   flag, at another split, loads them as they are.
 
@@ -13,6 +14,7 @@ One pool of 4 gloo ranks serves the module.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.support.pretrain_run import pretrain_keeping_models
@@ -48,15 +50,21 @@ def _losses(pool, flags) -> tuple[list[float], list]:
     return curves[0], results
 
 
-def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_parallelism(ranks):
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_parallelism(ranks, strategy):
+    """The distributed optimizer (ZeRO-1) and ZeRO-3, whose layers gather their FP8 bytes before use."""
     split = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    if strategy != "optim":
+        split += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
     cast, _ = _losses(ranks(4), FP8_FP32 + split)
     held, results = _losses(ranks(4), FP8_FP32 + split + HELD)
     assert held == cast
     _, (storages, nbytes, numel), weights, out = results[0]
     assert set(weights.values()) == {"torch.float8_e4m3fn"} and len(weights) == 4
-    # one buffer of one byte an element (padded to whole shards): what the all-gather moves
-    assert storages == 1 and numel <= nbytes < numel + 2 * 128
+    if strategy == "optim":  # one buffer of one byte an element (padded to whole shards): what is gathered
+        assert storages == 1 and numel <= nbytes < numel + 2 * 128
+    else:  # one bucket per decoder layer, each gathered before its layer runs
+        assert storages == 4
     assert "FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather)\n" in out
 
 
@@ -80,14 +88,20 @@ def _weights(rank, world_size, flags):
     return {n: p.detach().cpu().clone() for m in built for n, p in m.named_parameters() if "fc1" in n}
 
 
-def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(ranks, tmp_path):
+@pytest.mark.parametrize(
+    "strategy", ["optim", pytest.param("optim_grads_params", marks=pytest.mark.slow)]
+)
+def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(ranks, tmp_path, strategy):
     """PP2 x DP2, bf16, delayed recipe: 3 iterations, a save, 3 more after a load give the 6 straight
     iterations' losses; the checkpoint's weights are the optimizer's fp32 masters in bf16, and a run at
     PP1 x DP1 without the flag (nor the distributed optimizer) loads exactly those."""
-    straight, _ = _losses(ranks(4), BF16_DELAYED + ["--train-iters", "6"])
+    flags = BF16_DELAYED
+    if strategy != "optim":
+        flags = flags + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+    straight, _ = _losses(ranks(4), flags + ["--train-iters", "6"])
     ckpt = str(tmp_path / "ckpt")
-    first, _ = _losses(ranks(4), BF16_DELAYED + ["--train-iters", "3", "--save", ckpt])
-    resumed, _ = _losses(ranks(4), BF16_DELAYED + ["--train-iters", "6", "--load", ckpt])
+    first, _ = _losses(ranks(4), flags + ["--train-iters", "3", "--save", ckpt])
+    resumed, _ = _losses(ranks(4), flags + ["--train-iters", "6", "--load", ckpt])
     assert first + resumed == straight
     saved = open_checkpoint(str(tmp_path / "ckpt" / "iter_0000003"))
     plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"]

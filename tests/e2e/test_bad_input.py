@@ -712,12 +712,6 @@ FP8 = [
         "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)",
     ),
     Case(
-        "FP8 parameters gathered under ZeRO-3",
-        _flags(FULL + "--bf16 --fp8-format hybrid --fp8-param-gather --use-megatron-fsdp"),
-        "--fp8-param-gather with --data-parallel-sharding-strategy optim_grads_params is not built: use "
-        "--use-distributed-optimizer alone (optim)",
-    ),
-    Case(
         "more bf16 layers than layers",
         _flags(FULL + "--bf16 --fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-end-in-bf16 2"),
         "--num-layers-at-start-in-bf16 (1) + --num-layers-at-end-in-bf16 (2) exceeds --num-layers (2)",

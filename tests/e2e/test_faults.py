@@ -20,6 +20,8 @@ import time
 import pytest
 import torch.distributed as dist
 
+from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE
+from core.pipeline_parallel.schedules import complete_tables
 from core.watchdog import Watchdog, claim_report, is_communication_failure
 from tests.support.torchrun_jobs import (
     TINY,
@@ -27,6 +29,7 @@ from tests.support.torchrun_jobs import (
     alive,
     job_env,
     losses,
+    run,
     worker_tracebacks,
     write_tiny_dataset,
 )
@@ -267,13 +270,22 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_empty_stages_train(data, tmp_p
     ), reports[0]
     print(reports[0])  # names each rank's schedule action when it waits in one (the wording: see above)
     assert (
-        f"flight recorder (each waiting rank's last collectives and schedule action): {tmp_path}/rank_*.json"
+        f"flight recorder (each rank's last collectives and schedule position): {tmp_path}/rank_*.json"
         in output
     )
+    summary = [line for line in output.splitlines() if line.startswith("hang summary: ")]
+    print(summary)  # the action depends on where rank 2 stopped: in the schedule, or in a collective
+    assert len(summary) == 1 and re.fullmatch(
+        r"hang summary: (ranks? [\d,]+ waits? on rank 2's (forward|backward) of microbatch \d, chunk 0 at "
+        r"iteration \d+.*|no rank waits for a pipeline message .*)",
+        summary[0],
+    ), summary
+    tables = complete_tables(DEFAULT_SCHEDULE, 4, 1, 4)
     for rank in (0, 1, 3):
         dumped = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         assert dumped["rank"] == rank and dumped["doing"], dumped["doing"]
         assert any(e["profiling_name"].startswith("gloo:") for e in dumped["flight_recorder"]["entries"])
+        assert dumped["schedule"]["table"] == [str(action) for action in tables[rank]]
     assert not (tmp_path / "rank_2.json").exists()  # the frozen rank writes nothing
     assert worker_tracebacks(output) == [] and "Connection closed by peer" not in output
     assert job.proc.returncode == 1
@@ -283,6 +295,58 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_empty_stages_train(data, tmp_p
     reference = _single_rank_losses(data, 3)
     for i in (1, 2, 3):
         assert abs(trained[i] - reference[i - 1]) <= 5e-6 * abs(reference[i - 1]), (trained, reference)
+
+
+def test_a_hang_names_the_action_every_rank_waits_on_and_each_rank_dumps_its_table(data, tmp_path):
+    """TRIDENT_FAULT=hang@backward:3:rank=1 at PP=2: rank 1 hangs in its first backward of iteration 3
+    (its heartbeat goes on, so it is not silent) and rank 0 waits for that backward's gradient until
+    the process groups' timeout (one minute). The summary line names rank 1's backward; each rank's
+    dump holds its whole table as the executor runs it, the action it runs, the last one it finished
+    and the message it waits for."""
+    env = job_env(
+        TRIDENT_FAULT="hang@backward:3:rank=1",
+        TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS=str(TIMEOUT_S),
+        TRIDENT_FLIGHT_RECORDER_DIR=str(tmp_path),
+    )
+    code, output = run(2, [*_endless_pp2(data), "--distributed-timeout-minutes", "1"], env=env, timeout=300)
+    lines = [
+        line for line in output.splitlines() if line.startswith(("pretrain_gpt.py: error:", "flight", "hang"))
+    ]
+    print("\n".join(lines))
+    assert code == 1 and len(lines) == 3, output[-4000:]
+    waits = (
+        "rank 0 in forward-backward (pipeline send/recv, data-parallel gradient all-reduce), schedule action 6 "
+        "of 16: 0B0 (backward of microbatch 0, chunk 0) at iteration 3; rank 1 in forward-backward (pipeline "
+        "send/recv, data-parallel gradient all-reduce), schedule action 4 of 16: 0B0 (backward of microbatch "
+        "0, chunk 0) at iteration 3"
+    )
+    assert lines[0].startswith("pretrain_gpt.py: error: timed out after ") and waits in lines[0], lines[0]
+    assert lines[1:] == [
+        f"flight recorder (each rank's last collectives and schedule position): {tmp_path}/rank_*.json",
+        "hang summary: rank 0 waits on rank 1's backward of microbatch 0, chunk 0 at iteration 3",
+    ]
+    tables = complete_tables(DEFAULT_SCHEDULE, 2, 1, 4)
+    expected = {
+        0: ({"index": 5, "action": "0B0", "what": "backward of microbatch 0, chunk 0"}, "0SEND_F1"),
+        1: ({"index": 3, "action": "0B0", "what": "backward of microbatch 0, chunk 0"}, "0RECV_F1"),
+    }
+    for rank, (running, finished) in expected.items():
+        schedule = json.loads((tmp_path / f"rank_{rank}.json").read_text())["schedule"]
+        assert schedule["table"] == [str(action) for action in tables[rank]]
+        assert schedule["iteration"] == 3 and schedule["running"] == running
+        assert schedule["last_finished"] == {"index": running["index"] - 1, "action": finished}
+    waited = json.loads((tmp_path / "rank_0.json").read_text())["schedule"]["waits_for"]
+    assert waited == {
+        "peer_rank": 1,
+        "direction": "backward",
+        "message": "gradient",
+        "microbatch": 0,
+        "chunk": 0,
+        "peer_chunk": 0,
+        "awaited": "rank 1's backward of microbatch 0, chunk 0",
+    }
+    assert json.loads((tmp_path / "rank_1.json").read_text())["schedule"]["waits_for"] is None
+    assert worker_tracebacks(output) == []
 
 
 def _load_every_rank(ckpt, pp: int) -> int:

@@ -3,6 +3,8 @@ here, not with the FP8 layers in tests/unit/test_fp8.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.fp8_run import fp8_run
 
 
@@ -11,4 +13,14 @@ def test_compiled_layers_and_casts_follow_the_eager_fp8_run():
     kernel) give the eager FP8 run's losses, within the bf16 rounding compiled element-wise work has."""
     eager, _ = fp8_run("--train-iters 4 --fp8-recipe tensorwise")
     compiled, _ = fp8_run("--train-iters 4 --fp8-recipe tensorwise --compile")
+    assert max(abs(a - b) / a for a, b in zip(eager, compiled)) < 1e-3
+
+
+@pytest.mark.slow
+def test_compiled_run_with_weights_held_in_fp8_follows_the_eager_one():
+    """``--fp8-param-gather`` under ``--compile``: the held weights are not cast, the inputs' and
+    gradients' casts are compiled; the losses follow the eager run's as above."""
+    held = "--train-iters 4 --fp8-recipe tensorwise --use-distributed-optimizer --fp8-param-gather"
+    eager, _ = fp8_run(held)
+    compiled, _ = fp8_run(f"{held} --compile")
     assert max(abs(a - b) / a for a, b in zip(eager, compiled)) < 1e-3

@@ -6,6 +6,7 @@
 * The optimizer's cast of an fp32 shard keeps the quantise round trip's 25 dB.
 * ``pretrain()`` at DP1: in fp32 with the tensorwise recipe the losses equal the casting run's bit for
   bit; in bf16 with the delayed recipe they stay within 0.01 of them.
+* The planner's dry run counts a held weight at one byte, not two.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+import pretrain_gpt
 from core.tensor_parallel import ColumnParallelLinear
 from core.tensor_parallel.fp8 import E4M3, Fp8Recipe
 from core.tensor_parallel.fp8_params import (
@@ -26,8 +28,9 @@ from core.tensor_parallel.fp8_params import (
     hold_weights_in_fp8,
 )
 from core.transformer.transformer_config import TransformerConfig
+from planner.dry_run import dry_run
 from tests.support.fp8_run import TINY
-from tests.support.pretrain_run import pretrain_gpt_in_process
+from tests.support.pretrain_run import pretrain_gpt_in_process, pretrain_keeping_models
 from tests.unit.test_fp8 import sqnr
 
 INIT = functools.partial(nn.init.normal_, std=0.02)
@@ -100,3 +103,74 @@ def test_held_weights_train_as_the_cast_weights_at_dp1(precision):
         assert held == cast
     else:  # a cast of the fp32 master against one of its bf16 copy
         assert held[0] == cast[0] and max(abs(a - b) for a, b in zip(held, cast)) < 0.01
+
+
+def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two():
+    """TP2 rank of 4 layers x 256 (FFN 1024, SwiGLU): 2,097,152 FP8 weight elements per rank."""
+    flags = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "256",
+        "--ffn-hidden-size",
+        "1024",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "128",
+        "--max-position-embeddings",
+        "128",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--bf16",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "4096",
+        "--train-iters",
+        "10",
+        "--lr",
+        "1e-3",
+        "--mock-data",
+        "--fp8-format",
+        "hybrid",
+        "--fp8-recipe",
+        "tensorwise",
+        "--use-distributed-optimizer",
+        "--tensor-model-parallel-size",
+        "2",
+    ]
+    held_elements = 4 * (256 * 768 + 256 * 256 + 256 * 2048 + 1024 * 256) // 2
+    cast, held = (
+        dry_run(
+            flags + extra,
+            world_size=8,
+            pp_rank=0,
+            vocab_size=4096,
+            forward_step_func=pretrain_gpt.forward_step,
+        )
+        for extra in ([], ["--fp8-param-gather"])
+    )
+    # one byte saved per element, less the held weights' scales and their buffer's padding
+    assert held_elements - 256 <= cast.params - held.params <= held_elements
+    assert cast.grads == held.grads
+
+
+def test_routed_experts_keep_16_bit_weights_and_the_start_report_says_so():
+    flags = f"{TINY} --train-iters 1 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
+    _, built, out = pretrain_keeping_models(f"{flags} --fp8-param-gather".split())
+    dtypes = {n: p.dtype for m in built for n, p in m.named_parameters() if n.endswith("weight")}
+    assert dtypes["decoder.layers.0.self_attention.linear_qkv.weight"] == E4M3
+    assert dtypes["decoder.layers.0.mlp.experts.linear_fc1.weight"] == torch.bfloat16
+    assert (
+        "FP8 on pipeline stage 0: 4 weights held in FP8 (--fp8-param-gather); 16 routed-expert linear layers "
+        "keep their weights in the model's dtype\n"
+    ) in out

@@ -254,6 +254,8 @@ def print_table(args: argparse.Namespace, rows: list[dict], load: float) -> None
     print(f"bench_fp8 {args.mode} | {args.config} | {args.device} | nproc {args.nproc} | load {load:.2f}")
     if args.extra:
         print(f"  extra flags: {args.extra}")
+    if args.fp8_extra:
+        print(f"  FP8 contestants only: {args.fp8_extra}")
     for row in rows:
         if "error" in row:
             print(f"  {row['contestant']:<16} error: {row['error']}")

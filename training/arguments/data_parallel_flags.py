@@ -48,11 +48,6 @@ def derive_precision_and_data_parallel(args: argparse.Namespace) -> None:
         _require(
             args.use_distributed_optimizer, "--fp8-param-gather only supported with distributed optimizer"
         )
-        _require(
-            args.data_parallel_sharding_strategy == "optim",
-            f"--fp8-param-gather with --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} "
-            "is not built: use --use-distributed-optimizer alone (optim)",
-        )
     if args.overlap_param_gather:
         _require(
             args.use_distributed_optimizer,

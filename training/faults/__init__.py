@@ -13,7 +13,8 @@
 * :func:`begin` starts :class:`core.watchdog.Watchdog`: a rank that stops answering ends the
   job within ``--distributed-timeout-minutes``, with a message naming it (``rank N``) and what the
   others were waiting in. The training loop names its phases with :func:`phase`, and
-  :func:`watched` hooks tell it each schedule action, so a hang names the action each rank was in.
+  :func:`watched` hooks keep the schedule's position for it, so a hang names the action each rank was
+  in and, in one summary line, the rank and action all the others wait on.
 * :func:`watch_launcher` ends a torchrun worker whose torchrun is gone (``kill -9`` of torchrun
   otherwise leaves the workers training): the parent-death signal on Linux, and a thread that
   watches the parent pid everywhere. The signal is SIGTERM: it ends the worker at once, or, with
@@ -24,8 +25,8 @@
 * ``--rerun-mode`` (:mod:`training.faults.validation`) reruns a step whose results fail a check, to
   tell a transient fault from a reproducible result (Megatron's exit codes 16 and 17).
 * ``TRIDENT_FAULT`` (:mod:`training.faults.injection`) injects faults for tests and drills; ``--log-straggler``
-  (:mod:`training.faults.stragglers`) names slow ranks; when the watchdog ends a hung job every waiting
-  rank dumps torch's Flight Recorder (:mod:`core.flight_recorder`).
+  (:mod:`training.faults.stragglers`) names slow ranks; when a hung job ends every rank still answering
+  dumps torch's Flight Recorder and its schedule position (:mod:`core.flight_recorder`).
 * :func:`fail_together` runs a step on some ranks and fails every rank if it failed on any, before
   anyone waits in a collective for a rank that has given up (:mod:`training.faults.agreement` holds
   every across-rank agreement: the first error, all done, gather, sum).

@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass
 
 from core import parallel_state as ps
-from core.pipeline_parallel.actions import Action
 from core.pipeline_parallel.hooks import ScheduleHooks
+from core.pipeline_parallel.position import SchedulePosition
 from core.watchdog import HEARTBEAT_KEY, Heartbeat, Watchdog
 from training.faults import reporting
 from training.faults.injection import inject
@@ -40,19 +39,13 @@ def _end_silently_or_report(message: str) -> None:
     The main thread is blocked inside a collective that will not return, so the process cannot
     unwind; ``os._exit`` ends it without waiting for it.
     """
-    dumped = reporting.dump_flight_recorder()
+    reporting.dump_flight_recorder()
     if reporting.claim():
-        watchdog = reporting.watchdog
-        if watchdog is not None:  # every rank still answering writes its post-mortem first
-            silent = set(watchdog.silent_ranks())
-            others = [r for r in range(watchdog.world_size) if r not in silent and r != watchdog.rank]
-            reporting.wait_for_dumps(others, 3 * watchdog.interval)
+        watchdog = reporting.watchdog  # every rank still answering writes its post-mortem first
+        notes = reporting.post_mortem(watchdog.silent_ranks()) if watchdog is not None else ()
         reporting.print_error(f"{reporting.prog()}: error: {message}")
-        if dumped is not None:
-            reporting.print_error(
-                "flight recorder (each waiting rank's last collectives and schedule action): "
-                f"{os.path.dirname(dumped)}/rank_*.json"
-            )
+        for note in notes:
+            reporting.print_error(note)
         reporting.announce_printed()
     else:
         reporting.wait_until_printed()
@@ -120,36 +113,24 @@ def end() -> None:
     if reporting.watchdog is not None:
         reporting.watchdog.stop()
         reporting.watchdog = None
+    reporting.position = None
 
 
-@dataclass(frozen=True)
-class SchedulePosition:
-    """Where in its table the schedule is; formatted only when a heartbeat is written."""
-
-    index: int
-    total: int
-    action: Action
-
-    def __str__(self) -> str:
-        action = self.action
-        return (
-            f"schedule action {self.index + 1} of {self.total}: {action} ({action.kind.value} of microbatch "
-            f"{action.microbatch}, chunk {action.chunk})"
-        )
-
-
-def _at_action(index: int, total: int, action: Action) -> None:
+def _schedule_begins(position: SchedulePosition) -> None:
     watchdog = reporting.watchdog
     if watchdog is not None:
-        watchdog.at(SchedulePosition(index, total, action))
+        position.iteration = watchdog.iteration
+        watchdog.at(position)
 
 
 def watched(hooks: ScheduleHooks) -> ScheduleHooks:
-    """``hooks`` that tell the run's watchdog each schedule action, so that a hang names the action
-    every rank waits in (the same hooks when no watchdog runs: a world of one)."""
+    """``hooks`` that keep a :class:`SchedulePosition` the run's watchdog follows, so that a hang names
+    the action and the message every rank waits for, and each rank's post-mortem holds its table (the
+    same hooks when no watchdog runs: a world of one)."""
     if reporting.watchdog is None:
         return hooks
-    return dataclasses.replace(hooks, on_action=_at_action)
+    reporting.position = SchedulePosition(on_begin=_schedule_begins)
+    return dataclasses.replace(hooks, position=reporting.position)
 
 
 def phase(what: str, iteration: int | None = None, point: str | None = None) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from core import flight_recorder
 from core.device import DeviceError
-from core.watchdog import claim_report, error_reported, is_communication_failure
+from core.watchdog import Heartbeat, claim_report, error_reported, is_communication_failure
 from training.checkpoint.format import CheckpointError
 from training.errors import ConfigError, DataError, PeerFailure, ResultRejected, UsageError
 from training.faults.launcher import watch_launcher
@@ -34,6 +34,8 @@ class Verdict:
 
     report: bool
     message: str | None = None
+    notes: tuple[str, ...] = ()
+    """Lines printed after the error line (a hang's post-mortem: where the dumps are, its summary)."""
 
 
 def one_line_errors() -> tuple[type[BaseException], ...]:
@@ -65,6 +67,9 @@ _STORE: Any = None  # this run's namespace in the job's store; kept past teardow
 _RANK = 0
 watchdog: Any = None
 """The run's heartbeat watchdog (:func:`training.faults.heartbeat.begin` sets it), which explains timeouts."""
+position: Any = None
+"""Where the run's schedule is (a ``SchedulePosition``, :func:`training.faults.heartbeat.watched` sets
+it), dumped with the flight recorder."""
 
 
 def distributed() -> Any:
@@ -155,7 +160,10 @@ def judge(err: BaseException) -> None:
             verdict = Verdict(report=False)
         else:
             message = _explain_communication_failure(err)
-            verdict = Verdict(report=claim(), message=message)
+            reports = claim()
+            timed_out = reports and watchdog is not None and _timed_out(err)
+            notes = post_mortem(watchdog.silent_ranks()) if timed_out else ()
+            verdict = Verdict(report=reports, message=message, notes=notes)
     else:
         verdict = Verdict(report=claim())
     with contextlib.suppress(AttributeError, TypeError):
@@ -168,10 +176,11 @@ def dump_flight_recorder() -> str | None:
     global _dumped
     with _claim_lock:
         if watchdog is not None and _dumped is None:
-            _dumped = flight_recorder.dump(watchdog.rank, watchdog.doing()) or ""
+            schedule = position.as_dict() if position is not None else None
+            _dumped = flight_recorder.dump(watchdog.rank, watchdog.doing(), schedule) or ""
             if _STORE is not None:
                 with contextlib.suppress(Exception):
-                    _STORE.set(DUMPED_KEY.format(rank=_RANK), _dumped)
+                    _STORE.set(DUMPED_KEY.format(rank=_RANK), watchdog.heartbeat().encode())
     return _dumped or None
 
 
@@ -189,12 +198,45 @@ def wait_for_dumps(ranks: list[int], seconds: float) -> None:
 
 _dumped: str | None = None
 DUMPED_KEY = "trident/flight-recorder/{rank}"
+"""Set once a rank has written its post-mortem, to its heartbeat then (the state it failed in: a rank
+that fails goes on to stop its watchdog, whose last beat then says ``done``)."""
+DUMPS_LINE = "flight recorder (each rank's last collectives and schedule position)"
+
+
+def post_mortem(silent: list[int]) -> tuple[str, ...]:
+    """The reporter's lines after a hang's error: where every rank's dump is (it first waits for the
+    ranks still answering to write theirs) and the summary naming the rank and action all wait on."""
+    if watchdog is None:
+        return ()
+    others = [r for r in range(watchdog.world_size) if r not in silent and r != watchdog.rank]
+    wait_for_dumps(others, 3 * watchdog.interval)
+    dumped = dump_flight_recorder()
+    summary = watchdog.summary(silent, _final_beats(watchdog.world_size))
+    if dumped is None:
+        return (summary,)
+    return (f"{DUMPS_LINE}: {os.path.dirname(dumped)}/rank_*.json", summary)
+
+
+def _final_beats(world_size: int) -> dict[int, Heartbeat]:
+    """The heartbeat each rank had when it wrote its post-mortem (ranks that wrote one)."""
+    beats = {}
+    with contextlib.suppress(Exception):
+        for rank in range(world_size):
+            key = DUMPED_KEY.format(rank=rank)
+            if _STORE is not None and _STORE.check([key]):
+                beats[rank] = Heartbeat.decode(_STORE.get(key))
+    return beats
+
+
+def _timed_out(err: BaseException) -> bool:
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _explain_communication_failure(err: BaseException) -> str:
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     text = text.split("] ", 1)[-1].split(". ", 1)[0]  # gloo's "[.../pair.cc:553] " and its advice
-    if watchdog is not None and ("timed out" in text.lower() or "timeout" in text.lower()):
+    if watchdog is not None and _timed_out(err):
         return watchdog.explain_timeout()
     doing = f" in {watchdog.doing()}" if watchdog is not None else ""
     return (
@@ -233,6 +275,8 @@ def report(err: BaseException) -> int:
         return code
     if verdict.message is not None:
         print_error(f"{prog()}: error: {verdict.message}")
+        for note in verdict.notes:
+            print_error(note)
     elif isinstance(err, (UsageError, *one_line_errors())):
         print_error(f"{prog()}: error: {err}")
     else:
