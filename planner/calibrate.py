@@ -11,9 +11,16 @@ shows. Here as many real ranks as the plan has (one thread each, as under ``torc
   latency of the two ways is kept;
 * **shared cores**: the same compute on ``k`` ranks at once, ``k = 1 .. ranks``: how much longer
   each takes than alone (``HostCosts.slowdown``);
-* **the engine's fixed cost per action**: the real schedule engine (``core.pipeline_parallel``)
-  runs 1F1B and interleaved ZB-H1 over stages that compute nothing; the cost per action is the one
-  with which the shared-core timing of the same tables gives the measured step.
+* **the engine's fixed costs per action and per step**: the real schedule engine
+  (``core.pipeline_parallel``) runs 1F1B (at two microbatch counts) and interleaved ZB-H1 over stages
+  that compute nothing; the cost per action and the cost per step are the pair with which the
+  shared-core timing of the same tables, plus the per-step cost, gives the measured steps best
+  (least squares over the three);
+* **the optimizer step**: every rank at once (as in a step) runs the step's tail on fp32 main
+  parameters: the gradient norm, fused (else foreach) AdamW, the main copy written back to the
+  16-bit parameters and the gradient buffer zeroed, once over many small tensors and once over a few
+  large ones: seconds per tensor and per element (``HostCosts.optimizer_tensor_seconds``,
+  ``optimizer_element_seconds``), which a candidate's optimizer step is then costed with.
 
 Nothing is tuned to a model: every figure is a time measured here, and a model's own layers come
 from :mod:`planner.profile`.
@@ -34,13 +41,14 @@ import torch.distributed as dist
 
 from core import parallel_state as ps
 from core.model_parallel_config import ModelParallelConfig
+from core.optimizer import has_fused_kernel
 from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE, SCHEDULES, placement_for, schedule_rule
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from planner.hardware import HostCosts
 from planner.shared_cores import time_shared
 
-__all__ = ["HostMeasurement", "fit_action_seconds", "measure_host"]
+__all__ = ["HostMeasurement", "engine_runs", "fit_engine_costs", "fit_optimizer_costs", "measure_host"]
 
 ENGINE_CASES = (
     (DEFAULT_SCHEDULE, 1),
@@ -49,6 +57,15 @@ ENGINE_CASES = (
 """Schedules (and chunks per rank) the engine's fixed cost is measured on: plain 1F1B, and ZB-H1
 interleaved over two chunks (a split backward: I and W actions too)."""
 _SEQ, _HIDDEN = 8, 8
+OPTIMIZER_CASES = ((256, 1024), (2, 1 << 22))
+"""(tensors, elements each) the optimizer step is timed on: many small tensors, then a few large ones
+(2 x 2^22 elements: 128 MiB of parameters, gradients and moments, beyond the caches, as a real rank's)."""
+
+
+def engine_runs(world: int) -> list[tuple[str, int, int]]:
+    """(schedule, chunks, microbatches) the engine is timed on: each of :data:`ENGINE_CASES` at
+    ``2 world`` microbatches, and 1F1B at ``world`` too (a third action count for the per-step fit)."""
+    return [(s, v, 2 * world) for s, v in ENGINE_CASES] + [(ENGINE_CASES[0][0], 1, world)]
 
 
 @dataclass(frozen=True)
@@ -200,7 +217,50 @@ def _engine_step(rank: int, world: int, schedule: str, vpp: int, m: int, steps: 
         ps.destroy_model_parallel()
 
 
-def _worker(rank: int, world: int, init_file: str, nbytes: int, queue) -> None:
+def _optimizer_seconds(tensors: int, elements: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Median seconds of the optimizer's part of a step over ``tensors`` tensors of ``elements``: the
+    gradient norm (float64, as ``core.optimizer.clip_grads``), AdamW (fused where this torch has it),
+    the fp32 main copy written back to the model's parameters, the flat gradient buffer zeroed."""
+    buffer = torch.randn(tensors * elements)
+    grads = list(buffer.view(tensors, elements).unbind())
+    main = [torch.nn.Parameter(torch.randn(elements)) for _ in range(tensors)]
+    for param, grad in zip(main, grads):
+        param.grad = grad
+    params = [p.detach().to(dtype) for p in main]
+    fused = has_fused_kernel(torch.optim.AdamW, torch.device("cpu"))
+    adam = torch.optim.AdamW(main, lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+
+    def step() -> None:
+        torch.stack(torch._foreach_norm(grads, 2.0)).double().square().sum()
+        adam.step()
+        if dtype != torch.float32:  # a 16-bit model: its parameters take the updated main copy
+            torch._foreach_copy_(params, main)
+        buffer.zero_()
+
+    step()
+    return _median_seconds(step, repeats)
+
+
+def _optimizer_costs(dtype: torch.dtype) -> tuple[float, ...]:
+    """Every rank's :func:`_optimizer_seconds` at each of :data:`OPTIMIZER_CASES`, at once, the
+    slowest rank's (the ranks of a real step step together)."""
+    dist.barrier()
+    mine = torch.tensor([_optimizer_seconds(n, size, dtype) for n, size in OPTIMIZER_CASES])
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return tuple(mine.tolist())
+
+
+def fit_optimizer_costs(seconds: tuple[float, ...]) -> tuple[float, float]:
+    """(seconds per tensor, seconds per element) that give the two :data:`OPTIMIZER_CASES` timings
+    (two equations, two unknowns; neither negative)."""
+    (n1, e1), (n2, e2) = OPTIMIZER_CASES
+    t1, t2 = seconds
+    per_element = max(0.0, (t2 * n1 - t1 * n2) / (n1 * n2 * e2 - n2 * n1 * e1))
+    per_tensor = max(0.0, (t1 - per_element * n1 * e1) / n1)
+    return per_tensor, per_element
+
+
+def _worker(rank: int, world: int, init_file: str, nbytes: int, queue, dtype: torch.dtype) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -209,10 +269,11 @@ def _worker(rank: int, world: int, init_file: str, nbytes: int, queue) -> None:
         p2p = (_ping_pong(rank, 4, 30), _ping_pong(rank, nbytes, 4))
         slowdown = _slowdowns(rank, world)
         contended = _contended(rank, world)
-        engine = {(s, v, 2 * world): _engine_step(rank, world, s, v, 2 * world, 5) for s, v in ENGINE_CASES}
+        engine = {(s, v, m): _engine_step(rank, world, s, v, m, 5) for s, v, m in engine_runs(world)}
+        optimizer = _optimizer_costs(dtype)
         if rank == 0:
             queue.put({"all_reduce": (tiny, large), "p2p": p2p, "slowdown": slowdown, "engine": engine,
-                       "contended": contended})  # fmt: skip
+                       "contended": contended, "optimizer": optimizer})  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -231,18 +292,29 @@ def _empty_step(
     return step
 
 
-def fit_action_seconds(engine_steps: dict, world: int, latency: float, slowdown) -> float:
-    """The fixed seconds per action with which the shared-core timing of each measured schedule gives
-    its measured step (bisection; the median over the schedules)."""
-    fitted = []
-    for (schedule, vpp, m), measured in engine_steps.items():
-        step = _empty_step(schedule, world, vpp, m, latency, slowdown)
-        low, high = 0.0, max(measured, 1e-6)
-        for _ in range(40):
-            mid = (low + high) / 2
-            low, high = (mid, high) if step(mid) < measured else (low, mid)
-        fitted.append((low + high) / 2)
-    return statistics.median(fitted)
+def fit_engine_costs(engine_steps: dict, world: int, latency: float, slowdown) -> tuple[float, float]:
+    """(seconds per action, seconds per step): the fixed costs with which the shared-core timing of
+    each measured schedule, plus the per-step cost, gives its measured step, in the least-squares
+    sense (the per-step cost is the mean residual at a given per-action cost, never negative; the
+    per-action cost is found by golden-section search, the squared error being convex in it where the
+    timing is linear)."""
+    steps = [(_empty_step(s, world, v, m, latency, slowdown), measured)
+             for (s, v, m), measured in engine_steps.items()]  # fmt: skip
+
+    def per_step(action: float) -> float:
+        return max(0.0, statistics.fmean(measured - step(action) for step, measured in steps))
+
+    def error(action: float) -> float:
+        fixed = per_step(action)
+        return sum((measured - step(action) - fixed) ** 2 for step, measured in steps)
+
+    low, high = 0.0, max(max(measured for _, measured in steps), 1e-6)
+    ratio = (5**0.5 - 1) / 2
+    for _ in range(60):
+        a, b = high - ratio * (high - low), low + ratio * (high - low)
+        low, high = (low, b) if error(a) <= error(b) else (a, high)
+    action = (low + high) / 2
+    return action, per_step(action)
 
 
 def _collect(queue, procs, timeout: float = 600) -> dict:
@@ -262,8 +334,10 @@ def _collect(queue, procs, timeout: float = 600) -> dict:
     raise TimeoutError(f"calibration ranks did not finish within {timeout:.0f} s")
 
 
-def measure_host(world: int, cores: int, nbytes: int = 4 << 20) -> HostMeasurement:
-    """Spawn ``world`` gloo ranks here and measure (module docstring)."""
+def measure_host(
+    world: int, cores: int, nbytes: int = 4 << 20, dtype: torch.dtype = torch.bfloat16
+) -> HostMeasurement:
+    """Spawn ``world`` gloo ranks here and measure (module docstring); ``dtype``: the model's parameters'."""
     import torch.multiprocessing as mp
 
     world = max(world, 2)
@@ -271,7 +345,9 @@ def measure_host(world: int, cores: int, nbytes: int = 4 << 20) -> HostMeasureme
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, world, init, nbytes, queue)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, init, nbytes, queue, dtype)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         try:
@@ -294,7 +370,8 @@ def measure_host(world: int, cores: int, nbytes: int = 4 << 20) -> HostMeasureme
         slowdown=found["slowdown"],
     )
     slowdown = partial(host.slowdown_at, cores=cores)
-    action = fit_action_seconds(found["engine"], world, p2p_tiny, slowdown)
-    return HostMeasurement(
-        bandwidth, latency, HostCosts(**{**host.__dict__, "action_seconds": action}), found["engine"]
-    )
+    action, step = fit_engine_costs(found["engine"], world, p2p_tiny, slowdown)
+    per_tensor, per_element = fit_optimizer_costs(found["optimizer"])
+    fitted = {"action_seconds": action, "step_seconds": step, "optimizer_tensor_seconds": per_tensor,
+              "optimizer_element_seconds": per_element}  # fmt: skip
+    return HostMeasurement(bandwidth, latency, HostCosts(**{**host.__dict__, **fitted}), found["engine"])

@@ -16,13 +16,13 @@ import sys
 from planner.dry_run import dry_run_report
 from planner.hardware import GPUS, Cluster
 from planner.inputs import read_input
-from planner.model_spec import describe
+from planner.model_spec import ModelSpec, describe
 from planner.profile import LocalProfile, local_cluster
 from planner.rebalance import rebalance_report
-from planner.report import format_table, result_json
+from planner.report import format_table, result_json, run_rank_line
 from planner.search import search
 
-__all__ = ["main", "planner_parser"]
+__all__ = ["describe_cluster", "main", "planner_parser"]
 
 
 def planner_parser() -> argparse.ArgumentParser:
@@ -44,6 +44,9 @@ def planner_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)} (peak, memory, bandwidths)")
     cluster.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory")
     cluster.add_argument("--peak-tflops", type=float, help="override the GPU's dense 16-bit peak")
+    cluster.add_argument(
+        "--peak-fp8-tflops", type=float, help="override the GPU's dense FP8 peak (--fp8-format's products)"
+    )
     cluster.add_argument(
         "--compute-efficiency", type=float, help="fraction of peak a layer reaches (default 0.6)"
     )
@@ -89,6 +92,7 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
     overrides = {
         "memory_gb": opts.gpu_memory_gb,
         "peak_tflops": opts.peak_tflops,
+        "fp8_peak_tflops": opts.peak_fp8_tflops,
         "compute_efficiency": opts.compute_efficiency,
         "hbm_tb_s": opts.hbm_tb_s,
         "intra_node_gb_s": opts.intra_node_bandwidth_gb_s,
@@ -98,6 +102,31 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     return cluster.with_gpu(**given) if given else cluster
+
+
+def describe_cluster(cluster: Cluster, spec: ModelSpec) -> list[str]:
+    """The ``cluster:`` line, and what was measured on this machine where it was (``--profile-local``)."""
+    gpu = cluster.gpu
+    line = (
+        f"cluster: {cluster.num_gpus} x {gpu.name} ({cluster.gpus_per_node} per node), "
+        f"{gpu.peak_tflops:g} TFLOP/s peak at {gpu.compute_efficiency:.0%} achievable, "
+        f"{gpu.intra_node_gb_s:.3g} GB/s and {gpu.intra_node_latency_us:.3g} µs a message in a "
+        f"node, {gpu.inter_node_gb_s:.3g} GB/s and {gpu.inter_node_latency_us:.3g} µs across nodes"
+    )
+    if spec.fp8:
+        line += f"; FP8 products at {cluster.fp8_peak_tflops:g} TFLOP/s peak"
+        line += "" if gpu.fp8_peak_tflops else " (no FP8 tensor cores: the 16-bit peak)"
+    host = cluster.host
+    if host.optimizer_element_seconds is None:
+        return [line]
+    return [
+        line,
+        (
+            f"measured here: {host.action_seconds * 1e3:.3g} ms an action and {host.step_seconds * 1e3:.3g} ms a "
+            f"step (the engine), the optimizer {host.optimizer_tensor_seconds * 1e6:.3g} µs a tensor and "
+            f"{host.optimizer_element_seconds * 1e9:.3g} ns an element"
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
@@ -112,31 +141,33 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
     cluster = _cluster(opts)
     profile, device = None, "cuda"
     if opts.profile_local:
-        cluster = local_cluster(opts.num_gpus)
+        cluster = local_cluster(opts.num_gpus, plan_input.spec.precision)
         profile, device = LocalProfile(plan_input.spec, plan_input.args), "cpu"
     print(describe(plan_input.spec))
-    print(
-        f"cluster: {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), "
-        f"{cluster.gpu.peak_tflops:g} TFLOP/s peak at {cluster.gpu.compute_efficiency:.0%} achievable, "
-        f"{cluster.gpu.intra_node_gb_s:.3g} GB/s and {cluster.gpu.intra_node_latency_us:.3g} µs a message in a "
-        f"node, {cluster.gpu.inter_node_gb_s:.3g} GB/s and {cluster.gpu.inter_node_latency_us:.3g} µs across nodes"
-    )
+    print("\n".join(describe_cluster(cluster, plan_input.spec)))
     for note in plan_input.notes:
         print(f"note: {note}")
+    fixed, run = plan_input.fixed, None
     if opts.from_timeline:
-        print(rebalance_report(plan_input, cluster, opts.from_timeline, profile))
-        return 0
+        report, profile, run = rebalance_report(plan_input, cluster, opts.from_timeline, profile)
+        print(report)
+        print(
+            "re-ranked with the refitted costs (every split, schedule and layout; the run's own flags fix none):"
+        )
+        fixed = {}
     result = search(
         plan_input.spec,
         cluster,
         global_batch_size=plan_input.global_batch_size,
-        fixed=plan_input.fixed,
+        fixed=fixed,
         allow_distributed_optimizer=plan_input.distributed_optimizer_allowed,
         top=opts.top,
         profile=profile,
         device=device,
     )
     print(format_table(result, cluster, plan_input.base_flags))
+    if run is not None:
+        print(run_rank_line(result, run))
     if opts.dry_run and result.candidates:
         if forward_step_func is None:
             raise ValueError("--dry-run needs the forward step: run it as tools/plan.py")

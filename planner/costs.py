@@ -5,6 +5,15 @@ plus the memory-bound work around the matrix multiplies (norms, activations, sof
 the bytes a layer saves moved twice through device memory. A measured profile (``--profile-local``,
 ``--from-timeline``) replaces both with seconds per layer.
 
+With ``--fp8-format`` the decoder layers' linear products that run in FP8 (``ModelSpec.fp8_products``)
+are costed at the FP8 peak (``Cluster.achievable_fp8_flops``), their weight gradients too unless
+``--no-fp8-wgrad`` or a microbatch whose tokens per rank are not a multiple of 16 keeps them in the
+model's dtype; the attention core, the output layer and everything else stay at the 16-bit peak
+(:class:`MatmulRates` says which rate a candidate used). The casts are element-wise work: each FP8
+operand is read twice (its amax, then the scaled cast) and written in one byte, plus its transposed
+copy where a product needs it (:data:`CAST_READS`); inputs and output gradients per microbatch, the
+weights once per step (with ``--fp8-param-gather`` they are held in FP8: only their transposed copy).
+
 Communication uses ring formulas at the group's achieved bandwidth and per-message latency (inside
 a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`` order):
 
@@ -25,12 +34,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.tensor_parallel.fp8 import SHAPE_MULTIPLE
 from planner.activations import Shape, stage_activations
 from planner.candidate import Candidate
 from planner.hardware import Cluster
 from planner.model_spec import ModelSpec
 
-__all__ = ["ActionCosts", "LayerProfile", "StageCostModel"]
+__all__ = ["CAST_READS", "ActionCosts", "LayerProfile", "MatmulRates", "StageCostModel"]
+
+CAST_READS = 2
+"""Reads of a 16-bit tensor per FP8 cast: its amax, then the scaled cast (fused once compiled)."""
+
+
+@dataclass(frozen=True)
+class MatmulRates:
+    """The peaks (dense TFLOP/s) a candidate's matrix products are costed at, and in which precision."""
+
+    linear: str
+    """The decoder layers' linear products (forward and input gradient): "fp8" or the model's dtype."""
+    linear_tflops: float
+    weight_gradient: str
+    """Their weight-gradient products."""
+    weight_gradient_tflops: float
+    other: str
+    """Everything else: the attention core, the output layer (and any product kept out of FP8)."""
+    other_tflops: float
+    fp8_products: int = 0
+    """Of a decoder layer's weight products, how many run in FP8 (of ``products``)."""
+    products: int = 0
+    measured: bool = False
+    """A measured profile gave the seconds: the rates are in them, not used."""
+
+    def label(self) -> str:
+        """``fp8 1979``, ``fp8 1979, W bf16 989``, ``bf16 989``; measured: ``measured (fp8)``."""
+        if self.measured:
+            return f"measured ({self.linear})"
+        text = f"{self.linear} {self.linear_tflops:g}"
+        if self.weight_gradient != self.linear:
+            text += f", W {self.weight_gradient} {self.weight_gradient_tflops:g}"
+        if self.linear == "fp8" and self.fp8_products < self.products:
+            text += f" ({self.fp8_products}/{self.products} products)"
+        return text
 
 
 @dataclass(frozen=True)
@@ -97,9 +141,15 @@ class StageCostModel:
         self.ep_link = cluster.link(self.dp_stride, cand.ep)
         self.dp_link = cluster.link(self.dp_stride, cand.dp * cand.cp)
         self.pp_link = cluster.link(self.pp_stride, 2)
-        self._layer = self._layer_costs()
-        self._embedding = self._embedding_costs()
-        self._loss = self._loss_costs()
+        self.rates = self._rates()
+        self._layer, self._embedding, self._loss = (
+            ActionCosts(
+                a.forward + b.forward,
+                a.backward_input + b.backward_input,
+                a.backward_weight + b.backward_weight,
+            )
+            for a, b in zip(self.compute_costs(), self.collective_costs())
+        )
 
     # -- compute ---------------------------------------------------------------------------------
     def _flops_seconds(self, flops: float) -> float:
@@ -107,6 +157,60 @@ class StageCostModel:
 
     def _memory_seconds(self, nbytes: float) -> float:
         return nbytes / (self.cluster.gpu.hbm_tb_s * 1e12)
+
+    def _rates(self) -> MatmulRates:
+        """Which peak each kind of product runs at (module docstring)."""
+        s, c, cluster = self.spec, self.cand, self.cluster
+        fp8 = s.fp8_products(c.tp)
+        wgrad = bool(fp8) and s.fp8_wgrad and self.tokens % SHAPE_MULTIPLE == 0
+        peak, fp8_peak = cluster.gpu.peak_tflops, cluster.fp8_peak_tflops
+        return MatmulRates(
+            linear="fp8" if fp8 else s.precision,
+            linear_tflops=fp8_peak if fp8 else peak,
+            weight_gradient="fp8" if wgrad else s.precision,
+            weight_gradient_tflops=fp8_peak if wgrad else peak,
+            other=s.precision,
+            other_tflops=peak,
+            fp8_products=len(fp8),
+            products=len(s.linear_products(c.tp)),
+            measured=self.profile is not None,
+        )
+
+    def linear_seconds(self) -> tuple[float, float]:
+        """(forward, weight gradient) seconds of a layer's weight products; the input gradient's
+        products are the forward's. FP8 products at the FP8 rate, the rest at the 16-bit one; a routed
+        expert's weight gradient at the 16-bit one (the tokens routed to it are seldom a multiple of 16)."""
+        s, c = self.spec, self.cand
+        fp8 = s.fp8_linear_flops(self.tokens, c.tp)
+        fp8_wgrad = (
+            s.fp8_linear_flops(self.tokens, c.tp, experts=False)
+            if self.rates.weight_gradient == "fp8"
+            else 0.0
+        )
+        rest = self._flops_seconds(s.layer_linear_flops(self.tokens) - fp8)
+        fp8_rate = c.tp * self.cluster.achievable_fp8_flops
+        weight_gradient = rest + fp8_wgrad / fp8_rate + self._flops_seconds(fp8 - fp8_wgrad)
+        return rest + fp8 / fp8_rate, weight_gradient
+
+    def fp8_cast_seconds(self) -> tuple[float, float]:
+        """(forward, input gradient) seconds of a layer's FP8 casts on one microbatch: the inputs
+        forward, the output gradients backward (each with its transposed copy when the weight gradient
+        is FP8), and the weights' once-a-step casts (with their transposes) spread over the step."""
+        s, c = self.spec, self.cand
+        products = s.fp8_products(c.tp)
+        if not products:
+            return 0.0, 0.0
+        read = CAST_READS * s.bytes_per_value
+        per_value = read + 1 + int(s.fp8_wgrad)
+        inputs = sum(self.tokens * p.uses * p.in_features for p in products)
+        grads = sum(self.tokens * p.uses * p.out_features for p in products)
+        experts = s.moe.num_experts // c.ep if s.moe is not None else 0
+        weights = sum(p.in_features * p.out_features * (experts if p.expert else 1) for p in products)
+        per_weight = 2 if s.fp8_param_gather else read + 2  # held in FP8: only the transposed copy is made
+        weight_bytes = weights * per_weight / c.num_microbatches
+        return self._memory_seconds(inputs * per_value + weight_bytes), self._memory_seconds(
+            grads * per_value
+        )
 
     def _tp_layer_seconds(self) -> float:
         """One direction's tensor-parallel traffic of a layer (forward, or the input gradient)."""
@@ -149,54 +253,69 @@ class StageCostModel:
             *(share * t for t in self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
         )
 
-    def _layer_costs(self) -> ActionCosts:
-        """A decoder layer's compute (measured, or FLOPs and bytes) plus its collectives, each way."""
+    def _collectives(self) -> tuple[ActionCosts, ActionCosts, ActionCosts]:
+        """The collectives inside a layer's, the embedding's and the loss's actions (F, I, W): a layer's
+        TP/CP/EP traffic each way (and its replayed forward's under full recomputation), the
+        embedding's TP reduction, the loss's gather and the cross-entropy's three reductions."""
         s, c = self.spec, self.cand
         core = self._flops_seconds(s.attention_core_flops(self.tokens) / c.cp)
         comm = self._tp_layer_seconds() + self._cp_layer_seconds(core) + self._ep_layer_seconds()
         recomputed = comm if c.recompute == "full" else 0.0  # the replayed forward's collectives
+        activation = s.bytes_per_value * self.tokens * s.hidden_size
+        embedding = self.tp_link.ring(c.tp, activation, all_reduce=not c.sequence_parallel)
+        gather = self.tp_link.ring(c.tp, activation)
+        reductions = 3 * self.tp_link.ring(c.tp, 4 * self.tokens, all_reduce=True)  # max, sum of exp, target
+        return (
+            ActionCosts(comm, comm + recomputed, 0.0),
+            ActionCosts(embedding, 0.0, embedding),
+            ActionCosts(gather + reductions, gather, 0.0),
+        )
+
+    def _layer_compute(self) -> ActionCosts:
+        """A decoder layer's compute, measured or from FLOPs and bytes, without its collectives."""
+        s, c = self.spec, self.cand
         measured = self._measured(0)
         if measured is not None:
-            return ActionCosts(measured.forward + comm, measured.backward_input + comm + recomputed,
-                               measured.backward_weight)  # fmt: skip
-        linear = self._flops_seconds(s.layer_linear_flops(self.tokens))
+            return measured
+        core = self._flops_seconds(s.attention_core_flops(self.tokens) / c.cp)
+        linear, weight_gradient = self.linear_seconds()
+        cast_forward, cast_backward = self.fp8_cast_seconds()
         plain = Shape(**{**self.shape.__dict__, "recompute": "none"})
         elementwise = self._memory_seconds(
             2 * sum(stage_activations(s, plain, ("t",), first=True).terms.values())
         )
-        forward = linear + core + elementwise
-        backward_input = linear + 2 * core + elementwise
+        forward = linear + core + elementwise + cast_forward
+        backward_input = linear + 2 * core + elementwise + cast_backward
         if c.recompute == "full":
             backward_input += forward
         elif c.recompute == "selective":
             backward_input += core
-        return ActionCosts(forward + comm, backward_input + comm + recomputed, linear)
+        return ActionCosts(forward, backward_input, weight_gradient)
 
-    def _embedding_costs(self) -> ActionCosts:
-        s, c = self.spec, self.cand
-        activation = s.bytes_per_value * self.tokens * s.hidden_size
-        comm = self.tp_link.ring(c.tp, activation, all_reduce=not c.sequence_parallel)
+    def _embedding_compute(self) -> ActionCosts:
         measured = self._measured(1)
         if measured is not None:
-            return ActionCosts(
-                measured.forward + comm, measured.backward_input, measured.backward_weight + comm
-            )
-        lookup = self._memory_seconds(2 * activation)
-        return ActionCosts(lookup + comm, 0.0, lookup + comm)
+            return measured
+        lookup = self._memory_seconds(2 * self.spec.bytes_per_value * self.tokens * self.spec.hidden_size)
+        return ActionCosts(lookup, 0.0, lookup)
 
-    def _loss_costs(self) -> ActionCosts:
+    def _loss_compute(self) -> ActionCosts:
         s, c = self.spec, self.cand
-        gather = self.tp_link.ring(c.tp, s.bytes_per_value * self.tokens * s.hidden_size)
-        reductions = 3 * self.tp_link.ring(c.tp, 4 * self.tokens, all_reduce=True)  # max, sum of exp, target
         measured = self._measured(2)
         if measured is not None:
-            return ActionCosts(measured.forward + gather + reductions, measured.backward_input + gather,
-                               measured.backward_weight)  # fmt: skip
+            return measured
         logits = self._flops_seconds(s.logits_flops(self.tokens, c.tp))
         vocab_bytes = 4 * self.tokens * s.padded_vocab(c.tp) // c.tp
         softmax = self._memory_seconds(6 * vocab_bytes)  # copy, max, shift, exp, sum, divide
-        backward = logits + self._memory_seconds(3 * vocab_bytes) + gather
-        return ActionCosts(logits + softmax + gather + reductions, backward, logits)
+        return ActionCosts(logits + softmax, logits + self._memory_seconds(3 * vocab_bytes), logits)
+
+    def compute_costs(self) -> tuple[ActionCosts, ActionCosts, ActionCosts]:
+        """(layer, embedding, loss) seconds of one microbatch without their collectives."""
+        return self._layer_compute(), self._embedding_compute(), self._loss_compute()
+
+    def collective_costs(self) -> tuple[ActionCosts, ActionCosts, ActionCosts]:
+        """(layer, embedding, loss) seconds of the collectives inside their actions."""
+        return self._collectives()
 
     def stage(self, symbols: tuple[str, ...]) -> ActionCosts:
         """Seconds of one microbatch in a stage holding ``symbols``."""
@@ -234,6 +353,18 @@ class StageCostModel:
             return 0.0
         return self.dp_link.ring(self.cand.dp * self.cand.cp, param_bytes)
 
-    def optimizer_seconds(self, stepped_elements: float) -> float:
-        """Adam over this rank's elements: memory-bound, ~36 bytes read or written per element."""
+    def optimizer_seconds(self, stepped_elements: float, stepped_tensors: float = 0.0) -> float:
+        """Adam over this rank's elements: measured per element and per tensor where the host was
+        (``--profile-local``), else memory-bound, ~36 bytes read or written per element."""
+        host = self.cluster.host
+        if host.optimizer_element_seconds is not None:
+            return (
+                host.optimizer_element_seconds * stepped_elements
+                + host.optimizer_tensor_seconds * stepped_tensors
+            )
         return self._memory_seconds(36 * stepped_elements)
+
+    def fp8_shard_cast_seconds(self, elements: float) -> float:
+        """``--fp8-param-gather``: the optimizer casts its updated fp32 shard of the FP8 weights to FP8
+        (read for the amax and for the cast, one byte written)."""
+        return self._memory_seconds((CAST_READS * 4 + 1) * elements)

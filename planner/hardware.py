@@ -1,6 +1,8 @@
 """The cluster a plan is for: GPU peak, memory and bandwidths, every number overridable.
 
-Peaks are the dense 16-bit tensor-core figures ``training/reporting/throughput.py`` uses for MFU. Bandwidths
+Peaks are the dense 16-bit tensor-core figures ``training/reporting/throughput.py`` uses for MFU, and
+the dense FP8 figures from the same data sheets, which ``--fp8-format``'s products run at (none on a
+GPU without FP8 tensor cores: there FP8 products are costed at the 16-bit rate). Bandwidths
 are what a collective achieves, not the data sheet's: NCCL's bus bandwidth on NVLink within a node
 and per GPU over the network between nodes, each about 80-90% of the link's rate. The compute
 efficiency is the fraction of peak a transformer layer's matrix multiplies reach on that GPU once
@@ -40,6 +42,8 @@ class Gpu:
     """Fixed cost of one message (one ring step) inside a node."""
     inter_node_latency_us: float = 25.0
     """Fixed cost of one message between nodes."""
+    fp8_peak_tflops: float | None = None
+    """Dense FP8 tensor-core peak; None: no FP8 tensor cores (FP8 products costed at ``peak_tflops``)."""
 
 
 @dataclass(frozen=True)
@@ -64,13 +68,19 @@ def _peak(name: str) -> float:
     return dict(PEAK_TFLOPS)[name]
 
 
+FP8_PEAK_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "B200": 4500.0, "MI300X": 2615.0}
+"""Dense (no sparsity) FP8 tensor-core peaks, TFLOP/s, from the vendors' data sheets: twice the 16-bit
+peak on each (H100 SXM: 1,979 against 989). The A100 has no FP8 tensor cores."""
+
 GPUS: dict[str, Gpu] = {
-    "h100": Gpu("H100 SXM 80GB", _peak("H100"), 80, 3.35, 360, 45),
-    "h200": Gpu("H200 SXM 141GB", _peak("H200"), 141, 4.8, 360, 45),
+    "h100": Gpu("H100 SXM 80GB", _peak("H100"), 80, 3.35, 360, 45, fp8_peak_tflops=FP8_PEAK_TFLOPS["H100"]),
+    "h200": Gpu("H200 SXM 141GB", _peak("H200"), 141, 4.8, 360, 45, fp8_peak_tflops=FP8_PEAK_TFLOPS["H200"]),
     "a100": Gpu("A100 SXM 80GB", _peak("A100"), 80, 2.0, 230, 22),
     "a100-40gb": Gpu("A100 SXM 40GB", _peak("A100"), 40, 1.55, 230, 22),
-    "b200": Gpu("B200 180GB", _peak("B200"), 180, 8.0, 720, 45),
-    "mi300x": Gpu("MI300X 192GB", _peak("MI300X"), 192, 5.3, 300, 45),
+    "b200": Gpu("B200 180GB", _peak("B200"), 180, 8.0, 720, 45, fp8_peak_tflops=FP8_PEAK_TFLOPS["B200"]),
+    "mi300x": Gpu(
+        "MI300X 192GB", _peak("MI300X"), 192, 5.3, 300, 45, fp8_peak_tflops=FP8_PEAK_TFLOPS["MI300X"]
+    ),
 }
 """Known GPUs (``--gpu``); a name not here needs ``--peak-tflops`` and ``--gpu-memory-gb``."""
 
@@ -88,8 +98,13 @@ class HostCosts:
     message_bandwidth: float | None = None
     """Bytes/s of a pipeline message; None: the link's."""
     step_seconds: float = 0.0
-    """Fixed cost per training step outside the schedule (the loop, loss reporting, the optimizer's
-    per-tensor calls)."""
+    """Fixed cost per training step outside the schedule and the optimizer: what the engine's step
+    costs beyond its actions (the loop around the schedule, the loss's reduction, its waits)."""
+    optimizer_element_seconds: float | None = None
+    """Seconds of the optimizer step per parameter element a rank steps (AdamW, the fp32 main copy
+    written back to the parameter, the gradient zeroed); None: the memory-bound model."""
+    optimizer_tensor_seconds: float = 0.0
+    """Seconds of the optimizer step per tensor a rank steps (each tensor's calls)."""
     slowdown: tuple[float, ...] = ()
     """``slowdown[k - 1]``: how much longer an action takes while ``k`` of the node's ranks compute than
     alone (ranks sharing cores); empty: ideal sharing of ``Cluster.cores``."""
@@ -132,6 +147,15 @@ class Cluster:
     @property
     def achievable_flops(self) -> float:
         return self.gpu.peak_tflops * 1e12 * self.gpu.compute_efficiency
+
+    @property
+    def fp8_peak_tflops(self) -> float:
+        """The peak FP8 products run at: the FP8 peak, or the 16-bit one on a GPU without FP8."""
+        return self.gpu.fp8_peak_tflops or self.gpu.peak_tflops
+
+    @property
+    def achievable_fp8_flops(self) -> float:
+        return self.fp8_peak_tflops * 1e12 * self.gpu.compute_efficiency
 
     def link(self, group_stride: int, group_size: int) -> Interconnect:
         """The link of a group of ``group_size`` ranks ``group_stride`` apart (in a node or across)."""

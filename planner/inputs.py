@@ -190,7 +190,12 @@ def read_input(
         )
     base = _runnable(_strip(argv, set(PLANNED_DESTS) | set(_ALSO_PLANNED)), given, notes)
     with contextlib.redirect_stdout(None):  # the flag checks' notes, for one rank: not the plan's
-        run = build_run(parse_args(base + ["--micro-batch-size", "1", "--global-batch-size", "1"]), 1)
+        sharded = (
+            ["--use-distributed-optimizer"] if given.use_distributed_optimizer else []
+        )  # --fp8-param-gather needs it
+        run = build_run(
+            parse_args(base + sharded + ["--micro-batch-size", "1", "--global-batch-size", "1"]), 1
+        )
     spec = ModelSpec.from_config(
         run.model,
         vocab_size=_vocab(run.args),

@@ -1,7 +1,8 @@
 """Memory of one rank of a candidate: parameters, gradients, optimizer state, activations, buffers.
 
 Static memory follows the data-parallel wrapper and the optimizer (``core/distributed``,
-``core/optimizer``): parameters in their dtype; one flat gradient buffer per model chunk (fp32 for
+``core/optimizer``): parameters in their dtype (FP8 layers' weights also as an FP8 copy and its
+transpose for the step; with ``--fp8-param-gather`` held in FP8, plus the transpose); one flat gradient buffer per model chunk (fp32 for
 bf16 and fp32 models, fp16 for fp16), padded per bucket under the distributed optimizer; Adam's two
 fp32 moments and, for 16-bit models, an fp32 main copy, all sharded over data parallelism (times
 context parallelism) with the distributed optimizer.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,7 +32,15 @@ from planner.activations import Shape, StageActivations, stage_activations
 from planner.candidate import Candidate
 from planner.model_spec import ModelSpec
 
-__all__ = ["RankMemory", "candidate_memory", "memory_microbatches", "rank_memory", "rank_static"]
+__all__ = [
+    "RankMemory",
+    "candidate_memory",
+    "gathered_param_bytes",
+    "memory_microbatches",
+    "rank_memory",
+    "rank_static",
+    "stepped_tensors",
+]
 
 SHARD_ALIGNMENT = (
     128  # core.distributed.grad_buffer: buckets pad to lcm(dp, 128) under the distributed optimizer
@@ -162,15 +172,23 @@ def _padded(elements: int, cand: Candidate, pp_rank: int) -> float:
     return math.ceil(elements / pad) * pad + (buckets - 1) * pad / 2
 
 
-_STATIC: dict[tuple, tuple[float, float, float, float]] = {}
+class _Static(NamedTuple):
+    params: float
+    grads: float
+    state: float
+    transient: float
+    gathered: float
+    """Bytes of the distributed optimizer's parameter all-gather (the parameter buffers)."""
+    stepped_tensors: float
+    """Tensors (or tensor shards) the rank's optimizer steps."""
+
+
+_STATIC: dict[tuple, _Static] = {}
 """rank_static's answers: the search asks for every rank of every candidate, and the recomputation
 and microbatch choices share them."""
 
 
-def rank_static(
-    spec: ModelSpec, cand: Candidate, pp_rank: int, device: str = "cuda"
-) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer state, optimizer-step transient) of a pipeline rank, in bytes."""
+def _static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) -> _Static:
     key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
            cand.distributed_optimizer, pp_rank, device)  # fmt: skip
     if key not in _STATIC:
@@ -180,9 +198,38 @@ def rank_static(
     return _STATIC[key]
 
 
-def _rank_static(
-    spec: ModelSpec, cand: Candidate, pp_rank: int, device: str
+def rank_static(
+    spec: ModelSpec, cand: Candidate, pp_rank: int, device: str = "cuda"
 ) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer state, optimizer-step transient) of a pipeline rank, in bytes."""
+    return _static(spec, cand, pp_rank, device)[:4]
+
+
+def gathered_param_bytes(spec: ModelSpec, cand: Candidate, pp_rank: int) -> float:
+    """Bytes a rank's parameter all-gather moves in (the distributed optimizer's): its parameter
+    buffers, FP8 layers' weights at one byte an element under ``--fp8-param-gather``."""
+    return _static(spec, cand, pp_rank, "cuda").gathered
+
+
+def stepped_tensors(spec: ModelSpec, cand: Candidate, pp_rank: int) -> float:
+    """Tensors (shards, with the distributed optimizer) a rank's optimizer steps."""
+    return _static(spec, cand, pp_rank, "cuda").stepped_tensors
+
+
+def _fp8_weight_bytes(spec: ModelSpec, cand: Candidate, layers: int) -> tuple[float, float]:
+    """What FP8 changes in a rank's (parameter bytes, parameter all-gather bytes): an FP8 copy of each
+    FP8 weight and its transposed copy, kept for the step (two bytes an element, not gathered); with
+    ``--fp8-param-gather`` the weights are held in FP8, one byte an element instead of the model
+    dtype's (``core/tensor_parallel/fp8_params.py``), which is what the all-gather moves, and the layer
+    still keeps the transposed copy for the step (one byte)."""
+    elements = spec.fp8_weight_elements(cand.tp) * layers
+    if spec.fp8_param_gather:
+        held = -elements * (spec.bytes_per_value - 1)
+        return held + elements, held
+    return 2 * elements, 0.0
+
+
+def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) -> _Static:
     chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     embedding_here = any("E" in c for c in chunks)
     tensors = [_chunk_tensors(spec, cand, c, embedding_here) for c in chunks]
@@ -193,7 +240,8 @@ def _rank_static(
     grad_bytes = 2 if spec.precision == "fp16" else 4
     per_element_state = 12 if spec.precision != "fp32" else 8  # fp32 main copy + Adam's m and v
     stepped = [n for chunk in tensors for n in chunk]
-    steps = 4 * len(stepped)  # Adam's step count, an fp32 scalar per stepped tensor
+    count = len(stepped)
+    steps = 4 * count  # Adam's step count, an fp32 scalar per stepped tensor
     if cand.distributed_optimizer:
         shards = cand.dp * cand.cp
         experts = _expert_elements(spec, cand, chunks)  # sharded over expert data parallelism instead
@@ -201,16 +249,18 @@ def _rank_static(
         params, grads = padded * B, padded * grad_bytes
         state = per_element_state * ((total - experts) / shards + experts / expert_shards) + steps / shards
         stepped = [n / shards for n in stepped]  # roughly: each rank steps 1/shards of every bucket
+        count = math.ceil(count / shards)
     else:
         params, grads, state = total * B, total * grad_bytes, per_element_state * total + steps
-    # FP8 weight copies, kept for the step: each FP8 weight and its transpose, one byte an element
-    params += 2 * spec.fp8_weight_elements(cand.tp) * sum(chunk.count("t") for chunk in chunks)
+    fp8, fp8_gathered = _fp8_weight_bytes(spec, cand, sum(chunk.count("t") for chunk in chunks))
+    gathered = params + fp8_gathered
+    params += fp8
     if spec.position_embedding_type == "rope":  # each chunk's RoPE frequencies (fp32, a buffer)
         params += cand.vpp * 2 * int(spec.kv_channels * spec.rotary_percent)
     transient = _optimizer_transient(stepped, device)
     if grad_bytes != 4:  # fp16 gradients: the optimizer steps on fp32 copies of them, all alive at once
         transient += 4 * sum(abs(n) for n in stepped)
-    return params, grads, state, transient
+    return _Static(params, grads, state, transient, gathered, count)
 
 
 # --------------------------------------------------------------------------------------------------

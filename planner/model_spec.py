@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["BYTES", "ModelSpec", "MoeSpec"]
+from core.tensor_parallel.fp8 import SHAPE_MULTIPLE
+
+__all__ = ["BYTES", "LinearProduct", "ModelSpec", "MoeSpec"]
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _CONFIG_FIELDS = (
@@ -54,6 +56,29 @@ class MoeSpec:
     """Each expert's FFN size (default: the dense --ffn-hidden-size)."""
     aux_loss: bool = False
     """A load-balancing loss is computed (``--moe-aux-loss-coeff`` > 0): the router keeps its scores."""
+    grouped_gemm: bool = False
+    """``--moe-grouped-gemm``: the experts run as one grouped product (which has no FP8 form here)."""
+
+
+@dataclass(frozen=True)
+class LinearProduct:
+    """One weight product of a decoder layer, as one rank runs it."""
+
+    name: str
+    in_features: int
+    """Per rank: the product's K (a CUDA FP8 product needs a multiple of 16)."""
+    out_features: int
+    """Per rank: the product's N (likewise)."""
+    whole_elements: int
+    """The whole weight's elements (TP = 1): forward FLOPs are ``2 x tokens x uses x`` this."""
+    uses: int = 1
+    """Times a token passes through it (an MoE token visits its top-k experts)."""
+    expert: bool = False
+    """One routed expert's: a rank holds ``num_experts / ep`` of them."""
+
+    @property
+    def fits_fp8(self) -> bool:
+        return self.in_features % SHAPE_MULTIPLE == 0 and self.out_features % SHAPE_MULTIPLE == 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +120,11 @@ class ModelSpec:
     """The decoder layers' linear layers multiply in FP8 (``--fp8-format``): they save their inputs in FP8
     (with FP8 weight gradients), and hold an FP8 copy of each weight and its transpose for the step."""
     fp8_wgrad: bool = True
-    """"bf16", "fp16" or "fp32": the parameters' and activations' dtype."""
+    """The weight-gradient products run in FP8 too (``--no-fp8-wgrad`` keeps them in the model's dtype)."""
+    fp8_param_gather: bool = False
+    """``--fp8-param-gather``: the FP8 layers' weights are held in FP8 (one byte an element, no 16-bit
+    copy and no cast per step; the layer still keeps the transposed copy for the step), and the
+    distributed optimizer's parameter all-gather moves one byte an element for them."""
     moe: MoeSpec | None = None
     name: str = ""
 
@@ -117,7 +146,8 @@ class ModelSpec:
         moe, experts = None, config.num_moe_experts
         if experts:
             balancing = config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0
-            moe = MoeSpec(experts, config.moe_router_topk, config.moe_ffn_hidden_size, balancing)
+            grouped = getattr(config, "moe_grouped_gemm", False)
+            moe = MoeSpec(experts, config.moe_router_topk, config.moe_ffn_hidden_size, balancing, grouped)
         return cls(
             **{name: getattr(config, name) for name in _CONFIG_FIELDS},
             vocab_size=vocab_size,
@@ -133,6 +163,7 @@ class ModelSpec:
             precision=precision,
             fp8=config.fp8 is not None,
             fp8_wgrad=config.fp8_wgrad,
+            fp8_param_gather=config.fp8 is not None and getattr(config, "fp8_param_gather", False),
             moe=moe,
             name=name,
         )
@@ -185,6 +216,43 @@ class ModelSpec:
         h, qkv, f = self.hidden_size, self.query_size + 2 * self.kv_size, self.ffn_hidden_size
         mlp = (2 if self.gated else 1) * f * h + f * h if self.moe is None else 0
         return (qkv * h + self.query_size * h + mlp) // tp
+
+    def linear_products(self, tp: int) -> list[LinearProduct]:
+        """One decoder layer's weight products on one rank (attention, then the MLP or one routed
+        expert's; the router is left out: it stays in the model's dtype)."""
+        h, q, f = self.hidden_size, self.query_size, self.ffn_hidden_size
+        qkv, branches = q + 2 * self.kv_size, 2 if self.gated else 1
+        products = [
+            LinearProduct("qkv", h, qkv // tp, h * qkv),
+            LinearProduct("proj", q // tp, h, q * h),
+        ]
+        if self.moe is None:
+            return products + [
+                LinearProduct("fc1", h, branches * f // tp, h * branches * f),
+                LinearProduct("fc2", f // tp, h, f * h),
+            ]
+        e, k = self.moe_ffn, self.moe.router_topk  # whole experts (no expert tensor parallelism)
+        return products + [
+            LinearProduct("expert fc1", h, branches * e, h * branches * e, k, expert=True),
+            LinearProduct("expert fc2", e, h, e * h, k, expert=True),
+        ]
+
+    def fp8_products(self, tp: int) -> list[LinearProduct]:
+        """The products of :meth:`linear_products` that run in FP8: all of them with ``--fp8-format``,
+        except any whose features per rank a CUDA FP8 product cannot take (not multiples of 16), as
+        the layers decide (``enable_fp8``), and routed experts under ``--moe-grouped-gemm``. Empty
+        without FP8."""
+        if not self.fp8:
+            return []
+        grouped = self.moe is not None and self.moe.grouped_gemm
+        return [p for p in self.linear_products(tp) if p.fits_fp8 and not (p.expert and grouped)]
+
+    def fp8_linear_flops(self, tokens: int, tp: int = 1, *, experts: bool = True) -> float:
+        """Forward FLOPs of a layer's products that run in FP8 at TP ``tp`` (counted as
+        :meth:`layer_linear_flops` counts, TP = 1); the rest of that count stays in the model's dtype.
+        ``experts=False`` leaves the routed experts' out."""
+        products = [p for p in self.fp8_products(tp) if experts or not p.expert]
+        return 2.0 * tokens * sum(p.uses * p.whole_elements for p in products)
 
     def layer_params(self, tp: int, ep: int = 1) -> int:
         """One decoder layer on one rank: norms, attention, and the MLP (or this rank's experts)."""
@@ -256,6 +324,8 @@ def describe(spec: ModelSpec) -> str:
     ]
     if spec.moe is not None:
         parts.append(f"{spec.moe.num_experts} experts, top-{spec.moe.router_topk}")
+    if spec.fp8:
+        parts.append("FP8 linear layers" + (", FP8 parameter gather" if spec.fp8_param_gather else ""))
     total, active = spec.total_params(), spec.active_params()
     size = f"{total / 1e9:.1f}B parameters" + (f" ({active / 1e9:.1f}B active)" if active != total else "")
     return f"{spec.name + ': ' if spec.name else ''}{', '.join(parts)}; {size}"

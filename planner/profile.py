@@ -16,8 +16,9 @@ A shape too large to run here in a fraction of a second is measured at fewer tok
 weights would not fit, at a narrower width, head size kept) and scaled back by the ratio of FLOPs.
 
 The local cluster (:func:`local_cluster`) is this machine: its ranks share its cores, and its
-collectives, pipeline messages, core sharing and the engine's fixed cost per action are measured
-with as many real ranks as the plan has (:mod:`planner.calibrate`).
+collectives, pipeline messages, core sharing, the engine's fixed costs per action and per step, and
+the optimizer step's costs per tensor and per element are measured with as many real ranks as the
+plan has (:mod:`planner.calibrate`).
 """
 
 from __future__ import annotations
@@ -232,11 +233,15 @@ def _matmul_tflops() -> float:
     return 2 * 1024**3 / seconds / 1e12
 
 
-def local_cluster(num_ranks: int) -> Cluster:
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def local_cluster(num_ranks: int, precision: str = "bf16") -> Cluster:
     """This machine with ``num_ranks`` ranks on its cores (one thread each, as under torchrun): its
-    collectives, messages, core sharing and engine measured by :func:`planner.calibrate.measure_host`."""
+    collectives, messages, core sharing, engine and optimizer step (for parameters in ``precision``)
+    measured by :func:`planner.calibrate.measure_host`."""
     cores = os.cpu_count() or 1
-    found = measure_host(num_ranks, cores)
+    found = measure_host(num_ranks, cores, dtype=_DTYPES[precision])
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     gpu = Gpu(
         name=f"CPU rank ({cores} cores shared)",

@@ -8,9 +8,14 @@ cannot tell apart, e.g. the embedding when every stage holds layers). The balanc
 costs is proposed, and both layouts are simulated on the run's own tables with the measured costs:
 the ratio is the predicted gain.
 
+The refitted costs then re-rank every candidate the plan tries (``tools/plan.py --from-timeline``
+prints the table again): :class:`RefitProfile` carries the run's level to the other shapes.
+
 CPU ranks sharing cores (this machine) measure each action stretched by the ranks busy beside it;
-each event is first brought back to the time it would take on a core of its own: a stretch of
-``busy ranks / cores`` wherever more ranks computed than there are cores.
+each event is first brought back to the time it would take on a core of its own: each stretch of it
+divided by the cluster's slowdown for the ranks busy then (``HostCosts.slowdown``, measured by
+``--profile-local``; unmeasured, ``busy ranks / cores`` wherever more ranks computed than there are
+cores), the curve the step's timing applies again.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from __future__ import annotations
 import itertools
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
@@ -31,14 +38,23 @@ from planner.layouts import balanced_layout
 from planner.step_time import estimate_step
 from training.reporting.timeline import load_trace
 
-__all__ = ["fit_costs", "measured_pipeline_seconds", "rebalance", "rebalance_report", "stage_means"]
+__all__ = [
+    "RefitProfile",
+    "fit_costs",
+    "measured_pipeline_seconds",
+    "rebalance",
+    "rebalance_report",
+    "refit_profile",
+    "stage_means",
+]
 
 _KINDS = ("F", "B", "I", "W")
 
 
-def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], cores: int | None) -> list[tuple]:
-    """Events with each duration replaced by the time it would take on a core of its own."""
-    if not cores:
+def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], slowdown) -> list[tuple]:
+    """Events with each duration replaced by the time it would take on a core of its own: each stretch
+    progresses at ``1 / slowdown(k)`` while ``k`` ranks compute (``slowdown`` None: no sharing)."""
+    if slowdown is None:
         return events
     edges = sorted({t for s, e in busy for t in (s, e)})
     out = []
@@ -49,13 +65,15 @@ def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], core
             if hi <= lo:
                 continue
             running = sum(1 for s, e in busy if s <= lo and e >= hi)
-            own += (hi - lo) * min(1.0, cores / max(running, 1))
+            own += (hi - lo) / slowdown(max(running, 1))
         out.append((kind, mb, chunk, start, start + own))
     return out
 
 
-def stage_means(path: str, cores: int | None = None) -> tuple[dict[tuple[int, int, str], float], object]:
-    """Mean seconds per (pp rank, chunk, action kind) over the first pipeline's recorded iterations."""
+def stage_means(path: str, slowdown=None) -> tuple[dict[tuple[int, int, str], float], object]:
+    """Mean seconds per (pp rank, chunk, action kind) over the first pipeline's recorded iterations, on
+    a core of their own where ``slowdown(k)`` says how much longer an action takes while ``k`` ranks
+    share the cores (the same curve the step's timing then applies: a refit gives back the run)."""
 
     data = load_trace(os.path.join(path, "timeline.json") if os.path.isdir(path) else path)
     durations: dict[tuple[int, int, str], list[float]] = defaultdict(list)
@@ -64,7 +82,7 @@ def stage_means(path: str, cores: int | None = None) -> tuple[dict[tuple[int, in
         busy = [(e[3], e[4]) for r in step.ranks for e in r.events if e[0] in _KINDS]
         for rank in pipeline:
             compute = [e for e in rank.events if e[0] in _KINDS]
-            for kind, _, chunk, start, end in _own_core_seconds(compute, busy, cores):
+            for kind, _, chunk, start, end in _own_core_seconds(compute, busy, slowdown):
                 durations[rank.pp_rank, chunk, kind].append((end - start) / 1e3)
     return {key: float(np.mean(v)) for key, v in durations.items()}, data
 
@@ -109,6 +127,63 @@ def fit_costs(means: dict, cand: Candidate, prior: LayerProfile) -> LayerProfile
     return LayerProfile(costs[0], costs[1], costs[2], source="timeline")
 
 
+class RefitProfile(LayerProfile):
+    """Costs refitted from a run's timeline, for every shape the search asks about.
+
+    At the run's shape they are the fitted costs. At another (TP, micro-batch size, recomputation)
+    they are the prior's costs there (``--profile-local``'s, else the FLOP model's), times what the run
+    measured over what the prior predicted for the run's shape, per part (layer, embedding, loss) and
+    per action (F, I, W): the run corrects the prior's level, the prior says how a shape scales.
+    """
+
+    def __init__(self, ratios: tuple, absolute: tuple, prior: Callable[[int, int, str], tuple]):
+        super().__init__(layer=absolute[0], embedding=absolute[1], loss=absolute[2], source="timeline",
+                         whole_sequence=True)  # fmt: skip
+        self.ratios, self.absolute, self.prior = ratios, absolute, prior
+
+    def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
+        key = (tp, micro_batch_size, recompute)
+        if key not in self.by_shape:
+            prior = self.prior(tp, micro_batch_size, recompute)
+            self.by_shape[key] = tuple(
+                tuple(p * r if r is not None else a for p, r, a in zip(*parts))
+                for parts in zip(prior, self.ratios, self.absolute)
+            )
+        return self.by_shape[key]
+
+
+def _flop_prior(spec, cluster: Cluster) -> Callable[[int, int, str], tuple]:
+    """The FLOP model's compute seconds (no collectives) of a shape's whole sequence."""
+
+    def prior(tp: int, micro_batch_size: int, recompute: str) -> tuple:
+        shape = Candidate(tp=tp, pp=1, dp=1, micro_batch_size=micro_batch_size, recompute=recompute)
+        costs = StageCostModel(spec, shape, cluster).compute_costs()
+        return tuple((c.forward, c.backward_input, c.backward_weight) for c in costs)
+
+    return prior
+
+
+def refit_profile(
+    spec, cluster: Cluster, cand: Candidate, fitted: LayerProfile, profile=None
+) -> RefitProfile:
+    """:class:`RefitProfile` from ``fitted`` (the run's costs, collectives included, as its timeline
+    records them) and the prior: ``profile`` (``--profile-local``) or the FLOP model."""
+    prior = profile.for_shape if profile is not None else _flop_prior(spec, cluster)
+    collectives = StageCostModel(spec, cand, cluster).collective_costs()
+    measured = tuple(
+        tuple(
+            max(0.0, t - c) for t, c in zip(times, (comm.forward, comm.backward_input, comm.backward_weight))
+        )
+        for times, comm in zip((fitted.layer, fitted.embedding, fitted.loss), collectives)
+    )
+    at_run = prior(cand.tp, cand.micro_batch_size, cand.recompute)
+    ratios = tuple(
+        tuple(m / p if p > 0 else None for m, p in zip(mine, theirs))
+        for mine, theirs in zip(measured, at_run)
+    )
+    return RefitProfile(ratios, measured, prior)
+
+
 def _run_candidate(plan_input, data) -> Candidate:
     """The recorded run's candidate: its split, schedule, microbatches and layout, from its flags."""
     fixed = plan_input.fixed
@@ -138,7 +213,8 @@ def measured_pipeline_seconds(data) -> float:
 def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | None = None) -> dict:
     """The run's layout, the proposed one, and both simulated with the measured costs; the run's
     measured pipeline against the plan's prediction for its layout (``profile``'s costs, or FLOPs)."""
-    means, data = stage_means(path, cluster.cores)
+    slowdown = partial(cluster.host.slowdown_at, cores=cluster.cores) if cluster.cores else None
+    means, data = stage_means(path, slowdown)
     cand = _run_candidate(plan_input, data)
     spec = plan_input.spec
     model = StageCostModel(spec, cand, cluster)
@@ -168,6 +244,7 @@ def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | N
         "predicted_gain": before.step_seconds / after.step_seconds,
         "measured_bubble": float(np.mean([s.measured_bubble for s in measured])),
         "candidate": cand,
+        "refit_profile": refit_profile(spec, cluster, cand, fitted, profile),
     }
 
 
@@ -179,7 +256,10 @@ def _against(predicted: float, measured: float) -> str:
     )
 
 
-def rebalance_report(plan_input, cluster: Cluster, path: str, profile: LayerProfile | None = None) -> str:
+def rebalance_report(
+    plan_input, cluster: Cluster, path: str, profile: LayerProfile | None = None
+) -> tuple[str, RefitProfile, Candidate]:
+    """The report's lines, the refitted costs (for re-ranking every candidate) and the run's candidate."""
     r = rebalance(plan_input, cluster, path, profile)
     measured = r["measured_pipeline_seconds"]
     ms = lambda costs: f"{1e3 * costs[0]:.2f}/{1e3 * (costs[1] + costs[2]):.2f}"
@@ -204,4 +284,4 @@ def rebalance_report(plan_input, cluster: Cluster, path: str, profile: LayerProf
         + ("" if r["proposed_layout"] != r["layout"] else " (the run is already balanced)"),
         f"--pipeline-model-parallel-layout '{r['proposed_layout']}'",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines), r["refit_profile"], cand

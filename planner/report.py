@@ -2,7 +2,8 @@
 
 The JSON line is ``{"candidates": [...], "rejected": {...}}``: per candidate its sizes, schedule,
 micro-batch size, recomputation, layout, ``peak_memory_bytes`` (the largest rank's),
-``step_seconds``, ``tokens_per_second_per_gpu``, ``mfu``, the bubble, the per-rank memory breakdown
+``step_seconds``, ``tokens_per_second_per_gpu``, ``mfu``, the bubble, ``matmul_rates`` (the peak and
+precision each kind of matrix product was costed at: FP8 or 16-bit), the per-rank memory breakdown
 and ``args``, the exact ``pretrain_gpt.py`` flags that run it; rejected candidates are grouped by
 reason with a count and examples.
 """
@@ -18,7 +19,7 @@ from planner.hardware import Cluster
 from planner.search import Planned, SearchResult
 from planner.step_time import StepParts
 
-__all__ = ["candidate_json", "format_table", "launch_command", "result_json"]
+__all__ = ["candidate_json", "format_table", "launch_command", "result_json", "run_rank_line"]
 
 GB = 1e9
 
@@ -54,6 +55,7 @@ def candidate_json(planned: Planned, base_flags: list[str]) -> dict:
         "exposed_comm_seconds": step.exposed_comm_seconds,
         "step_parts": asdict(step.parts),
         "step_extrapolated": step.extrapolated,
+        "matmul_rates": asdict(step.rates) if step.rates else None,
         "memory_per_pp_rank": [
             {
                 k: (round(v) if isinstance(v, float) else v)
@@ -90,6 +92,7 @@ def _row(rank: int, p: Planned) -> list[str]:
         f"{s.tokens_per_second_per_gpu:,.0f}",
         f"{s.mfu:.1%}",
         f"{s.bubble:.1%}",
+        s.rates.label() if s.rates else "",
     ]
 
 
@@ -136,7 +139,7 @@ def explain_steps(candidates: list[Planned]) -> list[str]:
 def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], *, show_args: int = 1) -> str:
     """The ranked table, the layouts, and the flags of the first ``show_args`` candidates."""
     head = ["#", "split", "schedule", "mbs", "m", "recompute", "dist-opt", "peak GB", "step s", "tok/s/GPU",
-            "MFU", "bubble"]  # fmt: skip
+            "MFU", "bubble", "products TFLOP/s"]  # fmt: skip
     rows = [head] + [_row(i + 1, p) for i, p in enumerate(result.candidates)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [
@@ -159,3 +162,15 @@ def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], 
     for i, p in enumerate(result.candidates[:show_args]):
         lines.append(f"#{i + 1}: {launch_command(cluster, candidate_args(base_flags, p.cand))}")
     return "\n".join(lines)
+
+
+def run_rank_line(result: SearchResult, run: Candidate) -> str:
+    """Where a recorded run's own layout ranks among the re-ranked candidates (``--from-timeline``)."""
+    same = ("tp", "pp", "vpp", "cp", "ep", "dp", "schedule", "micro_batch_size", "recompute", "layout")
+    for i, p in enumerate(result.candidates):
+        if all(getattr(p.cand, name) == getattr(run, name) for name in same):
+            best = result.candidates[0].step.step_seconds
+            return f"the run's layout ranks #{i + 1}: {p.step.step_seconds / best:.2f}x the top pick's step"
+    return (
+        f"the run's layout ({run.split()} {run.schedule_label}) is not among the top {len(result.candidates)}"
+    )

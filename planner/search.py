@@ -13,7 +13,8 @@ that apply, the micro-batch sizes, two layouts (Megatron's even split and the co
 
 Dominated choices are not costed: recomputation is tried from none to full and the first that fits
 is kept (recomputing more only adds time), and where the distributed optimizer is allowed it is used
-(the same traffic as an all-reduce, a fraction of the state). The rest is timed by branch and bound:
+(the same traffic as an all-reduce, a fraction of the state), and always with ``--fp8-param-gather``,
+which needs it. The rest is timed by branch and bound:
 candidates in order of a lower bound on their step (the busiest rank's compute), simulated until the
 next bound exceeds the ``top``-th best simulated step, so only a few schedules are simulated in full.
 """
@@ -295,7 +296,8 @@ def _fitting(
                         continue
                     base = Candidate(
                         tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, micro_batch_size=mbs,
-                        num_microbatches=m, distributed_optimizer=allow_distributed_optimizer and dp * cp > 1,
+                        num_microbatches=m, distributed_optimizer=allow_distributed_optimizer
+                        and (dp * cp > 1 or spec.fp8_param_gather),
                     )  # fmt: skip
                     found = list(_fit_recompute(spec, cluster, space, base, profile, rejected, device))
                     too_big = not found

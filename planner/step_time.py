@@ -24,9 +24,9 @@ from core.pipeline_parallel.schedule_rules import placement_for
 from core.pipeline_parallel.schedule_tables import B, F, I, W, build_tables
 from core.pipeline_parallel.stage_timer import StageTimer, Timing
 from planner.candidate import Candidate
-from planner.costs import ActionCosts, LayerProfile, StageCostModel
+from planner.costs import ActionCosts, LayerProfile, MatmulRates, StageCostModel
 from planner.hardware import Cluster
-from planner.memory import rank_static
+from planner.memory import gathered_param_bytes, rank_static, stepped_tensors
 from planner.model_spec import ModelSpec
 from planner.shared_cores import time_shared
 
@@ -91,6 +91,8 @@ class StepEstimate:
     """Simulated at fewer microbatches and extended along the steady state (the search's ranking)."""
     parts: StepParts = field(default_factory=StepParts)
     """The step of the slowest rank, broken down."""
+    rates: MatmulRates | None = None
+    """The peaks its matrix products were costed at (FP8 or 16-bit), or that a profile measured them."""
 
 
 @lru_cache(maxsize=64)
@@ -121,10 +123,16 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
     params, grads, state, _ = rank_static(spec, cand, rank)
     per_element = 12 if spec.precision != "fp32" else 8
     stepped = state / per_element
+    optimizer = model.optimizer_seconds(stepped, stepped_tensors(spec, cand, rank))
+    if spec.fp8_param_gather and cand.distributed_optimizer:
+        layers = sum(cand.symbols(rank, v).count("t") for v in range(cand.vpp))
+        optimizer += model.fp8_shard_cast_seconds(
+            spec.fp8_weight_elements(cand.tp) * layers / (cand.dp * cand.cp)
+        )
     return (
         model.grad_sync_seconds(grads, params),
-        model.param_gather_seconds(params),
-        model.optimizer_seconds(stepped),
+        model.param_gather_seconds(gathered_param_bytes(spec, cand, rank)),
+        optimizer,
     )
 
 
@@ -223,6 +231,7 @@ def _estimate_for(spec, cand, cluster, step, pipeline, bubble, like: StepEstimat
         optimizer_seconds=like.optimizer_seconds,
         tokens_per_second_per_gpu=tokens / step / cand.world_size,
         mfu=_model_flops_per_step(spec, cand) / (step * cand.world_size * cluster.gpu.peak_tflops * 1e12),
+        rates=like.rates,
     )
 
 
@@ -337,4 +346,5 @@ def _estimate(
         tokens_per_second_per_gpu=tokens / step / cand.world_size,
         mfu=_model_flops_per_step(spec, cand) / (step * cand.world_size * peak),
         parts=_parts(cand, cluster, seconds, result, quiet, slowest, ends),
+        rates=model.rates,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from dataclasses import replace
 from functools import partial
 
@@ -22,12 +23,13 @@ from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.candidate import Candidate
-from planner.costs import LayerProfile
+from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import GPUS, Cluster, Gpu, HostCosts
 from planner.inputs import read_input
 from planner.layouts import balanced_layout, stage_layer_counts
 from planner.megatron_formula import megatron_memory
 from planner.memory import rank_memory, rank_static
+from planner.model_spec import ModelSpec
 from planner.search import DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY, search
 from planner.shared_cores import time_shared
 from planner.step_time import estimate_step
@@ -148,6 +150,134 @@ def test_fp8_saves_one_byte_inputs_and_holds_fp8_weight_copies(small):
     weights = (spec.query_size + 2 * spec.kv_size) * h + spec.query_size * h + 3 * f * h
     assert fp8_params - params == 2 * weights // 2 * 4  # two bytes an element, TP 2, 4 layers on rank 0
     assert rank_memory(fp8, cand, 0).activations < rank_memory(spec, cand, 0).activations
+
+
+def _fp8_spec(**changes) -> ModelSpec:
+    """Hidden 64, 4 heads of 16, FFN 256, 32 tokens, bf16, no biases: a layer's four products hold
+    64 x 192 + 64 x 64 + 64 x 256 + 256 x 64 = 49,152 weights, 2 x 32 x 49,152 = 3,145,728 FLOPs."""
+    spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16,
+                     ffn_hidden_size=256, vocab_size=1000, seq_length=32, max_position_embeddings=32,
+                     add_bias_linear=False, normalization="RMSNorm", precision="bf16", fp8=True)  # fmt: skip
+    return spec.with_(**changes)
+
+
+_FP8_GPU = Gpu("test", 100.0, 80, 1.0, 100.0, 100.0, 1.0, 10.0, 10.0, fp8_peak_tflops=200.0)
+
+
+def test_fp8_products_run_at_the_fp8_peak_and_their_casts_cost_memory_time():
+    """Issue 28 in the time model: a layer's linear products at the FP8 peak (here 200 against 100
+    TFLOP/s), the weight gradient too unless --no-fp8-wgrad or a microbatch of tokens that are not a
+    multiple of 16; a product whose features are not multiples of 16 stays at the 16-bit peak. Each
+    cast reads its 16-bit operand twice and writes one byte, plus one for the transposed copy."""
+    cluster = Cluster(1, 1, _FP8_GPU)
+    cand = Candidate(tp=1, pp=1, dp=1, num_microbatches=4, layout="E,t*2,L")
+    fp8 = StageCostModel(_fp8_spec(), cand, cluster)
+    assert fp8.linear_seconds() == pytest.approx((3_145_728 / 2e14, 3_145_728 / 2e14), rel=1e-12)
+    assert fp8.rates.label() == "fp8 200" and fp8.rates.other == "bf16"
+    # inputs 32 x (64 + 64 + 64 + 256) and weights 49,152 / 4 microbatches forward, output gradients
+    # 32 x (192 + 64 + 256 + 64) backward; 2 x 2 bytes read, 1 written and 1 transposed (weights: 2)
+    assert fp8.fp8_cast_seconds() == pytest.approx(
+        ((32 * 448 * 6 + 49_152 * 6 / 4) / 1e12, 32 * 576 * 6 / 1e12), rel=1e-12
+    )
+    no_wgrad = StageCostModel(_fp8_spec(fp8_wgrad=False), cand, cluster)
+    assert no_wgrad.linear_seconds() == pytest.approx((3_145_728 / 2e14, 3_145_728 / 1e14), rel=1e-12)
+    assert no_wgrad.rates.label() == "fp8 200, W bf16 100"
+    assert no_wgrad.fp8_cast_seconds()[1] == pytest.approx(32 * 576 * 5 / 1e12, rel=1e-12)  # no transposes
+    odd_tokens = StageCostModel(_fp8_spec(seq_length=24, max_position_embeddings=24), cand, cluster)
+    assert odd_tokens.linear_seconds()[1] == pytest.approx(2 * 24 * 49_152 / 1e14, rel=1e-12)
+    # FFN 200: FC1 and FC2 (64 x 200 each) are not multiples of 16 and stay at 100 TFLOP/s
+    narrow = StageCostModel(_fp8_spec(ffn_hidden_size=200), cand, cluster)
+    assert narrow.linear_seconds()[0] == pytest.approx(
+        2 * 32 * 16_384 / 2e14 + 2 * 32 * 25_600 / 1e14, rel=1e-12
+    )
+    assert narrow.rates.label() == "fp8 200 (2/4 products)"
+    plain = StageCostModel(_fp8_spec(fp8=False), cand, cluster)
+    assert plain.linear_seconds() == pytest.approx((3_145_728 / 1e14,) * 2, rel=1e-12)
+    assert plain.fp8_cast_seconds() == (0.0, 0.0) and plain.rates.label() == "bf16 100"
+    without_fp8_cores = StageCostModel(
+        _fp8_spec(), cand, Cluster(1, 1, replace(_FP8_GPU, fp8_peak_tflops=None))
+    )
+    assert without_fp8_cores.linear_seconds()[0] == pytest.approx(3_145_728 / 1e14, rel=1e-12)
+
+
+def test_fp8_param_gather_holds_fp8_weights_and_gathers_one_byte():
+    """--fp8-param-gather (issue 28, ``core/tensor_parallel/fp8_params.py``): the FP8 layers' weights are
+    held in one byte, with no 16-bit copy and no cast per step, the layer keeping only the transposed
+    copy (one byte); the distributed optimizer's parameter all-gather moves one byte for them. DP 2,
+    one rank holding E, 2 layers, L: 65,536 + 2,048 embedding, 2 x (2 x 64 + 49,152) layers and a 64
+    final norm = 166,208 elements, padded to 166,272 (a multiple of lcm(2, 128)); 98,304 FP8 weights."""
+    from planner.memory import gathered_param_bytes
+
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    plain, fp8, gather = _fp8_spec(fp8=False), _fp8_spec(), _fp8_spec(fp8_param_gather=True)
+    assert rank_static(plain, cand, 0)[:3] == (166_272 * 2, 166_272 * 4, 12 * 166_208 / 2 + 4 * 15 / 2)
+    assert rank_static(fp8, cand, 0)[0] == 166_272 * 2 + 2 * 98_304  # an FP8 weight and its transpose
+    assert rank_static(gather, cand, 0)[0] == 166_272 * 2 - 98_304 + 98_304  # held in one byte + transpose
+    assert (
+        rank_static(_fp8_spec(fp8_param_gather=True, precision="fp32"), cand, 0)[0]
+        == 166_272 * 4 - 2 * 98_304
+    )
+    assert rank_static(gather, cand, 0)[1:3] == rank_static(plain, cand, 0)[1:3]
+    assert [gathered_param_bytes(s, cand, 0) for s in (plain, fp8, gather)] == [332_544, 332_544, 234_240]
+    cluster = Cluster(2, 2, _FP8_GPU)  # 100 GB/s, 10 µs a ring step; a ring all-gather of 2: one step
+    assert StageCostModel(gather, cand, cluster).param_gather_seconds(234_240) == pytest.approx(
+        1e-5 + 234_240 / 2 / 1e11, rel=1e-12
+    )
+    # no weight cast per step, only its transposed copy (a byte read, a byte written)
+    assert StageCostModel(gather, cand, cluster).fp8_cast_seconds()[0] == pytest.approx(
+        (32 * 448 * 6 + 49_152 * 2 / 4) / 1e12, rel=1e-12
+    )
+
+
+def test_fp8_param_gather_plans_runnable_candidates_with_the_distributed_optimizer(small):
+    """--fp8-param-gather needs the distributed optimizer: every candidate gets it, DP 1 too, and its
+    flags pass Trident's checks (the planner's own check of the base flags keeps the optimizer flag)."""
+    from planner.report import candidate_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
+
+    plan_input = read_input(
+        [*SMALL, "--fp8-format", "e4m3", "--fp8-param-gather", "--use-distributed-optimizer"]
+    )
+    assert plan_input.spec.fp8 and plan_input.spec.fp8_param_gather and not small.spec.fp8_param_gather
+    result = search(plan_input.spec, Cluster(4, 4, GPUS["h100"]), global_batch_size=16, top=3,
+                    allow_distributed_optimizer=True, fixed={"pp": 4})  # fmt: skip
+    assert len(result.candidates) == 3
+    for planned in result.candidates:
+        assert planned.cand.dp == 1 and planned.cand.distributed_optimizer
+        args = validate_args(parse_args(candidate_args(plan_input.base_flags, planned.cand)), 4)
+        assert args.fp8_param_gather and args.use_distributed_optimizer
+
+
+def test_the_table_and_json_say_which_rate_each_candidate_used(capsys):
+    from planner.cli import main
+
+    flags = [*SMALL, "--fp8-format", "e4m3", "--num-gpus", "8", "--tensor-model-parallel-size", "2",
+             "--top", "2"]  # fmt: skip
+    assert main([*flags, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "FP8 products at 1979 TFLOP/s peak" in out[1]
+    header = next(line for line in out if line.startswith("#"))
+    assert header.endswith("products TFLOP/s")
+    rates = json.loads(out[-1])["candidates"][0]["matmul_rates"]
+    assert rates == {"linear": "fp8", "linear_tflops": 1979.0, "weight_gradient": "fp8",
+                     "weight_gradient_tflops": 1979.0, "other": "bf16", "other_tflops": 989.0,
+                     "fp8_products": 4, "products": 4, "measured": False}  # fmt: skip
+    rows = [line for line in out if line.split()[0] in ("1", "2")]
+    assert len(rows) == 2 and all(row.endswith("fp8 1979") for row in rows)
+
+
+def test_fp8_pays_on_a_large_layer_and_not_on_a_tiny_one(small):
+    """LLaMA-3 8B's layers gain from the FP8 peak; hidden 256's casts (memory-bound) cost more than the
+    FLOPs they save, as torchao finds for small shapes."""
+    cluster = Cluster(8, 8, GPUS["h100"])
+    llama = read_input([], preset="llama3-8b").spec
+    for spec, faster in ((llama, True), (small.spec, False)):
+        cand = _candidate(spec, tp=2, pp=2, dp=2, num_microbatches=4)
+        bf16 = estimate_step(spec.with_(fp8=False), cand, cluster)
+        fp8 = estimate_step(spec.with_(fp8=True), cand, cluster)
+        assert (fp8.parts.compute < bf16.parts.compute) == faster
+        assert (bf16.rates.label(), fp8.rates.label()) == ("bf16 989", "fp8 1979")
 
 
 def test_recomputation_and_sequence_parallel_shrink_activations(small):
@@ -282,19 +412,49 @@ def test_shared_core_timing_without_sharing_is_the_stage_timers(schedule, pp, vp
     assert halved.makespan == pytest.approx(2 * StageTimer(tables, place).time(costs).makespan, rel=1e-9)
 
 
-def test_the_engines_cost_per_action_is_recovered_from_empty_steps():
-    """``--profile-local`` fits the engine's fixed cost per action so that the shared-core timing of the
-    tables it ran gives the step it measured; here the 'measured' steps are timings with 1.5 ms."""
-    from planner.calibrate import ENGINE_CASES, fit_action_seconds
+def test_the_engines_costs_per_action_and_per_step_are_recovered_from_empty_steps():
+    """``--profile-local`` fits the engine's fixed costs per action and per step so that the shared-core
+    timing of the tables it ran, plus the per-step cost, gives the steps it measured; here the
+    'measured' steps are timings with 1.5 ms an action plus 4 ms a step."""
+    from planner.calibrate import engine_runs, fit_engine_costs
 
     slowdown = partial(HostCosts(slowdown=(1.0, 1.2, 1.7, 2.3)).slowdown_at, cores=2)
     steps = {}
-    for schedule, vpp in ENGINE_CASES:
-        tables, place = build_tables(schedule, 4, vpp, 8), placement_for(schedule, 4, vpp)
+    for schedule, vpp, m in engine_runs(4):
+        tables, place = build_tables(schedule, 4, vpp, m), placement_for(schedule, 4, vpp)
         work = {(a.kind, r, a.chunk): 0.0015 for r, t in enumerate(tables) for a in t}
-        steps[schedule, vpp, 8] = time_shared(tables, place, work, latency=3e-4, processes=1,
-                                              slowdown=slowdown).makespan  # fmt: skip
-    assert fit_action_seconds(steps, 4, 3e-4, slowdown) == pytest.approx(0.0015, rel=1e-6)
+        steps[schedule, vpp, m] = 0.004 + time_shared(tables, place, work, latency=3e-4, processes=1,
+                                                      slowdown=slowdown).makespan  # fmt: skip
+    assert len(steps) == 3
+    action, step = fit_engine_costs(steps, 4, 3e-4, slowdown)
+    assert (action, step) == (pytest.approx(0.0015, rel=1e-6), pytest.approx(0.004, rel=1e-5))
+
+
+def test_the_optimizer_step_is_costed_per_tensor_and_per_element_where_measured(small):
+    """Two timings (256 tensors of 1,024 elements; 2 of 2^22) give back 20 µs a tensor and 1 ns an
+    element; a candidate's optimizer part is then its rank's tensors and elements at those costs."""
+    from planner.calibrate import OPTIMIZER_CASES, fit_optimizer_costs
+
+    timings = tuple(n * 20e-6 + n * e * 1e-9 for n, e in OPTIMIZER_CASES)
+    assert fit_optimizer_costs(timings) == (pytest.approx(20e-6, rel=1e-9), pytest.approx(1e-9, rel=1e-9))
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    host = HostCosts(optimizer_element_seconds=1e-9, optimizer_tensor_seconds=20e-6, step_seconds=0.003)
+    cluster = Cluster(2, 2, _FP8_GPU, host=host)
+    step = estimate_step(_fp8_spec(fp8=False), cand, cluster)
+    # 166,208 elements over 2 shards (plus Adam's 15 step counts, 4 bytes each, over 12 bytes an
+    # element) and 15 tensors over 2 shards, rounded up
+    elements = (12 * 166_208 / 2 + 4 * 15 / 2) / 12
+    assert step.parts.optimizer == pytest.approx(elements * 1e-9 + 8 * 20e-6, rel=1e-12)
+    assert step.parts.per_step == 0.003 and step.parts.total() == pytest.approx(step.step_seconds, rel=1e-12)
+    from planner.cli import describe_cluster
+
+    lines = describe_cluster(replace(cluster, host=replace(host, action_seconds=3e-4)), _fp8_spec())
+    measured = (
+        "0.3 ms an action and 3 ms a step (the engine), the optimizer 20 µs a tensor and 1 ns an element"
+    )
+    assert lines[1:] == [f"measured here: {measured}"]
+    a100 = describe_cluster(Cluster(8, 8, GPUS["a100"]), _fp8_spec())
+    assert a100[0].endswith("; FP8 products at 312 TFLOP/s peak (no FP8 tensor cores: the 16-bit peak)")
 
 
 def test_a_measured_slowdown_curve_extends_with_the_ranks():
@@ -418,3 +578,48 @@ def test_rebalancing_recovers_the_costs_and_relieves_the_loss_stage(tmp_path, sm
     # the loop closed: the refitted costs give back the run's own pipeline (its timeline was simulated)
     assert r["refit_pipeline_seconds"] == pytest.approx(r["measured_pipeline_seconds"], rel=1e-3)
     assert r["planned_pipeline_seconds"] > 0
+
+
+def test_the_refitted_costs_rerank_every_candidate(tmp_path, capsys, small):
+    """Issue 33's loop closed: ``--from-timeline`` refits the costs and ranks the candidates again. At
+    the run's shape the refitted costs are the run's own; at another the FLOP model's there, times the
+    run's measured over the FLOP model's at the run's shape (per part and per action)."""
+    from planner.cli import main
+    from planner.rebalance import _flop_prior, rebalance
+
+    flags = [*SMALL, "--pipeline-model-parallel-size", "4"]
+    plan_input = read_input(flags)
+    cand = _candidate(plan_input.spec, tp=1, pp=4, dp=1, num_microbatches=8)
+    _timeline(tmp_path / "run", cand, {"t": (0.010, 0.020), "E": (0.001, 0.002), "L": (0.040, 0.050)})
+    cluster = Cluster(4, 4, GPUS["h100"])
+    refit = rebalance(plan_input, cluster, str(tmp_path / "run"))["refit_profile"]
+    layer = refit.for_shape(1, 1, "none")[0]
+    assert layer[0] == pytest.approx(0.010, rel=1e-3) and sum(layer[1:]) == pytest.approx(0.020, rel=1e-3)
+    prior = _flop_prior(plan_input.spec, cluster)
+    scale = [p2 / p1 for p1, p2 in zip(prior(1, 1, "none")[0], prior(2, 4, "full")[0])]
+    assert list(refit.for_shape(2, 4, "full")[0]) == pytest.approx(
+        [t * r for t, r in zip(layer, scale)], rel=1e-12
+    )
+    assert main([*flags, "--num-gpus", "8", "--gpus-per-node", "8", "--top", "3", "--from-timeline",
+                 str(tmp_path / "run")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    table = out.split("re-ranked with the refitted costs", 1)[1]
+    assert "proposed layout:" in out and "step #3:" in table and "step #4:" not in table
+    assert re.search(
+        r"the run's layout (ranks #\d: \d\.\d\dx the top pick's step|\(.*\) is not among the top 3)", table
+    )
+
+
+def test_a_timeline_is_brought_to_own_core_seconds_with_the_measured_slowdown():
+    """``--from-timeline`` on shared cores divides each stretch of an action by the slowdown measured for
+    the ranks busy then (the curve the step's timing applies again), not by ideal sharing."""
+    from planner.rebalance import _own_core_seconds
+
+    busy = [(0.0, 10.0), (4.0, 6.0), (5.0, 6.0)]  # three ranks: 0-4 one busy, 4-5 two, 5-6 three, 6-10 one
+    events = [("F", 0, 0, 0.0, 10.0)]
+    curve = HostCosts(slowdown=(1.0, 1.6, 2.5))
+    own = _own_core_seconds(events, busy, partial(curve.slowdown_at, cores=2))
+    assert own[0][4] == pytest.approx(4.0 + 1.0 / 1.6 + 1.0 / 2.5 + 4.0, rel=1e-12)
+    ideal = _own_core_seconds(events, busy, partial(HostCosts().slowdown_at, cores=2))
+    assert ideal[0][4] == pytest.approx(4.0 + 1.0 + 1.0 / 1.5 + 4.0, rel=1e-12)
+    assert _own_core_seconds(events, busy, None) == events
