@@ -21,6 +21,30 @@ ROUTED_EXPERTS = "mlp.experts."
 """Where a decoder layer's routed experts are (stacked: one linear layer per projection for all of them)."""
 
 
+def _run_lines(config: TransformerConfig, recipe: Fp8Recipe, tokens_per_microbatch: int) -> list[str]:
+    """What the first stage says of the whole run: the recipe, and what keeps products out of FP8."""
+    lines = [f"FP8: {recipe.describe()}"]
+    if not config.bf16:
+        lines.append(
+            "FP8 without --bf16: the parts that are not FP8 products (embedding, norms, attention, output "
+            "layer) run in fp32, which is slow (Megatron-LM#883); add --bf16"
+        )
+    if getattr(config, "num_moe_experts", None) and not config.moe_grouped_gemm and recipe.wgrad:
+        lines.append(
+            "FP8: routed experts' tokens are padded with zero rows to multiples of 16 "
+            "(--moe-router-padding-for-quantization): their weight gradients run in FP8"
+            if config.moe_router_padding_for_quantization
+            else "FP8: a routed expert whose tokens are not a multiple of 16 takes its weight gradient in "
+            "the model's dtype (--moe-router-padding-for-quantization pads them)"
+        )
+    if tokens_per_microbatch % SHAPE_MULTIPLE and recipe.wgrad:
+        lines.append(
+            f"FP8: a microbatch holds {tokens_per_microbatch} tokens per rank, not a multiple of "
+            f"{SHAPE_MULTIPLE}: the weight gradients run in the model's dtype"
+        )
+    return lines
+
+
 def fp8_report(
     config: TransformerConfig, modules: Sequence[nn.Module], stage: int, tokens_per_microbatch: int
 ) -> list[str]:
@@ -29,27 +53,7 @@ def fp8_report(
     if config.fp8 is None:
         return []
     recipe = Fp8Recipe.from_config(config)
-    lines = []
-    if stage == 0:
-        lines.append(f"FP8: {recipe.describe()}")
-        if not config.bf16:
-            lines.append(
-                "FP8 without --bf16: the parts that are not FP8 products (embedding, norms, attention, output "
-                "layer) run in fp32, which is slow (Megatron-LM#883); add --bf16"
-            )
-        if getattr(config, "num_moe_experts", None) and not config.moe_grouped_gemm and recipe.wgrad:
-            lines.append(
-                "FP8: routed experts' tokens are padded with zero rows to multiples of 16 "
-                "(--moe-router-padding-for-quantization): their weight gradients run in FP8"
-                if config.moe_router_padding_for_quantization
-                else "FP8: a routed expert whose tokens are not a multiple of 16 takes its weight gradient in "
-                "the model's dtype (--moe-router-padding-for-quantization pads them)"
-            )
-        if tokens_per_microbatch % SHAPE_MULTIPLE and recipe.wgrad:
-            lines.append(
-                f"FP8: a microbatch holds {tokens_per_microbatch} tokens per rank, not a multiple of "
-                f"{SHAPE_MULTIPLE}: the weight gradients run in the model's dtype"
-            )
+    lines = _run_lines(config, recipe, tokens_per_microbatch) if stage == 0 else []
     in_fp8, kept_out = [], []
     for chunk in modules:
         for name, module in getattr(chunk, "module", chunk).named_modules():
