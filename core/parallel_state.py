@@ -54,10 +54,13 @@ from core.device import bind_local_device, current_device, default_backend, loca
 from core.rank_groups import (  # the group maths, kept importable from here as in Megatron
     DEFAULT_ORDER,
     EXPERT_GROUP_NAMES,
+    EXPERT_INSTANCE_GROUP_NAMES,
     GROUP_NAMES,
     INSTANCE_GROUP_NAMES,
+    SHARED_GROUPS,
     _check_size,
     generate_expert_groups,
+    generate_expert_instance_groups,
     generate_instance_groups,
     generate_parallel_groups,
     link_warm_up_order,
@@ -157,6 +160,13 @@ class ParallelGroups:
     """With N instances: the N ranks holding the same shard, one per instance (the inter-instance group)."""
     intra_dist_opt: ProcessGroup | None = field(default=None, repr=False)
     """With N instances: every rank of this rank's instance (gradient norms are summed over it)."""
+    intra_expt_dp: ProcessGroup | None = field(default=None, repr=False)
+    """With N instances: this rank's block of EDP / N ranks of ``expt_dp``, over which expert buckets are
+    sharded (megatron-core's intra-partial expert data-parallel group; see
+    :func:`core.rank_groups.generate_expert_instance_groups`)."""
+    inter_expt_dp: ProcessGroup | None = field(default=None, repr=False)
+    """With N instances: the N replicas of this rank's expert shard; the same group as ``inter_dp_cp``
+    (megatron-core shares one inter-instance group between the dense and the expert layers)."""
 
     @property
     def num_distributed_optimizer_instances(self) -> int:
@@ -275,12 +285,17 @@ def _create_groups(
     rank: int, layout: dict[str, list[list[int]]], timeout: timedelta | None
 ) -> tuple[dict[str, ProcessGroup | None], dict[str, tuple[int, ...]]]:
     """Create every group of ``layout`` (every rank creates all, in one order); this rank's and their members."""
-    names = GROUP_NAMES + EXPERT_GROUP_NAMES + INSTANCE_GROUP_NAMES
+    names = GROUP_NAMES + EXPERT_GROUP_NAMES + INSTANCE_GROUP_NAMES + EXPERT_INSTANCE_GROUP_NAMES
     mine: dict[str, ProcessGroup | None] = dict.fromkeys(names)
     # Instance groups exist only with N > 1 distributed-optimizer instances: no entry otherwise.
     ranks: dict[str, tuple[int, ...]] = dict.fromkeys(GROUP_NAMES + EXPERT_GROUP_NAMES, ())
     for name in names:
+        shared = SHARED_GROUPS.get(name)  # the same ranks as groups made already (their maker checks)
         for members in layout.get(name, ()):
+            if shared is not None:
+                if rank in members:
+                    mine[name], ranks[name] = mine[shared], tuple(members)
+                continue
             group = dist.new_group(ranks=members, timeout=timeout)
             if rank in members:
                 _CREATED.append(group)
@@ -300,6 +315,18 @@ def _create_pipeline_channels(
                 _CREATED.append(group)
                 channels[(src, dst)] = group
     return channels
+
+
+def _layout(
+    world: int, sizes: tuple[int, int, int], expert_size: int, instances: int, order: str
+) -> dict[str, list[list[int]]]:
+    """Every group of the job by name (``sizes``: tp, pp, cp), the instance groups only for N > 1."""
+    layout = generate_parallel_groups(world, *sizes, order)
+    layout |= generate_expert_groups(world, *sizes, expert_size, 1, order)
+    if instances != 1:
+        layout |= generate_instance_groups(layout["dp_cp"], instances)
+        layout |= generate_expert_instance_groups(layout["expt_dp"], layout["inter_dp_cp"], instances)
+    return layout
 
 
 def initialize_model_parallel(
@@ -326,8 +353,9 @@ def initialize_model_parallel(
     on one rank), which keeps single-rank runs on the same code path. ``distributed_timeout_minutes``
     bounds every collective on the new groups (torch's default when None), as in Megatron.
     ``num_distributed_optimizer_instances`` N > 1 also creates megatron-core's groups of a distributed
-    optimizer replicated N times (:func:`core.rank_groups.generate_instance_groups`); N must divide
-    DP x CP.
+    optimizer replicated N times (:func:`core.rank_groups.generate_instance_groups`, and for the experts
+    :func:`core.rank_groups.generate_expert_instance_groups`); N must divide DP x CP and the expert
+    data-parallel size.
     """
     global _GROUPS, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     if _GROUPS is not None:
@@ -345,10 +373,7 @@ def initialize_model_parallel(
     bind_local_device()  # also when someone else started torch.distributed: each rank on its own GPU
     world = dist.get_world_size()
     sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
-    layout = generate_parallel_groups(world, *sizes, order)
-    layout |= generate_expert_groups(world, *sizes, expert_model_parallel_size, 1, order)
-    if num_distributed_optimizer_instances != 1:
-        layout |= generate_instance_groups(layout["dp_cp"], num_distributed_optimizer_instances)
+    layout = _layout(world, sizes, expert_model_parallel_size, num_distributed_optimizer_instances, order)
     rank = dist.get_rank()
     timeout = None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes)
     mine, ranks = _create_groups(rank, layout, timeout)
@@ -441,7 +466,8 @@ def get_intra_partial_data_parallel_group() -> ProcessGroup:
 
 
 def get_inter_distributed_optimizer_instance_group() -> ProcessGroup:
-    """The replicas of this rank's shard, one per distributed-optimizer instance (N > 1 only)."""
+    """The replicas of this rank's shard, one per distributed-optimizer instance (N > 1 only); dense and
+    expert shards alike (megatron-core's inter-partial expert data-parallel group, the same ranks)."""
     group = get_parallel_groups().inter_dp_cp
     if group is None:
         raise RuntimeError("there is one distributed-optimizer instance: no inter-instance group")
@@ -708,16 +734,28 @@ def get_expert_tensor_model_pipeline_parallel_group() -> ProcessGroup:
     return _expert_group("expt_tp_ep_pp")
 
 
-def get_expert_data_parallel_group() -> ProcessGroup:
-    """Replicas of this rank's experts: expert gradients are reduced (and sharded) over it."""
-    return _expert_group("expt_dp")
+def get_expert_data_parallel_group(partial_expert_data_parallel: bool = False) -> ProcessGroup:
+    """Replicas of this rank's experts: expert gradients are reduced (and sharded) over it. With
+    ``partial_expert_data_parallel`` only this rank's distributed-optimizer instance of it, over which
+    expert buckets are sharded (the whole group with one instance), as in megatron-core."""
+    return _expert_group(_expert_data_parallel_name(partial_expert_data_parallel))
 
 
-def get_expert_data_parallel_world_size() -> int:
-    """Expert DP size: world / (expert TP x EP x PP); 1 without torch.distributed."""
-    return _expert_size("expt_dp")
+def _expert_data_parallel_name(partial: bool) -> str:
+    """``intra_expt_dp`` if asked for the partial group and there are N > 1 instances, else ``expt_dp``."""
+    return "intra_expt_dp" if partial and get_parallel_groups().intra_expt_dp is not None else "expt_dp"
 
 
-def get_expert_data_parallel_rank() -> int:
-    """This rank's position in its expert DP group."""
-    return _expert_rank("expt_dp")
+def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+    """Expert DP size: world / (expert TP x EP x PP), or with ``partial_expert_data_parallel`` that / N;
+    1 without torch.distributed."""
+    if not dist.is_initialized():
+        return 1
+    return _expert_size(_expert_data_parallel_name(partial_expert_data_parallel))
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+    """This rank's position in its expert DP group (or, ``partial_expert_data_parallel``, its instance's)."""
+    if not dist.is_initialized():
+        return 0
+    return _expert_rank(_expert_data_parallel_name(partial_expert_data_parallel))

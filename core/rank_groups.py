@@ -5,13 +5,15 @@ Every global rank is a point on a grid whose axes are named by ``order`` (Megatr
 along its axes (see :mod:`core.parallel_state`, which creates the groups these functions describe).
 :func:`generate_parallel_groups` gives Megatron's dense groups, :func:`generate_expert_groups`
 megatron-core's second decomposition for MoE layers, :func:`generate_instance_groups` the
-distributed optimizer's instances (HSDP), :func:`pipeline_channels` the two-rank link
+distributed optimizer's instances (HSDP) and :func:`generate_expert_instance_groups` the same split of the
+expert data-parallel groups, :func:`pipeline_channels` the two-rank link
 groups of a pipeline and :func:`link_warm_up_order` the one order in which all ranks warm them up.
 Tested without processes; the planner and the rendezvous checker use them too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -281,3 +283,68 @@ def generate_instance_groups(
         for i in range(num_instances)
     ]
     return {"intra_dp_cp": intra, "inter_dp_cp": inter, "intra_dist_opt": instances}
+
+
+EXPERT_INSTANCE_GROUP_NAMES: tuple[str, ...] = ("intra_expt_dp", "inter_expt_dp")
+"""The expert groups of ``num_distributed_optimizer_instances`` > 1 (see
+:func:`generate_expert_instance_groups`)."""
+SHARED_GROUPS: dict[str, str] = {"inter_expt_dp": "inter_dp_cp"}
+"""Group name -> the group it is made as: megatron-core gives the dense and the expert layers one
+inter-instance group (its ``get_inter_distributed_optimizer_instance_group`` returns the expert one)."""
+
+
+def _hierarchical(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[list[int]]]:
+    """megatron-core's ``create_hierarchical_groups`` as rank lists: ``ranks`` (prod(sizes) of them) cut
+    into groups of ``sizes[level]`` at each level, level 0 the consecutive ranks and each next level
+    the ranks a stride of the levels below apart (sizes [2, 2] of 0..3: [0, 1] [2, 3], then [0, 2] [1, 3])."""
+    levels = []
+    for level, size in enumerate(sizes):
+        below, above = math.prod(sizes[:level]), math.prod(sizes[level + 1 :])
+        levels.append(
+            [
+                [ranks[(outer * size + k) * below + inner] for k in range(size)]
+                for outer in range(above)
+                for inner in range(below)
+            ]
+        )
+    return levels
+
+
+def generate_expert_instance_groups(
+    expt_dp_groups: Sequence[Sequence[int]],
+    inter_dp_cp_groups: Sequence[Sequence[int]],
+    num_instances: int,
+) -> dict[str, list[list[int]]]:
+    """The expert data-parallel groups of a distributed optimizer replicated ``num_instances`` times, as
+    megatron-core makes them: ``create_hierarchical_groups(rank, ranks, [EDP / N, N])`` over each expert
+    data-parallel group. Keys: ``intra_expt_dp`` (EDP / N consecutive ranks of the group: what expert
+    buckets are sharded over, megatron-core's intra-partial expert data-parallel group) and
+    ``inter_expt_dp`` (the N ranks a block apart: the replicas of one expert shard, its inter-partial
+    expert data-parallel group).
+
+    megatron-core shares the inter group with the dense layers, which works because the two are the same
+    ranks (so each rank sits in the same instance for both; gradient norms summed over an instance and
+    the first instance's checkpoint writes cover the experts once): ``inter_dp_cp_groups`` must hold the
+    same groups. Raises ValueError, before anything is created, where N does not divide the expert
+    data-parallel size, or where the two inter groups would differ (never with megatron-core's orders,
+    tp-cp-ep-dp-pp and tp-cp-ep-pp-dp; some others, such as cp before tp, would split them differently).
+    """
+    _check_size("num_distributed_optimizer_instances", num_instances)
+    size = len(expt_dp_groups[0])
+    if size % num_instances:
+        raise ValueError(
+            f"num_distributed_optimizer_instances ({num_instances}) must divide the expert data-parallel "
+            f"size ({size})"
+        )
+    intra, inter = [], []
+    for ranks in expt_dp_groups:
+        inner, outer = _hierarchical(ranks, [size // num_instances, num_instances])
+        intra += inner
+        inter += outer
+    if sorted(inter) != sorted(list(g) for g in inter_dp_cp_groups):
+        raise ValueError(
+            "the expert layers' distributed-optimizer instances would differ from the dense layers' "
+            f"(inter-instance groups {sorted(inter)} and {sorted(list(g) for g in inter_dp_cp_groups)}); "
+            "use megatron-core's order tp-cp-ep-dp-pp or tp-cp-ep-pp-dp"
+        )
+    return {"intra_expt_dp": intra, "inter_expt_dp": inter}

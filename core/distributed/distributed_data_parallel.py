@@ -24,10 +24,12 @@ the buckets follow the layers and keep only this rank's reduced gradient shard b
 and under ZeRO-3 only its parameter shard between uses; each layer's parameters are gathered around
 its forward and its backward (:mod:`core.distributed.sharded_bucket`,
 :mod:`core.distributed.sharding_units`). With ``num_distributed_optimizer_instances`` N > 1 (HSDP) the
-buckets are sharded over this rank's instance only (``intra_dp_group``, DPxCP / N ranks) and each reduced
-shard is summed over its N replicas (``inter_dp_group``), or with ``outer_dp_sharding_strategy='optim'``
-split over them (:mod:`core.distributed.grad_buffer`). Read ZeRO-3 weights after ``finish_param_sync()`` (or through
-``state_dict()``, which calls it); write them whole, then call ``keep_gathered_params()``.
+buckets are sharded over this rank's instance only (``intra_dp_group``, DPxCP / N ranks; an MoE expert's
+over ``intra_expert_dp_group``, its instance's EDP / N expert replicas) and each reduced shard is summed
+over its N replicas (``inter_dp_group``, the same group for experts), or with
+``outer_dp_sharding_strategy='optim'`` split over them (:mod:`core.distributed.grad_buffer`). Read ZeRO-3
+weights after ``finish_param_sync()`` (or through ``state_dict()``, which calls it); write them whole,
+then call ``keep_gathered_params()``.
 """
 
 from __future__ import annotations
@@ -59,19 +61,23 @@ from core.tensor_parallel.fp8_params import held_weight
 
 
 def _instance_groups(
-    ddp_config: DistributedDataParallelConfig, groups: ParallelGroups | None, dp_group: ProcessGroup | None
-) -> tuple[ProcessGroup | None, ProcessGroup | None]:
-    """(the group buckets are sharded over, the group of their replicas): (the data-parallel group, None)
-    with one distributed-optimizer instance, else the groups ``initialize_model_parallel`` made for N."""
+    ddp_config: DistributedDataParallelConfig,
+    groups: ParallelGroups | None,
+    dp_group: ProcessGroup | None,
+    expert_dp_group: ProcessGroup | None,
+) -> tuple[ProcessGroup | None, ProcessGroup | None, ProcessGroup | None, ProcessGroup | None]:
+    """(the group dense buckets are sharded over, the group of their replicas, the same two for expert
+    buckets): (the data-parallel group, None, the expert data-parallel group, None) with one
+    distributed-optimizer instance, else the groups ``initialize_model_parallel`` made for N."""
     instances = ddp_config.num_distributed_optimizer_instances
     if instances == 1:
-        return dp_group, None
+        return dp_group, None, expert_dp_group, None
     if groups is None or groups.num_distributed_optimizer_instances != instances:
         raise ValueError(
             f"num_distributed_optimizer_instances={instances} needs the process groups of "
             f"initialize_model_parallel(num_distributed_optimizer_instances={instances})"
         )
-    return groups.intra_dp_cp, groups.inter_dp_cp
+    return groups.intra_dp_cp, groups.inter_dp_cp, groups.intra_expt_dp, groups.inter_expt_dp
 
 
 def is_expert_param(param: nn.Parameter) -> bool:
@@ -119,6 +125,8 @@ class DistributedDataParallel(nn.Module):
     ``expert_data_parallel_group`` (the replicas of this rank's experts) but scaled by 1/dp like the
     others, as Megatron does: the tokens of every data-parallel rank reached them through the
     expert-parallel dispatcher, so their sum over the expert replicas covers all dp replicas' losses.
+    With N distributed-optimizer instances they are sharded over this rank's instance of those replicas
+    and summed over the N instances, as the dense buckets are.
 
     ``pg_collection``: the model's process groups, from which the data-parallel (with context
     parallelism folded in) and expert data-parallel groups and the pipeline rank come; an explicit
@@ -148,7 +156,9 @@ class DistributedDataParallel(nn.Module):
             expert_data_parallel_group = groups.expt_dp
         self.data_parallel_group = data_parallel_group
         self.expert_data_parallel_group = expert_data_parallel_group
-        self.intra_dp_group, self.inter_dp_group = _instance_groups(ddp_config, groups, data_parallel_group)
+        self.intra_dp_group, self.inter_dp_group, self.intra_expert_dp_group, self.inter_expert_dp_group = (
+            _instance_groups(ddp_config, groups, data_parallel_group, expert_data_parallel_group)
+        )
         pp_rank = groups.rank_in("pp") if groups is not None else 0
         dp_size = group_size(self.data_parallel_group)
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
@@ -176,11 +186,6 @@ class DistributedDataParallel(nn.Module):
                 )
         sharded = self.ddp_config.shard_grads
         units = unit_of_params(self.module) if sharded else None
-        if self.inter_dp_group is not None and any(expert for _, _, expert in by_dtype):
-            raise ValueError(
-                f"num_distributed_optimizer_instances={self.ddp_config.num_distributed_optimizer_instances} "
-                "with MoE experts is not built yet: use one instance"
-            )
         for (_, grad_dtype, expert), members in by_dtype.items():
             self.buffers.append(
                 (ShardedGradBuffer if sharded else GradBuffer)(
@@ -188,11 +193,11 @@ class DistributedDataParallel(nn.Module):
                     [n for _, n in members],
                     grad_dtype,
                     self.bucket_size,
-                    self.expert_data_parallel_group if expert else self.intra_dp_group,
+                    self.intra_expert_dp_group if expert else self.intra_dp_group,
                     first_bucket_index=len(self.buckets),
                     options=options,  # 1/dp for experts too: see the class docstring
                     units=units,
-                    inter_group=None if expert else self.inter_dp_group,
+                    inter_group=self.inter_expert_dp_group if expert else self.inter_dp_group,
                 )
             )
 

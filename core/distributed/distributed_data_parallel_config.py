@@ -58,7 +58,9 @@ class DistributedDataParallelConfig:
     partial distributed optimizer; HSDP under Megatron-FSDP). The DP x CP ranks split into N
     instances of DPxCP / N consecutive ranks; buckets are sharded, and gradients reduce-scattered,
     inside an instance only, and each reduced shard is then all-reduced over the N ranks holding it
-    (``ParallelGroups.intra_dp_cp`` and ``inter_dp_cp``). Needs a strategy other than no_shard."""
+    (``ParallelGroups.intra_dp_cp`` and ``inter_dp_cp``); an MoE expert's over EDP / N of its replicas
+    and the same N instances (``intra_expt_dp`` and ``inter_expt_dp``). Needs a strategy other than
+    no_shard."""
 
     outer_dp_sharding_strategy: OuterShardingStrategy = flag("no_shard", group="distributed")
     """Across the N instances: ``no_shard`` (each instance keeps a whole optimizer) or ``optim``

@@ -155,7 +155,9 @@ class DistributedOptimizer(MegatronOptimizer):
     def _grad_stats_group(self):
         """Every rank: each DP rank counts only its shard, so the sums run over DP as well as TP x PP
         (without the model's groups, over the chunks' one data-parallel group). With N distributed-
-        optimizer instances that each hold a whole optimizer, over this rank's instance only."""
+        optimizer instances that each hold a whole optimizer, over this rank's instance only: its ranks'
+        shards cover every dense parameter once, and every MoE expert once too (an expert's shards lie
+        in the instance's own expert replicas, :func:`core.rank_groups.generate_expert_instance_groups`)."""
         if self.groups is not None:
             return self.groups.intra_dist_opt if self.replicated_over_instances else dist.group.WORLD
         which = "intra_dp_group" if self.replicated_over_instances else "data_parallel_group"

@@ -26,7 +26,7 @@ STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 TOLERANCE = {"optim": 1e-6, "optim_grads": 5e-5, "optim_grads_params": 5e-5}
 
 
-def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None, **instances):
+def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None, moe: dict | None = None, **instances):
     from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from core.transformer import TransformerConfig
     from models.gpt import GPTModel
@@ -40,6 +40,7 @@ def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None, **instances
         bf16=bf16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **(moe or {}),  # MoE layers: the experts' fields
     )
     model = GPTModel(config, VOCAB, 16)
     if bf16:
@@ -503,3 +504,211 @@ def test_hsdp_through_pretrain_gives_the_unsharded_losses_and_its_checkpoints_lo
         difference = max(abs(x - y) / abs(y) for x, y in zip(resumed, straight[2:], strict=True))
         print(f"{name} from the HSDP checkpoint: {difference:.1e}")
         assert difference <= 1e-5, name
+
+
+# --------------------------------------------------------------------------------------------------
+# HSDP with MoE experts: expert buckets sharded over the instance's expert replicas, summed over the
+# instances (megatron-core's intra- and inter-partial expert data-parallel groups)
+# --------------------------------------------------------------------------------------------------
+
+MOE = {
+    "num_moe_experts": 4,
+    "expert_model_parallel_size": 2,
+    "moe_router_topk": 2,
+    "moe_token_dispatcher_type": "alltoall",
+    "moe_aux_loss_coeff": 1e-2,
+}
+
+
+def _expert_grads_of_a_step(chunk, optimizer, dp_rank: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """One step's forward and backward (two microbatches, as :func:`_steps`), reduced; no update. Each
+    expert range this rank's optimizer steps: (its start in the parameter, its reduced gradient)."""
+    from core.distributed.distributed_data_parallel import is_expert_param
+    from core.distributed.finalize_model_grads import finalize_model_grads
+
+    optimizer.zero_grad()
+    for micro in range(2):
+        gen = torch.Generator().manual_seed(10 * dp_rank + micro)
+        tokens = torch.randint(0, VOCAB, (2, 16), generator=gen)
+        with chunk.no_sync() if micro == 0 else torch.enable_grad():
+            (chunk(tokens, labels=torch.roll(tokens, -1, 1)).float().mean() / 2).backward()
+    finalize_model_grads([chunk])
+    grads = {s.name: (s.start, s.model_grad().detach().clone()) for s in optimizer.shards}
+    optimizer.zero_grad()
+    return {
+        name: grads[name]
+        for name, p in chunk.module.named_parameters()
+        if is_expert_param(p) and name in grads
+    }
+
+
+def _hsdp_moe_case(rank, world_size, steps: int):
+    """DP4 x EP2 (expert DP 2): each strategy at N=1, and each HSDP case at N=2, from the same weights."""
+    import torch.distributed as dist
+
+    from core import parallel_state as ps
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.tensor_parallel.random import model_parallel_seed
+
+    groups = ps.initialize_model_parallel(expert_model_parallel_size=2, num_distributed_optimizer_instances=2)
+    members = {
+        name: dist.get_process_group_ranks(getattr(groups, name))
+        for name in ("expt_dp", "intra_expt_dp", "inter_expt_dp", "intra_dist_opt")
+    }
+    getters = {  # megatron-core's getters of the expert instance groups, reading the groups just made
+        "partial": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)
+        is groups.intra_expt_dp,
+        "whole": ps.get_expert_data_parallel_group() is groups.expt_dp,
+        "shared inter": ps.get_inter_distributed_optimizer_instance_group() is groups.inter_expt_dp,
+        "partial size": ps.get_expert_data_parallel_world_size(partial_expert_data_parallel=True),
+        "size": ps.get_expert_data_parallel_world_size(),
+    }
+    dp_rank = ps.get_data_parallel_rank()
+    torch.manual_seed(0)
+    model_parallel_seed(1234)
+    initial = {k: v.clone() for k, v in _chunk("no_shard", 1, False, None, MOE).module.state_dict().items()}
+    config = OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=True)
+    runs = [(s, 1, "no_shard") for s in STRATEGIES] + [(s, 2, outer) for s, outer in HSDP.values()]
+    out = {}
+    for strategy, instances, outer in dict.fromkeys(runs):  # "optim N=1" is the first run already
+        chunk = _chunk(
+            strategy,
+            1,
+            False,
+            initial,
+            MOE,
+            num_distributed_optimizer_instances=instances,
+            outer_dp_sharding_strategy=outer,
+        )
+        optimizer = get_megatron_optimizer(config, [chunk])
+        expert_grads = _expert_grads_of_a_step(chunk, optimizer, dp_rank)
+        losses, between_steps = _steps(chunk, optimizer, dp_rank, steps)
+        weights = {n: p.detach().clone() for n, p in chunk.module.named_parameters()}
+        optimizer.zero_grad()
+        replica = optimizer.state_is_a_replica
+        out[strategy, instances, outer] = (expert_grads, losses, weights, between_steps, replica)
+    return members, getters, out
+
+
+def _overlapping(
+    a: tuple[int, torch.Tensor], b: tuple[int, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elements two ranges of one flattened parameter (start, values) have in common, from each."""
+    (start_a, values_a), (start_b, values_b) = a, b
+    values_a, values_b = values_a.reshape(-1), values_b.reshape(-1)
+    lo = max(start_a, start_b)
+    hi = max(lo, min(start_a + values_a.numel(), start_b + values_b.numel()))
+    return values_a[lo - start_a : hi - start_a], values_b[lo - start_b : hi - start_b]
+
+
+def test_hsdp_with_experts_trains_what_one_instance_trains(ranks):
+    """DP4 with EP2 (expert DP 2), N=2: dense buckets sharded over two ranks and summed over the two
+    instances, as before; expert buckets over the instance's one expert replica (megatron-core's
+    intra-partial expert data-parallel group, EDP / N = 1) and summed over the same inter-instance group
+    (outer ``optim``: reduce-scattered over it, each instance stepping half).
+
+    Against one instance under the same strategy: the expert gradients are the same two-rank sums, bit
+    for bit under ``optim`` (ZeRO-2/3 reduce each microbatch at N=1 but sum an instance's microbatches
+    first at N=2: fp32 rounding, 1.1e-7 measured, so 1e-6); the clipped norm of the first step, counted over
+    one instance (each expert once), within 1e-8 (the dense shards' sums in another order), and 20 steps of
+    losses, norms and weights within the HSDP test's bounds (5e-5, 5e-4). Without the outer sharding the
+    second instance's state is a replica (its ranks write no optimizer state)."""
+    from core.rank_groups import (
+        generate_expert_groups,
+        generate_expert_instance_groups,
+        generate_instance_groups,
+    )
+
+    dense = generate_instance_groups([[0, 1, 2, 3]], 2)
+    layout = dense | generate_expert_instance_groups(
+        generate_expert_groups(4, 1, 1, 1, 2)["expt_dp"], dense["inter_dp_cp"], 2
+    )
+    layout["expt_dp"] = [[0, 2], [1, 3]]
+    for rank, (members, getters, out) in enumerate(ranks(4).run(_hsdp_moe_case, 20, timeout=600)):
+        assert members == {name: next(g for g in layout[name] if rank in g) for name in members}
+        assert getters == {"partial": True, "whole": True, "shared inter": True, "partial size": 1, "size": 2}
+        for case, (strategy, outer) in HSDP.items():
+            if "N=1" in case:
+                continue
+            (grads_1, losses_1, weights_1, _, replica_1) = out[strategy, 1, "no_shard"]
+            (grads_2, losses_2, weights_2, memory_2, replica_2) = out[strategy, 2, outer]
+            compared = 0
+            for name in set(grads_1) & set(grads_2):
+                ours, theirs = _overlapping(grads_2[name], grads_1[name])
+                if strategy == "optim":  # one sum of the two replicas' step gradients either way
+                    assert torch.equal(ours, theirs), name
+                elif (
+                    ours.numel()
+                ):  # (a1 + b1) + (a2 + b2) at N=1, per microbatch; (a1 + a2) + (b1 + b2) at N=2
+                    assert _relative(ours, theirs) <= 1e-6, name
+                compared += ours.numel()
+            if outer == "no_shard":  # N=2: every expert whole on every rank
+                assert set(grads_1) <= set(grads_2) and all(start == 0 for start, _ in grads_2.values())
+                assert compared == sum(g.numel() for _, g in grads_1.values())
+            assert compared > 0
+            differences = [abs(x - y) / abs(y) for x, y in zip(losses_2, losses_1, strict=True)]
+            weights = max(_relative(weights_2[n], w) for n, w in weights_1.items())
+            print(
+                f"rank {rank} {case} against N=1: first step {max(differences[:3]):.1e}, losses and norms "
+                f"{max(differences):.1e}, weights {weights:.1e}, bytes {memory_2}"
+            )
+            assert max(differences[:3]) <= 1e-8 and max(differences) <= 5e-5 and weights <= 5e-4, case
+            assert (replica_1, replica_2) == (False, rank >= 2 and outer == "no_shard")
+
+
+def _optimizer_elements_written(path: str, iteration: int) -> dict[str, int]:
+    """Every optimizer tensor of a checkpoint: how many elements its pieces hold together (a range written
+    twice counts twice)."""
+    from training.checkpoint import open_checkpoint
+
+    out: dict[str, int] = {}
+    for record in open_checkpoint(path, iteration).manifest["files"].values():
+        for name, piece in record["pieces"].items():
+            if name.startswith("optimizer."):
+                lo, hi = piece.get("flat") or (0, 1)  # a whole piece here: a scalar (TP = 1, sharded state)
+                out[name] = out.get(name, 0) + hi - lo
+    return out
+
+
+def test_hsdp_with_experts_through_pretrain_saves_what_one_instance_loads(ranks, data_prefix, tmp_path):
+    """pretrain() at DP4 x EP2 (expert DP 2) with the distributed optimizer in two instances logs the
+    losses of one instance; each of its checkpoints' optimizer tensors, the experts' too, is written once
+    (by the first instance), and loaded at one instance and saved again it is the same, bit for bit; so is
+    one instance's checkpoint loaded at two. Resumed at one instance, the N=2 checkpoint logs the straight
+    run's last two losses."""
+    from tests.dist.test_distributed_optimizer import small_gpt
+
+    moe = SPLITS["EP2xDP2 MoE"]
+    one = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+    two = [*one, "--num-distributed-optimizer-instances", "2"]
+    saved = {n: str(tmp_path / f"n{n}") for n in (1, 2)}
+    straight = {
+        n: _pretrain_losses(
+            ranks(4), small_gpt(data_prefix, 4, *moe, *flags, "--save", saved[n], "--save-interval", "2")
+        )
+        for n, flags in ((2, two), (1, one))
+    }
+    difference = max(abs(x - y) / abs(y) for x, y in zip(straight[2], straight[1], strict=True))
+    print(f"EP2 x DP4, N=2 against N=1: largest relative loss difference {difference:.1e}")
+    assert difference <= 1e-5
+    # One instance: every rank writes its own ranges, each element once. Two: the first instance's ranks.
+    written = _optimizer_elements_written(saved[2], 2)
+    assert any(".experts." in name for name in written)
+    assert written == _optimizer_elements_written(saved[1], 2)
+    for source, at, flags in ((2, 1, one), (1, 2, two)):  # load under the other N, save at once
+        copy = str(tmp_path / f"n{source}_at_n{at}")
+        load = ["--load", saved[source], "--ckpt-step", "2", "--save", copy, "--override-opt_param-scheduler"]
+        assert all(
+            not losses for losses, _, _ in _pool_run(ranks(4), small_gpt(data_prefix, 2, *moe, *flags, *load))
+        )
+        before, after = _whole_tensors(saved[source], 2), _whole_tensors(copy, 2)
+        assert before.keys() == after.keys() and any(
+            k.startswith("optimizer.") and ".experts." in k for k in before
+        )
+        assert all(torch.equal(before[k], after[k]) for k in before), (source, at)
+    resumed = _pretrain_losses(
+        ranks(4), small_gpt(data_prefix, 4, *moe, *one, "--load", saved[2], "--ckpt-step", "2")
+    )
+    difference = max(abs(x - y) / abs(y) for x, y in zip(resumed, straight[2][2:], strict=True))
+    print(f"N=1 from the N=2 checkpoint: {difference:.1e}")
+    assert difference <= 1e-5

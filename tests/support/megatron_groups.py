@@ -134,3 +134,31 @@ EXPERT_LAYOUTS = {
         "expt_dp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
     },
 }
+
+
+# (world, tp, pp, ep, N) -> megatron-core's groups of N distributed-optimizer instances over the expert
+# data-parallel groups above (default order): create_hierarchical_groups(rank, expt_dp ranks, [EDP/N, N])
+# cuts each expert-DP group into N blocks of EDP/N consecutive ranks (intra) and takes the ranks a
+# block apart (inter); megatron-core's one inter-instance group, the same ranks as the dense layers'.
+EXPERT_INSTANCES = {
+    (4, 1, 1, 2, 2): {  # DP4, EP2: expert DP [0,2] [1,3], one replica per instance
+        "intra_expt_dp": [[0], [2], [1], [3]],
+        "inter_expt_dp": [[0, 2], [1, 3]],
+    },
+    (8, 1, 1, 2, 2): {  # DP8, EP2: expert DP [0,2,4,6] [1,3,5,7]
+        "intra_expt_dp": [[0, 2], [4, 6], [1, 3], [5, 7]],
+        "inter_expt_dp": [[0, 4], [2, 6], [1, 5], [3, 7]],
+    },
+    (8, 1, 1, 2, 4): {  # DP8, EP2, N=4
+        "intra_expt_dp": [[0], [2], [4], [6], [1], [3], [5], [7]],
+        "inter_expt_dp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    },
+    (8, 2, 1, 1, 2): {  # TP2 x DP4, no EP: expert DP is tp x dp, [0..7] (experts are whole on every TP rank)
+        "intra_expt_dp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "inter_expt_dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    },
+    (8, 2, 2, 2, 2): {  # TP2 x PP2 x DP2, EP2: expert DP [0,2] [1,3] [4,6] [5,7]
+        "intra_expt_dp": [[0], [2], [1], [3], [4], [6], [5], [7]],
+        "inter_expt_dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    },
+}

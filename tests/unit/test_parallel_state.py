@@ -5,11 +5,12 @@ never computed with the code under test. Real gloo groups: tests/dist/test_paral
 
 import itertools
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
 from core import parallel_state as ps
-from tests.support.megatron_groups import EIGHT_RANK, EXPERT_LAYOUTS, SINGLETONS_8
+from tests.support.megatron_groups import EIGHT_RANK, EXPERT_INSTANCES, EXPERT_LAYOUTS, SINGLETONS_8
 
 # Megatron's documented example (initialize_model_parallel docstring): 16 ranks, TP=2, PP=4.
 MEGATRON_16 = {
@@ -243,3 +244,92 @@ def test_instances_that_do_not_divide_dp_are_one_clear_error():
     assert str(err.value) == (
         "num_distributed_optimizer_instances (2) must divide the data-parallel size x context-parallel size (3)"
     )
+
+
+# The same split of the expert data-parallel groups (megatron-core's intra- and inter-partial expert
+# data-parallel groups), written out in tests/support/megatron_groups.py.
+@pytest.mark.parametrize(
+    "sizes", list(EXPERT_INSTANCES), ids=lambda s: "world{}-tp{}-pp{}-ep{}-N{}".format(*s)
+)
+def test_expert_instance_groups_match_megatron_core(sizes):
+    world, tp, pp, ep, instances = sizes
+    dense = ps.generate_parallel_groups(world, tp, pp)
+    inter = ps.generate_instance_groups(dense["dp_cp"], instances)["inter_dp_cp"]
+    expt_dp = ps.generate_expert_groups(world, tp, pp, 1, ep)["expt_dp"]
+    assert ps.generate_expert_instance_groups(expt_dp, inter, instances) == EXPERT_INSTANCES[sizes]
+
+
+def _megatron_hierarchical(ranks: list[int], sizes: list[int]) -> list[list[list[int]]]:
+    """megatron-core's create_hierarchical_groups, its einops rearrange "(l s u) -> (l u) s" in numpy."""
+    out = []
+    for level, size in enumerate(sizes):
+        below, above = int(np.prod(sizes[:level])), int(np.prod(sizes[level + 1 :]))
+        grid = np.array(ranks).reshape(above, size, below).transpose(0, 2, 1).reshape(above * below, size)
+        out.append(grid.tolist())
+    return out
+
+
+def test_expert_instances_match_megatron_core_and_the_dense_instances_for_every_split_up_to_16_ranks():
+    """For every legal split and N, with megatron-core's two orders: the expert groups are megatron-core's;
+    the inter groups are the dense layers' (megatron-core makes only one); and each distributed-optimizer
+    instance (``intra_dist_opt``, over which gradient norms are summed) holds the ranks of megatron-core's,
+    which it builds from EDP / N consecutive expert tp-ep-pp groups: one replica of every expert shard."""
+    checked = 0
+    for world, order in itertools.product(range(1, 17), ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")):
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        for tp, pp, cp, ep, n in itertools.product(divisors, divisors, divisors, divisors, (2, 3, 4)):
+            try:
+                dense = ps.generate_parallel_groups(world, tp, pp, cp, order)
+                experts = ps.generate_expert_groups(world, tp, pp, cp, ep, 1, order)
+                instances = ps.generate_instance_groups(dense["dp_cp"], n)
+            except ValueError:
+                continue
+            edp = len(experts["expt_dp"][0])
+            if edp % n:
+                continue
+            ours = ps.generate_expert_instance_groups(experts["expt_dp"], instances["inter_dp_cp"], n)
+            levels = [_megatron_hierarchical(g, [edp // n, n]) for g in experts["expt_dp"]]
+            assert ours["intra_expt_dp"] == [g for inner, _ in levels for g in inner]
+            assert ours["inter_expt_dp"] == [g for _, outer in levels for g in outer]
+            assert sorted(ours["inter_expt_dp"]) == sorted(instances["inter_dp_cp"])
+            blocks = [
+                experts["expt_tp_ep_pp"][i : i + edp // n]
+                for i in range(0, len(experts["expt_tp_ep_pp"]), edp // n)
+            ]
+            megatron = sorted(sorted(r for g in block for r in g) for block in blocks)
+            assert sorted(sorted(g) for g in instances["intra_dist_opt"]) == megatron, (
+                world,
+                tp,
+                pp,
+                cp,
+                ep,
+                n,
+            )
+            checked += 1
+    assert checked > 700
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            (4, 1, 1, 1, 4, "tp-cp-ep-dp-pp"),
+            "num_distributed_optimizer_instances (2) must divide the expert data-parallel size (1)",
+        ),
+        (
+            (4, 1, 1, 1, 2, "tp-cp-dp-ep-pp"),
+            (
+                "the expert layers' distributed-optimizer instances would differ from the dense layers' "
+                "(inter-instance groups [[0, 1], [2, 3]] and [[0, 2], [1, 3]]); use megatron-core's order "
+                "tp-cp-ep-dp-pp or tp-cp-ep-pp-dp"
+            ),
+        ),
+    ],
+)
+def test_expert_instances_megatron_core_refuses_fail_in_one_line(sizes, message):
+    world, tp, pp, cp, ep, order = sizes
+    inter = ps.generate_instance_groups(ps.generate_parallel_groups(world, tp, pp, cp, order)["dp_cp"], 2)
+    expt_dp = ps.generate_expert_groups(world, tp, pp, cp, ep, 1, order)["expt_dp"]
+    with pytest.raises(ValueError) as err:
+        ps.generate_expert_instance_groups(expt_dp, inter["inter_dp_cp"], 2)
+    assert str(err.value) == message

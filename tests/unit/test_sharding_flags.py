@@ -93,8 +93,14 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
             "--num-distributed-optimizer-instances must be >= 1, got 0",
         ),
         (
-            "--use-distributed-optimizer --num-distributed-optimizer-instances 2 --num-experts 4",
-            "--num-distributed-optimizer-instances 2 with --num-experts is not built yet: use one instance",
+            (
+                "--use-distributed-optimizer --num-distributed-optimizer-instances 2 --num-experts 4 "
+                "--expert-model-parallel-size 4"
+            ),
+            (
+                "--num-distributed-optimizer-instances 2 must divide the expert data-parallel size (world size 4 / "
+                "(--expert-model-parallel-size 4 x --pipeline-model-parallel-size 1) = 1)"
+            ),
         ),
         (
             (
@@ -163,6 +169,14 @@ def test_unbuilt_fsdp_flags_are_refused_with_one_line(argv, message):
             2,
             "optim",
         ),
+        (
+            (
+                "--use-distributed-optimizer --num-distributed-optimizer-instances 2 --num-experts 4 "
+                "--expert-model-parallel-size 2"
+            ),
+            2,
+            "no_shard",
+        ),  # MoE: EP2 at DP4, expert DP 2 in two instances of one replica
     ],
 )
 def test_hsdp_flags_reach_the_data_parallel_config(argv, instances, outer):

@@ -97,7 +97,8 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
 
 def _check_instances(args: argparse.Namespace) -> None:
     """``--num-distributed-optimizer-instances`` and ``--outer-dp-sharding-strategy`` (HSDP): N instances
-    of DPxCP / N ranks each, the outer strategy only over ZeRO-3 (Megatron-FSDP's rules)."""
+    of DPxCP / N ranks each (and of EDP / N expert replicas), the outer strategy only over ZeRO-3
+    (Megatron-FSDP's rules)."""
     instances, outer = args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy
     flag = f"--num-distributed-optimizer-instances {instances}"
     _require(instances >= 1, f"--num-distributed-optimizer-instances must be >= 1, got {instances}")
@@ -112,9 +113,14 @@ def _check_instances(args: argparse.Namespace) -> None:
             dp * cp % instances == 0,
             f"{flag} must divide the data-parallel size x context-parallel size ({dp} x {cp} = {dp * cp})",
         )
-        _require(
-            args.num_moe_experts is None, f"{flag} with --num-experts is not built yet: use one instance"
-        )
+        if args.num_moe_experts is not None:  # experts: sharded over EDP / N of their replicas
+            ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
+            edp = args.world_size // (ep * pp)
+            _require(
+                edp % instances == 0,
+                f"{flag} must divide the expert data-parallel size (world size {args.world_size} / "
+                f"(--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}) = {edp})",
+            )
     if outer == "optim":
         strategy = args.data_parallel_sharding_strategy
         _require(
