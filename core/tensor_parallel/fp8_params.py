@@ -30,7 +30,7 @@ exporting read the master weights, never the FP8 ones. Routed MoE experts keep 1
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,6 @@ class Fp8Weight:
     its main copy."""
     casts: int = 0
     """How many times its values were written (a layer's cached transposed copy is of one cast)."""
-    name: str = field(default="")
 
 
 def held_weight(param: torch.Tensor) -> Fp8Weight | None:
@@ -92,8 +91,6 @@ def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
             high = param.detach().clone()
             param.data = quantize(high, scale, E4M3)
             param.fp8_weight = Fp8Weight(scale.reciprocal(), high.dtype, group, high_precision=high)
-    for name, param, _ in held:
-        param.fp8_weight.name = name
     return [name for name, _, _ in held]
 
 
@@ -111,8 +108,8 @@ def cast_held_weights(pieces: list[tuple[nn.Parameter, torch.Tensor | None, torc
     weight of the rank's model chunks, in the same order on every rank, with ``(main, model)``: the fp32
     range this rank owns and the same range of the weight's E4M3 values (None, None when it owns none).
     Collective over each weight's amax group. The caller then all-gathers the buffers."""
+    ranges = {id(p): (main, model) for p, main, model in pieces}
     for group, members in _by_group((p, held_weight(p).amax_group) for p, _, _ in pieces):
-        ranges = {id(p): (main, model) for p, main, model in pieces}
         local = [ranges[id(p)][0] for p in members]
         zero = torch.zeros((), device=members[0].device)
         amaxes = torch.stack([amax_of(m) if m is not None and m.numel() else zero for m in local])
