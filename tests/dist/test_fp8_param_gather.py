@@ -9,7 +9,8 @@
 * A checkpoint stores the master values in the model's dtype: a resume is exact, and a run without the
   flag, at another split, loads them as they are.
 
-One pool of 4 gloo ranks serves the module.
+One pool of 4 gloo ranks serves the module. ZeRO-3, PP2 x DP2 and ZeRO-3's resume are slow:
+``python -m pytest -q -m slow tests/dist/test_fp8_param_gather.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _losses(pool, flags) -> tuple[list[float], list]:
     return curves[0], results
 
 
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.parametrize("strategy", ["optim", pytest.param("optim_grads_params", marks=pytest.mark.slow)])
 def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_parallelism(ranks, strategy):
     """The distributed optimizer (ZeRO-1) and ZeRO-3, whose layers gather their FP8 bytes before use."""
     split = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -68,6 +69,7 @@ def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_para
     assert "FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather)\n" in out
 
 
+@pytest.mark.slow
 def test_held_weights_give_the_cast_weights_losses_at_pp2_dp2_zero_bubble(ranks):
     split = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
     cast, _ = _losses(ranks(4), FP8_FP32 + split)

@@ -670,6 +670,7 @@ def _optimizer_elements_written(path: str, iteration: int) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_hsdp_with_experts_through_pretrain_saves_what_one_instance_loads(ranks, data_prefix, tmp_path):
     """pretrain() at DP4 x EP2 (expert DP 2) with the distributed optimizer in two instances logs the
     losses of one instance; each of its checkpoints' optimizer tensors, the experts' too, is written once
