@@ -170,6 +170,12 @@ def compile_fp8_casts(modules: Iterable[nn.Module], backend: str = "inductor") -
         state.kernels = compiled_casts(backend)
 
 
+def held_weight(param: torch.Tensor):
+    """``param``'s :class:`~core.tensor_parallel.fp8_params.Fp8Weight` when it is held in FP8
+    (``--fp8-param-gather``), else None."""
+    return getattr(param, "fp8_weight", None)
+
+
 def amax_of(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's absolute maximum, a float32 scalar on its device (one reduction kernel, no copy)."""
     return torch.linalg.vector_norm(tensor.detach(), float("inf")).float()
@@ -283,7 +289,7 @@ class Fp8State(nn.Module):
         (:func:`update_fp8_scales`), so later microbatches reuse it. A slice of a stacked parameter (an
         MoE expert's, a new view each forward) is known by its parameter and offset."""
         base = weight if weight._base is None else weight._base
-        held = getattr(weight, "fp8_weight", None)
+        held = held_weight(weight)
         # (no data_ptr: fake tensors have none)
         key = (id(base), weight.storage_offset(), weight._version, self.steps, held and held.casts)
         if key != self._weight_key:
@@ -425,7 +431,7 @@ def fp8_linear(
     """``F.linear(input_, weight, bias)`` with FP8 products; ``accumulate``: the weight gradient goes
     into ``weight.main_grad`` (``--gradient-accumulation-fusion``, and always for a weight held in FP8)."""
     # A weight held in FP8 has no gradient of its own dtype: its gradient goes into main_grad.
-    accumulate = accumulate or getattr(weight, "fp8_weight", None) is not None
+    accumulate = accumulate or held_weight(weight) is not None
     if accumulate:
         check_main_grad(weight)
     # A forward with gradients is a training step's (recomputed or not): its amaxes count.

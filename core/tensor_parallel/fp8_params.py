@@ -37,7 +37,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from core.tensor_parallel.fp8 import E4M3, FP8_MAX, Fp8State, _scale_from_amax, amax_of, quantize
+from core.tensor_parallel.fp8 import E4M3, FP8_MAX, Fp8State, _scale_from_amax, amax_of, held_weight, quantize
+
+__all__ = [
+    "Fp8Weight",
+    "cast_held_weights",
+    "dequantized",
+    "held_fp8_weights",
+    "held_weight",
+    "hold_weights_in_fp8",
+]
 
 
 @dataclass(eq=False)
@@ -55,11 +64,6 @@ class Fp8Weight:
     its main copy."""
     casts: int = 0
     """How many times its values were written (a layer's cached transposed copy is of one cast)."""
-
-
-def held_weight(param: torch.Tensor) -> Fp8Weight | None:
-    """``param``'s :class:`Fp8Weight` when it is held in FP8, else None."""
-    return getattr(param, "fp8_weight", None)
 
 
 def _reduced_max(amaxes: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
