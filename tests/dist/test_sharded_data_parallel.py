@@ -601,6 +601,7 @@ def _overlapping(
     return values_a[lo - start_a : hi - start_a], values_b[lo - start_b : hi - start_b]
 
 
+@pytest.mark.slow
 def test_hsdp_with_experts_trains_what_one_instance_trains(ranks):
     """DP4 with EP2 (expert DP 2), N=2: dense buckets sharded over two ranks and summed over the two
     instances, as before; expert buckets over the instance's one expert replica (megatron-core's
