@@ -144,6 +144,45 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def param_device(config: object) -> torch.device:
+    """Where a layer creates its parameters: the meta device under ``config.init_model_with_meta_device``
+    (shapes and dtypes, no memory: the data-parallel wrapper gives each rank's its memory and initial
+    values, bucket by bucket), else :func:`current_device`. Buffers (rotary tables, FP8 scales) are
+    made on :func:`current_device` either way."""
+    if getattr(config, "init_model_with_meta_device", False):
+        return torch.device("meta")
+    return current_device()
+
+
+def materialize(param: torch.nn.Parameter, out: torch.Tensor, name: str | None = None) -> None:
+    """Give meta parameter ``param`` (called ``name``) the memory ``out`` (its shape, any device), filled
+    by its ``deferred_init`` (``core.transformer.initialization.DeferredInit``); ``param.data`` becomes
+    ``out``. A meta parameter without one (built outside a model that initialises by name) is refused."""
+    deferred = getattr(param, "deferred_init", None)
+    if deferred is None:
+        raise ValueError(
+            f"{name or 'a parameter'} {tuple(param.shape)} is on the meta device with nothing to initialise it: "
+            "init_model_with_meta_device needs a model that initialises by name (perform_initialization=True)"
+        )
+    deferred(param, out)
+    # ``param.data = out`` cannot move a tensor off the meta device: swap in a real tensor of no size
+    # first (the object, which every module and list holds, and its attributes stay), then point its
+    # data at ``out``, which keeps a version counter of its own, as a parameter moved into a buffer has.
+    attributes = {k: v for k, v in param.__dict__.items() if k != "deferred_init"}
+    empty = torch.empty(0, dtype=out.dtype, device=out.device)
+    torch.utils.swap_tensors(param, type(param)(empty, requires_grad=param.requires_grad))
+    param.__dict__.update(attributes)
+    param.data = out
+
+
+def materialize_module(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter of ``module`` memory of its own on ``device``, one at a time, initialised
+    as at construction (a model built with ``init_model_with_meta_device`` and no data-parallel wrapper)."""
+    for name, param in module.named_parameters():
+        if param.is_meta:
+            materialize(param, torch.empty(param.shape, dtype=param.dtype, device=device), name)
+
+
 def local_device() -> torch.device | None:
     """This process's own GPU under NCCL (checked against the visible GPUs), None under gloo."""
     if backend_in_use() != "nccl":

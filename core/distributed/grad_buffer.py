@@ -24,6 +24,11 @@ every instance then steps the same shards, a whole optimizer per instance. With 
 (Megatron-FSDP's outer ``optim``) each shard is padded to a multiple of N, reduce-scattered over the
 replicas instead, and each instance steps only its piece of it (:meth:`Bucket.owned_span`).
 
+A parameter built on the meta device (``init_model_with_meta_device``) is given its memory here: its
+``deferred_init`` writes its initial values straight into its place in the parameter buffer (or, unsharded
+and without one, into memory of its own), so no other copy ever exists; the sharded buckets of
+:mod:`core.distributed.sharded_bucket` are laid out one at a time, each keeping only this rank's shard.
+
 A bucket moves through three states per step: idle (gradients accumulating), launched (its
 reduction is under way) and done (reduced). ``reset`` returns it to idle.
 
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core.device import current_device, materialize
 from core.distributed.collectives import all_gather, reduce_scatter, reduce_scatter_is_native
 from core.parallel_state import group_rank, group_size
 
@@ -279,6 +285,16 @@ class Bucket:
         return "a parameter"
 
 
+def _place(param: torch.nn.Parameter, view: torch.Tensor, name: str) -> None:
+    """``param`` moves into ``view`` (its place in the parameter buffer): its values are copied, or for a
+    parameter built on the meta device written there for the first time (no other copy ever exists)."""
+    if param.is_meta:
+        materialize(param, view, name)
+        return
+    view.copy_(param.data)
+    param.data = view
+
+
 class GradBuffer:
     """All gradients of one (parameter dtype, gradient dtype) pair in one flat tensor, in buckets.
 
@@ -311,7 +327,8 @@ class GradBuffer:
         pad_to = math.lcm(pieces, SHARD_ALIGNMENT) if options.shard else 1
         layout = self._layout(list(zip(params, names))[::-1], bucket_size, pad_to, options.shard, units)
         total = layout[-1][1] if layout else 0
-        device, param_dtype = params[0].device, params[0].dtype
+        device = next((p.device for p in params if not p.is_meta), None) or current_device()
+        param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype
         self.grad_data = self.param_data = None
         if not self.separate_storage:
@@ -326,13 +343,13 @@ class GradBuffer:
             else:
                 grad_data = self.grad_data[begin:end]
                 param_data = None if self.param_data is None else self.param_data[begin:end]
-            for param, _, offset in members:
+            for param, name, offset in members:
                 at, numel = offset - begin, param.numel()
                 param.main_grad = grad_data[at : at + numel].view(param.shape)
                 if param_data is not None:
-                    view = param_data[at : at + numel]
-                    view.copy_(param.data.reshape(-1))
-                    param.data = view.view(param.shape)
+                    _place(param, param_data[at : at + numel].view(param.shape), name)
+                elif param.is_meta:  # not sharded: its memory is its own, as without the meta device
+                    materialize(param, torch.empty(param.shape, dtype=param.dtype, device=device), name)
             self.buckets.append(
                 self.bucket_class(
                     first_bucket_index + len(self.buckets),

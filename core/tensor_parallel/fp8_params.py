@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from core.device import current_device
 from core.tensor_parallel.fp8 import E4M3, FP8_MAX, Fp8State, _scale_from_amax, amax_of, held_weight, quantize
 
 __all__ = [
@@ -88,7 +89,12 @@ def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
                 continue
             group = state.amax_group if state.amax_group is not None else state.tp_group
             held.append((f"{name}.weight" if name else "weight", child.weight, group))
-    for group, members in _by_group((p, g) for _, p, g in held):
+    on_meta = [(p, g) for _, p, g in held if p.is_meta]  # init_model_with_meta_device: cast when given memory
+    for param, group in on_meta:
+        param.fp8_weight = Fp8Weight(torch.ones((), device=current_device()), param.dtype, group)
+        param.deferred_init = _CastAfter(param.deferred_init)
+        param.data = torch.empty(param.shape, dtype=E4M3, device="meta")
+    for group, members in _by_group((p, g) for _, p, g in held if not p.is_meta):
         amaxes = _reduced_max(torch.stack([amax_of(p) for p in members]), group)
         for param, amax in zip(members, amaxes):
             scale = _scale(amax)
@@ -96,6 +102,26 @@ def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
             param.data = quantize(high, scale, E4M3)
             param.fp8_weight = Fp8Weight(scale.reciprocal(), high.dtype, group, high_precision=high)
     return [name for name, _, _ in held]
+
+
+@dataclass(frozen=True)
+class _CastAfter:
+    """The deferred initialisation of a weight held in FP8 and built on the meta device: its values in the
+    model's dtype, then cast as :func:`hold_weights_in_fp8` casts them (the amax reduced over the amax
+    group, one all-reduce per weight, in the order every rank of the group lays its buckets out)."""
+
+    values: object
+    """The weight's own deferred initialisation (in the model's dtype)."""
+
+    @torch.no_grad()
+    def __call__(self, param: nn.Parameter, out: torch.Tensor) -> None:
+        meta = held_weight(param)
+        high = torch.empty(param.shape, dtype=meta.dtype, device=out.device)
+        self.values(param, high)
+        scale = _scale(_reduced_max(amax_of(high).reshape(1), meta.amax_group)[0])
+        out.copy_(quantize(high, scale, E4M3))
+        meta.scale_inv.copy_(scale.reciprocal())
+        meta.high_precision = high
 
 
 def _by_group(pairs: Iterable[tuple[nn.Parameter, ProcessGroup | None]]) -> Iterator[tuple]:

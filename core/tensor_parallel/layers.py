@@ -7,8 +7,9 @@ activations around the pair are split along the sequence instead of replicated: 
 all-gathers its input and the Row layer reduce-scatters its output, the same traffic as the
 all-reduce but with 1/TP of the activation memory outside the pair.
 
-Weights are created empty on ``current_device()`` in ``config.params_dtype`` and initialised from
-a full fp32 master weight built on the CPU and sliced (Megatron's CPU initialisation): the result
+Weights are created empty on ``param_device(config)`` (``current_device()``, or the meta device under
+``init_model_with_meta_device``) in ``config.params_dtype`` and initialised from a full fp32 master
+weight built on the CPU and sliced (Megatron's CPU initialisation): the result
 does not depend on the TP size as long as every TP rank's default generator is seeded alike
 (``model_parallel_seed`` does that), so runs with different splits start from the same model.
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from core.device import current_device
+from core.device import param_device
 from core.model_parallel_config import ModelParallelConfig
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, Fp8State, fp8_linear
 from core.tensor_parallel.grad_accumulation import linear_with_grad_accumulation
@@ -49,7 +50,7 @@ InitMethod = Callable[[torch.Tensor], object]
 
 
 def _new_param(shape: tuple[int, ...], config: ModelParallelConfig) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, device=current_device(), dtype=config.params_dtype))
+    return nn.Parameter(torch.empty(shape, device=param_device(config), dtype=config.params_dtype))
 
 
 def _init_from_full(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -184,13 +185,44 @@ def initialize_by_name(
     """Fill every parameter of ``module`` with its shard of the full tensor its name determines
     (this rank's shard in ``tp_group``; None: ``parallel_state``'s).
 
-    Call it on the root of the naming scheme (the GPTModel), so that names are the global ones.
+    Call it on the root of the naming scheme (the GPTModel), so that names are the global ones. A
+    parameter on the meta device (``init_model_with_meta_device``) has no memory yet: it gets a
+    :class:`DeferredInit` instead (``param.deferred_init``), which whoever gives it memory calls.
     """
     rank, size = tp_rank(tp_group), tp_world_size(tp_group)
     for name, param in module.named_parameters():
-        if getattr(param, "stacked_first", None) is not None:  # slice by slice, each from its own name
-            for slice_name, piece in unstacked(name, param):
-                piece.copy_(full_init_tensor(slice_name, param, config, 1, tuple(piece.shape)))
-            continue
-        full = full_init_tensor(name, param, config, size)
-        param.copy_(shard_of(full, param, rank, size).to(device=param.device, dtype=param.dtype))
+        if param.is_meta:
+            param.deferred_init = DeferredInit(name, config, rank, size)
+        else:
+            fill_by_name(name, param, param, config, rank, size)
+
+
+@torch.no_grad()
+def fill_by_name(
+    name: str, param: torch.Tensor, out: torch.Tensor, config: TransformerConfig, rank: int, size: int
+) -> None:
+    """Write parameter ``name``'s initial values (TP rank ``rank`` of ``size``) into ``out``, a tensor of
+    ``param``'s shape: the parameter itself, or the memory a meta parameter is given."""
+    if getattr(param, "stacked_first", None) is not None:  # slice by slice, each from its own name
+        for slice_name, piece in unstacked(name, param, out):
+            piece.copy_(full_init_tensor(slice_name, param, config, 1, tuple(piece.shape)))
+        return
+    full = full_init_tensor(name, param, config, size)
+    out.copy_(shard_of(full, param, rank, size).to(device=out.device, dtype=out.dtype))
+
+
+@dataclass(frozen=True)
+class DeferredInit:
+    """The initialisation a parameter built on the meta device is owed: called with the parameter and
+    the memory it is given (``out``, its shape, any device), it writes exactly the values
+    :func:`initialize_by_name` would have written at construction (they depend only on the seed and
+    the name). The data-parallel wrapper calls it as it lays each bucket out, so a rank never holds
+    more than the bucket it is building (:mod:`core.distributed.grad_buffer`)."""
+
+    name: str
+    config: TransformerConfig
+    tp_rank: int
+    tp_size: int
+
+    def __call__(self, param: torch.Tensor, out: torch.Tensor) -> None:
+        fill_by_name(self.name, param, out, self.config, self.tp_rank, self.tp_size)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.device import current_device
+from core.device import param_device
 from core.transformer.initialization import mark_init
 from core.transformer.transformer_config import TransformerConfig
 
@@ -26,7 +26,7 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")
 
 
 def _norm_param(size: int, config: TransformerConfig, fill: float) -> nn.Parameter:
-    param = nn.Parameter(torch.full((size,), fill, device=current_device(), dtype=config.params_dtype))
+    param = nn.Parameter(torch.full((size,), fill, device=param_device(config), dtype=config.params_dtype))
     param.sequence_parallel = config.sequence_parallel
     mark_init(param, "ones" if fill == 1.0 else "zeros")
     return param

@@ -216,6 +216,13 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
     perform_initialization: bool = not_a_flag(True)
     """Initialise parameters at construction (off when weights are about to be loaded anyway)."""
 
+    init_model_with_meta_device: bool = flag(False, group="initialization")
+    """Build the parameters on the meta device (Megatron's flag): shapes and dtypes, no memory. The
+    data-parallel wrapper then gives each rank memory for what it keeps only, bucket by bucket, with
+    the values construction would have given (they depend on the seed and the name alone): under
+    ``optim_grads_params`` a rank never holds its whole model shard, only its 1/DP shard and the bucket
+    it is laying out. Without a wrapper, ``parallelize_gpt`` gives each parameter its memory in place."""
+
     bf16: bool = flag(False, group="mixed precision")
     """Run in bfloat16: sets ``params_dtype`` and ``pipeline_dtype`` to bfloat16 (losses stay fp32)."""
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from core.device import current_device
+from core.device import param_device
 from core.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
 from core.transformer.dropout import dropout
 from core.transformer.initialization import deferred_init, mark_init
@@ -53,7 +53,10 @@ class LanguageModelEmbedding(nn.Module):
         mark_init(self.word_embeddings.weight, "normal", valid_rows=vocab_size)
         if self.learned_positions:
             self.position_embeddings = nn.Embedding(
-                max_sequence_length, config.hidden_size, device=current_device(), dtype=config.params_dtype
+                max_sequence_length,
+                config.hidden_size,
+                device=param_device(config),
+                dtype=config.params_dtype,
             )
             mark_init(self.position_embeddings.weight, "normal")
         else:

@@ -12,6 +12,10 @@
   runs, and the layout says whether each holds the embedding (``pre_process``) or the loss
   (``post_process``). When one rank holds both ends (ZBV's V), the loss chunk borrows the
   embedding's Parameter, so a tied embedding is one weight.
+- **The meta device** (``init_model_with_meta_device``): the chunks are built with shapes only; the
+  data-parallel wrappers give each parameter its memory and initial values as they lay their buckets
+  out (under ZeRO-3 one bucket at a time, keeping only this rank's shard), and what no wrapper holds
+  gets its memory here, in place.
 - **Data parallelism** wraps each chunk in ``DistributedDataParallel`` over the data-parallel group
   (with context parallelism folded in), gradients in buckets; MoE experts' over the
   expert-data-parallel group (their replicas).
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from core import parallel_state as ps
+from core.device import current_device, materialize_module
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.auxiliary_loss import auxiliary_loss_scale_hook
@@ -175,9 +180,11 @@ def parallelize_gpt(
         if ddp_config is None or not ddp_config.use_distributed_optimizer:
             raise ValueError("fp8_param_gather only supported with distributed optimizer")
         hold_weights_in_fp8(modules)  # before the wrapper lays the parameters out: a one-byte buffer
-    if ddp_config is None:
-        return ParallelGPT(modules=modules, chunks=modules, groups=groups)
-    if ddp_config.shard_grads:
-        _check_no_shared_parameter(modules, ddp_config.data_parallel_sharding_strategy)
-    chunks = [DistributedDataParallel(m.config, ddp_config, m, pg_collection=groups) for m in modules]
+    chunks = modules
+    if ddp_config is not None:
+        if ddp_config.shard_grads:
+            _check_no_shared_parameter(modules, ddp_config.data_parallel_sharding_strategy)
+        chunks = [DistributedDataParallel(m.config, ddp_config, m, pg_collection=groups) for m in modules]
+    for module in modules:  # built on the meta device: what no wrapper's buffer holds gets memory in place
+        materialize_module(module, current_device())
     return ParallelGPT(modules=modules, chunks=chunks, groups=groups)

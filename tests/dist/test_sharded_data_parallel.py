@@ -254,6 +254,29 @@ def test_pretrain_under_a_strategy_gives_the_unsharded_losses(ranks, data_prefix
     assert len(sharded) == len(plain) == 3 and difference <= 1e-5
 
 
+def _meta_device_case(ranks, data_prefix, split: str) -> None:
+    """ZeRO-3 with the model built on the meta device (each rank materialises its shards bucket by bucket)
+    trains with the losses of the model built whole, bit for bit: the same initial values, the same run."""
+    from tests.dist.test_distributed_optimizer import small_gpt
+
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    common = small_gpt(data_prefix, 3, *SPLITS[split], *fsdp, "--overlap-grad-reduce", "--overlap-param-gather")
+    whole = _pretrain_losses(ranks(4), common)
+    meta = _pretrain_losses(ranks(4), common + ["--init-model-with-meta-device"])
+    print(f"{split} optim_grads_params: losses {whole} whole, {meta} on the meta device")
+    assert len(meta) == 3 and meta == whole
+
+
+def test_zero3_on_the_meta_device_gives_the_losses_of_the_model_built_whole(ranks, data_prefix):
+    _meta_device_case(ranks, data_prefix, "TP2xDP2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["PP2xVPP2xDP2", "EP2xDP2 MoE", "PP2xDP2 bf16"])
+def test_zero3_on_the_meta_device_gives_the_whole_models_losses_under_other_splits(ranks, data_prefix, split):
+    _meta_device_case(ranks, data_prefix, split)
+
+
 # --------------------------------------------------------------------------------------------------
 # Checkpoints: Trident's format, whatever the strategy; loadable under any strategy and split
 # --------------------------------------------------------------------------------------------------

@@ -238,6 +238,15 @@ CONFIG = [
         _flags("--group-query-attention --num-query-groups 3"),
         "--num-attention-heads (4) must be divisible by --num-query-groups (3)",
     ),
+    Case(
+        "meta device without sharding",
+        _flags(
+            "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --init-model-with-meta-device"
+        ),
+        "--init-model-with-meta-device is not supported or necessary with --use-megatron-fsdp "
+        "--data-parallel-sharding-strategy no_shard (as in Megatron-FSDP): every rank holds the whole model "
+        "anyway; drop the flag or pick a sharding strategy",
+    ),
 ]
 
 

@@ -74,7 +74,7 @@ ISSUE_FLAGS = {
     WORKS: "--context-parallel-size --expert-model-parallel-size --distributed-backend --exit-duration-in-mins "
     "--manual-gc --manual-gc-interval --distributed-timeout-minutes --ddp-bucket-size --ckpt-step "
     "--use-checkpoint-args --exit-on-missing-checkpoint --fp16 --loss-scale --loss-scale-window "
-    "--use-distributed-optimizer --overlap-param-gather --grad-reduce-in-bf16 "
+    "--use-distributed-optimizer --overlap-param-gather --grad-reduce-in-bf16 --init-model-with-meta-device "
     "--use-megatron-fsdp --data-parallel-sharding-strategy=optim --num-distributed-optimizer-instances "
     "--outer-dp-sharding-strategy "
     "--tokenizer-type=GPT2BPETokenizer --tokenizer-type=Llama2Tokenizer "
@@ -93,7 +93,7 @@ ISSUE_FLAGS = {
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format --fp8-interval",
-    NOT_YET: "--init-model-with-meta-device --suggested-communication-unit-size --megatron-fsdp-main-params-dtype",
+    NOT_YET: "--suggested-communication-unit-size --megatron-fsdp-main-params-dtype",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp --use-torch-fsdp2 "
     "--megatron-fsdp-version",

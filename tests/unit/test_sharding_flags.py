@@ -113,6 +113,14 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
             ),
         ),
         (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --init-model-with-meta-device",
+            (
+                "--init-model-with-meta-device is not supported or necessary with --use-megatron-fsdp "
+                "--data-parallel-sharding-strategy no_shard (as in Megatron-FSDP): every rank holds the whole "
+                "model anyway; drop the flag or pick a sharding strategy"
+            ),
+        ),
+        (
             "--use-megatron-fsdp --outer-dp-sharding-strategy optim",
             (
                 "--outer-dp-sharding-strategy optim shards over the distributed-optimizer instances: give "
@@ -136,8 +144,8 @@ def test_contradicting_strategies_are_one_line(argv, message):
             f"Trident does not support --megatron-fsdp-version: Trident's Megatron-FSDP has one version; {_INSTEAD}",
         ),
         (
-            "--init-model-with-meta-device",
-            f"Trident does not support --init-model-with-meta-device yet: {_NOT_YET}",
+            "--suggested-communication-unit-size 1000",
+            f"Trident does not support --suggested-communication-unit-size yet: {_NOT_YET}",
         ),
         (
             "--megatron-fsdp-grad-comm-dtype bf16",

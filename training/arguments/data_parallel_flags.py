@@ -90,6 +90,12 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
         f"{args.pipeline_schedule} puts in both model chunks of rank 0 yet: give "
         "--untie-embeddings-and-output-weights, or --data-parallel-sharding-strategy optim",
     )
+    _require(
+        not (args.init_model_with_meta_device and args.use_megatron_fsdp and strategy == "no_shard"),
+        "--init-model-with-meta-device is not supported or necessary with --use-megatron-fsdp "
+        "--data-parallel-sharding-strategy no_shard (as in Megatron-FSDP): every rank holds the whole model "
+        "anyway; drop the flag or pick a sharding strategy",
+    )
     args.data_parallel_sharding_strategy = strategy
     if strategy != "no_shard":
         args.use_distributed_optimizer = True

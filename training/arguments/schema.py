@@ -430,7 +430,6 @@ COVERAGE: dict[str, Coverage] = {
     "--megatron-fsdp-version": unsupported("Trident's Megatron-FSDP has one version; " + _FSDP_INSTEAD),
     **dict.fromkeys(
         (
-            "--init-model-with-meta-device",
             "--suggested-communication-unit-size",
             "--fsdp-double-buffer",
             "--use-nccl-ub",

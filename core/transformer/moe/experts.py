@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.device import current_device
+from core.device import current_device, param_device
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, Fp8State, fp8_linear
 from core.transformer.initialization import mark_init, mark_stacked, unstacked
 from core.transformer.mlp import activate
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 
 def _param(shape: tuple[int, ...], config: TransformerConfig, rule: str, first: int) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(shape, device=current_device(), dtype=config.params_dtype))
+    param = nn.Parameter(torch.empty(shape, device=param_device(config), dtype=config.params_dtype))
     param.allreduce = False
     mark_init(param, rule)
     mark_stacked(param, first)

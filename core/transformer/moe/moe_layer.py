@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from core.device import current_device
+from core.device import param_device
 from core.parallel_state import group_rank, group_size
 from core.transformer.initialization import mark_init
 from core.transformer.mlp import MLP
@@ -41,7 +41,7 @@ class SharedExpertMLP(MLP):
         if config.moe_shared_expert_gate:
             shape = (1, config.hidden_size)
             self.gate_weight = nn.Parameter(
-                torch.empty(shape, device=current_device(), dtype=config.params_dtype)
+                torch.empty(shape, device=param_device(config), dtype=config.params_dtype)
             )
             self.gate_weight.sequence_parallel = config.sequence_parallel
             mark_init(self.gate_weight, "normal")

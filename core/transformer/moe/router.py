@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from core.device import current_device
+from core.device import param_device
 from core.parallel_state import group_size
 from core.pipeline_parallel.auxiliary_loss import AuxiliaryLossScale, attach_auxiliary_loss
 from core.transformer.initialization import mark_init
@@ -64,13 +64,13 @@ class TopKRouter(nn.Module):
         self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
         self.tp_cp_group = tp_cp_group
         shape = (self.num_experts, config.hidden_size)
-        self.weight = nn.Parameter(torch.empty(shape, device=current_device(), dtype=config.params_dtype))
+        self.weight = nn.Parameter(torch.empty(shape, device=param_device(config), dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
         mark_init(self.weight, "normal")
         self.bias = None
         if config.add_bias_linear:
             self.bias = nn.Parameter(
-                torch.zeros(self.num_experts, device=current_device(), dtype=config.params_dtype)
+                torch.zeros(self.num_experts, device=param_device(config), dtype=config.params_dtype)
             )
             self.bias.sequence_parallel = config.sequence_parallel
             mark_init(self.bias, "zeros")

@@ -1,0 +1,155 @@
+"""``--init-model-with-meta-device`` in one process: the model it builds is the model built whole, and under
+ZeRO-3 a rank never holds its whole model while building it.
+
+* Equivalence: GPT (LayerNorm, GELU, tied embeddings), LLaMA (RMSNorm, SwiGLU, RoPE) and LLaMA with MoE
+  layers (stacked experts, router), with no wrapper and wrapped under each sharding strategy at DP1:
+  every parameter and every buffer bit for bit, and nothing left on the meta device.
+* Memory: at DP4 (PyTorch's fake process group: one process plays data-parallel rank 0 of four; building
+  the model and its buffers communicates nothing) the peak of live tensor storage while the model is
+  built and wrapped under ``optim_grads_params``. Counted by :class:`StorageBytes`, a
+  ``TorchDispatchMode`` that remembers (weakly) every storage an ATen op outputs and, after every op,
+  sums what each still holds: ``nbytes()`` read then, so a storage freed by ``resize_(0)`` (the buckets
+  free that way, outside the dispatcher) stops counting at the next op, and one given memory again
+  counts from the op that writes it, which comes before anything reads it. Every allocation is an op's
+  output (``empty``, ``zeros``, ``clone``, ``normal_`` on a new tensor), so nothing allocated escapes it; a
+  storage that existed before the mode was entered is not counted (nothing of the model does).
+* ``pretrain()`` at DP1 under ``--use-megatron-fsdp`` with ``--fp8-param-gather`` (weights held in FP8,
+  cast after materialisation): the losses of the run built whole, bit for bit; and a run resumed with
+  ``--load`` continues with the losses of the uninterrupted one (the loaded values win).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from core import parallel_state as ps
+from core.device import materialize_module
+from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from models.gpt import GPTModel
+from tests.support.configs import tiny_config
+from tests.support.fp8_run import TINY
+from tests.support.pretrain_run import pretrain_keeping_models
+
+VOCAB, SEQ = 64, 16
+MODELS = {
+    "gpt": ("gpt", {}),
+    "llama": ("llama", {}),
+    "llama moe": ("llama", {"num_moe_experts": 4, "moe_router_topk": 2, "moe_layer_freq": 1}),
+}
+STRATEGIES = (None, "no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _built(meta: bool, strategy: str | None, kind: str, **overrides) -> torch.nn.Module:
+    """The model, with every parameter whole: unwrapped (``None``) or wrapped under ``strategy``."""
+    config = tiny_config(kind, init_model_with_meta_device=meta, **overrides)
+    model = GPTModel(config, VOCAB, SEQ)
+    if strategy is None:
+        materialize_module(model, torch.device("cpu"))
+        return model
+    ddp = DistributedDataParallelConfig(
+        use_distributed_optimizer=strategy != "no_shard", data_parallel_sharding_strategy=strategy
+    )
+    wrapped = DistributedDataParallel(config, ddp, model)
+    wrapped.finish_param_sync()  # ZeRO-3: gather the shards to compare them whole
+    return wrapped.module
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=[str(s) for s in STRATEGIES])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_model_built_on_the_meta_device_is_the_model_built_whole(model, strategy):
+    kind, overrides = MODELS[model]
+    whole, meta = _built(False, strategy, kind, **overrides), _built(True, strategy, kind, **overrides)
+    assert not any(t.is_meta for t in (*meta.parameters(), *meta.buffers()))
+    for mine, theirs in (
+        (meta.named_parameters(), whole.named_parameters()),
+        (meta.named_buffers(), whole.named_buffers()),
+    ):
+        mine, theirs = dict(mine), dict(theirs)
+        assert mine.keys() == theirs.keys()
+        different = [
+            n for n in mine if mine[n].dtype != theirs[n].dtype or not torch.equal(mine[n], theirs[n])
+        ]
+        assert different == []
+    assert "rotary_pos_emb.inv_freq" in dict(meta.named_buffers()) or kind == "gpt"
+
+
+class StorageBytes(TorchDispatchMode):
+    """The peak of the bytes held by every storage an op output while the mode is on (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, weakref.ref] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                storage = tensor.untyped_storage()
+                self.storages.setdefault(id(storage), weakref.ref(storage))
+        live = 0
+        for key, ref in list(self.storages.items()):
+            storage = ref()
+            if storage is None:
+                del self.storages[key]
+            else:
+                live += storage.nbytes()
+        self.peak = max(self.peak, live)
+        return out
+
+
+def _peak_building_zero3(meta: bool) -> tuple[int, int, dict[str, int]]:
+    """(peak bytes while building and wrapping, the whole model's parameter bytes, what the wrapper keeps)."""
+    config = tiny_config("llama", num_layers=8, hidden_size=64, init_model_with_meta_device=meta)
+    ddp = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params"
+    )
+    with StorageBytes() as tracker:
+        model = GPTModel(config, VOCAB, SEQ)
+        wrapped = DistributedDataParallel(config, ddp, model)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    return tracker.peak, whole, wrapped.persistent_bytes()
+
+
+def test_under_zero3_a_rank_never_holds_its_whole_model_while_building_it():
+    """DP4, fp32, 8 layers: the peak is this rank's 1/4 of the parameters and of the gradients, the one
+    bucket (layer) being laid out with its gradient buffer, and one parameter's fp32 initial tensor. Built
+    whole first, the peak is the whole model and more."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        ps.initialize_model_parallel()
+        whole_peak, whole, kept = _peak_building_zero3(False)
+        meta_peak, same, kept_too = _peak_building_zero3(True)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    print(
+        f"DP4 ZeRO-3 build: parameters {whole} B; peak {whole_peak} B whole, {meta_peak} B on the meta device"
+    )
+    assert same == whole and kept_too == kept and kept["params"] <= whole / 4 * 1.05
+    assert whole_peak > whole
+    assert meta_peak < 0.8 * whole
+
+
+FSDP_FP8 = "--train-iters 3 --use-megatron-fsdp --fp8-param-gather"
+
+
+def _losses(flags: str) -> list[float]:
+    state, _, _ = pretrain_keeping_models(f"{TINY} {flags}".split())
+    return [float(step["lm loss"]) for step in state.losses]
+
+
+def test_pretrain_on_the_meta_device_with_fp8_weights_gives_the_losses_and_resumes(tmp_path):
+    whole = _losses(FSDP_FP8)
+    assert _losses(f"{FSDP_FP8} --init-model-with-meta-device") == whole
+    save = f"--save {tmp_path} --save-interval 2"
+    first = _losses(f"{FSDP_FP8} --init-model-with-meta-device {save} --train-iters 2")
+    resumed = _losses(f"{FSDP_FP8} --init-model-with-meta-device --load {tmp_path}")
+    assert first == whole[:2] and resumed == whole[2:]
