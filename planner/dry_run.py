@@ -98,7 +98,11 @@ def _run(argv: list[str], world_size: int):
 def _build_rank(run, vocab_size: int, fake: bool):
     """This rank's model (chunks wrapped for data parallelism) and optimizer, as ``setup`` builds them."""
 
-    config = dataclasses.replace(run.model, perform_initialization=False) if fake else run.model
+    # Fake tensors have no values to initialise, and hold no memory (--init-model-with-meta-device's aim).
+    fake_config = dataclasses.replace(
+        run.model, perform_initialization=False, init_model_with_meta_device=False
+    )
+    config = fake_config if fake else run.model
     provider = gpt_provider(config, vocab_size, run.gpt.max_position_embeddings)
     model = parallelize_gpt(provider, layout=run.layout, groups=ps.get_parallel_groups(), ddp_config=run.ddp)
     optimizer = get_megatron_optimizer(

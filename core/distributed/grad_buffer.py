@@ -53,6 +53,7 @@ from torch.distributed import ProcessGroup
 from core.device import current_device, materialize
 from core.distributed.collectives import all_gather, reduce_scatter, reduce_scatter_is_native
 from core.parallel_state import group_rank, group_size
+from core.tensor_parallel.fp8_params import held_weight
 
 IDLE, LAUNCHED, DONE = "idle", "launched", "done"
 SHARD_ALIGNMENT = 128
@@ -295,6 +296,17 @@ def _place(param: torch.nn.Parameter, view: torch.Tensor, name: str) -> None:
     param.data = view
 
 
+def _drop_unowned_high_precision(bucket: Bucket) -> None:
+    """Weights held in FP8 keep the values they were cast from until the optimizer starts its main copy of
+    this rank's range from them; a weight of which this rank steps nothing lets them go as soon as its
+    bucket is laid out (under ZeRO-3 on the meta device a rank then never holds its whole model in the
+    model's dtype either)."""
+    for param in bucket.params:
+        held = held_weight(param)
+        if held is not None and held.high_precision is not None and bucket.owned_range(param) is None:
+            held.high_precision = None
+
+
 class GradBuffer:
     """All gradients of one (parameter dtype, gradient dtype) pair in one flat tensor, in buckets.
 
@@ -363,6 +375,7 @@ class GradBuffer:
                     inter_group,
                 )
             )
+            _drop_unowned_high_precision(self.buckets[-1])
 
     @staticmethod
     def _layout(order, bucket_size: int | None, pad_to: int, shard: bool, units: dict[int, int] | None):

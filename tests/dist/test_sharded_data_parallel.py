@@ -260,7 +260,9 @@ def _meta_device_case(ranks, data_prefix, split: str) -> None:
     from tests.dist.test_distributed_optimizer import small_gpt
 
     fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
-    common = small_gpt(data_prefix, 3, *SPLITS[split], *fsdp, "--overlap-grad-reduce", "--overlap-param-gather")
+    common = small_gpt(
+        data_prefix, 3, *SPLITS[split], *fsdp, "--overlap-grad-reduce", "--overlap-param-gather"
+    )
     whole = _pretrain_losses(ranks(4), common)
     meta = _pretrain_losses(ranks(4), common + ["--init-model-with-meta-device"])
     print(f"{split} optim_grads_params: losses {whole} whole, {meta} on the meta device")
@@ -275,6 +277,20 @@ def test_zero3_on_the_meta_device_gives_the_losses_of_the_model_built_whole(rank
 @pytest.mark.parametrize("split", ["PP2xVPP2xDP2", "EP2xDP2 MoE", "PP2xDP2 bf16"])
 def test_zero3_on_the_meta_device_gives_the_whole_models_losses_under_other_splits(ranks, data_prefix, split):
     _meta_device_case(ranks, data_prefix, split)
+
+
+@pytest.mark.slow
+def test_zero3_on_the_meta_device_casts_fp8_weights_as_built_whole_at_tp2_dp2(ranks):
+    """``--fp8-param-gather``: each held weight is cast as it is materialised, its amax reduced over its
+    group (TP x DP here) one weight at a time; the losses are those of the weights cast when built whole."""
+    from tests.dist.test_fp8_param_gather import FP8_FP32, HELD
+    from tests.dist.test_fp8_param_gather import _losses as fp8_losses
+
+    split = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-megatron-fsdp", *HELD]
+    whole, _ = fp8_losses(ranks(4), FP8_FP32 + split)
+    meta, _ = fp8_losses(ranks(4), FP8_FP32 + split + ["--init-model-with-meta-device"])
+    print(f"TP2xDP2 ZeRO-3 FP8 weights: losses {whole} whole, {meta} on the meta device")
+    assert len(meta) == 4 and meta == whole
 
 
 # --------------------------------------------------------------------------------------------------

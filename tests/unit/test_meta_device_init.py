@@ -12,7 +12,9 @@ ZeRO-3 a rank never holds its whole model while building it.
   free that way, outside the dispatcher) stops counting at the next op, and one given memory again
   counts from the op that writes it, which comes before anything reads it. Every allocation is an op's
   output (``empty``, ``zeros``, ``clone``, ``normal_`` on a new tensor), so nothing allocated escapes it; a
-  storage that existed before the mode was entered is not counted (nothing of the model does).
+  storage that existed before the mode was entered is not counted (nothing of the model does). Also with
+  the dense linear weights held in FP8, whose fp32 initial values a rank keeps only for the weights it
+  steps part of.
 * ``pretrain()`` at DP1 under ``--use-megatron-fsdp`` with ``--fp8-param-gather`` (weights held in FP8,
   cast after materialisation): the losses of the run built whole, bit for bit; and a run resumed with
   ``--load`` continues with the losses of the uninterrupted one (the loaded values win).
@@ -32,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from core import parallel_state as ps
 from core.device import materialize_module
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from core.tensor_parallel.fp8_params import hold_weights_in_fp8
 from models.gpt import GPTModel
 from tests.support.configs import tiny_config
 from tests.support.fp8_run import TINY
@@ -105,37 +108,44 @@ class StorageBytes(TorchDispatchMode):
         return out
 
 
-def _peak_building_zero3(meta: bool) -> tuple[int, int, dict[str, int]]:
-    """(peak bytes while building and wrapping, the whole model's parameter bytes, what the wrapper keeps)."""
-    config = tiny_config("llama", num_layers=8, hidden_size=64, init_model_with_meta_device=meta)
+def _peak_building_zero3(meta: bool, fp8: bool) -> tuple[int, int, dict[str, int]]:
+    """(peak bytes while building and wrapping, the whole model's bytes in its dtype (fp32), what the
+    wrapper keeps); ``fp8``: the dense linear weights held in FP8 (``--fp8-param-gather``)."""
+    held = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_param_gather": True} if fp8 else {}
+    config = tiny_config("llama", num_layers=8, hidden_size=64, init_model_with_meta_device=meta, **held)
     ddp = DistributedDataParallelConfig(
         use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params"
     )
     with StorageBytes() as tracker:
         model = GPTModel(config, VOCAB, SEQ)
+        assert len(hold_weights_in_fp8([model])) == (32 if fp8 else 0)  # 4 a layer
         wrapped = DistributedDataParallel(config, ddp, model)
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    whole = sum(p.numel() for p in model.parameters()) * torch.float32.itemsize
     return tracker.peak, whole, wrapped.persistent_bytes()
 
 
-def test_under_zero3_a_rank_never_holds_its_whole_model_while_building_it():
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8 weights"])
+def test_under_zero3_a_rank_never_holds_its_whole_model_while_building_it(fp8):
     """DP4, fp32, 8 layers: the peak is this rank's 1/4 of the parameters and of the gradients, the one
-    bucket (layer) being laid out with its gradient buffer, and one parameter's fp32 initial tensor. Built
-    whole first, the peak is the whole model and more."""
+    bucket (layer) being laid out with its gradient buffer, and one parameter's fp32 initial tensor; with
+    the weights held in FP8, also the fp32 values of the weights this rank steps part of, which the
+    optimizer's main copy starts from (a weight it steps none of lets them go). Built whole first, the
+    peak is the whole model and more."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         ps.initialize_model_parallel()
-        whole_peak, whole, kept = _peak_building_zero3(False)
-        meta_peak, same, kept_too = _peak_building_zero3(True)
+        whole_peak, whole, kept = _peak_building_zero3(False, fp8)
+        meta_peak, same, kept_too = _peak_building_zero3(True, fp8)
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
     print(
-        f"DP4 ZeRO-3 build: parameters {whole} B; peak {whole_peak} B whole, {meta_peak} B on the meta device"
+        f"DP4 ZeRO-3 build{' (FP8 weights)' if fp8 else ''}: model {whole} B; peak {whole_peak} B "
+        f"({whole_peak / whole:.2f}x) built whole, {meta_peak} B ({meta_peak / whole:.2f}x) on the meta device"
     )
-    assert same == whole and kept_too == kept and kept["params"] <= whole / 4 * 1.05
+    assert same == whole and kept_too == kept and kept["grads"] <= whole / 4 * 1.05
     assert whole_peak > whole
-    assert meta_peak < 0.8 * whole
+    assert meta_peak < (0.9 if fp8 else 0.8) * whole
 
 
 FSDP_FP8 = "--train-iters 3 --use-megatron-fsdp --fp8-param-gather"
@@ -153,3 +163,15 @@ def test_pretrain_on_the_meta_device_with_fp8_weights_gives_the_losses_and_resum
     first = _losses(f"{FSDP_FP8} --init-model-with-meta-device {save} --train-iters 2")
     resumed = _losses(f"{FSDP_FP8} --init-model-with-meta-device --load {tmp_path}")
     assert first == whole[:2] and resumed == whole[2:]
+
+
+def test_a_meta_parameter_nothing_can_initialise_is_refused_by_name_not_left_uninitialised():
+    """Built without initialisation (``perform_initialization=False``), a meta parameter has no values to
+    be given: the wrapper refuses it instead of handing out uninitialised memory."""
+    config = tiny_config("gpt", init_model_with_meta_device=True, perform_initialization=False)
+    with pytest.raises(ValueError) as error:
+        DistributedDataParallel(config, DistributedDataParallelConfig(), GPTModel(config, VOCAB, SEQ))
+    assert str(error.value) == (
+        "decoder.final_layernorm.bias (32,) is on the meta device with nothing to initialise it: "
+        "init_model_with_meta_device needs a model that initialises by name (perform_initialization=True)"
+    )
