@@ -29,7 +29,7 @@ exporting read the master weights, never the FP8 ones. Routed MoE experts keep 1
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +110,7 @@ class _CastAfter:
     model's dtype, then cast as :func:`hold_weights_in_fp8` casts them (the amax reduced over the amax
     group, one all-reduce per weight, in the order every rank of the group lays its buckets out)."""
 
-    values: object
+    values: Callable[[nn.Parameter, torch.Tensor], None]
     """The weight's own deferred initialisation (in the model's dtype)."""
 
     @torch.no_grad()

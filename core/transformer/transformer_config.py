@@ -55,9 +55,11 @@ RUNTIME_FIELDS = (
     "cuda_graph_scope",
     "cuda_graph_warmup_steps",
     "enable_cuda_graph",
+    "init_model_with_meta_device",
 )
-"""Hooks the training loop installs at run time, and how a run executes the model (compilation): not
-part of a model's description, never serialised (a tool rebuilding a checkpoint's model runs it eagerly)."""
+"""Hooks the training loop installs at run time, and how a run builds and executes the model (on the
+meta device, compiled): not part of a model's description, never serialised (a tool rebuilding a
+checkpoint's model builds it whole and runs it eagerly)."""
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ ZeRO-3 a rank never holds its whole model while building it.
   steps part of.
 * ``pretrain()`` at DP1 under ``--use-megatron-fsdp`` with ``--fp8-param-gather`` (weights held in FP8,
   cast after materialisation): the losses of the run built whole, bit for bit; and a run resumed with
-  ``--load`` continues with the losses of the uninterrupted one (the loaded values win).
+  ``--load`` continues with the losses of the uninterrupted one (the loaded values win); the checkpoint
+  does not record the flag (generation and conversion build the model whole).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from models.gpt import GPTModel
 from tests.support.configs import tiny_config
 from tests.support.fp8_run import TINY
 from tests.support.pretrain_run import pretrain_keeping_models
+from training.checkpoint import open_checkpoint
 
 VOCAB, SEQ = 64, 16
 MODELS = {
@@ -163,6 +165,8 @@ def test_pretrain_on_the_meta_device_with_fp8_weights_gives_the_losses_and_resum
     first = _losses(f"{FSDP_FP8} --init-model-with-meta-device {save} --train-iters 2")
     resumed = _losses(f"{FSDP_FP8} --init-model-with-meta-device --load {tmp_path}")
     assert first == whole[:2] and resumed == whole[2:]
+    # How a run builds its model is not part of the model: generation and conversion build it whole.
+    assert "init_model_with_meta_device" not in open_checkpoint(str(tmp_path)).manifest["model"]["config"]
 
 
 def test_a_meta_parameter_nothing_can_initialise_is_refused_by_name_not_left_uninitialised():
