@@ -236,7 +236,7 @@ def test_the_optimizers_cast_of_a_range_over_two_experts_scales_each_with_its_ow
 
 def test_routed_expert_stacks_are_held_with_one_scale_per_expert_and_train_as_the_cast_experts():
     """DP1, fp32, tensorwise: bitwise the casting run's losses; the start report counts the stacks."""
-    flags = f"{TINY} --train-iters 3 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
+    flags = f"{TINY} --train-iters 2 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
     flags = flags.replace("--bf16 ", "") + " --fp8-recipe tensorwise"
     cast = _losses(flags)
     state, built, out = pretrain_keeping_models(f"{flags} --fp8-param-gather".split())
