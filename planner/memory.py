@@ -222,7 +222,7 @@ def _fp8_weight_bytes(spec: ModelSpec, cand: Candidate, layers: int) -> tuple[fl
     ``--fp8-param-gather`` the weights are held in FP8, one byte an element instead of the model
     dtype's (``core/tensor_parallel/fp8_params.py``), which is what the all-gather moves, and the layer
     still keeps the transposed copy for the step (one byte)."""
-    elements = spec.fp8_weight_elements(cand.tp) * layers
+    elements = spec.fp8_weight_elements(cand.tp, cand.ep) * layers
     if spec.fp8_param_gather:
         held = -elements * (spec.bytes_per_value - 1)
         return held + elements, held

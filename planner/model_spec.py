@@ -227,14 +227,14 @@ class ModelSpec:
         bias = (branches * f // tp + h) if self.add_bias_linear else 0
         return branches * f // tp * h + h * f // tp + bias
 
-    def fp8_weight_elements(self, tp: int) -> int:
-        """Elements of one decoder layer's FP8 linear weights on one rank (attention and a dense MLP's;
-        routed experts' FP8 copies are not counted yet); 0 without FP8."""
-        if not self.fp8:
-            return 0
-        h, qkv, f = self.hidden_size, self.query_size + 2 * self.kv_size, self.ffn_hidden_size
-        mlp = (2 if self.gated else 1) * f * h + f * h if self.moe is None else 0
-        return (qkv * h + self.query_size * h + mlp) // tp
+    def fp8_weight_elements(self, tp: int, ep: int | None = None) -> int:
+        """Elements of one decoder layer's FP8 linear weights on one rank: its FP8 products' (attention
+        and a dense MLP's), with ``ep`` this rank's routed experts' too (``num_experts / ep`` whole
+        experts: held in FP8 with ``--fp8-param-gather``, else cast); 0 without FP8."""
+        experts = self.moe.num_experts // ep if self.moe is not None and ep else 0
+        return sum(
+            p.in_features * p.out_features * (experts if p.expert else 1) for p in self.fp8_products(tp)
+        )
 
     def linear_products(self, tp: int) -> list[LinearProduct]:
         """One decoder layer's weight products on one rank (attention, then the MLP or one routed

@@ -126,8 +126,11 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
     optimizer = model.optimizer_seconds(stepped, stepped_tensors(spec, cand, rank))
     if spec.fp8_param_gather and cand.distributed_optimizer:
         layers = sum(spec.fp8_layers(cand.layers_of(cand.stage_of(rank, v))) for v in range(cand.vpp))
+        dense = spec.fp8_weight_elements(cand.tp)
+        experts = spec.fp8_weight_elements(cand.tp, cand.ep) - dense  # sharded over expert DP
+        expert_shards = cand.tp * cand.cp * cand.dp // cand.ep
         optimizer += model.fp8_shard_cast_seconds(
-            spec.fp8_weight_elements(cand.tp) * layers / (cand.dp * cand.cp)
+            layers * (dense / (cand.dp * cand.cp) + experts / expert_shards)
         )
     return (
         model.grad_sync_seconds(grads, params),

@@ -169,6 +169,32 @@ def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two():
     assert cast.grads == held.grads
 
 
+def test_the_dry_run_counts_each_held_expert_weight_at_one_byte_instead_of_two():
+    """EP2 rank of 2 layers x 256 (4 experts of FFN 512, SwiGLU; two on the rank): 2 x (256 x 768 +
+    256 x 256 attention + 2 x (256 x 1024 + 512 x 256) experts) = 2,097,152 FP8 weight elements."""
+    flags = str.split(
+        "--num-layers 2 --hidden-size 256 --ffn-hidden-size 512 --num-attention-heads 8 --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 16 --bf16 --swiglu "
+        "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --tokenizer-type "
+        "NullTokenizer --vocab-size 4096 --train-iters 10 --lr 1e-3 --mock-data --fp8-format hybrid "
+        "--fp8-recipe tensorwise --use-distributed-optimizer --num-experts 4 --moe-router-topk 2 "
+        "--expert-model-parallel-size 2"
+    )
+    held_elements = 2 * (256 * 768 + 256 * 256 + 2 * (256 * 1024 + 512 * 256))
+    cast, held = (
+        dry_run(
+            flags + extra,
+            world_size=4,
+            pp_rank=0,
+            vocab_size=4096,
+            forward_step_func=pretrain_gpt.forward_step,
+        )
+        for extra in ([], ["--fp8-param-gather"])
+    )
+    assert held_elements - 256 <= cast.params - held.params <= held_elements
+    assert cast.grads == held.grads
+
+
 def _experts(dtype: torch.dtype) -> ExpertLinear:
     """Experts 4..6 of a layer (three, stacked [3, 32, 64]), FP8 tensorwise."""
     config = TransformerConfig(

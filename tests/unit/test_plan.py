@@ -252,6 +252,27 @@ def test_first_last_layers_bf16_layers_hold_16_bit_weights_and_save_16_bit_input
     assert rank_memory(fp8, cand, 0).activations > rank_memory(_fp8_spec(), cand, 0).activations
 
 
+def test_routed_experts_fp8_weights_are_counted_cast_or_held():
+    """4 experts of FFN 128 at EP 2 (two on the rank), 2 layers: a layer's FP8 weights are attention's
+    64 x 192 + 64 x 64 = 16,384 and its two experts' 2 x (64 x 128 + 128 x 64) = 32,768, 98,304 in all.
+    Casting keeps an FP8 copy and its transpose of each (2 bytes); --fp8-param-gather holds them in one
+    byte (and the transpose), so the all-gather moves 98,304 bytes fewer; under --moe-grouped-gemm the
+    experts are not FP8 (attention's 32,768 only)."""
+    from planner.memory import gathered_param_bytes
+    from planner.model_spec import MoeSpec
+
+    cand = Candidate(tp=1, pp=1, dp=2, ep=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    moe = _fp8_spec(fp8=False, moe=MoeSpec(4, 2, 128))
+    plain_params, plain_gathered = rank_static(moe, cand, 0)[0], gathered_param_bytes(moe, cand, 0)
+    assert moe.with_(fp8=True).fp8_weight_elements(1, 2) == 49_152
+    assert rank_static(moe.with_(fp8=True), cand, 0)[0] == plain_params + 2 * 98_304
+    held = moe.with_(fp8=True, fp8_param_gather=True)
+    assert rank_static(held, cand, 0)[0] == plain_params - 98_304 + 98_304
+    assert gathered_param_bytes(held, cand, 0) == plain_params - 98_304 == plain_gathered - 98_304
+    grouped = moe.with_(fp8=True, moe=MoeSpec(4, 2, 128, grouped_gemm=True))
+    assert rank_static(grouped, cand, 0)[0] == plain_params + 2 * 32_768
+
+
 def test_the_planner_reads_first_last_layers_bf16_with_megatrons_defaults(small):
     """--first-last-layers-bf16 alone keeps 1 layer at each end (Megatron's defaults); the counts are
     read from their flags; without --fp8-format nothing is kept out."""
