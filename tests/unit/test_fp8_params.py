@@ -7,6 +7,7 @@
 * ``pretrain()`` at DP1: in fp32 with the tensorwise recipe the losses equal the casting run's bit for
   bit; in bf16 with the delayed recipe they stay within 0.01 of them.
 * The planner's dry run counts a held weight at one byte, not two.
+* Under full recompute held weights, experts' too, train as the cast ones.
 * Routed experts' stacks are held with one scale per expert: each expert multiplies as the layer that
   casts its slice does, its weight gradient goes into its slice of the stack's ``main_grad`` (an expert
   no row reaches gets zeros, not last step's values), and the stack reports its gradient once; the
@@ -275,3 +276,12 @@ def test_routed_expert_stacks_are_held_with_one_scale_per_expert_and_train_as_th
         "FP8 on pipeline stage 0: 8 weights held in FP8 (--fp8-param-gather); 4 of them routed-expert "
         "stacks, one scale per expert\n"
     ) in out
+
+
+def test_held_weights_and_expert_stacks_train_as_the_cast_ones_under_full_recompute():
+    """Full recompute saves no weight: the layer keeps the held weight itself for its backward (a
+    recomputed, detached alias would have lost its scale and main_grad). DP1, fp32, tensorwise."""
+    flags = f"{TINY} --train-iters 2 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
+    flags = flags.replace("--bf16 ", "") + " --fp8-recipe tensorwise --recompute-granularity full"
+    flags += " --recompute-method uniform --recompute-num-layers 1"
+    assert _losses(flags + " --fp8-param-gather") == _losses(flags)
