@@ -275,15 +275,18 @@ def _linear_loss_terms(
 
 
 def stage_activations(
-    spec: ModelSpec, shape: Shape, symbols: tuple[str, ...], *, first: bool
+    spec: ModelSpec, shape: Shape, symbols: tuple[str, ...], *, first: bool, fp8_layers: int | None = None
 ) -> StageActivations:
-    """One stage's bytes per microbatch: its layers, embedding or loss, and its received input."""
+    """One stage's bytes per microbatch: its layers, embedding or loss, and its received input.
+    ``fp8_layers``: how many of its layers run in FP8 (None: all of them, when the model does); the
+    others (``--first-last-layers-bf16``) save 16-bit inputs."""
     out = StageActivations()
     layers = symbols.count("t")
     if layers:
-        per_layer = layer_terms(spec, shape)
-        for name, value in per_layer.items():
-            out.terms[f"layer {name}"] = layers * value
+        fp8 = layers if fp8_layers is None or not spec.fp8 else fp8_layers
+        for count, kind in ((fp8, spec), (layers - fp8, spec.without_fp8())):
+            for name, value in (layer_terms(kind, shape) if count else {}).items():
+                out.terms[f"layer {name}"] = out.terms.get(f"layer {name}", 0) + count * value
         forward, backward = _layer_transients(spec, shape)
         out.forward_transient, out.backward_transient = forward, backward
         if shape.recompute != "full" and not first:  # the first stage's input needs no gradient: no I

@@ -74,6 +74,11 @@ class Candidate:
         """The stage a rank runs as its chunk ``chunk``."""
         return self.placement.stage(pp_rank, chunk)
 
+    def layers_of(self, stage: int) -> range:
+        """The global numbers of the decoder layers stage ``stage`` holds."""
+        first = sum(symbols.count("t") for symbols in self.stages.stages[:stage])
+        return range(first, first + self.stages.stages[stage].count("t"))
+
     def symbols(self, pp_rank: int, chunk: int) -> tuple[str, ...]:
         """The layers (``E``, ``t``, ``L``) of a rank's chunk."""
         return self.stages.stages[self.stage_of(pp_rank, chunk)]

@@ -13,6 +13,8 @@ model's dtype; the attention core, the output layer and everything else stay at 
 operand is read twice (its amax, then the scaled cast) and written in one byte, plus its transposed
 copy where a product needs it (:data:`CAST_READS`); inputs and output gradients per microbatch, the
 weights once per step (with ``--fp8-param-gather`` they are held in FP8: only their transposed copy).
+Decoder layers kept out of FP8 by ``--first-last-layers-bf16`` cost what a 16-bit layer does, in the
+stages that hold them.
 
 Communication uses ring formulas at the group's achieved bandwidth and per-message latency (inside
 a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`` order):
@@ -64,17 +66,28 @@ class MatmulRates:
     products: int = 0
     measured: bool = False
     """A measured profile gave the seconds: the rates are in them, not used."""
+    fp8_layers: int = 0
+    """Of the decoder layers, how many run in FP8 (of ``layers``; ``--first-last-layers-bf16`` keeps the
+    others at ``other``'s peak, with no casts)."""
+    layers: int = 0
 
     def label(self) -> str:
-        """``fp8 1979``, ``fp8 1979, W bf16 989``, ``bf16 989``; measured: ``measured (fp8)``."""
+        """``fp8 1979``, ``fp8 1979, W bf16 989``, ``fp8 1979 (2/4 products, 30/32 layers)``, ``bf16 989``;
+        measured: ``measured (fp8)``."""
         if self.measured:
             return f"measured ({self.linear})"
         text = f"{self.linear} {self.linear_tflops:g}"
         if self.weight_gradient != self.linear:
             text += f", W {self.weight_gradient} {self.weight_gradient_tflops:g}"
-        if self.linear == "fp8" and self.fp8_products < self.products:
-            text += f" ({self.fp8_products}/{self.products} products)"
-        return text
+        shares = [
+            f"{part}/{whole} {what}"
+            for part, whole, what in (
+                (self.fp8_products, self.products, "products"),
+                (self.fp8_layers, self.layers, "layers"),
+            )
+            if self.linear == "fp8" and part < whole
+        ]
+        return text + (f" ({', '.join(shares)})" if shares else "")
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,10 @@ class StageCostModel:
             )
             for a, b in zip(self.compute_costs(), self.collective_costs())
         )
+        self._plain_layer = self._layer
+        """A decoder layer kept out of FP8 (``--first-last-layers-bf16``): 16-bit products, no casts."""
+        if spec.fp8 and spec.fp8_layers(range(spec.num_layers)) < spec.num_layers:
+            self._plain_layer = StageCostModel(spec.without_fp8(), cand, cluster, profile)._layer
 
     # -- compute ---------------------------------------------------------------------------------
     def _flops_seconds(self, flops: float) -> float:
@@ -161,7 +178,8 @@ class StageCostModel:
     def _rates(self) -> MatmulRates:
         """Which peak each kind of product runs at (module docstring)."""
         s, c, cluster = self.spec, self.cand, self.cluster
-        fp8 = s.fp8_products(c.tp)
+        fp8_layers = s.fp8_layers(range(s.num_layers))
+        fp8 = s.fp8_products(c.tp) if fp8_layers else []
         wgrad = bool(fp8) and s.fp8_wgrad and self.tokens % SHAPE_MULTIPLE == 0
         peak, fp8_peak = cluster.gpu.peak_tflops, cluster.fp8_peak_tflops
         return MatmulRates(
@@ -174,6 +192,8 @@ class StageCostModel:
             fp8_products=len(fp8),
             products=len(s.linear_products(c.tp)),
             measured=self.profile is not None,
+            fp8_layers=fp8_layers,
+            layers=s.num_layers,
         )
 
     def linear_seconds(self) -> tuple[float, float]:
@@ -317,11 +337,17 @@ class StageCostModel:
         """(layer, embedding, loss) seconds of the collectives inside their actions."""
         return self._collectives()
 
-    def stage(self, symbols: tuple[str, ...]) -> ActionCosts:
-        """Seconds of one microbatch in a stage holding ``symbols``."""
+    def stage(self, symbols: tuple[str, ...], stage: int | None = None) -> ActionCosts:
+        """Seconds of one microbatch in a stage holding ``symbols``: pipeline stage ``stage`` of the
+        candidate's layout, whose layers kept out of FP8 cost what 16-bit ones do (None: layers that
+        run as most do, in FP8 when the model is)."""
         layers = symbols.count("t")
+        plain = 0 if stage is None else layers - self.spec.fp8_layers(self.cand.layers_of(stage))
+        if not self.spec.fp8:
+            plain = 0  # (every layer is the plain one)
         parts = [
-            (layers, self._layer),
+            (layers - plain, self._layer),
+            (plain, self._plain_layer),
             (int("E" in symbols), self._embedding),
             (int("L" in symbols), self._loss),
         ]

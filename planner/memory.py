@@ -222,7 +222,7 @@ def _fp8_weight_bytes(spec: ModelSpec, cand: Candidate, layers: int) -> tuple[fl
     ``--fp8-param-gather`` the weights are held in FP8, one byte an element instead of the model
     dtype's (``core/tensor_parallel/fp8_params.py``), which is what the all-gather moves, and the layer
     still keeps the transposed copy for the step (one byte)."""
-    elements = spec.fp8_weight_elements(cand.tp) * layers
+    elements = spec.fp8_weight_elements(cand.tp, cand.ep) * layers
     if spec.fp8_param_gather:
         held = -elements * (spec.bytes_per_value - 1)
         return held + elements, held
@@ -252,7 +252,8 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
         count = math.ceil(count / shards)
     else:
         params, grads, state = total * B, total * grad_bytes, per_element_state * total + steps
-    fp8, fp8_gathered = _fp8_weight_bytes(spec, cand, sum(chunk.count("t") for chunk in chunks))
+    fp8_layers = sum(spec.fp8_layers(cand.layers_of(cand.stage_of(pp_rank, v))) for v in range(cand.vpp))
+    fp8, fp8_gathered = _fp8_weight_bytes(spec, cand, fp8_layers)
     gathered = params + fp8_gathered
     params += fp8
     if spec.position_embedding_type == "rope":  # each chunk's RoPE frequencies (fp32, a buffer)
@@ -377,15 +378,22 @@ def candidate_memory(spec: ModelSpec, cand: Candidate, *, device: str = "cuda") 
     chunks = []
     for rank in range(cand.pp):
         stages = [cand.stage_of(rank, v) for v in range(cand.vpp)]
-        chunks.append([_stage(spec, shape, cand.stages.stages[s], s == 0) for s in stages])
+        chunks.append(
+            [
+                _stage(spec, shape, cand.stages.stages[s], s == 0, spec.fp8_layers(cand.layers_of(s)))
+                for s in stages
+            ]
+        )
     walks = _walk(_all_states(cand.schedule, cand.pp, cand.vpp, memory_microbatches(cand)), chunks)
     return [_rank(spec, cand, rank, device, chunks[rank], *walks[rank]) for rank in range(cand.pp)]
 
 
 @lru_cache(maxsize=4096)
-def _stage(spec: ModelSpec, shape: Shape, symbols: tuple[str, ...], first: bool) -> StageActivations:
+def _stage(
+    spec: ModelSpec, shape: Shape, symbols: tuple[str, ...], first: bool, fp8_layers: int
+) -> StageActivations:
     """:func:`stage_activations`, once per stage kind (most stages of a candidate are alike)."""
-    return stage_activations(spec, shape, symbols, first=first)
+    return stage_activations(spec, shape, symbols, first=first, fp8_layers=fp8_layers)
 
 
 def _rank(spec, cand, pp_rank, device, chunks, held, transient, in_flight) -> RankMemory:

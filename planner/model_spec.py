@@ -19,6 +19,7 @@ parameters count every expert (split over expert parallelism).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE
@@ -125,6 +126,11 @@ class ModelSpec:
     """``--fp8-param-gather``: the FP8 layers' weights are held in FP8 (one byte an element, no 16-bit
     copy and no cast per step; the layer still keeps the transposed copy for the step), and the
     distributed optimizer's parameter all-gather moves one byte an element for them."""
+    bf16_layers_at_start: int = 0
+    bf16_layers_at_end: int = 0
+    """``--first-last-layers-bf16`` (``--num-layers-at-start-in-bf16``, ``--num-layers-at-end-in-bf16``):
+    decoder layers at either end that training builds without FP8 (16-bit products, no casts, 16-bit
+    saved inputs, and weights never held in FP8)."""
     moe: MoeSpec | None = None
     name: str = ""
 
@@ -164,12 +170,25 @@ class ModelSpec:
             fp8=config.fp8 is not None,
             fp8_wgrad=config.fp8_wgrad,
             fp8_param_gather=config.fp8 is not None and getattr(config, "fp8_param_gather", False),
+            **_bf16_layers(config),
             moe=moe,
             name=name,
         )
 
     def with_(self, **changes) -> ModelSpec:
         return replace(self, **changes)
+
+    def without_fp8(self) -> ModelSpec:
+        """The same model with no FP8 layer (what a layer kept out of FP8 costs)."""
+        return replace(self, fp8=False, fp8_param_gather=False, bf16_layers_at_start=0, bf16_layers_at_end=0)
+
+    def layer_in_fp8(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (global, 0-based) runs its linear layers in FP8."""
+        return self.fp8 and self.bf16_layers_at_start <= layer < self.num_layers - self.bf16_layers_at_end
+
+    def fp8_layers(self, layers: Iterable[int]) -> int:
+        """How many of the decoder layers ``layers`` (global numbers) run in FP8."""
+        return sum(1 for layer in layers if self.layer_in_fp8(layer))
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -208,14 +227,14 @@ class ModelSpec:
         bias = (branches * f // tp + h) if self.add_bias_linear else 0
         return branches * f // tp * h + h * f // tp + bias
 
-    def fp8_weight_elements(self, tp: int) -> int:
-        """Elements of one decoder layer's FP8 linear weights on one rank (attention and a dense MLP's;
-        routed experts' FP8 copies are not counted yet); 0 without FP8."""
-        if not self.fp8:
-            return 0
-        h, qkv, f = self.hidden_size, self.query_size + 2 * self.kv_size, self.ffn_hidden_size
-        mlp = (2 if self.gated else 1) * f * h + f * h if self.moe is None else 0
-        return (qkv * h + self.query_size * h + mlp) // tp
+    def fp8_weight_elements(self, tp: int, ep: int | None = None) -> int:
+        """Elements of one decoder layer's FP8 linear weights on one rank: its FP8 products' (attention
+        and a dense MLP's), with ``ep`` this rank's routed experts' too (``num_experts / ep`` whole
+        experts: held in FP8 with ``--fp8-param-gather``, else cast); 0 without FP8."""
+        experts = self.moe.num_experts // ep if self.moe is not None and ep else 0
+        return sum(
+            p.in_features * p.out_features * (experts if p.expert else 1) for p in self.fp8_products(tp)
+        )
 
     def linear_products(self, tp: int) -> list[LinearProduct]:
         """One decoder layer's weight products on one rank (attention, then the MLP or one routed
@@ -310,6 +329,16 @@ class ModelSpec:
         return 3.0 * (self.num_layers * layer + self.logits_flops(tokens))
 
 
+def _bf16_layers(config) -> dict[str, int]:
+    """The ``bf16_layers_at_*`` fields of a ``TransformerConfig`` (0 without FP8 or the flag)."""
+    if config.fp8 is None or not getattr(config, "first_last_layers_bf16", False):
+        return {}
+    return {
+        "bf16_layers_at_start": config.num_layers_at_start_in_bf16,
+        "bf16_layers_at_end": config.num_layers_at_end_in_bf16,
+    }
+
+
 def describe(spec: ModelSpec) -> str:
     """One line: the model's shape and size."""
     parts = [
@@ -326,6 +355,10 @@ def describe(spec: ModelSpec) -> str:
         parts.append(f"{spec.moe.num_experts} experts, top-{spec.moe.router_topk}")
     if spec.fp8:
         parts.append("FP8 linear layers" + (", FP8 parameter gather" if spec.fp8_param_gather else ""))
+        if spec.bf16_layers_at_start or spec.bf16_layers_at_end:
+            parts.append(
+                f"first {spec.bf16_layers_at_start} and last {spec.bf16_layers_at_end} layers not in FP8"
+            )
     total, active = spec.total_params(), spec.active_params()
     size = f"{total / 1e9:.1f}B parameters" + (f" ({active / 1e9:.1f}B active)" if active != total else "")
     return f"{spec.name + ': ' if spec.name else ''}{', '.join(parts)}; {size}"

@@ -107,7 +107,7 @@ def _stage_costs(model: StageCostModel, cand: Candidate) -> dict[tuple[int, int]
     for rank in range(cand.pp):
         for chunk in range(cand.vpp):
             stage = cand.stage_of(rank, chunk)
-            c = model.stage(cand.stages.stages[stage])
+            c = model.stage(cand.stages.stages[stage], stage)
             if stage == 0:
                 c = ActionCosts(c.forward, 0.0, c.backward)
             costs[rank, chunk] = c
@@ -125,9 +125,12 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
     stepped = state / per_element
     optimizer = model.optimizer_seconds(stepped, stepped_tensors(spec, cand, rank))
     if spec.fp8_param_gather and cand.distributed_optimizer:
-        layers = sum(cand.symbols(rank, v).count("t") for v in range(cand.vpp))
+        layers = sum(spec.fp8_layers(cand.layers_of(cand.stage_of(rank, v))) for v in range(cand.vpp))
+        dense = spec.fp8_weight_elements(cand.tp)
+        experts = spec.fp8_weight_elements(cand.tp, cand.ep) - dense  # sharded over expert DP
+        expert_shards = cand.tp * cand.cp * cand.dp // cand.ep
         optimizer += model.fp8_shard_cast_seconds(
-            spec.fp8_weight_elements(cand.tp) * layers / (cand.dp * cand.cp)
+            layers * (dense / (cand.dp * cand.cp) + experts / expert_shards)
         )
     return (
         model.grad_sync_seconds(grads, params),
@@ -149,7 +152,10 @@ def quick_estimate(
     if cand.pp == 1:
         return bound, bound
     model = StageCostModel(spec, cand, cluster, profile)
-    slowest = max((c := model.stage(symbols)).forward + c.backward for symbols in cand.stages.stages)
+    slowest = max(
+        (c := model.stage(symbols, stage)).forward + c.backward
+        for stage, symbols in enumerate(cand.stages.stages)
+    )
     return bound, bound + (cand.pp - 1) * slowest * cand.rule.bubble_stages
 
 

@@ -26,11 +26,12 @@ the same ranges are stepped, but the gradient is read from the bucket's persiste
 to the persistent parameter shard; ``start_param_sync`` then frees any gathered copy instead of
 gathering (each layer gathers its parameters when it next runs).
 
-With ``--fp8-param-gather`` the weights of the dense FP8 layers are held in E4M3
-(:mod:`core.tensor_parallel.fp8_params`): step 4 casts their updated fp32 shards with each weight's
-scale instead of copying them, and the all-gather moves one byte an element. Their main copies start
-from the values the weights had before they were cast, and a checkpoint stores those main values
-(:meth:`DistributedOptimizer.held_weights_in_model_dtype`).
+With ``--fp8-param-gather`` the weights of the dense FP8 layers, and the FP8 routed experts' stacks, are
+held in E4M3 (:mod:`core.tensor_parallel.fp8_params`): step 4 casts their updated fp32 shards with each
+weight's scale (each expert's, for a stack) instead of copying them, and the all-gather moves one byte
+an element. Their main copies start from the values the weights had before they were cast, and a
+checkpoint stores those main values (:meth:`DistributedOptimizer.held_weights_in_model_dtype`; a
+stack's under each expert's name).
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ class DistributedOptimizer(MegatronOptimizer):
         and all-gather them now (after a load; a step's gather is the chunks' usual one)."""
         if not self._held:
             return
-        pieces = [(p, None, None) if s is None else (p, s.main_param, s.model_view()) for p, s in self._held]
+        pieces = [
+            (p, None, None, None) if s is None else (p, s.start, s.main_param, s.model_view())
+            for p, s in self._held
+        ]
         cast_held_weights(pieces)
         if gather:
             for chunk in self.model_chunks:

@@ -365,13 +365,16 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.input_shape, ctx.dtype, ctx.has_bias = input_.shape, input_.dtype, bias is not None
         ctx.grad_fp8 = None
         # Saved for the weight gradient: the FP8 input, transposed (one byte an element), or the input.
-        ctx.save_for_backward(x_t if fp8_wgrad else flat, x_inv, weight)
+        ctx.save_for_backward(x_t if fp8_wgrad else flat, x_inv)
+        # The weight itself, not saved: recomputation (non-reentrant checkpoint) would hand back a
+        # detached alias without the attributes a held weight carries (its scale, main_grad, claims).
+        ctx.weight = weight
         return out.view(*input_.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
         state = ctx.state
-        saved_input, x_inv, weight = ctx.saved_tensors
+        (saved_input, x_inv), weight = ctx.saved_tensors, ctx.weight
         grad = grad_output.reshape(-1, grad_output.shape[-1])
         need_input, need_weight = _will_compute(ctx, 0), _will_compute(ctx, 1)
         fp8_wgrad = state.recipe.wgrad and weight.requires_grad

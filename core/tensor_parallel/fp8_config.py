@@ -80,8 +80,8 @@ class Fp8Config:
         help="Hold the weights of the FP8 linear layers in FP8 (no 16-bit copy): the distributed optimizer "
         "casts its updated fp32 shards to FP8 and all-gathers FP8 bytes. Needs --use-distributed-optimizer.",
     )
-    """The dense FP8 layers' weights held in E4M3 only (``core.tensor_parallel.fp8_params``); routed MoE
-    experts keep 16-bit weights."""
+    """The FP8 layers' weights held in E4M3 only (``core.tensor_parallel.fp8_params``), routed MoE
+    experts' stacks with one scale per expert."""
 
     first_last_layers_bf16: bool = flag(False, group=_GROUP)
     """Keep the first ``num_layers_at_start_in_bf16`` and the last ``num_layers_at_end_in_bf16``

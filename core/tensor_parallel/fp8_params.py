@@ -24,13 +24,23 @@ the current amax costs one small all-reduce a step and casts every value that fi
 The optimizer's fp32 main copies start from the values the weights had before they were cast
 (:attr:`Fp8Weight.high_precision`, Megatron's "preserve the high-precision init value"), and a checkpoint
 stores those main values in the model's dtype (:func:`high_precision_weights`): resuming, resharding and
-exporting read the master weights, never the FP8 ones. Routed MoE experts keep 16-bit weights.
+exporting read the master weights, never the FP8 ones.
+
+Routed MoE experts (FP8 on the loop path, not under ``--moe-grouped-gemm``) are stacked, one
+``[experts, out, in]`` parameter per projection: held in E4M3 with one scale per expert (slice), each
+from that expert's amax reduced over the ranks holding its replicas (the expert-data-parallel group,
+where the experts' delayed amaxes are reduced too: experts are never tensor-parallel here). A layer runs
+expert ``j`` on slice ``j`` with its own scale (:func:`held_slices`); the slices' weight gradients go
+into slice ``j`` of the stack's ``main_grad``, the first of a step zeroing the whole stack, and the stack
+reports its gradient once (a stack no token reached in a step is zeroed with the bucket's unwritten
+gradients). A checkpoint stores each expert's master values under its own name, as for 16-bit experts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -38,13 +48,23 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from core.device import current_device
-from core.tensor_parallel.fp8 import E4M3, FP8_MAX, Fp8State, _scale_from_amax, amax_of, held_weight, quantize
+from core.tensor_parallel.fp8 import (
+    E4M3,
+    FP8_MAX,
+    Fp8State,
+    _cast,
+    _scale_from_amax,
+    amax_of,
+    held_weight,
+    quantize,
+)
 
 __all__ = [
     "Fp8Weight",
     "cast_held_weights",
     "dequantized",
     "held_fp8_weights",
+    "held_slices",
     "held_weight",
     "hold_weights_in_fp8",
 ]
@@ -55,7 +75,8 @@ class Fp8Weight:
     """What a weight held in FP8 carries beside its E4M3 values (``param.fp8_weight``)."""
 
     scale_inv: torch.Tensor
-    """The float32 scalar its values are multiplied by to dequantise (the same on every rank)."""
+    """The float32 scalar its values are multiplied by to dequantise (the same on every rank); for a
+    stacked expert weight ``[experts, out, in]``, one per expert (``[experts]``)."""
     dtype: torch.dtype
     """The model's dtype, which the weight had before: checkpoints store the master values in it."""
     amax_group: ProcessGroup | None
@@ -77,29 +98,67 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
     return _scale_from_amax(amax, FP8_MAX[E4M3], 0)
 
 
-def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
-    """Hold the weight of every dense FP8 linear layer of ``modules`` in E4M3 (see the module docstring);
-    returns their names. Call after :func:`~core.tensor_parallel.fp8.set_amax_group` and before the
-    data-parallel wrapper lays the parameters out (it then gives them a one-byte buffer of their own)."""
-    held: list[tuple[str, nn.Parameter, ProcessGroup | None]] = []
+def _holdable(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter, ProcessGroup | None]]:
+    """Every weight :func:`hold_weights_in_fp8` holds, with its name and amax group: each dense FP8 linear
+    layer's (TP x DP x CP) and each FP8 routed-expert stack's (the experts' group: expert data parallel)."""
+    held = []
     for module in modules:
         for name, child in module.named_modules():
-            state = getattr(child, "fp8_state", None)  # routed experts: a dict of states, kept 16-bit
-            if not isinstance(state, Fp8State) or state.expert or held_weight(child.weight) is not None:
+            state, weight = getattr(child, "fp8_state", None), getattr(child, "weight", None)
+            if weight is None or held_weight(weight) is not None:
                 continue
-            group = state.amax_group if state.amax_group is not None else state.tp_group
-            held.append((f"{name}.weight" if name else "weight", child.weight, group))
-    on_meta = [(p, g) for _, p, g in held if p.is_meta]  # init_model_with_meta_device: cast when given memory
-    for param, group in on_meta:
-        param.fp8_weight = Fp8Weight(torch.ones((), device=current_device()), param.dtype, group)
-        param.deferred_init = _CastAfter(param.deferred_init)
-        param.data = torch.empty(param.shape, dtype=E4M3, device="meta")
+            if isinstance(state, Fp8State) and not state.expert:
+                group = state.amax_group if state.amax_group is not None else state.tp_group
+            elif isinstance(state, nn.ModuleDict) and len(state) == weight.shape[0]:  # stacked experts
+                group = next(iter(state.values())).amax_group
+            else:
+                continue
+            held.append((f"{name}.weight" if name else "weight", weight, group))
+    return held
+
+
+def _stacked(param: nn.Parameter) -> bool:
+    """A routed-expert stack (one scale per expert), not a dense weight (one scale)."""
+    meta = held_weight(param)
+    return (
+        meta.scale_inv.dim() == 1 if meta is not None else getattr(param, "stacked_first", None) is not None
+    )
+
+
+def _amax(values: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """The amax of a dense weight (``[1]``) or of each expert of a stack (``[experts]``)."""
+    if stacked:
+        return torch.linalg.vector_norm(values.detach().flatten(1), float("inf"), dim=1).float()
+    return amax_of(values).reshape(1)
+
+
+def _quantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``values`` in E4M3 with ``scale``: one scalar, or one per expert of a stack (``[experts]``)."""
+    if scale.dim() == 0:
+        return quantize(values, scale, E4M3)
+    flat = values.detach().reshape(scale.numel(), -1)
+    return _cast(flat, scale.view(-1, 1), E4M3, False)[0].view(values.shape)
+
+
+def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
+    """Hold the weight of every dense FP8 linear layer, and every FP8 routed-expert stack, of ``modules``
+    in E4M3 (see the module docstring); returns their names. Call after
+    :func:`~core.tensor_parallel.fp8.set_amax_group` and before the data-parallel wrapper lays the
+    parameters out (it then gives them a one-byte buffer of their own)."""
+    held = _holdable(modules)
+    for _, param, group in held:
+        if param.is_meta:  # --init-model-with-meta-device: cast when the buffer gives it memory
+            scale_inv = torch.ones((param.shape[0],) if _stacked(param) else (), device=current_device())
+            param.fp8_weight = Fp8Weight(scale_inv, param.dtype, group)
+            param.deferred_init = _CastAfter(param.deferred_init)
+            param.data = torch.empty(param.shape, dtype=E4M3, device="meta")
     for group, members in _by_group((p, g) for _, p, g in held if not p.is_meta):
-        amaxes = _reduced_max(torch.stack([amax_of(p) for p in members]), group)
-        for param, amax in zip(members, amaxes):
-            scale = _scale(amax)
+        amaxes = [_amax(p, _stacked(p)) for p in members]
+        reduced = _reduced_max(torch.cat(amaxes), group).split([a.numel() for a in amaxes])
+        for param, amax in zip(members, reduced):
+            scale = _scale(amax if _stacked(param) else amax.reshape(()))
             high = param.detach().clone()
-            param.data = quantize(high, scale, E4M3)
+            param.data = _quantized(high, scale)
             param.fp8_weight = Fp8Weight(scale.reciprocal(), high.dtype, group, high_precision=high)
     return [name for name, _, _ in held]
 
@@ -118,8 +177,10 @@ class _CastAfter:
         meta = held_weight(param)
         high = torch.empty(param.shape, dtype=meta.dtype, device=out.device)
         self.values(param, high)
-        scale = _scale(_reduced_max(amax_of(high).reshape(1), meta.amax_group)[0])
-        out.copy_(quantize(high, scale, E4M3))
+        stacked = meta.scale_inv.dim() == 1
+        amax = _reduced_max(_amax(high, stacked), meta.amax_group)
+        scale = _scale(amax if stacked else amax.reshape(()))
+        out.copy_(_quantized(high, scale))
         meta.scale_inv.copy_(scale.reciprocal())
         meta.high_precision = high
 
@@ -132,24 +193,48 @@ def _by_group(pairs: Iterable[tuple[nn.Parameter, ProcessGroup | None]]) -> Iter
     yield from groups.values()
 
 
+def _spans(param: nn.Parameter, start: int, count: int) -> list[tuple[int | None, int, int]]:
+    """The pieces of the flat range ``[start, start + count)`` of ``param`` that share a scale, as
+    ``(expert or None, lo, hi)`` positions in the range: the whole range, or one per expert it meets."""
+    if not _stacked(param):
+        return [(None, 0, count)]
+    size = math.prod(param.shape[1:])  # (shape only: a ZeRO-3 parameter between uses has no values)
+    first, last = start // size, (start + count - 1) // size
+    return [
+        (j, max(start, j * size) - start, min(start + count, (j + 1) * size) - start)
+        for j in range(first, last + 1)
+    ]
+
+
+def _shard_amaxes(param: nn.Parameter, start: int | None, main: torch.Tensor | None) -> torch.Tensor:
+    """The amax of each scale's part of this rank's fp32 range (0 where it has none): one, or one per
+    expert of a stack."""
+    out = torch.zeros(param.shape[0] if _stacked(param) else 1, device=held_weight(param).scale_inv.device)
+    if main is not None and main.numel():
+        for expert, lo, hi in _spans(param, start, main.numel()):
+            out[expert or 0] = amax_of(main[lo:hi])
+    return out
+
+
 @torch.no_grad()
-def cast_held_weights(pieces: list[tuple[nn.Parameter, torch.Tensor | None, torch.Tensor | None]]) -> None:
+def cast_held_weights(pieces: Sequence[tuple]) -> None:
     """Cast every held weight from the fp32 values this rank steps for it: ``pieces`` lists each held
-    weight of the rank's model chunks, in the same order on every rank, with ``(main, model)``: the fp32
-    range this rank owns and the same range of the weight's E4M3 values (None, None when it owns none).
-    Collective over each weight's amax group. The caller then all-gathers the buffers."""
-    ranges = {id(p): (main, model) for p, main, model in pieces}
-    for group, members in _by_group((p, held_weight(p).amax_group) for p, _, _ in pieces):
-        local = [ranges[id(p)][0] for p in members]
-        zero = torch.zeros((), device=members[0].device)
-        amaxes = torch.stack([amax_of(m) if m is not None and m.numel() else zero for m in local])
-        amaxes = _reduced_max(amaxes, group)
-        for param, amax in zip(members, amaxes):
-            main, model = ranges[id(param)]
-            scale = _scale(amax)
-            if main is not None and main.numel():
-                model.copy_(quantize(main.reshape(1, -1), scale, E4M3).view_as(model))
+    weight of the rank's model chunks, in the same order on every rank, with ``(start, main, model)``:
+    where the range this rank owns starts in the weight, its fp32 values and the same range of the
+    weight's E4M3 values (None, None, None when it owns none). Collective over each weight's amax group.
+    The caller then all-gathers the buffers."""
+    ranges = {id(p): (start, main, model) for p, start, main, model in pieces}
+    for group, members in _by_group((p, held_weight(p).amax_group) for p, *_ in pieces):
+        amaxes = [_shard_amaxes(p, *ranges[id(p)][:2]) for p in members]
+        reduced = _reduced_max(torch.cat(amaxes), group).split([a.numel() for a in amaxes])
+        for param, amax in zip(members, reduced):
+            start, main, model = ranges[id(param)]
             meta = held_weight(param)
+            scale = _scale(amax.view_as(meta.scale_inv))
+            if main is not None and main.numel():
+                for expert, lo, hi in _spans(param, start, main.numel()):
+                    piece = scale if expert is None else scale[expert]
+                    model[lo:hi].copy_(quantize(main[lo:hi].reshape(1, -1), piece, E4M3).view(-1))
             meta.scale_inv.copy_(scale.reciprocal())
             meta.casts += 1
 
@@ -157,7 +242,60 @@ def cast_held_weights(pieces: list[tuple[nn.Parameter, torch.Tensor | None, torc
 def dequantized(param: nn.Parameter) -> torch.Tensor:
     """A held weight's values in the model's dtype (what the forward multiplies with)."""
     meta = held_weight(param)
-    return (param.detach().float() * meta.scale_inv).to(meta.dtype)
+    scale_inv = meta.scale_inv.view(-1, *[1] * (param.dim() - 1)) if _stacked(param) else meta.scale_inv
+    return (param.detach().float() * scale_inv).to(meta.dtype)
+
+
+class _HeldSlices(torch.autograd.Function):
+    """A held expert stack's slices, as views; its backward runs once the slices' weight gradients are
+    in the stack's ``main_grad`` (the layers put them there), and reports the stack's gradient once."""
+
+    @staticmethod
+    def forward(ctx, stack):
+        ctx.set_materialize_grads(False)
+        ctx.stack = stack  # not saved for backward: a ZeRO-3 gather may write the values in between
+        return tuple(stack.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        stack = ctx.stack
+        report = getattr(stack, "grad_accumulated", None)
+        if report is not None:
+            report(stack)
+            stack.grad_added_to_main_grad = True
+        # (nothing returned: an FP8 tensor gets no gradient of its own)
+
+
+def _slice_claim(stack: nn.Parameter, index: int):
+    """Slice ``index``'s ``claim_main_grad``: the stack's claim; its first write of a step zeroes the
+    whole stack's ``main_grad`` (an expert no token reaches gets a zero gradient), so every slice adds."""
+
+    def claim(piece: torch.Tensor) -> bool:
+        parent = getattr(stack, "claim_main_grad", None)
+        if parent is not None and parent(stack):
+            stack.main_grad.zero_()
+        piece.main_grad = stack.main_grad[index]  # ZeRO-2/3 give the bucket its memory in the claim
+        return False
+
+    return claim
+
+
+def _report_nothing(piece: torch.Tensor) -> None:
+    """A slice's ``grad_accumulated``: the stack reports once, when all its slices are in."""
+
+
+def held_slices(stack: nn.Parameter) -> tuple[torch.Tensor, ...]:
+    """Expert ``j``'s weight of a held stack, for each ``j``: slice ``j`` in E4M3 with its own scale
+    (``fp8_weight``), whose weight gradient goes into slice ``j`` of the stack's ``main_grad``."""
+    meta = held_weight(stack)
+    pieces = _HeldSlices.apply(stack)
+    for j, piece in enumerate(pieces):
+        piece.fp8_weight = replace(meta, scale_inv=meta.scale_inv[j], high_precision=None)
+        if hasattr(stack, "main_grad"):
+            piece.main_grad = stack.main_grad  # its slice once claimed (ZeRO-2/3 have no memory before)
+            piece.claim_main_grad = _slice_claim(stack, j)
+            piece.grad_accumulated = _report_nothing
+    return pieces
 
 
 def held_fp8_weights(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter]]:

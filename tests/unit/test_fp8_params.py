@@ -7,6 +7,11 @@
 * ``pretrain()`` at DP1: in fp32 with the tensorwise recipe the losses equal the casting run's bit for
   bit; in bf16 with the delayed recipe they stay within 0.01 of them.
 * The planner's dry run counts a held weight at one byte, not two.
+* Under full recompute held weights, experts' too, train as the cast ones.
+* Routed experts' stacks are held with one scale per expert: each expert multiplies as the layer that
+  casts its slice does, its weight gradient goes into its slice of the stack's ``main_grad`` (an expert
+  no row reaches gets zeros, not last step's values), and the stack reports its gradient once; the
+  optimizer's cast of a range spanning two experts scales each with its own part's amax.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from core.tensor_parallel.fp8_params import (
     held_fp8_weights,
     hold_weights_in_fp8,
 )
+from core.transformer.moe.experts import ExpertLinear
 from core.transformer.transformer_config import TransformerConfig
 from planner.dry_run import dry_run
 from tests.support.fp8_run import TINY
@@ -81,7 +87,7 @@ def test_the_optimizers_cast_of_a_shard_keeps_25_db_with_the_whole_weights_scale
     param.fp8_weight = Fp8Weight(torch.ones(()), torch.bfloat16, None)
     half = main.numel() // 2
     # this rank owns the first half: the scale is still the whole weight's (one rank, so its own half's)
-    cast_held_weights([(param, main.reshape(-1)[:half], param.view(-1)[:half])])
+    cast_held_weights([(param, 0, main.reshape(-1)[:half], param.view(-1)[:half])])
     assert param.fp8_weight.casts == 1
     amax = main.reshape(-1)[:half].abs().max()
     assert torch.equal(param.fp8_weight.scale_inv, (torch.finfo(E4M3).max / amax).reciprocal())
@@ -164,17 +170,118 @@ def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two():
     assert cast.grads == held.grads
 
 
-def test_routed_experts_keep_16_bit_weights_and_the_start_report_says_so():
-    flags = f"{TINY} --train-iters 1 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
-    _, built, out = pretrain_keeping_models(f"{flags} --fp8-param-gather".split())
-    dtypes = {n: p.dtype for m in built for n, p in m.named_parameters() if n.endswith("weight")}
-    assert dtypes["decoder.layers.0.self_attention.linear_qkv.weight"] == E4M3
-    assert dtypes["decoder.layers.0.mlp.experts.linear_fc1.weight"] == torch.bfloat16
+def test_the_dry_run_counts_each_held_expert_weight_at_one_byte_instead_of_two():
+    """EP2 rank of 2 layers x 256 (4 experts of FFN 512, SwiGLU; two on the rank): 2 x (256 x 768 +
+    256 x 256 attention + 2 x (256 x 1024 + 512 x 256) experts) = 2,097,152 FP8 weight elements."""
+    flags = str.split(
+        "--num-layers 2 --hidden-size 256 --ffn-hidden-size 512 --num-attention-heads 8 --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 16 --bf16 --swiglu "
+        "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --tokenizer-type "
+        "NullTokenizer --vocab-size 4096 --train-iters 10 --lr 1e-3 --mock-data --fp8-format hybrid "
+        "--fp8-recipe tensorwise --use-distributed-optimizer --num-experts 4 --moe-router-topk 2 "
+        "--expert-model-parallel-size 2"
+    )
+    held_elements = 2 * (256 * 768 + 256 * 256 + 2 * (256 * 1024 + 512 * 256))
+    cast, held = (
+        dry_run(
+            flags + extra,
+            world_size=4,
+            pp_rank=0,
+            vocab_size=4096,
+            forward_step_func=pretrain_gpt.forward_step,
+        )
+        for extra in ([], ["--fp8-param-gather"])
+    )
+    assert held_elements - 256 <= cast.params - held.params <= held_elements
+    assert cast.grads == held.grads
+
+
+def _experts(dtype: torch.dtype) -> ExpertLinear:
+    """Experts 4..6 of a layer (three, stacked [3, 32, 64]), FP8 tensorwise."""
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        bf16=dtype == torch.bfloat16,
+        add_bias_linear=False,
+    )
+    layer = ExpertLinear(3, 64, 32, config, "normal", first=4)
+    torch.manual_seed(0)
+    with torch.no_grad():  # experts of different magnitudes: one scale each
+        layer.weight.copy_(torch.randn(3, 32, 64) * torch.tensor([0.02, 0.5, 3.0]).view(3, 1, 1))
+    assert layer.enable_fp8(Fp8Recipe(scaling="tensorwise")) is None
+    return layer
+
+
+def test_a_held_expert_stack_multiplies_each_expert_with_its_own_scale_as_the_cast_slices_do():
+    """Rows 16, 0 and 5 for experts 4, 5 and 6: outputs, input gradients and weight gradients equal the
+    casting layer's; expert 5's slice of ``main_grad`` (stale values before) becomes zeros."""
+    cast, held = _experts(torch.float32), _experts(torch.float32)
+    assert hold_weights_in_fp8([held]) == ["weight"]
+    scales = held.weight.fp8_weight.scale_inv
+    assert held.weight.dtype == E4M3 and scales.shape == (3,)
+    amaxes = cast.weight.detach().abs().amax(dim=(1, 2))
+    assert torch.equal(scales, (torch.finfo(E4M3).max / amaxes).reciprocal())
+    claims, calls = [], []
+    held.weight.main_grad = torch.full(held.weight.shape, 7.0)  # last step's gradient
+    held.weight.claim_main_grad = lambda p: not claims.append(p) and len(claims) == 1
+    held.weight.grad_accumulated = calls.append
+    torch.manual_seed(1)
+    pieces = [torch.randn(n, 64) for n in (16, 0, 5)]
+    outs = []
+    for layer in (cast, held):
+        inputs = [p.clone().requires_grad_() for p in pieces]
+        out = layer(inputs)
+        sum(o.square().sum() for o in out).backward()
+        outs.append((out, [i.grad for i in inputs]))
+    (cast_out, cast_grads), (held_out, held_grads) = outs
+    assert all(torch.equal(a, b) for a, b in zip(cast_out, held_out))
+    assert all(torch.equal(a, b) for a, b in zip(cast_grads, held_grads))
+    assert held.weight.grad is None and calls == [held.weight] and len(claims) == 2
+    assert torch.equal(held.weight.main_grad, cast.weight.grad)
+    assert not held.weight.main_grad[1].any()
+    for j in range(3):  # each expert's own scale keeps the round trip's 25 dB
+        assert sqnr(cast.weight[j], dequantized(held.weight)[j]) >= 25.0
+
+
+def test_the_optimizers_cast_of_a_range_over_two_experts_scales_each_with_its_own_parts_amax():
+    torch.manual_seed(0)
+    main = torch.randn(3, 8, 16) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1)
+    param = nn.Parameter(torch.zeros(3, 8, 16, dtype=E4M3), requires_grad=False)
+    param.fp8_weight = Fp8Weight(torch.ones(3), torch.bfloat16, None)
+    start, end = 100, 200  # the end of expert 0 (elements 100..127) and the start of expert 1 (128..199)
+    flat = main.reshape(-1)
+    cast_held_weights([(param, start, flat[start:end], param.view(-1)[start:end])])
+    amaxes = torch.stack([flat[100:128].abs().max(), flat[128:200].abs().max(), torch.tensor(0.0)])
+    expected = torch.where(amaxes > 0, torch.finfo(E4M3).max / amaxes, torch.ones(3)).reciprocal()
+    assert torch.equal(param.fp8_weight.scale_inv, expected) and param.fp8_weight.casts == 1
+    back = dequantized(param).float().reshape(-1)
+    assert sqnr(flat[100:128], back[100:128]) >= 25.0 and sqnr(flat[128:200], back[128:200]) >= 25.0
+    assert not param.view(-1)[:100].float().any() and not param.view(-1)[200:].float().any()
+
+
+def test_routed_expert_stacks_are_held_with_one_scale_per_expert_and_train_as_the_cast_experts():
+    """DP1, fp32, tensorwise: bitwise the casting run's losses; the start report counts the stacks."""
+    flags = f"{TINY} --train-iters 2 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
+    flags = flags.replace("--bf16 ", "") + " --fp8-recipe tensorwise"
+    cast = _losses(flags)
+    state, built, out = pretrain_keeping_models(f"{flags} --fp8-param-gather".split())
+    assert [float(s["lm loss"]) for s in state.losses] == cast
+    params = {n: p for m in built for n, p in m.named_parameters() if n.endswith("weight")}
+    assert params["decoder.layers.0.self_attention.linear_qkv.weight"].dtype == E4M3
+    stack = params["decoder.layers.0.mlp.experts.linear_fc1.weight"]
+    assert stack.dtype == E4M3 and stack.fp8_weight.scale_inv.shape == (4,)
     assert (
-        "FP8: a routed expert whose tokens are not a multiple of 16 takes its weight gradient in the model's "
-        "dtype (--moe-router-padding-for-quantization pads them)\n"
+        "FP8 on pipeline stage 0: 8 weights held in FP8 (--fp8-param-gather); 4 of them routed-expert "
+        "stacks, one scale per expert\n"
     ) in out
-    assert (
-        "FP8 on pipeline stage 0: 4 weights held in FP8 (--fp8-param-gather); 16 routed-expert linear layers "
-        "keep their weights in the model's dtype\n"
-    ) in out
+
+
+def test_held_weights_and_expert_stacks_train_as_the_cast_ones_under_full_recompute():
+    """Full recompute saves no weight: the layer keeps the held weight itself for its backward (a
+    recomputed, detached alias would have lost its scale and main_grad). DP1, fp32, tensorwise."""
+    flags = f"{TINY} --train-iters 2 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
+    flags = flags.replace("--bf16 ", "") + " --fp8-recipe tensorwise --recompute-granularity full"
+    flags += " --recompute-method uniform --recompute-num-layers 1"
+    assert _losses(flags + " --fp8-param-gather") == _losses(flags)

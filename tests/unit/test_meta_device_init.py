@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from core import parallel_state as ps
 from core.device import materialize_module
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from core.tensor_parallel.fp8 import held_weight
 from core.tensor_parallel.fp8_params import hold_weights_in_fp8
 from models.gpt import GPTModel
 from tests.support.configs import tiny_config
@@ -55,6 +56,8 @@ def _built(meta: bool, strategy: str | None, kind: str, **overrides) -> torch.nn
     """The model, with every parameter whole: unwrapped (``None``) or wrapped under ``strategy``."""
     config = tiny_config(kind, init_model_with_meta_device=meta, **overrides)
     model = GPTModel(config, VOCAB, SEQ)
+    if config.fp8_param_gather:
+        hold_weights_in_fp8([model])
     if strategy is None:
         materialize_module(model, torch.device("cpu"))
         return model
@@ -83,6 +86,24 @@ def test_a_model_built_on_the_meta_device_is_the_model_built_whole(model, strate
         ]
         assert different == []
     assert "rotary_pos_emb.inv_freq" in dict(meta.named_buffers()) or kind == "gpt"
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_weights_and_expert_stacks_held_in_fp8_are_cast_on_the_meta_device_as_built_whole(strategy):
+    """``--fp8-param-gather`` with routed experts: each held weight's E4M3 bytes and scales (one per
+    expert of a stack) come out of the meta device's deferred cast as from the cast of the whole model."""
+    fp8 = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_param_gather": True, "ffn_hidden_size": 64}
+    overrides = {**MODELS["llama moe"][1], **fp8}
+    whole, meta = (_built(m, strategy, "llama", hidden_size=64, **overrides) for m in (False, True))
+    held = {n: p for n, p in whole.named_parameters() if held_weight(p) is not None}
+    stacks = [n for n, p in held.items() if held_weight(p).scale_inv.dim() == 1]
+    assert len(held) == 8 and len(stacks) == 4  # 2 layers: QKV and out, the experts' fc1 and fc2 stacks
+    for name, param in meta.named_parameters():
+        if name in held:
+            mine, theirs = held_weight(param), held_weight(held[name])
+            assert param.dtype == torch.float8_e4m3fn
+            assert torch.equal(param.view(torch.uint8), held[name].view(torch.uint8)), name
+            assert torch.equal(mine.scale_inv, theirs.scale_inv), name
 
 
 class StorageBytes(TorchDispatchMode):

@@ -22,6 +22,7 @@ from core.pipeline_parallel.schedule_rules import placement_for
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
+from planner.activations import Shape, stage_activations
 from planner.candidate import Candidate
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import GPUS, Cluster, Gpu, HostCosts
@@ -29,7 +30,7 @@ from planner.inputs import read_input
 from planner.layouts import balanced_layout, stage_layer_counts
 from planner.megatron_formula import megatron_memory
 from planner.memory import rank_memory, rank_static
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, describe
 from planner.search import DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY, search
 from planner.shared_cores import time_shared
 from planner.step_time import estimate_step
@@ -200,6 +201,93 @@ def test_fp8_products_run_at_the_fp8_peak_and_their_casts_cost_memory_time():
     assert without_fp8_cores.linear_seconds()[0] == pytest.approx(3_145_728 / 1e14, rel=1e-12)
 
 
+def test_first_last_layers_bf16_costs_those_layers_at_the_16_bit_peak_without_casts():
+    """--first-last-layers-bf16 with one layer at each end of 4, PP2 (layers 0-1 | 2-3): each stage holds
+    one 16-bit layer and one FP8 layer. Against the all-FP8 plan, its 16-bit layer's products run at
+    100 TFLOP/s instead of 200 (3,145,728 FLOPs forward, the same again for W), pays no casts (inputs
+    32 x 448 x 6 bytes and weights 49,152 x 6 / 4 microbatches forward, output gradients 32 x 576 x 6
+    backward), and saves its linear layers' inputs in two bytes instead of one: qkv, fc1 (32 x 64) and
+    fc2 (32 x 256) one byte more each, with no FP8 copy of the projection's input (32 x 64), 10,240
+    bytes more, read and written once more by the element-wise work (2 x 10,240 bytes at 1 TB/s)."""
+    cluster = Cluster(2, 2, _FP8_GPU)
+    cand = Candidate(tp=1, pp=2, dp=1, num_microbatches=4, layout="E,t*2|t*2,L")
+    spec = _fp8_spec(num_layers=4, bf16_layers_at_start=1, bf16_layers_at_end=1)
+    assert [spec.layer_in_fp8(n) for n in range(4)] == [False, True, True, False]
+    mixed, fp8 = StageCostModel(spec, cand, cluster), StageCostModel(_fp8_spec(num_layers=4), cand, cluster)
+    products = 3_145_728 / 2e14
+    casts = ((32 * 448 * 6 + 49_152 * 6 / 4) / 1e12, 32 * 576 * 6 / 1e12)
+    elementwise = 2 * 10_240 / 1e12
+    for stage, symbols in enumerate(cand.stages.stages):
+        got, all_fp8 = mixed.stage(symbols, stage), fp8.stage(symbols, stage)
+        assert got.forward - all_fp8.forward == pytest.approx(products - casts[0] + elementwise, rel=1e-9)
+        assert got.backward_input - all_fp8.backward_input == pytest.approx(
+            products - casts[1] + elementwise, rel=1e-9
+        )
+        assert got.backward_weight - all_fp8.backward_weight == pytest.approx(products, rel=1e-9)
+    assert mixed.stage(("t",)) == fp8.stage(("t",))  # a layer as most run: in FP8
+    assert mixed.rates.label() == "fp8 200 (2/4 layers)" and fp8.rates.label() == "fp8 200"
+    every = StageCostModel(spec.with_(bf16_layers_at_end=3), cand, cluster)
+    plain = StageCostModel(_fp8_spec(num_layers=4, fp8=False), cand, cluster)
+    assert every.rates.label() == "bf16 100"
+    assert every.stage(cand.stages.stages[1], 1) == plain.stage(cand.stages.stages[1], 1)
+
+
+def test_first_last_layers_bf16_layers_hold_16_bit_weights_and_save_16_bit_inputs():
+    """2 layers, the first kept out of FP8, one rank (E, 2 layers, L; DP 2, distributed optimizer):
+    166,272 padded elements of which one layer's 49,152 are FP8 weights. Casting: an FP8 copy and its
+    transpose of those only (2 bytes an element); --fp8-param-gather: those held in one byte plus the
+    transpose, the all-gather moving 166,272 x 2 - 49,152 bytes. The 16-bit layer saves 10,240 bytes a
+    microbatch more than the FP8 one (see above)."""
+    from planner.memory import gathered_param_bytes
+
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    fp8, gather = _fp8_spec(bf16_layers_at_start=1), _fp8_spec(bf16_layers_at_start=1, fp8_param_gather=True)
+    assert rank_static(fp8, cand, 0)[0] == 166_272 * 2 + 2 * 49_152
+    assert rank_static(gather, cand, 0)[0] == 166_272 * 2 - 49_152 + 49_152
+    assert gathered_param_bytes(gather, cand, 0) == 166_272 * 2 - 49_152
+    shape = Shape(seq=32, batch=1, tp=1, sequence_parallel=False, recompute="none", device="cuda", cp=1)
+    saved = [stage_activations(fp8, shape, ("t", "t"), first=False, fp8_layers=n).saved for n in (0, 1, 2)]
+    assert saved[0] - saved[1] == saved[1] - saved[2] == 10_240
+    assert saved[2] == stage_activations(_fp8_spec(), shape, ("t", "t"), first=False).saved
+    assert rank_memory(fp8, cand, 0).activations > rank_memory(_fp8_spec(), cand, 0).activations
+
+
+def test_routed_experts_fp8_weights_are_counted_cast_or_held():
+    """4 experts of FFN 128 at EP 2 (two on the rank), 2 layers: a layer's FP8 weights are attention's
+    64 x 192 + 64 x 64 = 16,384 and its two experts' 2 x (64 x 128 + 128 x 64) = 32,768, 98,304 in all.
+    Casting keeps an FP8 copy and its transpose of each (2 bytes); --fp8-param-gather holds them in one
+    byte (and the transpose), so the all-gather moves 98,304 bytes fewer; under --moe-grouped-gemm the
+    experts are not FP8 (attention's 32,768 only)."""
+    from planner.memory import gathered_param_bytes
+    from planner.model_spec import MoeSpec
+
+    cand = Candidate(tp=1, pp=1, dp=2, ep=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    moe = _fp8_spec(fp8=False, moe=MoeSpec(4, 2, 128))
+    plain_params, plain_gathered = rank_static(moe, cand, 0)[0], gathered_param_bytes(moe, cand, 0)
+    assert moe.with_(fp8=True).fp8_weight_elements(1, 2) == 49_152
+    assert rank_static(moe.with_(fp8=True), cand, 0)[0] == plain_params + 2 * 98_304
+    held = moe.with_(fp8=True, fp8_param_gather=True)
+    assert rank_static(held, cand, 0)[0] == plain_params - 98_304 + 98_304
+    assert gathered_param_bytes(held, cand, 0) == plain_params - 98_304 == plain_gathered - 98_304
+    grouped = moe.with_(fp8=True, moe=MoeSpec(4, 2, 128, grouped_gemm=True))
+    assert rank_static(grouped, cand, 0)[0] == plain_params + 2 * 32_768
+
+
+def test_the_planner_reads_first_last_layers_bf16_with_megatrons_defaults(small):
+    """--first-last-layers-bf16 alone keeps 1 layer at each end (Megatron's defaults); the counts are
+    read from their flags; without --fp8-format nothing is kept out."""
+    base = [*SMALL, "--fp8-format", "e4m3", "--first-last-layers-bf16"]
+    spec = read_input(base).spec
+    assert (spec.bf16_layers_at_start, spec.bf16_layers_at_end) == (1, 1)
+    spec = read_input([*base, "--num-layers-at-start-in-bf16", "2", "--num-layers-at-end-in-bf16", "0"]).spec
+    assert (spec.bf16_layers_at_start, spec.bf16_layers_at_end) == (2, 0)
+    assert [spec.layer_in_fp8(n) for n in range(spec.num_layers)] == [False] * 2 + [True] * (
+        spec.num_layers - 2
+    )
+    assert "first 2 and last 0 layers not in FP8" in describe(spec)
+    assert (small.spec.bf16_layers_at_start, small.spec.bf16_layers_at_end) == (0, 0)
+
+
 def test_fp8_param_gather_holds_fp8_weights_and_gathers_one_byte():
     """--fp8-param-gather (issue 28, ``core/tensor_parallel/fp8_params.py``): the FP8 layers' weights are
     held in one byte, with no 16-bit copy and no cast per step, the layer keeping only the transposed
@@ -262,7 +350,8 @@ def test_the_table_and_json_say_which_rate_each_candidate_used(capsys):
     rates = json.loads(out[-1])["candidates"][0]["matmul_rates"]
     assert rates == {"linear": "fp8", "linear_tflops": 1979.0, "weight_gradient": "fp8",
                      "weight_gradient_tflops": 1979.0, "other": "bf16", "other_tflops": 989.0,
-                     "fp8_products": 4, "products": 4, "measured": False}  # fmt: skip
+                     "fp8_products": 4, "products": 4, "measured": False, "fp8_layers": 8,
+                     "layers": 8}  # fmt: skip
     rows = [line for line in out if line.split()[0] in ("1", "2")]
     assert len(rows) == 2 and all(row.endswith("fp8 1979") for row in rows)
 

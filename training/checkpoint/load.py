@@ -29,6 +29,7 @@ from torch import nn
 from core.parallel_state import ParallelGroups
 from core.tensor_parallel.fp8 import fp8_states, load_fp8_state_dict
 from core.tensor_parallel.fp8_params import held_weight
+from core.transformer.initialization import unstacked
 from training.checkpoint.convert import parallelism_of
 from training.checkpoint.files import probe_writable, remove_stale_temp_files
 from training.checkpoint.format import CheckpointError, optimizer_tensor_name
@@ -226,21 +227,22 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p: RankSplit, loa
     params = model_parameters(model_chunks)
     tensors = checkpoint_tensors(params)  # a stacked expert parameter as views of its slices
     specs = specs_of_params(tensors.items(), p.tp, module.config.make_vocab_size_divisible_by)
+    held = _held_tensors(params)
     for name, param in tensors.items():
         check_spec(ckpt, name, specs[name])
         # An fp32 model, or a weight held in FP8, loading a 16-bit run takes the fp32 master copy when
         # there is one; a weight held in FP8 keeps the values for the optimizer, which casts them.
-        source, held = name, held_weight(param)
+        source = name
         master = optimizer_tensor_name("main_param", name)
         if (
-            (param.dtype == torch.float32 or held is not None)
+            (param.dtype == torch.float32 or name in held)
             and ckpt.spec(name).dtype != torch.float32
             and ckpt.has_tensor(master)
         ):
             source = master
         value = ckpt.read_shard(source, p.tp_rank, p.tp)
-        if held is not None:
-            held.high_precision = value.to(param.device)
+        if name in held:
+            _keep_for_the_optimizer(*held[name], value)
             continue
         with torch.no_grad():
             param.copy_(value)
@@ -251,6 +253,31 @@ def _read_this_rank(ckpt: Checkpoint, model_chunks, optimizer, p: RankSplit, loa
     states = [state for _, state in fp8_states(model_chunks)]
     fp8_saved = _saved_fp8_states(ckpt, any(s.expert for s in states)) if states and not finetune else {}
     return ckpt, optimizer_state, rng_state, fp8_saved, finetune
+
+
+def _held_tensors(params: dict[str, nn.Parameter]) -> dict[str, tuple[nn.Parameter, int | None]]:
+    """Each checkpoint tensor of a weight held in FP8, by name: the weight, and which expert of a held
+    stack it is (None: the whole weight)."""
+    out = {}
+    for name, param in params.items():
+        if held_weight(param) is not None:
+            pieces = unstacked(name, param)
+            stacked = len(pieces) > 1 or pieces[0][0] != name
+            out.update({logical: (param, i if stacked else None) for i, (logical, _) in enumerate(pieces)})
+    return out
+
+
+def _keep_for_the_optimizer(param: nn.Parameter, expert: int | None, value: torch.Tensor) -> None:
+    """A held weight's loaded values (expert ``expert``'s of a stack), kept for the optimizer, which
+    takes them as its main copy and casts them (``Fp8Weight.high_precision``)."""
+    meta = held_weight(param)
+    value = value.to(param.device)
+    if expert is None:
+        meta.high_precision = value
+        return
+    if meta.high_precision is None or meta.high_precision.dtype != value.dtype:
+        meta.high_precision = torch.empty(param.shape, dtype=value.dtype, device=param.device)
+    meta.high_precision[expert].copy_(value)
 
 
 def _saved_fp8_states(ckpt: Checkpoint, experts: bool) -> dict:

@@ -24,6 +24,7 @@ from torch import nn
 
 from core.parallel_state import ParallelGroups
 from core.tensor_parallel.fp8 import fp8_state_dict
+from core.transformer.initialization import unstacked
 from training.checkpoint.convert import parallelism_of
 from training.checkpoint.files import TensorFileWriter, flatten_state, fsync_dir
 from training.checkpoint.format import (
@@ -174,8 +175,12 @@ def describe(
     config = module.config
     params = model_parameters(model_chunks)
     specs = specs_of_params(checkpoint_tensors(params).items(), p.tp, config.make_vocab_size_divisible_by)
-    masters = (
+    held = (
         optimizer.held_weights_in_model_dtype() if hasattr(optimizer, "held_weights_in_model_dtype") else {}
+    )
+    # a held expert stack's master values under each expert's name, as a 16-bit stack is stored
+    masters = dict(
+        logical for name, master in held.items() for logical in unstacked(name, params[name], master)
     )
     for name, master in masters.items():  # a weight held in FP8 is stored as its master values
         specs[name] = dataclasses.replace(specs[name], dtype=master.dtype)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, fp8_states
-from core.tensor_parallel.fp8_params import held_fp8_weights
+from core.tensor_parallel.fp8_params import held_fp8_weights, held_weight
 from core.transformer.transformer_config import TransformerConfig
 
 ROUTED_EXPERTS = "mlp.experts."
@@ -77,15 +77,10 @@ def fp8_report(
         line = f"FP8 on pipeline stage {stage}: {products} linear layers in FP8 in decoder layers {layers}"
         lines.append(line + (f"; in the model's dtype: {'; '.join(kept_out)}" if kept_out else ""))
     if config.fp8_param_gather:
-        held = len(held_fp8_weights(modules))
-        line = f"FP8 on pipeline stage {stage}: {held} weights held in FP8 (--fp8-param-gather)"
-        experts = products - held
+        held = held_fp8_weights(modules)
+        stacks = sum(1 for _, param in held if held_weight(param).scale_inv.dim() == 1)
+        line = f"FP8 on pipeline stage {stage}: {len(held)} weights held in FP8 (--fp8-param-gather)"
         lines.append(
-            line
-            + (
-                f"; {experts} routed-expert linear layers keep their weights in the model's dtype"
-                if experts
-                else ""
-            )
+            line + (f"; {stacks} of them routed-expert stacks, one scale per expert" if stacks else "")
         )
     return lines

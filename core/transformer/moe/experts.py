@@ -19,7 +19,10 @@ stacked weights as they are (nothing is re-stacked), where torch offers it for t
 token, the loop. On CPU in fp32 both give bit-identical results. In FP8 (the loop only) each expert
 keeps its own scales (``fp8_state[str(global index)]``): how many tokens reach an expert differs
 from rank to rank, and is rarely a multiple of 16, so its weight gradient runs in the model's dtype
-unless ``moe_router_padding_for_quantization`` pads its rows with zeros (:func:`_linear`).
+unless ``moe_router_padding_for_quantization`` pads its rows with zeros (:func:`_linear`). With
+``--fp8-param-gather`` the FP8 stacks are held in E4M3 with one scale per expert
+(:mod:`core.tensor_parallel.fp8_params`): the loop runs on :func:`held_slices`, each slice's weight
+gradient going into its part of the stack's ``main_grad``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.device import current_device, param_device
-from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, Fp8State, fp8_linear
+from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, Fp8State, fp8_linear, held_weight
+from core.tensor_parallel.fp8_params import held_slices
 from core.transformer.initialization import mark_init, mark_stacked, unstacked
 from core.transformer.mlp import activate
 
@@ -98,7 +102,8 @@ class ExpertLinear(nn.Module):
         an overlapped parameter all-gather lands before the weights are read.)"""
         if grouped is not None:
             return self._grouped_mm(x, *grouped)
-        weights = self.weight.unbind(0)
+        held = held_weight(self.weight) is not None
+        weights = held_slices(self.weight) if held else self.weight.unbind(0)
         biases = self.bias.unbind(0) if self.bias is not None else [None] * len(weights)
         states = list(self.fp8_state.values()) if self.fp8_state is not None else [None] * len(weights)
         pad = self.pad_for_fp8
@@ -119,12 +124,30 @@ def _linear(
     """One expert's product; in FP8 with ``pad`` (``--moe-router-padding-for-quantization``), its rows
     padded with zeros to a multiple of 16 and the padding dropped from the output."""
     rows = x.shape[0]
+    if rows == 0 and held_weight(weight) is not None:  # no product; the slice stays in the graph
+        out = _NoRows.apply(x, weight)
+        return out if bias is None else out + bias
     if fp8_state is None or rows == 0:
         return F.linear(x, weight, bias)
     extra = -rows % SHAPE_MULTIPLE if pad else 0
     if extra:
         return fp8_linear(F.pad(x, (0, 0, 0, extra)), weight, bias, fp8_state)[:rows]
     return fp8_linear(x, weight, bias, fp8_state)
+
+
+class _NoRows(torch.autograd.Function):
+    """The empty output of an expert no row reached, held in FP8 (``F.linear`` takes no FP8 weight). It
+    keeps the slice in the graph, as ``F.linear`` does for a 16-bit one: the stack's backward, which
+    reports its gradient, then runs whichever experts a microbatch reaches."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.shape = x.shape
+        return x.new_zeros(x.shape[0], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_zeros(ctx.shape), None
 
 
 class Experts(nn.Module):
