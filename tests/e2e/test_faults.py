@@ -344,6 +344,7 @@ def test_a_hang_names_the_action_every_rank_waits_on_and_each_rank_dumps_its_tab
         "microbatch": 0,
         "chunk": 0,
         "peer_chunk": 0,
+        "sending": False,
         "awaited": "rank 1's backward of microbatch 0, chunk 0",
     }
     assert json.loads((tmp_path / "rank_1.json").read_text())["schedule"]["waits_for"] is None

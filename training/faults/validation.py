@@ -63,7 +63,7 @@ import torch.distributed as dist
 from core.device import current_device
 from core.tensor_parallel.fp8 import fp8_states
 from training.checkpoint.rng import get_rng_state, set_rng_state
-from training.errors import ConfigError, ResultRejected
+from training.errors import EXIT_FAILED_VALIDATION, EXIT_RESUME_TO_DISAMBIGUATE, ConfigError, ResultRejected
 from training.faults.agreement import everyone
 from training.reporting.logging_utils import print_rank_0
 
@@ -73,8 +73,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EXIT_FAILED_VALIDATION", "EXIT_RESUME_TO_DISAMBIGUATE", "ResultValidator"]
 
-EXIT_RESUME_TO_DISAMBIGUATE = 16  # Megatron's codes
-EXIT_FAILED_VALIDATION = 17
 SPIKE_FACTOR, SAMPLES = 10.0, 100  # Megatron's: 10x the largest of the first 100 values
 GRAD_TOLERANCE = 1e-3  # Megatron's relative tolerance when it compares gradient norms
 
