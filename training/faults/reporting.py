@@ -221,7 +221,7 @@ def post_mortem(silent: list[int]) -> tuple[str, ...]:
     wait_for_dumps(others, 3 * watchdog.interval)
     dumped = dump_flight_recorder()
     summary = watchdog.summary(silent, _final_beats(watchdog.world_size))
-    if summary.startswith(NO_PIPELINE_WAIT):  # they wait in a collective: name who has not entered it
+    if summary.startswith(NO_PIPELINE_WAIT) and not silent:  # in a collective: who has not entered it
         behind = flight_recorder.not_entered(flight_recorder.read_dumps(range(watchdog.world_size)))
         summary = f"hang summary: {behind}" if behind else summary
     if dumped is None:
