@@ -14,6 +14,8 @@ Megatron's verdicts, which Trident keeps:
   of the step and exit 16 ("resume to disambiguate"); resumed from it (elsewhere), the step is run a
   third time and compared with the record: different, a persistent fault of the first devices; the
   same, a correct result (the model or the data make it). Both exit 17.
+* under ``trident-run`` (:mod:`training.launch`) the launcher exits with 16 or 17 and does not restart
+  after either (torchrun exits 1 and restarts after both);
 * a check that is not fatal rejects a result: the step is rerun in place, the verdict is printed,
   and training goes on.
 * ``report_stats`` runs every step twice and reports, at each log step, how often the loss and the
