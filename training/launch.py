@@ -18,6 +18,10 @@ worker environment), with two changes, both about the codes a worker ends with (
   launcher hands 16 to its caller, whose scheduler resumes the job elsewhere. After 2 the same
   command line fails the same way. Every other failure is restarted as torchrun does.
 
+On several nodes each node's agent applies the rule to its own workers; every rank of a Trident job
+ends with the same code for these failures (one rank prints, the others exit quietly with its code),
+so every node stops, and the rendezvous closes as under torchrun.
+
 torchrun's agent has no hook for a restart rule, so :class:`TridentAgent` subclasses its
 ``LocalElasticAgent`` and reads and sets one private attribute (the restarts left), and
 :func:`launch` builds the agent as ``torch.distributed.launcher.api.launch_agent`` does. Nothing in
