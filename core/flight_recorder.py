@@ -7,6 +7,11 @@ sets the buffer's size before the process group exists, unless the environment a
 watchdog ends a hung job, every rank writes :func:`dump`: the recorder's entries as JSON, with what the
 rank itself was doing (its phase and schedule action) and its schedule position (its whole table, the
 action it runs, the last it finished and the message it waits for), into :func:`dump_dir`.
+
+When no rank waits for a pipeline message, the ranks wait in a collective; :func:`not_entered` reads
+the dumps and names the collective some ranks have entered and others not (each process group numbers
+its collectives, on every member alike): the ranks that have not entered it hold the others up. (Under
+gloo the recorder does not say which collectives completed: a rank is taken to wait in its latest.)
 """
 
 from __future__ import annotations
@@ -35,6 +40,85 @@ def dump_dir() -> str:
         return given
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     return os.path.join(tempfile.gettempdir(), f"trident-flight-recorder-{run_id}")
+
+
+def read_dumps(ranks: list[int] | range) -> dict[int, dict]:
+    """The dumps of ``ranks`` in :func:`dump_dir` that exist and parse, by rank."""
+    dumps = {}
+    for rank in ranks:
+        try:
+            with open(os.path.join(dump_dir(), f"rank_{rank}.json")) as fh:
+                dumps[rank] = json.load(fh)
+        except (OSError, ValueError):
+            continue
+    return dumps
+
+
+class _Collectives:
+    """One rank's collectives from its dump: the highest number it reached in each process group, and
+    the one it is in now (its latest: a rank waits in one collective at a time)."""
+
+    def __init__(self, dump: dict) -> None:
+        entries = [e for e in (dump.get("flight_recorder") or {}).get("entries", []) if not e.get("is_p2p")]
+        self.last: dict[str, int] = {}
+        for entry in entries:
+            group = entry["process_group"][0]
+            self.last[group] = max(self.last.get(group, -1), int(entry["collective_seq_id"]))
+        latest = max(entries, key=lambda e: e["record_id"], default=None)
+        self.current = None
+        if latest is not None:
+            self.current = (
+                latest["process_group"][0],
+                int(latest["collective_seq_id"]),
+                latest["profiling_name"],
+            )
+
+
+def _ranks(ranks: list[int] | set[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in sorted(ranks))
+
+
+def _roots(rank: int, edges: dict[int, set[int]]) -> set[int]:
+    """The ranks at the ends of ``rank``'s waits (ranks that wait for nobody); none along a circle."""
+    roots, seen, todo = set(), {rank}, [rank]
+    while todo:
+        for nxt in edges[todo.pop()]:
+            if nxt in seen:
+                continue
+            seen.add(nxt)
+            if edges.get(nxt):
+                todo.append(nxt)
+            else:
+                roots.add(nxt)
+    return roots
+
+
+def not_entered(dumps: dict[int, dict]) -> str | None:
+    """``ranks 0,1,2 wait on rank 3, which has not entered gloo:all_reduce #29 of process group 0``.
+
+    A rank waits in its latest collective for the members of that process group (the ranks whose dumps
+    record any collective of it) that have not got to its number yet; following these waits ends at
+    the ranks that wait for nobody. None when no rank waits for another."""
+    ranks = {rank: _Collectives(dump) for rank, dump in dumps.items()}
+    edges, waits_in = {}, {}
+    for rank, mine in ranks.items():
+        if mine.current is None:
+            continue
+        group, seq, name = mine.current
+        behind = {r for r, theirs in ranks.items() if -1 < theirs.last.get(group, -1) < seq}
+        if behind:
+            edges[rank], waits_in[rank] = behind, f"{name} #{seq} of process group {group}"
+    held: dict[int, list[int]] = {}
+    for rank in sorted(edges):
+        for root in _roots(rank, edges):
+            held.setdefault(root, []).append(rank)
+    parts = []
+    for root, waiters in sorted(held.items(), key=lambda item: (-len(item[1]), item[0])):
+        ops = dict.fromkeys(waits_in[r] for r in waiters if root in edges[r])
+        verb = "waits" if len(waiters) == 1 else "wait"
+        entered = f", which has not entered {' and '.join(ops)}" if ops else ""
+        parts.append(f"{_ranks(waiters)} {verb} on rank {root}{entered}")
+    return "; ".join(parts) or None
 
 
 def dump(rank: int, doing: str, schedule: dict | None = None) -> str | None:

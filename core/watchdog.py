@@ -45,6 +45,7 @@ from typing import Any
 __all__ = [
     "HEARTBEAT_KEY",
     "REPORT_KEY",
+    "SEND",
     "Watchdog",
     "claim_report",
     "is_communication_failure",
@@ -55,6 +56,8 @@ HEARTBEAT_KEY = "trident/heartbeat/{rank}"
 REPORT_KEY = "trident/error"
 """Holds the rank that reports the job's error: the first to claim it; the others keep quiet."""
 DONE = "done"
+SEND = "send"
+"""A heartbeat's wait with this third field waits for its own send to be received, not for a message."""
 
 _COMMUNICATION_FAILURES = (
     "connection closed by peer",
@@ -91,13 +94,15 @@ def error_reported(store: Any) -> bool:
 @dataclass(frozen=True)
 class Heartbeat:
     """One rank's last heartbeat, as stored. ``waiting_on``: the rank it waits for a message from and
-    that rank's action which makes the message (``(2, "forward of microbatch 3, chunk 1")``), if any."""
+    that rank's action which makes the message (``(2, "forward of microbatch 3, chunk 1")``), if any;
+    or the rank it waits for to receive its own message, that message and :data:`SEND`
+    (``(0, "gradient of microbatch 1, chunk 0", "send")``)."""
 
     count: int
     phase: str
     iteration: int | None
     wall_time: float
-    waiting_on: tuple[int, str] | None = None
+    waiting_on: tuple[int, str] | tuple[int, str, str] | None = None
 
     def encode(self) -> str:
         return json.dumps([self.count, self.phase, self.iteration, self.wall_time, self.waiting_on])
@@ -132,31 +137,63 @@ def _end_of_chain(rank: int, edges: dict[int, tuple[int, str]]) -> tuple[int, ..
     return tuple(sorted(chain[chain.index(nxt) :]))
 
 
-def _awaited(waiters: list[int], target: int, beats: dict[int, Heartbeat]) -> str:
-    """What ``waiters`` wait for from ``target``: each distinct action once, then the iteration (after
-    each action when they differ)."""
-    pairs = {
-        (beats[r].waiting_on[1], beats[r].iteration): None
-        for r in waiters
-        if beats[r].waiting_on[0] == target
-    }
+def _sends(beat: Heartbeat) -> bool:
+    return len(beat.waiting_on) > 2 and beat.waiting_on[2] == SEND
+
+
+def _at(pairs: dict[tuple[str, int | None], None]) -> str:
+    """Each distinct thing awaited once, then the iteration (after each one when they differ)."""
     iterations = {iteration for _, iteration in pairs}
     if len(iterations) > 1:
-        return " and ".join(f"{action} at iteration {iteration}" for action, iteration in pairs)
+        return " and ".join(f"{what} at iteration {iteration}" for what, iteration in pairs)
     (iteration,) = iterations
-    return " and ".join(action for action, _ in pairs) + (
+    return " and ".join(what for what, _ in pairs) + (
         "" if iteration is None else f" at iteration {iteration}"
     )
+
+
+def _awaited(waiters: list[int], target: int, beats: dict[int, Heartbeat], *, sends: bool = False) -> str:
+    """What those of ``waiters`` that wait directly on ``target`` (for its messages, or with ``sends`` for
+    it to receive theirs) wait for: each distinct action or message once, then the iteration."""
+    return _at(
+        {
+            (beats[r].waiting_on[1], beats[r].iteration): None
+            for r in waiters
+            if beats[r].waiting_on[0] == target and _sends(beats[r]) == sends
+        }
+    )
+
+
+def _held_up_by(end: int, waiters: list[int], beats: dict[int, Heartbeat]) -> str:
+    """The part of the summary for the ranks whose waits end at rank ``end``: those waiting for its
+    messages (or for a rank that does) ``wait on rank E's <actions>``; those waiting for it to receive
+    their sends ``wait for their sends to rank E to be received (<messages>)``."""
+    senders = [r for r in waiters if beats[r].waiting_on[0] == end and _sends(beats[r])]
+    others = [r for r in waiters if r not in senders]
+    parts = []
+    if others:
+        receivers = [r for r in others if beats[r].waiting_on[0] == end]
+        what = f"'s {_awaited(receivers, end, beats)}" if receivers else ""
+        parts.append(f"{_ranks(others)} {'waits' if len(others) == 1 else 'wait'} on rank {end}{what}")
+    if senders:
+        one = len(senders) == 1
+        parts.append(
+            f"{_ranks(senders)} {'waits for its' if one else 'wait for their'} sends to rank {end} to be "
+            f"received ({_awaited(senders, end, beats, sends=True)})"
+        )
+    return "; ".join(parts)
 
 
 def summarize_waits(beats: dict[int, Heartbeat], silent: list[int] | tuple[int, ...] = ()) -> str:
     """One line naming the rank and action every waiting rank waits on, from each rank's heartbeat.
 
-    A rank that waits for a pipeline message waits for the rank that sends it; following these waits
-    from rank to rank ends at a rank that waits for nobody (or is ``silent``): the one holding the
-    others up, and the action its direct waiters wait for is the one everybody waits on. For example
-    ``ranks 0,1,3 wait on rank 2's forward of microbatch 3, chunk 1 at iteration 5``. Waits that run
-    in a circle are named as such; ranks that wait for no pipeline message are named at the end.
+    A rank that waits for a pipeline message waits for the rank that sends it; a rank that waits for
+    its own send to be received, for the rank that receives it. Following these waits from rank to
+    rank ends at a rank that waits for nobody (or is ``silent``): the one holding the others up, and
+    the action its direct waiters wait for is the one everybody waits on. For example ``ranks 0,1,3
+    wait on rank 2's forward of microbatch 3, chunk 1 at iteration 5``, or ``rank 2 waits for its sends
+    to rank 0 to be received (gradient of microbatch 1, chunk 0 at iteration 6)``. Waits that run in a
+    circle are named as such; ranks that wait for no pipeline message are named at the end.
     """
     edges = {r: b.waiting_on for r, b in beats.items() if b.waiting_on is not None and r not in silent}
     ends: dict[tuple[int, ...], list[int]] = {}
@@ -165,11 +202,11 @@ def summarize_waits(beats: dict[int, Heartbeat], silent: list[int] | tuple[int, 
     parts = []
     for end, waiters in sorted(ends.items()):
         if len(end) == 1:
-            verb = "waits" if len(waiters) == 1 else "wait"
-            parts.append(f"{_ranks(waiters)} {verb} on rank {end[0]}'s {_awaited(waiters, end[0], beats)}")
+            parts.append(_held_up_by(end[0], waiters, beats))
         else:
             each = ", ".join(
-                f"rank {r} on rank {edges[r][0]}'s {_awaited([r], edges[r][0], beats)}" for r in end
+                f"rank {r} on rank {edges[r][0]}'s {_awaited([r], edges[r][0], beats, sends=_sends(beats[r]))}"
+                for r in end
             )
             parts.append(f"{_ranks(waiters)} wait on each other in a circle ({each})")
     if not parts:

@@ -25,9 +25,11 @@ groups' one minute):
 * ``write``, ``stop``: as any stop cell below, and the tracker still names iteration 4;
 * ``stop``: a non-zero exit, the fault reported in the output (the injected exception's message,
   torchrun's line for the signalled rank; for a hang, the watchdog's line that the ranks wait on each
-  other, followed by the hang summary, which names the hung rank when the others wait for its pipeline
-  messages; the cell does not check the summary), and the tracker naming a complete
-  checkpoint;
+  other), and the tracker naming a complete checkpoint;
+* ``hang``, in both modes: the hang summary (``core/watchdog.py``) names the hung rank as the one the
+  others wait on: for its pipeline messages (``rank 1 waits on rank 3's backward of ...``), for it to
+  receive theirs (``rank 2 waits for its sends to rank 0 to be received (...)``), or in a collective it
+  has not entered (``ranks 0,1,2 wait on rank 3, which has not entered gloo:all_reduce #29 ...``);
 * both: no worker left running afterwards.
 
 The table, then one JSON line with every cell's outcome.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -126,13 +129,24 @@ def _orphans(save: Path) -> int:
     return len(found.split())
 
 
+def _hang_summary(cell: Cell, output: str) -> str | None:
+    """The hang summary line, if it names the hung rank as the one the others wait on."""
+    rank = cell.rank
+    held = rf"(on rank {rank}(\b|'s)|sends to rank {rank} to be received)"
+    for line in output.splitlines():
+        if line.startswith("hang summary: ") and re.search(held, line):
+            return line
+    return None
+
+
 def _named(cell: Cell, output: str) -> bool:
     """Whether the output names the fault: what the injected exception said, the silent rank, or the
     signalled rank in torchrun's summary."""
     if cell.kind in ("exception", "write"):
         return f"injected fault (TRIDENT_FAULT): {cell.kind} at {cell.point}" in output
     if cell.kind == "hang":  # the heartbeat goes on, so the one line says the ranks wait on each other
-        return "while every rank still answered" in output or f"rank {cell.rank} stopped answering" in output
+        said = "while every rank still answered" in output or f"rank {cell.rank} stopped answering" in output
+        return said and _hang_summary(cell, output) is not None
     return f"rank      : {cell.rank} " in output and ("SIGKILL" in output or "SIGTERM" in output)
 
 
@@ -172,9 +186,17 @@ def run_cell(cell: Cell, reference: dict, workdir: Path, timeout: float) -> dict
     elif cell.mode == "restart":
         ok_outcome = code == 0 and _files(save, 12) == reference
         what = "finished, same bytes" if ok_outcome else f"exit {code}, final checkpoint differs or missing"
+        if cell.kind == "hang":  # the first attempt's post-mortem
+            named = _hang_summary(cell, output) is not None
+            ok_outcome, what = (
+                ok_outcome and named,
+                what + (", hung rank named" if named else ", hung rank NOT named"),
+            )
     else:
         ok_outcome = code not in (0, 124) and _named(cell, output)
         what = f"exit {code}, " + ("fault named" if _named(cell, output) else "fault NOT named")
+        if cell.kind == "hang":
+            what += ", hung rank named" if _hang_summary(cell, output) else ", hung rank NOT named"
         if cell.kind == "write":  # the failed save of iteration 8 left the tracker at iteration 4
             kept = (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
             ok_outcome, what = ok_outcome and kept, what + (", tracker at 4" if kept else ", tracker moved")
@@ -184,6 +206,7 @@ def run_cell(cell: Cell, reference: dict, workdir: Path, timeout: float) -> dict
         "cell": cell.name,
         "passed": passed,
         "outcome": what,
+        "hang_summary": (_hang_summary(cell, output) or "") if cell.kind == "hang" else None,
         "seconds": round(seconds, 1),
         "orphans": orphans,
         "tracker_complete": complete,
@@ -221,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(
                 f"{r['cell']:<28} {'pass' if r['passed'] else 'FAIL':<5} {r['seconds']:>6.1f} s  {r['outcome']}"
             )
+            if r["hang_summary"] is not None:
+                print(f"{'':<28} {r['hang_summary'] or 'no hang summary naming the hung rank'}")
             if not r["passed"]:
                 print(r["tail"])
     load = [round(x, 2) for x in os.getloadavg()]

@@ -17,7 +17,24 @@ This module imports nothing heavy, so the data tools can raise these errors with
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DataError", "PeerFailure", "ResultRejected", "UsageError"]
+__all__ = [
+    "EXIT_FAILED_VALIDATION",
+    "EXIT_FAILURE",
+    "EXIT_RESUME_TO_DISAMBIGUATE",
+    "EXIT_USAGE",
+    "ConfigError",
+    "DataError",
+    "PeerFailure",
+    "ResultRejected",
+    "UsageError",
+]
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # argparse's
+EXIT_RESUME_TO_DISAMBIGUATE = 16  # Megatron's codes (megatron/core/rerun_state_machine.py)
+EXIT_FAILED_VALIDATION = 17
+"""The exit codes a run ends with: declared here once, read by the entry point, result validation and
+the launcher (``training.launch``, which hands 2, 16 and 17 on to its caller)."""
 
 
 class UsageError(Exception):

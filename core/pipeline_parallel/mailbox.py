@@ -51,10 +51,13 @@ class Mailbox:
         self.outbox: dict[Message, torch.Tensor] = {}
         self.inbox: dict[Message, tuple[torch.Tensor, dist.Work | None]] = {}
         self.sent_shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (microbatch, stage) -> shape
-        self.sends: list[dist.Work] = []
+        self.sends: list[tuple[dist.Work, Message]] = []
         self.waiting: Message | None = None
         """The message whose receive this rank waits for now (still set if the wait failed): what a
         post-mortem reads (:mod:`~core.pipeline_parallel.position`)."""
+        self.sending: Message | None = None
+        """The message whose send this rank waits to complete (its receive posted by the peer), at the
+        table's end (:meth:`finish`); still set if the wait failed. Read as ``waiting`` is."""
         if links is not None:
             links.record = self._log_post if record is not None else None
 
@@ -92,8 +95,11 @@ class Mailbox:
         if message.kind == ACTIVATION and self.variable:  # its shape goes first
             self.sent_shapes[(message.microbatch, message.src_stage)] = tuple(tensor.shape)
             shape = torch.tensor(tensor.shape, dtype=torch.int64, device=self.device)
-            self.sends.append(self.links.post(True, peer, shape, message.kind, "shape", (message, "shape")))
-        self.sends.append(self.links.post(True, peer, tensor, message.kind, "data", (message, "data")))
+            work = self.links.post(True, peer, shape, message.kind, "shape", (message, "shape"))
+            self.sends.append((work, message))
+        self.sends.append(
+            (self.links.post(True, peer, tensor, message.kind, "data", (message, "data")), message)
+        )
 
     def receive(self, action: Action) -> None:
         """Post the receive (with variable lengths: receive the shape first and wait for it)."""
@@ -117,8 +123,10 @@ class Mailbox:
 
     def finish(self) -> None:
         """Wait until every send has completed (its buffer may then be freed)."""
-        for work in self.sends:
+        for work, message in self.sends:
+            self.sending = message
             work.wait()
+        self.sending = None
         self.sends.clear()
 
     def _mismatch(self, message: Message, tensor: torch.Tensor) -> str:

@@ -9,7 +9,9 @@ The message waited for is the one whose receive the mailbox waits on (``Mailbox.
 attribute stores per wait; it stays set when the wait fails). Once its input is in, an action
 computes and waits for nobody: so a rank stuck in its own forward (a hang inside the model) waits
 for no message, and the ranks behind it wait for its output: the chains of waits end at the rank
-that holds everyone up (:func:`core.watchdog.summarize_waits`).
+that holds everyone up (:func:`core.watchdog.summarize_waits`). After its last action a rank waits
+for its sends to complete (``Mailbox.sending``): a send completes once the peer has posted its
+receive, so a rank whose peer is stuck earlier in its table waits for that peer too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, NamedTuple
 from core.pipeline_parallel.actions import Action, ActionKind
 from core.pipeline_parallel.mailbox import Mailbox
 from core.pipeline_parallel.messages import ACTIVATION
+from core.watchdog import SEND
 
 __all__ = ["ACTION_NAMES", "SchedulePosition", "Wait"]
 
@@ -41,23 +44,32 @@ def describe(action: Action) -> str:
 
 class Wait(NamedTuple):
     """A pipeline message a rank waits for: from global rank ``peer``, an activation coming forward or
-    a gradient coming back, for this rank's chunk ``chunk``; the peer makes it in its chunk ``peer_chunk``."""
+    a gradient coming back, for this rank's chunk ``chunk``; the peer makes it in its chunk ``peer_chunk``.
+    With ``sending``, the other way: this rank's chunk ``chunk`` sent it to the peer's ``peer_chunk``,
+    and the rank waits for the peer to receive it."""
 
     peer: int
     kind: str
     microbatch: int
     chunk: int
     peer_chunk: int
+    sending: bool = False
 
     @property
     def direction(self) -> str:
         return "forward" if self.kind == ACTIVATION else "backward"
 
     def awaited_action(self) -> str:
-        """The peer's action that makes the message, e.g. ``forward of microbatch 3, chunk 1``."""
+        """The peer's action that makes the message, e.g. ``forward of microbatch 3, chunk 1``; for a
+        send, the message the peer is to receive, e.g. ``gradient of microbatch 1, chunk 0``."""
+        if self.sending:
+            return f"{self.kind} of microbatch {self.microbatch}, chunk {self.chunk}"
         return f"{self.direction} of microbatch {self.microbatch}, chunk {self.peer_chunk}"
 
     def as_dict(self) -> dict[str, Any]:
+        awaited = f"rank {self.peer}'s {self.awaited_action()}"
+        if self.sending:
+            awaited = f"rank {self.peer} to receive this rank's {self.awaited_action()}"
         return {
             "peer_rank": self.peer,
             "direction": self.direction,
@@ -65,7 +77,8 @@ class Wait(NamedTuple):
             "microbatch": self.microbatch,
             "chunk": self.chunk,
             "peer_chunk": self.peer_chunk,
-            "awaited": f"rank {self.peer}'s {self.awaited_action()}",
+            "sending": self.sending,
+            "awaited": awaited,
         }
 
 
@@ -109,17 +122,29 @@ class SchedulePosition:
         if state is None:
             return None
         mailbox = state[1]
-        message, placement = mailbox.waiting, mailbox.placement
-        if message is None or mailbox.links is None:
+        placement, received, sent = mailbox.placement, mailbox.waiting, mailbox.sending
+        if mailbox.links is None or (received is None and sent is None):
             return None
-        peer, peer_chunk = placement.rank_and_chunk(message.src_stage)
-        chunk = placement.rank_and_chunk(message.dst_stage)[1]
-        return Wait(mailbox.links.global_ranks[peer], message.kind, message.microbatch, chunk, peer_chunk)
+        message = received or sent
+        ours, theirs = (
+            (message.dst_stage, message.src_stage) if received else (message.src_stage, message.dst_stage)
+        )
+        peer, peer_chunk = placement.rank_and_chunk(theirs)
+        chunk = placement.rank_and_chunk(ours)[1]
+        global_peer = mailbox.links.global_ranks[peer]
+        return Wait(
+            global_peer, message.kind, message.microbatch, chunk, peer_chunk, sending=received is None
+        )
 
-    def waiting_on(self) -> tuple[int, str] | None:
-        """(the global rank this rank waits for, its awaited action), for the watchdog's heartbeat."""
+    def waiting_on(self) -> tuple[int, str] | tuple[int, str, str] | None:
+        """(the global rank this rank waits for, its awaited action), for the watchdog's heartbeat; for a
+        send waiting to be received, (the peer, the message, ``"send"``)."""
         wait = self.waits_for()
-        return None if wait is None else (wait.peer, wait.awaited_action())
+        if wait is None:
+            return None
+        return (
+            (wait.peer, wait.awaited_action(), SEND) if wait.sending else (wait.peer, wait.awaited_action())
+        )
 
     def __str__(self) -> str:
         state = self._state()

@@ -1,4 +1,6 @@
-"""Result validation on two real ranks (torchrun, PP=2: the loss lives on rank 1 only).
+"""Result validation on two real ranks (PP=2: the loss lives on rank 1 only), under Trident's launcher
+(``python -m training.launch``, ``trident-run``) with ``--max-restarts 2``: it exits with the verdict's
+code and restarts after neither (torchrun would restart, then exit 1).
 
 ``--error-injection-rate 4`` with ``--check-for-nan-in-loss-and-grad`` rejects iteration 5 (the fourth
 validated step: a launch's first step is not validated), found at log step 8; the run goes back to
@@ -6,8 +8,9 @@ before it and reruns it. Megatron's verdicts, exit codes and lines:
 
 * ``transient_error``: the rerun differs; the checkpoint of iteration 4 is saved, exit 17;
 * ``persistent_error`` and ``correct_result``: the rerun reproduces it; the checkpoint of iteration 4
-  is saved with the step's record, exit 16; resumed from it, the step is run a third time: a
-  persistent fault of the first devices, or a correct result; exit 17.
+  is saved with the step's record, exit 16; resumed from it (a second launch, as a scheduler would
+  make on other devices), the step is run a third time: a persistent fault of the first devices, or
+  a correct result; exit 17.
 
 Every checkpoint a verdict saves holds the bytes of an uninterrupted run's at that iteration (the
 update of iteration 5 and of the steps after it was held off on the device). A clean run validated,
@@ -23,10 +26,38 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.torchrun_jobs import TINY, Job, job_env, run, write_tiny_dataset
+from tests.support.torchrun_jobs import TINY, TRIDENT_RUN, Job, job_env, run, write_tiny_dataset
 
 CHECKS = ["--check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--check-for-large-grads"]
 HEAD = "pretrain_gpt.py: error: result validation: iteration 5: NaN or inf loss (lm loss {loss})"
+RESTARTS = ["--standalone", "--max-restarts", "2"]
+WHY_NOT = {  # the launcher's reason not to restart, by exit code
+    16: "result validation reproduced a fatal result on these devices; resume from the checkpoint on other "
+    "devices to tell a persistent fault from a correct result, which a restart here cannot",
+    17: "a result failed validation; restarting cannot help",
+}
+
+
+def _launched(flags: list[str]) -> tuple[int, str]:
+    """A job under Trident's launcher with two restarts to spare: (its exit code, its output)."""
+    return run(2, flags, env=job_env(), launcher=RESTARTS, module=TRIDENT_RUN)
+
+
+def _attempts(output: str) -> int:
+    """How many times the workers were started: each start prints its plan once."""
+    return len(re.findall(r"^training \d+ iterations from iteration \d+: ", output, re.MULTILINE))
+
+
+def _not_restarted(output: str, code: int) -> None:
+    """One attempt, and the launcher's lines saying why it did not restart and whose code it exits with."""
+    assert _attempts(output) == 1, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("trident-run: ")]
+    assert len(said) == 2, output[-3000:]
+    stop = re.fullmatch(
+        rf"trident-run: rank (\d) exited with {code}: not restarting the workers (.*)", said[0]
+    )
+    assert stop and stop.group(2) == f"(2 of --max-restarts 2 left): {WHY_NOT[code]}", said
+    assert said[1] == f"trident-run: exit {code}: rank {stop.group(1)}'s exit code", said
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +101,10 @@ def _loss_at(output: str, iteration: int) -> str:
 def test_an_injected_transient_error_saves_the_iteration_before_and_exits_17(flags, unvalidated, tmp_path):
     ckpt, tracker = tmp_path / "ckpt", tmp_path / "rejected.txt"
     injected = ["--error-injection-rate", "4", "--error-injection-type", "transient_error"]
-    code, output = run(2, [*flags, *CHECKS, *injected, "--save", str(ckpt),
-                           "--result-rejected-tracker-filename", str(tracker)], env=job_env())  # fmt: skip
-    assert code == 1
+    code, output = _launched([*flags, *CHECKS, *injected, "--save", str(ckpt),
+                              "--result-rejected-tracker-filename", str(tracker)])  # fmt: skip
+    assert code == 17, output[-3000:]
+    _not_restarted(output, 17)
     loss = _loss_at(output, 5)
     assert (
         f"result validation: iteration 5: NaN or inf loss (lm loss {loss}) (injected: transient_error); "
@@ -118,8 +150,9 @@ def test_a_reproduced_result_exits_16_and_its_resumed_rerun_tells_a_persistent_f
         "--save",
         str(ckpt),
     ]
-    code, output = run(2, command, env=job_env())
-    assert code == 1
+    code, output = _launched(command)
+    assert code == 16, output[-3000:]
+    _not_restarted(output, 16)
     loss = _loss_at(output, 5)
     assert _ended(output, 16) == (
         f"{HEAD.format(loss=loss)}; the rerun counts as reproducing it ({kind} injected) on the same devices; "
@@ -127,8 +160,9 @@ def test_a_reproduced_result_exits_16_and_its_resumed_rerun_tells_a_persistent_f
         "from a correct result (exit 16)"
     )
     assert _files(ckpt, 4) == _files(unvalidated[0], 4)
-    code, output = run(2, [*command, "--load", str(ckpt)], env=job_env())
-    assert code == 1
+    code, output = _launched([*command, "--load", str(ckpt)])  # the scheduler's resume, elsewhere
+    assert code == 17, output[-3000:]
+    _not_restarted(output, 17)
     assert f"loaded checkpoint {ckpt} at iteration 4" in output, output[-3000:]
     assert (
         "result validation: rerunning iteration 5 from the checkpoint, to tell a persistent fault of the "

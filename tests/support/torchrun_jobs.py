@@ -57,6 +57,11 @@ def write_tiny_dataset(
     return prefix
 
 
+TORCHRUN = "torch.distributed.run"
+TRIDENT_RUN = "training.launch"
+"""``trident-run``: torchrun's arguments, Trident's exit codes (``training/launch.py``)."""
+
+
 def job_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -71,13 +76,15 @@ def torchrun_command(
     *,
     launcher: list[str] | None = None,
     script: Path = ROOT / "pretrain_gpt.py",
+    module: str = TORCHRUN,
 ) -> list[str]:
-    """``python -m torch.distributed.run`` (standalone unless ``launcher`` says otherwise) of ``script``."""
+    """``python -m torch.distributed.run`` (standalone unless ``launcher`` says otherwise) of ``script``;
+    ``module`` :data:`TRIDENT_RUN` for Trident's launcher, which takes torchrun's arguments."""
     launcher = launcher or ["--standalone"]
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        module,
         *launcher,
         "--nproc-per-node",
         str(nproc),
@@ -175,10 +182,16 @@ class Job:
     """One torchrun job, its output collected as it comes."""
 
     def __init__(
-        self, nproc: int, flags: list[str], *, env: dict[str, str], launcher: list[str] | None = None
+        self,
+        nproc: int,
+        flags: list[str],
+        *,
+        env: dict[str, str],
+        launcher: list[str] | None = None,
+        module: str = TORCHRUN,
     ):
         self.nproc = nproc
-        self.proc = start_session(torchrun_command(nproc, flags, launcher=launcher), env=env)
+        self.proc = start_session(torchrun_command(nproc, flags, launcher=launcher, module=module), env=env)
         self.lines: list[str] = []
         self.known_workers: dict[int, int] = {}
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -241,8 +254,16 @@ class Job:
         self.proc.wait()
 
 
-def run(nproc: int, flags: list[str], *, env: dict[str, str], timeout: float = 240) -> tuple[int, str]:
-    """Run a job to its end; (torchrun's exit code, everything it and its workers printed)."""
-    job = Job(nproc, flags, env=env)
+def run(
+    nproc: int,
+    flags: list[str],
+    *,
+    env: dict[str, str],
+    timeout: float = 240,
+    launcher: list[str] | None = None,
+    module: str = TORCHRUN,
+) -> tuple[int, str]:
+    """Run a job to its end; (the launcher's exit code, everything it and its workers printed)."""
+    job = Job(nproc, flags, env=env, launcher=launcher, module=module)
     output = job.finish(timeout)
     return job.proc.returncode, output

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from core import flight_recorder
 from core.pipeline_parallel.actions import Action, ActionKind
 from core.pipeline_parallel.links import PipelineLinks
 from core.pipeline_parallel.mailbox import Mailbox
-from core.pipeline_parallel.messages import input_message
+from core.pipeline_parallel.messages import input_message, output_message
 from core.pipeline_parallel.placement import Placement, V
 from core.pipeline_parallel.position import SchedulePosition, Wait
 from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE
@@ -86,12 +87,57 @@ def test_the_position_names_the_running_action_and_the_message_it_waits_for():
         "microbatch": 0,
         "chunk": 0,
         "peer_chunk": 0,
+        "sending": False,
         "awaited": "rank 6's backward of microbatch 0, chunk 0",
     }
     position.index = len(table)
     assert str(position) == "schedule done (16 actions): sends completing, gradient reductions"
     assert position.as_dict()["last_finished"] == {"index": 15, "action": "0B3"}
     assert position.as_dict()["running"] is None
+
+
+def test_a_rank_done_with_its_table_waits_for_its_sends_to_be_received():
+    """Pipeline rank 1 (global 6) has run its whole table; its last gradient send, to pipeline rank 0
+    (global 4), is not received yet: it waits for rank 4 to receive it, and the summary says so."""
+    table = list(complete_tables(DEFAULT_SCHEDULE, 2, 1, 4)[1])
+    mailbox, position = _mailbox(1, Placement(2)), SchedulePosition()
+    position.begin(table, mailbox)
+    position.index = len(table)
+    future = torch.futures.Future()
+    message = output_message(Action(ActionKind.B, 3, 0), 1, mailbox.placement)
+    mailbox.sends.append((_create_work_from_future(future), message))
+    finishing = threading.Thread(target=mailbox.finish)
+    finishing.start()
+    try:
+        while mailbox.sending is None:
+            time.sleep(0.001)
+        wait = position.waits_for()
+        waiting_on, dumped = position.waiting_on(), position.as_dict()["waits_for"]
+    finally:
+        future.set_result([torch.zeros(1)])
+        finishing.join()
+    assert wait == Wait(peer=4, kind="gradient", microbatch=3, chunk=0, peer_chunk=0, sending=True)
+    assert waiting_on == (4, "gradient of microbatch 3, chunk 0", "send")
+    assert dumped["awaited"] == "rank 4 to receive this rank's gradient of microbatch 3, chunk 0"
+    assert dumped["sending"] is True and position.waits_for() is None and mailbox.sends == []
+    beat = Heartbeat(1, "forward-backward", 6, 0.0, waiting_on)
+    assert Heartbeat.decode(beat.encode().encode()) == beat
+    beats = {
+        0: _beat(6),
+        1: _beat(6),
+        2: Heartbeat(1, "forward-backward", 6, 0.0, (0, waiting_on[1], "send")),
+        3: _beat(6),
+    }
+    assert summarize_waits(beats) == (
+        "rank 2 waits for its sends to rank 0 to be received (gradient of microbatch 3, chunk 0 at iteration 6) "
+        "(ranks 1,3 wait for no pipeline message)"
+    )
+    beats[1] = _beat(6, (0, "forward of microbatch 3, chunk 0"))
+    beats[3] = _beat(6, (2, "backward of microbatch 0, chunk 0"))  # waits on a sender: held up by rank 0 too
+    assert summarize_waits(beats) == (
+        "ranks 1,3 wait on rank 0's forward of microbatch 3, chunk 0 at iteration 6; rank 2 waits for its sends "
+        "to rank 0 to be received (gradient of microbatch 3, chunk 0 at iteration 6)"
+    )
 
 
 def test_the_awaited_action_is_in_the_senders_chunk():
@@ -221,3 +267,40 @@ def test_the_summary_takes_the_beat_a_rank_failed_in_over_its_last_done_beat():
         "hang summary: rank 1 waits on rank 2's forward of microbatch 0, chunk 0 at iteration 3 (rank 0 waits "
         "for no pipeline message)"
     )
+
+
+def _dump(*collectives: tuple[str, int]) -> dict:
+    """A rank's dump whose recorder holds ``(process group, collective number)`` in the order made."""
+    entries = [
+        {"record_id": i, "process_group": [group, ""], "collective_seq_id": seq, "profiling_name": "gloo:all_reduce",
+         "is_p2p": False}
+        for i, (group, seq) in enumerate(collectives)
+    ]  # fmt: skip
+    return {"flight_recorder": {"entries": entries}}
+
+
+def test_when_every_rank_waits_in_a_collective_the_dumps_name_the_rank_that_has_not_entered_it():
+    """PP2 x DP2 as a hang at the optimizer leaves it: rank 3 has not entered the default group's
+    collective 29 that ranks 0,1,2 wait in. Then a chain: rank 3 waits in group 22 for rank 1, which
+    waits in group 1 for rank 0, as rank 2 does in group 21: all three wait on rank 0."""
+    level = [("21", 5), ("0", 28)]
+    dumps = {
+        0: _dump(*level, ("0", 29)),
+        1: _dump(*level, ("0", 29)),
+        2: _dump(*level, ("0", 29)),
+        3: _dump(*level),
+    }
+    assert flight_recorder.not_entered(dumps) == (
+        "ranks 0,1,2 wait on rank 3, which has not entered gloo:all_reduce #29 of process group 0"
+    )
+    chained = {
+        0: _dump(("1", 5), ("21", 5)),
+        1: _dump(("1", 5), ("22", 5), ("22", 6), ("1", 6)),
+        2: _dump(("21", 5), ("21", 6)),
+        3: _dump(("22", 5), ("22", 6), ("22", 7)),
+    }
+    assert flight_recorder.not_entered(chained) == (
+        "ranks 1,2,3 wait on rank 0, which has not entered gloo:all_reduce #6 of process group 1 and "
+        "gloo:all_reduce #6 of process group 21"
+    )
+    assert flight_recorder.not_entered({0: _dump(*level), 1: _dump(*level)}) is None

@@ -20,11 +20,19 @@ from core import flight_recorder
 from core.device import DeviceError
 from core.watchdog import Heartbeat, claim_report, error_reported, is_communication_failure
 from training.checkpoint.format import CheckpointError
-from training.errors import ConfigError, DataError, PeerFailure, ResultRejected, UsageError
+from training.errors import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    ConfigError,
+    DataError,
+    PeerFailure,
+    ResultRejected,
+    UsageError,
+)
 from training.faults.launcher import watch_launcher
 from training.reporting.logging_utils import print_line
 
-EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
+EXIT_INTERRUPTED = 130
 _VERDICT = "_trident_verdict"
 
 
@@ -201,6 +209,7 @@ DUMPED_KEY = "trident/flight-recorder/{rank}"
 """Set once a rank has written its post-mortem, to its heartbeat then (the state it failed in: a rank
 that fails goes on to stop its watchdog, whose last beat then says ``done``)."""
 DUMPS_LINE = "flight recorder (each rank's last collectives and schedule position)"
+NO_PIPELINE_WAIT = "hang summary: no rank waits for a pipeline message"
 
 
 def post_mortem(silent: list[int]) -> tuple[str, ...]:
@@ -212,6 +221,9 @@ def post_mortem(silent: list[int]) -> tuple[str, ...]:
     wait_for_dumps(others, 3 * watchdog.interval)
     dumped = dump_flight_recorder()
     summary = watchdog.summary(silent, _final_beats(watchdog.world_size))
+    if summary.startswith(NO_PIPELINE_WAIT) and not silent:  # in a collective: who has not entered it
+        behind = flight_recorder.not_entered(flight_recorder.read_dumps(range(watchdog.world_size)))
+        summary = f"hang summary: {behind}" if behind else summary
     if dumped is None:
         return (summary,)
     return (f"{DUMPS_LINE}: {os.path.dirname(dumped)}/rank_*.json", summary)

@@ -14,6 +14,8 @@ Megatron's verdicts, which Trident keeps:
   of the step and exit 16 ("resume to disambiguate"); resumed from it (elsewhere), the step is run a
   third time and compared with the record: different, a persistent fault of the first devices; the
   same, a correct result (the model or the data make it). Both exit 17.
+* under ``trident-run`` (:mod:`training.launch`) the launcher exits with 16 or 17 and does not restart
+  after either (torchrun exits 1 and restarts after both);
 * a check that is not fatal rejects a result: the step is rerun in place, the verdict is printed,
   and training goes on.
 * ``report_stats`` runs every step twice and reports, at each log step, how often the loss and the
@@ -63,7 +65,7 @@ import torch.distributed as dist
 from core.device import current_device
 from core.tensor_parallel.fp8 import fp8_states
 from training.checkpoint.rng import get_rng_state, set_rng_state
-from training.errors import ConfigError, ResultRejected
+from training.errors import EXIT_FAILED_VALIDATION, EXIT_RESUME_TO_DISAMBIGUATE, ConfigError, ResultRejected
 from training.faults.agreement import everyone
 from training.reporting.logging_utils import print_rank_0
 
@@ -73,8 +75,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EXIT_FAILED_VALIDATION", "EXIT_RESUME_TO_DISAMBIGUATE", "ResultValidator"]
 
-EXIT_RESUME_TO_DISAMBIGUATE = 16  # Megatron's codes
-EXIT_FAILED_VALIDATION = 17
 SPIKE_FACTOR, SAMPLES = 10.0, 100  # Megatron's: 10x the largest of the first 100 values
 GRAD_TOLERANCE = 1e-3  # Megatron's relative tolerance when it compares gradient norms
 
