@@ -74,9 +74,17 @@ class _ParallelLinear(nn.Module):
     """What the column- and row-parallel linears share: the TP group, the config's switches, a weight
     initialised from its full master, and a zeroed bias."""
 
-    keep_out_of_compile = True
-    """Under ``--compile`` the layer runs eagerly: its matmuls, collectives and weight gradients stay
-    outside the compiled regions (see ``core.transformer.compile``)."""
+    @property
+    def keep_out_of_compile(self) -> bool:
+        """Under ``--compile`` the layer runs eagerly when it communicates (TP > 1), casts to FP8 or
+        accumulates into ``main_grad`` itself: its matmuls, collectives and weight gradients stay outside
+        the compiled regions (see ``core.transformer.compile``). Otherwise it is one ``F.linear`` and
+        compiles with its neighbours, so a TP=1 layer is one region instead of five."""
+        return (
+            tp_world_size(self.tp_group) > 1
+            or self.fp8_state is not None
+            or self.gradient_accumulation_fusion
+        )
 
     def _fp8_sharding(self) -> tuple[bool, bool, bool]:
         """Whether (input, weight, output gradient) are split over the TP ranks."""

@@ -3,8 +3,11 @@
 What compiling a layer buys is fusion of the element-wise work between its matrix products (norms,
 RoPE, the activation, dropout and the residual adds); the products themselves and attention are
 the same library kernels either way. So a compiled layer is compiled everywhere except in its
-tensor-parallel linear layers, which run eagerly: Dynamo breaks the graph around each of them (four
-breaks a layer, five compiled regions). That one choice gives the rest:
+tensor-parallel linear layers when they communicate (TP > 1), cast to FP8 or accumulate into
+``main_grad`` themselves: those run eagerly, and Dynamo breaks the graph around each of them (four
+breaks a layer, five compiled regions). At TP=1 a plain linear layer is one ``F.linear`` and compiles
+with its layer, which is then one region (fewer guards and wrapper calls a step, and the bias and
+activation fused into the product's epilogue where the compiler can). That one choice gives the rest:
 
 * tensor and sequence parallelism: every collective lives in a linear layer (or the loss), so the
   compiled regions never communicate and need no traceable collectives;

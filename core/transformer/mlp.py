@@ -44,7 +44,13 @@ class SwiGLU(torch.autograd.Function):
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of fc1's output ``[..., 2 * ffn]`` (gate first, then up): ``[..., ffn]``."""
+    """SwiGLU of fc1's output ``[..., 2 * ffn]`` (gate first, then up): ``[..., ffn]``.
+
+    Under ``torch.compile`` it is the plain expression, which the compiler fuses itself (Dynamo cannot
+    trace :class:`SwiGLU`'s backward, whose ``out=`` writes would break the layer's graph in two)."""
+    if torch.compiler.is_compiling():
+        gate, up = torch.chunk(x, 2, dim=-1)
+        return F.silu(gate) * up
     return SwiGLU.apply(x)
 
 

@@ -126,8 +126,10 @@ def trident_flags(spec: dict, args: argparse.Namespace, dtype: str, phase: str) 
         f"--lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --mock-data --tokenizer-type NullTokenizer "
         f"--vocab-size {spec['vocab'] - 1} --eval-iters 0 --eval-interval {10**6} --log-interval {10**6} "
         f"--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --cross-entropy-loss-fusion "
-        f"--gradient-accumulation-fusion --seed 1234"
+        f"--seed 1234"
     ).split()
+    if args.gradient_accumulation_fusion:
+        flags += ["--gradient-accumulation-fusion"]
     if spec["arch"] == "llama":
         flags += llama_flags(spec["ffn"], spec["groups"])
     else:
@@ -368,6 +370,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of both sides")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument(
+        "--gradient-accumulation-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Trident's linear layers accumulate weight gradients into main_grad themselves (and so stay "
+        "eager under --compile); --no-gradient-accumulation-fusion, Trident's default, lets a TP=1 layer "
+        "compile whole",
+    )
     parser.add_argument(
         "--cuda-graphs", action="store_true",
         help="one more phase: Trident with --cuda-graph-impl local (on a CPU it runs without graphs, and says so)",
