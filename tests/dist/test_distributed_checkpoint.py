@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import json
 import os
 import re
+import shutil
 
 import pytest
 import safetensors.torch
@@ -24,6 +26,8 @@ import torch
 
 from core.distributed.grad_buffer import SHARD_ALIGNMENT
 from tests.dist.test_distributed_optimizer import DISTRIBUTED, small_gpt, synthetic_corpus
+from tests.dist.test_moe_checkpoint import _manifest, _resumes_at_ep2_tp2
+from tests.e2e.test_checkpointing import data  # noqa: F401 (a fixture)
 from training.checkpoint import convert_checkpoint, open_checkpoint, target_split
 from training.checkpoint.files import read_header
 
@@ -264,3 +268,21 @@ def test_fp8_experts_reduce_their_amaxes_over_expert_data_parallel_replicas(rank
     loaded = _fp8_pretrain(0, 1, one)  # at iteration 3 already: nothing trains
     for name, value in {**results[0], **held}.items():
         assert torch.equal(loaded[name], value), name
+
+
+def test_a_checkpoint_saved_at_ep2_tp2_with_sequence_parallelism_resumes_bit_for_bit(ranks, data, tmp_path):  # noqa: F811
+    """Distributed optimizer at EP2 x TP2 + SP: the experts' optimizer state that TP rank 1 writes is found
+    on load (it was tagged with TP rank 1, and an unsplit tensor is looked up as TP shard 0)."""
+    ckpt = _resumes_at_ep2_tp2(ranks(4), data, tmp_path, "zero1")
+    pieces = _manifest(ckpt, 2)["files"]["optim_tp1_pp0_dp0.safetensors"]["pieces"]
+    experts = {key: piece["tp_rank"] for key, piece in pieces.items() if ".local_experts." in key}
+    assert experts and set(experts.values()) == {0}  # not split over TP: TP shard 0, like the expert files
+    state = {key: open_checkpoint(ckpt, 2).full_tensor(key) for key in experts}
+    old = str(tmp_path / "tagged-tp1")  # as saved before the fix: every piece tagged with the writer's TP rank
+    shutil.copytree(os.path.join(ckpt, "iter_0000002"), old)
+    manifest = _manifest(ckpt, 2)
+    for piece in manifest["files"]["optim_tp1_pp0_dp0.safetensors"]["pieces"].values():
+        piece["tp_rank"] = 1
+    with open(os.path.join(old, "manifest.json"), "w") as fh:
+        json.dump(manifest, fh)
+    assert all(torch.equal(open_checkpoint(old).full_tensor(key), value) for key, value in state.items())

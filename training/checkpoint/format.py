@@ -12,7 +12,9 @@ parallel split, and stored in *pieces* inside safetensors files:
   :class:`Partition` over TP (dim, stride, vocabulary padding rule) and its *owner* in the pipeline
   layout (``"E"``, ``"L"`` or a decoder-layer number), which places it in any other split;
 * a piece is TP shard ``tp_rank`` of the split at which the file was written, or only the flat
-  range ``[start, end)`` of that shard, flattened in row-major order (a 1-D tensor). Model weights
+  range ``[start, end)`` of that shard, flattened in row-major order (a 1-D tensor); a tensor not
+  split over TP has one shard, 0, whichever TP rank writes it (an MoE expert's optimizer state
+  may come from any: other TP ranks hold other experts). Model weights
   and an unsharded optimizer's state are whole shards. The distributed optimizer (ZeRO-1,
   Megatron's design: each data-parallel rank owns a contiguous range of the flat gradient buffer,
   which meets each parameter in one contiguous range) writes, per DP rank ``d``, an

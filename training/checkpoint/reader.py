@@ -144,7 +144,7 @@ class Checkpoint:
             for file, record in m["files"].items():
                 for key, piece in record["pieces"].items():
                     where = (file, piece.get("flat"), piece.get("checksum"))
-                    self._pieces.setdefault(key, {}).setdefault(int(piece.get("tp_rank", 0)), []).append(
+                    self._pieces.setdefault(key, {}).setdefault(self._tp_rank_of(key, piece), []).append(
                         where
                     )
         except (KeyError, TypeError, ValueError) as err:
@@ -152,6 +152,13 @@ class Checkpoint:
                 f"checkpoint manifest {os.path.join(path, MANIFEST)} is corrupt: {err!r}"
             ) from None
         self._headers: dict[str, dict[str, Any]] = {}
+
+    def _tp_rank_of(self, key: str, piece: dict[str, Any]) -> int:
+        """The TP shard a piece belongs to: its tag, or 0 for a tensor not split over TP (which a live
+        save made before this was fixed tagged with the writing rank's TP rank: an MoE expert's
+        optimizer state on TP rank 1)."""
+        spec = self.specs.get(key)
+        return 0 if spec is not None and spec.partition is None else int(piece.get("tp_rank", 0))
 
     # -- what the checkpoint describes ----------------------------------------------------------------
     @property

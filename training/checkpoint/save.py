@@ -144,7 +144,8 @@ def _tensor_files(
         state.flat.clear()
     specs.update(state.specs)
     if state.tensors or d == 0 or sharded:
-        files[optim_file(t, q, d)] = FileToWrite(ordered(state.tensors), t, meta, state.flat)
+        whole = frozenset(key for key in state.tensors if state.specs[key].partition is None)
+        files[optim_file(t, q, d)] = FileToWrite(ordered(state.tensors), t, meta, state.flat, whole)
     return files, state.param_groups, state.grad_scaler
 
 
@@ -242,7 +243,7 @@ def _write(path: str, spec: FileToWrite, to_host: Callable[[torch.Tensor], torch
                 fh.write(key, to_host(tensor))
             record = fh.close(sync_dir=False)  # write_files syncs the directory once
     for key, piece in record["pieces"].items():
-        piece["tp_rank"] = spec.tp_rank
+        piece["tp_rank"] = 0 if key in spec.whole else spec.tp_rank
         if key in spec.flat:
             piece["flat"] = list(spec.flat[key])
     return record

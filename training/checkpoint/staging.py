@@ -48,6 +48,9 @@ class FileToWrite:
     metadata: dict[str, str]
     flat: dict[str, tuple[int, int]] = field(default_factory=dict)
     """``[start, end)`` of the TP shard that each 1-D piece holds (distributed optimizer)."""
+    whole: frozenset[str] = frozenset()
+    """Tensors not split over TP (an MoE expert's optimizer state on any TP rank): their pieces are
+    TP shard 0, as the format has every unsplit tensor's, whichever TP rank writes them."""
     image: FileImage | None = None
     """The whole file in host memory, tensors copied in (an asynchronous save); None: write ``tensors``."""
 
