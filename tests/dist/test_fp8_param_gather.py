@@ -154,8 +154,8 @@ def test_held_expert_stacks_give_the_cast_experts_losses_at_ep2_tp2(ranks, strat
 
 
 EP2_DP4 = EP2[:8]
-"""EP2 without TP (DP 4, expert DP 2), for the checkpoints: a distributed-optimizer resume at EP2 x TP2 does
-not find the experts' optimizer state on TP rank 1, held or not."""
+"""EP2 without TP (DP 4, expert DP 2), for the checkpoints (held expert stacks at EP2 x TP2 resume in
+tests/dist/test_moe_checkpoint.py)."""
 
 
 @pytest.mark.slow
