@@ -108,6 +108,7 @@ def _reduce_options(config: Any, ddp_config: DistributedDataParallelConfig, dp_s
         shard=ddp_config.use_distributed_optimizer,
         shard_grads=ddp_config.shard_grads,
         shard_params=ddp_config.shard_params,
+        hold_params_for_step=ddp_config.param_gather_once_per_step,
         outer_shard=ddp_config.shard_outer,
     )
 

@@ -68,6 +68,12 @@ class DistributedDataParallelConfig:
     its gradients reduce-scattered and its updated parameters all-gathered across them). ``optim``
     needs ``optim_grads_params`` and N > 1, as in Megatron."""
 
+    param_gather_once_per_step: bool = flag(False, group="distributed")
+    """Under ``optim_grads_params`` (ZeRO-3): keep each bucket's parameters gathered from its first use in a
+    step until the optimizer step, instead of freeing them after each layer's forward and backward: one
+    all-gather per bucket and step instead of 2M for M microbatches, at the cost of holding the whole
+    chunk's parameters during the step (between steps a rank still holds 1/DP of them)."""
+
     overlap_param_gather: bool = flag(False, group="distributed")
     """With the distributed optimizer: launch the parameter all-gathers asynchronously after the
     step and let each module's forward pre-hook wait for its own bucket."""
@@ -91,6 +97,11 @@ class DistributedDataParallelConfig:
                 "optimizer gathers parameters)"
             )
         self._check_instances()
+        if self.param_gather_once_per_step and self.data_parallel_sharding_strategy != "optim_grads_params":
+            raise ValueError(
+                "param_gather_once_per_step=True needs data_parallel_sharding_strategy='optim_grads_params' "
+                f"(only ZeRO-3 frees parameters between uses); got {self.data_parallel_sharding_strategy!r}"
+            )
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(
                 f"bucket_size must be a positive number of elements or None, got {self.bucket_size}"

@@ -27,7 +27,8 @@ a gradient in a microbatch simply keeps accumulating until they do, or until the
 updates; ``param_data`` (the full bucket, which every parameter's ``.data`` views) is gathered just
 before the bucket's layer runs forward, freed after it, gathered again when the gradient of that
 layer's output arrives (the start of its backward), and freed once all its parameters' gradients are
-in. ``pending_backward`` counts the backwards begun and not finished, so a pipeline schedule that runs
+in. With ``hold_params_for_step`` (``--param-gather-once-per-step``) the first gather of a step keeps
+them until the optimizer step frees them all: one gather per bucket and step. ``pending_backward`` counts the backwards begun and not finished, so a pipeline schedule that runs
 other microbatches' forwards in between (1F1B, interleaved, zero-bubble's I before W) never frees
 parameters that a pending backward still needs. Freed storage is resized to zero, so the tensors that
 autograd saved in forward are valid again once the parameters are gathered back into the same
@@ -286,9 +287,12 @@ class ShardedBucket(Bucket):
             self._gather_work = None
 
     def release_params(self, force: bool = False) -> None:
-        """Free the gathered parameters, unless a backward that needs them is pending (``force``: anyway)."""
+        """Free the gathered parameters, unless a backward that needs them is pending or they are held for
+        the step (``options.hold_params_for_step``) (``force``: anyway, as after the optimizer step)."""
         if force:
             self.pending_backward = 0
+        elif self.options.hold_params_for_step:
+            return
         if not self.shards_params or not self.params_live or self.pending_backward:
             return
         self._wait_gather()  # never free memory a collective still writes

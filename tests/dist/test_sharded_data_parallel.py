@@ -254,6 +254,56 @@ def test_pretrain_under_a_strategy_gives_the_unsharded_losses(ranks, data_prefix
     assert len(sharded) == len(plain) == 3 and difference <= 1e-5
 
 
+def _gather_once_case(rank, world_size):
+    """ZeRO-3 per microbatch and ZeRO-3 gathering once per step, from the same weights: (losses and norms
+    of each, traffic and layers gathered at once of the second)."""
+    from core import parallel_state as ps
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.tensor_parallel.random import model_parallel_seed
+
+    ps.initialize_model_parallel()
+    torch.manual_seed(0)
+    model_parallel_seed(1234)
+    initial = {k: v.clone() for k, v in _chunk("no_shard", 1, False, None).module.state_dict().items()}
+    out = []
+    for once in (False, True):
+        chunk = _chunk("optim_grads_params", 1, False, initial, param_gather_once_per_step=once)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=True), [chunk]
+        )
+        losses, between_steps = _steps(chunk, optimizer, ps.get_data_parallel_rank())
+        out.append((losses, between_steps))
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_zero3_gathering_once_per_step_trains_what_per_microbatch_gathering_trains(ranks):
+    """``--param-gather-once-per-step``: the same sums on the same values, so the same losses and norms bit
+    for bit; per bucket and step one all-gather instead of 2M (M = 2), and in forward every layer stays
+    gathered; between steps the same 1/DP of the parameters."""
+    for (per_microbatch, memory), (once, held) in ranks(2).run(_gather_once_case, timeout=240):
+        assert once == per_microbatch
+        assert memory["traffic"] == [(2, 4)] and held["traffic"] == [(2, 1)]
+        assert memory["layers gathered at once"] == 2 and held["layers gathered at once"] == 3
+        assert held["params"] == memory["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["PP2xVPP2xDP2", "PP2xDP2 zb-h1", "TP2xDP2"])
+def test_pretrain_gathering_once_per_step_gives_the_losses_of_per_microbatch_gathering(
+    ranks, data_prefix, split
+):
+    from tests.dist.test_distributed_optimizer import small_gpt
+
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    common = small_gpt(
+        data_prefix, 3, *SPLITS[split], *fsdp, "--overlap-grad-reduce", "--overlap-param-gather"
+    )
+    per_microbatch = _pretrain_losses(ranks(4), common)
+    once = _pretrain_losses(ranks(4), common + ["--param-gather-once-per-step"])
+    assert len(once) == 3 and once == per_microbatch
+
+
 def _meta_device_case(ranks, data_prefix, split: str) -> None:
     """ZeRO-3 with the model built on the meta device (each rank materialises its shards bucket by bucket)
     trains with the losses of the model built whole, bit for bit: the same initial values, the same run."""

@@ -113,6 +113,13 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
             ),
         ),
         (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --param-gather-once-per-step",
+            (
+                "--param-gather-once-per-step keeps ZeRO-3's gathered parameters for the step, but the strategy "
+                "is optim_grads: give --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+            ),
+        ),
+        (
             "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --init-model-with-meta-device",
             (
                 "--init-model-with-meta-device is not supported or necessary with --use-megatron-fsdp "

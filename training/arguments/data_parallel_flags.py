@@ -96,6 +96,11 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
         "--data-parallel-sharding-strategy no_shard (as in Megatron-FSDP): every rank holds the whole model "
         "anyway; drop the flag or pick a sharding strategy",
     )
+    _require(
+        not (args.param_gather_once_per_step and strategy != "optim_grads_params"),
+        f"--param-gather-once-per-step keeps ZeRO-3's gathered parameters for the step, but the strategy is "
+        f"{strategy}: give --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+    )
     args.data_parallel_sharding_strategy = strategy
     if strategy != "no_shard":
         args.use_distributed_optimizer = True
