@@ -96,6 +96,17 @@ def _weights(rank, world_size, flags):
     return {n: p.detach().cpu().clone() for m in built for n, p in m.named_parameters() if "fc1" in n}
 
 
+def _resumes_exactly(pool, flags: list[str], tmp_path) -> str:
+    """3 iterations, a save and 3 more after a load give the 6 straight iterations' losses; the
+    checkpoint's directory."""
+    straight, _ = _losses(pool, flags + ["--train-iters", "6"])
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = _losses(pool, flags + ["--train-iters", "3", "--save", ckpt])
+    resumed, _ = _losses(pool, flags + ["--train-iters", "6", "--load", ckpt])
+    assert first + resumed == straight
+    return ckpt
+
+
 @pytest.mark.parametrize("strategy", ["optim", pytest.param("optim_grads_params", marks=pytest.mark.slow)])
 def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(ranks, tmp_path, strategy):
     """PP2 x DP2, bf16, delayed recipe: 3 iterations, a save, 3 more after a load give the 6 straight
@@ -104,11 +115,7 @@ def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(
     flags = BF16_DELAYED
     if strategy != "optim":
         flags = flags + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
-    straight, _ = _losses(ranks(4), flags + ["--train-iters", "6"])
-    ckpt = str(tmp_path / "ckpt")
-    first, _ = _losses(ranks(4), flags + ["--train-iters", "3", "--save", ckpt])
-    resumed, _ = _losses(ranks(4), flags + ["--train-iters", "6", "--load", ckpt])
-    assert first + resumed == straight
+    ckpt = _resumes_exactly(ranks(4), flags, tmp_path)
     saved = open_checkpoint(str(tmp_path / "ckpt" / "iter_0000003"))
     plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"]
     loaded = _weights(0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --load".split() + [ckpt])
@@ -183,11 +190,7 @@ def test_held_expert_stacks_resume_exactly_and_store_each_experts_master_values(
         FP8_FP32 + EP2_DP4 + "--bf16 --fp8-recipe delayed --fp8-amax-history-len 4 --lr-decay-iters 6".split()
     )
     flags += HELD
-    straight, _ = _losses(ranks(4), flags + ["--train-iters", "6"])
-    ckpt = str(tmp_path / "ckpt")
-    first, _ = _losses(ranks(4), flags + ["--train-iters", "3", "--save", ckpt])
-    resumed, _ = _losses(ranks(4), flags + ["--train-iters", "6", "--load", ckpt])
-    assert first + resumed == straight
+    ckpt = _resumes_exactly(ranks(4), flags, tmp_path)
     saved = open_checkpoint(str(tmp_path / "ckpt" / "iter_0000003"))
     plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"] + EP2[:4]  # one rank: EP 1
     loaded = _weights(0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --load".split() + [ckpt])

@@ -154,18 +154,23 @@ def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two():
         "--tensor-model-parallel-size",
         "2",
     ]
-    held_elements = 4 * (256 * 768 + 256 * 256 + 256 * 2048 + 1024 * 256) // 2
+    _assert_held_saves_a_byte_each(flags, 8, 4 * (256 * 768 + 256 * 256 + 256 * 2048 + 1024 * 256) // 2)
+
+
+def _assert_held_saves_a_byte_each(flags: list[str], world_size: int, held_elements: int) -> None:
+    """The dry run with ``--fp8-param-gather`` holds ``held_elements`` fewer parameter bytes than without
+    (one byte saved per element, less the held weights' scales and their buffer's padding), and the same
+    gradient bytes."""
     cast, held = (
         dry_run(
             flags + extra,
-            world_size=8,
+            world_size=world_size,
             pp_rank=0,
             vocab_size=4096,
             forward_step_func=pretrain_gpt.forward_step,
         )
         for extra in ([], ["--fp8-param-gather"])
     )
-    # one byte saved per element, less the held weights' scales and their buffer's padding
     assert held_elements - 256 <= cast.params - held.params <= held_elements
     assert cast.grads == held.grads
 
@@ -181,19 +186,7 @@ def test_the_dry_run_counts_each_held_expert_weight_at_one_byte_instead_of_two()
         "--fp8-recipe tensorwise --use-distributed-optimizer --num-experts 4 --moe-router-topk 2 "
         "--expert-model-parallel-size 2"
     )
-    held_elements = 2 * (256 * 768 + 256 * 256 + 2 * (256 * 1024 + 512 * 256))
-    cast, held = (
-        dry_run(
-            flags + extra,
-            world_size=4,
-            pp_rank=0,
-            vocab_size=4096,
-            forward_step_func=pretrain_gpt.forward_step,
-        )
-        for extra in ([], ["--fp8-param-gather"])
-    )
-    assert held_elements - 256 <= cast.params - held.params <= held_elements
-    assert cast.grads == held.grads
+    _assert_held_saves_a_byte_each(flags, 4, 2 * (256 * 768 + 256 * 256 + 2 * (256 * 1024 + 512 * 256)))
 
 
 def _experts(dtype: torch.dtype) -> ExpertLinear:

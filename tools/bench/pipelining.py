@@ -37,7 +37,6 @@ import os
 import pstats
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -45,13 +44,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed import pipelining
 
 import pretrain_gpt
 from core import parallel_state as ps
-from tools.bench.schedules import _collect as collect
+from tools.bench.ranks import spawn
 from training import get_args
 from training.data.batches import BatchStream
 from training.training import pretrain
@@ -247,26 +245,6 @@ def _worker(rank: int, job: dict, init_file: str, results) -> None:
         )
 
 
-def _spawn(job: dict) -> dict:
-    """The loss stage's results from ``job["pp"]`` spawned ranks, or an error as soon as one dies."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, job, os.path.join(tmp, "rendezvous"), queue))
-            for r in range(job["pp"])
-        ]
-        for p in procs:
-            p.start()
-        try:
-            return collect(queue, procs)
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-
-
 def _case(pp: int, schedule: str, args) -> dict:
     job = {
         "pp": pp,
@@ -277,7 +255,7 @@ def _case(pp: int, schedule: str, args) -> dict:
         "profile_lines": args.profile_lines,
         "profile_rank": args.profile_rank,
     }
-    out = _spawn(job)
+    out = spawn(_worker, job, world=pp)
     tokens = 8 * 128
     trident, torch_ = statistics.median(out["trident_seconds"]), statistics.median(out["torch_seconds"])
     gap = max(abs(a - b) for a, b in zip(out["trident_losses"], out["torch_losses"]))

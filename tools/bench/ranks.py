@@ -21,12 +21,20 @@ import torch.multiprocessing as mp
 from core.device import bind_local_device, current_device, default_backend
 from core.pipeline_parallel.schedules import get_forward_backward_func
 
-__all__ = ["init_rank", "mean_output_step", "slowest_seconds", "spawn", "token_batches", "train_step"]
+__all__ = [
+    "collect",
+    "init_rank",
+    "mean_output_step",
+    "slowest_seconds",
+    "spawn",
+    "token_batches",
+    "train_step",
+]
 
 
 def spawn(worker: Callable, args: Any, world: int = 2, timeout: float = 3600) -> Any:
-    """Run ``worker(rank, args, init_file, results)`` on ``world`` spawned ranks; what rank 0 puts in
-    ``results``."""
+    """Run ``worker(rank, args, init_file, results)`` on ``world`` spawned ranks; what one rank puts in
+    ``results`` (a clear error as soon as a rank dies)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -34,10 +42,29 @@ def spawn(worker: Callable, args: Any, world: int = 2, timeout: float = 3600) ->
         procs = [ctx.Process(target=worker, args=(r, args, init_file, results)) for r in range(world)]
         for p in procs:
             p.start()
-        out = results.get(timeout=timeout)
-        for p in procs:
-            p.join(timeout=60)
-    return out
+        try:
+            return collect(results, procs, timeout)
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+
+
+def collect(queue, procs: list, timeout: float = 1800) -> Any:
+    """The result a rank puts in ``queue``, or a clear error as soon as a rank dies instead of waiting
+    out the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except Exception:  # noqa: BLE001 - queue.Empty; check the ranks and keep waiting
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(
+                    f"a benchmark rank failed (exit codes {dead}); see its traceback above"
+                ) from None
+    raise TimeoutError(f"benchmark ranks did not finish within {timeout:.0f} s")
 
 
 def init_rank(rank: int, world: int, init_file: str, threads: int) -> None:

@@ -43,6 +43,7 @@ from core.pipeline_parallel.actions import B, F, I, W
 from core.pipeline_parallel.schedule_rules import placement_for
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
+from tools.bench.ranks import collect
 
 SEQ, BATCH, HIDDEN = 16, 1, 16
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-h1", 2), ("zbv", 2)]
@@ -302,21 +303,6 @@ def ideal_makespan(schedule: str, pp: int, vpp: int, m: int, args) -> float:
     return simulate(tables, placement, cost, cost, input_cost=cost, weight_cost=cost).makespan
 
 
-def _collect(queue, procs, timeout: float = 1800):
-    """Rank 0's results, or a clear error as soon as a rank dies instead of waiting out the timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except Exception:  # noqa: BLE001 - queue.Empty; check the ranks and keep waiting
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(
-                    f"a benchmark rank failed (exit codes {dead}); see its traceback above"
-                ) from None
-    raise TimeoutError(f"benchmark ranks did not finish within {timeout:.0f} s")
-
-
 def _name(schedule: str, vpp: int) -> str:
     if schedule == "zb-h1" and vpp > 1:
         return f"interleaved zb v={vpp}"
@@ -335,7 +321,7 @@ def _run(args, cases) -> tuple[list, dict]:
         for p in procs:
             p.start()
         try:
-            return _collect(queue, procs)
+            return collect(queue, procs)
         finally:
             for p in procs:
                 p.join(timeout=30)
