@@ -278,79 +278,38 @@ def _union(results, run: str, key: str | None) -> dict[str, torch.Tensor]:
     return {n: g for r in results for n, g in (r[run] if key is None else r[run][key]).items()}
 
 
+def _split(schedule: str = "1f1b", *, tp: int = 1, pp: int = 1, ep: int = 2, **overrides) -> tuple:
+    """One case of MODEL_SPLITS: EP 2 under 1F1B unless it says otherwise; ``overrides`` go to the config."""
+    return tp, pp, ep, schedule, overrides
+
+
 MODEL_SPLITS = {  # name: (tp, pp, ep, schedule, overrides) on 4 ranks; DP takes the rest
-    "ep2-dp4-alltoall-looped": (1, 1, 2, "1f1b", {"moe_token_dispatcher_type": "alltoall"}),
-    "ep4-allgather-grouped": (
-        1,
-        1,
-        4,
-        "1f1b",
-        {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True},
+    "ep2-dp4-alltoall-looped": _split(moe_token_dispatcher_type="alltoall"),
+    "ep4-allgather-grouped": _split(ep=4, moe_token_dispatcher_type="allgather", moe_grouped_gemm=True),
+    "tp2-sp-ep2-alltoall-grouped": _split(tp=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True),
+    "tp2-sp-ep2-allgather-looped": _split(tp=2, moe_token_dispatcher_type="allgather"),
+    "pp2-ep2-1f1b-alltoall": _split(pp=2, moe_token_dispatcher_type="alltoall"),
+    "pp2-ep2-zb-h1-alltoall-grouped": _split(
+        "zb-h1", pp=2, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True
     ),
-    "tp2-sp-ep2-alltoall-grouped": (
-        2,
-        1,
-        2,
-        "1f1b",
-        {"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True},
+    "pp2-ep2-zb-h1-allgather-recompute": _split(
+        "zb-h1", pp=2, moe_token_dispatcher_type="allgather", **full_recompute("uniform", 1)
     ),
-    "tp2-sp-ep2-allgather-looped": (2, 1, 2, "1f1b", {"moe_token_dispatcher_type": "allgather"}),
-    "pp2-ep2-1f1b-alltoall": (1, 2, 2, "1f1b", {"moe_token_dispatcher_type": "alltoall"}),
-    "pp2-ep2-zb-h1-alltoall-grouped": (
-        1,
-        2,
-        2,
-        "zb-h1",
-        {"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True},
+    "pp2-vpp2-layout-ep2-interleaved": _split(
+        pp=2, virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|t|tL"
     ),
-    "pp2-ep2-zb-h1-allgather-recompute": (
-        1,
-        2,
-        2,
-        "zb-h1",
-        {"moe_token_dispatcher_type": "allgather", **full_recompute("uniform", 1)},
+    "pp2-ep2-zbv-allgather": _split(
+        "zbv", pp=2, virtual_pipeline_model_parallel_size=2, moe_token_dispatcher_type="allgather"
     ),
-    "pp2-vpp2-layout-ep2-interleaved": (
-        1,
-        2,
-        2,
-        "1f1b",
-        {"virtual_pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|t|t|tL"},
+    "pp2-ep2-gpipe-allgather-grouped": _split(
+        "gpipe", pp=2, moe_token_dispatcher_type="allgather", moe_grouped_gemm=True
     ),
-    "pp2-ep2-zbv-allgather": (
-        1,
-        2,
-        2,
-        "zbv",
-        {"virtual_pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},
+    "pp2-vpp2-ep2-zb-h1-interleaved": _split(
+        "zb-h1", pp=2, virtual_pipeline_model_parallel_size=2, moe_token_dispatcher_type="alltoall"
     ),
-    "pp2-ep2-gpipe-allgather-grouped": (
-        1,
-        2,
-        2,
-        "gpipe",
-        {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": True},
-    ),
-    "pp2-vpp2-ep2-zb-h1-interleaved": (
-        1,
-        2,
-        2,
-        "zb-h1",
-        {"virtual_pipeline_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
-    ),
-    "cp2-ep2-alltoall": (
-        1,
-        1,
-        2,
-        "1f1b",
-        {"context_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
-    ),
-    "cp2-ep2-allgather-a2a": (
-        1,
-        1,
-        2,
-        "1f1b",
-        {"context_parallel_size": 2, "cp_comm_type": "a2a", "moe_token_dispatcher_type": "allgather"},
+    "cp2-ep2-alltoall": _split(context_parallel_size=2, moe_token_dispatcher_type="alltoall"),
+    "cp2-ep2-allgather-a2a": _split(
+        context_parallel_size=2, cp_comm_type="a2a", moe_token_dispatcher_type="allgather"
     ),
 }
 MODEL_SLOW = {  # CI keeps PP2 x EP2 under zb-h1 (TP x SP and the router's TP x CP group: the layer cases)

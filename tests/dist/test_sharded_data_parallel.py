@@ -389,14 +389,23 @@ def test_a_zero3_checkpoint_resumes_under_other_strategies_and_splits(ranks, dat
     assert exported["zero3"].keys() == exported["zero1"].keys()
     assert all(torch.equal(t, exported["zero1"][k]) for k, t in exported["zero3"].items())
     pp2 = ["--pipeline-model-parallel-size", "2"]
-    for name, split in {
+    splits = {
         "ZeRO-1 TP2xDP2": [*tp2, "--use-distributed-optimizer"],
         "ZeRO-2 PP2xDP2": [*pp2, *fsdp, "--data-parallel-sharding-strategy", "optim_grads"],
         "no_shard DP4": [],
-    }.items():
-        resumed = _pretrain_losses(ranks(4), small_gpt(data_prefix, 4, *split, *load))
+    }
+    _assert_resumed_losses(ranks(4), data_prefix, load, straight, splits, "ZeRO-3")
+
+
+def _assert_resumed_losses(pool, data_prefix, load, straight, splits, saved_by: str) -> None:
+    """The last two of four iterations, resumed from ``load`` under each of ``splits``, log the straight
+    run's last two losses (within 1e-5: another split or another reduction order)."""
+    from tests.dist.test_distributed_optimizer import small_gpt
+
+    for name, split in splits.items():
+        resumed = _pretrain_losses(pool, small_gpt(data_prefix, 4, *split, *load))
         difference = max(abs(x - y) / abs(y) for x, y in zip(resumed, straight[2:], strict=True))
-        print(f"{name} from the ZeRO-3 checkpoint: {difference:.1e}")
+        print(f"{name} from the {saved_by} checkpoint: {difference:.1e}")
         assert difference <= 1e-5, name
 
 
@@ -584,15 +593,12 @@ def test_hsdp_through_pretrain_gives_the_unsharded_losses_and_its_checkpoints_lo
     assert max(abs(x - y) / abs(y) for x, y in zip(straight, plain, strict=True)) <= 1e-5
     assert any(name.startswith("optimizer.") for name in _whole_tensors(saved, 2))  # each range once
     load = ["--load", saved, "--ckpt-step", "2"]
-    for name, split in {
+    splits = {
         "HSDP outer optim DP4": outer,
         "ZeRO-1 DP2 x TP2": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
         "no_shard DP4": [],
-    }.items():
-        resumed = _pretrain_losses(ranks(4), small_gpt(data_prefix, 4, *split, *load))
-        difference = max(abs(x - y) / abs(y) for x, y in zip(resumed, straight[2:], strict=True))
-        print(f"{name} from the HSDP checkpoint: {difference:.1e}")
-        assert difference <= 1e-5, name
+    }
+    _assert_resumed_losses(ranks(4), data_prefix, load, straight, splits, "HSDP")
 
 
 # --------------------------------------------------------------------------------------------------

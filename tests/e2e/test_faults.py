@@ -20,6 +20,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from core.pipeline_parallel.position import Wait
 from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE
 from core.pipeline_parallel.schedules import complete_tables
 from core.watchdog import Watchdog, claim_report, is_communication_failure
@@ -337,17 +338,9 @@ def test_a_hang_names_the_action_every_rank_waits_on_and_each_rank_dumps_its_tab
         assert schedule["table"] == [str(action) for action in tables[rank]]
         assert schedule["iteration"] == 3 and schedule["running"] == running
         assert schedule["last_finished"] == {"index": running["index"] - 1, "action": finished}
+    # rank 0 dumps the wait its position names (the record's fields: test_hang_post_mortem.py)
     waited = json.loads((tmp_path / "rank_0.json").read_text())["schedule"]["waits_for"]
-    assert waited == {
-        "peer_rank": 1,
-        "direction": "backward",
-        "message": "gradient",
-        "microbatch": 0,
-        "chunk": 0,
-        "peer_chunk": 0,
-        "sending": False,
-        "awaited": "rank 1's backward of microbatch 0, chunk 0",
-    }
+    assert waited == Wait(peer=1, kind="gradient", microbatch=0, chunk=0, peer_chunk=0).as_dict()
     assert json.loads((tmp_path / "rank_1.json").read_text())["schedule"]["waits_for"] is None
     assert worker_tracebacks(output) == []
 

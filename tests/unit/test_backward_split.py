@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from core.pipeline_parallel.backward_split import backward_input, backward_weight, fused_backward
-from tests.support.configs import full_recompute
+from tests.support.configs import full_recompute, tiny_config
 
 H = 8
 
@@ -140,17 +140,9 @@ def test_gpt_layers_split_bit_for_bit_with_recompute(recompute):
     recomputes, as torch's non-reentrant checkpoint does for every backward pass).
     """
     from core.transformer.transformer_block import TransformerBlock
-    from models.gpt.presets import gpt2_config
 
     torch.manual_seed(0)
-    config = gpt2_config(
-        num_layers=2,
-        hidden_size=16,
-        num_attention_heads=2,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **recompute,
-    )
+    config = tiny_config("gpt", hidden_size=16, num_attention_heads=2, **recompute)  # weights drawn below
     fused = TransformerBlock(config, [0, 1], post_process=False)
     with torch.no_grad():
         for p in fused.parameters():

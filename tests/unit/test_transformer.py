@@ -14,7 +14,7 @@ from core.tensor_parallel import model_parallel_seed
 from core.transformer import TransformerConfig, TransformerLayer, apply_rotary, core_attention
 from core.transformer.rope import RotaryEmbedding
 from models.gpt import GPTModel, gpt2_config, llama_config
-from tests.support.configs import full_recompute
+from tests.support.configs import full_recompute, tiny_config
 
 VOCAB, SEQ = 64, 8
 
@@ -113,14 +113,7 @@ def test_derived_defaults_follow_megatron():
 
 def test_grouped_query_attention_matches_an_explicit_softmax():
     torch.manual_seed(0)
-    config = llama_config(
-        num_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=32,
-        init_method_std=0.3,
-    )
+    config = tiny_config("llama", num_layers=1, ffn_hidden_size=32, init_method_std=0.3)
     layer = TransformerLayer(config, 0)
     from core.transformer.initialization import initialize_by_name
 
