@@ -268,14 +268,7 @@ def generate_instance_groups(
     optimizer, over which gradient norms are summed; in megatron-core's order, block position by block
     position). Raises ValueError, before anything is created, where N does not divide DPxCP.
     """
-    _check_size("num_distributed_optimizer_instances", num_instances)
-    size = len(dp_cp_groups[0])
-    if size % num_instances:
-        raise ValueError(
-            f"num_distributed_optimizer_instances ({num_instances}) must divide the data-parallel size x "
-            f"context-parallel size ({size})"
-        )
-    block = size // num_instances
+    block = _instance_block(dp_cp_groups, num_instances, "data-parallel size x context-parallel size")
     intra = [list(g[i * block : (i + 1) * block]) for g in dp_cp_groups for i in range(num_instances)]
     inter = [list(g[k::block]) for g in dp_cp_groups for k in range(block)]
     instances = [
@@ -283,6 +276,18 @@ def generate_instance_groups(
         for i in range(num_instances)
     ]
     return {"intra_dp_cp": intra, "inter_dp_cp": inter, "intra_dist_opt": instances}
+
+
+def _instance_block(groups: Sequence[Sequence[int]], num_instances: int, what: str) -> int:
+    """The ranks of one instance in each of ``groups`` (each group's size / ``num_instances``); refuses
+    a ``num_instances`` that does not divide that size, naming it as ``what``."""
+    _check_size("num_distributed_optimizer_instances", num_instances)
+    size = len(groups[0])
+    if size % num_instances:
+        raise ValueError(
+            f"num_distributed_optimizer_instances ({num_instances}) must divide the {what} ({size})"
+        )
+    return size // num_instances
 
 
 EXPERT_INSTANCE_GROUP_NAMES: tuple[str, ...] = ("intra_expt_dp", "inter_expt_dp")
@@ -329,16 +334,10 @@ def generate_expert_instance_groups(
     data-parallel size, or where the two inter groups would differ (never with megatron-core's orders,
     tp-cp-ep-dp-pp and tp-cp-ep-pp-dp; some others, such as cp before tp, would split them differently).
     """
-    _check_size("num_distributed_optimizer_instances", num_instances)
-    size = len(expt_dp_groups[0])
-    if size % num_instances:
-        raise ValueError(
-            f"num_distributed_optimizer_instances ({num_instances}) must divide the expert data-parallel "
-            f"size ({size})"
-        )
+    block = _instance_block(expt_dp_groups, num_instances, "expert data-parallel size")
     intra, inter = [], []
     for ranks in expt_dp_groups:
-        inner, outer = _hierarchical(ranks, [size // num_instances, num_instances])
+        inner, outer = _hierarchical(ranks, [block, num_instances])
         intra += inner
         inter += outer
     if sorted(inter) != sorted(list(g) for g in inter_dp_cp_groups):
