@@ -122,15 +122,20 @@ def train_valid_test_datasets_provider(args):
     )
 
 
+def main(**options):
+    """``pretrain()`` with this file's providers, as ``python pretrain_gpt.py`` runs it. ``options`` are
+    pretrain's keywords: the tools that train in process pass ``argv=`` and ``iteration_hook=``."""
+    return pretrain(
+        train_valid_test_datasets_provider,
+        model_provider,
+        forward_step,
+        tokenizer_provider=tokenizer_provider,
+        **options,
+    )
+
+
 if __name__ == "__main__":
     # One clear error, printed once for the whole job, with exit code 1 (2 for usage errors); the
     # process ends without the interpreter's finalization (training.faults.end_process says why).
     with ending_the_process():
-        run_main(
-            lambda: pretrain(
-                train_valid_test_datasets_provider,
-                model_provider,
-                forward_step,
-                tokenizer_provider=tokenizer_provider,
-            )
-        )
+        run_main(main)

@@ -164,7 +164,6 @@ def frames() -> list[tuple[str, str]]:
     sys.path.insert(0, str(ROOT))
     import pretrain_gpt
     from models.gpt import gpt_model
-    from training import pretrain
 
     chain: list[tuple[str, str]] = []
     original = gpt_model.GPTModel.forward
@@ -184,13 +183,7 @@ def frames() -> list[tuple[str, str]]:
         "--global-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
         "--vocab-size 100 --num-workers 0 --eval-iters 0"
     )
-    pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        argv=argv.split(),
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-    )
+    pretrain_gpt.main(argv=argv.split())
     return chain
 
 

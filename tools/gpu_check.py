@@ -369,6 +369,14 @@ def _print_fp8(rows: list[dict]) -> None:
             print(f"{'fp8':<6} {r['run']:<34} {r['contestant']:<16} final {r['final_loss']:.4f}  {gap}")
 
 
+def _section(rows: list[dict], step: str, header: str) -> list[dict]:
+    """The rows of ``step``, its column header printed first where there are any."""
+    chosen = [r for r in rows if r["step"] == step]
+    if chosen:
+        print(header)
+    return chosen
+
+
 def print_table(env: dict, rows: list[dict]) -> None:
     print(f"gpu_check on {env['device']} | torch {env['torch']} | {env['packages']}")
     print(f"{'step':<6} {'test / configuration':<72} {'result':<9} {'s':>6}  figures")
@@ -376,24 +384,18 @@ def print_table(env: dict, rows: list[dict]) -> None:
         if r["step"] == "tests":
             figures = "; ".join(r.get("figures") or []) or r.get("detail", "")
             print(f"{'test':<6} {r['name']:<72} {r['result']:<9} {r.get('seconds', 0.0):>6.1f}  {figures}")
-    memory = [r for r in rows if r["step"] == "memory"]
-    if memory:
-        print(
-            f"{'memory':<6} {'layout':<32}{'model GB':>10}{'dry run GB':>12}{'counted GB':>12}{'CUDA max GB':>13}"
-        )
-    for r in memory:
+    memory_header = (
+        f"{'memory':<6} {'layout':<32}{'model GB':>10}{'dry run GB':>12}{'counted GB':>12}{'CUDA max GB':>13}"
+    )
+    for r in _section(rows, "memory", memory_header):
         figures = [r.get(k) for k in ("model_peak", "dry_run_peak", "live_bytes_peak", "cuda_max_allocated")]
         cells = "".join(
             f"{x / 1e9:>{w}.3f}" if x else f"{'-':>{w}}" for x, w in zip(figures, (10, 12, 12, 13))
         )
         errors = " ".join(r[k] for k in ("dry_run_error", "real_error", "detail") if k in r)
         print(f"{'memory':<6} {r['layout']:<32}{cells}  {r['result']} {errors}")
-    loss = [r for r in rows if r["step"] == "loss"]
-    if loss:
-        print(
-            f"{'loss':<6} {'dtype':<10}{'plain MiB':>10}{'native':>16}{'linear':>16}{'plain ms':>10}{'native':>9}{'linear':>9}"
-        )
-    for r in loss:
+    loss_header = f"{'loss':<6} {'dtype':<10}{'plain MiB':>10}{'native':>16}{'linear':>16}{'plain ms':>10}{'native':>9}{'linear':>9}"
+    for r in _section(rows, "loss", loss_header):
         if r["result"] != "ok":
             print(f"{'loss':<6} {r['dtype']:<10} {r['result']} {r.get('detail', '')}")
             continue

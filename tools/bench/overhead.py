@@ -40,7 +40,6 @@ import torch
 import pretrain_gpt
 from training import get_args
 from training.data.batches import BatchStream
-from training.training import pretrain
 
 
 class PlainLoop:
@@ -114,14 +113,7 @@ def _round(flags: list[str], warmup: int, profiler: cProfile.Profile | None) -> 
         if profiler is not None and state.iteration < get_args().train_iters:
             profiler.enable()
 
-    pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        argv=flags,
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        iteration_hook=after_iteration,
-    )
+    pretrain_gpt.main(argv=flags, iteration_hook=after_iteration)
     loop = plain[0]
     # Trident's first iteration is not timed (the hook had not run yet): align on the plain loop's 2nd.
     return {

@@ -52,7 +52,6 @@ from core import parallel_state as ps
 from tools.bench.ranks import spawn
 from training import get_args
 from training.data.batches import BatchStream
-from training.training import pretrain
 
 MODEL_FLAGS = [
     "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -215,14 +214,7 @@ def _worker(rank: int, job: dict, init_file: str, results) -> None:
     duel = Duel(
         TorchPipeline(job["schedule"], chunks), job["profile"] and rank == job["profile_rank"] % job["pp"]
     )
-    state = pretrain(
-        pretrain_gpt.train_valid_test_datasets_provider,
-        pretrain_gpt.model_provider,
-        pretrain_gpt.forward_step,
-        argv=flags,
-        tokenizer_provider=pretrain_gpt.tokenizer_provider,
-        iteration_hook=duel,
-    )
+    state = pretrain_gpt.main(argv=flags, iteration_hook=duel)
     profiles = {}
     for engine, profiler in (duel.profilers or {}).items():
         out = io.StringIO()
