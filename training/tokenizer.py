@@ -84,6 +84,8 @@ class GPTSentencePieceTokenizer(_VocabTable):
         self._pad_id = self.tokenizer.pad_id()
         self._bos_id = self.tokenizer.bos_id()
         self._eos_id = self.tokenizer.eos_id()
+        self._eod_id = self._eos_id
+        self._cls_id = self._sep_id = self._mask_id = -1  # no such tokens (SentencePieceTokenizer adds them)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS or EOS."""
@@ -106,20 +108,21 @@ class GPTSentencePieceTokenizer(_VocabTable):
 
     @property
     def eod(self) -> int:
-        """End-of-document id appended by ``--append-eod``: the model's ``</s>``."""
-        return self._eos_id
+        """End-of-document id appended by ``--append-eod``: the model's ``</s>`` (SentencePieceTokenizer's
+        own ``<EOD>``, distinct from ``eos``)."""
+        return self._eod_id
 
     @property
     def cls(self) -> int:
-        return -1
+        return self._cls_id
 
     @property
     def sep(self) -> int:
-        return -1
+        return self._sep_id
 
     @property
     def mask(self) -> int:
-        return -1
+        return self._mask_id
 
 
 class SentencePieceTokenizer(GPTSentencePieceTokenizer):
@@ -183,23 +186,6 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
                 text += self._inv_special_tokens[token_id] + " "
                 last = i + 1
         return text + self.tokenizer.decode_ids(ids[last:])
-
-    @property
-    def eod(self) -> int:
-        """The appended ``<EOD>`` token (distinct from ``eos``, unlike the GPT variant)."""
-        return self._eod_id
-
-    @property
-    def cls(self) -> int:
-        return self._cls_id
-
-    @property
-    def sep(self) -> int:
-        return self._sep_id
-
-    @property
-    def mask(self) -> int:
-        return self._mask_id
 
     @property
     def additional_special_tokens_ids(self) -> list[int]:
