@@ -232,15 +232,33 @@ class StageCostModel:
             grads * per_value
         )
 
+    def group_seconds(self, kind: str, size: int, nbytes: float) -> float:
+        """Seconds of one ``kind`` collective (``all_gather``, ``reduce_scatter``, ``all_reduce``) of a
+        whole tensor of ``nbytes`` in a tensor-parallel group of ``size``: measured where the host was (``HostCosts.collectives``, wall
+        seconds with every rank busy, brought to seconds of work: divided by that load's slowdown, which
+        the shared-core timing puts back), else the ring formulas over the group's link."""
+        if size <= 1:
+            return 0.0
+        host = self.cluster.host
+        measured = host.collective_seconds(kind, size, nbytes)
+        if measured is not None:
+            busy = host.slowdown_at(host.collectives_world, self.cluster.cores) if self.cluster.cores else 1.0
+            return measured / busy
+        return self.tp_link.ring(size, nbytes, all_reduce=kind == "all_reduce")
+
     def _tp_layer_seconds(self) -> float:
-        """One direction's tensor-parallel traffic of a layer (forward, or the input gradient)."""
+        """One direction's tensor-parallel traffic of a layer (forward, or the input gradient): two
+        all-gathers and two reduce-scatters under sequence parallelism, else two all-reduces."""
         c, s = self.cand, self.spec
         activation = s.bytes_per_value * self.tokens * s.hidden_size
         if c.tp == 1:
             return 0.0
         if c.sequence_parallel:
-            return 4 * self.tp_link.ring(c.tp, activation)
-        return 2 * self.tp_link.ring(c.tp, activation, all_reduce=True)
+            return 2 * (
+                self.group_seconds("all_gather", c.tp, activation)
+                + self.group_seconds("reduce_scatter", c.tp, activation)
+            )
+        return 2 * self.group_seconds("all_reduce", c.tp, activation)
 
     def _cp_layer_seconds(self, attention_seconds: float) -> float:
         """Ring attention's exposed key/value traffic of a layer, one direction."""
@@ -282,9 +300,11 @@ class StageCostModel:
         comm = self._tp_layer_seconds() + self._cp_layer_seconds(core) + self._ep_layer_seconds()
         recomputed = comm if c.recompute == "full" else 0.0  # the replayed forward's collectives
         activation = s.bytes_per_value * self.tokens * s.hidden_size
-        embedding = self.tp_link.ring(c.tp, activation, all_reduce=not c.sequence_parallel)
-        gather = self.tp_link.ring(c.tp, activation)
-        reductions = 3 * self.tp_link.ring(c.tp, 4 * self.tokens, all_reduce=True)  # max, sum of exp, target
+        embedding = self.group_seconds(
+            "reduce_scatter" if c.sequence_parallel else "all_reduce", c.tp, activation
+        )
+        gather = self.group_seconds("all_gather", c.tp, activation)
+        reductions = 3 * self.group_seconds("all_reduce", c.tp, 4 * self.tokens)  # max, sum of exp, target
         return (
             ActionCosts(comm, comm + recomputed, 0.0),
             ActionCosts(embedding, 0.0, embedding),
@@ -356,6 +376,13 @@ class StageCostModel:
             sum(n * p.backward_input for n, p in parts),
             sum(n * p.backward_weight for n, p in parts),
         )
+
+    def decoder_layers(self) -> list[ActionCosts]:
+        """Each decoder layer's seconds of one microbatch, in order: those kept out of FP8
+        (``--first-last-layers-bf16``) at what a 16-bit layer costs, the others at the typical one."""
+        spec = self.spec
+        return [self._layer if not spec.fp8 or spec.layer_in_fp8(i) else self._plain_layer
+                for i in range(spec.num_layers)]  # fmt: skip
 
     # -- communication between stages and at the step's end ---------------------------------------
     def p2p_seconds(self) -> float:
