@@ -613,6 +613,20 @@ def test_measured_tp_collectives_replace_the_ring_formula(small):
     assert unmeasured.group_seconds("all_gather", 4, activation) == pytest.approx(ring)
 
 
+def test_ring_attention_costs_its_measured_messages_each_way(small):
+    """CP2 at micro-batch 2: each rank holds 256 of the 512 tokens, its key/value block 2 x 256 x
+    kv_size values. Forward: one block message; backward: the block and its fp32 gradient, then the
+    gradient's last hop: at the host's measured 1 ms and 1 GB/s, with attention too fast to hide any."""
+    spec = small.spec
+    cand = _candidate(spec, tp=1, cp=2, pp=1, dp=2, micro_batch_size=2, num_microbatches=4)
+    host = HostCosts(message_latency=1e-3, message_bandwidth=1e9)
+    fast = Cluster(4, 4, Gpu("fast", 1e9, 80, 1e6, 1.0, 1.0, 1.0, 300.0, 300.0), host=host)
+    layer = StageCostModel(spec, cand, fast).collective_costs()[0]
+    values = 2 * spec.seq_length // 2 * spec.kv_size
+    block, grads = 1e-3 + 2 * spec.bytes_per_value * values / 1e9, 1e-3 + 8 * values / 1e9
+    assert (layer.forward, layer.backward_input) == pytest.approx((block, block + 2 * grads), rel=1e-6)
+
+
 def test_a_measured_slowdown_curve_extends_with_the_ranks():
     host = HostCosts(slowdown=(1.0, 1.3, 1.9, 2.5))
     assert [host.slowdown_at(k, 2) for k in (0, 1, 3, 4, 8)] == [1.0, 1.0, 1.9, 2.5, 5.0]
