@@ -68,6 +68,7 @@ __all__ = [
     "group_sizes",
     "measure_host",
     "monotone",
+    "time_group_collectives",
 ]
 
 ENGINE_CASES = (
@@ -192,7 +193,7 @@ def _contended(rank: int, world: int, busy_seconds: float = 1.5, repeats: int = 
 
 
 def group_sizes(world: int) -> tuple[int, ...]:
-    """The group sizes :func:`_group_collectives` times: each ``g >= 2`` that divides ``world``."""
+    """The group sizes :func:`time_group_collectives` times: each ``g >= 2`` that divides ``world``."""
     return tuple(g for g in range(2, world + 1) if world % g == 0)
 
 
@@ -216,7 +217,9 @@ def _slowest_median(fn, repeats: int) -> float:
     return mine.item()
 
 
-def _group_collectives(rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 6) -> dict:
+def time_group_collectives(
+    rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 6
+) -> dict:
     """{(kind, group size): ((bytes, seconds), ...)}: every group at once, a stretch of ``units``
     matrix multiplies (about a millisecond alone: the compute between a layer's collectives) then one
     collective, less the stretch alone with every rank busy (module docstring)."""
@@ -357,7 +360,7 @@ def _worker(rank: int, world: int, init_file: str, nbytes: int, queue, dtype: to
         contended = _contended(rank, world)
         engine = {(s, v, m): _engine_step(rank, world, s, v, m, 5) for s, v, m in engine_runs(world)}
         optimizer = _optimizer_costs(dtype)
-        grouped = _group_collectives(rank, world, dtype)
+        grouped = time_group_collectives(rank, world, dtype)
         if rank == 0:
             queue.put({"all_reduce": (tiny, large), "p2p": p2p, "slowdown": slowdown, "engine": engine,
                        "contended": contended, "optimizer": optimizer, "grouped": grouped})  # fmt: skip
