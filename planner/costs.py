@@ -22,7 +22,9 @@ a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`
 * tensor parallelism: per layer two all-gathers and two reduce-scatters of the layer's ``[s, b, h]``
   activations each way under sequence parallelism (two all-reduces without it), on the critical path
   (Trident does not overlap them); the loss adds the vocabulary-parallel cross-entropy's three
-  all-reduces of per-token values;
+  all-reduces of per-token values. Where ``--profile-local`` measured them (``HostCosts.collectives``:
+  each kind at the group's size among the other groups' compute) they cost the measured seconds
+  instead of the ring formula;
 * context parallelism: ring attention passes key/value blocks ``cp - 1`` times each way (backward
   also their gradients, ``cp`` hops), overlapped with the blocks' attention, so only what exceeds the
   attention's time shows, and the backward's last gradient hop; point-to-point messages, at the
