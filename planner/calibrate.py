@@ -16,6 +16,14 @@ shows. Here as many real ranks as the plan has (one thread each, as under ``torc
   that compute nothing; the cost per action and the cost per step are the pair with which the
   shared-core timing of the same tables, plus the per-step cost, gives the measured steps best
   (least squares over the three);
+* **collectives inside a layer**: every group of ``g`` consecutive ranks (each size ``g >= 2`` that
+  divides the world: the tensor-parallel groups), all groups at once as in a real step,
+  runs a short stretch of compute and then one all-gather, reduce-scatter or all-reduce, at the
+  sizes of :data:`GROUP_BYTES` and in the model's dtype; what a round takes beyond the same stretch
+  of compute with every rank busy is the collective's seconds (``HostCosts.collectives``; a larger
+  tensor is never cheaper: each size keeps the least of its own and the larger sizes' seconds). On
+  ranks sharing cores that is milliseconds: each collective waits until every rank of its group
+  holds a core, which a ring formula over one latency does not see;
 * **the optimizer step**: every rank at once (as in a step) runs the step's tail on fp32 main
   parameters: the gradient norm, fused (else foreach) AdamW, the main copy written back to the
   16-bit parameters and the gradient buffer zeroed, once over many small tensors and once over a few
@@ -45,10 +53,23 @@ from core.optimizer import has_fused_kernel
 from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE, SCHEDULES, placement_for, schedule_rule
 from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.schedules import get_forward_backward_func
+from core.spawned import first_result
+from core.tensor_parallel.utils import all_gather_single, reduce_scatter_single
 from planner.hardware import HostCosts
 from planner.shared_cores import time_shared
 
-__all__ = ["HostMeasurement", "engine_runs", "fit_engine_costs", "fit_optimizer_costs", "measure_host"]
+__all__ = [
+    "GROUP_BYTES",
+    "GROUP_KINDS",
+    "HostMeasurement",
+    "engine_runs",
+    "fit_engine_costs",
+    "fit_optimizer_costs",
+    "group_sizes",
+    "measure_host",
+    "monotone",
+    "time_group_collectives",
+]
 
 ENGINE_CASES = (
     (DEFAULT_SCHEDULE, 1),
@@ -57,6 +78,11 @@ ENGINE_CASES = (
 """Schedules (and chunks per rank) the engine's fixed cost is measured on: plain 1F1B, and ZB-H1
 interleaved over two chunks (a split backward: I and W actions too)."""
 _SEQ, _HIDDEN = 8, 8
+GROUP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+"""The collectives a layer's tensor-parallel group runs (``HostCosts.collectives``)."""
+GROUP_BYTES = (4 << 10, 256 << 10, 4 << 20)
+"""Bytes of the whole (gathered) tensor the group collectives are timed at: a loss's per-token values,
+a layer's activations at a few thousand tokens, and a large microbatch's."""
 OPTIMIZER_CASES = ((256, 1024), (2, 1 << 22))
 """(tensors, elements each) the optimizer step is timed on: many small tensors, then a few large ones
 (2 x 2^22 elements: 128 MiB of parameters, gradients and moments, beyond the caches, as a real rank's)."""
@@ -166,6 +192,69 @@ def _contended(rank: int, world: int, busy_seconds: float = 1.5, repeats: int = 
     return collective, message
 
 
+def group_sizes(world: int) -> tuple[int, ...]:
+    """The group sizes :func:`time_group_collectives` times: each ``g >= 2`` that divides ``world``."""
+    return tuple(g for g in range(2, world + 1) if world % g == 0)
+
+
+def _group_op(kind: str, nbytes: int, dtype: torch.dtype, group, size: int):
+    """One ``kind`` collective of an ``nbytes`` tensor (whole, gathered) in ``group``, ready to call."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    whole = torch.ones(max(size, nbytes // element // size * size), dtype=dtype)
+    shard = torch.ones(whole.numel() // size, dtype=dtype)
+    if kind == "all_gather":
+        return lambda: all_gather_single(whole, shard, group=group)
+    if kind == "reduce_scatter":
+        return lambda: reduce_scatter_single(shard, whole, group=group)
+    return lambda: dist.all_reduce(whole, group=group)
+
+
+def _slowest_median(fn, repeats: int) -> float:
+    """The slowest rank's median seconds of ``fn``, every rank running it at once."""
+    dist.barrier()
+    mine = torch.tensor([_median_seconds(fn, repeats)])
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.item()
+
+
+def time_group_collectives(
+    rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 6
+) -> dict:
+    """{(kind, group size): ((bytes, seconds), ...)}: every group at once, a stretch of ``units``
+    matrix multiplies (about a millisecond alone: the compute between a layer's collectives) then one
+    collective, less the stretch alone with every rank busy (module docstring)."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def stretch() -> None:
+        for _ in range(units):
+            a @ b
+
+    stretch()
+    compute = _slowest_median(stretch, 3 * repeats)
+    found = {}
+    for size in group_sizes(world):
+        blocks = [list(range(start, start + size)) for start in range(0, world, size)]
+        groups = [dist.new_group(members) for members in blocks]
+        for kind in GROUP_KINDS:
+            seconds = []
+            for nbytes in GROUP_BYTES:
+                op = _group_op(kind, nbytes, dtype, groups[rank // size], size)
+                op()
+                seconds.append(max(0.0, _slowest_median(lambda op=op: (stretch(), op()), repeats) - compute))
+            found[kind, size] = monotone(GROUP_BYTES, seconds)
+    return found
+
+
+def monotone(sizes: tuple[int, ...], seconds: list[float]) -> tuple[tuple[int, float], ...]:
+    """``(size, seconds)`` pairs in which a larger size never costs less: each size keeps the least of
+    its own seconds and the larger sizes' (noise under load makes a small message look dearer)."""
+    kept, least = [], float("inf")
+    for size, t in reversed(list(zip(sizes, seconds))):
+        least = min(least, t)
+        kept.append((size, least))
+    return tuple(reversed(kept))
+
+
 class _EmptyStage(torch.nn.Module):
     """A model chunk that computes (almost) nothing: what is left of a step is the engine's."""
 
@@ -271,9 +360,10 @@ def _worker(rank: int, world: int, init_file: str, nbytes: int, queue, dtype: to
         contended = _contended(rank, world)
         engine = {(s, v, m): _engine_step(rank, world, s, v, m, 5) for s, v, m in engine_runs(world)}
         optimizer = _optimizer_costs(dtype)
+        grouped = time_group_collectives(rank, world, dtype)
         if rank == 0:
             queue.put({"all_reduce": (tiny, large), "p2p": p2p, "slowdown": slowdown, "engine": engine,
-                       "contended": contended, "optimizer": optimizer})  # fmt: skip
+                       "contended": contended, "optimizer": optimizer, "grouped": grouped})  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -317,23 +407,6 @@ def fit_engine_costs(engine_steps: dict, world: int, latency: float, slowdown) -
     return action, per_step(action)
 
 
-def _collect(queue, procs, timeout: float = 600) -> dict:
-    """Rank 0's figures, or an error as soon as a rank dies (instead of waiting out the timeout)."""
-    import queue as queues
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except queues.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(
-                    f"a calibration rank failed (exit codes {dead}); see its error above"
-                ) from None
-    raise TimeoutError(f"calibration ranks did not finish within {timeout:.0f} s")
-
-
 def measure_host(
     world: int, cores: int, nbytes: int = 4 << 20, dtype: torch.dtype = torch.bfloat16
 ) -> HostMeasurement:
@@ -351,7 +424,7 @@ def measure_host(
         for p in procs:
             p.start()
         try:
-            found = _collect(queue, procs)
+            found = first_result(queue, procs, 600, "calibration")
         finally:
             for p in procs:
                 p.join(timeout=30)
@@ -373,5 +446,6 @@ def measure_host(
     action, step = fit_engine_costs(found["engine"], world, p2p_tiny, slowdown)
     per_tensor, per_element = fit_optimizer_costs(found["optimizer"])
     fitted = {"action_seconds": action, "step_seconds": step, "optimizer_tensor_seconds": per_tensor,
-              "optimizer_element_seconds": per_element}  # fmt: skip
+              "optimizer_element_seconds": per_element, "collectives": tuple(sorted(found["grouped"].items())),
+              "collectives_world": world}  # fmt: skip
     return HostMeasurement(bandwidth, latency, HostCosts(**{**host.__dict__, **fitted}), found["engine"])

@@ -22,9 +22,13 @@ a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`
 * tensor parallelism: per layer two all-gathers and two reduce-scatters of the layer's ``[s, b, h]``
   activations each way under sequence parallelism (two all-reduces without it), on the critical path
   (Trident does not overlap them); the loss adds the vocabulary-parallel cross-entropy's three
-  all-reduces of per-token values;
-* context parallelism: ring attention passes key/value blocks ``cp - 1`` times each way, overlapped
-  with the blocks' attention, so only what exceeds the attention's time shows;
+  all-reduces of per-token values. Where ``--profile-local`` measured them (``HostCosts.collectives``:
+  each kind at the group's size among the other groups' compute) they cost the measured seconds
+  instead of the ring formula;
+* context parallelism: ring attention passes key/value blocks ``cp - 1`` times each way (backward
+  also their gradients, ``cp`` hops), overlapped with the blocks' attention, so only what exceeds the
+  attention's time shows, and the backward's last gradient hop; point-to-point messages, at the
+  measured message cost where there is one;
 * expert parallelism: two all-to-alls of the routed tokens each way per MoE layer, not overlapped;
 * pipeline: one ``[s / cp (/ tp), b, h]`` message per boundary per microbatch, at the measured
   point-to-point latency and bandwidth where there are (``Cluster.host``);
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE
 from planner.activations import Shape, stage_activations
 from planner.candidate import Candidate
-from planner.hardware import Cluster
+from planner.hardware import Cluster, Interconnect
 from planner.model_spec import ModelSpec
 
 __all__ = ["CAST_READS", "ActionCosts", "LayerProfile", "MatmulRates", "StageCostModel"]
@@ -232,23 +236,56 @@ class StageCostModel:
             grads * per_value
         )
 
+    def group_seconds(self, kind: str, size: int, nbytes: float) -> float:
+        """Seconds of one ``kind`` collective (``all_gather``, ``reduce_scatter``, ``all_reduce``) of a
+        whole tensor of ``nbytes`` in a tensor-parallel group of ``size``: measured where the host was (``HostCosts.collectives``, wall
+        seconds with every rank busy, brought to seconds of work: divided by that load's slowdown, which
+        the shared-core timing puts back), else the ring formulas over the group's link."""
+        if size <= 1:
+            return 0.0
+        host = self.cluster.host
+        measured = host.collective_seconds(kind, size, nbytes)
+        if measured is not None:
+            busy = host.slowdown_at(host.collectives_world, self.cluster.cores) if self.cluster.cores else 1.0
+            return measured / busy
+        return self.tp_link.ring(size, nbytes, all_reduce=kind == "all_reduce")
+
     def _tp_layer_seconds(self) -> float:
-        """One direction's tensor-parallel traffic of a layer (forward, or the input gradient)."""
+        """One direction's tensor-parallel traffic of a layer (forward, or the input gradient): two
+        all-gathers and two reduce-scatters under sequence parallelism, else two all-reduces."""
         c, s = self.cand, self.spec
         activation = s.bytes_per_value * self.tokens * s.hidden_size
         if c.tp == 1:
             return 0.0
         if c.sequence_parallel:
-            return 4 * self.tp_link.ring(c.tp, activation)
-        return 2 * self.tp_link.ring(c.tp, activation, all_reduce=True)
+            return 2 * (
+                self.group_seconds("all_gather", c.tp, activation)
+                + self.group_seconds("reduce_scatter", c.tp, activation)
+            )
+        return 2 * self.group_seconds("all_reduce", c.tp, activation)
 
-    def _cp_layer_seconds(self, attention_seconds: float) -> float:
-        """Ring attention's exposed key/value traffic of a layer, one direction."""
+    def _cp_layer_seconds(self, attention_seconds: float) -> tuple[float, float]:
+        """Ring attention's exposed traffic of a layer (forward, input gradient). Forward: ``cp - 1``
+        key/value blocks, each sent while the block in hand is attended. Backward: the same blocks and,
+        each step, the blocks' key/value gradients (fp32) travelling on, hidden behind the backward's
+        attention (twice the forward's), and the last gradient hop after it. Each is a point-to-point
+        message (``isend``/``irecv``), at the measured message cost where the host was measured."""
         c, s = self.cand, self.spec
         if c.cp == 1:
-            return 0.0
-        block = 2 * s.bytes_per_value * self.tokens * s.kv_size // c.tp
-        return max(0.0, (c.cp - 1) * self.cp_link.message(block) - attention_seconds)
+            return 0.0, 0.0
+        values = self.tokens * s.kv_size // c.tp
+        block, grads = self._message(2 * s.bytes_per_value * values), self._message(2 * 4 * values)
+        forward = max(0.0, (c.cp - 1) * block - attention_seconds)
+        backward = max(0.0, (c.cp - 1) * (block + grads) - 2 * attention_seconds) + grads
+        return forward, backward
+
+    def _message(self, nbytes: float, link: Interconnect | None = None) -> float:
+        """One point-to-point message: the host's measured latency and bandwidth where there are
+        (``HostCosts.message_latency``), else ``link``'s (the context-parallel group's)."""
+        host, link = self.cluster.host, link or self.cp_link
+        latency = link.latency if host.message_latency is None else host.message_latency
+        bandwidth = link.bandwidth if host.message_bandwidth is None else host.message_bandwidth
+        return latency + nbytes / bandwidth
 
     def _ep_layer_seconds(self) -> float:
         c, s = self.cand, self.spec
@@ -279,14 +316,17 @@ class StageCostModel:
         embedding's TP reduction, the loss's gather and the cross-entropy's three reductions."""
         s, c = self.spec, self.cand
         core = self._flops_seconds(s.attention_core_flops(self.tokens) / c.cp)
-        comm = self._tp_layer_seconds() + self._cp_layer_seconds(core) + self._ep_layer_seconds()
-        recomputed = comm if c.recompute == "full" else 0.0  # the replayed forward's collectives
+        cp_forward, cp_backward = self._cp_layer_seconds(core)
+        comm = self._tp_layer_seconds() + self._ep_layer_seconds()
+        recomputed = comm + cp_forward if c.recompute == "full" else 0.0  # the replayed forward's
         activation = s.bytes_per_value * self.tokens * s.hidden_size
-        embedding = self.tp_link.ring(c.tp, activation, all_reduce=not c.sequence_parallel)
-        gather = self.tp_link.ring(c.tp, activation)
-        reductions = 3 * self.tp_link.ring(c.tp, 4 * self.tokens, all_reduce=True)  # max, sum of exp, target
+        embedding = self.group_seconds(
+            "reduce_scatter" if c.sequence_parallel else "all_reduce", c.tp, activation
+        )
+        gather = self.group_seconds("all_gather", c.tp, activation)
+        reductions = 3 * self.group_seconds("all_reduce", c.tp, 4 * self.tokens)  # max, sum of exp, target
         return (
-            ActionCosts(comm, comm + recomputed, 0.0),
+            ActionCosts(comm + cp_forward, comm + cp_backward + recomputed, 0.0),
             ActionCosts(embedding, 0.0, embedding),
             ActionCosts(gather + reductions, gather, 0.0),
         )
@@ -357,15 +397,19 @@ class StageCostModel:
             sum(n * p.backward_weight for n, p in parts),
         )
 
+    def decoder_layers(self) -> list[ActionCosts]:
+        """Each decoder layer's seconds of one microbatch, in order: those kept out of FP8
+        (``--first-last-layers-bf16``) at what a 16-bit layer costs, the others at the typical one."""
+        spec = self.spec
+        return [self._layer if not spec.fp8 or spec.layer_in_fp8(i) else self._plain_layer
+                for i in range(spec.num_layers)]  # fmt: skip
+
     # -- communication between stages and at the step's end ---------------------------------------
     def p2p_seconds(self) -> float:
         """One pipeline message (an activation or its gradient)."""
         s = self.spec
         message = s.bytes_per_value * self.shape.sharded_seq * self.cand.micro_batch_size * s.hidden_size
-        host = self.cluster.host
-        latency = self.pp_link.latency if host.message_latency is None else host.message_latency
-        bandwidth = self.pp_link.bandwidth if host.message_bandwidth is None else host.message_bandwidth
-        return latency + message / bandwidth
+        return self._message(message, self.pp_link)
 
     def grad_sync_seconds(self, grad_bytes: float, param_bytes: float) -> float:
         """A rank's data-parallel gradient reduction (and parameter all-gather with the distributed optimizer)."""

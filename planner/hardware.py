@@ -15,6 +15,7 @@ many small tensor-parallel collectives expensive there.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 from training.reporting.throughput import PEAK_TFLOPS
 
@@ -108,6 +109,26 @@ class HostCosts:
     slowdown: tuple[float, ...] = ()
     """``slowdown[k - 1]``: how much longer an action takes while ``k`` of the node's ranks compute than
     alone (ranks sharing cores); empty: ideal sharing of ``Cluster.cores``."""
+    collectives: tuple = ()
+    """``((kind, group size), ((bytes, seconds), ...))`` pairs: a layer's collective (``all_gather``,
+    ``reduce_scatter``, ``all_reduce``) of a whole tensor of ``bytes`` in a group of that
+    size, every group of ``collectives_world`` ranks at once among their compute (wall seconds while
+    they all compute); empty: the ring formulas over the link's latency and bandwidth."""
+    collectives_world: int = 0
+    """The ranks that measured ``collectives``, all busy."""
+
+    def collective_seconds(self, kind: str, size: int, nbytes: float) -> float | None:
+        """Measured seconds of a ``kind`` collective of ``nbytes`` in a group of ``size`` (see
+        ``collectives``): linear between the measured sizes, the smallest's below them, the last two's
+        line beyond them; None where unmeasured."""
+        points = dict(self.collectives).get((kind, size))
+        if not points:
+            return None
+        if nbytes <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        segments = list(pairwise(points))
+        (b0, t0), (b1, t1) = next(((a, b) for a, b in segments if nbytes <= b[0]), segments[-1])
+        return max(points[0][1], t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0))
 
     def slowdown_at(self, busy: int, cores: int) -> float:
         """The slowdown with ``busy`` ranks computing; beyond the measured counts, the last measured one

@@ -4,14 +4,18 @@ With a 128K vocabulary the output layer and its cross-entropy cost as much as tw
 layers, and the embedding holds a large weight, so an even split of the decoder layers leaves the
 last stage the slowest. :func:`balanced_layout` cuts ``[E, t x L, L]`` into ``pp x vpp`` contiguous
 stages minimising the most expensive stage (then the busiest rank), which is what sets the pace of
-every schedule here; stages may be uneven or empty.
+every schedule here; stages may be uneven or empty. Where the decoder layers do not all cost the same
+(``--first-last-layers-bf16``: the 16-bit layers at either end cost more than the FP8 ones) each
+layer counts at its own cost.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from core.pipeline_parallel.layout import DECODER, EMBEDDING, LOSS, PipelineLayout
 
-__all__ = ["balanced_layout", "stage_layer_counts"]
+__all__ = ["balanced_layout", "stage_layer_counts", "uneven_layer_counts"]
 
 
 def _capacities(limit: float, stages: int, layer: float, embedding: float, loss: float) -> list[int]:
@@ -22,6 +26,32 @@ def _capacities(limit: float, stages: int, layer: float, embedding: float, loss:
         room = limit - extra
         caps.append(-1 if room < -1e-12 else int(room / layer + 1e-9) if layer > 0 else 10**9)
     return caps
+
+
+def _front_filled(costs: Sequence[float], stages: int, limit: float, embedding: float, loss: float):
+    """Layers per stage, each stage taking the next layers while it costs at most ``limit``; None if
+    some are left over."""
+    counts, at = [], 0
+    for s in range(stages):
+        room = limit - (embedding if s == 0 else 0.0) - (loss if s == stages - 1 else 0.0)
+        n = 0
+        while at < len(costs) and costs[at] <= room + 1e-12 * max(1.0, limit):
+            room, at, n = room - costs[at], at + 1, n + 1
+        counts.append(n)
+    return counts if at == len(costs) else None
+
+
+def uneven_layer_counts(costs: Sequence[float], stages: int, embedding: float = 0.0, loss: float = 0.0):
+    """Decoder layers per stage minimising the largest stage cost when layer ``i`` costs ``costs[i]``:
+    the least limit (bisected to a part in 10^9) at which filling the stages front to back places
+    every layer."""
+    low, high = 0.0, sum(costs) + embedding + loss
+    for _ in range(100):
+        if high - low <= 1e-9 * high:
+            break
+        middle = (low + high) / 2
+        low, high = (low, middle) if _front_filled(costs, stages, middle, embedding, loss) else (middle, high)
+    return _front_filled(costs, stages, high, embedding, loss)
 
 
 def stage_layer_counts(
@@ -69,9 +99,14 @@ def balanced_layout(
     embedding: float = 0.0,
     loss: float = 0.0,
     placement: str = "loop",
+    costs: Sequence[float] | None = None,
 ) -> PipelineLayout:
-    """The layout of :func:`stage_layer_counts` for ``pp x vpp`` stages (costs: forward + backward)."""
-    counts = stage_layer_counts(num_layers, pp * vpp, layer, embedding, loss)
+    """The layout of :func:`stage_layer_counts` for ``pp x vpp`` stages (costs: forward + backward);
+    with ``costs`` (each decoder layer's, where they differ) that of :func:`uneven_layer_counts`."""
+    if costs is not None and len(set(costs)) > 1:
+        counts = uneven_layer_counts(costs, pp * vpp, embedding, loss)
+    else:
+        counts = stage_layer_counts(num_layers, pp * vpp, layer, embedding, loss)
     stages = [[DECODER] * n for n in counts]
     stages[0].insert(0, EMBEDDING)
     stages[-1].append(LOSS)

@@ -224,8 +224,10 @@ def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | N
     fitted = fit_costs(means, cand, prior)
     layer, embedding, loss = (sum(c) for c in (fitted.layer, fitted.embedding, fitted.loss))
     placement = cand.rule.placement
+    typical = sum(prior.layer)  # layers kept out of FP8: the fitted layer times the prior's ratio to it
+    costs = [layer * (c.forward + c.backward) / typical if typical else layer for c in model.decoder_layers()]
     proposed = balanced_layout(spec.num_layers, cand.pp, cand.vpp, layer=layer, embedding=embedding,
-                               loss=loss, placement=placement).to_string()  # fmt: skip
+                               loss=loss, placement=placement, costs=costs).to_string()  # fmt: skip
     before = estimate_step(spec, cand, cluster, fitted)
     after = estimate_step(spec, replace(cand, layout=proposed), cluster, fitted)
     measured = [s for s in data.iterations]

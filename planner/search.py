@@ -237,6 +237,7 @@ def _layouts(
         embedding=embedding.forward + embedding.backward,
         loss=loss.forward + loss.backward,
         placement=placement,
+        costs=[c.forward + c.backward for c in model.decoder_layers()],
     ).to_string()
     return [even] if balanced == even else [even, balanced]
 

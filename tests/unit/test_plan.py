@@ -23,11 +23,13 @@ from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.activations import Shape, stage_activations
+from planner.calibrate import group_sizes, monotone
 from planner.candidate import Candidate
+from planner.cli import _collectives_text
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import GPUS, Cluster, Gpu, HostCosts
 from planner.inputs import read_input
-from planner.layouts import balanced_layout, stage_layer_counts
+from planner.layouts import balanced_layout, stage_layer_counts, uneven_layer_counts
 from planner.megatron_formula import megatron_memory
 from planner.memory import rank_memory, rank_static
 from planner.model_spec import ModelSpec, describe
@@ -230,6 +232,27 @@ def test_first_last_layers_bf16_costs_those_layers_at_the_16_bit_peak_without_ca
     plain = StageCostModel(_fp8_spec(num_layers=4, fp8=False), cand, cluster)
     assert every.rates.label() == "bf16 100"
     assert every.stage(cand.stages.stages[1], 1) == plain.stage(cand.stages.stages[1], 1)
+
+
+def test_balanced_layouts_price_first_last_bf16_layers_at_16_bits():
+    """Issue 28: the balanced layout prices each decoder layer at its own cost. Two 16-bit layers of 3
+    and six FP8 layers of 1 over 2 stages: 12 in all, 6 a stage, so the 16-bit pair is a stage of its
+    own (priced as one typical layer each, the split would be 4 | 4: 3 + 3 + 1 + 1 = 8 against 4).
+    The search passes ``StageCostModel.decoder_layers``: the first and last layer of 4 at the 16-bit
+    layer's cost (the stage test above), the middle two at the FP8 one."""
+    costs = [3.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert uneven_layer_counts(costs, 2) == [2, 6]
+    assert stage_layer_counts(8, 2, 1.0) == [4, 4]
+    assert balanced_layout(8, 2, layer=1.0, costs=costs).to_string() == "E,t*2|t*6,L"
+    assert balanced_layout(8, 2, layer=1.0, costs=[1.0] * 8).to_string() == "E,t*4|t*4,L"  # all alike
+    # the loss's 2 on the last stage: 3 + 3 + 1 = 7 | 5 x 1 + 2 = 7
+    assert uneven_layer_counts(costs, 2, loss=2.0) == [3, 5]
+    cluster = Cluster(2, 2, _FP8_GPU)
+    cand = Candidate(tp=1, pp=2, dp=1, num_microbatches=4, layout="E,t*2|t*2,L")
+    spec = _fp8_spec(num_layers=4, bf16_layers_at_start=1, bf16_layers_at_end=1)
+    model = StageCostModel(spec, cand, cluster)
+    fp8, plain = model.stage(("t",)), StageCostModel(spec.without_fp8(), cand, cluster).stage(("t",))
+    assert model.decoder_layers() == [plain, fp8, fp8, plain] and plain != fp8
 
 
 def test_first_last_layers_bf16_layers_hold_16_bit_weights_and_save_16_bit_inputs():
@@ -544,6 +567,64 @@ def test_the_optimizer_step_is_costed_per_tensor_and_per_element_where_measured(
     assert lines[1:] == [f"measured here: {measured}"]
     a100 = describe_cluster(Cluster(8, 8, GPUS["a100"]), _fp8_spec())
     assert a100[0].endswith("; FP8 products at 312 TFLOP/s peak (no FP8 tensor cores: the 16-bit peak)")
+
+
+def test_measured_collectives_interpolate_and_never_shrink_with_size():
+    """``HostCosts.collective_seconds``: linear between measured sizes, the smallest's below them, the
+    last two's line beyond them; a size made dearer than a larger one by noise keeps the larger's."""
+    points = ((4096, 0.002), (262_144, 0.003), (4_194_304, 0.010))
+    host = HostCosts(collectives=((("all_gather", 4), points),), collectives_world=4)
+    assert host.collective_seconds("all_gather", 4, 1024) == 0.002
+    assert host.collective_seconds("all_gather", 4, (4096 + 262_144) / 2) == pytest.approx(0.0025)
+    assert host.collective_seconds("all_gather", 4, 4_194_304 + 3_932_160) == pytest.approx(0.017)
+    assert host.collective_seconds("all_gather", 2, 4096) is None
+    assert host.collective_seconds("reduce_scatter", 4, 4096) is None
+    assert _collectives_text(host) == (
+        "; TP collectives at 4 / 256 / 4096 KiB with all 4 ranks busy: 4 ranks all_gather 2 / 3 / 10 ms"
+    )
+    assert monotone((1, 2, 3), [5.0, 1.0, 2.0]) == ((1, 1.0), (2, 1.0), (3, 2.0))
+    assert group_sizes(4) == (2, 4) and group_sizes(6) == (2, 3, 6)
+
+
+def test_measured_tp_collectives_replace_the_ring_formula(small):
+    """A TP layer's traffic each way is two all-gathers and two reduce-scatters of its activations
+    (sequence parallel) at the measured seconds, which were wall seconds with all 4 ranks busy:
+    divided by that slowdown (2.0), which the shared-core timing puts back; the loss gathers once and
+    reduces three per-token values; unmeasured, the ring formula."""
+    spec = small.spec
+    cand = _candidate(spec, tp=4, pp=1, dp=1, micro_batch_size=2, num_microbatches=4)
+    activation = spec.bytes_per_value * 2 * spec.seq_length * spec.hidden_size
+    tiny = 4 * 2 * spec.seq_length  # the cross-entropy's per-token values
+    measured = {"all_gather": 0.004, "reduce_scatter": 0.006, "all_reduce": 0.009}
+    collectives = tuple(
+        ((kind, 4), ((tiny, 0.001), (activation, seconds), (2 * activation, 2 * seconds)))
+        for kind, seconds in measured.items()
+    )
+    cluster = _cpu_cluster(slowdown=(1.0, 1.2, 1.6, 2.0), collectives=collectives, collectives_world=4)
+    layer, embedding, loss = StageCostModel(spec, cand, cluster).collective_costs()
+    each_way = 2 * (0.004 + 0.006) / 2.0
+    assert (layer.forward, layer.backward_input, layer.backward_weight) == pytest.approx(
+        (each_way, each_way, 0)
+    )
+    assert (embedding.forward, embedding.backward_weight) == pytest.approx((0.003, 0.003))  # reduce-scatter
+    assert (loss.forward, loss.backward_input) == pytest.approx(((0.004 + 3 * 0.001) / 2.0, 0.004 / 2.0))
+    unmeasured = StageCostModel(spec, cand, _cpu_cluster(slowdown=(1.0, 1.2, 1.6, 2.0)))
+    ring = 3 * (300e-6 + activation / 4 / 0.5e9)  # the ring formula: 3 steps of latency + a quarter
+    assert unmeasured.group_seconds("all_gather", 4, activation) == pytest.approx(ring)
+
+
+def test_ring_attention_costs_its_measured_messages_each_way(small):
+    """CP2 at micro-batch 2: each rank holds 256 of the 512 tokens, its key/value block 2 x 256 x
+    kv_size values. Forward: one block message; backward: the block and its fp32 gradient, then the
+    gradient's last hop: at the host's measured 1 ms and 1 GB/s, with attention too fast to hide any."""
+    spec = small.spec
+    cand = _candidate(spec, tp=1, cp=2, pp=1, dp=2, micro_batch_size=2, num_microbatches=4)
+    host = HostCosts(message_latency=1e-3, message_bandwidth=1e9)
+    fast = Cluster(4, 4, Gpu("fast", 1e9, 80, 1e6, 1.0, 1.0, 1.0, 300.0, 300.0), host=host)
+    layer = StageCostModel(spec, cand, fast).collective_costs()[0]
+    values = 2 * spec.seq_length // 2 * spec.kv_size
+    block, grads = 1e-3 + 2 * spec.bytes_per_value * values / 1e9, 1e-3 + 8 * values / 1e9
+    assert (layer.forward, layer.backward_input) == pytest.approx((block, block + 2 * grads), rel=1e-6)
 
 
 def test_a_measured_slowdown_curve_extends_with_the_ranks():

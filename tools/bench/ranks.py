@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from core.device import bind_local_device, current_device, default_backend
 from core.pipeline_parallel.schedules import get_forward_backward_func
+from core.spawned import first_result
 
 __all__ = [
     "collect",
@@ -54,17 +55,7 @@ def spawn(worker: Callable, args: Any, world: int = 2, timeout: float = 3600) ->
 def collect(queue, procs: list, timeout: float = 1800) -> Any:
     """The result a rank puts in ``queue``, or a clear error as soon as a rank dies instead of waiting
     out the timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except Exception:  # noqa: BLE001 - queue.Empty; check the ranks and keep waiting
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(
-                    f"a benchmark rank failed (exit codes {dead}); see its traceback above"
-                ) from None
-    raise TimeoutError(f"benchmark ranks did not finish within {timeout:.0f} s")
+    return first_result(queue, procs, timeout, "benchmark")
 
 
 def init_rank(rank: int, world: int, init_file: str, threads: int) -> None:
