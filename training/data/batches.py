@@ -21,6 +21,7 @@ the step with that same error, whether a worker or the training process read it 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import torch
@@ -35,6 +36,16 @@ from training.faults import one_line_errors
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 SAMPLERS = {"single": EndlessSequentialSampler, "cyclic": MegatronPretrainingRandomSampler}
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """A data worker of a training process that handles SIGTERM itself (``--exit-signal-handler``: save,
+    then stop; a forked worker inherits its handler) ignores SIGTERM, and leaves its end to that process.
+    torchrun's agent signals each worker's whole process group, and a scheduler every process of the job
+    step: a data worker ended under the training process fails its next read ("DataLoader worker ... is
+    killed by signal") before the checkpoint is saved. Without the flag SIGTERM ends both, as before."""
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _Failed:
@@ -135,6 +146,7 @@ class BatchStream:
             # Its own generator: otherwise starting the iterator draws a worker seed from torch's global
             # generator, which dropout uses, and a resumed run (which starts it later) would diverge.
             generator=torch.Generator().manual_seed(consumed_samples),
+            worker_init_fn=_ignore_sigterm,
         )
         return iter(loader)
 
