@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_pretrain import SMALL
-from tests.support.torchrun_jobs import TRIDENT_RUN, Job, run_captured, torchrun_command
+from tests.support.torchrun_jobs import TRIDENT_RUN, Job, free_port, run_captured, torchrun_command
 from training.errors import EXIT_SIGNALLED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,12 +157,6 @@ def _processes_saving_to(ckpt: Path) -> list[str]:
     return found.stdout.split()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _elastic_node(host: bool, port: int) -> list[str]:
     """trident-run's flags for one of up to two nodes on loopback (--nnodes 1:2, c10d rendezvous); a
     rendezvous waits 20 s for more nodes once one has joined (torch's default: 30)."""
@@ -195,7 +188,7 @@ def test_a_lost_node_leaves_an_elastic_run_at_the_smaller_size_that_changed_dp_a
     expected = _losses(second.stdout)
     assert sorted(expected) == list(range(5, 13))
 
-    ckpt, port = tmp_path / "ckpt", _free_port()
+    ckpt, port = tmp_path / "ckpt", free_port()
     env = _env(cache, fault="slow@forward:5:rank=0:factor=500")  # in the first attempt only
     nodes = [
         Job(2, [*flags, "--save", str(ckpt)], env=env, launcher=_elastic_node(host, port), module=TRIDENT_RUN)
