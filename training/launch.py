@@ -8,7 +8,8 @@ worker environment), with three changes, all about the codes it and its workers 
 
 * the launcher exits with the failed worker's code when it is one Trident documents for a caller to
   act on: 2 (the command line cannot be read), 3 (the flags do not fit together, the world size or the
-  checkpoint), 16 (result validation: resume from the checkpoint on other devices) and 17 (result
+  checkpoint; a ``ConfigError`` exits 3 only in trident-run's workers, which it marks with
+  ``TRIDENT_RUN=1``), 16 (result validation: resume from the checkpoint on other devices) and 17 (result
   validation: the result failed). torchrun exits 1 whatever the code, which then shows only in its
   failure summary. Any other failure exits 1, as under torchrun.
 * ``--max-restarts`` does not restart the workers after those codes, since a restart here cannot
@@ -42,6 +43,7 @@ launcher refuses any other with one line.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import uuid
@@ -71,6 +73,7 @@ from training.errors import (
     EXIT_RESUME_TO_DISAMBIGUATE,
     EXIT_SIGNALLED,
     EXIT_USAGE,
+    LAUNCHED_BY_TRIDENT_RUN,
 )
 
 __all__ = [
@@ -169,6 +172,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str]) -> RunResult 
     """Run the workers under :class:`TridentAgent`, as ``launch_agent`` runs torchrun's; the result
     (None when the rendezvous let this node go without running workers)."""
     config.run_id = config.run_id or str(uuid.uuid4().int)
+    os.environ[LAUNCHED_BY_TRIDENT_RUN] = "1"  # inherited by the workers: a ConfigError exits 3 there
     rdzv = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,

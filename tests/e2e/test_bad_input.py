@@ -26,7 +26,6 @@ from tests.support.torchrun_jobs import TINY, VOCAB, job_env, run, worker_traceb
 from training.data.builder import build_train_valid_test_datasets
 from training.data.gpt_dataset import GPTDataset
 from training.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from training.errors import EXIT_CONFIG
 from training.faults import run_main
 
 PROG = "pretrain_gpt.py"
@@ -70,76 +69,53 @@ USAGE = [
 ]
 
 CONFIG = [
-    Case(
-        "split letter",
-        _flags("--split 1,2,x"),
-        f"--split '1,2,x': 'x' is not a number; {SPLIT_HINT}",
-        EXIT_CONFIG,
-    ),
+    Case("split letter", _flags("--split 1,2,x"), f"--split '1,2,x': 'x' is not a number; {SPLIT_HINT}"),
     Case(
         "split negative",
         _flags("--split 90,-10,20"),
         f"--split '90,-10,20': weight -10 is negative; {SPLIT_HINT}",
-        EXIT_CONFIG,
     ),
-    Case("split four", _flags("--split 1,2,3,4"), f"--split '1,2,3,4': {SPLIT_HINT}", EXIT_CONFIG),
+    Case("split four", _flags("--split 1,2,3,4"), f"--split '1,2,3,4': {SPLIT_HINT}"),
     Case(
         "split zero",
         _flags("--split 0,0,0"),
         f"--split '0,0,0': the weights sum to 0, so no split gets any data; {SPLIT_HINT}",
-        EXIT_CONFIG,
     ),
-    Case(
-        "split nan",
-        _flags("--split nan,1"),
-        f"--split 'nan,1': weight nan is not finite; {SPLIT_HINT}",
-        EXIT_CONFIG,
-    ),
-    Case(
-        "split empty weight",
-        _flags("--split 1,,2"),
-        f"--split '1,,2': '' is not a number; {SPLIT_HINT}",
-        EXIT_CONFIG,
-    ),
+    Case("split nan", _flags("--split nan,1"), f"--split 'nan,1': weight nan is not finite; {SPLIT_HINT}"),
+    Case("split empty weight", _flags("--split 1,,2"), f"--split '1,,2': '' is not a number; {SPLIT_HINT}"),
     Case(
         "blend weights",
         _flags(FULL + "--data-path -1 A 1 B"),
         "--data-path: blend weights must be finite numbers >= 0 with a positive sum, got ['-1', '1']",
-        EXIT_CONFIG,
     ),
     Case(
         "both scheduler overrides",
         _flags("--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler"),
         "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive: "
         "give at most one",
-        EXIT_CONFIG,
     ),
     Case(
         "timeout",
         _flags("--distributed-timeout-minutes 0"),
         "--distributed-timeout-minutes must be >= 1, got 0",
-        EXIT_CONFIG,
     ),
     Case(
         "world size",
         _flags("--tensor-model-parallel-size 3"),
         "world size (4) must be divisible by --tensor-model-parallel-size (3) x --pipeline-model-parallel-size "
         "(1) = 3",
-        EXIT_CONFIG,
     ),
     Case(
         "world size over CP",
         _flags("--context-parallel-size 3"),
         "world size (4) must be divisible by --tensor-model-parallel-size (1) x --pipeline-model-parallel-size "
         "(1) x --context-parallel-size (3) = 3",
-        EXIT_CONFIG,
     ),
     Case(
         "sequence over CP",
         _flags(FULL + "--context-parallel-size 2 --seq-length 18 --max-position-embeddings 18"),
         "--seq-length (18) must be divisible by 2 x --context-parallel-size (2) = 4: each sequence is cut "
         "into that many equal chunks",
-        EXIT_CONFIG,
     ),
     Case(
         "sequence over CP x TP",
@@ -151,7 +127,6 @@ CONFIG = [
         ),
         "--seq-length (20) must be divisible by --context-parallel-size (2) x --tensor-model-parallel-size (4) "
         "= 8 with --sequence-parallel",
-        EXIT_CONFIG,
     ),
     Case(
         "a2a heads over CP",
@@ -159,7 +134,6 @@ CONFIG = [
         "--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads (2) and the "
         "query groups (2) per --tensor-model-parallel-size (1) rank must be divisible by "
         "--context-parallel-size (4)",
-        EXIT_CONFIG,
     ),
     Case(
         "a2a query groups over CP",
@@ -169,69 +143,57 @@ CONFIG = [
         "--cp-comm-type a2a splits heads over the context-parallel ranks: --num-attention-heads (4) and the "
         "query groups (1) per --tensor-model-parallel-size (1) rank must be divisible by "
         "--context-parallel-size (2)",
-        EXIT_CONFIG,
     ),
     Case(
         "cp comm type",
         _flags("--context-parallel-size 2 --cp-comm-type ring"),
         "--cp-comm-type ring: must be one of p2p, a2a, allgather",
-        EXIT_CONFIG,
     ),
     Case(
         "hierarchical cp",
         _flags("--context-parallel-size 2 --cp-comm-type a2a+p2p"),
         "--cp-comm-type a2a+p2p: Trident does not support hierarchical context parallelism (all-to-all "
         "inside a node, ring across nodes); use p2p, a2a or allgather",
-        EXIT_CONFIG,
     ),
     Case(
         "heads over TP",
         _flags(FULL + "--tensor-model-parallel-size 2 --num-attention-heads 3"),
         "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)",
-        EXIT_CONFIG,
     ),
     Case(
         "global batch",
         _flags("--global-batch-size 7 --micro-batch-size 2"),
         "--global-batch-size (7) must be divisible by --micro-batch-size (2) x data-parallel size (4) = 8",
-        EXIT_CONFIG,
     ),
     Case(
         "warm-up",
         _flags(FULL + "--lr-warmup-iters 10"),
         "--lr-warmup-iters (10) must be < the decay iterations (3, from --lr-decay-iters or else --train-iters)",
-        EXIT_CONFIG,
     ),
-    Case("min lr", _flags("--min-lr 1 --lr 0.1"), "--min-lr (1.0) must be <= --lr (0.1)", EXIT_CONFIG),
-    Case(
-        "dropout", _flags("--hidden-dropout 1.5"), "--hidden-dropout must be in [0, 1), got 1.5", EXIT_CONFIG
-    ),
+    Case("min lr", _flags("--min-lr 1 --lr 0.1"), "--min-lr (1.0) must be <= --lr (0.1)"),
+    Case("dropout", _flags("--hidden-dropout 1.5"), "--hidden-dropout must be in [0, 1), got 1.5"),
     Case(
         "layout stages",
         _flags("--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout Et|tL"),
         "--pipeline-model-parallel-layout: pipeline layout 'Et|tL': 2 stages are not a multiple of "
         "pipeline-model-parallel size 4 (stage s runs on pp_rank s % 4)",
-        EXIT_CONFIG,
     ),
     Case(
         "layout symbol",
         _flags("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tXL"),
         "--pipeline-model-parallel-layout: pipeline layout 'Et|tXL': unknown symbol 'X' at position 4 "
         "(expected E, t, m, L, '|', '(', ')', '*', digits or ',')",
-        EXIT_CONFIG,
     ),
     Case(
         "null tokenizer",
         _flags("--tokenizer-type NullTokenizer"),
         "--tokenizer-type NullTokenizer needs --vocab-size",
-        EXIT_CONFIG,
     ),
     Case(
         "positions",
         _flags(FULL + "--seq-length 256 --max-position-embeddings 128"),
         "--seq-length (256) must be <= --max-position-embeddings (128) with --position-embedding-type "
         "learned_absolute",
-        EXIT_CONFIG,
     ),
     Case(
         "config file",
@@ -243,13 +205,11 @@ CONFIG = [
         "warm-up twice",
         _flags("--lr-warmup-fraction 0.1 --lr-warmup-iters 3"),
         "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive: give at most one",
-        EXIT_CONFIG,
     ),
     Case(
         "recompute",
         _flags("--recompute-granularity full"),
         "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers",
-        EXIT_CONFIG,
     ),
     Case(
         "gpipe and virtual stages",
@@ -257,18 +217,14 @@ CONFIG = [
             "--pipeline-model-parallel-size 2 --pipeline-schedule gpipe --num-virtual-stages-per-pipeline-rank 2"
         ),
         "--pipeline-schedule gpipe cannot run virtual pipeline stages (2 per rank); the 1f1b schedule interleaves them",
-        EXIT_CONFIG,
     ),
-    Case(
-        "micro batch", _flags("--micro-batch-size 0"), "--micro-batch-size must be >= 1, got 0", EXIT_CONFIG
-    ),
+    Case("micro batch", _flags("--micro-batch-size 0"), "--micro-batch-size must be >= 1, got 0"),
     Case(
         "async save without save",
         _flags("--async-save"),
         "--async-save writes the --save checkpoints in the background, but no --save directory is given",
-        EXIT_CONFIG,
     ),
-    Case("adam eps", _flags("--adam-eps 0"), "--adam-eps must be > 0, got 0.0", EXIT_CONFIG),
+    Case("adam eps", _flags("--adam-eps 0"), "--adam-eps must be > 0, got 0.0"),
     Case(
         "sequence parallel",
         _flags(
@@ -276,13 +232,11 @@ CONFIG = [
             "--max-position-embeddings 128"
         ),
         "--seq-length (127) must be divisible by --tensor-model-parallel-size (2) with --sequence-parallel",
-        EXIT_CONFIG,
     ),
     Case(
         "query groups",
         _flags("--group-query-attention --num-query-groups 3"),
         "--num-attention-heads (4) must be divisible by --num-query-groups (3)",
-        EXIT_CONFIG,
     ),
     Case(
         "meta device without sharding",
@@ -292,7 +246,6 @@ CONFIG = [
         "--init-model-with-meta-device is not supported or necessary with --use-megatron-fsdp "
         "--data-parallel-sharding-strategy no_shard (as in Megatron-FSDP): every rank holds the whole model "
         "anyway; drop the flag or pick a sharding strategy",
-        EXIT_CONFIG,
     ),
 ]
 
@@ -543,14 +496,12 @@ DATA = [
         "--vocab-size 64 has 65 (ids 0-63 and the end-of-document id 64): pass --vocab-size 63, or the "
         "checkpoint's tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
         "{t}/ck/iter_0000000/tokenizer/hf_tokenizer)",
-        EXIT_CONFIG,
     ),
     Case(
         "blend with a prefix missing",
         _flags(FULL + "--data-path 0.5 PREFIX 0.5"),
         "--data-path: 0.5 PREFIX 0.5 looks like 'weight prefix' pairs with weights 0.5, 0.5, but one is missing "
         "(3 items); give a prefix after every weight (e.g. 0.3 A 0.7 B), or prefixes only",
-        EXIT_CONFIG,
     ),
     Case(
         "split with no documents",
@@ -586,7 +537,7 @@ def _scheduler_case(flags: str, message: str) -> Case:
             scheduler, saved.state_dict(), {"global_batch_size": 8}, lr=lr, global_batch_size=8, load="ck"
         )
 
-    return Case(f"scheduler: {flags}", act, message, EXIT_CONFIG)
+    return Case(f"scheduler: {flags}", act, message)
 
 
 SCHEDULER = [
@@ -636,21 +587,18 @@ MOE = [
         "experts over EP",
         _flags(MOE_FLAGS + "--expert-model-parallel-size 4"),
         "--num-experts (6) must be divisible by --expert-model-parallel-size (4)",
-        EXIT_CONFIG,
     ),
     Case(
         "EP x PP over the world",
         _flags(MOE_FLAGS + "--expert-model-parallel-size 3 --moe-token-dispatcher-type alltoall", world=4),
         "--expert-model-parallel-size (3) x --pipeline-model-parallel-size (1) = 3 does not divide the world "
         "size (4): the alltoall dispatcher's expert-parallel groups cannot be formed",
-        EXIT_CONFIG,
     ),
     Case(
         "alltoall EP beyond the world",
         _flags(MOE_FLAGS + "--expert-model-parallel-size 6 --moe-token-dispatcher-type alltoall", world=4),
         "--expert-model-parallel-size (6) x --pipeline-model-parallel-size (1) = 6 does not divide the world "
         "size (4): the alltoall dispatcher's expert-parallel groups cannot be formed",
-        EXIT_CONFIG,
     ),
     Case(
         "EP x TP x PP over the world",
@@ -661,39 +609,33 @@ MOE = [
         ),
         "--expert-model-parallel-size (4) x --pipeline-model-parallel-size (2) = 8 does not divide the world "
         "size (4): the allgather dispatcher's expert-parallel groups cannot be formed",
-        EXIT_CONFIG,
     ),
     Case(
         "top-k over experts",
         _flags(MOE_FLAGS + "--moe-router-topk 7"),
         "--moe-router-topk (7) must be between 1 and --num-experts (6)",
-        EXIT_CONFIG,
     ),
     Case(
         "MoE TP without SP",
         _flags(MOE_FLAGS + "--tensor-model-parallel-size 2"),
         "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel: each tensor-parallel "
         "rank routes its own sequence shard (as in Megatron)",
-        EXIT_CONFIG,
     ),
     Case(
         "expert TP",
         _flags(MOE_FLAGS + "--expert-tensor-parallel-size 2"),
         "--expert-tensor-parallel-size 2: Trident supports only 1 (experts are never split over tensor "
         "parallelism; Megatron's default, the tensor-parallel size, also means 1 here)",
-        EXIT_CONFIG,
     ),
     Case(
         "EP without experts",
         _flags("--expert-model-parallel-size 2"),
         "--expert-model-parallel-size 2 needs --num-experts (a model with experts)",
-        EXIT_CONFIG,
     ),
     Case(
         "layer pattern",
         _flags(MOE_FLAGS + "--moe-layer-freq ([1]*3)"),
         "--moe-layer-freq ([1]*3) must be an integer >= 1 or list 0 or 1 for each of the 2 layers (--num-layers)",
-        EXIT_CONFIG,
     ),
 ]
 
@@ -702,28 +644,24 @@ RAMP = [  # FULL on 4 ranks: micro batch 2 x DP 4 = 8 samples a round
         "ramp and step schedule",
         _flags(FULL + "--global-batch-size 16 --rampup-batch-size 8 8 64 --step-batch-size-schedule 0:16"),
         "--rampup-batch-size and --step-batch-size-schedule are mutually exclusive: give one",
-        EXIT_CONFIG,
     ),
     Case(
         "ramp values",
         _flags(FULL + "--rampup-batch-size 8 8"),
         "--rampup-batch-size takes three values, START INCR SAMPLES (the start batch size, the increment and "
         "the samples to ramp over, e.g. --rampup-batch-size 16 16 5859375), got 2",
-        EXIT_CONFIG,
     ),
     Case(
         "ramp increments",
         _flags(FULL + "--global-batch-size 32 --rampup-batch-size 8 16 64"),
         "--rampup-batch-size 8 16 64 with --global-batch-size 32: the ramp from 8 to the global batch size 32 "
         "is not a whole number of increments: 32 - 8 = 24 is not divisible by 16",
-        EXIT_CONFIG,
     ),
     Case(
         "ramp batch",
         _flags(FULL + "--global-batch-size 32 --rampup-batch-size 8 4 64"),
         "--rampup-batch-size 8 4 64: the global batch size 12 of iteration 3 (from 16 consumed samples on) is "
         "not divisible by --micro-batch-size (2) x data-parallel size (4) = 8",
-        EXIT_CONFIG,
     ),
     Case(
         "ramp interleaved",
@@ -735,26 +673,22 @@ RAMP = [  # FULL on 4 ranks: micro batch 2 x DP 4 = 8 samples a round
         "microbatch: interleaved pipeline schedule needs at least pipeline_model_parallel_size (2) microbatches, "
         "got 1; raise the global batch size or lower --pipeline-model-parallel-size (interleaved schedule, 2 "
         "virtual stages per rank)",
-        EXIT_CONFIG,
     ),
     Case(
         "step schedule entry",
         _flags(FULL + "--step-batch-size-schedule 0:8,16"),
         "--step-batch-size-schedule '0:8,16': entry '16' is not THRESHOLD:BATCH_SIZE",
-        EXIT_CONFIG,
     ),
     Case(
         "step schedule start",
         _flags(FULL + "--step-batch-size-schedule 1K:8"),
         "--step-batch-size-schedule '1K:8': the first threshold must be 0, got '1K:8' (62 samples of 16 tokens)",
-        EXIT_CONFIG,
     ),
     Case(
         "step schedule and global batch",
         _flags(FULL + "--global-batch-size 16 --step-batch-size-schedule 0:8,48:32"),
         "--global-batch-size (16) differs from the last batch size of --step-batch-size-schedule '0:8,48:32' "
         "(32); leave --global-batch-size out, or make them equal",
-        EXIT_CONFIG,
     ),
 ]
 
@@ -769,32 +703,27 @@ FP8 = [
         "a recipe flag with no FP8 format",
         _flags(FULL + "--bf16 --fp8-recipe tensorwise --fp8-amax-history-len 16"),
         "--fp8-recipe, --fp8-amax-history-len need --fp8-format (e4m3 or hybrid)",
-        EXIT_CONFIG,
     ),
     Case(
         "mxfp8 off Blackwell",
         _flags(FULL + "--bf16 --fp8-format hybrid --fp8-recipe mxfp8"),
         "the 'mxfp8' recipe needs Blackwell GPUs (sm100) and is not built in Trident; use --fp8-recipe "
         "tensorwise or delayed",
-        EXIT_CONFIG,
     ),
     Case(
         "FP8 parameters gathered without the distributed optimizer",
         _flags(FULL + "--bf16 --fp8-format hybrid --fp8-param-gather"),
         "--fp8-param-gather only supported with distributed optimizer",
-        EXIT_CONFIG,
     ),
     Case(
         "FP8 parameters gathered without FP8",
         _flags(FULL + "--bf16 --fp8-param-gather --use-distributed-optimizer"),
         "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)",
-        EXIT_CONFIG,
     ),
     Case(
         "more bf16 layers than layers",
         _flags(FULL + "--bf16 --fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-end-in-bf16 2"),
         "--num-layers-at-start-in-bf16 (1) + --num-layers-at-end-in-bf16 (2) exceeds --num-layers (2)",
-        EXIT_CONFIG,
     ),
 ]
 
@@ -817,27 +746,23 @@ VALIDATION = [  # result validation (training/faults/validation.py)
         "a negative injection rate",
         _flags(FULL + "--error-injection-rate -1"),
         "--error-injection-rate must be >= 0 (0: no injection), got -1",
-        EXIT_CONFIG,
     ),
     Case(
         "spiky-loss check without validation",
         _flags(FULL + "--rerun-mode disabled --check-for-spiky-loss"),
         "--check-for-spiky-loss acts only with --rerun-mode validate_results (here: disabled)",
-        EXIT_CONFIG,
     ),
     Case(
         "injection while reporting statistics",
         _flags(FULL + "--rerun-mode report_stats --error-injection-rate 5"),
         "--error-injection-rate 5 injects into validated results: it needs --rerun-mode validate_results "
         "(here: report_stats)",
-        EXIT_CONFIG,
     ),
     Case(
         "injection with no check on",
         _flags(FULL + "--error-injection-rate 5"),
         "--error-injection-rate 5 injects into a validated result, but no check is on: add "
         "--check-for-nan-in-loss-and-grad, --check-for-spiky-loss or --check-for-large-grads",
-        EXIT_CONFIG,
     ),
 ]
 
@@ -940,7 +865,7 @@ def test_a_validation_error_on_four_ranks_through_torchrun(data):
     flags = TINY + ["--train-iters", "2", "--pipeline-model-parallel-size", "4", "--split", "1,2,x"]
     code, output = run(4, flags, env=job_env())
     assert code == 1
-    _check_once(output, f"{PROG}: error: --split '1,2,x': 'x' is not a number; {SPLIT_HINT}", EXIT_CONFIG, 4)
+    _check_once(output, f"{PROG}: error: --split '1,2,x': 'x' is not a number; {SPLIT_HINT}", 1, 4)
 
 
 @pytest.mark.slow
@@ -983,7 +908,7 @@ def test_resuming_with_new_scheduler_flags_needs_an_override(data, tmp_path):
         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule"
     )
     assert code == 1
-    _check_once(output, line, EXIT_CONFIG, 2)
+    _check_once(output, line, 1, 2)
     rates = {}
     for flag in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
         code, output = run(2, [*more, flag], env=job_env())

@@ -7,6 +7,8 @@ import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 
+from training.errors import EXIT_CONFIG, EXIT_FAILURE, LAUNCHED_BY_TRIDENT_RUN, ConfigError, UsageError
+from training.faults.reporting import exit_code as exit_code_of
 from training.launch import Signalled, exit_code, signalled_exit_code, torch_problem
 
 
@@ -60,3 +62,12 @@ def test_a_launcher_ended_by_a_signal_exits_128_plus_it_when_every_worker_stoppe
     assert signalled_exit_code(Signalled(2, RunResult(state=WorkerState.SUCCEEDED))) == 130
     assert signalled_exit_code(Signalled(15, _failed(-15, 0))) == 1
     assert signalled_exit_code(Signalled(15, RunResult(state=WorkerState.UNKNOWN))) == 1
+
+
+def test_a_refused_configuration_exits_3_only_in_trident_runs_workers(monkeypatch):
+    """1 under python or plain torchrun (as Megatron's refusals), 3 where trident-run marked the worker."""
+    monkeypatch.delenv(LAUNCHED_BY_TRIDENT_RUN, raising=False)
+    assert exit_code_of(ConfigError("no")) == EXIT_FAILURE == 1
+    monkeypatch.setenv(LAUNCHED_BY_TRIDENT_RUN, "1")
+    assert exit_code_of(ConfigError("no")) == EXIT_CONFIG == 3
+    assert exit_code_of(ValueError("a bug")) == 1 and exit_code_of(UsageError("x")) == 2

@@ -159,9 +159,7 @@ def check_checkpoint_args(args: argparse.Namespace) -> argparse.Namespace:
         return args
     try:
         found = _manifest(args)
-    except (
-        CheckpointError
-    ):  # a corrupt tracker: the load says so, or, restarted, falls back to a complete one
+    except CheckpointError:  # a corrupt tracker: the load says so, or a restart falls back
         return args
     if found is None:
         return args

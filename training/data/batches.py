@@ -39,13 +39,12 @@ SAMPLERS = {"single": EndlessSequentialSampler, "cyclic": MegatronPretrainingRan
 
 
 def _ignore_sigterm(worker_id: int) -> None:
-    """A data worker of a training process that handles SIGTERM itself (``--exit-signal-handler``: save,
-    then stop; a forked worker inherits its handler) ignores SIGTERM, and leaves its end to that process.
-    torchrun's agent signals each worker's whole process group, and a scheduler every process of the job
-    step: a data worker ended under the training process fails its next read ("DataLoader worker ... is
-    killed by signal") before the checkpoint is saved. Without the flag SIGTERM ends both, as before."""
-    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """A data worker of a training process that saves on SIGTERM (``--exit-signal-handler``) ignores SIGTERM
+    and leaves its end to that process (it stops with its parent). torchrun's agent signals each worker's
+    whole process group, and a scheduler every process of the job step: a data worker ended under the
+    training process fails its next read ("DataLoader worker ... is killed by signal") before the
+    checkpoint is saved. Without the flag SIGTERM ends both, as before."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _Failed:
@@ -110,6 +109,7 @@ class BatchStream:
 
     ``num_workers=0`` reads in the training process; ``dataloader_type`` is ``single`` or ``cyclic``.
     ``groups``: the process groups to read for (default: ``parallel_state``'s).
+    ``workers_ignore_sigterm``: with ``--exit-signal-handler`` (see :func:`_ignore_sigterm`).
     """
 
     def __init__(
@@ -121,7 +121,9 @@ class BatchStream:
         num_workers: int = 0,
         dataloader_type: str = "single",
         groups: ParallelGroups | None = None,
+        workers_ignore_sigterm: bool = False,
     ) -> None:
+        self.workers_ignore_sigterm = workers_ignore_sigterm
         self.dataset, self.groups = dataset, groups if groups is not None else ps.get_parallel_groups()
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.num_workers, self.dataloader_type = num_workers, dataloader_type
@@ -146,7 +148,7 @@ class BatchStream:
             # Its own generator: otherwise starting the iterator draws a worker seed from torch's global
             # generator, which dropout uses, and a resumed run (which starts it later) would diverge.
             generator=torch.Generator().manual_seed(consumed_samples),
-            worker_init_fn=_ignore_sigterm,
+            worker_init_fn=_ignore_sigterm if self.workers_ignore_sigterm else None,
         )
         return iter(loader)
 

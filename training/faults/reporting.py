@@ -25,6 +25,7 @@ from training.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    LAUNCHED_BY_TRIDENT_RUN,
     ConfigError,
     DataError,
     PeerFailure,
@@ -279,7 +280,9 @@ def exit_code(err: BaseException) -> int:
         return err.exit_code
     if isinstance(err, UsageError):
         return EXIT_USAGE
-    return EXIT_CONFIG if isinstance(err, ConfigError) else EXIT_FAILURE
+    if isinstance(err, ConfigError) and os.environ.get(LAUNCHED_BY_TRIDENT_RUN):
+        return EXIT_CONFIG
+    return EXIT_FAILURE
 
 
 def report(err: BaseException) -> int:
