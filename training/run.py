@@ -53,6 +53,7 @@ from training.arguments.config import (
     ValidationArgs,
 )
 from training.arguments.parser import parse_args_or_usage_error, transformer_config_from_args
+from training.checkpoint.format import CheckpointError
 from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
 from training.data.batch_sizes import microbatch_calculator
 from training.errors import ConfigError
@@ -182,6 +183,8 @@ def build_run(args: argparse.Namespace, world_size: int | None = None) -> Run:
         load_checkpoint_args(args)  # --use-checkpoint-args: model flags from the --load checkpoint
         namespace = check_checkpoint_args(megatron_namespace(args, derive_args(args, world_size)))
         return _typed(namespace)
+    except CheckpointError:
+        raise  # a checkpoint that cannot be read: its own one line and exit code (1), not a flag to change
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

@@ -158,6 +158,7 @@ def _batch_stream(dataset, run: Run, groups: ParallelGroups) -> BatchStream | No
         num_workers=run.data.num_workers,
         dataloader_type=run.data.dataloader_type,
         groups=groups,
+        workers_ignore_sigterm=run.training.exit_signal_handler,
     )
 
 

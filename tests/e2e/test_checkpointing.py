@@ -444,7 +444,7 @@ def test_the_next_steps_after_a_reshard_match(ranks, data, tmp_path):
 def test_bad_checkpoints_through_torchrun_print_one_line_and_end_every_rank(data, tmp_path):
     """A --save that is a regular file, a corrupt tensor read by one pipeline rank, and a --num-layers
     that contradicts the checkpoint: each is one line naming the file (and tensor) or both values,
-    printed once, and every rank exits 1."""
+    printed once, and every rank exits (torchrun with 1; the ranks with 1, or 3 for the flag)."""
     from tests.support.torchrun_jobs import TINY, job_env, run, worker_tracebacks
 
     prog, ckpt = "pretrain_gpt.py", tmp_path / "ckpt"
@@ -497,7 +497,8 @@ def test_a_restart_whose_latest_checkpoint_is_corrupt_falls_back_to_the_previous
 ):
     """Iteration 4's model file is cut short: a manual resume stops with one error naming the file; a
     torchrun restart (TORCHELASTIC_RESTART_COUNT > 0, no one to ask) says so and resumes from iteration
-    2, the previous complete checkpoint."""
+    2, the previous complete checkpoint. A corrupt tracker then: the restart loads the latest complete
+    checkpoint (before the model flags are checked against the checkpoint, which skips a corrupt tracker)."""
     from tests.support.pretrain_run import pretrain_gpt_in_process
     from tests.support.torchrun_jobs import TINY, write_tiny_dataset
 
@@ -526,3 +527,11 @@ def test_a_restart_whose_latest_checkpoint_is_corrupt_falls_back_to_the_previous
     out = capsys.readouterr().out
     assert f"{manual.value}; falling back to {ckpt / 'iter_0000002'}, the previous complete checkpoint" in out
     assert state.iteration == 6 and " iteration        3/       6 |" in out
+    tracker = ckpt / "latest_checkpointed_iteration.txt"  # now 6; a corrupt tracker falls back the same way
+    tracker.write_text("6x")
+    state = pretrain_gpt_in_process(argv=argv)
+    said = f"checkpoint tracker {tracker} is corrupt: expected an iteration number, got '6x'"
+    assert f"{said}; falling back to {ckpt / 'iter_0000006'}, the previous complete checkpoint" in (
+        capsys.readouterr().out
+    )
+    assert state.iteration == 6

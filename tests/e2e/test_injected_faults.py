@@ -18,13 +18,7 @@ import urllib.request
 
 import pytest
 
-from tests.support.torchrun_jobs import TINY, Job, job_env, run, write_tiny_dataset
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from tests.support.torchrun_jobs import TINY, Job, free_port, job_env, run, write_tiny_dataset
 
 
 def _flags(tmp_path, port: int) -> list[str]:
@@ -34,7 +28,7 @@ def _flags(tmp_path, port: int) -> list[str]:
 
 
 def test_a_slowed_rank_is_named_slowest_within_one_log_interval(tmp_path):
-    port = _free_port()
+    port = free_port()
     code, output = run(2, _flags(tmp_path, port), env=job_env(TRIDENT_FAULT="slow@forward:1:rank=1:factor=4"))
     assert code == 0, "\n".join(line for line in output.splitlines() if "rror" in line)[-4000:]
     assert f"straggler detection on; switch: http://127.0.0.1:{port}/" in output
@@ -50,7 +44,7 @@ def test_a_slowed_rank_is_named_slowest_within_one_log_interval(tmp_path):
 def test_the_switch_turns_reports_on_in_a_running_job(tmp_path):
     """Started off (--disable-straggler-on-startup): no report until an HTTP GET of /on at rank 0's
     switch; every rank then collects from the next log step on (the reports' windows say which)."""
-    port = _free_port()
+    port = free_port()
     flags = [*_flags(tmp_path, port), "--disable-straggler-on-startup", "--train-iters", "100000"]
     job = Job(2, flags, env=job_env())
     try:

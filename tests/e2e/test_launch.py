@@ -4,7 +4,9 @@ two-rank jobs with ``--max-restarts 2``: torchrun's behaviour, except for the co
 Result validation's verdicts under it (exit 17 after one attempt for a transient fault, 16 and then,
 resumed, 17 for a persistent one) are in ``tests/e2e/test_result_validation.py``, which runs its jobs
 under this launcher. Here: a clean run exits 0; an ordinary crash is restarted as torchrun does and
-ends with 1; a command line the workers cannot read ends with 2 after one attempt.
+ends with 1; a command line the workers cannot read ends with 2 after one attempt, and a world the
+parallel sizes do not divide with 3 after one attempt. A SIGTERM to the launcher (143 once every worker
+saved) and an elastic restart at a smaller size are in ``tests/e2e/test_restart.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 import pytest
 
 from tests.support.torchrun_jobs import TINY, TRIDENT_RUN, job_env, run, write_tiny_dataset
+from training.errors import EXIT_CONFIG
 
 RESTARTS = ["--standalone", "--max-restarts", "2"]
 
@@ -74,3 +77,29 @@ def test_a_command_line_the_workers_cannot_read_ends_with_2_after_one_attempt(fl
         "(2 of --max-restarts 2 left): the command line cannot be read; the same command fails the same way"
     ), said
     assert said[1:] == [f"trident-run: exit 2: rank {rank.group(1)}'s exit code"], said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_world_the_parallel_sizes_do_not_divide_ends_with_3_after_one_attempt(flags, tmp_path):
+    """A run saved at PP2 x DP2 on four workers, started again on three with --max-restarts 2: one line
+    naming the sizes, exit 3, and no restart (the same world and command line would fail the same way)."""
+    ckpt = str(tmp_path / "ckpt")
+    pp2 = [*flags, "--pipeline-model-parallel-size", "2", "--save", ckpt]
+    code, output = run(4, pp2, env=job_env(), launcher=RESTARTS, module=TRIDENT_RUN, timeout=240)
+    assert code == 0 and "saved checkpoint " in output, output[-3000:]
+    code, output = run(3, [*pp2, "--load", ckpt], env=job_env(), launcher=RESTARTS, module=TRIDENT_RUN)
+    assert code == EXIT_CONFIG == 3, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    line = (
+        "pretrain_gpt.py: error: world size (3) must be divisible by --tensor-model-parallel-size (1) x "
+        "--pipeline-model-parallel-size (2) = 2"
+    )
+    assert errors == [line], output[-3000:]
+    said = _said(output)
+    rank = re.fullmatch(r"trident-run: rank (\d) exited with 3: not restarting the workers (.*)", said[0])
+    assert rank and rank.group(2) == (
+        "(2 of --max-restarts 2 left): the flags do not fit together, the world size or the checkpoint; a "
+        "restart keeps all three"
+    ), said
+    assert said[1:] == [f"trident-run: exit 3: rank {rank.group(1)}'s exit code"], said

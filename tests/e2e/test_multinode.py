@@ -12,20 +12,13 @@ cores: ``pytest -m slow tests/e2e/test_multinode.py``.
 from __future__ import annotations
 
 import glob
-import socket
 
 import pytest
 
-from tests.support.torchrun_jobs import TINY, Job, job_env, losses, write_tiny_dataset
+from tests.support.torchrun_jobs import TINY, Job, free_port, job_env, losses, write_tiny_dataset
 from training.reporting.wandb_logging import read_offline_history
 
 LOGGING_RANK = 2  # pipeline rank 1, data-parallel rank 0: rank = dp + 2 * pp in Megatron's order
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _node_launcher(node_rank: int, port: int) -> list[str]:
@@ -65,7 +58,7 @@ def test_two_loopback_nodes_train_as_one_node_and_their_checkpoint_loads_on_one(
     reference = losses(one_output)
     assert sorted(reference) == list(range(1, 9))
 
-    port, ckpt = _free_port(), tmp_path / "ckpt"
+    port, ckpt = free_port(), tmp_path / "ckpt"
     node_flags = flags + [
         "--exit-interval",
         "6",

@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -68,6 +69,13 @@ def job_env(**extra: str) -> dict[str, str]:
         env.pop(key, None)
     env.update(extra)
     return env
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free now (a rendezvous endpoint, a straggler switch)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def torchrun_command(

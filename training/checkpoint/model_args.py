@@ -157,7 +157,10 @@ def check_checkpoint_args(args: argparse.Namespace) -> argparse.Namespace:
     """
     if not args.load:
         return args
-    found = _manifest(args)
+    try:
+        found = _manifest(args)
+    except CheckpointError:  # a corrupt tracker: the load says so, or a restart falls back
+        return args
     if found is None:
         return args
     path, manifest = found

@@ -21,6 +21,7 @@ the step with that same error, whether a worker or the training process read it 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import torch
@@ -35,6 +36,15 @@ from training.faults import one_line_errors
 
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 SAMPLERS = {"single": EndlessSequentialSampler, "cyclic": MegatronPretrainingRandomSampler}
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """A data worker of a training process that saves on SIGTERM (``--exit-signal-handler``) ignores SIGTERM
+    and leaves its end to that process (it stops with its parent). torchrun's agent signals each worker's
+    whole process group, and a scheduler every process of the job step: a data worker ended under the
+    training process fails its next read ("DataLoader worker ... is killed by signal") before the
+    checkpoint is saved. Without the flag SIGTERM ends both, as before."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _Failed:
@@ -99,6 +109,7 @@ class BatchStream:
 
     ``num_workers=0`` reads in the training process; ``dataloader_type`` is ``single`` or ``cyclic``.
     ``groups``: the process groups to read for (default: ``parallel_state``'s).
+    ``workers_ignore_sigterm``: with ``--exit-signal-handler`` (see :func:`_ignore_sigterm`).
     """
 
     def __init__(
@@ -110,7 +121,9 @@ class BatchStream:
         num_workers: int = 0,
         dataloader_type: str = "single",
         groups: ParallelGroups | None = None,
+        workers_ignore_sigterm: bool = False,
     ) -> None:
+        self.workers_ignore_sigterm = workers_ignore_sigterm
         self.dataset, self.groups = dataset, groups if groups is not None else ps.get_parallel_groups()
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.num_workers, self.dataloader_type = num_workers, dataloader_type
@@ -135,6 +148,7 @@ class BatchStream:
             # Its own generator: otherwise starting the iterator draws a worker seed from torch's global
             # generator, which dropout uses, and a resumed run (which starts it later) would diverge.
             generator=torch.Generator().manual_seed(consumed_samples),
+            worker_init_fn=_ignore_sigterm if self.workers_ignore_sigterm else None,
         )
         return iter(loader)
 

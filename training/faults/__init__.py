@@ -1,8 +1,9 @@
 """How a run ends when something goes wrong: one message, printed once, the right exit code, no orphans.
 
 * :func:`run_main` wraps the entry point (``pretrain_gpt.py``). Errors listed in
-  :mod:`training.errors` print one line, ``pretrain_gpt.py: error: ...``, and exit 2 (usage) or 1;
-  anything else prints its traceback and exits 1. Exactly one rank prints: the first to claim the
+  :mod:`training.errors` print one line, ``pretrain_gpt.py: error: ...``, and exit with the code
+  that module's table gives: 2 (usage), 3 (flags that do not fit together, the world size or the
+  checkpoint), 16 or 17 (result validation), else 1; anything else prints its traceback and exits 1. Exactly one rank prints: the first to claim the
   report in the job's store (:func:`judge`; before the process groups exist, torchrun's own store,
   or rank 0 without torchrun). Every other rank exits with the same code without a word, so a
   problem one rank sees is not buried under the others' "Connection closed by peer" tracebacks.

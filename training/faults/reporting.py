@@ -21,8 +21,11 @@ from core.device import DeviceError
 from core.watchdog import Heartbeat, claim_report, error_reported, is_communication_failure
 from training.checkpoint.format import CheckpointError
 from training.errors import (
+    EXIT_CONFIG,
     EXIT_FAILURE,
+    EXIT_INTERRUPTED,
     EXIT_USAGE,
+    LAUNCHED_BY_TRIDENT_RUN,
     ConfigError,
     DataError,
     PeerFailure,
@@ -32,7 +35,6 @@ from training.errors import (
 from training.faults.launcher import watch_launcher
 from training.reporting.logging_utils import print_line
 
-EXIT_INTERRUPTED = 130
 _VERDICT = "_trident_verdict"
 
 
@@ -272,6 +274,17 @@ def print_error(line: str) -> None:
     print_line(line, file=sys.stderr)
 
 
+def exit_code(err: BaseException) -> int:
+    """The code a process ending with ``err`` exits with (the table in ``training.errors``)."""
+    if isinstance(err, ResultRejected):
+        return err.exit_code
+    if isinstance(err, UsageError):
+        return EXIT_USAGE
+    if isinstance(err, ConfigError) and os.environ.get(LAUNCHED_BY_TRIDENT_RUN):
+        return EXIT_CONFIG
+    return EXIT_FAILURE
+
+
 def report(err: BaseException) -> int:
     """Print ``err`` if this rank is the one to (see :func:`judge`); return the exit code for it."""
     verdict: Verdict | None = getattr(err, _VERDICT, None)
@@ -279,9 +292,7 @@ def report(err: BaseException) -> int:
         store = _launcher_store()
         use_store(store, _env_rank())
         verdict = Verdict(report=claim() if store is not None else _env_rank() == 0)
-    code = EXIT_USAGE if isinstance(err, UsageError) else EXIT_FAILURE
-    if isinstance(err, ResultRejected):
-        code = err.exit_code
+    code = exit_code(err)
     if not verdict.report:
         wait_until_printed()
         return code
