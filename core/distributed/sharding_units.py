@@ -9,7 +9,8 @@ is gathering its buckets.
 Hooks, per unit module (see :mod:`core.distributed.sharded_bucket` for the buckets' side):
 
 * forward pre-hook: gather the unit's buckets;
-* forward hook: free them (unless a backward that needs them is pending) and hang a hook on every
+* forward hook: free them (unless a backward that needs them is pending, or at step scope, where they
+  stay until the optimizer step) and hang a hook on every
   output that requires a gradient. The first of those to receive its gradient is the start of the
   unit's backward: it counts a pending backward on each bucket and gathers the parameters again;
 * each bucket ends the backward itself when all its parameters' gradients are in (then frees them).
@@ -132,7 +133,8 @@ def register_unit_hooks(
 
 def sharded_grad_hook(bucket: ShardedBucket):
     """The post-accumulate-grad hook of a ZeRO-2/3 parameter: its gradient of this microbatch goes into
-    the bucket's transient full buffer (``param.grad`` is dropped), and the bucket counts it."""
+    the bucket's transient full buffer (``param.grad`` is dropped, or at step scope becomes the buffer's
+    view, into which autograd adds the later microbatches in place), and the bucket counts it."""
     bucket_ref = weakref.ref(bucket)  # weakly: see DistributedDataParallel._make_ready
 
     def hook(param: nn.Parameter) -> None:
@@ -144,9 +146,9 @@ def sharded_grad_hook(bucket: ShardedBucket):
             return
         if bucket.state != IDLE:
             bucket.check_accumulation_allowed(param)  # raises
-        if param.grad is not None:
-            bucket.accumulate(param, param.grad)
-            param.grad = None
+        grad = param.grad
+        if grad is not None and grad is not param.main_grad:  # else autograd added it in place (step scope)
+            param.grad = bucket.accumulate(param, grad)
         bucket.note_grad(param)
 
     return hook
