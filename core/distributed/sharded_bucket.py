@@ -163,6 +163,8 @@ class ShardedBucket(Bucket):
         self.pending_backward = 0
         self._reported: set[int] = set()
         self.reductions = self.gathers = 0  # counted per step, for the traffic report
+        self._used = max(self._start_of[id(p)] + p.numel() for p in self.params)  # then padding
+        self._unwritten = {}
         for param in self.params:
             param.main_grad_shard = self.shard_views(param)[1]
 
@@ -177,13 +179,16 @@ class ShardedBucket(Bucket):
 
     # -- gradients ------------------------------------------------------------------------------
     def open_grad_buffer(self) -> None:
-        """Give the full bucket (every ``main_grad`` view) zeroed memory, if it has none: at the first
-        gradient of a microbatch (the hook's, or a fused layer's through ``param.claim_main_grad``)."""
+        """Give the full bucket (every ``main_grad`` view) memory, if it has none: at the first gradient
+        of a microbatch (the hook's, or a fused layer's through ``param.claim_main_grad``). Nothing is
+        zeroed but the padding: every parameter is *unwritten* (:mod:`core.distributed.grad_buffer`), its
+        first gradient copied in, and what none reaches zeroed before the reduction."""
         if self._grad_live:
             return
         self._land()
         alloc_storage(self.grad_data)
-        self.grad_data.zero_()
+        self.grad_data[self._used :].zero_()
+        self._unwritten = {id(p): p for p in self.params}
         self._grad_live = True
 
     def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
@@ -192,15 +197,26 @@ class ShardedBucket(Bucket):
         autograd adds the step's later microbatches into the bucket in place (as ZeRO-1's buffers); else
         None (the bucket may be freed before the next gradient)."""
         self.open_grad_buffer()
-        param.main_grad.add_(grad)
+        if self.claim(param):
+            param.main_grad.copy_(grad)
+        else:
+            param.main_grad.add_(grad)
         return param.main_grad if self.step_scope and param.main_grad.dtype == param.dtype else None
 
+    def open_for_fused_write(self, param: torch.nn.Parameter) -> None:
+        """A fused layer is about to add ``param``'s gradient into ``main_grad``: memory for the bucket,
+        and ``param``'s region zeroed if nothing was written there yet."""
+        self.open_grad_buffer()
+        if self.claim(param):
+            param.main_grad.zero_()
+
     def _free_grad_data(self) -> None:
-        """Free the full bucket; no ``param.grad`` is left viewing it."""
+        """Free the full bucket; no ``param.grad`` is left viewing it, and no region waits to be zeroed."""
         if self.step_scope:
             for param in self.params:
                 if param.grad is not None:
                     param.grad = None
+        self._unwritten = {}
         free_storage(self.grad_data)
 
     def note_grad(self, param: torch.nn.Parameter) -> None:
@@ -318,12 +334,13 @@ class ShardedBucket(Bucket):
             self._gather_work.wait()
             self._gather_work = None
 
-    def release_params(self, force: bool = False) -> None:
+    def release_params(self, force: bool = False, *, evaluating: bool = False) -> None:
         """Free the gathered parameters, unless a backward that needs them is pending or they are held for
-        the step (step scope) (``force``: anyway, as after the optimizer step)."""
+        the step (step scope, unless ``evaluating``: a forward in eval mode, after which no optimizer step
+        frees them) (``force``: anyway, as after the optimizer step)."""
         if force:
             self.pending_backward = 0
-        elif self.step_scope:
+        elif self.step_scope and not evaluating:
             return
         if not self.shards_params or not self.params_live or self.pending_backward:
             return

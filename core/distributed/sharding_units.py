@@ -10,7 +10,8 @@ Hooks, per unit module (see :mod:`core.distributed.sharded_bucket` for the bucke
 
 * forward pre-hook: gather the unit's buckets;
 * forward hook: free them (unless a backward that needs them is pending, or at step scope, where they
-  stay until the optimizer step) and hang a hook on every
+  stay until the optimizer step; an evaluation's forward, in eval mode, frees them at either scope) and
+  hang a hook on every
   output that requires a gradient. The first of those to receive its gradient is the start of the
   unit's backward: it counts a pending backward on each bucket and gathers the parameters again;
 * each bucket ends the backward itself when all its parameters' gradients are in (then frees them).
@@ -103,7 +104,7 @@ def register_unit_hooks(
 
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
         for bucket in live():
-            bucket.release_params()
+            bucket.release_params(evaluating=not module.training)
         needing = [t for t in _tensors(output) if t.requires_grad]
         if not needing:
             return
@@ -172,13 +173,14 @@ def sharded_grad_accumulated(bucket: ShardedBucket):
 
 def sharded_main_grad_claim(bucket: ShardedBucket):
     """``param.claim_main_grad`` under ZeRO-2/3: a fused layer is about to write ``main_grad``; give the
-    bucket memory first (it has none between microbatches), zeroed, so the layer adds (False)."""
+    bucket memory first (it has none between microbatches), ``param``'s region zeroed, so the layer adds
+    (False)."""
     bucket_ref = weakref.ref(bucket)
 
     def claim_main_grad(param: nn.Parameter) -> bool:
         bucket = bucket_ref()
         if bucket is not None:
-            bucket.open_grad_buffer()
+            bucket.open_for_fused_write(param)
         return False
 
     return claim_main_grad

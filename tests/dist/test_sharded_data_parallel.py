@@ -14,6 +14,11 @@ three steps, <= 4e-6 on every other). So: losses within 1e-6, weights within 5e-
 design's "within x"), and optim_grads_params bit-identical to optim_grads (the same reductions; the
 gathered parameters are the shards themselves). At DP3 even ``optim`` sums three ranks' gradients in
 another order than ``no_shard`` (gloo's ring cuts a padded bucket into other chunks): 5e-5 for all.
+
+The core-level cases run without pipelining, where ``--data-parallel-sharding-scope auto`` is the
+microbatch scope described above; the pretrain() cases with PP2 run at step scope (its default under
+pipelining: one reduce-scatter per bucket and step, ZeRO-1's sums), within the same bounds. The scope's
+own tests (below) compare the two scopes with each other.
 """
 
 from __future__ import annotations
@@ -279,6 +284,11 @@ def _scope_case(rank, world_size):
             )
             losses, between_steps = _steps(chunk, optimizer, ps.get_data_parallel_rank())
             weights = [p.detach().clone() for p in chunk.module.parameters()]
+            chunk.keep_gathered_params()  # _steps gathered them to be read
+            chunk.eval()
+            with torch.no_grad():  # an evaluation's forward frees what it gathers, at either scope
+                chunk(torch.zeros(2, 16, dtype=torch.long))
+            between_steps["gathered after evaluation"] = sum(b.params_live for b in chunk.buckets)
             out[strategy, scope] = (chunk.sharding_scope, losses, weights, between_steps)
     ps.destroy_model_parallel()
     return out
@@ -291,7 +301,8 @@ def test_sharding_per_step_trains_what_sharding_per_microbatch_trains_with_one_c
     within 5e-5 (the module's bound for ZeRO-2/3 against no_shard; measured 0 to 1e-6 and up to 2e-5, the
     bias whose gradient is rounding noise). ZeRO-3 at step scope is ZeRO-2 at step scope bit for bit. Per
     bucket and step (reduce-scatters, all-gathers): (M, 1) and (M, 2M) per microbatch, (1, 1) per step,
-    and every layer stays gathered; between steps the same 1/DP of parameters and gradients."""
+    and every layer stays gathered (but not after an evaluation's forward, in eval mode); between steps
+    the same 1/DP of parameters and gradients."""
     for out in ranks(2).run(_scope_case, timeout=240):
         for strategy in ("optim_grads", "optim_grads_params"):
             (mb_scope, per_microbatch, mb_weights, memory) = out[strategy, "microbatch"]
@@ -311,6 +322,10 @@ def test_sharding_per_step_trains_what_sharding_per_microbatch_trains_with_one_c
         )
         assert out["optim_grads_params", "microbatch"][3]["layers gathered at once"] == 2
         assert out["optim_grads_params", "step"][3]["layers gathered at once"] == 3
+        assert [
+            out["optim_grads_params", scope][3]["gathered after evaluation"]
+            for scope in ("microbatch", "step")
+        ] == [0, 0]
 
 
 SCHEDULES = {  # (pipeline size, virtual size, --pipeline-schedule, untied embeddings)

@@ -162,8 +162,9 @@ def sharding_report(args: argparse.Namespace) -> list[str]:
         traffic, held = "1 all-gather, 1 reduce-scatter per bucket", "its chunks' whole gradients"
         held += " and parameters" if zero3 else ""
     else:
-        gathers = f"2M = {2 * m} all-gathers" if zero3 else "1 all-gather"
-        traffic, held = f"{gathers}, M = {m} reduce-scatters per bucket", "only the layers in flight"
+        twice, once = (f"2M = {2 * m}", f"M = {m}") if isinstance(m, int) else ("2M", "M")
+        gathers = f"{twice} all-gathers" if zero3 else "1 all-gather"
+        traffic, held = f"{gathers}, {once} reduce-scatters per bucket", "only the layers in flight"
     pp = args.pipeline_model_parallel_size
     why = f" (auto: {f'{pp} pipeline stages' if pp > 1 else 'no pipeline'})"
     why = "" if "data_parallel_sharding_scope" in args.explicit_args else why
