@@ -13,6 +13,15 @@ them off, and the peak is the largest total plus the transient of the action run
 So 1F1B's ``pp - rank`` in-flight microbatches, GPipe's all of them, an interleaved schedule's
 warm-up and the deferred W of zero-bubble schedules all come out of the table itself.
 
+Under ZeRO-2 and ZeRO-3 (``sharding``: Megatron-FSDP's ``optim_grads`` and ``optim_grads_params`` with
+the scope of ``--data-parallel-sharding-scope``, :mod:`core.distributed.sharded_bucket`) a rank keeps
+1/DP of the gradients (and under ZeRO-3 of the parameters) between steps, in buckets that follow the
+layers (each padded to lcm(dp, 128)); during the schedule it holds the full buckets in use on top
+(``RankMemory.gathered``): at step scope its chunks' whole gradients (and ZeRO-3's whole parameters,
+still there at the optimizer step), at microbatch scope only the units in flight: the running chunk's
+own weights (embedding, final norm, output layer) and two layers' parameters (the running one and the
+prefetched next), three layers' gradients (the one in backward and two reductions in flight).
+
 The optimizer step has a peak of its own: static memory plus Adam's temporaries, which depend on the
 implementation ``torch.optim.AdamW`` picks: per tensor on a CPU, ``foreach`` over a whole parameter
 group on a GPU (one fp32 temporary per element).
@@ -33,6 +42,7 @@ from planner.candidate import Candidate
 from planner.model_spec import ModelSpec
 
 __all__ = [
+    "SHARDED_STRATEGIES",
     "RankMemory",
     "candidate_memory",
     "gathered_param_bytes",
@@ -46,6 +56,13 @@ SHARD_ALIGNMENT = (
     128  # core.distributed.grad_buffer: buckets pad to lcm(dp, 128) under the distributed optimizer
 )
 DEFAULT_BUCKET = 40_000_000  # elements; max(this, 1e6 * dp) with overlap_grad_reduce on pipeline rank 0
+SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")
+"""The strategies ``sharding=(strategy, scope)`` models: ZeRO-2 and ZeRO-3 (ZeRO-1 is
+``Candidate.distributed_optimizer``)."""
+UNITS_IN_FLIGHT = (2, 3)
+"""At microbatch scope, the layers whose (parameters, gradients) a rank holds whole at once besides its
+chunk's own weights: the running layer and the prefetched next one; the layer in backward and the two
+reductions in flight (``core.distributed.sharded_bucket.MAX_IN_FLIGHT``)."""
 
 
 @dataclass
@@ -66,6 +83,11 @@ class RankMemory:
     peak_in_flight: int = 0
     """Microbatch-chunks forwarded and not yet through their backward at the peak."""
     activation_terms: dict[str, float] = field(default_factory=dict)
+    gathered: float = 0.0
+    """ZeRO-2/3: the full parameter and gradient buckets held during the schedule on top of the shards
+    (``params`` and ``grads`` are what stays between steps)."""
+    gathered_at_step: float = 0.0
+    """ZeRO-3 at step scope: the whole parameters, still gathered while the optimizer steps."""
 
     @property
     def static(self) -> float:
@@ -73,11 +95,11 @@ class RankMemory:
 
     @property
     def schedule_peak(self) -> float:
-        return self.static + self.activations + self.transient + self.buffers
+        return self.static + self.gathered + self.activations + self.transient + self.buffers
 
     @property
     def optimizer_peak(self) -> float:
-        return self.static + self.optimizer_transient
+        return self.static + self.gathered_at_step + self.optimizer_transient
 
     @property
     def peak(self) -> float:
@@ -181,6 +203,10 @@ class _Static(NamedTuple):
     """Bytes of the distributed optimizer's parameter all-gather (the parameter buffers)."""
     stepped_tensors: float
     """Tensors (or tensor shards) the rank's optimizer steps."""
+    held: float = 0.0
+    """ZeRO-2/3: full buckets held during the schedule (``RankMemory.gathered``)."""
+    held_at_step: float = 0.0
+    """ZeRO-3 at step scope: full parameters held while the optimizer steps."""
 
 
 _STATIC: dict[tuple, _Static] = {}
@@ -188,21 +214,40 @@ _STATIC: dict[tuple, _Static] = {}
 and microbatch choices share them."""
 
 
-def _static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) -> _Static:
+def _static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sharding=None) -> _Static:
     key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
-           cand.distributed_optimizer, pp_rank, device)  # fmt: skip
+           cand.distributed_optimizer, pp_rank, device, sharding)  # fmt: skip
     if key not in _STATIC:
         if len(_STATIC) > 1 << 16:
             _STATIC.clear()
-        _STATIC[key] = _rank_static(spec, cand, pp_rank, device)
+        _STATIC[key] = _rank_static(spec, cand, pp_rank, device, _checked(cand, sharding))
     return _STATIC[key]
 
 
+def _checked(cand: Candidate, sharding: tuple[str, str] | None) -> tuple[str, str] | None:
+    if sharding is None:
+        return None
+    strategy, scope = sharding
+    if strategy not in SHARDED_STRATEGIES or scope not in ("step", "microbatch"):
+        raise ValueError(
+            f"sharding must be (one of {', '.join(SHARDED_STRATEGIES)}, step or microbatch); got {sharding!r}"
+        )
+    if not cand.distributed_optimizer:
+        raise ValueError(f"sharding {strategy} builds on the distributed optimizer: the candidate has none")
+    return sharding
+
+
 def rank_static(
-    spec: ModelSpec, cand: Candidate, pp_rank: int, device: str = "cuda"
+    spec: ModelSpec,
+    cand: Candidate,
+    pp_rank: int,
+    device: str = "cuda",
+    *,
+    sharding: tuple[str, str] | None = None,
 ) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer state, optimizer-step transient) of a pipeline rank, in bytes."""
-    return _static(spec, cand, pp_rank, device)[:4]
+    """(params, grads, optimizer state, optimizer-step transient) of a pipeline rank, in bytes: what it
+    holds between steps (``sharding``: ZeRO-2/3, ``(strategy, scope)``; see the module docstring)."""
+    return _static(spec, cand, pp_rank, device, sharding)[:4]
 
 
 def gathered_param_bytes(spec: ModelSpec, cand: Candidate, pp_rank: int) -> float:
@@ -229,7 +274,44 @@ def _fp8_weight_bytes(spec: ModelSpec, cand: Candidate, layers: int) -> tuple[fl
     return 2 * elements, 0.0
 
 
-def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) -> _Static:
+def _sharded_units(
+    spec: ModelSpec, cand: Candidate, symbols: tuple[str, ...], embedding_here: bool
+) -> tuple[int, int, int]:
+    """A chunk's buckets under ZeRO-2/3, each padded to lcm(dp x cp, 128) elements: (its own weights', in
+    two buckets, the layers' own ahead of and after them; one layer's; the number of layers)."""
+    pad = math.lcm(cand.dp * cand.cp, SHARD_ALIGNMENT)
+    head = sum(_chunk_tensors(spec, cand, tuple(s for s in symbols if s == "E"), embedding_here))
+    tail = sum(
+        abs(n) for n in _chunk_tensors(spec, cand, tuple(s for s in symbols if s == "L"), embedding_here)
+    )
+    layer = sum(_layer_tensors(spec, cand))
+    return _pad_to(head, pad) + _pad_to(tail, pad), _pad_to(layer, pad), symbols.count("t")
+
+
+def _pad_to(elements: int, pad: int) -> int:
+    return -(-elements // pad) * pad
+
+
+def _sharded_static(spec: ModelSpec, cand: Candidate, chunks, sharding) -> tuple[float, float, float, float]:
+    """ZeRO-2/3's (params, grads) between steps and the full buckets held during the schedule and at the
+    optimizer step (see the module docstring), in bytes."""
+    strategy, scope = sharding
+    zero3 = strategy == "optim_grads_params"
+    B, G = spec.bytes_per_value, 2 if spec.precision == "fp16" else 4
+    embedding_here = any("E" in c for c in chunks)
+    units = [_sharded_units(spec, cand, c, embedding_here) for c in chunks]
+    full = sum(own + layer * n for own, layer, n in units)
+    shards = cand.dp * cand.cp
+    params, grads = full * B / (shards if zero3 else 1), full * G / shards
+    if scope == "step":
+        return params, grads, full * (G + (B if zero3 else 0)), full * B if zero3 else 0.0
+    gathers, reductions = UNITS_IN_FLIGHT
+    in_flight_params = max(own + layer * min(n, gathers) for own, layer, n in units)
+    in_flight_grads = max(own + layer * min(n, reductions) for own, layer, n in units)
+    return params, grads, in_flight_grads * G + (in_flight_params * B if zero3 else 0), 0.0
+
+
+def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sharding=None) -> _Static:
     chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     embedding_here = any("E" in c for c in chunks)
     tensors = [_chunk_tensors(spec, cand, c, embedding_here) for c in chunks]
@@ -261,7 +343,11 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
     transient = _optimizer_transient(stepped, device)
     if grad_bytes != 4:  # fp16 gradients: the optimizer steps on fp32 copies of them, all alive at once
         transient += 4 * sum(abs(n) for n in stepped)
-    return _Static(params, grads, state, transient, gathered, count)
+    if sharding is None:
+        return _Static(params, grads, state, transient, gathered, count)
+    zero_params, grads, held, held_at_step = _sharded_static(spec, cand, chunks, sharding)
+    params += zero_params - padded * B  # FP8 copies and RoPE tables as before
+    return _Static(params, grads, state, transient, gathered, count, held, held_at_step)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,13 +445,23 @@ def _walk(states: tuple, chunks: list[list[StageActivations]]) -> list[tuple[flo
     return [(float(held[t]), float(extras[group[t]]), int(n)) for t, n in zip(tops, in_flight)]
 
 
-def rank_memory(spec: ModelSpec, cand: Candidate, pp_rank: int, *, device: str = "cuda") -> RankMemory:
+def rank_memory(
+    spec: ModelSpec,
+    cand: Candidate,
+    pp_rank: int,
+    *,
+    device: str = "cuda",
+    sharding: tuple[str, str] | None = None,
+) -> RankMemory:
     """Predicted bytes of pipeline rank ``pp_rank`` (every TP/CP/DP rank of it holds the same)."""
-    return candidate_memory(spec, cand, device=device)[pp_rank]
+    return candidate_memory(spec, cand, device=device, sharding=sharding)[pp_rank]
 
 
-def candidate_memory(spec: ModelSpec, cand: Candidate, *, device: str = "cuda") -> list[RankMemory]:
-    """Every pipeline rank's memory; the candidate's peak is the largest of them."""
+def candidate_memory(
+    spec: ModelSpec, cand: Candidate, *, device: str = "cuda", sharding: tuple[str, str] | None = None
+) -> list[RankMemory]:
+    """Every pipeline rank's memory; the candidate's peak is the largest of them. ``sharding``: ZeRO-2/3
+    as ``(strategy, scope)``, e.g. ``("optim_grads_params", "step")`` (needs the distributed optimizer)."""
     shape = Shape(
         seq=spec.seq_length // cand.cp,
         batch=cand.micro_batch_size,
@@ -385,7 +481,10 @@ def candidate_memory(spec: ModelSpec, cand: Candidate, *, device: str = "cuda") 
             ]
         )
     walks = _walk(_all_states(cand.schedule, cand.pp, cand.vpp, memory_microbatches(cand)), chunks)
-    return [_rank(spec, cand, rank, device, chunks[rank], *walks[rank]) for rank in range(cand.pp)]
+    return [
+        _rank(spec, cand, rank, device, chunks[rank], *walks[rank], sharding=sharding)
+        for rank in range(cand.pp)
+    ]
 
 
 @lru_cache(maxsize=4096)
@@ -396,8 +495,9 @@ def _stage(
     return stage_activations(spec, shape, symbols, first=first, fp8_layers=fp8_layers)
 
 
-def _rank(spec, cand, pp_rank, device, chunks, held, transient, in_flight) -> RankMemory:
-    params, grads, state, opt_transient = rank_static(spec, cand, pp_rank, device)
+def _rank(spec, cand, pp_rank, device, chunks, held, transient, in_flight, *, sharding=None) -> RankMemory:
+    static = _static(spec, cand, pp_rank, device, sharding)
+    params, grads, state, opt_transient = static[:4]
     reads_data = any(c.terms.get("embedding") or "loss final norm" in c.terms for c in chunks)
     buffers = 28 * spec.seq_length * cand.micro_batch_size * cand.num_microbatches if reads_data else 0
     if spec.position_embedding_type == "rope":  # each chunk's cos/sin table, cached at its first forward
@@ -408,5 +508,16 @@ def _rank(spec, cand, pp_rank, device, chunks, held, transient, in_flight) -> Ra
         for name, value in chunk.terms.items():
             terms[name] = terms.get(name, 0.0) + value
     return RankMemory(
-        pp_rank, params, grads, state, held, transient, buffers, opt_transient, in_flight, terms
+        pp_rank,
+        params,
+        grads,
+        state,
+        held,
+        transient,
+        buffers,
+        opt_transient,
+        in_flight,
+        terms,
+        static.held,
+        static.held_at_step,
     )

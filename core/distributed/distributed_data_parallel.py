@@ -20,10 +20,13 @@ layout, and ``start_param_sync`` all-gathers the shards the optimizer updated (s
 :mod:`core.distributed.grad_buffer`).
 
 With ``data_parallel_sharding_strategy`` ``optim_grads`` (ZeRO-2) or ``optim_grads_params`` (ZeRO-3)
-the buckets follow the layers and keep only this rank's reduced gradient shard between microbatches,
-and under ZeRO-3 only its parameter shard between uses; each layer's parameters are gathered around
-its forward and its backward (:mod:`core.distributed.sharded_bucket`,
-:mod:`core.distributed.sharding_units`). With ``num_distributed_optimizer_instances`` N > 1 (HSDP) the
+the buckets follow the layers and keep only this rank's reduced gradient shard, and under ZeRO-3 only
+its parameter shard, between uses. How long a bucket stays whole is ``data_parallel_sharding_scope``
+(``sharding_scope`` here, ``auto`` resolved by the pipeline size of ``pg_collection``): at ``step`` scope
+gradients accumulate in the full bucket and are reduce-scattered once after the chunk's last backward,
+and ZeRO-3 gathers each bucket at its first use and keeps it until the optimizer step; at ``microbatch``
+scope every microbatch is reduce-scattered, and ZeRO-3 gathers each layer around its forward and its
+backward (:mod:`core.distributed.sharded_bucket`, :mod:`core.distributed.sharding_units`). With ``num_distributed_optimizer_instances`` N > 1 (HSDP) the
 buckets are sharded over this rank's instance only (``intra_dp_group``, DPxCP / N ranks; an MoE expert's
 over ``intra_expert_dp_group``, its instance's EDP / N expert replicas) and each reduced shard is summed
 over its N replicas (``inter_dp_group``, the same group for experts), or with
@@ -85,7 +88,9 @@ def is_expert_param(param: nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _reduce_options(config: Any, ddp_config: DistributedDataParallelConfig, dp_size: int) -> ReduceOptions:
+def _reduce_options(
+    config: Any, ddp_config: DistributedDataParallelConfig, dp_size: int, scope: str | None
+) -> ReduceOptions:
     """How buckets reduce: averaging over replicas by 1/dp before the sum, or (average_in_collective)
     after it. A per-token loss is normalised later by the global token count, so the sum is kept."""
     per_token = bool(getattr(config, "calculate_per_token_loss", False))
@@ -108,7 +113,7 @@ def _reduce_options(config: Any, ddp_config: DistributedDataParallelConfig, dp_s
         shard=ddp_config.use_distributed_optimizer,
         shard_grads=ddp_config.shard_grads,
         shard_params=ddp_config.shard_params,
-        hold_params_for_step=ddp_config.param_gather_once_per_step,
+        step_scope=scope == "step",
         outer_shard=ddp_config.shard_outer,
     )
 
@@ -161,6 +166,8 @@ class DistributedDataParallel(nn.Module):
             _instance_groups(ddp_config, groups, data_parallel_group, expert_data_parallel_group)
         )
         pp_rank = groups.rank_in("pp") if groups is not None else 0
+        self.sharding_scope = ddp_config.sharding_scope(groups.size("pp") if groups is not None else 1)
+        """``step`` or ``microbatch`` under ZeRO-2/3 (``data_parallel_sharding_scope`` resolved), else None."""
         dp_size = group_size(self.data_parallel_group)
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
         if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
@@ -168,7 +175,7 @@ class DistributedDataParallel(nn.Module):
         if ddp_config.shard_grads:  # buckets follow the layers instead (see core.distributed.sharding_units)
             self.bucket_size = None
         self.buffers: list[GradBuffer] = []
-        self._build_buffers(_reduce_options(config, ddp_config, dp_size))
+        self._build_buffers(_reduce_options(config, ddp_config, dp_size, self.sharding_scope))
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets for p in bucket.params
         }

@@ -12,6 +12,9 @@ SHARDING_STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "opt
 """Megatron-FSDP's names: nothing sharded (DDP), optimizer state (ZeRO-1), and gradients (ZeRO-2),
 and parameters (ZeRO-3)."""
 OuterShardingStrategy = Literal["no_shard", "optim"]
+ShardingScope = Literal["auto", "step", "microbatch"]
+SHARDING_SCOPES: tuple[str, ...] = ("auto", "step", "microbatch")
+"""How long ZeRO-2/3's sharded units live whole (see ``data_parallel_sharding_scope``)."""
 
 
 @dataclass(kw_only=True)
@@ -68,11 +71,18 @@ class DistributedDataParallelConfig:
     its gradients reduce-scattered and its updated parameters all-gathered across them). ``optim``
     needs ``optim_grads_params`` and N > 1, as in Megatron."""
 
-    param_gather_once_per_step: bool = flag(False, group="distributed")
-    """Under ``optim_grads_params`` (ZeRO-3): keep each bucket's parameters gathered from its first use in a
-    step until the optimizer step, instead of freeing them after each layer's forward and backward: one
-    all-gather per bucket and step instead of 2M for M microbatches, at the cost of holding the whole
-    chunk's parameters during the step (between steps a rank still holds 1/DP of them)."""
+    data_parallel_sharding_scope: ShardingScope = flag("auto", group="distributed")
+    """How long ZeRO-2 (``optim_grads``) and ZeRO-3 (``optim_grads_params``) keep a bucket whole, a Trident
+    setting (Megatron has none). ``step``: gradients accumulate in the full bucket over the step's
+    microbatches and are reduce-scattered once, after the chunk's last backward (the W pass under
+    zero-bubble); under ZeRO-3 each bucket is gathered at its first use in the step and kept until the
+    optimizer step: per bucket and step 1 all-gather and 1 reduce-scatter, the whole chunk's parameters and
+    gradients held during the step. ``microbatch``: every microbatch is reduce-scattered on its own, and
+    ZeRO-3 gathers each layer before its forward and again before its backward (2M all-gathers and M
+    reduce-scatters per bucket and step, M microbatches), only the units in flight held. ``auto``: ``step``
+    when the pipeline has more than one stage, ``microbatch`` without pipelining (Megatron-FSDP's own
+    behaviour, least memory). Between steps a rank holds 1/DP of what the strategy shards either way.
+    Irrelevant to ``no_shard`` and ``optim``, which refuse ``step`` and ``microbatch``."""
 
     overlap_param_gather: bool = flag(False, group="distributed")
     """With the distributed optimizer: launch the parameter all-gathers asynchronously after the
@@ -97,11 +107,7 @@ class DistributedDataParallelConfig:
                 "optimizer gathers parameters)"
             )
         self._check_instances()
-        if self.param_gather_once_per_step and self.data_parallel_sharding_strategy != "optim_grads_params":
-            raise ValueError(
-                "param_gather_once_per_step=True needs data_parallel_sharding_strategy='optim_grads_params' "
-                f"(only ZeRO-3 frees parameters between uses); got {self.data_parallel_sharding_strategy!r}"
-            )
+        self._check_scope()
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(
                 f"bucket_size must be a positive number of elements or None, got {self.bucket_size}"
@@ -132,6 +138,29 @@ class DistributedDataParallelConfig:
                 )
             )
         self.data_parallel_sharding_strategy = strategy
+
+    def _check_scope(self) -> None:
+        scope = self.data_parallel_sharding_scope
+        if scope not in SHARDING_SCOPES:
+            raise ValueError(
+                f"data_parallel_sharding_scope must be one of {', '.join(SHARDING_SCOPES)}; got {scope!r}"
+            )
+        if scope != "auto" and not self.shard_grads:
+            raise ValueError(
+                f"data_parallel_sharding_scope={scope!r} says how long ZeRO-2/3 keep a bucket whole, but "
+                f"data_parallel_sharding_strategy={self.data_parallel_sharding_strategy!r} keeps every bucket "
+                "whole: give 'optim_grads' or 'optim_grads_params', or leave the scope 'auto'"
+            )
+
+    def sharding_scope(self, pipeline_stages: int) -> str | None:
+        """The scope a chunk of a pipeline of ``pipeline_stages`` stages runs at: ``step`` or ``microbatch``
+        (``auto`` resolved), None for the strategies that keep every bucket whole."""
+        if not self.shard_grads:
+            return None
+        scope = self.data_parallel_sharding_scope
+        if scope == "auto":
+            return "step" if pipeline_stages > 1 else "microbatch"
+        return scope
 
     def _check_instances(self) -> None:
         instances, outer = self.num_distributed_optimizer_instances, self.outer_dp_sharding_strategy

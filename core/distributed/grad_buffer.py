@@ -81,8 +81,10 @@ class ReduceOptions:
     :mod:`core.distributed.sharded_bucket`)."""
     shard_params: bool = False
     """Keep only the shard of the parameters between uses (ZeRO-3)."""
-    hold_params_for_step: bool = False
-    """ZeRO-3: once gathered, the parameters stay until the optimizer step (one gather a step)."""
+    step_scope: bool = False
+    """ZeRO-2/3 at step scope (``data_parallel_sharding_scope``): gradients accumulate in the full bucket
+    over the step and are reduce-scattered once, after the last microbatch; ZeRO-3's parameters, once
+    gathered, stay until the optimizer step (one gather a step)."""
     outer_shard: bool = False
     """With distributed-optimizer instances (an ``inter_group``): split each shard's optimizer range once
     more over the instances (Megatron-FSDP's outer ``optim``) instead of replicating it."""

@@ -9,30 +9,38 @@ changes is what stays allocated.
 
 * ``grad_shard`` (persistent, 1/DP of the bucket): the sum of this rank's shard over every
   microbatch and every data-parallel rank so far; the optimizer steps from it;
-* ``grad_data`` (the full bucket, transient): allocated when the first gradient of a microbatch
-  arrives, and freed (its storage resized to zero; every ``main_grad`` view survives) once every
-  parameter of the bucket has reported its gradient for that microbatch. Then the bucket is
-  reduce-scattered, and this rank adds its reduced shard into ``grad_shard``.
+* ``grad_data`` (the full bucket, transient): allocated when the first gradient arrives, and freed (its
+  storage resized to zero; every ``main_grad`` view survives) once it is reduce-scattered and this
+  rank has added its reduced shard into ``grad_shard``.
 
-So gradient accumulation over microbatches happens in the reduced shards, not in a full-size buffer:
-every microbatch is reduce-scattered on its own (M reduce-scatters per bucket and step for M
-microbatches, where ZeRO-1 has one), and between microbatches a rank holds 1/DP of the gradients
-plus at most the buckets whose backward is under way and, with ``overlap_grad_reduce``, the
-``MAX_IN_FLIGHT`` buckets whose asynchronous reduce-scatter has not landed yet. The sum of the per-microbatch reductions is
-the reduction of the sum, up to the order of fp32 additions. A bucket whose parameters do not all get
-a gradient in a microbatch simply keeps accumulating until they do, or until the step's
-``finish_grad_sync``.
+When that happens is the *scope* (``ReduceOptions.step_scope``, ``--data-parallel-sharding-scope``):
+
+* **step** (the default under pipelining): the full bucket accumulates every microbatch of the step, as
+  ZeRO-1's buffer does, and is reduce-scattered once, when every parameter of the bucket has reported
+  its gradient in the last microbatch (outside ``no_sync``: the chunk's last backward, the W pass under
+  zero-bubble) with ``overlap_grad_reduce``, and otherwise in ``finish_grad_sync``, as ZeRO-1's buckets.
+  One reduce-scatter per bucket and step, the same additions in the same order as ZeRO-1; the full
+  buckets of a chunk are held from their first gradient to the end of its last backward.
+* **microbatch** (the default without pipelining): every microbatch is reduce-scattered on its own,
+  once every parameter of the bucket has reported its gradient for that microbatch, so gradient
+  accumulation happens in the reduced shards (M reduce-scatters per bucket and step for M
+  microbatches), and between microbatches a rank holds 1/DP of the gradients plus at most the buckets
+  whose backward is under way and, with ``overlap_grad_reduce``, the ``MAX_IN_FLIGHT`` buckets whose
+  asynchronous reduce-scatter has not landed yet. The sum of the per-microbatch reductions is the
+  reduction of the sum, up to the order of fp32 additions. A bucket whose parameters do not all get a
+  gradient in a microbatch simply keeps accumulating until they do, or until the step's
+  ``finish_grad_sync``.
 
 **Parameters (optim_grads_params).** The persistent ``param_shard`` (1/DP) is what the optimizer
 updates; ``param_data`` (the full bucket, which every parameter's ``.data`` views) is gathered just
-before the bucket's layer runs forward, freed after it, gathered again when the gradient of that
-layer's output arrives (the start of its backward), and freed once all its parameters' gradients are
-in. With ``hold_params_for_step`` (``--param-gather-once-per-step``) the first gather of a step keeps
-them until the optimizer step frees them all: one gather per bucket and step. ``pending_backward`` counts the backwards begun and not finished, so a pipeline schedule that runs
-other microbatches' forwards in between (1F1B, interleaved, zero-bubble's I before W) never frees
-parameters that a pending backward still needs. Freed storage is resized to zero, so the tensors that
-autograd saved in forward are valid again once the parameters are gathered back into the same
-storage.
+before the bucket's layer runs forward. At step scope it then stays until the optimizer step frees
+them all: one gather per bucket and step. At microbatch scope it is freed after the forward, gathered
+again when the gradient of that layer's output arrives (the start of its backward), and freed once all
+its parameters' gradients are in. ``pending_backward`` counts the backwards begun and not finished, so a
+pipeline schedule that runs other microbatches' forwards in between (1F1B, interleaved, zero-bubble's I
+before W) never frees parameters that a pending backward still needs. Freed storage is resized to zero,
+so the tensors that autograd saved in forward are valid again once the parameters are gathered back
+into the same storage.
 
 **Instances (HSDP).** With N distributed-optimizer instances the microbatch reductions stay inside the
 instance; the accumulated shard is summed over (or, outer ``optim``, reduce-scattered across) the N
@@ -143,6 +151,7 @@ class ShardedBucket(Bucket):
         self.in_flight_queue: list[ShardedBucket] = []  # shared by the buffer's buckets (ShardedGradBuffer)
         free_storage(self.grad_data)
         self.shards_params = self.options.shard_params
+        self.step_scope = self.options.step_scope
         if self.shards_params:
             self.param_shard = self.param_shard.clone()
             for param, name in zip(self.params, self.names):
@@ -154,6 +163,8 @@ class ShardedBucket(Bucket):
         self.pending_backward = 0
         self._reported: set[int] = set()
         self.reductions = self.gathers = 0  # counted per step, for the traffic report
+        self._used = max(self._start_of[id(p)] + p.numel() for p in self.params)  # then padding
+        self._unwritten = {}
         for param in self.params:
             param.main_grad_shard = self.shard_views(param)[1]
 
@@ -168,28 +179,62 @@ class ShardedBucket(Bucket):
 
     # -- gradients ------------------------------------------------------------------------------
     def open_grad_buffer(self) -> None:
-        """Give the full bucket (every ``main_grad`` view) zeroed memory, if it has none: at the first
-        gradient of a microbatch (the hook's, or a fused layer's through ``param.claim_main_grad``)."""
+        """Give the full bucket (every ``main_grad`` view) memory, if it has none: at the first gradient
+        of a microbatch (the hook's, or a fused layer's through ``param.claim_main_grad``). Nothing is
+        zeroed but the padding: every parameter is *unwritten* (:mod:`core.distributed.grad_buffer`), its
+        first gradient copied in, and what none reaches zeroed before the reduction."""
         if self._grad_live:
             return
         self._land()
         alloc_storage(self.grad_data)
-        self.grad_data.zero_()
+        self.grad_data[self._used :].zero_()
+        self._unwritten = {id(p): p for p in self.params}
         self._grad_live = True
 
-    def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Add one microbatch's gradient of ``param`` into the full bucket (allocated on first use)."""
+    def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
+        """Add one microbatch's gradient of ``param`` into the full bucket (allocated on first use). What
+        ``param.grad`` is to be: at step scope, where the dtypes agree, ``main_grad`` itself, so that
+        autograd adds the step's later microbatches into the bucket in place (as ZeRO-1's buffers); else
+        None (the bucket may be freed before the next gradient)."""
         self.open_grad_buffer()
-        param.main_grad.add_(grad)
+        if self.claim(param):
+            param.main_grad.copy_(grad)
+        else:
+            param.main_grad.add_(grad)
+        return param.main_grad if self.step_scope and param.main_grad.dtype == param.dtype else None
+
+    def open_for_fused_write(self, param: torch.nn.Parameter) -> None:
+        """A fused layer is about to add ``param``'s gradient into ``main_grad``: memory for the bucket,
+        and ``param``'s region zeroed if nothing was written there yet."""
+        self.open_grad_buffer()
+        if self.claim(param):
+            param.main_grad.zero_()
+
+    def _free_grad_data(self) -> None:
+        """Free the full bucket; no ``param.grad`` is left viewing it, and no region waits to be zeroed."""
+        if self.step_scope:
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad = None
+        self._unwritten = {}
+        free_storage(self.grad_data)
 
     def note_grad(self, param: torch.nn.Parameter) -> None:
-        """``param``'s gradient of this microbatch is in; the last of the bucket's reduces it and, under
-        ZeRO-3, ends the backward that gathered the parameters."""
+        """``param``'s gradient of this microbatch is in. At microbatch scope the bucket's last reduces
+        the microbatch; at step scope, with ``overlap_grad_reduce``, the last of the last microbatch
+        (outside ``no_sync``) launches the step's reduction, as ZeRO-1's overlap does (without it,
+        ``finish_grad_sync`` reduces). Under ZeRO-3 the bucket's last ends the backward that gathered the
+        parameters."""
+        if self.step_scope and self.options.async_op and self.is_last_microbatch:
+            self._ready.add(id(param))
+            if len(self._ready) == len(self.params):
+                self.start_grad_sync()
         self._reported.add(id(param))
         if len(self._reported) < len(self.params):
             return
         self._reported.clear()
-        self._reduce_microbatch()
+        if not self.step_scope:
+            self._reduce_microbatch()
         if self.shards_params:
             self.pending_backward = max(0, self.pending_backward - 1)
             self.release_params()
@@ -205,6 +250,8 @@ class ShardedBucket(Bucket):
         self.reductions += 1
         if work is None:  # done already (synchronous, or nothing to communicate)
             self._land()
+            return
+        if self.step_scope:  # one reduction per bucket and step: every full bucket is held anyway
             return
         queue = self.in_flight_queue  # each reduction in flight holds a full bucket: land the oldest
         queue.append(self)
@@ -222,7 +269,7 @@ class ShardedBucket(Bucket):
             work.wait()
         lo = self.dp_rank * self.shard_size
         self.grad_shard.add_(self.grad_data[lo : lo + self.shard_size])
-        free_storage(self.grad_data)
+        self._free_grad_data()
 
     def start_grad_sync(self) -> None:
         """Reduce what is still accumulating (gradients some parameter never completed); a no-op once launched."""
@@ -254,11 +301,12 @@ class ShardedBucket(Bucket):
                 work.wait()
         if self in self.in_flight_queue:
             self.in_flight_queue.remove(self)
-        free_storage(self.grad_data)
+        self._free_grad_data()
         self._grad_live = False
         self.grad_shard.zero_()
         self.state = IDLE
         self._reported.clear()
+        self._ready.clear()
         self.is_last_microbatch = True
         self.reductions = self.gathers = 0
 
@@ -286,12 +334,13 @@ class ShardedBucket(Bucket):
             self._gather_work.wait()
             self._gather_work = None
 
-    def release_params(self, force: bool = False) -> None:
+    def release_params(self, force: bool = False, *, evaluating: bool = False) -> None:
         """Free the gathered parameters, unless a backward that needs them is pending or they are held for
-        the step (``options.hold_params_for_step``) (``force``: anyway, as after the optimizer step)."""
+        the step (step scope, unless ``evaluating``: a forward in eval mode, after which no optimizer step
+        frees them) (``force``: anyway, as after the optimizer step)."""
         if force:
             self.pending_backward = 0
-        elif self.options.hold_params_for_step:
+        elif self.step_scope and not evaluating:
             return
         if not self.shards_params or not self.params_live or self.pending_backward:
             return

@@ -9,7 +9,9 @@ is gathering its buckets.
 Hooks, per unit module (see :mod:`core.distributed.sharded_bucket` for the buckets' side):
 
 * forward pre-hook: gather the unit's buckets;
-* forward hook: free them (unless a backward that needs them is pending) and hang a hook on every
+* forward hook: free them (unless a backward that needs them is pending, or at step scope, where they
+  stay until the optimizer step; an evaluation's forward, in eval mode, frees them at either scope) and
+  hang a hook on every
   output that requires a gradient. The first of those to receive its gradient is the start of the
   unit's backward: it counts a pending backward on each bucket and gathers the parameters again;
 * each bucket ends the backward itself when all its parameters' gradients are in (then frees them).
@@ -102,7 +104,7 @@ def register_unit_hooks(
 
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
         for bucket in live():
-            bucket.release_params()
+            bucket.release_params(evaluating=not module.training)
         needing = [t for t in _tensors(output) if t.requires_grad]
         if not needing:
             return
@@ -132,7 +134,8 @@ def register_unit_hooks(
 
 def sharded_grad_hook(bucket: ShardedBucket):
     """The post-accumulate-grad hook of a ZeRO-2/3 parameter: its gradient of this microbatch goes into
-    the bucket's transient full buffer (``param.grad`` is dropped), and the bucket counts it."""
+    the bucket's transient full buffer (``param.grad`` is dropped, or at step scope becomes the buffer's
+    view, into which autograd adds the later microbatches in place), and the bucket counts it."""
     bucket_ref = weakref.ref(bucket)  # weakly: see DistributedDataParallel._make_ready
 
     def hook(param: nn.Parameter) -> None:
@@ -144,9 +147,9 @@ def sharded_grad_hook(bucket: ShardedBucket):
             return
         if bucket.state != IDLE:
             bucket.check_accumulation_allowed(param)  # raises
-        if param.grad is not None:
-            bucket.accumulate(param, param.grad)
-            param.grad = None
+        grad = param.grad
+        if grad is not None and grad is not param.main_grad:  # else autograd added it in place (step scope)
+            param.grad = bucket.accumulate(param, grad)
         bucket.note_grad(param)
 
     return hook
@@ -170,13 +173,14 @@ def sharded_grad_accumulated(bucket: ShardedBucket):
 
 def sharded_main_grad_claim(bucket: ShardedBucket):
     """``param.claim_main_grad`` under ZeRO-2/3: a fused layer is about to write ``main_grad``; give the
-    bucket memory first (it has none between microbatches), zeroed, so the layer adds (False)."""
+    bucket memory first (it has none between microbatches), ``param``'s region zeroed, so the layer adds
+    (False)."""
     bucket_ref = weakref.ref(bucket)
 
     def claim_main_grad(param: nn.Parameter) -> bool:
         bucket = bucket_ref()
         if bucket is not None:
-            bucket.open_grad_buffer()
+            bucket.open_for_fused_write(param)
         return False
 
     return claim_main_grad

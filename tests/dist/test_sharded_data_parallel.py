@@ -14,6 +14,11 @@ three steps, <= 4e-6 on every other). So: losses within 1e-6, weights within 5e-
 design's "within x"), and optim_grads_params bit-identical to optim_grads (the same reductions; the
 gathered parameters are the shards themselves). At DP3 even ``optim`` sums three ranks' gradients in
 another order than ``no_shard`` (gloo's ring cuts a padded bucket into other chunks): 5e-5 for all.
+
+The core-level cases run without pipelining, where ``--data-parallel-sharding-scope auto`` is the
+microbatch scope described above; the pretrain() cases with PP2 run at step scope (its default under
+pipelining: one reduce-scatter per bucket and step, ZeRO-1's sums), within the same bounds. The scope's
+own tests (below) compare the two scopes with each other.
 """
 
 from __future__ import annotations
@@ -254,9 +259,14 @@ def test_pretrain_under_a_strategy_gives_the_unsharded_losses(ranks, data_prefix
     assert len(sharded) == len(plain) == 3 and difference <= 1e-5
 
 
-def _gather_once_case(rank, world_size):
-    """ZeRO-3 per microbatch and ZeRO-3 gathering once per step, from the same weights: (losses and norms
-    of each, traffic and layers gathered at once of the second)."""
+# --------------------------------------------------------------------------------------------------
+# The sharding scope: per step (1 all-gather, 1 reduce-scatter per bucket) against per microbatch
+# --------------------------------------------------------------------------------------------------
+
+
+def _scope_case(rank, world_size):
+    """ZeRO-2 and ZeRO-3 at microbatch and at step scope, from the same weights, no pipeline: each run's
+    losses and norms, final weights and what ``_steps`` measures."""
     from core import parallel_state as ps
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.tensor_parallel.random import model_parallel_seed
@@ -265,43 +275,205 @@ def _gather_once_case(rank, world_size):
     torch.manual_seed(0)
     model_parallel_seed(1234)
     initial = {k: v.clone() for k, v in _chunk("no_shard", 1, False, None).module.state_dict().items()}
-    out = []
-    for once in (False, True):
-        chunk = _chunk("optim_grads_params", 1, False, initial, param_gather_once_per_step=once)
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=True), [chunk]
-        )
-        losses, between_steps = _steps(chunk, optimizer, ps.get_data_parallel_rank())
-        out.append((losses, between_steps))
+    out = {}
+    for strategy in ("optim_grads", "optim_grads_params"):
+        for scope in ("microbatch", "step"):
+            chunk = _chunk(strategy, 1, False, initial, data_parallel_sharding_scope=scope)
+            optimizer = get_megatron_optimizer(
+                OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=True), [chunk]
+            )
+            losses, between_steps = _steps(chunk, optimizer, ps.get_data_parallel_rank())
+            weights = [p.detach().clone() for p in chunk.module.parameters()]
+            chunk.keep_gathered_params()  # _steps gathered them to be read
+            chunk.eval()
+            with torch.no_grad():  # an evaluation's forward frees what it gathers, at either scope
+                chunk(torch.zeros(2, 16, dtype=torch.long))
+            between_steps["gathered after evaluation"] = sum(b.params_live for b in chunk.buckets)
+            out[strategy, scope] = (chunk.sharding_scope, losses, weights, between_steps)
     ps.destroy_model_parallel()
     return out
 
 
-def test_zero3_gathering_once_per_step_trains_what_per_microbatch_gathering_trains(ranks):
-    """``--param-gather-once-per-step``: the same sums on the same values, so the same losses and norms bit
-    for bit; per bucket and step one all-gather instead of 2M (M = 2), and in forward every layer stays
-    gathered; between steps the same 1/DP of the parameters."""
-    for (per_microbatch, memory), (once, held) in ranks(2).run(_gather_once_case, timeout=240):
-        assert once == per_microbatch
-        assert memory["traffic"] == [(2, 4)] and held["traffic"] == [(2, 1)]
-        assert memory["layers gathered at once"] == 2 and held["layers gathered at once"] == 3
-        assert held["params"] == memory["params"]
+def test_sharding_per_step_trains_what_sharding_per_microbatch_trains_with_one_collective_each(ranks):
+    """DP2, two microbatches a step, distinct data on every rank and microbatch. At step scope a bucket
+    accumulates the step's microbatches and is reduce-scattered once, (a1 + a2) + (b1 + b2) where the
+    microbatch scope sums (a1 + b1) + (a2 + b2): fp32 rounding, so losses and norms within 1e-6 and weights
+    within 5e-5 (the module's bound for ZeRO-2/3 against no_shard; measured 0 to 1e-6 and up to 2e-5, the
+    bias whose gradient is rounding noise). ZeRO-3 at step scope is ZeRO-2 at step scope bit for bit. Per
+    bucket and step (reduce-scatters, all-gathers): (M, 1) and (M, 2M) per microbatch, (1, 1) per step,
+    and every layer stays gathered (but not after an evaluation's forward, in eval mode); between steps
+    the same 1/DP of parameters and gradients."""
+    for out in ranks(2).run(_scope_case, timeout=240):
+        for strategy in ("optim_grads", "optim_grads_params"):
+            (mb_scope, per_microbatch, mb_weights, memory) = out[strategy, "microbatch"]
+            (step_scope, per_step, step_weights, held) = out[strategy, "step"]
+            assert (mb_scope, step_scope) == ("microbatch", "step")
+            losses = max(abs(x - y) / abs(y) for x, y in zip(per_step, per_microbatch, strict=True))
+            weights = max(_relative(a, b) for a, b in zip(step_weights, mb_weights, strict=True))
+            print(f"{strategy}: step against microbatch scope: losses {losses:.1e}, weights {weights:.1e}")
+            assert losses <= 1e-6 and weights <= 5e-5, strategy
+            assert held["traffic"] == [(1, 1)], strategy
+            assert memory["traffic"] == [(2, 4) if strategy == "optim_grads_params" else (2, 1)], strategy
+            assert (held["params"], held["grads"]) == (memory["params"], memory["grads"]), strategy
+        assert out["optim_grads_params", "step"][1] == out["optim_grads", "step"][1]
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(out["optim_grads_params", "step"][2], out["optim_grads", "step"][2], strict=True)
+        )
+        assert out["optim_grads_params", "microbatch"][3]["layers gathered at once"] == 2
+        assert out["optim_grads_params", "step"][3]["layers gathered at once"] == 3
+        assert [
+            out["optim_grads_params", scope][3]["gathered after evaluation"]
+            for scope in ("microbatch", "step")
+        ] == [0, 0]
+
+
+SCHEDULES = {  # (pipeline size, virtual size, --pipeline-schedule, untied embeddings)
+    "PP2 1F1B": (2, None, "1f1b", False),
+    "PP2xVPP2 interleaved": (2, 2, "1f1b", False),
+    "PP2 zb-h1": (2, None, "zb-h1", False),
+    "PP2xVPP2 zbv": (2, 2, "zbv", True),
+}
+
+
+def _pipelined_scope_case(rank, world_size, schedule: str, strategy: str, microbatches: int, overlap: bool):
+    """PP2 x DP2 through the real schedule: two optimizer steps of ``microbatches`` microbatches at
+    microbatch and at step scope from the same weights, on data that differ between microbatches and
+    steps but not between the two data-parallel ranks. Each scope's losses, final weights (this rank's
+    chunks, by name) and per-bucket traffic of the last step."""
+    from core import parallel_state as ps
+    from core.distributed import DistributedDataParallelConfig
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.pipeline_parallel.schedules import get_forward_backward_func
+    from core.tensor_parallel import model_parallel_seed
+    from models.gpt import gpt_provider, parallelize_gpt, pipeline_layout
+    from tests.support.gpt_model import MBS, SEQ, VOCAB, make_batches, make_config
+    from tests.support.pipeline_toy import run_schedule
+
+    pp, vpp, name, untied = SCHEDULES[schedule]
+    ps.initialize_model_parallel(1, pp, vpp)
+    out = {}
+    for scope in ("microbatch", "step"):
+        model_parallel_seed(1234)
+        config = make_config(
+            "gpt",
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            pipeline_schedule=name,
+            untie_embeddings_and_output_weights=untied,
+        )
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True,
+            data_parallel_sharding_strategy=strategy,
+            data_parallel_sharding_scope=scope,
+            overlap_grad_reduce=overlap,
+            overlap_param_gather=overlap,
+        )
+        model = parallelize_gpt(
+            gpt_provider(config, VOCAB, SEQ), layout=pipeline_layout(config), ddp_config=ddp_config
+        )
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=True), model.chunks
+        )
+        hooks, losses = model.schedule_hooks(optimizer), []
+        for step in range(2):
+            optimizer.zero_grad()
+            logged = run_schedule(
+                get_forward_backward_func(),
+                model.chunks if len(model.chunks) > 1 else model.chunks[0],
+                make_batches(microbatches, seed=10 + step),
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+                schedule_hooks=hooks,
+            )
+            losses += [float(x["lm loss"]) for x in logged]
+            applied, norm, _ = optimizer.step()
+            assert applied
+            losses.append(norm)
+        traffic = sorted({(b.reductions, b.gathers) for c in model.chunks for b in c.buckets})
+        for chunk in model.chunks:
+            chunk.finish_param_sync()
+        weights = {n: p.detach().clone() for c in model.chunks for n, p in c.module.named_parameters()}
+        out[scope] = (losses, weights, traffic, [c.sharding_scope for c in model.chunks])
+    ps.destroy_model_parallel()
+    return out
+
+
+def _check_pipelined_scopes(
+    ranks, schedule: str, strategy: str, microbatches: int = 4, overlap: bool = True
+) -> None:
+    """Step scope trains bit for bit what microbatch scope trains: with the two DP ranks' data equal, every
+    reduction halves and doubles exactly (pre-scaled by 1/2, summed over 2), so both scopes add the same
+    microbatch gradients in the same order. Per bucket and step (reduce-scatters, all-gathers): (1, 1) at
+    step scope; M reduce-scatters per microbatch, ZeRO-3 gathering 2M times (fewer under zero-bubble,
+    whose deferred W keeps a layer gathered for the next forward), ZeRO-2 once after the step."""
+    zero3 = strategy == "optim_grads_params"
+    for out in ranks(4).run(_pipelined_scope_case, schedule, strategy, microbatches, overlap, timeout=300):
+        (mb_losses, mb_weights, mb_traffic, mb_scopes), (losses, weights, traffic, scopes) = (
+            out["microbatch"],
+            out["step"],
+        )
+        assert set(mb_scopes) == {"microbatch"} and set(scopes) == {"step"}
+        assert losses == mb_losses and len(losses) in (2, 2 * (microbatches + 1))  # norms; losses on the last
+        assert weights.keys() == mb_weights.keys() and all(
+            torch.equal(weights[n], mb_weights[n]) for n in weights
+        )
+        assert traffic == [(1, 1)], (schedule, strategy, traffic)
+        reductions = {r for r, _ in mb_traffic}
+        gathers = {g for _, g in mb_traffic}
+        assert reductions == {microbatches}, mb_traffic
+        if not zero3:
+            assert gathers == {1}, mb_traffic
+        elif "zb" in schedule:
+            assert max(gathers) <= 2 * microbatches, mb_traffic
+        else:
+            assert gathers == {2 * microbatches}, mb_traffic
+
+
+@pytest.mark.parametrize(
+    ("schedule", "strategy", "overlap"),
+    [
+        ("PP2 1F1B", "optim_grads", True),
+        *((s, "optim_grads_params", True) for s in SCHEDULES),
+        ("PP2 1F1B", "optim_grads_params", False),
+    ],
+)
+def test_pipelined_sharding_per_step_trains_what_sharding_per_microbatch_trains(
+    ranks, schedule, strategy, overlap
+):
+    """About a second each (the module's four ranks already up): 1F1B under ZeRO-2, every schedule under
+    ZeRO-3, and ZeRO-3 without overlap (the step's reduction then in finish_grad_sync, as ZeRO-1's); the
+    other schedules under ZeRO-2 are in the slow suite."""
+    _check_pipelined_scopes(ranks, schedule, strategy, overlap=overlap)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", ["PP2xVPP2xDP2", "PP2xDP2 zb-h1", "TP2xDP2"])
-def test_pretrain_gathering_once_per_step_gives_the_losses_of_per_microbatch_gathering(
-    ranks, data_prefix, split
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "PP2 1F1B"])
+def test_zero2_per_step_under_every_schedule_trains_what_zero2_per_microbatch_trains(ranks, schedule):
+    _check_pipelined_scopes(ranks, schedule, "optim_grads")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["PP2xDP2", "PP2xVPP2xDP2", "PP2xDP2 zb-h1", "TP2xDP2"])
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_pretrain_sharding_per_step_gives_the_losses_of_sharding_per_microbatch(
+    ranks, data_prefix, split, strategy
 ):
+    """pretrain() on distinct data per rank: the default scope (step under pipelining, microbatch at TP2 x
+    DP2) against the other one given explicitly; fp32 rounding of the sums' order, 1e-5 as the module's
+    pretrain comparisons."""
     from tests.dist.test_distributed_optimizer import small_gpt
 
-    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
     common = small_gpt(
         data_prefix, 3, *SPLITS[split], *fsdp, "--overlap-grad-reduce", "--overlap-param-gather"
     )
-    per_microbatch = _pretrain_losses(ranks(4), common)
-    once = _pretrain_losses(ranks(4), common + ["--param-gather-once-per-step"])
-    assert len(once) == 3 and once == per_microbatch
+    other = "microbatch" if "PP2" in split else "step"
+    default = _pretrain_losses(ranks(4), common)
+    given = _pretrain_losses(ranks(4), common + ["--data-parallel-sharding-scope", other])
+    difference = max(abs(x - y) / abs(y) for x, y in zip(given, default, strict=True))
+    print(f"{split} {strategy}: default scope against {other}: {difference:.1e}")
+    assert len(given) == 3 and difference <= 1e-5
 
 
 def _meta_device_case(ranks, data_prefix, split: str) -> None:
@@ -477,6 +649,7 @@ HSDP = {
     "optim_grads N=2": ("optim_grads", "no_shard"),
     "optim_grads_params N=2": ("optim_grads_params", "no_shard"),
     "optim_grads_params N=2 outer optim": ("optim_grads_params", "optim"),
+    "optim_grads_params N=2 outer optim, step scope": ("optim_grads_params", "optim"),
 }
 
 
@@ -521,6 +694,7 @@ def _hsdp_case(rank, world_size, tp: int, steps: int):
             initial,
             num_distributed_optimizer_instances=instances,
             outer_dp_sharding_strategy=outer,
+            data_parallel_sharding_scope="step" if case.endswith("step scope") else "auto",
         )
         config = OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=True)
         optimizer = get_megatron_optimizer(config, [chunk])
@@ -571,6 +745,14 @@ def test_hsdp_trains_the_weights_no_shard_trains(ranks, world, tp):
         outer = out["optim_grads_params N=2 outer optim"][2]
         assert outer["optimizer"] <= unsharded["optimizer"] / 4 * 1.1
         assert outer["params"] == out["optim_grads_params N=2"][2]["params"]
+        # At step scope: per bucket and step one reduce-scatter inside the instance (M = 2 at microbatch
+        # scope) and one all-gather (2M), plus the outer sharding's all-gather across the instances after
+        # the step; the same bytes between steps.
+        step = out["optim_grads_params N=2 outer optim, step scope"][2]
+        assert step["traffic"] == [(1, 2)] and outer["traffic"] == [(2, 5)]
+        assert {k: step[k] for k in ("params", "grads", "optimizer")} == {
+            k: outer[k] for k in ("params", "grads", "optimizer")
+        }
 
 
 def test_hsdp_through_pretrain_gives_the_unsharded_losses_and_its_checkpoints_load_anywhere(

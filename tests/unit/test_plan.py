@@ -793,3 +793,43 @@ def test_a_timeline_is_brought_to_own_core_seconds_with_the_measured_slowdown():
     ideal = _own_core_seconds(events, busy, partial(HostCosts().slowdown_at, cores=2))
     assert ideal[0][4] == pytest.approx(4.0 + 1.0 + 1.0 / 1.5 + 4.0, rel=1e-12)
     assert _own_core_seconds(events, busy, None) == events
+
+
+def test_the_memory_model_knows_the_sharding_scope():
+    """ZeRO-2/3 (``rank_memory(..., sharding=(strategy, scope))``), DP 2, one rank holding E, 4 layers, L of
+    the FP8 test's model in bf16: buckets follow the units, each padded to a multiple of lcm(2, 128) = 128:
+    the embedding 65,536 + 2,048 = 67,584 (528 x 128), the final norm 64 -> 128, each layer 49,280 (385 x
+    128): 264,832 elements. Between steps ZeRO-3 holds half of the parameters (2 bytes) and ZeRO-2/3 half of
+    the gradients (4 bytes), the optimizer state as ZeRO-1. During the schedule, at step scope the whole
+    buckets on top (ZeRO-3's parameters still there at the optimizer step); at microbatch scope only the
+    units in flight: the chunk's own 67,712 elements and 2 layers' parameters, 3 layers' gradients."""
+    spec = _fp8_spec(fp8=False, num_layers=4)
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*4,L", distributed_optimizer=True)
+    zero1 = rank_memory(spec, cand, 0)
+    full, own, layer = 264_832, 67_712, 49_280
+    expected = {  # (params, grads, gathered in the schedule, gathered at the optimizer step)
+        ("optim_grads", "step"): (full * 2, full * 4 / 2, full * 4, 0),
+        ("optim_grads", "microbatch"): (full * 2, full * 4 / 2, (own + 3 * layer) * 4, 0),
+        ("optim_grads_params", "step"): (full * 2 / 2, full * 4 / 2, full * (2 + 4), full * 2),
+        ("optim_grads_params", "microbatch"): (
+            full * 2 / 2,
+            full * 4 / 2,
+            (own + 2 * layer) * 2 + (own + 3 * layer) * 4,
+            0,
+        ),
+    }
+    for sharding, figures in expected.items():
+        zero = rank_memory(spec, cand, 0, sharding=sharding)
+        assert (zero.params, zero.grads, zero.gathered, zero.gathered_at_step) == figures, sharding
+        assert (zero.optimizer, zero.activations, zero.transient) == (
+            zero1.optimizer,
+            zero1.activations,
+            zero1.transient,
+        )
+        assert zero.schedule_peak - zero1.schedule_peak == sum(figures[:3]) - zero1.params - zero1.grads
+    step = rank_memory(spec, cand, 0, sharding=("optim_grads_params", "step"))
+    microbatch = rank_memory(spec, cand, 0, sharding=("optim_grads_params", "microbatch"))
+    assert step.schedule_peak - microbatch.schedule_peak == 2 * layer * 2 + layer * 4 == 394_240
+    assert (zero1.params, zero1.grads, zero1.gathered, zero1.gathered_at_step) == (full * 2, full * 4, 0, 0)
+    with pytest.raises(ValueError, match="builds on the distributed optimizer"):
+        rank_memory(spec, Candidate(tp=1, pp=1, dp=2, layout="E,t*4,L"), 0, sharding=("optim_grads", "step"))

@@ -113,10 +113,19 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
             ),
         ),
         (
-            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --param-gather-once-per-step",
+            "--use-distributed-optimizer --data-parallel-sharding-scope step",
             (
-                "--param-gather-once-per-step keeps ZeRO-3's gathered parameters for the step, but the strategy "
-                "is optim_grads: give --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+                "--data-parallel-sharding-scope step says how long ZeRO-2/3 keep a bucket whole, but the strategy "
+                "is optim, which keeps every bucket whole: give --use-megatron-fsdp --data-parallel-sharding-strategy "
+                "optim_grads or optim_grads_params, or drop the scope"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --data-parallel-sharding-scope microbatch",
+            (
+                "--data-parallel-sharding-scope microbatch says how long ZeRO-2/3 keep a bucket whole, but the "
+                "strategy is no_shard, which keeps every bucket whole: give --use-megatron-fsdp "
+                "--data-parallel-sharding-strategy optim_grads or optim_grads_params, or drop the scope"
             ),
         ),
         (
@@ -140,6 +149,63 @@ def test_contradicting_strategies_are_one_line(argv, message):
     with pytest.raises(ValueError) as error:
         _derived(argv)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("argv", "scope", "line"),
+    [
+        (
+            "--use-megatron-fsdp --pipeline-model-parallel-size 2 --num-layers 4",
+            "step",
+            (
+                "data-parallel sharding: optim_grads_params (ZeRO-3) at step scope (auto: 2 pipeline stages), per step "
+                "1 all-gather, 1 reduce-scatter per bucket; a rank holds its chunks' whole gradients and parameters "
+                "during the step, 1/DP between steps"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp",
+            "microbatch",
+            (
+                "data-parallel sharding: optim_grads_params (ZeRO-3) at microbatch scope (auto: no pipeline), per step "
+                "2M = 16 all-gathers, M = 8 reduce-scatters per bucket; a rank holds only the layers in flight during "
+                "the step, 1/DP between steps"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --data-parallel-sharding-scope step",
+            "step",
+            (
+                "data-parallel sharding: optim_grads (ZeRO-2) at step scope, per step 1 all-gather, 1 reduce-scatter "
+                "per bucket; a rank holds its chunks' whole gradients during the step, 1/DP between steps"
+            ),
+        ),
+        (
+            (
+                "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --pipeline-model-parallel-size 2 "
+                "--num-layers 4 --data-parallel-sharding-scope microbatch"
+            ),
+            "microbatch",
+            (
+                "data-parallel sharding: optim_grads (ZeRO-2) at microbatch scope, per step 1 all-gather, M = 8 "
+                "reduce-scatters per bucket; a rank holds only the layers in flight during the step, 1/DP between steps"
+            ),
+        ),
+        ("--use-distributed-optimizer", "auto", None),
+    ],
+)
+def test_the_sharding_scope_follows_the_pipeline_and_the_start_report_states_its_traffic(argv, scope, line):
+    """``auto``: step scope under pipelining, microbatch scope without; 8 microbatches of one sample at DP4
+    (world 4 over PP: DP2 with the pipeline, so 16 samples a step in both)."""
+    from training.arguments.checks import validate_args
+
+    dp = 2 if "--pipeline-model-parallel-size 2" in argv else 4
+    args = validate_args(
+        parse_args([*argv.split(), "--micro-batch-size", "1", "--global-batch-size", str(8 * dp)]), 4
+    )
+    assert args.data_parallel_sharding_scope == scope
+    lines = [x for x in startup_report(args) if x.startswith("data-parallel sharding")]
+    assert lines == ([line] if line else [])
 
 
 @pytest.mark.parametrize(

@@ -9,14 +9,18 @@ by step so that machine noise hits all four alike:
   are final in the last microbatch's backward;
 * ``distopt``: the distributed optimizer (reduce-scatter, sharded step, parameter all-gather);
 * ``distopt+overlap``: both, with the parameter all-gather overlapped with the next forward;
-* ``zero2+overlap``: ``optim_grads`` (ZeRO-2): every microbatch's buckets reduce-scattered into
-  1/DP gradient shards, otherwise as ``distopt+overlap``;
-* ``zero3+overlap``: ``optim_grads_params`` (ZeRO-3): also each layer's parameters gathered before
-  its forward and its backward, synchronously;
+* ``zero2+overlap``: ``optim_grads`` (ZeRO-2) at microbatch scope (the default without pipelining):
+  every microbatch's buckets reduce-scattered into 1/DP gradient shards, otherwise as
+  ``distopt+overlap``;
+* ``zero3+overlap``: ``optim_grads_params`` (ZeRO-3) at microbatch scope: also each layer's parameters
+  gathered before its forward and its backward, synchronously;
 * ``zero3+prefetch``: ZeRO-3 with ``overlap_param_gather``: the next layer's gather launched while a
   layer computes;
-* ``zero3+once``: ZeRO-3 with ``param_gather_once_per_step``: each bucket gathered once a step and
-  kept until the optimizer step.
+* ``zero2+step`` and ``zero3+step``: ZeRO-2 and ZeRO-3 (with the prefetch) at step scope
+  (``data_parallel_sharding_scope='step'``, the default under pipelining): each bucket's gradients
+  accumulate over the step's microbatches and are reduce-scattered once, in the last microbatch's
+  backward, and ZeRO-3 gathers each bucket at its first use and keeps it until the optimizer step: per
+  bucket and step one reduce-scatter and one all-gather, as ``distopt+overlap``.
 
 A step is zero_grad, forward/backward over the microbatches, the optimizer step; it is timed on
 every rank between barriers and the slowest rank counts. Medians over ``--steps`` steps after
@@ -75,12 +79,19 @@ CONFIGS = {
         "overlap_grad_reduce": True,
         "overlap_param_gather": True,
     },
-    "zero3+once": {
+    "zero2+step": {
         "use_distributed_optimizer": True,
-        "data_parallel_sharding_strategy": "optim_grads_params",
+        "data_parallel_sharding_strategy": "optim_grads",
+        "data_parallel_sharding_scope": "step",
         "overlap_grad_reduce": True,
         "overlap_param_gather": True,
-        "param_gather_once_per_step": True,
+    },
+    "zero3+step": {
+        "use_distributed_optimizer": True,
+        "data_parallel_sharding_strategy": "optim_grads_params",
+        "data_parallel_sharding_scope": "step",
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
     },
 }
 
@@ -153,15 +164,17 @@ def main(argv=None) -> dict:
         p25, _, p75 = statistics.quantiles(ts, n=4)
         ratio = medians[name] / medians["plain"]
         print(f"{name:<18}{medians[name] * 1000:>11.1f}{p25 * 1000:>9.1f}{p75 * 1000:>9.1f}{ratio:>10.3f}")
-    for name in (n for n in medians if "zero3" in n):
+    for name in (n for n in medians if n.startswith("zero")):
         print(f"{name} / distopt+overlap: {medians[name] / medians['distopt+overlap']:.3f}")
     summary = {
         "benchmark": "bench_dp",
         "median_ms": {name: round(m * 1000, 1) for name, m in medians.items()},
         "overlap_vs_plain": round(medians["overlap"] / medians["plain"], 4),
         "distopt_vs_plain": round(medians["distopt"] / medians["plain"], 4),
-        "zero3_vs_distopt": {
-            name: round(medians[name] / medians["distopt+overlap"], 4) for name in medians if "zero3" in name
+        "zero_vs_distopt": {
+            name: round(medians[name] / medians["distopt+overlap"], 4)
+            for name in medians
+            if name.startswith("zero")
         },
         "distopt_overlap_vs_overlap": round(medians["distopt+overlap"] / medians["overlap"], 4),
         "load_average": [round(x, 2) for x in os.getloadavg()],

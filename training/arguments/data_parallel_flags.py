@@ -13,7 +13,7 @@ from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from training.arguments.schema import flag_name as _flag
 
-__all__ = ["derive_precision_and_data_parallel"]
+__all__ = ["derive_precision_and_data_parallel", "sharding_report"]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -96,11 +96,15 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
         "--data-parallel-sharding-strategy no_shard (as in Megatron-FSDP): every rank holds the whole model "
         "anyway; drop the flag or pick a sharding strategy",
     )
+    scope = args.data_parallel_sharding_scope
     _require(
-        not (args.param_gather_once_per_step and strategy != "optim_grads_params"),
-        f"--param-gather-once-per-step keeps ZeRO-3's gathered parameters for the step, but the strategy is "
-        f"{strategy}: give --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+        scope == "auto" or strategy in ("optim_grads", "optim_grads_params"),
+        f"--data-parallel-sharding-scope {scope} says how long ZeRO-2/3 keep a bucket whole, but the strategy is "
+        f"{strategy}, which keeps every bucket whole: give --use-megatron-fsdp --data-parallel-sharding-strategy "
+        "optim_grads or optim_grads_params, or drop the scope",
     )
+    if scope == "auto" and strategy in ("optim_grads", "optim_grads_params"):
+        args.data_parallel_sharding_scope = "step" if args.pipeline_model_parallel_size > 1 else "microbatch"
     args.data_parallel_sharding_strategy = strategy
     if strategy != "no_shard":
         args.use_distributed_optimizer = True
@@ -144,3 +148,29 @@ def _check_instances(args: argparse.Namespace) -> None:
             "--outer-dp-sharding-strategy optim shards over the distributed-optimizer instances: give "
             "--num-distributed-optimizer-instances 2 or more",
         )
+
+
+def sharding_report(args: argparse.Namespace) -> list[str]:
+    """The start report's line on ZeRO-2/3: the strategy, its scope and the collectives per bucket and step
+    (none for the strategies that keep every bucket whole)."""
+    strategy, scope = args.data_parallel_sharding_strategy, args.data_parallel_sharding_scope
+    if strategy not in ("optim_grads", "optim_grads_params"):
+        return []
+    zero3 = strategy == "optim_grads_params"
+    m = getattr(args, "num_microbatches", None)
+    if scope == "step":
+        traffic, held = "1 all-gather, 1 reduce-scatter per bucket", "its chunks' whole gradients"
+        held += " and parameters" if zero3 else ""
+    else:
+        twice, once = (f"2M = {2 * m}", f"M = {m}") if isinstance(m, int) else ("2M", "M")
+        gathers = f"{twice} all-gathers" if zero3 else "1 all-gather"
+        traffic, held = f"{gathers}, {once} reduce-scatters per bucket", "only the layers in flight"
+    pp = args.pipeline_model_parallel_size
+    why = f" (auto: {f'{pp} pipeline stages' if pp > 1 else 'no pipeline'})"
+    why = "" if "data_parallel_sharding_scope" in args.explicit_args else why
+    return [
+        (
+            f"data-parallel sharding: {strategy} ({'ZeRO-3' if zero3 else 'ZeRO-2'}) at {scope} scope{why}, "
+            f"per step {traffic}; a rank holds {held} during the step, 1/DP between steps"
+        )
+    ]

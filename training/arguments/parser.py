@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from core.transformer.transformer_config import TransformerConfig, openai_gelu
 from training.arguments.config import DATA_SOURCE_FLAGS
 from training.arguments.config_file import REJECTED_DEST, load_config
+from training.arguments.data_parallel_flags import sharding_report
 from training.arguments.schema import (
     BY_DEST,
     BY_OPTION,
@@ -365,6 +366,7 @@ def startup_report(args: argparse.Namespace) -> list[str]:
             "no data source (--data-path, --mock-data): training on the built-in corpus (this Python's "
             f"standard-library docstrings and pydoc topics) with {tokenizer}"
         )
+    lines += sharding_report(args)
     no_effect = []
     for flag in FLAGS:
         entry = coverage_of(flag.name)
