@@ -444,7 +444,7 @@ def test_the_next_steps_after_a_reshard_match(ranks, data, tmp_path):
 def test_bad_checkpoints_through_torchrun_print_one_line_and_end_every_rank(data, tmp_path):
     """A --save that is a regular file, a corrupt tensor read by one pipeline rank, and a --num-layers
     that contradicts the checkpoint: each is one line naming the file (and tensor) or both values,
-    printed once, and every rank exits (torchrun with 1; the ranks with 1, or 3 for the flag)."""
+    printed once, and every rank exits 1."""
     from tests.support.torchrun_jobs import TINY, job_env, run, worker_tracebacks
 
     prog, ckpt = "pretrain_gpt.py", tmp_path / "ckpt"
