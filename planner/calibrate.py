@@ -17,8 +17,9 @@ shows. Here as many real ranks as the plan has (one thread each, as under ``torc
   shared-core timing of the same tables, plus the per-step cost, gives the measured steps best
   (least squares over the three);
 * **collectives inside a layer**: every group of ``g`` consecutive ranks (each size ``g >= 2`` that
-  divides the world: the tensor-parallel groups), all groups at once as in a real step,
-  runs a short stretch of compute and then one all-gather, reduce-scatter or all-reduce, at the
+  divides the world: the tensor- and context-parallel groups), all groups at once as in a real step,
+  runs a short stretch of compute and then one all-gather, reduce-scatter or all-reduce, or ring
+  attention's exchange (started before the stretch, waited after it, as the ring does), at the
   sizes of :data:`GROUP_BYTES` and in the model's dtype; what a round takes beyond the same stretch
   of compute with every rank busy is the collective's seconds (``HostCosts.collectives``; a larger
   tensor is never cheaper: each size keeps the least of its own and the larger sizes' seconds). On
@@ -55,6 +56,7 @@ from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.spawned import first_result
 from core.tensor_parallel.utils import all_gather_single, reduce_scatter_single
+from core.transformer.context_parallel.ring import RingExchange
 from planner.hardware import HostCosts
 from planner.shared_cores import time_shared
 
@@ -78,8 +80,10 @@ ENGINE_CASES = (
 """Schedules (and chunks per rank) the engine's fixed cost is measured on: plain 1F1B, and ZB-H1
 interleaved over two chunks (a split backward: I and W actions too)."""
 _SEQ, _HIDDEN = 8, 8
-GROUP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-"""The collectives a layer's tensor-parallel group runs (``HostCosts.collectives``)."""
+GROUP_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "ring_exchange")
+"""The collectives a layer's tensor-parallel group runs, and ring attention's exchange in a
+context-parallel group (each rank sends to the next while receiving from the previous, started before
+the block's compute and waited after it: ``RingExchange``) (``HostCosts.collectives``)."""
 GROUP_BYTES = (4 << 10, 256 << 10, 4 << 20)
 """Bytes of the whole (gathered) tensor the group collectives are timed at: a loss's per-token values,
 a layer's activations at a few thousand tokens, and a large microbatch's."""
@@ -197,6 +201,23 @@ def group_sizes(world: int) -> tuple[int, ...]:
     return tuple(g for g in range(2, world + 1) if world % g == 0)
 
 
+def _group_round(kind: str, nbytes: int, dtype: torch.dtype, group, size: int, stretch: Callable[[], None]):
+    """A round of ``stretch`` and one ``kind`` collective in ``group``, ready to call: the collective
+    after the stretch; ring attention's exchange (``nbytes`` sent, as many received) around it."""
+    if kind == "ring_exchange":
+        ring, element = RingExchange(group), torch.tensor([], dtype=dtype).element_size()
+        block = torch.ones(max(1, nbytes // element), dtype=dtype)
+
+        def exchange() -> None:
+            pending = ring.start(block, 0)
+            stretch()
+            pending.wait()
+
+        return exchange
+    op = _group_op(kind, nbytes, dtype, group, size)
+    return lambda: (stretch(), op())
+
+
 def _group_op(kind: str, nbytes: int, dtype: torch.dtype, group, size: int):
     """One ``kind`` collective of an ``nbytes`` tensor (whole, gathered) in ``group``, ready to call."""
     element = torch.tensor([], dtype=dtype).element_size()
@@ -238,9 +259,9 @@ def time_group_collectives(
         for kind in GROUP_KINDS:
             seconds = []
             for nbytes in GROUP_BYTES:
-                op = _group_op(kind, nbytes, dtype, groups[rank // size], size)
-                op()
-                seconds.append(max(0.0, _slowest_median(lambda op=op: (stretch(), op()), repeats) - compute))
+                rounds = _group_round(kind, nbytes, dtype, groups[rank // size], size, stretch)
+                rounds()
+                seconds.append(max(0.0, _slowest_median(rounds, repeats) - compute))
             found[kind, size] = monotone(GROUP_BYTES, seconds)
     return found
 

@@ -131,7 +131,7 @@ def describe_cluster(cluster: Cluster, spec: ModelSpec) -> list[str]:
 
 
 def _collectives_text(host) -> str:
-    """``; TP collectives (all busy): 4 ranks all_gather 1.2 / 3.4 / 9 ms, ...`` at the measured sizes."""
+    """``; TP and CP collectives (all busy): 4 ranks all_gather 1.2 / 3.4 / 9 ms, ...`` at the measured sizes."""
     if not host.collectives:
         return ""
     sizes = " / ".join(f"{b / 1024:g}" for b, _ in host.collectives[0][1])
@@ -139,7 +139,7 @@ def _collectives_text(host) -> str:
         f"{size} ranks {kind} " + " / ".join(f"{t * 1e3:.2g}" for _, t in points)
         for (kind, size), points in host.collectives
     )
-    return f"; TP collectives at {sizes} KiB with all {host.collectives_world} ranks busy: {groups} ms"
+    return f"; TP and CP collectives at {sizes} KiB with all {host.collectives_world} ranks busy: {groups} ms"
 
 
 def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:

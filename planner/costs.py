@@ -28,7 +28,9 @@ a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`
 * context parallelism: ring attention passes key/value blocks ``cp - 1`` times each way (backward
   also their gradients, ``cp`` hops), overlapped with the blocks' attention, so only what exceeds the
   attention's time shows, and the backward's last gradient hop; point-to-point messages, at the
-  measured message cost where there is one;
+  measured message cost where there is one. Where ``--profile-local`` timed the exchange itself (every
+  context-parallel group at once among compute: ``ring_exchange`` in ``HostCosts.collectives``), each
+  step of the ring costs what it measured beyond its compute;
 * expert parallelism: two all-to-alls of the routed tokens each way per MoE layer, not overlapped;
 * pipeline: one ``[s / cp (/ tp), b, h]`` message per boundary per microbatch, at the measured
   point-to-point latency and bandwidth where there are (``Cluster.host``);
@@ -269,15 +271,33 @@ class StageCostModel:
         key/value blocks, each sent while the block in hand is attended. Backward: the same blocks and,
         each step, the blocks' key/value gradients (fp32) travelling on, hidden behind the backward's
         attention (twice the forward's), and the last gradient hop after it. Each is a point-to-point
-        message (``isend``/``irecv``), at the measured message cost where the host was measured."""
+        message (``isend``/``irecv``), at the measured message cost where the host was measured; where
+        the host timed the exchange itself among every group's compute (``ring_exchange`` in
+        ``HostCosts.collectives``: what it adds to the compute it hides behind), each step costs that."""
         c, s = self.cand, self.spec
         if c.cp == 1:
             return 0.0, 0.0
         values = self.tokens * s.kv_size // c.tp
-        block, grads = self._message(2 * s.bytes_per_value * values), self._message(2 * 4 * values)
+        kv_bytes, grad_bytes = 2 * s.bytes_per_value * values, 2 * 4 * values
+        exchange = self._measured_exchange(kv_bytes)
+        if exchange is not None:
+            both = self._measured_exchange(kv_bytes + grad_bytes)
+            return (c.cp - 1) * exchange, (c.cp - 1) * both + self._measured_exchange(grad_bytes)
+        block, grads = self._message(kv_bytes), self._message(grad_bytes)
         forward = max(0.0, (c.cp - 1) * block - attention_seconds)
         backward = max(0.0, (c.cp - 1) * (block + grads) - 2 * attention_seconds) + grads
         return forward, backward
+
+    def _measured_exchange(self, nbytes: float) -> float | None:
+        """Seconds one step of ring attention's exchange of ``nbytes`` adds in this candidate's
+        context-parallel group, as measured (wall seconds among every rank's compute, brought to seconds
+        of work as :meth:`group_seconds` does); None where unmeasured."""
+        host = self.cluster.host
+        measured = host.collective_seconds("ring_exchange", self.cand.cp, nbytes)
+        if measured is None:
+            return None
+        busy = host.slowdown_at(host.collectives_world, self.cluster.cores) if self.cluster.cores else 1.0
+        return measured / busy
 
     def _message(self, nbytes: float, link: Interconnect | None = None) -> float:
         """One point-to-point message: the host's measured latency and bandwidth where there are

@@ -599,11 +599,12 @@ def _time_group_collectives(rank, world_size):
 
 
 def test_calibration_times_each_tp_collective_at_each_size(ranks):
-    """``--profile-local``'s TP collectives (``planner/calibrate.py``) on real gloo ranks: every kind
-    at group size 2 and each size of ``GROUP_BYTES``; seconds never negative, never less than a
-    smaller size's; every rank returns the same figures (the slowest rank's medians)."""
+    """``--profile-local``'s TP collectives and ring attention's exchange (``planner/calibrate.py``)
+    on real gloo ranks: every kind at group size 2 and each size of ``GROUP_BYTES``; seconds never
+    negative, never less than a smaller size's; every rank returns the same figures (the slowest rank's
+    medians)."""
     found = ranks(TP).run(_time_group_collectives)
-    assert found[0] == found[1]
+    assert found[0] == found[1] and ("ring_exchange", 2) in found[0]
     assert sorted(found[0]) == [(kind, 2) for kind in sorted(GROUP_KINDS)]
     for points in found[0].values():
         assert [size for size, _ in points] == list(GROUP_BYTES)

@@ -580,7 +580,7 @@ def test_measured_collectives_interpolate_and_never_shrink_with_size():
     assert host.collective_seconds("all_gather", 2, 4096) is None
     assert host.collective_seconds("reduce_scatter", 4, 4096) is None
     assert _collectives_text(host) == (
-        "; TP collectives at 4 / 256 / 4096 KiB with all 4 ranks busy: 4 ranks all_gather 2 / 3 / 10 ms"
+        "; TP and CP collectives at 4 / 256 / 4096 KiB with all 4 ranks busy: 4 ranks all_gather 2 / 3 / 10 ms"
     )
     assert monotone((1, 2, 3), [5.0, 1.0, 2.0]) == ((1, 1.0), (2, 1.0), (3, 2.0))
     assert group_sizes(4) == (2, 4) and group_sizes(6) == (2, 3, 6)
@@ -625,6 +625,30 @@ def test_ring_attention_costs_its_measured_messages_each_way(small):
     values = 2 * spec.seq_length // 2 * spec.kv_size
     block, grads = 1e-3 + 2 * spec.bytes_per_value * values / 1e9, 1e-3 + 8 * values / 1e9
     assert (layer.forward, layer.backward_input) == pytest.approx((block, block + 2 * grads), rel=1e-6)
+
+
+def test_measured_ring_exchange_replaces_the_message_formula(small):
+    """CP2 at micro-batch 2, as above, with ring attention's exchange measured in groups of 2 among
+    every rank's compute (``ring_exchange``): 2 ms for the key/value block, 5 ms for the block and its
+    fp32 gradient together, so 3.5 ms for the gradient alone (linear between). Forward: one step, the
+    block; backward: one step with both, then the gradient's last hop; wall seconds with all 4 ranks
+    busy, divided by that slowdown (2.0). Groups of 4 unmeasured: CP4 keeps the message formula."""
+    spec = small.spec
+    values = 2 * spec.seq_length // 2 * spec.kv_size
+    kv_bytes, grad_bytes = 2 * spec.bytes_per_value * values, 8 * values
+    points = ((kv_bytes, 0.002), (kv_bytes + grad_bytes, 0.005))
+    grad_alone = 0.002 + 0.003 * (grad_bytes - kv_bytes) / grad_bytes
+    assert grad_alone == pytest.approx(0.0035)  # bf16 values: the gradient is twice the block
+    cluster = _cpu_cluster(
+        slowdown=(1.0, 1.2, 1.6, 2.0), collectives=((("ring_exchange", 2), points),), collectives_world=4
+    )
+    cand = _candidate(spec, tp=1, cp=2, pp=1, dp=2, micro_batch_size=2, num_microbatches=4)
+    layer = StageCostModel(spec, cand, cluster).collective_costs()[0]
+    assert (layer.forward, layer.backward_input) == pytest.approx((0.001, (0.005 + 0.0035) / 2.0), rel=1e-9)
+    cp4 = _candidate(spec, tp=1, cp=4, pp=1, dp=1, micro_batch_size=2, num_microbatches=4)
+    unmeasured = StageCostModel(spec, cp4, cluster)
+    assert unmeasured._measured_exchange(kv_bytes) is None
+    assert StageCostModel(spec, cp4, _cpu_cluster()).collective_costs()[0] == unmeasured.collective_costs()[0]
 
 
 def test_a_measured_slowdown_curve_extends_with_the_ranks():
