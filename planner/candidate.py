@@ -12,11 +12,17 @@ from functools import cached_property, lru_cache
 from core.pipeline_parallel.layout import PipelineLayout, parse_layout
 from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE, ScheduleRule, schedule_rule
 
-__all__ = ["RECOMPUTE", "Candidate"]
+__all__ = ["DP_SHARDING", "RECOMPUTE", "ZERO_SHARDING", "Candidate"]
 
 RECOMPUTE = ("none", "selective", "full")
 """Activation recomputation: none; the attention core (Megatron's selective); every layer (full,
 uniform, one layer per checkpoint)."""
+DP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""``--data-parallel-sharding-strategy``, in the order the search tries them: each shards more (nothing;
+the optimizer state, ZeRO-1, ``--use-distributed-optimizer``; and the gradients, ZeRO-2; and the
+parameters, ZeRO-3) and, where its buckets are whole only in use, moves more."""
+ZERO_SHARDING = DP_SHARDING[2:]
+"""The strategies whose buckets are whole only while in use (``--data-parallel-sharding-scope``)."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,32 @@ class Candidate:
     recompute: str = "none"
     layout: str = ""
     """``--pipeline-model-parallel-layout``: which layers each of the pp x vpp stages holds."""
-    distributed_optimizer: bool = False
+    dp_sharding: str = "no_shard"
+    """``--data-parallel-sharding-strategy`` (:data:`DP_SHARDING`); every one but ``no_shard`` is the
+    distributed optimizer."""
+    dp_sharding_scope: str = "auto"
+    """``--data-parallel-sharding-scope`` of ZeRO-2/3: ``auto`` (``step`` with more than one pipeline stage,
+    else ``microbatch``), ``step`` or ``microbatch``."""
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether the optimizer state is sharded over data parallelism (every strategy but ``no_shard``)."""
+        return self.dp_sharding != "no_shard"
+
+    @property
+    def zero(self) -> tuple[str, str] | None:
+        """ZeRO-2/3 as ``(strategy, scope)``, ``auto`` resolved (the memory model's ``sharding``), else None."""
+        if self.dp_sharding not in ZERO_SHARDING:
+            return None
+        scope = self.dp_sharding_scope
+        if scope == "auto":
+            scope = "step" if self.pp > 1 else "microbatch"
+        return self.dp_sharding, scope
+
+    def sharding_label(self) -> str:
+        """The report's column: ``no_shard``, ``optim``, ``optim_grads_params/microbatch``."""
+        zero = self.zero
+        return "/".join(zero) if zero else self.dp_sharding
 
     @property
     def world_size(self) -> int:
@@ -76,8 +107,8 @@ class Candidate:
 
     def layers_of(self, stage: int) -> range:
         """The global numbers of the decoder layers stage ``stage`` holds."""
-        first = sum(symbols.count("t") for symbols in self.stages.stages[:stage])
-        return range(first, first + self.stages.stages[stage].count("t"))
+        firsts = _first_layers(self.layout, self.pp, self.rule.placement)
+        return range(firsts[stage], firsts[stage + 1])
 
     def symbols(self, pp_rank: int, chunk: int) -> tuple[str, ...]:
         """The layers (``E``, ``t``, ``L``) of a rank's chunk."""
@@ -113,8 +144,14 @@ class Candidate:
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
             out += ["--recompute-num-layers", "1"]
         out.append("--overlap-grad-reduce")
+        if self.dp_sharding == "optim":
+            out.append("--use-distributed-optimizer")
+        elif self.distributed_optimizer:
+            out += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", self.dp_sharding]
+            if self.dp_sharding_scope != "auto":
+                out += ["--data-parallel-sharding-scope", self.dp_sharding_scope]
         if self.distributed_optimizer:
-            out += ["--use-distributed-optimizer", "--overlap-param-gather"]
+            out.append("--overlap-param-gather")
         return out
 
     def as_dict(self) -> dict:
@@ -122,7 +159,17 @@ class Candidate:
         fields["schedule"] = self.schedule_label
         fields["pipeline_schedule"] = self.schedule
         fields["sequence_parallel"] = self.sequence_parallel
+        fields["distributed_optimizer"] = self.distributed_optimizer
+        fields["dp_sharding_scope"] = self.zero[1] if self.zero else None
         return fields
+
+
+@lru_cache(maxsize=256)
+def _first_layers(layout: str, pp: int, placement: str) -> tuple[int, ...]:
+    """The first decoder layer of each stage, and the layer count after the last (the memory model asks
+    for every stage of every candidate it weighs)."""
+    counts = [symbols.count("t") for symbols in _parsed(layout, pp, placement).stages]
+    return tuple(sum(counts[:stage]) for stage in range(len(counts) + 1))
 
 
 @lru_cache(maxsize=256)

@@ -36,6 +36,10 @@ a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`
   point-to-point latency and bandwidth where there are (``Cluster.host``);
 * data parallelism: the gradient all-reduce (reduce-scatter plus parameter all-gather with the
   distributed optimizer) of each chunk, launched at its last backward (``--overlap-grad-reduce``).
+  ZeRO-2/3's buckets follow the layers, so each collective pays the ring's latency once per bucket;
+  at step scope they move what ZeRO-1 moves, at microbatch scope each microbatch's backward
+  reduce-scatters its chunk's gradients and under ZeRO-3 each forward and backward all-gathers its
+  parameters first (:mod:`planner.step_time` places them beside the compute).
 """
 
 from __future__ import annotations
@@ -431,17 +435,27 @@ class StageCostModel:
         message = s.bytes_per_value * self.shape.sharded_seq * self.cand.micro_batch_size * s.hidden_size
         return self._message(message, self.pp_link)
 
-    def grad_sync_seconds(self, grad_bytes: float, param_bytes: float) -> float:
-        """A rank's data-parallel gradient reduction (and parameter all-gather with the distributed optimizer)."""
+    def dp_collective_seconds(self, nbytes: float, buckets: int = 1) -> float:
+        """One reduce-scatter or all-gather over the data-parallel (x context-parallel) group of
+        ``buckets`` buckets holding ``nbytes`` in all: the ring's transfer, and its ``size - 1`` steps'
+        latency per bucket."""
         size = self.cand.dp * self.cand.cp
-        if self.cand.distributed_optimizer:
-            return self.dp_link.ring(size, grad_bytes)
-        return self.dp_link.ring(size, grad_bytes, all_reduce=True)
+        if size <= 1:
+            return 0.0
+        return self.dp_link.ring(size, nbytes) + (buckets - 1) * (size - 1) * self.dp_link.latency
 
-    def param_gather_seconds(self, param_bytes: float) -> float:
+    def grad_sync_seconds(self, grad_bytes: float, buckets: int = 1) -> float:
+        """A rank's data-parallel gradient reduction of ``grad_bytes``: an all-reduce, or with the
+        distributed optimizer a reduce-scatter (per bucket under ZeRO-2/3: buckets follow the layers)."""
+        if self.cand.distributed_optimizer:
+            return self.dp_collective_seconds(grad_bytes, buckets)
+        return self.dp_link.ring(self.cand.dp * self.cand.cp, grad_bytes, all_reduce=True)
+
+    def param_gather_seconds(self, param_bytes: float, buckets: int = 1) -> float:
+        """The distributed optimizer's all-gather of the updated parameters (``param_bytes``)."""
         if not self.cand.distributed_optimizer:
             return 0.0
-        return self.dp_link.ring(self.cand.dp * self.cand.cp, param_bytes)
+        return self.dp_collective_seconds(param_bytes, buckets)
 
     def optimizer_seconds(self, stepped_elements: float, stepped_tensors: float = 0.0) -> float:
         """Adam over this rank's elements: measured per element and per tensor where the host was

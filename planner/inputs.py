@@ -48,6 +48,9 @@ _ALSO_PLANNED = (
     "recompute_method",
     "recompute_num_layers",
     "use_distributed_optimizer",
+    "use_megatron_fsdp",
+    "data_parallel_sharding_strategy",
+    "data_parallel_sharding_scope",
     "overlap_grad_reduce",
     "overlap_param_gather",
     "global_batch_size",
@@ -64,8 +67,10 @@ class PlanInput:
     """``pretrain_gpt.py`` flags without the planned ones."""
     global_batch_size: int
     fixed: dict[str, object] = field(default_factory=dict)
-    """Search dimensions the user fixed: tp, pp, cp, ep, vpp, schedule, micro_batch_size, recompute."""
+    """Search dimensions the user fixed: tp, pp, cp, ep, vpp, schedule, micro_batch_size, recompute,
+    dp_sharding (``--use-megatron-fsdp`` with its strategy) and dp_sharding_scope."""
     distributed_optimizer_allowed: bool = False
+    """``--use-distributed-optimizer``: ZeRO-1 wherever DP x CP > 1 (ZeRO-2/3 still where it does not fit)."""
     notes: list[str] = field(default_factory=list)
     """What was filled in, and why (printed above the table)."""
     args: argparse.Namespace | None = None
@@ -162,6 +167,20 @@ def _vocab(args: argparse.Namespace) -> int:
     ).vocab_size
 
 
+def _fixed_sharding(given: argparse.Namespace) -> dict[str, str]:
+    """The strategy and scope the user fixed: ``--use-megatron-fsdp`` (Megatron's default strategy,
+    optim_grads_params) or its ``--data-parallel-sharding-strategy``, and ``--data-parallel-sharding-scope``
+    (the flag checks of ``pretrain_gpt.py`` refuse what does not go together)."""
+    fixed = {}
+    if given.use_megatron_fsdp or given.data_parallel_sharding_strategy is not None:
+        fixed["dp_sharding"] = given.data_parallel_sharding_strategy or (
+            "optim_grads_params" if given.use_megatron_fsdp else "no_shard"
+        )
+    if given.data_parallel_sharding_scope != "auto":
+        fixed["dp_sharding_scope"] = given.data_parallel_sharding_scope
+    return fixed
+
+
 def read_input(
     megatron_argv: list[str], *, preset: str | None = None, hf_config: str | None = None
 ) -> PlanInput:
@@ -176,12 +195,7 @@ def read_input(
         fixed["layout"] = given.pipeline_model_parallel_layout
     if given.global_batch_size is None:
         raise ValueError("--global-batch-size is needed to plan: it fixes the microbatches per step")
-    if given.use_megatron_fsdp or given.data_parallel_sharding_strategy is not None:
-        raise ValueError(
-            "the planner does not model --use-megatron-fsdp's sharding strategies yet: plan without "
-            "--use-megatron-fsdp and --data-parallel-sharding-strategy (it weighs the distributed "
-            "optimizer, optim, itself); optim_grads and optim_grads_params then need less memory than planned"
-        )
+    fixed.update(_fixed_sharding(given))
     if given.num_distributed_optimizer_instances != 1 or given.outer_dp_sharding_strategy != "no_shard":
         raise ValueError(
             "the planner does not model distributed-optimizer instances yet: plan without "
@@ -190,9 +204,8 @@ def read_input(
         )
     base = _runnable(_strip(argv, set(PLANNED_DESTS) | set(_ALSO_PLANNED)), given, notes)
     with contextlib.redirect_stdout(None):  # the flag checks' notes, for one rank: not the plan's
-        sharded = (
-            ["--use-distributed-optimizer"] if given.use_distributed_optimizer else []
-        )  # --fp8-param-gather needs it
+        distributed = given.use_distributed_optimizer or fixed.get("dp_sharding", "no_shard") != "no_shard"
+        sharded = ["--use-distributed-optimizer"] if distributed else []  # --fp8-param-gather needs it
         run = build_run(
             parse_args(base + sharded + ["--micro-batch-size", "1", "--global-batch-size", "1"]), 1
         )

@@ -38,7 +38,7 @@ import numpy as np
 
 from core.pipeline_parallel.schedule_tables import B, F, I, W, build_table
 from planner.activations import Shape, StageActivations, stage_activations
-from planner.candidate import Candidate
+from planner.candidate import ZERO_SHARDING, Candidate
 from planner.model_spec import ModelSpec
 
 __all__ = [
@@ -49,6 +49,8 @@ __all__ = [
     "memory_microbatches",
     "rank_memory",
     "rank_static",
+    "reduced_grad_bytes",
+    "sharded_buckets",
     "stepped_tensors",
 ]
 
@@ -56,9 +58,9 @@ SHARD_ALIGNMENT = (
     128  # core.distributed.grad_buffer: buckets pad to lcm(dp, 128) under the distributed optimizer
 )
 DEFAULT_BUCKET = 40_000_000  # elements; max(this, 1e6 * dp) with overlap_grad_reduce on pipeline rank 0
-SHARDED_STRATEGIES = ("optim_grads", "optim_grads_params")
-"""The strategies ``sharding=(strategy, scope)`` models: ZeRO-2 and ZeRO-3 (ZeRO-1 is
-``Candidate.distributed_optimizer``)."""
+SHARDED_STRATEGIES = ZERO_SHARDING
+"""The strategies ``sharding=(strategy, scope)`` models: ZeRO-2 and ZeRO-3 (a candidate's own
+``dp_sharding`` and scope unless ``sharding`` is given; ZeRO-1 is ``dp_sharding="optim"``)."""
 UNITS_IN_FLIGHT = (2, 3)
 """At microbatch scope, the layers whose (parameters, gradients) a rank holds whole at once besides its
 chunk's own weights: the running layer and the prefetched next one; the layer in backward and the two
@@ -200,13 +202,16 @@ class _Static(NamedTuple):
     state: float
     transient: float
     gathered: float
-    """Bytes of the distributed optimizer's parameter all-gather (the parameter buffers)."""
+    """Bytes of the distributed optimizer's parameter all-gather (the parameter buffers); ZeRO-2/3: of
+    the whole buckets, once."""
     stepped_tensors: float
     """Tensors (or tensor shards) the rank's optimizer steps."""
     held: float = 0.0
     """ZeRO-2/3: full buckets held during the schedule (``RankMemory.gathered``)."""
     held_at_step: float = 0.0
     """ZeRO-3 at step scope: full parameters held while the optimizer steps."""
+    reduced: float = 0.0
+    """Bytes of the gradient reduction, once (the whole buffers, not the shards ZeRO-2/3 keep)."""
 
 
 _STATIC: dict[tuple, _Static] = {}
@@ -215,6 +220,8 @@ and microbatch choices share them."""
 
 
 def _static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sharding=None) -> _Static:
+    """The candidate's static memory; ``sharding`` (ZeRO-2/3) defaults to the candidate's own."""
+    sharding = sharding or cand.zero
     key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
            cand.distributed_optimizer, pp_rank, device, sharding)  # fmt: skip
     if key not in _STATIC:
@@ -254,6 +261,25 @@ def gathered_param_bytes(spec: ModelSpec, cand: Candidate, pp_rank: int) -> floa
     """Bytes a rank's parameter all-gather moves in (the distributed optimizer's): its parameter
     buffers, FP8 layers' weights at one byte an element under ``--fp8-param-gather``."""
     return _static(spec, cand, pp_rank, "cuda").gathered
+
+
+def reduced_grad_bytes(spec: ModelSpec, cand: Candidate, pp_rank: int) -> float:
+    """Bytes a rank's gradient reduction moves in a step (all-reduce, or reduce-scatter with the
+    distributed optimizer): its whole gradient buffers, also under ZeRO-2/3, which keep only a shard."""
+    return _static(spec, cand, pp_rank, "cuda").reduced
+
+
+def sharded_buckets(spec: ModelSpec, cand: Candidate, pp_rank: int) -> list[tuple[int, int]]:
+    """ZeRO-2/3's buckets of each of a rank's chunks: ``(elements, buckets)``, each bucket padded to
+    lcm(dp x cp, 128) elements (a decoder layer's, and the chunk's own weights' ahead of and after them)."""
+    chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
+    embedding_here = any("E" in c for c in chunks)
+    out = []
+    for symbols in chunks:
+        own, layer, layers = _sharded_units(spec, cand, symbols, embedding_here)
+        own_buckets = int("E" in symbols) + int("L" in symbols)
+        out.append((own + layer * layers, own_buckets + layers))
+    return out
 
 
 def stepped_tensors(spec: ModelSpec, cand: Candidate, pp_rank: int) -> float:
@@ -344,10 +370,13 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sh
     if grad_bytes != 4:  # fp16 gradients: the optimizer steps on fp32 copies of them, all alive at once
         transient += 4 * sum(abs(n) for n in stepped)
     if sharding is None:
-        return _Static(params, grads, state, transient, gathered, count)
-    zero_params, grads, held, held_at_step = _sharded_static(spec, cand, chunks, sharding)
+        return _Static(params, grads, state, transient, gathered, count, reduced=grads)
+    zero_params, zero_grads, held, held_at_step = _sharded_static(spec, cand, chunks, sharding)
+    full = sum(elements for elements, _ in sharded_buckets(spec, cand, pp_rank))
     params += zero_params - padded * B  # FP8 copies and RoPE tables as before
-    return _Static(params, grads, state, transient, gathered, count, held, held_at_step)
+    gathered += (full - padded) * B
+    return _Static(params, zero_grads, state, transient, gathered, count, held, held_at_step,
+                   reduced=full * grad_bytes)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

@@ -196,7 +196,9 @@ def _run_candidate(plan_input, data) -> Candidate:
     m = data.num_microbatches
     dp = plan_input.global_batch_size // (mbs * m)
     return Candidate(tp=tp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch_size=mbs,
-                     num_microbatches=m, recompute=fixed.get("recompute") or "none", layout=layout)  # fmt: skip
+                     num_microbatches=m, recompute=fixed.get("recompute") or "none", layout=layout,
+                     dp_sharding=fixed.get("dp_sharding", "no_shard"),
+                     dp_sharding_scope=fixed.get("dp_sharding_scope", "auto"))  # fmt: skip
 
 
 def measured_pipeline_seconds(data) -> float:

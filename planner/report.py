@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 from planner.candidate import Candidate
 from planner.hardware import Cluster
-from planner.search import Planned, SearchResult
+from planner.search import OUT_OF_MEMORY, Planned, SearchResult
 from planner.step_time import StepParts
 
 __all__ = ["candidate_json", "format_table", "launch_command", "result_json", "run_rank_line"]
@@ -86,7 +86,7 @@ def _row(rank: int, p: Planned) -> list[str]:
         str(c.micro_batch_size),
         str(c.num_microbatches),
         c.recompute,
-        "yes" if c.distributed_optimizer else "no",
+        c.sharding_label(),
         f"{m.peak / GB:.1f} (pp{m.pp_rank})",
         f"{s.step_seconds:.3f}",
         f"{s.tokens_per_second_per_gpu:,.0f}",
@@ -138,7 +138,7 @@ def explain_steps(candidates: list[Planned]) -> list[str]:
 
 def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], *, show_args: int = 1) -> str:
     """The ranked table, the layouts, and the flags of the first ``show_args`` candidates."""
-    head = ["#", "split", "schedule", "mbs", "m", "recompute", "dist-opt", "peak GB", "step s", "tok/s/GPU",
+    head = ["#", "split", "schedule", "mbs", "m", "recompute", "DP sharding", "peak GB", "step s", "tok/s/GPU",
             "MFU", "bubble", "products TFLOP/s"]  # fmt: skip
     rows = [head] + [_row(i + 1, p) for i, p in enumerate(result.candidates)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -156,12 +156,23 @@ def format_table(result: SearchResult, cluster: Cluster, base_flags: list[str], 
         f"{result.fitting} candidates fit in {cluster.usable_bytes / GB:.0f} of {cluster.memory_bytes / GB:.0f} GB "
         f"per GPU, {result.simulated} simulated in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s of CPU); rejected: {rejected or 'none'}"
     )
+    if not result.candidates:
+        lines += ["nothing fits, for example:"] + [
+            f"  {what}" for what in _examples(result, OUT_OF_MEMORY, 3)
+        ]
     if cluster.num_gpus > cluster.gpus_per_node and result.candidates[:show_args]:
         lines.append(f"on each of the {cluster.num_gpus // cluster.gpus_per_node} nodes, with MASTER_ADDR set to "
                      "one node's address:")  # fmt: skip
     for i, p in enumerate(result.candidates[:show_args]):
         lines.append(f"#{i + 1}: {launch_command(cluster, candidate_args(base_flags, p.cand))}")
     return "\n".join(lines)
+
+
+def _examples(result: SearchResult, reason: str, count: int) -> list[str]:
+    """The first ``count`` examples rejected for ``reason`` that give their figures (a larger micro-batch
+    rejected because a smaller one failed gives none)."""
+    examples = result.rejected.get(reason, {}).get("examples", [])
+    return [e for e in examples if not e.endswith("does not fit either")][:count]
 
 
 def run_rank_line(result: SearchResult, run: Candidate) -> str:

@@ -14,7 +14,14 @@ that apply, the micro-batch sizes, two layouts (Megatron's even split and the co
 Dominated choices are not costed: recomputation is tried from none to full and the first that fits
 is kept (recomputing more only adds time), and where the distributed optimizer is allowed it is used
 (the same traffic as an all-reduce, a fraction of the state), and always with ``--fp8-param-gather``,
-which needs it. The rest is timed by branch and bound:
+which needs it. Data-parallel sharding climbs the same way where DP x CP > 1 and the user fixed no
+strategy: from ``no_shard`` (``optim`` with ``--use-distributed-optimizer``) through ``optim`` and
+ZeRO-2 (``optim_grads``) to ZeRO-3 (``optim_grads_params``), at the scope ``auto`` gives (or
+``--data-parallel-sharding-scope``); a strategy further up is kept only where it fits with less
+recomputation than every one below it, since it moves more (at microbatch scope) or holds its buckets
+whole while in use (at step scope), so it is proposed where it is what fits.
+``--use-megatron-fsdp`` (with ``--data-parallel-sharding-strategy``) fixes the strategy. The rest is
+timed by branch and bound:
 candidates in order of a lower bound on their step (the busiest rank's compute), simulated until the
 next bound exceeds the ``top``-th best simulated step, so only a few schedules are simulated in full.
 """
@@ -27,9 +34,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from core.pipeline_parallel.layout import even_layout
+from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import CLI_SCHEDULES, DEFAULT_SCHEDULE, schedule_rule
 from core.pipeline_parallel.schedule_tables import check_interleaving
-from planner.candidate import RECOMPUTE, Candidate
+from planner.candidate import DP_SHARDING, RECOMPUTE, ZERO_SHARDING, Candidate
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import Cluster
 from planner.layouts import balanced_layout
@@ -151,6 +159,10 @@ class _Space:
     schedules: tuple[str, ...] | None
     pps: tuple[int, ...] | None
     layout: str | None
+    dp_sharding: str | None = None
+    """The strategy the user fixed (``--use-megatron-fsdp``), else None: the search climbs
+    :data:`DP_SHARDING`."""
+    dp_sharding_scope: str = "auto"
 
 
 def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
@@ -172,6 +184,8 @@ def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
         schedules=(fixed["schedule"],) if fixed.get("schedule") not in (None, DEFAULT_SCHEDULE) else None,
         pps=pick("pp", ()) or None,
         layout=fixed.get("layout"),
+        dp_sharding=fixed.get("dp_sharding"),
+        dp_sharding_scope=fixed.get("dp_sharding_scope", "auto"),
     )
 
 
@@ -243,7 +257,9 @@ def _layouts(
 
 
 def _describe(c: Candidate) -> str:
-    return f"{c.split()} {c.schedule_label} mbs {c.micro_batch_size} m {c.num_microbatches}"
+    return (
+        f"{c.split()} {c.schedule_label} mbs {c.micro_batch_size} m {c.num_microbatches} {c.sharding_label()}"
+    )
 
 
 def _microbatches(
@@ -297,47 +313,91 @@ def _fitting(
                         continue
                     base = Candidate(
                         tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, micro_batch_size=mbs,
-                        num_microbatches=m, distributed_optimizer=allow_distributed_optimizer
-                        and (dp * cp > 1 or spec.fp8_param_gather),
+                        num_microbatches=m, dp_sharding_scope=space.dp_sharding_scope,
                     )  # fmt: skip
-                    found = list(_fit_recompute(spec, cluster, space, base, profile, rejected, device))
+                    strategies = _strategies(spec, space, base, allow_distributed_optimizer, rejected)
+                    found = list(
+                        _fit_recompute(spec, cluster, space, base, strategies, profile, rejected, device)
+                    )
                     too_big = not found
                     yield from found
 
 
-def _fit_recompute(spec, cluster, space, base: Candidate, profile, rejected: _Rejections, device: str):
-    """Per layout, the least recomputation that fits (none, else full, then selective if it fits too)."""
-    for layout in _layouts(spec, base, cluster, profile, space.layout if base.pp > 1 else None):
-        cand = replace(base, layout=layout)
-        static = max(sum(rank_static(spec, cand, r, device)[:3]) for r in range(cand.pp))
-        if static > cluster.usable_bytes:
-            rejected.add(OUT_OF_MEMORY, f"{_describe(cand)}: parameters, gradients and optimizer state alone "
-                                        f"{static / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB")  # fmt: skip
-            continue
-        order = [r for r in ("none", "full", "selective") if r in space.recomputes]
-        fits: dict[str, Planned] = {}
-        smallest = None
-        for recompute in order:
-            if recompute == "selective" and "full" in order and "full" not in fits:
-                continue  # full recomputation keeps the least: if it does not fit, selective cannot
-            trial = replace(cand, recompute=recompute)
-            memory = candidate_memory(spec, trial, device=device)
-            peak = max(m.peak for m in memory)
-            if peak <= cluster.usable_bytes:
-                fits[recompute] = Planned(trial, memory, 0.0)
-                if recompute == "none":
-                    break
-            elif smallest is None or peak < smallest[1]:
-                smallest = (trial, peak)
-        if fits:
-            yield fits.get("none") or fits.get("selective") or fits["full"]
-        else:
-            trial, peak = smallest
+def _strategies(
+    spec: ModelSpec, space: _Space, base: Candidate, allow_distributed_optimizer: bool, rejected: _Rejections
+) -> tuple[str, ...]:
+    """The data-parallel sharding strategies to try, least sharded first: the user's; else from
+    ``optim`` (``--use-distributed-optimizer``) or ``no_shard`` up to ``optim_grads_params`` where DP x CP
+    > 1 (ZeRO-2/3 not where Trident refuses them: a tied embedding in both of ZBV's chunks)."""
+    refused = base.rule.placement == V and not spec.untie_embeddings
+    if space.dp_sharding is not None:
+        if refused and space.dp_sharding in ZERO_SHARDING:
             rejected.add(
-                OUT_OF_MEMORY,
-                f"{_describe(trial)}: {peak / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB even with "
-                f"--recompute-granularity {trial.recompute}",
+                REFUSED, f"{_describe(base)}: {space.dp_sharding} with a tied embedding in both chunks"
             )
+            return ()
+        return (space.dp_sharding,)
+    if base.dp * base.cp == 1:
+        return ("optim",) if allow_distributed_optimizer and spec.fp8_param_gather else ("no_shard",)
+    ladder = DP_SHARDING[DP_SHARDING.index("optim" if allow_distributed_optimizer else "no_shard") :]
+    return tuple(s for s in ladder if not (refused and s in ZERO_SHARDING))
+
+
+_LESS_RECOMPUTE = ("none", "selective", "full")
+"""Recomputation from the least time to the most (and from the most memory to the least but for
+selective, which keeps more than full)."""
+
+
+def _fit_recompute(spec, cluster, space, base: Candidate, strategies, profile, rejected: _Rejections, device):
+    """Per layout, the least recomputation that fits, with the least sharding: a strategy further along
+    ``strategies`` (more traffic, or gathered buckets in use) only where it fits with less recomputation
+    than every one before it."""
+    for layout in _layouts(spec, base, cluster, profile, space.layout if base.pp > 1 else None):
+        least, why = len(_LESS_RECOMPUTE), ""
+        for strategy in strategies:
+            trial = replace(base, layout=layout, dp_sharding=strategy)
+            planned, why = _least_recompute(spec, cluster, space, trial, device, _LESS_RECOMPUTE[:least])
+            level = _LESS_RECOMPUTE.index(planned.cand.recompute) if planned else len(_LESS_RECOMPUTE)
+            if level < least:
+                least = level
+                yield planned
+            if least == 0:
+                break
+        if least == len(_LESS_RECOMPUTE) and why:
+            rejected.add(OUT_OF_MEMORY, why)
+
+
+def _least_recompute(
+    spec, cluster, space, cand: Candidate, device: str, wanted: tuple[str, ...]
+) -> tuple[Planned | None, str]:
+    """The least recomputation of ``wanted`` with which ``cand`` fits (none, else full, then selective
+    if it fits too), or None and why nothing fits."""
+    static = max(sum(rank_static(spec, cand, r, device)[:3]) for r in range(cand.pp))
+    if static > cluster.usable_bytes:
+        return None, (f"{_describe(cand)}: parameters, gradients and optimizer state alone "
+                      f"{static / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB")  # fmt: skip
+    order = [r for r in ("none", "full", "selective") if r in space.recomputes and r in wanted]
+    fits: dict[str, Planned] = {}
+    smallest = None
+    for recompute in order:
+        if recompute == "selective" and "full" in order and "full" not in fits:
+            continue  # full recomputation keeps the least: if it does not fit, selective cannot
+        trial = replace(cand, recompute=recompute)
+        memory = candidate_memory(spec, trial, device=device)
+        peak = max(m.peak for m in memory)
+        if peak <= cluster.usable_bytes:
+            fits[recompute] = Planned(trial, memory, 0.0)
+            if recompute == "none":
+                break
+        elif smallest is None or peak < smallest[1]:
+            smallest = (trial, peak)
+    if fits:
+        return fits.get("none") or fits.get("selective") or fits["full"], ""
+    if smallest is None:  # nothing wanted left to try
+        return None, ""
+    trial, peak = smallest
+    return None, (f"{_describe(trial)}: {peak / 1e9:.1f} GB > {cluster.usable_bytes / 1e9:.1f} GB even with "
+                  f"--recompute-granularity {trial.recompute}")  # fmt: skip
 
 
 def search(

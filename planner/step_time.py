@@ -26,7 +26,13 @@ from core.pipeline_parallel.stage_timer import StageTimer, Timing
 from planner.candidate import Candidate
 from planner.costs import ActionCosts, LayerProfile, MatmulRates, StageCostModel
 from planner.hardware import Cluster
-from planner.memory import gathered_param_bytes, rank_static, stepped_tensors
+from planner.memory import (
+    gathered_param_bytes,
+    rank_static,
+    reduced_grad_bytes,
+    sharded_buckets,
+    stepped_tensors,
+)
 from planner.model_spec import ModelSpec
 from planner.shared_cores import time_shared
 
@@ -119,8 +125,9 @@ def _model_flops_per_step(spec: ModelSpec, cand: Candidate) -> float:
 
 
 def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) -> tuple[float, float, float]:
-    """(grad sync seconds, param gather seconds, optimizer seconds) of a pipeline rank."""
-    params, grads, state, _ = rank_static(spec, cand, rank)
+    """(grad sync seconds, param gather seconds, optimizer seconds) of a pipeline rank, each once a step
+    (ZeRO-2/3 per bucket; at microbatch scope see :func:`_microbatch_traffic`)."""
+    state = rank_static(spec, cand, rank)[2]
     per_element = 12 if spec.precision != "fp32" else 8
     stepped = state / per_element
     optimizer = model.optimizer_seconds(stepped, stepped_tensors(spec, cand, rank))
@@ -132,9 +139,10 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
         optimizer += model.fp8_shard_cast_seconds(
             layers * (dense / (cand.dp * cand.cp) + experts / expert_shards)
         )
+    buckets = sum(n for _, n in sharded_buckets(spec, cand, rank)) if cand.zero else 1
     return (
-        model.grad_sync_seconds(grads, params),
-        model.param_gather_seconds(gathered_param_bytes(spec, cand, rank)),
+        model.grad_sync_seconds(reduced_grad_bytes(spec, cand, rank), buckets),
+        model.param_gather_seconds(gathered_param_bytes(spec, cand, rank), buckets),
         optimizer,
     )
 
@@ -262,20 +270,54 @@ class _RankEnd:
 
 
 def _rank_ends(spec, cand, model, costs, timer_tables, result: Timing) -> list[_RankEnd]:
-    """Each rank's reduction starts at its chunk's last backward and runs beside its compute."""
+    """Each rank's reduction starts at its chunk's last backward and runs beside its compute (at
+    microbatch scope, ZeRO-2/3's traffic runs beside every action: :func:`_microbatch_traffic`)."""
     out = []
+    per_microbatch = cand.zero is not None and cand.zero[1] == "microbatch"
     for rank, table in enumerate(timer_tables):
         ends = result.end_times[rank]
         last_backward = {a.chunk: ends[i] for i, a in enumerate(table) if a.kind in (B, W)}
         compute_end = max(ends) if ends else 0.0
         sync, gather, opt = _tail(model, spec, cand, rank)
-        per_chunk = sync / max(1, len(last_backward))
-        comm_end = 0.0
-        for launch in sorted(last_backward.values()):
-            comm_end = max(comm_end, launch) + per_chunk
+        if per_microbatch:
+            comm_end, exposed = _microbatch_traffic(spec, cand, model, rank, table, result)
+            gather = gather if cand.zero[0] == "optim_grads" else 0.0  # ZeRO-3 gathers before each use
+        else:
+            per_chunk = sync / max(1, len(last_backward))
+            comm_end, exposed = 0.0, 0.0
+            for launch in sorted(last_backward.values()):
+                comm_end = max(comm_end, launch) + per_chunk
         first_forward = costs[rank, 0].forward
-        out.append(_RankEnd(compute_end, max(compute_end, comm_end) + max(0.0, gather - first_forward), opt))
+        tail = max(compute_end, comm_end) + exposed + max(0.0, gather - first_forward)
+        out.append(_RankEnd(compute_end, tail, opt))
     return out
+
+
+def _microbatch_traffic(spec, cand: Candidate, model: StageCostModel, rank: int, table, result: Timing):
+    """ZeRO-2/3 at microbatch scope: ``(end of the rank's data-parallel traffic, seconds it adds to the
+    compute)``. One channel per rank carries, in launch order, each backward's (B, or W) reduce-scatter
+    of its chunk's whole gradient buckets, launched as the action starts and over no sooner than one
+    bucket's share after it ends (the last layer's), and under ZeRO-3 each forward's and backward's
+    (B, or I) all-gather of its chunk's parameters, launched as the action starts (each layer prefetches
+    the next); the first bucket of each such gather is waited for before the action can start."""
+    grad_bytes = 2 if spec.precision == "fp16" else 4
+    zero3 = cand.zero[0] == "optim_grads_params"
+    jobs, exposed = [], 0.0
+    buckets = sharded_buckets(spec, cand, rank)
+    starts, ends = result.start_times[rank], result.end_times[rank]
+    for i, action in enumerate(table):
+        elements, n = buckets[action.chunk]
+        if zero3 and action.kind in (F, B, I):
+            gather = model.dp_collective_seconds(elements * spec.bytes_per_value, n)
+            jobs.append((starts[i], gather, 0.0))
+            exposed += gather / n
+        if action.kind in (B, W):
+            reduce = model.dp_collective_seconds(elements * grad_bytes, n)
+            jobs.append((starts[i], reduce, ends[i] + reduce / n))
+    comm_end = 0.0
+    for launch, seconds, not_before in sorted(jobs):
+        comm_end = max(comm_end, launch, not_before - seconds) + seconds
+    return comm_end, exposed
 
 
 def _parts(

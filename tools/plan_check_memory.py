@@ -52,7 +52,7 @@ CONFIGS = {
     "llama3-70b": (
         "llama3-70b",
         ["--global-batch-size", "128"],
-        {"tp": 8, "pp": 8, "dp": 8, "vpp": 2, "num_microbatches": 16, "distributed_optimizer": True},
+        {"tp": 8, "pp": 8, "dp": 8, "vpp": 2, "num_microbatches": 16, "dp_sharding": "optim"},
     ),
     "gpt3-175b": (
         "gpt3-175b",
@@ -86,7 +86,7 @@ REAL_LAYOUTS = {
     },
     "PP2xVPP2xDP2 dist-opt": {
         "tp": 1, "pp": 2, "dp": 2, "vpp": 2, "micro_batch_size": 2, "num_microbatches": 4,
-        "distributed_optimizer": True,
+        "dp_sharding": "optim",
     },
 }  # fmt: skip
 
@@ -223,7 +223,7 @@ GPU_LAYOUTS = {
         "tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 2, "num_microbatches": 2, "recompute": "selective",
     },
     "same, distributed optimizer": {
-        "tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 2, "num_microbatches": 2, "distributed_optimizer": True,
+        "tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 2, "num_microbatches": 2, "dp_sharding": "optim",
     },
 }  # fmt: skip
 

@@ -24,7 +24,7 @@ from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.activations import Shape, stage_activations
 from planner.calibrate import group_sizes, monotone
-from planner.candidate import Candidate
+from planner.candidate import DP_SHARDING, Candidate
 from planner.cli import _collectives_text
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import GPUS, Cluster, Gpu, HostCosts
@@ -126,7 +126,7 @@ def test_in_flight_microbatches_come_from_the_schedule_table(small, schedule, vp
 
 def test_distributed_optimizer_shards_the_state_over_data_parallel(small):
     plain = _candidate(small.spec, tp=2, pp=2, dp=4, num_microbatches=4)
-    sharded = replace(plain, distributed_optimizer=True)
+    sharded = replace(plain, dp_sharding="optim")
     _, grads, state, _ = rank_static(small.spec, plain, 0)
     _, sharded_grads, sharded_state, _ = rank_static(small.spec, sharded, 0)
     assert state / sharded_state == pytest.approx(4.0)
@@ -263,7 +263,7 @@ def test_first_last_layers_bf16_layers_hold_16_bit_weights_and_save_16_bit_input
     microbatch more than the FP8 one (see above)."""
     from planner.memory import gathered_param_bytes
 
-    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", dp_sharding="optim")
     fp8, gather = _fp8_spec(bf16_layers_at_start=1), _fp8_spec(bf16_layers_at_start=1, fp8_param_gather=True)
     assert rank_static(fp8, cand, 0)[0] == 166_272 * 2 + 2 * 49_152
     assert rank_static(gather, cand, 0)[0] == 166_272 * 2 - 49_152 + 49_152
@@ -284,7 +284,7 @@ def test_routed_experts_fp8_weights_are_counted_cast_or_held():
     from planner.memory import gathered_param_bytes
     from planner.model_spec import MoeSpec
 
-    cand = Candidate(tp=1, pp=1, dp=2, ep=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    cand = Candidate(tp=1, pp=1, dp=2, ep=2, num_microbatches=4, layout="E,t*2,L", dp_sharding="optim")
     moe = _fp8_spec(fp8=False, moe=MoeSpec(4, 2, 128))
     plain_params, plain_gathered = rank_static(moe, cand, 0)[0], gathered_param_bytes(moe, cand, 0)
     assert moe.with_(fp8=True).fp8_weight_elements(1, 2) == 49_152
@@ -319,7 +319,7 @@ def test_fp8_param_gather_holds_fp8_weights_and_gathers_one_byte():
     final norm = 166,208 elements, padded to 166,272 (a multiple of lcm(2, 128)); 98,304 FP8 weights."""
     from planner.memory import gathered_param_bytes
 
-    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", dp_sharding="optim")
     plain, fp8, gather = _fp8_spec(fp8=False), _fp8_spec(), _fp8_spec(fp8_param_gather=True)
     assert rank_static(plain, cand, 0)[:3] == (166_272 * 2, 166_272 * 4, 12 * 166_208 / 2 + 4 * 15 / 2)
     assert rank_static(fp8, cand, 0)[0] == 166_272 * 2 + 2 * 98_304  # an FP8 weight and its transpose
@@ -549,7 +549,7 @@ def test_the_optimizer_step_is_costed_per_tensor_and_per_element_where_measured(
 
     timings = tuple(n * 20e-6 + n * e * 1e-9 for n, e in OPTIMIZER_CASES)
     assert fit_optimizer_costs(timings) == (pytest.approx(20e-6, rel=1e-9), pytest.approx(1e-9, rel=1e-9))
-    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", distributed_optimizer=True)
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*2,L", dp_sharding="optim")
     host = HostCosts(optimizer_element_seconds=1e-9, optimizer_tensor_seconds=20e-6, step_seconds=0.003)
     cluster = Cluster(2, 2, _FP8_GPU, host=host)
     step = estimate_step(_fp8_spec(fp8=False), cand, cluster)
@@ -828,7 +828,7 @@ def test_the_memory_model_knows_the_sharding_scope():
     buckets on top (ZeRO-3's parameters still there at the optimizer step); at microbatch scope only the
     units in flight: the chunk's own 67,712 elements and 2 layers' parameters, 3 layers' gradients."""
     spec = _fp8_spec(fp8=False, num_layers=4)
-    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*4,L", distributed_optimizer=True)
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=4, layout="E,t*4,L", dp_sharding="optim")
     zero1 = rank_memory(spec, cand, 0)
     full, own, layer = 264_832, 67_712, 49_280
     expected = {  # (params, grads, gathered in the schedule, gathered at the optimizer step)
@@ -857,3 +857,179 @@ def test_the_memory_model_knows_the_sharding_scope():
     assert (zero1.params, zero1.grads, zero1.gathered, zero1.gathered_at_step) == (full * 2, full * 4, 0, 0)
     with pytest.raises(ValueError, match="builds on the distributed optimizer"):
         rank_memory(spec, Candidate(tp=1, pp=1, dp=2, layout="E,t*4,L"), 0, sharding=("optim_grads", "step"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Data-parallel sharding: ZeRO-1/2/3 as candidates
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("strategy", "scope", "flags", "resolved"),
+    [
+        ("no_shard", "auto", [], ("no_shard", "microbatch")),
+        ("optim", "auto", ["--use-distributed-optimizer"], ("optim", "microbatch")),
+        ("optim_grads", "auto", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
+         ("optim_grads", "microbatch")),
+        ("optim_grads_params", "step", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+         "optim_grads_params", "--data-parallel-sharding-scope", "step"], ("optim_grads_params", "step")),
+    ],
+)  # fmt: skip
+def test_a_candidates_sharding_strategy_is_its_flags(small, strategy, scope, flags, resolved):
+    """The strategy maps onto ``pretrain_gpt.py``'s flags (Megatron-FSDP's for ZeRO-2/3, scope ``auto``
+    unless fixed), which Trident's own checks read back as that strategy and scope."""
+    from planner.report import candidate_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
+
+    cand = _candidate(small.spec, tp=1, pp=1, dp=2, num_microbatches=8, dp_sharding=strategy,
+                      dp_sharding_scope=scope)  # fmt: skip
+    tail = cand.flags()[cand.flags().index("--overlap-grad-reduce") + 1 :]
+    assert tail == flags + (["--overlap-param-gather"] if strategy != "no_shard" else [])
+    args = validate_args(parse_args(candidate_args(small.base_flags, cand)), 2)
+    assert args.data_parallel_sharding_strategy == strategy
+    assert args.use_distributed_optimizer == cand.distributed_optimizer == (strategy != "no_shard")
+    if cand.zero:
+        assert (
+            (args.data_parallel_sharding_strategy, args.data_parallel_sharding_scope) == cand.zero == resolved
+        )
+    shown = cand.as_dict()
+    assert (shown["dp_sharding"], shown["distributed_optimizer"]) == (strategy, strategy != "no_shard")
+    assert shown["dp_sharding_scope"] == (resolved[1] if cand.zero else None)
+    assert replace(cand, pp=2).zero == ((strategy, "step") if cand.zero else None)  # auto: step under PP
+
+
+def test_zero_traffic_per_bucket_and_step_at_each_scope():
+    """DP 2 on one 100 GB/s link, 10 µs a ring step; one rank holding E, 4 layers, L (bf16, fp32
+    gradients): 264,832 elements in 6 buckets (the FP8 test's model). A layer's forward takes 1 s and
+    each backward half 1 s, so at 2 microbatches F0 [0, 4], B0 [4, 12], F1 [12, 16], B1 [16, 24].
+
+    ZeRO-1 reduce-scatters its buffer after the last backward (S, exposed) and all-gathers the
+    parameters behind the next forward (hidden). At step scope ZeRO-2/3 move the same, one ring step's
+    latency more for each of 5 more buckets. At microbatch scope each backward's reduce-scatter runs
+    beside it and ends a bucket's share after it (R / 6 exposed after B1), ZeRO-2 gathers once behind
+    the next forward, and ZeRO-3 gathers before each of the 2M forwards and backwards, waiting for the
+    first bucket of each."""
+    spec = _fp8_spec(fp8=False, num_layers=4)
+    cluster = Cluster(2, 2, _FP8_GPU)
+    profile = LayerProfile(layer=(1.0, 1.0, 1.0))
+    base = Candidate(tp=1, pp=1, dp=2, num_microbatches=2, layout="E,t*4,L")
+    elements, buckets, latency = 264_832, 6, 1e-5
+    S = latency + elements * 4 / 2 / 1e11  # a ring reduce-scatter of 2: one step
+    R = S + (buckets - 1) * latency
+    gather = latency + elements * 2 / 2 / 1e11 + (buckets - 1) * latency
+    expected = {
+        ("optim", "auto"): S,
+        ("optim_grads", "step"): R,
+        ("optim_grads_params", "step"): R,
+        ("optim_grads", "microbatch"): R / buckets,
+        ("optim_grads_params", "microbatch"): R / buckets + 4 * gather / buckets,
+    }
+    for (strategy, scope), exposed in expected.items():
+        cand = replace(base, dp_sharding=strategy, dp_sharding_scope=scope)
+        step = estimate_step(spec, cand, cluster, profile)
+        assert step.parts.compute == pytest.approx(24.0, rel=1e-12)
+        assert step.parts.exposed_comm == pytest.approx(exposed, rel=1e-9), (strategy, scope)
+    model = StageCostModel(spec, replace(base, dp_sharding="optim_grads"), cluster, profile)
+    assert model.dp_collective_seconds(elements * 4, buckets) == pytest.approx(R, rel=1e-12)
+
+
+def test_zero3_traffic_beyond_the_compute_is_exposed():
+    """When the link cannot keep up, the per-microbatch traffic is what the step waits for: ZeRO-3 at
+    microbatch scope on a link 10^5 times slower moves 2M gathers and M reduce-scatters of the whole
+    buckets one after another, 2 x (2 G + R) in all, and the step ends when the last one does."""
+    spec = _fp8_spec(fp8=False, num_layers=4)
+    slow = replace(_FP8_GPU, intra_node_gb_s=1e-3)
+    cluster = Cluster(2, 2, slow)
+    cand = Candidate(tp=1, pp=1, dp=2, num_microbatches=2, layout="E,t*4,L", dp_sharding="optim_grads_params")
+    step = estimate_step(spec, cand, cluster, LayerProfile(layer=(1e-3, 1e-3, 1e-3)))
+    elements, buckets, latency = 264_832, 6, 1e-5
+    R = latency + elements * 4 / 2 / 1e6 + (buckets - 1) * latency
+    G = latency + elements * 2 / 2 / 1e6 + (buckets - 1) * latency
+    # the channel starts with F0's gather at 0 and never idles: the traffic ends at 2 x (2 G + R)
+    assert step.parts.exposed_comm == pytest.approx(2 * (2 * G + R) + 4 * G / buckets - 0.024, rel=1e-9)
+
+
+def test_the_planner_takes_megatron_fsdps_flags_and_still_refuses_instances(small):
+    """``--use-megatron-fsdp`` (Megatron's default strategy, optim_grads_params), a strategy and a scope
+    fix the plan's strategy instead of being refused; the printed flags carry them back. HSDP
+    instances, which the planner does not model, are still refused."""
+    from planner.report import candidate_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
+
+    assert read_input([*SMALL, "--use-megatron-fsdp"]).fixed == {"dp_sharding": "optim_grads_params"}
+    flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads",
+             "--data-parallel-sharding-scope", "step"]  # fmt: skip
+    plan_input = read_input([*SMALL, *flags])
+    assert plan_input.fixed == {"dp_sharding": "optim_grads", "dp_sharding_scope": "step"}
+    assert not set(flags) & set(plan_input.base_flags)
+    result = search(plan_input.spec, Cluster(4, 4, GPUS["h100"]), global_batch_size=16, top=3,
+                    fixed=plan_input.fixed)  # fmt: skip
+    assert len(result.candidates) == 3
+    for planned in result.candidates:
+        assert planned.cand.zero == ("optim_grads", "step")
+        args = validate_args(parse_args(candidate_args(plan_input.base_flags, planned.cand)), 4)
+        assert (args.data_parallel_sharding_strategy, args.data_parallel_sharding_scope) == (
+            "optim_grads",
+            "step",
+        )
+    with pytest.raises(ValueError) as error:
+        read_input([*SMALL, "--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"])
+    assert str(error.value) == (
+        "the planner does not model distributed-optimizer instances yet: plan without "
+        "--num-distributed-optimizer-instances and --outer-dp-sharding-strategy (each instance of DP/N "
+        "ranks then holds N times the optimizer state planned)"
+    )
+
+
+def test_a_stronger_strategy_is_proposed_only_where_it_fits_with_less_recomputation(small):
+    """Unpinned, the search climbs no_shard, optim, optim_grads, optim_grads_params per layout and keeps
+    a strategy only where it fits with less recomputation than every one below it: with memory for
+    everything every candidate is no_shard; with less, sharded ones appear, each recomputing less than
+    the same layout's less sharded ones."""
+    roomy = search(small.spec, Cluster(8, 8, GPUS["h100"]), global_batch_size=16, top=50)
+    assert {p.cand.dp_sharding for p in roomy.candidates} == {"no_shard"}
+    tight = search(small.spec, Cluster(8, 8, replace(GPUS["h100"], memory_gb=0.12)), global_batch_size=16,
+                   top=200)  # fmt: skip
+    order = ("none", "selective", "full")
+    by_layout: dict = {}
+    for planned in tight.candidates:
+        c = planned.cand
+        by_layout.setdefault(replace(c, dp_sharding="no_shard", recompute="none"), []).append(c)
+    assert {c.dp_sharding for cands in by_layout.values() for c in cands} > {"no_shard"}
+    for cands in by_layout.values():
+        cands.sort(key=lambda c: DP_SHARDING.index(c.dp_sharding))
+        levels = [order.index(c.recompute) for c in cands]
+        assert levels == sorted(levels, reverse=True) and len(set(levels)) == len(levels)
+
+
+def test_llama3_70b_fits_only_sharded_over_data_parallel():
+    """Issue 29's example, as the planner finds it. On 8 x 80 GB nothing fits under any strategy: Adam
+    needs 16 bytes a parameter (1.13 TB for 70.6B) and the GPUs hold 640 GB; the plan says so, at DP8
+    with optim_grads_params 158.7 GB per rank before activations. On 32 of them at TP1 x PP1 (FSDP's
+    way: no tensor or pipeline parallelism) only optim_grads_params fits; optim and optim_grads fit nowhere
+    there, each pinned in turn."""
+    from planner.report import format_table
+
+    plan_input = read_input(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"],
+                            preset="llama3-70b")  # fmt: skip
+    spec, fixed = plan_input.spec, plan_input.fixed
+    eight = Cluster(8, 8, GPUS["h100"])
+    result = search(spec, eight, global_batch_size=512, fixed=fixed, top=3)
+    assert (result.candidates, result.fitting) == ([], 0)
+    assert format_table(result, eight, []).splitlines()[-4:-2] == [
+        "nothing fits, for example:",
+        (
+            "  DP8 1f1b mbs 1 m 64 optim_grads_params/microbatch: parameters, gradients and optimizer state "
+            "alone 158.7 GB > 72.0 GB"
+        ),
+    ]
+    cluster = Cluster(32, 8, GPUS["h100"])
+    best = search(spec, cluster, global_batch_size=512, fixed=fixed, top=3).candidates[0]
+    assert (best.cand.split(), best.cand.sharding_label(), best.cand.recompute) == (
+        "CP4xDP8", "optim_grads_params/microbatch", "full")  # fmt: skip
+    assert round(best.peak.peak / 1e9, 1) == 71.4
+    for strategy in ("optim", "optim_grads"):
+        pinned = search(spec, cluster, global_batch_size=512, fixed={**fixed, "dp_sharding": strategy}, top=3)
+        assert pinned.fitting == 0, strategy

@@ -63,7 +63,7 @@ def test_dry_run_matches_the_memory_model_on_every_rank(extra, fields):
     base = [f for f in TINY if f != "--bf16"] if "--fp16" in extra else TINY
     plan_input = read_input(base + extra)
     spec = plan_input.spec
-    cand = Candidate(**fields, micro_batch_size=2, num_microbatches=2, distributed_optimizer=True)
+    cand = Candidate(**fields, micro_batch_size=2, num_microbatches=2, dp_sharding="optim")
     cand = replace(cand, layout=even_layout(spec.num_layers, 2).to_string())
     planned = Planned(cand, candidate_memory(spec, cand, device="cpu"), 0.0)
     rows = compare(planned, plan_input, forward_step, ranks=[0, 1])

@@ -291,16 +291,6 @@ def test_fsdp_dtensor_is_accepted_and_the_start_says_trident_writes_its_own_form
     ]
 
 
-def test_the_planner_refuses_the_strategies_it_does_not_model():
-    from planner.inputs import read_input
-
-    with pytest.raises(ValueError) as error:
-        read_input(["--use-megatron-fsdp", "--global-batch-size", "8"], preset="llama3-8b")
-    assert str(error.value).startswith(
-        "the planner does not model --use-megatron-fsdp's sharding strategies yet"
-    )
-
-
 def test_the_planner_refuses_distributed_optimizer_instances():
     from planner.inputs import read_input
 
