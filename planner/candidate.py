@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cached_property, lru_cache
 
+from core.distributed.distributed_data_parallel_config import (
+    SHARDING_STRATEGIES,
+    ZERO_STRATEGIES,
+    resolve_sharding_scope,
+)
 from core.pipeline_parallel.layout import PipelineLayout, parse_layout
 from core.pipeline_parallel.schedule_rules import DEFAULT_SCHEDULE, ScheduleRule, schedule_rule
 
@@ -17,11 +22,11 @@ __all__ = ["DP_SHARDING", "RECOMPUTE", "ZERO_SHARDING", "Candidate"]
 RECOMPUTE = ("none", "selective", "full")
 """Activation recomputation: none; the attention core (Megatron's selective); every layer (full,
 uniform, one layer per checkpoint)."""
-DP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+DP_SHARDING = SHARDING_STRATEGIES
 """``--data-parallel-sharding-strategy``, in the order the search tries them: each shards more (nothing;
 the optimizer state, ZeRO-1, ``--use-distributed-optimizer``; and the gradients, ZeRO-2; and the
 parameters, ZeRO-3) and, where its buckets are whole only in use, moves more."""
-ZERO_SHARDING = DP_SHARDING[2:]
+ZERO_SHARDING = ZERO_STRATEGIES
 """The strategies whose buckets are whole only while in use (``--data-parallel-sharding-scope``)."""
 
 
@@ -59,10 +64,7 @@ class Candidate:
         """ZeRO-2/3 as ``(strategy, scope)``, ``auto`` resolved (the memory model's ``sharding``), else None."""
         if self.dp_sharding not in ZERO_SHARDING:
             return None
-        scope = self.dp_sharding_scope
-        if scope == "auto":
-            scope = "step" if self.pp > 1 else "microbatch"
-        return self.dp_sharding, scope
+        return self.dp_sharding, resolve_sharding_scope(self.dp_sharding_scope, self.pp)
 
     def sharding_label(self) -> str:
         """The report's column: ``no_shard``, ``optim``, ``optim_grads_params/microbatch``."""

@@ -15,6 +15,16 @@ OuterShardingStrategy = Literal["no_shard", "optim"]
 ShardingScope = Literal["auto", "step", "microbatch"]
 SHARDING_SCOPES: tuple[str, ...] = ("auto", "step", "microbatch")
 """How long ZeRO-2/3's sharded units live whole (see ``data_parallel_sharding_scope``)."""
+ZERO_STRATEGIES: tuple[str, ...] = SHARDING_STRATEGIES[2:]
+"""The strategies whose buckets are whole only while in use (ZeRO-2 and ZeRO-3): they have a scope."""
+
+
+def resolve_sharding_scope(scope: str, pipeline_stages: int) -> str:
+    """``auto`` is ``step`` under pipelining (the chunk gathered once and reduced once a step) and
+    ``microbatch`` without it (Megatron-FSDP's behaviour, the least memory); ``step`` and ``microbatch`` stay."""
+    if scope == "auto":
+        return "step" if pipeline_stages > 1 else "microbatch"
+    return scope
 
 
 @dataclass(kw_only=True)
@@ -157,10 +167,7 @@ class DistributedDataParallelConfig:
         (``auto`` resolved), None for the strategies that keep every bucket whole."""
         if not self.shard_grads:
             return None
-        scope = self.data_parallel_sharding_scope
-        if scope == "auto":
-            return "step" if pipeline_stages > 1 else "microbatch"
-        return scope
+        return resolve_sharding_scope(self.data_parallel_sharding_scope, pipeline_stages)
 
     def _check_instances(self) -> None:
         instances, outer = self.num_distributed_optimizer_instances, self.outer_dp_sharding_strategy
@@ -194,7 +201,7 @@ class DistributedDataParallelConfig:
     @property
     def shard_grads(self) -> bool:
         """Each rank keeps only its shard of the reduced gradients (optim_grads, optim_grads_params)."""
-        return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+        return self.data_parallel_sharding_strategy in ZERO_STRATEGIES
 
     @property
     def shard_params(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from core.distributed.distributed_data_parallel_config import ZERO_STRATEGIES, resolve_sharding_scope
 from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from training.arguments.schema import flag_name as _flag
@@ -82,7 +83,7 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
     )
     _require(
         not (
-            strategy in ("optim_grads", "optim_grads_params")
+            strategy in ZERO_STRATEGIES
             and schedule_rule(args.pipeline_schedule).placement == V
             and not args.untie_embeddings_and_output_weights
         ),
@@ -98,13 +99,13 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
     )
     scope = args.data_parallel_sharding_scope
     _require(
-        scope == "auto" or strategy in ("optim_grads", "optim_grads_params"),
+        scope == "auto" or strategy in ZERO_STRATEGIES,
         f"--data-parallel-sharding-scope {scope} says how long ZeRO-2/3 keep a bucket whole, but the strategy is "
         f"{strategy}, which keeps every bucket whole: give --use-megatron-fsdp --data-parallel-sharding-strategy "
         "optim_grads or optim_grads_params, or drop the scope",
     )
-    if scope == "auto" and strategy in ("optim_grads", "optim_grads_params"):
-        args.data_parallel_sharding_scope = "step" if args.pipeline_model_parallel_size > 1 else "microbatch"
+    if strategy in ZERO_STRATEGIES:
+        args.data_parallel_sharding_scope = resolve_sharding_scope(scope, args.pipeline_model_parallel_size)
     args.data_parallel_sharding_strategy = strategy
     if strategy != "no_shard":
         args.use_distributed_optimizer = True
@@ -154,7 +155,7 @@ def sharding_report(args: argparse.Namespace) -> list[str]:
     """The start report's line on ZeRO-2/3: the strategy, its scope and the collectives per bucket and step
     (none for the strategies that keep every bucket whole)."""
     strategy, scope = args.data_parallel_sharding_strategy, args.data_parallel_sharding_scope
-    if strategy not in ("optim_grads", "optim_grads_params"):
+    if strategy not in ZERO_STRATEGIES:
         return []
     zero3 = strategy == "optim_grads_params"
     m = getattr(args, "num_microbatches", None)
