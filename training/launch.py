@@ -26,7 +26,8 @@ worker environment), with three changes, all about the codes it and its workers 
   SIGQUIT) forwards it to the workers as torchrun does, waits for them (``--shutdown-timeout``, then
   SIGKILL), and exits 128 + the signal's number (143 for SIGTERM) when every worker stopped cleanly:
   with ``--exit-signal-handler`` each has saved a checkpoint at the same iteration, so the same command
-  line resumes losing nothing. If a worker did not (no ``--exit-signal-handler``: the signal ended it),
+  line resumes losing nothing. It does the same when no worker was running (a signal during a
+  rendezvous: before the first start, or between attempts after a failure): the signal lost nothing. If a worker did not (no ``--exit-signal-handler``: the signal ended it),
   the launcher prints torchrun's failure summary and exits 1. torchrun prints a traceback there and
   exits 1 either way.
 
@@ -156,11 +157,15 @@ class TridentAgent(LocalElasticAgent):
         try:
             return super().run(role)
         except SignalException as stop:  # the agent has forwarded the signal and waited for the workers
-            try:
-                workers = super()._monitor_workers(self.get_worker_group(role))
-            except AssertionError:  # no workers were started
-                workers = None
-            raise Signalled(int(stop.sigval), workers) from stop
+            raise Signalled(int(stop.sigval), self._ended_workers(role)) from stop
+
+    def _ended_workers(self, role: str) -> RunResult | None:
+        """How the workers the signal reached ended; None when none was running: before the first start,
+        or between attempts (stopped after a failure, the next ones not yet started by the rendezvous)."""
+        group = self.get_worker_group(role)
+        if group.state in (WorkerState.INIT, WorkerState.STOPPED):
+            return None
+        return super()._monitor_workers(group)
 
 
 def _same_names(source: object, *names: str) -> dict[str, object]:
@@ -258,7 +263,7 @@ def _stopped(script: str, stop: Signalled) -> int:
     """Say how the workers ended after the launcher's signal; the launcher's exit code."""
     code, name = signalled_exit_code(stop), signal.Signals(stop.signum).name
     if stop.workers is None:
-        _say(f"{name}: no workers were running; exit {code}")
+        _say(f"{name}: no workers were running (in a rendezvous, before a start or a restart); exit {code}")
     elif code != EXIT_FAILURE:
         _say(
             f"{name}: every worker stopped cleanly (exit 0; with --exit-signal-handler after saving); exit {code}"

@@ -152,6 +152,42 @@ def test_sigterm_to_trident_run_saves_every_rank_at_one_iteration_and_loses_noth
     assert _files(ckpt, 12) == _files(tmp_path / "straight", 12)  # weights, optimizer, RNG
 
 
+@pytest.mark.slow  # one 2-rank run, a restart's rendezvous stopped by SIGTERM: about 40 s alone
+@pytest.mark.timeout(600)
+def test_sigterm_to_trident_run_between_attempts_exits_143_with_nothing_running(cache, tmp_path):
+    """An elastic trident-run (--nnodes 1:2: a rendezvous waits 10 s for a second node): rank 1 raises at
+    iteration 6 of the first attempt, after iteration 4's checkpoint. The launcher stops the workers and
+    waits in the restart's rendezvous; a SIGTERM there finds no worker running, so the launcher says so
+    and exits 143, as after a clean stop: the signal lost nothing, and no second attempt starts."""
+    ckpt = tmp_path / "ckpt"
+    launcher = [
+        "--nnodes", "1:2",
+        "--max-restarts", "1",
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        "--rdzv-conf", "last_call_timeout=10",
+    ]  # fmt: skip
+    env = _env(cache, fault="exception@forward:6:rank=1:attempt=0")
+    job = Job(2, [*PP2, "--save", str(ckpt)], env=env, launcher=launcher, module=TRIDENT_RUN)
+    try:
+        job.wait_for("failed (exitcode: 1) local_rank", timeout=300)  # the agent saw the failure
+        time.sleep(3)  # stopping workers that already ended takes well under this: now in the rendezvous
+        os.kill(job.proc.pid, signal.SIGTERM)
+        output = job.finish(timeout=120)
+    finally:
+        job.kill()
+    assert job.proc.returncode == EXIT_SIGNALLED + signal.SIGTERM == 143, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("trident-run: ")]
+    stopped_line = (
+        "trident-run: SIGTERM: no workers were running (in a rendezvous, before a start or a restart); "
+        "exit 143"
+    )
+    assert said == [stopped_line], output[-3000:]
+    assert len(re.findall(r"^training \d+ iterations from iteration 0: ", output, re.MULTILINE)) == 1
+    assert "from iteration 4" not in output, output[-3000:]  # the second attempt never started
+    assert _processes_saving_to(ckpt) == [] and _tracker(ckpt) == 4, output[-3000:]
+
+
 def _processes_saving_to(ckpt: Path) -> list[str]:
     found = subprocess.run(["pgrep", "-f", f"--save {ckpt}"], capture_output=True, text=True, check=False)
     return found.stdout.split()
