@@ -17,7 +17,16 @@ import dataclasses
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-__all__ = ["FLAG_METADATA_KEY", "UNSET", "FlagSpec", "flag", "not_a_flag"]
+__all__ = [
+    "FLAG_METADATA_KEY",
+    "UNSET",
+    "FlagSpec",
+    "flag",
+    "flag_default",
+    "flag_spec",
+    "not_a_flag",
+    "option_name",
+]
 
 FLAG_METADATA_KEY = "trident_flag"
 """The key under which a field's :class:`FlagSpec` sits in ``dataclasses.Field.metadata``."""
@@ -80,3 +89,29 @@ def not_a_flag(default: Any = MISSING, *, default_factory: Any = MISSING) -> Any
         default_factory=default_factory,
         metadata={FLAG_METADATA_KEY: FlagSpec(is_flag=False)},
     )
+
+
+def flag_spec(field: dataclasses.Field) -> FlagSpec:
+    """``field``'s command-line metadata (a plain field: every part its default)."""
+    return field.metadata.get(FLAG_METADATA_KEY, FlagSpec())
+
+
+def flag_default(field: dataclasses.Field) -> Any:
+    """The value ``field``'s flag stores when not given: ``cli_default``, else the field's default (None
+    for a field without one)."""
+    spec = flag_spec(field)
+    if spec.cli_default is not UNSET:
+        return spec.cli_default
+    if field.default_factory is not MISSING:
+        return field.default_factory()
+    return None if field.default is MISSING else field.default
+
+
+def option_name(field: dataclasses.Field) -> str:
+    """The flag that sets ``field``: its ``name``, else ``--`` and the field's name with dashes, as
+    ``--no-...`` for a field whose flag defaults to True (the flag stores False)."""
+    spec = flag_spec(field)
+    if spec.name is not None:
+        return spec.name
+    dashed = field.name.replace("_", "-")
+    return f"--no-{dashed}" if flag_default(field) is True else f"--{dashed}"

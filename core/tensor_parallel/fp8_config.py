@@ -8,10 +8,11 @@ construction, before any rank builds a layer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from core.flags import flag
+from core.flags import flag, option_name
 
 Fp8Format = Literal["e4m3", "hybrid"]
 Fp8RecipeName = Literal["tensorwise", "delayed", "blockwise", "mxfp8", "custom"]
@@ -111,15 +112,16 @@ MEGATRON_DEFAULTS = {
 }
 """What a recipe field left None means (Megatron's defaults); None lets a recipe flag given without
 --fp8-format be told apart from one left alone."""
-_RECIPE_FLAGS = {
-    "fp8_recipe": ("--fp8-recipe", None),
-    "fp8_margin": ("--fp8-margin", None),
-    "fp8_amax_history_len": ("--fp8-amax-history-len", None),
-    "fp8_amax_compute_algo": ("--fp8-amax-compute-algo", None),
-    "fp8_wgrad": ("--no-fp8-wgrad", True),
-    "first_last_layers_bf16": ("--first-last-layers-bf16", False),
-    "fp8_param_gather": ("--fp8-param-gather", False),
-}
+_NEED_A_FORMAT = (
+    "fp8_recipe",
+    "fp8_margin",
+    "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
+    "fp8_wgrad",
+    "first_last_layers_bf16",
+    "fp8_param_gather",
+)
+"""The fields that mean nothing without ``fp8``: set away from their defaults, they are refused."""
 
 
 def resolved(config: Fp8Config, name: str):
@@ -131,7 +133,12 @@ def resolved(config: Fp8Config, name: str):
 def fp8_problems(config: Fp8Config) -> list[str]:
     """Every invalid FP8 setting of ``config``, each one line naming the flags and values."""
     if config.fp8 is None:
-        given = [f for name, (f, default) in _RECIPE_FLAGS.items() if getattr(config, name) != default]
+        fields = {field.name: field for field in dataclasses.fields(Fp8Config)}
+        given = [
+            option_name(fields[name])
+            for name in _NEED_A_FORMAT
+            if getattr(config, name) != fields[name].default
+        ]
         if given:
             verb = "needs" if len(given) == 1 else "need"
             return [f"{', '.join(given)} {verb} --fp8-format (e4m3 or hybrid)"]

@@ -86,27 +86,10 @@ class ParallelGPT:
 
 
 def gpt_provider(config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> ModelProvider:
-    """A Megatron-style model provider building ``GPTModel`` chunks of ``config``."""
-
-    def provide(
-        pre_process: bool = True,
-        post_process: bool = True,
-        vp_stage: int | None = None,
-        shared_embedding_weight: nn.Parameter | None = None,
-        pg_collection: ParallelGroups | None = None,
-    ) -> GPTModel:
-        return GPTModel(
-            config,
-            vocab_size,
-            max_sequence_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            vp_stage=vp_stage,
-            shared_embedding_weight=shared_embedding_weight,
-            pg_collection=pg_collection,
-        )
-
-    return provide
+    """A Megatron-style model provider building ``GPTModel`` chunks of ``config``: ``GPTModel`` with the
+    config and sizes bound, its stage keywords (``pre_process``, ``post_process``, ``vp_stage``,
+    ``shared_embedding_weight``, ``pg_collection``) left to each call."""
+    return functools.partial(GPTModel, config, vocab_size, max_sequence_length)
 
 
 def _build_modules(

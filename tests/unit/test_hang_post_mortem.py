@@ -12,6 +12,7 @@ import contextlib
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
@@ -212,36 +213,54 @@ def test_the_summary_follows_the_waits_to_the_rank_that_holds_everyone_up():
     )
 
 
-def test_the_summary_names_every_action_awaited_from_the_holding_rank_circles_and_no_wait():
-    beats = {
-        0: _beat(7, (2, "backward of microbatch 1, chunk 0")),
-        1: _beat(7),
-        2: _beat(7),
-        3: _beat(7, (2, "forward of microbatch 4, chunk 0")),
-    }
-    assert summarize_waits(beats, silent=[2]) == (
-        "ranks 0,3 wait on rank 2's backward of microbatch 1, chunk 0 and forward of microbatch 4, chunk 0 at "
-        "iteration 7 (rank 1 waits for no pipeline message)"
-    )
-    apart = {
-        0: _beat(4, (2, "backward of microbatch 1, chunk 0")),
-        1: _beat(5, (2, "forward of microbatch 0, chunk 0")),
-    }
-    assert summarize_waits(apart) == (
-        "ranks 0,1 wait on rank 2's backward of microbatch 1, chunk 0 at iteration 4 and forward of microbatch 0, "
-        "chunk 0 at iteration 5"
-    )
-    circle = {
-        0: _beat(2, (1, "forward of microbatch 0, chunk 0")),
-        1: _beat(2, (0, "backward of microbatch 0, chunk 0")),
-    }
-    assert summarize_waits(circle) == (
-        "ranks 0,1 wait on each other in a circle (rank 0 on rank 1's forward of microbatch 0, chunk 0 at "
-        "iteration 2, rank 1 on rank 0's backward of microbatch 0, chunk 0 at iteration 2)"
-    )
-    assert summarize_waits({0: _beat(2), 1: _beat(2)}) == (
-        "no rank waits for a pipeline message (each rank's flight recorder lists its collectives)"
-    )
+WAITS = {  # case: (each rank's last beat, the silent ranks, the summary)
+    "two actions awaited from the holding rank": (
+        {
+            0: _beat(7, (2, "backward of microbatch 1, chunk 0")),
+            1: _beat(7),
+            2: _beat(7),
+            3: _beat(7, (2, "forward of microbatch 4, chunk 0")),
+        },
+        [2],
+        (
+            "ranks 0,3 wait on rank 2's backward of microbatch 1, chunk 0 and forward of microbatch 4, "
+            "chunk 0 at iteration 7 (rank 1 waits for no pipeline message)"
+        ),
+    ),
+    "the same rank awaited at two iterations": (
+        {
+            0: _beat(4, (2, "backward of microbatch 1, chunk 0")),
+            1: _beat(5, (2, "forward of microbatch 0, chunk 0")),
+        },
+        [],
+        (
+            "ranks 0,1 wait on rank 2's backward of microbatch 1, chunk 0 at iteration 4 and forward of "
+            "microbatch 0, chunk 0 at iteration 5"
+        ),
+    ),
+    "a circle": (
+        {
+            0: _beat(2, (1, "forward of microbatch 0, chunk 0")),
+            1: _beat(2, (0, "backward of microbatch 0, chunk 0")),
+        },
+        [],
+        (
+            "ranks 0,1 wait on each other in a circle (rank 0 on rank 1's forward of microbatch 0, chunk 0 "
+            "at iteration 2, rank 1 on rank 0's backward of microbatch 0, chunk 0 at iteration 2)"
+        ),
+    ),
+    "no wait": (
+        {0: _beat(2), 1: _beat(2)},
+        [],
+        "no rank waits for a pipeline message (each rank's flight recorder lists its collectives)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WAITS))
+def test_the_summary_names_every_action_awaited_from_the_holding_rank_circles_and_no_wait(case):
+    beats, silent, summary = WAITS[case]
+    assert summarize_waits(beats, silent=silent) == summary
 
 
 def test_a_heartbeat_without_a_wait_reads_back():

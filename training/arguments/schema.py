@@ -60,11 +60,11 @@ import sys
 import textwrap
 import types
 import typing
-from dataclasses import MISSING, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from core.flags import FLAG_METADATA_KEY, UNSET, FlagSpec
+from core.flags import FLAG_METADATA_KEY, flag_default, flag_spec, option_name
 from core.model_parallel_config import ModelParallelConfig
 from core.optimizer.optimizer import OptimizerConfig
 from core.transformer.transformer_config import TransformerConfig
@@ -207,7 +207,7 @@ def _command_line_type(tp: Any) -> tuple[type, tuple | None, str | None] | None:
 
 
 def _flag(cls: type, group: str, field: dataclasses.Field, doc: str | None) -> Flag | None:
-    spec: FlagSpec = field.metadata.get(FLAG_METADATA_KEY, FlagSpec())
+    spec = flag_spec(field)
     if not spec.is_flag or not field.init:
         return None
     where = f"{cls.__name__}.{field.name}"
@@ -217,21 +217,13 @@ def _flag(cls: type, group: str, field: dataclasses.Field, doc: str | None) -> F
             raise TypeError(f"{where}: its type {field.type!r} cannot be given on a command line")
         return None
     kind, choices, nargs = cli_type
-    if spec.cli_default is not UNSET:
-        default = spec.cli_default
-    elif field.default_factory is not MISSING:
-        default = field.default_factory()
-    else:
-        default = None if field.default is MISSING else field.default
-    name = spec.name or "--" + field.name.replace("_", "-")
-    if kind is bool and default is True and spec.name is None:
-        name = "--no-" + field.name.replace("_", "-")
+    default = flag_default(field)
     # A flag that stores False needs help= saying what the flag does (the docstring says what the
     # field does); test_every_shown_flag_has_help_text holds both to account.
     help_text = spec.help if spec.help or (kind is bool and default is True) else doc
     return Flag(
         dest=field.name,
-        options=(name, *spec.aliases),
+        options=(option_name(field), *spec.aliases),
         kind=kind,
         default=default,
         choices=choices,
