@@ -253,10 +253,12 @@ def _slowest_median(fn, repeats: int) -> float:
     return mine.item()
 
 
-def _timed_sizes(kind: str, dtype: torch.dtype, group, size: int, stretch, compute: float, repeats: int):
+def _timed_sizes(
+    kind: str, dtype: torch.dtype, group, size: int, stretch, compute: float, repeats: int, dp_bytes: int
+):
     """``(bytes, seconds)`` of a ``kind`` round beyond its ``compute``, at each of :data:`GROUP_BYTES` (and
-    :data:`DP_BYTES` for a collective, at half the repeats), every group at once; monotone in size."""
-    sizes = GROUP_BYTES + ((DP_BYTES,) if kind in DP_KINDS else ())
+    ``dp_bytes`` for a collective, at half the repeats), every group at once; monotone in size."""
+    sizes = GROUP_BYTES + ((dp_bytes,) if kind in DP_KINDS else ())
     seconds = []
     for nbytes in sizes:
         rounds = _group_round(kind, nbytes, dtype, group, size, stretch)
@@ -289,12 +291,12 @@ def _behind(rank: int, dtype: torch.dtype, group, size: int, stretch, compute: f
 
 
 def time_group_collectives(
-    rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 6
+    rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 6, dp_bytes: int = DP_BYTES
 ) -> dict:
     """{(kind, group size): ((bytes, seconds), ...)}: every group at once, a stretch of ``units``
     matrix multiplies (about a millisecond alone: the compute between a layer's collectives) then one
     collective, less the stretch alone with every rank busy (module docstring); per size below the
-    world also :data:`BEHIND_KIND`."""
+    world also :data:`BEHIND_KIND`; the collectives also at ``dp_bytes`` (:data:`DP_BYTES`)."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     def stretch() -> None:
@@ -309,7 +311,7 @@ def time_group_collectives(
         groups = [dist.new_group(members) for members in blocks]
         group = groups[rank // size]
         for kind in GROUP_KINDS:
-            found[kind, size] = _timed_sizes(kind, dtype, group, size, stretch, compute, repeats)
+            found[kind, size] = _timed_sizes(kind, dtype, group, size, stretch, compute, repeats, dp_bytes)
         if size < world:
             lockstep = found["ring_exchange", size]
             found[BEHIND_KIND, size] = _behind(

@@ -114,7 +114,7 @@ def test_context_parallel_attention_matches_full_attention(ranks):
 
 
 def _time_group_collectives(rank, world_size):
-    return time_group_collectives(rank, world_size, torch.float32, units=1, repeats=2)
+    return time_group_collectives(rank, world_size, torch.float32, units=1, repeats=2, dp_bytes=1 << 20)
 
 
 def test_calibration_times_ring_attentions_exchange_behind_ranks_out_of_step(ranks):
