@@ -24,7 +24,10 @@ shows. Here as many real ranks as the plan has (one thread each, as under ``torc
   of compute with every rank busy is the collective's seconds (``HostCosts.collectives``; a larger
   tensor is never cheaper: each size keeps the least of its own and the larger sizes' seconds). On
   ranks sharing cores that is milliseconds: each collective waits until every rank of its group
-  holds a core, which a ring formula over one latency does not see;
+  holds a core, which a ring formula over one latency does not see. The collectives are also timed at
+  a data-parallel bucket's size (:data:`DP_BYTES`), which the gradient reduction and the parameter
+  gather then cost; and ring attention's exchange in one group while the other ranks compute out of
+  step, as other pipeline stages do (:data:`BEHIND_KIND`);
 * **the optimizer step**: every rank at once (as in a step) runs the step's tail on fp32 main
   parameters: the gradient norm, fused (else foreach) AdamW, the main copy written back to the
   16-bit parameters and the gradient buffer zeroed, once over many small tensors and once over a few
@@ -61,6 +64,8 @@ from planner.hardware import HostCosts
 from planner.shared_cores import time_shared
 
 __all__ = [
+    "BEHIND_KIND",
+    "DP_BYTES",
     "GROUP_BYTES",
     "GROUP_KINDS",
     "HostMeasurement",
@@ -87,6 +92,16 @@ the block's compute and waited after it: ``RingExchange``) (``HostCosts.collecti
 GROUP_BYTES = (4 << 10, 256 << 10, 4 << 20)
 """Bytes of the whole (gathered) tensor the group collectives are timed at: a loss's per-token values,
 a layer's activations at a few thousand tokens, and a large microbatch's."""
+DP_BYTES = 16 << 20
+"""One more size, for the collectives only (not ring attention's exchange), timed with fewer repeats: a
+data-parallel gradient bucket's (a few layers' fp32 gradients), where the three smaller sizes' line would
+otherwise be stretched tenfold."""
+DP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+"""The collectives data parallelism runs (gradient reduction, parameter gather); a layer's TP ones too."""
+BEHIND_KIND = "ring_exchange_behind"
+"""``HostCosts.collectives``' key for ring attention's exchange in the first group while every other rank
+computes on without rounds (as the other pipeline stages do under PP): the exchange waits for a partner
+that other work keeps off the cores, which the lockstep timing (every group at once) does not see."""
 OPTIMIZER_CASES = ((256, 1024), (2, 1 << 22))
 """(tensors, elements each) the optimizer step is timed on: many small tensors, then a few large ones
 (2 x 2^22 elements: 128 MiB of parameters, gradients and moments, beyond the caches, as a real rank's)."""
@@ -218,16 +233,16 @@ def _group_round(kind: str, nbytes: int, dtype: torch.dtype, group, size: int, s
     return lambda: (stretch(), op())
 
 
-def _group_op(kind: str, nbytes: int, dtype: torch.dtype, group, size: int):
+def _group_op(kind: str, nbytes: int, dtype: torch.dtype, group, size: int, async_op: bool = False):
     """One ``kind`` collective of an ``nbytes`` tensor (whole, gathered) in ``group``, ready to call."""
     element = torch.tensor([], dtype=dtype).element_size()
     whole = torch.ones(max(size, nbytes // element // size * size), dtype=dtype)
     shard = torch.ones(whole.numel() // size, dtype=dtype)
     if kind == "all_gather":
-        return lambda: all_gather_single(whole, shard, group=group)
+        return lambda: all_gather_single(whole, shard, group=group, async_op=async_op)
     if kind == "reduce_scatter":
-        return lambda: reduce_scatter_single(shard, whole, group=group)
-    return lambda: dist.all_reduce(whole, group=group)
+        return lambda: reduce_scatter_single(shard, whole, group=group, async_op=async_op)
+    return lambda: dist.all_reduce(whole, group=group, async_op=async_op)
 
 
 def _slowest_median(fn, repeats: int) -> float:
@@ -238,12 +253,50 @@ def _slowest_median(fn, repeats: int) -> float:
     return mine.item()
 
 
+def _timed_sizes(
+    kind: str, dtype: torch.dtype, group, size: int, stretch, compute: float, repeats: int, dp_bytes: int
+):
+    """``(bytes, seconds)`` of a ``kind`` round beyond its ``compute``, at each of :data:`GROUP_BYTES` (and
+    ``dp_bytes`` for a collective, at half the repeats), every group at once; monotone in size."""
+    sizes = GROUP_BYTES + ((dp_bytes,) if kind in DP_KINDS else ())
+    seconds = []
+    for nbytes in sizes:
+        rounds = _group_round(kind, nbytes, dtype, group, size, stretch)
+        rounds()
+        times = repeats if nbytes in GROUP_BYTES else max(2, repeats // 2)
+        seconds.append(max(0.0, _slowest_median(rounds, times) - compute))
+    return monotone(sizes, seconds)
+
+
+def _behind(rank: int, dtype: torch.dtype, group, size: int, stretch, compute: float, repeats: int, lockstep):
+    """Ring attention's exchange (``ring_exchange``) in the first group of ``size`` ranks while every other
+    rank computes on, out of step, for three times what the lockstep rounds (``lockstep``: their seconds
+    beyond the compute) would take: ``(bytes, seconds)`` beyond ``compute`` at each of :data:`GROUP_BYTES`."""
+    inside = rank < size
+    window = 3 * (repeats + 1) * sum(t + compute for _, t in lockstep)
+    dist.barrier()
+    seconds = []
+    if not inside:
+        deadline = time.perf_counter() + window
+        while time.perf_counter() < deadline:
+            stretch()
+    for nbytes in GROUP_BYTES:
+        if inside:
+            rounds = _group_round("ring_exchange", nbytes, dtype, group, size, stretch)
+            rounds()
+            seconds.append(_median_seconds(rounds, repeats))
+    mine = torch.tensor(seconds if inside else [0.0] * len(GROUP_BYTES))
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return monotone(GROUP_BYTES, [max(0.0, t - compute) for t in mine.tolist()])
+
+
 def time_group_collectives(
-    rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 6
+    rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 6, dp_bytes: int = DP_BYTES
 ) -> dict:
     """{(kind, group size): ((bytes, seconds), ...)}: every group at once, a stretch of ``units``
     matrix multiplies (about a millisecond alone: the compute between a layer's collectives) then one
-    collective, less the stretch alone with every rank busy (module docstring)."""
+    collective, less the stretch alone with every rank busy (module docstring); per size below the
+    world also :data:`BEHIND_KIND`; the collectives also at ``dp_bytes`` (:data:`DP_BYTES`)."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     def stretch() -> None:
@@ -256,13 +309,14 @@ def time_group_collectives(
     for size in group_sizes(world):
         blocks = [list(range(start, start + size)) for start in range(0, world, size)]
         groups = [dist.new_group(members) for members in blocks]
+        group = groups[rank // size]
         for kind in GROUP_KINDS:
-            seconds = []
-            for nbytes in GROUP_BYTES:
-                rounds = _group_round(kind, nbytes, dtype, groups[rank // size], size, stretch)
-                rounds()
-                seconds.append(max(0.0, _slowest_median(rounds, repeats) - compute))
-            found[kind, size] = monotone(GROUP_BYTES, seconds)
+            found[kind, size] = _timed_sizes(kind, dtype, group, size, stretch, compute, repeats, dp_bytes)
+        if size < world:
+            lockstep = found["ring_exchange", size]
+            found[BEHIND_KIND, size] = _behind(
+                rank, dtype, groups[0], size, stretch, compute, repeats, lockstep
+            )
     return found
 
 

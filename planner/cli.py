@@ -131,15 +131,17 @@ def describe_cluster(cluster: Cluster, spec: ModelSpec) -> list[str]:
 
 
 def _collectives_text(host) -> str:
-    """``; TP and CP collectives (all busy): 4 ranks all_gather 1.2 / 3.4 / 9 ms, ...`` at the measured sizes."""
+    """``; TP, CP and DP collectives with all 4 ranks busy, ms at 4 / 256 / 4096 KiB: 4 ranks all_gather
+    1.2 / 3.4 / 9, ...``: each kind at the sizes it was measured at (the largest list in the heading)."""
     if not host.collectives:
         return ""
-    sizes = " / ".join(f"{b / 1024:g}" for b, _ in host.collectives[0][1])
+    sizes = max((tuple(b for b, _ in points) for _, points in host.collectives), key=len)
     groups = ", ".join(
         f"{size} ranks {kind} " + " / ".join(f"{t * 1e3:.2g}" for _, t in points)
         for (kind, size), points in host.collectives
     )
-    return f"; TP and CP collectives at {sizes} KiB with all {host.collectives_world} ranks busy: {groups} ms"
+    heading = " / ".join(f"{b / 1024:g}" for b in sizes)
+    return f"; TP, CP and DP collectives with all {host.collectives_world} ranks busy, ms at {heading} KiB: {groups}"
 
 
 def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:

@@ -35,7 +35,9 @@ a node or across nodes, from where its ranks sit in Megatron's ``tp-cp-ep-dp-pp`
 * pipeline: one ``[s / cp (/ tp), b, h]`` message per boundary per microbatch, at the measured
   point-to-point latency and bandwidth where there are (``Cluster.host``);
 * data parallelism: the gradient all-reduce (reduce-scatter plus parameter all-gather with the
-  distributed optimizer) of each chunk, launched at its last backward (``--overlap-grad-reduce``).
+  distributed optimizer) of each chunk, launched at its last backward (``--overlap-grad-reduce``),
+  each bucket at the measured seconds of its collective where ``--profile-local`` measured them, and
+  on CPU ranks sharing cores added to the step rather than hidden (:attr:`StageCostModel.dp_overlaps`).
   ZeRO-2/3's buckets follow the layers, so each collective pays the ring's latency once per bucket;
   at step scope they move what ZeRO-1 moves, at microbatch scope each microbatch's backward
   reduce-scatters its chunk's gradients and under ZeRO-3 each forward and backward all-gathers its
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE
 from planner.activations import Shape, stage_activations
+from planner.calibrate import BEHIND_KIND
 from planner.candidate import Candidate
 from planner.hardware import Cluster, Interconnect
 from planner.model_spec import ModelSpec
@@ -295,9 +298,13 @@ class StageCostModel:
     def _measured_exchange(self, nbytes: float) -> float | None:
         """Seconds one step of ring attention's exchange of ``nbytes`` adds in this candidate's
         context-parallel group, as measured (wall seconds among every rank's compute, brought to seconds
-        of work as :meth:`group_seconds` does); None where unmeasured."""
-        host = self.cluster.host
-        measured = host.collective_seconds("ring_exchange", self.cand.cp, nbytes)
+        of work as :meth:`group_seconds` does); None where unmeasured. Under pipelining the timing with
+        the other ranks computing out of step (``BEHIND_KIND``: the other stages do not exchange in step
+        with this group, and keep its partner off the cores), where measured."""
+        host, cp = self.cluster.host, self.cand.cp
+        measured = host.collective_seconds(BEHIND_KIND, cp, nbytes) if self.cand.pp > 1 else None
+        if measured is None:
+            measured = host.collective_seconds("ring_exchange", cp, nbytes)
         if measured is None:
             return None
         busy = host.slowdown_at(host.collectives_world, self.cluster.cores) if self.cluster.cores else 1.0
@@ -435,27 +442,42 @@ class StageCostModel:
         message = s.bytes_per_value * self.shape.sharded_seq * self.cand.micro_batch_size * s.hidden_size
         return self._message(message, self.pp_link)
 
-    def dp_collective_seconds(self, nbytes: float, buckets: int = 1) -> float:
-        """One reduce-scatter or all-gather over the data-parallel (x context-parallel) group of
-        ``buckets`` buckets holding ``nbytes`` in all: the ring's transfer, and its ``size - 1`` steps'
-        latency per bucket."""
+    def dp_collective_seconds(self, nbytes: float, buckets: int = 1, kind: str = "reduce_scatter") -> float:
+        """One ``kind`` collective (``reduce_scatter``, ``all_gather``, ``all_reduce``) over the
+        data-parallel (x context-parallel) group of ``buckets`` buckets holding ``nbytes`` in all: where
+        the host measured that collective at the group's size (``HostCosts.collectives``, every group
+        at once among compute) each bucket costs the measured wall seconds of its share (the
+        data-parallel channel runs in wall seconds, outside the shared-core timing: not divided by the
+        load); else the ring's transfer and its ``size - 1`` steps' latency per bucket."""
         size = self.cand.dp * self.cand.cp
         if size <= 1:
             return 0.0
-        return self.dp_link.ring(size, nbytes) + (buckets - 1) * (size - 1) * self.dp_link.latency
+        measured = self.cluster.host.collective_seconds(kind, size, nbytes / buckets)
+        if measured is not None:
+            return buckets * measured
+        ring = self.dp_link.ring(size, nbytes, all_reduce=kind == "all_reduce")
+        return ring + (buckets - 1) * (size - 1) * self.dp_link.latency
+
+    @property
+    def dp_overlaps(self) -> bool:
+        """Whether data-parallel traffic runs beside the compute (``--overlap-grad-reduce``,
+        ``--overlap-param-gather``): on a GPU it does (its own streams). On CPU ranks sharing cores
+        (``Cluster.cores``) gloo's collectives need the cores the compute holds, so each adds its seconds
+        to the rank's step: ``tools/bench/dp.py`` at DP2 measured ZeRO-2's three extra reduce-scatters
+        a step and ZeRO-3's eight gathers, all launched beside compute, as exposed in full."""
+        return not self.cluster.cores
 
     def grad_sync_seconds(self, grad_bytes: float, buckets: int = 1) -> float:
         """A rank's data-parallel gradient reduction of ``grad_bytes``: an all-reduce, or with the
         distributed optimizer a reduce-scatter (per bucket under ZeRO-2/3: buckets follow the layers)."""
-        if self.cand.distributed_optimizer:
-            return self.dp_collective_seconds(grad_bytes, buckets)
-        return self.dp_link.ring(self.cand.dp * self.cand.cp, grad_bytes, all_reduce=True)
+        kind = "reduce_scatter" if self.cand.distributed_optimizer else "all_reduce"
+        return self.dp_collective_seconds(grad_bytes, buckets, kind)
 
     def param_gather_seconds(self, param_bytes: float, buckets: int = 1) -> float:
         """The distributed optimizer's all-gather of the updated parameters (``param_bytes``)."""
         if not self.cand.distributed_optimizer:
             return 0.0
-        return self.dp_collective_seconds(param_bytes, buckets)
+        return self.dp_collective_seconds(param_bytes, buckets, "all_gather")
 
     def optimizer_seconds(self, stepped_elements: float, stepped_tensors: float = 0.0) -> float:
         """Adam over this rank's elements: measured per element and per tensor where the host was

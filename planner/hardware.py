@@ -110,10 +110,12 @@ class HostCosts:
     """``slowdown[k - 1]``: how much longer an action takes while ``k`` of the node's ranks compute than
     alone (ranks sharing cores); empty: ideal sharing of ``Cluster.cores``."""
     collectives: tuple = ()
-    """``((kind, group size), ((bytes, seconds), ...))`` pairs: a layer's collective (``all_gather``,
-    ``reduce_scatter``, ``all_reduce``) of a whole tensor of ``bytes`` in a group of that
-    size, every group of ``collectives_world`` ranks at once among their compute (wall seconds while
-    they all compute); empty: the ring formulas over the link's latency and bandwidth."""
+    """``((kind, group size), ((bytes, seconds), ...))`` pairs: a layer's or data parallelism's
+    collective (``all_gather``, ``reduce_scatter``, ``all_reduce``) of a whole tensor of ``bytes``, or
+    ring attention's exchange (``ring_exchange``), in a group of that size, every group of
+    ``collectives_world`` ranks at once among their compute (wall seconds while they all compute); and
+    ``ring_exchange_behind``, the exchange in one group while the other ranks compute out of step (as
+    other pipeline stages do); empty: the ring formulas over the link's latency and bandwidth."""
     collectives_world: int = 0
     """The ranks that measured ``collectives``, all busy."""
 

@@ -282,12 +282,14 @@ def _rank_ends(spec, cand, model, costs, timer_tables, result: Timing) -> list[_
         if per_microbatch:
             comm_end, exposed = _microbatch_traffic(spec, cand, model, rank, table, result)
             gather = gather if cand.zero[0] == "optim_grads" else 0.0  # ZeRO-3 gathers before each use
-        else:
+        elif model.dp_overlaps:
             per_chunk = sync / max(1, len(last_backward))
             comm_end, exposed = 0.0, 0.0
             for launch in sorted(last_backward.values()):
                 comm_end = max(comm_end, launch) + per_chunk
-        first_forward = costs[rank, 0].forward
+        else:  # on shared cores the reduction runs after the compute, not beside it
+            comm_end, exposed = compute_end + sync, 0.0
+        first_forward = costs[rank, 0].forward if model.dp_overlaps else 0.0
         tail = max(compute_end, comm_end) + exposed + max(0.0, gather - first_forward)
         out.append(_RankEnd(compute_end, tail, opt))
     return out
@@ -299,7 +301,9 @@ def _microbatch_traffic(spec, cand: Candidate, model: StageCostModel, rank: int,
     of its chunk's whole gradient buckets, launched as the action starts and over no sooner than one
     bucket's share after it ends (the last layer's), and under ZeRO-3 each forward's and backward's
     (B, or I) all-gather of its chunk's parameters, launched as the action starts (each layer prefetches
-    the next); the first bucket of each such gather is waited for before the action can start."""
+    the next); the first bucket of each such gather is waited for before the action can start. Where
+    the traffic does not run beside the compute (``StageCostModel.dp_overlaps``: ranks sharing cores)
+    every job's seconds are added to the rank's step."""
     grad_bytes = 2 if spec.precision == "fp16" else 4
     zero3 = cand.zero[0] == "optim_grads_params"
     jobs, exposed = [], 0.0
@@ -308,12 +312,14 @@ def _microbatch_traffic(spec, cand: Candidate, model: StageCostModel, rank: int,
     for i, action in enumerate(table):
         elements, n = buckets[action.chunk]
         if zero3 and action.kind in (F, B, I):
-            gather = model.dp_collective_seconds(elements * spec.bytes_per_value, n)
+            gather = model.dp_collective_seconds(elements * spec.bytes_per_value, n, "all_gather")
             jobs.append((starts[i], gather, 0.0))
             exposed += gather / n
         if action.kind in (B, W):
             reduce = model.dp_collective_seconds(elements * grad_bytes, n)
             jobs.append((starts[i], reduce, ends[i] + reduce / n))
+    if not model.dp_overlaps:
+        return 0.0, sum(seconds for _, seconds, _ in jobs)
     comm_end = 0.0
     for launch, seconds, not_before in sorted(jobs):
         comm_end = max(comm_end, launch, not_before - seconds) + seconds

@@ -17,6 +17,7 @@ import torch
 
 from core.transformer.context_parallel import block_attention as blocks
 from core.transformer.context_parallel import get_batch_on_this_cp_rank, slice_sequence
+from planner.calibrate import BEHIND_KIND, GROUP_BYTES, GROUP_KINDS, time_group_collectives
 from tests.support.configs import full_recompute
 from tests.support.context_parallel import TOL, rel
 from tests.support.sgd_model import parallelize_with_sgd
@@ -110,6 +111,26 @@ def test_context_parallel_attention_matches_full_attention(ranks):
     results = ranks(4).run(_cp_attention_rank, CASES, timeout=60)
     for case, *per_rank in zip(CASES, *results):
         assert max(per_rank) <= TOL, f"{case}: relative differences per rank {per_rank}"
+
+
+def _time_group_collectives(rank, world_size):
+    return time_group_collectives(rank, world_size, torch.float32, units=1, repeats=2, dp_bytes=1 << 20)
+
+
+def test_calibration_times_ring_attentions_exchange_behind_ranks_out_of_step(ranks):
+    """``--profile-local`` on 4 real gloo ranks: every kind in groups of 2 and of 4 (every group at
+    once), and ring attention's exchange in the first group of 2 while the other two ranks compute out
+    of step (``ring_exchange_behind``, what CP under pipelining pays) at each size of ``GROUP_BYTES``:
+    never negative, never less than a smaller size's, the same figures on every rank. A group of all 4
+    has no rank outside it: no such timing."""
+    found = ranks(4).run(_time_group_collectives, timeout=120)
+    assert all(f == found[0] for f in found)
+    expected = [(kind, size) for kind in GROUP_KINDS for size in (2, 4)] + [(BEHIND_KIND, 2)]
+    assert sorted(found[0]) == sorted(expected)
+    points = found[0][BEHIND_KIND, 2]
+    assert [size for size, _ in points] == list(GROUP_BYTES)
+    seconds = [t for _, t in points]
+    assert min(seconds) >= 0 and seconds == sorted(seconds)
 
 
 # --------------------------------------------------------------------------------------------------

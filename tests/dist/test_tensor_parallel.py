@@ -36,7 +36,7 @@ from core.tensor_parallel import (
 )
 from core.tensor_parallel.fp8 import Fp8Recipe, update_fp8_scales
 from core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
-from planner.calibrate import GROUP_BYTES, GROUP_KINDS, time_group_collectives
+from planner.calibrate import DP_KINDS, GROUP_BYTES, GROUP_KINDS, time_group_collectives
 from tests.support.tensor_parallel import close
 
 TP = 2
@@ -595,18 +595,20 @@ def test_shard_of_and_gather_full_round_trip(ranks):
 
 
 def _time_group_collectives(rank, world_size):
-    return time_group_collectives(rank, world_size, torch.float32, units=1, repeats=2)
+    return time_group_collectives(rank, world_size, torch.float32, units=1, repeats=2, dp_bytes=1 << 20)
 
 
 def test_calibration_times_each_tp_collective_at_each_size(ranks):
-    """``--profile-local``'s TP collectives and ring attention's exchange (``planner/calibrate.py``)
-    on real gloo ranks: every kind at group size 2 and each size of ``GROUP_BYTES``; seconds never
+    """``--profile-local``'s TP and DP collectives and ring attention's exchange
+    (``planner/calibrate.py``) on real gloo ranks: every kind at group size 2 and each size of
+    ``GROUP_BYTES``, the collectives also at a data-parallel bucket's size (``DP_BYTES``, here 1 MiB to
+    keep the test cheap); seconds never
     negative, never less than a smaller size's; every rank returns the same figures (the slowest rank's
-    medians)."""
+    medians). Two ranks: no other rank to compute out of step, so no ``ring_exchange_behind``."""
     found = ranks(TP).run(_time_group_collectives)
     assert found[0] == found[1] and ("ring_exchange", 2) in found[0]
     assert sorted(found[0]) == [(kind, 2) for kind in sorted(GROUP_KINDS)]
-    for points in found[0].values():
-        assert [size for size, _ in points] == list(GROUP_BYTES)
+    for (kind, _), points in found[0].items():
+        assert [size for size, _ in points] == list(GROUP_BYTES) + ([1 << 20] if kind in DP_KINDS else [])
         seconds = [t for _, t in points]
         assert min(seconds) >= 0 and seconds == sorted(seconds)

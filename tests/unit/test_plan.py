@@ -23,7 +23,7 @@ from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.activations import Shape, stage_activations
-from planner.calibrate import group_sizes, monotone
+from planner.calibrate import BEHIND_KIND, group_sizes, monotone
 from planner.candidate import DP_SHARDING, Candidate
 from planner.cli import _collectives_text
 from planner.costs import LayerProfile, StageCostModel
@@ -580,7 +580,14 @@ def test_measured_collectives_interpolate_and_never_shrink_with_size():
     assert host.collective_seconds("all_gather", 2, 4096) is None
     assert host.collective_seconds("reduce_scatter", 4, 4096) is None
     assert _collectives_text(host) == (
-        "; TP and CP collectives at 4 / 256 / 4096 KiB with all 4 ranks busy: 4 ranks all_gather 2 / 3 / 10 ms"
+        "; TP, CP and DP collectives with all 4 ranks busy, ms at 4 / 256 / 4096 KiB: 4 ranks all_gather 2 / 3 / 10"
+    )
+    wider = replace(
+        host, collectives=(*host.collectives, (("reduce_scatter", 2), ((4096, 0.001), (16 << 20, 0.03))))
+    )
+    assert _collectives_text(wider) == (
+        "; TP, CP and DP collectives with all 4 ranks busy, ms at 4 / 256 / 4096 KiB: 4 ranks all_gather 2 / 3 / "
+        "10, 2 ranks reduce_scatter 1 / 30"
     )
     assert monotone((1, 2, 3), [5.0, 1.0, 2.0]) == ((1, 1.0), (2, 1.0), (3, 2.0))
     assert group_sizes(4) == (2, 4) and group_sizes(6) == (2, 3, 6)
@@ -649,6 +656,63 @@ def test_measured_ring_exchange_replaces_the_message_formula(small):
     unmeasured = StageCostModel(spec, cp4, cluster)
     assert unmeasured._measured_exchange(kv_bytes) is None
     assert StageCostModel(spec, cp4, _cpu_cluster()).collective_costs()[0] == unmeasured.collective_costs()[0]
+
+
+def test_under_pipelining_ring_attention_costs_its_exchange_timed_behind_other_ranks(small):
+    """CP2 as above, now also with PP2: the exchange timed in one group while the other ranks compute
+    out of step (``ring_exchange_behind``: 4 ms the block, 10 ms block and gradient, so 7 ms the
+    gradient alone) replaces the lockstep timing (2 ms, 5 ms) under pipelining; wall seconds with all 4
+    ranks busy, divided by that slowdown (2.0). Without pipeline stages the lockstep timing stays."""
+    spec = small.spec
+    values = 2 * spec.seq_length // 2 * spec.kv_size
+    kv_bytes, grad_bytes = 2 * spec.bytes_per_value * values, 8 * values
+    lockstep = ((kv_bytes, 0.002), (kv_bytes + grad_bytes, 0.005))
+    behind = ((kv_bytes, 0.004), (kv_bytes + grad_bytes, 0.010))
+    cluster = _cpu_cluster(slowdown=(1.0, 1.2, 1.6, 2.0), collectives_world=4,
+                           collectives=((("ring_exchange", 2), lockstep), ((BEHIND_KIND, 2), behind)))  # fmt: skip
+    piped = _candidate(spec, tp=1, cp=2, pp=2, dp=1, micro_batch_size=2, num_microbatches=4)
+    layer = StageCostModel(spec, piped, cluster).collective_costs()[0]
+    assert (layer.forward, layer.backward_input) == pytest.approx((0.002, (0.010 + 0.007) / 2.0), rel=1e-9)
+    flat = _candidate(spec, tp=1, cp=2, pp=1, dp=2, micro_batch_size=2, num_microbatches=4)
+    layer = StageCostModel(spec, flat, cluster).collective_costs()[0]
+    assert (layer.forward, layer.backward_input) == pytest.approx((0.001, (0.005 + 0.0035) / 2.0), rel=1e-9)
+
+
+def test_measured_dp_collectives_cost_each_bucket_and_add_to_the_step_on_shared_cores():
+    """DP 2 on two CPU ranks sharing two cores (slowdown 1 at two busy), the model of
+    ``test_zero_traffic_per_bucket_and_step_at_each_scope`` (264,832 elements, 6 buckets; 1 s per layer
+    and action: compute 24 s at M = 2), with every DP collective measured at one size above any bucket
+    (so each costs that, wall seconds): a reduce-scatter 2 ms, an all-gather 3 ms, an all-reduce 4 ms.
+    On shared cores nothing hides behind the compute: no_shard adds its all-reduce, ZeRO-1 one
+    reduce-scatter and one gather; ZeRO-2/3 at step scope the same per bucket (6 x (2 + 3) ms); at
+    microbatch scope ZeRO-2 adds M x 6 reduce-scatters and 6 gathers (24 + 18 ms), ZeRO-3 M x 6
+    reduce-scatters and 2M x 6 gathers (24 + 72 ms). On devices of their own the same measured seconds
+    run beside the compute: ZeRO-1's gather hides behind the next forward, its reduce-scatter does
+    not (it starts at the last backward's end)."""
+    spec = _fp8_spec(fp8=False, num_layers=4)
+    big = 1 << 22
+    measured = {"reduce_scatter": 0.002, "all_gather": 0.003, "all_reduce": 0.004}
+    host = HostCosts(collectives=tuple(((kind, 2), ((big, t),)) for kind, t in measured.items()),
+                     collectives_world=2)  # fmt: skip
+    shared = Cluster(2, 2, _FP8_GPU, cores=2, host=host)
+    base = Candidate(tp=1, pp=1, dp=2, num_microbatches=2, layout="E,t*4,L")
+    profile = LayerProfile(layer=(1.0, 1.0, 1.0))
+    expected = {
+        ("no_shard", "auto"): 0.004,
+        ("optim", "auto"): 0.002 + 0.003,
+        ("optim_grads", "step"): 6 * (0.002 + 0.003),
+        ("optim_grads_params", "step"): 6 * (0.002 + 0.003),
+        ("optim_grads", "microbatch"): 2 * 6 * 0.002 + 6 * 0.003,
+        ("optim_grads_params", "microbatch"): 2 * 6 * 0.002 + 4 * 6 * 0.003,
+    }
+    for (strategy, scope), exposed in expected.items():
+        cand = replace(base, dp_sharding=strategy, dp_sharding_scope=scope)
+        step = estimate_step(spec, cand, shared, profile)
+        assert step.parts.compute == pytest.approx(24.0, rel=1e-12)
+        assert step.parts.exposed_comm == pytest.approx(exposed, rel=1e-9), (strategy, scope)
+    own = replace(shared, cores=None)
+    step = estimate_step(spec, replace(base, dp_sharding="optim"), own, profile)
+    assert step.parts.exposed_comm == pytest.approx(0.002, rel=1e-9)
 
 
 def test_a_measured_slowdown_curve_extends_with_the_ranks():
