@@ -98,7 +98,7 @@ def test_the_dry_run_measures_zero_2_and_3_as_the_model_says(pp, strategy, scope
     (``gathered``) on top of the activation peak: at step scope a rank whose peak comes after its chunk's
     first backward (the last pipeline rank, and no pipeline) holds all of them there, and the dry run
     measures the model's peak to the byte as it does ZeRO-1's (the same difference in activations and
-    optimizer state). Elsewhere it is an upper bound by less than ``gathered``: at 1F1B's peak (the
+    optimizer state). Elsewhere (here, without interleaving) it is an upper bound by less than ``gathered``: at 1F1B's peak (the
     first backward, with every warm-up microbatch saved) a rank has not yet allocated the gradient buckets
     of the layers that backward has not reached, and at microbatch scope frees a layer's buckets as soon as
     their reduction lands or their backward ends, so fewer than the model's units are live at once."""
