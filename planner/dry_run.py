@@ -192,7 +192,7 @@ def _measure(
     optimizer.zero_grad()
     optimizer.step()  # Adam's moments exist from the first step on: measure a later one
     optimizer.zero_grad()
-    grads = _storage_bytes(b.grad_data for c in model.chunks for b in c.buffers)
+    grads = _storage_bytes(_gradient_tensors(model))
     state = _storage_bytes(
         [s.main_param for s in optimizer.shards if s.copy]
         + [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
@@ -245,6 +245,18 @@ def balanced_routing() -> Iterator[None]:
         yield
     finally:
         TopKRouter.forward = original
+
+
+def _gradient_tensors(model) -> Iterator[torch.Tensor]:
+    """The gradient buffers: one flat tensor per buffer, or under ZeRO-2/3 each bucket's persistent shard
+    and its full tensor (freed between uses: no bytes)."""
+    for chunk in model.chunks:
+        for buffer in chunk.buffers:
+            if buffer.grad_data is not None:
+                yield buffer.grad_data
+            else:
+                for bucket in buffer.buckets:
+                    yield from (bucket.grad_data, bucket.grad_shard)
 
 
 def _storage_bytes(tensors) -> int:

@@ -61,11 +61,31 @@ class LiveBytes(TorchDispatchMode):
         finally:
             self.label = before
 
+    def __enter__(self):
+        """Also count ``UntypedStorage.resize_`` while inside: it does not pass through the dispatcher, and
+        ZeRO-2/3 free and re-allocate their full buckets with it."""
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def resized(storage: torch.UntypedStorage, size: int):
+            out = resize(storage, size)
+            self._track_storage(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resized
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
     def _track(self, tensor: torch.Tensor) -> None:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse or other storage-less tensors
             return
+        self._track_storage(storage)
+
+    def _track_storage(self, storage: torch.UntypedStorage) -> None:
         key, size = id(storage), storage.nbytes()
         known = self._storages.get(key)
         if known is not None and known[0]() is storage:

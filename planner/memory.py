@@ -22,9 +22,8 @@ still there at the optimizer step), at microbatch scope only the units in flight
 own weights (embedding, final norm, output layer) and two layers' parameters (the running one and the
 prefetched next), three layers' gradients (the one in backward and two reductions in flight).
 
-The optimizer step has a peak of its own: static memory plus Adam's temporaries, which depend on the
-implementation ``torch.optim.AdamW`` picks: per tensor on a CPU, ``foreach`` over a whole parameter
-group on a GPU (one fp32 temporary per element).
+The optimizer step has a peak of its own: static memory plus the gradient norm's temporaries (AdamW's
+fused kernel allocates none): on a CPU a few bytes per 128-element block, on a GPU a number per tensor.
 """
 
 from __future__ import annotations
@@ -165,24 +164,24 @@ def _expert_elements(spec: ModelSpec, cand: Candidate, chunks: list[tuple[str, .
     return layers * spec.moe.num_experts // cand.ep * per_expert
 
 
-NORM_CHUNK = 1 << 24  # core.optimizer.clip_grads: gradients go to float64 this many elements at a time
+NORM_BLOCK = 128  # core.optimizer.clip_grads: a CPU norm sums blocks of this many elements in fp32
+NORM_JOINED = 1 << 15  # and joins the whole blocks of tensors smaller than this into one copy
 
 
 def _optimizer_transient(tensors: list[float], device: str) -> float:
-    """The optimizer step's largest temporary: the float64 gradient norm, or Adam's ``sqrt(v)``.
+    """The optimizer step's largest temporary: the gradient norm's. AdamW runs torch's fused kernel
+    (``core.optimizer``: CUDA, and CPUs from torch 2.4), which allocates none.
 
-    The norm joins small gradients into one fp32 buffer of up to 2^24 elements and converts it to
-    float64 (12 bytes an element), a large one 2^24 elements at a time (8). AdamW runs per tensor
-    on a CPU (``sqrt(v)`` and its quotient: 8 bytes an element of the largest tensor) and ``foreach``
-    over the whole parameter group on a GPU (4 bytes an element of every tensor).
+    On a CPU the norm (``clip_grads._sum_of_squares_in_blocks``) copies the whole blocks of tensors under
+    2^15 elements into one fp32 tensor (4 bytes an element of those) and keeps a block's fp32 norm per 128
+    elements, joined, in float64 and squared: 4 + 4 + 8 + 8 bytes a block. On a GPU
+    ``torch._foreach_norm`` in float64 gives one number per tensor (16 bytes with its square).
     """
     counted = [n for n in tensors if n > 0]  # negative: a tied copy, which the norm skips
-    small = sum(n for n in counted if n < NORM_CHUNK)
-    large = any(n >= NORM_CHUNK for n in counted)
-    norm = max(12 * min(small, NORM_CHUNK), 8 * NORM_CHUNK if large else 0)
-    sizes = [abs(n) for n in tensors]
-    adam = 8 * max(sizes, default=0) if device == "cpu" else 4 * sum(sizes)
-    return max(norm, adam)
+    if device != "cpu":
+        return 16.0 * len(counted)
+    small = sum(n for n in counted if n < NORM_JOINED)
+    return 4 * small + 24 * sum(counted) / NORM_BLOCK
 
 
 def _padded(elements: int, cand: Candidate, pp_rank: int) -> float:
@@ -212,6 +211,8 @@ class _Static(NamedTuple):
     """ZeRO-3 at step scope: full parameters held while the optimizer steps."""
     reduced: float = 0.0
     """Bytes of the gradient reduction, once (the whole buffers, not the shards ZeRO-2/3 keep)."""
+    padded: float = 0.0
+    """Elements of the rank's gradient buffers (padded per bucket under the distributed optimizer)."""
 
 
 _STATIC: dict[tuple, _Static] = {}
@@ -221,13 +222,21 @@ and microbatch choices share them."""
 
 def _static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sharding=None) -> _Static:
     """The candidate's static memory; ``sharding`` (ZeRO-2/3) defaults to the candidate's own."""
-    sharding = sharding or cand.zero
+    return _cached_static(spec, cand, pp_rank, device, _checked(cand, sharding or cand.zero))
+
+
+def _cached_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sharding) -> _Static:
+    """:func:`_rank_static` once per split, rank and sharding; ZeRO-2/3 start from ZeRO-1's figures."""
     key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
            cand.distributed_optimizer, pp_rank, device, sharding)  # fmt: skip
     if key not in _STATIC:
         if len(_STATIC) > 1 << 16:
             _STATIC.clear()
-        _STATIC[key] = _rank_static(spec, cand, pp_rank, device, _checked(cand, sharding))
+        if sharding is None:
+            _STATIC[key] = _rank_static(spec, cand, pp_rank, device)
+        else:
+            plain = _cached_static(spec, cand, pp_rank, device, None)
+            _STATIC[key] = _sharded_rank_static(spec, cand, pp_rank, plain, sharding)
     return _STATIC[key]
 
 
@@ -305,7 +314,14 @@ def _sharded_units(
 ) -> tuple[int, int, int]:
     """A chunk's buckets under ZeRO-2/3, each padded to lcm(dp x cp, 128) elements: (its own weights', in
     two buckets, the layers' own ahead of and after them; one layer's; the number of layers)."""
-    pad = math.lcm(cand.dp * cand.cp, SHARD_ALIGNMENT)
+    return _units(spec, cand.tp, cand.ep, cand.dp * cand.cp, symbols, embedding_here)
+
+
+@lru_cache(maxsize=4096)
+def _units(spec: ModelSpec, tp: int, ep: int, shards: int, symbols: tuple[str, ...], embedding_here: bool):
+    """:func:`_sharded_units` once per TP, EP, shard count and chunk kind (the search asks per rank)."""
+    cand = Candidate(tp=tp, pp=1, dp=shards, ep=ep)  # the tensors' sizes depend on TP and EP only
+    pad = math.lcm(shards, SHARD_ALIGNMENT)
     head = sum(_chunk_tensors(spec, cand, tuple(s for s in symbols if s == "E"), embedding_here))
     tail = sum(
         abs(n) for n in _chunk_tensors(spec, cand, tuple(s for s in symbols if s == "L"), embedding_here)
@@ -337,7 +353,7 @@ def _sharded_static(spec: ModelSpec, cand: Candidate, chunks, sharding) -> tuple
     return params, grads, in_flight_grads * G + (in_flight_params * B if zero3 else 0), 0.0
 
 
-def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sharding=None) -> _Static:
+def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) -> _Static:
     chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     embedding_here = any("E" in c for c in chunks)
     tensors = [_chunk_tensors(spec, cand, c, embedding_here) for c in chunks]
@@ -369,14 +385,19 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sh
     transient = _optimizer_transient(stepped, device)
     if grad_bytes != 4:  # fp16 gradients: the optimizer steps on fp32 copies of them, all alive at once
         transient += 4 * sum(abs(n) for n in stepped)
-    if sharding is None:
-        return _Static(params, grads, state, transient, gathered, count, reduced=grads)
+    return _Static(params, grads, state, transient, gathered, count, reduced=grads, padded=padded)
+
+
+def _sharded_rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, plain: _Static, sharding) -> _Static:
+    """ZeRO-2/3's static memory from ZeRO-1's (``plain``): the shards and the buckets held in use."""
+    chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     zero_params, zero_grads, held, held_at_step = _sharded_static(spec, cand, chunks, sharding)
     full = sum(elements for elements, _ in sharded_buckets(spec, cand, pp_rank))
-    params += zero_params - padded * B  # FP8 copies and RoPE tables as before
-    gathered += (full - padded) * B
-    return _Static(params, zero_grads, state, transient, gathered, count, held, held_at_step,
-                   reduced=full * grad_bytes)  # fmt: skip
+    B, grad_bytes = spec.bytes_per_value, 2 if spec.precision == "fp16" else 4
+    params = plain.params + zero_params - plain.padded * B  # FP8 copies and RoPE tables as before
+    gathered = plain.gathered + (full - plain.padded) * B
+    return plain._replace(params=params, grads=zero_grads, gathered=gathered, held=held,
+                          held_at_step=held_at_step, reduced=full * grad_bytes)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -491,6 +512,24 @@ def candidate_memory(
 ) -> list[RankMemory]:
     """Every pipeline rank's memory; the candidate's peak is the largest of them. ``sharding``: ZeRO-2/3
     as ``(strategy, scope)``, e.g. ``("optim_grads_params", "step")`` (needs the distributed optimizer)."""
+    chunks, walks = _activations(spec, cand, device)
+    return [
+        _rank(spec, cand, rank, device, chunks[rank], *walks[rank], sharding=sharding)
+        for rank in range(cand.pp)
+    ]
+
+
+_WALKS: dict[tuple, tuple] = {}
+"""_activations' answers: the search weighs every data-parallel sharding of a layout at each recomputation,
+and the activations do not depend on it."""
+
+
+def _activations(spec: ModelSpec, cand: Candidate, device: str) -> tuple[list, list]:
+    """Every rank's chunks' activations and the schedule's walk over them (:func:`_walk`)."""
+    key = (spec, cand.tp, cand.pp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.micro_batch_size,
+           cand.num_microbatches, cand.recompute, cand.layout, device)  # fmt: skip
+    if key in _WALKS:
+        return _WALKS[key]
     shape = Shape(
         seq=spec.seq_length // cand.cp,
         batch=cand.micro_batch_size,
@@ -510,10 +549,10 @@ def candidate_memory(
             ]
         )
     walks = _walk(_all_states(cand.schedule, cand.pp, cand.vpp, memory_microbatches(cand)), chunks)
-    return [
-        _rank(spec, cand, rank, device, chunks[rank], *walks[rank], sharding=sharding)
-        for rank in range(cand.pp)
-    ]
+    if len(_WALKS) > 1 << 12:
+        _WALKS.clear()
+    _WALKS[key] = chunks, walks
+    return chunks, walks
 
 
 @lru_cache(maxsize=4096)

@@ -16,11 +16,15 @@ is kept (recomputing more only adds time), and where the distributed optimizer i
 (the same traffic as an all-reduce, a fraction of the state), and always with ``--fp8-param-gather``,
 which needs it. Data-parallel sharding climbs the same way where DP x CP > 1 and the user fixed no
 strategy: from ``no_shard`` (``optim`` with ``--use-distributed-optimizer``) through ``optim`` and
-ZeRO-2 (``optim_grads``) to ZeRO-3 (``optim_grads_params``), at the scope ``auto`` gives (or
-``--data-parallel-sharding-scope``); a strategy further up is kept only where it fits with less
-recomputation than every one below it, since it moves more (at microbatch scope) or holds its buckets
-whole while in use (at step scope), so it is proposed where it is what fits.
-``--use-megatron-fsdp`` (with ``--data-parallel-sharding-strategy``) fixes the strategy. The rest is
+ZeRO-2 (``optim_grads``) to ZeRO-3 (``optim_grads_params``); a strategy further up is kept only where
+it fits with less recomputation than every one below it, since it moves more (at microbatch scope) or
+holds its buckets whole while in use (at step scope), so it is proposed where it is what fits. Under
+pipelining ZeRO-2/3 are tried at both scopes (``--data-parallel-sharding-scope`` fixes one; without a
+pipeline ``auto`` is microbatch): each scope that fits with less recomputation than the strategies
+below is kept, and where both do the simulated step picks the faster (step scope moves ZeRO-1's
+traffic, microbatch scope holds only the units in flight). ZeRO-3's step scope is left out of the
+climb: ZeRO-2's moves the same and holds less. ``--use-megatron-fsdp`` (with
+``--data-parallel-sharding-strategy``) fixes the strategy. The rest is
 timed by branch and bound:
 candidates in order of a lower bound on their step (the busiest rank's compute), simulated until the
 next bound exceeds the ``top``-th best simulated step, so only a few schedules are simulated in full.
@@ -41,7 +45,7 @@ from planner.candidate import DP_SHARDING, RECOMPUTE, ZERO_SHARDING, Candidate
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import Cluster
 from planner.layouts import balanced_layout
-from planner.memory import RankMemory, candidate_memory, rank_static
+from planner.memory import RankMemory, candidate_memory, rank_static, sharded_buckets
 from planner.model_spec import ModelSpec
 from planner.step_time import StepEstimate, estimate_step, quick_estimate
 from training.arguments.schema import BY_OPTION, coverage_of
@@ -316,9 +320,8 @@ def _fitting(
                         num_microbatches=m, dp_sharding_scope=space.dp_sharding_scope,
                     )  # fmt: skip
                     strategies = _strategies(spec, space, base, allow_distributed_optimizer, rejected)
-                    found = list(
-                        _fit_recompute(spec, cluster, space, base, strategies, profile, rejected, device)
-                    )
+                    rungs = [_scopes(s, base.pp, space) for s in strategies]
+                    found = list(_fit_recompute(spec, cluster, space, base, rungs, profile, rejected, device))
                     too_big = not found
                     yield from found
 
@@ -343,24 +346,41 @@ def _strategies(
     return tuple(s for s in ladder if not (refused and s in ZERO_SHARDING))
 
 
+def _scopes(strategy: str, pp: int, space: _Space) -> tuple[tuple[str, str], ...]:
+    """A strategy's rung of the climb: ``(strategy, scope)`` for each scope to try. The user's scope, or
+    ``auto``'s, where there is no choice (no pipeline: microbatch; ZeRO-1 and no_shard have none); under
+    pipelining both, ``auto`` (step) first, except ZeRO-3's step scope where the climb chooses the
+    strategy: it moves what ZeRO-2's step scope moves and holds the parameter shards on top of the whole
+    parameters, so it never fits where ZeRO-2's does not."""
+    if strategy not in ZERO_SHARDING or space.dp_sharding_scope != "auto" or pp == 1:
+        return ((strategy, space.dp_sharding_scope),)
+    if strategy == "optim_grads_params" and space.dp_sharding is None:
+        return ((strategy, "microbatch"),)
+    return ((strategy, "auto"), (strategy, "microbatch"))
+
+
 _LESS_RECOMPUTE = ("none", "selective", "full")
 """Recomputation from the least time to the most (and from the most memory to the least but for
 selective, which keeps more than full)."""
 
 
-def _fit_recompute(spec, cluster, space, base: Candidate, strategies, profile, rejected: _Rejections, device):
-    """Per layout, the least recomputation that fits, with the least sharding: a strategy further along
-    ``strategies`` (more traffic, or gathered buckets in use) only where it fits with less recomputation
-    than every one before it."""
+def _fit_recompute(spec, cluster, space, base: Candidate, rungs, profile, rejected: _Rejections, device):
+    """Per layout, the least recomputation that fits, with the least sharding: a rung further along
+    ``rungs`` (more traffic, or gathered buckets in use) only where it fits with less recomputation than
+    every rung before it; of a rung's scopes each that does (step scope moves less, microbatch scope holds
+    less: where both fit, the simulated step picks the faster)."""
     for layout in _layouts(spec, base, cluster, profile, space.layout if base.pp > 1 else None):
         least, why = len(_LESS_RECOMPUTE), ""
-        for strategy in strategies:
-            trial = replace(base, layout=layout, dp_sharding=strategy)
-            planned, why = _least_recompute(spec, cluster, space, trial, device, _LESS_RECOMPUTE[:least])
-            level = _LESS_RECOMPUTE.index(planned.cand.recompute) if planned else len(_LESS_RECOMPUTE)
-            if level < least:
-                least = level
-                yield planned
+        for rung in rungs:
+            reached = least
+            for strategy, scope in rung:
+                trial = replace(base, layout=layout, dp_sharding=strategy, dp_sharding_scope=scope)
+                planned, why = _least_recompute(spec, cluster, space, trial, device, _LESS_RECOMPUTE[:least])
+                level = _LESS_RECOMPUTE.index(planned.cand.recompute) if planned else len(_LESS_RECOMPUTE)
+                if level < least:
+                    reached = min(reached, level)
+                    yield planned
+            least = reached
             if least == 0:
                 break
         if least == len(_LESS_RECOMPUTE) and why:
@@ -400,6 +420,29 @@ def _least_recompute(
                   f"--recompute-granularity {trial.recompute}")  # fmt: skip
 
 
+def _microbatch_traffic_bound(
+    spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None
+) -> float:
+    """ZeRO-2/3 at microbatch scope: a rank's data-parallel channel carries, one after another, M
+    reduce-scatters of each chunk's buckets, and under ZeRO-3 2M all-gathers (the step's simulation,
+    ``step_time``), so no step is shorter than the busiest rank's sum of them (0 at any other scope)."""
+    if cand.zero is None or cand.zero[1] != "microbatch":
+        return 0.0
+    model = StageCostModel(spec, cand, cluster, profile)
+    grad_bytes = 2 if spec.precision == "fp16" else 4
+    gathers = 2 if cand.zero[0] == "optim_grads_params" else 0
+    busiest = 0.0
+    for rank in range(cand.pp):
+        seconds = sum(
+            model.dp_collective_seconds(elements * grad_bytes, n)
+            + gathers * model.dp_collective_seconds(elements * spec.bytes_per_value, n)
+            for elements, n in sharded_buckets(spec, cand, rank)
+            if n
+        )
+        busiest = max(busiest, seconds)
+    return busiest * cand.num_microbatches
+
+
 def search(
     spec: ModelSpec,
     cluster: Cluster,
@@ -421,7 +464,9 @@ def search(
         )
     )
     for planned in fitting:
-        planned.bound, planned.guess = quick_estimate(spec, planned.cand, cluster, profile)
+        bound, guess = quick_estimate(spec, planned.cand, cluster, profile)
+        traffic = _microbatch_traffic_bound(spec, planned.cand, cluster, profile)
+        planned.bound, planned.guess = max(bound, traffic), max(guess, traffic)
     fitting.sort(key=lambda p: p.guess)
     best: list[Planned] = []
     simulated = 0

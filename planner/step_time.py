@@ -311,6 +311,8 @@ def _microbatch_traffic(spec, cand: Candidate, model: StageCostModel, rank: int,
     starts, ends = result.start_times[rank], result.end_times[rank]
     for i, action in enumerate(table):
         elements, n = buckets[action.chunk]
+        if not n:  # a chunk without parameters (an empty stage) moves nothing
+            continue
         if zero3 and action.kind in (F, B, I):
             gather = model.dp_collective_seconds(elements * spec.bytes_per_value, n, "all_gather")
             jobs.append((starts[i], gather, 0.0))

@@ -4,6 +4,7 @@
                                                        # GPT-3 175B TP8xPP16: every pipeline rank, model vs
                                                        # dry run, with Megatron's theoretical formula beside them
     python tools/plan_check_memory.py model --config llama3-8b --ranks 0 3
+    python tools/plan_check_memory.py model --config llama3-70b-zero3 --ranks 0 7  # ZeRO-3, microbatch scope
     python tools/plan_check_memory.py model --config llama3-8b-selective  # where Megatron's formula
                                                        # reports activations (sequence parallel + selective)
     python tools/plan_check_memory.py real             # 4 gloo ranks, a small GPT, three layouts: the real
@@ -53,6 +54,21 @@ CONFIGS = {
         "llama3-70b",
         ["--global-batch-size", "128"],
         {"tp": 8, "pp": 8, "dp": 8, "vpp": 2, "num_microbatches": 16, "dp_sharding": "optim"},
+    ),
+    # ZeRO-3 at microbatch scope under pipelining: only the units in flight gathered (the model charges
+    # them at the activation peak, an upper bound: tests/unit/test_plan_dry_run.py says why)
+    "llama3-70b-zero3": (
+        "llama3-70b",
+        ["--global-batch-size", "128"],
+        {
+            "tp": 8,
+            "pp": 8,
+            "dp": 8,
+            "vpp": 2,
+            "num_microbatches": 16,
+            "dp_sharding": "optim_grads_params",
+            "dp_sharding_scope": "microbatch",
+        },
     ),
     "gpt3-175b": (
         "gpt3-175b",

@@ -516,6 +516,31 @@ def test_zero3_on_the_meta_device_casts_fp8_weights_as_built_whole_at_tp2_dp2(ra
 
 
 # --------------------------------------------------------------------------------------------------
+# --compile: compiled layers under ZeRO-3 beyond one rank
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # compiling takes about 30 s on 2 cores
+@pytest.mark.parametrize("scope", ["step", "microbatch"])
+def test_compiled_zero3_at_dp2_gives_the_eager_losses(ranks, data_prefix, scope):
+    """DP2 ZeRO-3 with ``--compile`` (aot_eager: Dynamo's and AOTAutograd's graphs, no code generation),
+    prefetching and overlapped reductions, at both scopes: the compiled layers read the gathered
+    parameters (their storage filled again before each use at microbatch scope, kept through the step at
+    step scope) and give the eager run's losses within float rounding."""
+    from tests.dist.test_distributed_optimizer import small_gpt
+
+    flags = small_gpt(
+        data_prefix, 3, "--overlap-grad-reduce", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+        "optim_grads_params", "--overlap-param-gather", "--data-parallel-sharding-scope", scope,
+    )  # fmt: skip
+    eager = _pretrain_losses(ranks(2), flags)
+    compiled = _pretrain_losses(ranks(2), flags + ["--compile", "--compile-backend", "aot_eager"])
+    difference = max(abs(c - e) / abs(e) for c, e in zip(compiled, eager))
+    print(f"ZeRO-3 {scope} scope, DP2: compiled vs eager, largest relative loss difference {difference:.1e}")
+    assert len(compiled) == len(eager) == 3 and difference <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
 # Checkpoints: Trident's format, whatever the strategy; loadable under any strategy and split
 # --------------------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import random
 import re
 from dataclasses import replace
 from functools import partial
+from itertools import pairwise
 
 import pytest
 
@@ -31,7 +32,7 @@ from planner.hardware import GPUS, Cluster, Gpu, HostCosts
 from planner.inputs import read_input
 from planner.layouts import balanced_layout, stage_layer_counts, uneven_layer_counts
 from planner.megatron_formula import megatron_memory
-from planner.memory import rank_memory, rank_static
+from planner.memory import candidate_memory, rank_memory, rank_static
 from planner.model_spec import ModelSpec, describe
 from planner.search import DOES_NOT_DIVIDE, FEW_MICROBATCHES, OUT_OF_MEMORY, search
 from planner.shared_cores import time_shared
@@ -1060,12 +1061,92 @@ def test_a_stronger_strategy_is_proposed_only_where_it_fits_with_less_recomputat
     by_layout: dict = {}
     for planned in tight.candidates:
         c = planned.cand
-        by_layout.setdefault(replace(c, dp_sharding="no_shard", recompute="none"), []).append(c)
-    assert {c.dp_sharding for cands in by_layout.values() for c in cands} > {"no_shard"}
-    for cands in by_layout.values():
-        cands.sort(key=lambda c: DP_SHARDING.index(c.dp_sharding))
-        levels = [order.index(c.recompute) for c in cands]
-        assert levels == sorted(levels, reverse=True) and len(set(levels)) == len(levels)
+        key = replace(c, dp_sharding="no_shard", dp_sharding_scope="auto", recompute="none")
+        by_layout.setdefault(key, {}).setdefault(c.dp_sharding, []).append(order.index(c.recompute))
+    assert {s for strategies in by_layout.values() for s in strategies} > {"no_shard"}
+    for strategies in by_layout.values():  # a strategy's scopes (under pipelining) recompute less than below
+        levels = [strategies[s] for s in DP_SHARDING if s in strategies]
+        assert all(max(above) < min(below) for below, above in pairwise(levels)), strategies
+
+
+def test_the_search_tries_both_scopes_under_pipelining():
+    """16 layers of the FP8 test's model in bf16 at DP 2, 4 microbatches, CPU kernels. The largest rank's
+    peaks in bytes (``candidate_memory``), at recomputation none / selective / full:
+
+    =================================  =============================  ================================
+    strategy/scope                     PP 2 (E,t*8 | t*8,L)           PP 1 (E,t*16,L)
+    =================================  =============================  ================================
+    optim                              8,167,588 7,245,988 6,377,860  13,256,198 12,273,158 11,935,564
+    optim_grads/step                   9,091,236 8,169,636 6,892,932
+    optim_grads/microbatch             8,105,636 7,184,036 5,907,332  12,406,022 11,422,982 10,223,180
+    optim_grads_params/microbatch      7,976,100 7,054,500 5,775,876
+    =================================  =============================  ================================
+
+    At step scope ZeRO-2 holds the whole gradients through the step on top of its shards: never less than
+    ZeRO-1 here. In 8.15 MB at PP 2 ZeRO-1 fits with selective recomputation, ZeRO-2's step scope not
+    without, its microbatch scope without: that one is kept, printing ``--data-parallel-sharding-scope
+    microbatch``, and nothing further up is tried. In 7.1 MB ZeRO-1 needs full recomputation, ZeRO-2 fits
+    at neither scope with less, ZeRO-3 at microbatch scope with selective (its step scope is never tried:
+    ZeRO-2's holds less and moves the same). With ZeRO-2 pinned (``--use-megatron-fsdp
+    --data-parallel-sharding-strategy optim_grads``) in 9.2 MB both scopes fit without recomputation and
+    both are simulated: the step scope's single reduction is faster on this tiny model, whose
+    microbatch-scope step takes no less than its traffic (the search's bound). Without a pipeline only
+    ``auto``'s microbatch scope exists, printed without a flag."""
+    spec = _fp8_spec(fp8=False, num_layers=16)
+    peaks = {}
+    for pp, strategy, scope in [(2, "optim", "auto"), (2, "optim_grads", "step"), (2, "optim_grads", "microbatch"),
+                                (2, "optim_grads_params", "microbatch"), (1, "optim", "auto"),
+                                (1, "optim_grads", "microbatch")]:  # fmt: skip
+        cand = _candidate(spec, tp=1, pp=pp, dp=2, num_microbatches=4, dp_sharding=strategy,
+                          dp_sharding_scope=scope)  # fmt: skip
+        peaks[pp, strategy, scope] = [
+            max(m.peak for m in candidate_memory(spec, replace(cand, recompute=r), device="cpu"))
+            for r in ("none", "selective", "full")
+        ]
+    assert peaks == {
+        (2, "optim", "auto"): [8_167_588, 7_245_988, 6_377_860],
+        (2, "optim_grads", "step"): [9_091_236, 8_169_636, 6_892_932],
+        (2, "optim_grads", "microbatch"): [8_105_636, 7_184_036, 5_907_332],
+        (2, "optim_grads_params", "microbatch"): [7_976_100, 7_054_500, 5_775_876],
+        (1, "optim", "auto"): [13_256_198, 12_273_158, 11_935_564],
+        (1, "optim_grads", "microbatch"): [12_406_022, 11_422_982, 10_223_180],
+    }
+
+    def plan(pp: int, memory: float, **pinned) -> dict:
+        fixed = {"tp": 1, "pp": pp, "cp": 1, "vpp": 1, "micro_batch_size": 1, **pinned}
+        if pp > 1:
+            fixed["layout"] = "E,t*8|t*8,L"
+        cluster = Cluster(2 * pp, 4, replace(_FP8_GPU, memory_gb=memory / 1e9), memory_headroom=1.0)
+        result = search(spec, cluster, global_batch_size=8, fixed=fixed, top=50, device="cpu",
+                        allow_distributed_optimizer=True)  # fmt: skip
+        found = {}
+        for planned in (p for p in result.candidates if p.cand.schedule == "1f1b"):  # zb-h1's peaks differ
+            c, flags = planned.cand, planned.cand.flags()
+            given = "--data-parallel-sharding-scope" in flags
+            scope = flags[flags.index("--data-parallel-sharding-scope") + 1] if given else ""
+            assert scope == ("" if c.dp_sharding_scope == "auto" else c.dp_sharding_scope)
+            assert planned.bound <= planned.step.step_seconds
+            found[c.sharding_label()] = (c.recompute, scope, planned.step.step_seconds)
+        return found
+
+    def chosen(found: dict) -> dict:
+        return {label: figures[:2] for label, figures in found.items()}
+
+    assert chosen(plan(2, 8.15e6)) == {
+        "optim": ("selective", ""),
+        "optim_grads/microbatch": ("none", "microbatch"),
+    }
+    assert chosen(plan(2, 7.1e6)) == {
+        "optim": ("full", ""),
+        "optim_grads_params/microbatch": ("selective", "microbatch"),
+    }
+    pinned = plan(2, 9.2e6, dp_sharding="optim_grads")
+    assert chosen(pinned) == {
+        "optim_grads/step": ("none", ""),
+        "optim_grads/microbatch": ("none", "microbatch"),
+    }
+    assert pinned["optim_grads/step"][2] < pinned["optim_grads/microbatch"][2]
+    assert chosen(plan(1, 12.5e6)) == {"optim": ("selective", ""), "optim_grads/microbatch": ("none", "")}
 
 
 def test_llama3_70b_fits_only_sharded_over_data_parallel():
