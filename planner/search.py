@@ -435,7 +435,7 @@ def _microbatch_traffic_bound(
     for rank in range(cand.pp):
         seconds = sum(
             model.dp_collective_seconds(elements * grad_bytes, n)
-            + gathers * model.dp_collective_seconds(elements * spec.bytes_per_value, n)
+            + gathers * model.dp_collective_seconds(elements * spec.bytes_per_value, n, "all_gather")
             for elements, n in sharded_buckets(spec, cand, rank)
             if n
         )
