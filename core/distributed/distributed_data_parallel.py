@@ -485,6 +485,14 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.finish_param_sync()
 
+    def wait_for_collectives(self) -> None:
+        """Wait for every collective still running that this model's buckets launched, and change
+        nothing else: the handles stay, and whoever waits for them later returns at once. (For a
+        profiler, which must not stop while a collective it saw start still runs on gloo's threads.)"""
+        for bucket in self.buckets:
+            for work in bucket.in_flight():
+                work.wait()
+
     def broadcast_params(self) -> None:
         """Copy the first data-parallel rank's parameters to the others (identical replicas); an
         expert's, the first of its expert-data-parallel replicas'."""

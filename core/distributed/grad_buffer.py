@@ -283,6 +283,10 @@ class Bucket:
             self.param_handle.wait()
             self.param_handle = None
 
+    def in_flight(self) -> list[dist.Work]:
+        """The collectives this bucket launched and has not waited for yet (a reduction, a gather)."""
+        return [work for work in (self.handle, self.param_handle) if work is not None]
+
     def _name(self, param: torch.nn.Parameter) -> str:
         for p, n in zip(self.params, self.names):
             if p is param:

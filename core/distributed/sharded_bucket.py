@@ -61,6 +61,7 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+import torch.distributed as dist
 from torch._C import DisableTorchFunctionSubclass
 
 from core.distributed.collectives import all_gather
@@ -333,6 +334,10 @@ class ShardedBucket(Bucket):
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+
+    def in_flight(self) -> list[dist.Work]:
+        launched = [work for work in (*self._in_flight, self._gather_work) if work is not None]
+        return super().in_flight() + launched
 
     def release_params(self, force: bool = False, *, evaluating: bool = False) -> None:
         """Free the gathered parameters, unless a backward that needs them is pending or they are held for

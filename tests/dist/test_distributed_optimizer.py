@@ -10,6 +10,7 @@ tests/dist/test_distributed_optimizer.py``.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -116,7 +117,7 @@ def test_fp16_overflows_are_skipped_not_nan_and_back_off(ranks, data_prefix):
 # --------------------------------------------------------------------------------------------------
 
 
-def _gpt_chunk(tp: int, bf16: bool, distributed: bool, dp_group=None):
+def _gpt_chunk(tp: int, bf16: bool, distributed: bool, dp_group=None, overlap_param_gather: bool = False):
     from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from core.transformer import TransformerConfig
     from models.gpt import GPTModel
@@ -132,21 +133,29 @@ def _gpt_chunk(tp: int, bf16: bool, distributed: bool, dp_group=None):
     )
     model = GPTModel(config, VOCAB, 16)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=distributed, overlap_grad_reduce=True, bucket_size=2000
+        use_distributed_optimizer=distributed,
+        overlap_grad_reduce=True,
+        overlap_param_gather=overlap_param_gather,
+        bucket_size=2000,
     )
     return DistributedDataParallel(config, ddp_config, model, data_parallel_group=dp_group)
 
 
 def _train(chunk, optimizer, steps: range, dp_rank: int) -> None:
     for step in steps:
-        optimizer.zero_grad()
-        gen = torch.Generator().manual_seed(1000 * step + dp_rank)
-        tokens = torch.randint(0, VOCAB, (2, 16), generator=gen)
-        loss = chunk(tokens, labels=torch.roll(tokens, -1, 1)).float().mean()
-        loss.backward()
-        chunk.finish_grad_sync()
-        assert optimizer.step()[0]
+        _step(chunk, optimizer, step, dp_rank)
     chunk.finish_param_sync()
+
+
+def _step(chunk, optimizer, step: int, dp_rank: int) -> None:
+    """One step; with ``overlap_param_gather`` the updated shards' all-gathers are still running after it."""
+    optimizer.zero_grad()
+    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=gen)
+    loss = chunk(tokens, labels=torch.roll(tokens, -1, 1)).float().mean()
+    loss.backward()
+    chunk.finish_grad_sync()
+    assert optimizer.step()[0]
 
 
 def _max_relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -251,6 +260,47 @@ def test_optimizer_state_is_one_dp_th_and_round_trips_by_name(ranks):
         for bf16 in (False, True):  # fused where torch has it on a CPU (>= 2.4)
             fused, difference = out[("fused", bf16)]
             assert fused == has_fused_kernel(torch.optim.AdamW, torch.device("cpu")) and difference <= 1e-6
+
+
+def _profile_across_param_gathers(rank, world_size, out_dir: str):
+    """``--profile`` ending on a step whose ``--overlap-param-gather`` all-gathers are still running (on gloo's
+    threads: stopping torch's profiler then crashes the process): the profiler waits for them first."""
+    from core import parallel_state as ps
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from training.reporting.profiling import StepProfiler
+
+    ps.initialize_model_parallel()  # DP = 4
+    chunk = _gpt_chunk(1, False, True, overlap_param_gather=True)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
+    seen = []
+
+    def wait_for_collectives():  # what the profiler sees as it stops
+        launched = [work for bucket in chunk.buckets for work in bucket.in_flight()]
+        chunk.wait_for_collectives()
+        waited = all(work.is_completed() for work in launched)
+        seen.append((len(launched), waited, torch._C._autograd._profiler_enabled()))
+
+    profiler = StepProfiler(
+        enabled=True,
+        start=0,
+        end=1,
+        rank=rank,
+        ranks=[rank],
+        out_dir=out_dir,
+        wait_for_collectives=wait_for_collectives,
+    )
+    for step in range(3):  # profiles each step anew: the next forward waits for the handles kept
+        profiler.before_step(0)
+        _step(chunk, optimizer, step, ps.get_data_parallel_rank())
+        profiler.after_step(1)
+    chunk.finish_param_sync()
+    return seen, len(chunk.buckets), os.path.getsize(profiler.path) > 0
+
+
+def test_a_profile_ends_after_the_param_gathers_it_saw_start(ranks, tmp_path):
+    for seen, buckets, written in ranks(4).run(_profile_across_param_gathers, str(tmp_path), timeout=120):
+        assert buckets > 1 and written
+        assert seen == [(buckets, True, True)] * 3  # every bucket's gather, done while still profiling
 
 
 # --------------------------------------------------------------------------------------------------

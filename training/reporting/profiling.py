@@ -5,11 +5,17 @@ records iterations ``S + 1`` to ``E`` (Megatron's window) with ``torch.profiler`
 when there is a GPU) and writes one trace, readable by Perfetto, ``chrome://tracing`` and
 TensorBoard's profiler plugin, into ``--tensorboard-dir`` (else ``./profile``) as
 ``rank<R>.pt.trace.json``. Other ranks do nothing.
+
+The profiler stops only once no collective it saw start is still running: on gloo a collective runs on
+the process group's own threads, and stopping torch's profiler (Kineto) while one of them still records
+crashes the process (SIGSEGV), as ``--overlap-param-gather``'s all-gathers, launched at the end of a step
+and waited for in the next forward, would. So the loop hands in ``wait_for_collectives``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -20,9 +26,18 @@ class StepProfiler:
     """Starts torch.profiler before iteration ``start + 1`` and writes the trace after iteration ``end``."""
 
     def __init__(
-        self, *, enabled: bool, start: int, end: int, rank: int, ranks: list[int], out_dir: str
+        self,
+        *,
+        enabled: bool,
+        start: int,
+        end: int,
+        rank: int,
+        ranks: list[int],
+        out_dir: str,
+        wait_for_collectives: Callable[[], None] = lambda: None,
     ) -> None:
         self.enabled = enabled and rank in ranks
+        self.wait_for_collectives = wait_for_collectives
         self.start, self.end, self.rank = start, end, rank
         self.path = os.path.join(out_dir, f"rank{rank}.pt.trace.json")
         self._profiler: torch.profiler.profile | None = None
@@ -45,6 +60,7 @@ class StepProfiler:
         """Write the trace (also when the run ends inside the window)."""
         if self._profiler is None:
             return
+        self.wait_for_collectives()
         self._profiler.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._profiler.export_chrome_trace(self.path)
