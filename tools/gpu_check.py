@@ -29,7 +29,11 @@ the end of the check):
    the run's one line saying CUDA graphs need CUDA). ``tests/unit/test_cuda_graphs.py``'s CUDA tests
    run in step 2.
 
-6. ``tools/bench/fp8.py``: one linear layer's FP8 products against bf16 (Llama-3 8B's FC1 and FC2, LLaMA
+6. (last, in what time the deadline leaves) ``tools/bench/dp.py --world 1``: ZeRO-2 and ZeRO-3 (prefetching, and at step scope) against the
+   distributed optimizer with overlap, on one device where the collectives are local copies: sharding's
+   own overhead (issue 29 asks <= 1.05x), a ~0.35B GPT in fp32, 4 microbatches (about 40 s).
+
+7. ``tools/bench/fp8.py``: one linear layer's FP8 products against bf16 (Llama-3 8B's FC1 and FC2, LLaMA
    ~1B's QKV), then bf16, FP8 tensorwise and FP8 delayed trained by ``pretrain()`` with ``--compile`` on
    a Llama-3-8B-shaped stack (8 layers, seq 8192) and on LLaMA ~1B (tokens/s, peak memory), and the
    loss gap over 200 iterations (``--fp8-data``: the data flags of those runs); last, the 8B-shaped stack
@@ -288,6 +292,34 @@ def run_loss(device: str, quick: bool, limit: float) -> list[dict]:
     return [{"step": "loss", "result": "ok", **row} for row in result["results"]]
 
 
+ZERO_SIZES = {  # tools/bench/dp.py at world size 1: a ~0.35B GPT in fp32, Megatron's 40M-element buckets
+    False: "--layers 12 --hidden 1536 --heads 12 --seq 2048 --vocab 32768 --microbatches 4 --bucket-size 40000000 "
+    "--steps 6 --warmup 2",
+    True: "--layers 2 --hidden 64 --heads 4 --seq 32 --vocab 512 --microbatches 2 --steps 2 --warmup 1",
+}
+ZERO_CONFIGS = ["distopt+overlap", "zero2+overlap", "zero3+prefetch", "zero3+step"]
+
+
+def run_zero(quick: bool, limit: float) -> list[dict]:
+    """``tools/bench/dp.py --world 1``: ZeRO-2 and ZeRO-3 (both scopes) against the distributed optimizer
+    where no rank shares anything, so that the ratio is sharding's own overhead (issue 29: <= 1.05x)."""
+    command = ["tools/bench/dp.py", "--world", "1", "--configs", *ZERO_CONFIGS, *ZERO_SIZES[quick].split()]
+    result, why = run_tool(command, limit)
+    if result is None:
+        return [_failed("zero", "config", "(all)", why)]
+    return [
+        {
+            "step": "zero",
+            "config": name,
+            "result": "ok",
+            "device": result["device"],
+            "median_ms": ms,
+            "vs_distopt": result["zero_vs_distopt"].get(name, 1.0),
+        }
+        for name, ms in result["median_ms"].items()
+    ]
+
+
 FP8_RUNS = {  # (bench_fp8 arguments, seconds each contestant may take): the most telling first
     False: [
         (["layer"], 120),
@@ -405,6 +437,15 @@ def print_table(env: dict, rows: list[dict]) -> None:
             f"{r['plain_ms']:>10.1f}{r['fused_ms']:>9.1f}{r['linear_ms']:>9.1f}"
         )
     _print_fp8(rows)
+    for r in _section(
+        rows, "zero", f"{'zero':<6} {'configuration (world size 1)':<32}{'median ms':>10}{'vs distopt':>12}"
+    ):
+        if r["result"] != "ok":
+            print(f"{'zero':<6} {r['config']:<32} {r['result']} {r.get('detail', '')}")
+            continue
+        print(
+            f"{'zero':<6} {r['config'] + ' on ' + r['device']:<32}{r['median_ms']:>10.1f}{r['vs_distopt']:>11.3f}x"
+        )
     if any(r["step"] == "bench" for r in rows):
         print(
             f"{'bench':<6} {'config dtype phase contestant':<48}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
@@ -445,7 +486,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny benchmark sizes (the CPU mode CI runs)")
     parser.add_argument(
-        "--only", choices=["tests", "memory", "loss", "bench", "fp8"], default=None, help="run one step only"
+        "--only",
+        choices=["tests", "memory", "loss", "zero", "bench", "fp8"],
+        default=None,
+        help="run one step only",
     )
     parser.add_argument(
         "--fp8-data",
@@ -505,6 +549,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.only in (None, "bench") and not needed:
         configs = ["tiny"] if args.quick else args.config
         rows += run_bench(args.device, configs, args.quick, args.deadline, started)
+    if args.only in (None, "zero") and not needed:  # last: what time the deadline leaves
+        left = args.deadline - (time.perf_counter() - started)
+        if args.only == "zero" or left >= 30:
+            rows += run_zero(args.quick, max(min(left, 90.0), 30.0))
+        else:
+            rows.append(
+                {"step": "zero", "config": "(all)", "result": f"skipped: {args.deadline:.0f} s deadline"}
+            )
     print_table(env, rows)
     bad = [
         r for r in rows if r["result"] in ("FAILED", "ERROR", "error") or r["result"].startswith("timeout")

@@ -34,6 +34,9 @@ def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode():
     bench = [r for r in result["rows"] if r["step"] == "bench"]
     assert {r["contestant"] for r in bench} == {"trident", "transformers", "trident --cuda-graph-impl local"}
     assert all(r["tokens_per_s"] > 0 for r in bench)
+    zero = {r["config"]: r for r in result["rows"] if r["step"] == "zero"}
+    assert list(zero) == ["distopt+overlap", "zero2+overlap", "zero3+prefetch", "zero3+step"]
+    assert zero["distopt+overlap"]["vs_distopt"] == 1.0 and all(r["median_ms"] > 0 for r in zero.values())
     graphs = [r["detail"] for r in result["rows"] if r["step"] == "graphs"]
     assert graphs[0] == (
         "--cuda-graph-impl local: CUDA graphs need CUDA; this run computes on the CPU (gloo) and goes on "

@@ -1,6 +1,6 @@
 """Data-parallel step time: gradient-reduce overlap, the distributed optimizer and ZeRO-2/3, DP = 2, one run.
 
-Two spawned ranks (gloo on CPU, NCCL on GPUs) each hold four copies of one GPT (8 layers, hidden
+Two spawned ranks (``--world``; gloo on CPU, NCCL on GPUs) each hold a copy per configuration of one GPT (8 layers, hidden
 512 by default) and train them with the real schedule, DDP wrapper and optimizer, taking turns step
 by step so that machine noise hits all four alike:
 
@@ -28,6 +28,11 @@ every rank between barriers and the slowest rank counts. Medians over ``--steps`
 
     python tools/bench/dp.py
     python tools/bench/dp.py --layers 8 --hidden 512 --seq 64 --microbatches 4 --bucket-size 2000000
+    python tools/bench/dp.py --world 1 --configs distopt+overlap zero3+prefetch zero3+step   # on one GPU:
+                                 # what sharding costs where there is nothing to share (the issue's <= 1.05x)
+
+At ``--world 1`` the collectives are local copies, so a strategy's ratio to ``distopt+overlap`` is its
+bookkeeping alone: the bucket views, ZeRO-3's frees and re-allocations, the hooks.
 
 Prints a table, then one JSON line.
 """
@@ -95,6 +100,12 @@ CONFIGS = {
     },
 }
 
+RATIOS = {  # JSON key: (configuration, over configuration), where both ran
+    "overlap_vs_plain": ("overlap", "plain"),
+    "distopt_vs_plain": ("distopt", "plain"),
+    "distopt_overlap_vs_overlap": ("distopt+overlap", "overlap"),
+}
+
 
 def _build(name: str, args: argparse.Namespace):
     config = preset(
@@ -120,12 +131,12 @@ def _build(name: str, args: argparse.Namespace):
 
 
 def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
-    init_rank(rank, 2, init_file, threads=max(1, (os.cpu_count() or 2) // 2))
-    parallel_state.initialize_model_parallel()  # DP = 2
+    init_rank(rank, args.world, init_file, threads=max(1, (os.cpu_count() or 2) // args.world))
+    parallel_state.initialize_model_parallel()  # DP = world
     model_parallel_seed(1234)
-    runs = {name: _build(name, args) for name in CONFIGS}
+    runs = {name: _build(name, args) for name in args.configs}
     batches = token_batches(args.vocab, args.mbs, args.seq, args.microbatches, seed=rank)
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    times: dict[str, list[float]] = {name: [] for name in args.configs}
     for step in range(args.warmup + args.steps):
         for name, (ddp, optimizer, hooks) in runs.items():
 
@@ -149,36 +160,43 @@ def main(argv=None) -> dict:
         __doc__, layers=8, hidden=512, heads=8, seq=64, mbs=1, microbatches=4, vocab=4096
     )
     parser.add_argument("--bucket-size", type=int, default=2_000_000, help="elements per bucket")
+    parser.add_argument("--world", type=int, choices=[1, 2], default=2, help="ranks, all data-parallel")
+    parser.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
+        help=f"the configurations to time (default: all; {', '.join(CONFIGS)})",
+    )  # fmt: skip
     add_int_flags(parser, steps=10, warmup=2)
     args = parser.parse_args(argv)
-    times = spawn(_rank, args)
+    times = spawn(_rank, args, world=args.world)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
+    base = "plain" if "plain" in medians else next(iter(medians))
     params = args.layers * 12 * args.hidden**2 + args.vocab * args.hidden
     print(
-        f"DP=2, GPT {args.layers} layers x hidden {args.hidden} (~{params / 1e6:.0f}M parameters), "
+        f"DP={args.world}, GPT {args.layers} layers x hidden {args.hidden} (~{params / 1e6:.0f}M parameters), "
         f"{args.microbatches} microbatches of {args.mbs} x {args.seq}, buckets of {args.bucket_size} "
         f"elements; {args.steps} steps each, taking turns"
     )
-    print(f"{'configuration':<18}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'vs plain':>10}")
+    print(f"{'configuration':<18}{'median ms':>11}{'p25 ms':>9}{'p75 ms':>9}{'vs ' + base:>20}")
     for name, ts in times.items():
         p25, _, p75 = statistics.quantiles(ts, n=4)
-        ratio = medians[name] / medians["plain"]
-        print(f"{name:<18}{medians[name] * 1000:>11.1f}{p25 * 1000:>9.1f}{p75 * 1000:>9.1f}{ratio:>10.3f}")
-    for name in (n for n in medians if n.startswith("zero")):
-        print(f"{name} / distopt+overlap: {medians[name] / medians['distopt+overlap']:.3f}")
+        ratio = medians[name] / medians[base]
+        print(f"{name:<18}{medians[name] * 1000:>11.1f}{p25 * 1000:>9.1f}{p75 * 1000:>9.1f}{ratio:>20.3f}")
+    zero_vs_distopt = {}
+    if "distopt+overlap" in medians:
+        for name in (n for n in medians if n.startswith("zero")):
+            zero_vs_distopt[name] = round(medians[name] / medians["distopt+overlap"], 4)
+            print(f"{name} / distopt+overlap: {zero_vs_distopt[name]:.3f}")
     summary = {
         "benchmark": "bench_dp",
+        "world": args.world,
+        "device": current_device().type,
         "median_ms": {name: round(m * 1000, 1) for name, m in medians.items()},
-        "overlap_vs_plain": round(medians["overlap"] / medians["plain"], 4),
-        "distopt_vs_plain": round(medians["distopt"] / medians["plain"], 4),
-        "zero_vs_distopt": {
-            name: round(medians[name] / medians["distopt+overlap"], 4)
-            for name in medians
-            if name.startswith("zero")
-        },
-        "distopt_overlap_vs_overlap": round(medians["distopt+overlap"] / medians["overlap"], 4),
+        "zero_vs_distopt": zero_vs_distopt,
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+    for key, (name, over) in RATIOS.items():
+        if name in medians and over in medians:
+            summary[key] = round(medians[name] / medians[over], 4)
     print(json.dumps(summary))
     return summary
 
