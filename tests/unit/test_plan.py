@@ -24,11 +24,11 @@ from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.activations import Shape, stage_activations
-from planner.calibrate import BEHIND_KIND, group_sizes, monotone
+from planner.calibrate import group_sizes, monotone
 from planner.candidate import DP_SHARDING, Candidate
 from planner.cli import _collectives_text
 from planner.costs import LayerProfile, StageCostModel
-from planner.hardware import GPUS, Cluster, Gpu, HostCosts
+from planner.hardware import BEHIND_KIND, GPUS, Cluster, Gpu, HostCosts
 from planner.inputs import read_input
 from planner.layouts import balanced_layout, stage_layer_counts, uneven_layer_counts
 from planner.megatron_formula import megatron_memory
@@ -677,6 +677,17 @@ def test_under_pipelining_ring_attention_costs_its_exchange_timed_behind_other_r
     flat = _candidate(spec, tp=1, cp=2, pp=1, dp=2, micro_batch_size=2, num_microbatches=4)
     layer = StageCostModel(spec, flat, cluster).collective_costs()[0]
     assert (layer.forward, layer.backward_input) == pytest.approx((0.001, (0.005 + 0.0035) / 2.0), rel=1e-9)
+
+
+def test_the_exchange_behind_other_ranks_is_a_key_of_the_hardware_profile():
+    """The calibration writes the key the cost model reads: both take it from the hardware profile
+    (``planner.calibrate`` re-exports it), and a profile's measured points answer under it only."""
+    from planner import calibrate, costs
+
+    assert calibrate.BEHIND_KIND is costs.BEHIND_KIND is BEHIND_KIND == "ring_exchange_behind"
+    host = HostCosts(collectives=(((BEHIND_KIND, 2), ((1024, 0.004), (2048, 0.010))),))
+    assert host.collective_seconds(BEHIND_KIND, 2, 1536) == pytest.approx(0.007, rel=1e-12)
+    assert host.collective_seconds("ring_exchange", 2, 1536) is None
 
 
 def test_measured_dp_collectives_cost_each_bucket_and_add_to_the_step_on_shared_cores():
