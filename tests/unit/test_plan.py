@@ -769,6 +769,19 @@ def test_cli_prints_a_table_and_a_json_line(capsys):
     assert "--tensor-model-parallel-size" in first["args"]
 
 
+def test_a_schedule_given_fixes_it_even_when_it_is_megatrons_default(small):
+    """``--pipeline-schedule 1f1b`` pins 1F1B (interleaved with virtual stages) as any other schedule
+    given does; without the flag the search also tries the zero-bubble schedules."""
+    pinned = read_input([*SMALL, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "4"])
+    assert pinned.fixed == {"schedule": "1f1b", "pp": 4}
+    cluster = Cluster(4, 4, GPUS["h100"])
+    free = search(small.spec, cluster, global_batch_size=16, top=100, fixed={"pp": 4})
+    assert {"1f1b", "zb-h1", "zbv"} <= {p.cand.schedule for p in free.candidates}
+    result = search(pinned.spec, cluster, global_batch_size=16, top=100, fixed=pinned.fixed)
+    assert {p.cand.schedule for p in result.candidates} == {"1f1b"}
+    assert {p.cand.vpp for p in result.candidates} == {p.cand.vpp for p in free.candidates}
+
+
 def test_a_multi_node_plan_prints_a_command_that_runs_on_every_node(capsys):
     """The printed line goes through torchrun's own parser (README's c10d rendezvous, one line for every
     node) and its flags through ``pretrain_gpt.py``'s, for the planned world size."""
