@@ -155,6 +155,14 @@ RULES: list[tuple[str, str, dict[str, Any], int, str]] = [
 
 # The decoder's own rules, shared the same way.
 DECODER: list[tuple[str, str, dict[str, Any], int, str]] = [
+    ("a size below 1", "--num-layers 0", {"num_layers": 0}, 1, "num_layers must be >= 1, got 0"),
+    (
+        "an FFN size below 1",
+        "--ffn-hidden-size 0",
+        {"ffn_hidden_size": 0},
+        1,
+        "ffn_hidden_size must be >= 1, got 0",
+    ),
     (
         "heads over TP",
         "--tensor-model-parallel-size 2 --num-attention-heads 2 --group-query-attention --num-query-groups 1",
