@@ -22,6 +22,7 @@ import copy
 import os
 from typing import Any
 
+from core.model_parallel_config import parallel_size_problems
 from core.problems import Problem
 from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel.rules import context_parallel_problems
@@ -105,8 +106,6 @@ def _rank0_note(message: str) -> None:
 
 _AT_LEAST = {
     1: (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
         "seq_length",
         "max_position_embeddings",
         "micro_batch_size",
@@ -152,8 +151,8 @@ _AT_LEAST = {
         "profile_step_start",
     ),
 }
-"""Lower bounds of flags the command line bounds itself (the decoder's sizes are its config's rule,
-``size_problems``)."""
+"""Lower bounds of flags the command line bounds itself (the parallel and decoder sizes are their
+configs' rules: ``parallel_size_problems``, ``size_problems``)."""
 _FRACTIONS = ("lr_warmup_fraction", "adam_beta1", "adam_beta2")
 """Fractions the command line checks itself (the decoder's dropouts are its config's rules)."""
 
@@ -190,8 +189,9 @@ def _check_supported_values(args: argparse.Namespace) -> None:
 
 
 def _check_ranges(args: argparse.Namespace) -> None:
-    """The decoder's sizes by its config's rule (those given; the others are derived later), then the rest."""
-    _refuse_first(size_problems(args))
+    """The parallel and decoder sizes by their configs' rules (the decoder's given; the others are derived
+    later), then the rest."""
+    _refuse_first(parallel_size_problems(args) + size_problems(args))
     for low, dests in _AT_LEAST.items():
         for dest in dests:
             value = getattr(args, dest)
