@@ -123,15 +123,7 @@ class ModelParallelConfig:
     """Megatron's name for ``ScheduleHooks.timers``: times forward and backward compute."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for refused in expert_tensor_parallel_problems(self):
+        for refused in parallel_size_problems(self) + expert_tensor_parallel_problems(self):
             raise ValueError(str(refused))
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp < 1:
@@ -154,6 +146,24 @@ class ModelParallelConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron silently turns it off; so do we, it is a no-op at TP=1.
             self.sequence_parallel = False
+
+
+_PARALLEL_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
+
+
+def parallel_size_problems(config: Any) -> list[Problem]:
+    """The parallel sizes below 1. The config refuses the first at construction, the command line
+    with its flag."""
+    return [
+        problem(f"{{{name}}} must be >= 1, got {{value}}", name, value=value)
+        for name in _PARALLEL_SIZES
+        if (value := getattr(config, name)) < 1
+    ]
 
 
 def expert_tensor_parallel_problems(config: Any) -> list[Problem]:

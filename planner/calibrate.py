@@ -60,7 +60,7 @@ from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.spawned import first_result
 from core.tensor_parallel.utils import all_gather_single, reduce_scatter_single
 from core.transformer.context_parallel.ring import RingExchange
-from planner.hardware import HostCosts
+from planner.hardware import BEHIND_KIND, HostCosts
 from planner.shared_cores import time_shared
 
 __all__ = [
@@ -98,10 +98,6 @@ data-parallel gradient bucket's (a few layers' fp32 gradients), where the three 
 otherwise be stretched tenfold."""
 DP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 """The collectives data parallelism runs (gradient reduction, parameter gather); a layer's TP ones too."""
-BEHIND_KIND = "ring_exchange_behind"
-"""``HostCosts.collectives``' key for ring attention's exchange in the first group while every other rank
-computes on without rounds (as the other pipeline stages do under PP): the exchange waits for a partner
-that other work keeps off the cores, which the lockstep timing (every group at once) does not see."""
 OPTIMIZER_CASES = ((256, 1024), (2, 1 << 22))
 """(tensors, elements each) the optimizer step is timed on: many small tensors, then a few large ones
 (2 x 2^22 elements: 128 MiB of parameters, gradients and moments, beyond the caches, as a real rank's)."""

@@ -50,9 +50,8 @@ from dataclasses import dataclass, field
 
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE
 from planner.activations import Shape, stage_activations
-from planner.calibrate import BEHIND_KIND
 from planner.candidate import Candidate
-from planner.hardware import Cluster, Interconnect
+from planner.hardware import BEHIND_KIND, Cluster, Interconnect
 from planner.model_spec import ModelSpec
 
 __all__ = ["CAST_READS", "ActionCosts", "LayerProfile", "MatmulRates", "StageCostModel"]

@@ -19,7 +19,12 @@ from itertools import pairwise
 
 from training.reporting.throughput import PEAK_TFLOPS
 
-__all__ = ["GPUS", "Cluster", "Gpu", "HostCosts", "Interconnect"]
+__all__ = ["BEHIND_KIND", "GPUS", "Cluster", "Gpu", "HostCosts", "Interconnect"]
+
+BEHIND_KIND = "ring_exchange_behind"
+"""``HostCosts.collectives``' key for ring attention's exchange in the first group while every other rank
+computes on without rounds (as the other pipeline stages do under PP): the exchange waits for a partner
+that other work keeps off the cores, which the lockstep timing (every group at once) does not see."""
 
 
 @dataclass(frozen=True)

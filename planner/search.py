@@ -185,7 +185,7 @@ def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
         vpps=pick("vpp", (1, 2, 3, 4, 6, 8)),
         micro_batch_sizes=pick("micro_batch_size", (1, 2, 4, 8)),
         recomputes=(recompute,) if recompute else RECOMPUTE,
-        schedules=(fixed["schedule"],) if fixed.get("schedule") not in (None, DEFAULT_SCHEDULE) else None,
+        schedules=(fixed["schedule"],) if fixed.get("schedule") is not None else None,
         pps=pick("pp", ()) or None,
         layout=fixed.get("layout"),
         dp_sharding=fixed.get("dp_sharding"),

@@ -21,11 +21,12 @@ _SIZES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"
 
 
 def size_problems(config: Any) -> list[Problem]:
-    """The sizes below 1: nothing else can be checked against them."""
+    """The sizes below 1: nothing else can be checked against them. A size still None is derived
+    from the others later (the command line checks its flags before deriving them)."""
     return [
-        problem(f"{{{name}}} must be >= 1, got {{value}}", name, value=getattr(config, name))
+        problem(f"{{{name}}} must be >= 1, got {{value}}", name, value=value)
         for name in _SIZES
-        if getattr(config, name) < 1
+        if (value := getattr(config, name)) is not None and value < 1
     ]
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from core.model_parallel_config import expert_tensor_parallel_problems
+from core.model_parallel_config import expert_tensor_parallel_problems, parallel_size_problems
 from core.problems import Problem, ProblemsError, problem
 from core.transformer import TransformerConfig
 from core.transformer.moe.rules import moe_training_problems
@@ -155,6 +155,14 @@ RULES: list[tuple[str, str, dict[str, Any], int, str]] = [
 
 # The decoder's own rules, shared the same way.
 DECODER: list[tuple[str, str, dict[str, Any], int, str]] = [
+    ("a size below 1", "--num-layers 0", {"num_layers": 0}, 1, "num_layers must be >= 1, got 0"),
+    (
+        "an FFN size below 1",
+        "--ffn-hidden-size 0",
+        {"ffn_hidden_size": 0},
+        1,
+        "ffn_hidden_size must be >= 1, got 0",
+    ),
     (
         "heads over TP",
         "--tensor-model-parallel-size 2 --num-attention-heads 2 --group-query-attention --num-query-groups 1",
@@ -249,6 +257,24 @@ def test_experts_split_over_tp_are_refused_by_the_parallel_config_and_the_comman
         megatron_args(f"{MODEL} --train-iters 3 --num-experts 4 --expert-tensor-parallel-size 2")
     (refused,) = expert_tensor_parallel_problems(SimpleNamespace(expert_tensor_parallel_size=2))
     assert (str(api.value), str(cli.value)) == (str(refused), command_line_message(refused))
+
+
+@pytest.mark.parametrize(
+    "field", ["tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"]
+)
+def test_a_parallel_size_below_1_is_refused_by_the_parallel_config_and_the_command_line_alike(field):
+    """One rule, the parallel config's: the command line says it with the flag (CP 0 divided the world
+    size by zero before it did)."""
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError) as api:
+        TransformerConfig(**SIZES, **{field: 0})
+    with pytest.raises(ValueError) as cli:
+        megatron_args(f"{MODEL} --train-iters 3 {flag} 0")
+    parallel = ("tensor_model", "pipeline_model", "context", "expert_model")
+    sizes = {f"{name}_parallel_size": 1 for name in parallel} | {field: 0}
+    (refused,) = parallel_size_problems(SimpleNamespace(**sizes))
+    assert str(api.value) == str(refused) == f"{field} must be >= 1, got 0"
+    assert str(cli.value) == command_line_message(refused) == f"{flag} must be >= 1, got 0"
 
 
 def test_the_config_takes_megatrons_layer_pattern_text_as_the_command_line_does():

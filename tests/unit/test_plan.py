@@ -24,11 +24,11 @@ from core.pipeline_parallel.schedule_tables import build_tables
 from core.pipeline_parallel.simulator import simulate
 from core.pipeline_parallel.stage_timer import StageTimer
 from planner.activations import Shape, stage_activations
-from planner.calibrate import BEHIND_KIND, group_sizes, monotone
+from planner.calibrate import group_sizes, monotone
 from planner.candidate import DP_SHARDING, Candidate
 from planner.cli import _collectives_text
 from planner.costs import LayerProfile, StageCostModel
-from planner.hardware import GPUS, Cluster, Gpu, HostCosts
+from planner.hardware import BEHIND_KIND, GPUS, Cluster, Gpu, HostCosts
 from planner.inputs import read_input
 from planner.layouts import balanced_layout, stage_layer_counts, uneven_layer_counts
 from planner.megatron_formula import megatron_memory
@@ -679,6 +679,17 @@ def test_under_pipelining_ring_attention_costs_its_exchange_timed_behind_other_r
     assert (layer.forward, layer.backward_input) == pytest.approx((0.001, (0.005 + 0.0035) / 2.0), rel=1e-9)
 
 
+def test_the_exchange_behind_other_ranks_is_a_key_of_the_hardware_profile():
+    """The calibration writes the key the cost model reads: both take it from the hardware profile
+    (``planner.calibrate`` re-exports it), and a profile's measured points answer under it only."""
+    from planner import calibrate, costs
+
+    assert calibrate.BEHIND_KIND is costs.BEHIND_KIND is BEHIND_KIND == "ring_exchange_behind"
+    host = HostCosts(collectives=(((BEHIND_KIND, 2), ((1024, 0.004), (2048, 0.010))),))
+    assert host.collective_seconds(BEHIND_KIND, 2, 1536) == pytest.approx(0.007, rel=1e-12)
+    assert host.collective_seconds("ring_exchange", 2, 1536) is None
+
+
 def test_measured_dp_collectives_cost_each_bucket_and_add_to_the_step_on_shared_cores():
     """DP 2 on two CPU ranks sharing two cores (slowdown 1 at two busy), the model of
     ``test_zero_traffic_per_bucket_and_step_at_each_scope`` (264,832 elements, 6 buckets; 1 s per layer
@@ -756,6 +767,19 @@ def test_cli_prints_a_table_and_a_json_line(capsys):
         assert key in first
     assert all(c["tp"] == 2 for c in payload["candidates"])  # a flag given fixes its dimension
     assert "--tensor-model-parallel-size" in first["args"]
+
+
+def test_a_schedule_given_fixes_it_even_when_it_is_megatrons_default(small):
+    """``--pipeline-schedule 1f1b`` pins 1F1B (interleaved with virtual stages) as any other schedule
+    given does; without the flag the search also tries the zero-bubble schedules."""
+    pinned = read_input([*SMALL, "--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "4"])
+    assert pinned.fixed == {"schedule": "1f1b", "pp": 4}
+    cluster = Cluster(4, 4, GPUS["h100"])
+    free = search(small.spec, cluster, global_batch_size=16, top=100, fixed={"pp": 4})
+    assert {"1f1b", "zb-h1", "zbv"} <= {p.cand.schedule for p in free.candidates}
+    result = search(pinned.spec, cluster, global_batch_size=16, top=100, fixed=pinned.fixed)
+    assert {p.cand.schedule for p in result.candidates} == {"1f1b"}
+    assert {p.cand.vpp for p in result.candidates} == {p.cand.vpp for p in free.candidates}
 
 
 def test_a_multi_node_plan_prints_a_command_that_runs_on_every_node(capsys):

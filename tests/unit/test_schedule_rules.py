@@ -19,6 +19,8 @@ from core.pipeline_parallel.schedule_rules import (
     schedule_rule,
 )
 from core.pipeline_parallel.simulator import simulate
+from tools.bench.schedules import SCHEDULES as BENCH_CELLS
+from tools.bench.schedules import config_schedule, runs
 from training.arguments.parser import build_parser
 from training.arguments.schema import BY_DEST
 
@@ -105,3 +107,16 @@ def _schedule_names_outside_the_records() -> list[str]:
 def test_only_the_records_name_a_schedule():
     """Adding a schedule touches one record: no other module spells a schedule's name."""
     assert _schedule_names_outside_the_records() == []
+
+
+def test_the_schedule_benchmark_asks_the_records():
+    """``tools/bench/schedules.py`` runs each table as the records say: as the command-line schedule
+    whose interleaved form it is, and at the microbatch counts Megatron's interleaving rule takes
+    (at the default group size: a multiple of the pipeline size), here against that rule written out."""
+    tables = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+    assert [config_schedule(s) for s in tables] == ["gpipe", "1f1b", "1f1b", "zb-h1", "zbv"]
+    for schedule, vpp in BENCH_CELLS:
+        for pp in (2, 4):
+            taken = [m for m in range(1, 13) if runs(schedule, vpp, pp, m)]
+            expected = list(range(1, 13)) if vpp == 1 or schedule == "zbv" else list(range(pp, 13, pp))
+            assert taken == expected, (schedule, vpp, pp)

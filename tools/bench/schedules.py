@@ -40,14 +40,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from core.model_parallel_config import ModelParallelConfig
 from core.pipeline_parallel.actions import B, F, I, W
-from core.pipeline_parallel.schedule_rules import placement_for
-from core.pipeline_parallel.schedule_tables import build_tables
+from core.pipeline_parallel.schedule_rules import CLI_SCHEDULES, placement_for, schedule_rule
+from core.pipeline_parallel.schedule_tables import build_tables, check_interleaving
 from core.pipeline_parallel.simulator import simulate
 from tools.bench.ranks import collect
 
 SEQ, BATCH, HIDDEN = 16, 1, 16
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-h1", 2), ("zbv", 2)]
-CONFIG_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "1f1b", "zb-h1": "zb-h1", "zbv": "zbv"}
 
 PRECISE = True
 
@@ -214,7 +213,7 @@ def _trident_schedule(schedule, vpp, m, rank, world, costs, record=None):
         pipeline_model_parallel_size=world,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         hidden_size=HIDDEN,
-        pipeline_schedule=CONFIG_SCHEDULE[schedule],
+        pipeline_schedule=config_schedule(schedule),
     )
     placement = placement_for(schedule, world, vpp)
     stages = [placement.stage(rank, c) for c in range(vpp)]
@@ -303,6 +302,25 @@ def ideal_makespan(schedule: str, pp: int, vpp: int, m: int, args) -> float:
     return simulate(tables, placement, cost, cost, input_cost=cost, weight_cost=cost).makespan
 
 
+def config_schedule(schedule: str) -> str:
+    """The ``pipeline_schedule`` that runs table ``schedule`` ("interleaved" is 1F1B with chunks)."""
+    return next(
+        (name for name in CLI_SCHEDULES if schedule_rule(name).interleaved_form == schedule), schedule
+    )
+
+
+def runs(schedule: str, vpp: int, pp: int, microbatches: int) -> bool:
+    """Whether the table runs ``microbatches`` at ``vpp`` chunks per rank (Megatron's interleaving
+    rule, at the default group size, where the schedule groups its microbatches)."""
+    if not schedule_rule(schedule).groups_microbatches(vpp):
+        return True
+    try:
+        check_interleaving(pp, vpp, microbatches)
+    except ValueError:
+        return False
+    return True
+
+
 def _name(schedule: str, vpp: int) -> str:
     if schedule == "zb-h1" and vpp > 1:
         return f"interleaved zb v={vpp}"
@@ -361,13 +379,7 @@ def main(argv=None) -> dict:
     pp = args.pipeline_model_parallel_size
     engines = ["trident"] + (["torch"] if args.peer == "torch" else [])
     chosen = [(s, v) for s, v in SCHEDULES if _name(s, v) in args.schedules]
-    cases = [
-        (e, s, v, m)
-        for m in args.microbatches
-        for s, v in chosen
-        for e in engines
-        if not (v > 1 and s != "zbv" and (m % pp or m < pp))
-    ]
+    cases = [(e, s, v, m) for m in args.microbatches for s, v in chosen for e in engines if runs(s, v, pp, m)]
     results, peaks = _run(args, cases)
     print(
         f"PP={pp}, per microbatch and rank: forward {args.forward_ms} ms, input gradient {args.input_ms} ms, "

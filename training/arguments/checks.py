@@ -22,13 +22,14 @@ import copy
 import os
 from typing import Any
 
+from core.model_parallel_config import parallel_size_problems
 from core.problems import Problem
 from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel.rules import context_parallel_problems
 from core.transformer.cuda_graphs import cuda_graph_problems
 from core.transformer.moe.moe_config import parse_moe_layer_freq
 from core.transformer.moe.rules import moe_problems
-from core.transformer.rules import decoder_problems
+from core.transformer.rules import decoder_problems, size_problems
 from training.arguments.data_flags import check_data_flags
 from training.arguments.data_parallel_flags import derive_precision_and_data_parallel
 from training.arguments.schema import BY_OPTION, COVERAGE
@@ -105,11 +106,6 @@ def _rank0_note(message: str) -> None:
 
 _AT_LEAST = {
     1: (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
         "seq_length",
         "max_position_embeddings",
         "micro_batch_size",
@@ -119,8 +115,6 @@ _AT_LEAST = {
         "eval_interval",
         "save_interval",
         "exit_interval",
-        "num_query_groups",
-        "ffn_hidden_size",
         "vocab_size",
         "num_layers_per_virtual_pipeline_stage",
         "num_virtual_stages_per_pipeline_rank",
@@ -157,6 +151,8 @@ _AT_LEAST = {
         "profile_step_start",
     ),
 }
+"""Lower bounds of flags the command line bounds itself (the parallel and decoder sizes are their
+configs' rules: ``parallel_size_problems``, ``size_problems``)."""
 _FRACTIONS = ("lr_warmup_fraction", "adam_beta1", "adam_beta2")
 """Fractions the command line checks itself (the decoder's dropouts are its config's rules)."""
 
@@ -193,6 +189,9 @@ def _check_supported_values(args: argparse.Namespace) -> None:
 
 
 def _check_ranges(args: argparse.Namespace) -> None:
+    """The parallel and decoder sizes by their configs' rules (the decoder's given; the others are derived
+    later), then the rest."""
+    _refuse_first(parallel_size_problems(args) + size_problems(args))
     for low, dests in _AT_LEAST.items():
         for dest in dests:
             value = getattr(args, dest)
