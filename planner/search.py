@@ -401,14 +401,15 @@ def _instance_options(
     """HSDP's ``(instances, outer strategy)`` to try with a strategy: the user's; else none, and on more
     than one node also one instance per node where the nodes divide DP x CP into groups of two or more
     (each instance's sharding then stays on a node's fast links, only the once-a-step reduction of the
-    shards crosses nodes), ZeRO-3's with the outer ``optim`` (its optimizer state still split DP x CP
-    ways: the same bytes moved, less held)."""
+    shards crosses nodes), ZeRO-3's with the outer ``optim`` unless the user gave an outer strategy (its
+    optimizer state still split DP x CP ways: the same bytes moved, less held)."""
     if space.instances is not None:
         return [(space.instances, space.outer_dp_sharding or "no_shard")]
     options = [(1, "no_shard")]
     nodes, shards = cluster.num_gpus // cluster.gpus_per_node, base.dp * base.cp
     if strategy != "no_shard" and nodes > 1 and shards % nodes == 0 and shards // nodes >= 2:
-        options.append((nodes, "optim" if strategy == "optim_grads_params" else "no_shard"))
+        outer = "optim" if strategy == "optim_grads_params" else "no_shard"
+        options.append((nodes, space.outer_dp_sharding or outer))
     return options
 
 
