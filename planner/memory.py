@@ -22,6 +22,11 @@ still there at the optimizer step), at microbatch scope only the units in flight
 own weights (embedding, final norm, output layer) and two layers' parameters (the running one and the
 prefetched next), three layers' gradients (the one in backward and two reductions in flight).
 
+Under HSDP (``Candidate.instances`` N > 1, ``core.distributed.grad_buffer``) buckets are sharded over one
+instance's DP x CP / N ranks, so a rank holds N times the shards above, the optimizer state included,
+except that the outer ``optim`` splits the state over the N instances again (1/(DP x CP), as without
+instances); buckets pad to lcm(the ranks the state is split over, 128).
+
 The optimizer step has a peak of its own: static memory plus the gradient norm's temporaries (AdamW's
 fused kernel allocates none): on a CPU a few bytes per 128-element block, on a GPU a number per tensor.
 """

@@ -24,7 +24,10 @@ pipeline ``auto`` is microbatch): each scope that fits with less recomputation t
 below is kept, and where both do the simulated step picks the faster (step scope moves ZeRO-1's
 traffic, microbatch scope holds only the units in flight). ZeRO-3's step scope is left out of the
 climb: ZeRO-2's moves the same and holds less. ``--use-megatron-fsdp`` (with
-``--data-parallel-sharding-strategy``) fixes the strategy. The rest is
+``--data-parallel-sharding-strategy``) fixes the strategy. On more than one node every strategy but
+``no_shard`` is also tried as HSDP with one distributed-optimizer instance per node
+(:func:`_instance_options`), beside the same strategy over all of DP x CP, the simulated step picking;
+``--num-distributed-optimizer-instances`` fixes N. The rest is
 timed by branch and bound:
 candidates in order of a lower bound on their step (the busiest rank's compute), simulated until the
 next bound exceeds the ``top``-th best simulated step, so only a few schedules are simulated in full.
