@@ -53,6 +53,13 @@ class Candidate:
     dp_sharding_scope: str = "auto"
     """``--data-parallel-sharding-scope`` of ZeRO-2/3: ``auto`` (``step`` with more than one pipeline stage,
     else ``microbatch``), ``step`` or ``microbatch``."""
+    instances: int = 1
+    """``--num-distributed-optimizer-instances`` (HSDP): the DP x CP ranks split into this many instances of
+    consecutive ranks; buckets are sharded inside an instance and each shard is reduced over its
+    replicas once a step."""
+    outer_dp_sharding: str = "no_shard"
+    """``--outer-dp-sharding-strategy``: ``optim`` splits each shard's optimizer state over the instances
+    too (ZeRO-3 only), ``no_shard`` keeps a whole optimizer per instance."""
 
     @property
     def distributed_optimizer(self) -> bool:
@@ -66,10 +73,30 @@ class Candidate:
             return None
         return self.dp_sharding, resolve_sharding_scope(self.dp_sharding_scope, self.pp)
 
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks a bucket is sharded over: DP x CP, or one instance's DP x CP / N under HSDP."""
+        return self.dp * self.cp // self.instances
+
+    @property
+    def outer_sharded(self) -> bool:
+        """HSDP's outer ``optim``: the optimizer state split over the instances as well."""
+        return self.instances > 1 and self.outer_dp_sharding == "optim"
+
+    @property
+    def state_shards(self) -> int:
+        """The ranks the optimizer state is split over: :attr:`shard_ranks`, times N with the outer
+        ``optim`` (so DP x CP, as without instances); a bucket pads to a multiple of lcm(this, 128)."""
+        return self.shard_ranks * (self.instances if self.outer_sharded else 1)
+
     def sharding_label(self) -> str:
-        """The report's column: ``no_shard``, ``optim``, ``optim_grads_params/microbatch``."""
+        """The report's column: ``no_shard``, ``optim``, ``optim_grads_params/microbatch``, and under HSDP
+        `` HSDP4`` (N instances) with `` outer optim``."""
         zero = self.zero
-        return "/".join(zero) if zero else self.dp_sharding
+        label = "/".join(zero) if zero else self.dp_sharding
+        if self.instances > 1:
+            label += f" HSDP{self.instances}" + (" outer optim" if self.outer_sharded else "")
+        return label
 
     @property
     def world_size(self) -> int:
@@ -152,6 +179,10 @@ class Candidate:
             out += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", self.dp_sharding]
             if self.dp_sharding_scope != "auto":
                 out += ["--data-parallel-sharding-scope", self.dp_sharding_scope]
+        if self.instances > 1:
+            out += ["--num-distributed-optimizer-instances", str(self.instances)]
+        if self.outer_sharded:
+            out += ["--outer-dp-sharding-strategy", "optim"]
         if self.distributed_optimizer:
             out.append("--overlap-param-gather")
         return out

@@ -170,16 +170,20 @@ def main(argv: list[str] | None = None, *, forward_step_func=None) -> int:
             "re-ranked with the refitted costs (every split, schedule and layout; the run's own flags fix none):"
         )
         fixed = {}
-    result = search(
-        plan_input.spec,
-        cluster,
-        global_batch_size=plan_input.global_batch_size,
-        fixed=fixed,
-        allow_distributed_optimizer=plan_input.distributed_optimizer_allowed,
-        top=opts.top,
-        profile=profile,
-        device=device,
-    )
+    try:
+        result = search(
+            plan_input.spec,
+            cluster,
+            global_batch_size=plan_input.global_batch_size,
+            fixed=fixed,
+            allow_distributed_optimizer=plan_input.distributed_optimizer_allowed,
+            top=opts.top,
+            profile=profile,
+            device=device,
+        )
+    except ValueError as err:  # the user's fixed sizes fit no split (--num-distributed-optimizer-instances)
+        print(f"tools/plan.py: error: {err}", file=sys.stderr)
+        return 2
     print(format_table(result, cluster, plan_input.base_flags))
     if run is not None:
         print(run_rank_line(result, run))

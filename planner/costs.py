@@ -164,7 +164,9 @@ class StageCostModel:
         self.tp_link = cluster.link(tp_stride, cand.tp)
         self.cp_link = cluster.link(cp_stride, cand.cp)
         self.ep_link = cluster.link(self.dp_stride, cand.ep)
-        self.dp_link = cluster.link(self.dp_stride, cand.dp * cand.cp)
+        self.dp_link = cluster.link(self.dp_stride, cand.shard_ranks)
+        self.instance_link = cluster.link(self.dp_stride * cand.shard_ranks, cand.instances)
+        """HSDP: the N replicas of a shard, one per instance, an instance's DP x CP / N ranks apart."""
         self.pp_link = cluster.link(self.pp_stride, 2)
         self.rates = self._rates()
         self._layer, self._embedding, self._loss = (
@@ -447,15 +449,33 @@ class StageCostModel:
         the host measured that collective at the group's size (``HostCosts.collectives``, every group
         at once among compute) each bucket costs the measured wall seconds of its share (the
         data-parallel channel runs in wall seconds, outside the shared-core timing: not divided by the
-        load); else the ring's transfer and its ``size - 1`` steps' latency per bucket."""
-        size = self.cand.dp * self.cand.cp
+        load); else the ring's transfer and its ``size - 1`` steps' latency per bucket. Under HSDP the
+        group is one instance's DP x CP / N ranks (:meth:`instance_seconds` adds the replicas' share)."""
+        return self._ring_seconds(self.dp_link, self.cand.shard_ranks, nbytes, buckets, kind)
+
+    def _ring_seconds(self, link: Interconnect, size: int, nbytes: float, buckets: int, kind: str) -> float:
         if size <= 1:
             return 0.0
         measured = self.cluster.host.collective_seconds(kind, size, nbytes / buckets)
         if measured is not None:
             return buckets * measured
-        ring = self.dp_link.ring(size, nbytes, all_reduce=kind == "all_reduce")
-        return ring + (buckets - 1) * (size - 1) * self.dp_link.latency
+        ring = link.ring(size, nbytes, all_reduce=kind == "all_reduce")
+        return ring + (buckets - 1) * (size - 1) * link.latency
+
+    def instance_seconds(self, grad_bytes: float, param_bytes: float, buckets: int = 1) -> float:
+        """HSDP's once-a-step traffic over the N instances (``core.distributed.grad_buffer``): each rank's
+        reduced gradient shard (``grad_bytes`` of whole buffers, 1 / (DP x CP / N) of them its shard) is
+        all-reduced over its N replicas; with the outer ``optim`` it is reduce-scattered instead and the
+        updated parameter shard (of ``param_bytes``) all-gathered back over them after the step. Blocking
+        (``finish_grad_sync``, after the optimizer step), so nothing hides it. 0 without instances."""
+        n = self.cand.instances
+        if n <= 1:
+            return 0.0
+        grad_shard, param_shard = grad_bytes / self.cand.shard_ranks, param_bytes / self.cand.shard_ranks
+        if not self.cand.outer_sharded:
+            return self._ring_seconds(self.instance_link, n, grad_shard, buckets, "all_reduce")
+        reduce = self._ring_seconds(self.instance_link, n, grad_shard, buckets, "reduce_scatter")
+        return reduce + self._ring_seconds(self.instance_link, n, param_shard, buckets, "all_gather")
 
     @property
     def dp_overlaps(self) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from planner.model_spec import ModelSpec
 from planner.presets import preset_flags
+from training.arguments.data_parallel_flags import instances_problem
 from training.arguments.parser import parse_args
 from training.arguments.schema import BY_DEST, BY_OPTION
 from training.checkpoint.model_args import checkpoint_model_args
@@ -51,6 +52,8 @@ _ALSO_PLANNED = (
     "use_megatron_fsdp",
     "data_parallel_sharding_strategy",
     "data_parallel_sharding_scope",
+    "num_distributed_optimizer_instances",
+    "outer_dp_sharding_strategy",
     "overlap_grad_reduce",
     "overlap_param_gather",
     "global_batch_size",
@@ -68,7 +71,8 @@ class PlanInput:
     global_batch_size: int
     fixed: dict[str, object] = field(default_factory=dict)
     """Search dimensions the user fixed: tp, pp, cp, ep, vpp, schedule, micro_batch_size, recompute,
-    dp_sharding (``--use-megatron-fsdp`` with its strategy) and dp_sharding_scope."""
+    dp_sharding (``--use-megatron-fsdp`` with its strategy), dp_sharding_scope, and HSDP's instances
+    (``--num-distributed-optimizer-instances``) and outer_dp_sharding (``--outer-dp-sharding-strategy``)."""
     distributed_optimizer_allowed: bool = False
     """``--use-distributed-optimizer``: ZeRO-1 wherever DP x CP > 1 (ZeRO-2/3 still where it does not fit)."""
     notes: list[str] = field(default_factory=list)
@@ -181,6 +185,27 @@ def _fixed_sharding(given: argparse.Namespace) -> dict[str, str]:
     return fixed
 
 
+def _fixed_instances(given: argparse.Namespace, strategy: str | None) -> dict:
+    """HSDP as the user fixed it: ``--num-distributed-optimizer-instances`` (``instances``) and
+    ``--outer-dp-sharding-strategy`` (``outer_dp_sharding``), refused with the training flags' own line
+    where they cannot go with the strategy (whether N divides DP x CP is the search's, per split)."""
+    instances, outer = given.num_distributed_optimizer_instances, given.outer_dp_sharding_strategy
+    problem = instances_problem(
+        instances,
+        outer,
+        strategy=strategy or ("optim" if given.use_distributed_optimizer else "no_shard"),
+        distributed=strategy != "no_shard",
+    )
+    if problem is not None:
+        raise ValueError(problem)
+    fixed: dict[str, object] = {}
+    if "num_distributed_optimizer_instances" in given.explicit_args:
+        fixed["instances"] = instances
+    if "outer_dp_sharding_strategy" in given.explicit_args:
+        fixed["outer_dp_sharding"] = outer
+    return fixed
+
+
 def read_input(
     megatron_argv: list[str], *, preset: str | None = None, hf_config: str | None = None
 ) -> PlanInput:
@@ -196,12 +221,7 @@ def read_input(
     if given.global_batch_size is None:
         raise ValueError("--global-batch-size is needed to plan: it fixes the microbatches per step")
     fixed.update(_fixed_sharding(given))
-    if given.num_distributed_optimizer_instances != 1 or given.outer_dp_sharding_strategy != "no_shard":
-        raise ValueError(
-            "the planner does not model distributed-optimizer instances yet: plan without "
-            "--num-distributed-optimizer-instances and --outer-dp-sharding-strategy (each instance of DP/N "
-            "ranks then holds N times the optimizer state planned)"
-        )
+    fixed.update(_fixed_instances(given, fixed.get("dp_sharding")))
     base = _runnable(_strip(argv, set(PLANNED_DESTS) | set(_ALSO_PLANNED)), given, notes)
     with contextlib.redirect_stdout(None):  # the flag checks' notes, for one rank: not the plan's
         distributed = given.use_distributed_optimizer or fixed.get("dp_sharding", "no_shard") != "no_shard"

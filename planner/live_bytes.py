@@ -28,6 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from core.distributed.sharded_bucket import observe_resizes
+
 __all__ = ["LiveBytes"]
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -62,21 +64,18 @@ class LiveBytes(TorchDispatchMode):
             self.label = before
 
     def __enter__(self):
-        """Also count ``UntypedStorage.resize_`` while inside: it does not pass through the dispatcher, and
-        ZeRO-2/3 free and re-allocate their full buckets with it."""
-        resize = self._resize = torch.UntypedStorage.resize_
-
-        def resized(storage: torch.UntypedStorage, size: int):
-            out = resize(storage, size)
-            self._track_storage(storage)
-            return out
-
-        torch.UntypedStorage.resize_ = resized
+        """Also count the resizes of ZeRO-2/3's buckets while inside (they free and re-allocate their full
+        buckets with ``UntypedStorage.resize_``, which does not pass through the dispatcher): the buckets
+        report each one (:func:`core.distributed.sharded_bucket.observe_resizes`)."""
+        self._resizes = observe_resizes(self._track_storage)
+        self._resizes.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
-        torch.UntypedStorage.resize_ = self._resize
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._resizes.__exit__(None, None, None)
 
     def _track(self, tensor: torch.Tensor) -> None:
         try:

@@ -22,6 +22,11 @@ still there at the optimizer step), at microbatch scope only the units in flight
 own weights (embedding, final norm, output layer) and two layers' parameters (the running one and the
 prefetched next), three layers' gradients (the one in backward and two reductions in flight).
 
+Under HSDP (``Candidate.instances`` N > 1, ``core.distributed.grad_buffer``) buckets are sharded over one
+instance's DP x CP / N ranks, so a rank holds N times the shards above, the optimizer state included,
+except that the outer ``optim`` splits the state over the N instances again (1/(DP x CP), as without
+instances); buckets pad to lcm(the ranks the state is split over, 128).
+
 The optimizer step has a peak of its own: static memory plus the gradient norm's temporaries (AdamW's
 fused kernel allocates none): on a CPU a few bytes per 128-element block, on a GPU a number per tensor.
 """
@@ -185,11 +190,12 @@ def _optimizer_transient(tensors: list[float], device: str) -> float:
 
 
 def _padded(elements: int, cand: Candidate, pp_rank: int) -> float:
-    """A chunk's gradient buffer: buckets padded to lcm(dp, 128) under the distributed optimizer."""
+    """A chunk's gradient buffer: buckets padded to lcm(dp, 128) under the distributed optimizer (under HSDP
+    lcm(the ranks the optimizer state is split over, 128); the bucket size follows the whole DP x CP)."""
     if not cand.distributed_optimizer:
         return elements
     shards = cand.dp * cand.cp
-    pad = math.lcm(shards, SHARD_ALIGNMENT)
+    pad = math.lcm(cand.state_shards, SHARD_ALIGNMENT)
     bucket = max(DEFAULT_BUCKET, 1_000_000 * shards) if pp_rank == 0 else elements or 1
     buckets = max(1, math.ceil(elements / bucket))
     return math.ceil(elements / pad) * pad + (buckets - 1) * pad / 2
@@ -228,7 +234,7 @@ def _static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, shardin
 def _cached_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sharding) -> _Static:
     """:func:`_rank_static` once per split, rank and sharding; ZeRO-2/3 start from ZeRO-1's figures."""
     key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
-           cand.distributed_optimizer, pp_rank, device, sharding)  # fmt: skip
+           cand.distributed_optimizer, cand.instances, cand.outer_sharded, pp_rank, device, sharding)  # fmt: skip
     if key not in _STATIC:
         if len(_STATIC) > 1 << 16:
             _STATIC.clear()
@@ -312,9 +318,10 @@ def _fp8_weight_bytes(spec: ModelSpec, cand: Candidate, layers: int) -> tuple[fl
 def _sharded_units(
     spec: ModelSpec, cand: Candidate, symbols: tuple[str, ...], embedding_here: bool
 ) -> tuple[int, int, int]:
-    """A chunk's buckets under ZeRO-2/3, each padded to lcm(dp x cp, 128) elements: (its own weights', in
-    two buckets, the layers' own ahead of and after them; one layer's; the number of layers)."""
-    return _units(spec, cand.tp, cand.ep, cand.dp * cand.cp, symbols, embedding_here)
+    """A chunk's buckets under ZeRO-2/3, each padded to lcm(dp x cp, 128) elements (under HSDP to
+    lcm(:attr:`Candidate.state_shards`, 128)): (its own weights', in two buckets, the layers' own ahead of
+    and after them; one layer's; the number of layers)."""
+    return _units(spec, cand.tp, cand.ep, cand.state_shards, symbols, embedding_here)
 
 
 @lru_cache(maxsize=4096)
@@ -343,7 +350,7 @@ def _sharded_static(spec: ModelSpec, cand: Candidate, chunks, sharding) -> tuple
     embedding_here = any("E" in c for c in chunks)
     units = [_sharded_units(spec, cand, c, embedding_here) for c in chunks]
     full = sum(own + layer * n for own, layer, n in units)
-    shards = cand.dp * cand.cp
+    shards = cand.shard_ranks  # under HSDP one instance's ranks: the instances hold replicas
     params, grads = full * B / (shards if zero3 else 1), full * G / shards
     if scope == "step":
         return params, grads, full * (G + (B if zero3 else 0)), full * B if zero3 else 0.0
@@ -367,9 +374,9 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
     count = len(stepped)
     steps = 4 * count  # Adam's step count, an fp32 scalar per stepped tensor
     if cand.distributed_optimizer:
-        shards = cand.dp * cand.cp
+        shards = cand.state_shards  # DP x CP, or under HSDP an instance's (times N with the outer optim)
         experts = _expert_elements(spec, cand, chunks)  # sharded over expert data parallelism instead
-        expert_shards = cand.tp * cand.cp * cand.dp // cand.ep
+        expert_shards = cand.tp * cand.cp * cand.dp // cand.ep * shards // (cand.dp * cand.cp)
         params, grads = padded * B, padded * grad_bytes
         state = per_element_state * ((total - experts) / shards + experts / expert_shards) + steps / shards
         stepped = [n / shards for n in stepped]  # roughly: each rank steps 1/shards of every bucket

@@ -24,7 +24,10 @@ pipeline ``auto`` is microbatch): each scope that fits with less recomputation t
 below is kept, and where both do the simulated step picks the faster (step scope moves ZeRO-1's
 traffic, microbatch scope holds only the units in flight). ZeRO-3's step scope is left out of the
 climb: ZeRO-2's moves the same and holds less. ``--use-megatron-fsdp`` (with
-``--data-parallel-sharding-strategy``) fixes the strategy. The rest is
+``--data-parallel-sharding-strategy``) fixes the strategy. On more than one node every strategy but
+``no_shard`` is also tried as HSDP with one distributed-optimizer instance per node
+(:func:`_instance_options`), beside the same strategy over all of DP x CP, the simulated step picking;
+``--num-distributed-optimizer-instances`` fixes N. The rest is
 timed by branch and bound:
 candidates in order of a lower bound on their step (the busiest rank's compute), simulated until the
 next bound exceeds the ``top``-th best simulated step, so only a few schedules are simulated in full.
@@ -48,6 +51,7 @@ from planner.layouts import balanced_layout
 from planner.memory import RankMemory, candidate_memory, rank_static, sharded_buckets
 from planner.model_spec import ModelSpec
 from planner.step_time import StepEstimate, estimate_step, quick_estimate
+from training.arguments.data_parallel_flags import instances_problem
 from training.arguments.schema import BY_OPTION, coverage_of
 
 __all__ = [
@@ -167,6 +171,10 @@ class _Space:
     """The strategy the user fixed (``--use-megatron-fsdp``), else None: the search climbs
     :data:`DP_SHARDING`."""
     dp_sharding_scope: str = "auto"
+    instances: int | None = None
+    """``--num-distributed-optimizer-instances`` the user fixed, else None: on more than one node the
+    search also tries one instance per node (:func:`_instance_options`)."""
+    outer_dp_sharding: str | None = None
 
 
 def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
@@ -190,6 +198,8 @@ def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
         layout=fixed.get("layout"),
         dp_sharding=fixed.get("dp_sharding"),
         dp_sharding_scope=fixed.get("dp_sharding_scope", "auto"),
+        instances=fixed.get("instances"),
+        outer_dp_sharding=fixed.get("outer_dp_sharding"),
     )
 
 
@@ -205,8 +215,9 @@ def _schedules(pp: int, vpp: int, space: _Space) -> list[str]:
 
 
 def _splits(spec: ModelSpec, cluster: Cluster, space: _Space, rejected: _Rejections) -> Iterator[tuple]:
-    """(tp, cp, ep, pp, dp) that divide the model and the cluster and that Trident runs."""
-    n = cluster.num_gpus
+    """(tp, cp, ep, pp, dp) that divide the model and the cluster and that Trident runs. Where the user's
+    ``--num-distributed-optimizer-instances`` divides no split's DP x CP, the training flags' line."""
+    n, refused, yielded = cluster.num_gpus, "", False
     for tp in space.tps:
         for cp in space.cps:
             if n % (tp * cp):
@@ -234,7 +245,26 @@ def _splits(spec: ModelSpec, cluster: Cluster, space: _Space, rejected: _Rejecti
                     if missing:
                         rejected.add(UNSUPPORTED, f"TP{tp} CP{cp} EP{ep} PP{pp} DP{dp}: {', '.join(missing)}")
                         continue
+                    problem = _instances_problem(spec, space, tp, cp, ep, dp)
+                    if problem is not None:
+                        rejected.add(REFUSED, f"TP{tp} CP{cp} EP{ep} PP{pp} DP{dp}: {problem}")
+                        refused = refused or problem
+                        continue
+                    yielded = True
                     yield tp, cp, ep, pp, dp
+    if refused and not yielded:
+        raise ValueError(refused)
+
+
+def _instances_problem(spec: ModelSpec, space: _Space, tp: int, cp: int, ep: int, dp: int) -> str | None:
+    """Why the user's ``--num-distributed-optimizer-instances`` cannot split this DP x CP (and, with
+    experts, the expert data-parallel size), in the training flags' words; None if it can."""
+    if not space.instances or space.instances == 1:
+        return None
+    edp = tp * cp * dp // ep if spec.moe is not None else None
+    return instances_problem(
+        space.instances, "no_shard", strategy=None, distributed=True, dp=dp, cp=cp, edp=edp
+    )
 
 
 def _layouts(
@@ -320,7 +350,14 @@ def _fitting(
                         num_microbatches=m, dp_sharding_scope=space.dp_sharding_scope,
                     )  # fmt: skip
                     strategies = _strategies(spec, space, base, allow_distributed_optimizer, rejected)
-                    rungs = [_scopes(s, base.pp, space) for s in strategies]
+                    rungs = [
+                        tuple(
+                            (strategy, scope, *hsdp)
+                            for strategy, scope in _scopes(s, base.pp, space)
+                            for hsdp in _instance_options(s, base, cluster, space)
+                        )
+                        for s in strategies
+                    ]
                     found = list(_fit_recompute(spec, cluster, space, base, rungs, profile, rejected, device))
                     too_big = not found
                     yield from found
@@ -331,7 +368,8 @@ def _strategies(
 ) -> tuple[str, ...]:
     """The data-parallel sharding strategies to try, least sharded first: the user's; else from
     ``optim`` (``--use-distributed-optimizer``) or ``no_shard`` up to ``optim_grads_params`` where DP x CP
-    > 1 (ZeRO-2/3 not where Trident refuses them: a tied embedding in both of ZBV's chunks)."""
+    > 1 (from ``optim`` with the user's distributed-optimizer instances; ZeRO-2/3 not where Trident refuses
+    them: a tied embedding in both of ZBV's chunks)."""
     refused = base.rule.placement == V and not spec.untie_embeddings
     if space.dp_sharding is not None:
         if refused and space.dp_sharding in ZERO_SHARDING:
@@ -342,7 +380,8 @@ def _strategies(
         return (space.dp_sharding,)
     if base.dp * base.cp == 1:
         return ("optim",) if allow_distributed_optimizer and spec.fp8_param_gather else ("no_shard",)
-    ladder = DP_SHARDING[DP_SHARDING.index("optim" if allow_distributed_optimizer else "no_shard") :]
+    distributed = allow_distributed_optimizer or (space.instances or 1) > 1  # instances replicate it
+    ladder = DP_SHARDING[DP_SHARDING.index("optim" if distributed else "no_shard") :]
     return tuple(s for s in ladder if not (refused and s in ZERO_SHARDING))
 
 
@@ -359,6 +398,24 @@ def _scopes(strategy: str, pp: int, space: _Space) -> tuple[tuple[str, str], ...
     return ((strategy, "auto"), (strategy, "microbatch"))
 
 
+def _instance_options(
+    strategy: str, base: Candidate, cluster: Cluster, space: _Space
+) -> list[tuple[int, str]]:
+    """HSDP's ``(instances, outer strategy)`` to try with a strategy: the user's; else none, and on more
+    than one node also one instance per node where the nodes divide DP x CP into groups of two or more
+    (each instance's sharding then stays on a node's fast links, only the once-a-step reduction of the
+    shards crosses nodes), ZeRO-3's with the outer ``optim`` unless the user gave an outer strategy (its
+    optimizer state still split DP x CP ways: the same bytes moved, less held)."""
+    if space.instances is not None:
+        return [(space.instances, space.outer_dp_sharding or "no_shard")]
+    options = [(1, "no_shard")]
+    nodes, shards = cluster.num_gpus // cluster.gpus_per_node, base.dp * base.cp
+    if strategy != "no_shard" and nodes > 1 and shards % nodes == 0 and shards // nodes >= 2:
+        outer = "optim" if strategy == "optim_grads_params" else "no_shard"
+        options.append((nodes, space.outer_dp_sharding or outer))
+    return options
+
+
 _LESS_RECOMPUTE = ("none", "selective", "full")
 """Recomputation from the least time to the most (and from the most memory to the least but for
 selective, which keeps more than full)."""
@@ -373,8 +430,9 @@ def _fit_recompute(spec, cluster, space, base: Candidate, rungs, profile, reject
         least, why = len(_LESS_RECOMPUTE), ""
         for rung in rungs:
             reached = least
-            for strategy, scope in rung:
-                trial = replace(base, layout=layout, dp_sharding=strategy, dp_sharding_scope=scope)
+            for strategy, scope, instances, outer in rung:
+                trial = replace(base, layout=layout, dp_sharding=strategy, dp_sharding_scope=scope,
+                                instances=instances, outer_dp_sharding=outer)  # fmt: skip
                 planned, why = _least_recompute(spec, cluster, space, trial, device, _LESS_RECOMPUTE[:least])
                 level = _LESS_RECOMPUTE.index(planned.cand.recompute) if planned else len(_LESS_RECOMPUTE)
                 if level < least:

@@ -11,7 +11,8 @@ nothing to do (its input needs no gradient), so its W carries the whole backward
 Then each rank's data-parallel reduction starts at its chunk's last backward (Trident's
 ``--overlap-grad-reduce``) and runs while the rank still computes; what is left of it when the rank's
 last action ends, the distributed optimizer's parameter all-gather beyond the next forward that hides
-it, and the optimizer's own (memory-bound) time make up the rest of the step. Ranks finish together:
+it, HSDP's once-a-step reduction over the distributed-optimizer instances (blocking, after the rank's
+reductions), and the optimizer's own (memory-bound) time make up the rest of the step. Ranks finish together:
 the gradient-norm all-reduce waits for the slowest.
 """
 
@@ -135,15 +136,25 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
         layers = sum(spec.fp8_layers(cand.layers_of(cand.stage_of(rank, v))) for v in range(cand.vpp))
         dense = spec.fp8_weight_elements(cand.tp)
         experts = spec.fp8_weight_elements(cand.tp, cand.ep) - dense  # sharded over expert DP
-        expert_shards = cand.tp * cand.cp * cand.dp // cand.ep
-        optimizer += model.fp8_shard_cast_seconds(
-            layers * (dense / (cand.dp * cand.cp) + experts / expert_shards)
-        )
+        shards = cand.state_shards  # DP x CP, or under HSDP what one instance (or its piece) steps
+        expert_shards = cand.tp * cand.cp * cand.dp // cand.ep * shards // (cand.dp * cand.cp)
+        optimizer += model.fp8_shard_cast_seconds(layers * (dense / shards + experts / expert_shards))
     buckets = sum(n for _, n in sharded_buckets(spec, cand, rank)) if cand.zero else 1
     return (
         model.grad_sync_seconds(reduced_grad_bytes(spec, cand, rank), buckets),
         model.param_gather_seconds(gathered_param_bytes(spec, cand, rank), buckets),
         optimizer,
+    )
+
+
+def _instance_tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) -> float:
+    """HSDP's once-a-step reduction of each shard over the N instances (and with the outer ``optim`` the
+    gather of the updated shards), after the rank's last reduction lands: exposed in full."""
+    if cand.instances == 1:
+        return 0.0
+    buckets = sum(n for _, n in sharded_buckets(spec, cand, rank)) if cand.zero else 1
+    return model.instance_seconds(
+        reduced_grad_bytes(spec, cand, rank), gathered_param_bytes(spec, cand, rank), buckets
     )
 
 
@@ -291,6 +302,7 @@ def _rank_ends(spec, cand, model, costs, timer_tables, result: Timing) -> list[_
             comm_end, exposed = compute_end + sync, 0.0
         first_forward = costs[rank, 0].forward if model.dp_overlaps else 0.0
         tail = max(compute_end, comm_end) + exposed + max(0.0, gather - first_forward)
+        tail += _instance_tail(model, spec, cand, rank)
         out.append(_RankEnd(compute_end, tail, opt))
     return out
 

@@ -58,6 +58,8 @@ code that uses the parameters inside forward and backward pays nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -72,19 +74,41 @@ MAX_IN_FLIGHT = 2
 full bucket until it lands, so launching a third lands the oldest."""
 
 
+_RESIZE_OBSERVERS: list[Callable[[torch.UntypedStorage], None]] = []
+"""Called with a storage after :func:`resize_storage` resized it (see :func:`observe_resizes`)."""
+
+
+@contextmanager
+def observe_resizes(observer: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """Call ``observer(storage)`` after every resize of a bucket's storage while inside. A storage's
+    ``resize_`` does not pass through torch's dispatcher, so a ``TorchDispatchMode`` counting live bytes
+    (the planner's dry run) would not see ZeRO-2/3 free and re-allocate their full buckets without it."""
+    _RESIZE_OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _RESIZE_OBSERVERS.remove(observer)
+
+
+def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    """Resize ``tensor``'s storage to ``nbytes`` (unless it holds that already), and tell the observers:
+    every free and re-allocation of a bucket goes through here."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == nbytes:
+        return
+    storage.resize_(nbytes)
+    for observer in _RESIZE_OBSERVERS:
+        observer(storage)
+
+
 def free_storage(tensor: torch.Tensor) -> None:
     """Release ``tensor``'s memory; views of it stay valid objects (reading them waits for ``alloc_storage``)."""
-    storage = tensor.untyped_storage()
-    if storage.nbytes():
-        storage.resize_(0)
+    resize_storage(tensor, 0)
 
 
 def alloc_storage(tensor: torch.Tensor) -> None:
     """Give ``tensor`` (and every view of it) its memory back; the contents are undefined."""
-    storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.nbytes() != nbytes:
-        storage.resize_(nbytes)
+    resize_storage(tensor, tensor.numel() * tensor.element_size())
 
 
 def storage_bytes(tensor: torch.Tensor | None) -> int:

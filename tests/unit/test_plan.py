@@ -1039,10 +1039,9 @@ def test_zero3_traffic_beyond_the_compute_is_exposed():
     assert step.parts.exposed_comm == pytest.approx(2 * (2 * G + R) + 4 * G / buckets - 0.024, rel=1e-9)
 
 
-def test_the_planner_takes_megatron_fsdps_flags_and_still_refuses_instances(small):
+def test_the_planner_takes_megatron_fsdps_flags(small):
     """``--use-megatron-fsdp`` (Megatron's default strategy, optim_grads_params), a strategy and a scope
-    fix the plan's strategy instead of being refused; the printed flags carry them back. HSDP
-    instances, which the planner does not model, are still refused."""
+    fix the plan's strategy instead of being refused; the printed flags carry them back."""
     from planner.report import candidate_args
     from training.arguments.checks import validate_args
     from training.arguments.parser import parse_args
@@ -1063,13 +1062,6 @@ def test_the_planner_takes_megatron_fsdps_flags_and_still_refuses_instances(smal
             "optim_grads",
             "step",
         )
-    with pytest.raises(ValueError) as error:
-        read_input([*SMALL, "--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"])
-    assert str(error.value) == (
-        "the planner does not model distributed-optimizer instances yet: plan without "
-        "--num-distributed-optimizer-instances and --outer-dp-sharding-strategy (each instance of DP/N "
-        "ranks then holds N times the optimizer state planned)"
-    )
 
 
 def test_a_stronger_strategy_is_proposed_only_where_it_fits_with_less_recomputation(small):
@@ -1202,3 +1194,136 @@ def test_llama3_70b_fits_only_sharded_over_data_parallel():
     for strategy in ("optim", "optim_grads"):
         pinned = search(spec, cluster, global_batch_size=512, fixed={**fixed, "dp_sharding": strategy}, top=3)
         assert pinned.fitting == 0, strategy
+
+
+# --------------------------------------------------------------------------------------------------
+# HSDP: distributed-optimizer instances
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_memory_model_knows_hsdp():
+    """``--num-distributed-optimizer-instances 2`` at DP 4, the sharding test's model and rank (E, 4 layers, L;
+    buckets padded to lcm(2, 128) = lcm(4, 128) = 128: 264,832 elements, 264,768 of them parameters in 27
+    tensors). An instance's 2 ranks shard the buckets, so a rank holds what it holds at DP 2: ZeRO-3's
+    parameters 2 bytes / 2, the gradients 4 bytes / 2, and the optimizer state 12 bytes / 2 an element plus
+    a 4-byte step count per tensor / 2; the outer ``optim`` splits that state over the 2 instances too (as at
+    DP 4). The whole buckets in use are the units in flight, as at any DP: the chunk's own 67,712 elements and
+    2 layers' parameters (49,280 each), 3 layers' gradients."""
+    spec = _fp8_spec(fp8=False, num_layers=4)
+    base = Candidate(tp=1, pp=1, dp=4, num_microbatches=4, layout="E,t*4,L", instances=2)
+    full, params, own, layer = 264_832, 264_768, 67_712, 49_280
+    in_flight = (own + 2 * layer) * 2 + (own + 3 * layer) * 4
+    expected = {  # (params, grads, optimizer state, gathered in the schedule)
+        ("optim", "no_shard"): (full * 2, full * 4, (12 * params + 4 * 27) / 2, 0),
+        ("optim_grads_params", "no_shard"): (
+            full * 2 / 2,
+            full * 4 / 2,
+            (12 * params + 4 * 27) / 2,
+            in_flight,
+        ),
+        ("optim_grads_params", "optim"): (full * 2 / 2, full * 4 / 2, (12 * params + 4 * 27) / 4, in_flight),
+    }
+    for (strategy, outer), figures in expected.items():
+        memory = rank_memory(spec, replace(base, dp_sharding=strategy, outer_dp_sharding=outer), 0)
+        assert (memory.params, memory.grads, memory.optimizer, memory.gathered) == figures, (strategy, outer)
+    assert figures[2] == 794_331
+    flat = rank_memory(spec, replace(base, instances=1, dp_sharding="optim_grads_params"), 0)
+    assert (flat.params, flat.grads, flat.optimizer) == (full * 2 / 4, full * 4 / 4, 794_331)
+
+
+def test_hsdp_traffic_shards_inside_a_node_and_reduces_the_shards_across_nodes():
+    """DP 16 on 2 nodes of 8, N = 2: each instance's reduce-scatters and all-gathers run over its 8 ranks on
+    the node's links (7 ring steps of 1/8 of the bytes); once a step each rank's 1/8 shard is all-reduced
+    with its replica on the other node (2 x 1 steps of half the shard), or with the outer ``optim``
+    reduce-scattered and the updated parameter shard all-gathered back (1 step each)."""
+    gpu = GPUS["h100"]
+    cluster = Cluster(16, 8, gpu)
+    intra, inter = (gpu.intra_node_gb_s * 1e9, gpu.intra_node_latency_us * 1e-6), (
+        gpu.inter_node_gb_s * 1e9, gpu.inter_node_latency_us * 1e-6)  # fmt: skip
+    spec = _fp8_spec(fp8=False, num_layers=4)
+    cand = Candidate(tp=1, pp=1, dp=16, layout="E,t*4,L", dp_sharding="optim_grads_params", instances=2)
+    model = StageCostModel(spec, cand, cluster)
+    G, P = 8e6, 4e6
+    assert model.dp_collective_seconds(G) == pytest.approx(7 * (intra[1] + G / 8 / intra[0]), rel=1e-12)
+    assert model.instance_seconds(G, P) == pytest.approx(2 * (inter[1] + G / 8 / 2 / inter[0]), rel=1e-12)
+    outer = StageCostModel(spec, replace(cand, outer_dp_sharding="optim"), cluster)
+    assert outer.instance_seconds(G, P) == pytest.approx(
+        (inter[1] + G / 8 / 2 / inter[0]) + (inter[1] + P / 8 / 2 / inter[0]), rel=1e-12
+    )
+    flat = StageCostModel(spec, replace(cand, instances=1), cluster)
+    assert flat.dp_collective_seconds(G) == pytest.approx(15 * (inter[1] + G / 16 / inter[0]), rel=1e-12)
+    assert flat.instance_seconds(G, P) == 0.0
+
+
+def test_an_hsdp_candidates_flags_run_and_the_table_shows_it(small):
+    """The printed flags carry the instances and the outer strategy, and the training flags accept them."""
+    from planner.report import candidate_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
+
+    cand = _candidate(small.spec, tp=1, pp=1, dp=16, num_microbatches=1, dp_sharding="optim_grads_params",
+                      instances=2, outer_dp_sharding="optim")  # fmt: skip
+    flags = cand.flags()
+    assert flags[flags.index("--num-distributed-optimizer-instances") + 1] == "2"
+    assert flags[flags.index("--outer-dp-sharding-strategy") + 1] == "optim"
+    assert cand.sharding_label() == "optim_grads_params/microbatch HSDP2 outer optim"
+    args = validate_args(parse_args(candidate_args(small.base_flags, cand)), 16)
+    assert (args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy) == (2, "optim")
+    zero1 = replace(cand, dp_sharding="optim", outer_dp_sharding="no_shard")
+    assert "--outer-dp-sharding-strategy" not in zero1.flags()
+    assert zero1.sharding_label() == "optim HSDP2"
+    assert "--num-distributed-optimizer-instances" not in replace(cand, instances=1).flags()
+
+
+def test_the_planner_refuses_hsdp_as_the_training_flags_do(capsys):
+    """The outer ``optim`` without ZeRO-3, or without instances, and instances that divide no split's
+    DP x CP: one line each, the training flags' own."""
+    from planner.cli import main
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
+
+    fixed = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+    runnable = ["--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-4"]
+    cases = [
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads",
+         "--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"],
+        ["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"],
+        ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"],
+    ]  # fmt: skip
+    for flags in cases:
+        with pytest.raises(ValueError) as trained:
+            validate_args(parse_args([*SMALL, *fixed, *flags, *runnable]), 8)
+        assert main([*SMALL, *fixed, *flags, "--num-gpus", "8"]) == 2
+        assert capsys.readouterr().err == f"tools/plan.py: error: {trained.value}\n"
+    assert str(trained.value) == (
+        "--num-distributed-optimizer-instances 3 must divide the data-parallel size x context-parallel size "
+        "(8 x 1 = 8)"
+    )
+
+
+def test_a_two_node_plan_shards_inside_each_node_where_that_is_faster(small, capsys):
+    """ZeRO-3 at DP 16 on 2 nodes of 8: unasked, the search also tries one instance per node (N = 2, the
+    outer ``optim``) and ranks it first (its gathers and reductions on the node's links), beside the same
+    candidate sharded over all 16 ranks; the JSON line and the printed command carry N."""
+    from planner.cli import main
+
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "dp_sharding": "optim_grads_params"}
+    result = search(small.spec, Cluster(16, 8, GPUS["h100"]), global_batch_size=16, fixed=fixed, top=10)
+    best = result.candidates[0]
+    assert (best.cand.instances, best.cand.outer_dp_sharding) == (2, "optim")
+    flat = next(
+        p
+        for p in result.candidates
+        if p.cand == replace(best.cand, instances=1, outer_dp_sharding="no_shard")
+    )
+    assert flat.step.step_seconds > best.step.step_seconds
+    assert {p.cand.instances for p in search(small.spec, Cluster(8, 8, GPUS["h100"]), global_batch_size=16,
+                                             fixed=fixed, top=10).candidates} == {1}  # fmt: skip
+    flags = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--context-parallel-size",
+             "1", "--use-megatron-fsdp", "--num-gpus", "16", "--top", "1", "--json"]  # fmt: skip
+    assert main([*SMALL, *flags]) == 0
+    out = capsys.readouterr().out
+    shown = json.loads(out.splitlines()[-1])["candidates"][0]
+    assert (shown["instances"], shown["outer_dp_sharding"]) == (2, "optim")
+    assert "HSDP2 outer optim" in out
+    assert "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim" in out

@@ -128,6 +128,28 @@ def test_the_dry_run_measures_zero_2_and_3_as_the_model_says(pp, strategy, scope
             assert 0 < excess < model["gathered"], (rank, excess, model["gathered"])
 
 
+@pytest.mark.parametrize(("strategy", "outer"), [("optim_grads_params", "optim"), _slow("optim", "no_shard")])
+def test_the_dry_run_measures_hsdp_as_the_model_says(strategy, outer):
+    """HSDP (``--num-distributed-optimizer-instances 2``) at DP 4 runs the instances' process groups under the
+    fake backend; beside the same strategy sharded over all 4 ranks, the dry run holds exactly the model's
+    parameter and gradient shards (an instance's 2 ranks' worth), the optimizer state within the step counts'
+    few bytes, and the model's peak differs from the measured one by what it differs without instances:
+    what HSDP adds is counted to the byte (but the step counts' rounding)."""
+    plan_input = read_input(TINY)
+    spec = plan_input.spec
+    rows = []
+    for instances, outer_strategy in ((2, outer), (1, "no_shard")):
+        cand = Candidate(tp=1, pp=1, dp=4, micro_batch_size=2, num_microbatches=1, layout="Et*4L",
+                         dp_sharding=strategy, instances=instances, outer_dp_sharding=outer_strategy)  # fmt: skip
+        planned = Planned(cand, candidate_memory(spec, cand, device="cpu"), 0.0)
+        (row,) = compare(planned, plan_input, forward_step, ranks=[0])
+        model, measured = row["model"], row["dry_run"]
+        assert (measured["params"], measured["grads"]) == (model["params"], model["grads"]), instances
+        assert abs(measured["optimizer"] - model["optimizer"]) < 32, instances
+        rows.append(model["peak"] - measured["peak"])
+    assert abs(rows[0] - rows[1]) < 32, rows
+
+
 def test_cli_dry_run_reports_the_worst_rank(capsys):
     from planner.cli import main
 

@@ -291,22 +291,12 @@ def test_fsdp_dtensor_is_accepted_and_the_start_says_trident_writes_its_own_form
     ]
 
 
-def test_the_planner_refuses_distributed_optimizer_instances():
+def test_the_planner_takes_distributed_optimizer_instances():
+    """HSDP's flags fix the plan's instances (the planner prices them: tests/unit/test_plan.py), and leave
+    the base command line: each candidate's flags carry them back."""
     from planner.inputs import read_input
 
-    with pytest.raises(ValueError) as error:
-        read_input(
-            [
-                "--use-distributed-optimizer",
-                "--num-distributed-optimizer-instances",
-                "2",
-                "--global-batch-size",
-                "8",
-            ],
-            preset="llama3-8b",
-        )
-    assert str(error.value) == (
-        "the planner does not model distributed-optimizer instances yet: plan without "
-        "--num-distributed-optimizer-instances and --outer-dp-sharding-strategy (each instance of DP/N "
-        "ranks then holds N times the optimizer state planned)"
-    )
+    flags = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+    plan_input = read_input([*flags, "--global-batch-size", "8"], preset="llama3-8b")
+    assert plan_input.fixed == {"instances": 2}
+    assert "--num-distributed-optimizer-instances" not in plan_input.base_flags

@@ -14,7 +14,7 @@ from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from training.arguments.schema import flag_name as _flag
 
-__all__ = ["derive_precision_and_data_parallel", "sharding_report"]
+__all__ = ["derive_precision_and_data_parallel", "instances_problem", "sharding_report"]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -115,40 +115,61 @@ def _check_instances(args: argparse.Namespace) -> None:
     """``--num-distributed-optimizer-instances`` and ``--outer-dp-sharding-strategy`` (HSDP): N instances
     of DPxCP / N ranks each (and of EDP / N expert replicas), the outer strategy only over ZeRO-3
     (Megatron-FSDP's rules)."""
-    instances, outer = args.num_distributed_optimizer_instances, args.outer_dp_sharding_strategy
+    edp, ep, pp = None, args.expert_model_parallel_size, args.pipeline_model_parallel_size
+    if args.num_moe_experts is not None:  # experts: sharded over EDP / N of their replicas
+        edp = args.world_size // (ep * pp)
+    problem = instances_problem(
+        args.num_distributed_optimizer_instances,
+        args.outer_dp_sharding_strategy,
+        strategy=args.data_parallel_sharding_strategy,
+        distributed=args.use_distributed_optimizer,
+        dp=args.data_parallel_size,
+        cp=args.context_parallel_size,
+        edp=edp,
+        edp_from=f"world size {args.world_size} / (--expert-model-parallel-size {ep} x "
+        f"--pipeline-model-parallel-size {pp}) = ",
+    )
+    _require(problem is None, problem or "")
+
+
+def instances_problem(
+    instances: int,
+    outer: str,
+    *,
+    strategy: str | None,
+    distributed: bool,
+    dp: int | None = None,
+    cp: int = 1,
+    edp: int | None = None,
+    edp_from: str = "",
+) -> str | None:
+    """Why ``--num-distributed-optimizer-instances instances`` with ``--outer-dp-sharding-strategy outer``
+    cannot run (one line), or None: the training flags' check, which the planner reuses before it knows
+    the split (``dp`` None: the sizes are not checked; ``distributed``: the strategy is not no_shard;
+    ``edp_from``: how the expert data-parallel size ``edp`` was found, said before it)."""
     flag = f"--num-distributed-optimizer-instances {instances}"
-    _require(instances >= 1, f"--num-distributed-optimizer-instances must be >= 1, got {instances}")
-    if instances > 1:
-        _require(
-            args.use_distributed_optimizer,
+    if instances < 1:
+        return f"--num-distributed-optimizer-instances must be >= 1, got {instances}"
+    if instances > 1 and not distributed:
+        return (
             f"{flag} replicates the distributed optimizer: give --use-distributed-optimizer or "
-            "--use-megatron-fsdp (as in Megatron)",
+            "--use-megatron-fsdp (as in Megatron)"
         )
-        dp, cp = args.data_parallel_size, args.context_parallel_size
-        _require(
-            dp * cp % instances == 0,
-            f"{flag} must divide the data-parallel size x context-parallel size ({dp} x {cp} = {dp * cp})",
-        )
-        if args.num_moe_experts is not None:  # experts: sharded over EDP / N of their replicas
-            ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
-            edp = args.world_size // (ep * pp)
-            _require(
-                edp % instances == 0,
-                f"{flag} must divide the expert data-parallel size (world size {args.world_size} / "
-                f"(--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}) = {edp})",
-            )
-    if outer == "optim":
-        strategy = args.data_parallel_sharding_strategy
-        _require(
-            strategy == "optim_grads_params",
+    if instances > 1 and dp is not None and dp * cp % instances:
+        return f"{flag} must divide the data-parallel size x context-parallel size ({dp} x {cp} = {dp * cp})"
+    if instances > 1 and edp is not None and edp % instances:
+        return f"{flag} must divide the expert data-parallel size ({edp_from}{edp})"
+    if outer == "optim" and strategy != "optim_grads_params":
+        return (
             "--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params "
-            f"(as in Megatron-FSDP), got {strategy}",
+            f"(as in Megatron-FSDP), got {strategy}"
         )
-        _require(
-            instances > 1,
+    if outer == "optim" and instances == 1:
+        return (
             "--outer-dp-sharding-strategy optim shards over the distributed-optimizer instances: give "
-            "--num-distributed-optimizer-instances 2 or more",
+            "--num-distributed-optimizer-instances 2 or more"
         )
+    return None
 
 
 def sharding_report(args: argparse.Namespace) -> list[str]:
