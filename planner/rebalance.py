@@ -35,6 +35,7 @@ from planner.candidate import Candidate
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import Cluster
 from planner.layouts import balanced_layout
+from planner.refit_collectives import collective_scales
 from planner.step_time import estimate_step
 from training.reporting.timeline import load_trace
 
@@ -130,15 +131,30 @@ def fit_costs(means: dict, cand: Candidate, prior: LayerProfile) -> LayerProfile
 class RefitProfile(LayerProfile):
     """Costs refitted from a run's timeline, for every shape the search asks about.
 
-    At the run's shape they are the fitted costs. At another (TP, micro-batch size, recomputation)
-    they are the prior's costs there (``--profile-local``'s, else the FLOP model's), times what the run
-    measured over what the prior predicted for the run's shape, per part (layer, embedding, loss) and
-    per action (F, I, W): the run corrects the prior's level, the prior says how a shape scales.
+    Fitted from the run:
+
+    * compute of one decoder layer, the embedding and the loss, per action (F, I, W): the stage means
+      less their collectives at the refitted factors. At the run's shape they are the fitted costs; at
+      another (TP, micro-batch size, recomputation) the prior's costs there (``--profile-local``'s,
+      else the FLOP model's) times what the run measured over what the prior predicted for the run's
+      shape, per part and per action: the run corrects the prior's level, the prior says how a shape
+      scales;
+    * a factor per collective kind the run's layout exercised (``collective_scales``, from its
+      timeline's ``TP``, ``CP`` and ``DP`` events: :mod:`planner.refit_collectives`): TP collectives
+      (mappings, embedding, cross-entropy), ring attention's exposed exchange, the data-parallel
+      reduction and gather. Every candidate's collectives of that kind, at any group size and message
+      size, are the calibration's times that factor.
+
+    Carried from the calibration unchanged: how a collective's time grows with its group and message
+    size (the measured curves, or the ring formulas), every kind the run did not exercise (factor 1),
+    pipeline messages (latency, bandwidth), the engine's fixed costs per action and per step, the
+    optimizer's seconds per element and tensor, and the shared-core slowdown curve.
     """
 
-    def __init__(self, ratios: tuple, absolute: tuple, prior: Callable[[int, int, str], tuple]):
+    def __init__(self, ratios: tuple, absolute: tuple, prior: Callable[[int, int, str], tuple],
+                 scales: dict | None = None):  # fmt: skip
         super().__init__(layer=absolute[0], embedding=absolute[1], loss=absolute[2], source="timeline",
-                         whole_sequence=True)  # fmt: skip
+                         whole_sequence=True, collective_scales=dict(scales or {}))  # fmt: skip
         self.ratios, self.absolute, self.prior = ratios, absolute, prior
 
     def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
@@ -164,12 +180,17 @@ def _flop_prior(spec, cluster: Cluster) -> Callable[[int, int, str], tuple]:
 
 
 def refit_profile(
-    spec, cluster: Cluster, cand: Candidate, fitted: LayerProfile, profile=None
+    spec, cluster: Cluster, cand: Candidate, fitted: LayerProfile, profile=None, scales: dict | None = None
 ) -> RefitProfile:
     """:class:`RefitProfile` from ``fitted`` (the run's costs, collectives included, as its timeline
-    records them) and the prior: ``profile`` (``--profile-local``) or the FLOP model."""
+    records them), the collective factors the run measured (``scales``:
+    :func:`planner.refit_collectives.collective_scales`) and the prior: ``profile``
+    (``--profile-local``) or the FLOP model. The compute is what the actions took less their
+    collectives at the refitted factors."""
     prior = profile.for_shape if profile is not None else _flop_prior(spec, cluster)
-    collectives = StageCostModel(spec, cand, cluster).collective_costs()
+    scales = dict(scales or {})
+    at_scales = LayerProfile((0.0, 0.0, 0.0), source="none", collective_scales=scales)
+    collectives = StageCostModel(spec, cand, cluster, at_scales).collective_costs()
     measured = tuple(
         tuple(
             max(0.0, t - c) for t, c in zip(times, (comm.forward, comm.backward_input, comm.backward_weight))
@@ -181,7 +202,7 @@ def refit_profile(
         tuple(m / p if p > 0 else None for m, p in zip(mine, theirs))
         for mine, theirs in zip(measured, at_run)
     )
-    return RefitProfile(ratios, measured, prior)
+    return RefitProfile(ratios, measured, prior, scales)
 
 
 def _run_candidate(plan_input, data) -> Candidate:
@@ -224,6 +245,7 @@ def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | N
         (c.forward, c.backward_input, c.backward_weight) for c in (model.stage(s) for s in (("t",), ("E",), ("L",)))
     ))  # fmt: skip
     fitted = fit_costs(means, cand, prior)
+    scales = collective_scales(spec, cand, cluster, data)
     layer, embedding, loss = (sum(c) for c in (fitted.layer, fitted.embedding, fitted.loss))
     placement = cand.rule.placement
     typical = sum(prior.layer)  # layers kept out of FP8: the fitted layer times the prior's ratio to it
@@ -248,7 +270,8 @@ def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | N
         "predicted_gain": before.step_seconds / after.step_seconds,
         "measured_bubble": float(np.mean([s.measured_bubble for s in measured])),
         "candidate": cand,
-        "refit_profile": refit_profile(spec, cluster, cand, fitted, profile),
+        "collective_scales": scales,
+        "refit_profile": refit_profile(spec, cluster, cand, fitted, profile, scales),
     }
 
 
@@ -287,5 +310,7 @@ def rebalance_report(
         f"predicted gain: {r['predicted_gain']:.3f}x"
         + ("" if r["proposed_layout"] != r["layout"] else " (the run is already balanced)"),
         f"--pipeline-model-parallel-layout '{r['proposed_layout']}'",
+        "collectives refitted (measured over calibrated, 1: not exercised, carried): "
+        + ", ".join(f"{kind} {factor:.2f}x" for kind, factor in r["collective_scales"].items()),
     ]
     return "\n".join(lines), r["refit_profile"], cand
