@@ -17,7 +17,7 @@ from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import GPUS, Cluster
 from planner.inputs import read_input
 from planner.memory import reduced_grad_bytes
-from planner.rebalance import _run_candidate, rebalance
+from planner.rebalance import _run_candidate, fit_costs, rebalance
 from planner.refit_collectives import collective_scales, measured_communication, predicted_communication
 from training.reporting.timeline import IterationTimeline, RankEvents, Timeline, TimelineData, chrome_trace
 
@@ -143,3 +143,17 @@ def test_the_timeline_records_the_reduction_span_and_the_communication_totals(tm
     record = ScheduleRecord(clock=clock, start=100.5, end=102.0, finalized=102.75)
     assert timeline._communication(record) == [("DP", -1, 0, 2000.0, 2750.0), ("TP", -1, 0, 500.0, 750.0)]
     assert comm_time.start() is None  # counting ended with the iteration
+
+
+def test_one_stage_is_shared_out_in_the_priors_proportions():
+    """A PP1 run gives one equation per action for three unknowns: the measured stage is shared out as
+    the prior shares it (its level corrected), not all heaped on one part."""
+    cand = Candidate(tp=1, pp=1, dp=4, num_microbatches=4, layout="E,t*8,L")
+    prior = LayerProfile((0.002, 0.003, 0.001), (0.001, 0.0, 0.001), (0.010, 0.008, 0.004))
+    means = {(0, 0, "F"): 2 * (8 * 0.002 + 0.001 + 0.010), (0, 0, "B"): 2 * (8 * 0.004 + 0.001 + 0.012)}
+    fitted = fit_costs(means, cand, prior)
+    for got, want in zip(
+        (fitted.layer, fitted.embedding, fitted.loss), (prior.layer, prior.embedding, prior.loss)
+    ):
+        assert got[0] == pytest.approx(2 * want[0], rel=1e-6, abs=1e-12)
+        assert got[1] + got[2] == pytest.approx(2 * (want[1] + want[2]), rel=1e-6, abs=1e-12)
