@@ -134,6 +134,9 @@ class LayerProfile:
     computes ``1 / cp``; otherwise a rank's own share (a real run's timeline)."""
     by_shape: dict = field(default_factory=dict)
     """(tp, micro_batch_size, recompute) -> (layer, embedding, loss), when measured per shape."""
+    collective_scales: dict = field(default_factory=dict)
+    """``TP``, ``CP``, ``DP`` -> factor on that kind's collective seconds (a run's timeline refits them:
+    :mod:`planner.refit_collectives`); a kind absent costs what the calibration or the ring formula says."""
 
     def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
         key = (tp, micro_batch_size, recompute)
@@ -246,6 +249,10 @@ class StageCostModel:
             grads * per_value
         )
 
+    def _scale(self, kind: str) -> float:
+        """The refitted factor on ``kind``'s collectives (``LayerProfile.collective_scales``), else 1."""
+        return getattr(self.profile, "collective_scales", {}).get(kind, 1.0)
+
     def group_seconds(self, kind: str, size: int, nbytes: float) -> float:
         """Seconds of one ``kind`` collective (``all_gather``, ``reduce_scatter``, ``all_reduce``) of a
         whole tensor of ``nbytes`` in a tensor-parallel group of ``size``: measured where the host was (``HostCosts.collectives``, wall
@@ -257,8 +264,8 @@ class StageCostModel:
         measured = host.collective_seconds(kind, size, nbytes)
         if measured is not None:
             busy = host.slowdown_at(host.collectives_world, self.cluster.cores) if self.cluster.cores else 1.0
-            return measured / busy
-        return self.tp_link.ring(size, nbytes, all_reduce=kind == "all_reduce")
+            return self._scale("TP") * measured / busy
+        return self._scale("TP") * self.tp_link.ring(size, nbytes, all_reduce=kind == "all_reduce")
 
     def _tp_layer_seconds(self) -> float:
         """One direction's tensor-parallel traffic of a layer (forward, or the input gradient): two
@@ -282,6 +289,11 @@ class StageCostModel:
         message (``isend``/``irecv``), at the measured message cost where the host was measured; where
         the host timed the exchange itself among every group's compute (``ring_exchange`` in
         ``HostCosts.collectives``: what it adds to the compute it hides behind), each step costs that."""
+        forward, backward = self._cp_exposed(attention_seconds)
+        return self._scale("CP") * forward, self._scale("CP") * backward
+
+    def _cp_exposed(self, attention_seconds: float) -> tuple[float, float]:
+        """:meth:`_cp_layer_seconds` before the refitted factor."""
         c, s = self.cand, self.spec
         if c.cp == 1:
             return 0.0, 0.0
@@ -451,7 +463,9 @@ class StageCostModel:
         data-parallel channel runs in wall seconds, outside the shared-core timing: not divided by the
         load); else the ring's transfer and its ``size - 1`` steps' latency per bucket. Under HSDP the
         group is one instance's DP x CP / N ranks (:meth:`instance_seconds` adds the replicas' share)."""
-        return self._ring_seconds(self.dp_link, self.cand.shard_ranks, nbytes, buckets, kind)
+        return self._scale("DP") * self._ring_seconds(
+            self.dp_link, self.cand.shard_ranks, nbytes, buckets, kind
+        )
 
     def _ring_seconds(self, link: Interconnect, size: int, nbytes: float, buckets: int, kind: str) -> float:
         if size <= 1:

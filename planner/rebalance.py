@@ -24,7 +24,7 @@ import itertools
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import astuple, replace
 from functools import partial
 
 import numpy as np
@@ -35,6 +35,7 @@ from planner.candidate import Candidate
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import Cluster
 from planner.layouts import balanced_layout
+from planner.refit_collectives import collective_scales
 from planner.step_time import estimate_step
 from training.reporting.timeline import load_trace
 
@@ -88,22 +89,28 @@ def stage_means(path: str, slowdown=None) -> tuple[dict[tuple[int, int, str], fl
 
 
 def _solve(rows: np.ndarray, targets: list[float], anchor: np.ndarray) -> np.ndarray:
-    """Non-negative per-element costs explaining ``targets``; ``anchor`` (scaled) fills what they cannot."""
+    """Non-negative per-element costs explaining ``targets``; ``anchor`` fills what they cannot, at the
+    level that best explains them (one stage: the targets shared out in the anchor's proportions)."""
     b = np.array(targets, dtype=float)
     weight = 1e-3
-    scaled = anchor * (float(np.abs(b).max()) / max(float(anchor.max()), 1e-12))
+    predicted = rows @ anchor
+    scaled = anchor * (float(predicted @ b) / max(float(predicted @ predicted), 1e-24))
     lhs = np.vstack([rows, weight * np.eye(3)])
     solution, *_ = np.linalg.lstsq(lhs, np.concatenate([b, weight * scaled]), rcond=None)
     return np.clip(solution, 0.0, None)
 
 
-def fit_costs(means: dict, cand: Candidate, prior: LayerProfile) -> LayerProfile:
+def fit_costs(
+    means: dict, cand: Candidate, prior: LayerProfile, collectives: tuple | None = None
+) -> LayerProfile:
     """Seconds of one decoder layer, the embedding and the loss (F, I, W) that explain the stage means.
 
-    Forward and whole backward (B, or I + W) are fitted per stage mix; the backward is then split as
-    the run split it (the mean I share of the stages that have one), or as ``prior`` splits it.
-    ``prior`` (the FLOP model's costs) also anchors, with a small weight, what the layout cannot
-    separate.
+    ``collectives`` (the layer's, embedding's and loss's ``ActionCosts`` at the refitted factors) are
+    taken off each stage's measured forward and backward first, so the costs fitted are compute alone
+    (None: nothing taken off). Forward and whole backward (B, or I + W) are fitted per stage mix; the
+    backward is then split as the run split it (the mean I share of the stages that have one), or as
+    ``prior`` splits it. ``prior`` (the model's compute costs) also anchors, with a small weight, what
+    the layout cannot separate.
     """
     rows, forward, backward, input_shares = [], [], [], []
     for stage, symbols in enumerate(cand.stages.stages):
@@ -114,9 +121,13 @@ def fit_costs(means: dict, cand: Candidate, prior: LayerProfile) -> LayerProfile
         whole = got["B"] if got["B"] is not None else (got["I"] or 0.0) + (got["W"] or 0.0)
         if got["I"] and stage > 0 and whole:  # the first stage's I has no input gradient to compute
             input_shares.append(got["I"] / whole)
-        rows.append([symbols.count("t"), int("E" in symbols), int("L" in symbols)])
-        forward.append(got["F"])
-        backward.append(whole)
+        counts = [symbols.count("t"), int("E" in symbols), int("L" in symbols)]
+        comm = [
+            sum(n * getattr(c, k) for n, c in zip(counts, collectives or ())) for k in ("forward", "backward")
+        ]
+        rows.append(counts)
+        forward.append(got["F"] - comm[0])
+        backward.append(whole - comm[1])
     a = np.array(rows, dtype=float)
     parts = (prior.layer, prior.embedding, prior.loss)
     f = _solve(a, forward, np.array([p[0] for p in parts]))
@@ -130,15 +141,30 @@ def fit_costs(means: dict, cand: Candidate, prior: LayerProfile) -> LayerProfile
 class RefitProfile(LayerProfile):
     """Costs refitted from a run's timeline, for every shape the search asks about.
 
-    At the run's shape they are the fitted costs. At another (TP, micro-batch size, recomputation)
-    they are the prior's costs there (``--profile-local``'s, else the FLOP model's), times what the run
-    measured over what the prior predicted for the run's shape, per part (layer, embedding, loss) and
-    per action (F, I, W): the run corrects the prior's level, the prior says how a shape scales.
+    Fitted from the run:
+
+    * compute of one decoder layer, the embedding and the loss, per action (F, I, W): the stage means
+      less their collectives at the refitted factors. At the run's shape they are the fitted costs; at
+      another (TP, micro-batch size, recomputation) the prior's costs there (``--profile-local``'s,
+      else the FLOP model's) times what the run measured over what the prior predicted for the run's
+      shape, per part and per action: the run corrects the prior's level, the prior says how a shape
+      scales;
+    * a factor per collective kind the run's layout exercised (``collective_scales``, from its
+      timeline's ``TP``, ``CP`` and ``DP`` events: :mod:`planner.refit_collectives`): TP collectives
+      (mappings, embedding, cross-entropy), ring attention's exposed exchange, the data-parallel
+      reduction and gather. Every candidate's collectives of that kind, at any group size and message
+      size, are the calibration's times that factor.
+
+    Carried from the calibration unchanged: how a collective's time grows with its group and message
+    size (the measured curves, or the ring formulas), every kind the run did not exercise (factor 1),
+    pipeline messages (latency, bandwidth), the engine's fixed costs per action and per step, the
+    optimizer's seconds per element and tensor, and the shared-core slowdown curve.
     """
 
-    def __init__(self, ratios: tuple, absolute: tuple, prior: Callable[[int, int, str], tuple]):
+    def __init__(self, ratios: tuple, absolute: tuple, prior: Callable[[int, int, str], tuple],
+                 scales: dict | None = None):  # fmt: skip
         super().__init__(layer=absolute[0], embedding=absolute[1], loss=absolute[2], source="timeline",
-                         whole_sequence=True)  # fmt: skip
+                         whole_sequence=True, collective_scales=dict(scales or {}))  # fmt: skip
         self.ratios, self.absolute, self.prior = ratios, absolute, prior
 
     def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
@@ -164,24 +190,25 @@ def _flop_prior(spec, cluster: Cluster) -> Callable[[int, int, str], tuple]:
 
 
 def refit_profile(
-    spec, cluster: Cluster, cand: Candidate, fitted: LayerProfile, profile=None
+    spec, cluster: Cluster, cand: Candidate, fitted: LayerProfile, profile=None, scales: dict | None = None
 ) -> RefitProfile:
-    """:class:`RefitProfile` from ``fitted`` (the run's costs, collectives included, as its timeline
-    records them) and the prior: ``profile`` (``--profile-local``) or the FLOP model."""
+    """:class:`RefitProfile` from ``fitted`` (the run's compute: :func:`fit_costs` with the collectives
+    taken off), the collective factors the run measured (``scales``:
+    :func:`planner.refit_collectives.collective_scales`) and the prior: ``profile``
+    (``--profile-local``) or the FLOP model."""
     prior = profile.for_shape if profile is not None else _flop_prior(spec, cluster)
-    collectives = StageCostModel(spec, cand, cluster).collective_costs()
-    measured = tuple(
-        tuple(
-            max(0.0, t - c) for t, c in zip(times, (comm.forward, comm.backward_input, comm.backward_weight))
-        )
-        for times, comm in zip((fitted.layer, fitted.embedding, fitted.loss), collectives)
-    )
+    measured = (fitted.layer, fitted.embedding, fitted.loss)
     at_run = prior(cand.tp, cand.micro_batch_size, cand.recompute)
     ratios = tuple(
         tuple(m / p if p > 0 else None for m, p in zip(mine, theirs))
         for mine, theirs in zip(measured, at_run)
     )
-    return RefitProfile(ratios, measured, prior)
+    return RefitProfile(ratios, measured, prior, scales)
+
+
+def _flop_compute(spec, cand: Candidate, cluster: Cluster) -> LayerProfile:
+    """The FLOP model's compute (no collectives) of a layer, the embedding and the loss at ``cand``."""
+    return LayerProfile(*(astuple(c) for c in StageCostModel(spec, cand, cluster).compute_costs()))
 
 
 def _run_candidate(plan_input, data) -> Candidate:
@@ -219,15 +246,19 @@ def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | N
     means, data = stage_means(path, slowdown)
     cand = _run_candidate(plan_input, data)
     spec = plan_input.spec
-    model = StageCostModel(spec, cand, cluster)
-    prior = LayerProfile(*(
-        (c.forward, c.backward_input, c.backward_weight) for c in (model.stage(s) for s in (("t",), ("E",), ("L",)))
-    ))  # fmt: skip
-    fitted = fit_costs(means, cand, prior)
-    layer, embedding, loss = (sum(c) for c in (fitted.layer, fitted.embedding, fitted.loss))
+    scales = collective_scales(spec, cand, cluster, data)
+    model = StageCostModel(
+        spec, cand, cluster, LayerProfile((0.0,) * 3, source="none", collective_scales=scales)
+    )
+    collectives = model.collective_costs()
+    fitted = fit_costs(means, cand, _flop_compute(spec, cand, cluster), collectives)
+    fitted.collective_scales = scales
+    layer, embedding, loss = (sum(f) + c.backward + c.forward
+                              for f, c in zip((fitted.layer, fitted.embedding, fitted.loss), collectives))  # fmt: skip
     placement = cand.rule.placement
-    typical = sum(prior.layer)  # layers kept out of FP8: the fitted layer times the prior's ratio to it
-    costs = [layer * (c.forward + c.backward) / typical if typical else layer for c in model.decoder_layers()]
+    flops = StageCostModel(spec, cand, cluster)  # layers kept out of FP8: the fitted layer times the ratio
+    typical = sum(astuple(flops.stage(("t",))))
+    costs = [layer * (c.forward + c.backward) / typical if typical else layer for c in flops.decoder_layers()]
     proposed = balanced_layout(spec.num_layers, cand.pp, cand.vpp, layer=layer, embedding=embedding,
                                loss=loss, placement=placement, costs=costs).to_string()  # fmt: skip
     before = estimate_step(spec, cand, cluster, fitted)
@@ -248,7 +279,8 @@ def rebalance(plan_input, cluster: Cluster, path: str, profile: LayerProfile | N
         "predicted_gain": before.step_seconds / after.step_seconds,
         "measured_bubble": float(np.mean([s.measured_bubble for s in measured])),
         "candidate": cand,
-        "refit_profile": refit_profile(spec, cluster, cand, fitted, profile),
+        "collective_scales": scales,
+        "refit_profile": refit_profile(spec, cluster, cand, fitted, profile, scales),
     }
 
 
@@ -274,7 +306,7 @@ def rebalance_report(
             f"measured bubble {r['measured_bubble']:.1%}"
         ),
         (
-            f"measured costs (forward/backward ms): decoder layer {ms(r['layer_seconds'])}, embedding "
+            f"measured compute, collectives taken off (forward/backward ms): decoder layer {ms(r['layer_seconds'])}, embedding "
             f"{ms(r['embedding_seconds'])}, loss {ms(r['loss_seconds'])}"
         ),
         (
@@ -287,5 +319,7 @@ def rebalance_report(
         f"predicted gain: {r['predicted_gain']:.3f}x"
         + ("" if r["proposed_layout"] != r["layout"] else " (the run is already balanced)"),
         f"--pipeline-model-parallel-layout '{r['proposed_layout']}'",
+        "collectives refitted (measured over calibrated, 1: not exercised, carried): "
+        + ", ".join(f"{kind} {factor:.2f}x" for kind, factor in r["collective_scales"].items()),
     ]
     return "\n".join(lines), r["refit_profile"], cand

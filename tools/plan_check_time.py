@@ -5,6 +5,9 @@
                                                # correlation, the top pick's step over the best's, and
                                                # how many predictions are within 15% of measured
     python tools/plan_check_time.py layouts --models gpt-256 llama-256 gpt-512   # GPT and LLaMA, 3 sizes
+    python tools/plan_check_time.py layouts --refit   # then close the loop: one run of the top pick with
+                                               # --timeline-dir, refit (--from-timeline), the same 8
+                                               # re-predicted against the same measured steps (10%)
     python tools/plan_check_time.py rebalance  # a PP=4 GPT with a large vocabulary on its last stage: run it
                                                # with --timeline-dir, plan --from-timeline, then run both
                                                # layouts in turns: the measured step-time ratio
@@ -50,6 +53,8 @@ MODELS = {
 """The models ``layouts`` checks (``--models``): GPT and LLaMA, three sizes."""
 WITHIN = 0.15
 """The issue's goal per candidate: predicted within this share of measured."""
+REFIT_WITHIN = 0.10
+"""The goal after one refit from a short run's timeline (``layouts --refit``)."""
 UNBALANCED = (
     "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
     "--vocab-size 32767 --global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0 "
@@ -117,20 +122,51 @@ def choose(planned: list, count: int) -> list:
     return [distinct[round(i * step)] for i in range(count)]
 
 
-def check_layouts(count: int, rounds: int, iterations: int, model: str = MODEL) -> dict:
-    from planner.cli import main as plan
+def _planned(plan_input, cluster, profile, fixed: dict, top: int = 1000) -> list[dict]:
+    """Every candidate the planner ranks (as ``tools/plan.py --json`` gives them), best first."""
+    from planner.report import candidate_json
+    from planner.search import search
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "plan.out")
-        with open(out, "w") as f, contextlib.redirect_stdout(f):
-            plan([*model.split(), "--num-gpus", "4", "--profile-local", "--top", "1000", "--json"])
-        with open(out) as f:
-            payload = json.loads(f.read().strip().splitlines()[-1])
-    planned = [
+    result = search(plan_input.spec, cluster, global_batch_size=plan_input.global_batch_size, fixed=fixed,
+                    allow_distributed_optimizer=plan_input.distributed_optimizer_allowed, top=top,
+                    profile=profile, device="cpu")  # fmt: skip
+    payload = [(p.cand, candidate_json(p, plan_input.base_flags)) for p in result.candidates]
+    return [
         {"split": _split(c), "schedule": c["schedule"], "micro_batch_size": c["micro_batch_size"],
-         "predicted": c["step_seconds"], "args": _strip(c["args"]), "recompute": c["recompute"]}
-        for c in payload["candidates"]
+         "predicted": c["step_seconds"], "args": _strip(c["args"]), "recompute": c["recompute"],
+         "cand": cand}
+        for cand, c in payload
     ]  # fmt: skip
+
+
+def _table(rows: list[dict], predicted_key: str, within: float) -> dict:
+    """Print predicted against measured; the ranking figures."""
+    predicted, actual = [r[predicted_key] for r in rows], [r["measured"] for r in rows]
+    result = {
+        "spearman": _spearman(predicted, actual),
+        "top_pick_over_best": actual[min(range(len(rows)), key=predicted.__getitem__)] / min(actual),
+        "within": sum(abs(p / a - 1) <= within for p, a in zip(predicted, actual)),
+        "load": _load(),
+    }
+    print(f"{'candidate':45s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s}")
+    for r in rows:
+        print(f"{r['split'] + ' ' + r['schedule'] + ' mbs ' + str(r['micro_batch_size']):45s} "
+              f"{r[predicted_key]:12.3f} {r['measured']:11.3f} {r[predicted_key] / r['measured'] - 1:+7.0%}")  # fmt: skip
+    print(f"Spearman {result['spearman']:.3f}; top pick {result['top_pick_over_best']:.3f}x the best measured; "
+          f"{result['within']}/{len(rows)} within {within:.0%}; {result['load']}")  # fmt: skip
+    return result
+
+
+def check_layouts(count: int, rounds: int, iterations: int, model: str = MODEL, refit: bool = False) -> dict:
+    """Plan ``model`` with this machine's calibration, run ``count`` candidates ``rounds`` times in turns,
+    print predicted against measured; with ``refit``, then :func:`refit_layouts`."""
+    from planner.inputs import read_input
+    from planner.profile import LocalProfile, local_cluster
+
+    plan_input = read_input(model.split())
+    cluster = local_cluster(4, plan_input.spec.precision)
+    profile = LocalProfile(plan_input.spec, plan_input.args)
+    planned = _planned(plan_input, cluster, profile, plan_input.fixed)
     chosen = choose(planned, count)
     print(
         f"{len(planned)} candidates planned; running {len(chosen)} in {rounds} rounds ({_load()})", flush=True
@@ -142,25 +178,42 @@ def check_layouts(count: int, rounds: int, iterations: int, model: str = MODEL) 
             measured[i].append(statistics.median(times))
             print(f"  round {round_ + 1} #{i + 1} {c['split']} {c['schedule']} mbs {c['micro_batch_size']}: "
                   f"{statistics.median(times):.3f} s ({_load()})", flush=True)  # fmt: skip
-    rows = []
-    for i, c in enumerate(chosen):
-        rows.append({**{k: v for k, v in c.items() if k != "args"}, "measured": statistics.median(measured[i]),
-                     "rounds": measured[i], "args": c["args"]})  # fmt: skip
-    predicted, actual = [r["predicted"] for r in rows], [r["measured"] for r in rows]
-    result = {
-        "rows": rows,
-        "spearman": _spearman(predicted, actual),
-        "top_pick_over_best": actual[0] / min(actual),
-        "within": sum(abs(p / a - 1) <= WITHIN for p, a in zip(predicted, actual)),
-        "load": _load(),
-    }
-    print(f"{'candidate':45s} {'predicted s':>12s} {'measured s':>11s} {'error':>7s}")
-    for r in rows:
-        print(f"{r['split'] + ' ' + r['schedule'] + ' mbs ' + str(r['micro_batch_size']):45s} "
-              f"{r['predicted']:12.3f} {r['measured']:11.3f} {r['predicted'] / r['measured'] - 1:+7.0%}")  # fmt: skip
-    print(f"Spearman {result['spearman']:.3f}; top pick {result['top_pick_over_best']:.3f}x the best measured; "
-          f"{result['within']}/{len(rows)} within {WITHIN:.0%}; {result['load']}")  # fmt: skip
+    rows = [{**{k: v for k, v in c.items() if k not in ("args", "cand")}, "measured": statistics.median(measured[i]),
+             "rounds": measured[i], "args": c["args"]} for i, c in enumerate(chosen)]  # fmt: skip
+    result = {"rows": rows, **_table(rows, "predicted", WITHIN)}
+    if refit:
+        result["refit"] = refit_layouts(plan_input, cluster, profile, chosen, rows, iterations)
     return result
+
+
+def refit_layouts(
+    plan_input, cluster, profile, chosen: list[dict], rows: list[dict], iterations: int
+) -> dict:
+    """The loop closed: run the top pick once with ``--timeline-dir``, refit the costs from its timeline
+    (``tools/plan.py --from-timeline``: compute and the collectives its layout exercised), re-plan with
+    the same calibration, and print the same candidates' new predictions against the steps already
+    measured (within :data:`REFIT_WITHIN`)."""
+    from planner.inputs import read_input
+    from planner.rebalance import rebalance_report
+    from planner.step_time import estimate_step
+
+    top = chosen[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        timeline = os.path.join(tmp, "timeline")
+        times = run_steps(top["args"], iterations, ["--timeline-dir", timeline, "--timeline-iters",
+                                                    str(iterations - 1), str(iterations)])  # fmt: skip
+        run_input = read_input(top["args"])
+        report, refitted, _ = rebalance_report(run_input, cluster, timeline, profile)
+    print(f"refit from a {iterations}-iteration run of the top pick, {top['split']} {top['schedule']} mbs "
+          f"{top['micro_batch_size']} ({statistics.median(times):.3f} s a step; {_load()}):", flush=True)  # fmt: skip
+    print(report, flush=True)
+    again = [estimate_step(plan_input.spec, c["cand"], cluster, refitted).step_seconds for c in chosen]
+    refit_rows = [{**r, "refit": t} for r, t in zip(rows, again)]
+    pick = _planned(plan_input, cluster, refitted, {}, top=1)[0]
+    print(f"re-planned with the refitted costs, the top pick: {pick['split']} {pick['schedule']} mbs "
+          f"{pick['micro_batch_size']} ({pick['predicted']:.3f} s predicted)", flush=True)  # fmt: skip
+    return {"rows": refit_rows, "timeline_run_seconds": statistics.median(times),
+            **_table(refit_rows, "refit", REFIT_WITHIN)}  # fmt: skip
 
 
 def _split(c: dict) -> str:
@@ -207,6 +260,9 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=8, help="layouts to run (layouts)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=6, help="per run; the first two are not timed")
+    parser.add_argument("--refit", action="store_true",
+                        help="layouts: then run the top pick once with --timeline-dir, refit, and print the "
+                        "same candidates re-predicted against the same measured steps (within 10%%)")  # fmt: skip
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["gpt-256"],
                         help="layouts: the models to check, each in turn (all: GPT and LLaMA, three sizes)")  # fmt: skip
     args = parser.parse_args()
@@ -214,10 +270,10 @@ def main() -> None:
         result = {}
         for name in args.models:
             print(f"== {name}: {MODELS[name]}", flush=True)
-            result[name] = check_layouts(args.count, args.rounds, args.iterations, MODELS[name])
+            result[name] = check_layouts(args.count, args.rounds, args.iterations, MODELS[name], args.refit)
     else:
         result = check_rebalance(args.rounds, args.iterations)
-    print(json.dumps({"check": args.what, **result}))
+    print(json.dumps({"check": args.what, **result}, default=lambda o: o.item()))  # numpy scalars
 
 
 if __name__ == "__main__":

@@ -179,6 +179,8 @@ def _finish_step(ctx: StepContext, losses: Losses, count: InFlight) -> None:
     finalize = ctx.hooks.finalize_model_grads
     if finalize is not None and not ctx.forward_only:
         finalize(ctx.chunks, losses.num_tokens if ctx.settings.calculate_per_token_loss else None)
+        if ctx.record is not None:
+            ctx.record.finalized = ctx.record.clock.now()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -72,6 +72,9 @@ class ScheduleRecord:
     num_tokens: torch.Tensor | None = None
     start: Any = 0.0  # the clock's stamps around the whole schedule
     end: Any = 0.0
+    finalized: Any = None
+    """The clock's stamp when ``finalize_model_grads`` returned (the data-parallel reduction waited for,
+    TP and tied-weight gradient reductions): its span from ``end`` is the step's exposed reduction."""
     tables: tuple | None = None  # every rank's complete table, as run
     placement: Placement | None = None
 

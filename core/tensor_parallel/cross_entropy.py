@@ -18,13 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core import comm_time
 from core.parallel_state import group_rank, group_size
 from core.tensor_parallel.utils import resolve_tp_group
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
     if group is not None and dist.get_world_size(group) > 1:
+        stamp = comm_time.start()
         dist.all_reduce(x, op=op, group=group)
+        comm_time.stop("TP", stamp)
 
 
 def _vocab_shard(

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from core import comm_time
 from core.parallel_state import group_size
 from core.tensor_parallel.utils import all_gather_single, reduce_scatter_single, resolve_tp_group
 
@@ -44,7 +45,9 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     out = x.clone(memory_format=torch.contiguous_format)
+    stamp = comm_time.start()
     dist.all_reduce(out, group=group)
+    comm_time.stop("TP", stamp)
     return out
 
 
@@ -68,7 +71,9 @@ def _gather_stacked(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     """``[world, *x.shape]``: every rank's ``x`` stacked in group-rank order."""
     x = x.contiguous()
     out = torch.empty((group_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    stamp = comm_time.start()
     all_gather_single(out, x, group=group)  # concatenated along dim 0: the form every backend takes
+    comm_time.stop("TP", stamp)
     return out.view(group_size(group), *x.shape)
 
 
@@ -90,7 +95,9 @@ def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup | None) -> torch.
         return x
     shard = _check_divisible(x, 0, world, "sequence (first)")
     out = torch.empty((shard, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    stamp = comm_time.start()
     reduce_scatter_single(out, x.contiguous(), group=group)
+    comm_time.stop("TP", stamp)
     return out
 
 

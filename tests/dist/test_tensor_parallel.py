@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from core import parallel_state
+from core import comm_time, parallel_state
 from core.model_parallel_config import ModelParallelConfig
 from core.tensor_parallel import (
     ColumnParallelLinear,
@@ -578,6 +578,22 @@ def test_tensor_parallel_layers_match_single_device(ranks, check, value):
 
 def test_mappings_forward_and_backward_do_what_their_names_say(ranks):
     ranks(TP).run(_check_mappings)
+
+
+def _counted_reduction(rank, world_size):
+    """A TP reduction outside and inside ``comm_time``'s counting (the timeline's ``TP`` total)."""
+    x = torch.ones(1024)
+    reduce_from_tensor_model_parallel_region(x, dist.group.WORLD)
+    outside = comm_time.end()["TP"]
+    comm_time.begin()
+    out = reduce_from_tensor_model_parallel_region(x, dist.group.WORLD)
+    assert torch.equal(out, torch.full((1024,), float(world_size)))
+    return outside, comm_time.end()["TP"]
+
+
+def test_a_tensor_parallel_reduction_is_counted_only_while_a_timeline_counts(ranks):
+    for outside, counted in ranks(TP).run(_counted_reduction):
+        assert outside == 0.0 and 0.0 < counted < 5.0
 
 
 def test_rng_tracker_forks_per_rank_and_replays(ranks):

@@ -132,6 +132,9 @@ def test_timeline_of_real_training_is_written_and_reports_the_bubble(overlap_run
         compute = sorted((k, mb) for k, mb, _, _, _ in rank.events if k in "FIW")
         assert compute == sorted((k, mb) for k in "FIW" for mb in range(4)), rank.rank
         assert all(start <= end for *_, start, end in rank.events)
+        (dp,) = [e for e in rank.events if e[0] == "DP"]  # the step's reduction, after its last action
+        assert dp[1:3] == (-1, 0) and dp[3] >= max(e[4] for e in rank.events if e[0] in "FIW")
+        assert not [e for e in rank.events if e[0] in ("TP", "CP")]  # TP1, CP1: nothing to count
     assert 0.0 < step.simulated_bubble < 1.0 and 0.0 < step.measured_bubble < 1.0
     png = directory / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000

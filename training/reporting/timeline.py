@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from core import comm_time
 from core import parallel_state as ps
 from core.device import current_device
 from core.pipeline_parallel.actions import ActionKind
@@ -44,6 +45,11 @@ if TYPE_CHECKING:
     from training.run import Run
 
 COMPUTE = ("F", "B", "I", "W")
+COMMUNICATION = ("DP", *comm_time.KINDS)
+"""Per rank and iteration, beside the actions: ``DP`` the span of ``finalize_model_grads`` after the
+last action (the data-parallel reduction the step waits for), ``TP`` and ``CP`` (CPU ranks: the host
+clock) the seconds spent in tensor-parallel collectives and ring attention's waits, summed over the
+iteration's actions and drawn from the schedule's start (``core.comm_time``). Microbatch -1."""
 
 
 @dataclass
@@ -132,6 +138,8 @@ class Timeline:
         self._start = self.clock.now()
         if self._first_start is None:
             self._first_start = self._start
+        if self.clock.name == "host":
+            comm_time.begin()
         return ScheduleRecord(clock=self.clock)
 
     def finish(self, iteration: int, record: ScheduleRecord) -> None:
@@ -141,7 +149,8 @@ class Timeline:
             ps.get_pipeline_model_parallel_rank(),
             ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank(with_context_parallel=True) == 0,
-            [(e.kind, e.microbatch, e.chunk, e.start * 1e3, e.end * 1e3) for e in record.timed(self._start)],
+            [(e.kind, e.microbatch, e.chunk, e.start * 1e3, e.end * 1e3) for e in record.timed(self._start)]
+            + self._communication(record),
         )
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -161,6 +170,17 @@ class Timeline:
             f" timeline of iteration {iteration}: measured bubble {step.measured_bubble:.3f}, "
             f"simulated bubble of the same table {step.simulated_bubble:.3f}"
         )
+
+    def _communication(self, record: ScheduleRecord) -> list[tuple[str, int, int, float, float]]:
+        """The iteration's ``DP`` span and ``TP``/``CP`` totals (:data:`COMMUNICATION`), in ms."""
+        totals = comm_time.end() if self.clock.name == "host" else {}
+        events = []
+        if record.finalized is not None:
+            end = self.clock.seconds(self._start, record.end) * 1e3
+            events.append(("DP", -1, 0, end, self.clock.seconds(self._start, record.finalized) * 1e3))
+        begin = self.clock.seconds(self._start, record.start) * 1e3
+        events += [(kind, -1, 0, begin, begin + seconds * 1e3) for kind, seconds in totals.items() if seconds]
+        return events
 
     def write(self) -> list[str]:
         """Write timeline.json (and timeline.png with matplotlib) on rank 0; returns the paths."""
@@ -198,6 +218,8 @@ def chrome_trace(data: TimelineData) -> dict:
                         "name": f"{chunk}{kind}{mb}",
                         "cat": "compute"
                         if kind in COMPUTE
+                        else "communication"
+                        if kind in COMMUNICATION
                         else "wait"
                         if kind.startswith("WAIT")
                         else "post",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from core import comm_time
 from core.transformer.context_parallel.block_attention import attention_with_lse, attention_with_lse_backward
 from core.transformer.dropout import sharded_rng
 
@@ -102,8 +103,10 @@ class _Pending:
         self.works, self.received, self.sent = works, received, sent  # keep ``sent`` alive until done
 
     def wait(self) -> torch.Tensor:
+        stamp = comm_time.start()
         for work in self.works:
             work.wait()
+        comm_time.stop("CP", stamp)
         return self.received
 
 
