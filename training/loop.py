@@ -95,6 +95,11 @@ def train(run: Run, session: Session, hook: Callable[[TrainState], None] | None 
         loop.finish()
 
 
+def _wait_for_collectives(chunks) -> None:
+    for chunk in chunks:  # e.g. --overlap-param-gather's all-gathers, launched after the step
+        chunk.wait_for_collectives()
+
+
 def apply_step(run: Run, session: Session, step: Step) -> None:
     """What training does after a settled step, as if it had read the step at once: the NaN errors,
     the skip counters (and the stop after too many), the scheduler's advance after an applied step,
@@ -201,16 +206,12 @@ class _Loop:
             rank=dist.get_rank(),
             ranks=run.training.profile_ranks,
             out_dir=run.logging.tensorboard_dir or "profile",
-            wait_for_collectives=self._wait_for_collectives,
+            wait_for_collectives=functools.partial(_wait_for_collectives, session.model.chunks),
         )
         self.saved_at: int | None = None
         self.resume_unreported = restart.restart_attempt() > 0  # a restarted run times its first step
         self.compile_start = compile_stats() if run.model.compile else None
         self.compile_warm: dict | None = None
-
-    def _wait_for_collectives(self) -> None:
-        for chunk in self.session.model.chunks:  # e.g. --overlap-param-gather's, launched after the step
-            chunk.wait_for_collectives()
 
     def step_record(self, iteration: int):
         """The ``ScheduleRecord`` the schedule fills in ``iteration`` (for the timeline or the straggler

@@ -91,7 +91,14 @@ def pretrain(
 def _train_session(run, providers: Providers, iteration_hook) -> TrainState:
     """Set up, train and summarise; the session (model, optimizer, data) is garbage once this returns."""
     session = setup(run, providers)
-    train(run, session, iteration_hook)
+    try:
+        train(run, session, iteration_hook)
+    finally:
+        # Stop the data workers now, not when a collection frees their loader: with --exit-signal-handler
+        # they ignore SIGTERM, and a loader still alive at the interpreter's exit would be joined forever.
+        for stream in (session.train_data, session.valid_data):
+            if stream is not None:
+                stream.close()
     if session.logs_loss:
         for line in session.state.progress.summary(run, session.loggers):
             print_line(line)
