@@ -74,6 +74,7 @@ def test_lines_printed_by_ranks_at_once_stay_whole():
 
 ENDING = """
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 from training.faults import ending_the_process
 
@@ -87,6 +88,8 @@ with ending_the_process():
     dist.destroy_process_group()
     atexit.register(lambda: print("atexit ran", flush=True))
     threading.Thread(target=late_writer).start()
+    idle_pool = ThreadPoolExecutor(2)  # as inductor's compile workers: idle, waiting for work
+    idle_pool.submit(int).result()
     print("main done", flush=True)
     sys.exit({code!r})
 """
@@ -96,8 +99,9 @@ with ending_the_process():
     ("code", "returncode", "stderr"), [(None, 0, ""), (3, 3, ""), ("bad flag", 1, "bad flag")]
 )
 def test_the_entry_points_end_does_what_finalization_would_then_exits_with_the_code(code, returncode, stderr):
-    """pretrain_gpt.py ends through ``ending_the_process``: the remaining threads are joined and the
-    atexit handlers run before ``os._exit``, and the exit code is the one ``sys.exit`` was given."""
+    """pretrain_gpt.py ends through ``ending_the_process``: the remaining threads are joined (an idle thread
+    pool stopped first, as finalization does) and the atexit handlers run before ``os._exit``, and the exit
+    code is the one ``sys.exit`` was given."""
     done = subprocess.run(
         [sys.executable, "-c", ENDING.format(code=code)],
         capture_output=True,

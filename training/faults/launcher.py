@@ -52,9 +52,10 @@ def end_process(code: int | str | None = 0) -> NoReturn:
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What finalization does first: the threading module's own exit hooks (they stop idle thread pools,
+    # e.g. inductor's compile workers, which would otherwise wait for work forever), then a join of every
+    # non-daemon thread.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
