@@ -54,73 +54,25 @@ def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = 
     return forward_backward_pipelining_without_interleaving
 
 
-def forward_backward_no_pipelining(
-    *,
-    forward_step_func,
-    data_iterator: DataIterator,
-    model: Model,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    forward_only: bool = False,
-    **kwargs,
-) -> list:
-    """Forward and backward of each microbatch in turn on one stage; gradients accumulate."""
+def forward_backward_no_pipelining(*, model: Model, **call) -> list:
+    """Forward and backward of each microbatch in turn on one stage; gradients accumulate.
+
+    Takes Megatron's keywords (``forward_step_func``, ``data_iterator``, ``num_microbatches``,
+    ``seq_length``, ``micro_batch_size``, ``forward_only``, ...), as all three entries do: ``_prepare``
+    states them once."""
     chunks = _single_chunk(model, "forward_backward_no_pipelining")
-    table, ctx = _prepare(
-        DEFAULT_SCHEDULE,  # 1F1B on one stage: each microbatch's forward, then its backward
-        forward_step_func,
-        data_iterator,
-        chunks,
-        num_microbatches,
-        seq_length,
-        micro_batch_size,
-        forward_only,
-        pipelined=False,
-        **kwargs,
-    )
-    return run_table(table, ctx)
+    # 1F1B on one stage: each microbatch's forward, then its backward
+    return run_table(*_prepare(DEFAULT_SCHEDULE, chunks, pipelined=False, **call))
 
 
-def forward_backward_pipelining_without_interleaving(
-    *,
-    forward_step_func,
-    data_iterator: DataIterator,
-    model: Model,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    forward_only: bool = False,
-    **kwargs,
-) -> list:
+def forward_backward_pipelining_without_interleaving(*, model: Model, **call) -> list:
     """1F1B over the pipeline group; GPipe or ZB-H1 as ``config.pipeline_schedule`` says."""
     chunks = _single_chunk(model, "forward_backward_pipelining_without_interleaving")
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
-    table, ctx = _prepare(
-        schedule,
-        forward_step_func,
-        data_iterator,
-        chunks,
-        num_microbatches,
-        seq_length,
-        micro_batch_size,
-        forward_only,
-        **kwargs,
-    )
-    return run_table(table, ctx)
+    return run_table(*_prepare(schedule, chunks, **call))
 
 
-def forward_backward_pipelining_with_interleaving(
-    *,
-    forward_step_func,
-    data_iterator: DataIterator,
-    model: Model,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    forward_only: bool = False,
-    **kwargs,
-) -> list:
+def forward_backward_pipelining_with_interleaving(*, model: Model, **call) -> list:
     """Virtual stages: ``model`` is this rank's list of chunks, ``data_iterator`` one per chunk.
 
     Runs interleaved 1F1B, or with ``config.pipeline_schedule`` "zb-h1" the interleaved zero-bubble
@@ -128,18 +80,7 @@ def forward_backward_pipelining_with_interleaving(
     """
     chunks = _as_chunks(model)
     schedule = ScheduleSettings.from_config(chunks[0].config).pipeline_schedule
-    table, ctx = _prepare(
-        schedule_rule(schedule).interleaved_form or schedule,
-        forward_step_func,
-        data_iterator,
-        chunks,
-        num_microbatches,
-        seq_length,
-        micro_batch_size,
-        forward_only,
-        **kwargs,
-    )
-    return run_table(table, ctx)
+    return run_table(*_prepare(schedule_rule(schedule).interleaved_form or schedule, chunks, **call))
 
 
 _ACCEPTED_DEFAULTS = {"adjust_tensor_shapes_fn": None}
@@ -147,14 +88,14 @@ _ACCEPTED_DEFAULTS = {"adjust_tensor_shapes_fn": None}
 
 def _prepare(
     schedule,
+    chunks,
+    *,
     forward_step_func,
     data_iterator,
-    chunks,
     num_microbatches,
     seq_length,
     micro_batch_size,
-    forward_only,
-    *,
+    forward_only=False,
     pipelined: bool = True,
     decoder_seq_length: int | None = None,
     collect_non_loss_data: bool = False,
@@ -208,15 +149,17 @@ def _prepare(
 
 
 @functools.lru_cache(maxsize=64)
-def _complete_tables(
+def complete_tables(
     schedule: str,
     pp_size: int,
     vpp_size: int,
     num_microbatches: int,
-    microbatch_group_size: int | None,
-    forward_only: bool,
-    variable_shapes: bool,
+    *,
+    microbatch_group_size: int | None = None,
+    forward_only: bool = False,
+    variable_shapes: bool = False,
 ) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's complete table, as the entry points run them (built, lowered and checked once, cached)."""
     tables = build_tables(
         schedule,
         pp_size,
@@ -232,22 +175,6 @@ def _complete_tables(
     validate(complete, placement)
     check_rendezvous(comm_logs(complete, placement, variable_shapes=variable_shapes))
     return tuple(tuple(t) for t in complete)
-
-
-def complete_tables(
-    schedule: str,
-    pp_size: int,
-    vpp_size: int,
-    num_microbatches: int,
-    *,
-    microbatch_group_size: int | None = None,
-    forward_only: bool = False,
-    variable_shapes: bool = False,
-) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's complete table, as the entry points run them (built, lowered and checked once, cached)."""
-    return _complete_tables(
-        schedule, pp_size, vpp_size, num_microbatches, microbatch_group_size, forward_only, variable_shapes
-    )
 
 
 def _check_call(settings: ScheduleSettings, num_microbatches: int, vpp: int) -> None:

@@ -27,7 +27,7 @@ def test_a_run_along_the_ramp_steps_each_batch_and_builds_each_schedule_table_on
         "step",
         lambda self, increment: increments.append(increment) or step(self, increment),
     )
-    schedules._complete_tables.cache_clear()
+    schedules.complete_tables.cache_clear()
     argv = MODEL + "--train-samples 15 --global-batch-size 4 --rampup-batch-size 1 1 3 --log-interval 1"
     state = pretrain_gpt_in_process(args=parse_args(argv.split()))
     out = capsys.readouterr().out
