@@ -65,7 +65,9 @@ def pretrain(
     )
     select_backend(run.distributed.distributed_backend)
     started = ps.initialize_distributed(
-        timeout=timedelta(minutes=run.distributed.distributed_timeout_minutes)
+        timeout=timedelta(
+            minutes=faults.process_group_timeout_minutes(run.distributed.distributed_timeout_minutes)
+        )
     )
     restart.mark("rendezvous")
     try:

@@ -15,8 +15,8 @@
   held one resume from each other's checkpoints (EP2 x DP4) with the straight run's next loss, and a
   bf16 delayed resume is exact.
 
-One pool of 4 gloo ranks serves the module. ZeRO-3, PP2 x DP2, ZeRO-3's resume and the experts' ZeRO-2/3,
-checkpoint and resume cases are slow: ``python -m pytest -q -m slow tests/dist/test_fp8_param_gather.py``.
+One pool of 4 gloo ranks serves the module. ZeRO-3, PP2 x DP2, ZeRO-3's resume and the experts' cases
+are slow: ``python -m pytest -q -m slow tests/dist/test_fp8_param_gather.py``.
 """
 
 from __future__ import annotations
@@ -97,20 +97,19 @@ def _weights(rank, world_size, flags):
 
 
 def _resumes_exactly(pool, flags: list[str], tmp_path) -> str:
-    """3 iterations, a save and 3 more after a load give the 6 straight iterations' losses; the
-    checkpoint's directory."""
-    straight, _ = _losses(pool, flags + ["--train-iters", "6"])
+    """6 straight iterations saving at iteration 3; a run loading that checkpoint gives their last 3
+    losses; the checkpoint's directory."""
     ckpt = str(tmp_path / "ckpt")
-    first, _ = _losses(pool, flags + ["--train-iters", "3", "--save", ckpt])
-    resumed, _ = _losses(pool, flags + ["--train-iters", "6", "--load", ckpt])
-    assert first + resumed == straight
+    straight, _ = _losses(pool, flags + ["--train-iters", "6", "--save", ckpt, "--save-interval", "3"])
+    resumed, _ = _losses(pool, flags + ["--train-iters", "6", "--load", ckpt, "--ckpt-step", "3"])
+    assert len(straight) == 6 and resumed == straight[3:]
     return ckpt
 
 
 @pytest.mark.parametrize("strategy", ["optim", pytest.param("optim_grads_params", marks=pytest.mark.slow)])
 def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(ranks, tmp_path, strategy):
-    """PP2 x DP2, bf16, delayed recipe: 3 iterations, a save, 3 more after a load give the 6 straight
-    iterations' losses; the checkpoint's weights are the optimizer's fp32 masters in bf16, and a run at
+    """PP2 x DP2, bf16, delayed recipe: a run loading iteration 3's checkpoint gives the 6 straight
+    iterations' last 3 losses; the checkpoint's weights are the optimizer's fp32 masters in bf16, and a run at
     PP1 x DP1 without the flag (nor the distributed optimizer) loads exactly those."""
     flags = BF16_DELAYED
     if strategy != "optim":
@@ -118,7 +117,9 @@ def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(
     ckpt = _resumes_exactly(ranks(4), flags, tmp_path)
     saved = open_checkpoint(str(tmp_path / "ckpt" / "iter_0000003"))
     plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"]
-    loaded = _weights(0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --load".split() + [ckpt])
+    loaded = _weights(
+        0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --ckpt-step 3 --load".split() + [ckpt]
+    )
     assert len(loaded) == 4
     for name, weight in loaded.items():
         master = saved.read_shard(optimizer_tensor_name("main_param", name))
@@ -135,14 +136,8 @@ rounds by the order the ring adds them in, which follows its place in the buffer
 in FP8 gives them a buffer of their own: the losses then differ in the last bits.)"""
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    [
-        "optim",
-        pytest.param("optim_grads", marks=pytest.mark.slow),
-        pytest.param("optim_grads_params", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.slow  # in-process at EP1: tests/unit/test_fp8_params.py
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_held_expert_stacks_give_the_cast_experts_losses_at_ep2_tp2(ranks, strategy):
     """Each expert's scale is reduced over its two replicas (expert DP), which hold it whole after the
     gather, so it is the scale of the slice the casting layer casts."""
@@ -167,17 +162,19 @@ tests/dist/test_moe_checkpoint.py)."""
 
 @pytest.mark.slow
 def test_held_and_cast_expert_checkpoints_load_into_each_other(ranks, tmp_path):
-    """fp32 tensorwise at EP2 x DP4: 3 iterations cast, saved, then held (and the other way round): the
-    first loss after the load is the saving kind's straight run's, bit for bit (the same master weights,
-    so the same FP8 weights and scales); later ones drift apart by rounding, as the two straight runs do
-    (DP 4's gradient sums round by the buffers' layout, which holding changes), within 1e-3."""
+    """fp32 tensorwise at EP2 x DP4: 6 iterations cast, saving at iteration 3, whose checkpoint a held
+    run loads (and the other way round): the first loss after the load is the saving kind's, bit for
+    bit (the same master weights, so the same FP8 weights and scales); later ones drift apart by
+    rounding, as the two kinds' runs do (DP 4's gradient sums round by the buffers' layout, which
+    holding changes), within 1e-3."""
     flags = FP8_FP32 + EP2_DP4 + ["--lr-decay-iters", "6"]
     for first_flags, then_flags, name in ((flags, flags + HELD, "cast"), (flags + HELD, flags, "held")):
-        straight, _ = _losses(ranks(4), first_flags + ["--train-iters", "6"])
         ckpt = str(tmp_path / name)
-        first, _ = _losses(ranks(4), first_flags + ["--train-iters", "3", "--save", ckpt])
-        then, _ = _losses(ranks(4), then_flags + ["--train-iters", "6", "--load", ckpt])
-        assert first + then[:1] == straight[:4], name
+        straight, _ = _losses(
+            ranks(4), first_flags + ["--train-iters", "6", "--save", ckpt, "--save-interval", "3"]
+        )
+        then, _ = _losses(ranks(4), then_flags + ["--train-iters", "6", "--load", ckpt, "--ckpt-step", "3"])
+        assert len(straight) == 6 and then[:1] == straight[3:4], name
         assert max(abs(a - b) for a, b in zip(then, straight[3:])) < 1e-3, name
 
 
@@ -193,7 +190,9 @@ def test_held_expert_stacks_resume_exactly_and_store_each_experts_master_values(
     ckpt = _resumes_exactly(ranks(4), flags, tmp_path)
     saved = open_checkpoint(str(tmp_path / "ckpt" / "iter_0000003"))
     plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"] + EP2[:4]  # one rank: EP 1
-    loaded = _weights(0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --load".split() + [ckpt])
+    loaded = _weights(
+        0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --ckpt-step 3 --load".split() + [ckpt]
+    )
     stacks = {n: w for n, w in loaded.items() if ".experts." in n}
     assert len(stacks) == 4
     for name, stack in stacks.items():

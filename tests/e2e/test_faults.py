@@ -303,12 +303,13 @@ def test_a_frozen_rank_ends_the_job_naming_it_and_empty_stages_train(data, tmp_p
 def test_a_hang_names_the_action_every_rank_waits_on_and_each_rank_dumps_its_table(data, tmp_path):
     """TRIDENT_FAULT=hang@backward:3:rank=1 at PP=2: rank 1 hangs in its first backward of iteration 3
     (its heartbeat goes on, so it is not silent) and rank 0 waits for that backward's gradient until
-    the process groups' timeout (one minute). The summary line names rank 1's backward; each rank's
-    dump holds its whole table as the executor runs it, the action it runs, the last one it finished
-    and the message it waits for."""
+    the process groups' timeout (``--distributed-timeout-minutes 1``, cut to 20 s for the test). The
+    summary line names rank 1's backward; each rank's dump holds its whole table as the executor runs
+    it, the action it runs, the last one it finished and the message it waits for."""
     env = job_env(
         TRIDENT_FAULT="hang@backward:3:rank=1",
         TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS=str(TIMEOUT_S),
+        TRIDENT_TEST_PROCESS_GROUP_TIMEOUT_SECONDS="20",
         TRIDENT_FLIGHT_RECORDER_DIR=str(tmp_path),
     )
     code, output = run(2, [*_endless_pp2(data), "--distributed-timeout-minutes", "1"], env=env, timeout=300)

@@ -8,11 +8,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.torchrun_jobs import run_captured
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # about 70 s, mostly its children's start-up
 def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode():
     done = run_captured(
         [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--quick"],

@@ -98,11 +98,12 @@ def test_a_quantise_round_trip_keeps_25_db(dtype):
 @pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear], ids=["column", "row"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.scaling}-{r.format}")
 def test_layer_output_and_gradients_keep_torchaos_sqnr(cls, recipe):
-    reference, fp8 = twin_layers(cls, recipe)
+    # small: on a CPU torch's E4M3 x E4M3 product is a reference loop (~300 ms at 128 x 256 x 512)
+    reference, fp8 = twin_layers(cls, recipe, in_features=128, out_features=256)
     torch.manual_seed(1)
     for step in range(3):  # the delayed recipe's first step scales from the tensors, later ones from history
-        x = torch.randn(32, 4, 256, dtype=torch.bfloat16)
-        grad = torch.randn(32, 4, 512, dtype=torch.bfloat16) * 1e-3
+        x = torch.randn(8, 4, 128, dtype=torch.bfloat16)
+        grad = torch.randn(8, 4, 256, dtype=torch.bfloat16) * 1e-3
         for layer in (reference, fp8):
             layer.weight.grad = None
         out, dx, dw = run(reference, x, grad)
@@ -299,11 +300,10 @@ def test_the_configs_fp8_refusals(overrides, message):
 
 
 def test_resume_with_delayed_scaling_is_exact_losses_and_amax_histories(tmp_path):
-    straight, straight_histories = fp8_run("--train-iters 6")
     ckpt = os.path.join(tmp_path, "ckpt")
-    first, _ = fp8_run(f"--train-iters 3 --save {ckpt} --save-interval 3")
-    resumed, resumed_histories = fp8_run(f"--train-iters 6 --load {ckpt}")
-    assert first + resumed == straight
+    straight, straight_histories = fp8_run(f"--train-iters 6 --save {ckpt} --save-interval 3")
+    resumed, resumed_histories = fp8_run(f"--train-iters 6 --load {ckpt} --ckpt-step 3")
+    assert len(straight) == 6 and resumed == straight[3:]
     assert straight_histories.keys() == resumed_histories.keys() and straight_histories
     for name, value in straight_histories.items():
         assert torch.equal(resumed_histories[name], value), name
@@ -326,7 +326,7 @@ def test_the_gpus_fp8_products_equal_the_cpus(recipe):
     print(f"{recipe.scaling} {recipe.format}: GPU vs CPU SQNR out {sqnr(out, out_g.cpu()):.1f} dB")
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", [pytest.param("tensorwise", marks=pytest.mark.slow), "delayed"])
 def test_full_and_selective_recompute_change_nothing(recipe):
     """A recomputed forward casts what the first forward cast and records no new amax."""
     flags = f"--train-iters 3 --fp8-recipe {recipe}"

@@ -116,8 +116,8 @@ def test_an_fp8_step_rerun_starts_from_the_scaling_state_it_first_had():
     """Delayed FP8 scaling pushes each step's amaxes onto the histories: a rerun step restores them (and
     drops the cached weight casts), so the run with its reruns ends with the plain run's losses and
     histories, bit for bit."""
-    plain, plain_state = fp8_run("--train-iters 6 --rerun-mode disabled")
-    reran, state = fp8_run("--train-iters 6 --log-interval 3 --check-for-spiky-loss --error-injection-rate 2")
+    plain, plain_state = fp8_run("--train-iters 4 --rerun-mode disabled")
+    reran, state = fp8_run("--train-iters 4 --log-interval 2 --check-for-spiky-loss --error-injection-rate 2")
     assert reran == plain and plain_state
     assert all(torch.equal(state[k], v) for k, v in plain_state.items())
 

@@ -33,7 +33,8 @@
   every across-rank agreement: the first error, all done, gather, sum).
 
 ``TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS`` (for tests only) sets the watchdog's timeout in
-seconds instead of ``--distributed-timeout-minutes``; the process groups keep the flag's timeout.
+seconds instead of ``--distributed-timeout-minutes``; the process groups keep the flag's timeout unless
+``TRIDENT_TEST_PROCESS_GROUP_TIMEOUT_SECONDS`` (for tests only) sets theirs.
 """
 
 from training.faults.agreement import fail_together
@@ -44,6 +45,7 @@ from training.faults.heartbeat import (
     end,
     last_beats,
     phase,
+    process_group_timeout_minutes,
     watched,
 )
 from training.faults.injection import after_checkpoint_file, faulty_forward
@@ -64,6 +66,7 @@ __all__ = [
     "last_beats",
     "one_line_errors",
     "phase",
+    "process_group_timeout_minutes",
     "run_main",
     "watch_launcher",
     "watched",

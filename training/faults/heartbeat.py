@@ -18,12 +18,20 @@ from training.faults import reporting
 from training.faults.injection import inject
 
 TEST_TIMEOUT_ENV = "TRIDENT_TEST_DISTRIBUTED_TIMEOUT_SECONDS"
+TEST_GROUP_TIMEOUT_ENV = "TRIDENT_TEST_PROCESS_GROUP_TIMEOUT_SECONDS"
 _generation = 0  # pretrain() calls so far; every rank counts the same, so their store keys match
 
 
 def distributed_timeout_seconds(minutes: float) -> float:
     """``--distributed-timeout-minutes`` in seconds."""
     return float(minutes) * 60.0
+
+
+def process_group_timeout_minutes(minutes: float) -> float:
+    """The process groups' timeout: ``--distributed-timeout-minutes``, or in a test that waits for a
+    backend's timeout ``TRIDENT_TEST_PROCESS_GROUP_TIMEOUT_SECONDS`` (the flag counts whole minutes)."""
+    override = os.environ.get(TEST_GROUP_TIMEOUT_ENV)
+    return float(override) / 60.0 if override else float(minutes)
 
 
 def _watchdog_timeout(minutes: float) -> tuple[float, str]:
