@@ -57,6 +57,7 @@ from training.checkpoint.format import CheckpointError
 from training.checkpoint.model_args import check_checkpoint_args, load_checkpoint_args
 from training.data.batch_sizes import microbatch_calculator
 from training.errors import ConfigError
+from training.faults.heartbeat import process_group_timeout_minutes
 from training.faults.injection import FAULT_ENV, parse_faults
 from training.faults.restart import resume_from_save_on_restart
 from training.lr_schedule import scheduler_kwargs
@@ -115,9 +116,13 @@ class Run:
     args: argparse.Namespace = dataclasses.field(repr=False)
     """Megatron's namespace for code written against Megatron (``get_args()``); see the module docstring."""
 
+    def process_group_timeout_minutes(self) -> float:
+        """``--distributed-timeout-minutes``, or a test's ``TRIDENT_TEST_PROCESS_GROUP_TIMEOUT_SECONDS``."""
+        return process_group_timeout_minutes(self.distributed.distributed_timeout_minutes)
+
     def initialize_model_parallel(self, **options: Any) -> None:
-        """Build this run's process groups (Megatron's ``initialize_model_parallel``; ``options`` are
-        its further keywords, such as ``distributed_timeout_minutes``)."""
+        """Build this run's process groups (Megatron's ``initialize_model_parallel``, bounded by the run's
+        timeout; ``options`` are its further keywords)."""
         ps.initialize_model_parallel(
             self.parallel.tp,
             self.parallel.pp,
@@ -125,6 +130,7 @@ class Run:
             self.parallel.cp,
             expert_model_parallel_size=self.parallel.ep,
             num_distributed_optimizer_instances=self.ddp.num_distributed_optimizer_instances,
+            distributed_timeout_minutes=self.process_group_timeout_minutes(),
             **options,
         )
 

@@ -59,11 +59,7 @@ def cuda_graphs_off_line(impl: str, device_type: str, backend: str) -> str:
 def setup(run: Run, providers: Providers) -> Session:
     """Build the run's pieces (the process groups of ``torch.distributed`` already exist)."""
     bind_local_device()
-    run.initialize_model_parallel(
-        distributed_timeout_minutes=faults.process_group_timeout_minutes(
-            run.distributed.distributed_timeout_minutes
-        )
-    )
+    run.initialize_model_parallel()
     _seed_everything(run.model.seed, ps.get_pipeline_model_parallel_rank())
     faults.phase("building the tokenizer")
     tokenizer = _rank0_first(lambda: providers.tokenizer(run.args)) if providers.tokenizer else None

@@ -64,11 +64,7 @@ def pretrain(
         tokenizer=tokenizer_provider,
     )
     select_backend(run.distributed.distributed_backend)
-    started = ps.initialize_distributed(
-        timeout=timedelta(
-            minutes=faults.process_group_timeout_minutes(run.distributed.distributed_timeout_minutes)
-        )
-    )
+    started = ps.initialize_distributed(timeout=timedelta(minutes=run.process_group_timeout_minutes()))
     restart.mark("rendezvous")
     try:
         faults.begin(run.distributed.distributed_timeout_minutes)

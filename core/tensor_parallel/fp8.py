@@ -8,8 +8,8 @@ its input ``x`` and weight ``w`` forward (E4M3), and in backward the gradient of
     dx = g  @ w        (g: E4M3 / E5M2, w: E4M3)
     dw = g^T @ x       (g and the saved x; in the model's dtype with --no-fp8-wgrad)
 
-Every product is ``torch._scaled_mm``, which runs on CUDA (sm89 and newer) and on the CPU, so every
-numeric test of this module runs on a laptop. A scale maps a tensor's absolute maximum (amax) onto the
+Every product is ``torch._scaled_mm`` (:func:`scaled_mm`), which runs on CUDA (sm89 and newer) and on
+the CPU, so every numeric test of this module runs on a laptop. A scale maps a tensor's absolute maximum (amax) onto the
 format's largest value: ``scale = fp8_max / amax / 2**margin``; the product is dequantised by the
 inverse scales inside the kernel. What the layer saves for backward is the FP8 input (one byte an
 element instead of two), unless the weight gradient stays in the model's dtype.
@@ -190,6 +190,22 @@ def dequantize(tensor: torch.Tensor, inverse_scale: torch.Tensor, dtype: torch.d
     return (tensor.float() * inverse_scale).to(dtype)
 
 
+def scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch._scaled_mm(a, b)`` with per-tensor inverse scales. On a CPU, oneDNN is off for the call:
+    torch 2.13 hands a product of two operands of the same FP8 type to oneDNN on a CPU with AMX, and
+    oneDNN's FP8 matmul there is its reference loop (``ref:any``: ~300 ms at 128 x 256 x 512, ~130x
+    torch's own CPU kernel, which mixed E5M2 x E4M3 products already take). Both accumulate in fp32."""
+    if a.device.type != "cpu":
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    onednn = torch.backends.mkldnn.set_flags(_enabled=False, _fp32_precision=None)[0]
+    try:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    finally:
+        torch.backends.mkldnn.set_flags(_enabled=onednn, _fp32_precision=None)
+
+
 # --------------------------------------------------------------------------------------------------
 # A layer's scaling state
 # --------------------------------------------------------------------------------------------------
@@ -358,7 +374,7 @@ class _Fp8Linear(torch.autograd.Function):
         fp8_wgrad = record and recipe.wgrad and weight.requires_grad
         x_fp8, x_t, x_inv = state.quantize(INPUT, flat, record, transpose=fp8_wgrad)
         w_fp8, _, w_inv = state.weight_fp8(weight, record)
-        out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=input_.dtype)
+        out = scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv, input_.dtype)
         if bias is not None:
             out = out + bias
         ctx.state, ctx.accumulate = state, accumulate
@@ -384,7 +400,7 @@ class _Fp8Linear(torch.autograd.Function):
         grad_input = grad_weight = grad_bias = None
         if need_input:
             _, w_t, w_inv = state.weight_fp8(weight, record=False)
-            grad_input = torch._scaled_mm(g_fp8, w_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.dtype)
+            grad_input = scaled_mm(g_fp8, w_t.t(), g_inv, w_inv, ctx.dtype)
             grad_input = grad_input.view(ctx.input_shape)
         if need_weight:
             grad_weight = _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight)
@@ -402,7 +418,7 @@ def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch
     recipe, tokens = ctx.state.recipe, grad.shape[0]
     out_dtype = weight.main_grad.dtype if ctx.accumulate else weight.dtype
     if recipe.wgrad and tokens % SHAPE_MULTIPLE == 0:
-        dw = torch._scaled_mm(g_t, saved_input.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=out_dtype)
+        dw = scaled_mm(g_t, saved_input.t(), g_inv, x_inv, out_dtype)
     else:
         x = dequantize(saved_input.t(), x_inv, ctx.dtype) if recipe.wgrad else saved_input
         if ctx.accumulate:  # as the plain fused path does: into main_grad, in fp32 where the GPU can

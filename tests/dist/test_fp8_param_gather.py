@@ -15,8 +15,8 @@
   held one resume from each other's checkpoints (EP2 x DP4) with the straight run's next loss, and a
   bf16 delayed resume is exact.
 
-One pool of 4 gloo ranks serves the module. ZeRO-3, PP2 x DP2, ZeRO-3's resume and the experts' cases
-are slow: ``python -m pytest -q -m slow tests/dist/test_fp8_param_gather.py``.
+One pool of 4 gloo ranks serves the module. ZeRO-3, PP2 x DP2, ZeRO-3's resume and the experts' ZeRO-2/3,
+checkpoint and resume cases are slow: ``python -m pytest -q -m slow tests/dist/test_fp8_param_gather.py``.
 """
 
 from __future__ import annotations
@@ -136,8 +136,14 @@ rounds by the order the ring adds them in, which follows its place in the buffer
 in FP8 gives them a buffer of their own: the losses then differ in the last bits.)"""
 
 
-@pytest.mark.slow  # in-process at EP1: tests/unit/test_fp8_params.py
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "optim",
+        pytest.param("optim_grads", marks=pytest.mark.slow),
+        pytest.param("optim_grads_params", marks=pytest.mark.slow),
+    ],
+)
 def test_held_expert_stacks_give_the_cast_experts_losses_at_ep2_tp2(ranks, strategy):
     """Each expert's scale is reduced over its two replicas (expert DP), which hold it whole after the
     gather, so it is the scale of the slice the casting layer casts."""

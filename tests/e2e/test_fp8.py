@@ -8,7 +8,6 @@ import pytest
 from tests.support.fp8_run import fp8_run
 
 
-@pytest.mark.slow  # the casts compiled alone: tests/unit/test_fp8.py
 def test_compiled_layers_and_casts_follow_the_eager_fp8_run():
     """``--compile`` (inductor): the layers and the fused casts (values and transposed copy in one
     kernel) give the eager FP8 run's losses, within the bf16 rounding compiled element-wise work has."""

@@ -99,9 +99,7 @@ def _losses(flags: str) -> list[float]:
     return [float(s["lm loss"]) for s in pretrain_gpt_in_process(argv=flags.split()).losses]
 
 
-@pytest.mark.parametrize(
-    "precision", [pytest.param("fp32-tensorwise", marks=pytest.mark.slow), "bf16-delayed"]
-)
+@pytest.mark.parametrize("precision", ["fp32-tensorwise", "bf16-delayed"])
 def test_held_weights_train_as_the_cast_weights_at_dp1(precision):
     flags = f"{TINY} --train-iters 4 --use-distributed-optimizer"
     if precision == "fp32-tensorwise":

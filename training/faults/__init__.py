@@ -45,7 +45,6 @@ from training.faults.heartbeat import (
     end,
     last_beats,
     phase,
-    process_group_timeout_minutes,
     watched,
 )
 from training.faults.injection import after_checkpoint_file, faulty_forward
@@ -66,7 +65,6 @@ __all__ = [
     "last_beats",
     "one_line_errors",
     "phase",
-    "process_group_timeout_minutes",
     "run_main",
     "watch_launcher",
     "watched",
