@@ -9,10 +9,10 @@ its input ``x`` and weight ``w`` forward (E4M3), and in backward the gradient of
     dw = g^T @ x       (g and the saved x; in the model's dtype with --no-fp8-wgrad)
 
 Every product is ``torch._scaled_mm`` (:func:`scaled_mm`), which runs on CUDA (sm89 and newer) and on
-the CPU, so every numeric test of this module runs on a laptop. A scale maps a tensor's absolute maximum (amax) onto the
-format's largest value: ``scale = fp8_max / amax / 2**margin``; the product is dequantised by the
-inverse scales inside the kernel. What the layer saves for backward is the FP8 input (one byte an
-element instead of two), unless the weight gradient stays in the model's dtype.
+the CPU, so every numeric test of this module runs on a laptop. A scale maps a tensor's absolute
+maximum (amax) onto the format's largest value: ``scale = fp8_max / amax / 2**margin``; the product is
+dequantised by the inverse scales inside the kernel. What the layer saves for backward is the FP8
+input (one byte an element instead of two), unless the weight gradient stays in the model's dtype.
 
 Recipes decide where the amax comes from:
 
