@@ -425,9 +425,9 @@ def test_padding_for_quantization_gives_an_expert_the_fp8_weight_gradient_of_its
 
 
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3 x e4m3", "e5m2 x e4m3"])
-def test_a_cpu_product_is_torchs_own_kernel_and_leaves_onednn_as_it_was(dtypes):
-    """``scaled_mm`` on a CPU: the fp32 product of the dequantised operands (rounded once to the output
-    dtype), whichever FP8 types meet, with oneDNN switched back on afterwards."""
+def test_a_cpu_product_is_the_fp32_product_and_leaves_onednn_as_it_was(dtypes):
+    """``scaled_mm`` on a CPU: the fp32 product of the dequantised operands, whichever FP8 types meet,
+    with oneDNN switched back on afterwards, also after a product that fails."""
     torch.manual_seed(2)
     a, b = torch.randn(32, 64).to(dtypes[0]), torch.randn(48, 64).to(dtypes[1]).t()
     scale_a, scale_b = torch.tensor(0.37), torch.tensor(1.9)
@@ -439,3 +439,18 @@ def test_a_cpu_product_is_torchs_own_kernel_and_leaves_onednn_as_it_was(dtypes):
     with pytest.raises(RuntimeError):
         scaled_mm(a, b.t(), scale_a, scale_b, torch.float32)  # shapes that do not multiply
     assert torch.backends.mkldnn.enabled
+
+
+def test_a_cpu_product_never_reaches_onednn(capfd):
+    """oneDNN's verbose log (written to the process's stdout) shows torch's raw E4M3 x E4M3 product in
+    oneDNN's matmul (its reference loop on a CPU without FP8 kernels), and ``scaled_mm``'s nowhere."""
+    a, b = torch.randn(32, 64).to(E4M3), torch.randn(48, 64).to(E4M3).t()
+    one = torch.tensor(1.0)
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        scaled_mm(a, b, one, one, torch.float32)
+        ours = capfd.readouterr().out
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        raw = capfd.readouterr().out
+    assert ",matmul," not in ours, ours
+    if ",matmul," not in raw:
+        pytest.skip("this CPU does not hand FP8 products to oneDNN: nothing to keep them from")
