@@ -120,26 +120,25 @@ class LayerProfile:
     """Measured seconds per microbatch, for one shape (``--profile-local``, ``--from-timeline``).
 
     ``layer``, ``embedding`` and ``loss`` are (forward, input gradient, weight gradient) of one
-    decoder layer, the embedding and the loss (final norm, output layer, cross-entropy), at
-    ``tokens`` tokens per microbatch and the candidate's tensor-parallel size; ``scale`` multiplies
-    them (to reach the planned shape from a smaller measured one).
+    decoder layer, the embedding and the loss (final norm, output layer, cross-entropy) on one rank:
+    its share of a microbatch at the measured shape's tensor- and context-parallel sizes. A profile
+    that measures or refits each shape gives it from :meth:`for_shape`.
     """
 
     layer: tuple[float, float, float]
     embedding: tuple[float, float, float] = (0.0, 0.0, 0.0)
     loss: tuple[float, float, float] = (0.0, 0.0, 0.0)
     source: str = "measured"
-    whole_sequence: bool = False
-    """Times of a microbatch's whole sequence (``--profile-local``), of which a context-parallel rank
-    computes ``1 / cp``; otherwise a rank's own share (a real run's timeline)."""
     by_shape: dict = field(default_factory=dict)
-    """(tp, micro_batch_size, recompute) -> (layer, embedding, loss), when measured per shape."""
+    """(tp, micro_batch_size, recompute, cp) -> (layer, embedding, loss) of one rank, when measured per
+    shape (``--profile-local`` measures a context-parallel rank's share: it is not ``1 / cp`` of the
+    whole)."""
     collective_scales: dict = field(default_factory=dict)
     """``TP``, ``CP``, ``DP`` -> factor on that kind's collective seconds (a run's timeline refits them:
     :mod:`planner.refit_collectives`); a kind absent costs what the calibration or the ring formula says."""
 
-    def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
-        key = (tp, micro_batch_size, recompute)
+    def for_shape(self, tp: int, micro_batch_size: int, recompute: str, cp: int = 1) -> tuple:
+        key = (tp, micro_batch_size, recompute, cp)
         if key in self.by_shape:
             return self.by_shape[key]
         return self.layer, self.embedding, self.loss
@@ -349,10 +348,7 @@ class StageCostModel:
         if self.profile is None:
             return None
         c = self.cand
-        share = 1.0 / c.cp if self.profile.whole_sequence else 1.0
-        return ActionCosts(
-            *(share * t for t in self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute)[part])
-        )
+        return ActionCosts(*self.profile.for_shape(c.tp, c.micro_batch_size, c.recompute, c.cp)[part])
 
     def _collectives(self) -> tuple[ActionCosts, ActionCosts, ActionCosts]:
         """The collectives inside a layer's, the embedding's and the loss's actions (F, I, W): a layer's

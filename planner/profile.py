@@ -1,13 +1,20 @@
 """``--profile-local``: per-layer costs measured on this machine, for the shapes the search costs.
 
-Each shape (tensor-parallel size, micro-batch size, recomputation) is measured once, when the search
-first asks for it. Three real stages of the model are built, as a three-stage pipeline ``E|t|L``
-would build them, on one rank of a fake process group of that size (so tensor-parallel layers
-have one rank's shapes and their collectives cost nothing: communication is modelled separately):
+Each shape (tensor-parallel size, context-parallel size, micro-batch size, recomputation) is measured
+once, when the search first asks for it. Three real stages of the model are built, as a three-stage
+pipeline ``E|t|L`` would build them, on one rank of a fake process group of that size (so
+tensor-parallel layers have one rank's shapes, context-parallel attention runs its ring over one
+rank's share of the sequence, and their collectives cost nothing: communication is modelled separately):
 the embedding, one decoder layer and the loss stage (final norm, output layer, cross-entropy). Each
 runs forward, input gradient (I) and weight gradient (W) with the executor's own backward halves
 (:mod:`core.pipeline_parallel.backward_split`), one thread, as a ``torchrun`` rank does; the median
 of a few repeats is kept.
+
+A context-parallel rank's share is measured, not taken as ``1 / cp`` of the whole sequence: its
+products are ``cp`` times smaller, and ring attention runs ``cp`` block attentions and merges their
+results by log-sum-exp. On this machine's CPU ranks a CP2 layer measured 1.4-2.3x half the
+whole-sequence layer (forward and backward, hidden 256-512, 128-256 tokens), and a CP4 layer 2.4-4.2x a
+quarter.
 
 The same fixed work is timed before and after each shape, and each shape's times are brought to the
 load the first one saw (load from elsewhere drifts while a search measures).
@@ -60,13 +67,14 @@ def _time(fn, repeats: int) -> tuple[float, object]:
 
 
 @contextlib.contextmanager
-def _one_rank_of(world: int, rank: int, tp: int):
-    """Parallel state of one rank of a fake group (pipeline ``E|t|L``, tensor parallel ``tp``)."""
+def _one_rank_of(world: int, rank: int, tp: int, cp: int):
+    """Parallel state of one rank of a fake group (pipeline ``E|t|L``, tensor parallel ``tp``, context
+    parallel ``cp``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        ps.initialize_model_parallel(tp, world // tp)
+        ps.initialize_model_parallel(tp, world // (tp * cp), context_parallel_size=cp)
         model_parallel_seed(1234)
         yield
     finally:
@@ -74,24 +82,27 @@ def _one_rank_of(world: int, rank: int, tp: int):
         dist.destroy_process_group()
 
 
-def _stage_seconds(args, vocab: int, tp: int, stage: int, batch: int, seq: int, repeats: int):
-    """(F, I, W) seconds of stage ``stage`` of the pipeline ``E|t|L`` at ``batch x seq`` tokens."""
+def _stage_seconds(args, vocab: int, tp: int, cp: int, stage: int, batch: int, seq: int, repeats: int):
+    """(F, I, W) seconds of stage ``stage`` of the pipeline ``E|t|L`` on one context-parallel rank's
+    share of ``batch x seq`` tokens."""
 
     fields = transformer_config_from_args(args) | {
         "tensor_model_parallel_size": tp,
+        "context_parallel_size": cp,
         "pipeline_model_parallel_size": 3,
         "pipeline_model_parallel_layout": "E|t|L",
         "num_layers": 1,
         "sequence_parallel": tp > 1,
     }
-    with _one_rank_of(3 * tp, stage * tp, tp):
+    with _one_rank_of(3 * tp * cp, stage * tp * cp, tp, cp):
         config = TransformerConfig(**fields)
         model = GPTModel(config, vocab, max(seq, args.max_position_embeddings), pre_process=stage == 0,
                          post_process=stage == 2)  # fmt: skip
         dtype = config.params_dtype
-        tokens = torch.randint(0, vocab, (batch, seq))
-        positions = torch.arange(seq).repeat(batch, 1)
-        shard = seq // tp if tp > 1 else seq
+        local = seq // cp  # this rank's share of the sequence (which tokens does not change the time)
+        tokens = torch.randint(0, vocab, (batch, local))
+        positions = torch.arange(local).repeat(batch, 1)
+        shard = local // tp
 
         def forward():
             if stage == 0:
@@ -120,18 +131,21 @@ def _stage_seconds(args, vocab: int, tp: int, stage: int, batch: int, seq: int, 
     return f, i, w
 
 
-def measure_shape(args, spec: ModelSpec, tp: int, micro_batch_size: int, recompute: str, repeats: int = 3):
-    """(layer, embedding, loss) (F, I, W) seconds for one shape, scaled to it where measured smaller."""
+def measure_shape(
+    args, spec: ModelSpec, tp: int, micro_batch_size: int, recompute: str, cp: int = 1, repeats: int = 3
+) -> tuple:
+    """(layer, embedding, loss) (F, I, W) seconds of one context-parallel rank for one shape, scaled
+    to it where measured smaller."""
     import copy
 
     seq = spec.seq_length
-    layer_flops = spec.layer_linear_flops(micro_batch_size * seq) / tp
+    layer_flops = spec.layer_linear_flops(micro_batch_size * seq) / (tp * cp)
     scale_tokens = max(1.0, layer_flops / FLOPS_BUDGET)
     batch, run_seq = micro_batch_size, seq
     while scale_tokens > 1 and batch > 1:
         batch //= 2
         scale_tokens /= 2
-    while scale_tokens > 1 and run_seq >= 256 and (run_seq // 2) % (2 * tp) == 0:
+    while scale_tokens > 1 and run_seq >= 256 and (run_seq // 2) % (2 * tp * cp) == 0:
         run_seq //= 2
         scale_tokens /= 2
     local = copy.copy(args)
@@ -153,7 +167,8 @@ def measure_shape(args, spec: ModelSpec, tp: int, micro_batch_size: int, recompu
     torch.set_num_threads(1)
     try:
         measured = [
-            _stage_seconds(local, spec.vocab_size, tp, stage, batch, run_seq, repeats) for stage in range(3)
+            _stage_seconds(local, spec.vocab_size, tp, cp, stage, batch, run_seq, repeats)
+            for stage in range(3)
         ]
     finally:
         torch.set_num_threads(threads)
@@ -178,19 +193,19 @@ class LocalProfile(LayerProfile):
     """Per-layer costs measured here, shape by shape as the search asks (module docstring)."""
 
     def __init__(self, spec: ModelSpec, args) -> None:
-        super().__init__(layer=(0.0, 0.0, 0.0), source="--profile-local", whole_sequence=True)
+        super().__init__(layer=(0.0, 0.0, 0.0), source="--profile-local")
         self.spec, self.args = spec, args
         self.reference: float | None = None
         """Seconds of :func:`reference_seconds` around the first shape measured."""
 
-    def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
-        """A shape's costs, measured when first asked, brought to the load of the first shape: the
-        same fixed work timed before and after each shape gives the factor (load from elsewhere on a
-        shared machine drifts over the seconds a search measures)."""
-        key = (tp, micro_batch_size, recompute)
+    def for_shape(self, tp: int, micro_batch_size: int, recompute: str, cp: int = 1) -> tuple:
+        """A shape's costs on one context-parallel rank, measured when first asked, brought to the load
+        of the first shape: the same fixed work timed before and after each shape gives the factor
+        (load from elsewhere on a shared machine drifts over the seconds a search measures)."""
+        key = (tp, micro_batch_size, recompute, cp)
         if key not in self.by_shape:
             before = reference_seconds()
-            measured = measure_shape(self.args, self.spec, tp, micro_batch_size, recompute)
+            measured = measure_shape(self.args, self.spec, tp, micro_batch_size, recompute, cp)
             now = (before + reference_seconds()) / 2
             self.reference = self.reference or now
             factor = self.reference / now

@@ -143,9 +143,9 @@ class RefitProfile(LayerProfile):
 
     Fitted from the run:
 
-    * compute of one decoder layer, the embedding and the loss, per action (F, I, W): the stage means
-      less their collectives at the refitted factors. At the run's shape they are the fitted costs; at
-      another (TP, micro-batch size, recomputation) the prior's costs there (``--profile-local``'s,
+    * compute of one decoder layer, the embedding and the loss, per action (F, I, W), on one rank: the
+      stage means less their collectives at the refitted factors. At the run's shape they are the fitted
+      costs; at another (TP, micro-batch size, recomputation, CP) the prior's costs there (``--profile-local``'s,
       else the FLOP model's) times what the run measured over what the prior predicted for the run's
       shape, per part and per action: the run corrects the prior's level, the prior says how a shape
       scales;
@@ -161,16 +161,16 @@ class RefitProfile(LayerProfile):
     optimizer's seconds per element and tensor, and the shared-core slowdown curve.
     """
 
-    def __init__(self, ratios: tuple, absolute: tuple, prior: Callable[[int, int, str], tuple],
+    def __init__(self, ratios: tuple, absolute: tuple, prior: Callable[[int, int, str, int], tuple],
                  scales: dict | None = None):  # fmt: skip
         super().__init__(layer=absolute[0], embedding=absolute[1], loss=absolute[2], source="timeline",
-                         whole_sequence=True, collective_scales=dict(scales or {}))  # fmt: skip
+                         collective_scales=dict(scales or {}))  # fmt: skip
         self.ratios, self.absolute, self.prior = ratios, absolute, prior
 
-    def for_shape(self, tp: int, micro_batch_size: int, recompute: str) -> tuple:
-        key = (tp, micro_batch_size, recompute)
+    def for_shape(self, tp: int, micro_batch_size: int, recompute: str, cp: int = 1) -> tuple:
+        key = (tp, micro_batch_size, recompute, cp)
         if key not in self.by_shape:
-            prior = self.prior(tp, micro_batch_size, recompute)
+            prior = self.prior(*key)
             self.by_shape[key] = tuple(
                 tuple(p * r if r is not None else a for p, r, a in zip(*parts))
                 for parts in zip(prior, self.ratios, self.absolute)
@@ -178,11 +178,11 @@ class RefitProfile(LayerProfile):
         return self.by_shape[key]
 
 
-def _flop_prior(spec, cluster: Cluster) -> Callable[[int, int, str], tuple]:
-    """The FLOP model's compute seconds (no collectives) of a shape's whole sequence."""
+def _flop_prior(spec, cluster: Cluster) -> Callable[[int, int, str, int], tuple]:
+    """The FLOP model's compute seconds (no collectives) of a shape, on one context-parallel rank."""
 
-    def prior(tp: int, micro_batch_size: int, recompute: str) -> tuple:
-        shape = Candidate(tp=tp, pp=1, dp=1, micro_batch_size=micro_batch_size, recompute=recompute)
+    def prior(tp: int, micro_batch_size: int, recompute: str, cp: int = 1) -> tuple:
+        shape = Candidate(tp=tp, pp=1, dp=1, cp=cp, micro_batch_size=micro_batch_size, recompute=recompute)
         costs = StageCostModel(spec, shape, cluster).compute_costs()
         return tuple((c.forward, c.backward_input, c.backward_weight) for c in costs)
 
@@ -198,7 +198,7 @@ def refit_profile(
     (``--profile-local``) or the FLOP model."""
     prior = profile.for_shape if profile is not None else _flop_prior(spec, cluster)
     measured = (fitted.layer, fitted.embedding, fitted.loss)
-    at_run = prior(cand.tp, cand.micro_batch_size, cand.recompute)
+    at_run = prior(cand.tp, cand.micro_batch_size, cand.recompute, cand.cp)
     ratios = tuple(
         tuple(m / p if p > 0 else None for m, p in zip(mine, theirs))
         for mine, theirs in zip(measured, at_run)
@@ -219,10 +219,10 @@ def _run_candidate(plan_input, data) -> Candidate:
     placement = schedule_rule(schedule).placement
     layout = fixed.get("layout") or even_layout(plan_input.spec.num_layers, pp, vpp, placement).to_string()
     parse_layout(layout, pp, vpp, num_layers=plan_input.spec.num_layers, placement=placement)
-    tp, mbs = fixed.get("tp") or 1, fixed.get("micro_batch_size") or 1
+    tp, cp, mbs = fixed.get("tp") or 1, fixed.get("cp") or 1, fixed.get("micro_batch_size") or 1
     m = data.num_microbatches
     dp = plan_input.global_batch_size // (mbs * m)
-    return Candidate(tp=tp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch_size=mbs,
+    return Candidate(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, schedule=schedule, micro_batch_size=mbs,
                      num_microbatches=m, recompute=fixed.get("recompute") or "none", layout=layout,
                      dp_sharding=fixed.get("dp_sharding", "no_shard"),
                      dp_sharding_scope=fixed.get("dp_sharding_scope", "auto"))  # fmt: skip

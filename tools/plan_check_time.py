@@ -8,6 +8,9 @@
     python tools/plan_check_time.py layouts --refit   # then close the loop: one run of the top pick with
                                                # --timeline-dir, refit (--from-timeline), the same 8
                                                # re-predicted against the same measured steps (10%)
+    python tools/plan_check_time.py cp-share   # each model's decoder layer on one CP2 and CP4 rank (what
+                                               # --profile-local measures) over 1 / cp of the whole-
+                                               # sequence layer, forward and backward, one thread
     python tools/plan_check_time.py rebalance  # a PP=4 GPT with a large vocabulary on its last stage: run it
                                                # with --timeline-dir, plan --from-timeline, then run both
                                                # layouts in turns: the measured step-time ratio
@@ -252,11 +255,37 @@ def check_rebalance(rounds: int, iterations: int) -> dict:
     return result
 
 
+def check_cp_share(models: list[str], micro_batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
+    """A context-parallel rank's decoder layer, as ``--profile-local`` measures it (its share of the
+    sequence, ring attention in a fake group), over ``1 / cp`` of the whole-sequence layer: why the
+    profile measures each CP size rather than dividing."""
+    from planner.inputs import read_input
+    from planner.profile import measure_shape
+
+    rows = []
+    print(f"{'model':10s} {'mbs':>3s} {'cp':>3s} {'whole F/B ms':>14s} {'rank F/B ms':>13s} "
+          f"{'F ratio':>7s} {'B ratio':>7s}")  # fmt: skip
+    for name in models:
+        plan_input = read_input(MODELS[name].split())
+        args, spec = plan_input.args, plan_input.spec
+        for mbs in micro_batch_sizes:
+            whole = measure_shape(args, spec, 1, mbs, "none", cp=1, repeats=5)[0]
+            for cp in (2, 4):
+                share = measure_shape(args, spec, 1, mbs, "none", cp=cp, repeats=5)[0]
+                forward, backward = cp * share[0] / whole[0], cp * sum(share[1:]) / sum(whole[1:])
+                rows.append({"model": name, "micro_batch_size": mbs, "cp": cp, "whole": whole, "rank": share,
+                             "forward_ratio": forward, "backward_ratio": backward})  # fmt: skip
+                print(f"{name:10s} {mbs:3d} {cp:3d} {1e3 * whole[0]:6.2f}/{1e3 * sum(whole[1:]):6.2f} "
+                      f"{1e3 * share[0]:5.2f}/{1e3 * sum(share[1:]):6.2f} {forward:7.2f} {backward:7.2f}",
+                      flush=True)  # fmt: skip
+    return {"rows": rows, "load": _load()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["layouts", "rebalance"])
+    parser.add_argument("what", choices=["layouts", "cp-share", "rebalance"])
     parser.add_argument("--count", type=int, default=8, help="layouts to run (layouts)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=6, help="per run; the first two are not timed")
@@ -264,13 +293,15 @@ def main() -> None:
                         help="layouts: then run the top pick once with --timeline-dir, refit, and print the "
                         "same candidates re-predicted against the same measured steps (within 10%%)")  # fmt: skip
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["gpt-256"],
-                        help="layouts: the models to check, each in turn (all: GPT and LLaMA, three sizes)")  # fmt: skip
+                        help="layouts, cp-share: the models to check, each in turn (all: GPT and LLaMA, three sizes)")  # fmt: skip
     args = parser.parse_args()
     if args.what == "layouts":
         result = {}
         for name in args.models:
             print(f"== {name}: {MODELS[name]}", flush=True)
             result[name] = check_layouts(args.count, args.rounds, args.iterations, MODELS[name], args.refit)
+    elif args.what == "cp-share":
+        result = check_cp_share(args.models)
     else:
         result = check_rebalance(args.rounds, args.iterations)
     print(json.dumps({"check": args.what, **result}, default=lambda o: o.item()))  # numpy scalars

@@ -100,7 +100,7 @@ def test_the_refitted_factors_move_candidates_of_other_sizes(tmp_path):
     refit = rebalance(plan_input, CLUSTER, str(tmp_path / "run"))["refit_profile"]
     spec = plan_input.spec
     other = Candidate(tp=4, pp=1, dp=4, num_microbatches=4, layout="E,t*8,L")
-    plain = LayerProfile(refit.layer, refit.embedding, refit.loss, whole_sequence=True)
+    plain = LayerProfile(refit.layer, refit.embedding, refit.loss)
     scaled, unscaled = (
         StageCostModel(spec, other, CLUSTER, refit),
         StageCostModel(spec, other, CLUSTER, plain),
@@ -157,3 +157,24 @@ def test_one_stage_is_shared_out_in_the_priors_proportions():
     ):
         assert got[0] == pytest.approx(2 * want[0], rel=1e-6, abs=1e-12)
         assert got[1] + got[2] == pytest.approx(2 * (want[1] + want[2]), rel=1e-6, abs=1e-12)
+
+
+def test_a_context_parallel_runs_candidate_keeps_its_cp_and_refits_at_its_cp():
+    """A TP2 x CP2 x PP4 run (16 ranks): its candidate is CP2 with DP1, and the refit's ratios compare
+    the run's rank seconds with the prior's at CP2, so the run's own shape gets them back as they are."""
+    from planner.rebalance import _flop_prior, refit_profile
+
+    plan_input = read_input([*FLAGS, "--context-parallel-size", "2"])
+    cand = _run_candidate(plan_input, TimelineData("1f1b", 4, 1, 16))
+    assert (cand.tp, cand.cp, cand.pp, cand.dp, cand.world_size) == (2, 2, 4, 1, 16)
+    fitted = LayerProfile((0.3, 0.2, 0.1), (0.01, 0.0, 0.01), (0.5, 0.4, 0.3))
+    refit = refit_profile(plan_input.spec, CLUSTER, cand, fitted)
+    for got, run in zip(refit.for_shape(2, 1, "none", 2), (fitted.layer, fitted.embedding, fitted.loss)):
+        assert list(got) == pytest.approx(list(run), rel=1e-12)
+    prior = _flop_prior(plan_input.spec, CLUSTER)
+    at_cp1 = refit.for_shape(2, 1, "none", 1)[0]
+    expected = [
+        f * p1 / p2
+        for f, p1, p2 in zip((0.3, 0.2, 0.1), prior(2, 1, "none", 1)[0], prior(2, 1, "none", 2)[0])
+    ]
+    assert list(at_cp1) == pytest.approx(expected, rel=1e-12)
