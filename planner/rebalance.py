@@ -71,17 +71,28 @@ def _own_core_seconds(events: list[tuple], busy: list[tuple[float, float]], slow
     return out
 
 
+def _pipelines(step) -> list[list]:
+    """An iteration's ranks by pipeline: the k-th rank (by number) of every stage is pipeline k's, as
+    in Megatron's order, where the stage is outermost; a tensor- or context-parallel rank counts as a
+    pipeline of its own."""
+    stages: dict[int, list] = defaultdict(list)
+    for rank in sorted(step.ranks, key=lambda r: r.rank):
+        stages[rank.pp_rank].append(rank)
+    return [list(ranks) for ranks in itertools.zip_longest(*stages.values()) if None not in ranks]
+
+
 def stage_means(path: str, slowdown=None) -> tuple[dict[tuple[int, int, str], float], object]:
-    """Mean seconds per (pp rank, chunk, action kind) over the first pipeline's recorded iterations, on
-    a core of their own where ``slowdown(k)`` says how much longer an action takes while ``k`` ranks
-    share the cores (the same curve the step's timing then applies: a refit gives back the run)."""
+    """Mean seconds per (pp rank, chunk, action kind) over every rank's recorded iterations, on a core
+    of their own where ``slowdown(k)`` says how much longer an action takes while ``k`` ranks share
+    the cores (the same curve the step's timing then applies: a refit gives back the run). Every
+    pipeline counts, not only the first: on shared cores data-parallel replicas run out of step, and
+    one replica's iteration is a noisy sample of the run."""
 
     data = load_trace(os.path.join(path, "timeline.json") if os.path.isdir(path) else path)
     durations: dict[tuple[int, int, str], list[float]] = defaultdict(list)
     for step in data.iterations:
-        pipeline = [r for r in step.ranks if r.in_first_pipeline]
         busy = [(e[3], e[4]) for r in step.ranks for e in r.events if e[0] in _KINDS]
-        for rank in pipeline:
+        for rank in step.ranks:
             compute = [e for e in rank.events if e[0] in _KINDS]
             for kind, _, chunk, start, end in _own_core_seconds(compute, busy, slowdown):
                 durations[rank.pp_rank, chunk, kind].append((end - start) / 1e3)
@@ -229,13 +240,14 @@ def _run_candidate(plan_input, data) -> Candidate:
 
 
 def measured_pipeline_seconds(data) -> float:
-    """The run's pipeline span (first action to last, over the first pipeline's ranks), median over
-    the recorded iterations: what the planner's ``pipeline_seconds`` predicts."""
+    """The run's pipeline span (first action to last over one pipeline's ranks), median over the
+    recorded iterations and the pipelines: what the planner's ``pipeline_seconds`` predicts."""
     spans = []
     for step in data.iterations:
-        events = [e for r in step.ranks if r.in_first_pipeline for e in r.events if e[0] in _KINDS]
-        if events:
-            spans.append((max(e[4] for e in events) - min(e[3] for e in events)) / 1e3)
+        for ranks in _pipelines(step):
+            events = [e for r in ranks for e in r.events if e[0] in _KINDS]
+            if events:
+                spans.append((max(e[4] for e in events) - min(e[3] for e in events)) / 1e3)
     return float(np.median(spans)) if spans else 0.0
 
 

@@ -203,8 +203,10 @@ def refit_layouts(
     top = chosen[0]
     with tempfile.TemporaryDirectory() as tmp:
         timeline = os.path.join(tmp, "timeline")
-        times = run_steps(top["args"], iterations, ["--timeline-dir", timeline, "--timeline-iters",
-                                                    str(iterations - 1), str(iterations)])  # fmt: skip
+        recorded = [str(i) for i in range(3, iterations + 1)]  # every timed iteration (not the first two)
+        times = run_steps(
+            top["args"], iterations, ["--timeline-dir", timeline, "--timeline-iters", *recorded]
+        )
         run_input = read_input(top["args"])
         report, refitted, _ = rebalance_report(run_input, cluster, timeline, profile)
     print(f"refit from a {iterations}-iteration run of the top pick, {top['split']} {top['schedule']} mbs "

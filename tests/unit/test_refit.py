@@ -178,3 +178,26 @@ def test_a_context_parallel_runs_candidate_keeps_its_cp_and_refits_at_its_cp():
         for f, p1, p2 in zip((0.3, 0.2, 0.1), prior(2, 1, "none", 1)[0], prior(2, 1, "none", 2)[0])
     ]
     assert list(at_cp1) == pytest.approx(expected, rel=1e-12)
+
+
+def test_every_pipeline_of_a_data_parallel_run_is_measured(tmp_path):
+    """PP2 x DP2: ranks 0 and 2 are the first pipeline (60 ms first action to last), 1 and 3 the
+    second, whose actions take twice as long (120 ms). The stage means are over both replicas, and
+    the pipeline span is the median over both pipelines and the iterations."""
+    from planner.rebalance import measured_pipeline_seconds, stage_means
+
+    data = TimelineData("1f1b", 2, 1, 1)
+    for iteration, offset in ((5, 0.0), (6, 100.0)):
+        ranks = []
+        for rank in range(4):
+            pp_rank, slow = rank // 2, 1 + rank % 2
+            forward = (10.0 * slow * pp_rank, 10.0 * slow * (pp_rank + 1))
+            backward = (20.0 * slow * (2 - pp_rank), 20.0 * slow * (3 - pp_rank))
+            events = [("F", 0, 0, *forward), ("B", 0, 0, *backward)]
+            ranks.append(RankEvents(rank, pp_rank, rank % 2 == 0, events))
+        data.iterations.append(IterationTimeline(iteration, offset, ranks))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "timeline.json").write_text(json.dumps(chrome_trace(data)))
+    means, read = stage_means(str(tmp_path / "run"))
+    assert means[0, 0, "F"] == pytest.approx(0.015) and means[1, 0, "B"] == pytest.approx(0.030)
+    assert measured_pipeline_seconds(read) == pytest.approx((0.060 + 0.120) / 2)
