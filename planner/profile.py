@@ -12,9 +12,9 @@ of a few repeats is kept.
 
 A context-parallel rank's share is measured, not taken as ``1 / cp`` of the whole sequence: its
 products are ``cp`` times smaller, and ring attention runs ``cp`` block attentions and merges their
-results by log-sum-exp. On this machine's CPU ranks a CP2 layer measured 1.4-2.3x half the
-whole-sequence layer (forward and backward, hidden 256-512, 128-256 tokens), and a CP4 layer 2.4-4.2x a
-quarter.
+results by log-sum-exp. On this machine's CPU ranks a CP2 rank's layer measured 1.06-1.36x half the
+whole-sequence layer, and a CP4 rank's 1.11-2.14x a quarter (forward and backward, hidden 256-512,
+128-256 tokens: ``tools/plan_check_time.py cp-share``).
 
 The same fixed work is timed before and after each shape, and each shape's times are brought to the
 load the first one saw (load from elsewhere drifts while a search measures).
