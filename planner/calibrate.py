@@ -287,7 +287,7 @@ def _behind(rank: int, dtype: torch.dtype, group, size: int, stretch, compute: f
 
 
 def time_group_collectives(
-    rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 18, dp_bytes: int = DP_BYTES
+    rank: int, world: int, dtype: torch.dtype, units: int = 2, repeats: int = 6, dp_bytes: int = DP_BYTES
 ) -> dict:
     """{(kind, group size): ((bytes, seconds), ...)}: every group at once, a stretch of ``units``
     matrix multiplies (about a millisecond alone: the compute between a layer's collectives) then one

@@ -8,9 +8,7 @@ rank's share of the sequence, and their collectives cost nothing: communication 
 the embedding, one decoder layer and the loss stage (final norm, output layer, cross-entropy). Each
 runs forward, input gradient (I) and weight gradient (W) with the executor's own backward halves
 (:mod:`core.pipeline_parallel.backward_split`), one thread, as a ``torchrun`` rank does; the median
-of 7 repeats is kept, the forwards after two untimed ones. With 3 repeats and no untimed forwards one
-gpt-256 layer's forward measured 9.5-12.5 ms in four tries in one process, and the loss stage's 30-32
-ms; now 8.9-9.2 ms and 21.7-24.2 ms.
+of a few repeats is kept.
 
 A context-parallel rank's share is measured, not taken as ``1 / cp`` of the whole sequence: its
 products are ``cp`` times smaller, and ring attention runs ``cp`` block attentions and merges their
@@ -55,18 +53,11 @@ __all__ = ["LocalProfile", "local_cluster", "measure_shape"]
 
 FLOPS_BUDGET = 2e10
 """Largest forward (FLOPs) measured as is; beyond it tokens are cut and times scaled back."""
-FORWARD_WARMUP = 2
-"""Untimed forwards just before the timed ones. While the backward's inputs are held, the first
-forwards after them write memory the process has not touched yet; they took about 1.5x the later ones
-on the loss stage here (31 ms against 21), and a training run's forwards reuse their memory."""
 PARAM_BUDGET = 1e9
 """Largest decoder layer (bytes of parameters) built as is; beyond it the layer is made narrower."""
 
 
-def _time(fn, repeats: int, warmup: int = 0) -> tuple[float, object]:
-    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones, and the last result."""
-    for _ in range(warmup):
-        fn()
+def _time(fn, repeats: int) -> tuple[float, object]:
     times, out = [], None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -123,7 +114,7 @@ def _stage_seconds(args, vocab: int, tp: int, cp: int, stage: int, batch: int, s
             return x, model(None, positions, labels=tokens).sum()
 
         pairs = [forward() for _ in range(repeats + 1)]  # one for warm-up
-        f, _ = _time(forward, repeats, warmup=FORWARD_WARMUP)
+        f, _ = _time(forward, repeats)
         grads = []
 
         def input_grad():
@@ -141,7 +132,7 @@ def _stage_seconds(args, vocab: int, tp: int, cp: int, stage: int, batch: int, s
 
 
 def measure_shape(
-    args, spec: ModelSpec, tp: int, micro_batch_size: int, recompute: str, cp: int = 1, repeats: int = 7
+    args, spec: ModelSpec, tp: int, micro_batch_size: int, recompute: str, cp: int = 1, repeats: int = 3
 ) -> tuple:
     """(layer, embedding, loss) (F, I, W) seconds of one context-parallel rank for one shape, scaled
     to it where measured smaller."""
