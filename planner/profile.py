@@ -99,10 +99,10 @@ def _stage_seconds(args, vocab: int, tp: int, cp: int, stage: int, batch: int, s
         model = GPTModel(config, vocab, max(seq, args.max_position_embeddings), pre_process=stage == 0,
                          post_process=stage == 2)  # fmt: skip
         dtype = config.params_dtype
-        local = seq // cp  # this rank's share of the sequence (which tokens does not change the time)
-        tokens = torch.randint(0, vocab, (batch, local))
-        positions = torch.arange(local).repeat(batch, 1)
-        shard = local // tp
+        rank_seq = seq // cp  # this rank's share of the sequence (which tokens does not change the time)
+        tokens = torch.randint(0, vocab, (batch, rank_seq))
+        positions = torch.arange(rank_seq).repeat(batch, 1)
+        shard = rank_seq // tp
 
         def forward():
             if stage == 0:

@@ -78,7 +78,7 @@ def _pipelines(step) -> list[list]:
     stages: dict[int, list] = defaultdict(list)
     for rank in sorted(step.ranks, key=lambda r: r.rank):
         stages[rank.pp_rank].append(rank)
-    return [list(ranks) for ranks in itertools.zip_longest(*stages.values()) if None not in ranks]
+    return [list(ranks) for ranks in zip(*stages.values())]  # a stage short of ranks ends the list
 
 
 def stage_means(path: str, slowdown=None) -> tuple[dict[tuple[int, int, str], float], object]:
@@ -155,11 +155,11 @@ class RefitProfile(LayerProfile):
     Fitted from the run:
 
     * compute of one decoder layer, the embedding and the loss, per action (F, I, W), on one rank: the
-      stage means less their collectives at the refitted factors. At the run's shape they are the fitted
-      costs; at another (TP, micro-batch size, recomputation, CP) the prior's costs there (``--profile-local``'s,
-      else the FLOP model's) times what the run measured over what the prior predicted for the run's
-      shape, per part and per action: the run corrects the prior's level, the prior says how a shape
-      scales;
+      stage means less their collectives at the refitted factors. At the run's shape they are the
+      fitted costs; at another (TP, micro-batch size, recomputation, CP) the prior's costs there
+      (``--profile-local``'s, else the FLOP model's) times what the run measured over what the prior
+      predicted for the run's shape, per part and per action: the run corrects the prior's level, the
+      prior says how a shape scales;
     * a factor per collective kind the run's layout exercised (``collective_scales``, from its
       timeline's ``TP``, ``CP`` and ``DP`` events: :mod:`planner.refit_collectives`): TP collectives
       (mappings, embedding, cross-entropy), ring attention's exposed exchange, the data-parallel
