@@ -8,12 +8,11 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.torchrun_jobs import broken_lines, run_captured, start_session, torchrun_command
+from tests.support.torchrun_jobs import Job, broken_lines, run_captured, torchrun_command
 from training.reporting.wandb_logging import read_offline_history
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -260,35 +259,23 @@ def test_resume_is_exact_and_keeps_the_wandb_run(cache, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(cache, tmp_path):
     env = {**os.environ, "TRIDENT_CACHE": cache, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-    cmd = torchrun_command(
-        2,
-        [
-            *SMALL,
-            "--pipeline-model-parallel-size",
-            "2",
-            "--train-iters",
-            "100000",
-            "--exit-signal-handler",
-            "--save",
-            str(tmp_path / "ckpt"),
-            "--save-interval",
-            "100000",
-        ],
-    )
-    proc = start_session(cmd, env=env)
-    lines = []
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:  # wait until training runs
-        lines.append(line)
-        if " iteration        3/" in line or time.monotonic() > deadline:
-            break
-    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    assert len(workers) == 2, workers
-    for pid in workers:  # as a scheduler preempting the job does to every training process
-        os.kill(int(pid), signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=120)
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output[-3000:]
+    flags = [
+        *SMALL,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--train-iters",
+        "100000",
+        "--exit-signal-handler",
+    ]
+    job = Job(2, [*flags, "--save", str(tmp_path / "ckpt"), "--save-interval", "100000"], env=env)
+    try:
+        job.wait_for(" iteration        3/", timeout=240)  # training runs
+        for pid in job.workers().values():  # as a scheduler preempting the job does to every training process
+            os.kill(pid, signal.SIGTERM)
+        output = job.finish(timeout=120)
+    finally:
+        job.kill()
+    assert job.proc.returncode == 0, output[-3000:]
     assert "SIGTERM received: saving a checkpoint" in output, output[-3000:]
     saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= 3

@@ -199,6 +199,8 @@ class Job:
         module: str = TORCHRUN,
     ):
         self.nproc = nproc
+        # A worker that faults, or that ``dump_stacks`` aborts, prints every thread's Python stack.
+        env = {**env, "PYTHONFAULTHANDLER": "1"}
         self.proc = start_session(torchrun_command(nproc, flags, launcher=launcher, module=module), env=env)
         self.lines: list[str] = []
         self.known_workers: dict[int, int] = {}
@@ -214,11 +216,26 @@ class Job:
         return "".join(self.lines)
 
     def wait_for(self, text: str, timeout: float) -> None:
+        """Return once the output holds ``text``; else fail with the output, the workers' stacks in it
+        where the job is still running at ``timeout`` (a hang)."""
         deadline = time.monotonic() + timeout
         while text not in self.output:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"never saw {text!r}:\n{self.output[-4000:]}")
+            if self.proc.poll() is not None:
+                raise AssertionError(f"never saw {text!r} (the job ended):\n{self.output[-4000:]}")
+            if time.monotonic() > deadline:
+                self.dump_stacks()
+                raise AssertionError(f"never saw {text!r} in {timeout} s:\n{self.output[-8000:]}")
             time.sleep(0.05)
+
+    def dump_stacks(self) -> None:
+        """Abort every worker, which makes each print its Python stacks (``PYTHONFAULTHANDLER``), and
+        wait a moment for the text to arrive."""
+        with contextlib.suppress(OSError, AssertionError, StopIteration):
+            self.workers()
+        for pid in self.known_workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(3)
 
     def wait_for_workers(self, timeout: float) -> dict[int, int]:
         """``workers()`` once torchrun has started all of them (after its rendezvous)."""
