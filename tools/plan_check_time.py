@@ -8,6 +8,8 @@
     python tools/plan_check_time.py layouts --refit   # then close the loop: one run of the top pick with
                                                # --timeline-dir, refit (--from-timeline), the same 8
                                                # re-predicted against the same measured steps (10%)
+    python tools/plan_check_time.py layouts --calibrations 3   # then the same 8 predicted by two more
+                                               # fresh calibrations: how far the goals move between them
     python tools/plan_check_time.py cp-share   # each model's decoder layer on one CP2 and CP4 rank (what
                                                # --profile-local measures) over 1 / cp of the whole-
                                                # sequence layer, forward and backward, one thread
@@ -160,9 +162,12 @@ def _table(rows: list[dict], predicted_key: str, within: float) -> dict:
     return result
 
 
-def check_layouts(count: int, rounds: int, iterations: int, model: str = MODEL, refit: bool = False) -> dict:
+def check_layouts(
+    count: int, rounds: int, iterations: int, model: str = MODEL, refit: bool = False, calibrations: int = 1
+) -> dict:
     """Plan ``model`` with this machine's calibration, run ``count`` candidates ``rounds`` times in turns,
-    print predicted against measured; with ``refit``, then :func:`refit_layouts`."""
+    print predicted against measured; with ``refit``, then :func:`refit_layouts`; with ``calibrations``
+    above 1, then :func:`recalibrated`."""
     from planner.inputs import read_input
     from planner.profile import LocalProfile, local_cluster
 
@@ -184,9 +189,30 @@ def check_layouts(count: int, rounds: int, iterations: int, model: str = MODEL, 
     rows = [{**{k: v for k, v in c.items() if k not in ("args", "cand")}, "measured": statistics.median(measured[i]),
              "rounds": measured[i], "args": c["args"]} for i, c in enumerate(chosen)]  # fmt: skip
     result = {"rows": rows, **_table(rows, "predicted", WITHIN)}
+    if calibrations > 1:
+        result["recalibrated"] = recalibrated(plan_input, chosen, rows, calibrations - 1)
     if refit:
         result["refit"] = refit_layouts(plan_input, cluster, profile, chosen, rows, iterations)
     return result
+
+
+def recalibrated(plan_input, chosen: list[dict], rows: list[dict], times: int) -> list[dict]:
+    """The same candidates predicted by ``times`` fresh calibrations (``--profile-local`` and the
+    host's), against the steps already measured: how far the goals move from one calibration to the
+    next on an unchanged machine."""
+    from planner.profile import LocalProfile, local_cluster
+    from planner.step_time import estimate_step
+
+    found = []
+    for k in range(times):
+        cluster = local_cluster(4, plan_input.spec.precision)
+        profile = LocalProfile(plan_input.spec, plan_input.args)
+        key = f"calibration {k + 2}"
+        again = [{**r, key: estimate_step(plan_input.spec, c["cand"], cluster, profile).step_seconds}
+                 for r, c in zip(rows, chosen)]  # fmt: skip
+        print(f"{key} ({_load()}):", flush=True)
+        found.append({"rows": again, **_table(again, key, WITHIN)})
+    return found
 
 
 def refit_layouts(
@@ -294,6 +320,9 @@ def main() -> None:
     parser.add_argument("--refit", action="store_true",
                         help="layouts: then run the top pick once with --timeline-dir, refit, and print the "
                         "same candidates re-predicted against the same measured steps (within 10%%)")  # fmt: skip
+    parser.add_argument("--calibrations", type=int, default=1,
+                        help="layouts: then predict the same candidates with this many calibrations in all "
+                        "(each fresh), against the same measured steps")  # fmt: skip
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["gpt-256"],
                         help="layouts, cp-share: the models to check, each in turn (all: GPT and LLaMA, three sizes)")  # fmt: skip
     args = parser.parse_args()
@@ -301,7 +330,9 @@ def main() -> None:
         result = {}
         for name in args.models:
             print(f"== {name}: {MODELS[name]}", flush=True)
-            result[name] = check_layouts(args.count, args.rounds, args.iterations, MODELS[name], args.refit)
+            result[name] = check_layouts(
+                args.count, args.rounds, args.iterations, MODELS[name], args.refit, args.calibrations
+            )
     elif args.what == "cp-share":
         result = check_cp_share(args.models)
     else:
