@@ -8,6 +8,8 @@
     python tools/plan_check_time.py layouts --refit   # then close the loop: one run of the top pick with
                                                # --timeline-dir, refit (--from-timeline), the same 8
                                                # re-predicted against the same measured steps (10%)
+    python tools/plan_check_time.py layouts --model-flags "--num-layers 6 --hidden-size 384 ..."   # any
+                                               # model (its flags and --global-batch-size), as custom-1
     python tools/plan_check_time.py layouts --calibrations 3   # then the same 8 predicted by two more
                                                # fresh calibrations: how far the goals move between them
     python tools/plan_check_time.py cp-share   # each model's decoder layer on one CP2 and CP4 rank (what
@@ -283,18 +285,18 @@ def check_rebalance(rounds: int, iterations: int) -> dict:
     return result
 
 
-def check_cp_share(models: list[str], micro_batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
+def check_cp_share(models: dict[str, str], micro_batch_sizes: tuple[int, ...] = (1, 2)) -> dict:
     """A context-parallel rank's decoder layer, as ``--profile-local`` measures it (its share of the
     sequence, ring attention in a fake group), over ``1 / cp`` of the whole-sequence layer: why the
-    profile measures each CP size rather than dividing."""
+    profile measures each CP size rather than dividing. ``models``: name -> model flags."""
     from planner.inputs import read_input
     from planner.profile import measure_shape
 
     rows = []
     print(f"{'model':10s} {'mbs':>3s} {'cp':>3s} {'whole F/B ms':>14s} {'rank F/B ms':>13s} "
           f"{'F ratio':>7s} {'B ratio':>7s}")  # fmt: skip
-    for name in models:
-        plan_input = read_input(MODELS[name].split())
+    for name, flags in models.items():
+        plan_input = read_input(flags.split())
         args, spec = plan_input.args, plan_input.spec
         for mbs in micro_batch_sizes:
             whole = measure_shape(args, spec, 1, mbs, "none", cp=1, repeats=5)[0]
@@ -323,18 +325,24 @@ def main() -> None:
     parser.add_argument("--calibrations", type=int, default=1,
                         help="layouts: then predict the same candidates with this many calibrations in all "
                         "(each fresh), against the same measured steps")  # fmt: skip
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["gpt-256"],
-                        help="layouts, cp-share: the models to check, each in turn (all: GPT and LLaMA, three sizes)")  # fmt: skip
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
+                        help="layouts, cp-share: the models to check, each in turn (all: GPT and LLaMA, three "
+                        "sizes; default gpt-256 unless --model-flags is given)")  # fmt: skip
+    parser.add_argument("--model-flags", action="append", default=[], metavar="FLAGS",
+                        help="layouts, cp-share: also check this model, given as pretrain_gpt.py's model flags in "
+                        "one string (with --global-batch-size; repeat for more models: custom-1, custom-2, ...)")  # fmt: skip
     args = parser.parse_args()
+    models = {name: MODELS[name] for name in args.models or ([] if args.model_flags else ["gpt-256"])}
+    models |= {f"custom-{i + 1}": flags for i, flags in enumerate(args.model_flags)}
     if args.what == "layouts":
         result = {}
-        for name in args.models:
-            print(f"== {name}: {MODELS[name]}", flush=True)
+        for name, flags in models.items():
+            print(f"== {name}: {flags}", flush=True)
             result[name] = check_layouts(
-                args.count, args.rounds, args.iterations, MODELS[name], args.refit, args.calibrations
+                args.count, args.rounds, args.iterations, flags, args.refit, args.calibrations
             )
     elif args.what == "cp-share":
-        result = check_cp_share(args.models)
+        result = check_cp_share(models)
     else:
         result = check_rebalance(args.rounds, args.iterations)
     print(json.dumps({"check": args.what, **result}, default=lambda o: o.item()))  # numpy scalars
