@@ -70,6 +70,7 @@ __all__ = [
     "GROUP_KINDS",
     "HostMeasurement",
     "engine_runs",
+    "engine_step_seconds",
     "fit_engine_costs",
     "fit_optimizer_costs",
     "group_sizes",
@@ -347,32 +348,47 @@ def _forward_step(data_iterator, model):
     return model(), lambda out: (out.sum(), {})
 
 
-def _engine_step(rank: int, world: int, schedule: str, vpp: int, m: int, steps: int) -> float:
-    """The slowest rank's median step of the real engine over empty stages (PP = ``world``)."""
+def engine_step_seconds(
+    rank: int,
+    world: int,
+    schedule: str,
+    vpp: int,
+    m: int,
+    steps: int,
+    stage=_EmptyStage,
+    hidden: int = _HIDDEN,
+    seq_length: int = _SEQ,
+) -> tuple[float, float]:
+    """(the slowest rank's median wall seconds, the median CPU seconds of all ranks) of a step of the real
+    engine (PP = ``world``) over chunks ``stage(config, first, last, vp_stage)``: by default stages that
+    compute nothing, whose step is the engine's fixed costs."""
     virtual = vpp if vpp > 1 else None
     ps.initialize_model_parallel(
         pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=virtual
     )
     try:
         config = ModelParallelConfig(pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=virtual,
-                                     hidden_size=_HIDDEN, pipeline_schedule=schedule)  # fmt: skip
+                                     hidden_size=hidden, pipeline_schedule=schedule)  # fmt: skip
         placement = placement_for(schedule, world, vpp)
         stages = [placement.stage(rank, c) for c in range(vpp)]
-        chunks = [_EmptyStage(config, s == 0, s == world * vpp - 1, c) for c, s in enumerate(stages)]
+        chunks = [stage(config, s == 0, s == world * vpp - 1, c) for c, s in enumerate(stages)]
         func = get_forward_backward_func()
         run = partial(func, forward_step_func=_forward_step, data_iterator=[None] * vpp if vpp > 1 else None,
-                      model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=_SEQ,
+                      model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=seq_length,
                       micro_batch_size=1)  # fmt: skip
-        times = []
+        walls, cpus = [], []
         for i in range(steps + 1):
             dist.barrier()
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             run()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            wall = torch.tensor([time.perf_counter() - wall])
+            cpu = torch.tensor([time.process_time() - cpu])
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu)
             if i:  # the first step opens the links
-                times.append(elapsed.item())
-        return statistics.median(times)
+                walls.append(wall.item())
+                cpus.append(cpu.item())
+        return statistics.median(walls), statistics.median(cpus)
     finally:
         ps.destroy_model_parallel()
 
@@ -429,7 +445,9 @@ def _worker(rank: int, world: int, init_file: str, nbytes: int, queue, dtype: to
         p2p = (_ping_pong(rank, 4, 30), _ping_pong(rank, nbytes, 4))
         slowdown = _slowdowns(rank, world)
         contended = _contended(rank, world)
-        engine = {(s, v, m): _engine_step(rank, world, s, v, m, 5) for s, v, m in engine_runs(world)}
+        engine = {
+            (s, v, m): engine_step_seconds(rank, world, s, v, m, 5)[0] for s, v, m in engine_runs(world)
+        }
         optimizer = _optimizer_costs(dtype)
         grouped = time_group_collectives(rank, world, dtype)
         if rank == 0:

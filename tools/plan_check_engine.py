@@ -34,13 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from core import parallel_state as ps
 from core.model_parallel_config import ModelParallelConfig
 from core.pipeline_parallel.actions import F
 from core.pipeline_parallel.schedule_rules import placement_for
 from core.pipeline_parallel.schedule_tables import build_tables
-from core.pipeline_parallel.schedules import get_forward_backward_func
-from planner.calibrate import measure_host
+from planner.calibrate import engine_step_seconds, measure_host
 from planner.shared_cores import time_shared
 from tools.bench.ranks import spawn
 
@@ -70,50 +68,17 @@ class ComputingStage(torch.nn.Module):
         return x if self.units else x * 1.0
 
 
-def _forward_step(data_iterator, model):
-    return model(), lambda out: (out.sum(), {})
-
-
-def _step_seconds(rank: int, job: dict, vpp: int, m: int, units: int) -> tuple[float, float]:
-    """(the slowest rank's median wall seconds, the median CPU seconds of all ranks) of the real engine's
-    step over computing stages, PP = the world."""
-    virtual = vpp if vpp > 1 else None
-    ps.initialize_model_parallel(
-        pipeline_model_parallel_size=WORLD, virtual_pipeline_model_parallel_size=virtual
-    )
-    try:
-        config = ModelParallelConfig(pipeline_model_parallel_size=WORLD, hidden_size=job["hidden"],
-                                     virtual_pipeline_model_parallel_size=virtual)  # fmt: skip
-        placement = placement_for("1f1b", WORLD, vpp)
-        stages = [placement.stage(rank, c) for c in range(vpp)]
-        chunks = [ComputingStage(config, s == 0, s == WORLD * vpp - 1, c, job["seq"], job["hidden"], units)
-                  for c, s in enumerate(stages)]  # fmt: skip
-        run = partial(get_forward_backward_func(), forward_step_func=_forward_step,
-                      data_iterator=[None] * vpp if vpp > 1 else None, model=chunks if vpp > 1 else chunks[0],
-                      num_microbatches=m, seq_length=job["seq"], micro_batch_size=1)  # fmt: skip
-        walls, cpus = [], []
-        for i in range(job["steps"] + 1):  # the first step opens the links
-            dist.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
-            run()
-            wall = torch.tensor([time.perf_counter() - wall])
-            cpu = torch.tensor([time.process_time() - cpu])
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-            dist.all_reduce(cpu)
-            if i:
-                walls.append(wall.item())
-                cpus.append(cpu.item())
-        return statistics.median(walls), statistics.median(cpus)
-    finally:
-        ps.destroy_model_parallel()
-
-
 def _worker(rank: int, job: dict, init_file: str, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        found = {case: _step_seconds(rank, job, *case) for case in job["cases"]}
+        found = {}
+        for vpp, m, units in job["cases"]:
+            stage = partial(ComputingStage, seq=job["seq"], hidden=job["hidden"], units=units)
+            found[vpp, m, units] = engine_step_seconds(
+                rank, WORLD, "1f1b", vpp, m, job["steps"], stage, hidden=job["hidden"], seq_length=job["seq"]
+            )
         if rank == 0:
             results.put(found)
     finally:
