@@ -42,7 +42,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tests.support.torchrun_jobs import free_port
 
 KINDS = ("exception", "kill", "term", "hang")
 SURVIVED = {"slow": ("forward",), "nan": ("forward", "backward")}  # faults a run goes on through
@@ -152,6 +153,13 @@ def _named(cell: Cell, output: str) -> bool:
     return f"rank      : {cell.rank} " in output and ("SIGKILL" in output or "SIGTERM" in output)
 
 
+def _failure_excerpt(output: str) -> str:
+    """What a failed cell prints: every line of the output naming an error (torchrun's summary at
+    the end does not say why the ranks failed), then the output's end."""
+    errors = [line for line in output.splitlines() if re.search(r"error|Error|Traceback", line)]
+    return "\n".join(errors[:20]) + "\n...\n" + output[-1500:]
+
+
 def _survived(cell: Cell, code: int, output: str) -> tuple[bool, str]:
     """A ``slow`` or ``nan`` cell's outcome: the run finished, and the fault shows as it should."""
     if cell.kind == "slow":
@@ -167,9 +175,7 @@ def _survived(cell: Cell, code: int, output: str) -> tuple[bool, str]:
 def _extra_flags(cell: Cell) -> list[str]:
     if cell.kind != "slow":
         return []
-    with socket.socket() as probe:  # a free port for rank 0's straggler switch
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # for rank 0's straggler switch
     return ["--log-straggler", "--straggler-ctrlr-port", str(port), "--log-interval", "4"]
 
 
@@ -212,7 +218,7 @@ def run_cell(cell: Cell, reference: dict, workdir: Path, timeout: float) -> dict
         "seconds": round(seconds, 1),
         "orphans": orphans,
         "tracker_complete": complete,
-        "tail": "" if passed else output[-1500:],
+        "tail": "" if passed else _failure_excerpt(output),
     }
 
 

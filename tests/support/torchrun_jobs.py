@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -71,11 +72,36 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out to sockets bound or connected without one (Linux's default
+    where ``/proc`` does not say)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    """A TCP port on loopback that is free now (a rendezvous endpoint, a straggler switch)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port on loopback that is free now (a rendezvous endpoint, a straggler switch).
+
+    It is drawn from outside the kernel's ephemeral range: a port the kernel picked could be handed
+    again, before the job binds it, to one of the job's own sockets (gloo's pairs, the store's
+    clients), and the job would then fail on a port already in use.
+    """
+    ephemeral = _ephemeral_ports()
+    draw = random.Random(os.urandom(8))
+    for _ in range(200):
+        port = draw.randrange(10000, 65536)
+        if port in ephemeral:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 
 def torchrun_command(
