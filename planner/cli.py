@@ -126,8 +126,18 @@ def describe_cluster(cluster: Cluster, spec: ModelSpec) -> list[str]:
             f"step (the engine), the optimizer {host.optimizer_tensor_seconds * 1e6:.3g} µs a tensor and "
             f"{host.optimizer_element_seconds * 1e9:.3g} ns an element"
         )
+        + _slowdown_text(host)
         + _collectives_text(host),
     ]
+
+
+def _slowdown_text(host) -> str:
+    """``; compute slowed 1 / 1.02 / 1.31 / 1.95x with 1 / 2 / 3 / 4 ranks computing``: the shared-core
+    curve the schedule is timed with (nothing where it was not measured)."""
+    if not host.slowdown:
+        return ""
+    counts = " / ".join(str(k) for k in range(1, len(host.slowdown) + 1))
+    return f"; compute slowed {' / '.join(f'{s:.3g}' for s in host.slowdown)}x with {counts} ranks computing"
 
 
 def _collectives_text(host) -> str:

@@ -13,8 +13,10 @@ shared-core slowdown curve, the message latency, the engine's fixed costs per ac
 stages that compute nothing). Each stage's forward and backward are timed alone on one thread. The
 planner's shared-core timing (:func:`planner.shared_cores.time_shared`) of the same tables, each action
 costing its seconds alone plus the fixed cost per action, predicts the step, which is then run for real
-(the slowest rank's median over ``--steps``). Also printed: the CPU seconds of all ranks over a step
-against the compute alone, which is what a step costs beyond its compute on shared cores.
+(the slowest rank's median over ``--steps``). Also printed, for all ranks together, a step's CPU
+seconds: in all, inside the stages' forwards and backwards (thread CPU), and their compute alone; and the
+CPU outside the stages per action (the executor, the messages, the step's own collectives), against the
+calibration's fixed cost per action. These are means over every step run, the first one too.
 
 Prints a table, then one JSON line. A benchmark, not a test: the machine's load is printed with it.
 """
@@ -48,8 +50,33 @@ CASES = ((1, 16, 0), (1, 16, 1), (1, 16, 4), (1, 16, 12), (2, 16, 4))
 1F1B (two), from stages that only pass activations on to stages that compute ~10 ms a microbatch."""
 
 
+class _StageCpu:
+    """Thread CPU seconds this rank has spent inside its stages' forwards and backwards."""
+
+    seconds = 0.0
+
+
+class _BackwardClock(torch.autograd.Function):
+    """Identity. Its backward at a stage's output (the stage's first) notes the thread's CPU clock in
+    ``mark``; at the stage's input (its last) it adds the CPU since then to ``_StageCpu.seconds``."""
+
+    @staticmethod
+    def forward(ctx, x, mark: list[float], at_input: bool):
+        ctx.mark, ctx.at_input = mark, at_input
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.at_input:
+            _StageCpu.seconds += time.thread_time() - ctx.mark[0]
+        else:
+            ctx.mark[0] = time.thread_time()
+        return grad, None, None
+
+
 class ComputingStage(torch.nn.Module):
-    """A pipeline chunk that computes ``units`` products with tanh, on what it is given (or its start)."""
+    """A pipeline chunk that computes ``units`` products with tanh, on what it is given (or its start);
+    the thread CPU of its forward and backward is added to ``_StageCpu.seconds``."""
 
     def __init__(self, config, first: bool, last: bool, vp_stage: int, seq: int, hidden: int, units: int):
         super().__init__()
@@ -62,10 +89,13 @@ class ComputingStage(torch.nn.Module):
         self.input_tensor = tensors[0]
 
     def forward(self) -> torch.Tensor:
-        x = self.start if self.pre_process else self.input_tensor
+        start, mark = time.thread_time(), [0.0]
+        x = _BackwardClock.apply(self.start if self.pre_process else self.input_tensor, mark, True)
         for _ in range(self.units):
             x = torch.tanh(x @ self.weight)
-        return x if self.units else x * 1.0
+        x = x if self.units else x * 1.0
+        _StageCpu.seconds += time.thread_time() - start
+        return _BackwardClock.apply(x, mark, False)
 
 
 def _worker(rank: int, job: dict, init_file: str, results) -> None:
@@ -76,9 +106,14 @@ def _worker(rank: int, job: dict, init_file: str, results) -> None:
         found = {}
         for vpp, m, units in job["cases"]:
             stage = partial(ComputingStage, seq=job["seq"], hidden=job["hidden"], units=units)
-            found[vpp, m, units] = engine_step_seconds(
+            _StageCpu.seconds, cpu = 0.0, time.process_time()
+            wall, _ = engine_step_seconds(
                 rank, WORLD, "1f1b", vpp, m, job["steps"], stage, hidden=job["hidden"], seq_length=job["seq"]
             )
+            # every rank's CPU a step, in and out of its stages (the mean over every step run, the first too)
+            cpus = torch.tensor([time.process_time() - cpu, _StageCpu.seconds]) / (job["steps"] + 1)
+            dist.all_reduce(cpus)
+            found[vpp, m, units] = (wall, *cpus.tolist())
         if rank == 0:
             results.put(found)
     finally:
@@ -125,9 +160,10 @@ def main(argv=None) -> dict:
           f"{[round(s, 2) for s in host.slowdown]}, {1e3 * host.action_seconds:.3f} ms per action, "
           f"{1e3 * host.step_seconds:.2f} ms per step, message latency {1e6 * host.message_latency:.0f} us")  # fmt: skip
     print(f"{'schedule':>11s} {'m':>3s} {'units':>5s} {'F/B alone ms':>13s} {'measured ms':>11s} "
-          f"{'predicted ms':>12s} {'error':>6s} {'CPU ms (all ranks)':>18s} {'compute alone ms':>16s}")  # fmt: skip
+          f"{'predicted ms':>12s} {'error':>6s} {'CPU ms':>7s} {'in stages':>9s} {'alone':>6s} "
+          f"{'outside ms/action':>17s}")  # fmt: skip
     rows = []
-    for (vpp, m, units), (wall, cpu) in measured.items():
+    for (vpp, m, units), (wall, cpu, in_stages) in measured.items():
         forward, backward = alone_seconds(args.seq, args.hidden, units)
         tables, placement = build_tables("1f1b", WORLD, vpp, m), placement_for("1f1b", WORLD, vpp)
         work = {(a.kind, r, a.chunk): (forward if a.kind == F else backward) + host.action_seconds
@@ -137,12 +173,14 @@ def main(argv=None) -> dict:
         )
         predicted = timed.makespan + host.step_seconds
         compute = WORLD * vpp * m * (forward + backward)
+        outside = (cpu - in_stages) / sum(len(table) for table in tables)
         schedule = "interleaved" if vpp > 1 else "1f1b"
         rows.append({"schedule": schedule, "microbatches": m, "units": units, "forward_alone": forward,
                      "backward_alone": backward, "measured": wall, "predicted": predicted, "cpu": cpu,
-                     "compute_alone": compute})  # fmt: skip
+                     "cpu_in_stages": in_stages, "compute_alone": compute, "cpu_outside_per_action": outside})  # fmt: skip
         print(f"{schedule:>11s} {m:3d} {units:5d} {1e3 * forward:6.2f}/{1e3 * backward:6.2f} {1e3 * wall:11.0f} "
-              f"{1e3 * predicted:12.0f} {predicted / wall - 1:+6.0%} {1e3 * cpu:18.0f} {1e3 * compute:16.0f}")  # fmt: skip
+              f"{1e3 * predicted:12.0f} {predicted / wall - 1:+6.0%} {1e3 * cpu:7.0f} {1e3 * in_stages:9.0f} "
+              f"{1e3 * compute:6.0f} {1e3 * outside:17.2f}")  # fmt: skip
     result = {"benchmark": "plan_check_engine", "load_before": load_before, "load_after": _load(),
               "slowdown": list(host.slowdown), "action_seconds": host.action_seconds,
               "step_seconds": host.step_seconds, "rows": rows}  # fmt: skip

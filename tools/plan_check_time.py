@@ -5,6 +5,7 @@
                                                # correlation, the top pick's step over the best's, and
                                                # how many predictions are within 15% of measured
     python tools/plan_check_time.py layouts --models gpt-256 llama-256 gpt-512   # GPT and LLaMA, 3 sizes
+    python tools/plan_check_time.py layouts --models gpt-256-s128   # the planner issue's own example model
     python tools/plan_check_time.py layouts --refit   # then close the loop: one run of the top pick with
                                                # --timeline-dir, refit (--from-timeline), the same 8
                                                # re-predicted against the same measured steps (10%)
@@ -52,12 +53,16 @@ MODELS = {
         "--disable-bias-linear --seq-length 256 --max-position-embeddings 256 --vocab-size 8191 "
         "--global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0"
     ),
+    "gpt-256-s128": (  # the planner issue's own example: gpt-256 at half the sequence, a smaller vocabulary
+        "--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 128 --max-position-embeddings 128 "
+        "--vocab-size 4095 --global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0"
+    ),
     "gpt-512": (
         "--num-layers 6 --hidden-size 512 --num-attention-heads 8 --seq-length 128 --max-position-embeddings 128 "
         "--vocab-size 16383 --global-batch-size 16 --attention-dropout 0.0 --hidden-dropout 0.0"
     ),
 }
-"""The models ``layouts`` checks (``--models``): GPT and LLaMA, three sizes."""
+"""The models ``layouts`` checks (``--models``): GPT and LLaMA, three sizes, and the GPT at a shorter sequence."""
 WITHIN = 0.15
 """The issue's goal per candidate: predicted within this share of measured."""
 REFIT_WITHIN = 0.10
@@ -164,6 +169,25 @@ def _table(rows: list[dict], predicted_key: str, within: float) -> dict:
     return result
 
 
+def _calibration(cluster, profile, spec, chosen: list[dict]) -> dict:
+    """Print what the calibration measured (``tools/plan.py``'s ``measured here:`` line) and the
+    profiled decoder layer of each chosen candidate's shape; the same as JSON. The predictions' level
+    moves with these from one calibration to the next."""
+    from planner.cli import describe_cluster
+
+    print("\n".join(describe_cluster(cluster, spec)[1:]))
+    shapes = {}
+    for c in chosen:
+        cand = c["cand"]
+        key = (cand.tp, cand.micro_batch_size, cand.recompute, cand.cp)
+        shapes[f"TP{key[0]} CP{key[3]} mbs {key[1]} recompute {key[2]}"] = profile.for_shape(*key)[0]
+    print("decoder layer F / I / W ms: " + "; ".join(
+        f"{name} {' / '.join(f'{1e3 * t:.1f}' for t in layer)}" for name, layer in shapes.items()))  # fmt: skip
+    host = cluster.host
+    return {"slowdown": list(host.slowdown), "action_seconds": host.action_seconds,
+            "step_seconds": host.step_seconds, "layer_seconds": shapes}  # fmt: skip
+
+
 def check_layouts(
     count: int, rounds: int, iterations: int, model: str = MODEL, refit: bool = False, calibrations: int = 1
 ) -> dict:
@@ -178,6 +202,7 @@ def check_layouts(
     profile = LocalProfile(plan_input.spec, plan_input.args)
     planned = _planned(plan_input, cluster, profile, plan_input.fixed)
     chosen = choose(planned, count)
+    calibration = _calibration(cluster, profile, plan_input.spec, chosen)
     print(
         f"{len(planned)} candidates planned; running {len(chosen)} in {rounds} rounds ({_load()})", flush=True
     )
@@ -190,30 +215,50 @@ def check_layouts(
                   f"{statistics.median(times):.3f} s ({_load()})", flush=True)  # fmt: skip
     rows = [{**{k: v for k, v in c.items() if k not in ("args", "cand")}, "measured": statistics.median(measured[i]),
              "rounds": measured[i], "args": c["args"]} for i, c in enumerate(chosen)]  # fmt: skip
-    result = {"rows": rows, **_table(rows, "predicted", WITHIN)}
+    result = {"rows": rows, "calibration": calibration, **_table(rows, "predicted", WITHIN)}
     if calibrations > 1:
-        result["recalibrated"] = recalibrated(plan_input, chosen, rows, calibrations - 1)
+        result["recalibrated"] = recalibrated(model, chosen, rows, calibrations - 1)
     if refit:
         result["refit"] = refit_layouts(plan_input, cluster, profile, chosen, rows, iterations)
     return result
 
 
-def recalibrated(plan_input, chosen: list[dict], rows: list[dict], times: int) -> list[dict]:
-    """The same candidates predicted by ``times`` fresh calibrations (``--profile-local`` and the
-    host's), against the steps already measured: how far the goals move from one calibration to the
-    next on an unchanged machine."""
+def _fresh_calibration(model: str, cands: list, results) -> None:
+    """In a fresh process, as ``tools/plan.py`` plans: calibrate, profile and predict ``cands``."""
+    from planner.inputs import read_input
     from planner.profile import LocalProfile, local_cluster
     from planner.step_time import estimate_step
 
-    found = []
+    plan_input = read_input(model.split())
+    cluster = local_cluster(4, plan_input.spec.precision)
+    profile = LocalProfile(plan_input.spec, plan_input.args)
+    predicted = [estimate_step(plan_input.spec, c, cluster, profile).step_seconds for c in cands]
+    results.put((predicted, _calibration(cluster, profile, plan_input.spec, [{"cand": c} for c in cands])))
+
+
+def recalibrated(model: str, chosen: list[dict], rows: list[dict], times: int) -> list[dict]:
+    """The same candidates predicted by ``times`` fresh calibrations (``--profile-local`` and the
+    host's), each in a fresh process as a plan's is, against the steps already measured: how far the
+    goals move from one calibration to the next on an unchanged machine."""
+    import multiprocessing
+
+    from core.spawned import first_result
+
+    context, found = multiprocessing.get_context("spawn"), []
     for k in range(times):
-        cluster = local_cluster(4, plan_input.spec.precision)
-        profile = LocalProfile(plan_input.spec, plan_input.args)
         key = f"calibration {k + 2}"
-        again = [{**r, key: estimate_step(plan_input.spec, c["cand"], cluster, profile).step_seconds}
-                 for r, c in zip(rows, chosen)]  # fmt: skip
         print(f"{key} ({_load()}):", flush=True)
-        found.append({"rows": again, **_table(again, key, WITHIN)})
+        results = context.Queue()
+        process = context.Process(
+            target=_fresh_calibration, args=(model, [c["cand"] for c in chosen], results)
+        )
+        process.start()
+        try:
+            predicted, calibration = first_result(results, [process], 900, "calibration")
+        finally:
+            process.join(timeout=60)
+        again = [{**r, key: t} for r, t in zip(rows, predicted)]
+        found.append({"rows": again, "calibration": calibration, **_table(again, key, WITHIN)})
     return found
 
 
@@ -324,10 +369,11 @@ def main() -> None:
                         "same candidates re-predicted against the same measured steps (within 10%%)")  # fmt: skip
     parser.add_argument("--calibrations", type=int, default=1,
                         help="layouts: then predict the same candidates with this many calibrations in all "
-                        "(each fresh), against the same measured steps")  # fmt: skip
+                        "(each fresh, in a fresh process as a plan's), against the same measured steps")  # fmt: skip
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
                         help="layouts, cp-share: the models to check, each in turn (all: GPT and LLaMA, three "
-                        "sizes; default gpt-256 unless --model-flags is given)")  # fmt: skip
+                        "sizes, and gpt-256-s128, the planner issue's example; default gpt-256 unless "
+                        "--model-flags is given)")  # fmt: skip
     parser.add_argument("--model-flags", action="append", default=[], metavar="FLAGS",
                         help="layouts, cp-share: also check this model, given as pretrain_gpt.py's model flags in "
                         "one string (with --global-batch-size; repeat for more models: custom-1, custom-2, ...)")  # fmt: skip

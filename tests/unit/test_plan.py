@@ -566,6 +566,10 @@ def test_the_optimizer_step_is_costed_per_tensor_and_per_element_where_measured(
         "0.3 ms an action and 3 ms a step (the engine), the optimizer 20 µs a tensor and 1 ns an element"
     )
     assert lines[1:] == [f"measured here: {measured}"]
+    shared = describe_cluster(
+        replace(cluster, host=replace(host, slowdown=(1.0, 1.02, 1.314, 1.95))), _fp8_spec()
+    )
+    assert shared[1].endswith("; compute slowed 1 / 1.02 / 1.31 / 1.95x with 1 / 2 / 3 / 4 ranks computing")
     a100 = describe_cluster(Cluster(8, 8, GPUS["a100"]), _fp8_spec())
     assert a100[0].endswith("; FP8 products at 312 TFLOP/s peak (no FP8 tensor cores: the 16-bit peak)")
 
