@@ -358,10 +358,10 @@ def engine_step_seconds(
     stage=_EmptyStage,
     hidden: int = _HIDDEN,
     seq_length: int = _SEQ,
-) -> tuple[float, float]:
-    """(the slowest rank's median wall seconds, the median CPU seconds of all ranks) of a step of the real
-    engine (PP = ``world``) over chunks ``stage(config, first, last, vp_stage)``: by default stages that
-    compute nothing, whose step is the engine's fixed costs."""
+) -> float:
+    """The slowest rank's median seconds of a step of the real engine (PP = ``world``) over chunks
+    ``stage(config, first, last, vp_stage)``: by default stages that compute nothing, whose step is the
+    engine's fixed costs."""
     virtual = vpp if vpp > 1 else None
     ps.initialize_model_parallel(
         pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=virtual
@@ -376,19 +376,16 @@ def engine_step_seconds(
         run = partial(func, forward_step_func=_forward_step, data_iterator=[None] * vpp if vpp > 1 else None,
                       model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=seq_length,
                       micro_batch_size=1)  # fmt: skip
-        walls, cpus = [], []
+        times = []
         for i in range(steps + 1):
             dist.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
+            start = time.perf_counter()
             run()
-            wall = torch.tensor([time.perf_counter() - wall])
-            cpu = torch.tensor([time.process_time() - cpu])
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-            dist.all_reduce(cpu)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i:  # the first step opens the links
-                walls.append(wall.item())
-                cpus.append(cpu.item())
-        return statistics.median(walls), statistics.median(cpus)
+                times.append(elapsed.item())
+        return statistics.median(times)
     finally:
         ps.destroy_model_parallel()
 
@@ -445,9 +442,7 @@ def _worker(rank: int, world: int, init_file: str, nbytes: int, queue, dtype: to
         p2p = (_ping_pong(rank, 4, 30), _ping_pong(rank, nbytes, 4))
         slowdown = _slowdowns(rank, world)
         contended = _contended(rank, world)
-        engine = {
-            (s, v, m): engine_step_seconds(rank, world, s, v, m, 5)[0] for s, v, m in engine_runs(world)
-        }
+        engine = {(s, v, m): engine_step_seconds(rank, world, s, v, m, 5) for s, v, m in engine_runs(world)}
         optimizer = _optimizer_costs(dtype)
         grouped = time_group_collectives(rank, world, dtype)
         if rank == 0:

@@ -107,7 +107,7 @@ def _worker(rank: int, job: dict, init_file: str, results) -> None:
         for vpp, m, units in job["cases"]:
             stage = partial(ComputingStage, seq=job["seq"], hidden=job["hidden"], units=units)
             _StageCpu.seconds, cpu = 0.0, time.process_time()
-            wall, _ = engine_step_seconds(
+            wall = engine_step_seconds(
                 rank, WORLD, "1f1b", vpp, m, job["steps"], stage, hidden=job["hidden"], seq_length=job["seq"]
             )
             # every rank's CPU a step, in and out of its stages (the mean over every step run, the first too)

@@ -188,18 +188,26 @@ def _calibration(cluster, profile, spec, chosen: list[dict]) -> dict:
             "step_seconds": host.step_seconds, "layer_seconds": shapes}  # fmt: skip
 
 
+def _calibrated(model: str) -> tuple:
+    """(plan input, cluster, profile) of ``model`` on this machine's 4 ranks, as ``--profile-local`` plans."""
+    from planner.inputs import read_input
+    from planner.profile import LocalProfile, local_cluster
+
+    plan_input = read_input(model.split())
+    return (
+        plan_input,
+        local_cluster(4, plan_input.spec.precision),
+        LocalProfile(plan_input.spec, plan_input.args),
+    )
+
+
 def check_layouts(
     count: int, rounds: int, iterations: int, model: str = MODEL, refit: bool = False, calibrations: int = 1
 ) -> dict:
     """Plan ``model`` with this machine's calibration, run ``count`` candidates ``rounds`` times in turns,
     print predicted against measured; with ``refit``, then :func:`refit_layouts`; with ``calibrations``
     above 1, then :func:`recalibrated`."""
-    from planner.inputs import read_input
-    from planner.profile import LocalProfile, local_cluster
-
-    plan_input = read_input(model.split())
-    cluster = local_cluster(4, plan_input.spec.precision)
-    profile = LocalProfile(plan_input.spec, plan_input.args)
+    plan_input, cluster, profile = _calibrated(model)
     planned = _planned(plan_input, cluster, profile, plan_input.fixed)
     chosen = choose(planned, count)
     calibration = _calibration(cluster, profile, plan_input.spec, chosen)
@@ -225,13 +233,9 @@ def check_layouts(
 
 def _fresh_calibration(model: str, cands: list, results) -> None:
     """In a fresh process, as ``tools/plan.py`` plans: calibrate, profile and predict ``cands``."""
-    from planner.inputs import read_input
-    from planner.profile import LocalProfile, local_cluster
     from planner.step_time import estimate_step
 
-    plan_input = read_input(model.split())
-    cluster = local_cluster(4, plan_input.spec.precision)
-    profile = LocalProfile(plan_input.spec, plan_input.args)
+    plan_input, cluster, profile = _calibrated(model)
     predicted = [estimate_step(plan_input.spec, c, cluster, profile).step_seconds for c in cands]
     results.put((predicted, _calibration(cluster, profile, plan_input.spec, [{"cand": c} for c in cands])))
 
