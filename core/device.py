@@ -123,6 +123,15 @@ def select_backend(requested: str | None) -> str:
     return backend
 
 
+def computes_on_cuda(requested: str | None) -> bool:
+    """Whether a run asking for ``requested`` (``--distributed-backend``, None for the hardware's choice)
+    computes on CUDA here; a choice that cannot work counts as CUDA (:func:`select_backend` refuses it)."""
+    try:
+        return decide_backend(requested, **_facts(os.environ))[0] == "nccl"
+    except DeviceError:
+        return True
+
+
 def default_backend() -> str:
     """The backend a process group started now would use (``TRIDENT_BACKEND``, the request, the hardware)."""
     return decide_backend(_requested, **_facts(os.environ))[0]

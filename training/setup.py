@@ -20,6 +20,7 @@ from core.optimizer import get_megatron_optimizer
 from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
+from core.transformer.cuda_graphs import cuda_graphs_off_line
 from models.gpt.parallelize import parallelize_gpt
 from training import faults
 from training.arguments.parser import startup_report
@@ -48,14 +49,6 @@ class Providers:
     tokenizer: Callable | None = None
 
 
-def cuda_graphs_off_line(impl: str, device_type: str, backend: str) -> str:
-    """The one line a run with ``--cuda-graph-impl`` prints where it computes off CUDA."""
-    return (
-        f"--cuda-graph-impl {impl}: CUDA graphs need CUDA; this run computes on the {device_type.upper()} "
-        f"({backend}) and goes on without them"
-    )
-
-
 def setup(run: Run, providers: Providers) -> Session:
     """Build the run's pieces (the process groups of ``torch.distributed`` already exist)."""
     bind_local_device()
@@ -66,7 +59,9 @@ def setup(run: Run, providers: Providers) -> Session:
     set_global_variables(run.args, tokenizer)  # Megatron's get_args() / get_tokenizer() for the providers
     for line in startup_report(run.args):
         print_rank_0(line)
-    if run.model.cuda_graph_impl != "none" and current_device().type != "cuda":
+    if getattr(run.args, "cuda_graphs_note", None):  # the flags asked for graphs; the run computes off CUDA
+        print_rank_0(run.args.cuda_graphs_note)
+    elif run.model.cuda_graph_impl != "none" and current_device().type != "cuda":
         print_rank_0(cuda_graphs_off_line(run.model.cuda_graph_impl, current_device().type, backend_in_use()))
     if run.checkpointing.save:  # a bad --save fails now, not after the first save_interval of training
         removed = prepare_save_dir(run.checkpointing.save)

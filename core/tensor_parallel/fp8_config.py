@@ -160,14 +160,21 @@ def fp8_problems(config: Fp8Config) -> list[str]:
     if margin < 0:
         out.append(f"--fp8-margin must be >= 0, got {margin}")
     if config.first_last_layers_bf16:
-        num_layers = getattr(config, "num_layers", 0)
-        start, end = config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16
-        for name, value in (("--num-layers-at-start-in-bf16", start), ("--num-layers-at-end-in-bf16", end)):
-            if not 0 <= value <= num_layers:
-                out.append(f"{name} must be in [0, --num-layers ({num_layers})], got {value}")
-        if not out and start + end > num_layers:
+        out += _bf16_layer_problems(config)
+    return out
+
+
+def _bf16_layer_problems(config: Fp8Config) -> list[str]:
+    """Megatron's range checks on ``--first-last-layers-bf16``: each count is at most the layers of one
+    pipeline stage (the two ranges may overlap: every layer is then kept out of FP8)."""
+    num_layers, pp = getattr(config, "num_layers", 0), getattr(config, "pipeline_model_parallel_size", 1)
+    limit, out = num_layers // pp, []
+    fields = {field.name: field for field in dataclasses.fields(Fp8Config)}
+    for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        value = getattr(config, name)
+        if not 0 <= value <= limit:
             out.append(
-                f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) exceeds "
-                f"--num-layers ({num_layers})"
+                f"{option_name(fields[name])} must be in [0, {limit}], the layers per pipeline stage "
+                f"(--num-layers {num_layers} // --pipeline-model-parallel-size {pp}), got {value}"
             )
     return out

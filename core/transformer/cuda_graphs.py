@@ -53,9 +53,27 @@ MAX_GRAPHS_PER_LAYER = 16
 _cap_noted = False
 
 
-def cuda_graph_problems(config: Any) -> list[Problem]:
-    """The settings ``--cuda-graph-impl local`` refuses, and graph settings that are not built."""
+def cuda_graphs_off_line(impl: str, device_type: str, backend: str) -> str:
+    """The one line a run with ``--cuda-graph-impl`` prints where it computes off CUDA."""
+    return (
+        f"--cuda-graph-impl {impl}: CUDA graphs need CUDA; this run computes on the {device_type.upper()} "
+        f"({backend}) and goes on without them"
+    )
+
+
+def cuda_graph_problems(config: Any, local: bool = True) -> list[Problem]:
+    """The settings ``--cuda-graph-impl local`` refuses (``local``: with :func:`local_graph_problems`,
+    which only a run on CUDA applies), and graph settings that are not built."""
     out = []
+    if config.enable_cuda_graph and config.cuda_graph_impl != "none":
+        out.append(
+            problem(
+                "{enable_cuda_graph} is Megatron's older spelling of {cuda_graph_impl} local: give one of them, "
+                "not both",
+                "enable_cuda_graph",
+                "cuda_graph_impl",
+            )
+        )
     if config.cuda_graph_impl not in CUDA_GRAPH_IMPLS:
         out.append(
             problem(
@@ -75,7 +93,13 @@ def cuda_graph_problems(config: Any) -> list[Problem]:
                 n=config.cuda_graph_warmup_steps,
             )
         )
-    return out + (_local_problems(config) if config.cuda_graph_impl == "local" else [])
+    return out + (local_graph_problems(config) if local else [])
+
+
+def local_graph_problems(config: Any) -> list[Problem]:
+    """What ``--cuda-graph-impl local`` cannot capture in ``config`` (none for another implementation):
+    the rules a run that computes on CUDA applies; a run elsewhere captures nothing."""
+    return _local_problems(config) if config.cuda_graph_impl == "local" else []
 
 
 def _scope_problem(scope: str) -> Problem:

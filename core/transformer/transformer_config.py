@@ -183,10 +183,12 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
     has no effect (the run says so once). Megatron's "transformer_engine" is refused, and
     "full_iteration" is not built yet."""
 
-    cuda_graph_scope: list[str] = flag(default_factory=list, group="training")
-    """What a graph holds (Megatron's flag; its values "attn", "mlp", "moe", ... belong to Transformer
-    Engine's graphs, "full_iteration" to a whole-step graph not built yet). Empty: whole decoder layers,
-    the only scope "local" captures here."""
+    cuda_graph_scope: list[str] = flag(
+        default_factory=list, group="training", aliases=("--cuda-graph-modules",)
+    )
+    """What a graph holds (Megatron's flag, ``--cuda-graph-modules`` in its newest releases; its values
+    "attn", "mlp", "moe", ... belong to Transformer Engine's graphs, "full_iteration" to a whole-step
+    graph not built yet). Empty: whole decoder layers, the only scope "local" captures here."""
 
     cuda_graph_warmup_steps: int = flag(3, group="training")
     """Eager calls of each layer with an input shape before that shape is captured (Megatron's default
@@ -252,8 +254,8 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, Fp8Config):
             self.ffn_hidden_size = 4 * self.hidden_size
         if isinstance(self.cp_comm_type, str):
             self.cp_comm_type = [self.cp_comm_type]
-        if self.enable_cuda_graph and self.cuda_graph_impl == "none":
-            self.cuda_graph_impl = "local"
+        if self.enable_cuda_graph and self.cuda_graph_impl == "none":  # Megatron's older spelling
+            self.cuda_graph_impl, self.enable_cuda_graph = "local", False
         problems = self.problems()
         if problems:
             raise ProblemsError("TransformerConfig", problems)

@@ -721,9 +721,57 @@ FP8 = [
         "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)",
     ),
     Case(
-        "more bf16 layers than layers",
-        _flags(FULL + "--bf16 --fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-end-in-bf16 2"),
-        "--num-layers-at-start-in-bf16 (1) + --num-layers-at-end-in-bf16 (2) exceeds --num-layers (2)",
+        "more bf16 layers than a pipeline stage has",
+        _flags(
+            FULL + "--bf16 --fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-end-in-bf16 2 "
+            "--pipeline-model-parallel-size 2"
+        ),
+        "--num-layers-at-end-in-bf16 must be in [0, 1], the layers per pipeline stage (--num-layers 2 // "
+        "--pipeline-model-parallel-size 2), got 2",
+    ),
+]
+
+SHARDING_AND_GRAPHS = [  # FULL on 4 ranks: DP 4
+    Case(
+        "a sharding strategy that does not exist",
+        _flags(FULL + "--use-megatron-fsdp --data-parallel-sharding-strategy zero3"),
+        "argument --data-parallel-sharding-strategy: invalid choice: 'zero3' (choose from 'no_shard', 'optim', "
+        "'optim_grads', 'optim_grads_params') (see --help)",
+        2,
+    ),
+    Case(
+        "an outer optim without an inner ZeRO-3",
+        _flags(
+            FULL + "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "
+            "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim"
+        ),
+        "--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params (as in "
+        "Megatron-FSDP), got optim_grads",
+    ),
+    Case(
+        "optimizer instances that do not divide DP",
+        _flags(FULL + "--use-megatron-fsdp --num-distributed-optimizer-instances 3"),
+        "--num-distributed-optimizer-instances 3 must divide the data-parallel size x context-parallel size "
+        "(4 x 1 = 4)",
+    ),
+    Case(
+        "Megatron-FSDP's second version",
+        _flags(FULL + "--use-megatron-fsdp --megatron-fsdp-version 2"),
+        "Trident does not support --megatron-fsdp-version 2: Trident's Megatron-FSDP is version 1, Megatron's "
+        "default; use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (Trident's "
+        "ZeRO-3 on its own buckets, which composes with tensor and pipeline parallelism)",
+        2,
+    ),
+    Case(
+        "a custom FP8 recipe",
+        _flags(FULL + "--bf16 --fp8-format hybrid --fp8-recipe custom"),
+        "the 'custom' recipe loads a Transformer Engine recipe factory, which Trident does not use; use "
+        "--fp8-recipe tensorwise or delayed",
+    ),
+    Case(
+        "both spellings of CUDA graphs",
+        _flags(FULL + "--enable-cuda-graph --cuda-graph-impl local"),
+        "--enable-cuda-graph is Megatron's older spelling of --cuda-graph-impl local: give one of them, not both",
     ),
 ]
 
@@ -766,7 +814,7 @@ VALIDATION = [  # result validation (training/faults/validation.py)
     ),
 ]
 
-CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE + MOE + RAMP + FP8 + VALIDATION
+CASES = USAGE + CONFIG + DATA + SCHEDULER + DEVICE + MOE + RAMP + FP8 + SHARDING_AND_GRAPHS + VALIDATION
 
 
 def test_there_are_at_least_forty_distinct_cases():

@@ -92,11 +92,11 @@ ISSUE_FLAGS = {
     "--fp8-amax-compute-algo --fp8-margin --no-fp8-wgrad --first-last-layers-bf16 --fp8-param-gather",
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
-    "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format --fp8-interval",
+    "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format --fp8-interval --megatron-fsdp-version",
     NOT_YET: "--suggested-communication-unit-size --megatron-fsdp-main-params-dtype",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp --use-torch-fsdp2 "
-    "--megatron-fsdp-version",
+    "--torch-fsdp2-no-reshard-after-forward --megatron-fsdp-version=2",
 }
 
 

@@ -38,7 +38,14 @@ def test_flags_have_megatrons_names_and_defaults():
     assert args.enable_cuda_graph is False
 
 
-def test_enable_cuda_graph_is_the_older_spelling_of_local():
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """The flags checked as for a run on CUDA, where the graphs' own rules apply (TRIDENT_BACKEND=nccl:
+    parsing decides the device; nothing here starts a process group)."""
+    monkeypatch.setenv("TRIDENT_BACKEND", "nccl")
+
+
+def test_enable_cuda_graph_is_the_older_spelling_of_local(on_cuda):
     assert megatron_args("--enable-cuda-graph --attention-dropout 0").cuda_graph_impl == "local"
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, attention_dropout=0.0)
     assert config.cuda_graph_impl == "none"
@@ -62,9 +69,22 @@ def test_enable_cuda_graph_is_the_older_spelling_of_local():
                 "CUDA graph is not built; --cuda-graph-impl local captures each decoder layer"
             ),
         ),
+        (
+            "--enable-cuda-graph --cuda-graph-impl local",
+            "--enable-cuda-graph is Megatron's older spelling of --cuda-graph-impl local: give one of them, not both",
+        ),
+        (
+            "--cuda-graph-impl local --cuda-graph-modules mlp",
+            (
+                "--cuda-graph-scope 'mlp' is a Transformer Engine scope: --cuda-graph-impl local captures whole "
+                "decoder layers; leave --cuda-graph-scope out"
+            ),
+        ),
     ],
 )
-def test_transformer_engine_and_full_iteration_are_refused_in_one_line(argv, message):
+def test_what_no_device_runs_is_refused_in_one_line(argv, message):
+    """Refused wherever the run computes: Transformer Engine's graphs, the whole-step graph, both spellings
+    of ``local`` at once, and Megatron's newer name for the scope flag with a scope of its."""
     assert_refused(argv, message)
 
 
@@ -152,8 +172,47 @@ LOCAL = "--cuda-graph-impl local --attention-dropout 0"
         ),
     ],
 )
-def test_what_local_graphs_cannot_hold_is_one_line_naming_the_flags(argv, world, message):
+def test_what_local_graphs_cannot_hold_is_one_line_naming_the_flags(argv, world, message, on_cuda):
     assert_refused(argv, message, world)
+
+
+OFF_CUDA = (
+    "--cuda-graph-impl local: CUDA graphs need CUDA; this run computes on the CPU (gloo) and goes on "
+    "without them"
+)
+
+
+@pytest.mark.parametrize(
+    "argv, refused_on_cuda",
+    [
+        (LOCAL, ""),
+        (
+            "--enable-cuda-graph",
+            (
+                "--cuda-graph-impl local does not work with --attention-dropout > 0: attention dropout draws from "
+                "the RNG tracker, which is not graph-safe; set --attention-dropout 0"
+            ),
+        ),
+        (
+            f"{LOCAL} --recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+            (
+                "--cuda-graph-impl local does not work with --recompute-granularity: recomputation runs forward "
+                "again inside backward"
+            ),
+        ),
+    ],
+)
+def test_off_cuda_the_graph_flags_change_nothing_but_one_line(argv, refused_on_cuda):
+    """What a CUDA run refuses is named in the line; the run is the run without the flags."""
+    args = megatron_args(argv)
+    plain = megatron_args(argv.replace("--enable-cuda-graph", "").replace("--cuda-graph-impl local", ""))
+    expected = OFF_CUDA + (f"; with CUDA it would refuse: {refused_on_cuda}" if refused_on_cuda else "")
+    assert args.cuda_graphs_note == expected
+    assert (args.cuda_graph_impl, args.enable_cuda_graph) == ("none", False)
+    what_was_typed = {"cuda_graphs_note", "explicit_args", "command_line"}
+    assert {k: v for k, v in vars(args).items() if k not in what_was_typed} == {
+        k: v for k, v in vars(plain).items() if k not in what_was_typed
+    }
 
 
 def test_the_python_api_refuses_the_same_with_field_names():

@@ -256,6 +256,21 @@ def test_a_decoder_layer_reports_which_linear_layers_stay_out_of_fp8():
     ]
 
 
+@pytest.mark.parametrize(
+    ("precision", "warned"), [({}, True), ({"bf16": True}, False), ({"params_dtype": torch.float16}, False)]
+)
+def test_fp8_without_a_16_bit_dtype_warns_once_that_the_rest_runs_in_fp32(precision, warned):
+    from training.reporting.fp8_report import fp8_report
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, fp8="hybrid", **precision)
+    lines = fp8_report(cfg, [], 0, 16)
+    warning = (
+        "FP8 without --bf16: the parts that are not FP8 products (embedding, norms, attention, output layer) "
+        "run in fp32, which is slow (Megatron-LM#883); add --bf16"
+    )
+    assert lines.count(warning) == int(warned), lines
+
+
 def test_first_and_last_layers_stay_in_bf16_on_request():
     cfg = TransformerConfig(
         num_layers=6, hidden_size=64, num_attention_heads=4, fp8="e4m3", first_last_layers_bf16=True,
@@ -289,7 +304,10 @@ def test_first_and_last_layers_stay_in_bf16_on_request():
         ({"fp8": "hybrid", "fp8_amax_history_len": 0}, "--fp8-amax-history-len must be >= 1, got 0"),
         (
             {"fp8": "hybrid", "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 2},
-            "--num-layers-at-start-in-bf16 must be in [0, --num-layers (1)], got 2",
+            (
+                "--num-layers-at-start-in-bf16 must be in [0, 1], the layers per pipeline stage (--num-layers 1 "
+                "// --pipeline-model-parallel-size 1), got 2"
+            ),
         ),
     ],
 )

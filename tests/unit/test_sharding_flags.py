@@ -213,8 +213,15 @@ def test_the_sharding_scope_follows_the_pipeline_and_the_start_report_states_its
     [
         ("--use-torch-fsdp2", f"Trident does not support --use-torch-fsdp2: {_INSTEAD}"),
         (
+            "--torch-fsdp2-no-reshard-after-forward",
+            f"Trident does not support --torch-fsdp2-no-reshard-after-forward: {_INSTEAD}",
+        ),
+        (
             "--megatron-fsdp-version 2",
-            f"Trident does not support --megatron-fsdp-version: Trident's Megatron-FSDP has one version; {_INSTEAD}",
+            (
+                "Trident does not support --megatron-fsdp-version 2: Trident's Megatron-FSDP is version 1, "
+                f"Megatron's default; {_INSTEAD}"
+            ),
         ),
         (
             "--suggested-communication-unit-size 1000",
@@ -230,6 +237,11 @@ def test_unbuilt_fsdp_flags_are_refused_with_one_line(argv, message):
     with pytest.raises(ValueError) as error:
         parse_args(argv.split())
     assert str(error.value) == message
+
+
+def test_megatron_fsdp_version_1_is_megatrons_default_and_what_trident_runs():
+    args = parse_args(["--use-megatron-fsdp", "--megatron-fsdp-version", "1"])
+    assert args.megatron_fsdp_version == 1 and args.use_megatron_fsdp
 
 
 @pytest.mark.parametrize(

@@ -64,11 +64,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import pretrain_gpt
 from core.optimizer import has_fused_kernel
+from core.transformer.cuda_graphs import cuda_graphs_off_line
 from models.gpt.hf_mapping import hf_architecture, hf_config_kwargs, to_hf
 from tools.bench.args import llama_flags
 from tools.op_profile import StepProbe, measure, print_comparison
 from training.reporting.throughput import num_floating_point_operations, peak_tflops
-from training.setup import cuda_graphs_off_line
 from training.training import pretrain
 
 CONFIGS = {

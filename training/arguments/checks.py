@@ -22,11 +22,12 @@ import copy
 import os
 from typing import Any
 
+from core.device import computes_on_cuda
 from core.model_parallel_config import parallel_size_problems
-from core.problems import Problem
+from core.problems import Problem, problem
 from core.tensor_parallel.fp8_config import fp8_problems
 from core.transformer.context_parallel.rules import context_parallel_problems
-from core.transformer.cuda_graphs import cuda_graph_problems
+from core.transformer.cuda_graphs import cuda_graph_problems, cuda_graphs_off_line, local_graph_problems
 from core.transformer.moe.moe_config import parse_moe_layer_freq
 from core.transformer.moe.rules import moe_problems
 from core.transformer.rules import decoder_problems, size_problems
@@ -297,16 +298,33 @@ def _check_validation(args: argparse.Namespace) -> None:
 
 
 def _check_cuda_graphs(args: argparse.Namespace) -> None:
-    """``--enable-cuda-graph`` is Megatron's older ``--cuda-graph-impl local``; the graphs' own rules."""
-    if args.enable_cuda_graph and args.cuda_graph_impl == "none":
-        args.cuda_graph_impl = "local"
-    _refuse_first(cuda_graph_problems(_as_config(args)))
-    _require(
-        args.cuda_graph_impl == "none" or args.data_parallel_sharding_strategy != "optim_grads_params",
-        "--cuda-graph-impl local does not work with --data-parallel-sharding-strategy optim_grads_params: "
-        "a layer's parameters are freed after each use and gathered into new memory, and a graph reads the "
-        "addresses it captured",
+    """``--enable-cuda-graph`` is Megatron's older ``--cuda-graph-impl local`` (the two together are refused).
+    Where the run computes on CUDA, the graphs' own rules; elsewhere nothing is captured: the model is
+    built without graphs and ``args.cuda_graphs_note`` is the run's one line saying so (with what a run
+    on CUDA would refuse), so that nothing else changes."""
+    _refuse_first(cuda_graph_problems(_as_config(args), local=False))
+    if args.enable_cuda_graph:
+        args.cuda_graph_impl, args.enable_cuda_graph = "local", False
+    on_cuda = local_graph_problems(_as_config(args))
+    if args.cuda_graph_impl != "none" and args.data_parallel_sharding_strategy == "optim_grads_params":
+        on_cuda.append(_GRAPHS_UNDER_ZERO3)
+    args.cuda_graphs_note = None
+    if args.cuda_graph_impl == "none" or computes_on_cuda(args.distributed_backend):
+        _refuse_first(on_cuda)
+        return
+    args.cuda_graphs_note = cuda_graphs_off_line(args.cuda_graph_impl, "cpu", "gloo") + "".join(
+        f"; with CUDA it would refuse: {command_line_message(p)}" for p in on_cuda[:1]
     )
+    args.cuda_graph_impl = "none"
+
+
+_GRAPHS_UNDER_ZERO3 = problem(
+    "{cuda_graph_impl} local does not work with {data_parallel_sharding_strategy} optim_grads_params: a layer's "
+    "parameters are freed after each use and gathered into new memory, and a graph reads the addresses it "
+    "captured",
+    "cuda_graph_impl",
+    "data_parallel_sharding_strategy",
+)
 
 
 def _check_profile(args: argparse.Namespace) -> None:

@@ -364,6 +364,9 @@ class DistributedArgs:
     """Process-group backend (default: nccl with GPUs, gloo without; nccl without CUDA falls back to gloo)."""
     distributed_timeout_minutes: int = 10
     """Timeout of every collective; a rank silent this long ends the job, named in the error."""
+    megatron_fsdp_version: Literal[1] = 1
+    """Megatron-FSDP's implementation: Trident's sharding is the first (Megatron's default), built on its
+    own buckets; Megatron's second is refused."""
 
 
 @dataclass(kw_only=True)

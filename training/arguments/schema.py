@@ -418,8 +418,11 @@ COVERAGE: dict[str, Coverage] = {
         "decoder layer"
     ),
     "--use-torch-fsdp2": unsupported(_FSDP_INSTEAD),
-    "--torch-fsdp2-reshard-after-forward": unsupported(_FSDP_INSTEAD),
-    "--megatron-fsdp-version": unsupported("Trident's Megatron-FSDP has one version; " + _FSDP_INSTEAD),
+    "--torch-fsdp2-no-reshard-after-forward": unsupported(_FSDP_INSTEAD),
+    "--megatron-fsdp-version": no_effect("Trident's sharding is Megatron-FSDP's first version, its default"),
+    "--megatron-fsdp-version 2": unsupported(
+        "Trident's Megatron-FSDP is version 1, Megatron's default; " + _FSDP_INSTEAD
+    ),
     **dict.fromkeys(
         (
             "--suggested-communication-unit-size",
@@ -441,9 +444,12 @@ REJECTED_PREFIXES: dict[str, Coverage] = {
 """Whole flag families Trident rejects, by prefix."""
 
 
-def rejected_values(option: str) -> tuple[str, ...]:
-    """Values of ``option`` that the table rejects ("--tokenizer-type TikTokenizer")."""
-    return tuple(k.split(" ", 1)[1] for k, c in COVERAGE.items() if k.startswith(option + " ") and c.rejected)
+def rejected_values(option: str) -> tuple:
+    """Values of ``option`` that the table rejects ("--tokenizer-type TikTokenizer"), of the flag's type."""
+    kind = BY_OPTION[option].kind if option in BY_OPTION else str
+    return tuple(
+        kind(k.split(" ", 1)[1]) for k, c in COVERAGE.items() if k.startswith(option + " ") and c.rejected
+    )
 
 
 def coverage_of(option: str) -> Coverage:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, fp8_states
@@ -24,7 +25,7 @@ ROUTED_EXPERTS = "mlp.experts."
 def _run_lines(config: TransformerConfig, recipe: Fp8Recipe, tokens_per_microbatch: int) -> list[str]:
     """What the first stage says of the whole run: the recipe, and what keeps products out of FP8."""
     lines = [f"FP8: {recipe.describe()}"]
-    if not config.bf16:
+    if config.params_dtype == torch.float32:  # --fp16 runs the rest in fp16
         lines.append(
             "FP8 without --bf16: the parts that are not FP8 products (embedding, norms, attention, output "
             "layer) run in fp32, which is slow (Megatron-LM#883); add --bf16"
