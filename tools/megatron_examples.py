@@ -1,8 +1,9 @@
-"""Four of Megatron-LM's example scripts, transcribed: every flag name kept, sizes scaled to 4 CPU ranks.
+"""Five of Megatron-LM's example scripts, transcribed: every flag name kept, sizes scaled to 4 CPU ranks.
 
 Sources (Megatron-LM ``examples/``): ``gpt3/train_gpt3_175b_distributed.sh`` (twice: with the
 ``--rampup-batch-size`` it had before Megatron-LM#4411 and the ``--step-batch-size-schedule`` it has now),
-``llama/train_llama3_8b_h100_fp8.sh`` (its mock-data branch), ``mixtral/train_mixtral_8x7b_distributed.sh``
+``llama/train_llama3_8b_h100_fp8.sh`` (its mock-data branch), its Megatron-FSDP twin
+``megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh`` (the same), ``mixtral/train_mixtral_8x7b_distributed.sh``
 and the classic ``pretrain_gpt_distributed_with_mp.sh``. Paths are placeholders filled by the test:
 ``{data}`` (a corpus preprocessed with the GPT-2 BPE files the test builds), ``{vocab}``, ``{merges}``,
 ``{spm}`` (a SentencePiece model trained by the test), ``{ckpt}``, ``{tb}``, ``{cache}``.
@@ -78,6 +79,31 @@ SCRIPTS: dict[str, str] = {
         --use-distributed-optimizer --sequence-parallel
         --eval-iters 1 --no-load-optim --no-load-rng
     """,
+    # LLaMA-3 8B under Megatron-FSDP (ZeRO-3), FP8, mock data: the same scaling as llama3_8b; nsys's own
+    # options (its profile command line) are not Megatron's flags and stay out.
+    "llama3_8b_fsdp": """
+        --use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4
+        --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
+        --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0
+        --hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused
+        --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear
+        --micro-batch-size 1 --global-batch-size 8 --train-samples 24 --lr-decay-samples 24 --lr-warmup-samples 8
+        --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine
+        --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --cross-entropy-loss-fusion
+        --no-check-for-nan-in-loss-and-grad --manual-gc --empty-unused-memory-level 1 --exit-duration-in-mins 235
+        --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion
+        --calculate-per-token-loss --init-model-with-meta-device --ckpt-format fsdp_dtensor --use-nccl-ub
+        --fsdp-double-buffer --fsdp-manual-registration
+        --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather
+        --tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel
+        --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 512 --data-cache-path {cache}
+        --tiktoken-pattern v2 --split 99,1,0 --no-create-attention-mask-in-dataloader --no-mmap-bin-files
+        --num-workers 1
+        --log-interval 1 --eval-iters 1 --eval-interval 3 --save-interval 3 --log-throughput --logging-level 20
+        --distributed-timeout-minutes 60 --save {ckpt} --load {ckpt} --tensorboard-dir {tb}
+        --profile --profile-step-start 1 --profile-step-end 2 --profile-ranks 0 --record-memory-history
+    """,
     # The classic 345M with TP 2 x PP 2 on 8 GPUs -> 4 ranks; 24 layers of 1024 -> 4 of 64.
     "gpt_345m_mp": """
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64
@@ -94,6 +120,7 @@ SOURCES = {
     "gpt3_175b_step": "examples/gpt3/train_gpt3_175b_distributed.sh",
     "llama3_8b": "examples/llama/train_llama3_8b_h100_fp8.sh",
     "mixtral_8x7b": "examples/mixtral/train_mixtral_8x7b_distributed.sh",
+    "llama3_8b_fsdp": "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh",
     "gpt_345m_mp": "examples/pretrain_gpt_distributed_with_mp.sh",
 }
 NPROC = 4

@@ -36,6 +36,7 @@ from training.faults import restart
 from training.faults.signal_handler import SignalHandler
 from training.faults.stragglers import StragglerDetector
 from training.faults.validation import ResultValidator
+from training.reporting import memory_history
 from training.reporting.iteration_log import LogWindow, log_line, wandb_row
 from training.reporting.logging_utils import print_line, print_rank_0
 from training.reporting.profiling import StepProfiler
@@ -208,6 +209,9 @@ class _Loop:
             out_dir=run.logging.tensorboard_dir or "profile",
             wait_for_collectives=functools.partial(_wait_for_collectives, session.model.chunks),
         )
+        rank = dist.get_rank()
+        records = memory_history.records(run.training, rank, self.device)
+        self.memory_snapshot = memory_history.snapshot_path(run.training, rank) if records else None
         self.saved_at: int | None = None
         self.resume_unreported = restart.restart_attempt() > 0  # a restarted run times its first step
         self.compile_start = compile_stats() if run.model.compile else None
@@ -259,6 +263,8 @@ class _Loop:
         if (logs or self.ledger.settle_every_step or rerun) and self.settle():
             return True
         if logs:
+            if self.memory_snapshot:
+                memory_history.dump(self.memory_snapshot)
             state.progress.print_log_line(log_line(run, state, self.last, self.window, self.flops, self.peak))
             for line in self.stragglers.report(state.iteration) if self.stragglers else ():
                 print_line(line)

@@ -31,8 +31,9 @@ from training.data.batches import BatchStream
 from training.faults import restart
 from training.global_vars import set_global_variables
 from training.lr_schedule import build_scheduler
+from training.reporting import memory_history
 from training.reporting.fp8_report import fp8_report
-from training.reporting.logging_utils import is_logging_rank, print_line, print_rank_0
+from training.reporting.logging_utils import is_logging_rank, print_line, print_rank_0, set_logging_level
 from training.reporting.run_logging import RunLoggers
 from training.reporting.wandb_logging import start_run
 from training.run import Run
@@ -52,24 +53,15 @@ class Providers:
 def setup(run: Run, providers: Providers) -> Session:
     """Build the run's pieces (the process groups of ``torch.distributed`` already exist)."""
     bind_local_device()
+    set_logging_level(run.logging.logging_level)
     run.initialize_model_parallel()
     _seed_everything(run.model.seed, ps.get_pipeline_model_parallel_rank())
     faults.phase("building the tokenizer")
     tokenizer = _rank0_first(lambda: providers.tokenizer(run.args)) if providers.tokenizer else None
     set_global_variables(run.args, tokenizer)  # Megatron's get_args() / get_tokenizer() for the providers
-    for line in startup_report(run.args):
-        print_rank_0(line)
-    if getattr(run.args, "cuda_graphs_note", None):  # the flags asked for graphs; the run computes off CUDA
-        print_rank_0(run.args.cuda_graphs_note)
-    elif run.model.cuda_graph_impl != "none" and current_device().type != "cuda":
-        print_rank_0(cuda_graphs_off_line(run.model.cuda_graph_impl, current_device().type, backend_in_use()))
-    if run.checkpointing.save:  # a bad --save fails now, not after the first save_interval of training
-        removed = prepare_save_dir(run.checkpointing.save)
-        if removed:
-            print_rank_0(
-                f"removed {len(removed)} temporary file(s) of interrupted saves from {run.checkpointing.save}"
-            )
+    _report_start(run)
     faults.phase("building the model and optimizer")
+    memory_history.start_recording(run.training, dist.get_rank(), current_device())
     groups = ps.get_parallel_groups()
     model = parallelize_gpt(providers.model, layout=run.layout, groups=groups, ddp_config=run.ddp)
     optimizer = get_megatron_optimizer(
@@ -111,6 +103,23 @@ def setup(run: Run, providers: Providers) -> Session:
     session.loggers = _start_loggers(run, session)
     restart.mark("loaded")
     return session
+
+
+def _report_start(run: Run) -> None:
+    """The start report (rank 0), the line of CUDA graphs asked for off CUDA, and a bad ``--save``
+    found now rather than after the first save interval (its interrupted saves' files removed)."""
+    for line in startup_report(run.args):
+        print_rank_0(line)
+    if getattr(run.args, "cuda_graphs_note", None):  # the flags asked for graphs; the run computes off CUDA
+        print_rank_0(run.args.cuda_graphs_note)
+    elif run.model.cuda_graph_impl != "none" and current_device().type != "cuda":
+        print_rank_0(cuda_graphs_off_line(run.model.cuda_graph_impl, current_device().type, backend_in_use()))
+    if run.checkpointing.save:
+        removed = prepare_save_dir(run.checkpointing.save)
+        if removed:
+            print_rank_0(
+                f"removed {len(removed)} temporary file(s) of interrupted saves from {run.checkpointing.save}"
+            )
 
 
 def _announcer(logs_loss: bool) -> Callable[[str], None]:

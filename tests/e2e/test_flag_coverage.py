@@ -536,6 +536,7 @@ def _record_config_reads(monkeypatch, reads: set[str]) -> None:
 
 READ_ON_OTHER_PATHS = {
     "--sgd-momentum": "read by get_megatron_optimizer with --optimizer sgd (tests/dist/test_distributed_optimizer.py)",
+    "--memory-snapshot-path": "read where --record-memory-history records, on CUDA (tests/unit/test_cuda.py)",
 }
 """Flags the run below does not read because they belong to another path, and where they are read."""
 

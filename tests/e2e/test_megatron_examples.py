@@ -31,6 +31,7 @@ OUT_OF_SCOPE = {
     "gpt3_175b_step": [],
     "llama3_8b": [],
     "mixtral_8x7b": [],
+    "llama3_8b_fsdp": [],
     "gpt_345m_mp": [],
 }
 
@@ -67,6 +68,14 @@ def test_the_llama3_8b_fp8_script_is_taken_whole_with_its_weights_held_in_fp8():
     args = validate_args(parse_args(argv), NPROC)
     assert (args.fp8, args.fp8_recipe, args.fp8_param_gather) == ("hybrid", None, True)
     assert args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim"
+
+
+def test_the_megatron_fsdp_llama3_8b_script_is_taken_whole_as_zero_3_in_fp8():
+    argv = tokens("llama3_8b_fsdp")
+    assert rejected(argv) == []
+    args = validate_args(parse_args(argv), NPROC)
+    assert (args.fp8, args.fp8_param_gather, args.init_model_with_meta_device) == ("hybrid", True, True)
+    assert args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "optim_grads_params"
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@
   losses as the plain optimizer; its ``--timeline-dir`` holds CUDA-event times.
 * A checkpoint save (synchronous and ``--async-save``'s saver) and a load on the GPU allocate no
   more than 5% of training's peak device memory.
+* ``--record-memory-history`` dumps the allocator's history at each log step.
 """
 
 from __future__ import annotations
@@ -111,6 +112,21 @@ def test_twenty_steps_make_no_host_wait_outside_logging_steps():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert state.iteration == 22 and len(state.losses) == 22
+
+
+def test_the_memory_history_is_dumped_at_each_log_step_on_the_profiled_rank(tmp_path):
+    """``--record-memory-history`` (Megatron's flag): recorded from before the model is built, dumped as
+    ``<path>_<rank>.pickle`` at log steps, with the model's allocations in its trace."""
+    import pickle
+
+    path = tmp_path / "memory" / "snapshot.pickle"
+    flags = "--distributed-backend nccl --train-iters 2 --log-interval 1 --record-memory-history"
+    try:
+        _pretrain(f"{flags} --memory-snapshot-path {path}")
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    snapshot = pickle.loads((tmp_path / "memory" / "snapshot_0.pickle").read_bytes())
+    assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])
 
 
 def test_distributed_optimizer_and_overlap_on_nccl_match_the_plain_optimizer(tmp_path, no_tf32):

@@ -160,6 +160,13 @@ class TrainingArgs:
     """With --profile: the global ranks that write a trace."""
     use_pytorch_profiler: bool = False
     """Megatron: use torch.profiler rather than nsys for --profile (Trident always does)."""
+    record_memory_history: bool = False
+    """Megatron: on CUDA, record the caching allocator's history from before the model is built on the
+    ranks of --profile-ranks, and dump it at every log step to --memory-snapshot-path with the rank
+    before the extension (``snapshot_0.pickle``; read it with pytorch.org/memory_viz). Off CUDA the run
+    says once that it needs CUDA."""
+    memory_snapshot_path: str = "snapshot.pickle"
+    """Megatron: where --record-memory-history dumps its snapshots (the rank goes before the extension)."""
 
 
 @dataclass(kw_only=True)
@@ -324,6 +331,10 @@ class LoggingArgs:
     """Local directory of the W&B run."""
     log_throughput: bool = False
     """Megatron: log throughput per GPU."""
+    logging_level: int | None = None
+    """Megatron: the level of Python's root logger (10 debug, 20 info, 30 warning); the environment's
+    MEGATRON_LOGGING_LEVEL when not given. Trident's own lines are printed, not logged: this sets what
+    the libraries (torch, transformers) log."""
     timeline_dir: str | None = None
     """Trident: record what every rank does in the pipeline schedule (forward, backward, weight
     gradient, each send and receive) for the --timeline-iters iterations, and write a Chrome trace
@@ -364,6 +375,12 @@ class DistributedArgs:
     """Process-group backend (default: nccl with GPUs, gloo without; nccl without CUDA falls back to gloo)."""
     distributed_timeout_minutes: int = 10
     """Timeout of every collective; a rank silent this long ends the job, named in the error."""
+    nccl_ub: bool = flag(False, name="--use-nccl-ub")
+    """Megatron-FSDP: register the gather buffers with NCCL (user buffers; no effect here)."""
+    fsdp_double_buffer: bool = False
+    """Megatron-FSDP: double-buffer the gather memory, for --use-nccl-ub (no effect here)."""
+    fsdp_manual_registration: bool = False
+    """Megatron-FSDP: register the NCCL user buffers by hand (no effect here)."""
     megatron_fsdp_version: Literal[1] = 1
     """Megatron-FSDP's implementation: Trident's sharding is the first (Megatron's default), built on its
     own buckets; Megatron's second is refused."""

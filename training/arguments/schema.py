@@ -423,13 +423,10 @@ COVERAGE: dict[str, Coverage] = {
     "--megatron-fsdp-version 2": unsupported(
         "Trident's Megatron-FSDP is version 1, Megatron's default; " + _FSDP_INSTEAD
     ),
+    "--suggested-communication-unit-size": not_yet(_FSDP_NOT_YET),
     **dict.fromkeys(
-        (
-            "--suggested-communication-unit-size",
-            "--fsdp-double-buffer",
-            "--use-nccl-ub",
-        ),
-        not_yet(_FSDP_NOT_YET),
+        ("--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"),
+        no_effect("NCCL user buffers, a speed option of Megatron-FSDP's communication; the numbers are the same"),
     ),
     "--inprocess-restart": unsupported(_NVIDIA_RESILIENCY),
     "--enable-ft-package": unsupported(_NVIDIA_RESILIENCY),

@@ -11,6 +11,8 @@ This module imports torch only when a rank is asked for, so tools without torch 
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from typing import TYPE_CHECKING, TextIO
 
@@ -50,3 +52,12 @@ def print_rank_0(message: str) -> None:
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print_line(message)
+
+
+def set_logging_level(level: int | None) -> None:
+    """``--logging-level`` (else ``MEGATRON_LOGGING_LEVEL``), as Megatron: the level of Python's root
+    logger, which the libraries log through (Trident's own lines are printed)."""
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is not None:
+        logging.getLogger().setLevel(level)
