@@ -32,6 +32,16 @@ _GPT3_175B = """
         --log-interval 1 --save-interval 3 --eval-interval 3 --save {ckpt} --load {ckpt} --eval-iters 1
         --tensorboard-dir {tb}
     """
+_LLAMA3_8B_MODEL = """
+        --use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4
+        --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
+        --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0
+        --hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused
+        --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear
+        --micro-batch-size 1 --global-batch-size 8 --train-samples 24 --lr-decay-samples 24 --lr-warmup-samples 8
+        --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine
+"""
+"""The model, batch and learning rate the LLaMA-3 8B scripts share (the FP8 one and its Megatron-FSDP twin)."""
 SCRIPTS: dict[str, str] = {
     "gpt3_175b": _GPT3_175B,
     # The same script as Megatron-LM has it now; transcribed, it differs only in the batch ramp: the step
@@ -42,14 +52,8 @@ SCRIPTS: dict[str, str] = {
     ),
     # LLaMA-3 8B, FP8, mock data: 32 layers of 4096, 8192 tokens, 1.95e9 samples -> 2 layers of 64, 32 tokens,
     # 24 samples (3 iterations of 8); vocabulary 128256 -> 512.
-    "llama3_8b": """
-        --use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4
-        --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
-        --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0
-        --hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused
-        --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear
-        --micro-batch-size 1 --global-batch-size 8 --train-samples 24 --lr-decay-samples 24 --lr-warmup-samples 8
-        --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine
+    "llama3_8b": _LLAMA3_8B_MODEL
+    + """
         --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16
         --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1
         --exit-duration-in-mins 235
@@ -81,14 +85,8 @@ SCRIPTS: dict[str, str] = {
     """,
     # LLaMA-3 8B under Megatron-FSDP (ZeRO-3), FP8, mock data: the same scaling as llama3_8b; nsys's own
     # options (its profile command line) are not Megatron's flags and stay out.
-    "llama3_8b_fsdp": """
-        --use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4
-        --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
-        --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0
-        --hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused
-        --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear
-        --micro-batch-size 1 --global-batch-size 8 --train-samples 24 --lr-decay-samples 24 --lr-warmup-samples 8
-        --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine
+    "llama3_8b_fsdp": _LLAMA3_8B_MODEL
+    + """
         --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --cross-entropy-loss-fusion
         --no-check-for-nan-in-loss-and-grad --manual-gc --empty-unused-memory-level 1 --exit-duration-in-mins 235
         --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion

@@ -62,20 +62,18 @@ def test_each_script_is_accepted_or_refused_in_one_line_naming_the_flags(name):
     assert not args.using_default_model and args.train_iters == 3
 
 
-def test_the_llama3_8b_fp8_script_is_taken_whole_with_its_weights_held_in_fp8():
-    argv = tokens("llama3_8b")
+@pytest.mark.parametrize(
+    ("name", "sharding"), [("llama3_8b", "optim"), ("llama3_8b_fsdp", "optim_grads_params")]
+)
+def test_the_llama3_8b_fp8_scripts_are_taken_whole_with_their_weights_held_in_fp8(name, sharding):
+    """Both LLaMA-3 8B scripts: the distributed optimizer's (ZeRO-1) and Megatron-FSDP's (ZeRO-3, built on
+    the meta device)."""
+    argv = tokens(name)
     assert rejected(argv) == []
     args = validate_args(parse_args(argv), NPROC)
     assert (args.fp8, args.fp8_recipe, args.fp8_param_gather) == ("hybrid", None, True)
-    assert args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim"
-
-
-def test_the_megatron_fsdp_llama3_8b_script_is_taken_whole_as_zero_3_in_fp8():
-    argv = tokens("llama3_8b_fsdp")
-    assert rejected(argv) == []
-    args = validate_args(parse_args(argv), NPROC)
-    assert (args.fp8, args.fp8_param_gather, args.init_model_with_meta_device) == ("hybrid", True, True)
-    assert args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "optim_grads_params"
+    assert args.use_distributed_optimizer and args.data_parallel_sharding_strategy == sharding
+    assert args.init_model_with_meta_device == (name == "llama3_8b_fsdp")
 
 
 @pytest.fixture(scope="module")

@@ -426,7 +426,9 @@ COVERAGE: dict[str, Coverage] = {
     "--suggested-communication-unit-size": not_yet(_FSDP_NOT_YET),
     **dict.fromkeys(
         ("--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"),
-        no_effect("NCCL user buffers, a speed option of Megatron-FSDP's communication; the numbers are the same"),
+        no_effect(
+            "NCCL user buffers, a speed option of Megatron-FSDP's communication; the numbers are the same"
+        ),
     ),
     "--inprocess-restart": unsupported(_NVIDIA_RESILIENCY),
     "--enable-ft-package": unsupported(_NVIDIA_RESILIENCY),
