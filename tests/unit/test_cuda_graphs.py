@@ -70,6 +70,13 @@ def test_enable_cuda_graph_is_the_older_spelling_of_local(on_cuda):
             ),
         ),
         (
+            "--external-cuda-graph",  # Megatron's older spelling of --cuda-graph-impl transformer_engine
+            (
+                "Trident does not support --external-cuda-graph: Trident uses no Transformer Engine: use "
+                "--cuda-graph-impl local (each decoder layer's forward and backward captured per input shape)"
+            ),
+        ),
+        (
             "--enable-cuda-graph --cuda-graph-impl local",
             "--enable-cuda-graph is Megatron's older spelling of --cuda-graph-impl local: give one of them, not both",
         ),

@@ -409,9 +409,15 @@ COVERAGE: dict[str, Coverage] = {
         ("--ckpt-format zarr", "--ckpt-format torch_dcp"),
         unsupported(_ONE_FORMAT),
     ),
-    "--cuda-graph-impl transformer_engine": unsupported(
-        "Trident uses no Transformer Engine: use --cuda-graph-impl local (each decoder layer's forward and "
-        "backward captured per input shape)"
+    **dict.fromkeys(
+        (
+            "--cuda-graph-impl transformer_engine",
+            "--external-cuda-graph",
+        ),  # the second: Megatron's older name
+        unsupported(
+            "Trident uses no Transformer Engine: use --cuda-graph-impl local (each decoder layer's forward and "
+            "backward captured per input shape)"
+        ),
     ),
     "--cuda-graph-impl full_iteration": not_yet(
         "the whole forward-backward in one CUDA graph is not built; --cuda-graph-impl local captures each "
