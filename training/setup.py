@@ -15,12 +15,11 @@ import numpy as np
 import torch.distributed as dist
 
 from core import parallel_state as ps
-from core.device import backend_in_use, bind_local_device, current_device
+from core.device import bind_local_device, current_device
 from core.optimizer import get_megatron_optimizer
 from core.parallel_state import ParallelGroups
 from core.pipeline_parallel.schedules import get_forward_backward_func
 from core.tensor_parallel import model_parallel_seed
-from core.transformer.cuda_graphs import cuda_graphs_off_line
 from models.gpt.parallelize import parallelize_gpt
 from training import faults
 from training.arguments.parser import startup_report
@@ -110,10 +109,8 @@ def _report_start(run: Run) -> None:
     found now rather than after the first save interval (its interrupted saves' files removed)."""
     for line in startup_report(run.args):
         print_rank_0(line)
-    if getattr(run.args, "cuda_graphs_note", None):  # the flags asked for graphs; the run computes off CUDA
+    if run.args.cuda_graphs_note:  # graphs asked for off CUDA (the argument checks decided it)
         print_rank_0(run.args.cuda_graphs_note)
-    elif run.model.cuda_graph_impl != "none" and current_device().type != "cuda":
-        print_rank_0(cuda_graphs_off_line(run.model.cuda_graph_impl, current_device().type, backend_in_use()))
     if run.checkpointing.save:
         removed = prepare_save_dir(run.checkpointing.save)
         if removed:

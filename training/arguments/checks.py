@@ -312,10 +312,10 @@ def _check_cuda_graphs(args: argparse.Namespace) -> None:
     if args.cuda_graph_impl == "none" or computes_on_cuda(args.distributed_backend):
         _refuse_first(on_cuda)
         return
-    args.cuda_graphs_note = cuda_graphs_off_line(args.cuda_graph_impl, "cpu", "gloo") + "".join(
-        f"; with CUDA it would refuse: {command_line_message(p)}" for p in on_cuda[:1]
-    )
-    args.cuda_graph_impl = "none"
+    note = cuda_graphs_off_line(args.cuda_graph_impl, "cpu", "gloo")
+    if on_cuda:
+        note += f"; with CUDA it would refuse: {command_line_message(on_cuda[0])}"
+    args.cuda_graphs_note, args.cuda_graph_impl = note, "none"
 
 
 _GRAPHS_UNDER_ZERO3 = problem(
