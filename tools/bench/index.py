@@ -33,28 +33,17 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import numpy as np
 
-from training.data.blended_dataset import build_blending_indices, normalize
+from training.data.blended_dataset import build_blending_indices, fill_blending_indices, normalize
 from training.data.gpt_dataset import build_sample_index
 
 GPT3_175B_SAMPLES = 500_000 * 1536
 
 
 def python_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The pure-Python loop that ``build_blending_indices`` replaced (kept as the reference)."""
-    w = [float(x) for x in weights]
-    taken = [0] * len(w)
+    """The compiled builder's own loop run by the Python interpreter: what it replaced (the reference)."""
     dataset_index = np.zeros(size, dtype=np.int16)
     dataset_sample_index = np.zeros(size, dtype=np.int64)
-    for i in range(size):
-        scale = max(float(i), 1.0)
-        best, best_error = 0, w[0] * scale - taken[0]
-        for d in range(1, len(w)):
-            error = w[d] * scale - taken[d]
-            if error > best_error:
-                best, best_error = d, error
-        dataset_index[i] = best
-        dataset_sample_index[i] = taken[best]
-        taken[best] += 1
+    fill_blending_indices([float(x) for x in weights], dataset_index, dataset_sample_index)
     return dataset_index, dataset_sample_index
 
 

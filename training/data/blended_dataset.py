@@ -30,7 +30,8 @@ def normalize(weights: Sequence[float]) -> list[float]:
     return (w / w.sum()).tolist()
 
 
-def _fill_blending_indices(weights, dataset_index, dataset_sample_index):
+def fill_blending_indices(weights, dataset_index, dataset_sample_index) -> None:
+    """Fill both index arrays in place by the rule above (numba compiles it; the interpreter runs it too)."""
     taken = np.zeros(len(weights), dtype=np.int64)
     for i in range(len(dataset_index)):
         scale = max(float(i), 1.0)
@@ -63,7 +64,7 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     """For each of ``size`` samples: which dataset (int16) and which of its samples (int64)."""
     dataset_index = np.zeros(size, dtype=np.int16)
     dataset_sample_index = np.zeros(size, dtype=np.int64)
-    compiled(_fill_blending_indices)(
+    compiled(fill_blending_indices)(
         np.asarray(weights, dtype=np.float64), dataset_index, dataset_sample_index
     )
     return dataset_index, dataset_sample_index
