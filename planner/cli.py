@@ -113,7 +113,9 @@ def describe_cluster(cluster: Cluster, spec: ModelSpec) -> list[str]:
         f"{gpu.intra_node_gb_s:.3g} GB/s and {gpu.intra_node_latency_us:.3g} µs a message in a "
         f"node, {gpu.inter_node_gb_s:.3g} GB/s and {gpu.inter_node_latency_us:.3g} µs across nodes"
     )
-    if spec.fp8:
+    if spec.fp8 and spec.fp8_blockwise:
+        line += "; blockwise FP8 products dequantised, at the 16-bit peak"
+    elif spec.fp8:
         line += f"; FP8 products at {cluster.fp8_peak_tflops:g} TFLOP/s peak"
         line += "" if gpu.fp8_peak_tflops else " (no FP8 tensor cores: the 16-bit peak)"
     host = cluster.host

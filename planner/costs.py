@@ -8,7 +8,7 @@ the bytes a layer saves moved twice through device memory. A measured profile (`
 With ``--fp8-format`` the decoder layers' linear products that run in FP8 (``ModelSpec.fp8_products``)
 are costed at the FP8 peak (``Cluster.achievable_fp8_flops``), their weight gradients too unless
 ``--no-fp8-wgrad`` or a microbatch whose tokens per rank are not a multiple of 16 keeps them in the
-model's dtype; the attention core, the output layer and everything else stay at the 16-bit peak
+model's dtype (the blockwise recipe's products are dequantised and costed at the 16-bit peak); the attention core, the output layer and everything else stay at the 16-bit peak
 (:class:`MatmulRates` says which rate a candidate used). The casts are element-wise work: each FP8
 operand is read twice (its amax, then the scaled cast) and written in one byte, plus its transposed
 copy where a product needs it (:data:`CAST_READS`); inputs and output gradients per microbatch, the
@@ -196,8 +196,9 @@ class StageCostModel:
         s, c, cluster = self.spec, self.cand, self.cluster
         fp8_layers = s.fp8_layers(range(s.num_layers))
         fp8 = s.fp8_products(c.tp) if fp8_layers else []
-        wgrad = bool(fp8) and s.fp8_wgrad and self.tokens % SHAPE_MULTIPLE == 0
-        peak, fp8_peak = cluster.gpu.peak_tflops, cluster.fp8_peak_tflops
+        wgrad = bool(fp8) and s.fp8_wgrad and (s.fp8_blockwise or self.tokens % SHAPE_MULTIPLE == 0)
+        peak = cluster.gpu.peak_tflops
+        fp8_peak = peak if s.fp8_blockwise else cluster.fp8_peak_tflops  # blockwise: dequantised products
         return MatmulRates(
             linear="fp8" if fp8 else s.precision,
             linear_tflops=fp8_peak if fp8 else peak,
@@ -224,7 +225,9 @@ class StageCostModel:
             else 0.0
         )
         rest = self._flops_seconds(s.layer_linear_flops(self.tokens) - fp8)
-        fp8_rate = c.tp * self.cluster.achievable_fp8_flops
+        fp8_rate = c.tp * (
+            self.cluster.achievable_flops if s.fp8_blockwise else self.cluster.achievable_fp8_flops
+        )
         weight_gradient = rest + fp8_wgrad / fp8_rate + self._flops_seconds(fp8 - fp8_wgrad)
         return rest + fp8 / fp8_rate, weight_gradient
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE
+from core.tensor_parallel.fp8_blockwise import BLOCK
 
 __all__ = ["BYTES", "LinearProduct", "ModelSpec", "MoeSpec"]
 
@@ -67,7 +68,7 @@ class LinearProduct:
 
     name: str
     in_features: int
-    """Per rank: the product's K (a CUDA FP8 product needs a multiple of 16)."""
+    """Per rank: the product's K (a CUDA FP8 product needs a multiple of 16, a blockwise one of 128)."""
     out_features: int
     """Per rank: the product's N (likewise)."""
     whole_elements: int
@@ -77,9 +78,9 @@ class LinearProduct:
     expert: bool = False
     """One routed expert's: a rank holds ``num_experts / ep`` of them."""
 
-    @property
-    def fits_fp8(self) -> bool:
-        return self.in_features % SHAPE_MULTIPLE == 0 and self.out_features % SHAPE_MULTIPLE == 0
+    def fits_fp8(self, multiple: int = SHAPE_MULTIPLE) -> bool:
+        """Whether both features per rank are multiples of ``multiple`` (``ModelSpec.fp8_feature_multiple``)."""
+        return self.in_features % multiple == 0 and self.out_features % multiple == 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class ModelSpec:
     (with FP8 weight gradients), and hold an FP8 copy of each weight and its transpose for the step."""
     fp8_wgrad: bool = True
     """The weight-gradient products run in FP8 too (``--no-fp8-wgrad`` keeps them in the model's dtype)."""
+    fp8_blockwise: bool = False
+    """``--fp8-recipe blockwise``: features per rank in multiples of 128, and products dequantised block
+    by block and multiplied at the 16-bit rate (``core.tensor_parallel.fp8_blockwise``)."""
     fp8_param_gather: bool = False
     """``--fp8-param-gather``: the FP8 layers' weights are held in FP8 (one byte an element, no 16-bit
     copy and no cast per step; the layer still keeps the transposed copy for the step), and the
@@ -169,6 +173,7 @@ class ModelSpec:
             precision=precision,
             fp8=config.fp8 is not None,
             fp8_wgrad=config.fp8_wgrad,
+            fp8_blockwise=config.fp8 is not None and config.fp8_recipe == "blockwise",
             fp8_param_gather=config.fp8 is not None and getattr(config, "fp8_param_gather", False),
             **_bf16_layers(config),
             moe=moe,
@@ -258,13 +263,19 @@ class ModelSpec:
 
     def fp8_products(self, tp: int) -> list[LinearProduct]:
         """The products of :meth:`linear_products` that run in FP8: all of them with ``--fp8-format``,
-        except any whose features per rank a CUDA FP8 product cannot take (not multiples of 16), as
-        the layers decide (``enable_fp8``), and routed experts under ``--moe-grouped-gemm``. Empty
-        without FP8."""
+        except any whose features per rank a CUDA FP8 product cannot take (not multiples of 16; 128
+        under the blockwise recipe), as the layers decide (``enable_fp8``), and routed experts under
+        ``--moe-grouped-gemm``. Empty without FP8."""
         if not self.fp8:
             return []
         grouped = self.moe is not None and self.moe.grouped_gemm
-        return [p for p in self.linear_products(tp) if p.fits_fp8 and not (p.expert and grouped)]
+        multiple = self.fp8_feature_multiple
+        return [p for p in self.linear_products(tp) if p.fits_fp8(multiple) and not (p.expert and grouped)]
+
+    @property
+    def fp8_feature_multiple(self) -> int:
+        """What a linear layer's features per rank must be multiples of to run in FP8 (``fp8_shape_problem``)."""
+        return BLOCK if self.fp8_blockwise else SHAPE_MULTIPLE
 
     def fp8_linear_flops(self, tokens: int, tp: int = 1, *, experts: bool = True) -> float:
         """Forward FLOPs of a layer's products that run in FP8 at TP ``tp`` (counted as

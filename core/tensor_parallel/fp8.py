@@ -1,18 +1,20 @@
 """FP8 matrix products for the tensor-parallel linear layers: scaling state, casts and our own autograd.
 
-A linear layer in FP8 multiplies three operands in FP8, each with one float32 scale per tensor:
-its input ``x`` and weight ``w`` forward (E4M3), and in backward the gradient of its output ``g``
-(E4M3 with ``--fp8-format e4m3``, E5M2 with ``hybrid``)::
+A linear layer in FP8 multiplies three operands in FP8, each with one float32 scale per tensor (per
+block of 128 under the blockwise recipe): its input ``x`` and weight ``w`` forward (E4M3), and in
+backward the gradient of its output ``g`` (E4M3 with ``--fp8-format e4m3``, E5M2 with ``hybrid``)::
 
     y  = x  @ w^T      (x: E4M3, w: E4M3)
     dx = g  @ w        (g: E4M3 / E5M2, w: E4M3)
     dw = g^T @ x       (g and the saved x; in the model's dtype with --no-fp8-wgrad)
 
 Every product is ``torch._scaled_mm`` (:func:`scaled_mm`), which runs on CUDA (sm89 and newer) and on
-the CPU, so every numeric test of this module runs on a laptop. A scale maps a tensor's absolute
-maximum (amax) onto the format's largest value: ``scale = fp8_max / amax / 2**margin``; the product is
-dequantised by the inverse scales inside the kernel. What the layer saves for backward is the FP8
-input (one byte an element instead of two), unless the weight gradient stays in the model's dtype.
+the CPU, so every numeric test of this module runs on a laptop (a blockwise product is
+:func:`~core.tensor_parallel.fp8_blockwise.block_product`; :func:`fp8_product` picks). A scale maps a
+tensor's absolute maximum (amax) onto the format's largest value: ``scale = fp8_max / amax /
+2**margin``; the product is dequantised by the inverse scales inside the kernel. What the layer saves
+for backward is the FP8 input (one byte an element instead of two), unless the weight gradient stays
+in the model's dtype.
 
 Recipes decide where the amax comes from:
 
@@ -20,6 +22,8 @@ Recipes decide where the amax comes from:
   ranks (a weight shard, a row-parallel input, a column-parallel output gradient) takes the maximum
   over the TP group, so every TP rank uses the scale of the whole tensor and TP=2 computes what TP=1
   does. An input all-gathered under sequence parallelism is quantised after the gather.
+* ``blockwise`` (DeepSeek-V3's): one scale per block of 128 values, 1 x 128 for inputs and output
+  gradients, 128 x 128 for weights, from the block's own amax (:mod:`core.tensor_parallel.fp8_blockwise`).
 * ``delayed``: the scale comes from an amax history (``--fp8-amax-history-len``, reduced by
   ``--fp8-amax-compute-algo``). Each use records its amax into the step's running maximum; at the end
   of a training step :func:`update_fp8_scales` reduces those maxima over the amax group (TP x DP x CP,
@@ -52,6 +56,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from core.device import current_device
+from core.tensor_parallel.fp8_blockwise import (
+    BLOCK,
+    BlockCast,
+    block_product,
+    quantize_rows,
+    quantize_tiles,
+)
 from core.tensor_parallel.fp8_config import resolved
 from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, check_main_grad, claim_main_grad
 
@@ -74,7 +85,7 @@ class Fp8Recipe:
     format: str = "hybrid"
     """"e4m3" or "hybrid" (output gradients in E5M2)."""
     scaling: str = "tensorwise"
-    """"tensorwise" or "delayed"."""
+    """"tensorwise", "delayed" or "blockwise"."""
     margin: int = 0
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
@@ -87,6 +98,10 @@ class Fp8Recipe:
 
     def dtype_of(self, operand: int) -> torch.dtype:
         return self.grad_dtype if operand == GRAD else E4M3
+
+    @property
+    def blockwise(self) -> bool:
+        return self.scaling == "blockwise"
 
     @classmethod
     def from_config(cls, config) -> Fp8Recipe | None:
@@ -105,7 +120,10 @@ class Fp8Recipe:
     def describe(self) -> str:
         """One phrase for the start report: ``tensorwise, hybrid (E4M3 forward, E5M2 gradients)``."""
         grads = "E4M3" if self.format == "e4m3" else "E5M2"
-        text = f"{self.scaling}, {self.format} (E4M3 forward, {grads} gradients"
+        scaling = (
+            "blockwise (1x128 inputs and gradients, 128x128 weights)" if self.blockwise else self.scaling
+        )
+        text = f"{scaling}, {self.format} (E4M3 forward, {grads} gradients"
         text += ", weight gradients in the model's dtype)" if not self.wgrad else ")"
         if self.scaling == "delayed":
             text += f", amax history {self.amax_history_len} ({self.amax_compute_algo}), margin {self.margin}"
@@ -124,9 +142,11 @@ def _scale_from_amax(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin: 
     return torch.where(good, scale, torch.ones_like(scale))
 
 
-Cast = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
-"""A cast operand: its FP8 values ``[rows, cols]`` row-major, the same values transposed
-(``[cols, rows]`` row-major, or None when not asked for) and the inverse scale to dequantise by."""
+Operand = "torch.Tensor | BlockCast"
+"""FP8 values ``[rows, cols]`` row-major: a tensor (one scale per tensor) or a :class:`BlockCast`."""
+Cast = tuple[Operand, "Operand | None", "torch.Tensor | None"]
+"""A cast operand: its FP8 values, the same tensor transposed and cast (``[cols, rows]``, or None when
+not asked for) and the inverse scale to dequantise the two by (None: the blocks carry their own)."""
 
 
 def _cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool) -> Cast:
@@ -146,13 +166,17 @@ def _cast_from_amax(
 
 
 class CastKernels(NamedTuple):
-    """The two casts a layer's :class:`Fp8State` runs: eager, or compiled with one backend."""
+    """The casts a layer's :class:`Fp8State` runs: eager, or compiled with one backend."""
 
     cast: Callable[..., Cast]
     cast_from_amax: Callable[..., Cast]
+    cast_rows: Callable[..., BlockCast]
+    """The blockwise recipe's 1 x 128 cast (:func:`~core.tensor_parallel.fp8_blockwise.quantize_rows`)."""
+    cast_tiles: Callable[..., BlockCast]
+    """Its 128 x 128 cast of a weight."""
 
 
-EAGER_CASTS = CastKernels(_cast, _cast_from_amax)
+EAGER_CASTS = CastKernels(_cast, _cast_from_amax, quantize_rows, quantize_tiles)
 
 
 @functools.cache
@@ -188,6 +212,20 @@ def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 def dequantize(tensor: torch.Tensor, inverse_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (tensor.float() * inverse_scale).to(dtype)
+
+
+def fp8_product(
+    a: Operand,
+    a_inverse: torch.Tensor | None,
+    b: Operand,
+    b_inverse: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a @ b^T`` of two FP8 operands ``[m, K]`` and ``[n, K]`` (every product of a layer has this form:
+    CUDA's FP8 kernels take the second operand column-major)."""
+    if isinstance(a, BlockCast):
+        return block_product(a, b, out_dtype)
+    return scaled_mm(a, b.t(), a_inverse, b_inverse, out_dtype)
 
 
 def scaled_mm(
@@ -278,6 +316,9 @@ class Fp8State(nn.Module):
         step's forward or backward): the delayed recipe adds its amax to the step's maximum.
         ``amax``: the tensor's, when the caller has it already."""
         dtype, tensor = self.recipe.dtype_of(operand), tensor.detach()
+        if self.recipe.blockwise:  # each block scales from itself: nothing recorded, nothing reduced
+            transposed = self.kernels.cast_rows(tensor.t(), dtype) if transpose else None
+            return self.kernels.cast_rows(tensor, dtype), transposed, None
         if self.recipe.scaling == "tensorwise":
             amax = amax_of(tensor) if amax is None else amax
             amax = self._reduced(amax, self.tp_group if self.sharded[operand] else None)
@@ -312,6 +353,9 @@ class Fp8State(nn.Module):
             if held is not None:  # held in FP8 (core.tensor_parallel.fp8_params): used as it is
                 values = weight.detach()
                 self._weight, self._weight_amax = (values, values.t().contiguous(), held.scale_inv), None
+            elif self.recipe.blockwise:  # 128 x 128 tiles: the transpose has the same tiles
+                tiles = self.kernels.cast_tiles(weight.detach(), E4M3)
+                self._weight, self._weight_amax = (tiles, tiles.transposed(), None), None
             else:
                 self._weight_amax = amax_of(weight)
                 self._weight = self.quantize(WEIGHT, weight, record, transpose=True, amax=self._weight_amax)
@@ -374,14 +418,17 @@ class _Fp8Linear(torch.autograd.Function):
         fp8_wgrad = record and recipe.wgrad and weight.requires_grad
         x_fp8, x_t, x_inv = state.quantize(INPUT, flat, record, transpose=fp8_wgrad)
         w_fp8, _, w_inv = state.weight_fp8(weight, record)
-        out = scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv, input_.dtype)
+        out = fp8_product(x_fp8, x_inv, w_fp8, w_inv, input_.dtype)
         if bias is not None:
             out = out + bias
         ctx.state, ctx.accumulate = state, accumulate
         ctx.input_shape, ctx.dtype, ctx.has_bias = input_.shape, input_.dtype, bias is not None
         ctx.grad_fp8 = None
         # Saved for the weight gradient: the FP8 input, transposed (one byte an element), or the input.
-        ctx.save_for_backward(x_t if fp8_wgrad else flat, x_inv)
+        if fp8_wgrad and recipe.blockwise:
+            ctx.save_for_backward(*x_t[:2])  # the values and their block scales
+        else:
+            ctx.save_for_backward(x_t if fp8_wgrad else flat, x_inv)
         # The weight itself, not saved: recomputation (non-reentrant checkpoint) would hand back a
         # detached alias without the attributes a held weight carries (its scale, main_grad, claims).
         ctx.weight = weight
@@ -391,6 +438,8 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad_output):
         state = ctx.state
         (saved_input, x_inv), weight = ctx.saved_tensors, ctx.weight
+        if state.recipe.blockwise and state.recipe.wgrad and weight.requires_grad:
+            saved_input, x_inv = BlockCast(saved_input, x_inv), None
         grad = grad_output.reshape(-1, grad_output.shape[-1])
         need_input, need_weight = _will_compute(ctx, 0), _will_compute(ctx, 1)
         fp8_wgrad = state.recipe.wgrad and weight.requires_grad
@@ -400,7 +449,7 @@ class _Fp8Linear(torch.autograd.Function):
         grad_input = grad_weight = grad_bias = None
         if need_input:
             _, w_t, w_inv = state.weight_fp8(weight, record=False)
-            grad_input = scaled_mm(g_fp8, w_t.t(), g_inv, w_inv, ctx.dtype)
+            grad_input = fp8_product(g_fp8, g_inv, w_t, w_inv, ctx.dtype)
             grad_input = grad_input.view(ctx.input_shape)
         if need_weight:
             grad_weight = _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight)
@@ -413,12 +462,12 @@ class _Fp8Linear(torch.autograd.Function):
 
 def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch.Tensor | None:
     """``g^T @ x``: in FP8 from both transposed casts when the recipe allows it and the tokens are a
-    multiple of 16, else in the model's dtype; accumulated into ``main_grad`` under gradient-
-    accumulation fusion (None returned)."""
+    multiple of 16 (any count in blocks: the last block of tokens may be partial), else in the model's
+    dtype; accumulated into ``main_grad`` under gradient-accumulation fusion (None returned)."""
     recipe, tokens = ctx.state.recipe, grad.shape[0]
     out_dtype = weight.main_grad.dtype if ctx.accumulate else weight.dtype
-    if recipe.wgrad and tokens % SHAPE_MULTIPLE == 0:
-        dw = scaled_mm(g_t, saved_input.t(), g_inv, x_inv, out_dtype)
+    if recipe.wgrad and (recipe.blockwise or tokens % SHAPE_MULTIPLE == 0):
+        dw = fp8_product(g_t, g_inv, saved_input, x_inv, out_dtype)
     else:
         x = dequantize(saved_input.t(), x_inv, ctx.dtype) if recipe.wgrad else saved_input
         if ctx.accumulate:  # as the plain fused path does: into main_grad, in fp32 where the GPU can
@@ -437,6 +486,16 @@ def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch
         main_grad.add_(dw)
     weight.grad_accumulated(weight)
     weight.grad_added_to_main_grad = True
+    return None
+
+
+def fp8_shape_problem(recipe: Fp8Recipe, in_features: int, out_features: int, what: str) -> str | None:
+    """Why a layer with these features cannot run ``recipe``'s FP8 products (``what``: how to name the
+    features in the reason), or None: CUDA's FP8 products need multiples of 16, and the blockwise recipe's
+    blocks must not straddle two tensor-parallel shards (multiples of 128)."""
+    multiple = BLOCK if recipe.blockwise else SHAPE_MULTIPLE
+    if in_features % multiple or out_features % multiple:
+        return f"{what} ({in_features} in, {out_features} out) are not multiples of {multiple}"
     return None
 
 

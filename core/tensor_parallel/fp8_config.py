@@ -18,17 +18,15 @@ Fp8Format = Literal["e4m3", "hybrid"]
 Fp8RecipeName = Literal["tensorwise", "delayed", "blockwise", "mxfp8", "custom"]
 AmaxComputeAlgo = Literal["most_recent", "max"]
 FP8_FORMATS = get_args(Fp8Format)
-FP8_RECIPES_BUILT = ("tensorwise", "delayed")
+FP8_RECIPES_BUILT = ("tensorwise", "delayed", "blockwise")
 AMAX_COMPUTE_ALGOS = get_args(AmaxComputeAlgo)
 _GROUP = "mixed precision"
 
 _NOT_BUILT = {
-    "blockwise": "the 'blockwise' recipe (DeepSeek-V3's 1x128 activation and 128x128 weight scales) is not "
-    "built in Trident; use --fp8-recipe tensorwise or delayed",
     "mxfp8": "the 'mxfp8' recipe needs Blackwell GPUs (sm100) and is not built in Trident; use --fp8-recipe "
-    "tensorwise or delayed",
+    "tensorwise, delayed or blockwise",
     "custom": "the 'custom' recipe loads a Transformer Engine recipe factory, which Trident does not use; use "
-    "--fp8-recipe tensorwise or delayed",
+    "--fp8-recipe tensorwise, delayed or blockwise",
 }
 
 
@@ -48,9 +46,10 @@ class Fp8Config:
     output gradients in E5M2); None keeps every product in the model's dtype."""
 
     fp8_recipe: Fp8RecipeName | None = flag(None, group=_GROUP)
-    """How scales are chosen: "tensorwise" (each tensor's own amax, current scaling) or "delayed" (from
-    an amax history of earlier steps; the default, as in Megatron). "blockwise", "mxfp8" and "custom"
-    are refused with a line each."""
+    """How scales are chosen: "tensorwise" (each tensor's own amax, current scaling), "delayed" (from
+    an amax history of earlier steps; the default, as in Megatron) or "blockwise" (DeepSeek-V3's: one
+    scale per 1x128 block of inputs and gradients and per 128x128 tile of weights). "mxfp8" and
+    "custom" are refused with a line each."""
 
     fp8_margin: int | None = flag(None, group=_GROUP)
     """Scales are divided by ``2 ** fp8_margin`` (delayed recipe): headroom for growing values (default 0)."""
@@ -149,7 +148,7 @@ def fp8_problems(config: Fp8Config) -> list[str]:
     if recipe in _NOT_BUILT:
         return [_NOT_BUILT[recipe]]
     if recipe not in FP8_RECIPES_BUILT:
-        return [f"--fp8-recipe {recipe!r} does not exist: use tensorwise or delayed"]
+        return [f"--fp8-recipe {recipe!r} does not exist: use tensorwise, delayed or blockwise"]
     out = []
     history = resolved(config, "fp8_amax_history_len")
     algo, margin = resolved(config, "fp8_amax_compute_algo"), resolved(config, "fp8_margin")
@@ -159,6 +158,11 @@ def fp8_problems(config: Fp8Config) -> list[str]:
         out.append(f"--fp8-amax-compute-algo must be most_recent or max, got {algo!r}")
     if margin < 0:
         out.append(f"--fp8-margin must be >= 0, got {margin}")
+    if recipe == "blockwise" and config.fp8_param_gather:
+        out.append(
+            "--fp8-param-gather holds each weight with one scale; the blockwise recipe's 128x128 weight "
+            "scales are not built for it: use --fp8-recipe tensorwise or delayed with --fp8-param-gather"
+        )
     if config.first_last_layers_bf16:
         out += _bf16_layer_problems(config)
     return out

@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup
 
 from core.device import param_device
 from core.model_parallel_config import ModelParallelConfig
-from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, Fp8State, fp8_linear
+from core.tensor_parallel.fp8 import Fp8Recipe, Fp8State, fp8_linear, fp8_shape_problem
 from core.tensor_parallel.grad_accumulation import linear_with_grad_accumulation
 from core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -98,11 +98,9 @@ class _ParallelLinear(nn.Module):
         """Run this layer's products in FP8 under ``recipe``; returns why not (and leaves it in high
         precision) when a CUDA FP8 product could not take its shapes."""
         in_features, out_features = self._local_features()
-        if in_features % SHAPE_MULTIPLE or out_features % SHAPE_MULTIPLE:
-            return (
-                f"its features per rank ({in_features} in, {out_features} out) are not multiples of "
-                f"{SHAPE_MULTIPLE}"
-            )
+        why = fp8_shape_problem(recipe, in_features, out_features, "its features per rank")
+        if why is not None:
+            return why
         self.fp8_state = Fp8State(recipe, self.tp_group, self._fp8_sharding())
         return None
 

@@ -489,13 +489,14 @@ def _check_fp8_mlp(rank, world_size, case):
     """Column -> GELU -> Row with FP8 products (issue 28) at TP 2 equals the same FP8 MLP on one rank, to
     fp32 rounding: every TP rank casts with the whole tensor's scale (amaxes reduced over TP), and under
     sequence parallelism the input is cast after the all-gather. Two steps, so the delayed recipe's
-    second one scales from its history."""
+    second one scales from its history. The blockwise recipe reduces nothing: with features per rank in
+    multiples of 128 no block straddles two shards, so each rank casts its part of what one rank casts."""
     scaling, sequence_parallel = case.split("-")[0], case.endswith("-sp")
     singles = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
     group, single = dist.group.WORLD, singles[rank]
     recipe = Fp8Recipe(format="hybrid", scaling=scaling, amax_history_len=2, amax_compute_algo="max")
     torch.manual_seed(3)
-    s, h, f = 32, 32, 64
+    s, h, f = (32, 128, 512) if scaling == "blockwise" else (32, 32, 64)
     w1, w2 = torch.randn(f, h) * 0.05, torch.randn(h, f) * 0.05
     models = {}
     for name, tp_group, config in (
@@ -560,7 +561,12 @@ LAYER_CHECKS = [
         "vocab_size",
         [7, 3],
     ),
-    ("fp8_mlp_at_tp2_matches_tp1", _check_fp8_mlp, "recipe", ["tensorwise-sp", "delayed-nosp"]),
+    (
+        "fp8_mlp_at_tp2_matches_tp1",
+        _check_fp8_mlp,
+        "recipe",
+        ["tensorwise-sp", "delayed-nosp", "blockwise-sp"],
+    ),
 ]
 
 

@@ -708,12 +708,21 @@ FP8 = [
         "mxfp8 off Blackwell",
         _flags(FULL + "--bf16 --fp8-format hybrid --fp8-recipe mxfp8"),
         "the 'mxfp8' recipe needs Blackwell GPUs (sm100) and is not built in Trident; use --fp8-recipe "
-        "tensorwise or delayed",
+        "tensorwise, delayed or blockwise",
     ),
     Case(
         "FP8 parameters gathered without the distributed optimizer",
         _flags(FULL + "--bf16 --fp8-format hybrid --fp8-param-gather"),
         "--fp8-param-gather only supported with distributed optimizer",
+    ),
+    Case(
+        "FP8 parameters gathered under the blockwise recipe",
+        _flags(
+            FULL
+            + "--bf16 --fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather --use-distributed-optimizer"
+        ),
+        "--fp8-param-gather holds each weight with one scale; the blockwise recipe's 128x128 weight scales are "
+        "not built for it: use --fp8-recipe tensorwise or delayed with --fp8-param-gather",
     ),
     Case(
         "FP8 parameters gathered without FP8",
@@ -766,7 +775,7 @@ SHARDING_AND_GRAPHS = [  # FULL on 4 ranks: DP 4
         "a custom FP8 recipe",
         _flags(FULL + "--bf16 --fp8-format hybrid --fp8-recipe custom"),
         "the 'custom' recipe loads a Transformer Engine recipe factory, which Trident does not use; use "
-        "--fp8-recipe tensorwise or delayed",
+        "--fp8-recipe tensorwise, delayed or blockwise",
     ),
     Case(
         "both spellings of CUDA graphs",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.fp8_run import fp8_run
+from tests.support.fp8_run import IN_BLOCKS, fp8_run
 
 
 def test_compiled_layers_and_casts_follow_the_eager_fp8_run():
@@ -23,4 +23,14 @@ def test_compiled_run_with_weights_held_in_fp8_follows_the_eager_one():
     held = "--train-iters 4 --fp8-recipe tensorwise --use-distributed-optimizer --fp8-param-gather"
     eager, _ = fp8_run(held)
     compiled, _ = fp8_run(f"{held} --compile")
+    assert max(abs(a - b) / a for a, b in zip(eager, compiled)) < 1e-3
+
+
+@pytest.mark.slow
+def test_compiled_blockwise_run_follows_the_eager_one():
+    """The blockwise recipe's 1 x 128 and 128 x 128 casts compiled by inductor cast what the eager ones
+    cast (``tests/unit/test_fp8.py`` checks the bits with dynamo's eager backend)."""
+    blockwise = f"--train-iters 4 {IN_BLOCKS}"
+    eager, _ = fp8_run(blockwise)
+    compiled, _ = fp8_run(f"{blockwise} --compile")
     assert max(abs(a - b) / a for a, b in zip(eager, compiled)) < 1e-3

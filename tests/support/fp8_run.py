@@ -18,6 +18,10 @@ TINY = (
 )
 
 
+IN_BLOCKS = "--hidden-size 128 --ffn-hidden-size 128 --fp8-format e4m3 --fp8-recipe blockwise"
+"""The blockwise recipe on :data:`TINY` widened so that every linear layer's features are multiples of 128."""
+
+
 def fp8_run(flags: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The run's losses and, at its end, its FP8 states by name."""
     state, built, _ = pretrain_keeping_models(f"{TINY} {flags}".split())

@@ -45,7 +45,7 @@ from tests.support.fp8_run import fp8_run
 
 RECIPES = [
     Fp8Recipe(format=fmt, scaling=scaling)
-    for scaling in ("tensorwise", "delayed")
+    for scaling in ("tensorwise", "delayed", "blockwise")
     for fmt in ("e4m3", "hybrid")
 ]
 INIT = functools.partial(nn.init.normal_, std=0.02)
@@ -58,12 +58,14 @@ def sqnr(reference: torch.Tensor, value: torch.Tensor) -> float:
 
 def config(**overrides) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=1,
-        hidden_size=64,
-        num_attention_heads=4,
-        bf16=True,
-        perform_initialization=True,
-        **overrides,
+        **{
+            "num_layers": 1,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "bf16": True,
+            "perform_initialization": True,
+            **overrides,
+        }
     )
 
 
@@ -115,10 +117,11 @@ def test_layer_output_and_gradients_keep_torchaos_sqnr(cls, recipe):
         update_fp8_scales([fp8], None)
 
 
-def test_compiled_casts_belong_to_the_layers_compiled_and_cast_as_the_eager_ones():
+@pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])
+def test_compiled_casts_belong_to_the_layers_compiled_and_cast_as_the_eager_ones(scaling):
     """``--compile`` gives its model's FP8 layers compiled casts; a layer built beside it keeps the eager
     ones (nothing process-wide changes), and both cast the same bits (dynamo's eager backend)."""
-    recipe = Fp8Recipe(format="hybrid", scaling="tensorwise")
+    recipe = Fp8Recipe(format="hybrid", scaling=scaling)
     _, compiled = twin_layers(ColumnParallelLinear, recipe)
     _, eager = twin_layers(ColumnParallelLinear, recipe)
     compile_fp8_casts([compiled], "eager")
@@ -144,11 +147,12 @@ class _TwoLayers(nn.Module):
         super().__init__()
         cfg = config(**config_overrides)
         torch.manual_seed(0)
-        self.column = ColumnParallelLinear(64, 128, config=cfg, init_method=INIT, bias=True)
-        self.row = RowParallelLinear(128, 64, config=cfg, init_method=INIT, bias=True, input_is_parallel=True)
+        self.column = ColumnParallelLinear(128, 256, config=cfg, init_method=INIT, bias=True)
+        self.row = RowParallelLinear(
+            256, 128, config=cfg, init_method=INIT, bias=True, input_is_parallel=True
+        )
         if recipe is not None:
-            self.column.enable_fp8(recipe)
-            self.row.enable_fp8(recipe)
+            assert self.column.enable_fp8(recipe) is None and self.row.enable_fp8(recipe) is None
 
     def forward(self, x):
         return self.row(torch.relu(self.column(x)[0]))[0]
@@ -157,8 +161,8 @@ class _TwoLayers(nn.Module):
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.scaling}-{r.format}")
 def test_the_zero_bubble_split_gives_the_fused_backwards_gradients_exactly(recipe):
     fused, split = _TwoLayers(recipe), _TwoLayers(recipe)
-    x = torch.randn(16, 2, 64, dtype=torch.bfloat16)
-    grad = torch.randn(16, 2, 64, dtype=torch.bfloat16)
+    x = torch.randn(16, 2, 128, dtype=torch.bfloat16)
+    grad = torch.randn(16, 2, 128, dtype=torch.bfloat16)
     xf, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
     fused_backward(fused(xf), grad)
     input_grad, weights = backward_input(split(xs), grad, xs)
@@ -176,7 +180,7 @@ def test_gradient_accumulation_fusion_puts_the_same_weight_gradient_into_main_gr
     for p in fused.parameters():
         p.main_grad = torch.zeros_like(p, dtype=torch.float32)
         p.grad_accumulated = lambda param: None
-    x = torch.randn(16, 2, 64, dtype=torch.bfloat16)
+    x = torch.randn(16, 2, 128, dtype=torch.bfloat16)
     for model in (plain, fused):
         for _ in range(2):  # two microbatches accumulate
             model(x).float().square().sum().backward()
@@ -287,14 +291,14 @@ def test_first_and_last_layers_stay_in_bf16_on_request():
             {"fp8": "hybrid", "fp8_recipe": "mxfp8"},
             (
                 "the 'mxfp8' recipe needs Blackwell GPUs (sm100) and is not built in Trident; use --fp8-recipe "
-                "tensorwise or delayed"
+                "tensorwise, delayed or blockwise"
             ),
         ),
         (
-            {"fp8": "hybrid", "fp8_recipe": "blockwise"},
+            {"fp8": "hybrid", "fp8_recipe": "blockwise", "fp8_param_gather": True},
             (
-                "the 'blockwise' recipe (DeepSeek-V3's 1x128 activation and 128x128 weight scales) is not built "
-                "in Trident; use --fp8-recipe tensorwise or delayed"
+                "--fp8-param-gather holds each weight with one scale; the blockwise recipe's 128x128 weight "
+                "scales are not built for it: use --fp8-recipe tensorwise or delayed with --fp8-param-gather"
             ),
         ),
         (

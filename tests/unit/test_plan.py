@@ -204,6 +204,26 @@ def test_fp8_products_run_at_the_fp8_peak_and_their_casts_cost_memory_time():
     assert without_fp8_cores.linear_seconds()[0] == pytest.approx(3_145_728 / 1e14, rel=1e-12)
 
 
+def test_blockwise_fp8_products_run_at_the_16_bit_peak_on_features_in_multiples_of_128():
+    """The blockwise recipe's products are dequantised (``core.tensor_parallel.fp8_blockwise``): the
+    planner costs them at the 16-bit peak, and only products whose features are multiples of 128 run
+    in FP8 (here hidden 128, FFN 256: all four; FFN 320: FC1 and FC2 stay out, as the layers decide)."""
+    cluster = Cluster(1, 1, _FP8_GPU)
+    cand = Candidate(tp=1, pp=1, dp=1, num_microbatches=4, layout="E,t*2,L")
+    wide = _fp8_spec(hidden_size=128, kv_channels=32, fp8_blockwise=True)
+    blockwise, tensorwise = (
+        StageCostModel(wide, cand, cluster),
+        StageCostModel(wide.with_(fp8_blockwise=False), cand, cluster),
+    )
+    assert len(wide.fp8_products(1)) == 4 and blockwise.rates.label() == "fp8 100"
+    assert blockwise.linear_seconds() == pytest.approx(
+        tuple(2 * t for t in tensorwise.linear_seconds()), rel=1e-12
+    )
+    narrow = wide.with_(ffn_hidden_size=320)
+    assert [p.name for p in narrow.fp8_products(1)] == [p.name for p in wide.fp8_products(1)][:2]
+    assert len(narrow.with_(fp8_blockwise=False).fp8_products(1)) == 4  # multiples of 16
+
+
 def test_first_last_layers_bf16_costs_those_layers_at_the_16_bit_peak_without_casts():
     """--first-last-layers-bf16 with one layer at each end of 4, PP2 (layers 0-1 | 2-3): each stage holds
     one 16-bit layer and one FP8 layer. Against the all-FP8 plan, its 16-bit layer's products run at

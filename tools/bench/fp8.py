@@ -123,6 +123,7 @@ CONTESTANTS = {
         "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
         "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
     ],
+    "fp8 blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
 }  # fmt: skip
 _FIELDS = {
     "ms": r"elapsed time per iteration \(ms\): ([\d.]+)",
@@ -362,7 +363,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) per contestant")
     parser.add_argument("--no-compile", action="store_true", help="speed: eager contestants")
-    parser.add_argument("--contestants", nargs="+", default=list(CONTESTANTS), choices=list(CONTESTANTS))
+    parser.add_argument(
+        "--contestants",
+        nargs="+",
+        default=["bf16", "fp8 tensorwise", "fp8 delayed"],
+        choices=list(CONTESTANTS),
+    )
     parser.add_argument("--extra", default="", help="flags added to every contestant's command line")
     parser.add_argument(
         "--fp8-extra", default="", help="flags added to the FP8 contestants only (--fp8-param-gather)"

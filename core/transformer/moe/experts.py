@@ -35,7 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.device import current_device, param_device
-from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, Fp8State, fp8_linear, held_weight
+from core.tensor_parallel.fp8 import (
+    SHAPE_MULTIPLE,
+    Fp8Recipe,
+    Fp8State,
+    fp8_linear,
+    fp8_shape_problem,
+    held_weight,
+)
 from core.tensor_parallel.fp8_params import held_slices
 from core.transformer.initialization import mark_init, mark_stacked, unstacked
 from core.transformer.mlp import activate
@@ -81,10 +88,9 @@ class ExpertLinear(nn.Module):
         if self.grouped:
             return "--moe-grouped-gemm runs the experts as one grouped product, which has no FP8 form here"
         count, out_features, in_features = self.weight.shape
-        if in_features % SHAPE_MULTIPLE or out_features % SHAPE_MULTIPLE:
-            return (
-                f"its features ({in_features} in, {out_features} out) are not multiples of {SHAPE_MULTIPLE}"
-            )
+        why = fp8_shape_problem(recipe, in_features, out_features, "its features")
+        if why is not None:
+            return why
         self.fp8_state = nn.ModuleDict(
             {
                 str(self.first + j): Fp8State(recipe, None, (False, False, False), expert=True)
