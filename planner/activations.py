@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.tensor_parallel.fp8_blockwise import BLOCK
 from core.tensor_parallel.fused_cross_entropy import SLICE_BYTES as FUSED_SLICE_BYTES
 from core.tensor_parallel.linear_cross_entropy import SLICE_BYTES as LINEAR_SLICE_BYTES
 from planner.model_spec import ModelSpec
@@ -149,7 +150,9 @@ def layer_terms(spec: ModelSpec, shape: Shape) -> dict[str, float]:
     s, b, t, B, h = shape.seq, shape.batch, shape.tp, spec.bytes_per_value, spec.hidden_size
     if shape.recompute == "full":
         return {"layer input (full recompute)": B * shape.sharded_seq * b * h}
-    L = 1 if spec.fp8 and spec.fp8_wgrad else B  # what a linear layer keeps of its input, per value
+    L = B  # what a linear layer keeps of its input, per value: FP8 (blockwise: a float32 scale per 128)
+    if spec.fp8 and spec.fp8_wgrad:
+        L = 1 + 4 / BLOCK if spec.fp8_blockwise else 1
     terms = {"norms": 2 * _norm(spec, shape), "qkv input": L * s * b * h}
     attention = _attention(spec, shape)
     if spec.fp8:  # the output projection keeps its own FP8 copy, or instead of a bf16 one

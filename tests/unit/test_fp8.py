@@ -362,20 +362,24 @@ def test_full_and_selective_recompute_change_nothing(recipe):
         assert all(torch.equal(state[k], v) for k, v in plain_state.items()), extra
 
 
-def test_routed_experts_run_in_fp8_on_the_loop_and_stay_out_under_grouped_gemm():
+@pytest.mark.parametrize(("recipe", "width"), [("tensorwise", 64), ("blockwise", 128)])
+def test_routed_experts_run_in_fp8_on_the_loop_and_stay_out_under_grouped_gemm(recipe, width):
+    """Each expert's weight gradient sums over the tokens routed to it: any count, in the blockwise
+    recipe's partial last block of 128 too."""
     from core.transformer.transformer_layer import TransformerLayer
 
-    moe = {"num_moe_experts": 4, "moe_router_topk": 2, "ffn_hidden_size": 64, "hidden_dropout": 0.0}
+    moe = {"num_moe_experts": 4, "moe_router_topk": 2, "hidden_dropout": 0.0}
+    moe.update(hidden_size=width, ffn_hidden_size=width)
     from core.transformer.initialization import initialize_by_name
 
     plain = TransformerLayer(config(attention_dropout=0.0, **moe), 0)
     initialize_by_name(plain, plain.config)
-    fp8 = TransformerLayer(config(attention_dropout=0.0, fp8="hybrid", fp8_recipe="tensorwise", **moe), 0)
+    fp8 = TransformerLayer(config(attention_dropout=0.0, fp8="hybrid", fp8_recipe=recipe, **moe), 0)
     fp8.load_state_dict(plain.state_dict())
     assert fp8.fp8_kept_out == {} and len(list(fp8_states([fp8.mlp.experts]))) == 8
     torch.manual_seed(5)
-    x = torch.randn(32, 2, 64, dtype=torch.bfloat16)
-    grad = torch.randn(32, 2, 64, dtype=torch.bfloat16)
+    x = torch.randn(32, 2, width, dtype=torch.bfloat16)
+    grad = torch.randn(32, 2, width, dtype=torch.bfloat16)
     outs = []
     for layer in (plain, fp8):
         xi = x.clone().requires_grad_()

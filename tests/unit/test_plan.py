@@ -147,6 +147,8 @@ def test_fp8_saves_one_byte_inputs_and_holds_fp8_weight_copies(small):
     for name in ("qkv input", "fc1 input", "fc2 input"):
         assert fp8_terms[name] * 2 == plain_terms[name], name
     assert layer_terms(fp8.with_(fp8_wgrad=False), shape)["qkv input"] == plain_terms["qkv input"]
+    blockwise = layer_terms(fp8.with_(fp8_blockwise=True), shape)  # plus a float32 scale per 128 values
+    assert blockwise["qkv input"] == pytest.approx(fp8_terms["qkv input"] * (1 + 4 / 128), rel=1e-12)
     cand = _candidate(spec, tp=2, pp=2, dp=1, num_microbatches=4)
     params, *_ = rank_static(spec, cand, 0)
     fp8_params, *_ = rank_static(fp8, cand, 0)
