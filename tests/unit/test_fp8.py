@@ -131,8 +131,9 @@ def test_compiled_casts_belong_to_the_layers_compiled_and_cast_as_the_eager_ones
         assert torch.equal(got, expected)
 
 
-def test_no_fp8_wgrad_keeps_the_weight_gradient_in_bf16_from_the_saved_input():
-    reference, fp8 = twin_layers(ColumnParallelLinear, Fp8Recipe(scaling="tensorwise", wgrad=False))
+@pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])
+def test_no_fp8_wgrad_keeps_the_weight_gradient_in_bf16_from_the_saved_input(scaling):
+    reference, fp8 = twin_layers(ColumnParallelLinear, Fp8Recipe(scaling=scaling, wgrad=False))
     x = torch.randn(16, 2, 256, dtype=torch.bfloat16)
     grad = torch.randn(16, 2, 512, dtype=torch.bfloat16)
     _, _, dw = run(reference, x, grad)

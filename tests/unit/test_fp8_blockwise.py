@@ -10,9 +10,10 @@
 * Layers whose features per rank are not multiples of 128 stay out of FP8 with the reason.
 * In a training run: recomputation changes nothing, and every linear layer of a model of multiples of
   128 runs blockwise.
-The SQNR thresholds, the zero-bubble split and the GPU's products are ``tests/unit/test_fp8.py``'s,
-with the blockwise recipes among its recipes; TP2 x SP x PP2 against one device is
-``tests/dist/test_gpt_model.py``'s.
+* ``cuda``: torch's blockwise FP8 kernel gives the dequantised product (not yet the product path).
+The SQNR thresholds, the zero-bubble split, routed experts and the GPU's products are
+``tests/unit/test_fp8.py``'s, with the blockwise recipes among its recipes; TP2 x SP against TP1 is
+``tests/dist/test_tensor_parallel.py``'s.
 """
 
 from __future__ import annotations
