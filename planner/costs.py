@@ -8,8 +8,9 @@ the bytes a layer saves moved twice through device memory. A measured profile (`
 With ``--fp8-format`` the decoder layers' linear products that run in FP8 (``ModelSpec.fp8_products``)
 are costed at the FP8 peak (``Cluster.achievable_fp8_flops``), their weight gradients too unless
 ``--no-fp8-wgrad`` or a microbatch whose tokens per rank are not a multiple of 16 keeps them in the
-model's dtype (the blockwise recipe's products are dequantised and costed at the 16-bit peak); the attention core, the output layer and everything else stay at the 16-bit peak
-(:class:`MatmulRates` says which rate a candidate used). The casts are element-wise work: each FP8
+model's dtype (the blockwise recipe's products are dequantised and costed at the 16-bit peak); the
+attention core, the output layer and everything else stay at the 16-bit peak (:class:`MatmulRates`
+says which rate a candidate used). The casts are element-wise work: each FP8
 operand is read twice (its amax, then the scaled cast) and written in one byte, plus its transposed
 copy where a product needs it (:data:`CAST_READS`); inputs and output gradients per microbatch, the
 weights once per step (with ``--fp8-param-gather`` they are held in FP8: only their transposed copy).

@@ -79,7 +79,8 @@ class LinearProduct:
     """One routed expert's: a rank holds ``num_experts / ep`` of them."""
 
     def fits_fp8(self, multiple: int = SHAPE_MULTIPLE) -> bool:
-        """Whether both features per rank are multiples of ``multiple`` (``ModelSpec.fp8_feature_multiple``)."""
+        """Whether both features per rank are multiples of ``multiple``
+        (``ModelSpec.fp8_feature_multiple``)."""
         return self.in_features % multiple == 0 and self.out_features % multiple == 0
 
 
@@ -274,7 +275,8 @@ class ModelSpec:
 
     @property
     def fp8_feature_multiple(self) -> int:
-        """What a linear layer's features per rank must be multiples of to run in FP8 (``fp8_shape_problem``)."""
+        """What a linear layer's features per rank must be multiples of to run in FP8
+        (``fp8_shape_problem``)."""
         return BLOCK if self.fp8_blockwise else SHAPE_MULTIPLE
 
     def fp8_linear_flops(self, tokens: int, tp: int = 1, *, experts: bool = True) -> float:

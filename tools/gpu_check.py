@@ -8,12 +8,14 @@ the end of the check):
 
 1. Packages: what Trident imports that this machine lacks. A machine without internet gets them as
    wheels: ``--wheels DIR`` installs the missing ones from ``DIR`` first (``pip install --no-index``).
-2. ``pytest -m cuda`` on ``test_cuda.py``, ``test_fp8.py``, ``test_fp8_blockwise.py`` and ``test_cuda_graphs.py`` at
-   world size 1 on NCCL: CUDA graphs (equal losses with and without, re-capture, microbatches in
-   flight, the cap), CUDA-vs-CPU parity (fp32 with TF32 off within 1e-5, bf16 within 1e-2), flash attention with GQA, 20 steps under
+2. ``pytest -m cuda`` on ``test_cuda.py``, ``test_fp8.py``, ``test_fp8_blockwise.py`` and
+   ``test_cuda_graphs.py`` at world size 1 on NCCL: CUDA graphs (equal losses with and without,
+   re-capture, microbatches in flight, the cap), CUDA-vs-CPU parity (fp32 with TF32 off within 1e-5,
+   bf16 within 1e-2), flash attention with GQA, 20 steps under
    ``torch.cuda.set_sync_debug_mode("error")``, the distributed optimizer with overlap and the CUDA
-   timeline, the peak device memory of a save and a load, the GPU's FP8 products against the
-   CPU's, and torch's blockwise FP8 kernel against the dequantised product. Each test's result and its printed figures.
+   timeline, the peak device memory of a save and a load, the GPU's FP8 products against the CPU's, and
+   torch's blockwise FP8 kernel against the dequantised product. Each test's result and its printed
+   figures.
 3. ``tools/plan_check_memory.py gpu``: the planner's memory figure and its fake-tensor dry run (placed on
    the GPU, so its kernels decide what attention keeps) against ``torch.cuda.max_memory_allocated`` of
    the same step run for real, for one ~0.5B LLaMA stage in three layouts.
