@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from core.tensor_parallel.fp8 import SHAPE_MULTIPLE
-from core.tensor_parallel.fp8_blockwise import BLOCK
+from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, fp8_feature_multiple
 
 __all__ = ["BYTES", "LinearProduct", "ModelSpec", "MoeSpec"]
 
@@ -275,9 +274,8 @@ class ModelSpec:
 
     @property
     def fp8_feature_multiple(self) -> int:
-        """What a linear layer's features per rank must be multiples of to run in FP8
-        (``fp8_shape_problem``)."""
-        return BLOCK if self.fp8_blockwise else SHAPE_MULTIPLE
+        """The multiple a linear layer's features per rank need to run in FP8, as the layers decide."""
+        return fp8_feature_multiple(self.fp8_blockwise)
 
     def fp8_linear_flops(self, tokens: int, tp: int = 1, *, experts: bool = True) -> float:
         """Forward FLOPs of a layer's products that run in FP8 at TP ``tp`` (counted as

@@ -62,6 +62,7 @@ from core.tensor_parallel.fp8_blockwise import (
     block_product,
     quantize_rows,
     quantize_tiles,
+    scale_from_amax,
 )
 from core.tensor_parallel.fp8_config import resolved
 from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, check_main_grad, claim_main_grad
@@ -135,13 +136,6 @@ class Fp8Recipe:
 # --------------------------------------------------------------------------------------------------
 
 
-def _scale_from_amax(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin: int) -> torch.Tensor:
-    """``fp8_max / amax / 2**margin``; 1 where the amax is zero or not finite (nothing to scale by)."""
-    good = torch.isfinite(amax) & (amax > 0)
-    scale = fp8_max / torch.where(good, amax, 1.0) / (2.0**margin)
-    return torch.where(good, scale, torch.ones_like(scale))
-
-
 Operand = "torch.Tensor | BlockCast"
 """FP8 values ``[rows, cols]`` row-major: a tensor (one scale per tensor) or a :class:`BlockCast`."""
 Cast = tuple[Operand, "Operand | None", "torch.Tensor | None"]
@@ -162,7 +156,7 @@ def _cast_from_amax(
     tensor: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, margin: int, transpose: bool
 ) -> Cast:
     """:func:`_cast` with the scale made from ``amax`` (its arithmetic fused into the cast once compiled)."""
-    return _cast(tensor, _scale_from_amax(amax, FP8_MAX[dtype], margin), dtype, transpose)
+    return _cast(tensor, scale_from_amax(amax, FP8_MAX[dtype], margin), dtype, transpose)
 
 
 class CastKernels(NamedTuple):
@@ -330,7 +324,7 @@ class Fp8State(nn.Module):
         if self.updates > 0:
             scale = self.scale[operand]
             if self.expert:  # an expert no token has reached yet has no history: it scales from itself
-                current = _scale_from_amax(amax, FP8_MAX[dtype], self.recipe.margin)
+                current = scale_from_amax(amax, FP8_MAX[dtype], self.recipe.margin)
                 scale = torch.where(self.seen[operand], scale, current)
             return self.kernels.cast(tensor, scale, dtype, transpose)
         # No history yet: this step scales from the tensor itself, agreed over the amax group (an expert's
@@ -385,7 +379,7 @@ class Fp8State(nn.Module):
         history[:, 0] = torch.where(torch.isfinite(step_amax), step_amax, 0.0)
         self.amax_history.copy_(history)
         amax = history.amax(dim=1) if self.recipe.amax_compute_algo == "max" else history[:, 0]
-        new = _scale_from_amax(amax, self.fp8_max, self.recipe.margin)
+        new = scale_from_amax(amax, self.fp8_max, self.recipe.margin)
         keep = ~(amax > 0) & (self.updates > 0)  # an operand unseen all history long keeps its scale
         self.scale.copy_(torch.where(keep, self.scale, new))
         self.seen |= amax > 0
@@ -438,11 +432,11 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad_output):
         state = ctx.state
         (saved_input, x_inv), weight = ctx.saved_tensors, ctx.weight
-        if state.recipe.blockwise and state.recipe.wgrad and weight.requires_grad:
-            saved_input, x_inv = BlockCast(saved_input, x_inv), None
         grad = grad_output.reshape(-1, grad_output.shape[-1])
         need_input, need_weight = _will_compute(ctx, 0), _will_compute(ctx, 1)
         fp8_wgrad = state.recipe.wgrad and weight.requires_grad
+        if fp8_wgrad and state.recipe.blockwise:  # saved as its values and block scales
+            saved_input, x_inv = BlockCast(saved_input, x_inv), None
         if ctx.grad_fp8 is None:  # a split backward's I casts; its W reuses the transposed cast
             ctx.grad_fp8 = state.quantize(GRAD, grad, record=True, transpose=fp8_wgrad)
         g_fp8, g_t, g_inv = ctx.grad_fp8
@@ -489,11 +483,16 @@ def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch
     return None
 
 
+def fp8_feature_multiple(blockwise: bool) -> int:
+    """What a linear layer's features per rank must be multiples of to run in FP8: CUDA's FP8 products
+    need 16, and the blockwise recipe's blocks must not straddle two tensor-parallel shards (128)."""
+    return BLOCK if blockwise else SHAPE_MULTIPLE
+
+
 def fp8_shape_problem(recipe: Fp8Recipe, in_features: int, out_features: int, what: str) -> str | None:
     """Why a layer with these features cannot run ``recipe``'s FP8 products (``what``: how to name the
-    features in the reason), or None: CUDA's FP8 products need multiples of 16, and the blockwise recipe's
-    blocks must not straddle two tensor-parallel shards (multiples of 128)."""
-    multiple = BLOCK if recipe.blockwise else SHAPE_MULTIPLE
+    features in the reason), or None (:func:`fp8_feature_multiple`)."""
+    multiple = fp8_feature_multiple(recipe.blockwise)
     if in_features % multiple or out_features % multiple:
         return f"{what} ({in_features} in, {out_features} out) are not multiples of {multiple}"
     return None

@@ -58,10 +58,12 @@ def _blocks(count: int) -> int:
     return -(-count // BLOCK)
 
 
-def _scales(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """``fp8_max / amax`` per block; 1 where a block is all zeros or not finite."""
+def scale_from_amax(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin: int = 0) -> torch.Tensor:
+    """``fp8_max / amax / 2**margin``; 1 where the amax is zero or not finite (nothing to scale by).
+    Every recipe's rule, per tensor or per block (``core.tensor_parallel.fp8`` imports it from here)."""
     good = torch.isfinite(amax) & (amax > 0)
-    return torch.where(good, fp8_max / torch.where(good, amax, 1.0), torch.ones_like(amax))
+    scale = fp8_max / torch.where(good, amax, 1.0) / (2.0**margin)
+    return torch.where(good, scale, torch.ones_like(scale))
 
 
 def quantize_rows(tensor: torch.Tensor, dtype: torch.dtype) -> BlockCast:
@@ -70,7 +72,7 @@ def quantize_rows(tensor: torch.Tensor, dtype: torch.dtype) -> BlockCast:
     blocks = _blocks(k)
     padded = F.pad(tensor.detach().float(), (0, blocks * BLOCK - k)).view(rows, blocks, BLOCK)
     fp8_max = torch.finfo(dtype).max
-    scale = _scales(padded.abs().amax(dim=-1), fp8_max)
+    scale = scale_from_amax(padded.abs().amax(dim=-1), fp8_max)
     values = (padded * scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(dtype)
     return BlockCast(values.view(rows, blocks * BLOCK)[:, :k].contiguous(), scale.reciprocal())
 
@@ -82,7 +84,7 @@ def quantize_tiles(tensor: torch.Tensor, dtype: torch.dtype) -> BlockCast:
     padded = F.pad(tensor.detach().float(), (0, k_blocks * BLOCK - k, 0, row_blocks * BLOCK - rows))
     tiles = padded.view(row_blocks, BLOCK, k_blocks, BLOCK)
     fp8_max = torch.finfo(dtype).max
-    scale = _scales(tiles.abs().amax(dim=(1, 3)), fp8_max)
+    scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), fp8_max)
     values = (tiles * scale[:, None, :, None]).clamp(-fp8_max, fp8_max).to(dtype)
     values = values.view(row_blocks * BLOCK, k_blocks * BLOCK)[:rows, :k].contiguous()
     return BlockCast(values, scale.reciprocal(), tiled=True)

@@ -53,11 +53,11 @@ from core.tensor_parallel.fp8 import (
     FP8_MAX,
     Fp8State,
     _cast,
-    _scale_from_amax,
     amax_of,
     held_weight,
     quantize,
 )
+from core.tensor_parallel.fp8_blockwise import scale_from_amax
 
 __all__ = [
     "Fp8Weight",
@@ -95,7 +95,7 @@ def _reduced_max(amaxes: torch.Tensor, group: ProcessGroup | None) -> torch.Tens
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    return _scale_from_amax(amax, FP8_MAX[E4M3], 0)
+    return scale_from_amax(amax, FP8_MAX[E4M3])
 
 
 def _holdable(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter, ProcessGroup | None]]:
