@@ -62,6 +62,7 @@ from core.tensor_parallel.fp8_blockwise import (
     block_product,
     quantize_rows,
     quantize_tiles,
+    saturated_cast,
     scale_from_amax,
 )
 from core.tensor_parallel.fp8_config import resolved
@@ -147,8 +148,7 @@ def _cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpo
     """``tensor * scale`` saturated and rounded to ``dtype`` (a 2-D tensor), with its transposed copy
     when ``transpose``: CUDA's FP8 products take their second operand column-major, so a weight
     gradient needs both operands transposed; once compiled, one kernel writes both layouts."""
-    fp8_max = FP8_MAX[dtype]
-    values = (tensor.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+    values = saturated_cast(tensor, scale, dtype)
     return values, values.t().contiguous() if transpose else None, scale.reciprocal()
 
 
@@ -344,7 +344,10 @@ class Fp8State(nn.Module):
         # (no data_ptr: fake tensors have none)
         key = (id(base), weight.storage_offset(), weight._version, self.steps, held and held.casts)
         if key != self._weight_key:
-            if held is not None:  # held in FP8 (core.tensor_parallel.fp8_params): used as it is
+            if held is not None and held.tiled:  # held in FP8 (core.tensor_parallel.fp8_params), in tiles
+                tiles = BlockCast(weight.detach(), held.scale_inv, tiled=True)
+                self._weight, self._weight_amax = (tiles, tiles.transposed(), None), None
+            elif held is not None:  # held in FP8 with one scale: used as it is
                 values = weight.detach()
                 self._weight, self._weight_amax = (values, values.t().contiguous(), held.scale_inv), None
             elif self.recipe.blockwise:  # 128 x 128 tiles: the transpose has the same tiles
@@ -530,12 +533,18 @@ def fp8_states(modules: Iterable[nn.Module]) -> Iterator[tuple[str, Fp8State]]:
 
 
 def set_amax_group(
-    modules: Iterable[nn.Module], group: ProcessGroup | None, expert_group: ProcessGroup | None = None
+    modules: Iterable[nn.Module],
+    group: ProcessGroup | None,
+    expert_group: ProcessGroup | None = None,
+    tile_group: ProcessGroup | None = None,
 ) -> None:
-    """Give every FP8 state of ``modules`` the group its delayed amaxes are reduced over: ``group``
-    (TP x DP x CP) for the dense layers, ``expert_group`` (expert data parallel) for routed experts."""
+    """Give every FP8 state of ``modules`` the group its amaxes are reduced over: ``group`` (TP x DP x CP)
+    for the dense layers, ``expert_group`` (expert data parallel) for routed experts. Under the blockwise
+    recipe only weights held in FP8 reduce (each tile's amax), and a tile lies within one tensor-parallel
+    shard: its dense layers take ``tile_group`` (DP x CP), the ranks holding the same shard."""
     for _, state in fp8_states(modules):
-        state.amax_group = expert_group if state.expert else group
+        dense = tile_group if state.recipe.blockwise else group
+        state.amax_group = expert_group if state.expert else dense
 
 
 @torch.no_grad()

@@ -66,28 +66,53 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin: i
     return torch.where(good, scale, torch.ones_like(scale))
 
 
+def saturated_cast(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values * scales`` in float32 (``scales`` broadcast: one, or one per block), saturated to ``dtype``'s
+    range and rounded to it: every recipe's cast (``core.tensor_parallel.fp8`` imports it from here)."""
+    fp8_max = torch.finfo(dtype).max
+    return (values.float() * scales).clamp(-fp8_max, fp8_max).to(dtype)
+
+
 def quantize_rows(tensor: torch.Tensor, dtype: torch.dtype) -> BlockCast:
     """``tensor`` ``[rows, K]`` cast to ``dtype`` in 1 x 128 blocks along ``K``."""
     rows, k = tensor.shape
     blocks = _blocks(k)
     padded = F.pad(tensor.detach().float(), (0, blocks * BLOCK - k)).view(rows, blocks, BLOCK)
-    fp8_max = torch.finfo(dtype).max
-    scale = scale_from_amax(padded.abs().amax(dim=-1), fp8_max)
-    values = (padded * scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(dtype)
+    scale = scale_from_amax(padded.abs().amax(dim=-1), torch.finfo(dtype).max)
+    values = saturated_cast(padded, scale.unsqueeze(-1), dtype)
     return BlockCast(values.view(rows, blocks * BLOCK)[:, :k].contiguous(), scale.reciprocal())
+
+
+def _tiles(matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix`` ``[rows, K]`` in float32, zero-padded to whole tiles, as ``[rows/128, 128, K/128, 128]``."""
+    rows, k = matrix.shape
+    row_blocks, k_blocks = _blocks(rows), _blocks(k)
+    padded = F.pad(matrix.detach().float(), (0, k_blocks * BLOCK - k, 0, row_blocks * BLOCK - rows))
+    return padded.view(row_blocks, BLOCK, k_blocks, BLOCK)
+
+
+def tile_amaxes(matrix: torch.Tensor) -> torch.Tensor:
+    """The absolute maximum of each 128 x 128 tile of ``matrix`` ``[rows, K]``: float32,
+    ``[ceil(rows / 128), ceil(K / 128)]``."""
+    return _tiles(matrix).abs().amax(dim=(1, 3))
+
+
+def _cast_tiles(tiles: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    values = saturated_cast(tiles, scales[:, None, :, None], dtype)
+    return values.view(scales.shape[0] * BLOCK, scales.shape[1] * BLOCK)[: shape[0], : shape[1]].contiguous()
+
+
+def cast_in_tiles(matrix: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``matrix`` ``[rows, K]`` cast to ``dtype``, each 128 x 128 tile times its scale (``scales``
+    ``[ceil(rows / 128), ceil(K / 128)]``): the values :func:`quantize_tiles` gives with these scales."""
+    return _cast_tiles(_tiles(matrix), scales, dtype, matrix.shape)
 
 
 def quantize_tiles(tensor: torch.Tensor, dtype: torch.dtype) -> BlockCast:
     """``tensor`` ``[rows, K]`` cast to ``dtype`` in 128 x 128 tiles."""
-    rows, k = tensor.shape
-    row_blocks, k_blocks = _blocks(rows), _blocks(k)
-    padded = F.pad(tensor.detach().float(), (0, k_blocks * BLOCK - k, 0, row_blocks * BLOCK - rows))
-    tiles = padded.view(row_blocks, BLOCK, k_blocks, BLOCK)
-    fp8_max = torch.finfo(dtype).max
-    scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), fp8_max)
-    values = (tiles * scale[:, None, :, None]).clamp(-fp8_max, fp8_max).to(dtype)
-    values = values.view(row_blocks * BLOCK, k_blocks * BLOCK)[:rows, :k].contiguous()
-    return BlockCast(values, scale.reciprocal(), tiled=True)
+    tiles = _tiles(tensor)
+    scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), torch.finfo(dtype).max)
+    return BlockCast(_cast_tiles(tiles, scale, dtype, tensor.shape), scale.reciprocal(), tiled=True)
 
 
 def dequantize_blocks(cast: BlockCast) -> torch.Tensor:

@@ -158,11 +158,6 @@ def fp8_problems(config: Fp8Config) -> list[str]:
         out.append(f"--fp8-amax-compute-algo must be most_recent or max, got {algo!r}")
     if margin < 0:
         out.append(f"--fp8-margin must be >= 0, got {margin}")
-    if recipe == "blockwise" and config.fp8_param_gather:
-        out.append(
-            "--fp8-param-gather holds each weight with one scale; the blockwise recipe's 128x128 weight "
-            "scales are not built for it: use --fp8-recipe tensorwise or delayed with --fp8-param-gather"
-        )
     if config.first_last_layers_bf16:
         out += _bf16_layer_problems(config)
     return out

@@ -17,7 +17,13 @@ parameter, then the updated shards are all-gathered into the model's parameter b
 The layer's forward multiplies the held weight with its scale as it is (:meth:`Fp8State.weight_fp8`);
 its weight gradient goes straight into ``main_grad`` (autograd never holds a gradient of an FP8 tensor).
 
-The weight is scaled from its own current amax under both recipes; the delayed recipe's histories keep
+Under the blockwise recipe a weight is held in 128 x 128 tiles, one scale each (``Fp8Weight.tiled``): the
+values and scales :func:`~core.tensor_parallel.fp8_blockwise.quantize_tiles` gives. A tile lies within one
+tensor-parallel shard, so each tile's amax is reduced over the ranks holding the same shard (DP x CP, or
+the expert-data-parallel group), from each rank's part of the tile: a data-parallel shard is a flat range,
+which may start and end inside a row, and so inside a tile.
+
+The weight is scaled from its own current amax under every recipe; the delayed recipe's histories keep
 ruling the inputs and output gradients. (Transformer Engine scales a delayed FP8 weight from its history;
 the current amax costs one small all-reduce a step and casts every value that fits.)
 
@@ -57,7 +63,15 @@ from core.tensor_parallel.fp8 import (
     held_weight,
     quantize,
 )
-from core.tensor_parallel.fp8_blockwise import scale_from_amax
+from core.tensor_parallel.fp8_blockwise import (
+    BLOCK,
+    BlockCast,
+    cast_in_tiles,
+    dequantize_blocks,
+    saturated_cast,
+    scale_from_amax,
+    tile_amaxes,
+)
 
 __all__ = [
     "Fp8Weight",
@@ -67,6 +81,7 @@ __all__ = [
     "held_slices",
     "held_weight",
     "hold_weights_in_fp8",
+    "is_stack",
 ]
 
 
@@ -76,16 +91,21 @@ class Fp8Weight:
 
     scale_inv: torch.Tensor
     """The float32 scalar its values are multiplied by to dequantise (the same on every rank); for a
-    stacked expert weight ``[experts, out, in]``, one per expert (``[experts]``)."""
+    stacked expert weight ``[experts, out, in]``, one per expert (``[experts]``). Held in tiles
+    (``tiled``), one per 128 x 128 tile: ``[out / 128, in / 128]``, or ``[experts, out / 128, in / 128]``."""
     dtype: torch.dtype
     """The model's dtype, which the weight had before: checkpoints store the master values in it."""
     amax_group: ProcessGroup | None
-    """Where its amax is reduced: every rank of the group holds the same layers."""
+    """Where its amax is reduced: every rank of the group holds the same layers (held in tiles: the same
+    tensor-parallel shard of them, as a tile lies within one)."""
     high_precision: torch.Tensor | None = None
     """The values it was cast from (at construction, or by a load), until the optimizer takes them as
     its main copy."""
     casts: int = 0
     """How many times its values were written (a layer's cached transposed copy is of one cast)."""
+    tiled: bool = False
+    """Held in 128 x 128 tiles, each with its own scale (``--fp8-recipe blockwise``), else one scale per
+    weight (or expert)."""
 
 
 def _reduced_max(amaxes: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -98,9 +118,10 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
     return scale_from_amax(amax, FP8_MAX[E4M3])
 
 
-def _holdable(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter, ProcessGroup | None]]:
-    """Every weight :func:`hold_weights_in_fp8` holds, with its name and amax group: each dense FP8 linear
-    layer's (TP x DP x CP) and each FP8 routed-expert stack's (the experts' group: expert data parallel)."""
+def _holdable(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter, ProcessGroup | None, bool]]:
+    """Every weight :func:`hold_weights_in_fp8` holds, with its name, amax group and whether it is held in
+    tiles: each dense FP8 linear layer's (TP x DP x CP; in tiles, DP x CP) and each FP8 routed-expert
+    stack's (the experts' group: expert data parallel)."""
     held = []
     for module in modules:
         for name, child in module.named_modules():
@@ -108,32 +129,56 @@ def _holdable(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Parameter, Pro
             if weight is None or held_weight(weight) is not None:
                 continue
             if isinstance(state, Fp8State) and not state.expert:
-                group = state.amax_group if state.amax_group is not None else state.tp_group
+                tiled = state.recipe.blockwise  # a tile lies within one TP shard: no TP peer shares it
+                group = state.amax_group if state.amax_group is not None or tiled else state.tp_group
             elif isinstance(state, nn.ModuleDict) and len(state) == weight.shape[0]:  # stacked experts
-                group = next(iter(state.values())).amax_group
+                first = next(iter(state.values()))
+                group, tiled = first.amax_group, first.recipe.blockwise
             else:
                 continue
-            held.append((f"{name}.weight" if name else "weight", weight, group))
+            name = f"{name}.weight" if name else "weight"
+            if tiled and (weight.shape[-2] % BLOCK or weight.shape[-1] % BLOCK):
+                raise ValueError(
+                    f"cannot hold {name} {tuple(weight.shape)} in FP8 in whole {BLOCK}x{BLOCK} tiles"
+                )
+            held.append((name, weight, group, tiled))
     return held
 
 
-def _stacked(param: nn.Parameter) -> bool:
-    """A routed-expert stack (one scale per expert), not a dense weight (one scale)."""
-    meta = held_weight(param)
-    return (
-        meta.scale_inv.dim() == 1 if meta is not None else getattr(param, "stacked_first", None) is not None
-    )
+def is_stack(param: torch.Tensor) -> bool:
+    """A routed-expert stack ``[experts, out, in]`` (one scale, or one grid of tiles, per expert), not a
+    dense weight ``[out, in]``."""
+    return param.dim() == 3
 
 
-def _amax(values: torch.Tensor, stacked: bool) -> torch.Tensor:
-    """The amax of a dense weight (``[1]``) or of each expert of a stack (``[experts]``)."""
-    if stacked:
-        return torch.linalg.vector_norm(values.detach().flatten(1), float("inf"), dim=1).float()
+def _matrix(values: torch.Tensor) -> torch.Tensor:
+    """The matrix a weight's tiles cover: ``[out, in]``; a stack's ``[experts * out, in]`` (``out`` is a
+    multiple of 128, so no tile spans two experts)."""
+    return values.reshape(-1, values.shape[-1])
+
+
+def _scale_shape(shape: torch.Size, tiled: bool) -> tuple[int, ...]:
+    """:attr:`Fp8Weight.scale_inv`'s shape for a weight of ``shape``."""
+    if tiled:
+        return (*shape[:-2], shape[-2] // BLOCK, shape[-1] // BLOCK)
+    return (shape[0],) if len(shape) == 3 else ()
+
+
+def _amax(values: torch.Tensor, tiled: bool) -> torch.Tensor:
+    """The amax of each scale's values, flat: a dense weight's (``[1]``), each expert's, or each tile's."""
+    values = values.detach()
+    if tiled:
+        return tile_amaxes(_matrix(values)).reshape(-1)
+    if is_stack(values):
+        return torch.linalg.vector_norm(values.flatten(1), float("inf"), dim=1).float()
     return amax_of(values).reshape(1)
 
 
-def _quantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``values`` in E4M3 with ``scale``: one scalar, or one per expert of a stack (``[experts]``)."""
+def _quantized(values: torch.Tensor, scale: torch.Tensor, tiled: bool) -> torch.Tensor:
+    """``values`` in E4M3 with ``scale`` in its :func:`_scale_shape`: one, one per expert, or one per tile."""
+    if tiled:
+        scales = scale.reshape(-1, values.shape[-1] // BLOCK)
+        return cast_in_tiles(_matrix(values), scales, E4M3).view(values.shape)
     if scale.dim() == 0:
         return quantize(values, scale, E4M3)
     flat = values.detach().reshape(scale.numel(), -1)
@@ -146,21 +191,25 @@ def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
     :func:`~core.tensor_parallel.fp8.set_amax_group` and before the data-parallel wrapper lays the
     parameters out (it then gives them a one-byte buffer of their own)."""
     held = _holdable(modules)
-    for _, param, group in held:
+    tiled_of = {id(p): tiled for _, p, _, tiled in held}
+    for _, param, group, tiled in held:
         if param.is_meta:  # --init-model-with-meta-device: cast when the buffer gives it memory
-            scale_inv = torch.ones((param.shape[0],) if _stacked(param) else (), device=current_device())
-            param.fp8_weight = Fp8Weight(scale_inv, param.dtype, group)
+            scale_inv = torch.ones(_scale_shape(param.shape, tiled), device=current_device())
+            param.fp8_weight = Fp8Weight(scale_inv, param.dtype, group, tiled=tiled)
             param.deferred_init = _CastAfter(param.deferred_init)
             param.data = torch.empty(param.shape, dtype=E4M3, device="meta")
-    for group, members in _by_group((p, g) for _, p, g in held if not p.is_meta):
-        amaxes = [_amax(p, _stacked(p)) for p in members]
+    for group, members in _by_group((p, g) for _, p, g, _ in held if not p.is_meta):
+        amaxes = [_amax(p, tiled_of[id(p)]) for p in members]
         reduced = _reduced_max(torch.cat(amaxes), group).split([a.numel() for a in amaxes])
         for param, amax in zip(members, reduced):
-            scale = _scale(amax if _stacked(param) else amax.reshape(()))
+            tiled = tiled_of[id(param)]
+            scale = _scale(amax.view(_scale_shape(param.shape, tiled)))
             high = param.detach().clone()
-            param.data = _quantized(high, scale)
-            param.fp8_weight = Fp8Weight(scale.reciprocal(), high.dtype, group, high_precision=high)
-    return [name for name, _, _ in held]
+            param.data = _quantized(high, scale, tiled)
+            param.fp8_weight = Fp8Weight(
+                scale.reciprocal(), high.dtype, group, high_precision=high, tiled=tiled
+            )
+    return [name for name, *_ in held]
 
 
 @dataclass(frozen=True)
@@ -177,10 +226,9 @@ class _CastAfter:
         meta = held_weight(param)
         high = torch.empty(param.shape, dtype=meta.dtype, device=out.device)
         self.values(param, high)
-        stacked = meta.scale_inv.dim() == 1
-        amax = _reduced_max(_amax(high, stacked), meta.amax_group)
-        scale = _scale(amax if stacked else amax.reshape(()))
-        out.copy_(_quantized(high, scale))
+        amax = _reduced_max(_amax(high, meta.tiled), meta.amax_group)
+        scale = _scale(amax.view_as(meta.scale_inv))
+        out.copy_(_quantized(high, scale, meta.tiled))
         meta.scale_inv.copy_(scale.reciprocal())
         meta.high_precision = high
 
@@ -196,7 +244,7 @@ def _by_group(pairs: Iterable[tuple[nn.Parameter, ProcessGroup | None]]) -> Iter
 def _spans(param: nn.Parameter, start: int, count: int) -> list[tuple[int | None, int, int]]:
     """The pieces of the flat range ``[start, start + count)`` of ``param`` that share a scale, as
     ``(expert or None, lo, hi)`` positions in the range: the whole range, or one per expert it meets."""
-    if not _stacked(param):
+    if not is_stack(param):
         return [(None, 0, count)]
     size = math.prod(param.shape[1:])  # (shape only: a ZeRO-3 parameter between uses has no values)
     first, last = start // size, (start + count - 1) // size
@@ -206,13 +254,51 @@ def _spans(param: nn.Parameter, start: int, count: int) -> list[tuple[int | None
     ]
 
 
+@dataclass(frozen=True)
+class _RangeRows:
+    """A flat range of a weight's :func:`_matrix` ``[rows, cols]`` as the whole rows it meets, zero-padded:
+    the tiles of a shard that starts or ends inside a row."""
+
+    blocks: torch.Tensor
+    """float32 ``[rows met, cols / 128, 128]``."""
+    tile_rows: torch.Tensor
+    """The tile row of each row met."""
+    lead: int
+    """Where the range starts in the first row."""
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, start: int, cols: int) -> _RangeRows:
+        first, lead = divmod(start, cols)
+        rows = -(-(lead + flat.numel()) // cols)
+        padded = torch.zeros(rows * cols, dtype=torch.float32, device=flat.device)
+        padded[lead : lead + flat.numel()] = flat
+        tile_rows = torch.arange(first, first + rows, device=flat.device) // BLOCK
+        return cls(padded.view(rows, cols // BLOCK, BLOCK), tile_rows, lead)
+
+    def tile_amaxes(self, tiles: torch.Tensor) -> torch.Tensor:
+        """``tiles`` (zeros ``[tile rows, cols / 128]``) holding the amax of the range's part of each tile."""
+        amaxes = self.blocks.abs().amax(dim=-1)
+        return tiles.scatter_reduce_(0, self.tile_rows.unsqueeze(1).expand_as(amaxes), amaxes, "amax")
+
+    def cast(self, scales: torch.Tensor, count: int) -> torch.Tensor:
+        """The range's ``count`` values in E4M3, each times its tile's scale (``scales`` as the tiles)."""
+        values = saturated_cast(self.blocks, scales[self.tile_rows].unsqueeze(-1), E4M3)
+        return values.view(-1)[self.lead : self.lead + count]
+
+
 def _shard_amaxes(param: nn.Parameter, start: int | None, main: torch.Tensor | None) -> torch.Tensor:
-    """The amax of each scale's part of this rank's fp32 range (0 where it has none): one, or one per
-    expert of a stack."""
-    out = torch.zeros(param.shape[0] if _stacked(param) else 1, device=held_weight(param).scale_inv.device)
-    if main is not None and main.numel():
-        for expert, lo, hi in _spans(param, start, main.numel()):
-            out[expert or 0] = amax_of(main[lo:hi])
+    """The amax of each scale's part of this rank's fp32 range (0 where it has none), flat: one, one per
+    expert of a stack, or one per tile."""
+    meta = held_weight(param)
+    out = torch.zeros(meta.scale_inv.numel(), device=meta.scale_inv.device)
+    if main is None or not main.numel():
+        return out
+    if meta.tiled:
+        cols = param.shape[-1]
+        _RangeRows.of(main, start, cols).tile_amaxes(out.view(-1, cols // BLOCK))
+        return out
+    for expert, lo, hi in _spans(param, start, main.numel()):
+        out[expert or 0] = amax_of(main[lo:hi])
     return out
 
 
@@ -232,17 +318,30 @@ def cast_held_weights(pieces: Sequence[tuple]) -> None:
             meta = held_weight(param)
             scale = _scale(amax.view_as(meta.scale_inv))
             if main is not None and main.numel():
-                for expert, lo, hi in _spans(param, start, main.numel()):
-                    piece = scale if expert is None else scale[expert]
-                    model[lo:hi].copy_(quantize(main[lo:hi].reshape(1, -1), piece, E4M3).view(-1))
+                _cast_range(param, start, main, model, scale)
             meta.scale_inv.copy_(scale.reciprocal())
             meta.casts += 1
+
+
+def _cast_range(param: nn.Parameter, start: int, main: torch.Tensor, model: torch.Tensor, scale) -> None:
+    """Write this rank's range of a held weight (``model``, E4M3) from its fp32 values ``main``."""
+    if held_weight(param).tiled:
+        cols = param.shape[-1]
+        model.copy_(_RangeRows.of(main, start, cols).cast(scale.view(-1, cols // BLOCK), main.numel()))
+        return
+    for expert, lo, hi in _spans(param, start, main.numel()):
+        piece = scale if expert is None else scale[expert]
+        model[lo:hi].copy_(quantize(main[lo:hi].reshape(1, -1), piece, E4M3).view(-1))
 
 
 def dequantized(param: nn.Parameter) -> torch.Tensor:
     """A held weight's values in the model's dtype (what the forward multiplies with)."""
     meta = held_weight(param)
-    scale_inv = meta.scale_inv.view(-1, *[1] * (param.dim() - 1)) if _stacked(param) else meta.scale_inv
+    if meta.tiled:
+        cols = param.shape[-1]
+        blocks = BlockCast(_matrix(param.detach()), meta.scale_inv.reshape(-1, cols // BLOCK), tiled=True)
+        return dequantize_blocks(blocks).view(param.shape).to(meta.dtype)
+    scale_inv = meta.scale_inv.view(-1, *[1] * (param.dim() - 1)) if is_stack(param) else meta.scale_inv
     return (param.detach().float() * scale_inv).to(meta.dtype)
 
 

@@ -157,8 +157,8 @@ def parallelize_gpt(
     one rank)."""
     groups = ps.groups_or_default(groups)
     modules = _build_modules(model_provider, layout, groups)
-    if groups is not None:  # where the delayed FP8 recipe reduces its amaxes
-        set_amax_group(modules, groups.tp_dp_cp, groups.expt_dp)
+    if groups is not None:  # where FP8 amaxes are reduced (the delayed recipe; weights held in FP8)
+        set_amax_group(modules, groups.tp_dp_cp, groups.expt_dp, tile_group=groups.dp_cp)
     if getattr(modules[0].config, "fp8_param_gather", False):
         if ddp_config is None or not ddp_config.use_distributed_optimizer:
             raise ValueError("fp8_param_gather only supported with distributed optimizer")

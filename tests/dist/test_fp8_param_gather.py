@@ -57,10 +57,28 @@ def _losses(pool, flags) -> tuple[list[float], list]:
     return curves[0], results
 
 
-@pytest.mark.parametrize("strategy", ["optim", pytest.param("optim_grads_params", marks=pytest.mark.slow)])
-def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_parallelism(ranks, strategy):
-    """The distributed optimizer (ZeRO-1) and ZeRO-3, whose layers gather their FP8 bytes before use."""
+BLOCKWISE = str.split("--hidden-size 256 --ffn-hidden-size 256 --fp8-format e4m3 --fp8-recipe blockwise")
+"""The blockwise recipe, on :data:`FP8_FP32` widened so that at TP2 every linear layer's features per rank
+are multiples of 128 (the experts' too: they are never tensor-parallel)."""
+TILES = ", one scale per 128x128 tile"
+"""What the start report adds for weights held in tiles."""
+
+
+@pytest.mark.parametrize(
+    ("recipe", "strategy"),
+    [
+        ("tensorwise", "optim"),
+        ("blockwise", "optim"),
+        pytest.param("tensorwise", "optim_grads_params", marks=pytest.mark.slow),
+        pytest.param("blockwise", "optim_grads_params", marks=pytest.mark.slow),
+    ],
+)
+def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_parallelism(ranks, recipe, strategy):
+    """The distributed optimizer (ZeRO-1) and ZeRO-3, whose layers gather their FP8 bytes before use.
+    Blockwise: each tile's scale is reduced over the two DP ranks (whose shards of it meet there), not
+    over TP (each TP rank holds other tiles)."""
     split = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    split += BLOCKWISE if recipe == "blockwise" else []
     if strategy != "optim":
         split += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
     cast, _ = _losses(ranks(4), FP8_FP32 + split)
@@ -72,7 +90,8 @@ def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_para
         assert storages == 1 and numel <= nbytes < numel + 2 * 128
     else:  # one bucket per decoder layer, each gathered before its layer runs
         assert storages == 4
-    assert "FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather)\n" in out
+    tiles = TILES if recipe == "blockwise" else ""
+    assert f"FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather){tiles}\n" in out
 
 
 @pytest.mark.slow
@@ -106,17 +125,24 @@ def _resumes_exactly(pool, flags: list[str], tmp_path) -> str:
     return ckpt
 
 
-@pytest.mark.parametrize("strategy", ["optim", pytest.param("optim_grads_params", marks=pytest.mark.slow)])
-def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(ranks, tmp_path, strategy):
-    """PP2 x DP2, bf16, delayed recipe: a run loading iteration 3's checkpoint gives the 6 straight
-    iterations' last 3 losses; the checkpoint's weights are the optimizer's fp32 masters in bf16, and a run at
-    PP1 x DP1 without the flag (nor the distributed optimizer) loads exactly those."""
-    flags = BF16_DELAYED
+@pytest.mark.parametrize(
+    ("recipe", "strategy"),
+    [
+        ("delayed", "optim"),
+        pytest.param("delayed", "optim_grads_params", marks=pytest.mark.slow),
+        pytest.param("blockwise", "optim", marks=pytest.mark.slow),
+    ],
+)
+def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(ranks, tmp_path, recipe, strategy):
+    """PP2 x DP2, bf16, delayed recipe (or blockwise): a run loading iteration 3's checkpoint gives the 6
+    straight iterations' last 3 losses; the checkpoint's weights are the optimizer's fp32 masters in bf16,
+    and a run at PP1 x DP1 without the flag (nor the distributed optimizer) loads exactly those."""
+    flags = BF16_DELAYED + (BLOCKWISE if recipe == "blockwise" else [])
     if strategy != "optim":
         flags = flags + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
     ckpt = _resumes_exactly(ranks(4), flags, tmp_path)
     saved = open_checkpoint(str(tmp_path / "ckpt" / "iter_0000003"))
-    plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"]
+    plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"] + (BLOCKWISE if recipe == "blockwise" else [])
     loaded = _weights(
         0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --ckpt-step 3 --load".split() + [ckpt]
     )
@@ -137,17 +163,19 @@ in FP8 gives them a buffer of their own: the losses then differ in the last bits
 
 
 @pytest.mark.parametrize(
-    "strategy",
+    ("recipe", "strategy"),
     [
-        "optim",
-        pytest.param("optim_grads", marks=pytest.mark.slow),
-        pytest.param("optim_grads_params", marks=pytest.mark.slow),
+        ("tensorwise", "optim"),
+        pytest.param("tensorwise", "optim_grads", marks=pytest.mark.slow),
+        pytest.param("tensorwise", "optim_grads_params", marks=pytest.mark.slow),
+        pytest.param("blockwise", "optim", marks=pytest.mark.slow),
+        pytest.param("blockwise", "optim_grads_params", marks=pytest.mark.slow),
     ],
 )
-def test_held_expert_stacks_give_the_cast_experts_losses_at_ep2_tp2(ranks, strategy):
-    """Each expert's scale is reduced over its two replicas (expert DP), which hold it whole after the
-    gather, so it is the scale of the slice the casting layer casts."""
-    split = EP2 + ["--train-iters", "3"]
+def test_held_expert_stacks_give_the_cast_experts_losses_at_ep2_tp2(ranks, recipe, strategy):
+    """Each expert's scale (blockwise: each of its tiles') is reduced over its two replicas (expert DP),
+    which hold it whole after the gather, so it is the scale of the slice the casting layer casts."""
+    split = EP2 + ["--train-iters", "3"] + (BLOCKWISE if recipe == "blockwise" else [])
     if strategy != "optim":
         split += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
     cast, _ = _losses(ranks(4), FP8_FP32 + split)
@@ -155,9 +183,10 @@ def test_held_expert_stacks_give_the_cast_experts_losses_at_ep2_tp2(ranks, strat
     assert held == cast
     _, _, weights, out = results[0]
     assert set(weights.values()) == {"torch.float8_e4m3fn"} and len(weights) == 4  # the experts' fc1 stacks
+    tiles, each = (TILES, "one grid of tiles") if recipe == "blockwise" else ("", "one scale")
     assert (
-        "FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather); 8 of them routed-expert "
-        "stacks, one scale per expert\n"
+        f"FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather){tiles}; 8 of them routed-expert "
+        f"stacks, {each} per expert\n"
     ) in out
 
 

@@ -25,6 +25,7 @@ from torch import nn
 import pretrain_gpt
 from core.tensor_parallel import ColumnParallelLinear
 from core.tensor_parallel.fp8 import E4M3, Fp8Recipe
+from core.tensor_parallel.fp8_blockwise import quantize_tiles
 from core.tensor_parallel.fp8_params import (
     Fp8Weight,
     cast_held_weights,
@@ -35,7 +36,7 @@ from core.tensor_parallel.fp8_params import (
 from core.transformer.moe.experts import ExpertLinear
 from core.transformer.transformer_config import TransformerConfig
 from planner.dry_run import dry_run
-from tests.support.fp8_run import TINY
+from tests.support.fp8_run import IN_BLOCKS, TINY
 from tests.support.pretrain_run import pretrain_gpt_in_process, pretrain_keeping_models
 from tests.unit.test_fp8 import sqnr
 
@@ -99,13 +100,15 @@ def _losses(flags: str) -> list[float]:
     return [float(s["lm loss"]) for s in pretrain_gpt_in_process(argv=flags.split()).losses]
 
 
-@pytest.mark.parametrize("precision", ["fp32-tensorwise", "bf16-delayed"])
+@pytest.mark.parametrize("precision", ["fp32-tensorwise", "fp32-blockwise", "bf16-delayed"])
 def test_held_weights_train_as_the_cast_weights_at_dp1(precision):
     flags = f"{TINY} --train-iters 4 --use-distributed-optimizer"
     if precision == "fp32-tensorwise":
         flags = flags.replace("--bf16 ", "") + " --fp8-recipe tensorwise"
+    if precision == "fp32-blockwise":  # every weight in whole tiles
+        flags = flags.replace("--bf16 ", "") + f" {IN_BLOCKS}"
     cast, held = _losses(flags), _losses(flags + " --fp8-param-gather")
-    if precision == "fp32-tensorwise":
+    if precision.startswith("fp32"):
         assert held == cast
     else:  # a cast of the fp32 master against one of its bf16 copy
         assert held[0] == cast[0] and max(abs(a - b) for a, b in zip(held, cast)) < 0.01
@@ -254,20 +257,29 @@ def test_the_optimizers_cast_of_a_range_over_two_experts_scales_each_with_its_ow
     assert not param.view(-1)[:100].float().any() and not param.view(-1)[200:].float().any()
 
 
-def test_routed_expert_stacks_are_held_with_one_scale_per_expert_and_train_as_the_cast_experts():
-    """DP1, fp32, tensorwise: bitwise the casting run's losses; the start report counts the stacks."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_routed_expert_stacks_are_held_with_their_own_scales_and_train_as_the_cast_experts(recipe):
+    """DP1, fp32: bitwise the casting run's losses; the start report counts the stacks. Tensorwise: one
+    scale per expert; blockwise: each expert's own grid of 128 x 128 tiles (fc1 ``[4, 256, 128]``)."""
     flags = f"{TINY} --train-iters 2 --use-distributed-optimizer --num-experts 4 --moe-router-topk 2"
-    flags = flags.replace("--bf16 ", "") + " --fp8-recipe tensorwise"
+    flags = flags.replace("--bf16 ", "") + (
+        f" {IN_BLOCKS}" if recipe == "blockwise" else " --fp8-recipe tensorwise"
+    )
     cast = _losses(flags)
     state, built, out = pretrain_keeping_models(f"{flags} --fp8-param-gather".split())
     assert [float(s["lm loss"]) for s in state.losses] == cast
     params = {n: p for m in built for n, p in m.named_parameters() if n.endswith("weight")}
     assert params["decoder.layers.0.self_attention.linear_qkv.weight"].dtype == E4M3
     stack = params["decoder.layers.0.mlp.experts.linear_fc1.weight"]
-    assert stack.dtype == E4M3 and stack.fp8_weight.scale_inv.shape == (4,)
+    assert stack.dtype == E4M3 and stack.fp8_weight.scale_inv.shape == (
+        (4, 2, 1) if recipe == "blockwise" else (4,)
+    )
+    tiles, each = (
+        (", one scale per 128x128 tile", "one grid of tiles") if recipe == "blockwise" else ("", "one scale")
+    )
     assert (
-        "FP8 on pipeline stage 0: 8 weights held in FP8 (--fp8-param-gather); 4 of them routed-expert "
-        "stacks, one scale per expert\n"
+        f"FP8 on pipeline stage 0: 8 weights held in FP8 (--fp8-param-gather){tiles}; 4 of them routed-expert "
+        f"stacks, {each} per expert\n"
     ) in out
 
 
@@ -278,3 +290,76 @@ def test_held_weights_and_expert_stacks_train_as_the_cast_ones_under_full_recomp
     flags = flags.replace("--bf16 ", "") + " --fp8-recipe tensorwise --recompute-granularity full"
     flags += " --recompute-method uniform --recompute-num-layers 1"
     assert _losses(flags + " --fp8-param-gather") == _losses(flags)
+
+
+# The blockwise recipe: weights held in 128 x 128 tiles, one scale per tile.
+
+
+def _per_tile(low: float, high: float) -> torch.Tensor:
+    """``[384, 256]`` factors, one per 128 x 128 tile, from ``10**low`` to ``10**high``."""
+    return torch.logspace(low, high, 6).view(3, 2).repeat_interleave(128, 0).repeat_interleave(128, 1)
+
+
+def _tiled_layer() -> ColumnParallelLinear:
+    config = TransformerConfig(
+        num_layers=1, hidden_size=256, num_attention_heads=4, perform_initialization=True
+    )
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(256, 384, config=config, init_method=INIT, bias=False)
+    with torch.no_grad():  # tiles of different magnitudes: one scale each
+        layer.weight.mul_(_per_tile(-2, 2))
+    assert layer.enable_fp8(Fp8Recipe(format="e4m3", scaling="blockwise")) is None
+    return layer
+
+
+def test_a_weight_held_in_tiles_multiplies_as_the_cast_tiles_and_keeps_one_scale_per_tile():
+    cast, held = _tiled_layer(), _tiled_layer()
+    assert hold_weights_in_fp8([held]) == ["weight"]
+    meta = held.weight.fp8_weight
+    expected = quantize_tiles(cast.weight, E4M3)
+    assert meta.tiled and meta.scale_inv.shape == (3, 2)
+    assert torch.equal(meta.scale_inv, expected.inverse_scales) and torch.equal(held.weight, expected.values)
+    held.weight.main_grad = torch.zeros(held.weight.shape)
+    held.weight.grad_accumulated = lambda p: None
+    x = torch.randn(16, 2, 256)
+    out, grad_input = _backward(cast, x)
+    held_out, held_grad_input = _backward(held, x)
+    assert torch.equal(held_out, out) and torch.equal(held_grad_input, grad_input)
+    assert torch.equal(held.weight.main_grad, cast.weight.grad)
+    assert sqnr(meta.high_precision, dequantized(held.weight)) >= 25.0
+
+
+@pytest.mark.parametrize(
+    ("start", "end"), [(0, 384 * 256), (200, 130 * 256 + 77), (129 * 256 + 5, 300 * 256)]
+)
+def test_the_optimizers_cast_of_a_range_in_tiles_is_the_tiles_cast_of_the_range(start, end):
+    """A range that starts and ends inside a row (and inside a tile) casts as the whole weight's tiles
+    would if the weight held only the range: each tile's scale from the range's part of it (the other
+    ranks' parts meet in the all-reduce), a tile the range misses scaled by 1."""
+    torch.manual_seed(0)
+    main = torch.randn(384, 256) * _per_tile(-3, 3)
+    param = nn.Parameter(torch.zeros(384, 256, dtype=E4M3), requires_grad=False)
+    param.fp8_weight = Fp8Weight(torch.ones(3, 2), torch.bfloat16, None, tiled=True)
+    flat = main.reshape(-1)
+    cast_held_weights([(param, start, flat[start:end], param.view(-1)[start:end])])
+    only_range = torch.zeros_like(flat)
+    only_range[start:end] = flat[start:end]
+    expected = quantize_tiles(only_range.view(384, 256), E4M3)
+    assert torch.equal(param.fp8_weight.scale_inv, expected.inverse_scales) and param.fp8_weight.casts == 1
+    assert torch.equal(param.view(-1)[start:end].float(), expected.values.view(-1)[start:end].float())
+    assert not param.view(-1)[:start].float().any() and not param.view(-1)[end:].float().any()
+
+
+def test_an_outlier_tile_coarsens_only_itself_in_a_weight_held_in_tiles():
+    """One 128 x 128 tile 1e5 times the rest: held in tiles, the other tiles keep the round trip's 25 dB;
+    held with one scale they fall under 10 dB (most of their values flush to E4M3's subnormals or zero)."""
+    torch.manual_seed(0)
+    main = torch.randn(384, 256) * 0.02
+    main[:128, :128] *= 1e5
+    others = torch.ones_like(main, dtype=torch.bool)
+    others[:128, :128] = False
+    for tiled, low, high in ((True, 25.0, float("inf")), (False, 0.0, 10.0)):
+        param = nn.Parameter(torch.zeros(384, 256, dtype=E4M3), requires_grad=False)
+        param.fp8_weight = Fp8Weight(torch.ones((3, 2) if tiled else ()), torch.float32, None, tiled=tiled)
+        cast_held_weights([(param, 0, main.reshape(-1), param.view(-1))])
+        assert low <= sqnr(main[others], dequantized(param)[others]) < high, tiled

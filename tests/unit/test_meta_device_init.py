@@ -36,7 +36,7 @@ from core import parallel_state as ps
 from core.device import materialize_module
 from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from core.tensor_parallel.fp8 import held_weight
-from core.tensor_parallel.fp8_params import hold_weights_in_fp8
+from core.tensor_parallel.fp8_params import hold_weights_in_fp8, is_stack
 from models.gpt import GPTModel
 from tests.support.configs import tiny_config
 from tests.support.fp8_run import TINY
@@ -88,15 +88,19 @@ def test_a_model_built_on_the_meta_device_is_the_model_built_whole(model, strate
     assert "rotary_pos_emb.inv_freq" in dict(meta.named_buffers()) or kind == "gpt"
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
-def test_weights_and_expert_stacks_held_in_fp8_are_cast_on_the_meta_device_as_built_whole(strategy):
+def test_weights_and_expert_stacks_held_in_fp8_are_cast_on_the_meta_device_as_built_whole(strategy, recipe):
     """``--fp8-param-gather`` with routed experts: each held weight's E4M3 bytes and scales (one per
-    expert of a stack) come out of the meta device's deferred cast as from the cast of the whole model."""
-    fp8 = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_param_gather": True, "ffn_hidden_size": 64}
+    expert of a stack; blockwise, one per 128 x 128 tile) come out of the meta device's deferred cast as
+    from the cast of the whole model."""
+    width = 128 if recipe == "blockwise" else 64  # blockwise: whole tiles
+    fp8 = {"fp8": "e4m3", "fp8_recipe": recipe, "fp8_param_gather": True, "ffn_hidden_size": width}
     overrides = {**MODELS["llama moe"][1], **fp8}
-    whole, meta = (_built(m, strategy, "llama", hidden_size=64, **overrides) for m in (False, True))
+    whole, meta = (_built(m, strategy, "llama", hidden_size=width, **overrides) for m in (False, True))
     held = {n: p for n, p in whole.named_parameters() if held_weight(p) is not None}
-    stacks = [n for n, p in held.items() if held_weight(p).scale_inv.dim() == 1]
+    stacks = [n for n, p in held.items() if is_stack(p)]
+    assert all(held_weight(p).tiled == (recipe == "blockwise") for p in held.values())
     assert len(held) == 8 and len(stacks) == 4  # 2 layers: QKV and out, the experts' fc1 and fc2 stacks
     for name, param in meta.named_parameters():
         if name in held:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from core.tensor_parallel.fp8 import SHAPE_MULTIPLE, Fp8Recipe, fp8_states
-from core.tensor_parallel.fp8_params import held_fp8_weights, held_weight
+from core.tensor_parallel.fp8_blockwise import BLOCK
+from core.tensor_parallel.fp8_params import held_fp8_weights, held_weight, is_stack
 from core.transformer.transformer_config import TransformerConfig
 
 ROUTED_EXPERTS = "mlp.experts."
@@ -79,9 +80,10 @@ def fp8_report(
         lines.append(line + (f"; in the model's dtype: {'; '.join(kept_out)}" if kept_out else ""))
     if config.fp8_param_gather:
         held = held_fp8_weights(modules)
-        stacks = sum(1 for _, param in held if held_weight(param).scale_inv.dim() == 1)
+        stacks = sum(1 for _, param in held if is_stack(param))
+        tiled = any(held_weight(param).tiled for _, param in held)
         line = f"FP8 on pipeline stage {stage}: {len(held)} weights held in FP8 (--fp8-param-gather)"
-        lines.append(
-            line + (f"; {stacks} of them routed-expert stacks, one scale per expert" if stacks else "")
-        )
+        line += f", one scale per {BLOCK}x{BLOCK} tile" if tiled else ""
+        each = "one grid of tiles per expert" if tiled else "one scale per expert"
+        lines.append(line + (f"; {stacks} of them routed-expert stacks, {each}" if stacks else ""))
     return lines
