@@ -15,8 +15,13 @@
   held one resume from each other's checkpoints (EP2 x DP4) with the straight run's next loss, and a
   bf16 delayed resume is exact.
 
-One pool of 4 gloo ranks serves the module. ZeRO-3, PP2 x DP2, ZeRO-3's resume and the experts' ZeRO-2/3,
-checkpoint and resume cases are slow: ``python -m pytest -q -m slow tests/dist/test_fp8_param_gather.py``.
+* The blockwise recipe holds weights in 128 x 128 tiles: at hidden 256 the same equalities hold at TP2 x
+  DP2 with sequence parallelism (ZeRO-1 and ZeRO-3), at TP2 x CP2, for experts at EP2 x TP2, and a bf16
+  resume is exact.
+
+One pool of 4 gloo ranks serves the module. ZeRO-3, PP2 x DP2, TP2 x CP2, ZeRO-3's resume, the blockwise
+experts and resume, and the experts' ZeRO-2/3, checkpoint and resume cases are slow:
+``python -m pytest -q -m slow tests/dist/test_fp8_param_gather.py``.
 """
 
 from __future__ import annotations
@@ -73,7 +78,9 @@ TILES = ", one scale per 128x128 tile"
         pytest.param("blockwise", "optim_grads_params", marks=pytest.mark.slow),
     ],
 )
-def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_parallelism(ranks, recipe, strategy):
+def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_parallelism(
+    ranks, recipe, strategy
+):
     """The distributed optimizer (ZeRO-1) and ZeRO-3, whose layers gather their FP8 bytes before use.
     Blockwise: each tile's scale is reduced over the two DP ranks (whose shards of it meet there), not
     over TP (each TP rank holds other tiles)."""
@@ -92,6 +99,18 @@ def test_held_weights_give_the_cast_weights_losses_at_tp2_dp2_with_sequence_para
         assert storages == 4
     tiles = TILES if recipe == "blockwise" else ""
     assert f"FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather){tiles}\n" in out
+
+
+@pytest.mark.slow
+def test_weights_held_in_tiles_give_the_cast_tiles_losses_at_tp2_cp2(ranks):
+    """Blockwise at TP2 x CP2 (DP 1): the optimizer shards over DP x CP, so each tile's amax is reduced
+    over the two context-parallel ranks. (At DP x CP = 4 a gradient's sum over four ranks rounds by the
+    buffers' layout, which holding changes: the losses would differ in the last bits, and FP8 roundings
+    would then spread them.)"""
+    split = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]
+    cast, _ = _losses(ranks(4), FP8_FP32 + split + BLOCKWISE)
+    held, _ = _losses(ranks(4), FP8_FP32 + split + BLOCKWISE + HELD)
+    assert held == cast
 
 
 @pytest.mark.slow
@@ -133,7 +152,9 @@ def _resumes_exactly(pool, flags: list[str], tmp_path) -> str:
         pytest.param("blockwise", "optim", marks=pytest.mark.slow),
     ],
 )
-def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(ranks, tmp_path, recipe, strategy):
+def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(
+    ranks, tmp_path, recipe, strategy
+):
     """PP2 x DP2, bf16, delayed recipe (or blockwise): a run loading iteration 3's checkpoint gives the 6
     straight iterations' last 3 losses; the checkpoint's weights are the optimizer's fp32 masters in bf16,
     and a run at PP1 x DP1 without the flag (nor the distributed optimizer) loads exactly those."""
@@ -142,7 +163,8 @@ def test_held_weights_resume_exactly_and_load_as_master_values_without_the_flag(
         flags = flags + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
     ckpt = _resumes_exactly(ranks(4), flags, tmp_path)
     saved = open_checkpoint(str(tmp_path / "ckpt" / "iter_0000003"))
-    plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"] + (BLOCKWISE if recipe == "blockwise" else [])
+    plain = [f for f in FP8_FP32 if f != "--use-distributed-optimizer"]
+    plain += BLOCKWISE if recipe == "blockwise" else []
     loaded = _weights(
         0, 1, plain + "--bf16 --lr-decay-iters 6 --train-iters 3 --ckpt-step 3 --load".split() + [ckpt]
     )
@@ -185,8 +207,8 @@ def test_held_expert_stacks_give_the_cast_experts_losses_at_ep2_tp2(ranks, recip
     assert set(weights.values()) == {"torch.float8_e4m3fn"} and len(weights) == 4  # the experts' fc1 stacks
     tiles, each = (TILES, "one grid of tiles") if recipe == "blockwise" else ("", "one scale")
     assert (
-        f"FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather){tiles}; 8 of them routed-expert "
-        f"stacks, {each} per expert\n"
+        f"FP8 on pipeline stage 0: 16 weights held in FP8 (--fp8-param-gather){tiles}; 8 of them "
+        f"routed-expert stacks, {each} per expert\n"
     ) in out
 
 

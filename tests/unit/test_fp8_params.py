@@ -278,8 +278,8 @@ def test_routed_expert_stacks_are_held_with_their_own_scales_and_train_as_the_ca
         (", one scale per 128x128 tile", "one grid of tiles") if recipe == "blockwise" else ("", "one scale")
     )
     assert (
-        f"FP8 on pipeline stage 0: 8 weights held in FP8 (--fp8-param-gather){tiles}; 4 of them routed-expert "
-        f"stacks, {each} per expert\n"
+        f"FP8 on pipeline stage 0: 8 weights held in FP8 (--fp8-param-gather){tiles}; 4 of them "
+        f"routed-expert stacks, {each} per expert\n"
     ) in out
 
 
