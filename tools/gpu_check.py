@@ -8,13 +8,14 @@ the end of the check):
 
 1. Packages: what Trident imports that this machine lacks. A machine without internet gets them as
    wheels: ``--wheels DIR`` installs the missing ones from ``DIR`` first (``pip install --no-index``).
-2. ``pytest -m cuda`` on ``test_cuda.py``, ``test_fp8.py``, ``test_fp8_blockwise.py`` and
-   ``test_cuda_graphs.py`` at world size 1 on NCCL: CUDA graphs (equal losses with and without,
+2. ``pytest -m cuda`` on ``test_cuda.py``, ``test_fp8.py``, ``test_fp8_blockwise.py``, ``test_fp8_params.py``
+   and ``test_cuda_graphs.py`` at world size 1 on NCCL: CUDA graphs (equal losses with and without,
    re-capture, microbatches in flight, the cap), CUDA-vs-CPU parity (fp32 with TF32 off within 1e-5,
    bf16 within 1e-2), flash attention with GQA, 20 steps under
    ``torch.cuda.set_sync_debug_mode("error")``, the distributed optimizer with overlap and the CUDA
-   timeline, the peak device memory of a save and a load, the GPU's FP8 products against the CPU's, and
-   torch's blockwise FP8 kernel against the dequantised product. Each test's result and its printed
+   timeline, the peak device memory of a save and a load, the GPU's FP8 products against the CPU's,
+   torch's blockwise FP8 kernel against the dequantised product, and the optimizer's cast of a shard of a
+   weight held in 128x128 tiles. Each test's result and its printed
    figures.
 3. ``tools/plan_check_memory.py gpu``: the planner's memory figure and its fake-tensor dry run (placed on
    the GPU, so its kernels decide what attention keeps) against ``torch.cuda.max_memory_allocated`` of
@@ -146,6 +147,7 @@ CUDA_TESTS = [
     "tests/unit/test_cuda.py",
     "tests/unit/test_fp8.py",
     "tests/unit/test_fp8_blockwise.py",
+    "tests/unit/test_fp8_params.py",
     "tests/unit/test_cuda_graphs.py",
 ]
 
@@ -542,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     if args.only in (None, "tests", "fp8") and not needed:
         files = (
-            ["tests/unit/test_fp8.py", "tests/unit/test_fp8_blockwise.py"]
+            ["tests/unit/test_fp8.py", "tests/unit/test_fp8_blockwise.py", "tests/unit/test_fp8_params.py"]
             if args.only == "fp8"
             else CUDA_TESTS
         )

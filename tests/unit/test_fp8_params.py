@@ -363,3 +363,21 @@ def test_an_outlier_tile_coarsens_only_itself_in_a_weight_held_in_tiles():
         param.fp8_weight = Fp8Weight(torch.ones((3, 2) if tiled else ()), torch.float32, None, tiled=tiled)
         cast_held_weights([(param, 0, main.reshape(-1), param.view(-1))])
         assert low <= sqnr(main[others], dequantized(param)[others]) < high, tiled
+
+
+@pytest.mark.cuda
+def test_the_optimizers_cast_of_a_range_in_tiles_on_a_gpu_is_the_tiles_cast_of_the_range():
+    """The CPU test above on the GPU (the tile rows' gather and scatter run as device kernels)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    torch.manual_seed(0)
+    main = (torch.randn(384, 256) * _per_tile(-3, 3)).cuda()
+    param = nn.Parameter(torch.zeros(384, 256, dtype=E4M3, device="cuda"), requires_grad=False)
+    param.fp8_weight = Fp8Weight(torch.ones(3, 2, device="cuda"), torch.bfloat16, None, tiled=True)
+    start, end, flat = 200, 130 * 256 + 77, main.reshape(-1)
+    cast_held_weights([(param, start, flat[start:end], param.view(-1)[start:end])])
+    only_range = torch.zeros_like(flat)
+    only_range[start:end] = flat[start:end]
+    expected = quantize_tiles(only_range.view(384, 256), E4M3)
+    assert torch.equal(param.fp8_weight.scale_inv, expected.inverse_scales)
+    assert torch.equal(param.view(-1)[start:end].float(), expected.values.view(-1)[start:end].float())
