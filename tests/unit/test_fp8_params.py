@@ -114,8 +114,10 @@ def test_held_weights_train_as_the_cast_weights_at_dp1(precision):
         assert held[0] == cast[0] and max(abs(a - b) for a, b in zip(held, cast)) < 0.01
 
 
-def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two():
-    """TP2 rank of 4 layers x 256 (FFN 1024, SwiGLU): 2,097,152 FP8 weight elements per rank."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two(recipe):
+    """TP2 rank of 4 layers x 256 (FFN 1024, SwiGLU): 2,097,152 FP8 weight elements per rank (blockwise:
+    every weight in whole tiles)."""
     flags = [
         "--num-layers",
         "4",
@@ -150,9 +152,9 @@ def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two():
         "1e-3",
         "--mock-data",
         "--fp8-format",
-        "hybrid",
+        "e4m3",
         "--fp8-recipe",
-        "tensorwise",
+        recipe,
         "--use-distributed-optimizer",
         "--tensor-model-parallel-size",
         "2",
@@ -162,8 +164,9 @@ def test_the_dry_run_counts_each_held_weight_at_one_byte_instead_of_two():
 
 def _assert_held_saves_a_byte_each(flags: list[str], world_size: int, held_elements: int) -> None:
     """The dry run with ``--fp8-param-gather`` holds ``held_elements`` fewer parameter bytes than without
-    (one byte saved per element, less the held weights' scales and their buffer's padding), and the same
-    gradient bytes."""
+    (one byte saved per element, less the held weights' scales, one float32 per 128 x 128 tile under the
+    blockwise recipe, and their buffer's padding), and the same gradient bytes."""
+    tile_scales = 4 * held_elements // (128 * 128) if "blockwise" in flags else 0
     cast, held = (
         dry_run(
             flags + extra,
@@ -174,19 +177,20 @@ def _assert_held_saves_a_byte_each(flags: list[str], world_size: int, held_eleme
         )
         for extra in ([], ["--fp8-param-gather"])
     )
-    assert held_elements - 256 <= cast.params - held.params <= held_elements
+    assert held_elements - tile_scales - 256 <= cast.params - held.params <= held_elements - tile_scales
     assert cast.grads == held.grads
 
 
-def test_the_dry_run_counts_each_held_expert_weight_at_one_byte_instead_of_two():
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_the_dry_run_counts_each_held_expert_weight_at_one_byte_instead_of_two(recipe):
     """EP2 rank of 2 layers x 256 (4 experts of FFN 512, SwiGLU; two on the rank): 2 x (256 x 768 +
     256 x 256 attention + 2 x (256 x 1024 + 512 x 256) experts) = 2,097,152 FP8 weight elements."""
     flags = str.split(
         "--num-layers 2 --hidden-size 256 --ffn-hidden-size 512 --num-attention-heads 8 --seq-length 128 "
         "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 16 --bf16 --swiglu "
         "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --tokenizer-type "
-        "NullTokenizer --vocab-size 4096 --train-iters 10 --lr 1e-3 --mock-data --fp8-format hybrid "
-        "--fp8-recipe tensorwise --use-distributed-optimizer --num-experts 4 --moe-router-topk 2 "
+        "NullTokenizer --vocab-size 4096 --train-iters 10 --lr 1e-3 --mock-data --fp8-format e4m3 "
+        f"--fp8-recipe {recipe} --use-distributed-optimizer --num-experts 4 --moe-router-topk 2 "
         "--expert-model-parallel-size 2"
     )
     _assert_held_saves_a_byte_each(flags, 4, 2 * (256 * 768 + 256 * 256 + 2 * (256 * 1024 + 512 * 256)))
