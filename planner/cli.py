@@ -48,6 +48,11 @@ def planner_parser() -> argparse.ArgumentParser:
         "--peak-fp8-tflops", type=float, help="override the GPU's dense FP8 peak (--fp8-format's products)"
     )
     cluster.add_argument(
+        "--peak-fp32-tflops",
+        type=float,
+        help="override the GPU's dense FP32 peak (--fp8-recipe blockwise's dequantised products)",
+    )
+    cluster.add_argument(
         "--compute-efficiency", type=float, help="fraction of peak a layer reaches (default 0.6)"
     )
     cluster.add_argument("--hbm-tb-s", type=float, help="override the device memory bandwidth")
@@ -93,6 +98,7 @@ def _cluster(opts: argparse.Namespace) -> Cluster:
         "memory_gb": opts.gpu_memory_gb,
         "peak_tflops": opts.peak_tflops,
         "fp8_peak_tflops": opts.peak_fp8_tflops,
+        "fp32_peak_tflops": opts.peak_fp32_tflops,
         "compute_efficiency": opts.compute_efficiency,
         "hbm_tb_s": opts.hbm_tb_s,
         "intra_node_gb_s": opts.intra_node_bandwidth_gb_s,
@@ -114,7 +120,9 @@ def describe_cluster(cluster: Cluster, spec: ModelSpec) -> list[str]:
         f"node, {gpu.inter_node_gb_s:.3g} GB/s and {gpu.inter_node_latency_us:.3g} µs across nodes"
     )
     if spec.fp8 and spec.fp8_blockwise:
-        line += "; blockwise FP8 products dequantised, at the 16-bit peak"
+        peak = cluster.blockwise_peak_tflops
+        line += f"; blockwise FP8 products dequantised, in float32 at {peak:g} TFLOP/s peak"
+        line += "" if gpu.fp32_peak_tflops else " (FP32 peak unknown: the 16-bit one; --peak-fp32-tflops)"
     elif spec.fp8:
         line += f"; FP8 products at {cluster.fp8_peak_tflops:g} TFLOP/s peak"
         line += "" if gpu.fp8_peak_tflops else " (no FP8 tensor cores: the 16-bit peak)"

@@ -8,7 +8,8 @@ the bytes a layer saves moved twice through device memory. A measured profile (`
 With ``--fp8-format`` the decoder layers' linear products that run in FP8 (``ModelSpec.fp8_products``)
 are costed at the FP8 peak (``Cluster.achievable_fp8_flops``), their weight gradients too unless
 ``--no-fp8-wgrad`` or a microbatch whose tokens per rank are not a multiple of 16 keeps them in the
-model's dtype (the blockwise recipe's products are dequantised and costed at the 16-bit peak); the
+model's dtype (the blockwise recipe's products are dequantised and multiplied in float32: costed at the
+FP32 peak, ``Cluster.achievable_blockwise_flops``); the
 attention core, the output layer and everything else stay at the 16-bit peak (:class:`MatmulRates`
 says which rate a candidate used). The casts are element-wise work: each FP8
 operand is read twice (its amax, then the scaled cast) and written in one byte, plus its transposed
@@ -199,7 +200,7 @@ class StageCostModel:
         fp8 = s.fp8_products(c.tp) if fp8_layers else []
         wgrad = bool(fp8) and s.fp8_wgrad and (s.fp8_blockwise or self.tokens % SHAPE_MULTIPLE == 0)
         peak = cluster.gpu.peak_tflops
-        fp8_peak = peak if s.fp8_blockwise else cluster.fp8_peak_tflops  # blockwise: dequantised products
+        fp8_peak = cluster.blockwise_peak_tflops if s.fp8_blockwise else cluster.fp8_peak_tflops
         return MatmulRates(
             linear="fp8" if fp8 else s.precision,
             linear_tflops=fp8_peak if fp8 else peak,
@@ -227,7 +228,7 @@ class StageCostModel:
         )
         rest = self._flops_seconds(s.layer_linear_flops(self.tokens) - fp8)
         fp8_rate = c.tp * (
-            self.cluster.achievable_flops if s.fp8_blockwise else self.cluster.achievable_fp8_flops
+            self.cluster.achievable_blockwise_flops if s.fp8_blockwise else self.cluster.achievable_fp8_flops
         )
         weight_gradient = rest + fp8_wgrad / fp8_rate + self._flops_seconds(fp8 - fp8_wgrad)
         return rest + fp8 / fp8_rate, weight_gradient

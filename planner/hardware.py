@@ -2,7 +2,8 @@
 
 Peaks are the dense 16-bit tensor-core figures ``training/reporting/throughput.py`` uses for MFU, and
 the dense FP8 figures from the same data sheets, which ``--fp8-format``'s products run at (none on a
-GPU without FP8 tensor cores: there FP8 products are costed at the 16-bit rate). Bandwidths
+GPU without FP8 tensor cores: there FP8 products are costed at the 16-bit rate), and the dense FP32 peaks
+of their CUDA cores, which the blockwise recipe's dequantised products run at. Bandwidths
 are what a collective achieves, not the data sheet's: NCCL's bus bandwidth on NVLink within a node
 and per GPU over the network between nodes, each about 80-90% of the link's rate. The compute
 efficiency is the fraction of peak a transformer layer's matrix multiplies reach on that GPU once
@@ -50,6 +51,9 @@ class Gpu:
     """Fixed cost of one message between nodes."""
     fp8_peak_tflops: float | None = None
     """Dense FP8 tensor-core peak; None: no FP8 tensor cores (FP8 products costed at ``peak_tflops``)."""
+    fp32_peak_tflops: float | None = None
+    """Dense FP32 peak of the CUDA cores: torch's float32 matrix products (TF32 is off by default), which
+    the blockwise recipe's dequantised products are; None: unknown (costed at ``peak_tflops``)."""
 
 
 @dataclass(frozen=True)
@@ -78,15 +82,25 @@ FP8_PEAK_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "B200": 4500.0, "MI300X": 261
 """Dense (no sparsity) FP8 tensor-core peaks, TFLOP/s, from the vendors' data sheets: twice the 16-bit
 peak on each (H100 SXM: 1,979 against 989). The A100 has no FP8 tensor cores."""
 
+FP32_PEAK_TFLOPS = {"H100": 67.0, "H200": 67.0, "A100": 19.5, "B200": 80.0, "MI300X": 163.4}
+"""Dense FP32 peaks of the CUDA (or stream) cores, TFLOP/s, from the same data sheets (B200: the HGX
+variant at 1,000 W): a fifteenth of the 16-bit tensor-core peak on an H100."""
+
+
+def _gpu(name: str, kind: str, memory_gb: float, hbm_tb_s: float, intra: float, inter: float) -> Gpu:
+    return Gpu(
+        name, _peak(kind), memory_gb, hbm_tb_s, intra, inter,
+        fp8_peak_tflops=FP8_PEAK_TFLOPS.get(kind), fp32_peak_tflops=FP32_PEAK_TFLOPS.get(kind),
+    )  # fmt: skip
+
+
 GPUS: dict[str, Gpu] = {
-    "h100": Gpu("H100 SXM 80GB", _peak("H100"), 80, 3.35, 360, 45, fp8_peak_tflops=FP8_PEAK_TFLOPS["H100"]),
-    "h200": Gpu("H200 SXM 141GB", _peak("H200"), 141, 4.8, 360, 45, fp8_peak_tflops=FP8_PEAK_TFLOPS["H200"]),
-    "a100": Gpu("A100 SXM 80GB", _peak("A100"), 80, 2.0, 230, 22),
-    "a100-40gb": Gpu("A100 SXM 40GB", _peak("A100"), 40, 1.55, 230, 22),
-    "b200": Gpu("B200 180GB", _peak("B200"), 180, 8.0, 720, 45, fp8_peak_tflops=FP8_PEAK_TFLOPS["B200"]),
-    "mi300x": Gpu(
-        "MI300X 192GB", _peak("MI300X"), 192, 5.3, 300, 45, fp8_peak_tflops=FP8_PEAK_TFLOPS["MI300X"]
-    ),
+    "h100": _gpu("H100 SXM 80GB", "H100", 80, 3.35, 360, 45),
+    "h200": _gpu("H200 SXM 141GB", "H200", 141, 4.8, 360, 45),
+    "a100": _gpu("A100 SXM 80GB", "A100", 80, 2.0, 230, 22),
+    "a100-40gb": _gpu("A100 SXM 40GB", "A100", 40, 1.55, 230, 22),
+    "b200": _gpu("B200 180GB", "B200", 180, 8.0, 720, 45),
+    "mi300x": _gpu("MI300X 192GB", "MI300X", 192, 5.3, 300, 45),
 }
 """Known GPUs (``--gpu``); a name not here needs ``--peak-tflops`` and ``--gpu-memory-gb``."""
 
@@ -184,6 +198,16 @@ class Cluster:
     @property
     def achievable_fp8_flops(self) -> float:
         return self.fp8_peak_tflops * 1e12 * self.gpu.compute_efficiency
+
+    @property
+    def blockwise_peak_tflops(self) -> float:
+        """The peak the blockwise recipe's products run at: dequantised and multiplied in float32 (the
+        FP32 peak; unknown: the 16-bit one)."""
+        return self.gpu.fp32_peak_tflops or self.gpu.peak_tflops
+
+    @property
+    def achievable_blockwise_flops(self) -> float:
+        return self.blockwise_peak_tflops * 1e12 * self.gpu.compute_efficiency
 
     def link(self, group_stride: int, group_size: int) -> Interconnect:
         """The link of a group of ``group_size`` ranks ``group_stride`` apart (in a node or across)."""

@@ -125,7 +125,7 @@ class ModelSpec:
     """The weight-gradient products run in FP8 too (``--no-fp8-wgrad`` keeps them in the model's dtype)."""
     fp8_blockwise: bool = False
     """``--fp8-recipe blockwise``: features per rank in multiples of 128, and products dequantised block
-    by block and multiplied at the 16-bit rate (``core.tensor_parallel.fp8_blockwise``)."""
+    by block and multiplied in float32, at the FP32 rate (``core.tensor_parallel.fp8_blockwise``)."""
     fp8_param_gather: bool = False
     """``--fp8-param-gather``: the FP8 layers' weights are held in FP8 (one byte an element, no 16-bit
     copy and no cast per step; the layer still keeps the transposed copy for the step), and the

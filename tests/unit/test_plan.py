@@ -206,19 +206,26 @@ def test_fp8_products_run_at_the_fp8_peak_and_their_casts_cost_memory_time():
     assert without_fp8_cores.linear_seconds()[0] == pytest.approx(3_145_728 / 1e14, rel=1e-12)
 
 
-def test_blockwise_fp8_products_run_at_the_16_bit_peak_on_features_in_multiples_of_128():
-    """The blockwise recipe's products are dequantised (``core.tensor_parallel.fp8_blockwise``): the
-    planner costs them at the 16-bit peak, and only products whose features are multiples of 128 run
-    in FP8 (here hidden 128, FFN 256: all four; FFN 320: FC1 and FC2 stay out, as the layers decide)."""
-    cluster = Cluster(1, 1, _FP8_GPU)
+def test_blockwise_fp8_products_run_at_the_fp32_peak_on_features_in_multiples_of_128():
+    """The blockwise recipe's products are dequantised and multiplied in float32
+    (``core.tensor_parallel.fp8_blockwise``): the planner costs them at the GPU's FP32 peak (here 10
+    TFLOP/s, a twentieth of the FP8 one; unknown, the 16-bit one), and only products whose features are
+    multiples of 128 run in FP8 (here hidden 128, FFN 256: all four; FFN 320: FC1 and FC2 stay out, as
+    the layers decide)."""
+    cluster = Cluster(1, 1, replace(_FP8_GPU, fp32_peak_tflops=10.0))
     cand = Candidate(tp=1, pp=1, dp=1, num_microbatches=4, layout="E,t*2,L")
     wide = _fp8_spec(hidden_size=128, kv_channels=32, fp8_blockwise=True)
     blockwise, tensorwise = (
         StageCostModel(wide, cand, cluster),
         StageCostModel(wide.with_(fp8_blockwise=False), cand, cluster),
     )
-    assert len(wide.fp8_products(1)) == 4 and blockwise.rates.label() == "fp8 100"
+    assert len(wide.fp8_products(1)) == 4 and blockwise.rates.label() == "fp8 10"
     assert blockwise.linear_seconds() == pytest.approx(
+        tuple(20 * t for t in tensorwise.linear_seconds()), rel=1e-12
+    )
+    unknown = StageCostModel(wide, cand, Cluster(1, 1, _FP8_GPU))
+    assert unknown.rates.label() == "fp8 100"
+    assert unknown.linear_seconds() == pytest.approx(
         tuple(2 * t for t in tensorwise.linear_seconds()), rel=1e-12
     )
     narrow = wide.with_(ffn_hidden_size=320)
@@ -594,6 +601,13 @@ def test_the_optimizer_step_is_costed_per_tensor_and_per_element_where_measured(
     assert shared[1].endswith("; compute slowed 1 / 1.02 / 1.31 / 1.95x with 1 / 2 / 3 / 4 ranks computing")
     a100 = describe_cluster(Cluster(8, 8, GPUS["a100"]), _fp8_spec())
     assert a100[0].endswith("; FP8 products at 312 TFLOP/s peak (no FP8 tensor cores: the 16-bit peak)")
+    blockwise = _fp8_spec(fp8_blockwise=True)
+    h100 = describe_cluster(Cluster(8, 8, GPUS["h100"]), blockwise)
+    assert h100[0].endswith("; blockwise FP8 products dequantised, in float32 at 67 TFLOP/s peak")
+    unknown = describe_cluster(Cluster(8, 8, replace(GPUS["h100"], fp32_peak_tflops=None)), blockwise)
+    assert unknown[0].endswith(
+        "in float32 at 989 TFLOP/s peak (FP32 peak unknown: the 16-bit one; --peak-fp32-tflops)"
+    )
 
 
 def test_measured_collectives_interpolate_and_never_shrink_with_size():

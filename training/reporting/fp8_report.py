@@ -31,6 +31,12 @@ def _run_lines(config: TransformerConfig, recipe: Fp8Recipe, tokens_per_microbat
             "FP8 without --bf16: the parts that are not FP8 products (embedding, norms, attention, output "
             "layer) run in fp32, which is slow (Megatron-LM#883); add --bf16"
         )
+    if recipe.blockwise:
+        lines.append(
+            "FP8 blockwise: each product is dequantised and multiplied in float32, the recipe's numerics "
+            "but not FP8 speed (torch's blockwise kernel is not wired in yet; on an H100 float32 runs at "
+            "a fifteenth of the bf16 peak)"
+        )
     if getattr(config, "num_moe_experts", None) and not config.moe_grouped_gemm and recipe.wgrad:
         lines.append(
             "FP8: routed experts' tokens are padded with zero rows to multiples of 16 "
