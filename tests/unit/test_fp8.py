@@ -284,9 +284,11 @@ def test_the_blockwise_recipe_says_at_the_start_that_its_products_are_dequantise
     )
     assert fp8_report(cfg, [], 0, 16)[:2] == [
         "FP8: blockwise (1x128 inputs and gradients, 128x128 weights), e4m3 (E4M3 forward, E4M3 gradients)",
-        "FP8 blockwise: each product is dequantised and multiplied in float32, the recipe's numerics but not "
-        "FP8 speed (torch's blockwise kernel is not wired in yet; on an H100 float32 runs at a fifteenth of "
-        "the bf16 peak)",
+        (
+            "FP8 blockwise: each product is dequantised and multiplied in float32, the recipe's numerics but "
+            "not FP8 speed (torch's blockwise kernel is not wired in yet; on an H100 float32 runs at a "
+            "fifteenth of the bf16 peak)"
+        ),
     ]
 
 
