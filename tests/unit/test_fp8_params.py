@@ -12,6 +12,11 @@
   casts its slice does, its weight gradient goes into its slice of the stack's ``main_grad`` (an expert
   no row reaches gets zeros, not last step's values), and the stack reports its gradient once; the
   optimizer's cast of a range spanning two experts scales each with its own part's amax.
+* Under the blockwise recipe weights are held in 128 x 128 tiles, one scale each: a layer multiplies them
+  as the casting layer does; the optimizer's cast of a range that starts and ends inside a tile is the
+  tiles' cast of that range; an outlier tile coarsens only itself; ``pretrain()`` at DP1 in fp32, dense
+  and with routed experts, gives the casting run's losses bit for bit; the dry run adds a float32 per
+  tile. ``cuda``: the range's cast on a GPU.
 """
 
 from __future__ import annotations
