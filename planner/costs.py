@@ -6,10 +6,10 @@ the bytes a layer saves moved twice through device memory. A measured profile (`
 ``--from-timeline``) replaces both with seconds per layer.
 
 With ``--fp8-format`` the decoder layers' linear products that run in FP8 (``ModelSpec.fp8_products``)
-are costed at the FP8 peak (``Cluster.achievable_fp8_flops``), their weight gradients too unless
+are costed at the FP8 peak (``Cluster.fp8_peak_tflops``), their weight gradients too unless
 ``--no-fp8-wgrad`` or a microbatch whose tokens per rank are not a multiple of 16 keeps them in the
 model's dtype (the blockwise recipe's products are dequantised and multiplied in float32: costed at the
-FP32 peak, ``Cluster.achievable_blockwise_flops``); the
+FP32 peak, ``Cluster.blockwise_peak_tflops``); the
 attention core, the output layer and everything else stay at the 16-bit peak (:class:`MatmulRates`
 says which rate a candidate used). The casts are element-wise work: each FP8
 operand is read twice (its amax, then the scaled cast) and written in one byte, plus its transposed
@@ -227,9 +227,7 @@ class StageCostModel:
             else 0.0
         )
         rest = self._flops_seconds(s.layer_linear_flops(self.tokens) - fp8)
-        fp8_rate = c.tp * (
-            self.cluster.achievable_blockwise_flops if s.fp8_blockwise else self.cluster.achievable_fp8_flops
-        )
+        fp8_rate = c.tp * self.rates.linear_tflops * 1e12 * self.cluster.gpu.compute_efficiency
         weight_gradient = rest + fp8_wgrad / fp8_rate + self._flops_seconds(fp8 - fp8_wgrad)
         return rest + fp8 / fp8_rate, weight_gradient
 

@@ -196,18 +196,10 @@ class Cluster:
         return self.gpu.fp8_peak_tflops or self.gpu.peak_tflops
 
     @property
-    def achievable_fp8_flops(self) -> float:
-        return self.fp8_peak_tflops * 1e12 * self.gpu.compute_efficiency
-
-    @property
     def blockwise_peak_tflops(self) -> float:
         """The peak the blockwise recipe's products run at: dequantised and multiplied in float32 (the
         FP32 peak; unknown: the 16-bit one)."""
         return self.gpu.fp32_peak_tflops or self.gpu.peak_tflops
-
-    @property
-    def achievable_blockwise_flops(self) -> float:
-        return self.blockwise_peak_tflops * 1e12 * self.gpu.compute_efficiency
 
     def link(self, group_stride: int, group_size: int) -> Interconnect:
         """The link of a group of ``group_size`` ranks ``group_stride`` apart (in a node or across)."""

@@ -191,24 +191,21 @@ def hold_weights_in_fp8(modules: Iterable[nn.Module]) -> list[str]:
     :func:`~core.tensor_parallel.fp8.set_amax_group` and before the data-parallel wrapper lays the
     parameters out (it then gives them a one-byte buffer of their own)."""
     held = _holdable(modules)
-    tiled_of = {id(p): tiled for _, p, _, tiled in held}
-    for _, param, group, tiled in held:
+    for _, param, group, tiled in held:  # every held weight's metadata first: its cast below reads it
+        scale_inv = torch.ones(_scale_shape(param.shape, tiled), device=current_device())
+        param.fp8_weight = Fp8Weight(scale_inv, param.dtype, group, tiled=tiled)
         if param.is_meta:  # --init-model-with-meta-device: cast when the buffer gives it memory
-            scale_inv = torch.ones(_scale_shape(param.shape, tiled), device=current_device())
-            param.fp8_weight = Fp8Weight(scale_inv, param.dtype, group, tiled=tiled)
             param.deferred_init = _CastAfter(param.deferred_init)
             param.data = torch.empty(param.shape, dtype=E4M3, device="meta")
     for group, members in _by_group((p, g) for _, p, g, _ in held if not p.is_meta):
-        amaxes = [_amax(p, tiled_of[id(p)]) for p in members]
+        metas = [held_weight(p) for p in members]
+        amaxes = [_amax(p, meta.tiled) for p, meta in zip(members, metas)]
         reduced = _reduced_max(torch.cat(amaxes), group).split([a.numel() for a in amaxes])
-        for param, amax in zip(members, reduced):
-            tiled = tiled_of[id(param)]
-            scale = _scale(amax.view(_scale_shape(param.shape, tiled)))
+        for param, meta, amax in zip(members, metas, reduced):
+            scale = _scale(amax.view_as(meta.scale_inv))
             high = param.detach().clone()
-            param.data = _quantized(high, scale, tiled)
-            param.fp8_weight = Fp8Weight(
-                scale.reciprocal(), high.dtype, group, high_precision=high, tiled=tiled
-            )
+            param.data = _quantized(high, scale, meta.tiled)
+            meta.scale_inv, meta.high_precision = scale.reciprocal(), high
     return [name for name, *_ in held]
 
 
@@ -268,6 +265,8 @@ class _RangeRows:
 
     @classmethod
     def of(cls, flat: torch.Tensor, start: int, cols: int) -> _RangeRows:
+        # Built for the amaxes and again for the cast: kept across the all-reduce, every held weight's
+        # float32 copy of its range would be alive at once.
         first, lead = divmod(start, cols)
         rows = -(-(lead + flat.numel()) // cols)
         padded = torch.zeros(rows * cols, dtype=torch.float32, device=flat.device)
