@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from core.flags import flag, option_name
+from core.flags import flag, flag_spec, option_name
 
 Fp8Format = Literal["e4m3", "hybrid"]
 Fp8RecipeName = Literal["tensorwise", "delayed", "blockwise", "mxfp8", "custom"]
@@ -134,7 +134,7 @@ def fp8_problems(config: Fp8Config) -> list[str]:
     if config.fp8 is None:
         fields = {field.name: field for field in dataclasses.fields(Fp8Config)}
         given = [
-            option_name(fields[name])
+            " or ".join((option_name(fields[name]), *flag_spec(fields[name]).aliases))
             for name in _NEED_A_FORMAT
             if getattr(config, name) != fields[name].default
         ]

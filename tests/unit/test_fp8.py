@@ -315,6 +315,10 @@ def test_first_and_last_layers_stay_in_bf16_on_request():
             {"fp8_recipe": "tensorwise", "fp8_margin": 1},
             "--fp8-recipe, --fp8-margin need --fp8-format (e4m3 or hybrid)",
         ),
+        (
+            {"fp8_wgrad": False},
+            "--no-fp8-wgrad or --disable-fp8-wgrad needs --fp8-format (e4m3 or hybrid)",
+        ),
         ({"fp8": "hybrid", "fp8_amax_history_len": 0}, "--fp8-amax-history-len must be >= 1, got 0"),
         (
             {"fp8": "hybrid", "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 2},
