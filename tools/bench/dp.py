@@ -21,6 +21,15 @@ by step so that machine noise hits all four alike:
   accumulate over the step's microbatches and are reduce-scattered once, in the last microbatch's
   backward, and ZeRO-3 gathers each bucket at its first use and keeps it until the optimizer step: per
   bucket and step one reduce-scatter and one all-gather, as ``distopt+overlap``.
+* ``fsdp2``: torch's ``fully_shard`` (FSDP2) on the same model, the reference for ``zero3+prefetch``:
+  each decoder layer one unit and the rest the root's, resharded after forward and gathered again in
+  backward, gradients reduce-scattered every microbatch, the next unit's gather prefetched (torch's
+  defaults); ``torch.optim.AdamW`` (foreach) on the shards and ``clip_grad_norm_``, as Megatron's
+  optimizer clips (weight decay on every parameter: the step's cost, not its training, is compared);
+* ``fsdp2+step``: the same at step scope, the reference for ``zero3+step``: not resharded after
+  forward, and before the last microbatch neither resharded after backward nor reduced
+  (``set_reshard_after_backward``, ``set_requires_gradient_sync``): one gather and one reduce-scatter
+  a unit and step.
 
 A step is zero_grad, forward/backward over the microbatches, the optimizer step; it is timed on
 every rank between barriers and the slowest rank counts. Medians over ``--steps`` steps after
@@ -28,6 +37,8 @@ every rank between barriers and the slowest rank counts. Medians over ``--steps`
 
     python tools/bench/dp.py
     python tools/bench/dp.py --layers 8 --hidden 512 --seq 64 --microbatches 4 --bucket-size 2000000
+    python tools/bench/dp.py --configs distopt+overlap zero3+prefetch fsdp2 zero3+step fsdp2+step
+                                 # ZeRO-3 against torch's FSDP2 at both scopes
     python tools/bench/dp.py --world 1 --configs distopt+overlap zero3+prefetch zero3+step   # on one GPU:
                                  # what sharding costs where there is nothing to share (the issue's <= 1.05x)
 
@@ -40,11 +51,15 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
+import warnings
+from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -99,6 +114,9 @@ CONFIGS = {
         "overlap_param_gather": True,
     },
 }
+TORCH_FSDP2 = {"fsdp2": False, "fsdp2+step": True}
+"""The configurations that are not Trident's: torch's ``fully_shard``, at microbatch or step scope
+(module docstring)."""
 
 RATIOS = {  # JSON key: (configuration, over configuration), where both ran
     "overlap_vs_plain": ("overlap", "plain"),
@@ -107,7 +125,7 @@ RATIOS = {  # JSON key: (configuration, over configuration), where both ran
 }
 
 
-def _build(name: str, args: argparse.Namespace):
+def _config(args: argparse.Namespace):
     config = preset(
         "gpt2",
         num_layers=args.layers,
@@ -117,6 +135,12 @@ def _build(name: str, args: argparse.Namespace):
         attention_dropout=0.0,
     )
     config.deallocate_pipeline_outputs = False
+    return config
+
+
+def _build(name: str, args: argparse.Namespace):
+    """Trident's model, optimizer and schedule hooks under configuration ``name``."""
+    config = _config(args)
     ddp_config = DistributedDataParallelConfig(bucket_size=args.bucket_size, **CONFIGS[name])
     optimizer_config = OptimizerConfig(
         lr=1e-4, use_distributed_optimizer=ddp_config.use_distributed_optimizer
@@ -130,23 +154,46 @@ def _build(name: str, args: argparse.Namespace):
     return model.chunks[0], optimizer, model.schedule_hooks(optimizer)
 
 
+def _build_fsdp2(args: argparse.Namespace, step_scope: bool):
+    """The same GPT under torch's ``fully_shard`` and its AdamW (module docstring)."""
+    from torch.distributed.fsdp import fully_shard
+
+    # The model's output (the per-token loss) is a view; nothing here changes it in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    model = GPTModel(_config(args), args.vocab, args.seq).to(current_device())
+    for layer in model.decoder.layers.values():
+        fully_shard(layer, reshard_after_forward=not step_scope)
+    fully_shard(model, reshard_after_forward=not step_scope)
+    optimizer_config = OptimizerConfig(lr=1e-4)
+    adam = torch.optim.AdamW(
+        model.parameters(), lr=optimizer_config.lr, weight_decay=optimizer_config.weight_decay, foreach=True
+    )
+    return model, adam, optimizer_config.clip_grad, step_scope
+
+
+def _fsdp2_step(model, adam, clip_grad: float, step_scope: bool, batches: list) -> None:
+    """One step as ``train_step`` takes it: the microbatches' mean loss, clipping, the optimizer step."""
+    adam.zero_grad(set_to_none=True)
+    for micro, (tokens, labels) in enumerate(batches):
+        if step_scope:
+            last = micro == len(batches) - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+        (model(tokens, labels=labels).float().mean() / len(batches)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad, foreach=True)
+    adam.step()
+
+
 def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     init_rank(rank, args.world, init_file, threads=max(1, (os.cpu_count() or 2) // args.world))
     parallel_state.initialize_model_parallel()  # DP = world
     model_parallel_seed(1234)
-    runs = {name: _build(name, args) for name in args.configs}
     batches = token_batches(args.vocab, args.mbs, args.seq, args.microbatches, seed=rank)
+    steps = {name: _step_function(name, args, batches) for name in args.configs}
     times: dict[str, list[float]] = {name: [] for name in args.configs}
     for step in range(args.warmup + args.steps):
-        for name, (ddp, optimizer, hooks) in runs.items():
-
-            def step_with_buffers(ddp=ddp, optimizer=optimizer, hooks=hooks) -> None:
-                ddp.zero_grad_buffer()
-                train_step(ddp, optimizer, batches, args.seq, args.mbs, hooks)
-                if not ddp.ddp_config.shard_params:  # ZeRO-3 gathers each layer in the next forward
-                    ddp.finish_param_sync()  # the next forward of this model could overlap it; others come first
-
-            elapsed = slowest_seconds(step_with_buffers)
+        for name, step_function in steps.items():
+            elapsed = slowest_seconds(step_function)
             if step >= args.warmup:
                 times[name].append(elapsed)
     if rank == 0:
@@ -155,15 +202,31 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     dist.destroy_process_group()
 
 
+def _step_function(name: str, args: argparse.Namespace, batches: list) -> Callable[[], None]:
+    """One training step of configuration ``name``'s own model, as a call."""
+    if name in TORCH_FSDP2:
+        return functools.partial(_fsdp2_step, *_build_fsdp2(args, TORCH_FSDP2[name]), batches)
+    ddp, optimizer, hooks = _build(name, args)
+
+    def step_with_buffers() -> None:
+        ddp.zero_grad_buffer()
+        train_step(ddp, optimizer, batches, args.seq, args.mbs, hooks)
+        if not ddp.ddp_config.shard_params:  # ZeRO-3 gathers each layer in the next forward
+            ddp.finish_param_sync()  # the next forward of this model could overlap it; others come first
+
+    return step_with_buffers
+
+
 def main(argv=None) -> dict:
     parser = benchmark_parser(
         __doc__, layers=8, hidden=512, heads=8, seq=64, mbs=1, microbatches=4, vocab=4096
     )
     parser.add_argument("--bucket-size", type=int, default=2_000_000, help="elements per bucket")
     parser.add_argument("--world", type=int, choices=[1, 2], default=2, help="ranks, all data-parallel")
+    every = [*CONFIGS, *TORCH_FSDP2]
     parser.add_argument(
-        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
-        help=f"the configurations to time (default: all; {', '.join(CONFIGS)})",
+        "--configs", nargs="+", choices=every, default=every, metavar="NAME",
+        help=f"the configurations to time (default: all; {', '.join(every)})",
     )  # fmt: skip
     add_int_flags(parser, steps=10, warmup=2)
     args = parser.parse_args(argv)
@@ -183,7 +246,7 @@ def main(argv=None) -> dict:
         print(f"{name:<18}{medians[name] * 1000:>11.1f}{p25 * 1000:>9.1f}{p75 * 1000:>9.1f}{ratio:>20.3f}")
     zero_vs_distopt = {}
     if "distopt+overlap" in medians:
-        for name in (n for n in medians if n.startswith("zero")):
+        for name in (n for n in medians if n.startswith(("zero", "fsdp2"))):
             zero_vs_distopt[name] = round(medians[name] / medians["distopt+overlap"], 4)
             print(f"{name} / distopt+overlap: {zero_vs_distopt[name]:.3f}")
     summary = {
