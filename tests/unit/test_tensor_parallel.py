@@ -58,3 +58,23 @@ def test_single_process_without_distributed_runs_unsharded():
         F.cross_entropy(logits, target, reduction="none"),
         "loss",
     )
+
+
+def test_with_one_rank_the_mappings_add_no_autograd_node():
+    """At TP=1 every mapping is the identity both ways, so the entry points hand the input back as it is:
+    no node whose Python backward would run for every layer of every microbatch."""
+    from core.tensor_parallel import mappings
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed was initialised in this process by another test")
+    x = torch.randn(4, 2, 6, requires_grad=True)
+    y = x * 2
+    for name in (
+        "copy_to_tensor_model_parallel_region",
+        "reduce_from_tensor_model_parallel_region",
+        "scatter_to_tensor_model_parallel_region",
+        "gather_from_tensor_model_parallel_region",
+        "scatter_to_sequence_parallel_region",
+        "reduce_scatter_to_sequence_parallel_region",
+    ):
+        assert getattr(mappings, name)(y) is y, name
