@@ -8,9 +8,9 @@ tensor-parallel model can be read off its forward pass.
 Two layouts are involved. "Tensor-parallel" tensors are split along the last (hidden) dimension;
 "sequence-parallel" tensors are split along the first (sequence) dimension of ``[s, b, h]``.
 With one rank every mapping is the identity: nothing is communicated, and the public entry points add
-no autograd node (at TP=1 each cost a Python call forward and backward, 11-15% of a tiny GPT's
-forward and backward on a CPU). Inputs are never modified
-in place: a reduction works on a copy, so a caller (or autograd) may still hold the original.
+no autograd node (at TP=1 each cost a Python call forward and another backward: 11-15% of a tiny
+GPT's forward and backward on a CPU). Inputs are never modified in place: a reduction works on a
+copy, so a caller (or autograd) may still hold the original.
 """
 
 from __future__ import annotations
