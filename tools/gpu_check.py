@@ -457,7 +457,7 @@ def print_table(env: dict, rows: list[dict]) -> None:
         )
     if any(r["step"] == "bench" for r in rows):
         print(
-            f"{'bench':<6} {'config dtype phase contestant':<48}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}"
+            f"{'bench':<6} {'config dtype phase contestant':<48}{'tokens/s':>10}{'MFU mg':>8}{'MFU tt':>8}{'step ms':>9}{'peak MiB':>10}{'host %':>8}"
         )
     for r in rows:
         if r["step"] == "graphs":
@@ -469,9 +469,10 @@ def print_table(env: dict, rows: list[dict]) -> None:
             continue
         mfu = [f"{r[k]:.1%}" if r.get(k) is not None else "n/a" for k in ("mfu_megatron", "mfu_torchtitan")]
         label = f"{r['config']} {r['dtype']} {r['phase']} {r['contestant']}"
+        host = "n/a" if r.get("host_share") is None else f"{r['host_share']:.1%}"
         print(
             f"{'bench':<6} {label:<48}{r['tokens_per_s']:>10.0f}{mfu[0]:>8}{mfu[1]:>8}"
-            f"{r['step_ms']:>9.1f}{r['peak_step_mib']:>10.0f}"
+            f"{r['step_ms']:>9.1f}{r['peak_step_mib']:>10.0f}{host:>8}"
         )
 
 

@@ -1,16 +1,19 @@
-"""One training step's peak memory and, on request, its operators, so two steps compare op by op.
+"""One training step's peak memory, its host share and, on request, its operators, so two steps compare.
 
 ``tools/bench/model.py --profile`` uses it to name where Trident's eager layers and the transformers
 model differ: each operator (and, on a GPU, each kernel) with its number of calls and its self time
 on each side, the largest differences first. On a CPU the peak comes from the profiler's allocation
-records (so the profiler always runs there), on a GPU from the caching allocator's statistics.
+records, on a GPU from the caching allocator's statistics. The profiler always runs, for the host
+share (:func:`host_share`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -21,24 +24,26 @@ class StepProbe:
     def __init__(self, device: torch.device, ops: bool = False) -> None:
         self.device, self.want_ops = device, ops
         self.ops: dict[str, tuple[int, float]] = {}
-        self.peak, self.profile = 0, None
+        self.peak, self.host_share = 0, None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             self.before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        if device.type != "cuda" or ops:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            self.profile = profile(activities=activities, profile_memory=device.type != "cuda")
-            self.profile.__enter__()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.profile = profile(activities=activities, profile_memory=device.type != "cuda")
+        self.profile.__enter__()
+        self.started = time.perf_counter()  # event times count from about here
 
     def stop(self) -> int:
-        """The peak in bytes; ``self.ops`` holds ``{operator: (calls, self milliseconds)}`` if asked for."""
+        """The peak in bytes; ``self.host_share`` is set, and ``self.ops`` holds ``{operator: (calls, self
+        milliseconds)}`` if asked for."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.profile is not None:
-            self.profile.__exit__(None, None, None)
-            if self.want_ops:
-                self.ops = operator_table(self.profile, self.device)
+        elapsed_us = (time.perf_counter() - self.started) * 1e6
+        self.profile.__exit__(None, None, None)
+        self.host_share = host_share(self.profile, self.device, elapsed_us)
+        if self.want_ops:
+            self.ops = operator_table(self.profile, self.device)
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self.before
         return allocation_peak(self.profile)
@@ -50,6 +55,37 @@ def measure(step: Callable[[], object], device: torch.device, ops: bool = False)
     step()
     probe.peak = probe.stop()
     return probe
+
+
+def host_share(prof, device: torch.device, span_us: float) -> float | None:
+    """The share of the profiled ``span_us`` (from the profiler's start, where its event times count
+    from) in which the device did no work of the step's own:
+
+    * on a GPU, the time no kernel or copy ran: the device waiting on the host (at one rank nothing
+      else makes it wait; the profiler's own cost counts as host time too);
+    * on a CPU, the time outside ATen's operators (the union of their spans: an operator called inside
+      another counts once): Python, the autograd engine's bookkeeping, the framework's own code.
+
+    None for an empty span.
+    """
+    if span_us <= 0:
+        return None
+    events = [e for e in prof.events() if not e.name.startswith("[memory]")]
+    if device.type == "cuda":
+        work = [e for e in events if e.device_type == DeviceType.CUDA]
+    else:
+        work = [e for e in events if e.name.startswith("aten::")]
+    return 1.0 - _covered(sorted((e.time_range.start, e.time_range.end) for e in work)) / span_us
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of sorted ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in intervals:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def allocation_peak(prof) -> int:

@@ -26,7 +26,11 @@ FLOPs per step, two ways, both stated: Megatron's count (``training/reporting/th
 token: N the parameters but the input embedding, attention not halved). MFU needs the device's peak
 (the GPU table of ``training/reporting/throughput.py``, or ``--peak-tflops``). Peak memory is the most a step
 allocated above what was allocated when it started (activations, gradients, temporaries): CUDA's
-allocator on a GPU, the profiler's allocation records on a CPU, measured on one extra step. With
+allocator on a GPU, the profiler's allocation records on a CPU, measured on one extra step. That
+step is profiled, and its ``host %`` is the host's share of it (``tools/op_profile.host_share``): on a
+GPU the time no kernel ran (the device waiting on the host), on a CPU the time outside ATen's
+operators (Python, the autograd engine, the framework). The JSON also gives it in milliseconds
+(``host_ms``: the share times the median step; the profiler's own cost counts in the share). With
 ``--profile`` that step's operators are printed side by side, Trident's against the transformers
 loop's (``tools/op_profile.py``): where the eager layers differ, named op by op.
 
@@ -243,6 +247,7 @@ def run_phase(spec, args, dtype: str, phase: str, plain: dict, device: torch.dev
         final = state.iteration == args.warmup + args.iters + 1
         if final:  # the extra iteration measured memory only
             times["trident peak"] = [captured["memory"].stop()]
+            times["trident host"] = [captured["memory"].host_share]
             ops["trident"] = captured["memory"].ops
         else:
             # Iteration 1 has no start mark (it is never timed: the warm-up drops it anyway).
@@ -263,6 +268,7 @@ def run_phase(spec, args, dtype: str, phase: str, plain: dict, device: torch.dev
             if final:  # the extra step measures memory only
                 probe = measure(lambda loop=loop: loop.step(microbatches), device, args.profile)
                 times[f"{name} peak"], ops[name] = [probe.peak], probe.ops
+                times[f"{name} host"] = [probe.host_share]
                 continue
             start = clock()
             loss = loop.step(microbatches)
@@ -334,10 +340,11 @@ def summarise(spec, args, dtype: str, phases: dict, device: torch.device) -> lis
     rows = []
     for phase_name, phase in phases.items():
         for name, series in phase["times"].items():
-            if name.endswith(" peak"):
+            if name.endswith((" peak", " host")):
                 continue
             label = f"trident{PHASE_FLAGS[phase_name]}" if name == "trident" else name
             seconds = statistics.median(series[args.warmup :])
+            host = phase["times"][f"{name} host"][0]
             row = {
                 "contestant": label,
                 "phase": phase_name,
@@ -345,6 +352,8 @@ def summarise(spec, args, dtype: str, phases: dict, device: torch.device) -> lis
                 "step_ms": seconds * 1e3,
                 "tokens_per_s": tokens / seconds,
                 "peak_step_mib": phase["times"][f"{name} peak"][0] / 2**20,
+                "host_share": host,
+                "host_ms": None if host is None else host * seconds * 1e3,
                 "first_loss": phase["losses"][name][0] if phase["losses"][name] else float("nan"),
             }
             for way, count in flops.items():
@@ -515,17 +524,20 @@ def print_table(rows: list[dict], args, device: torch.device, load: float) -> No
         "torchtitan = 6 N + 12 L H Q T per token (N without the input embedding)"
     )
     head = f"{'config':<13}{'mb':>3}{'layers':>7}{'dtype':>6} {'phase':<8}{'contestant':<32}{'step ms':>9}{'tokens/s':>10}"
-    head += f"{'TF/s mg':>9}{'TF/s tt':>9}{'MFU mg':>8}{'MFU tt':>8}{'peak MiB':>10}{'loss 1':>8}"
+    head += (
+        f"{'TF/s mg':>9}{'TF/s tt':>9}{'MFU mg':>8}{'MFU tt':>8}{'peak MiB':>10}{'host %':>8}{'loss 1':>8}"
+    )
     print(head)
     for r in rows:
         if "contestant" not in r:
             continue
         mfu = [f"{r[k]:.1%}" if r[k] is not None else "n/a" for k in ("mfu_megatron", "mfu_torchtitan")]
+        host = "n/a" if r["host_share"] is None else f"{r['host_share']:.1%}"
         print(
             f"{r['config']:<13}{r['microbatches']:>3}{r['layers']:>7}{r['dtype']:>6} {r['phase']:<8}"
             f"{r['contestant']:<32}{r['step_ms']:>9.0f}"
             f"{r['tokens_per_s']:>10.0f}{r['tflops_megatron']:>9.3f}{r['tflops_torchtitan']:>9.3f}"
-            f"{mfu[0]:>8}{mfu[1]:>8}{r['peak_step_mib']:>10.0f}{r['first_loss']:>8.3f}"
+            f"{mfu[0]:>8}{mfu[1]:>8}{r['peak_step_mib']:>10.0f}{host:>8}{r['first_loss']:>8.3f}"
         )
     for r in rows:
         if "ratio" in r:
