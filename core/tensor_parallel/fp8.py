@@ -66,7 +66,12 @@ from core.tensor_parallel.fp8_blockwise import (
     scale_from_amax,
 )
 from core.tensor_parallel.fp8_config import resolved
-from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, check_main_grad, claim_main_grad
+from core.tensor_parallel.grad_accumulation import (
+    accumulate_weight_grad,
+    check_main_grad,
+    claim_main_grad,
+    engine_will_execute,
+)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -76,8 +81,6 @@ SHAPE_MULTIPLE = 16
 """CUDA's FP8 products need both dimensions of the second operand and the inner dimension of the
 first to be multiples of 16: a layer's input and output features, and for the weight gradient the
 tokens of a microbatch on this rank."""
-
-_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 @dataclass(frozen=True)
@@ -400,9 +403,7 @@ def _will_compute(ctx, index: int) -> bool:
     if not ctx.needs_input_grad[index]:
         return False
     node = ctx.next_functions[index][0]
-    if node is None:
-        return False
-    return True if _will_engine_execute_node is None else _will_engine_execute_node(node)
+    return node is not None and engine_will_execute(node)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -33,13 +33,25 @@ _HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 _will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
 
+def engine_will_execute(node: torch.autograd.graph.Node) -> bool:
+    """Whether the running backward executes ``node`` (True where torch cannot say).
+
+    Torch cannot say for a leaf that ``torch.autograd.grad`` was asked for (a zero-bubble I pass asking
+    for its stage's input): it raises rather than answer. That leaf's gradient is wanted.
+    """
+    if _will_engine_execute_node is None:
+        return True
+    try:
+        return _will_engine_execute_node(node)
+    except RuntimeError:  # "A leaf node was passed to _will_engine_execute_node ... autograd.grad()"
+        return True
+
+
 def engine_will_use(tensor: torch.Tensor) -> bool:
     """Whether the running backward needs ``tensor``'s gradient (always True where torch cannot say)."""
     if not tensor.requires_grad:
         return False
-    if _will_engine_execute_node is None:
-        return True
-    return _will_engine_execute_node(get_gradient_edge(tensor).node)
+    return engine_will_execute(get_gradient_edge(tensor).node)
 
 
 def accumulate_weight_grad(

@@ -166,3 +166,30 @@ def test_a_dropped_wrapper_frees_its_model_and_buffers(fused):
     del model
     gc.collect()
     assert [ref() is None for ref in alive] == [True] * 4
+
+
+def test_a_fused_layer_whose_input_is_the_stage_input_splits_too():
+    """At TP=1 nothing stands between a linear layer and its input, which can be the stage's input itself:
+    a leaf that I asks ``autograd.grad`` for, of which torch's engine cannot say whether it runs. The layer
+    still makes that gradient in I, and the weight gradient in W."""
+    from core.tensor_parallel import ColumnParallelLinear
+
+    config = _config("gpt", True, torch.float32)
+    x = torch.randn(SEQ, MBS, 32, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for split in (False, True):
+        torch.manual_seed(3)
+        layer = _wrap(ColumnParallelLinear(32, 16, config=config, init_method=torch.nn.init.normal_), config)
+        stage_input = x.clone().requires_grad_()
+        out, _ = layer(stage_input)
+        grad_out = torch.ones_like(out)
+        if split:
+            input_grad, weights = backward_input(out, grad_out, stage_input)
+            assert not layer.module.weight.main_grad.any()  # no weight gradient in I
+            backward_weight(weights)
+        else:
+            fused_backward(out, grad_out)
+            input_grad = stage_input.grad
+        results[split] = input_grad, layer.module.weight.main_grad.clone()
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
