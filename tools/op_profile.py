@@ -70,7 +70,7 @@ def host_share(prof, device: torch.device, span_us: float) -> float | None:
     """
     if span_us <= 0:
         return None
-    events = [e for e in prof.events() if not e.name.startswith("[memory]")]
+    events = prof.events()
     if device.type == "cuda":
         work = [e for e in events if e.device_type == DeviceType.CUDA]
     else:

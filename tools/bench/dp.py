@@ -51,7 +51,6 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -154,8 +153,9 @@ def _build(name: str, args: argparse.Namespace):
     return model.chunks[0], optimizer, model.schedule_hooks(optimizer)
 
 
-def _build_fsdp2(args: argparse.Namespace, step_scope: bool):
-    """The same GPT under torch's ``fully_shard`` and its AdamW (module docstring)."""
+def _fsdp2_step_function(args: argparse.Namespace, step_scope: bool, batches: list) -> Callable[[], None]:
+    """The same GPT under torch's ``fully_shard`` and its AdamW (module docstring); one step as
+    ``train_step`` takes it: the microbatches' mean loss, clipping, the optimizer step."""
     from torch.distributed.fsdp import fully_shard
 
     # The model's output (the per-token loss) is a view; nothing here changes it in place.
@@ -168,20 +168,19 @@ def _build_fsdp2(args: argparse.Namespace, step_scope: bool):
     adam = torch.optim.AdamW(
         model.parameters(), lr=optimizer_config.lr, weight_decay=optimizer_config.weight_decay, foreach=True
     )
-    return model, adam, optimizer_config.clip_grad, step_scope
 
+    def step() -> None:
+        adam.zero_grad(set_to_none=True)
+        for micro, (tokens, labels) in enumerate(batches):
+            if step_scope:
+                last = micro == len(batches) - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+            (model(tokens, labels=labels).float().mean() / len(batches)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optimizer_config.clip_grad, foreach=True)
+        adam.step()
 
-def _fsdp2_step(model, adam, clip_grad: float, step_scope: bool, batches: list) -> None:
-    """One step as ``train_step`` takes it: the microbatches' mean loss, clipping, the optimizer step."""
-    adam.zero_grad(set_to_none=True)
-    for micro, (tokens, labels) in enumerate(batches):
-        if step_scope:
-            last = micro == len(batches) - 1
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last)
-        (model(tokens, labels=labels).float().mean() / len(batches)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad, foreach=True)
-    adam.step()
+    return step
 
 
 def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
@@ -205,7 +204,7 @@ def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
 def _step_function(name: str, args: argparse.Namespace, batches: list) -> Callable[[], None]:
     """One training step of configuration ``name``'s own model, as a call."""
     if name in TORCH_FSDP2:
-        return functools.partial(_fsdp2_step, *_build_fsdp2(args, TORCH_FSDP2[name]), batches)
+        return _fsdp2_step_function(args, TORCH_FSDP2[name], batches)
     ddp, optimizer, hooks = _build(name, args)
 
     def step_with_buffers() -> None:
