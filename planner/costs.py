@@ -475,20 +475,24 @@ class StageCostModel:
         ring = link.ring(size, nbytes, all_reduce=kind == "all_reduce")
         return ring + (buckets - 1) * (size - 1) * link.latency
 
-    def instance_seconds(self, grad_bytes: float, param_bytes: float, buckets: int = 1) -> float:
-        """HSDP's once-a-step traffic over the N instances (``core.distributed.grad_buffer``): each rank's
-        reduced gradient shard (``grad_bytes`` of whole buffers, 1 / (DP x CP / N) of them its shard) is
-        all-reduced over its N replicas; with the outer ``optim`` it is reduce-scattered instead and the
-        updated parameter shard (of ``param_bytes``) all-gathered back over them after the step. Blocking
-        (``finish_grad_sync``, after the optimizer step), so nothing hides it. 0 without instances."""
+    def instance_seconds(
+        self, grad_bytes: float, param_bytes: float, buckets: int = 1
+    ) -> tuple[float, float]:
+        """HSDP's once-a-step traffic over the N instances (``core.distributed.grad_buffer``), as (the
+        reduction, the gather): each rank's reduced gradient shard (``grad_bytes`` of whole buffers, 1 /
+        (DP x CP / N) of them its shard) is all-reduced over its N replicas; with the outer ``optim`` it
+        is reduce-scattered instead and the updated parameter shard (of ``param_bytes``) all-gathered
+        back over them after the optimizer step, blocking. (0, 0) without instances."""
         n = self.cand.instances
         if n <= 1:
-            return 0.0
+            return 0.0, 0.0
         grad_shard, param_shard = grad_bytes / self.cand.shard_ranks, param_bytes / self.cand.shard_ranks
         if not self.cand.outer_sharded:
-            return self._ring_seconds(self.instance_link, n, grad_shard, buckets, "all_reduce")
-        reduce = self._ring_seconds(self.instance_link, n, grad_shard, buckets, "reduce_scatter")
-        return reduce + self._ring_seconds(self.instance_link, n, param_shard, buckets, "all_gather")
+            return self._ring_seconds(self.instance_link, n, grad_shard, buckets, "all_reduce"), 0.0
+        return (
+            self._ring_seconds(self.instance_link, n, grad_shard, buckets, "reduce_scatter"),
+            self._ring_seconds(self.instance_link, n, param_shard, buckets, "all_gather"),
+        )
 
     @property
     def dp_overlaps(self) -> bool:

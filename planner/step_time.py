@@ -11,8 +11,9 @@ nothing to do (its input needs no gradient), so its W carries the whole backward
 Then each rank's data-parallel reduction starts at its chunk's last backward (Trident's
 ``--overlap-grad-reduce``) and runs while the rank still computes; what is left of it when the rank's
 last action ends, the distributed optimizer's parameter all-gather beyond the next forward that hides
-it, HSDP's once-a-step reduction over the distributed-optimizer instances (blocking, after the rank's
-reductions), and the optimizer's own (memory-bound) time make up the rest of the step. Ranks finish together:
+it, what is left of HSDP's once-a-step reduction over the distributed-optimizer instances (launched bucket
+by bucket behind the rank's reductions), the outer ``optim``'s gather over the instances after the step,
+and the optimizer's own (memory-bound) time make up the rest of the step. Ranks finish together:
 the gradient-norm all-reduce waits for the slowest.
 """
 
@@ -147,15 +148,18 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
     )
 
 
-def _instance_tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) -> float:
-    """HSDP's once-a-step reduction of each shard over the N instances (and with the outer ``optim`` the
-    gather of the updated shards), after the rank's last reduction lands: exposed in full."""
+def _instance_traffic(
+    model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int
+) -> tuple[float, float, int]:
+    """HSDP's once-a-step traffic over the N instances: (the reduction of each shard, the outer ``optim``'s
+    gather of the updated shards after the optimizer step, the rank's buckets); zeros without instances."""
     if cand.instances == 1:
-        return 0.0
+        return 0.0, 0.0, 1
     buckets = sum(n for _, n in sharded_buckets(spec, cand, rank)) if cand.zero else 1
-    return model.instance_seconds(
+    reduce, gather = model.instance_seconds(
         reduced_grad_bytes(spec, cand, rank), gathered_param_bytes(spec, cand, rank), buckets
     )
+    return reduce, gather, buckets
 
 
 _COST_OF = {F: "forward", B: "backward", I: "backward_input", W: "backward_weight"}
@@ -301,8 +305,20 @@ def _rank_ends(spec, cand, model, costs, timer_tables, result: Timing) -> list[_
         else:  # on shared cores the reduction runs after the compute, not beside it
             comm_end, exposed = compute_end + sync, 0.0
         first_forward = costs[rank, 0].forward if model.dp_overlaps else 0.0
-        tail = max(compute_end, comm_end) + exposed + max(0.0, gather - first_forward)
-        tail += _instance_tail(model, spec, cand, rank)
+        over_instances, gather_over_instances, buckets = _instance_traffic(model, spec, cand, rank)
+        if model.dp_overlaps and over_instances:
+            # Each bucket's reduction over the instances is launched behind its reduction inside the
+            # instance, as the next bucket's is (InstanceChain), on the links between instances, while
+            # the chunk's last backward still fills buckets: it all ends no sooner than the last bucket's
+            # share after the rank's last reduction, nor than all of it after the first chunk's last
+            # backward began.
+            starts = result.start_times[rank]
+            last_began = {a.chunk: starts[i] for i, a in enumerate(table) if a.kind in (B, W)}
+            first_launch = min(last_began.values())
+            comm_end = max(comm_end + over_instances / buckets, first_launch + over_instances)
+            over_instances = 0.0
+        tail = max(compute_end, comm_end) + exposed + over_instances + max(0.0, gather - first_forward)
+        tail += gather_over_instances  # blocking, after the optimizer step
         out.append(_RankEnd(compute_end, tail, opt))
     return out
 

@@ -49,7 +49,7 @@ from torch.distributed import ProcessGroup
 
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, ReduceOptions
+from core.distributed.grad_buffer import IDLE, Bucket, GradBuffer, InstanceChain, ReduceOptions
 from core.distributed.sharded_bucket import ShardedBucket, ShardedGradBuffer, storage_bytes
 from core.distributed.sharding_units import (
     layer_units,
@@ -179,6 +179,9 @@ class DistributedDataParallel(nn.Module):
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
             p: bucket for bucket in self.buckets for p in bucket.params
         }
+        chain = InstanceChain()  # HSDP with overlap: one order of the reductions over the instances
+        for bucket in self.buckets:
+            bucket.instance_chain = chain
         self._register_hooks()
 
     def _build_buffers(self, options: ReduceOptions) -> None:

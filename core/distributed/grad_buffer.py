@@ -22,7 +22,8 @@ With N distributed-optimizer instances (``inter_group``; megatron-core's
 (its ``group``) and, once reduced there, each shard is all-reduced over its N replicas (``inter_group``):
 every instance then steps the same shards, a whole optimizer per instance. With ``outer_shard``
 (Megatron-FSDP's outer ``optim``) each shard is padded to a multiple of N, reduce-scattered over the
-replicas instead, and each instance steps only its piece of it (:meth:`Bucket.owned_span`).
+replicas instead, and each instance steps only its piece of it (:meth:`Bucket.owned_span`). With
+``async_op`` the reduction over the instances overlaps backward too (:class:`InstanceChain`).
 
 A parameter built on the meta device (``init_model_with_meta_device``) is given its memory here: its
 ``deferred_init`` writes its initial values straight into its place in the parameter buffer (or, unsharded
@@ -90,6 +91,44 @@ class ReduceOptions:
     more over the instances (Megatron-FSDP's outer ``optim``) instead of replicating it."""
 
 
+class InstanceChain:
+    """With N distributed-optimizer instances and overlap: each bucket's reduction over the instances,
+    launched once its reduction inside the instance has landed, so that it runs while backward goes on.
+
+    A collective must be issued in the same order on every rank of its group, and a rank cannot ask
+    when its peers' reductions land without making the order depend on timing. So the chain issues at
+    fixed points of the program, which every replica reaches in the same order: when a bucket's
+    reduction is launched, the buckets launched before it take their turn (each waits for its own
+    reduction inside the instance, which by then has usually landed, and launches the one over the
+    instances); the newest waits for the next launch, or for its ``finish_grad_sync``. One chain per
+    model chunk serves all its buffers (dense and expert buckets, which may share one inter-instance
+    group).
+
+    Megatron issues both reductions back to back on a side CUDA stream instead; here the device's
+    current stream waits for the previous bucket's reduction inside the instance (on a GPU a wait
+    between streams, not the host's), as ZeRO-2/3 already do to land their microbatch reductions.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: list[Bucket] = []
+
+    def launched(self, bucket: Bucket) -> None:
+        """``bucket``'s reduction inside the instance was just launched: the ones before it take their turn."""
+        while self.waiting:
+            self.waiting.pop(0).start_instance_reduction()
+        self.waiting.append(bucket)
+
+    def drain_through(self, bucket: Bucket) -> None:
+        """``bucket`` and every bucket launched before it take their turn (in launch order)."""
+        while bucket in self.waiting:
+            self.waiting.pop(0).start_instance_reduction()
+
+    def drop(self, bucket: Bucket) -> None:
+        """``bucket`` leaves the chain without its turn (its step was reset)."""
+        if bucket in self.waiting:
+            self.waiting.remove(bucket)
+
+
 class Bucket:
     """Whole parameters' gradients in one contiguous slice of a buffer, reduced as one message.
 
@@ -130,6 +169,9 @@ class Bucket:
         self.state = IDLE
         self.handle: dist.Work | None = None
         self.param_handle: dist.Work | None = None
+        self.instance_handle: dist.Work | None = None  # the reduction over the instances, in flight
+        self.instances_reduced = False  # this step's reduction over the instances is launched or done
+        self.instance_chain = InstanceChain()  # the model chunk's wrapper gives all its buckets one
         self._ready: set[int] = set()
         self._unwritten: dict[int, torch.nn.Parameter] = {}  # the buffer starts zeroed
 
@@ -154,19 +196,54 @@ class Bucket:
             lo += self.instance_rank * size
         return lo, lo + size
 
-    def reduce_over_instances(self) -> None:
+    def _reduce_over_instances(self, async_op: bool) -> dist.Work | None:
         """With N distributed-optimizer instances: sum this rank's reduced shard over its N replicas
         (all-reduce), or with the outer sharding give each instance the sum of its own piece
-        (reduce-scatter). A no-op with one instance."""
-        if self.instances == 1:
-            return
+        (reduce-scatter). Once a step; a no-op with one instance or without sharding."""
+        if self.instances == 1 or not self.options.shard or self.instances_reduced:
+            return None
+        self.instances_reduced = True
         if not self.options.outer_shard:
-            dist.all_reduce(self.grad_shard, group=self.inter_group)
-            return
+            return dist.all_reduce(self.grad_shard, group=self.inter_group, async_op=async_op)
         lo, hi = self.owned_span()
         base = self.dp_rank * self.shard_size
         piece = self.grad_shard[lo - base : hi - base]
-        reduce_scatter(piece, self.grad_shard, self.inter_group, native=self.native_inter, async_op=False)
+        return reduce_scatter(
+            piece, self.grad_shard, self.inter_group, native=self.native_inter, async_op=async_op
+        )
+
+    def _chain_instance_reduction(self) -> None:
+        """The bucket's reduction inside the instance was just launched; with overlap, join the chain
+        that launches the reductions over the instances (:class:`InstanceChain`)."""
+        if self.options.async_op and self.instances > 1 and self.options.shard:
+            self.instance_chain.launched(self)
+
+    def start_instance_reduction(self) -> None:
+        """The chain's turn (:class:`InstanceChain`): land the reduction inside the instance, launch the
+        one over the instances."""
+        self._land_reduction()
+        self.instance_handle = self._reduce_over_instances(async_op=True)
+
+    def _land_reduction(self) -> None:
+        """Wait for the reduction inside the instance, if one is in flight."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def _drop_instance_reduction(self) -> None:
+        """Out of the chain, the reduction over the instances waited for if in flight, none done (a reset)."""
+        self.instance_chain.drop(self)
+        if self.instance_handle is not None:
+            self.instance_handle.wait()
+            self.instance_handle = None
+        self.instances_reduced = False
+
+    def _finish_instance_reduction(self) -> None:
+        """Wait for the reduction over the instances, or run it now if it was never launched."""
+        if self.instance_handle is not None:
+            self.instance_handle.wait()
+            self.instance_handle = None
+        self._reduce_over_instances(async_op=False)
 
     # -- gradients ----------------------------------------------------------------------------
     def claim(self, param: torch.nn.Parameter) -> bool:
@@ -208,6 +285,7 @@ class Bucket:
         work = self._launch_reduction()
         self.handle = work if self.options.async_op else None
         self.state = LAUNCHED
+        self._chain_instance_reduction()
 
     def _launch_reduction(self) -> dist.Work | None:
         """Check (``check_for_nan``), pre-scale and reduce ``grad_data``: the work handle, None when done."""
@@ -240,11 +318,9 @@ class Bucket:
         if self.state == DONE:
             return
         self.start_grad_sync()
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-        if self.options.shard:
-            self.reduce_over_instances()
+        self.instance_chain.drain_through(self)
+        self._land_reduction()
+        self._finish_instance_reduction()
         if self.options.post_scale != 1.0:
             (self.grad_shard if self.options.shard else self.grad_data).mul_(self.options.post_scale)
         self.state = DONE
@@ -264,6 +340,7 @@ class Bucket:
         if self.handle is not None:  # never leave a collective dangling
             self.handle.wait()
             self.handle = None
+        self._drop_instance_reduction()
         self.state = IDLE
         self._ready.clear()
         self._unwritten = {id(p): p for p in self.params}
@@ -285,7 +362,7 @@ class Bucket:
 
     def in_flight(self) -> list[dist.Work]:
         """The collectives this bucket launched and has not waited for yet (a reduction, a gather)."""
-        return [work for work in (self.handle, self.param_handle) if work is not None]
+        return [work for work in (self.handle, self.instance_handle, self.param_handle) if work is not None]
 
     def _name(self, param: torch.nn.Parameter) -> str:
         for p, n in zip(self.params, self.names):

@@ -29,7 +29,9 @@ When that happens is the *scope* (``ReduceOptions.step_scope``, ``--data-paralle
   asynchronous reduce-scatter has not landed yet. The sum of the per-microbatch reductions is the
   reduction of the sum, up to the order of fp32 additions. A bucket whose parameters do not all get a
   gradient in a microbatch simply keeps accumulating until they do, or until the step's
-  ``finish_grad_sync``.
+  ``finish_grad_sync``. With ``overlap_grad_reduce`` the reduction of the last microbatch (outside
+  ``no_sync``) is the step's: it launches the bucket's step reduction, as at step scope, and a gradient
+  arriving after it is refused.
 
 **Parameters (optim_grads_params).** The persistent ``param_shard`` (1/DP) is what the optimizer
 updates; ``param_data`` (the full bucket, which every parameter's ``.data`` views) is gathered just
@@ -44,8 +46,10 @@ into the same storage.
 
 **Instances (HSDP).** With N distributed-optimizer instances the microbatch reductions stay inside the
 instance; the accumulated shard is summed over (or, outer ``optim``, reduce-scattered across) the N
-replicas once per step, in ``finish_grad_sync``; under the outer sharding each instance's updated piece
-of the parameter shard is all-gathered across the replicas after the step.
+replicas once per step, after the bucket's last reduction of the step: with ``overlap_grad_reduce``
+while backward goes on (:class:`~core.distributed.grad_buffer.InstanceChain`), else in
+``finish_grad_sync``; under the outer sharding each instance's updated piece of the parameter shard is
+all-gathered across the replicas after the step.
 
 **Reading a freed parameter.** A view of zero-size storage crashes the process when read (a
 segmentation fault, no Python error). So while its bucket is freed each parameter changes class to
@@ -67,7 +71,7 @@ import torch.distributed as dist
 from torch._C import DisableTorchFunctionSubclass
 
 from core.distributed.collectives import all_gather
-from core.distributed.grad_buffer import DONE, IDLE, LAUNCHED, Bucket, GradBuffer
+from core.distributed.grad_buffer import IDLE, LAUNCHED, Bucket, GradBuffer
 
 MAX_IN_FLIGHT = 2
 """Asynchronous microbatch reductions a buffer lets run at once (``overlap_grad_reduce``): each keeps its
@@ -210,7 +214,7 @@ class ShardedBucket(Bucket):
         first gradient copied in, and what none reaches zeroed before the reduction."""
         if self._grad_live:
             return
-        self._land()
+        self._land_reduction()
         alloc_storage(self.grad_data)
         self.grad_data[self._used :].zero_()
         self._unwritten = {id(p): p for p in self.params}
@@ -246,8 +250,8 @@ class ShardedBucket(Bucket):
 
     def note_grad(self, param: torch.nn.Parameter) -> None:
         """``param``'s gradient of this microbatch is in. At microbatch scope the bucket's last reduces
-        the microbatch; at step scope, with ``overlap_grad_reduce``, the last of the last microbatch
-        (outside ``no_sync``) launches the step's reduction, as ZeRO-1's overlap does (without it,
+        the microbatch; with ``overlap_grad_reduce``, the last of the last microbatch (outside
+        ``no_sync``) launches the step's reduction at either scope, as ZeRO-1's overlap does (without it,
         ``finish_grad_sync`` reduces). Under ZeRO-3 the bucket's last ends the backward that gathered the
         parameters."""
         if self.step_scope and self.options.async_op and self.is_last_microbatch:
@@ -258,7 +262,9 @@ class ShardedBucket(Bucket):
         if len(self._reported) < len(self.params):
             return
         self._reported.clear()
-        if not self.step_scope:
+        if not self.step_scope and self.options.async_op and self.is_last_microbatch:
+            self.start_grad_sync()  # the step's last reduction of the bucket: launched, as at step scope
+        elif not self.step_scope:
             self._reduce_microbatch()
         if self.shards_params:
             self.pending_backward = max(0, self.pending_backward - 1)
@@ -274,16 +280,16 @@ class ShardedBucket(Bucket):
         self._in_flight = [work]
         self.reductions += 1
         if work is None:  # done already (synchronous, or nothing to communicate)
-            self._land()
+            self._land_reduction()
             return
         if self.step_scope:  # one reduction per bucket and step: every full bucket is held anyway
             return
         queue = self.in_flight_queue  # each reduction in flight holds a full bucket: land the oldest
         queue.append(self)
         while len(queue) > MAX_IN_FLIGHT:
-            queue.pop(0)._land()
+            queue.pop(0)._land_reduction()
 
-    def _land(self) -> None:
+    def _land_reduction(self) -> None:
         """Wait for the reduction in flight, add this rank's reduced shard into ``grad_shard``, free the bucket."""
         if not self._in_flight:
             return
@@ -302,17 +308,7 @@ class ShardedBucket(Bucket):
             return
         self._reduce_microbatch()
         self.state = LAUNCHED
-
-    def finish_grad_sync(self) -> None:
-        """Land every reduction of the step in ``grad_shard`` (scaled by ``post_scale``)."""
-        if self.state == DONE:
-            return
-        self.start_grad_sync()
-        self._land()
-        self.reduce_over_instances()  # once a step, on the accumulated shard
-        if self.options.post_scale != 1.0:
-            self.grad_shard.mul_(self.options.post_scale)
-        self.state = DONE
+        self._chain_instance_reduction()  # HSDP: once a step, on the accumulated shard
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply this rank's reduced gradients by ``factor``."""
@@ -326,6 +322,7 @@ class ShardedBucket(Bucket):
                 work.wait()
         if self in self.in_flight_queue:
             self.in_flight_queue.remove(self)
+        self._drop_instance_reduction()
         self._free_grad_data()
         self._grad_live = False
         self.grad_shard.zero_()

@@ -31,7 +31,7 @@ STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 TOLERANCE = {"optim": 1e-6, "optim_grads": 5e-5, "optim_grads_params": 5e-5}
 
 
-def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None, moe: dict | None = None, **instances):
+def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None, moe: dict | None = None, **options):
     from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from core.transformer import TransformerConfig
     from models.gpt import GPTModel
@@ -53,12 +53,14 @@ def _chunk(strategy: str, tp: int, bf16: bool, initial: dict | None, moe: dict |
     if initial is not None:
         model.load_state_dict(initial)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=strategy != "no_shard",
-        data_parallel_sharding_strategy=strategy,
-        overlap_grad_reduce=True,
-        overlap_param_gather=strategy != "no_shard",  # ZeRO-3: each layer prefetches the next one's
-        bucket_size=1500,
-        **instances,  # num_distributed_optimizer_instances, outer_dp_sharding_strategy (HSDP)
+        **{
+            "use_distributed_optimizer": strategy != "no_shard",
+            "data_parallel_sharding_strategy": strategy,
+            "overlap_grad_reduce": True,
+            "overlap_param_gather": strategy != "no_shard",  # ZeRO-3: each layer prefetches the next one's
+            "bucket_size": 1500,
+            **options,  # num_distributed_optimizer_instances, outer_dp_sharding_strategy (HSDP), the scope
+        }
     )
     return DistributedDataParallel(config, ddp_config, model)
 
@@ -806,6 +808,79 @@ def test_hsdp_through_pretrain_gives_the_unsharded_losses_and_its_checkpoints_lo
         "no_shard DP4": [],
     }
     _assert_resumed_losses(ranks(4), data_prefix, load, straight, splits, "HSDP")
+
+
+HSDP_OVERLAP = {  # (strategy, outer strategy, scope)
+    "optim": ("optim", "no_shard", "auto"),
+    "optim_grads": ("optim_grads", "no_shard", "auto"),
+    "optim_grads_params": ("optim_grads_params", "no_shard", "auto"),
+    "optim_grads_params, step scope": ("optim_grads_params", "no_shard", "step"),
+    "optim_grads_params outer optim": ("optim_grads_params", "optim", "auto"),
+}
+
+
+def _hsdp_overlap_case(rank, world_size):
+    """Each HSDP case at DP4, N=2, with and without ``overlap_grad_reduce``: one step of two microbatches;
+    how many buckets had launched their reduction over the instances when backward returned, how many
+    buckets there are, and the reduced gradient of each range this rank's optimizer steps."""
+    from contextlib import nullcontext
+
+    from core import parallel_state as ps
+    from core.distributed.finalize_model_grads import finalize_model_grads
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.tensor_parallel.random import model_parallel_seed
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    dp_rank = ps.get_data_parallel_rank()
+    torch.manual_seed(0)
+    model_parallel_seed(1234)
+    initial = {k: v.clone() for k, v in _chunk("no_shard", 1, False, None).module.state_dict().items()}
+    out = {}
+    for case, (strategy, outer, scope) in HSDP_OVERLAP.items():
+        for overlap in (False, True):
+            chunk = _chunk(
+                strategy,
+                1,
+                False,
+                initial,
+                num_distributed_optimizer_instances=2,
+                outer_dp_sharding_strategy=outer,
+                data_parallel_sharding_scope=scope,
+                overlap_grad_reduce=overlap,
+            )
+            optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
+            optimizer.zero_grad()
+            for micro in range(2):
+                gen = torch.Generator().manual_seed(10 * dp_rank + micro)
+                tokens = torch.randint(0, VOCAB, (2, 16), generator=gen)
+                with chunk.no_sync() if micro == 0 else nullcontext():
+                    chunk(tokens, labels=torch.roll(tokens, -1, 1)).float().mean().backward()
+            launched = sum(bucket.instances_reduced for bucket in chunk.buckets)
+            finalize_model_grads([chunk])
+            grads = {s.name: (s.start, s.model_grad().detach().clone()) for s in optimizer.shards}
+            optimizer.zero_grad()
+            out[case, overlap] = (launched, len(chunk.buckets), grads)
+    return out
+
+
+def test_hsdp_overlaps_the_reduction_over_the_instances_with_backward(ranks):
+    """With ``overlap_grad_reduce`` each bucket's reduction over the instances is launched during backward,
+    as soon as the next bucket's reduction inside the instance is (:class:`InstanceChain`): when the last
+    microbatch's backward returns, every bucket but the last one launched has it in flight, under each
+    strategy and scope, where without overlap none has. The gradients are the same, bit for bit: the same
+    sums of two, (a + b) + (c + d), at other times."""
+    for rank, out in enumerate(ranks(4).run(_hsdp_overlap_case, timeout=300)):
+        for case in HSDP_OVERLAP:
+            launched, buckets, grads = out[case, True]
+            plain_launched, plain_buckets, plain_grads = out[case, False]
+            print(f"rank {rank} {case}: {launched} of {buckets} buckets launched during backward")
+            assert buckets > 2 and launched == buckets - 1 and plain_launched == 0, case
+            compared = 0
+            for name in set(grads) & set(plain_grads):
+                ours, theirs = _overlapping(grads[name], plain_grads[name])
+                assert torch.equal(ours, theirs), (case, name)
+                compared += ours.numel()
+            assert compared > 0, case
 
 
 # --------------------------------------------------------------------------------------------------

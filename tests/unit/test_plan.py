@@ -1285,14 +1285,49 @@ def test_hsdp_traffic_shards_inside_a_node_and_reduces_the_shards_across_nodes()
     model = StageCostModel(spec, cand, cluster)
     G, P = 8e6, 4e6
     assert model.dp_collective_seconds(G) == pytest.approx(7 * (intra[1] + G / 8 / intra[0]), rel=1e-12)
-    assert model.instance_seconds(G, P) == pytest.approx(2 * (inter[1] + G / 8 / 2 / inter[0]), rel=1e-12)
+    assert model.instance_seconds(G, P) == pytest.approx(
+        (2 * (inter[1] + G / 8 / 2 / inter[0]), 0.0), rel=1e-12
+    )
     outer = StageCostModel(spec, replace(cand, outer_dp_sharding="optim"), cluster)
     assert outer.instance_seconds(G, P) == pytest.approx(
-        (inter[1] + G / 8 / 2 / inter[0]) + (inter[1] + P / 8 / 2 / inter[0]), rel=1e-12
+        (inter[1] + G / 8 / 2 / inter[0], inter[1] + P / 8 / 2 / inter[0]), rel=1e-12
     )
     flat = StageCostModel(spec, replace(cand, instances=1), cluster)
     assert flat.dp_collective_seconds(G) == pytest.approx(15 * (inter[1] + G / 16 / inter[0]), rel=1e-12)
-    assert flat.instance_seconds(G, P) == 0.0
+    assert flat.instance_seconds(G, P) == (0.0, 0.0)
+
+
+def test_the_reduction_over_the_instances_hides_behind_the_last_backward_on_gpus():
+    """Under ``--overlap-grad-reduce`` each bucket's all-reduce over the instances is launched while the
+    last backward still fills buckets (``InstanceChain``): LLaMA-3 8B, ZeRO-3 at DP16 in two instances of
+    one node each, 8 microbatches, 34 buckets. Over fast links between the nodes what the step exposes
+    beyond its compute is well under that all-reduce's time (the last bucket's share follows the
+    reductions inside the node); over slow ones the step exposes all of it but what one microbatch's
+    backward hides. CPU ranks sharing cores run it after everything else, in full."""
+    from planner.costs import StageCostModel
+    from planner.memory import gathered_param_bytes, reduced_grad_bytes, sharded_buckets
+
+    spec = read_input([], preset="llama3-8b").spec
+    cand = Candidate(tp=1, pp=1, dp=16, layout="E,t*32,L", dp_sharding="optim_grads_params", instances=2,
+                     num_microbatches=8)  # fmt: skip
+    for inter_node_gb_s in (25.0, 1.0):
+        cluster = Cluster(16, 8, replace(GPUS["h100"], inter_node_gb_s=inter_node_gb_s))
+        buckets = sum(n for _, n in sharded_buckets(spec, cand, 0))
+        reduce, gather = StageCostModel(spec, cand, cluster).instance_seconds(
+            reduced_grad_bytes(spec, cand, 0), gathered_param_bytes(spec, cand, 0), buckets
+        )
+        estimate = estimate_step(spec, cand, cluster)
+        one_microbatch = estimate.parts.compute / cand.num_microbatches
+        print(
+            f"{inter_node_gb_s} GB/s: all-reduce {reduce:.3f} s, exposed {estimate.exposed_comm_seconds:.3f} s"
+        )
+        assert (buckets, gather) == (34, 0.0)
+        if inter_node_gb_s > 1.0:
+            assert estimate.exposed_comm_seconds < reduce / 4
+        else:
+            assert 0.0 < reduce - estimate.exposed_comm_seconds <= one_microbatch
+        shared = estimate_step(spec, cand, replace(cluster, cores=64))
+        assert shared.exposed_comm_seconds > reduce
 
 
 def test_an_hsdp_candidates_flags_run_and_the_table_shows_it(small):

@@ -21,6 +21,10 @@ by step so that machine noise hits all four alike:
   accumulate over the step's microbatches and are reduce-scattered once, in the last microbatch's
   backward, and ZeRO-3 gathers each bucket at its first use and keeps it until the optimizer step: per
   bucket and step one reduce-scatter and one all-gather, as ``distopt+overlap``.
+* ``hsdp+overlap``: the distributed optimizer in two instances of one rank each
+  (``num_distributed_optimizer_instances=2``, HSDP): nothing to reduce inside an instance, each bucket
+  all-reduced over the two instances, launched during backward as the next bucket's is (the traffic of
+  ``overlap``, and every rank steps the whole optimizer, as in ``plain``);
 * ``fsdp2``: torch's ``fully_shard`` (FSDP2) on the same model, the reference for ``zero3+prefetch``:
   each decoder layer one unit and the rest the root's, resharded after forward and gathered again in
   backward, gradients reduce-scattered every microbatch, the next unit's gather prefetched (torch's
@@ -39,6 +43,7 @@ every rank between barriers and the slowest rank counts. Medians over ``--steps`
     python tools/bench/dp.py --layers 8 --hidden 512 --seq 64 --microbatches 4 --bucket-size 2000000
     python tools/bench/dp.py --configs distopt+overlap zero3+prefetch fsdp2 zero3+step fsdp2+step
                                  # ZeRO-3 against torch's FSDP2 at both scopes
+    python tools/bench/dp.py --configs plain overlap hsdp+overlap   # HSDP's reduction over the instances
     python tools/bench/dp.py --world 1 --configs distopt+overlap zero3+prefetch zero3+step   # on one GPU:
                                  # what sharding costs where there is nothing to share (the issue's <= 1.05x)
 
@@ -109,6 +114,12 @@ CONFIGS = {
         "use_distributed_optimizer": True,
         "data_parallel_sharding_strategy": "optim_grads_params",
         "data_parallel_sharding_scope": "step",
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    },
+    "hsdp+overlap": {
+        "use_distributed_optimizer": True,
+        "num_distributed_optimizer_instances": 2,
         "overlap_grad_reduce": True,
         "overlap_param_gather": True,
     },
@@ -183,9 +194,15 @@ def _fsdp2_step_function(args: argparse.Namespace, step_scope: bool, batches: li
     return step
 
 
+def _instances(name: str) -> int:
+    """The distributed-optimizer instances configuration ``name`` runs in (the ranks split into)."""
+    return CONFIGS.get(name, {}).get("num_distributed_optimizer_instances", 1)
+
+
 def _rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     init_rank(rank, args.world, init_file, threads=max(1, (os.cpu_count() or 2) // args.world))
-    parallel_state.initialize_model_parallel()  # DP = world
+    instances = max(map(_instances, args.configs))
+    parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=instances)  # DP = world
     model_parallel_seed(1234)
     batches = token_batches(args.vocab, args.mbs, args.seq, args.microbatches, seed=rank)
     steps = {name: _step_function(name, args, batches) for name in args.configs}
@@ -229,6 +246,10 @@ def main(argv=None) -> dict:
     )  # fmt: skip
     add_int_flags(parser, steps=10, warmup=2)
     args = parser.parse_args(argv)
+    if args.configs == every:  # by default, what this many ranks can run
+        args.configs = [name for name in every if _instances(name) <= args.world]
+    if too_big := [name for name in args.configs if _instances(name) > args.world]:
+        parser.error(f"{', '.join(too_big)} needs --world 2 (two distributed-optimizer instances)")
     times = spawn(_rank, args, world=args.world)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     base = "plain" if "plain" in medians else next(iter(medians))
