@@ -388,7 +388,7 @@ class DistributedDataParallel(nn.Module):
             if bucket is None:
                 return
             if bucket.state != IDLE:
-                bucket.check_accumulation_allowed(param)  # raises before the buffer is touched
+                bucket.check_accumulation_allowed(param)  # raises (where grad is main_grad, autograd added)
             # Identity, not data pointers: fake tensors (the planner's dry run) have none.
             grad, main_grad = param.grad, param.main_grad
             if grad is not None and grad is not main_grad:

@@ -327,11 +327,13 @@ class Bucket:
 
     def check_accumulation_allowed(self, param: torch.nn.Parameter) -> None:
         """Refuse a gradient arriving after this bucket's reduction began: it would be silently lost
-        (or half-reduced). The usual cause is a missing ``zero_grad_buffer()`` between steps."""
+        (or half-reduced). The usual causes: a missing ``zero_grad_buffer()`` between steps, or, with
+        overlap, microbatches accumulated outside ``no_sync()`` (each backward counts as a step's last)."""
         if self.state != IDLE:
             raise RuntimeError(
                 f"gradient for {self._name(param)} arrived after its bucket was {self.state}; "
-                "call zero_grad_buffer() (or optimizer.zero_grad()) before the next step"
+                "call zero_grad_buffer() (or optimizer.zero_grad()) before the next step, and with "
+                "overlap_grad_reduce run every microbatch but a step's last inside no_sync()"
             )
 
     def reset(self) -> None:

@@ -29,9 +29,10 @@ When that happens is the *scope* (``ReduceOptions.step_scope``, ``--data-paralle
   asynchronous reduce-scatter has not landed yet. The sum of the per-microbatch reductions is the
   reduction of the sum, up to the order of fp32 additions. A bucket whose parameters do not all get a
   gradient in a microbatch simply keeps accumulating until they do, or until the step's
-  ``finish_grad_sync``. With ``overlap_grad_reduce`` the reduction of the last microbatch (outside
-  ``no_sync``) is the step's: it launches the bucket's step reduction, as at step scope, and a gradient
-  arriving after it is refused.
+  ``finish_grad_sync``. Under HSDP with ``overlap_grad_reduce`` the reduction of the last microbatch
+  (outside ``no_sync``) is the step's: it launches the bucket's step reduction, as at step scope, so
+  that the reduction over the instances can follow it during backward, and a gradient arriving after
+  it is refused.
 
 **Parameters (optim_grads_params).** The persistent ``param_shard`` (1/DP) is what the optimizer
 updates; ``param_data`` (the full bucket, which every parameter's ``.data`` views) is gathered just
@@ -250,10 +251,10 @@ class ShardedBucket(Bucket):
 
     def note_grad(self, param: torch.nn.Parameter) -> None:
         """``param``'s gradient of this microbatch is in. At microbatch scope the bucket's last reduces
-        the microbatch; with ``overlap_grad_reduce``, the last of the last microbatch (outside
-        ``no_sync``) launches the step's reduction at either scope, as ZeRO-1's overlap does (without it,
-        ``finish_grad_sync`` reduces). Under ZeRO-3 the bucket's last ends the backward that gathered the
-        parameters."""
+        the microbatch; at step scope (and under HSDP at either), with ``overlap_grad_reduce``, the last
+        of the last microbatch (outside ``no_sync``) launches the step's reduction, as ZeRO-1's overlap
+        does (without it, ``finish_grad_sync`` reduces). Under ZeRO-3 the bucket's last ends the backward
+        that gathered the parameters."""
         if self.step_scope and self.options.async_op and self.is_last_microbatch:
             self._ready.add(id(param))
             if len(self._ready) == len(self.params):
@@ -262,8 +263,8 @@ class ShardedBucket(Bucket):
         if len(self._reported) < len(self.params):
             return
         self._reported.clear()
-        if not self.step_scope and self.options.async_op and self.is_last_microbatch:
-            self.start_grad_sync()  # the step's last reduction of the bucket: launched, as at step scope
+        if not self.step_scope and self.is_last_microbatch and self.options.async_op and self.instances > 1:
+            self.start_grad_sync()  # the step's last reduction: HSDP's over the instances can follow
         elif not self.step_scope:
             self._reduce_microbatch()
         if self.shards_params:

@@ -209,6 +209,27 @@ def test_state_dict_round_trip_through_safetensors_and_json_continues_bit_identi
         assert torch.equal(optimizer.get_main_param(p), resumed_opt.get_main_param(q))
 
 
+def test_a_gradient_after_its_bucket_was_launched_is_refused_naming_both_causes():
+    """With ``overlap_grad_reduce`` a backward outside ``no_sync()`` is a step's last: its bucket launches
+    its reduction, and a further backward before ``zero_grad_buffer()`` would add into a buffer being
+    reduced. It is refused in one line naming the parameter and both fixes (where ``.grad`` is ``main_grad``
+    itself, as for these fp32 parameters, autograd has added into the buffer before the hook runs)."""
+    ddp = DistributedDataParallel(None, DistributedDataParallelConfig(overlap_grad_reduce=True), _Net())
+    ddp(_tokens(0)).backward()
+    with pytest.raises(RuntimeError) as refused:
+        ddp(_tokens(1)).backward()
+    assert str(refused.value) == (
+        "gradient for out.bias arrived after its bucket was launched; call zero_grad_buffer() (or "
+        "optimizer.zero_grad()) before the next step, and with overlap_grad_reduce run every microbatch "
+        "but a step's last inside no_sync()"
+    )
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        ddp(_tokens(0)).backward()
+    ddp(_tokens(1)).backward()  # accumulated, then the step's last
+    ddp.finish_grad_sync()
+
+
 def test_zero_grad_starts_a_step_whose_first_gradients_overwrite_the_last_steps():
     """No pass zeroes the buffers between steps: ``.grad`` is None until a parameter's first gradient
     of the step, which overwrites the stale ``main_grad``; the result is this step's gradients alone."""
