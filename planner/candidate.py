@@ -60,6 +60,9 @@ class Candidate:
     outer_dp_sharding: str = "no_shard"
     """``--outer-dp-sharding-strategy``: ``optim`` splits each shard's optimizer state over the instances
     too (ZeRO-3 only), ``no_shard`` keeps a whole optimizer per instance."""
+    communication_unit_size: int | None = None
+    """``--suggested-communication-unit-size`` the user fixed: the elements ZeRO-2/3's reductions under way
+    (and, halved, ZeRO-3's prefetched gathers) may hold at microbatch scope; None, Trident's defaults."""
 
     @property
     def distributed_optimizer(self) -> bool:
@@ -183,6 +186,8 @@ class Candidate:
             out += ["--num-distributed-optimizer-instances", str(self.instances)]
         if self.outer_sharded:
             out += ["--outer-dp-sharding-strategy", "optim"]
+        if self.communication_unit_size is not None:
+            out += ["--suggested-communication-unit-size", str(self.communication_unit_size)]
         if self.distributed_optimizer:
             out.append("--overlap-param-gather")
         return out

@@ -54,6 +54,7 @@ _ALSO_PLANNED = (
     "data_parallel_sharding_scope",
     "num_distributed_optimizer_instances",
     "outer_dp_sharding_strategy",
+    "suggested_communication_unit_size",
     "overlap_grad_reduce",
     "overlap_param_gather",
     "global_batch_size",
@@ -203,6 +204,8 @@ def _fixed_instances(given: argparse.Namespace, strategy: str | None) -> dict:
         fixed["instances"] = instances
     if "outer_dp_sharding_strategy" in given.explicit_args:
         fixed["outer_dp_sharding"] = outer
+    if given.suggested_communication_unit_size is not None:
+        fixed["communication_unit_size"] = given.suggested_communication_unit_size
     return fixed
 
 

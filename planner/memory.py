@@ -71,6 +71,15 @@ chunk's own weights: the running layer and the prefetched next one; the layer in
 reductions in flight (``core.distributed.sharded_bucket.MAX_IN_FLIGHT``)."""
 
 
+def units_in_flight(layer: int, unit_size: int | None) -> tuple[int, int]:
+    """:data:`UNITS_IN_FLIGHT` for layers of ``layer`` elements, or under ``--suggested-communication-unit-size``
+    ``unit_size``: the running layer and the next ones whose gathers fit in half of it; the layer in
+    backward and the reductions whose full buckets fit in it (at least one)."""
+    if unit_size is None or layer == 0:
+        return UNITS_IN_FLIGHT
+    return 1 + unit_size // 2 // layer, 1 + max(1, unit_size // layer)
+
+
 @dataclass
 class RankMemory:
     """Bytes one rank holds: the breakdown and the peaks (the report's columns)."""
@@ -234,7 +243,8 @@ def _static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, shardin
 def _cached_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, sharding) -> _Static:
     """:func:`_rank_static` once per split, rank and sharding; ZeRO-2/3 start from ZeRO-1's figures."""
     key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
-           cand.distributed_optimizer, cand.instances, cand.outer_sharded, pp_rank, device, sharding)  # fmt: skip
+           cand.distributed_optimizer, cand.instances, cand.outer_sharded, pp_rank, device, sharding,
+           cand.communication_unit_size)  # fmt: skip
     if key not in _STATIC:
         if len(_STATIC) > 1 << 16:
             _STATIC.clear()
@@ -354,9 +364,11 @@ def _sharded_static(spec: ModelSpec, cand: Candidate, chunks, sharding) -> tuple
     params, grads = full * B / (shards if zero3 else 1), full * G / shards
     if scope == "step":
         return params, grads, full * (G + (B if zero3 else 0)), full * B if zero3 else 0.0
-    gathers, reductions = UNITS_IN_FLIGHT
-    in_flight_params = max(own + layer * min(n, gathers) for own, layer, n in units)
-    in_flight_grads = max(own + layer * min(n, reductions) for own, layer, n in units)
+    in_flight_params = in_flight_grads = 0
+    for own, layer, n in units:
+        gathers, reductions = units_in_flight(layer, cand.communication_unit_size)
+        in_flight_params = max(in_flight_params, own + layer * min(n, gathers))
+        in_flight_grads = max(in_flight_grads, own + layer * min(n, reductions))
     return params, grads, in_flight_grads * G + (in_flight_params * B if zero3 else 0), 0.0
 
 

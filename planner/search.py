@@ -175,6 +175,8 @@ class _Space:
     """``--num-distributed-optimizer-instances`` the user fixed, else None: on more than one node the
     search also tries one instance per node (:func:`_instance_options`)."""
     outer_dp_sharding: str | None = None
+    communication_unit_size: int | None = None
+    """``--suggested-communication-unit-size`` the user fixed (every candidate carries it)."""
 
 
 def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
@@ -200,6 +202,7 @@ def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
         dp_sharding_scope=fixed.get("dp_sharding_scope", "auto"),
         instances=fixed.get("instances"),
         outer_dp_sharding=fixed.get("outer_dp_sharding"),
+        communication_unit_size=fixed.get("communication_unit_size"),
     )
 
 
@@ -348,6 +351,7 @@ def _fitting(
                     base = Candidate(
                         tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, micro_batch_size=mbs,
                         num_microbatches=m, dp_sharding_scope=space.dp_sharding_scope,
+                        communication_unit_size=space.communication_unit_size,
                     )  # fmt: skip
                     strategies = _strategies(spec, space, base, allow_distributed_optimizer, rejected)
                     rungs = [

@@ -34,6 +34,7 @@ from planner.memory import (
     reduced_grad_bytes,
     sharded_buckets,
     stepped_tensors,
+    units_in_flight,
 )
 from planner.model_spec import ModelSpec
 from planner.shared_cores import time_shared
@@ -344,7 +345,8 @@ def _microbatch_traffic(spec, cand: Candidate, model: StageCostModel, rank: int,
         if zero3 and action.kind in (F, B, I):
             gather = model.dp_collective_seconds(elements * spec.bytes_per_value, n, "all_gather")
             jobs.append((starts[i], gather, 0.0))
-            exposed += gather / n
+            prefetched = units_in_flight(elements // n, cand.communication_unit_size)[0] > 1
+            exposed += gather / n if prefetched else gather  # no prefetch: every layer waits for its own
         if action.kind in (B, W):
             reduce = model.dp_collective_seconds(elements * grad_bytes, n)
             jobs.append((starts[i], reduce, ends[i] + reduce / n))

@@ -114,6 +114,7 @@ def _reduce_options(
         shard_grads=ddp_config.shard_grads,
         shard_params=ddp_config.shard_params,
         step_scope=scope == "step",
+        in_flight_elements=ddp_config.suggested_communication_unit_size,
         outer_shard=ddp_config.shard_outer,
     )
 
@@ -264,7 +265,7 @@ class DistributedDataParallel(nn.Module):
     def _register_unit_hooks(self) -> None:
         """ZeRO-3: each unit (the chunk's own weights, then each layer) gathers around its use; with
         ``overlap_param_gather`` it prefetches its neighbour's (the next in forward, the previous in
-        backward)."""
+        backward), or with ``suggested_communication_unit_size`` the neighbours' that fit (:func:`_prefetched`)."""
         layers = layer_units(self.module)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         units = []
@@ -274,13 +275,17 @@ class DistributedDataParallel(nn.Module):
             if buckets:
                 units.append((unit, buckets))
         prefetch = self.ddp_config.overlap_param_gather
+        budget = self.ddp_config.suggested_communication_unit_size
         for index, (unit, buckets) in enumerate(units):
-            after = units[index + 1][1] if prefetch and index + 1 < len(units) else []
-            before = units[index - 1][1] if prefetch and index > 1 else []  # the chunk's own stays gathered
-            if unit is self.module and prefetch and len(units) > 1:
-                before = units[-1][1]  # the chunk's backward starts with its last layer's
+            after = [group for _, group in units[index + 1 :]]
+            before = [group for _, group in reversed(units[1:index])]  # the chunk's own stays gathered
+            if unit is self.module:  # its backward starts with the last layer's
+                before = [group for _, group in reversed(units[1:])]
             self._hook_handles += register_unit_hooks(
-                unit, buckets, next_in_forward=after, next_in_backward=before
+                unit,
+                buckets,
+                next_in_forward=_prefetched(after, budget) if prefetch else [],
+                next_in_backward=_prefetched(before, budget) if prefetch else [],
             )
 
     def persistent_bytes(self) -> dict[str, int]:
@@ -505,6 +510,21 @@ class DistributedDataParallel(nn.Module):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
         self.keep_gathered_params()
+
+
+def _prefetched(units: list[list[ShardedBucket]], budget: int | None) -> list[ShardedBucket]:
+    """The buckets ZeRO-3 prefetches of ``units`` (each unit's buckets, in the order they will be used):
+    the next unit's, or with ``budget`` (``suggested_communication_unit_size``) the next units' while
+    together they hold at most half of it (Megatron-FSDP's all-gather prefetch size), maybe none."""
+    if budget is None:
+        return list(units[0]) if units else []
+    chosen, elements = [], 0
+    for buckets in units:
+        elements += sum(bucket.param_data.numel() for bucket in buckets)
+        if elements > budget // 2:
+            break
+        chosen += buckets
+    return chosen
 
 
 def multi_no_sync(chunks: list[nn.Module]):

@@ -94,6 +94,14 @@ class DistributedDataParallelConfig:
     behaviour, least memory). Between steps a rank holds 1/DP of what the strategy shards either way.
     Irrelevant to ``no_shard`` and ``optim``, which refuse ``step`` and ``microbatch``."""
 
+    suggested_communication_unit_size: int | None = flag(None, group="distributed")
+    """Megatron-FSDP's: how many elements ZeRO-2/3 keep in flight. At microbatch scope the reduce-scatters
+    under way hold at most this many elements of full gradient buckets (a new one lands the oldest until
+    they fit; one may always run), and with ``overlap_param_gather`` ZeRO-3 prefetches the next units'
+    all-gathers, in use order, while together they hold at most half of it (none when the next unit alone
+    is larger). None: two reductions in flight and the next unit prefetched. No effect on ``no_shard``
+    and ``optim``, whose buckets stay whole."""
+
     overlap_param_gather: bool = flag(False, group="distributed")
     """With the distributed optimizer: launch the parameter all-gathers asynchronously after the
     step and let each module's forward pre-hook wait for its own bucket."""
@@ -118,10 +126,10 @@ class DistributedDataParallelConfig:
             )
         self._check_instances()
         self._check_scope()
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise ValueError(
-                f"bucket_size must be a positive number of elements or None, got {self.bucket_size}"
-            )
+        for name in ("bucket_size", "suggested_communication_unit_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive number of elements or None, got {value!r}")
 
     def _resolve_sharding_strategy(self) -> None:
         strategy = self.data_parallel_sharding_strategy

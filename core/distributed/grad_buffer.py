@@ -86,6 +86,9 @@ class ReduceOptions:
     """ZeRO-2/3 at step scope (``data_parallel_sharding_scope``): gradients accumulate in the full bucket
     over the step and are reduce-scattered once, after the last microbatch; ZeRO-3's parameters, once
     gathered, stay until the optimizer step (one gather a step)."""
+    in_flight_elements: int | None = None
+    """ZeRO-2/3 at microbatch scope: the full-bucket elements the reductions under way may hold together
+    (``suggested_communication_unit_size``; None: ``MAX_IN_FLIGHT`` reductions)."""
     outer_shard: bool = False
     """With distributed-optimizer instances (an ``inter_group``): split each shard's optimizer range once
     more over the instances (Megatron-FSDP's outer ``optim``) instead of replicating it."""

@@ -76,7 +76,8 @@ from core.distributed.grad_buffer import IDLE, LAUNCHED, Bucket, GradBuffer
 
 MAX_IN_FLIGHT = 2
 """Asynchronous microbatch reductions a buffer lets run at once (``overlap_grad_reduce``): each keeps its
-full bucket until it lands, so launching a third lands the oldest."""
+full bucket until it lands, so launching a third lands the oldest (``suggested_communication_unit_size``
+counts elements instead)."""
 
 
 _RESIZE_OBSERVERS: list[Callable[[torch.UntypedStorage], None]] = []
@@ -287,8 +288,16 @@ class ShardedBucket(Bucket):
             return
         queue = self.in_flight_queue  # each reduction in flight holds a full bucket: land the oldest
         queue.append(self)
-        while len(queue) > MAX_IN_FLIGHT:
+        while len(queue) > 1 and self._too_many_in_flight(queue):
             queue.pop(0)._land_reduction()
+
+    def _too_many_in_flight(self, queue: list[ShardedBucket]) -> bool:
+        """More than ``MAX_IN_FLIGHT`` reductions under way, or with ``in_flight_elements`` more full-bucket
+        elements than that (Megatron-FSDP's ``suggested_communication_unit_size``)."""
+        capacity = self.options.in_flight_elements
+        if capacity is None:
+            return len(queue) > MAX_IN_FLIGHT
+        return sum(bucket.grad_data.numel() for bucket in queue) > capacity
 
     def _land_reduction(self) -> None:
         """Wait for the reduction in flight, add this rank's reduced shard into ``grad_shard``, free the bucket."""

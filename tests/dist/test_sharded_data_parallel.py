@@ -71,7 +71,7 @@ def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float],
     from core.distributed.finalize_model_grads import finalize_model_grads
     from core.distributed.sharding_units import layer_units
 
-    losses, peak = [], [0]
+    losses, peak, in_flight = [], [0], 0
     layers = layer_units(chunk.module)
     layer_buckets = {id(chunk.param_to_bucket[p]) for layer in layers for p in layer.parameters()}
 
@@ -90,6 +90,8 @@ def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float],
                 loss = chunk(tokens, labels=torch.roll(tokens, -1, 1)).float().mean() / 2
                 loss.backward()
             losses.append(float(loss.detach()))
+        queues = [getattr(b, "in_flight_queue", []) for b in chunk.buckets]
+        in_flight = max(in_flight, *map(len, queues))  # microbatch reductions not landed when backward ends
         finalize_model_grads([chunk])  # DP, and over TP the sequence-parallel norms' gradients
         applied, grad_norm, _ = optimizer.step()
         assert applied
@@ -98,6 +100,7 @@ def _steps(chunk, optimizer, dp_rank: int, steps: int = 3) -> tuple[list[float],
         handle.remove()
     between_steps = chunk.persistent_bytes()
     between_steps["layers gathered at once"] = peak[0]
+    between_steps["reductions in flight"] = in_flight
     between_steps["buckets"] = len(chunk.buckets)
     between_steps["traffic"] = sorted(
         {(getattr(b, "reductions", 1), getattr(b, "gathers", 1)) for b in chunk.buckets}
@@ -808,6 +811,53 @@ def test_hsdp_through_pretrain_gives_the_unsharded_losses_and_its_checkpoints_lo
         "no_shard DP4": [],
     }
     _assert_resumed_losses(ranks(4), data_prefix, load, straight, splits, "HSDP")
+
+
+def _communication_unit_case(rank, world_size):
+    """ZeRO-3 at microbatch scope with overlap under three ``suggested_communication_unit_size`` s (None, one
+    element, and room for two layers' gathers): losses and weights, how many layers were gathered at once
+    in forward and how many microbatch reductions were under way when backward ended; and a layer's
+    elements."""
+    from core import parallel_state as ps
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.tensor_parallel.random import model_parallel_seed
+
+    ps.initialize_model_parallel()
+    dp_rank = ps.get_data_parallel_rank()
+    torch.manual_seed(0)
+    model_parallel_seed(1234)
+    reference = _chunk("optim_grads_params", 1, False, None)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}  # gathered whole
+    first_layer = next(iter(reference.module.decoder.layers.values()))
+    layer = reference.param_to_bucket[next(first_layer.parameters())]
+    elements = layer.param_data.numel()  # one bucket a layer
+    out = {}
+    for name, size in (("default", None), ("one element", 1), ("two layers' gathers", 4 * elements)):
+        chunk = _chunk("optim_grads_params", 1, False, initial, suggested_communication_unit_size=size)
+        optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
+        losses, between_steps = _steps(chunk, optimizer, dp_rank)
+        weights = {n: p.detach().clone() for n, p in chunk.module.named_parameters()}
+        out[name] = (losses, weights, between_steps, len(chunk.buckets))
+    return out
+
+
+def test_the_suggested_communication_unit_size_bounds_what_zero3_keeps_in_flight(ranks):
+    """``--suggested-communication-unit-size`` (Megatron-FSDP's): the microbatch reduce-scatters under way
+    hold at most that many elements of full buckets, and ZeRO-3 prefetches the next layers while their
+    gathers hold at most half of it. One element: one reduction at a time and no prefetch (one layer
+    gathered at a time); room for two layers' gathers: two layers prefetched beside the running one, and
+    every bucket's last reduction still under way when backward ends; None keeps the defaults (two
+    reductions, the next layer). The same additions in the same order, at other times: losses, norms and
+    weights bit for bit."""
+    for rank, out in enumerate(ranks(2).run(_communication_unit_case, timeout=300)):
+        losses, weights, default, buckets = out["default"]
+        expected = {"default": (2, 2), "one element": (1, 1), "two layers' gathers": (3, buckets)}
+        for name, (gathered, in_flight) in expected.items():
+            their_losses, their_weights, measured, _ = out[name]
+            print(f"rank {rank} {name}: {measured}")
+            assert (measured["layers gathered at once"], measured["reductions in flight"]) == (gathered, in_flight)
+            assert their_losses == losses, name
+            assert all(torch.equal(their_weights[n], w) for n, w in weights.items()), name
 
 
 HSDP_OVERLAP = {  # (strategy, outer strategy, scope)

@@ -1330,6 +1330,34 @@ def test_the_reduction_over_the_instances_hides_behind_the_last_backward_on_gpus
         assert shared.exposed_comm_seconds > reduce
 
 
+def test_the_memory_model_holds_what_the_suggested_communication_unit_size_keeps_in_flight():
+    """ZeRO-3 at microbatch scope: beside its chunk's own weights a rank holds two layers' parameters (the
+    running one, the next prefetched) and three layers' gradients (the one in backward, two reductions
+    under way); with ``--suggested-communication-unit-size`` U, 1 + U/2 // layer and 1 + max(1, U // layer)
+    (``core.distributed``: gathers prefetched within half of U, reductions within U). The printed command
+    carries the flag, and without prefetch every layer's gather is exposed."""
+    from planner.memory import _sharded_units, units_in_flight
+
+    spec = _fp8_spec(fp8=False, num_layers=8)
+    base = Candidate(tp=1, pp=1, dp=2, layout="E,t*8,L", dp_sharding="optim_grads_params", num_microbatches=2)
+    _, layer, layers = _sharded_units(spec, base, base.symbols(0, 0), True)
+    values, grads = spec.bytes_per_value, 4
+    assert layers == 8
+    assert units_in_flight(layer, None) == (2, 3)
+    assert units_in_flight(layer, 1) == (1, 2)
+    assert units_in_flight(layer, 6 * layer) == (4, 7)
+    default = candidate_memory(spec, base)[0].gathered
+    for size, (gathers, reductions) in ((1, (1, 2)), (6 * layer, (4, 7))):
+        cand = replace(base, communication_unit_size=size)
+        extra = layer * ((gathers - 2) * values + (reductions - 3) * grads)
+        assert candidate_memory(spec, cand)[0].gathered == pytest.approx(default + extra, rel=1e-12), size
+        assert cand.flags()[-3:-1] == ["--suggested-communication-unit-size", str(size)]
+    cluster = Cluster(2, 8, GPUS["h100"])
+    exposed = {size: estimate_step(spec, replace(base, communication_unit_size=size), cluster).exposed_comm_seconds
+               for size in (None, 1, 6 * layer)}  # fmt: skip
+    assert exposed[1] > exposed[None] == exposed[6 * layer]
+
+
 def test_an_hsdp_candidates_flags_run_and_the_table_shows_it(small):
     """The printed flags carry the instances and the outer strategy, and the training flags accept them."""
     from planner.report import candidate_args

@@ -143,6 +143,10 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
                 "--num-distributed-optimizer-instances 2 or more"
             ),
         ),
+        (
+            "--use-megatron-fsdp --suggested-communication-unit-size 0",
+            "--suggested-communication-unit-size must be a positive number of elements, got 0",
+        ),
     ],
 )
 def test_contradicting_strategies_are_one_line(argv, message):
@@ -191,7 +195,18 @@ def test_contradicting_strategies_are_one_line(argv, message):
                 "reduce-scatters per bucket; a rank holds only the layers in flight during the step, 1/DP between steps"
             ),
         ),
+        (
+            "--use-megatron-fsdp --overlap-grad-reduce --overlap-param-gather --suggested-communication-unit-size 3000000",
+            "microbatch",
+            (
+                "data-parallel sharding: optim_grads_params (ZeRO-3) at microbatch scope (auto: no pipeline), per step "
+                "2M = 16 all-gathers, M = 8 reduce-scatters per bucket; a rank holds only the layers in flight "
+                "(reduce-scatters in flight up to 3,000,000 elements, all-gathers prefetched up to 1,500,000: "
+                "--suggested-communication-unit-size) during the step, 1/DP between steps"
+            ),
+        ),
         ("--use-distributed-optimizer", "auto", None),
+        ("--use-distributed-optimizer --suggested-communication-unit-size 3000000", "auto", None),
     ],
 )
 def test_the_sharding_scope_follows_the_pipeline_and_the_start_report_states_its_traffic(argv, scope, line):
@@ -222,10 +237,6 @@ def test_the_sharding_scope_follows_the_pipeline_and_the_start_report_states_its
                 "Trident does not support --megatron-fsdp-version 2: Trident's Megatron-FSDP is version 1, "
                 f"Megatron's default; {_INSTEAD}"
             ),
-        ),
-        (
-            "--suggested-communication-unit-size 1000",
-            f"Trident does not support --suggested-communication-unit-size yet: {_NOT_YET}",
         ),
         (
             "--megatron-fsdp-grad-comm-dtype bf16",

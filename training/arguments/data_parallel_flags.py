@@ -97,6 +97,11 @@ def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
         "--data-parallel-sharding-strategy no_shard (as in Megatron-FSDP): every rank holds the whole model "
         "anyway; drop the flag or pick a sharding strategy",
     )
+    unit = args.suggested_communication_unit_size
+    _require(
+        unit is None or unit > 0,
+        f"--suggested-communication-unit-size must be a positive number of elements, got {unit}",
+    )
     scope = args.data_parallel_sharding_scope
     _require(
         scope == "auto" or strategy in ZERO_STRATEGIES,
@@ -190,9 +195,16 @@ def sharding_report(args: argparse.Namespace) -> list[str]:
     pp = args.pipeline_model_parallel_size
     why = f" (auto: {f'{pp} pipeline stages' if pp > 1 else 'no pipeline'})"
     why = "" if "data_parallel_sharding_scope" in args.explicit_args else why
+    unit = args.suggested_communication_unit_size
+    limits = []
+    if unit is not None and scope != "step":
+        limits.append(f"reduce-scatters in flight up to {unit:,} elements")
+    if unit is not None and zero3 and args.overlap_param_gather:
+        limits.append(f"all-gathers prefetched up to {unit // 2:,}")
+    limits = f" ({', '.join(limits)}: --suggested-communication-unit-size)" if limits else ""
     return [
         (
             f"data-parallel sharding: {strategy} ({'ZeRO-3' if zero3 else 'ZeRO-2'}) at {scope} scope{why}, "
-            f"per step {traffic}; a rank holds {held} during the step, 1/DP between steps"
+            f"per step {traffic}; a rank holds {held}{limits} during the step, 1/DP between steps"
         )
     ]

@@ -429,7 +429,6 @@ COVERAGE: dict[str, Coverage] = {
     "--megatron-fsdp-version 2": unsupported(
         "Trident's Megatron-FSDP is version 1, Megatron's default; " + _FSDP_INSTEAD
     ),
-    "--suggested-communication-unit-size": not_yet(_FSDP_NOT_YET),
     **dict.fromkeys(
         ("--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"),
         no_effect(
