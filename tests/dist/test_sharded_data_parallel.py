@@ -622,19 +622,24 @@ def _pool_run(pool, flags):
 # --------------------------------------------------------------------------------------------------
 
 
-def _fully_shard_case(rank, world_size):
-    from torch.distributed.fsdp import fully_shard
-
+def _seeded_zero3_chunk():
+    """DP = world: this rank's DP rank, a ZeRO-3 chunk from the seeded initialisation, and its whole weights."""
     from core import parallel_state as ps
-    from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.tensor_parallel.random import model_parallel_seed
 
     ps.initialize_model_parallel()
-    dp_rank = ps.get_data_parallel_rank()
     torch.manual_seed(0)
     model_parallel_seed(1234)
-    ours = _chunk("optim_grads_params", 1, False, None)
-    initial = {k: v.clone() for k, v in ours.state_dict().items()}  # gathers first
+    chunk = _chunk("optim_grads_params", 1, False, None)
+    return ps.get_data_parallel_rank(), chunk, {k: v.clone() for k, v in chunk.state_dict().items()}  # gathered
+
+
+def _fully_shard_case(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    dp_rank, ours, initial = _seeded_zero3_chunk()
     config = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=True)
     _steps(ours, get_megatron_optimizer(config, [ours], fused=False), dp_rank)
     # torch: each decoder layer and the rest its own FSDP unit, as ZeRO-3's units; gradients reduced
@@ -818,16 +823,9 @@ def _communication_unit_case(rank, world_size):
     element, and room for two layers' gathers): losses and weights, how many layers were gathered at once
     in forward and how many microbatch reductions were under way when backward ended; and a layer's
     elements."""
-    from core import parallel_state as ps
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from core.tensor_parallel.random import model_parallel_seed
 
-    ps.initialize_model_parallel()
-    dp_rank = ps.get_data_parallel_rank()
-    torch.manual_seed(0)
-    model_parallel_seed(1234)
-    reference = _chunk("optim_grads_params", 1, False, None)
-    initial = {k: v.clone() for k, v in reference.state_dict().items()}  # gathered whole
+    dp_rank, reference, initial = _seeded_zero3_chunk()
     first_layer = next(iter(reference.module.decoder.layers.values()))
     layer = reference.param_to_bucket[next(first_layer.parameters())]
     elements = layer.param_data.numel()  # one bucket a layer
@@ -850,7 +848,7 @@ def test_the_suggested_communication_unit_size_bounds_what_zero3_keeps_in_flight
     reductions, the next layer). The same additions in the same order, at other times: losses, norms and
     weights bit for bit."""
     for rank, out in enumerate(ranks(2).run(_communication_unit_case, timeout=300)):
-        losses, weights, default, buckets = out["default"]
+        losses, weights, _, buckets = out["default"]
         expected = {"default": (2, 2), "one element": (1, 1), "two layers' gathers": (3, buckets)}
         for name, (gathered, in_flight) in expected.items():
             their_losses, their_weights, measured, _ = out[name]
@@ -922,7 +920,7 @@ def test_hsdp_overlaps_the_reduction_over_the_instances_with_backward(ranks):
     for rank, out in enumerate(ranks(4).run(_hsdp_overlap_case, timeout=300)):
         for case in HSDP_OVERLAP:
             launched, buckets, grads = out[case, True]
-            plain_launched, plain_buckets, plain_grads = out[case, False]
+            plain_launched, _, plain_grads = out[case, False]
             print(f"rank {rank} {case}: {launched} of {buckets} buckets launched during backward")
             assert buckets > 2 and launched == buckets - 1 and plain_launched == 0, case
             compared = 0
