@@ -115,6 +115,7 @@ def _reduce_options(
         shard_params=ddp_config.shard_params,
         step_scope=scope == "step",
         in_flight_elements=ddp_config.suggested_communication_unit_size,
+        comm_dtype=ddp_config.grad_comm_dtype,
         outer_shard=ddp_config.shard_outer,
     )
 

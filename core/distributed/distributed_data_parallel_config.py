@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from core.flags import flag, not_a_flag
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Megatron's dtype names (``--megatron-fsdp-*-dtype``), ``auto`` aside."""
 
 ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
 SHARDING_STRATEGIES: tuple[str, ...] = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -106,6 +111,13 @@ class DistributedDataParallelConfig:
     """With the distributed optimizer: launch the parameter all-gathers asynchronously after the
     step and let each module's forward pre-hook wait for its own bucket."""
 
+    megatron_fsdp_grad_comm_dtype: Literal["fp32", "bf16", "fp16", "auto"] = flag(
+        "auto", group="mixed precision"
+    )
+    """The dtype gradients travel in when reduced (Megatron-FSDP's): each bucket is cast to it for its
+    reduction (and each shard for the one over the distributed-optimizer instances) and the result cast
+    back into the gradient buffer. ``auto``: the gradients' own dtype, no copy."""
+
     check_for_nan_in_grad: bool = not_a_flag(False)
     """Raise, naming the parameters, if a bucket holds NaN or Inf before it is reduced."""
 
@@ -126,6 +138,11 @@ class DistributedDataParallelConfig:
             )
         self._check_instances()
         self._check_scope()
+        if self.megatron_fsdp_grad_comm_dtype not in (*DTYPES, "auto"):
+            raise ValueError(
+                f"megatron_fsdp_grad_comm_dtype must be one of {', '.join(DTYPES)} or auto; "
+                f"got {self.megatron_fsdp_grad_comm_dtype!r}"
+            )
         for name in ("bucket_size", "suggested_communication_unit_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -200,6 +217,11 @@ class DistributedDataParallelConfig:
                 "outer_dp_sharding_strategy='optim' shards over the distributed-optimizer instances: it needs "
                 "num_distributed_optimizer_instances > 1"
             )
+
+    @property
+    def grad_comm_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in, None for their own (``megatron_fsdp_grad_comm_dtype``)."""
+        return DTYPES.get(self.megatron_fsdp_grad_comm_dtype)
 
     @property
     def shard_outer(self) -> bool:

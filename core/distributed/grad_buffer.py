@@ -82,6 +82,9 @@ class ReduceOptions:
     :mod:`core.distributed.sharded_bucket`)."""
     shard_params: bool = False
     """Keep only the shard of the parameters between uses (ZeRO-3)."""
+    comm_dtype: torch.dtype | None = None
+    """The dtype a reduction sends (``megatron_fsdp_grad_comm_dtype``): the bucket is cast to it and the
+    result cast back; None, or the gradients' own, sends the buffer itself."""
     step_scope: bool = False
     """ZeRO-2/3 at step scope (``data_parallel_sharding_scope``): gradients accumulate in the full bucket
     over the step and are reduce-scattered once, after the last microbatch; ZeRO-3's parameters, once
@@ -173,6 +176,8 @@ class Bucket:
         self.handle: dist.Work | None = None
         self.param_handle: dist.Work | None = None
         self.instance_handle: dist.Work | None = None  # the reduction over the instances, in flight
+        self.comm: torch.Tensor | None = None  # a reduction's copy in options.comm_dtype, until it lands
+        self.instance_comm: torch.Tensor | None = None  # the same for the reduction over the instances
         self.instances_reduced = False  # this step's reduction over the instances is launched or done
         self.instance_chain = InstanceChain()  # the model chunk's wrapper gives all its buckets one
         self._ready: set[int] = set()
@@ -206,14 +211,23 @@ class Bucket:
         if self.instances == 1 or not self.options.shard or self.instances_reduced:
             return None
         self.instances_reduced = True
+        shard = self._in_comm_dtype(self.grad_shard)
+        self.instance_comm = shard if shard is not self.grad_shard else None
         if not self.options.outer_shard:
-            return dist.all_reduce(self.grad_shard, group=self.inter_group, async_op=async_op)
+            return dist.all_reduce(shard, group=self.inter_group, async_op=async_op)
+        lo, hi = self._instance_span()
+        return reduce_scatter(
+            shard[lo:hi], shard, self.inter_group, native=self.native_inter, async_op=async_op
+        )
+
+    def _instance_span(self) -> tuple[int, int]:
+        """The part of ``grad_shard`` the reduction over the instances leaves reduced for this rank: all of
+        it, or with the outer sharding this instance's piece."""
+        if not self.options.outer_shard:
+            return 0, self.shard_size
         lo, hi = self.owned_span()
         base = self.dp_rank * self.shard_size
-        piece = self.grad_shard[lo - base : hi - base]
-        return reduce_scatter(
-            piece, self.grad_shard, self.inter_group, native=self.native_inter, async_op=async_op
-        )
+        return lo - base, hi - base
 
     def _chain_instance_reduction(self) -> None:
         """The bucket's reduction inside the instance was just launched; with overlap, join the chain
@@ -228,10 +242,14 @@ class Bucket:
         self.instance_handle = self._reduce_over_instances(async_op=True)
 
     def _land_reduction(self) -> None:
-        """Wait for the reduction inside the instance, if one is in flight."""
+        """Wait for the reduction inside the instance, if one is in flight (its result cast back into the
+        buffer, if it travelled in another dtype)."""
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
+        lo = self.dp_rank * self.shard_size if self.options.shard else 0
+        _cast_back(self.comm, self.grad_data, lo, lo + self.shard_size)
+        self.comm = None
 
     def _drop_instance_reduction(self) -> None:
         """Out of the chain, the reduction over the instances waited for if in flight, none done (a reset)."""
@@ -239,6 +257,7 @@ class Bucket:
         if self.instance_handle is not None:
             self.instance_handle.wait()
             self.instance_handle = None
+        self.instance_comm = None
         self.instances_reduced = False
 
     def _finish_instance_reduction(self) -> None:
@@ -247,6 +266,9 @@ class Bucket:
             self.instance_handle.wait()
             self.instance_handle = None
         self._reduce_over_instances(async_op=False)
+        if self.instance_comm is not None:
+            _cast_back(self.instance_comm, self.grad_shard, *self._instance_span())
+            self.instance_comm = None
 
     # -- gradients ----------------------------------------------------------------------------
     def claim(self, param: torch.nn.Parameter) -> bool:
@@ -305,16 +327,24 @@ class Bucket:
             self.grad_data.mul_(opts.pre_scale)
         if not self.communicate:
             return None
+        data = self._in_comm_dtype(self.grad_data)
+        self.comm = data if data is not self.grad_data else None
         if opts.shard:
             lo = self.dp_rank * self.shard_size
             return reduce_scatter(
-                self.grad_data[lo : lo + self.shard_size],
-                self.grad_data,
+                data[lo : lo + self.shard_size],
+                data,
                 self.group,
                 native=self.native_reduce_scatter,
                 async_op=opts.async_op,
             )
-        return dist.all_reduce(self.grad_data, group=self.group, async_op=opts.async_op)
+        return dist.all_reduce(data, group=self.group, async_op=opts.async_op)
+
+    def _in_comm_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a reduction of ``tensor`` sends: ``tensor`` itself, or a copy in ``options.comm_dtype``,
+        which the landing casts back (:func:`_cast_back`)."""
+        dtype = self.options.comm_dtype
+        return tensor if dtype is None or dtype == tensor.dtype else tensor.to(dtype)
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduction, launching it first if it never was (e.g. a parameter got no grad)."""
@@ -345,6 +375,7 @@ class Bucket:
         if self.handle is not None:  # never leave a collective dangling
             self.handle.wait()
             self.handle = None
+        self.comm = None
         self._drop_instance_reduction()
         self.state = IDLE
         self._ready.clear()
@@ -374,6 +405,13 @@ class Bucket:
             if p is param:
                 return n
         return "a parameter"
+
+
+def _cast_back(comm: torch.Tensor | None, into: torch.Tensor, lo: int, hi: int) -> None:
+    """Copy the reduced ``[lo, hi)`` of a reduction's communication copy ``comm`` back into ``into`` (the
+    tensor it was cast from); nothing without a copy."""
+    if comm is not None:
+        into[lo:hi].copy_(comm[lo:hi])
 
 
 def _place(param: torch.nn.Parameter, view: torch.Tensor, name: str) -> None:

@@ -309,7 +309,9 @@ class ShardedBucket(Bucket):
         if work is not None:
             work.wait()
         lo = self.dp_rank * self.shard_size
-        self.grad_shard.add_(self.grad_data[lo : lo + self.shard_size])
+        reduced = self.grad_data if self.comm is None else self.comm  # sent in another dtype: cast back here
+        self.grad_shard.add_(reduced[lo : lo + self.shard_size])
+        self.comm = None
         self._free_grad_data()
 
     def start_grad_sync(self) -> None:
@@ -333,6 +335,7 @@ class ShardedBucket(Bucket):
         if self in self.in_flight_queue:
             self.in_flight_queue.remove(self)
         self._drop_instance_reduction()
+        self.comm = None
         self._free_grad_data()
         self._grad_live = False
         self.grad_shard.zero_()

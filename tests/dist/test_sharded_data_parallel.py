@@ -946,9 +946,16 @@ MOE = {
 
 
 def _expert_grads_of_a_step(chunk, optimizer, dp_rank: int) -> dict[str, tuple[int, torch.Tensor]]:
-    """One step's forward and backward (two microbatches, as :func:`_steps`), reduced; no update. Each
-    expert range this rank's optimizer steps: (its start in the parameter, its reduced gradient)."""
+    """:func:`_grads_of_a_step` of the experts."""
     from core.distributed.distributed_data_parallel import is_expert_param
+
+    grads = _grads_of_a_step(chunk, optimizer, dp_rank)
+    return {name: grads[name] for name, p in chunk.module.named_parameters() if is_expert_param(p) and name in grads}
+
+
+def _grads_of_a_step(chunk, optimizer, dp_rank: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """One step's forward and backward (two microbatches, as :func:`_steps`), reduced; no update. Each
+    range this rank's optimizer steps: (its start in the parameter, its reduced gradient)."""
     from core.distributed.finalize_model_grads import finalize_model_grads
 
     optimizer.zero_grad()
@@ -960,11 +967,64 @@ def _expert_grads_of_a_step(chunk, optimizer, dp_rank: int) -> dict[str, tuple[i
     finalize_model_grads([chunk])
     grads = {s.name: (s.start, s.model_grad().detach().clone()) for s in optimizer.shards}
     optimizer.zero_grad()
-    return {
-        name: grads[name]
-        for name, p in chunk.module.named_parameters()
-        if is_expert_param(p) and name in grads
-    }
+    return grads
+
+
+GRAD_COMM = {  # (strategy, scope, instances): ZeRO-2/3 at step scope reduce once a step, as ZeRO-1
+    "optim": ("optim", "auto", 1),
+    "optim_grads": ("optim_grads", "step", 1),
+    "optim_grads_params": ("optim_grads_params", "step", 1),
+    "optim_grads_params, HSDP N=2": ("optim_grads_params", "step", 2),
+}
+
+
+def _grad_comm_case(rank, world_size):
+    """DP4: each case's reduced gradients of one step with fp32 gradients sent as they are and as bf16."""
+    from core import parallel_state as ps
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from core.tensor_parallel.random import model_parallel_seed
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    dp_rank = ps.get_data_parallel_rank()
+    torch.manual_seed(0)
+    model_parallel_seed(1234)
+    initial = {k: v.clone() for k, v in _chunk("no_shard", 1, False, None).module.state_dict().items()}
+    out = {}
+    for case, (strategy, scope, instances) in GRAD_COMM.items():
+        for comm in ("auto", "bf16"):
+            chunk = _chunk(
+                strategy,
+                1,
+                False,
+                initial,
+                data_parallel_sharding_scope=scope,
+                num_distributed_optimizer_instances=instances,
+                megatron_fsdp_grad_comm_dtype=comm,
+            )
+            optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
+            out[case, comm] = _grads_of_a_step(chunk, optimizer, dp_rank)
+    return out
+
+
+def test_gradients_travel_in_the_grad_comm_dtype(ranks):
+    """``megatron_fsdp_grad_comm_dtype='bf16'`` with fp32 gradients (Megatron-FSDP's): each bucket is cast to
+    bf16 for its reduce-scatter (and each shard for the all-reduce over HSDP's instances) and the sum cast
+    back. So every reduced value is a bf16 number, which the fp32 sums are not, and it is the fp32 sum
+    within bf16's rounding (8 bits: at most 1e-2 relative for a tensor; 4e-3 measured)."""
+    for rank, out in enumerate(ranks(4).run(_grad_comm_case, timeout=300)):
+        for case in GRAD_COMM:
+            sent_whole, sent_in_bf16 = out[case, "auto"], out[case, "bf16"]
+            assert set(sent_whole) == set(sent_in_bf16), case
+            worst, exact = 0.0, 0
+            for name, (start, grad) in sent_in_bf16.items():
+                whole_start, whole = sent_whole[name]
+                assert start == whole_start and grad.dtype == torch.float32, (case, name)
+                assert torch.equal(grad, grad.bfloat16().float()), (case, name)
+                exact += int(torch.equal(whole, whole.bfloat16().float()))
+                if whole.norm() > 0:
+                    worst = max(worst, _relative(grad, whole))
+            print(f"rank {rank} {case}: largest relative difference {worst:.1e}; {exact} fp32 sums already bf16")
+            assert 0 < worst <= 1e-2 and exact < len(sent_whole), case
 
 
 def _hsdp_moe_case(rank, world_size, steps: int):

@@ -90,11 +90,12 @@ ISSUE_FLAGS = {
     "--moe-shared-expert-intermediate-size --moe-expert-capacity-factor --moe-router-pre-softmax "
     "--rampup-batch-size --step-batch-size-schedule --fp8-format --fp8-recipe --fp8-amax-history-len "
     "--fp8-amax-compute-algo --fp8-margin --no-fp8-wgrad --first-last-layers-bf16 --fp8-param-gather "
-    "--suggested-communication-unit-size",
+    "--suggested-communication-unit-size --megatron-fsdp-main-params-dtype --megatron-fsdp-main-grads-dtype "
+    "--megatron-fsdp-grad-comm-dtype",
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format --fp8-interval --megatron-fsdp-version",
-    NOT_YET: "--megatron-fsdp-main-params-dtype",
+    NOT_YET: "--megatron-fsdp-main-params-dtype=bf16 --megatron-fsdp-enable-fine-grained-param-gather",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp --use-torch-fsdp2 "
     "--torch-fsdp2-no-reshard-after-forward --megatron-fsdp-version=2",

@@ -239,8 +239,15 @@ def test_the_sharding_scope_follows_the_pipeline_and_the_start_report_states_its
             ),
         ),
         (
-            "--megatron-fsdp-grad-comm-dtype bf16",
-            f"Trident does not support --megatron-fsdp-grad-comm-dtype yet: {_NOT_YET}",
+            "--use-megatron-fsdp --megatron-fsdp-main-params-dtype fp16",
+            (
+                "Trident does not support --megatron-fsdp-main-params-dtype fp16 yet: Trident's distributed "
+                "optimizer keeps its main weights in fp32 (the flag's default)"
+            ),
+        ),
+        (
+            "--megatron-fsdp-enable-fine-grained-param-gather",
+            f"Trident does not support --megatron-fsdp-enable-fine-grained-param-gather yet: {_NOT_YET}",
         ),
     ],
 )
@@ -288,6 +295,74 @@ def test_hsdp_flags_reach_the_data_parallel_config(argv, instances, outer):
 
     ddp = build_run(parse_args(argv.split()), 4).ddp
     assert (ddp.num_distributed_optimizer_instances, ddp.outer_dp_sharding_strategy) == (instances, outer)
+
+
+@pytest.mark.parametrize(
+    ("argv", "grad_reduce_in_fp32", "comm"),
+    [
+        ("--bf16 --use-megatron-fsdp", True, "auto"),  # Megatron's rule for its buckets: fp32 for bf16
+        ("--bf16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16", False, "auto"),
+        ("--bf16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype fp32", True, "auto"),
+        (
+            "--bf16 --use-megatron-fsdp --grad-reduce-in-bf16 --megatron-fsdp-main-grads-dtype auto",
+            False,
+            "auto",
+        ),
+        ("--fp16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype fp32", True, "auto"),
+        ("--fp16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype fp16", False, "auto"),
+        ("--use-megatron-fsdp --megatron-fsdp-main-params-dtype auto", True, "auto"),  # an fp32 model's
+        ("--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16", True, "bf16"),
+        (
+            "--bf16 --use-megatron-fsdp --grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype fp32",
+            False,
+            "fp32",
+        ),
+    ],
+)
+def test_megatron_fsdps_dtype_flags_reach_the_gradient_buffers(argv, grad_reduce_in_fp32, comm):
+    """``--megatron-fsdp-main-grads-dtype`` says what ``--grad-reduce-in-bf16`` says, another way (``auto``
+    leaves it to that flag); ``--megatron-fsdp-grad-comm-dtype`` goes to the wrapper as it is."""
+    from training.run import build_run
+
+    ddp = build_run(parse_args(argv.split()), 4).ddp
+    assert (ddp.grad_reduce_in_fp32, ddp.megatron_fsdp_grad_comm_dtype) == (grad_reduce_in_fp32, comm)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            "--megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype fp32",
+            (
+                "--megatron-fsdp-main-grads-dtype, --megatron-fsdp-grad-comm-dtype take effect only with "
+                "--use-megatron-fsdp (as in Megatron); add it"
+            ),
+        ),
+        (
+            "--bf16 --use-megatron-fsdp --megatron-fsdp-main-params-dtype auto",
+            (
+                "--megatron-fsdp-main-params-dtype auto (bf16 main weights) is not built: Trident's distributed "
+                "optimizer keeps its main weights in fp32 (the flag's default)"
+            ),
+        ),
+        (
+            "--fp16 --use-megatron-fsdp --megatron-fsdp-main-grads-dtype bf16",
+            "--megatron-fsdp-main-grads-dtype bf16 must be fp32 or the model's dtype (fp16)",
+        ),
+        (
+            "--bf16 --use-megatron-fsdp --grad-reduce-in-bf16 --megatron-fsdp-main-grads-dtype fp32",
+            "--megatron-fsdp-main-grads-dtype fp32 contradicts --grad-reduce-in-bf16",
+        ),
+        (
+            "--fp16 --use-megatron-fsdp --accumulate-allreduce-grads-in-fp32 --megatron-fsdp-main-grads-dtype fp16",
+            "--megatron-fsdp-main-grads-dtype fp16 contradicts --accumulate-allreduce-grads-in-fp32",
+        ),
+    ],
+)
+def test_megatron_fsdps_dtype_flags_that_cannot_run_are_one_line(argv, message):
+    with pytest.raises(ValueError) as error:
+        _derived(argv)
+    assert str(error.value) == message
 
 
 def test_an_outer_strategy_that_does_not_exist_is_a_usage_error(capsys):

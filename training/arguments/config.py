@@ -117,6 +117,18 @@ class TrainingArgs:
     """Append one line per rejected result and per rerun verdict to this file (checked writable at start)."""
     accumulate_allreduce_grads_in_fp32: bool = flag(False, group="mixed precision")
     """Accumulate and reduce gradients in fp32 (with --fp16; --bf16 does so unless --grad-reduce-in-bf16)."""
+    megatron_fsdp_main_params_dtype: Literal["fp32", "bf16", "fp16", "auto"] = flag(
+        "fp32", group="mixed precision"
+    )
+    """With --use-megatron-fsdp, the dtype of the optimizer's main weights (``auto``: the model's). Trident's
+    distributed optimizer keeps them in fp32; lower ones are not built."""
+    megatron_fsdp_main_grads_dtype: Literal["fp32", "bf16", "fp16", "auto"] = flag(
+        "auto", group="mixed precision"
+    )
+    """With --use-megatron-fsdp, the dtype gradients accumulate in: fp32, or the model's own (as
+    --grad-reduce-in-bf16 for a bf16 model). ``auto`` leaves it to --grad-reduce-in-bf16 and
+    --accumulate-allreduce-grads-in-fp32: fp32 for a bf16 model, Megatron's rule for its buckets (Megatron-FSDP's
+    own ``auto`` keeps the model's dtype: give bf16 for that)."""
     manual_gc: bool = False
     """Disable Python's automatic garbage collector and collect at fixed points instead, the same
     on every rank (at the start, around evaluations and every --manual-gc-interval steps)."""

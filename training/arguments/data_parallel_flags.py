@@ -43,6 +43,7 @@ def derive_precision_and_data_parallel(args: argparse.Namespace) -> None:
         )
     elif args.fp16:
         args.grad_reduce_in_fp32 = accumulate_in_fp32
+    _megatron_fsdp_dtypes(args)
     _check_data_parallel_sharding(args)
     _check_instances(args)
     if args.fp8_param_gather:
@@ -57,6 +58,50 @@ def derive_precision_and_data_parallel(args: argparse.Namespace) -> None:
         _require(
             args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)"
         )
+
+
+def _megatron_fsdp_dtypes(args: argparse.Namespace) -> None:
+    """Megatron-FSDP's ``--megatron-fsdp-*-dtype`` flags (only with ``--use-megatron-fsdp``, as in Megatron):
+    the main weights stay fp32; the main gradients' dtype is the one ``--grad-reduce-in-bf16`` sets, given
+    another way; the communication dtype goes to the buckets."""
+    given = [d for d in _FSDP_DTYPES if d in args.explicit_args]
+    _require(
+        args.use_megatron_fsdp or not given,
+        f"{', '.join(_flag(d) for d in given)} take{'s' if len(given) == 1 else ''} effect only with "
+        "--use-megatron-fsdp (as in Megatron); add it",
+    )
+    model = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    params = args.megatron_fsdp_main_params_dtype
+    _require(
+        (model if params == "auto" else params) == "fp32",
+        f"--megatron-fsdp-main-params-dtype {params} ({model if params == 'auto' else params} main weights) is "
+        "not built: Trident's distributed optimizer keeps its main weights in fp32 (the flag's default)",
+    )
+    grads = args.megatron_fsdp_main_grads_dtype
+    if grads == "auto":
+        return
+    _require(
+        grads in ("fp32", model),
+        f"--megatron-fsdp-main-grads-dtype {grads} must be fp32 or the model's dtype ({model})",
+    )
+    in_fp32 = grads == "fp32" or model == "fp32"
+    if in_fp32:
+        clash = "grad_reduce_in_fp32" in args.explicit_args  # --grad-reduce-in-bf16
+    else:
+        clash = args.accumulate_allreduce_grads_in_fp32
+    _require(
+        not clash,
+        f"--megatron-fsdp-main-grads-dtype {grads} contradicts "
+        + ("--grad-reduce-in-bf16" if in_fp32 else "--accumulate-allreduce-grads-in-fp32"),
+    )
+    args.grad_reduce_in_fp32 = in_fp32
+
+
+_FSDP_DTYPES = (
+    "megatron_fsdp_main_params_dtype",
+    "megatron_fsdp_main_grads_dtype",
+    "megatron_fsdp_grad_comm_dtype",
+)
 
 
 def _check_data_parallel_sharding(args: argparse.Namespace) -> None:
