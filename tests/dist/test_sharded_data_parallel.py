@@ -858,6 +858,19 @@ def test_the_suggested_communication_unit_size_bounds_what_zero3_keeps_in_flight
             assert all(torch.equal(their_weights[n], w) for n, w in weights.items()), name
 
 
+def _in_two_instances() -> tuple[int, dict[str, torch.Tensor]]:
+    """The groups of two distributed-optimizer instances (DP = world): this rank's DP rank and the seeded
+    initial weights."""
+    from core import parallel_state as ps
+    from core.tensor_parallel.random import model_parallel_seed
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    torch.manual_seed(0)
+    model_parallel_seed(1234)
+    initial = {k: v.clone() for k, v in _chunk("no_shard", 1, False, None).module.state_dict().items()}
+    return ps.get_data_parallel_rank(), initial
+
+
 HSDP_OVERLAP = {  # (strategy, outer strategy, scope)
     "optim": ("optim", "no_shard", "auto"),
     "optim_grads": ("optim_grads", "no_shard", "auto"),
@@ -878,11 +891,7 @@ def _hsdp_overlap_case(rank, world_size):
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.tensor_parallel.random import model_parallel_seed
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
-    dp_rank = ps.get_data_parallel_rank()
-    torch.manual_seed(0)
-    model_parallel_seed(1234)
-    initial = {k: v.clone() for k, v in _chunk("no_shard", 1, False, None).module.state_dict().items()}
+    dp_rank, initial = _in_two_instances()
     out = {}
     for case, (strategy, outer, scope) in HSDP_OVERLAP.items():
         for overlap in (False, True):
@@ -984,11 +993,7 @@ def _grad_comm_case(rank, world_size):
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.tensor_parallel.random import model_parallel_seed
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
-    dp_rank = ps.get_data_parallel_rank()
-    torch.manual_seed(0)
-    model_parallel_seed(1234)
-    initial = {k: v.clone() for k, v in _chunk("no_shard", 1, False, None).module.state_dict().items()}
+    dp_rank, initial = _in_two_instances()
     out = {}
     for case, (strategy, scope, instances) in GRAD_COMM.items():
         for comm in ("auto", "bf16"):
