@@ -356,7 +356,7 @@ def _sharded_static(spec: ModelSpec, cand: Candidate, chunks, sharding) -> tuple
     optimizer step (see the module docstring), in bytes."""
     strategy, scope = sharding
     zero3 = strategy == "optim_grads_params"
-    B, G = spec.bytes_per_value, 2 if spec.precision == "fp16" else 4
+    B, G = spec.bytes_per_value, spec.grad_bytes_per_value
     embedding_here = any("E" in c for c in chunks)
     units = [_sharded_units(spec, cand, c, embedding_here) for c in chunks]
     full = sum(own + layer * n for own, layer, n in units)
@@ -380,7 +380,7 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
     total = sum(elements)
     padded = sum(_padded(e, cand, pp_rank) for e in elements)
     B = spec.bytes_per_value
-    grad_bytes = 2 if spec.precision == "fp16" else 4
+    grad_bytes = spec.grad_bytes_per_value
     per_element_state = 12 if spec.precision != "fp32" else 8  # fp32 main copy + Adam's m and v
     stepped = [n for chunk in tensors for n in chunk]
     count = len(stepped)
@@ -402,7 +402,7 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
     if spec.position_embedding_type == "rope":  # each chunk's RoPE frequencies (fp32, a buffer)
         params += cand.vpp * 2 * int(spec.kv_channels * spec.rotary_percent)
     transient = _optimizer_transient(stepped, device)
-    if grad_bytes != 4:  # fp16 gradients: the optimizer steps on fp32 copies of them, all alive at once
+    if grad_bytes != 4:  # 16-bit gradients: the optimizer steps on fp32 copies of them, all alive at once
         transient += 4 * sum(abs(n) for n in stepped)
     return _Static(params, grads, state, transient, gathered, count, reduced=grads, padded=padded)
 
@@ -412,7 +412,7 @@ def _sharded_rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, plain: 
     chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     zero_params, zero_grads, held, held_at_step = _sharded_static(spec, cand, chunks, sharding)
     full = sum(elements for elements, _ in sharded_buckets(spec, cand, pp_rank))
-    B, grad_bytes = spec.bytes_per_value, 2 if spec.precision == "fp16" else 4
+    B, grad_bytes = spec.bytes_per_value, spec.grad_bytes_per_value
     params = plain.params + zero_params - plain.padded * B  # FP8 copies and RoPE tables as before
     gathered = plain.gathered + (full - plain.padded) * B
     return plain._replace(params=params, grads=zero_grads, gathered=gathered, held=held,

@@ -118,6 +118,9 @@ class ModelSpec:
     """``--cross-entropy-fusion-impl linear``: the output layer runs inside the loss; no logits kept."""
     make_vocab_size_divisible_by: int = 128
     precision: str = "fp32"
+    grads_in_fp32: bool | None = None
+    """Gradients accumulate and are reduced in fp32 (``DistributedDataParallelConfig.grad_reduce_in_fp32``),
+    else in the model's dtype; None, the training flags' default: fp32 but for an fp16 model."""
     fp8: bool = False
     """The decoder layers' linear layers multiply in FP8 (``--fp8-format``): they save their inputs in FP8
     (with FP8 weight gradients), and hold an FP8 copy of each weight and its transpose for the step."""
@@ -199,6 +202,12 @@ class ModelSpec:
     @property
     def bytes_per_value(self) -> int:
         return BYTES[self.precision]
+
+    @property
+    def grad_bytes_per_value(self) -> int:
+        """Bytes of a gradient in the data-parallel buffers (:attr:`grads_in_fp32`)."""
+        in_fp32 = self.precision != "fp16" if self.grads_in_fp32 is None else self.grads_in_fp32
+        return 4 if in_fp32 else self.bytes_per_value
 
     @property
     def query_size(self) -> int:

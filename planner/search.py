@@ -491,7 +491,7 @@ def _microbatch_traffic_bound(
     if cand.zero is None or cand.zero[1] != "microbatch":
         return 0.0
     model = StageCostModel(spec, cand, cluster, profile)
-    grad_bytes = 2 if spec.precision == "fp16" else 4
+    grad_bytes = spec.grad_bytes_per_value
     gathers = 2 if cand.zero[0] == "optim_grads_params" else 0
     busiest = 0.0
     for rank in range(cand.pp):

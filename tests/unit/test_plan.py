@@ -1378,6 +1378,35 @@ def test_an_hsdp_candidates_flags_run_and_the_table_shows_it(small):
     assert "--num-distributed-optimizer-instances" not in replace(cand, instances=1).flags()
 
 
+def test_the_planner_counts_gradients_in_the_dtype_the_run_keeps_them(small, capsys):
+    """``--grad-reduce-in-bf16``: a bf16 model's gradients are kept and reduced in bf16, so the plan's
+    gradient bytes halve (ZeRO-1 at DP2: its whole buffers) and the reduction moves half the bytes; an fp16
+    model's are fp16 unless ``--accumulate-allreduce-grads-in-fp32``. Megatron-FSDP's dtype flags, which the
+    models do not count, are one line."""
+    from planner.cli import main
+    from planner.memory import reduced_grad_bytes
+
+    in_bf16 = read_input([*SMALL, "--grad-reduce-in-bf16"]).spec
+    assert (small.spec.grad_bytes_per_value, in_bf16.grad_bytes_per_value) == (4, 2)
+    fp16 = read_input([*SMALL[:-5], "--fp16", *SMALL[-4:]]).spec
+    fp16_in_fp32 = read_input(
+        [*SMALL[:-5], "--fp16", "--accumulate-allreduce-grads-in-fp32", *SMALL[-4:]]
+    ).spec
+    assert (fp16.grad_bytes_per_value, fp16_in_fp32.grad_bytes_per_value) == (2, 4)
+    cand = _candidate(small.spec, tp=1, pp=1, dp=2, dp_sharding="optim")
+    fp32, bf16 = (rank_memory(spec, cand, 0) for spec in (small.spec, in_bf16))
+    assert bf16.grads * 2 == fp32.grads > 0
+    assert reduced_grad_bytes(in_bf16, cand, 0) * 2 == reduced_grad_bytes(small.spec, cand, 0)
+    assert (
+        main([*SMALL, "--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "bf16", "--num-gpus", "2"])
+        == 2
+    )
+    assert capsys.readouterr().err == (
+        "tools/plan.py: error: the planner does not model --megatron-fsdp-grad-comm-dtype yet: plan without it "
+        "(--grad-reduce-in-bf16 keeps gradients in bf16)\n"
+    )
+
+
 def test_the_planner_refuses_hsdp_as_the_training_flags_do(capsys):
     """The outer ``optim`` without ZeRO-3, or without instances, and instances that divide no split's
     DP x CP: one line each, the training flags' own."""
