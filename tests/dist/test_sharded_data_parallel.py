@@ -886,10 +886,8 @@ def _hsdp_overlap_case(rank, world_size):
     buckets there are, and the reduced gradient of each range this rank's optimizer steps."""
     from contextlib import nullcontext
 
-    from core import parallel_state as ps
     from core.distributed.finalize_model_grads import finalize_model_grads
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from core.tensor_parallel.random import model_parallel_seed
 
     dp_rank, initial = _in_two_instances()
     out = {}
@@ -989,9 +987,7 @@ GRAD_COMM = {  # (strategy, scope, instances): ZeRO-2/3 at step scope reduce onc
 
 def _grad_comm_case(rank, world_size):
     """DP4: each case's reduced gradients of one step with fp32 gradients sent as they are and as bf16."""
-    from core import parallel_state as ps
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from core.tensor_parallel.random import model_parallel_seed
 
     dp_rank, initial = _in_two_instances()
     out = {}
