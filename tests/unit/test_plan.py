@@ -1388,10 +1388,9 @@ def test_the_planner_counts_gradients_in_the_dtype_the_run_keeps_them(small, cap
 
     in_bf16 = read_input([*SMALL, "--grad-reduce-in-bf16"]).spec
     assert (small.spec.grad_bytes_per_value, in_bf16.grad_bytes_per_value) == (4, 2)
-    fp16 = read_input([*SMALL[:-5], "--fp16", *SMALL[-4:]]).spec
-    fp16_in_fp32 = read_input(
-        [*SMALL[:-5], "--fp16", "--accumulate-allreduce-grads-in-fp32", *SMALL[-4:]]
-    ).spec
+    as_fp16 = ["--fp16" if flag == "--bf16" else flag for flag in SMALL]
+    fp16 = read_input(as_fp16).spec
+    fp16_in_fp32 = read_input([*as_fp16, "--accumulate-allreduce-grads-in-fp32"]).spec
     assert (fp16.grad_bytes_per_value, fp16_in_fp32.grad_bytes_per_value) == (2, 4)
     cand = _candidate(small.spec, tp=1, pp=1, dp=2, dp_sharding="optim")
     fp32, bf16 = (rank_memory(spec, cand, 0) for spec in (small.spec, in_bf16))
