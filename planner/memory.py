@@ -53,6 +53,7 @@ __all__ = [
     "memory_microbatches",
     "rank_memory",
     "rank_static",
+    "reduced_buckets",
     "reduced_grad_bytes",
     "sharded_buckets",
     "stepped_tensors",
@@ -305,6 +306,11 @@ def sharded_buckets(spec: ModelSpec, cand: Candidate, pp_rank: int) -> list[tupl
         own_buckets = int("E" in symbols) + int("L" in symbols)
         out.append((own + layer * layers, own_buckets + layers))
     return out
+
+
+def reduced_buckets(spec: ModelSpec, cand: Candidate, pp_rank: int) -> int:
+    """The buckets a rank's gradient reduction runs in: ZeRO-2/3's (:func:`sharded_buckets`), else one."""
+    return sum(n for _, n in sharded_buckets(spec, cand, pp_rank)) if cand.zero else 1
 
 
 def stepped_tensors(spec: ModelSpec, cand: Candidate, pp_rank: int) -> float:

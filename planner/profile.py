@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from core import parallel_state as ps
+from core.distributed.distributed_data_parallel_config import DTYPES
 from core.pipeline_parallel.backward_split import backward_input, backward_weight
 from core.tensor_parallel import model_parallel_seed
 from core.transformer import TransformerConfig
@@ -248,15 +249,12 @@ def _matmul_tflops() -> float:
     return 2 * 1024**3 / seconds / 1e12
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 def local_cluster(num_ranks: int, precision: str = "bf16") -> Cluster:
     """This machine with ``num_ranks`` ranks on its cores (one thread each, as under torchrun): its
     collectives, messages, core sharing, engine and optimizer step (for parameters in ``precision``)
     measured by :func:`planner.calibrate.measure_host`."""
     cores = os.cpu_count() or 1
-    found = measure_host(num_ranks, cores, dtype=_DTYPES[precision])
+    found = measure_host(num_ranks, cores, dtype=DTYPES[precision])
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     gpu = Gpu(
         name=f"CPU rank ({cores} cores shared)",

@@ -21,7 +21,7 @@ import numpy as np
 from planner.candidate import Candidate
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import Cluster
-from planner.memory import reduced_grad_bytes, sharded_buckets
+from planner.memory import reduced_buckets, reduced_grad_bytes
 
 __all__ = ["collective_scales", "measured_communication", "predicted_communication"]
 
@@ -72,7 +72,7 @@ def predicted_communication(spec, cand: Candidate, cluster: Cluster) -> dict[str
     model = StageCostModel(spec, cand, cluster, _only("DP"))
     out["DP"] = 0.0
     for rank in range(cand.pp):
-        buckets = sum(n for _, n in sharded_buckets(spec, cand, rank)) if cand.zero else 1
+        buckets = reduced_buckets(spec, cand, rank)
         out["DP"] += model.grad_sync_seconds(reduced_grad_bytes(spec, cand, rank), buckets)
     return out
 

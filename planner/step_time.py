@@ -31,6 +31,7 @@ from planner.hardware import Cluster
 from planner.memory import (
     gathered_param_bytes,
     rank_static,
+    reduced_buckets,
     reduced_grad_bytes,
     sharded_buckets,
     stepped_tensors,
@@ -141,7 +142,7 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
         shards = cand.state_shards  # DP x CP, or under HSDP what one instance (or its piece) steps
         expert_shards = cand.tp * cand.cp * cand.dp // cand.ep * shards // (cand.dp * cand.cp)
         optimizer += model.fp8_shard_cast_seconds(layers * (dense / shards + experts / expert_shards))
-    buckets = sum(n for _, n in sharded_buckets(spec, cand, rank)) if cand.zero else 1
+    buckets = reduced_buckets(spec, cand, rank)
     return (
         model.grad_sync_seconds(reduced_grad_bytes(spec, cand, rank), buckets),
         model.param_gather_seconds(gathered_param_bytes(spec, cand, rank), buckets),
@@ -156,7 +157,7 @@ def _instance_traffic(
     gather of the updated shards after the optimizer step, the rank's buckets); zeros without instances."""
     if cand.instances == 1:
         return 0.0, 0.0, 1
-    buckets = sum(n for _, n in sharded_buckets(spec, cand, rank)) if cand.zero else 1
+    buckets = reduced_buckets(spec, cand, rank)
     reduce, gather = model.instance_seconds(
         reduced_grad_bytes(spec, cand, rank), gathered_param_bytes(spec, cand, rank), buckets
     )
