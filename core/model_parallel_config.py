@@ -62,10 +62,11 @@ class ModelParallelConfig:
         group="training",
         help="The tensor-parallel linear layers accumulate their weight gradients straight into the fp32 "
         "main_grad buffers (Megatron's fusion; Megatron's default is on where APEX is installed, "
-        "Trident's is off).",
+        "Trident's is off); Trident's word embedding adds its gradient rows there too.",
     )
     """The TP linear layers' backward accumulates weight gradients into ``weight.main_grad`` (made by
-    ``DistributedDataParallel``) instead of handing autograd a new gradient for a hook to add."""
+    ``DistributedDataParallel``) instead of handing autograd a new gradient for a hook to add; a
+    ``GPTModel``'s word embedding adds its gradient rows there too."""
 
     hidden_size: int = flag(0, group="network size", cli_default=None)
     """Hidden size of the activations passed between stages."""

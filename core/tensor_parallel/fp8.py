@@ -71,6 +71,7 @@ from core.tensor_parallel.grad_accumulation import (
     check_main_grad,
     claim_main_grad,
     engine_will_execute,
+    report_accumulated,
 )
 
 E4M3 = torch.float8_e4m3fn
@@ -471,8 +472,7 @@ def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch
         if ctx.accumulate:  # as the plain fused path does: into main_grad, in fp32 where the GPU can
             main_grad, overwrite = claim_main_grad(weight)
             accumulate_weight_grad(main_grad, grad, x.to(grad.dtype), overwrite=overwrite)
-            weight.grad_accumulated(weight)
-            weight.grad_added_to_main_grad = True
+            report_accumulated(weight)
             return None
         dw = grad.t().matmul(x.to(grad.dtype))
     if not ctx.accumulate:
@@ -482,8 +482,7 @@ def _weight_gradient(ctx, grad, g_t, g_inv, saved_input, x_inv, weight) -> torch
         main_grad.copy_(dw)
     else:
         main_grad.add_(dw)
-    weight.grad_accumulated(weight)
-    weight.grad_added_to_main_grad = True
+    report_accumulated(weight)
     return None
 
 

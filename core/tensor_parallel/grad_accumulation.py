@@ -1,4 +1,5 @@
-"""A linear layer whose weight gradient goes straight into ``weight.main_grad`` (``--gradient-accumulation-fusion``).
+"""Linear and embedding layers whose weight gradient goes straight into ``weight.main_grad``
+(``--gradient-accumulation-fusion``).
 
 Without it, backward makes each microbatch's weight gradient as a new tensor in the weight's dtype
 (bf16 for a bf16 model), autograd hands it to the parameter, and the data-parallel wrapper's hook adds
@@ -21,6 +22,15 @@ and, with overlapped reduction, counts the weight as ready, and marks
 which autograd may still run with no gradient, does nothing more. Under a zero-bubble split the function computes only what the engine will use:
 the input gradient in ``I``, the weight gradient in ``W`` (``torch._C._will_engine_execute_node``),
 so nothing is computed twice and the bucket becomes ready after the weight's ``W``.
+
+The word embedding accumulates its gradient the same way (:func:`embedding_with_grad_accumulation`):
+its rows are added into ``main_grad`` where the tokens fall, instead of a vocabulary-sized gradient
+being zero-filled, scattered into and added (and, with tied embeddings, summed with the output
+layer's first). A weight with fused uses in two layers of one backward, a tied embedding and its
+output layer in one chunk, must be reported once, after both: the model marks it
+``grad_reported_by_embedding``, the output layer's use then only accumulates, and the embedding's,
+which autograd runs last (its gradient is the output layer's input gradient, carried down the
+stack), reports (:func:`report_accumulated`).
 """
 
 from __future__ import annotations
@@ -91,8 +101,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
             accumulate_weight_grad(
                 main_grad, flat_grad, input_.reshape(-1, input_.shape[-1]), overwrite=overwrite
             )
-            weight.grad_accumulated(weight)
-            weight.grad_added_to_main_grad = True
+            report_accumulated(weight)
         if bias is not None and engine_will_use(bias):
             grad_bias = flat_grad.sum(0)
         return grad_input, None, grad_bias
@@ -104,6 +113,56 @@ def linear_with_grad_accumulation(
     """``F.linear`` whose weight gradient accumulates into ``weight.main_grad`` (see the module docstring)."""
     check_main_grad(weight)
     return LinearWithGradAccumulation.apply(input_, weight, bias)
+
+
+class EmbeddingWithGradAccumulation(torch.autograd.Function):
+    """``F.embedding(ids, weight)``; backward adds each token's gradient into its row of ``main_grad``."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight  # not saved: the backward reads only its main_grad
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        if engine_will_use(weight):
+            main_grad, overwrite = claim_main_grad(weight)
+            if overwrite:  # the rows no token reaches hold last step's values
+                main_grad.zero_()
+            rows = grad_output.reshape(-1, grad_output.shape[-1]).to(main_grad.dtype)
+            add_rows(main_grad, ids.reshape(-1), rows)
+            report_accumulated(weight, last_use=True)
+        return None, None
+
+
+def add_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``target[index[i]] += rows[i]`` for every i, repeated indices included, in a fixed order: on a
+    CPU ``index_add_`` (one row after another); on a GPU ``index_put_`` with ``accumulate``, which sorts
+    the indices first, where ``index_add_``'s atomic adds would sum a repeated token in any order."""
+    if target.is_cuda:
+        target.index_put_((index,), rows, accumulate=True)
+    else:
+        target.index_add_(0, index, rows)
+
+
+def embedding_with_grad_accumulation(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding`` whose weight gradient accumulates into ``weight.main_grad`` (module docstring)."""
+    check_main_grad(weight)
+    return EmbeddingWithGradAccumulation.apply(ids, weight)
+
+
+def report_accumulated(weight: torch.Tensor, *, last_use: bool = False) -> None:
+    """Tell the wrapper that a fused layer wrote ``weight``'s gradient of this microbatch into
+    ``main_grad``: it checks the bucket and counts the weight as ready, and its post-accumulate hook,
+    which autograd may still run with no gradient, does nothing more. A weight marked
+    ``grad_reported_by_embedding`` is reported by its ``last_use`` only (module docstring)."""
+    if getattr(weight, "grad_reported_by_embedding", False) and not last_use:
+        return
+    weight.grad_accumulated(weight)
+    weight.grad_added_to_main_grad = True
 
 
 def claim_main_grad(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:

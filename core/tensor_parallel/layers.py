@@ -26,7 +26,10 @@ from torch.distributed import ProcessGroup
 from core.device import param_device
 from core.model_parallel_config import ModelParallelConfig
 from core.tensor_parallel.fp8 import Fp8Recipe, Fp8State, fp8_linear, fp8_shape_problem
-from core.tensor_parallel.grad_accumulation import linear_with_grad_accumulation
+from core.tensor_parallel.grad_accumulation import (
+    embedding_with_grad_accumulation,
+    linear_with_grad_accumulation,
+)
 from core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -239,10 +242,14 @@ class ColumnParallelLinear(_ParallelLinear):
         return copy_to_tensor_model_parallel_region(input_, tp_group=self.tp_group)
 
     def fuses_accumulation_of(self, weight: torch.Tensor) -> bool:
-        """Whether ``weight``'s gradient goes straight into its ``main_grad`` (its own weight under
-        ``gradient_accumulation_fusion``); a borrowed weight (a tied output layer) gets its gradient
-        through autograd."""
-        return self.gradient_accumulation_fusion and weight is self.weight
+        """Whether ``weight``'s gradient goes straight into its ``main_grad`` under
+        ``gradient_accumulation_fusion``: this layer's own weight, or a borrowed one (a tied output
+        layer's) whose lender accumulates its own gradient too and reports the weight
+        (``grad_reported_by_embedding``, :mod:`core.tensor_parallel.grad_accumulation`). Any other
+        borrowed weight gets its gradient through autograd."""
+        if not self.gradient_accumulation_fusion:
+            return False
+        return weight is self.weight or getattr(weight, "grad_reported_by_embedding", False)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -324,6 +331,12 @@ class VocabParallelEmbedding(nn.Module):
     ``reduce_scatter_embeddings=True``, a transpose to ``[s, b, h]`` and a reduce-scatter along the
     sequence, which hands the first transformer layer its sequence-parallel input directly
     (Megatron's behaviour, transpose included).
+
+    ``gradient_accumulation_fusion`` (Trident; off by default, as the embedding has no such option in
+    Megatron): the weight's gradient goes straight into its ``main_grad``, each token's row added
+    where it falls (:func:`~core.tensor_parallel.grad_accumulation.embedding_with_grad_accumulation`),
+    instead of a vocabulary-sized gradient per microbatch. The model turns it on where nothing else
+    adds to the weight's gradient through autograd in the same backward.
     """
 
     def __init__(
@@ -336,9 +349,11 @@ class VocabParallelEmbedding(nn.Module):
         reduce_scatter_embeddings: bool = False,
         perform_initialization: bool | None = None,
         tp_group: ProcessGroup | None = None,
+        gradient_accumulation_fusion: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.tp_group = resolve_tp_group(tp_group)
         world_size = tp_world_size(self.tp_group)
         rank = tp_rank(self.tp_group)
@@ -357,12 +372,17 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Token ids ``[b, s]`` -> ``[b, s, h]``, or ``[s / tp, b, h]`` with ``reduce_scatter_embeddings``."""
         if self.num_embeddings_per_partition == self.num_embeddings:
-            output = F.embedding(input_, self.weight)
+            output = self._lookup(input_)
         else:
             foreign = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local_ids = torch.where(foreign, 0, input_ - self.vocab_start_index)
-            output = F.embedding(local_ids, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
+            output = self._lookup(local_ids).masked_fill(foreign.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             output = output.transpose(0, 1).contiguous()
             return reduce_scatter_to_sequence_parallel_region(output, tp_group=self.tp_group)
         return reduce_from_tensor_model_parallel_region(output, tp_group=self.tp_group)
+
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.gradient_accumulation_fusion:
+            return embedding_with_grad_accumulation(local_ids, self.weight)
+        return F.embedding(local_ids, self.weight)

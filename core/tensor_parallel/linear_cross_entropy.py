@@ -29,7 +29,12 @@ from torch.distributed import ProcessGroup
 from core.parallel_state import group_rank
 from core.tensor_parallel.cross_entropy import _all_reduce, _vocab_shard
 from core.tensor_parallel.fused_cross_entropy import token_slices
-from core.tensor_parallel.grad_accumulation import accumulate_weight_grad, claim_main_grad, engine_will_use
+from core.tensor_parallel.grad_accumulation import (
+    accumulate_weight_grad,
+    claim_main_grad,
+    engine_will_use,
+    report_accumulated,
+)
 from core.tensor_parallel.utils import resolve_tp_group
 
 SLICE_BYTES = {"cuda": 256 * 2**20, "cpu": 16 * 2**20}
@@ -99,8 +104,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if overwrite:  # claimed, but no token wrote it
             grad_weight.zero_()
         if want_weight and ctx.accumulate:
-            weight.grad_accumulated(weight)
-            weight.grad_added_to_main_grad = True
+            report_accumulated(weight)
             grad_weight = None
         elif want_weight:
             grad_weight = grad_weight.to(weight.dtype)

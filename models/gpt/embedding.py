@@ -35,8 +35,11 @@ class LanguageModelEmbedding(nn.Module):
         max_sequence_length: int,
         *,
         tp_group: ProcessGroup | None = None,
+        gradient_accumulation_fusion: bool = False,
     ) -> None:
-        """``tp_group``: the tensor-parallel group the rows are split over (None: ``parallel_state``'s)."""
+        """``tp_group``: the tensor-parallel group the rows are split over (None: ``parallel_state``'s).
+        ``gradient_accumulation_fusion``: the word embedding's gradient goes straight into its
+        ``main_grad`` (see :class:`~core.tensor_parallel.VocabParallelEmbedding`)."""
         super().__init__()
         self.config = config
         self.learned_positions = config.position_embedding_type == "learned_absolute"
@@ -49,6 +52,7 @@ class LanguageModelEmbedding(nn.Module):
             reduce_scatter_embeddings=self.sequence_parallel and not self.learned_positions,
             perform_initialization=False,
             tp_group=tp_group,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
         )
         mark_init(self.word_embeddings.weight, "normal", valid_rows=vocab_size)
         if self.learned_positions:

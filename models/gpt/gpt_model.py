@@ -174,13 +174,7 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor: torch.Tensor | None = None
         self._check_tied_placement()
-        self.embedding = (
-            LanguageModelEmbedding(
-                config, vocab_size, self.padded_vocab_size, max_sequence_length, tp_group=self.tp_group
-            )
-            if pre_process
-            else None
-        )
+        self.embedding = self._build_embedding() if pre_process else None
         self.rotary_pos_emb = (
             RotaryEmbedding(
                 config.rotary_dim,
@@ -235,6 +229,36 @@ class GPTModel(nn.Module):
                     f"vp_stage {vp_stage}) {'holds' if expected else 'does not hold'} the {what}; pass "
                     f"{flag}={expected} or use parallelize_gpt"
                 )
+
+    def _build_embedding(self) -> LanguageModelEmbedding:
+        fuse = self._embedding_fuses_accumulation()
+        embedding = LanguageModelEmbedding(
+            self.config,
+            self.vocab_size,
+            self.padded_vocab_size,
+            self.max_sequence_length,
+            tp_group=self.tp_group,
+            gradient_accumulation_fusion=fuse,
+        )
+        if fuse and self._tied_in_this_chunk():
+            # The output layer's fused use accumulates; the embedding's, autograd's last, reports.
+            embedding.word_embeddings.weight.grad_reported_by_embedding = True
+        return embedding
+
+    def _tied_in_this_chunk(self) -> bool:
+        """Whether this chunk's output layer borrows this chunk's word embedding."""
+        return self.share_embeddings_and_output_weights and self.pre_process and self.post_process
+
+    def _embedding_fuses_accumulation(self) -> bool:
+        """Whether the word embedding's gradient goes straight into ``main_grad``: under
+        ``gradient_accumulation_fusion``, unless a later chunk of this rank borrows the weight for its
+        output layer (that chunk's backward adds its gradient through autograd)."""
+        lent = (
+            self.share_embeddings_and_output_weights
+            and not self._tied_across_ranks()
+            and not self.post_process
+        )
+        return self.pre_process and self.config.gradient_accumulation_fusion and not lent
 
     def _tied_across_ranks(self) -> bool:
         """Whether the embedding and the output layer live on different pipeline ranks."""

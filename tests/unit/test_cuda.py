@@ -4,6 +4,8 @@
 
 * fp32 with TF32 off: losses and gradients of GPT-2 and LLaMA (GQA) equal the CPU's within 1e-5;
   a bf16 ``pretrain()`` on the GPU follows the CPU's within 1e-2.
+* The word embedding's fused gradient (``--gradient-accumulation-fusion``) repeats bit for bit and
+  equals the CPU's within 1e-5.
 * Attention runs under ``sdpa_kernel(FLASH_ATTENTION)`` (nothing else allowed) with GQA, batch 2,
   causal masking, and ``--attention-softmax-in-fp32``.
 * 20 steps of ``pretrain()`` under ``torch.cuda.set_sync_debug_mode("error")`` outside logging steps:
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from core.device import building_on
+from core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from models.gpt import GPTModel
 from tests.support.gpt_model import SEQ, VOCAB, make_batches, make_config, rel
 from tests.support.pipeline_toy import reference_loss_and_grads
@@ -70,6 +73,29 @@ def test_fp32_losses_and_gradients_equal_the_cpu(kind, no_tf32):
     worst = max(rel(grads[name].cpu(), grad) for name, grad in ref_grads.items())
     print(f"{kind} fp32 CUDA vs CPU: loss {loss.item():.8f} vs {ref_loss.item():.8f}, worst grad {worst:.2e}")
     assert worst <= 1e-5
+
+
+def test_the_fused_embedding_gradient_repeats_bit_for_bit_and_equals_the_cpu(no_tf32):
+    """``--gradient-accumulation-fusion`` on a tied GPT: the embedding adds its rows into ``main_grad``
+    with ``index_put_`` on a GPU (sorted; ``index_add_``'s atomics would sum a repeated token in any
+    order), after the tied output layer's product. Two backwards give the same bits; the CPU agrees."""
+    tokens = make_batches(1)[0][0]
+    tokens[:, ::2] = 3  # a token repeated in every sequence: its row sums many gradients
+    config = make_config("gpt", gradient_accumulation_fusion=True)
+    weights = GPTModel(config, VOCAB, SEQ).state_dict()
+    grads = []
+    for device in ("cpu", "cuda", "cuda"):
+        with building_on(device):
+            model = DistributedDataParallel(
+                config, DistributedDataParallelConfig(), GPTModel(config, VOCAB, SEQ)
+            )
+        model.module.load_state_dict(weights)
+        batch = tokens.to(device)
+        model(batch, labels=batch.roll(1, 1)).sum().backward()
+        model.finish_grad_sync()
+        grads.append(model.module.embedding.word_embeddings.weight.main_grad.cpu())
+    assert torch.equal(grads[1], grads[2])
+    assert rel(grads[1], grads[0]) <= 1e-5
 
 
 def test_a_bf16_run_follows_the_cpu_within_1e_2():
