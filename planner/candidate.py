@@ -63,6 +63,14 @@ class Candidate:
     communication_unit_size: int | None = None
     """``--suggested-communication-unit-size`` the user fixed: the elements ZeRO-2/3's reductions under way
     (and, halved, ZeRO-3's prefetched gathers) may hold at microbatch scope; None, Trident's defaults."""
+    main_params_dtype: str = "fp32"
+    """``--megatron-fsdp-main-params-dtype`` the user fixed: ``fp32`` main copies, or (``auto`` or the
+    model's dtype) the optimizer steps the model's weights with its moments in their dtype."""
+
+    @property
+    def main_params_in_model_dtype(self) -> bool:
+        """Whether the optimizer steps the weights in the model's dtype (no fp32 main copy)."""
+        return self.main_params_dtype != "fp32"
 
     @property
     def distributed_optimizer(self) -> bool:
@@ -176,12 +184,15 @@ class Candidate:
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
             out += ["--recompute-num-layers", "1"]
         out.append("--overlap-grad-reduce")
-        if self.dp_sharding == "optim":
+        if self.main_params_in_model_dtype:  # a Megatron-FSDP flag: every strategy is named with it
+            out += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", self.dp_sharding]
+            out += ["--megatron-fsdp-main-params-dtype", self.main_params_dtype]
+        elif self.dp_sharding == "optim":
             out.append("--use-distributed-optimizer")
         elif self.distributed_optimizer:
             out += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", self.dp_sharding]
-            if self.dp_sharding_scope != "auto":
-                out += ["--data-parallel-sharding-scope", self.dp_sharding_scope]
+        if self.zero and self.dp_sharding_scope != "auto":
+            out += ["--data-parallel-sharding-scope", self.dp_sharding_scope]
         if self.instances > 1:
             out += ["--num-distributed-optimizer-instances", str(self.instances)]
         if self.outer_sharded:

@@ -55,7 +55,7 @@ class DryRunReport:
     grads: int
     """Gradient buffers (and, with the distributed optimizer, the parameter buffer's padding)."""
     optimizer: int
-    """fp32 main parameters and Adam moments."""
+    """Main parameters (the fp32 copies, where there are any) and Adam moments."""
     schedule_peak: int
     """Largest live total during the pipeline schedule (forward, backward, gradient reduction)."""
     optimizer_peak: int

@@ -55,16 +55,13 @@ _ALSO_PLANNED = (
     "num_distributed_optimizer_instances",
     "outer_dp_sharding_strategy",
     "suggested_communication_unit_size",
+    "megatron_fsdp_main_params_dtype",
     "overlap_grad_reduce",
     "overlap_param_gather",
     "global_batch_size",
 )
-_NOT_PLANNED = (
-    "megatron_fsdp_main_grads_dtype",
-    "megatron_fsdp_grad_comm_dtype",
-    "megatron_fsdp_main_params_dtype",
-)
-"""Megatron-FSDP's dtype flags: the memory and traffic models count gradients in the dtype of
+_NOT_PLANNED = ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
+"""Megatron-FSDP's gradient dtype flags: the memory and traffic models count gradients in the dtype of
 ``--grad-reduce-in-bf16`` and move them as they are."""
 _PLACEHOLDERS = {"train_iters": ("--train-iters", "100"), "lr": ("--lr", "3e-4")}
 
@@ -213,6 +210,8 @@ def _fixed_instances(given: argparse.Namespace, strategy: str | None) -> dict:
         fixed["outer_dp_sharding"] = outer
     if given.suggested_communication_unit_size is not None:
         fixed["communication_unit_size"] = given.suggested_communication_unit_size
+    if "megatron_fsdp_main_params_dtype" in given.explicit_args:
+        fixed["main_params_dtype"] = given.megatron_fsdp_main_params_dtype
     return fixed
 
 
@@ -241,6 +240,9 @@ def read_input(
     with contextlib.redirect_stdout(None):  # the flag checks' notes, for one rank: not the plan's
         distributed = given.use_distributed_optimizer or fixed.get("dp_sharding", "no_shard") != "no_shard"
         sharded = ["--use-distributed-optimizer"] if distributed else []  # --fp8-param-gather needs it
+        if "main_params_dtype" in fixed:  # checked against the model's dtype by the training flags
+            sharded = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"]
+            sharded += ["--megatron-fsdp-main-params-dtype", fixed["main_params_dtype"]]
         run = build_run(
             parse_args(base + sharded + ["--micro-batch-size", "1", "--global-batch-size", "1"]), 1
         )

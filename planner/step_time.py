@@ -30,6 +30,7 @@ from planner.costs import ActionCosts, LayerProfile, MatmulRates, StageCostModel
 from planner.hardware import Cluster
 from planner.memory import (
     gathered_param_bytes,
+    optimizer_bytes_per_element,
     rank_static,
     reduced_buckets,
     reduced_grad_bytes,
@@ -132,8 +133,7 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
     """(grad sync seconds, param gather seconds, optimizer seconds) of a pipeline rank, each once a step
     (ZeRO-2/3 per bucket; at microbatch scope see :func:`_microbatch_traffic`)."""
     state = rank_static(spec, cand, rank)[2]
-    per_element = 12 if spec.precision != "fp32" else 8
-    stepped = state / per_element
+    stepped = state / optimizer_bytes_per_element(spec, cand)
     optimizer = model.optimizer_seconds(stepped, stepped_tensors(spec, cand, rank))
     if spec.fp8_param_gather and cand.distributed_optimizer:
         layers = sum(spec.fp8_layers(cand.layers_of(cand.stage_of(rank, v))) for v in range(cand.vpp))

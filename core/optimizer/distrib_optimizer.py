@@ -110,7 +110,7 @@ class DistributedOptimizer(MegatronOptimizer):
             view = param_view
         else:
             view = param.detach().reshape(-1)[start:end]
-        if param.dtype == torch.float32:
+        if param.dtype in (torch.float32, self.config.main_params_dtype):  # stepped where the model keeps it
             return ParamShard(name, param, view, start, end, copy=False, **views)
         if param.dtype in _HALF:
             return ParamShard(name, param, view.clone().float(), start, end, copy=True, **views)
@@ -120,7 +120,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """A weight held in FP8: its main copy starts from the values it was cast from."""
         meta = held_weight(param)
         source = meta.high_precision if meta.high_precision is not None else dequantized(param)
-        main = source.detach().reshape(-1)[start:end].to(torch.float32, copy=True)
+        main = source.detach().reshape(-1)[start:end].to(self.config.main_params_dtype, copy=True)
         views = {}
         if hasattr(bucket, "shard_views"):  # ZeRO-2/3: the bucket's persistent shards (FP8 values)
             views = dict(zip(("param_view", "grad_view"), bucket.shard_views(param)))
@@ -169,11 +169,12 @@ class DistributedOptimizer(MegatronOptimizer):
         return next(iter(groups.values())) if len(groups) == 1 else None
 
     def prepare_grads(self) -> None:
-        """Each shard's gradient: its range of the (reduce-scattered) gradient buffer, in fp32."""
+        """Each shard's gradient: its range of the (reduce-scattered) gradient buffer, in the main
+        weights' dtype (fp32, or the model's own)."""
         self._zero_unwritten_grads()
         for s in self._shards:
             grad = s.model_grad()
-            s.main_param.grad = None if grad is None else grad.float()
+            s.main_param.grad = None if grad is None else grad.to(s.main_param.dtype)
 
     def _copy_main_params_to_model_params(self) -> None:
         super()._copy_main_params_to_model_params()

@@ -8,11 +8,15 @@ Three flavours, as in Megatron:
   mantissa bits for small updates to register (``w + lr * u == w`` for most of training), so the
   optimizer keeps an fp32 *main* copy of each 16-bit parameter, steps on that with fp32 gradients,
   and copies the result back into the model. fp32 parameters in the same model are stepped directly.
+  With ``OptimizerConfig.main_params_dtype`` set to the model's dtype (Megatron-FSDP's
+  ``--megatron-fsdp-main-params-dtype auto``) there is no main copy: the inner optimizer steps the
+  16-bit parameters themselves, its moments in their dtype, the gradients cast to it (4 bytes per
+  parameter of Adam state instead of 12, at the cost of the updates that 16 bits cannot hold).
 * :class:`~core.optimizer.distrib_optimizer.DistributedOptimizer` — either of the above, but each
   data-parallel rank keeps main parameters and optimizer state for its shard only.
 
 All three describe what they step as :class:`ParamShard` records: the range ``[start, end)`` of a
-flattened model parameter and the fp32 tensor stepped on for it (the whole parameter except in
+flattened model parameter and the tensor stepped on for it (the whole parameter except in
 the distributed optimizer). ``param_state_by_name`` exports the state in those terms.
 
 ``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``. A non-finite global norm
@@ -188,11 +192,11 @@ class MegatronOptimizer:
         return list(self._shards)
 
     def get_parameters(self) -> list[torch.Tensor]:
-        """The tensors the inner optimizer steps on (fp32 main parameters), in group order."""
+        """The tensors the inner optimizer steps on (main parameters), in group order."""
         return [s.main_param for s in self._shards]
 
     def get_main_param(self, model_param: nn.Parameter) -> torch.Tensor:
-        """The fp32 tensor stepped on for ``model_param`` (itself for fp32 parameters)."""
+        """The tensor stepped on for ``model_param`` (itself where it is stepped in its own dtype)."""
         for s in self._shards:
             if s.model_param is model_param:
                 return s.main_param
@@ -213,7 +217,7 @@ class MegatronOptimizer:
                 if grad is not None and grad is not model.grad:
                     model.grad = grad if grad.dtype == model.dtype else grad.to(model.dtype)
             else:
-                s.main_param.grad = None if grad is None else grad.float()
+                s.main_param.grad = None if grad is None else grad.to(s.main_param.dtype)
                 model.grad = None  # a 16-bit copy is no longer needed
 
     def _zero_unwritten_grads(self) -> None:
@@ -436,12 +440,13 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     """bf16/fp16 model with fp32 main parameters: the inner optimizer steps on fp32 copies.
 
     ``optimizer`` is built on the model's parameters; each 16-bit one is swapped, in its group, for
-    an fp32 clone that carries the same tensor-parallel and tied-weight attributes.
+    an fp32 clone that carries the same tensor-parallel and tied-weight attributes (unless
+    ``main_params_dtype`` is the model's dtype: then it keeps the parameter).
     """
 
     def _make_shard(self, param: nn.Parameter) -> ParamShard:
         name = self._name(param)
-        if param.dtype == torch.float32:
+        if param.dtype in (torch.float32, self.config.main_params_dtype):  # stepped as it is
             return ParamShard(name, param, param, 0, param.numel(), False)
         if param.dtype not in _HALF:
             raise TypeError(

@@ -30,6 +30,10 @@ class OptimizerConfig:
     fp16: bool = flag(False, group="mixed precision")
     """The model is fp16: fp32 main parameters, and dynamic loss scaling unless ``loss_scale`` is set."""
     params_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype = torch.float32
+    """The dtype of the weights the optimizer steps (Megatron-FSDP's ``main_params_dtype``): fp32 main
+    copies of a 16-bit model, or the model's own dtype, when the optimizer steps the model's weights (or
+    their data-parallel shards) directly and keeps its state in that dtype, with no main copy."""
     loss_scale: float | None = flag(None, group="mixed precision")
     """A constant loss scale (fp16 or bf16); None with fp16 means dynamic loss scaling."""
     initial_loss_scale: float = flag(2.0**32, group="mixed precision")
@@ -63,8 +67,18 @@ class OptimizerConfig:
             raise ValueError("OptimizerConfig: fp16 and bf16 cannot both be True")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        if self.main_params_dtype not in (torch.float32, self.model_dtype):
+            raise ValueError(
+                f"main_params_dtype must be torch.float32 or the model's dtype ({self.model_dtype}), got "
+                f"{self.main_params_dtype}"
+            )
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale must be > 0 or None (dynamic), got {self.loss_scale}")
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The model's dtype as the precision flags say (``bf16``, ``fp16``, else fp32)."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
 def make_grad_scaler(config: OptimizerConfig) -> ConstantGradScaler | None:

@@ -15,7 +15,7 @@ is exported in::
           "numel": 8192, "shape": [64, 128], # the whole TP-local tensor
           "exp_avg": Tensor[end - start], "exp_avg_sq": Tensor[end - start],  # per-element state
           "step": Tensor[],                  # per-parameter state, as the inner optimizer keeps it
-          "main_param": Tensor[end - start], # fp32 main copy, only for 16-bit parameters
+          "main_param": Tensor[end - start], # fp32 main copy, only for 16-bit parameters stepped in fp32
         },
         ...
       },
@@ -48,9 +48,10 @@ from torch import nn
 class ParamShard:
     """The part ``[start, end)`` of a flattened model parameter that an optimizer steps, and how.
 
-    ``main_param`` is the fp32 tensor the inner optimizer steps on: the model parameter itself
-    (fp32 models), an fp32 copy (``copy=True``: 16-bit models), or a view of the parameter's range
-    (fp32 parameters under the distributed optimizer).
+    ``main_param`` is the tensor the inner optimizer steps on: the model parameter itself (fp32
+    models), an fp32 copy (``copy=True``: 16-bit models), or a view of the parameter's range (fp32
+    parameters under the distributed optimizer). A 16-bit model whose ``main_params_dtype`` is its own
+    dtype is stepped as an fp32 one is: on the parameter, or a view of its range.
     """
 
     name: str
@@ -172,7 +173,7 @@ def import_param_state(
                 continue
             old = inner_state.get(main, {})
             inner_state[main] = {
-                key: _into(old.get(key), value, main.device, fused) for key, value in per_param.items()
+                key: _into(old.get(key), value, main, fused) for key, value in per_param.items()
             }
     if grad_scaler is not None and state.get("grad_scaler") is not None:
         grad_scaler.load_state_dict(state["grad_scaler"])
@@ -201,18 +202,23 @@ def _slices(shard: ParamShard, entry: dict | None) -> dict[str, torch.Tensor]:
     return out
 
 
-def _into(old, value: torch.Tensor, device: torch.device, fused: bool) -> torch.Tensor:
-    """``value`` as optimizer state on ``device``: copied into ``old`` when it fits, else a new tensor.
+def _into(old, value: torch.Tensor, main: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``value`` as optimizer state of ``main``: copied into ``old`` when it fits, else a new tensor.
 
     A scalar (Adam's ``step``) stays on the host for the foreach kernels; torch's fused kernels keep
-    it on the device.
+    it on the device. Per-element state takes ``main``'s dtype: the moments of fp32 main weights and of
+    weights stepped in the model's dtype (``main_params_dtype``) load from each other's checkpoints.
     """
-    if value.dim() == 0 and not fused:
-        return value.clone()
+    if value.dim() == 0:
+        if not fused:
+            return value.clone()
+        dtype = value.dtype
+    else:
+        dtype = main.dtype
     if isinstance(old, torch.Tensor) and (old.shape, old.dtype, old.device) == (
         value.shape,
-        value.dtype,
-        device,
+        dtype,
+        main.device,
     ):
         return old.copy_(value)
-    return value.to(device=device, copy=True)
+    return value.to(device=main.device, dtype=dtype, copy=True)

@@ -23,6 +23,8 @@ own tests (below) compare the two scopes with each other.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -114,7 +116,9 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _strategy_case(rank, world_size, tp: int, bf16: bool):
+def _strategy_case(
+    rank, world_size, tp: int, bf16: bool, main_params_dtype=torch.float32, clip: float = 0.05, **options
+):
     from core import parallel_state as ps
     from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.tensor_parallel.random import model_parallel_seed
@@ -125,7 +129,8 @@ def _strategy_case(rank, world_size, tp: int, bf16: bool):
     model_parallel_seed(1234)
     reference = _chunk("no_shard", tp, bf16, None)
     initial = {k: v.clone() for k, v in reference.module.state_dict().items()}
-    config = OptimizerConfig(lr=1e-2, bf16=bf16, clip_grad=0.05)  # the clip is active: the norm matters
+    # The clip is active by default: the norm matters.
+    config = OptimizerConfig(lr=1e-2, bf16=bf16, clip_grad=clip, main_params_dtype=main_params_dtype)
     from tests.dist.test_distributed_optimizer import _state_bytes
 
     full_optimizer = get_megatron_optimizer(config, [reference])
@@ -134,10 +139,8 @@ def _strategy_case(rank, world_size, tp: int, bf16: bool):
     want = dict(reference.module.named_parameters())
     out, final = {}, {}
     for strategy in STRATEGIES:
-        chunk = _chunk(strategy, tp, bf16, initial)
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(lr=1e-2, bf16=bf16, clip_grad=0.05, use_distributed_optimizer=True), [chunk]
-        )
+        chunk = _chunk(strategy, tp, bf16, initial, **(options if strategy != "optim" else {}))
+        optimizer = get_megatron_optimizer(replace(config, use_distributed_optimizer=True), [chunk])
         losses, between_steps = _steps(chunk, optimizer, dp_rank)
         between_steps["optimizer"] = _state_bytes(optimizer)
         loss_difference = max(abs(x - y) / abs(y) for x, y in zip(losses, expected))
@@ -190,6 +193,28 @@ def test_every_strategy_trains_the_weights_no_shard_trains(ranks, world, tp, bf1
         )
         if dp == 4:
             assert total["optim_grads_params"] <= 0.3 * total["no_shard"]
+
+
+def test_bf16_main_weights_under_every_strategy_train_what_no_shard_trains_in_a_third_of_the_state(ranks):
+    """``--megatron-fsdp-main-params-dtype auto`` on a bf16 model: every strategy steps the bf16 weights (or
+    their shards) with bf16 moments, and ends on no_shard's weights bit for bit, given no_shard's sums:
+    ZeRO-2/3 at step scope (one reduction a step) and no clipping (the shards' norm is summed in another
+    order: the logged norms, which sit in the compared values with the losses, agree within 1e-5). The
+    clipped microbatch-scope comparison of the fp32-main test does not carry over: bf16 rounds the few
+    gradient elements those sums change, and Adam turns the change into a full update (3.7e-2 relative
+    on the attention's key bias, whose gradient is zero in exact arithmetic)."""
+    step = {"clip": 0.0, "data_parallel_sharding_scope": "step"}
+    results = ranks(2).run(_strategy_case, 1, True, torch.bfloat16, timeout=240, **step)
+    fp32_main = ranks(2).run(_strategy_case, 1, True, timeout=240)
+    for rank, (out, wide) in enumerate(zip(results, fp32_main)):
+        for strategy in STRATEGIES:
+            losses, weights, memory = out[strategy]
+            print(f"rank {rank} {strategy}: losses {losses:.1e}, weights {weights:.1e}, bytes {memory}")
+            assert losses <= 1e-5 and weights == 0.0, strategy
+            # Adam's two moments in bf16 and no main copy: 4 bytes a parameter against 12.
+            assert memory["optimizer"] * 3 == wide[strategy][2]["optimizer"], strategy
+        assert out["zero3 is zero2"]
+        assert out["no_shard"][2]["optimizer"] * 3 == wide["no_shard"][2]["optimizer"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -599,6 +624,29 @@ def test_a_zero3_checkpoint_resumes_under_other_strategies_and_splits(ranks, dat
     _assert_resumed_losses(ranks(4), data_prefix, load, straight, splits, "ZeRO-3")
 
 
+def test_bf16_main_weights_through_pretrain_resume_exactly_from_a_checkpoint_of_bf16_moments(
+    ranks, data_prefix, tmp_path
+):
+    """``--bf16 --use-megatron-fsdp --megatron-fsdp-main-params-dtype auto`` at PP2 x DP2 under ZeRO-3:
+    the checkpoint holds bf16 moments and no main copies, and the last two of four iterations resumed
+    from iteration 2 log the straight run's losses bit for bit."""
+    from tests.dist.test_distributed_optimizer import small_gpt
+
+    saved = str(tmp_path / "bf16_main")
+    bf16_main = [
+        *("--bf16", "--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "auto"),
+        *("--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"),
+    ]
+    flags = small_gpt(data_prefix, 4, *bf16_main)
+    straight = _pretrain_losses(ranks(4), flags + ["--save", saved, "--save-interval", "2"])
+    tensors = _whole_tensors(saved, 2)
+    moments = {k: t.dtype for k, t in tensors.items() if k.startswith("optimizer.state.exp_avg")}
+    assert moments and set(moments.values()) == {torch.bfloat16}
+    assert not any(k.startswith("optimizer.state.main_param") for k in tensors)
+    resumed = _pretrain_losses(ranks(4), flags + ["--load", saved, "--ckpt-step", "2"])
+    assert resumed == straight[2:]
+
+
 def _assert_resumed_losses(pool, data_prefix, load, straight, splits, saved_by: str) -> None:
     """The last two of four iterations, resumed from ``load`` under each of ``splits``, log the straight
     run's last two losses (within 1e-5: another split or another reduction order)."""
@@ -631,7 +679,11 @@ def _seeded_zero3_chunk():
     torch.manual_seed(0)
     model_parallel_seed(1234)
     chunk = _chunk("optim_grads_params", 1, False, None)
-    return ps.get_data_parallel_rank(), chunk, {k: v.clone() for k, v in chunk.state_dict().items()}  # gathered
+    return (
+        ps.get_data_parallel_rank(),
+        chunk,
+        {k: v.clone() for k, v in chunk.state_dict().items()},
+    )  # gathered
 
 
 def _fully_shard_case(rank, world_size):
@@ -853,7 +905,10 @@ def test_the_suggested_communication_unit_size_bounds_what_zero3_keeps_in_flight
         for name, (gathered, in_flight) in expected.items():
             their_losses, their_weights, measured, _ = out[name]
             print(f"rank {rank} {name}: {measured}")
-            assert (measured["layers gathered at once"], measured["reductions in flight"]) == (gathered, in_flight)
+            assert (measured["layers gathered at once"], measured["reductions in flight"]) == (
+                gathered,
+                in_flight,
+            )
             assert their_losses == losses, name
             assert all(torch.equal(their_weights[n], w) for n, w in weights.items()), name
 
@@ -903,7 +958,9 @@ def _hsdp_overlap_case(rank, world_size):
                 data_parallel_sharding_scope=scope,
                 overlap_grad_reduce=overlap,
             )
-            optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
+            optimizer = get_megatron_optimizer(
+                OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk]
+            )
             optimizer.zero_grad()
             for micro in range(2):
                 gen = torch.Generator().manual_seed(10 * dp_rank + micro)
@@ -957,7 +1014,11 @@ def _expert_grads_of_a_step(chunk, optimizer, dp_rank: int) -> dict[str, tuple[i
     from core.distributed.distributed_data_parallel import is_expert_param
 
     grads = _grads_of_a_step(chunk, optimizer, dp_rank)
-    return {name: grads[name] for name, p in chunk.module.named_parameters() if is_expert_param(p) and name in grads}
+    return {
+        name: grads[name]
+        for name, p in chunk.module.named_parameters()
+        if is_expert_param(p) and name in grads
+    }
 
 
 def _grads_of_a_step(chunk, optimizer, dp_rank: int) -> dict[str, tuple[int, torch.Tensor]]:
@@ -1002,7 +1063,9 @@ def _grad_comm_case(rank, world_size):
                 num_distributed_optimizer_instances=instances,
                 megatron_fsdp_grad_comm_dtype=comm,
             )
-            optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk])
+            optimizer = get_megatron_optimizer(
+                OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [chunk]
+            )
             out[case, comm] = _grads_of_a_step(chunk, optimizer, dp_rank)
     return out
 
@@ -1024,7 +1087,9 @@ def test_gradients_travel_in_the_grad_comm_dtype(ranks):
                 exact += int(torch.equal(whole, whole.bfloat16().float()))
                 if whole.norm() > 0:
                     worst = max(worst, _relative(grad, whole))
-            print(f"rank {rank} {case}: largest relative difference {worst:.1e}; {exact} fp32 sums already bf16")
+            print(
+                f"rank {rank} {case}: largest relative difference {worst:.1e}; {exact} fp32 sums already bf16"
+            )
             assert 0 < worst <= 1e-2 and exact < len(sent_whole), case
 
 

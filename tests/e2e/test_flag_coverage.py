@@ -95,7 +95,7 @@ ISSUE_FLAGS = {
     NO_EFFECT: "--log-throughput --attention-backend --use-mcore-models --empty-unused-memory-level "
     "--no-create-attention-mask-in-dataloader --no-masked-softmax-fusion "
     "--tiktoken-pattern --use-pytorch-profiler --data-impl --ckpt-format --fp8-interval --megatron-fsdp-version",
-    NOT_YET: "--megatron-fsdp-main-params-dtype=bf16 --megatron-fsdp-enable-fine-grained-param-gather",
+    NOT_YET: "--megatron-fsdp-enable-fine-grained-param-gather",
     UNSUPPORTED: "--moe-enable-deepep --moe-router-load-balancing-type=sinkhorn "
     "--tokenizer-type=TikTokenizer --ckpt-format=zarr --ckpt-format=torch_dcp --use-torch-fsdp2 "
     "--torch-fsdp2-no-reshard-after-forward --megatron-fsdp-version=2",

@@ -137,6 +137,66 @@ def test_bf16_model_steps_fp32_main_params_like_an_fp32_adamw(grad_source):
     assert any(not torch.equal(main.bfloat16().float(), main) for main in optimizer.get_parameters())
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["whole", "distributed optimizer"])
+def test_bf16_main_weights_step_the_bf16_weights_as_torch_adamw_does(distributed):
+    """``main_params_dtype=bfloat16`` (``--megatron-fsdp-main-params-dtype auto``): no main copy; the
+    fp32-accumulated gradient is cast to bf16 and torch's AdamW steps the bf16 weights, moments in bf16."""
+    model, _ = _bf16_pair()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(
+        None, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model
+    )
+    config = OptimizerConfig(
+        lr=1e-2,
+        weight_decay=0.1,
+        clip_grad=0.0,
+        bf16=True,
+        main_params_dtype=torch.bfloat16,
+        use_distributed_optimizer=distributed,
+    )
+    optimizer = get_megatron_optimizer(config, [ddp])
+    reference = _reference_adamw(ref)
+    for step in range(4):
+        optimizer.zero_grad()
+        for micro in range(2):  # two microbatches: the gradient accumulates in fp32, then is cast once
+            ddp(_tokens(10 * step + micro)).backward()
+        ddp.finish_grad_sync()
+        assert optimizer.step()[0]
+        reference.zero_grad()
+        fp32_sum = {}
+        for micro in range(2):
+            ref(_tokens(10 * step + micro)).backward()
+            for q in ref.parameters():
+                fp32_sum[q] = fp32_sum.get(q, 0) + q.grad.float()
+                q.grad = None
+        for q in ref.parameters():
+            q.grad = fp32_sum[q].bfloat16()
+        reference.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), (step, name)
+    assert all(main.dtype == torch.bfloat16 for main in optimizer.get_parameters())
+    assert {v.dtype for state in optimizer.state.values() for v in state.values() if v.dim() > 0} == {
+        torch.bfloat16
+    }
+    # The state loads into fp32 main weights (the moments upcast, the main copies from the weights)...
+    fp32_main = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-2, bf16=True, use_distributed_optimizer=distributed), [ddp]
+    )
+    fp32_main.load_state_dict(optimizer.state_dict())
+    saved = optimizer.state_dict()["params"]
+    for shard in fp32_main.shards:
+        assert torch.equal(shard.main_param, shard.model_param.float().view_as(shard.main_param))
+        assert fp32_main.state[shard.main_param]["exp_avg"].dtype == torch.float32
+        assert torch.equal(
+            fp32_main.state[shard.main_param]["exp_avg"].reshape(-1), saved[shard.name]["exp_avg"].float()
+        )
+    # ... and back: bf16 moments, the fp32 main copy rounded into the weights.
+    optimizer.load_state_dict(fp32_main.state_dict())
+    assert {v.dtype for state in optimizer.state.values() for v in state.values() if v.dim() > 0} == {
+        torch.bfloat16
+    }
+
+
 def _roundtrip(optimizer, model, tmp_path, tag):
     """The optimizer's state through files: its tensors to safetensors (``name/key``), the rest to JSON."""
     state = optimizer.state_dict()

@@ -1205,6 +1205,39 @@ def test_the_search_tries_both_scopes_under_pipelining():
     assert chosen(plan(1, 12.5e6)) == {"optim": ("selective", ""), "optim_grads/microbatch": ("none", "")}
 
 
+def test_the_planner_plans_bf16_main_weights_with_a_third_of_the_optimizer_state(small, capsys):
+    """``--megatron-fsdp-main-params-dtype auto`` on a bf16 model: every candidate carries it (with
+    ``--use-megatron-fsdp`` and its strategy, which the flag needs), its optimizer state is a third of fp32
+    main weights' (Adam's bf16 moments, no main copy), and a dtype the training flags refuse is refused
+    with their line."""
+    from planner.cli import main
+    from planner.report import candidate_args
+    from training.arguments.checks import validate_args
+    from training.arguments.parser import parse_args
+
+    flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"]
+    fp32_main = read_input([*SMALL, *flags])
+    plan_input = read_input([*SMALL, *flags, "--megatron-fsdp-main-params-dtype", "auto"])
+    assert plan_input.fixed == {"dp_sharding": "optim", "main_params_dtype": "auto"}
+    fixed = plan_input.fixed
+    result = search(plan_input.spec, Cluster(4, 4, GPUS["h100"]), global_batch_size=16, top=3, fixed=fixed)
+    assert len(result.candidates) == 3
+    for planned in result.candidates:
+        cand = planned.cand
+        args = validate_args(parse_args(candidate_args(plan_input.base_flags, cand)), 4)
+        assert (args.use_megatron_fsdp, args.data_parallel_sharding_strategy) == (True, "optim")
+        assert args.megatron_fsdp_main_params_dtype == "auto"
+        wide = replace(cand, main_params_dtype="fp32")
+        ours, theirs = (rank_static(fp32_main.spec, c, 0)[2] for c in (cand, wide))
+        assert theirs / ours == pytest.approx(3, rel=1e-3)  # but Adam's step counts, fp32 either way
+    refused = [*SMALL, "--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "fp16", "--num-gpus", "2"]
+    assert main(refused) == 2
+    assert capsys.readouterr().err == (
+        "tools/plan.py: error: --megatron-fsdp-main-params-dtype fp16 must be fp32, auto or the model's dtype "
+        "(bf16): the optimizer steps fp32 main copies or the bf16 weights themselves\n"
+    )
+
+
 def test_llama3_70b_fits_only_sharded_over_data_parallel():
     """Issue 29's example, as the planner finds it. On 8 x 80 GB nothing fits under any strategy: Adam
     needs 16 bytes a parameter (1.13 TB for 70.6B) and the GPUs hold 640 GB; the plan says so, at DP8

@@ -56,8 +56,13 @@ _MOE = [
         ([*_MOE, "--cross-entropy-loss-fusion"], {"tp": 1, "pp": 2, "dp": 2, "ep": 2}),
         # fp16: the loss scaler's state, and the optimizer's step decided on the device
         (["--fp16"], {"tp": 1, "pp": 2, "dp": 2}),
+        # bf16 weights stepped as they are: bf16 moments, no main copy, the gradients cast to bf16
+        (
+            ["--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "auto"],
+            {"tp": 1, "pp": 2, "dp": 2, "main_params_dtype": "auto"},
+        ),
     ],
-    ids=["dense-TP2xPP2xDP2-zb-linear-loss", "moe-EP2xPP2xDP2", "fp16-PP2xDP2"],
+    ids=["dense-TP2xPP2xDP2-zb-linear-loss", "moe-EP2xPP2xDP2", "fp16-PP2xDP2", "bf16-main-weights-PP2xDP2"],
 )
 def test_dry_run_matches_the_memory_model_on_every_rank(extra, fields):
     base = [f for f in TINY if f != "--bf16"] if "--fp16" in extra else TINY

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from training.arguments.checks import derive_args
 from training.arguments.parser import parse_args, startup_report
@@ -155,10 +156,17 @@ def test_the_strategy_follows_megatrons_flags(argv, strategy, distributed):
             ),
         ),
         (
-            "--bf16 --use-megatron-fsdp --megatron-fsdp-main-params-dtype auto",
+            "--bf16 --use-megatron-fsdp --megatron-fsdp-main-params-dtype fp16",
             (
-                "--megatron-fsdp-main-params-dtype auto (bf16 main weights) is not built: Trident's distributed "
-                "optimizer keeps its main weights in fp32 (the flag's default)"
+                "--megatron-fsdp-main-params-dtype fp16 must be fp32, auto or the model's dtype (bf16): the "
+                "optimizer steps fp32 main copies or the bf16 weights themselves"
+            ),
+        ),
+        (
+            "--use-megatron-fsdp --megatron-fsdp-main-params-dtype bf16",
+            (
+                "--megatron-fsdp-main-params-dtype bf16 must be fp32, auto or the model's dtype (fp32): the "
+                "optimizer steps fp32 main copies or the fp32 weights themselves"
             ),
         ),
         (
@@ -265,13 +273,6 @@ def test_the_sharding_scope_follows_the_pipeline_and_the_start_report_states_its
             ),
         ),
         (
-            "--use-megatron-fsdp --megatron-fsdp-main-params-dtype fp16",
-            (
-                "Trident does not support --megatron-fsdp-main-params-dtype fp16 yet: Trident's distributed "
-                "optimizer keeps its main weights in fp32 (the flag's default)"
-            ),
-        ),
-        (
             "--megatron-fsdp-enable-fine-grained-param-gather",
             f"Trident does not support --megatron-fsdp-enable-fine-grained-param-gather yet: {_NOT_YET}",
         ),
@@ -352,6 +353,24 @@ def test_megatron_fsdps_dtype_flags_reach_the_gradient_buffers(argv, grad_reduce
 
     ddp = build_run(parse_args(argv.split()), 4).ddp
     assert (ddp.grad_reduce_in_fp32, ddp.megatron_fsdp_grad_comm_dtype) == (grad_reduce_in_fp32, comm)
+
+
+@pytest.mark.parametrize(
+    ("argv", "dtype"),
+    [
+        ("--bf16 --use-megatron-fsdp", torch.float32),  # Megatron's default: fp32 main weights
+        ("--bf16", torch.float32),
+        ("--bf16 --use-megatron-fsdp --megatron-fsdp-main-params-dtype auto", torch.bfloat16),
+        ("--bf16 --use-megatron-fsdp --megatron-fsdp-main-params-dtype bf16", torch.bfloat16),
+        ("--fp16 --use-megatron-fsdp --megatron-fsdp-main-params-dtype auto", torch.float16),
+        ("--fp16 --use-megatron-fsdp --megatron-fsdp-main-params-dtype fp32", torch.float32),
+        ("--use-megatron-fsdp --megatron-fsdp-main-params-dtype auto", torch.float32),
+    ],
+)
+def test_the_main_params_dtype_reaches_the_optimizer_config(argv, dtype):
+    from training.run import build_run
+
+    assert build_run(parse_args(argv.split()), 4).optimizer.main_params_dtype == dtype
 
 
 def test_an_outer_strategy_that_does_not_exist_is_a_usage_error(capsys):

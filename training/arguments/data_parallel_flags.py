@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.distributed.distributed_data_parallel_config import ZERO_STRATEGIES, resolve_sharding_scope
+from core.distributed.distributed_data_parallel_config import DTYPES, ZERO_STRATEGIES, resolve_sharding_scope
 from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from training.arguments.schema import flag_name as _flag
@@ -62,8 +62,9 @@ def derive_precision_and_data_parallel(args: argparse.Namespace) -> None:
 
 def _megatron_fsdp_dtypes(args: argparse.Namespace) -> None:
     """Megatron-FSDP's ``--megatron-fsdp-*-dtype`` flags (only with ``--use-megatron-fsdp``, as in Megatron):
-    the main weights stay fp32; the main gradients' dtype is the one ``--grad-reduce-in-bf16`` sets, given
-    another way; the communication dtype goes to the buckets."""
+    the main weights in fp32 or the model's dtype (``OptimizerConfig.main_params_dtype``); the main
+    gradients' dtype is the one ``--grad-reduce-in-bf16`` sets, given another way; the communication dtype
+    goes to the buckets."""
     given = [d for d in _FSDP_DTYPES if d in args.explicit_args]
     _require(
         args.use_megatron_fsdp or not given,
@@ -73,10 +74,11 @@ def _megatron_fsdp_dtypes(args: argparse.Namespace) -> None:
     model = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     params = args.megatron_fsdp_main_params_dtype
     _require(
-        (model if params == "auto" else params) == "fp32",
-        f"--megatron-fsdp-main-params-dtype {params} ({model if params == 'auto' else params} main weights) is "
-        "not built: Trident's distributed optimizer keeps its main weights in fp32 (the flag's default)",
+        params in ("fp32", "auto", model),
+        f"--megatron-fsdp-main-params-dtype {params} must be fp32, auto or the model's dtype ({model}): "
+        f"the optimizer steps fp32 main copies or the {model} weights themselves",
     )
+    args.main_params_dtype = DTYPES[model if params == "auto" else params]
     grads = args.megatron_fsdp_main_grads_dtype
     if grads == "auto":
         return

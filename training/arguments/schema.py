@@ -425,10 +425,6 @@ COVERAGE: dict[str, Coverage] = {
     ),
     "--use-torch-fsdp2": unsupported(_FSDP_INSTEAD),
     "--torch-fsdp2-no-reshard-after-forward": unsupported(_FSDP_INSTEAD),
-    **dict.fromkeys(
-        ("--megatron-fsdp-main-params-dtype bf16", "--megatron-fsdp-main-params-dtype fp16"),
-        not_yet("Trident's distributed optimizer keeps its main weights in fp32 (the flag's default)"),
-    ),
     "--megatron-fsdp-version": no_effect("Trident's sharding is Megatron-FSDP's first version, its default"),
     "--megatron-fsdp-version 2": unsupported(
         "Trident's Megatron-FSDP is version 1, Megatron's default; " + _FSDP_INSTEAD
