@@ -120,9 +120,9 @@ class TrainingArgs:
     megatron_fsdp_main_params_dtype: Literal["fp32", "bf16", "fp16", "auto"] = flag(
         "fp32", group="mixed precision"
     )
-    """With --use-megatron-fsdp, the dtype of the weights the optimizer steps: fp32 main copies, or the
-    model's own dtype (``auto``, or the dtype named), which steps the 16-bit weights themselves with no
-    main copy and keeps Adam's moments in that dtype (4 bytes a parameter of optimizer state instead of 12)."""
+    """With --use-megatron-fsdp, the dtype of the weights the optimizer steps: fp32 main copies, or for a
+    bf16 model bf16 (``auto``, or bf16 named), which steps the bf16 weights themselves with no main copy and
+    keeps Adam's moments in bf16 (4 bytes a parameter of optimizer state instead of 12). fp16 is not built."""
     megatron_fsdp_main_grads_dtype: Literal["fp32", "bf16", "fp16", "auto"] = flag(
         "auto", group="mixed precision"
     )

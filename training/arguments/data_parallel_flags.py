@@ -78,6 +78,12 @@ def _megatron_fsdp_dtypes(args: argparse.Namespace) -> None:
         f"--megatron-fsdp-main-params-dtype {params} must be fp32, auto or the model's dtype ({model}): "
         f"the optimizer steps fp32 main copies or the {model} weights themselves",
     )
+    _require(
+        (model if params == "auto" else params) != "fp16",
+        f"--megatron-fsdp-main-params-dtype {params} (fp16 main weights) is not built: Adam's moments would be "
+        "fp16 too, where its epsilon (1e-8) and small squared gradients round to 0 and the updates blow up; "
+        "use fp32 (the default)",
+    )
     args.main_params_dtype = DTYPES[model if params == "auto" else params]
     grads = args.megatron_fsdp_main_grads_dtype
     if grads == "auto":
