@@ -63,14 +63,10 @@ class Candidate:
     communication_unit_size: int | None = None
     """``--suggested-communication-unit-size`` the user fixed: the elements ZeRO-2/3's reductions under way
     (and, halved, ZeRO-3's prefetched gathers) may hold at microbatch scope; None, Trident's defaults."""
-    main_params_dtype: str = "fp32"
-    """``--megatron-fsdp-main-params-dtype`` the user fixed: ``fp32`` main copies, or (``auto`` or the
-    model's dtype) the optimizer steps the model's weights with its moments in their dtype."""
-
-    @property
-    def main_params_in_model_dtype(self) -> bool:
-        """Whether the optimizer steps the weights in the model's dtype (no fp32 main copy)."""
-        return self.main_params_dtype != "fp32"
+    megatron_fsdp_dtypes: tuple[str, ...] = ()
+    """Megatron-FSDP's dtype flags the user gave, with their values (``--megatron-fsdp-main-params-dtype
+    auto``): every candidate passes them on and names its strategy with ``--use-megatron-fsdp``, which
+    they need. What they change is the model's numbers (:class:`~planner.model_spec.ModelSpec`)."""
 
     @property
     def distributed_optimizer(self) -> bool:
@@ -184,9 +180,9 @@ class Candidate:
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
             out += ["--recompute-num-layers", "1"]
         out.append("--overlap-grad-reduce")
-        if self.main_params_in_model_dtype:  # a Megatron-FSDP flag: every strategy is named with it
+        if self.megatron_fsdp_dtypes:  # they need --use-megatron-fsdp: every strategy is named with it
             out += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", self.dp_sharding]
-            out += ["--megatron-fsdp-main-params-dtype", self.main_params_dtype]
+            out += self.megatron_fsdp_dtypes
         elif self.dp_sharding == "optim":
             out.append("--use-distributed-optimizer")
         elif self.distributed_optimizer:

@@ -19,11 +19,14 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 
+import torch
+
 from planner.model_spec import ModelSpec
 from planner.presets import preset_flags
 from training.arguments.data_parallel_flags import instances_problem
 from training.arguments.parser import parse_args
 from training.arguments.schema import BY_DEST, BY_OPTION
+from training.arguments.schema import flag_name as _flag
 from training.checkpoint.model_args import checkpoint_model_args
 from training.hf.config import transformer_config_from_hf
 from training.run import build_run
@@ -42,6 +45,9 @@ PLANNED_DESTS = {
     "recompute_granularity": "recompute",
 }
 """Flags the search chooses; given on the command line, they fix that dimension."""
+_MEGATRON_FSDP_DTYPES = ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype")
+"""Megatron-FSDP's dtype flags the planner models: they change the model's numbers (:class:`ModelSpec`),
+and every candidate carries them (they need ``--use-megatron-fsdp``, a planned flag)."""
 _ALSO_PLANNED = (
     "pipeline_model_parallel_layout",
     "num_layers_per_virtual_pipeline_stage",
@@ -55,14 +61,13 @@ _ALSO_PLANNED = (
     "num_distributed_optimizer_instances",
     "outer_dp_sharding_strategy",
     "suggested_communication_unit_size",
-    "megatron_fsdp_main_params_dtype",
+    *_MEGATRON_FSDP_DTYPES,
     "overlap_grad_reduce",
     "overlap_param_gather",
     "global_batch_size",
 )
-_NOT_PLANNED = ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
-"""Megatron-FSDP's gradient dtype flags: the memory and traffic models count gradients in the dtype of
-``--grad-reduce-in-bf16`` and move them as they are."""
+_NOT_PLANNED = ("megatron_fsdp_grad_comm_dtype",)
+"""The memory and traffic models move gradients in the dtype they accumulate in."""
 _PLACEHOLDERS = {"train_iters": ("--train-iters", "100"), "lr": ("--lr", "3e-4")}
 
 
@@ -210,8 +215,9 @@ def _fixed_instances(given: argparse.Namespace, strategy: str | None) -> dict:
         fixed["outer_dp_sharding"] = outer
     if given.suggested_communication_unit_size is not None:
         fixed["communication_unit_size"] = given.suggested_communication_unit_size
-    if "megatron_fsdp_main_params_dtype" in given.explicit_args:
-        fixed["main_params_dtype"] = given.megatron_fsdp_main_params_dtype
+    dtypes = [(_flag(d), getattr(given, d)) for d in _MEGATRON_FSDP_DTYPES if d in given.explicit_args]
+    if dtypes:
+        fixed["megatron_fsdp_dtypes"] = tuple(token for pair in dtypes for token in pair)
     return fixed
 
 
@@ -240,9 +246,9 @@ def read_input(
     with contextlib.redirect_stdout(None):  # the flag checks' notes, for one rank: not the plan's
         distributed = given.use_distributed_optimizer or fixed.get("dp_sharding", "no_shard") != "no_shard"
         sharded = ["--use-distributed-optimizer"] if distributed else []  # --fp8-param-gather needs it
-        if "main_params_dtype" in fixed:  # checked against the model's dtype by the training flags
+        if "megatron_fsdp_dtypes" in fixed:  # the model's numbers, as the training flags derive them
             sharded = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"]
-            sharded += ["--megatron-fsdp-main-params-dtype", fixed["main_params_dtype"]]
+            sharded += fixed["megatron_fsdp_dtypes"]
         run = build_run(
             parse_args(base + sharded + ["--micro-batch-size", "1", "--global-batch-size", "1"]), 1
         )
@@ -252,7 +258,10 @@ def read_input(
         seq_length=run.gpt.seq_length,
         max_position_embeddings=run.gpt.max_position_embeddings,
         name=preset or hf_config or "",
-    ).with_(grads_in_fp32=run.ddp.grad_reduce_in_fp32)
+    ).with_(
+        grads_in_fp32=run.ddp.grad_reduce_in_fp32,
+        main_params_in_model_dtype=run.optimizer.main_params_dtype != torch.float32,
+    )
     return PlanInput(
         spec=spec,
         base_flags=base,

@@ -246,7 +246,7 @@ def _cached_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str, 
     """:func:`_rank_static` once per split, rank and sharding; ZeRO-2/3 start from ZeRO-1's figures."""
     key = (spec, cand.tp, cand.pp, cand.dp, cand.vpp, cand.cp, cand.ep, cand.schedule, cand.layout,
            cand.distributed_optimizer, cand.instances, cand.outer_sharded, pp_rank, device, sharding,
-           cand.communication_unit_size, cand.main_params_in_model_dtype)  # fmt: skip
+           cand.communication_unit_size)  # fmt: skip
     if key not in _STATIC:
         if len(_STATIC) > 1 << 16:
             _STATIC.clear()
@@ -388,7 +388,7 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
     padded = sum(_padded(e, cand, pp_rank) for e in elements)
     B = spec.bytes_per_value
     grad_bytes = spec.grad_bytes_per_value
-    per_element_state = optimizer_bytes_per_element(spec, cand)
+    per_element_state = optimizer_bytes_per_element(spec)
     stepped = [n for chunk in tensors for n in chunk]
     count = len(stepped)
     steps = 4 * count  # Adam's step count, an fp32 scalar per stepped tensor
@@ -409,19 +409,17 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
     if spec.position_embedding_type == "rope":  # each chunk's RoPE frequencies (fp32, a buffer)
         params += cand.vpp * 2 * int(spec.kv_channels * spec.rotary_percent)
     transient = _optimizer_transient(stepped, device)
-    main_bytes = B if cand.main_params_in_model_dtype else 4
-    if (
-        grad_bytes != main_bytes
-    ):  # the optimizer steps on copies of the gradients in its dtype, all alive at once
+    main_bytes = B if spec.main_params_in_model_dtype else 4
+    if grad_bytes != main_bytes:  # the optimizer steps on copies of the gradients in its dtype, all alive
         transient += main_bytes * sum(abs(n) for n in stepped)
     return _Static(params, grads, state, transient, gathered, count, reduced=grads, padded=padded)
 
 
-def optimizer_bytes_per_element(spec: ModelSpec, cand: Candidate) -> int:
+def optimizer_bytes_per_element(spec: ModelSpec) -> int:
     """Bytes of optimizer state per stepped element: Adam's two moments in the main weights' dtype, and
     for a 16-bit model with fp32 main weights the fp32 main copy (12); 8 for fp32; 4 for a 16-bit model
     stepped in its own dtype (``--megatron-fsdp-main-params-dtype auto``)."""
-    if cand.main_params_in_model_dtype or spec.precision == "fp32":
+    if spec.main_params_in_model_dtype or spec.precision == "fp32":
         return 2 * spec.bytes_per_value
     return 12
 

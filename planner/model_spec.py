@@ -121,6 +121,9 @@ class ModelSpec:
     grads_in_fp32: bool | None = None
     """Gradients accumulate and are reduced in fp32 (``DistributedDataParallelConfig.grad_reduce_in_fp32``),
     else in the model's dtype; None, the training flags' default: fp32 but for an fp16 model."""
+    main_params_in_model_dtype: bool = False
+    """The optimizer steps the weights in the model's dtype, with its moments in that dtype and no fp32 main
+    copy (``OptimizerConfig.main_params_dtype``, from ``--megatron-fsdp-main-params-dtype auto``)."""
     fp8: bool = False
     """The decoder layers' linear layers multiply in FP8 (``--fp8-format``): they save their inputs in FP8
     (with FP8 weight gradients), and hold an FP8 copy of each weight and its transpose for the step."""

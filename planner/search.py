@@ -177,8 +177,8 @@ class _Space:
     outer_dp_sharding: str | None = None
     communication_unit_size: int | None = None
     """``--suggested-communication-unit-size`` the user fixed (every candidate carries it)."""
-    main_params_dtype: str = "fp32"
-    """``--megatron-fsdp-main-params-dtype`` the user fixed (every candidate carries it)."""
+    megatron_fsdp_dtypes: tuple[str, ...] = ()
+    """Megatron-FSDP's dtype flags the user gave (every candidate carries them)."""
 
 
 def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
@@ -205,7 +205,7 @@ def _space(spec: ModelSpec, cluster: Cluster, fixed: dict) -> _Space:
         instances=fixed.get("instances"),
         outer_dp_sharding=fixed.get("outer_dp_sharding"),
         communication_unit_size=fixed.get("communication_unit_size"),
-        main_params_dtype=fixed.get("main_params_dtype", "fp32"),
+        megatron_fsdp_dtypes=fixed.get("megatron_fsdp_dtypes", ()),
     )
 
 
@@ -355,7 +355,7 @@ def _fitting(
                         tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, micro_batch_size=mbs,
                         num_microbatches=m, dp_sharding_scope=space.dp_sharding_scope,
                         communication_unit_size=space.communication_unit_size,
-                        main_params_dtype=space.main_params_dtype,
+                        megatron_fsdp_dtypes=space.megatron_fsdp_dtypes,
                     )  # fmt: skip
                     strategies = _strategies(spec, space, base, allow_distributed_optimizer, rejected)
                     rungs = [

@@ -133,7 +133,7 @@ def _tail(model: StageCostModel, spec: ModelSpec, cand: Candidate, rank: int) ->
     """(grad sync seconds, param gather seconds, optimizer seconds) of a pipeline rank, each once a step
     (ZeRO-2/3 per bucket; at microbatch scope see :func:`_microbatch_traffic`)."""
     state = rank_static(spec, cand, rank)[2]
-    stepped = state / optimizer_bytes_per_element(spec, cand)
+    stepped = state / optimizer_bytes_per_element(spec)
     optimizer = model.optimizer_seconds(stepped, stepped_tensors(spec, cand, rank))
     if spec.fp8_param_gather and cand.distributed_optimizer:
         layers = sum(spec.fp8_layers(cand.layers_of(cand.stage_of(rank, v))) for v in range(cand.vpp))

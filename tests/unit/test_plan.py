@@ -1205,31 +1205,45 @@ def test_the_search_tries_both_scopes_under_pipelining():
     assert chosen(plan(1, 12.5e6)) == {"optim": ("selective", ""), "optim_grads/microbatch": ("none", "")}
 
 
-def test_the_planner_plans_bf16_main_weights_with_a_third_of_the_optimizer_state(small, capsys):
-    """``--megatron-fsdp-main-params-dtype auto`` on a bf16 model: every candidate carries it (with
-    ``--use-megatron-fsdp`` and its strategy, which the flag needs), its optimizer state is a third of fp32
-    main weights' (Adam's bf16 moments, no main copy), and a dtype the training flags refuse is refused
-    with their line."""
-    from planner.cli import main
+@pytest.mark.parametrize(
+    ("dtypes", "state", "grads"),
+    [
+        (["--megatron-fsdp-main-params-dtype", "auto"], 1 / 3, 1),  # bf16 moments, no main copy
+        (["--megatron-fsdp-main-grads-dtype", "bf16"], 1, 1 / 2),  # --grad-reduce-in-bf16, said another way
+    ],
+    ids=["main-params-auto", "main-grads-bf16"],
+)
+def test_the_planner_plans_megatron_fsdps_main_dtypes(small, dtypes, state, grads):
+    """Megatron-FSDP's main-weight and main-gradient dtypes on a bf16 model: every candidate carries the
+    flag (with ``--use-megatron-fsdp`` and its strategy, which the flag needs), and the model counts
+    the optimizer state (Adam's bf16 moments and no main copy: a third) and gradients (bf16: a half) the
+    run holds, against the same candidate with the defaults."""
     from planner.report import candidate_args
     from training.arguments.checks import validate_args
     from training.arguments.parser import parse_args
 
     flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"]
-    fp32_main = read_input([*SMALL, *flags])
-    plan_input = read_input([*SMALL, *flags, "--megatron-fsdp-main-params-dtype", "auto"])
-    assert plan_input.fixed == {"dp_sharding": "optim", "main_params_dtype": "auto"}
-    fixed = plan_input.fixed
-    result = search(plan_input.spec, Cluster(4, 4, GPUS["h100"]), global_batch_size=16, top=3, fixed=fixed)
+    defaults = read_input([*SMALL, *flags])
+    plan_input = read_input([*SMALL, *flags, *dtypes])
+    assert plan_input.fixed == {"dp_sharding": "optim", "megatron_fsdp_dtypes": tuple(dtypes)}
+    result = search(plan_input.spec, Cluster(4, 4, GPUS["h100"]), global_batch_size=16, top=3,
+                    fixed=plan_input.fixed)  # fmt: skip
     assert len(result.candidates) == 3
     for planned in result.candidates:
         cand = planned.cand
         args = validate_args(parse_args(candidate_args(plan_input.base_flags, cand)), 4)
         assert (args.use_megatron_fsdp, args.data_parallel_sharding_strategy) == (True, "optim")
-        assert args.megatron_fsdp_main_params_dtype == "auto"
-        wide = replace(cand, main_params_dtype="fp32")
-        ours, theirs = (rank_static(fp32_main.spec, c, 0)[2] for c in (cand, wide))
-        assert theirs / ours == pytest.approx(3, rel=1e-3)  # but Adam's step counts, fp32 either way
+        assert getattr(args, dtypes[0][2:].replace("-", "_")) == dtypes[1]
+        ours, theirs = (rank_static(i.spec, cand, 0) for i in (plan_input, defaults))
+        assert ours[1] / theirs[1] == grads
+        assert ours[2] / theirs[2] == pytest.approx(
+            state, rel=1e-3
+        )  # but Adam's step counts, fp32 either way
+
+
+def test_the_planner_refuses_main_weights_the_training_flags_refuse(capsys):
+    from planner.cli import main
+
     refused = [*SMALL, "--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "fp16", "--num-gpus", "2"]
     assert main(refused) == 2
     assert capsys.readouterr().err == (

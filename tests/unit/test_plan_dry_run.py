@@ -59,7 +59,12 @@ _MOE = [
         # bf16 weights stepped as they are: bf16 moments, no main copy, the gradients cast to bf16
         (
             ["--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "auto"],
-            {"tp": 1, "pp": 2, "dp": 2, "main_params_dtype": "auto"},
+            {
+                "tp": 1,
+                "pp": 2,
+                "dp": 2,
+                "megatron_fsdp_dtypes": ("--megatron-fsdp-main-params-dtype", "auto"),
+            },
         ),
     ],
     ids=["dense-TP2xPP2xDP2-zb-linear-loss", "moe-EP2xPP2xDP2", "fp16-PP2xDP2", "bf16-main-weights-PP2xDP2"],
