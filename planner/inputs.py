@@ -45,7 +45,11 @@ PLANNED_DESTS = {
     "recompute_granularity": "recompute",
 }
 """Flags the search chooses; given on the command line, they fix that dimension."""
-_MEGATRON_FSDP_DTYPES = ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype")
+_MEGATRON_FSDP_DTYPES = (
+    "megatron_fsdp_main_params_dtype",
+    "megatron_fsdp_main_grads_dtype",
+    "megatron_fsdp_grad_comm_dtype",
+)
 """Megatron-FSDP's dtype flags the planner models: they change the model's numbers (:class:`ModelSpec`),
 and every candidate carries them (they need ``--use-megatron-fsdp``, a planned flag)."""
 _ALSO_PLANNED = (
@@ -66,8 +70,6 @@ _ALSO_PLANNED = (
     "overlap_param_gather",
     "global_batch_size",
 )
-_NOT_PLANNED = ("megatron_fsdp_grad_comm_dtype",)
-"""The memory and traffic models move gradients in the dtype they accumulate in."""
 _PLACEHOLDERS = {"train_iters": ("--train-iters", "100"), "lr": ("--lr", "3e-4")}
 
 
@@ -235,11 +237,6 @@ def read_input(
         fixed["layout"] = given.pipeline_model_parallel_layout
     if given.global_batch_size is None:
         raise ValueError("--global-batch-size is needed to plan: it fixes the microbatches per step")
-    if dtypes := [f"--{d.replace('_', '-')}" for d in _NOT_PLANNED if d in given.explicit_args]:
-        raise ValueError(
-            f"the planner does not model {' or '.join(dtypes)} yet: plan without it (--grad-reduce-in-bf16 "
-            "keeps gradients in bf16)"
-        )
     fixed.update(_fixed_sharding(given))
     fixed.update(_fixed_instances(given, fixed.get("dp_sharding")))
     base = _runnable(_strip(argv, set(PLANNED_DESTS) | set(_ALSO_PLANNED)), given, notes)
@@ -261,6 +258,7 @@ def read_input(
     ).with_(
         grads_in_fp32=run.ddp.grad_reduce_in_fp32,
         main_params_in_model_dtype=run.optimizer.main_params_dtype != torch.float32,
+        grad_comm_bytes=None if run.ddp.grad_comm_dtype is None else run.ddp.grad_comm_dtype.itemsize,
     )
     return PlanInput(
         spec=spec,

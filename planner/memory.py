@@ -30,6 +30,12 @@ instances); buckets pad to lcm(the ranks the state is split over, 128).
 
 The optimizer step has a peak of its own: static memory plus the gradient norm's temporaries (AdamW's
 fused kernel allocates none): on a CPU a few bytes per 128-element block, on a GPU a number per tensor.
+
+So does the end of backward under ``--megatron-fsdp-grad-comm-dtype`` (a dtype other than the gradients'):
+each bucket's reduction sends a cast copy, and once the last backward has freed its activations every
+bucket's copy is alive at once (ZeRO-2/3 at microbatch scope: only the reductions in flight, counted in
+``gathered``), beside the word embedding's gradient whose accumulation launched the last reduction
+(:attr:`RankMemory.reduction_peak`). The bytes the reductions move are counted in the dtype they travel in.
 """
 
 from __future__ import annotations
@@ -105,6 +111,12 @@ class RankMemory:
     (``params`` and ``grads`` are what stays between steps)."""
     gathered_at_step: float = 0.0
     """ZeRO-3 at step scope: the whole parameters, still gathered while the optimizer steps."""
+    reduction_copies: float = 0.0
+    """``--megatron-fsdp-grad-comm-dtype``: the cast copies of every gradient bucket, alive at once at the end
+    of backward (after the last backward freed its activations, before the reductions land)."""
+    last_weight_grad: float = 0.0
+    """The word embedding's gradient in the model's dtype on the rank whose backward ends the step (its first
+    chunk holds the embedding): still alive when its accumulation launches the last bucket's reduction."""
 
     @property
     def static(self) -> float:
@@ -119,8 +131,13 @@ class RankMemory:
         return self.static + self.gathered_at_step + self.optimizer_transient
 
     @property
+    def reduction_peak(self) -> float:
+        """The end of backward: the buckets held and every reduction's cast copy, no activations."""
+        return self.static + self.gathered + self.reduction_copies + self.last_weight_grad + self.buffers
+
+    @property
     def peak(self) -> float:
-        return max(self.schedule_peak, self.optimizer_peak)
+        return max(self.schedule_peak, self.optimizer_peak, self.reduction_peak)
 
     def as_dict(self) -> dict:
         return asdict(self) | {"peak": self.peak, "schedule_peak": self.schedule_peak}
@@ -227,7 +244,11 @@ class _Static(NamedTuple):
     held_at_step: float = 0.0
     """ZeRO-3 at step scope: full parameters held while the optimizer steps."""
     reduced: float = 0.0
-    """Bytes of the gradient reduction, once (the whole buffers, not the shards ZeRO-2/3 keep)."""
+    """Bytes of the gradient reduction, once (the whole buffers, not the shards ZeRO-2/3 keep), as sent."""
+    reduction_copies: float = 0.0
+    """``--megatron-fsdp-grad-comm-dtype``: the cast copies of all the rank's gradient buckets, alive at once
+    from their reductions' launch until they land after backward (but at ZeRO-2/3's microbatch scope, where
+    the copies of the reductions in flight are in ``held``)."""
     padded: float = 0.0
     """Elements of the rank's gradient buffers (padded per bucket under the distributed optimizer)."""
 
@@ -376,7 +397,8 @@ def _sharded_static(spec: ModelSpec, cand: Candidate, chunks, sharding) -> tuple
         gathers, reductions = units_in_flight(layer, cand.communication_unit_size)
         in_flight_params = max(in_flight_params, own + layer * min(n, gathers))
         in_flight_grads = max(in_flight_grads, own + layer * min(n, reductions))
-    return params, grads, in_flight_grads * G + (in_flight_params * B if zero3 else 0), 0.0
+    held = in_flight_grads * (G + spec.grad_comm_copy_bytes)  # and each reduction's cast copy, if any
+    return params, grads, held + (in_flight_params * B if zero3 else 0), 0.0
 
 
 def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) -> _Static:
@@ -412,7 +434,10 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
     main_bytes = B if spec.main_params_in_model_dtype else 4
     if grad_bytes != main_bytes:  # the optimizer steps on copies of the gradients in its dtype, all alive
         transient += main_bytes * sum(abs(n) for n in stepped)
-    return _Static(params, grads, state, transient, gathered, count, reduced=grads, padded=padded)
+    sent = (padded if cand.distributed_optimizer else total) * spec.grad_comm_bytes_per_value
+    copies = (padded if cand.distributed_optimizer else total) * spec.grad_comm_copy_bytes
+    return _Static(params, grads, state, transient, gathered, count, reduced=sent, padded=padded,
+                   reduction_copies=copies)  # fmt: skip
 
 
 def optimizer_bytes_per_element(spec: ModelSpec) -> int:
@@ -429,11 +454,12 @@ def _sharded_rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, plain: 
     chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
     zero_params, zero_grads, held, held_at_step = _sharded_static(spec, cand, chunks, sharding)
     full = sum(elements for elements, _ in sharded_buckets(spec, cand, pp_rank))
-    B, grad_bytes = spec.bytes_per_value, spec.grad_bytes_per_value
+    B, sent, copy = spec.bytes_per_value, spec.grad_comm_bytes_per_value, spec.grad_comm_copy_bytes
     params = plain.params + zero_params - plain.padded * B  # FP8 copies and RoPE tables as before
     gathered = plain.gathered + (full - plain.padded) * B
+    copies = full * copy if sharding[1] == "step" else 0.0  # microbatch scope: in held
     return plain._replace(params=params, grads=zero_grads, gathered=gathered, held=held,
-                          held_at_step=held_at_step, reduced=full * grad_bytes)  # fmt: skip
+                          held_at_step=held_at_step, reduced=full * sent, reduction_copies=copies)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -624,4 +650,13 @@ def _rank(spec, cand, pp_rank, device, chunks, held, transient, in_flight, *, sh
         terms,
         static.held,
         static.held_at_step,
+        static.reduction_copies,
+        _embedding_grad(spec, cand, chunks),
     )
+
+
+def _embedding_grad(spec: ModelSpec, cand: Candidate, chunks) -> float:
+    """The word embedding's gradient, in the model's dtype, where the rank's first chunk holds it."""
+    if not chunks or not chunks[0].terms.get("embedding"):
+        return 0.0
+    return spec.output_params(cand.tp) * spec.bytes_per_value

@@ -121,6 +121,9 @@ class ModelSpec:
     grads_in_fp32: bool | None = None
     """Gradients accumulate and are reduced in fp32 (``DistributedDataParallelConfig.grad_reduce_in_fp32``),
     else in the model's dtype; None, the training flags' default: fp32 but for an fp16 model."""
+    grad_comm_bytes: int | None = None
+    """Bytes of a gradient as the reductions send it (``--megatron-fsdp-grad-comm-dtype``): each bucket is
+    cast to that dtype for its reduction and the sum cast back; None, sent in the dtype it accumulates in."""
     main_params_in_model_dtype: bool = False
     """The optimizer steps the weights in the model's dtype, with its moments in that dtype and no fp32 main
     copy (``OptimizerConfig.main_params_dtype``, from ``--megatron-fsdp-main-params-dtype auto``)."""
@@ -211,6 +214,17 @@ class ModelSpec:
         """Bytes of a gradient in the data-parallel buffers (:attr:`grads_in_fp32`)."""
         in_fp32 = self.precision != "fp16" if self.grads_in_fp32 is None else self.grads_in_fp32
         return 4 if in_fp32 else self.bytes_per_value
+
+    @property
+    def grad_comm_bytes_per_value(self) -> int:
+        """Bytes of a gradient on the wire in the data-parallel reductions."""
+        return self.grad_comm_bytes or self.grad_bytes_per_value
+
+    @property
+    def grad_comm_copy_bytes(self) -> int:
+        """Bytes per gradient of a reduction's cast copy (0: sent as it is, no copy)."""
+        comm = self.grad_comm_bytes_per_value
+        return 0 if comm == self.grad_bytes_per_value else comm
 
     @property
     def query_size(self) -> int:

@@ -495,7 +495,7 @@ def _microbatch_traffic_bound(
     if cand.zero is None or cand.zero[1] != "microbatch":
         return 0.0
     model = StageCostModel(spec, cand, cluster, profile)
-    grad_bytes = spec.grad_bytes_per_value
+    grad_bytes = spec.grad_comm_bytes_per_value
     gathers = 2 if cand.zero[0] == "optim_grads_params" else 0
     busiest = 0.0
     for rank in range(cand.pp):

@@ -334,7 +334,7 @@ def _microbatch_traffic(spec, cand: Candidate, model: StageCostModel, rank: int,
     the next); the first bucket of each such gather is waited for before the action can start. Where
     the traffic does not run beside the compute (``StageCostModel.dp_overlaps``: ranks sharing cores)
     every job's seconds are added to the rank's step."""
-    grad_bytes = spec.grad_bytes_per_value
+    grad_bytes = spec.grad_comm_bytes_per_value
     zero3 = cand.zero[0] == "optim_grads_params"
     jobs, exposed = [], 0.0
     buckets = sharded_buckets(spec, cand, rank)

@@ -1206,18 +1206,21 @@ def test_the_search_tries_both_scopes_under_pipelining():
 
 
 @pytest.mark.parametrize(
-    ("dtypes", "state", "grads"),
+    ("dtypes", "state", "grads", "sent"),
     [
-        (["--megatron-fsdp-main-params-dtype", "auto"], 1 / 3, 1),  # bf16 moments, no main copy
-        (["--megatron-fsdp-main-grads-dtype", "bf16"], 1, 1 / 2),  # --grad-reduce-in-bf16, said another way
+        (["--megatron-fsdp-main-params-dtype", "auto"], 1 / 3, 1, 1),  # bf16 moments, no main copy
+        (["--megatron-fsdp-main-grads-dtype", "bf16"], 1, 1 / 2, 1 / 2),  # as --grad-reduce-in-bf16
+        (["--megatron-fsdp-grad-comm-dtype", "bf16"], 1, 1, 1 / 2),  # fp32 gradients sent as bf16 copies
     ],
-    ids=["main-params-auto", "main-grads-bf16"],
+    ids=["main-params-auto", "main-grads-bf16", "grad-comm-bf16"],
 )
-def test_the_planner_plans_megatron_fsdps_main_dtypes(small, dtypes, state, grads):
-    """Megatron-FSDP's main-weight and main-gradient dtypes on a bf16 model: every candidate carries the
-    flag (with ``--use-megatron-fsdp`` and its strategy, which the flag needs), and the model counts
-    the optimizer state (Adam's bf16 moments and no main copy: a third) and gradients (bf16: a half) the
-    run holds, against the same candidate with the defaults."""
+def test_the_planner_plans_megatron_fsdps_dtypes(small, dtypes, state, grads, sent):
+    """Megatron-FSDP's main-weight, main-gradient and gradient-communication dtypes on a bf16 model: every
+    candidate carries the flag (with ``--use-megatron-fsdp`` and its strategy, which the flag needs), and
+    the model counts the optimizer state (Adam's bf16 moments and no main copy: a third), gradients (bf16: a
+    half) and bytes reduced (bf16 on the wire: a half) the run holds and sends, against the same candidate
+    with the defaults; only the gradient-communication dtype makes cast copies."""
+    from planner.memory import reduced_grad_bytes
     from planner.report import candidate_args
     from training.arguments.checks import validate_args
     from training.arguments.parser import parse_args
@@ -1236,9 +1239,12 @@ def test_the_planner_plans_megatron_fsdps_main_dtypes(small, dtypes, state, grad
         assert getattr(args, dtypes[0][2:].replace("-", "_")) == dtypes[1]
         ours, theirs = (rank_static(i.spec, cand, 0) for i in (plan_input, defaults))
         assert ours[1] / theirs[1] == grads
-        assert ours[2] / theirs[2] == pytest.approx(
-            state, rel=1e-3
-        )  # but Adam's step counts, fp32 either way
+        assert ours[2] / theirs[2] == pytest.approx(state, rel=1e-3)  # but Adam's fp32 step counts
+        assert (
+            reduced_grad_bytes(plan_input.spec, cand, 0) / reduced_grad_bytes(defaults.spec, cand, 0) == sent
+        )
+        copies = rank_memory(plan_input.spec, cand, 0).reduction_copies
+        assert copies == (ours[1] / 2 if "--megatron-fsdp-grad-comm-dtype" in dtypes else 0)
 
 
 def test_the_planner_refuses_main_weights_the_training_flags_refuse(capsys):
@@ -1425,12 +1431,10 @@ def test_an_hsdp_candidates_flags_run_and_the_table_shows_it(small):
     assert "--num-distributed-optimizer-instances" not in replace(cand, instances=1).flags()
 
 
-def test_the_planner_counts_gradients_in_the_dtype_the_run_keeps_them(small, capsys):
+def test_the_planner_counts_gradients_in_the_dtype_the_run_keeps_them(small):
     """``--grad-reduce-in-bf16``: a bf16 model's gradients are kept and reduced in bf16, so the plan's
     gradient bytes halve (ZeRO-1 at DP2: its whole buffers) and the reduction moves half the bytes; an fp16
-    model's are fp16 unless ``--accumulate-allreduce-grads-in-fp32``. Megatron-FSDP's dtype flags, which the
-    models do not count, are one line."""
-    from planner.cli import main
+    model's are fp16 unless ``--accumulate-allreduce-grads-in-fp32``."""
     from planner.memory import reduced_grad_bytes
 
     in_bf16 = read_input([*SMALL, "--grad-reduce-in-bf16"]).spec
@@ -1443,14 +1447,6 @@ def test_the_planner_counts_gradients_in_the_dtype_the_run_keeps_them(small, cap
     fp32, bf16 = (rank_memory(spec, cand, 0) for spec in (small.spec, in_bf16))
     assert bf16.grads * 2 == fp32.grads > 0
     assert reduced_grad_bytes(in_bf16, cand, 0) * 2 == reduced_grad_bytes(small.spec, cand, 0)
-    assert (
-        main([*SMALL, "--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "bf16", "--num-gpus", "2"])
-        == 2
-    )
-    assert capsys.readouterr().err == (
-        "tools/plan.py: error: the planner does not model --megatron-fsdp-grad-comm-dtype yet: plan without it "
-        "(--grad-reduce-in-bf16 keeps gradients in bf16)\n"
-    )
 
 
 def test_the_planner_refuses_hsdp_as_the_training_flags_do(capsys):
