@@ -28,9 +28,9 @@ def test_the_gpu_check_runs_end_to_end_in_its_cpu_mode():
     result = json.loads(last)
     assert result["ok"] and result["gpu_check"]["device"] == "cpu"
     tests = {r["name"]: r["result"] for r in result["rows"] if r["step"] == "tests"}
-    # test_cuda.py's 9, test_fp8.py's 6 (a recipe and format each), test_fp8_blockwise.py's 2,
+    # test_cuda.py's 10, test_fp8.py's 6 (a recipe and format each), test_fp8_blockwise.py's 2,
     # test_cuda_graphs.py's 6
-    assert len(tests) == 25 and tests.pop("(all)") == "exit 0"
+    assert len(tests) == 26 and tests.pop("(all)") == "exit 0"
     assert set(tests.values()) == {"skipped"}  # no GPU here: every cuda test collected, none run
     fp8 = [r for r in result["rows"] if r["step"] == "fp8"]
     assert {r["contestant"] for r in fp8} == {"bf16", "fp8 tensorwise", "fp8 delayed"}

@@ -109,6 +109,19 @@ def test_a_bf16_run_follows_the_cpu_within_1e_2():
     )
 
 
+def test_bf16_main_weights_step_with_the_fused_kernel_and_follow_the_cpu_within_1e_2():
+    """``--megatron-fsdp-main-params-dtype auto`` under ZeRO-3: fused AdamW steps the bf16 weight shards
+    with bf16 moments on the GPU (on the CPU, ``foreach``), and the losses follow the CPU's."""
+    flags = (
+        f"{LLAMA} --bf16 --train-iters 3 --log-interval 1 --use-megatron-fsdp "
+        "--megatron-fsdp-main-params-dtype auto"
+    )
+    on_cpu = _pretrain(f"{flags} --distributed-backend gloo")
+    on_gpu = _pretrain(f"{flags} --distributed-backend nccl")
+    for cpu_step, gpu_step in zip(on_cpu.losses, on_gpu.losses, strict=True):
+        assert abs(gpu_step["lm loss"] - cpu_step["lm loss"]) <= 1e-2 * cpu_step["lm loss"]
+
+
 def test_attention_runs_on_flash_with_gqa_batches_and_causal_masking():
     """Only the flash kernel is allowed: SDPA raises where the call is not eligible for it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
