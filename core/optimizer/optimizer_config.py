@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from core.flags import flag
 from core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from core.problems import Problem, ProblemsError, problem
 
-__all__ = ["OptimizerConfig", "make_grad_scaler"]
+__all__ = ["OptimizerConfig", "main_params_problems", "make_grad_scaler"]
 
 
 @dataclass(kw_only=True)
@@ -67,18 +68,57 @@ class OptimizerConfig:
             raise ValueError("OptimizerConfig: fp16 and bf16 cannot both be True")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
-        if self.main_params_dtype not in (torch.float32, self.model_dtype):
-            raise ValueError(
-                f"main_params_dtype must be torch.float32 or the model's dtype ({self.model_dtype}), got "
-                f"{self.main_params_dtype}"
-            )
+        if problems := main_params_problems(self):
+            raise ProblemsError("OptimizerConfig", problems)
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale must be > 0 or None (dynamic), got {self.loss_scale}")
 
     @property
     def model_dtype(self) -> torch.dtype:
-        """The model's dtype as the precision flags say (``bf16``, ``fp16``, else fp32)."""
-        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+        return model_dtype(self)
+
+
+def model_dtype(config: Any) -> torch.dtype:
+    """The model's dtype as the precision settings say (``bf16``, ``fp16``, else fp32)."""
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+
+
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def main_params_problems(config: Any) -> list[Problem]:
+    """What ``main_params_dtype`` may be: fp32 main copies, or the model's own dtype where that is bf16.
+
+    fp16 main weights would keep Adam's moments in fp16, where its epsilon (1e-8) and small squared
+    gradients round to 0: a DP2 fp16 run that way diverged at its fifth iteration (loss 21.2 against 5.37).
+    The command line's wording names the flag with the value given (``auto`` included)."""
+    main, model = config.main_params_dtype, model_dtype(config)
+    values = {"main": _SHORT.get(main, str(main)), "model": _SHORT[model]}
+    if main not in (torch.float32, model):
+        return [
+            problem(
+                "{main_params_dtype} {main} must be fp32 or the model's dtype ({model}): the optimizer steps "
+                "fp32 main copies or the {model} weights themselves",
+                "main_params_dtype",
+                command_line="{main_params_dtype} must be fp32, auto or the model's dtype ({model}): the optimizer "
+                "steps fp32 main copies or the {model} weights themselves",
+                **values,
+            )
+        ]
+    if main == torch.float16:
+        return [
+            problem(
+                "{main_params_dtype} {main} (fp16 main weights) is not built: Adam's moments would be fp16 too, "
+                "where its epsilon (1e-8) and small squared gradients round to 0 and the updates blow up; use "
+                "fp32 (the default)",
+                "main_params_dtype",
+                command_line="{main_params_dtype} (fp16 main weights) is not built: Adam's moments would be fp16 "
+                "too, where its epsilon (1e-8) and small squared gradients round to 0 and the updates blow up; "
+                "use fp32 (the default)",
+                **values,
+            )
+        ]
+    return []
 
 
 def make_grad_scaler(config: OptimizerConfig) -> ConstantGradScaler | None:

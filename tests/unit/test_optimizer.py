@@ -8,6 +8,7 @@ import copy
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -195,6 +196,23 @@ def test_bf16_main_weights_step_the_bf16_weights_as_torch_adamw_does(distributed
     assert {v.dtype for state in optimizer.state.values() for v in state.values() if v.dim() > 0} == {
         torch.bfloat16
     }
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype", "why"),
+    [
+        ("bf16", torch.float16, "main_params_dtype fp16 must be fp32 or the model's dtype (bf16)"),
+        ("fp16", torch.float16, "main_params_dtype fp16 (fp16 main weights) is not built: Adam's moments"),
+        ("fp32", torch.bfloat16, "main_params_dtype bf16 must be fp32 or the model's dtype (fp32)"),
+    ],
+)
+def test_the_config_refuses_the_main_weights_the_flags_refuse(precision, dtype, why):
+    """One rule (``main_params_problems``) for ``OptimizerConfig`` and ``--megatron-fsdp-main-params-dtype``
+    (tests/unit/test_sharding_flags.py words the same cases with the flag)."""
+    with pytest.raises(ValueError, match=re.escape(f"invalid OptimizerConfig: {why}")):
+        OptimizerConfig(
+            lr=1e-3, main_params_dtype=dtype, **({precision: True} if precision != "fp32" else {})
+        )
 
 
 def _roundtrip(optimizer, model, tmp_path, tag):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from core.distributed.distributed_data_parallel_config import DTYPES, ZERO_STRATEGIES, resolve_sharding_scope
+from core.optimizer.optimizer_config import main_params_problems
 from core.pipeline_parallel.placement import V
 from core.pipeline_parallel.schedule_rules import schedule_rule
 from training.arguments.schema import flag_name as _flag
@@ -73,18 +74,13 @@ def _megatron_fsdp_dtypes(args: argparse.Namespace) -> None:
     )
     model = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     params = args.megatron_fsdp_main_params_dtype
-    _require(
-        params in ("fp32", "auto", model),
-        f"--megatron-fsdp-main-params-dtype {params} must be fp32, auto or the model's dtype ({model}): "
-        f"the optimizer steps fp32 main copies or the {model} weights themselves",
-    )
-    _require(
-        (model if params == "auto" else params) != "fp16",
-        f"--megatron-fsdp-main-params-dtype {params} (fp16 main weights) is not built: Adam's moments would be "
-        "fp16 too, where its epsilon (1e-8) and small squared gradients round to 0 and the updates blow up; "
-        "use fp32 (the default)",
-    )
     args.main_params_dtype = DTYPES[model if params == "auto" else params]
+    if problems := main_params_problems(args):  # the optimizer config's rule, with the flag as given
+        raise ValueError(
+            problems[0].render(
+                lambda _: f"{_flag('megatron_fsdp_main_params_dtype')} {params}", command_line=True
+            )
+        )
     grads = args.megatron_fsdp_main_grads_dtype
     if grads == "auto":
         return
