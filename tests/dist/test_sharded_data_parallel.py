@@ -679,11 +679,8 @@ def _seeded_zero3_chunk():
     torch.manual_seed(0)
     model_parallel_seed(1234)
     chunk = _chunk("optim_grads_params", 1, False, None)
-    return (
-        ps.get_data_parallel_rank(),
-        chunk,
-        {k: v.clone() for k, v in chunk.state_dict().items()},
-    )  # gathered
+    gathered = {k: v.clone() for k, v in chunk.state_dict().items()}
+    return ps.get_data_parallel_rank(), chunk, gathered
 
 
 def _fully_shard_case(rank, world_size):
