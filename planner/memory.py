@@ -434,10 +434,10 @@ def _rank_static(spec: ModelSpec, cand: Candidate, pp_rank: int, device: str) ->
     main_bytes = B if spec.main_params_in_model_dtype else 4
     if grad_bytes != main_bytes:  # the optimizer steps on copies of the gradients in its dtype, all alive
         transient += main_bytes * sum(abs(n) for n in stepped)
-    sent = (padded if cand.distributed_optimizer else total) * spec.grad_comm_bytes_per_value
-    copies = (padded if cand.distributed_optimizer else total) * spec.grad_comm_copy_bytes
-    return _Static(params, grads, state, transient, gathered, count, reduced=sent, padded=padded,
-                   reduction_copies=copies)  # fmt: skip
+    buffered = padded if cand.distributed_optimizer else total
+    return _Static(params, grads, state, transient, gathered, count, padded=padded,
+                   reduced=buffered * spec.grad_comm_bytes_per_value,
+                   reduction_copies=buffered * spec.grad_comm_copy_bytes)  # fmt: skip
 
 
 def optimizer_bytes_per_element(spec: ModelSpec) -> int:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch
 
+from core.distributed.distributed_data_parallel_config import DTYPES
 from core.flags import flag
 from core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from core.problems import Problem, ProblemsError, problem
@@ -73,17 +74,12 @@ class OptimizerConfig:
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale must be > 0 or None (dynamic), got {self.loss_scale}")
 
-    @property
-    def model_dtype(self) -> torch.dtype:
-        return model_dtype(self)
 
-
-def model_dtype(config: Any) -> torch.dtype:
-    """The model's dtype as the precision settings say (``bf16``, ``fp16``, else fp32)."""
-    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
-
-
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_FP16_MAIN = (
+    "(fp16 main weights) is not built: Adam's moments would be fp16 too, where its epsilon (1e-8) and small "
+    "squared gradients round to 0 and the updates blow up; use fp32 (the default)"
+)
+_STEPS = "the optimizer steps fp32 main copies or the {model} weights themselves"
 
 
 def main_params_problems(config: Any) -> list[Problem]:
@@ -92,29 +88,21 @@ def main_params_problems(config: Any) -> list[Problem]:
     fp16 main weights would keep Adam's moments in fp16, where its epsilon (1e-8) and small squared
     gradients round to 0: a DP2 fp16 run that way diverged at its fifth iteration (loss 21.2 against 5.37).
     The command line's wording names the flag with the value given (``auto`` included)."""
-    main, model = config.main_params_dtype, model_dtype(config)
-    values = {"main": _SHORT.get(main, str(main)), "model": _SHORT[model]}
+    main = config.main_params_dtype
+    model = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+    short = {dtype: name for name, dtype in DTYPES.items()}
+    values = {"main": short.get(main, str(main)), "model": short[model]}
     if main not in (torch.float32, model):
-        return [
-            problem(
-                "{main_params_dtype} {main} must be fp32 or the model's dtype ({model}): the optimizer steps "
-                "fp32 main copies or the {model} weights themselves",
-                "main_params_dtype",
-                command_line="{main_params_dtype} must be fp32, auto or the model's dtype ({model}): the optimizer "
-                "steps fp32 main copies or the {model} weights themselves",
-                **values,
-            )
-        ]
+        message = "{main_params_dtype} {main} must be fp32 or the model's dtype ({model}): " + _STEPS
+        flag_message = "{main_params_dtype} must be fp32, auto or the model's dtype ({model}): " + _STEPS
+        return [problem(message, "main_params_dtype", command_line=flag_message, **values)]
     if main == torch.float16:
+        flag_message = "{main_params_dtype} " + _FP16_MAIN
         return [
             problem(
-                "{main_params_dtype} {main} (fp16 main weights) is not built: Adam's moments would be fp16 too, "
-                "where its epsilon (1e-8) and small squared gradients round to 0 and the updates blow up; use "
-                "fp32 (the default)",
+                "{main_params_dtype} {main} " + _FP16_MAIN,
                 "main_params_dtype",
-                command_line="{main_params_dtype} (fp16 main weights) is not built: Adam's moments would be fp16 "
-                "too, where its epsilon (1e-8) and small squared gradients round to 0 and the updates blow up; "
-                "use fp32 (the default)",
+                command_line=flag_message,
                 **values,
             )
         ]
