@@ -35,16 +35,25 @@ class Candidate:
     """A complete choice of how to train; every field maps onto a ``pretrain_gpt.py`` flag."""
 
     tp: int
+    """``--tensor-model-parallel-size``."""
     pp: int
+    """``--pipeline-model-parallel-size``."""
     dp: int
+    """The data-parallel size: what is left of the cluster after TP x PP x CP (no flag of its own)."""
     vpp: int = 1
+    """Model chunks per pipeline rank, which the layout carries (``layout`` below)."""
     cp: int = 1
+    """``--context-parallel-size``."""
     ep: int = 1
+    """``--expert-model-parallel-size``."""
     schedule: str = DEFAULT_SCHEDULE
     """``--pipeline-schedule``: 1f1b, gpipe, zb-h1 or zbv (1f1b and zb-h1 interleave with vpp > 1)."""
     micro_batch_size: int = 1
+    """``--micro-batch-size``."""
     num_microbatches: int = 1
+    """Microbatches a step per data-parallel rank: ``--global-batch-size`` over micro batch x DP."""
     recompute: str = "none"
+    """``--recompute-granularity``: ``none``, ``selective``, or ``full`` (every layer, one at a time)."""
     layout: str = ""
     """``--pipeline-model-parallel-layout``: which layers each of the pp x vpp stages holds."""
     dp_sharding: str = "no_shard"

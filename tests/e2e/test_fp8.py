@@ -1,5 +1,6 @@
-"""FP8 under ``--compile`` through ``pretrain()``: inductor compiles in worker processes, so this run is
-here, not with the FP8 layers in tests/unit/test_fp8.py."""
+"""FP8 under ``--compile`` through ``pretrain()``: inductor compiles in worker processes, so these runs are
+here, not with the FP8 layers in tests/unit/test_fp8.py. All three are slow (inductor takes 30-50 s a
+run here); the README's test command keeps FP8 under dynamo with the eager backend (tests/unit/test_fp8.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from tests.support.fp8_run import IN_BLOCKS, fp8_run
 
 
+@pytest.mark.slow
 def test_compiled_layers_and_casts_follow_the_eager_fp8_run():
     """``--compile`` (inductor): the layers and the fused casts (values and transposed copy in one
     kernel) give the eager FP8 run's losses, within the bf16 rounding compiled element-wise work has."""

@@ -48,11 +48,17 @@ IN_STEP = ("data", "backward")
 
 @dataclass(frozen=True, kw_only=True)
 class Fault:
+    """One fault of ``TRIDENT_FAULT`` (module docstring)."""
+
     kind: str
+    """What happens: one of :data:`KINDS`."""
     point: str
+    """Where in the iteration: one of :data:`POINTS`."""
     iteration: int
     rank: int = 0
+    """The global rank that fires."""
     attempt: int = 0
+    """The torchrun launch it fires in (``TORCHELASTIC_RESTART_COUNT``)."""
     factor: float = 1.5
     """``slow``: how many times as long the rank's forward computations take."""
 
