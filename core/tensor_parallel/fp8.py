@@ -46,6 +46,7 @@ writes its transposed copy too. A cast is a handful of element-wise kernels, whi
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -385,13 +386,37 @@ class Fp8State(nn.Module):
         history = self.amax_history.roll(1, dims=1)
         history[:, 0] = torch.where(torch.isfinite(step_amax), step_amax, 0.0)
         self.amax_history.copy_(history)
-        amax = history.amax(dim=1) if self.recipe.amax_compute_algo == "max" else history[:, 0]
-        new = scale_from_amax(amax, self.fp8_max, self.recipe.margin)
-        keep = ~(amax > 0) & (self.updates > 0)  # an operand unseen all history long keeps its scale
-        self.scale.copy_(torch.where(keep, self.scale, new))
-        self.seen |= amax > 0
+        self.seen |= self._scale_from_history() > 0
         self.step_amax.zero_()
         self.updates += 1
+
+    def _scale_from_history(self) -> torch.Tensor:
+        """Set the scales from the history by the recipe's algorithm and margin; returns the amaxes used.
+        An operand unseen all history long keeps its scale (after the first update)."""
+        history = self.amax_history
+        amax = history.amax(dim=1) if self.recipe.amax_compute_algo == "max" else history[:, 0]
+        new = scale_from_amax(amax, self.fp8_max, self.recipe.margin)
+        keep = ~(amax > 0) & (self.updates > 0)
+        self.scale.copy_(torch.where(keep, self.scale, new))
+        return amax
+
+    def load_saved(
+        self, history: torch.Tensor, scale: torch.Tensor, seen: torch.Tensor, updates: int
+    ) -> None:
+        """Restore a checkpoint's state (:func:`fp8_state_dict`): exactly where the history has this
+        recipe's length. A history of another length (``--fp8-amax-history-len`` changed on resume) keeps
+        its most recent entries that fit, zeros after them, and the scales are computed from it as the
+        next update would (the saved ones came from entries it may have dropped)."""
+        length = self.amax_history.shape[1]
+        self.amax_history.zero_()
+        self.amax_history[:, : min(length, history.shape[1])].copy_(history[:, :length])
+        self.scale.copy_(scale)
+        self.seen.copy_(seen)
+        self.updates = updates
+        self.step_amax.zero_()
+        if history.shape[1] != length and updates > 0:
+            self._scale_from_history()
+        self._weight = self._weight_key = self._weight_amax = None  # cast afresh from the loaded scale
 
 
 # --------------------------------------------------------------------------------------------------
@@ -585,18 +610,18 @@ def fp8_state_dict(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_fp8_state_dict(modules: Iterable[nn.Module], saved: dict[str, torch.Tensor]) -> int:
-    """Restore what :func:`fp8_state_dict` saved, by name; returns how many states were restored (a
-    state with no saved entry, or a history of another length, starts afresh)."""
-    restored = 0
+def load_fp8_state_dict(
+    modules: Iterable[nn.Module], saved: dict[str, torch.Tensor]
+) -> Counter[tuple[int, int]]:
+    """Restore what :func:`fp8_state_dict` saved, by name (:meth:`Fp8State.load_saved`; a state with no
+    saved entry starts afresh). Returns how many states were restored per (saved history length, this
+    recipe's length): a caller can say when the lengths differ."""
+    restored: Counter[tuple[int, int]] = Counter()
     for name, state in fp8_states(modules):
         history = saved.get(f"{name}.amax_history")
-        if state.recipe.scaling != "delayed" or history is None or history.shape != state.amax_history.shape:
+        if state.recipe.scaling != "delayed" or history is None:
             continue
-        state.amax_history.copy_(history)
-        state.scale.copy_(saved[f"{name}.scale"])
-        state.seen.copy_(saved.get(f"{name}.seen", history.amax(dim=1) > 0))
-        state.updates = int(saved[f"{name}.updates"])
-        state.step_amax.zero_()
-        restored += 1
+        seen = saved.get(f"{name}.seen", history.amax(dim=1) > 0)
+        state.load_saved(history, saved[f"{name}.scale"], seen, int(saved[f"{name}.updates"]))
+        restored[history.shape[1], state.amax_history.shape[1]] += 1
     return restored

@@ -9,7 +9,8 @@
   the tensors themselves.
 * Shapes a CUDA FP8 product cannot take stay in high precision, with the reason; the weight
   gradient of a microbatch whose tokens are not a multiple of 16 runs in the model's dtype.
-* Exact resume with the delayed recipe: same losses and the same amax histories as a straight run.
+* Exact resume with the delayed recipe: same losses and the same amax histories as a straight run;
+  at another history length, the most recent entries that fit, said in one line.
 * The configuration's refusals, word for word.
 * ``cuda``: the same layer on the GPU equals the CPU's FP8 product (skipped without a GPU).
 """
@@ -35,13 +36,16 @@ from core.tensor_parallel.fp8 import (
     compile_fp8_casts,
     compiled_casts,
     dequantize,
+    fp8_state_dict,
     fp8_states,
+    load_fp8_state_dict,
     quantize,
     scaled_mm,
     update_fp8_scales,
 )
 from core.transformer.transformer_config import TransformerConfig
-from tests.support.fp8_run import fp8_run
+from tests.support.fp8_run import TINY, fp8_run
+from tests.support.pretrain_run import pretrain_keeping_models
 
 RECIPES = [
     Fp8Recipe(format=fmt, scaling=scaling)
@@ -343,6 +347,55 @@ def test_resume_with_delayed_scaling_is_exact_losses_and_amax_histories(tmp_path
     assert straight_histories.keys() == resumed_histories.keys() and straight_histories
     for name, value in straight_histories.items():
         assert torch.equal(resumed_histories[name], value), name
+
+
+def _delayed_layer(history_len: int, magnitudes: tuple[float, ...]):
+    """A delayed-recipe layer (``max``, margin 1) after one step per magnitude."""
+    recipe = Fp8Recipe(
+        format="hybrid", scaling="delayed", amax_history_len=history_len, amax_compute_algo="max", margin=1
+    )
+    _, layer = twin_layers(ColumnParallelLinear, recipe, in_features=64, out_features=64)
+    for magnitude in magnitudes:
+        layer(torch.full((16, 64), magnitude, dtype=torch.bfloat16))[0].sum().backward()
+        update_fp8_scales([layer], None)
+    return layer
+
+
+@pytest.mark.parametrize("length", [2, 3, 5])
+def test_a_history_loaded_at_another_length_keeps_its_most_recent_entries(length):
+    """Saved with 3 entries after the steps 1, 4, 2, 0.5: loaded at 3 it is exact; at 2 it is what a
+    2-entry run of the same steps holds (the 4 dropped, the scales from 2); at 5 the 3 entries, zeros after."""
+    steps = (1.0, 4.0, 2.0, 0.5)
+    saved = fp8_state_dict([_delayed_layer(3, steps)])
+    loaded = _delayed_layer(length, ())
+    assert load_fp8_state_dict([loaded], saved) == {(3, length): 1}
+    state, history = loaded.fp8_state, saved["fp8_state.amax_history"]
+    expected = _delayed_layer(length, steps).fp8_state if length <= 3 else None
+    if expected is not None:
+        assert torch.equal(state.amax_history, expected.amax_history)
+        assert torch.equal(state.scale, expected.scale)
+    else:
+        assert torch.equal(state.amax_history, torch.cat([history, torch.zeros(3, 2)], dim=1))
+        assert torch.equal(state.scale, saved["fp8_state.scale"])
+    assert state.updates == 4 and torch.equal(state.seen, saved["fp8_state.seen"])
+    assert state.amax_history[0, :2].tolist() == [0.5, 2.0]
+
+
+def test_resume_at_a_shorter_history_says_what_it_kept(tmp_path):
+    ckpt = os.path.join(tmp_path, "ckpt")
+    _, saved = fp8_run(f"--train-iters 3 --save {ckpt} --save-interval 3")
+    _, built, printed = pretrain_keeping_models(
+        f"{TINY} --train-iters 3 --load {ckpt} --fp8-amax-history-len 2".split()
+    )
+    assert (
+        "FP8: the checkpoint's amax histories hold 4 steps and --fp8-amax-history-len is 2: the 2 most "
+        "recent kept; the scales are computed from them"
+    ) in printed.splitlines()
+    loaded = fp8_state_dict(built)
+    histories = [name for name in saved if name.endswith(".amax_history")]
+    assert histories and loaded.keys() == saved.keys()
+    for name in histories:
+        assert torch.equal(loaded[name], saved[name][:, :2]), name
 
 
 @pytest.mark.cuda

@@ -212,7 +212,13 @@ def _apply_states(
         optimizer.reload_model_params()
         if optimizer_state is not None:
             optimizer.load_param_state_by_name(optimizer_state)
-    load_fp8_state_dict(model_chunks, fp8_saved)
+    for saved, length in sorted(load_fp8_state_dict(model_chunks, fp8_saved)):
+        if saved != length:
+            kept = f"the {length} most recent kept" if saved > length else f"all {saved} kept, the rest zero"
+            print_rank_0(
+                f"FP8: the checkpoint's amax histories hold {saved} steps and --fp8-amax-history-len is "
+                f"{length}: {kept}; the scales are computed from them"
+            )
     if rng_state is not None:
         set_rng_state(rng_state)
 
