@@ -243,6 +243,28 @@ def test_fp8_amax_histories_saved_at_pp2_load_by_name_at_pp1(ranks, tmp_path):
         assert torch.equal(loaded[name], value), name
 
 
+def _fp8_printed(rank, world_size, flags):
+    """One pretrain() on this rank: what it printed."""
+    from tests.support.pretrain_run import pretrain_keeping_models
+
+    return pretrain_keeping_models(flags)[2]
+
+
+def test_a_history_length_change_is_said_when_the_first_stage_holds_no_fp8_layer(ranks, tmp_path):
+    """PP2, the first stage's two layers in bf16 (``--first-last-layers-bf16``): rank 0 holds no FP8 layer,
+    yet it prints the line for the histories the last stage cut from 4 to 2 (once)."""
+    ckpt = str(tmp_path / "ckpt")
+    ranks(2).run(_fp8_printed, FP8_FLAGS + PP2 + ["--save", ckpt], timeout=240)
+    bf16_first = "--first-last-layers-bf16 --num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 0"
+    flags = FP8_FLAGS + PP2 + bf16_first.split() + ["--fp8-amax-history-len", "2", "--load", ckpt]
+    printed = ranks(2).run(_fp8_printed, flags, timeout=240)  # at iteration 3 already: nothing trains
+    line = (
+        "FP8: the checkpoint's amax histories hold 4 steps and --fp8-amax-history-len is 2: the 2 most "
+        "recent kept; the scales are computed from them"
+    )
+    assert printed[0].splitlines().count(line) == 1 and line not in printed[1]
+
+
 def test_fp8_experts_reduce_their_amaxes_over_expert_data_parallel_replicas(ranks, tmp_path):
     """EP 2 on 4 ranks (expert DP 2), delayed recipe: the dense layers' histories agree on all four
     ranks (TP x DP x CP), each expert's on its two replicas, which saw other tokens (issue 28); and a

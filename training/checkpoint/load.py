@@ -45,7 +45,7 @@ from training.checkpoint.reader import Checkpoint, complete_checkpoints, find_ch
 from training.checkpoint.rng import get_rng_state, set_rng_state
 from training.checkpoint.save import agree, save_checkpoint
 from training.checkpoint.specs import check_same_model, specs_of_params
-from training.faults.agreement import distributed, sum_over_ranks
+from training.faults.agreement import distributed, gather, sum_over_ranks
 from training.reporting.logging_utils import print_rank_0
 
 __all__ = [
@@ -212,13 +212,15 @@ def _apply_states(
         optimizer.reload_model_params()
         if optimizer_state is not None:
             optimizer.load_param_state_by_name(optimizer_state)
-    for saved, length in sorted(load_fp8_state_dict(model_chunks, fp8_saved)):
-        if saved != length:
-            kept = f"the {length} most recent kept" if saved > length else f"all {saved} kept, the rest zero"
-            print_rank_0(
-                f"FP8: the checkpoint's amax histories hold {saved} steps and --fp8-amax-history-len is "
-                f"{length}: {kept}; the scales are computed from them"
-            )
+    # Every rank's changed lengths, said once by rank 0, which may hold no FP8 layer (the first stage
+    # under --first-last-layers-bf16).
+    changed = {pair for pair in load_fp8_state_dict(model_chunks, fp8_saved) if pair[0] != pair[1]}
+    for saved, length in sorted(set().union(*gather(changed))):
+        kept = f"the {length} most recent kept" if saved > length else f"all {saved} kept, the rest zero"
+        print_rank_0(
+            f"FP8: the checkpoint's amax histories hold {saved} steps and --fp8-amax-history-len is "
+            f"{length}: {kept}; the scales are computed from them"
+        )
     if rng_state is not None:
         set_rng_state(rng_state)
 
