@@ -330,6 +330,22 @@ def sharded_buckets(spec: ModelSpec, cand: Candidate, pp_rank: int) -> list[tupl
     return out
 
 
+def kept_after_forward(spec: ModelSpec, cand: Candidate, pp_rank: int) -> list[tuple[int, int]]:
+    """ZeRO-3 at microbatch scope: the ``(elements, buckets)`` of each of a rank's chunks that stay gathered
+    from a forward into its backward, so that the backward does not gather them again. Without a pipeline,
+    the chunk's own weights and its last layer (``core.distributed.sharding_units``); else none."""
+    chunks = [cand.symbols(pp_rank, v) for v in range(cand.vpp)]
+    if cand.pp > 1:
+        return [(0, 0)] * len(chunks)
+    embedding_here = any("E" in c for c in chunks)
+    out = []
+    for symbols in chunks:
+        own, layer, layers = _sharded_units(spec, cand, symbols, embedding_here)
+        own_buckets = int("E" in symbols) + int("L" in symbols)
+        out.append((own + layer * min(1, layers), own_buckets + min(1, layers)))
+    return out
+
+
 def reduced_buckets(spec: ModelSpec, cand: Candidate, pp_rank: int) -> int:
     """The buckets a rank's gradient reduction runs in: ZeRO-2/3's (:func:`sharded_buckets`), else one."""
     return sum(n for _, n in sharded_buckets(spec, cand, pp_rank)) if cand.zero else 1

@@ -48,7 +48,7 @@ from planner.candidate import DP_SHARDING, RECOMPUTE, ZERO_SHARDING, Candidate
 from planner.costs import LayerProfile, StageCostModel
 from planner.hardware import Cluster
 from planner.layouts import balanced_layout
-from planner.memory import RankMemory, candidate_memory, rank_static, sharded_buckets
+from planner.memory import RankMemory, candidate_memory, kept_after_forward, rank_static, sharded_buckets
 from planner.model_spec import ModelSpec
 from planner.step_time import StepEstimate, estimate_step, quick_estimate
 from training.arguments.data_parallel_flags import instances_problem
@@ -490,19 +490,30 @@ def _microbatch_traffic_bound(
     spec: ModelSpec, cand: Candidate, cluster: Cluster, profile: LayerProfile | None
 ) -> float:
     """ZeRO-2/3 at microbatch scope: a rank's data-parallel channel carries, one after another, M
-    reduce-scatters of each chunk's buckets, and under ZeRO-3 2M all-gathers (the step's simulation,
-    ``step_time``), so no step is shorter than the busiest rank's sum of them (0 at any other scope)."""
+    reduce-scatters of each chunk's buckets, and under ZeRO-3 M all-gathers of them in forward and M in
+    backward of all but those kept from the forward (the step's simulation, ``step_time``), so no step is
+    shorter than the busiest rank's sum of them (0 at any other scope)."""
     if cand.zero is None or cand.zero[1] != "microbatch":
         return 0.0
     model = StageCostModel(spec, cand, cluster, profile)
-    grad_bytes = spec.grad_comm_bytes_per_value
-    gathers = 2 if cand.zero[0] == "optim_grads_params" else 0
+    grad_bytes, zero3 = spec.grad_comm_bytes_per_value, cand.zero[0] == "optim_grads_params"
+
+    def gather(elements: int, n: int) -> float:
+        return (
+            model.dp_collective_seconds(elements * spec.bytes_per_value, n, "all_gather")
+            if zero3 and n
+            else 0.0
+        )
+
     busiest = 0.0
     for rank in range(cand.pp):
         seconds = sum(
             model.dp_collective_seconds(elements * grad_bytes, n)
-            + gathers * model.dp_collective_seconds(elements * spec.bytes_per_value, n, "all_gather")
-            for elements, n in sharded_buckets(spec, cand, rank)
+            + gather(elements, n)
+            + gather(elements - kept, n - kept_n)
+            for (elements, n), (kept, kept_n) in zip(
+                sharded_buckets(spec, cand, rank), kept_after_forward(spec, cand, rank), strict=True
+            )
             if n
         )
         busiest = max(busiest, seconds)

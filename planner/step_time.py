@@ -30,6 +30,7 @@ from planner.costs import ActionCosts, LayerProfile, MatmulRates, StageCostModel
 from planner.hardware import Cluster
 from planner.memory import (
     gathered_param_bytes,
+    kept_after_forward,
     optimizer_bytes_per_element,
     rank_static,
     reduced_buckets,
@@ -330,24 +331,30 @@ def _microbatch_traffic(spec, cand: Candidate, model: StageCostModel, rank: int,
     compute)``. One channel per rank carries, in launch order, each backward's (B, or W) reduce-scatter
     of its chunk's whole gradient buckets, launched as the action starts and over no sooner than one
     bucket's share after it ends (the last layer's), and under ZeRO-3 each forward's and backward's
-    (B, or I) all-gather of its chunk's parameters, launched as the action starts (each layer prefetches
-    the next); the first bucket of each such gather is waited for before the action can start. Where
+    (B, or I) all-gather of its chunk's parameters (a backward's without what stayed gathered since the
+    forward: :func:`kept_after_forward`), launched as the action starts (each layer prefetches the next);
+    the first bucket of each such gather is waited for before the action can start. Where
     the traffic does not run beside the compute (``StageCostModel.dp_overlaps``: ranks sharing cores)
     every job's seconds are added to the rank's step."""
     grad_bytes = spec.grad_comm_bytes_per_value
     zero3 = cand.zero[0] == "optim_grads_params"
     jobs, exposed = [], 0.0
-    buckets = sharded_buckets(spec, cand, rank)
+    buckets, kept = sharded_buckets(spec, cand, rank), kept_after_forward(spec, cand, rank)
     starts, ends = result.start_times[rank], result.end_times[rank]
     for i, action in enumerate(table):
         elements, n = buckets[action.chunk]
         if not n:  # a chunk without parameters (an empty stage) moves nothing
             continue
-        if zero3 and action.kind in (F, B, I):
-            gather = model.dp_collective_seconds(elements * spec.bytes_per_value, n, "all_gather")
+        gathered, m = (
+            (elements, n)
+            if action.kind == F
+            else (elements - kept[action.chunk][0], n - kept[action.chunk][1])
+        )
+        if zero3 and action.kind in (F, B, I) and m:
+            gather = model.dp_collective_seconds(gathered * spec.bytes_per_value, m, "all_gather")
             jobs.append((starts[i], gather, 0.0))
             prefetched = units_in_flight(elements // n, cand.communication_unit_size)[0] > 1
-            exposed += gather / n if prefetched else gather  # no prefetch: every layer waits for its own
+            exposed += gather / m if prefetched else gather  # no prefetch: every layer waits for its own
         if action.kind in (B, W):
             reduce = model.dp_collective_seconds(elements * grad_bytes, n)
             jobs.append((starts[i], reduce, ends[i] + reduce / n))

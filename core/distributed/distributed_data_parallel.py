@@ -26,12 +26,13 @@ its parameter shard, between uses. How long a bucket stays whole is ``data_paral
 gradients accumulate in the full bucket and are reduce-scattered once after the chunk's last backward,
 and ZeRO-3 gathers each bucket at its first use and keeps it until the optimizer step; at ``microbatch``
 scope every microbatch is reduce-scattered, and ZeRO-3 gathers each layer around its forward and its
-backward (:mod:`core.distributed.sharded_bucket`, :mod:`core.distributed.sharding_units`). With ``num_distributed_optimizer_instances`` N > 1 (HSDP) the
-buckets are sharded over this rank's instance only (``intra_dp_group``, DPxCP / N ranks; an MoE expert's
-over ``intra_expert_dp_group``, its instance's EDP / N expert replicas) and each reduced shard is summed
-over its N replicas (``inter_dp_group``, the same group for experts), or with
-``outer_dp_sharding_strategy='optim'`` split over them (:mod:`core.distributed.grad_buffer`). Read ZeRO-3
-weights after ``finish_param_sync()`` (or through ``state_dict()``, which calls it); write them whole,
+backward (without a pipeline, the chunk's own weights and the last layer once, kept from forward into
+backward: :mod:`core.distributed.sharded_bucket`, :mod:`core.distributed.sharding_units`). With
+``num_distributed_optimizer_instances`` N > 1 (HSDP) the buckets are sharded over this rank's instance
+only (``intra_dp_group``, DPxCP / N ranks; an MoE expert's over ``intra_expert_dp_group``, its
+instance's EDP / N expert replicas) and each reduced shard is summed over its N replicas
+(``inter_dp_group``, the same group for experts), or with ``outer_dp_sharding_strategy='optim'`` split
+over them (:mod:`core.distributed.grad_buffer`). Read ZeRO-3 weights after ``finish_param_sync()`` (or through ``state_dict()``, which calls it); write them whole,
 then call ``keep_gathered_params()``.
 """
 
@@ -168,7 +169,8 @@ class DistributedDataParallel(nn.Module):
             _instance_groups(ddp_config, groups, data_parallel_group, expert_data_parallel_group)
         )
         pp_rank = groups.rank_in("pp") if groups is not None else 0
-        self.sharding_scope = ddp_config.sharding_scope(groups.size("pp") if groups is not None else 1)
+        self.pipeline_stages = groups.size("pp") if groups is not None else 1
+        self.sharding_scope = ddp_config.sharding_scope(self.pipeline_stages)
         """``step`` or ``microbatch`` under ZeRO-2/3 (``data_parallel_sharding_scope`` resolved), else None."""
         dp_size = group_size(self.data_parallel_group)
         self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
@@ -266,7 +268,9 @@ class DistributedDataParallel(nn.Module):
     def _register_unit_hooks(self) -> None:
         """ZeRO-3: each unit (the chunk's own weights, then each layer) gathers around its use; with
         ``overlap_param_gather`` it prefetches its neighbour's (the next in forward, the previous in
-        backward), or with ``suggested_communication_unit_size`` the neighbours' that fit (:func:`_prefetched`)."""
+        backward), or with ``suggested_communication_unit_size`` the neighbours' that fit (:func:`_prefetched`).
+        At microbatch scope without a pipeline the chunk's own unit and the last layer are kept gathered from
+        their forward into their backward, which follows at once (:mod:`core.distributed.sharding_units`)."""
         layers = layer_units(self.module)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         units = []
@@ -277,6 +281,9 @@ class DistributedDataParallel(nn.Module):
                 units.append((unit, buckets))
         prefetch = self.ddp_config.overlap_param_gather
         budget = self.ddp_config.suggested_communication_unit_size
+        kept = set()
+        if self.sharding_scope == "microbatch" and self.pipeline_stages == 1:
+            kept = {id(units[0][0]), id(units[-1][0])} if units else set()
         for index, (unit, buckets) in enumerate(units):
             after = [group for _, group in units[index + 1 :]]
             before = [group for _, group in reversed(units[1:index])]  # the chunk's own stays gathered
@@ -287,6 +294,7 @@ class DistributedDataParallel(nn.Module):
                 buckets,
                 next_in_forward=_prefetched(after, budget) if prefetch else [],
                 next_in_backward=_prefetched(before, budget) if prefetch else [],
+                keep_after_forward=id(unit) in kept,
             )
 
     def persistent_bytes(self) -> dict[str, int]:

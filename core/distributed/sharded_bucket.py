@@ -39,11 +39,12 @@ updates; ``param_data`` (the full bucket, which every parameter's ``.data`` view
 before the bucket's layer runs forward. At step scope it then stays until the optimizer step frees
 them all: one gather per bucket and step. At microbatch scope it is freed after the forward, gathered
 again when the gradient of that layer's output arrives (the start of its backward), and freed once all
-its parameters' gradients are in. ``pending_backward`` counts the backwards begun and not finished, so a
-pipeline schedule that runs other microbatches' forwards in between (1F1B, interleaved, zero-bubble's I
-before W) never frees parameters that a pending backward still needs. Freed storage is resized to zero,
-so the tensors that autograd saved in forward are valid again once the parameters are gathered back
-into the same storage.
+its parameters' gradients are in (without a pipeline the chunk's own weights and the last layer skip the
+free after forward, their backward following at once: :mod:`core.distributed.sharding_units`).
+``pending_backward`` counts the backwards begun and not finished, so a pipeline schedule that runs other
+microbatches' forwards in between (1F1B, interleaved, zero-bubble's I before W) never frees parameters
+that a pending backward still needs. Freed storage is resized to zero, so the tensors that autograd
+saved in forward are valid again once the parameters are gathered back into the same storage.
 
 **Instances (HSDP).** With N distributed-optimizer instances the microbatch reductions stay inside the
 instance; the accumulated shard is summed over (or, outer ``optim``, reduce-scattered across) the N

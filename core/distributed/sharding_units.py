@@ -10,11 +10,20 @@ Hooks, per unit module (see :mod:`core.distributed.sharded_bucket` for the bucke
 
 * forward pre-hook: gather the unit's buckets;
 * forward hook: free them (unless a backward that needs them is pending, or at step scope, where they
-  stay until the optimizer step; an evaluation's forward, in eval mode, frees them at either scope) and
-  hang a hook on every
-  output that requires a gradient. The first of those to receive its gradient is the start of the
-  unit's backward: it counts a pending backward on each bucket and gathers the parameters again;
+  stay until the optimizer step, or for a unit kept after forward, below; an evaluation's forward, in
+  eval mode, frees them at either scope) and hang a hook on every output that requires a gradient. The
+  first of those to receive its gradient is the start of the unit's backward: it counts a pending
+  backward on each bucket and gathers the parameters again (a no-op where they were kept);
 * each bucket ends the backward itself when all its parameters' gradients are in (then frees them).
+
+A unit *kept after forward* (``keep_after_forward``) is not freed after a training forward whose output
+needs a gradient: its backward follows at once, so freeing would only gather the same bytes again.
+Without a pipeline that is the chunk's own unit (whose backward starts as its forward ends, at the
+loss) and the last layer (whose backward comes after only the output layer's): FSDP2 keeps its root
+module the same way, and torchtitan its last block. The most parameters whole at once stay the chunk's
+own and one layer (two with prefetching): the chunk's own unit is whole through every forward and
+backward anyway, and the last layer is held on while only the output layer runs (with prefetching the
+backward's first gather would have fetched it there anyway).
 
 With ``overlap_param_gather`` each unit also launches the next unit's all-gather (forward order in
 forward, reverse order in backward) asynchronously, so it overlaps this unit's compute.
@@ -82,8 +91,10 @@ def register_unit_hooks(
     *,
     next_in_forward: list[ShardedBucket] = (),
     next_in_backward: list[ShardedBucket] = (),
+    keep_after_forward: bool = False,
 ) -> list[RemovableHandle]:
-    """Gather ``buckets`` before ``unit`` runs forward and before its backward; free them after each.
+    """Gather ``buckets`` before ``unit`` runs forward and before its backward; free them after each
+    (after forward, unless ``keep_after_forward`` and a backward will follow: module docstring).
 
     With prefetching (``overlap_param_gather``), ``next_in_forward`` (the next unit's buckets) start
     their all-gathers as this unit's forward starts, and ``next_in_backward`` (the previous unit's)
@@ -103,9 +114,10 @@ def register_unit_hooks(
             bucket.gather_params(async_op=True)
 
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
-        for bucket in live():
-            bucket.release_params(evaluating=not module.training)
         needing = [t for t in _tensors(output) if t.requires_grad]
+        if not (keep_after_forward and needing and module.training):
+            for bucket in live():
+                bucket.release_params(evaluating=not module.training)
         if not needing:
             return
         started = [False]

@@ -176,9 +176,10 @@ def test_every_strategy_trains_the_weights_no_shard_trains(ranks, world, tp, bf1
         assert out["optim_grads"][2]["params"] >= unsharded["params"] * 0.9
         # Traffic of the last step, per bucket (M = 2 microbatches): M reduce-scatters under ZeRO-2/3
         # (ZeRO-1: one) and ZeRO-2's one all-gather after the step; ZeRO-3 gathers each layer's
-        # parameters once per microbatch in forward and again in backward, 2M.
+        # parameters once per microbatch in forward and again in backward, 2M, but the chunk's own and
+        # the last layer's only in forward, M (no pipeline: they stay gathered into the backward).
         assert out["optim_grads"][2]["traffic"] == [(2, 1)]
-        assert out["optim_grads_params"][2]["traffic"] == [(2, 4)]
+        assert out["optim_grads_params"][2]["traffic"] == [(2, 2), (2, 4)]
         # A bucket per layer (3) and at least one for the rest; in forward ZeRO-3 holds its shards, the
         # chunk's own unit, the layer running and the next one (prefetched), never all three layers.
         assert out["optim_grads_params"][2]["buckets"] >= 4
@@ -239,6 +240,9 @@ SPLITS = {
         *("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
     ],
     "DP4 selective recompute": ["--recompute-activations"],
+    "DP4 full recompute": [  # the last layer, kept gathered from forward into backward, recomputed
+        *("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"),
+    ],
     "PP2xDP2 zbv, untied": [
         *("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"),
         *("--pipeline-schedule", "zbv", "--untie-embeddings-and-output-weights"),
@@ -330,7 +334,8 @@ def test_sharding_per_step_trains_what_sharding_per_microbatch_trains_with_one_c
     microbatch scope sums (a1 + b1) + (a2 + b2): fp32 rounding, so losses and norms within 1e-6 and weights
     within 5e-5 (the module's bound for ZeRO-2/3 against no_shard; measured 0 to 1e-6 and up to 2e-5, the
     bias whose gradient is rounding noise). ZeRO-3 at step scope is ZeRO-2 at step scope bit for bit. Per
-    bucket and step (reduce-scatters, all-gathers): (M, 1) and (M, 2M) per microbatch, (1, 1) per step,
+    bucket and step (reduce-scatters, all-gathers): (M, 1) and (M, 2M) per microbatch (ZeRO-3's (M, M) for
+    the buckets kept from forward into backward: the chunk's own and the last layer's), (1, 1) per step,
     and every layer stays gathered (but not after an evaluation's forward, in eval mode); between steps
     the same 1/DP of parameters and gradients."""
     for out in ranks(2).run(_scope_case, timeout=240):
@@ -343,7 +348,7 @@ def test_sharding_per_step_trains_what_sharding_per_microbatch_trains_with_one_c
             print(f"{strategy}: step against microbatch scope: losses {losses:.1e}, weights {weights:.1e}")
             assert losses <= 1e-6 and weights <= 5e-5, strategy
             assert held["traffic"] == [(1, 1)], strategy
-            assert memory["traffic"] == [(2, 4) if strategy == "optim_grads_params" else (2, 1)], strategy
+            assert memory["traffic"] == ([(2, 2), (2, 4)] if strategy == "optim_grads_params" else [(2, 1)])
             assert (held["params"], held["grads"]) == (memory["params"], memory["grads"]), strategy
         assert out["optim_grads_params", "step"][1] == out["optim_grads", "step"][1]
         assert all(
@@ -830,10 +835,11 @@ def test_hsdp_trains_the_weights_no_shard_trains(ranks, world, tp):
         assert outer["optimizer"] <= unsharded["optimizer"] / 4 * 1.1
         assert outer["params"] == out["optim_grads_params N=2"][2]["params"]
         # At step scope: per bucket and step one reduce-scatter inside the instance (M = 2 at microbatch
-        # scope) and one all-gather (2M), plus the outer sharding's all-gather across the instances after
-        # the step; the same bytes between steps.
+        # scope) and one all-gather (2M; M for the chunk's own and the last layer's buckets, kept from
+        # forward into backward), plus the outer sharding's all-gather across the instances after the
+        # step; the same bytes between steps.
         step = out["optim_grads_params N=2 outer optim, step scope"][2]
-        assert step["traffic"] == [(1, 2)] and outer["traffic"] == [(2, 5)]
+        assert step["traffic"] == [(1, 2)] and outer["traffic"] == [(2, 3), (2, 5)]
         assert {k: step[k] for k in ("params", "grads", "optimizer")} == {
             k: outer[k] for k in ("params", "grads", "optimizer")
         }

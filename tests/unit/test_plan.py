@@ -738,7 +738,8 @@ def test_measured_dp_collectives_cost_each_bucket_and_add_to_the_step_on_shared_
     On shared cores nothing hides behind the compute: no_shard adds its all-reduce, ZeRO-1 one
     reduce-scatter and one gather; ZeRO-2/3 at step scope the same per bucket (6 x (2 + 3) ms); at
     microbatch scope ZeRO-2 adds M x 6 reduce-scatters and 6 gathers (24 + 18 ms), ZeRO-3 M x 6
-    reduce-scatters and 2M x 6 gathers (24 + 72 ms). On devices of their own the same measured seconds
+    reduce-scatters and M x (6 + 3) gathers (24 + 54 ms: each backward gathers again all but the chunk's
+    own two buckets and the last layer's, kept from its forward without a pipeline). On devices of their own the same measured seconds
     run beside the compute: ZeRO-1's gather hides behind the next forward, its reduce-scatter does
     not (it starts at the last backward's end)."""
     spec = _fp8_spec(fp8=False, num_layers=4)
@@ -755,7 +756,7 @@ def test_measured_dp_collectives_cost_each_bucket_and_add_to_the_step_on_shared_
         ("optim_grads", "step"): 6 * (0.002 + 0.003),
         ("optim_grads_params", "step"): 6 * (0.002 + 0.003),
         ("optim_grads", "microbatch"): 2 * 6 * 0.002 + 6 * 0.003,
-        ("optim_grads_params", "microbatch"): 2 * 6 * 0.002 + 4 * 6 * 0.003,
+        ("optim_grads_params", "microbatch"): 2 * 6 * 0.002 + 2 * (6 + 3) * 0.003,
     }
     for (strategy, scope), exposed in expected.items():
         cand = replace(base, dp_sharding=strategy, dp_sharding_scope=scope)
@@ -1038,7 +1039,8 @@ def test_zero_traffic_per_bucket_and_step_at_each_scope():
     latency more for each of 5 more buckets. At microbatch scope each backward's reduce-scatter runs
     beside it and ends a bucket's share after it (R / 6 exposed after B1), ZeRO-2 gathers once behind
     the next forward, and ZeRO-3 gathers before each of the 2M forwards and backwards, waiting for the
-    first bucket of each."""
+    first bucket of each: a forward's 6 buckets, a backward's 3 (the 147,840 elements of 3 layers; the
+    chunk's own 67,712 in 2 buckets and the last layer stay gathered from the forward, without a pipeline)."""
     spec = _fp8_spec(fp8=False, num_layers=4)
     cluster = Cluster(2, 2, _FP8_GPU)
     profile = LayerProfile(layer=(1.0, 1.0, 1.0))
@@ -1047,12 +1049,13 @@ def test_zero_traffic_per_bucket_and_step_at_each_scope():
     S = latency + elements * 4 / 2 / 1e11  # a ring reduce-scatter of 2: one step
     R = S + (buckets - 1) * latency
     gather = latency + elements * 2 / 2 / 1e11 + (buckets - 1) * latency
+    regather = latency + 147_840 * 2 / 2 / 1e11 + 2 * latency
     expected = {
         ("optim", "auto"): S,
         ("optim_grads", "step"): R,
         ("optim_grads_params", "step"): R,
         ("optim_grads", "microbatch"): R / buckets,
-        ("optim_grads_params", "microbatch"): R / buckets + 4 * gather / buckets,
+        ("optim_grads_params", "microbatch"): R / buckets + 2 * gather / buckets + 2 * regather / 3,
     }
     for (strategy, scope), exposed in expected.items():
         cand = replace(base, dp_sharding=strategy, dp_sharding_scope=scope)
@@ -1065,8 +1068,9 @@ def test_zero_traffic_per_bucket_and_step_at_each_scope():
 
 def test_zero3_traffic_beyond_the_compute_is_exposed():
     """When the link cannot keep up, the per-microbatch traffic is what the step waits for: ZeRO-3 at
-    microbatch scope on a link 10^5 times slower moves 2M gathers and M reduce-scatters of the whole
-    buckets one after another, 2 x (2 G + R) in all, and the step ends when the last one does."""
+    microbatch scope on a link 10^5 times slower moves M gathers of the whole buckets (G), M of what
+    each backward gathers again (G', 3 of the 6 buckets) and M reduce-scatters one after another,
+    2 x (G + G' + R) in all, and the step ends when the last one does."""
     spec = _fp8_spec(fp8=False, num_layers=4)
     slow = replace(_FP8_GPU, intra_node_gb_s=1e-3)
     cluster = Cluster(2, 2, slow)
@@ -1075,8 +1079,10 @@ def test_zero3_traffic_beyond_the_compute_is_exposed():
     elements, buckets, latency = 264_832, 6, 1e-5
     R = latency + elements * 4 / 2 / 1e6 + (buckets - 1) * latency
     G = latency + elements * 2 / 2 / 1e6 + (buckets - 1) * latency
-    # the channel starts with F0's gather at 0 and never idles: the traffic ends at 2 x (2 G + R)
-    assert step.parts.exposed_comm == pytest.approx(2 * (2 * G + R) + 4 * G / buckets - 0.024, rel=1e-9)
+    G_again = latency + 147_840 * 2 / 2 / 1e6 + 2 * latency
+    # the channel starts with F0's gather at 0 and never idles: the traffic ends at 2 x (G + G' + R)
+    waits = 2 * G / buckets + 2 * G_again / 3
+    assert step.parts.exposed_comm == pytest.approx(2 * (G + G_again + R) + waits - 0.024, rel=1e-9)
 
 
 def test_the_planner_takes_megatron_fsdps_flags(small):

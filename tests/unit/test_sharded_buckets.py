@@ -38,11 +38,22 @@ def test_zero3_holds_a_layer_only_while_it_runs_and_no_full_gradient_between_mic
         layer.register_forward_hook(  # after the wrapper's own hook freed it
             lambda module, args, out: seen.append(sum(b.params_live for b in model.buckets))
         )
-    loss = _loss(model)
-    assert not any(b.params_live for b in model.buckets)  # forward done: every unit freed
     own = len(model.buckets) - len(layers)  # a bucket per layer; the chunk's own weights fill the others
-    assert seen == [own] * len(layers)  # after a layer ran, only the chunk's own unit stays gathered
+    with torch.no_grad():  # no backward will follow: every unit is freed after its forward
+        _loss(model)
+    assert not any(b.params_live for b in model.buckets) and seen == [own] * len(layers)
+    seen.clear()
+    gathered = [b.gathers for b in model.buckets]
+    loss = _loss(model)
+    # After a layer ran, only the chunk's own unit stays gathered, and after the last layer that layer
+    # too: without a pipeline its backward follows after only the output layer's.
+    assert seen == [own] * (len(layers) - 1) + [own + 1]
+    last = model.param_to_bucket[next(layers[-1].parameters())]
+    kept = [b for b in model.buckets if b.params_live]
+    assert len(kept) == own + 1 and last in kept
     loss.backward()
+    again = [b.gathers - before for b, before in zip(model.buckets, gathered, strict=True)]
+    assert sorted(again) == [1] * (own + 1) + [2] * (len(layers) - 1)  # the others gathered again
     assert not any(b.params_live or b.grad_data.untyped_storage().nbytes() for b in model.buckets)
     model.finish_grad_sync()
     assert all(b.grad_shard.abs().sum() > 0 for b in model.buckets)

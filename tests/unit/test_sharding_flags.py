@@ -214,7 +214,8 @@ def test_contradicting_strategies_are_one_line(argv, message):
             "microbatch",
             (
                 "data-parallel sharding: optim_grads_params (ZeRO-3) at microbatch scope (auto: no pipeline), per step "
-                "2M = 16 all-gathers, M = 8 reduce-scatters per bucket; a rank holds only the layers in flight during "
+                "2M = 16 all-gathers (M = 8 for the chunk's own weights and the last layer, kept from forward into "
+                "backward), M = 8 reduce-scatters per bucket; a rank holds only the layers in flight during "
                 "the step, 1/DP between steps"
             ),
         ),
@@ -242,7 +243,8 @@ def test_contradicting_strategies_are_one_line(argv, message):
             "microbatch",
             (
                 "data-parallel sharding: optim_grads_params (ZeRO-3) at microbatch scope (auto: no pipeline), per step "
-                "2M = 16 all-gathers, M = 8 reduce-scatters per bucket; a rank holds only the layers in flight "
+                "2M = 16 all-gathers (M = 8 for the chunk's own weights and the last layer, kept from forward into "
+                "backward), M = 8 reduce-scatters per bucket; a rank holds only the layers in flight "
                 "(reduce-scatters in flight up to 3,000,000 elements, all-gathers prefetched up to 1,500,000: "
                 "--suggested-communication-unit-size) during the step, 1/DP between steps"
             ),

@@ -13,7 +13,8 @@ by step so that machine noise hits all four alike:
   every microbatch's buckets reduce-scattered into 1/DP gradient shards, otherwise as
   ``distopt+overlap``;
 * ``zero3+overlap``: ``optim_grads_params`` (ZeRO-3) at microbatch scope: also each layer's parameters
-  gathered before its forward and its backward, synchronously;
+  gathered before its forward and its backward, synchronously (the chunk's own weights and the last
+  layer once, kept from forward into backward);
 * ``zero3+prefetch``: ZeRO-3 with ``overlap_param_gather``: the next layer's gather launched while a
   layer computes;
 * ``zero2+step`` and ``zero3+step``: ZeRO-2 and ZeRO-3 (with the prefetch) at step scope
@@ -27,9 +28,10 @@ by step so that machine noise hits all four alike:
   ``overlap``, and every rank steps the whole optimizer, as in ``plain``);
 * ``fsdp2``: torch's ``fully_shard`` (FSDP2) on the same model, the reference for ``zero3+prefetch``:
   each decoder layer one unit and the rest the root's, resharded after forward and gathered again in
-  backward, gradients reduce-scattered every microbatch, the next unit's gather prefetched (torch's
-  defaults); ``torch.optim.AdamW`` (foreach) on the shards and ``clip_grad_norm_``, as Megatron's
-  optimizer clips (weight decay on every parameter: the step's cost, not its training, is compared);
+  backward but for the root (torch's default) and the last layer (torchtitan's choice), as Trident's,
+  gradients reduce-scattered every microbatch, the next unit's gather prefetched;
+  ``torch.optim.AdamW`` (foreach) on the shards and ``clip_grad_norm_``, as Megatron's optimizer clips
+  (weight decay on every parameter: the step's cost, not its training, is compared);
 * ``fsdp2+step``: the same at step scope, the reference for ``zero3+step``: not resharded after
   forward, and before the last microbatch neither resharded after backward nor reduced
   (``set_reshard_after_backward``, ``set_requires_gradient_sync``): one gather and one reduce-scatter
@@ -172,9 +174,10 @@ def _fsdp2_step_function(args: argparse.Namespace, step_scope: bool, batches: li
     # The model's output (the per-token loss) is a view; nothing here changes it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model = GPTModel(_config(args), args.vocab, args.seq).to(current_device())
-    for layer in model.decoder.layers.values():
-        fully_shard(layer, reshard_after_forward=not step_scope)
-    fully_shard(model, reshard_after_forward=not step_scope)
+    layers = list(model.decoder.layers.values())
+    for index, layer in enumerate(layers):  # the last one's backward follows at once: kept (torchtitan)
+        fully_shard(layer, reshard_after_forward=not step_scope and index < len(layers) - 1)
+    fully_shard(model, reshard_after_forward=False if step_scope else None)  # None: the root is kept
     optimizer_config = OptimizerConfig(lr=1e-4)
     adam = torch.optim.AdamW(
         model.parameters(), lr=optimizer_config.lr, weight_decay=optimizer_config.weight_decay, foreach=True

@@ -240,6 +240,10 @@ def sharding_report(args: argparse.Namespace) -> list[str]:
     else:
         twice, once = (f"2M = {2 * m}", f"M = {m}") if isinstance(m, int) else ("2M", "M")
         gathers = f"{twice} all-gathers" if zero3 else "1 all-gather"
+        if zero3 and args.pipeline_model_parallel_size == 1:  # core.distributed.sharding_units
+            gathers += (
+                f" ({once} for the chunk's own weights and the last layer, kept from forward into backward)"
+            )
         traffic, held = f"{gathers}, {once} reduce-scatters per bucket", "only the layers in flight"
     pp = args.pipeline_model_parallel_size
     why = f" (auto: {f'{pp} pipeline stages' if pp > 1 else 'no pipeline'})"
